@@ -1,0 +1,308 @@
+// The CPU executor: agree on the plan, dispatch tokens into their receive slots, run the local
+// experts tile by tile in the schedule's order, return each row to its (token, k) combine slot and
+// reduce over k in ascending order.
+#include <cstring>
+#include <vector>
+
+#include "core/cpu_exchange.hpp"
+#include "core/cpu_math.hpp"
+#include "core/cpu_wire.hpp"
+#include "core/numeric.hpp"
+#include "uniep/cpu_executor.hpp"
+#include "uniep/plan.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep {
+namespace {
+
+using numeric::Bf16;
+using numeric::Storage;
+using cpu::ExpertWeights;
+using cpu::vec_mat_t;
+
+enum class Pass : int64_t { kForward = 0, kBackward = 1 };
+
+std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
+  return {{"hidden", a.shape.hidden},
+          {"ffn_hidden", a.shape.ffn_hidden},
+          {"top_k", a.shape.top_k},
+          {"num_experts", a.shape.num_experts},
+          {"dtype", static_cast<int64_t>(a.dtype)},
+          {"topk_weights dtype", static_cast<int64_t>(a.weight_dtype)},
+          {"tuning dispatch precision", static_cast<int64_t>(a.tuning.dispatch)},
+          {"pass (forward/backward)", static_cast<int64_t>(pass)}};
+}
+
+template <typename Acc>
+Acc load_weight(const MoeForwardArgs& a, int64_t i) {
+  if (a.weight_dtype == DType::kFloat64) return Acc(static_cast<const double*>(a.topk_weights)[i]);
+  return Acc(static_cast<const float*>(a.topk_weights)[i]);
+}
+
+void store_weight(const MoeForwardArgs& a, void* out, int64_t i, double v) {
+  if (a.weight_dtype == DType::kFloat64) static_cast<double*>(out)[i] = v;
+  else static_cast<float*>(out)[i] = static_cast<float>(v);
+}
+
+// Everything a rank knows once the tokens have arrived.
+template <typename S>
+struct Received {
+  cpu::AgreedPlan plan;
+  ExpertPlan experts;
+  std::vector<WorkTile> tiles;
+  std::vector<int64_t> src_token, topk;  // [N], [N][K]
+  std::vector<S> x;                      // [N][H], decoded
+  std::vector<uint8_t> raw;              // the records, for extra payload
+  int64_t record_bytes = 0, extra_offset = 0;
+};
+
+template <typename S>
+Received<S> dispatch(const MoeForwardArgs& a, Pass pass, int64_t extra_bytes,
+                     const std::function<void(int64_t, uint8_t*)>& fill_extra, Transport& tr) {
+  const MoeShape& sh = a.shape;
+  const int64_t H = sh.hidden, K = sh.top_k;
+  const DispatchPrecision prec = a.tuning.dispatch;
+  Received<S> r;
+  r.plan = cpu::agree_on_plan(a.topk_idx, sh, header_of(a, pass), tr);
+  const int64_t row_bytes = cpu::wire_row_bytes<S>(H, prec);
+  const int64_t meta_bytes = int64_t(sizeof(int64_t)) * (1 + K);
+  r.extra_offset = row_bytes + meta_bytes;
+  r.record_bytes = r.extra_offset + extra_bytes;
+  const S* x = static_cast<const S*>(a.x);
+  r.raw = cpu::dispatch_records(
+      r.plan.slots, r.record_bytes,
+      [&](int64_t t, uint8_t* rec) {
+        cpu::encode_row(x + t * H, H, prec, rec);
+        std::memcpy(rec + row_bytes, &t, sizeof t);
+        std::memcpy(rec + row_bytes + sizeof t, a.topk_idx + t * K, K * sizeof(int64_t));
+        if (extra_bytes) fill_extra(t, rec + r.extra_offset);
+      },
+      tr);
+  const int64_t N = r.plan.slots.num_recv();
+  r.src_token.resize(N);
+  r.topk.resize(N * K);
+  r.x.resize(N * H);
+  for (int64_t s = 0; s < N; ++s) {
+    const uint8_t* rec = &r.raw[s * r.record_bytes];
+    cpu::decode_row(rec, H, prec, &r.x[s * H]);
+    std::memcpy(&r.src_token[s], rec + row_bytes, sizeof(int64_t));
+    std::memcpy(&r.topk[s * K], rec + row_bytes + sizeof(int64_t), K * sizeof(int64_t));
+  }
+  r.experts = plan_experts(r.plan.slots, r.src_token.data(), r.topk.data(),
+                           r.plan.expert_counts.data(), sh);
+  r.tiles = schedule_expert_tiles(r.experts, expert_source_offsets(r.plan.expert_counts.data(), sh),
+                                  a.tuning, sh);
+  return r;
+}
+
+// Brings each row's payload back to its (token, k) slot. Every valid (token, k) must be filled
+// exactly once: a missing row is an error, never a silently dropped token.
+template <typename Filler, typename Sink>
+void combine(const MoeForwardArgs& a, const cpu::AgreedPlan& plan, const ExpertPlan& experts,
+             int64_t payload_bytes, Filler fill, Sink sink, Transport& tr) {
+  const int64_t T = a.shape.tokens, K = a.shape.top_k;
+  const int64_t rec = int64_t(sizeof(int64_t)) + payload_bytes;
+  const std::vector<uint8_t> back = cpu::return_records(
+      experts, rec, fill, cpu::rows_expected_back(plan.layout, a.shape), tr);
+  std::vector<uint8_t> filled(T * K, 0);
+  for (size_t off = 0; off < back.size(); off += rec) {
+    int64_t slot;
+    std::memcpy(&slot, &back[off], sizeof slot);
+    UNIEP_CHECK_CODE(slot >= 0 && slot < T * K && a.topk_idx[slot] >= 0 && !filled[slot],
+                     StatusCode::kInternal, "combine received a row for invalid or repeated slot ",
+                     slot);
+    filled[slot] = 1;
+    sink(slot, &back[off + sizeof(int64_t)]);
+  }
+  for (int64_t i = 0; i < T * K; ++i) {
+    UNIEP_CHECK_CODE(a.topk_idx[i] < 0 || filled[i], StatusCode::kInternal, "combine: token ",
+                     i / K, " choice ", i % K, " (expert ", a.topk_idx[i], ") got no result back");
+  }
+}
+
+template <typename S>
+void forward_impl(const MoeForwardArgs& a, Transport& tr) {
+  using St = Storage<S>;
+  using Acc = typename St::Acc;
+  const MoeShape& sh = a.shape;
+  const int64_t T = sh.tokens, H = sh.hidden, I = sh.ffn_hidden, K = sh.top_k;
+  Received<S> r = dispatch<S>(a, Pass::kForward, 0, {}, tr);
+
+  const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
+                           sh.experts_per_rank(), H, I);
+  std::vector<S> y(r.experts.num_rows() * H);
+  cpu::RowForward<S> f(H, I);
+  for (const WorkTile& tile : r.tiles) {
+    for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
+      f.run(&r.x[r.experts.row_slot[row] * H], w, tile.expert, a.tuning.tile_n, a.tuning.tile_k);
+      for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
+    }
+  }
+
+  std::vector<S> ybuf(T * K * H);
+  combine(
+      a, r.plan, r.experts, cpu::align8(H * sizeof(S)),
+      [&](int64_t row, uint8_t* p) { std::memcpy(p, &y[row * H], H * sizeof(S)); },
+      [&](int64_t slot, const uint8_t* p) { std::memcpy(&ybuf[slot * H], p, H * sizeof(S)); }, tr);
+
+  S* out = static_cast<S*>(a.out);
+  std::vector<Acc> acc(H);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int64_t k = 0; k < K; ++k) {
+      if (a.topk_idx[t * K + k] < 0) continue;
+      const Acc wk = load_weight<Acc>(a, t * K + k);
+      const S* yk = &ybuf[(t * K + k) * H];
+      for (int64_t n = 0; n < H; ++n) acc[n] += wk * St::load(yk[n]);
+    }
+    for (int64_t n = 0; n < H; ++n) out[t * H + n] = St::store(acc[n]);
+  }
+}
+
+template <typename S>
+void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
+  using St = Storage<S>;
+  using Acc = typename St::Acc;
+  const MoeForwardArgs& a = b.fwd;
+  const MoeShape& sh = a.shape;
+  const int64_t T = sh.tokens, H = sh.hidden, I = sh.ffn_hidden, K = sh.top_k;
+  const int64_t El = sh.experts_per_rank();
+  const S* grad_out = static_cast<const S*>(b.grad_out);
+
+  // grad_out and the routing weights travel with the token: the expert side needs both.
+  const int64_t go_bytes = cpu::align8(H * sizeof(S));
+  Received<S> r = dispatch<S>(
+      a, Pass::kBackward, cpu::align8(go_bytes + K * int64_t(sizeof(Acc))),
+      [&](int64_t t, uint8_t* p) {
+        std::memcpy(p, grad_out + t * H, H * sizeof(S));
+        for (int64_t k = 0; k < K; ++k) {
+          const Acc wk = load_weight<Acc>(a, t * K + k);
+          std::memcpy(p + go_bytes + k * sizeof(Acc), &wk, sizeof(Acc));
+        }
+      },
+      tr);
+
+  const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2), El, H, I);
+  const int64_t R = r.experts.num_rows();
+  std::vector<Acc> act(R * I), gy(R * H), gh(R * 2 * I), dot(R);
+  std::vector<S> gx(R * H);
+  std::vector<Acc> go(H), ga(I), gxa(H);
+  cpu::RowForward<S> f(H, I);
+  for (const WorkTile& tile : r.tiles) {
+    const Acc* w2e = w.down(tile.expert);
+    const Acc* w1e = w.up(tile.expert);
+    for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
+      const int64_t slot = r.experts.row_slot[row];
+      const int64_t k = r.experts.row_combine_slot[row] % K;
+      f.run(&r.x[slot * H], w, tile.expert, a.tuning.tile_n, a.tuning.tile_k);
+      const uint8_t* extra = &r.raw[slot * r.record_bytes + r.extra_offset];
+      Acc wk;
+      std::memcpy(&wk, extra + go_bytes + k * sizeof(Acc), sizeof(Acc));
+      const S* gos = reinterpret_cast<const S*>(extra);
+      Acc d = Acc(0);
+      for (int64_t n = 0; n < H; ++n) {
+        S v;
+        std::memcpy(&v, gos + n, sizeof(S));
+        go[n] = St::load(v);
+        d += go[n] * f.y[n];
+        gy[row * H + n] = wk * go[n];
+      }
+      dot[row] = d;
+      std::copy(f.act.begin(), f.act.end(), &act[row * I]);
+      vec_mat_t(&gy[row * H], w2e, I, H, ga.data());
+      Acc* ghr = &gh[row * 2 * I];
+      for (int64_t i = 0; i < I; ++i) {
+        const Acc g = f.h[i], u = f.h[I + i], s = cpu::sigmoid(g);
+        ghr[i] = ga[i] * u * (s * (Acc(1) + g * (Acc(1) - s)));
+        ghr[I + i] = ga[i] * (g * s);
+      }
+      vec_mat_t(ghr, w1e, H, 2 * I, gxa.data());
+      for (int64_t n = 0; n < H; ++n) gx[row * H + n] = St::store(gxa[n]);
+    }
+  }
+
+  // Weight gradients sum rows in row order, not tile order, so the schedule never changes them.
+  S* gw1 = static_cast<S*>(b.grad_w1);
+  S* gw2 = static_cast<S*>(b.grad_w2);
+  std::vector<Acc> a1(H * 2 * I), a2(I * H), xa(H);
+  for (int64_t e = 0; e < El; ++e) {
+    std::fill(a1.begin(), a1.end(), Acc(0));
+    std::fill(a2.begin(), a2.end(), Acc(0));
+    for (int64_t row = r.experts.row_offsets[e]; row < r.experts.row_offsets[e + 1]; ++row) {
+      const S* xs = &r.x[r.experts.row_slot[row] * H];
+      for (int64_t n = 0; n < H; ++n) xa[n] = St::load(xs[n]);
+      for (int64_t i = 0; i < I; ++i) {
+        const Acc av = act[row * I + i];
+        Acc* dst = &a2[i * H];
+        for (int64_t n = 0; n < H; ++n) dst[n] += av * gy[row * H + n];
+      }
+      const Acc* ghr = &gh[row * 2 * I];
+      for (int64_t n = 0; n < H; ++n) {
+        const Acc xv = xa[n];
+        Acc* dst = &a1[n * 2 * I];
+        for (int64_t j = 0; j < 2 * I; ++j) dst[j] += xv * ghr[j];
+      }
+    }
+    for (int64_t i = 0; i < H * 2 * I; ++i) gw1[e * H * 2 * I + i] = St::store(a1[i]);
+    for (int64_t i = 0; i < I * H; ++i) gw2[e * I * H + i] = St::store(a2[i]);
+  }
+
+  const int64_t gx_bytes = cpu::align8(H * sizeof(S));
+  std::vector<S> gxbuf(T * K * H);
+  std::vector<Acc> dots(T * K, Acc(0));
+  combine(
+      a, r.plan, r.experts, cpu::align8(gx_bytes + int64_t(sizeof(Acc))),
+      [&](int64_t row, uint8_t* p) {
+        std::memcpy(p, &gx[row * H], H * sizeof(S));
+        std::memcpy(p + gx_bytes, &dot[row], sizeof(Acc));
+      },
+      [&](int64_t slot, const uint8_t* p) {
+        std::memcpy(&gxbuf[slot * H], p, H * sizeof(S));
+        std::memcpy(&dots[slot], p + gx_bytes, sizeof(Acc));
+      },
+      tr);
+
+  S* grad_x = static_cast<S*>(b.grad_x);
+  std::vector<Acc> acc(H);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = t * K + k;
+      store_weight(a, b.grad_topk_weights, i, a.topk_idx[i] < 0 ? 0.0 : double(dots[i]));
+      if (a.topk_idx[i] < 0) continue;
+      for (int64_t n = 0; n < H; ++n) acc[n] += St::load(gxbuf[i * H + n]);
+    }
+    for (int64_t n = 0; n < H; ++n) grad_x[t * H + n] = St::store(acc[n]);
+  }
+}
+
+void check_args(const MoeForwardArgs& a) {
+  a.shape.validate();
+  a.tuning.validate();
+  UNIEP_CHECK(a.weight_dtype == DType::kFloat32 ||
+                  (a.weight_dtype == DType::kFloat64 && a.dtype == DType::kFloat64),
+              "topk_weights must be float32 (or float64 with float64 x), got ",
+              dtype_name(a.weight_dtype), " with x ", dtype_name(a.dtype));
+}
+
+}  // namespace
+
+void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport) {
+  check_args(args);
+  switch (args.dtype) {
+    case DType::kFloat32: return forward_impl<float>(args, transport);
+    case DType::kFloat64: return forward_impl<double>(args, transport);
+    case DType::kBFloat16: return forward_impl<Bf16>(args, transport);
+  }
+}
+
+void cpu_moe_backward(const MoeBackwardArgs& args, Transport& transport) {
+  check_args(args.fwd);
+  switch (args.fwd.dtype) {
+    case DType::kFloat32: return backward_impl<float>(args, transport);
+    case DType::kFloat64: return backward_impl<double>(args, transport);
+    case DType::kBFloat16: return backward_impl<Bf16>(args, transport);
+  }
+}
+
+}  // namespace uniep

@@ -1,0 +1,69 @@
+#include "uniep/plan.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep {
+
+std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const MoeShape& shape) {
+  const int64_t W = shape.world_size, El = shape.experts_per_rank(), E = shape.num_experts;
+  const int64_t first = shape.first_local_expert();
+  std::vector<int64_t> offsets(El * (W + 1), 0);
+  int64_t row = 0;
+  for (int64_t e = 0; e < El; ++e) {
+    for (int64_t s = 0; s < W; ++s) {
+      offsets[e * (W + 1) + s] = row;
+      row += expert_counts[s * E + first + e];
+    }
+    offsets[e * (W + 1) + W] = row;
+  }
+  return offsets;
+}
+
+ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
+                        const int64_t* recv_topk_idx, const int64_t* expert_counts,
+                        const MoeShape& shape) {
+  const int64_t W = shape.world_size, K = shape.top_k, El = shape.experts_per_rank();
+  const int64_t first = shape.first_local_expert(), N = slots.num_recv();
+  ExpertPlan plan;
+  plan.num_local_experts = El;
+  plan.return_counts.assign(W, 0);
+
+  // Rows per expert come from the announced counts; the metadata must agree, or a peer is
+  // corrupt and we would write out of bounds.
+  const std::vector<int64_t> src_offsets = expert_source_offsets(expert_counts, shape);
+  plan.row_offsets.assign(El + 1, 0);
+  for (int64_t e = 0; e < El; ++e) plan.row_offsets[e + 1] = src_offsets[e * (W + 1) + W];
+  const int64_t R = plan.row_offsets[El];
+  plan.row_slot.assign(R, -1);
+  plan.row_src_rank.assign(R, -1);
+  plan.row_combine_slot.assign(R, -1);
+
+  std::vector<int64_t> cursor(plan.row_offsets.begin(), plan.row_offsets.end() - 1);
+  int64_t src = 0;
+  for (int64_t slot = 0; slot < N; ++slot) {
+    while (slot >= slots.recv_offsets[src + 1]) ++src;
+    const int64_t t = recv_src_token[slot];
+    bool any_local = false;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t g = recv_topk_idx[slot * K + k];
+      if (g < first || g >= first + El) continue;
+      const int64_t e = g - first;
+      const int64_t row = cursor[e]++;
+      UNIEP_CHECK_CODE(row < plan.row_offsets[e + 1], StatusCode::kInternal, "rank ", src,
+                       " sent more rows for local expert ", e, " than it announced");
+      plan.row_slot[row] = slot;
+      plan.row_src_rank[row] = src;
+      plan.row_combine_slot[row] = t * K + k;
+      ++plan.return_counts[src];
+      any_local = true;
+    }
+    UNIEP_CHECK_CODE(any_local, StatusCode::kInternal, "receive slot ", slot, " from rank ", src,
+                     " routes to no expert of rank ", shape.rank);
+  }
+  for (int64_t e = 0; e < El; ++e) {
+    UNIEP_CHECK_CODE(cursor[e] == plan.row_offsets[e + 1], StatusCode::kInternal,
+                     "local expert ", e, " received fewer rows than announced");
+  }
+  return plan;
+}
+
+}  // namespace uniep

@@ -1,0 +1,25 @@
+#include "uniep/shape.hpp"
+
+#include "uniep/status.hpp"
+
+namespace uniep {
+
+void MoeShape::validate() const {
+  UNIEP_CHECK(tokens >= 0, "tokens must be >= 0, got ", tokens);
+  UNIEP_CHECK(hidden > 0, "hidden must be > 0, got ", hidden);
+  UNIEP_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);
+  UNIEP_CHECK(world_size > 0, "world_size must be > 0, got ", world_size);
+  UNIEP_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ", rank);
+  UNIEP_CHECK(num_experts > 0, "num_experts must be > 0, got ", num_experts);
+  UNIEP_CHECK(num_experts % world_size == 0, "num_experts (", num_experts,
+              ") must be divisible by the world size (", world_size, ")");
+  UNIEP_CHECK(top_k > 0, "top_k must be > 0, got ", top_k);
+}
+
+std::string MoeShape::to_string() const {
+  return detail::str_cat("MoeShape(tokens=", tokens, ", hidden=", hidden, ", ffn_hidden=",
+                         ffn_hidden, ", num_experts=", num_experts, ", top_k=", top_k,
+                         ", world_size=", world_size, ", rank=", rank, ")");
+}
+
+}  // namespace uniep

@@ -1,0 +1,135 @@
+#include "uniep/tuning.hpp"
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "uniep/status.hpp"
+
+namespace uniep {
+
+const char* overlap_mode_name(OverlapMode mode) {
+  switch (mode) {
+    case OverlapMode::kSequential: return "sequential";
+    case OverlapMode::kChunked: return "chunked";
+    case OverlapMode::kFused: return "fused";
+  }
+  return "?";
+}
+
+const char* dispatch_precision_name(DispatchPrecision precision) {
+  switch (precision) {
+    case DispatchPrecision::kBf16: return "bf16";
+    case DispatchPrecision::kFp8E4M3: return "fp8";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr const char* kKeys = "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch";
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+int parse_int(const std::string& key, const std::string& value) {
+  UNIEP_CHECK(!value.empty(), "tuning: key '", key, "' needs an integer value");
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value.c_str(), &end, 10);
+  UNIEP_CHECK(end && *end == '\0' && errno == 0 && v >= std::numeric_limits<int>::min() &&
+                  v <= std::numeric_limits<int>::max(),
+              "tuning: key '", key, "' expects an integer, got '", value, "'");
+  return static_cast<int>(v);
+}
+
+bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
+
+}  // namespace
+
+std::string TuningParams::to_string() const {
+  return detail::str_cat("sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile,
+                         ",tile_m=", tile_m, ",tile_n=", tile_n, ",tile_k=", tile_k,
+                         ",stages=", stages, ",overlap=", overlap_mode_name(overlap),
+                         ",dispatch=", dispatch_precision_name(dispatch));
+}
+
+TuningParams TuningParams::parse(const std::string& text) {
+  TuningParams p;
+  std::vector<std::string> seen;
+  size_t pos = 0;
+  const std::string body = trim(text);
+  while (pos < body.size()) {
+    size_t comma = body.find(',', pos);
+    if (comma == std::string::npos) comma = body.size();
+    const std::string item = trim(body.substr(pos, comma - pos));
+    pos = comma + 1;
+    UNIEP_CHECK(!item.empty(), "tuning: empty entry in '", text, "'");
+    const size_t eq = item.find('=');
+    UNIEP_CHECK(eq != std::string::npos, "tuning: entry '", item, "' must be key=value");
+    const std::string key = trim(item.substr(0, eq));
+    const std::string value = trim(item.substr(eq + 1));
+    for (const auto& k : seen) UNIEP_CHECK(k != key, "tuning: key '", key, "' given twice");
+    seen.push_back(key);
+    if (key == "sms") {
+      const size_t slash = value.find('/');
+      if (slash == std::string::npos) {
+        p.comm_sms = parse_int(key, value);
+      } else {
+        p.comm_sms = parse_int(key, value.substr(0, slash));
+        p.total_sms = parse_int(key, value.substr(slash + 1));
+      }
+    } else if (key == "token_tile") {
+      p.token_tile = parse_int(key, value);
+    } else if (key == "tile_m") {
+      p.tile_m = parse_int(key, value);
+    } else if (key == "tile_n") {
+      p.tile_n = parse_int(key, value);
+    } else if (key == "tile_k") {
+      p.tile_k = parse_int(key, value);
+    } else if (key == "stages") {
+      p.stages = parse_int(key, value);
+    } else if (key == "overlap") {
+      if (value == "sequential") p.overlap = OverlapMode::kSequential;
+      else if (value == "chunked") p.overlap = OverlapMode::kChunked;
+      else if (value == "fused") p.overlap = OverlapMode::kFused;
+      else UNIEP_CHECK(false, "tuning: overlap must be sequential, chunked or fused, got '", value, "'");
+    } else if (key == "dispatch") {
+      if (value == "bf16") p.dispatch = DispatchPrecision::kBf16;
+      else if (value == "fp8" || value == "fp8_e4m3") p.dispatch = DispatchPrecision::kFp8E4M3;
+      else UNIEP_CHECK(false, "tuning: dispatch must be bf16 or fp8, got '", value, "'");
+    } else {
+      UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
+    }
+  }
+  p.validate();
+  return p;
+}
+
+void TuningParams::validate() const {
+  UNIEP_CHECK(comm_sms >= 1 && comm_sms <= 1024, "tuning: sms (communication SMs) must be in [1, 1024], got ", comm_sms);
+  UNIEP_CHECK(total_sms == 0 || total_sms > comm_sms, "tuning: sms total (", total_sms,
+              ") must be 0 (whole device) or more than the communication SMs (", comm_sms, ")");
+  UNIEP_CHECK(token_tile >= 1 && token_tile <= 4096, "tuning: token_tile must be in [1, 4096], got ", token_tile);
+  UNIEP_CHECK(is_pow2(tile_m) && tile_m >= 16 && tile_m <= 256,
+              "tuning: tile_m must be a power of two in [16, 256], got ", tile_m);
+  UNIEP_CHECK(is_pow2(tile_n) && tile_n >= 16 && tile_n <= 256,
+              "tuning: tile_n must be a power of two in [16, 256], got ", tile_n);
+  UNIEP_CHECK(is_pow2(tile_k) && tile_k >= 16 && tile_k <= 256,
+              "tuning: tile_k must be a power of two in [16, 256], got ", tile_k);
+  UNIEP_CHECK(stages >= 1 && stages <= 8, "tuning: stages must be in [1, 8], got ", stages);
+}
+
+bool TuningParams::operator==(const TuningParams& o) const {
+  return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
+         tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
+         overlap == o.overlap && dispatch == o.dispatch;
+}
+
+}  // namespace uniep

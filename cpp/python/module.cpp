@@ -1,0 +1,192 @@
+// uniep._C: the planner, the tuning space and build facts for Python. Loading this module also
+// registers the torch.ops.uniep operators (cpp/torch).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "python/build_info.hpp"
+#include "uniep/plan.hpp"
+#include "uniep/status.hpp"
+#include "uniep/tuning.hpp"
+
+namespace py = pybind11;
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+using namespace uniep;
+
+const int64_t* topk_rows(const I64Array& a, const char* name, int64_t& tokens, int64_t& top_k) {
+  UNIEP_CHECK(a.ndim() == 2, name, " must be a 2-D int64 array [T, K], got ", a.ndim(), " dims");
+  tokens = a.shape(0);
+  top_k = a.shape(1);
+  UNIEP_CHECK(top_k >= 1, name, " must have at least one column");
+  return a.data();
+}
+
+template <typename T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+  py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+py::tuple compute_layout_py(const I64Array& topk_idx, int64_t num_experts, int64_t world_size) {
+  MoeShape shape;
+  const int64_t* p = topk_rows(topk_idx, "topk_idx", shape.tokens, shape.top_k);
+  shape.hidden = shape.ffn_hidden = 1;
+  shape.num_experts = num_experts;
+  shape.world_size = world_size;
+  const RoutingLayout l = compute_layout(p, shape);
+  py::array_t<uint8_t> in_rank(to_array(l.token_in_rank));
+  return py::make_tuple(to_array(l.tokens_per_rank), to_array(l.tokens_per_expert),
+                        in_rank.reshape({shape.tokens, world_size}));
+}
+
+// Runs the planner for one rank with the count exchange and the metadata dispatch simulated
+// in-process from every rank's routing: the pure functions, end to end, without a transport.
+py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_experts,
+                            int64_t rank, const std::string& tuning) {
+  const int64_t W = all_topk.size();
+  UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
+  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
+  const TuningParams params = TuningParams::parse(tuning);
+  std::vector<MoeShape> shapes(W);
+  std::vector<RoutingLayout> layouts(W);
+  std::vector<int64_t> rank_counts(W * W), expert_counts(W * num_experts);
+  for (int64_t r = 0; r < W; ++r) {
+    MoeShape& s = shapes[r];
+    topk_rows(all_topk[r], "all_topk[r]", s.tokens, s.top_k);
+    UNIEP_CHECK(s.top_k == shapes[0].top_k, "all_topk: every rank must have the same K");
+    s.hidden = s.ffn_hidden = 1;
+    s.num_experts = num_experts;
+    s.world_size = W;
+    s.rank = r;
+    layouts[r] = compute_layout(all_topk[r].data(), s);
+    std::copy(layouts[r].tokens_per_rank.begin(), layouts[r].tokens_per_rank.end(),
+              rank_counts.begin() + r * W);
+    std::copy(layouts[r].tokens_per_expert.begin(), layouts[r].tokens_per_expert.end(),
+              expert_counts.begin() + r * num_experts);
+  }
+  const MoeShape& me = shapes[rank];
+  const int64_t K = me.top_k;
+  std::vector<SlotPlan> plans(W);
+  for (int64_t r = 0; r < W; ++r) plans[r] = plan_slots(layouts[r], rank_counts.data(), shapes[r]);
+  const SlotPlan& mine = plans[rank];
+  // What the dispatch would deliver here: every source's tokens at the slots it computed.
+  std::vector<int64_t> src_token(mine.num_recv(), -1), recv_topk(mine.num_recv() * K, -1);
+  for (int64_t s = 0; s < W; ++s) {
+    const SlotPlan& p = plans[s];
+    for (int64_t i = p.send_offsets[rank]; i < p.send_offsets[rank + 1]; ++i) {
+      const int64_t t = p.send_tokens[i], slot = p.send_slots[i];
+      src_token[slot] = t;
+      std::copy(all_topk[s].data() + t * K, all_topk[s].data() + (t + 1) * K,
+                recv_topk.begin() + slot * K);
+    }
+  }
+  const ExpertPlan ep =
+      plan_experts(mine, src_token.data(), recv_topk.data(), expert_counts.data(), me);
+  const std::vector<int64_t> src_off = expert_source_offsets(expert_counts.data(), me);
+  const std::vector<WorkTile> tiles = schedule_expert_tiles(ep, src_off, params, me);
+  py::array_t<int64_t> tile_arr({static_cast<py::ssize_t>(tiles.size()), py::ssize_t(4)});
+  auto t = tile_arr.mutable_unchecked<2>();
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    t(i, 0) = tiles[i].expert;
+    t(i, 1) = tiles[i].row_begin;
+    t(i, 2) = tiles[i].row_end;
+    t(i, 3) = tiles[i].src_rank;
+  }
+  py::dict d;
+  d["send_offsets"] = to_array(mine.send_offsets);
+  d["send_tokens"] = to_array(mine.send_tokens);
+  d["send_slots"] = to_array(mine.send_slots);
+  d["recv_offsets"] = to_array(mine.recv_offsets);
+  d["recv_src_token"] = to_array(src_token);
+  d["row_offsets"] = to_array(ep.row_offsets);
+  d["row_slot"] = to_array(ep.row_slot);
+  d["row_src_rank"] = to_array(ep.row_src_rank);
+  d["row_combine_slot"] = to_array(ep.row_combine_slot);
+  d["return_counts"] = to_array(ep.return_counts);
+  d["expert_source_offsets"] =
+      to_array(src_off).reshape({me.experts_per_rank(), W + 1});
+  d["tiles"] = tile_arr;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "UniEP native module: planner, tuning space, build facts; registers torch.ops.uniep";
+
+  static py::exception<uniep::Error> unused(m, "UniepError", PyExc_RuntimeError);
+  (void)unused;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const uniep::Error& e) {
+      if (e.code() == uniep::StatusCode::kInvalidArgument) {
+        PyErr_SetString(PyExc_ValueError, e.what());
+      } else if (e.code() == uniep::StatusCode::kTimeout) {
+        PyErr_SetString(PyExc_TimeoutError, e.what());
+      } else {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+      }
+    }
+  });
+
+  py::class_<TuningParams>(m, "TuningParams")
+      .def(py::init<>())
+      .def_static("parse", &TuningParams::parse, py::arg("text"),
+                  "Parse 'sms=24/132,token_tile=64,...'; missing keys keep their defaults.")
+      .def("to_string", &TuningParams::to_string)
+      .def("validate", &TuningParams::validate)
+      .def_readwrite("comm_sms", &TuningParams::comm_sms)
+      .def_readwrite("total_sms", &TuningParams::total_sms)
+      .def_readwrite("token_tile", &TuningParams::token_tile)
+      .def_readwrite("tile_m", &TuningParams::tile_m)
+      .def_readwrite("tile_n", &TuningParams::tile_n)
+      .def_readwrite("tile_k", &TuningParams::tile_k)
+      .def_readwrite("stages", &TuningParams::stages)
+      .def_property(
+          "overlap", [](const TuningParams& p) { return std::string(overlap_mode_name(p.overlap)); },
+          [](TuningParams& p, const std::string& v) {
+            p.overlap = TuningParams::parse("overlap=" + v).overlap;
+          })
+      .def_property(
+          "dispatch",
+          [](const TuningParams& p) { return std::string(dispatch_precision_name(p.dispatch)); },
+          [](TuningParams& p, const std::string& v) {
+            p.dispatch = TuningParams::parse("dispatch=" + v).dispatch;
+          })
+      .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
+      .def("__hash__", [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })
+      .def("__str__", &TuningParams::to_string)
+      .def("__repr__", [](const TuningParams& p) { return "TuningParams('" + p.to_string() + "')"; });
+
+  py::class_<MoeShape>(m, "MoeShape")
+      .def(py::init<>())
+      .def_readwrite("tokens", &MoeShape::tokens)
+      .def_readwrite("hidden", &MoeShape::hidden)
+      .def_readwrite("ffn_hidden", &MoeShape::ffn_hidden)
+      .def_readwrite("num_experts", &MoeShape::num_experts)
+      .def_readwrite("top_k", &MoeShape::top_k)
+      .def_readwrite("world_size", &MoeShape::world_size)
+      .def_readwrite("rank", &MoeShape::rank)
+      .def("validate", &MoeShape::validate)
+      .def("__repr__", &MoeShape::to_string);
+
+  m.def("build_info", [] {
+    py::dict d;
+    for (const auto& [k, v] : uniep::python::build_info_strings()) d[py::str(k)] = v;
+    d["cuda_kernels"] = uniep::python::built_cuda_kernels();
+    d["cuda_ops"] = uniep::python::built_cuda_ops();
+    return d;
+  });
+  m.def("compute_layout", &compute_layout_py, py::arg("topk_idx"), py::arg("num_experts"),
+        py::arg("world_size"),
+        "Routing layout of one rank: (tokens_per_rank [W], tokens_per_expert [E], "
+        "token_in_rank uint8 [T, W]).");
+  m.def("build_rank_plan", &build_rank_plan_py, py::arg("all_topk"), py::arg("num_experts"),
+        py::arg("rank"), py::arg("tuning") = "",
+        "The plan of `rank` given every rank's topk_idx, with the exchanges simulated in-process.");
+}

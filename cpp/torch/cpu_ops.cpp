@@ -1,0 +1,117 @@
+// CPU implementations of the uniep ops: the CPU executor over a gloo process group.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <memory>
+
+#include "torch/process_group.hpp"
+#include "torch/validate.hpp"
+#include "uniep/cpu_executor.hpp"
+#include "uniep/plan.hpp"
+#include "uniep/tuning.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+MoeForwardArgs forward_args(const at::Tensor& x, const at::Tensor& topk_idx,
+                            const at::Tensor& topk_weights, const at::Tensor& w1,
+                            const at::Tensor& w2, const std::string& tuning, const Group& group) {
+  const TuningParams params = TuningParams::parse(tuning);
+  const MoeInputs in =
+      validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, group.world_size, group.rank);
+  UNIEP_CHECK(x.device().is_cpu(), "x must be a CPU tensor for the CPU executor, got ", x.device());
+  MoeForwardArgs args;
+  args.x = x.data_ptr();
+  args.topk_idx = topk_idx.data_ptr<int64_t>();
+  args.topk_weights = topk_weights.data_ptr();
+  args.w1 = w1.data_ptr();
+  args.w2 = w2.data_ptr();
+  args.dtype = in.dtype;
+  args.weight_dtype = in.weight_dtype;
+  args.shape = in.shape;
+  args.tuning = params;
+  return args;
+}
+
+std::unique_ptr<Transport> make_transport(const Group& group) {
+  if (!group.pg) return std::make_unique<LocalTransport>();
+  return std::make_unique<ProcessGroupTransport>(group.pg);
+}
+
+at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weights, const at::Tensor& w1,
+                           const at::Tensor& w2, c10::string_view group_name,
+                           c10::string_view tuning) {
+  return translate_errors([&] {
+    const Group group = resolve_group(std::string(group_name));
+    MoeForwardArgs args =
+        forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
+    at::Tensor out = at::empty_like(x);
+    args.out = out.data_ptr();
+    auto transport = make_transport(group);
+    cpu_moe_forward(args, *transport);
+    return out;
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
+    c10::string_view group_name, c10::string_view tuning) {
+  return translate_errors([&] {
+    const Group group = resolve_group(std::string(group_name));
+    MoeBackwardArgs args;
+    args.fwd = forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
+    // Autograd may hand over a non-contiguous or expanded gradient; the executor needs rows.
+    const at::Tensor go = grad_out.contiguous();
+    check_like(go, "grad_out", x, "x");
+    at::Tensor grad_x = at::empty_like(x), grad_w = at::empty_like(topk_weights);
+    at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
+    args.grad_out = go.data_ptr();
+    args.grad_x = grad_x.data_ptr();
+    args.grad_topk_weights = grad_w.data_ptr();
+    args.grad_w1 = grad_w1.data_ptr();
+    args.grad_w2 = grad_w2.data_ptr();
+    auto transport = make_transport(group);
+    cpu_moe_backward(args, *transport);
+    return std::make_tuple(grad_x, grad_w, grad_w1, grad_w2);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cpu(const at::Tensor& topk_idx,
+                                                                   int64_t num_experts,
+                                                                   int64_t world_size) {
+  return translate_errors([&] {
+    check_topk_idx(topk_idx);
+    UNIEP_CHECK(topk_idx.device().is_cpu(), "topk_idx must be a CPU tensor here, got ",
+                topk_idx.device());
+    MoeShape shape;
+    shape.tokens = topk_idx.size(0);
+    shape.hidden = 1;
+    shape.ffn_hidden = 1;
+    shape.top_k = topk_idx.size(1);
+    shape.num_experts = num_experts;
+    shape.world_size = world_size;
+    const RoutingLayout layout = compute_layout(topk_idx.data_ptr<int64_t>(), shape);
+    auto i64 = at::TensorOptions().dtype(at::kLong);
+    at::Tensor per_rank = at::empty({world_size}, i64);
+    at::Tensor per_expert = at::empty({num_experts}, i64);
+    at::Tensor in_rank = at::empty({shape.tokens, world_size}, at::TensorOptions().dtype(at::kBool));
+    std::copy(layout.tokens_per_rank.begin(), layout.tokens_per_rank.end(),
+              per_rank.data_ptr<int64_t>());
+    std::copy(layout.tokens_per_expert.begin(), layout.tokens_per_expert.end(),
+              per_expert.data_ptr<int64_t>());
+    bool* flags = in_rank.data_ptr<bool>();
+    for (size_t i = 0; i < layout.token_in_rank.size(); ++i) flags[i] = layout.token_in_rank[i] != 0;
+    return std::make_tuple(per_rank, per_expert, in_rank);
+  });
+}
+
+}  // namespace
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CPU, m) {
+  m.impl("moe_forward", &uniep::torch_glue::moe_forward_cpu);
+  m.impl("moe_backward", &uniep::torch_glue::moe_backward_cpu);
+  m.impl("routing_layout", &uniep::torch_glue::routing_layout_cpu);
+}

@@ -1,0 +1,15 @@
+// The torch.ops.uniep schemas. Implementations live per dispatch key (cpu_ops.cpp, cuda_ops.cpp);
+// fake kernels and autograd are registered from Python (uniep/ops.py).
+#include <torch/library.h>
+
+TORCH_LIBRARY(uniep, m) {
+  m.def(
+      "moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
+      "str group_name, str tuning=\"\") -> Tensor");
+  m.def(
+      "moe_backward(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, "
+      "Tensor w2, str group_name, str tuning=\"\") -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
+      "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");
+}

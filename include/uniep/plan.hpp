@@ -1,0 +1,82 @@
+// The plan every executor runs: who sends which token where, which receive slot it lands in,
+// which slots each local expert reads, and where each expert output goes back to.
+//
+// Receive slots are ordered by (source rank, source token index), computed from exclusive prefix
+// sums of counts that all ranks agree on, so the layout of every buffer is a function of the
+// routing alone: never of arrival order, SM count or tile sizes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "uniep/shape.hpp"
+#include "uniep/tuning.hpp"
+
+namespace uniep {
+
+// Computed by each rank from its own topk_idx only (the "notify" input).
+struct RoutingLayout {
+  std::vector<int64_t> tokens_per_rank;    // [W] tokens sent to each rank (once per rank)
+  std::vector<int64_t> tokens_per_expert;  // [E] (token, k) pairs routed to each global expert
+  std::vector<uint8_t> token_in_rank;      // [T * W] row-major: 1 if token t goes to rank r
+};
+
+// Throws if an expert id is outside [-1, E).
+RoutingLayout compute_layout(const int64_t* topk_idx, const MoeShape& shape);
+
+// Where this rank's tokens land on every destination, and which slots it receives.
+struct SlotPlan {
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  std::vector<int64_t> send_offsets;  // [W + 1] ranges of send_tokens per destination
+  std::vector<int64_t> send_tokens;   // source token ids grouped by destination, ascending
+  std::vector<int64_t> send_slots;    // receive slot of each send_tokens entry on its destination
+  std::vector<int64_t> recv_offsets;  // [W + 1] receive slots coming from each source rank
+
+  int64_t num_send() const { return send_offsets.back(); }
+  int64_t num_recv() const { return recv_offsets.back(); }
+};
+
+// rank_counts: [W][W] row-major, row s = tokens_per_rank of source rank s (all-gathered).
+SlotPlan plan_slots(const RoutingLayout& layout, const int64_t* rank_counts, const MoeShape& shape);
+
+// Grouped-GEMM rows of the local experts, each expert's rows in receive-slot order, and the
+// combine slot (src_token * K + k on the source rank) each row's output is written to.
+struct ExpertPlan {
+  int64_t num_local_experts = 0;
+  std::vector<int64_t> row_offsets;       // [E_local + 1]
+  std::vector<int64_t> row_slot;          // [R] receive slot the row reads
+  std::vector<int64_t> row_src_rank;      // [R]
+  std::vector<int64_t> row_combine_slot;  // [R] src_token * K + k on row_src_rank
+  std::vector<int64_t> return_counts;     // [W] rows sent back to each source rank
+
+  int64_t num_rows() const { return row_offsets.back(); }
+};
+
+// recv_src_token [N]: source token index of each receive slot; recv_topk_idx [N, K]: its global
+// expert ids (-1 unused). expert_counts: [W][E] row-major tokens_per_expert of every rank, used
+// to check the received metadata against what the senders announced.
+ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
+                        const int64_t* recv_topk_idx, const int64_t* expert_counts,
+                        const MoeShape& shape);
+
+// Per local expert and source rank, the row range that source's tokens occupy: known from the
+// counts alone, before any token arrives. [E_local][W + 1] row-major, offsets into the rows.
+std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const MoeShape& shape);
+
+// One unit of expert work: rows [row_begin, row_end) of local expert `expert`.
+struct WorkTile {
+  int64_t expert = 0;
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+  int64_t src_rank = 0;  // all rows of a tile come from one source (the tile's signal)
+};
+
+// The order the expert role walks its tiles in. `sequential`: expert-major, after all tokens
+// arrived. `chunked`/`fused`: in expected arrival order (own rank first, then rank+1, ...), so
+// compute starts on the first tile that lands. Tiles never straddle a source rank.
+std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
+                                            const std::vector<int64_t>& source_offsets,
+                                            const TuningParams& tuning, const MoeShape& shape);
+
+}  // namespace uniep
