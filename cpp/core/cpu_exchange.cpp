@@ -1,6 +1,7 @@
 #include "core/cpu_exchange.hpp"
 
 #include <cstring>
+#include <string>
 
 #include "uniep/status.hpp"
 
@@ -12,18 +13,34 @@ AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
   UNIEP_CHECK_CODE(transport.world_size() == W && transport.rank() == shape.rank,
                    StatusCode::kInternal, "transport and shape disagree on world size or rank");
   AgreedPlan plan;
-  plan.layout = compute_layout(topk_idx, shape);
+  // A rank with bad routing must not leave its peers blocked in the exchange below: its
+  // verdict travels with the header, and every rank fails together.
+  std::string local_error;
+  try {
+    plan.layout = compute_layout(topk_idx, shape);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    local_error = e.what();
+  }
 
   // Header first, so a rank with another shape fails here with a clear message, never in a
-  // buffer sized from someone else's counts.
-  std::vector<int64_t> mine(F);
+  // buffer sized from someone else's counts. The last word is 1 when the routing was valid.
+  const int64_t G = F + 1;
+  std::vector<int64_t> mine(G);
   for (int64_t i = 0; i < F; ++i) mine[i] = header[i].value;
-  std::vector<int64_t> all(W * F);
-  transport.all_gather(mine.data(), F, all.data());
+  mine[F] = local_error.empty() ? 1 : 0;
+  std::vector<int64_t> all(W * G);
+  transport.all_gather(mine.data(), G, all.data());
+  UNIEP_CHECK(local_error.empty(), local_error);
+  for (int64_t r = 0; r < W; ++r) {
+    UNIEP_CHECK(all[r * G + F] == 1, "rank ", r,
+                " passed an invalid topk_idx (an expert id outside [-1, ", E,
+                ")); its error names the entry");
+  }
   for (int64_t r = 0; r < W; ++r) {
     for (int64_t i = 0; i < F; ++i) {
-      UNIEP_CHECK(all[r * F + i] == mine[i], header[i].name, " differs across ranks: rank ",
-                  shape.rank, " has ", mine[i], ", rank ", r, " has ", all[r * F + i]);
+      UNIEP_CHECK(all[r * G + i] == mine[i], header[i].name, " differs across ranks: rank ",
+                  shape.rank, " has ", mine[i], ", rank ", r, " has ", all[r * G + i]);
     }
   }
 

@@ -5,6 +5,9 @@
 #include <pybind11/stl.h>
 
 #include "python/build_info.hpp"
+#ifdef UNIEP_WITH_CUDA_OPS
+#include "torch/ep_registry.hpp"
+#endif
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
 #include "uniep/tuning.hpp"
@@ -182,6 +185,54 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_ops"] = uniep::python::built_cuda_ops();
     return d;
   });
+#ifdef UNIEP_WITH_CUDA_OPS
+  m.attr("has_ep_runtime") = true;
+  m.def("ep_unique_id", [] {
+    const std::vector<uint8_t> id = uniep::torch_glue::ep_unique_id();
+    return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  });
+  m.def(
+      "ep_create",
+      [](const std::string& group_name, const py::bytes& unique_id, int64_t max_tokens,
+         int64_t hidden, int64_t top_k, int64_t num_experts, int64_t world_size, int64_t rank,
+         int64_t max_row_bytes, double timeout_s) {
+        uniep::ep::Config c;
+        c.max_tokens = max_tokens;
+        c.hidden = hidden;
+        c.top_k = top_k;
+        c.num_experts = num_experts;
+        c.world_size = world_size;
+        c.rank = rank;
+        c.max_row_bytes = max_row_bytes;
+        c.timeout_s = timeout_s;
+        const std::string raw = unique_id;
+        py::gil_scoped_release release;  // collective: other ranks' threads must progress
+        uniep::torch_glue::ep_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()), c);
+      },
+      py::arg("group_name"), py::arg("unique_id"), py::arg("max_tokens"), py::arg("hidden"),
+      py::arg("top_k"), py::arg("num_experts"), py::arg("world_size"), py::arg("rank"),
+      py::arg("max_row_bytes") = 0, py::arg("timeout_s") = 100.0);
+  m.def("ep_exists", &uniep::torch_glue::ep_exists, py::arg("group_name"));
+  m.def("ep_destroy", &uniep::torch_glue::ep_destroy, py::arg("group_name"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "ep_symmetric_heap_bytes",
+      [](int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts,
+         int64_t world_size, int64_t max_row_bytes) {
+        uniep::ep::Config c;
+        c.max_tokens = max_tokens;
+        c.hidden = hidden;
+        c.top_k = top_k;
+        c.num_experts = num_experts;
+        c.world_size = world_size;
+        c.max_row_bytes = max_row_bytes;
+        return uniep::ep::symmetric_heap_bytes(c);
+      },
+      py::arg("max_tokens"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
+      py::arg("world_size"), py::arg("max_row_bytes") = 0);
+#else
+  m.attr("has_ep_runtime") = false;
+#endif
   m.def("compute_layout", &compute_layout_py, py::arg("topk_idx"), py::arg("num_experts"),
         py::arg("world_size"),
         "Routing layout of one rank: (tokens_per_rank [W], tokens_per_expert [E], "

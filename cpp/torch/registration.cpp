@@ -12,4 +12,14 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");
+  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.init). Slots are
+  // ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
+  m.def(
+      "ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "
+      "int num_sms=24) -> (Tensor recv_x, Tensor recv_src, Tensor recv_topk_idx, "
+      "Tensor recv_topk_weights, Tensor tokens_per_expert, Tensor row_slot, Tensor row_target, "
+      "int epoch)");
+  m.def(
+      "ep_combine(Tensor y, Tensor row_target, Tensor topk_idx, Tensor topk_weights, "
+      "str group_name, int epoch, int num_sms=24) -> Tensor");
 }

@@ -23,7 +23,8 @@ Status validate_routing_layout(int64_t tokens, int64_t top_k, int64_t num_expert
 // Value of the error word when every expert id was in [-1, E).
 inline constexpr unsigned long long kNoLayoutError = ~0ull;
 
-// Launches the layout kernel on `stream`; never synchronizes, so it can be captured in a CUDA graph.
+// Launches the layout kernel on `stream`; never synchronizes, so it can be captured in a CUDA
+// graph.
 //
 //   topk_idx           [tokens, top_k] int64, global expert ids; -1 marks an unused slot
 //   tokens_per_rank    [world_size] int64 out: tokens with at least one expert on rank r (a token

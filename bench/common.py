@@ -1,0 +1,121 @@
+"""Shared helpers for the benchmark scripts: environment capture, timing and JSON output.
+
+Every result file carries the device, the torch/CUDA versions and the commit, so that a number can
+always be traced back to what produced it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_OUT_DIR = BENCH_DIR / "results"
+
+
+def _commit() -> str:
+    # Copies of the tree without .git (the GPU machine gets one) pass the commit in the environment.
+    if os.environ.get("UNIEP_COMMIT"):
+        return os.environ["UNIEP_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=BENCH_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else "unknown"
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    # platform.processor() is empty on many Linux systems; machine() ("x86_64") always has a value.
+    return "cpu-" + (platform.processor() or platform.machine() or "unknown")
+
+
+def env_info() -> dict:
+    """What produced a result: device name, torch and CUDA versions, commit, UTC date, host."""
+    return {
+        "device": _device(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "commit": _commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "unknown"
+
+
+def write_result(name: str, rows: list[dict], out_dir: str | None = None) -> str:
+    """Write ``{"name", "env", "rows"}`` as JSON and return the file path.
+
+    The file is ``{out_dir}/{name}-{device-slug}-{date}.json`` (default ``bench/results``); the date
+    has second resolution so that repeated runs do not overwrite each other.
+    """
+    if not name:
+        raise ValueError("name must be a non-empty string")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+    env = env_info()
+    directory = Path(out_dir) if out_dir else DEFAULT_OUT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = env["date"].replace(":", "").replace("+0000", "Z")
+    path = directory / f"{name}-{_slug(env['device'])}-{stamp}.json"
+    payload = {"name": name, "env": env, "rows": rows}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return str(path)
+
+
+def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``iters`` runs after ``warmup`` runs.
+
+    With ``cuda`` each run is timed with CUDA events on the current stream (the host does not
+    wait between runs, so launch overhead is hidden as it would be in a training step);
+    otherwise with ``time.perf_counter``.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if cuda:
+        torch.cuda.synchronize()
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))

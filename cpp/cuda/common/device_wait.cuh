@@ -1,0 +1,53 @@
+// Bounded device-side waits. A wait that passes its deadline records (operation, peer) in an
+// error word the host can read, and returns false instead of spinning forever.
+#pragma once
+
+#include <cstdint>
+
+namespace uniep::cuda {
+
+enum class WaitOp : uint32_t { kNone = 0, kNotify = 1, kDispatch = 2, kCombine = 3 };
+
+// Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.
+struct DeviceError {
+  uint32_t op;    // WaitOp of the first timeout, 0 if none
+  int32_t peer;   // rank that did not answer
+  uint64_t have;  // what the signal held when we gave up
+  uint64_t want;  // what we waited for
+};
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Acquire at system scope: data a peer stored before its release (fence + signal) is visible
+// after this load returns the signal.
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Waits until *signal >= want. Returns false (after recording the error) at the deadline.
+__device__ __forceinline__ bool wait_at_least(const uint64_t* signal, uint64_t want,
+                                              uint64_t deadline_ns, DeviceError* err, WaitOp op,
+                                              int peer) {
+  uint64_t have = load_acquire_sys(signal);
+  while (have < want) {
+    if (global_timer_ns() > deadline_ns) {
+      if (atomicCAS(&err->op, 0u, static_cast<uint32_t>(op)) == 0u) {
+        err->peer = peer;
+        err->have = have;
+        err->want = want;
+        __threadfence_system();
+      }
+      return false;
+    }
+    have = load_acquire_sys(signal);
+  }
+  return true;
+}
+
+}  // namespace uniep::cuda

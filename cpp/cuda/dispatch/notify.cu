@@ -1,0 +1,111 @@
+// Notify: every rank puts its routing counts ([W] tokens per rank, [E] rows per expert) into every
+// peer's count matrix, waits for all rows, and derives the offsets all ranks agree on. The slot
+// plan of uniep/plan.hpp follows from these prefix sums alone.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "cuda/ep_kernels.hpp"
+
+namespace uniep::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads)
+    notify_kernel(SymmetricView sym, EpDims d, const int64_t* tokens_per_rank,
+                  const int64_t* tokens_per_expert, const unsigned long long* layout_error,
+                  uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
+                  int64_t* tokens_per_local_expert, DeviceError* err) {
+  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
+  const uint64_t deadline = global_timer_ns() + timeout_ns;
+  // The previous operation's receive counters restart here. No peer can add to them before it
+  // has seen our count signal below, which is released after these stores.
+  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) {
+    sym.signals[kDispatchSignal * W + i] = 0;
+    sym.signals[kCombineSignal * W + i] = 0;
+  }
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    int64_t v;
+    if (i < W) v = tokens_per_rank[i];
+    else if (i < W + E) v = tokens_per_expert[i - W];
+    else v = *layout_error == ~0ull ? 1 : 0;  // routing valid
+    sym.count_stage[i] = v;
+  }
+  __threadfence_system();
+  __syncthreads();
+
+  // Two count matrices by epoch parity: a rank can run at most one notify ahead of a peer (it
+  // needs the peer's signal of the same epoch), so it never overwrites a row still being read.
+  int64_t* const counts = sym.counts + static_cast<int64_t>(epoch & 1) * W * C;
+  for (int64_t pe = threadIdx.x; pe < W; pe += blockDim.x) {
+    nvshmem_putmem_signal_nbi(counts + me * C, sym.count_stage, C * sizeof(int64_t),
+                              &sym.signals[kCountSignal * W + me], epoch, NVSHMEM_SIGNAL_SET,
+                              static_cast<int>(pe));
+  }
+  nvshmem_quiet();
+  __shared__ int waits_failed;
+  if (threadIdx.x == 0) waits_failed = 0;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < W; s += blockDim.x)
+    if (!wait_at_least(&sym.signals[kCountSignal * W + s], epoch, deadline, err, WaitOp::kNotify,
+                       static_cast<int>(s)))
+      atomicAdd(&waits_failed, 1);
+  __threadfence();
+  __syncthreads();
+  if (waits_failed) return;
+
+  __shared__ int64_t invalid_rank;
+  if (threadIdx.x == 0) {
+    invalid_rank = -1;
+    for (int64_t s = W - 1; s >= 0; --s)
+      if (counts[s * C + C - 1] != 1) invalid_rank = s;
+    if (invalid_rank >= 0) {
+      host_counts[0] = -1 - invalid_rank;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  if (invalid_rank >= 0) return;
+
+  if (threadIdx.x == 0) {
+    const int64_t El = d.experts_per_rank, first = me * El;
+    plan.recv_offsets[0] = 0;
+    for (int64_t s = 0; s < W; ++s) plan.recv_offsets[s + 1] = plan.recv_offsets[s] + counts[s * C + me];
+    for (int64_t dst = 0; dst < W; ++dst) {
+      int64_t base = 0;
+      for (int64_t s = 0; s < me; ++s) base += counts[s * C + dst];
+      plan.send_base[dst] = base;
+      int64_t back = 0;
+      for (int64_t e = dst * El; e < (dst + 1) * El; ++e) back += counts[me * C + W + e];
+      plan.rows_back[dst] = back;
+    }
+    plan.expert_offsets[0] = 0;
+    for (int64_t e = 0; e < El; ++e) {
+      int64_t rows = 0;
+      for (int64_t s = 0; s < W; ++s) rows += counts[s * C + W + first + e];
+      plan.expert_offsets[e + 1] = plan.expert_offsets[e] + rows;
+    }
+    // Host-mapped: [num_recv, recv_from[W], rows_per_expert[El], rows_back[W]].
+    host_counts[0] = plan.recv_offsets[W];
+    for (int64_t s = 0; s < W; ++s) host_counts[1 + s] = plan.recv_offsets[s + 1] - plan.recv_offsets[s];
+    for (int64_t e = 0; e < El; ++e) {
+      host_counts[1 + W + e] = plan.expert_offsets[e + 1] - plan.expert_offsets[e];
+      tokens_per_local_expert[e] = host_counts[1 + W + e];
+    }
+    for (int64_t s = 0; s < W; ++s) host_counts[1 + W + El + s] = plan.rows_back[s];
+    __threadfence_system();
+  }
+}
+
+}  // namespace
+
+void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
+                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
+                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
+                   int64_t* tokens_per_local_expert, DeviceError* err, cudaStream_t stream) {
+  notify_kernel<<<1, kThreads, 0, stream>>>(sym, d, tokens_per_rank, tokens_per_expert,
+                                            layout_error, epoch, timeout_ns, plan, host_counts,
+                                            tokens_per_local_expert, err);
+}
+
+}  // namespace uniep::cuda

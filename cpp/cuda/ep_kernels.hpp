@@ -1,0 +1,84 @@
+// Launchers of the expert-parallel kernels (dispatch/, combine/), called by the runtime in
+// cpp/runtime. Plain structs of device pointers; nothing here owns memory.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_wait.cuh"
+
+namespace uniep::cuda {
+
+// Views of one runtime's NVSHMEM symmetric allocation (same offsets on every rank).
+struct SymmetricView {
+  uint64_t* signals;     // [kSignalKinds][W]
+  int64_t* counts;       // [2][W][W + E + 1]: by epoch parity, row s written by rank s
+  int64_t* count_stage;  // [W + E + 1]: this rank's row (+ routing-valid word) before the put
+  uint8_t* recv_x;       // [W * max_tokens][row_cap]
+  int64_t* recv_meta;    // [W * max_tokens][1 + K]: source token, K global expert ids
+  float* recv_weights;   // [W * max_tokens][K]
+  uint8_t* combine;      // [max_tokens * K][H * 2]
+};
+enum SignalKind : int { kCountSignal = 0, kDispatchSignal = 1, kCombineSignal = 2, kSignalKinds = 3 };
+
+struct EpDims {
+  int64_t world_size, rank, num_experts, experts_per_rank, top_k, hidden, max_tokens, row_cap;
+};
+
+// Counts every rank agreed on, derived on the device right after the exchange.
+struct PlanCounts {
+  int64_t* recv_offsets;     // [W + 1] slots per source rank
+  int64_t* send_base;        // [W] first slot of ours on each destination
+  int64_t* expert_offsets;   // [E_local + 1] grouped-GEMM rows per local expert
+  int64_t* rows_back;        // [W] expert rows each rank returns to us
+};
+
+// layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
+// travels with the counts, so a rank with bad routing makes every rank fail together instead of
+// leaving its peers to time out. host_counts[0] is then -1 - (first invalid rank).
+void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
+                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
+                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
+                   int64_t* tokens_per_local_expert, DeviceError* err, cudaStream_t stream);
+
+void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& d,
+                       const int64_t* send_base, int64_t* send_slot, cudaStream_t stream);
+
+struct DispatchArgs {
+  const uint8_t* x;
+  int64_t row_bytes;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  int64_t tokens;
+  const int64_t* send_slot;  // [tokens][W], -1 where the token skips the rank
+  PlanCounts plan;
+  uint8_t* recv_x;           // optional copy-out
+  int64_t* recv_src;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
+  DeviceError* err;
+};
+void launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
+                     cudaStream_t stream);
+
+void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
+                        int64_t* row_slot, int64_t* row_target, cudaStream_t stream);
+
+struct CombineArgs {
+  const uint8_t* y;  // [rows][H] bf16
+  const int64_t* row_target;
+  int64_t rows;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  int64_t tokens;
+  PlanCounts plan;
+  uint8_t* out;  // [tokens][H] bf16
+  uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
+  DeviceError* err;
+};
+void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
+                    cudaStream_t stream);
+
+}  // namespace uniep::cuda

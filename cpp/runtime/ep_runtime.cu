@@ -1,0 +1,376 @@
+// The expert-parallel runtime: NVSHMEM bootstrap from a unique id, one symmetric allocation
+// carved into the buffers of uniep/ep.hpp, and the host side of notify/dispatch/combine.
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cuda/ep_kernels.hpp"
+#include "uniep/cuda/layout.hpp"
+#include "uniep/ep.hpp"
+
+// Exported by libnvshmem_device.a: initialises the device-side state of the CUDA module it is
+// linked into (ours) when the host library was already initialised by someone else.
+extern int nvshmemi_check_state_and_init_d();
+
+namespace uniep::ep {
+namespace {
+
+using cuda::DeviceError;
+using cuda::EpDims;
+using cuda::PlanCounts;
+using cuda::SymmetricView;
+
+constexpr size_t kAlign = 256;
+
+// Runtimes of several groups share one NVSHMEM initialisation; the last one out finalises it,
+// and only if a runtime started it.
+int g_live_runtimes = 0;
+bool g_started_nvshmem = false;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+#define UNIEP_CUDA_OK(expr)                                                                \
+  do {                                                                                     \
+    const cudaError_t uniep_e_ = (expr);                                                   \
+    if (uniep_e_ != cudaSuccess)                                                           \
+      return Status{StatusCode::kInternal,                                                 \
+                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))};    \
+  } while (0)
+
+struct Carve {
+  size_t signals, counts, stage, recv_x, recv_meta, recv_weights, combine, total;
+};
+
+Carve carve(const Config& c) {
+  const size_t W = c.world_size, E = c.num_experts, K = c.top_k, T = c.max_tokens;
+  Carve v{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  v.signals = take(sizeof(uint64_t) * cuda::kSignalKinds * W);
+  v.counts = take(sizeof(int64_t) * 2 * W * (W + E + 1));
+  v.stage = take(sizeof(int64_t) * (W + E + 1));
+  v.recv_x = take(W * T * static_cast<size_t>(c.row_bytes_capacity()));
+  v.recv_meta = take(sizeof(int64_t) * W * T * (1 + K));
+  v.recv_weights = take(sizeof(float) * W * T * K);
+  v.combine = take(T * K * static_cast<size_t>(c.hidden) * 2);
+  v.total = off;
+  return v;
+}
+
+const char* op_name(uint32_t op) {
+  switch (static_cast<cuda::WaitOp>(op)) {
+    case cuda::WaitOp::kNotify: return "notify (count exchange)";
+    case cuda::WaitOp::kDispatch: return "dispatch";
+    case cuda::WaitOp::kCombine: return "combine";
+    default: return "?";
+  }
+}
+
+class RuntimeImpl final : public Runtime {
+ public:
+  explicit RuntimeImpl(const Config& c) : cfg_(c) {}
+  ~RuntimeImpl() override {
+    // nvshmem_free and finalize are collective; a runtime is destroyed by every rank together
+    // (uniep.shutdown), never from a static destructor.
+    if (sym_base_) nvshmem_free(sym_base_);
+    if (workspace_) cudaFree(workspace_);
+    if (host_) cudaFreeHost(host_);
+    if (counted_ && --g_live_runtimes == 0 && g_started_nvshmem) {
+      nvshmem_finalize();
+      g_started_nvshmem = false;
+    }
+  }
+
+  Status init(const std::vector<uint8_t>& uid) {
+    const Carve layout = carve(cfg_);
+    const int status = nvshmemx_init_status();
+    if (status >= NVSHMEM_STATUS_IS_INITIALIZED) {
+      // Someone in this process (torch symmetric memory, another runtime) started NVSHMEM:
+      // reuse it if it spans the same ranks, else refuse with the facts.
+      if (nvshmem_n_pes() != cfg_.world_size || nvshmem_my_pe() != cfg_.rank) {
+        return {StatusCode::kUnsupported,
+                detail::str_cat("NVSHMEM is already initialised in this process with ",
+                                nvshmem_n_pes(), " PEs (this PE ", nvshmem_my_pe(),
+                                "), but the group has world_size ", cfg_.world_size, " and rank ",
+                                cfg_.rank, "; UniEP can only share NVSHMEM over the same ranks")};
+      }
+      if (!g_started_nvshmem && nvshmemi_check_state_and_init_d() != 0)
+        return {StatusCode::kInternal, "NVSHMEM device state init for uniep failed"};
+      owns_ = false;
+    } else {
+      if (uid.size() != sizeof(nvshmemx_uniqueid_t))
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("unique_id must be ", sizeof(nvshmemx_uniqueid_t), " bytes, got ",
+                                uid.size())};
+      const size_t want = layout.total + (64u << 20);
+      if (const char* env = std::getenv("NVSHMEM_SYMMETRIC_SIZE")) {
+        (void)env;  // the user's choice wins; nvshmem_malloc below says if it is too small
+      } else {
+        setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(want).c_str(), 1);
+      }
+      nvshmemx_uniqueid_t id;
+      std::memcpy(&id, uid.data(), sizeof id);
+      nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+      if (nvshmemx_set_attr_uniqueid_args(static_cast<int>(cfg_.rank),
+                                          static_cast<int>(cfg_.world_size), &id, &attr) != 0)
+        return {StatusCode::kInternal, "nvshmemx_set_attr_uniqueid_args failed"};
+      if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+        return {StatusCode::kInternal, "nvshmemx_init_attr failed"};
+      owns_ = true;
+      g_started_nvshmem = true;
+    }
+    ++g_live_runtimes;
+    counted_ = true;
+
+    sym_base_ = nvshmem_malloc(layout.total);
+    if (!sym_base_)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("nvshmem_malloc of ", layout.total,
+                              " bytes failed: raise NVSHMEM_SYMMETRIC_SIZE or lower max_tokens")};
+    auto* base = static_cast<uint8_t*>(sym_base_);
+    sym_.signals = reinterpret_cast<uint64_t*>(base + layout.signals);
+    sym_.counts = reinterpret_cast<int64_t*>(base + layout.counts);
+    sym_.count_stage = reinterpret_cast<int64_t*>(base + layout.stage);
+    sym_.recv_x = base + layout.recv_x;
+    sym_.recv_meta = reinterpret_cast<int64_t*>(base + layout.recv_meta);
+    sym_.recv_weights = reinterpret_cast<float*>(base + layout.recv_weights);
+    sym_.combine = base + layout.combine;
+    // Signals must read zero on every rank before any peer may add to them.
+    UNIEP_CUDA_OK(cudaMemset(base, 0, layout.recv_x));
+    UNIEP_CUDA_OK(cudaDeviceSynchronize());
+    nvshmem_barrier_all();
+
+    dims_ = {cfg_.world_size, cfg_.rank, cfg_.num_experts, cfg_.num_experts / cfg_.world_size,
+             cfg_.top_k, cfg_.hidden, cfg_.max_tokens, cfg_.row_bytes_capacity()};
+    const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = dims_.experts_per_rank,
+                  T = cfg_.max_tokens;
+    // Device workspace: layout outputs, send slots, plan counts, layout error word.
+    const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
+                      sizeof(bool) * T * W + sizeof(unsigned long long) + 64;
+    UNIEP_CUDA_OK(cudaMalloc(&workspace_, ws));
+    auto* p = static_cast<int64_t*>(workspace_);
+    tokens_per_rank_ = p, p += W;
+    tokens_per_expert_ = p, p += E;
+    send_slot_ = p, p += T * W;
+    plan_.recv_offsets = p, p += W + 1;
+    plan_.send_base = p, p += W;
+    plan_.expert_offsets = p, p += El + 1;
+    plan_.rows_back = p, p += W;
+    rows_per_local_expert_ = p, p += El;
+    layout_error_ = reinterpret_cast<unsigned long long*>(p), p += 1;
+    token_in_rank_ = reinterpret_cast<bool*>(p);
+
+    // Host-mapped: the error word and the counts the host reads after the notify sync.
+    const size_t host_bytes = sizeof(DeviceError) + sizeof(int64_t) * (1 + W + El + W);
+    UNIEP_CUDA_OK(cudaHostAlloc(&host_, host_bytes, cudaHostAllocMapped));
+    std::memset(host_, 0, host_bytes);
+    err_host_ = static_cast<DeviceError*>(host_);
+    counts_host_ = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(host_) + sizeof(DeviceError));
+    UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
+    UNIEP_CUDA_OK(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&counts_dev_), counts_host_, 0));
+    return Status::Ok();
+  }
+
+  const Config& config() const override { return cfg_; }
+  bool owns_nvshmem() const override { return owns_; }
+  const void* received_rows() const override { return sym_.recv_x; }
+  const int64_t* rows_per_local_expert() const override { return rows_per_local_expert_; }
+  uint64_t epoch() const override { return epoch_; }
+
+  Status check_device_errors(cudaStream_t stream) override {
+    UNIEP_CUDA_OK(cudaStreamSynchronize(stream));
+    return take_device_error();
+  }
+
+  Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
+                DispatchCounts* counts) override {
+    if (Status s = take_device_error(); !s.ok()) return s;
+    if (tokens < 0 || tokens > cfg_.max_tokens)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("x has ", tokens, " tokens but the runtime was created for at most ",
+                              cfg_.max_tokens, " (max_tokens); re-create it with a larger one")};
+    Status s = cuda::routing_layout_async(topk_idx, tokens, cfg_.top_k, cfg_.num_experts,
+                                          cfg_.world_size, tokens_per_rank_, tokens_per_expert_,
+                                          token_in_rank_, layout_error_, stream);
+    if (!s.ok()) return s;
+    ++epoch_;
+    combined_ = false;
+    dispatched_ = false;
+    last_tokens_ = -1;
+    cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
+                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_,
+                        stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    UNIEP_CUDA_OK(cudaStreamSynchronize(stream));
+    if (Status e = take_device_error(); !e.ok()) return e;
+    if (counts_host_[0] < 0) {
+      // Every rank stops here together; the rank with the bad id reports the entry.
+      const int64_t bad = -1 - counts_host_[0];
+      if (bad == cfg_.rank) {
+        s = cuda::check_routing_layout(topk_idx, cfg_.top_k, cfg_.num_experts, layout_error_,
+                                       stream);
+        if (!s.ok()) return s;
+      }
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("rank ", bad, " passed an invalid topk_idx (an expert id outside [-1, ",
+                              cfg_.num_experts, ")); its error names the entry")};
+    }
+    const int64_t W = cfg_.world_size, El = dims_.experts_per_rank;
+    counts->num_recv = counts_host_[0];
+    counts->recv_from_rank.assign(counts_host_ + 1, counts_host_ + 1 + W);
+    counts->rows_per_expert.assign(counts_host_ + 1 + W, counts_host_ + 1 + W + El);
+    counts->rows_back_from_rank.assign(counts_host_ + 1 + W + El, counts_host_ + 1 + W + El + W);
+    last_ = *counts;
+    last_tokens_ = tokens;
+    cuda::launch_send_slots(token_in_rank_, tokens, dims_, plan_.send_base, send_slot_, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    return Status::Ok();
+  }
+
+  Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
+                  const float* topk_weights, int64_t tokens, int num_sms, void* recv_x,
+                  int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
+                  int64_t* row_slot, int64_t* row_target, cudaStream_t stream) override {
+    if (tokens != last_tokens_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("dispatch got ", tokens, " tokens but notify planned ",
+                              last_tokens_)};
+    if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > cfg_.row_bytes_capacity())
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("x rows must be a multiple of 16 bytes and at most ",
+                              cfg_.row_bytes_capacity(), " bytes, got ", row_bytes)};
+    if (num_sms < 1) return {StatusCode::kInvalidArgument, "num_sms must be >= 1"};
+    cuda::DispatchArgs a{static_cast<const uint8_t*>(x), row_bytes, topk_idx, topk_weights,
+                         tokens, send_slot_, plan_, static_cast<uint8_t*>(recv_x), recv_src,
+                         recv_topk_idx, recv_topk_weights, timeout_ns(), err_dev_};
+    if (dispatched_)
+      return {StatusCode::kInvalidArgument,
+              "dispatch already ran for this notify; call notify again for a new dispatch"};
+    cuda::launch_dispatch(sym_, dims_, a, num_sms, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    dispatched_ = true;
+    if (row_slot != nullptr) {
+      cuda::launch_expert_rows(sym_, dims_, plan_, row_slot, row_target, stream);
+      UNIEP_CUDA_OK(cudaGetLastError());
+    }
+    return Status::Ok();
+  }
+
+  Status combine(const void* y, const int64_t* row_target, int64_t rows, const int64_t* topk_idx,
+                 const float* topk_weights, int64_t tokens, int num_sms, void* out,
+                 uint64_t epoch, cudaStream_t stream) override {
+    if (epoch != epoch_ || !dispatched_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("combine answers the dispatch of epoch ", epoch,
+                              " but the runtime's last dispatch is epoch ", epoch_,
+                              dispatched_ ? "" : " (not dispatched yet)",
+                              ": combine each dispatch before the next one")};
+    if (combined_)
+      return {StatusCode::kInvalidArgument,
+              "this dispatch was combined already; each dispatch is combined once"};
+    int64_t planned_rows = 0;
+    for (int64_t r : last_.rows_per_expert) planned_rows += r;
+    if (rows != planned_rows)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("y must have the ", planned_rows,
+                              " expert rows of the last dispatch, got ", rows)};
+    if (tokens != last_tokens_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("combine got ", tokens, " tokens but the dispatch had ",
+                              last_tokens_)};
+    if (cfg_.hidden % 8 != 0)
+      return {StatusCode::kInvalidArgument, "hidden must be a multiple of 8 for the GPU combine"};
+    if (num_sms < 1) return {StatusCode::kInvalidArgument, "num_sms must be >= 1"};
+    cuda::CombineArgs a{static_cast<const uint8_t*>(y), row_target, rows, topk_idx, topk_weights,
+                        tokens, plan_, static_cast<uint8_t*>(out), timeout_ns(), err_dev_};
+    cuda::launch_combine(sym_, dims_, a, num_sms, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    combined_ = true;
+    return Status::Ok();
+  }
+
+ private:
+  uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  Status take_device_error() {
+    volatile DeviceError* e = err_host_;
+    if (e->op == 0) return Status::Ok();
+    Status s{StatusCode::kTimeout,
+             detail::str_cat("uniep ", op_name(e->op), " on rank ", cfg_.rank,
+                             " timed out after ", cfg_.timeout_s, " s waiting for rank ", e->peer,
+                             " (signal ", e->have, ", expected ", e->want,
+                             "); did every rank of the group call it?")};
+    e->op = 0;
+    return s;
+  }
+
+  Config cfg_;
+  bool owns_ = false, counted_ = false;
+  void* sym_base_ = nullptr;
+  SymmetricView sym_{};
+  EpDims dims_{};
+  PlanCounts plan_{};
+  void* workspace_ = nullptr;
+  int64_t *tokens_per_rank_ = nullptr, *tokens_per_expert_ = nullptr, *send_slot_ = nullptr;
+  bool* token_in_rank_ = nullptr;
+  unsigned long long* layout_error_ = nullptr;
+  void* host_ = nullptr;
+  DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
+  int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
+  int64_t* rows_per_local_expert_ = nullptr;
+  uint64_t epoch_ = 0;
+  bool dispatched_ = false, combined_ = false;
+  int64_t last_tokens_ = -1;
+  DispatchCounts last_;
+};
+
+}  // namespace
+
+Status Config::validate() const {
+  auto bad = [](const std::string& m) { return Status{StatusCode::kInvalidArgument, m}; };
+  if (max_tokens < 1) return bad(detail::str_cat("max_tokens must be >= 1, got ", max_tokens));
+  if (hidden < 1 || hidden % 8 != 0)
+    return bad(detail::str_cat("hidden must be a positive multiple of 8, got ", hidden));
+  if (top_k < 1) return bad(detail::str_cat("top_k must be >= 1, got ", top_k));
+  if (world_size < 1 || world_size > 256)
+    return bad(detail::str_cat("world_size must be in [1, 256], got ", world_size));
+  if (rank < 0 || rank >= world_size)
+    return bad(detail::str_cat("rank must be in [0, ", world_size, "), got ", rank));
+  if (num_experts < 1 || num_experts % world_size != 0)
+    return bad(detail::str_cat("num_experts (", num_experts,
+                               ") must be a positive multiple of the world size (", world_size,
+                               ")"));
+  if (row_bytes_capacity() % 16 != 0)
+    return bad(detail::str_cat("max_row_bytes must be a multiple of 16, got ", max_row_bytes));
+  if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
+  return Status::Ok();
+}
+
+size_t symmetric_heap_bytes(const Config& config) { return carve(config).total; }
+
+Status make_unique_id(std::vector<uint8_t>* unique_id) {
+  nvshmemx_uniqueid_t id;
+  if (nvshmemx_get_uniqueid(&id) != 0) return {StatusCode::kInternal, "nvshmemx_get_uniqueid failed"};
+  unique_id->resize(sizeof id);
+  std::memcpy(unique_id->data(), &id, sizeof id);
+  return Status::Ok();
+}
+
+Status Runtime::create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime) {
+  if (Status s = config.validate(); !s.ok()) return s;
+  auto rt = std::make_unique<RuntimeImpl>(config);
+  if (Status s = rt->init(unique_id); !s.ok()) return s;
+  *runtime = std::move(rt);
+  return Status::Ok();
+}
+
+}  // namespace uniep::ep

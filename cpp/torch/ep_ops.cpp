@@ -1,0 +1,227 @@
+// CUDA implementations of the expert-parallel ops over the NVSHMEM runtime: ep_dispatch,
+// ep_combine, and moe_forward = dispatch + torch._grouped_mm experts + combine.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+
+#include "torch/ep_registry.hpp"
+#include "torch/process_group.hpp"
+#include "torch/validate.hpp"
+#include "uniep/ep.hpp"
+#include "uniep/tuning.hpp"
+
+namespace uniep::torch_glue {
+
+namespace {
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+// Never destroyed at exit: freeing symmetric memory is collective, and ranks do not exit in step.
+std::map<std::string, std::unique_ptr<ep::Runtime>>& registry() {
+  static auto* r = new std::map<std::string, std::unique_ptr<ep::Runtime>>();
+  return *r;
+}
+void ok_or_throw(const Status& s) {
+  if (!s.ok()) throw Error(s.code, s.message);
+}
+}  // namespace
+
+std::vector<uint8_t> ep_unique_id() {
+  std::vector<uint8_t> id;
+  ok_or_throw(ep::make_unique_id(&id));
+  return id;
+}
+
+void ep_create(const std::string& group_name, const std::vector<uint8_t>& unique_id,
+               const ep::Config& config) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  UNIEP_CHECK(registry().count(group_name) == 0, "a UniEP GPU runtime for group '", group_name,
+              "' exists already; call uniep.shutdown(group) first to re-create it");
+  std::unique_ptr<ep::Runtime> rt;
+  ok_or_throw(ep::Runtime::create(config, unique_id, &rt));
+  registry()[group_name] = std::move(rt);
+}
+
+bool ep_exists(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return registry().count(group_name) != 0;
+}
+
+void ep_destroy(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().erase(group_name);
+}
+
+ep::Runtime& ep_runtime(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(group_name);
+  UNIEP_CHECK(it != registry().end(), "group_name '", group_name,
+              "' has no UniEP GPU runtime: call uniep.init(group, max_tokens=..., hidden=..., "
+              "top_k=..., num_experts=...) on every rank first");
+  return *it->second;
+}
+
+namespace {
+
+struct Dispatched {
+  ep::DispatchCounts counts;
+  at::Tensor recv_x, recv_src, recv_topk_idx, recv_topk_weights, tokens_per_expert, row_slot,
+      row_target;
+  int64_t epoch = 0;
+};
+
+void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                   const ep::Config& cfg) {
+  UNIEP_CHECK(x.dim() == 2, "x must be a 2-D tensor [T, H], got ", x.sizes());
+  UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  UNIEP_CHECK(x.is_contiguous(), "x must be contiguous");
+  UNIEP_CHECK(x.size(1) == cfg.hidden || x.size(1) * x.element_size() <= cfg.row_bytes_capacity(),
+              "x rows (", x.size(1), " x ", x.element_size(), " bytes) exceed the runtime's ",
+              cfg.row_bytes_capacity(), " bytes per row");
+  check_topk_idx(topk_idx);
+  UNIEP_CHECK(topk_idx.size(0) == x.size(0), "topk_idx must have T = ", x.size(0), " rows like x");
+  UNIEP_CHECK(topk_idx.size(1) == cfg.top_k, "topk_idx must have K = ", cfg.top_k,
+              " columns (the runtime's top_k), got ", topk_idx.size(1));
+  UNIEP_CHECK(topk_idx.device() == x.device(), "topk_idx must be on x's device ", x.device());
+  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights must have the shape of topk_idx");
+  UNIEP_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ",
+              topk_weights.scalar_type());
+  UNIEP_CHECK(topk_weights.device() == x.device() && topk_weights.is_contiguous(),
+              "topk_weights must be contiguous on x's device");
+}
+
+Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                        const at::Tensor& topk_weights, ep::Runtime& rt, int64_t num_sms,
+                        bool copy_rows, cudaStream_t stream) {
+  const ep::Config& cfg = rt.config();
+  check_routing(x, topk_idx, topk_weights, cfg);
+  Dispatched d;
+  ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
+  const int64_t N = d.counts.num_recv, K = cfg.top_k;
+  const int64_t R = std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(),
+                                    int64_t{0});
+  const auto i64 = x.options().dtype(at::kLong);
+  d.recv_x = copy_rows ? at::empty({N, x.size(1)}, x.options()) : at::Tensor();
+  d.recv_src = at::empty({N}, i64);
+  d.recv_topk_idx = at::empty({N, K}, i64);
+  d.recv_topk_weights = at::empty({N, K}, x.options().dtype(at::kFloat));
+  d.row_slot = at::empty({R}, i64);
+  d.row_target = at::empty({R}, i64);
+  d.epoch = static_cast<int64_t>(rt.epoch());
+  // Device-to-device from the runtime's plan: no pageable host copy on the critical path.
+  const int64_t El = static_cast<int64_t>(d.counts.rows_per_expert.size());
+  d.tokens_per_expert =
+      at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
+  ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(),
+                          topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), x.size(0),
+                          static_cast<int>(num_sms), copy_rows ? d.recv_x.data_ptr() : nullptr,
+                          d.recv_src.data_ptr<int64_t>(), d.recv_topk_idx.data_ptr<int64_t>(),
+                          d.recv_topk_weights.data_ptr<float>(), d.row_slot.data_ptr<int64_t>(),
+                          d.row_target.data_ptr<int64_t>(), stream));
+  return d;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           int64_t>
+ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                 c10::string_view group_name, int64_t num_sms) {
+  return translate_errors([&] {
+    const c10::cuda::CUDAGuard guard(x.device());
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, num_sms, true, stream);
+    return std::make_tuple(d.recv_x, d.recv_src, d.recv_topk_idx, d.recv_topk_weights,
+                           d.tokens_per_expert, d.row_slot, d.row_target, d.epoch);
+  });
+}
+
+at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
+                       const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                       ep::Runtime& rt, int64_t epoch, int64_t num_sms, cudaStream_t stream) {
+  const ep::Config& cfg = rt.config();
+  UNIEP_CHECK(y.dim() == 2 && y.size(1) == cfg.hidden, "y must be [R, H = ", cfg.hidden,
+              "], got ", y.sizes());
+  UNIEP_CHECK(y.scalar_type() == at::kBFloat16, "y must be bfloat16, got ", y.scalar_type());
+  UNIEP_CHECK(y.is_cuda() && y.is_contiguous(), "y must be a contiguous CUDA tensor");
+  UNIEP_CHECK(row_target.dim() == 1 && row_target.size(0) == y.size(0) &&
+                  row_target.scalar_type() == at::kLong,
+              "row_target must be int64 [R] with R = y.size(0) = ", y.size(0));
+  check_topk_idx(topk_idx);
+  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
+                  topk_weights.is_contiguous() && topk_weights.device() == y.device(),
+              "topk_weights must be contiguous float32 shaped like topk_idx on y's device");
+  at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
+  ok_or_throw(rt.combine(y.data_ptr(), row_target.data_ptr<int64_t>(), y.size(0),
+                         topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
+                         topk_idx.size(0), static_cast<int>(num_sms), out.data_ptr(),
+                         static_cast<uint64_t>(epoch), stream));
+  return out;
+}
+
+at::Tensor ep_combine_cuda(const at::Tensor& y, const at::Tensor& row_target,
+                           const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                           c10::string_view group_name, int64_t epoch, int64_t num_sms) {
+  return translate_errors([&] {
+    const c10::cuda::CUDAGuard guard(y.device());
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index());
+    return run_combine(y, row_target, topk_idx, topk_weights, rt, epoch, num_sms, stream);
+  });
+}
+
+at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
+                            const at::Tensor& topk_weights, const at::Tensor& w1,
+                            const at::Tensor& w2, c10::string_view group_name,
+                            c10::string_view tuning) {
+  return translate_errors([&] {
+    const TuningParams params = TuningParams::parse(std::string(tuning));
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const ep::Config& cfg = rt.config();
+    const MoeInputs in =
+        validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
+    UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
+                     "the CUDA executor takes bfloat16 x (torch._grouped_mm), got ",
+                     x.scalar_type());
+    UNIEP_CHECK(in.shape.num_experts == cfg.num_experts && in.shape.hidden == cfg.hidden,
+                "w1/x describe ", in.shape.num_experts, " experts of hidden ", in.shape.hidden,
+                " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
+    UNIEP_CHECK_CODE(params.dispatch == DispatchPrecision::kBf16, StatusCode::kUnsupported,
+                     "dispatch=fp8 is not available on the CUDA executor yet");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params.comm_sms, false, stream);
+    const int64_t N = d.counts.num_recv, H = cfg.hidden, I = in.shape.ffn_hidden;
+    const int64_t R = d.row_slot.size(0);
+    at::Tensor y;
+    if (R == 0) {
+      y = at::empty({0, H}, x.options());
+    } else {
+      // The received rows stay in the symmetric buffer: gather the GEMM rows straight from it.
+      const at::Tensor rows = at::from_blob(const_cast<void*>(rt.received_rows()), {N, H},
+                                            {cfg.row_bytes_capacity() / 2, 1}, x.options());
+      const at::Tensor xs = rows.index_select(0, d.row_slot);
+      const at::Tensor offs = d.tokens_per_expert.cumsum(0).to(at::kInt);
+      const at::Tensor h = at::_grouped_mm(xs, w1, offs);
+      const at::Tensor act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
+      y = at::_grouped_mm(act, w2, offs).contiguous();
+    }
+    return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params.comm_sms,
+                       stream);
+  });
+}
+
+}  // namespace
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("ep_dispatch", &uniep::torch_glue::ep_dispatch_cuda);
+  m.impl("ep_combine", &uniep::torch_glue::ep_combine_cuda);
+  m.impl("moe_forward", &uniep::torch_glue::moe_forward_cuda);
+}

@@ -1,0 +1,109 @@
+// The expert-parallel runtime on GPUs: NVSHMEM bootstrap, the symmetric buffers, and the
+// slot-indexed dispatch and combine of the plan (uniep/plan.hpp) on device pointers.
+//
+// One Runtime per process group. It is created collectively: rank 0 makes a unique id
+// (make_unique_id), the framework broadcasts those bytes, every rank calls create(). No
+// launcher of ours is involved. NVLink peers are written with direct stores through
+// nvshmem_ptr; other peers through NVSHMEM puts, so several nodes work over NVSHMEM's
+// transports.
+//
+// Every device-side wait is bounded by Config::timeout_s. A timeout sets an error word that the
+// host turns into a kTimeout Status naming the operation and the peer that did not answer.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "uniep/status.hpp"
+
+namespace uniep::ep {
+
+struct Config {
+  int64_t max_tokens = 0;   // most tokens any rank passes to one dispatch
+  int64_t hidden = 0;       // H
+  int64_t top_k = 0;        // K
+  int64_t num_experts = 0;  // E, split evenly over the ranks
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  int64_t max_row_bytes = 0;  // bytes of one dispatched row; 0: hidden * 2 (bf16)
+  double timeout_s = 100.0;   // every device-side wait; env UNIEP_TIMEOUT_S overrides the default
+
+  int64_t row_bytes_capacity() const { return max_row_bytes > 0 ? max_row_bytes : hidden * 2; }
+  Status validate() const;
+};
+
+// Bytes of NVSHMEM symmetric heap a runtime with this config allocates (before NVSHMEM's own
+// reserve); set NVSHMEM_SYMMETRIC_SIZE at least this large before the first create().
+size_t symmetric_heap_bytes(const Config& config);
+
+// 128 opaque bytes; only rank 0's are used. Errors come back as a Status, never as an
+// exception: this library and its caller may hold different copies of the C++ runtime.
+Status make_unique_id(std::vector<uint8_t>* unique_id);
+
+// Counts agreed by all ranks at the start of a dispatch; the host needs them to size outputs.
+struct DispatchCounts {
+  int64_t num_recv = 0;                     // receive slots on this rank
+  std::vector<int64_t> recv_from_rank;      // [W]
+  std::vector<int64_t> rows_per_expert;     // [E_local] grouped-GEMM rows of each local expert
+  std::vector<int64_t> rows_back_from_rank; // [W] expert rows each rank returns to us in combine
+};
+
+class Runtime {
+ public:
+  static Status create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime);
+  virtual ~Runtime() = default;
+  virtual const Config& config() const = 0;
+  // True when this runtime initialised NVSHMEM (finalised when the last runtime goes).
+  virtual bool owns_nvshmem() const = 0;
+
+  // Layout of this rank's routing and the count exchange with every peer; synchronizes `stream`
+  // once to return the counts. topk_idx: [tokens, K] int64 device, global expert ids, -1 unused.
+  // A rank whose routing holds an invalid expert id makes every rank return kInvalidArgument
+  // (that rank's message names the entry). Starts a new epoch.
+  virtual Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
+                        DispatchCounts* counts) = 0;
+
+  // Puts every token row into its receive slot on each destination rank (once per rank), waits
+  // for this rank's slots to fill, then writes the outputs (slot order = (source rank, token)):
+  //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim)
+  //   topk_weights [tokens, K] float32
+  //   recv_x       [num_recv, row_bytes] or nullptr (the rows stay in the runtime's buffer,
+  //                readable through received_rows() until the next dispatch)
+  //   recv_src     [num_recv] int64 source token index; recv_topk_idx [num_recv, K] int64 local
+  //                expert ids (-1 where the expert is on another rank); recv_topk_weights
+  //                [num_recv, K] float32
+  //   row_slot     [R] int64: for each grouped-GEMM row (local experts in order, each expert's
+  //                rows in slot order) the slot it reads; row_target [R] int64: where its output
+  //                goes back to: src_rank * (max_tokens * K) + src_token * K + k
+  // `num_sms` blocks are used (the communication SM budget).
+  virtual Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
+                          const float* topk_weights, int64_t tokens, int num_sms, void* recv_x,
+                          int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
+                          int64_t* row_slot, int64_t* row_target, cudaStream_t stream) = 0;
+
+  // Device pointer to the receive buffer ([num_recv, row_bytes] rows) of the last dispatch.
+  virtual const void* received_rows() const = 0;
+  // Device [E_local] int64: grouped-GEMM rows per local expert, from the last notify.
+  virtual const int64_t* rows_per_local_expert() const = 0;
+  // The epoch of the last notify; a combine names the epoch of the dispatch it answers.
+  virtual uint64_t epoch() const = 0;
+
+  // Writes each expert output row y[r] ([R, H] bf16) into slot (token, k) of its source rank,
+  // waits for this rank's R_back rows, then out[t] = sum_k w[t,k] * y_(t,k) over valid k in
+  // ascending order in fp32, stored as bf16. topk_idx / topk_weights are this rank's, as given
+  // to the matching dispatch. Each dispatch is combined at most once, and only before the next
+  // notify: `epoch` must be that dispatch's (the buffers of older ones are gone).
+  virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
+                         const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
+                         int num_sms, void* out, uint64_t epoch, cudaStream_t stream) = 0;
+
+  // Raises (as a Status) an error a device wait recorded; clears it.
+  virtual Status check_device_errors(cudaStream_t stream) = 0;
+};
+
+}  // namespace uniep::ep

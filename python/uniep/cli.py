@@ -1,0 +1,314 @@
+"""The ``uniep`` command: ``uniep info`` (what this build contains) and ``uniep demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["main"]
+
+# Max relative error (max |got - ref| / max |ref|) accepted against the float64 reference.
+_TOLERANCE = {
+    "float64": {"forward": 1e-10, "grad": 1e-10},
+    "float32": {"forward": 1e-4, "grad": 1e-4},
+    "bfloat16": {"forward": 3e-2, "grad": 5e-2},
+}
+
+
+def _has_cuda_moe_kernel() -> bool:
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"))
+
+
+def _info() -> dict[str, Any]:
+    import uniep
+
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "build": dict(uniep.build_info()),
+        "runtime": {
+            "torch_version": torch.__version__,
+            "torch_cuda_version": torch.version.cuda or "",
+            "cuda_devices": devices,
+            "moe_forward_cuda_kernel": _has_cuda_moe_kernel(),
+            "routing_layout_cuda_kernel": bool(
+                torch._C._dispatch_has_kernel_for_dispatch_key("uniep::routing_layout", "CUDA")
+            ),
+        },
+    }
+
+
+def _yes(value: object) -> str:
+    return "yes" if value else "no"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = _info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    b, r = info["build"], info["runtime"]
+    devices = r["cuda_devices"]
+    rows = [
+        ("uniep", b.get("version", "")),
+        ("CUDA kernels compiled", _yes(b.get("cuda_kernels"))),
+        ("torch CUDA ops", _yes(b.get("cuda_ops"))),
+        ("  moe_forward on CUDA", _yes(r["moe_forward_cuda_kernel"])),
+        ("  routing_layout on CUDA", _yes(r["routing_layout_cuda_kernel"])),
+        ("NVSHMEM", b.get("nvshmem_version") or "-"),
+        ("CUTLASS", b.get("cutlass_version") or "-"),
+        ("CUDA archs (sm)", b.get("cuda_archs") or "-"),
+        ("CUDA compiler", b.get("cuda_compiler_version") or "-"),
+        ("torch (built against)", b.get("torch_version") or "-"),
+        ("torch (running)", f"{r['torch_version']} (CUDA {r['torch_cuda_version'] or 'none'})"),
+        (
+            "CUDA devices visible",
+            f"{len(devices)}" + (f": {', '.join(devices)}" if devices else ""),
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# ---- demo ----
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    scale = ref.abs().max().item()
+    return (got - ref).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _gather(t: torch.Tensor, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    # Gathered in a wide dtype: not every backend reduces/gathers bfloat16, and the widening is
+    # exact.
+    wide = t.detach().double() if t.is_floating_point() else t.detach()
+    parts = [torch.empty_like(wide) for _ in range(world)]
+    dist.all_gather(parts, wide.contiguous())
+    return torch.cat(parts)
+
+
+def _median_ms(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:
+    # No warm-up call here: the checked forward+backward before timing already ran every path.
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _demo_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from uniep.nn import MoELayer, route_weights
+    from uniep.reference import moe_reference
+
+    device = torch.device("cuda", rank) if cfg["device"] == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, cfg["dtype"])
+    tokens, hidden = cfg["tokens"], cfg["hidden"]
+
+    torch.manual_seed(cfg["seed"])
+    layer = MoELayer(hidden, cfg["ffn"], cfg["experts"], cfg["top_k"], dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(cfg["seed"] * 7919 + 1 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+    grad_y = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+    x.requires_grad_(True)
+
+    y = layer(x)
+    y.backward(grad_y)
+    router_grad = layer.router.weight.grad.detach().double().clone()
+    dist.all_reduce(router_grad)  # the router is replicated: its gradient is summed over ranks
+
+    # Reference: every rank's tokens through all experts in float64, differentiated by autograd.
+    with torch.no_grad():
+        topk_idx, _ = layer.route(x)
+    x_all = _gather(x, world).requires_grad_(True)
+    grad_all = _gather(grad_y, world)
+    idx_all = _gather(topk_idx, world)
+    w1_all = _gather(layer.w1, world).requires_grad_(True)
+    w2_all = _gather(layer.w2, world).requires_grad_(True)
+    router_ref = layer.router.weight.detach().double().clone().requires_grad_(True)
+    weights_all = route_weights(x_all, router_ref, idx_all)
+    y_ref = moe_reference(x_all, idx_all, weights_all, w1_all, w2_all)
+    y_ref.backward(grad_all)
+
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    experts = slice(layer.expert_offset, layer.expert_offset + layer.num_local_experts)
+    errors = {
+        "forward": _rel_err(y, y_ref[rows]),
+        "grad x": _rel_err(x.grad, x_all.grad[rows]),
+        "grad w1": _rel_err(layer.w1.grad, w1_all.grad[experts]),
+        "grad w2": _rel_err(layer.w2.grad, w2_all.grad[experts]),
+        "grad router": _rel_err(router_grad, router_ref.grad),
+    }
+    worst = torch.tensor(list(errors.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    errors = dict(zip(errors, worst.tolist(), strict=True))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(x)
+
+    def forward_backward() -> None:
+        layer(x).backward(grad_y)
+
+    times = torch.tensor(
+        [
+            _median_ms(forward, cfg["iters"], sync),
+            _median_ms(forward_backward, cfg["iters"], sync),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return {"errors": errors, "forward_ms": times[0].item(), "fwd_bwd_ms": times[1].item()}
+
+
+def _pick_device(requested: str, world: int) -> tuple[str, str]:
+    """The device to run on, and why it is not the GPU when it is not."""
+    if requested == "cpu":
+        return "cpu", "--device cpu"
+    import uniep
+
+    problems = []
+    gpus = torch.cuda.device_count()
+    if gpus < world:
+        problems.append(f"{gpus} CUDA device(s) visible, {world} needed")
+    if not uniep.build_info().get("cuda_ops"):
+        problems.append("this build has no torch CUDA ops")
+    elif not _has_cuda_moe_kernel():
+        problems.append("torch.ops.uniep.moe_forward has no CUDA kernel yet")
+    if not problems:
+        return "cuda", ""
+    if requested == "cuda":
+        raise SystemExit("uniep demo: --device cuda is not possible: " + "; ".join(problems))
+    return "cpu", "; ".join(problems)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from uniep.distributed import run_local_ranks
+
+    for name in ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "iters"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"uniep demo: --{name.replace('_', '-')} must be >= 1")
+    if args.experts % args.world_size != 0:
+        raise SystemExit(
+            f"uniep demo: --experts ({args.experts}) must be divisible by --world-size "
+            f"({args.world_size})"
+        )
+    if args.top_k > args.experts:
+        raise SystemExit(f"uniep demo: --top-k ({args.top_k}) must be <= --experts")
+
+    device, why = _pick_device(args.device, args.world_size)
+    cfg = {
+        "device": device,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "ffn": args.ffn,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "iters": args.iters,
+        "seed": args.seed,
+    }
+    backend = "nccl" if device == "cuda" else "gloo"
+    where = f"{device} ({backend})" + (f"; not on GPU: {why}" if why else "")
+    print(
+        f"uniep demo: {args.world_size} ranks on {where}\n"
+        f"  {args.dtype}, tokens/rank={args.tokens} hidden={args.hidden} ffn={args.ffn} "
+        f"experts={args.experts} top_k={args.top_k}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    try:
+        try:
+            results = run_local_ranks(
+                _demo_rank, args.world_size, (cfg,), backend=backend, timeout_s=args.timeout
+            )
+        except RuntimeError as exc:
+            # A build can register CUDA ops without every kernel; only a missing kernel is a
+            # reason to fall back, any other failure is reported.
+            if device != "cuda" or args.device != "auto" or "NotImplementedError" not in str(exc):
+                raise
+            print("  a CUDA kernel is missing; running on cpu (gloo) instead", flush=True)
+            cfg["device"] = "cpu"
+            results = run_local_ranks(
+                _demo_rank, args.world_size, (cfg,), backend="gloo", timeout_s=args.timeout
+            )
+    except RuntimeError as exc:
+        print(f"uniep demo: FAILED: {exc}", file=sys.stderr)
+        return 1
+    res = results[0]
+    tol = _TOLERANCE[args.dtype]
+    ok = True
+    print("  check against uniep.reference.moe_reference (float64), max rel error:")
+    for name, err in res["errors"].items():
+        limit = tol["forward"] if name == "forward" else tol["grad"]
+        good = err <= limit
+        ok &= good
+        print(f"    {name:<12} {err:.2e}  (tol {limit:.0e})  {'ok' if good else 'MISMATCH'}")
+    total_tokens = args.tokens * args.world_size
+    for label, key in (("forward", "forward_ms"), ("forward+backward", "fwd_bwd_ms")):
+        ms = res[key]
+        print(
+            f"  {label:<17} {ms:8.2f} ms median of {args.iters}  "
+            f"{total_tokens / (ms / 1e3):12,.0f} tokens/s ({args.world_size} ranks)"
+        )
+    print(f"uniep demo: {'PASS' if ok else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="uniep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="what this build contains (CUDA, NVSHMEM, CUTLASS, archs)")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=_cmd_info)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run an MoE layer forward+backward on local ranks and check it against a reference",
+    )
+    demo.add_argument("--world-size", type=int, default=2, help="local ranks to spawn")
+    demo.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    demo.add_argument("--hidden", type=int, default=256)
+    demo.add_argument("--ffn", type=int, default=512, help="expert intermediate width")
+    demo.add_argument("--experts", type=int, default=8, help="experts in total")
+    demo.add_argument("--top-k", type=int, default=2)
+    demo.add_argument("--dtype", choices=sorted(_TOLERANCE), default="float32")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.add_argument("--iters", type=int, default=3, help="timed iterations (median)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds before hung ranks are stopped"
+    )
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

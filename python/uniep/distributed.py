@@ -1,0 +1,285 @@
+"""Process groups for UniEP: which ranks share the experts, and a small local launcher.
+
+UniEP never starts its own launcher for real jobs: ranks and processes come from
+``torch.distributed``. ``init(group)`` records the group that later calls use by default, and
+``run_local_ranks`` spawns a few processes on one host for demos, benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as _queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Runtime",
+    "init",
+    "group_name",
+    "world_size",
+    "rank",
+    "default_group",
+    "run_local_ranks",
+]
+
+# The group passed to init(); None means "WORLD if torch.distributed is initialised, else one rank".
+_default_group: dist.ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What ``uniep.init`` resolved: the group the ops use and where this process sits in it.
+
+    ``group_name`` is ``""`` for a world of one rank without ``torch.distributed``; ``device`` is
+    ``"cuda"`` for NCCL groups and ``"cpu"`` for gloo-only groups.
+    """
+
+    group_name: str
+    rank: int
+    world_size: int
+    device: str
+    backend: str
+
+
+def _check_group(group: object) -> dist.ProcessGroup | None:
+    if group is None:
+        return None
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group does not contain this process (it is NON_GROUP_MEMBER)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError("group does not contain this process (its rank in the group is -1)")
+    return group
+
+
+def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The explicit group, else the init() default, else WORLD, else None (one rank)."""
+    group = _check_group(group)
+    if group is not None:
+        return group
+    if _default_group is not None:
+        return _default_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def default_group() -> dist.ProcessGroup | None:
+    """The group ``init`` recorded, else WORLD, else None (no torch.distributed)."""
+    return _resolve(None)
+
+
+def group_name(group: dist.ProcessGroup | None = None) -> str:
+    """The name the ``torch.ops.uniep`` ops take as ``group_name``.
+
+    ``""`` (a world of one rank) when ``group`` is None and torch.distributed is not initialised;
+    otherwise ``group.group_name`` of ``group``, of the group given to ``init``, or of WORLD.
+    """
+    resolved = _resolve(group)
+    return "" if resolved is None else resolved.group_name
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks the experts are split over (1 without torch.distributed)."""
+    resolved = _resolve(group)
+    return 1 if resolved is None else dist.get_world_size(resolved)
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in the group (0 without torch.distributed)."""
+    resolved = _resolve(group)
+    return 0 if resolved is None else dist.get_rank(resolved)
+
+
+def _device_kind(backend: str) -> str:
+    if "nccl" in backend:
+        return "cuda"
+    if backend:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init(group: dist.ProcessGroup | None = None) -> Runtime:
+    """Record ``group`` as the default for later UniEP calls and describe it.
+
+    Args:
+        group: the ``torch.distributed`` process group the experts are split over; None means WORLD
+            when torch.distributed is initialised, else a world of one rank (no torch.distributed
+            needed). CPU tensors need a gloo group, CUDA tensors an NCCL group.
+
+    Returns:
+        A ``Runtime`` with the group name, this rank, the world size and the device kind.
+
+    Raises:
+        ValueError: ``group`` is not a ProcessGroup, torch.distributed is not initialised, or this
+            process is not a member of ``group``.
+    """
+    global _default_group
+    _default_group = _check_group(group)
+    resolved = _resolve(None)
+    if resolved is None:
+        return Runtime(group_name="", rank=0, world_size=1, device=_device_kind(""), backend="")
+    backend = str(dist.get_backend(resolved))
+    return Runtime(
+        group_name=resolved.group_name,
+        rank=dist.get_rank(resolved),
+        world_size=dist.get_world_size(resolved),
+        device=_device_kind(backend),
+        backend=backend,
+    )
+
+
+# ---- local launcher: a few processes on this host, joined over TCP on 127.0.0.1 ----
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    local_rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    results: Any,
+    args: tuple,
+) -> None:
+    # Gloo resolves the hostname to pick an interface; on machines where that name maps to an
+    # unreachable address it hangs, and every rank here is local anyway.
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # Ranks share the host's cores; oversubscribing threads makes every collective wait on the
+    # slowest rank.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=local_rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        init()
+        out = fn(local_rank, world, *args)
+        results.put((local_rank, True, out))
+    except BaseException:
+        # The parent prints this traceback and stops the other ranks, which may be blocked in a
+        # collective waiting for this one.
+        results.put((local_rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a process group.
+
+    Each process initialises ``torch.distributed`` (``backend``: gloo for CPU, nccl for one GPU
+    per rank) on a free TCP port of 127.0.0.1 and calls ``uniep.init()`` before ``fn``. ``fn`` must
+    be a module-level function; its return values must be picklable.
+
+    Returns:
+        The values ``fn`` returned, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), died, or the ranks did not
+            all finish within ``timeout_s`` seconds; every remaining process is stopped first.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per rank: world={world}, "
+            f"visible GPUs={torch.cuda.device_count()}"
+        )
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, fn, world, port, backend, timeout_s, results, args),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    error: str | None = None
+    try:
+        while len(outputs) < world:
+            try:
+                r, ok, value = results.get(timeout=0.2)
+            except _queue.Empty:
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if p.exitcode is not None and p.exitcode != 0 and i not in outputs
+                ]
+                if dead:
+                    # Give the queue a moment: a rank that raised posts its traceback first.
+                    try:
+                        r, ok, value = results.get(timeout=1.0)
+                    except _queue.Empty:
+                        error = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}"
+                        break
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(outputs))
+                    error = f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    break
+                else:
+                    continue
+            if not ok:
+                error = f"rank {r} failed:\n{value}"
+                break
+            outputs[r] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if error is None else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if error is not None:
+        raise RuntimeError(error)
+    return [outputs[r] for r in range(world)]

@@ -1,0 +1,233 @@
+"""Python side of ``torch.ops.uniep``: fake kernels (torch.compile), autograd, and wrappers.
+
+The schemas and the CPU/CUDA kernels are registered in C++ (``cpp/torch``); loading ``uniep._C``
+defines them, so this module imports it first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
+from . import _C, distributed
+
+__all__ = ["moe_forward"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _check_moe_args(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    # Only what the output's metadata depends on, worded like the C++ checks; value checks
+    # (expert ids, group membership) need the data and stay in the real kernels.
+    torch._check_value(
+        x.dim() == 2, lambda: f"x must be 2-D [T, H], got {x.dim()}-D {tuple(x.shape)}"
+    )
+    torch._check_value(
+        x.dtype in _FLOAT_DTYPES, lambda: f"x must be float32, bfloat16 or float64, got {x.dtype}"
+    )
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D [T, K], got {topk_idx.dim()}-D"
+    )
+    torch._check_value(
+        topk_idx.dtype == torch.int64, lambda: f"topk_idx must be int64, got {topk_idx.dtype}"
+    )
+    torch._check_value(
+        topk_idx.shape[1] >= 1, lambda: "topk_idx must have at least one column (top-k >= 1)"
+    )
+    torch._check_value(
+        topk_idx.shape[0] == x.shape[0],
+        lambda: f"topk_idx must have T={x.shape[0]} rows like x, got {topk_idx.shape[0]}",
+    )
+    torch._check_value(
+        topk_weights.dim() == 2
+        and topk_weights.shape[0] == topk_idx.shape[0]
+        and topk_weights.shape[1] == topk_idx.shape[1],
+        lambda: (
+            f"topk_weights must be [T, K] = {tuple(topk_idx.shape)} like topk_idx, "
+            f"got {tuple(topk_weights.shape)}"
+        ),
+    )
+    allowed = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
+    torch._check_value(
+        topk_weights.dtype in allowed,
+        lambda: (
+            f"topk_weights must be float32 (float64 allowed with float64 x), "
+            f"got {topk_weights.dtype}"
+        ),
+    )
+    torch._check_value(w1.dim() == 3, lambda: f"w1 must be 3-D [E_local, H, 2I], got {w1.dim()}-D")
+    torch._check_value(w2.dim() == 3, lambda: f"w2 must be 3-D [E_local, I, H], got {w2.dim()}-D")
+    torch._check_value(
+        w1.shape[0] >= 1, lambda: f"w1 must hold at least one local expert, got {tuple(w1.shape)}"
+    )
+    torch._check_value(
+        w1.shape[1] == x.shape[1],
+        lambda: f"w1 must be [E_local, H={x.shape[1]}, 2I], got H={w1.shape[1]}",
+    )
+    torch._check_value(
+        w2.shape[0] == w1.shape[0] and w1.shape[2] == 2 * w2.shape[1] and w2.shape[2] == x.shape[1],
+        lambda: (
+            f"w2 must be [E_local={w1.shape[0]}, I={w1.shape[2] // 2}, H={x.shape[1]}] "
+            f"to match w1 {tuple(w1.shape)}, got {tuple(w2.shape)}"
+        ),
+    )
+    for name, t in (("w1", w1), ("w2", w2)):
+        torch._check_value(
+            t.dtype == x.dtype,
+            lambda n=name, t=t: f"{n} must have x's dtype {x.dtype}, got {t.dtype}",
+        )
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w1", w1), ("w2", w2)):
+        torch._check_value(
+            t.device == x.device,
+            lambda n=name, t=t: f"{n} must be on x's device {x.device}, got {t.device}",
+        )
+
+
+@torch.library.register_fake("uniep::moe_forward")
+def _moe_forward_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    tuning: str = "",
+) -> torch.Tensor:
+    _check_moe_args(x, topk_idx, topk_weights, w1, w2)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("uniep::moe_backward")
+def _moe_backward_fake(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    tuning: str = "",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_moe_args(x, topk_idx, topk_weights, w1, w2)
+    torch._check_value(
+        grad_out.dim() == 2 and grad_out.shape[0] == x.shape[0] and grad_out.shape[1] == x.shape[1],
+        lambda: f"grad_out must have x's shape {tuple(x.shape)}, got {tuple(grad_out.shape)}",
+    )
+    torch._check_value(
+        grad_out.dtype == x.dtype,
+        lambda: f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}",
+    )
+    return (
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        w1.new_empty(w1.shape),
+        w2.new_empty(w2.shape),
+    )
+
+
+@torch.library.register_fake("uniep::routing_layout")
+def _routing_layout_fake(
+    topk_idx: torch.Tensor, num_experts: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D [T, K], got {topk_idx.dim()}-D"
+    )
+    torch._check_value(
+        topk_idx.dtype == torch.int64, lambda: f"topk_idx must be int64, got {topk_idx.dtype}"
+    )
+    torch._check_value(world_size > 0, lambda: f"world_size must be > 0, got {world_size}")
+    torch._check_value(num_experts > 0, lambda: f"num_experts must be > 0, got {num_experts}")
+    torch._check_value(
+        num_experts % world_size == 0,
+        lambda: f"num_experts ({num_experts}) must be divisible by world_size ({world_size})",
+    )
+    tokens = topk_idx.shape[0]
+    return (
+        topk_idx.new_empty((world_size,), dtype=torch.int64),
+        topk_idx.new_empty((num_experts,), dtype=torch.int64),
+        topk_idx.new_empty((tokens, world_size), dtype=torch.bool),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, topk_idx, topk_weights, w1, w2, group_name, tuning = inputs
+    ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
+    ctx.group_name = group_name
+    ctx.tuning = tuning
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
+    # Every rank must enter moe_backward: the gradient of a local expert needs the rows other
+    # ranks sent it, so the call cannot be skipped even where no input here needs a gradient.
+    grad_x, grad_weights, grad_w1, grad_w2 = torch.ops.uniep.moe_backward(
+        grad_out.contiguous(), x, topk_idx, topk_weights, w1, w2, ctx.group_name, ctx.tuning
+    )
+    needs = ctx.needs_input_grad
+    return (
+        grad_x if needs[0] else None,
+        None,
+        grad_weights if needs[2] else None,
+        grad_w1 if needs[3] else None,
+        grad_w2 if needs[4] else None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd("uniep::moe_forward", _backward, setup_context=_setup_context)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: torch.distributed.ProcessGroup | None = None,
+    tuning: str | _C.TuningParams = "",
+) -> torch.Tensor:
+    """Expert-parallel SwiGLU MoE: dispatch tokens to their experts, run them, combine.
+
+    ``y[t] = sum_k topk_weights[t, k] * (silu(x[t] @ W1g[e]) * (x[t] @ W1u[e])) @ W2[e]`` with
+    ``e = topk_idx[t, k]``, reduced over ``k`` in ascending order in fp32. Experts are split evenly
+    over the ``W`` ranks of ``group``: rank ``r`` owns global experts
+    ``[r * E_local, (r + 1) * E_local)``, ``E = E_local * W``. Every rank of the group must call it.
+    Differentiable with respect to ``x``, ``topk_weights``, ``w1`` and ``w2``.
+
+    Args:
+        x: ``[T, H]`` float32, bfloat16 or float64, contiguous: this rank's tokens.
+        topk_idx: ``[T, K]`` int64 global expert ids in ``[0, E)``; -1 marks an unused slot.
+        topk_weights: ``[T, K]`` float32 gate weights (float64 allowed with float64 ``x``).
+        w1: ``[E_local, H, 2I]`` dtype of ``x``: this rank's gate (columns ``0..I-1``) and up
+            (columns ``I..2I-1``) projections.
+        w2: ``[E_local, I, H]`` dtype of ``x``: this rank's down projections.
+        group: the process group the experts are split over; None uses the group given to
+            ``uniep.init``, else WORLD, else a world of one rank (no torch.distributed needed).
+            CPU tensors need a gloo group.
+        tuning: a ``TuningParams`` or its string form, e.g. ``"sms=24/132,token_tile=64"``;
+            ``""`` keeps the defaults. It never changes the output bits, except ``dispatch=fp8``.
+
+    Returns:
+        ``[T, H]`` tensor of ``x``'s dtype and device.
+
+    Raises:
+        ValueError: an argument has the wrong shape, dtype or device, or an expert id is out of
+            range; the message names the argument.
+        RuntimeError: the exchange with another rank failed.
+    """
+    if isinstance(tuning, _C.TuningParams):
+        tuning = tuning.to_string()
+    elif not isinstance(tuning, str):
+        raise ValueError(f"tuning must be a str or TuningParams, got {type(tuning).__name__}")
+    return torch.ops.uniep.moe_forward(
+        x, topk_idx, topk_weights, w1, w2, distributed.group_name(group), tuning
+    )

@@ -1,0 +1,47 @@
+"""The multi-rank harness itself: results come back in rank order, and a rank that raises or
+hangs fails the call quickly with its traceback instead of hanging the session."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankFailure, run_ranks
+
+
+def sum_worker(rank: int, world_size: int, base: int) -> dict[str, object]:
+    t = torch.tensor([rank + base])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world_size, "sum": int(t)}
+
+
+def raise_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 would wait here for good; the harness must stop it
+
+
+def hang(rank: int, world_size: int) -> None:
+    time.sleep(3600)
+
+
+def test_results_in_rank_order() -> None:
+    res = run_ranks(2, sum_worker, 10)
+    assert [r["rank"] for r in res] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 21 for r in res)
+
+
+def test_a_failing_rank_fails_the_call_with_its_traceback() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank one is broken"):
+        run_ranks(2, raise_on_rank1)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_hanging_rank_times_out() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish"):
+        run_ranks(2, hang, timeout=8)
+    assert time.monotonic() - t0 < 20

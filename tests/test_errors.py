@@ -1,0 +1,165 @@
+"""Bad input raises an error whose message names the offending argument (one rank, CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from uniep import _C
+
+ERRORS = (ValueError, RuntimeError, TypeError)
+T, H, FFN, E, K = 6, 16, 8, 4, 2
+
+
+def _good() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].contiguous()
+    idx[0, 1] = -1
+    return {
+        "x": torch.randn(T, H, generator=gen),
+        "topk_idx": idx,
+        "topk_weights": torch.rand(T, K, generator=gen),
+        "w1": torch.randn(E, H, 2 * FFN, generator=gen),
+        "w2": torch.randn(E, FFN, H, generator=gen),
+    }
+
+
+def _forward(group: str = "", tuning: str = "", **changes: torch.Tensor) -> torch.Tensor:
+    a = _good()
+    a.update(changes)
+    return torch.ops.uniep.moe_forward(
+        a["x"], a["topk_idx"], a["topk_weights"], a["w1"], a["w2"], group, tuning
+    )
+
+
+def _backward(**changes: torch.Tensor) -> object:
+    a = _good()
+    grad_out = changes.pop("grad_out", torch.ones(T, H))
+    a.update(changes)
+    return torch.ops.uniep.moe_backward(
+        grad_out, a["x"], a["topk_idx"], a["topk_weights"], a["w1"], a["w2"], "", ""
+    )
+
+
+def _idx_with(value: int) -> torch.Tensor:
+    idx = _good()["topk_idx"].clone()
+    idx[3, 0] = value
+    return idx
+
+
+def _strided(shape: tuple[int, ...]) -> torch.Tensor:
+    """Right shape, not contiguous: every other element of the last dim of a wider tensor."""
+    wide = torch.randn(*shape[:-1], 2 * shape[-1])
+    return wide[..., ::2]
+
+
+# (id, call, argument the message must name)
+CASES: list[tuple[str, Callable[[], object], str]] = [
+    ("x-int", lambda: _forward(x=torch.ones(T, H, dtype=torch.int32)), "x"),
+    ("x-float16", lambda: _forward(x=torch.randn(T, H).half()), "x"),
+    ("topk_idx-int32", lambda: _forward(topk_idx=_good()["topk_idx"].int()), "topk_idx"),
+    (
+        "topk_weights-float16",
+        lambda: _forward(topk_weights=torch.rand(T, K).half()),
+        "topk_weights",
+    ),
+    (
+        "topk_weights-float64-with-float32-x",
+        lambda: _forward(topk_weights=torch.rand(T, K, dtype=torch.float64)),
+        "topk_weights",
+    ),
+    ("w1-dtype-not-x", lambda: _forward(w1=torch.randn(E, H, 2 * FFN).bfloat16()), "w1"),
+    ("w2-dtype-not-x", lambda: _forward(w2=torch.randn(E, FFN, H, dtype=torch.float64)), "w2"),
+    ("x-3d", lambda: _forward(x=torch.randn(1, T, H)), "x"),
+    ("topk_idx-1d", lambda: _forward(topk_idx=torch.zeros(T, dtype=torch.int64)), "topk_idx"),
+    (
+        "topk_idx-tokens-mismatch",
+        lambda: _forward(topk_idx=torch.zeros(T + 1, K, dtype=torch.int64)),
+        "topk_idx",
+    ),
+    ("topk_weights-shape", lambda: _forward(topk_weights=torch.rand(T, K + 1)), "topk_weights"),
+    ("w1-wrong-hidden", lambda: _forward(w1=torch.randn(E, H + 1, 2 * FFN)), "w1"),
+    ("w1-not-2i-wide", lambda: _forward(w1=torch.randn(E, H, 2 * FFN + 2)), "w[12]"),
+    ("w1-2d", lambda: _forward(w1=torch.randn(H, 2 * FFN)), "w1"),
+    ("w2-wrong-hidden", lambda: _forward(w2=torch.randn(E, FFN, H + 3)), "w2"),
+    ("w2-wrong-ffn", lambda: _forward(w2=torch.randn(E, FFN + 1, H)), "w2"),
+    ("w2-experts-not-w1", lambda: _forward(w2=torch.randn(E - 1, FFN, H)), "w2"),
+    ("x-non-contiguous", lambda: _forward(x=_strided((T, H))), "x"),
+    ("w1-non-contiguous", lambda: _forward(w1=_strided((E, H, 2 * FFN))), "w1"),
+    ("w2-non-contiguous", lambda: _forward(w2=_strided((E, FFN, H))), "w2"),
+    ("w1-on-meta", lambda: _forward(w1=torch.randn(E, H, 2 * FFN, device="meta")), "w1"),
+    ("topk_idx-expert-too-large", lambda: _forward(topk_idx=_idx_with(E)), "topk_idx"),
+    ("topk_idx-expert-below-minus-1", lambda: _forward(topk_idx=_idx_with(-2)), "topk_idx"),
+    ("tuning-unknown-key", lambda: _forward(tuning="tile_m=64,warp_size=32"), "warp_size"),
+    ("tuning-bad-value", lambda: _forward(tuning="overlap=sometimes"), "overlap"),
+    ("tuning-tile_m-0", lambda: _forward(tuning="tile_m=0"), "tile_m"),
+    ("tuning-not-key-value", lambda: _forward(tuning="stages"), "stages"),
+    ("unknown-group", lambda: _forward(group="no-such-group"), "group_name"),
+    ("backward-grad_out-shape", lambda: _backward(grad_out=torch.ones(T, H + 1)), "grad_out"),
+    (
+        "backward-grad_out-dtype",
+        lambda: _backward(grad_out=torch.ones(T, H, dtype=torch.float64)),
+        "grad_out",
+    ),
+    ("backward-topk_idx-too-large", lambda: _backward(topk_idx=_idx_with(E + 5)), "topk_idx"),
+    (
+        "routing_layout-experts-not-divisible",
+        lambda: torch.ops.uniep.routing_layout(torch.zeros(4, 2, dtype=torch.int64), 8, 3),
+        "num_experts",
+    ),
+    (
+        "routing_layout-topk_idx-int32",
+        lambda: torch.ops.uniep.routing_layout(torch.zeros(4, 2, dtype=torch.int32), 8, 2),
+        "topk_idx",
+    ),
+    (
+        "routing_layout-expert-too-large",
+        lambda: torch.ops.uniep.routing_layout(torch.full((4, 2), 8, dtype=torch.int64), 8, 2),
+        "topk_idx",
+    ),
+    (
+        "routing_layout-world_size-0",
+        lambda: torch.ops.uniep.routing_layout(torch.zeros(4, 2, dtype=torch.int64), 8, 0),
+        "world_size",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "name"), [pytest.param(c, n, id=i) for i, c, n in CASES])
+def test_bad_argument_is_named(call: Callable[[], object], name: str) -> None:
+    # Word boundaries: "x" must be the argument x, not a letter inside another word.
+    with pytest.raises(ERRORS, match=rf"\b{name}\b"):
+        call()
+
+
+def test_good_arguments_pass() -> None:
+    """The baseline every case above perturbs is itself valid."""
+    y = _forward()
+    assert y.shape == (T, H) and torch.isfinite(y).all()
+    assert len(_backward()) == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("warp_size=32", "warp_size"),
+        ("tile_m=abc", "tile_m"),
+        ("tile_m=0", "tile_m"),
+        ("tile_m=96", "tile_m"),
+        ("tile_n=512", "tile_n"),
+        ("tile_k=8", "tile_k"),
+        ("stages=0", "stages"),
+        ("token_tile=", "token_tile"),
+        ("token_tile=-4", "token_tile"),
+        ("overlap=overlapped", "overlap"),
+        ("dispatch=fp4", "dispatch"),
+        ("sms=24/12", "sms"),
+        ("sms=x/132", "sms"),
+        ("tile_m=64,tile_m=128", "tile_m"),
+        ("tile_k", "tile_k"),
+    ],
+)
+def test_tuning_parse_error_names_key(text: str, name: str) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        _C.TuningParams.parse(text)

@@ -1,0 +1,173 @@
+"""GPU expert-parallel runtime: dispatch/combine kernels against the CPU planner and executor.
+
+Needs >= 2 CUDA GPUs (marker `multigpu`); skipped cleanly elsewhere. Each test spawns one NCCL
+process per GPU (up to 4) and batches its cases into that one spawn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.multigpu
+
+HIDDEN = 1032  # not a power of two, a multiple of 8 (16-byte rows in bf16)
+FFN = 256
+EXPERTS = 16
+TOP_K = 8
+MAX_TOKENS = 256
+
+
+def _world() -> int:
+    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+
+
+def _routing(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        idx = torch.rand(tokens, EXPERTS, generator=gen).topk(TOP_K, dim=1).indices
+        drop = torch.rand(tokens, TOP_K, generator=gen) < 0.2
+        return torch.where(drop, torch.full_like(idx, -1), idx)
+    if kind == "one_expert":
+        idx = torch.full((tokens, TOP_K), -1, dtype=torch.long)
+        idx[:, 0] = 0
+        return idx
+    if kind == "top1":
+        idx = torch.full((tokens, TOP_K), -1, dtype=torch.long)
+        idx[:, 3] = torch.randint(0, EXPERTS, (tokens,), generator=gen)
+        return idx
+    raise ValueError(kind)
+
+
+def _case(kind: str, world: int, seed: int) -> tuple[list[torch.Tensor], ...]:
+    """Every rank's inputs, generated identically on all ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for r in range(world):
+        tokens = 0 if (kind == "empty_rank" and r == 1) else MAX_TOKENS - 37 * r
+        idx = _routing("random" if kind == "empty_rank" else kind, tokens, gen)
+        xs.append(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16))
+        idxs.append(idx)
+        ws.append(torch.rand(tokens, TOP_K, generator=gen))
+    return xs, idxs, ws
+
+
+def _expected_combine(ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k w*y over valid k, k ascending, one fp32 rounding per product and sum."""
+    acc = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
+    for k in range(TOP_K):
+        term = w[:, k : k + 1] * ybuf[:, k, :].float()
+        acc = torch.where((idx[:, k] >= 0).unsqueeze(1), acc + term, acc)
+    return acc.to(torch.bfloat16)
+
+
+def _ep_worker(rank: int, world: int) -> dict[str, object]:
+    import uniep
+    from uniep import _C
+
+    dev = torch.device("cuda", rank)
+    cpu_group = dist.new_group(backend="gloo")
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    report: dict[str, object] = {}
+    el = EXPERTS // world
+    for seed, kind in enumerate(("random", "one_expert", "empty_rank", "top1")):
+        xs, idxs, ws = _case(kind, world, seed)
+        x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+
+        # Dispatch: rows bit-identical to the CPU planner's slots, whatever the SM budget.
+        plan = _C.build_rank_plan([i.numpy() for i in idxs], EXPERTS, rank)
+        offsets = plan["recv_offsets"]
+        expected_rows = []
+        for slot, token in enumerate(plan["recv_src_token"]):
+            src = int(np.searchsorted(offsets, slot, side="right") - 1)
+            expected_rows.append(xs[src][token])
+        expected = (
+            torch.stack(expected_rows) if expected_rows else torch.empty(0, HIDDEN).bfloat16()
+        )
+        per_rank_slots = MAX_TOKENS * TOP_K
+        for sms in (24, 8, 32):
+            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
+            assert torch.equal(res.recv_x.cpu(), expected), (kind, sms)
+            assert torch.equal(res.recv_src.cpu(), torch.from_numpy(plan["recv_src_token"]))
+            assert torch.equal(res.handle.row_slot.cpu(), torch.from_numpy(plan["row_slot"]))
+            target = plan["row_src_rank"] * per_rank_slots + plan["row_combine_slot"]
+            assert torch.equal(res.handle.row_target.cpu(), torch.from_numpy(target))
+            assert torch.equal(
+                res.tokens_per_expert.cpu(), torch.from_numpy(np.diff(plan["row_offsets"]))
+            )
+
+        # Combine: bit-identical across SM budgets and runs, and to the ascending-k fp32 sum.
+        gen = torch.Generator().manual_seed(1000 + seed)
+        rows = res.handle.row_slot.numel()
+        y = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
+        outs = []
+        for sms in (24, 8, 32, 24):
+            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
+            outs.append(uniep.ep.combine(y.to(dev), res.handle).cpu())
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), kind
+        gathered: list[object] = [None] * world
+        dist.all_gather_object(gathered, (y, res.handle.row_target.cpu()), group=cpu_group)
+        ybuf = torch.zeros(idx.shape[0] * TOP_K, HIDDEN, dtype=torch.bfloat16)
+        for ys, targets in gathered:  # type: ignore[misc]
+            mine = targets // per_rank_slots == rank
+            ybuf[targets[mine] % per_rank_slots] = ys[mine]
+        want = _expected_combine(ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank])
+        assert torch.equal(outs[0], want), kind
+
+        # moe_forward on GPU: within bf16 tolerance of the CPU executor, bits stable.
+        gen = torch.Generator().manual_seed(2000 + seed)
+        w1_all = (torch.randn(EXPERTS, HIDDEN, 2 * FFN, generator=gen) / HIDDEN**0.5).bfloat16()
+        w2_all = (torch.randn(EXPERTS, FFN, HIDDEN, generator=gen) / FFN**0.5).bfloat16()
+        w1 = w1_all[rank * el : (rank + 1) * el].contiguous()
+        w2 = w2_all[rank * el : (rank + 1) * el].contiguous()
+        name = uniep.distributed.group_name()
+        gpu = [
+            torch.ops.uniep.moe_forward(x, idx, w, w1.to(dev), w2.to(dev), name, f"sms={s}")
+            for s in (24, 8, 24)
+        ]
+        assert all(torch.equal(gpu[0], g) for g in gpu[1:]), kind
+        cpu = torch.ops.uniep.moe_forward(
+            xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, ""
+        )
+        err = (gpu[0].cpu().float() - cpu.float()).norm() / cpu.float().norm().clamp_min(1e-6)
+        assert err <= 1e-2, (kind, float(err))
+        report[kind] = float(err)
+
+    # Bad input is an error naming the argument, not a hang.
+    with pytest.raises(ValueError, match="topk_idx"):
+        uniep.ep.dispatch(x, idx[:, :2].contiguous(), w[:, :2].contiguous())
+    dist.barrier()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_dispatch_combine_moe_against_cpu() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_ep_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    import uniep
+
+    uniep.ep.init_runtime(max_tokens=16, hidden=HIDDEN, top_k=2, num_experts=EXPERTS, timeout_s=3.0)
+    message = "rank 1 never called"
+    if rank == 0:
+        x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
+        idx = torch.randint(0, EXPERTS, (8, 2), device="cuda")
+        w = torch.rand(8, 2, device="cuda")
+        with pytest.raises(RuntimeError, match="waiting for rank 1") as info:
+            uniep.ep.dispatch(x, idx, w)
+        message = str(info.value)
+    dist.barrier()
+    return message
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_forced_timeout_raises_naming_the_peer() -> None:
+    from uniep.distributed import run_local_ranks
+
+    messages = run_local_ranks(_timeout_worker, 2, backend="nccl", timeout_s=300)
+    assert "timed out" in messages[0]
