@@ -60,8 +60,9 @@ struct DispatchArgs {
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
 };
+// `blocks` is the communication SM budget; `copy_blocks` the grid of the copy-out that follows.
 void launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
-                     cudaStream_t stream);
+                     int copy_blocks, cudaStream_t stream);
 
 void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
                         int64_t* row_slot, int64_t* row_target, cudaStream_t stream);
@@ -78,7 +79,8 @@ struct CombineArgs {
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
 };
+// `blocks` carry the rows (the communication SM budget); `reduce_blocks` do the reduction.
 void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
-                    cudaStream_t stream);
+                    int reduce_blocks, cudaStream_t stream);
 
 }  // namespace uniep::cuda

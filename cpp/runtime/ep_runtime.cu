@@ -147,6 +147,9 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
 
+    int device = 0;
+    UNIEP_CUDA_OK(cudaGetDevice(&device));
+    UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     dims_ = {cfg_.world_size, cfg_.rank, cfg_.num_experts, cfg_.num_experts / cfg_.world_size,
              cfg_.top_k, cfg_.hidden, cfg_.max_tokens, cfg_.row_bytes_capacity()};
     const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = dims_.experts_per_rank,
@@ -247,14 +250,18 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               detail::str_cat("x rows must be a multiple of 16 bytes and at most ",
                               cfg_.row_bytes_capacity(), " bytes, got ", row_bytes)};
-    if (num_sms < 1) return {StatusCode::kInvalidArgument, "num_sms must be >= 1"};
+    if (num_sms < 1 || num_sms > sm_count_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_,
+                              "] (blocks wait on each other, so all must be resident), got ",
+                              num_sms)};
     cuda::DispatchArgs a{static_cast<const uint8_t*>(x), row_bytes, topk_idx, topk_weights,
                          tokens, send_slot_, plan_, static_cast<uint8_t*>(recv_x), recv_src,
                          recv_topk_idx, recv_topk_weights, timeout_ns(), err_dev_};
     if (dispatched_)
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
-    cuda::launch_dispatch(sym_, dims_, a, num_sms, stream);
+    cuda::launch_dispatch(sym_, dims_, a, num_sms, copy_blocks(), stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     dispatched_ = true;
     if (row_slot != nullptr) {
@@ -288,10 +295,13 @@ class RuntimeImpl final : public Runtime {
                               last_tokens_)};
     if (cfg_.hidden % 8 != 0)
       return {StatusCode::kInvalidArgument, "hidden must be a multiple of 8 for the GPU combine"};
-    if (num_sms < 1) return {StatusCode::kInvalidArgument, "num_sms must be >= 1"};
+    if (num_sms < 1 || num_sms > sm_count_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_, "], got ",
+                              num_sms)};
     cuda::CombineArgs a{static_cast<const uint8_t*>(y), row_target, rows, topk_idx, topk_weights,
                         tokens, plan_, static_cast<uint8_t*>(out), timeout_ns(), err_dev_};
-    cuda::launch_combine(sym_, dims_, a, num_sms, stream);
+    cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     combined_ = true;
     return Status::Ok();
@@ -299,6 +309,8 @@ class RuntimeImpl final : public Runtime {
 
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+  // Grid of the copy-out and reduction kernels: a few blocks per SM, to keep bytes in flight.
+  int copy_blocks() const { return 4 * sm_count_; }
 
   Status take_device_error() {
     volatile DeviceError* e = err_host_;
@@ -326,6 +338,7 @@ class RuntimeImpl final : public Runtime {
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
+  int sm_count_ = 1;
   uint64_t epoch_ = 0;
   bool dispatched_ = false, combined_ = false;
   int64_t last_tokens_ = -1;

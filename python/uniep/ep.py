@@ -191,6 +191,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         handle.topk_idx,
         handle.topk_weights,
         handle.group_name,
+        handle.epoch,
         handle.num_sms,
     )
 

@@ -4,21 +4,23 @@
 // SM budget carried it, nor on arrival order.
 //
 // Completion: each block counts the rows it sent to each rank and, after nvshmem_quiet (its puts
-// are visible at the target), adds that count to the target's signal for this source. A receiver
-// waits until each source's signal reaches the count agreed in notify, then copies its slots out.
+// are visible at the target), adds that count to the target's signal for this source. Block 0
+// waits until each source's signal reaches the count agreed in notify; a second kernel, on the
+// whole GPU, then copies the slots out.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 256;
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
   __shared__ unsigned long long sent[kMaxRanks];
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
@@ -34,16 +36,28 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t slot = a.send_slot[t * W + dst];
       if (slot < 0) continue;
       const int pe = static_cast<int>(dst);
-      nvshmemx_putmem_nbi_warp(sym.recv_x + slot * d.row_cap, a.x + t * a.row_bytes,
-                               a.row_bytes, pe);
-      if (lane < meta_len) {
-        const int64_t v = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
-        nvshmem_int64_p(sym.recv_meta + slot * meta_len + lane, v, pe);
+      uint8_t* row = sym.recv_x + slot * d.row_cap;
+      int64_t* meta = sym.recv_meta + slot * meta_len;
+      float* weights = sym.recv_weights + slot * K;
+      // NVLink peers (and ourselves) are plain stores through the mapped pointer; others go
+      // through NVSHMEM's transports.
+      auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
+      if (peer_row != nullptr) {
+        warp_copy(peer_row, a.x + t * a.row_bytes, a.row_bytes, lane);
+        auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
+        auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
+        if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
+        if (lane < K) peer_weights[lane] = a.topk_weights[t * K + lane];
+      } else {
+        nvshmemx_putmem_nbi_warp(row, a.x + t * a.row_bytes, a.row_bytes, pe);
+        if (lane < meta_len)
+          nvshmem_int64_p(meta + lane, lane == 0 ? t : a.topk_idx[t * K + lane - 1], pe);
+        if (lane < K) nvshmem_float_p(weights + lane, a.topk_weights[t * K + lane], pe);
       }
-      if (lane < K) nvshmem_float_p(sym.recv_weights + slot * K + lane, a.topk_weights[t * K + lane], pe);
       if (lane == 0) atomicAdd(&sent[dst], 1ull);
     }
   }
+  // Our stores are complete and visible system-wide before any peer can see the count.
   nvshmem_quiet();
   __syncthreads();
   for (int64_t dst = threadIdx.x; dst < W; dst += blockDim.x) {
@@ -51,48 +65,48 @@ __global__ void __launch_bounds__(kThreads)
       nvshmemx_signal_op(&sym.signals[kDispatchSignal * W + me], sent[dst], NVSHMEM_SIGNAL_ADD,
                          static_cast<int>(dst));
   }
+  // One block waits for our slots to fill; the kernel (and so the stream) completes only then.
+  if (blockIdx.x != 0) return;
+  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
+    const uint64_t want = a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s];
+    if (want > 0)
+      wait_at_least(&sym.signals[kDispatchSignal * W + s], want, deadline, a.err,
+                    WaitOp::kDispatch, static_cast<int>(s));
+  }
+}
 
-  // Copy-out source by source, own rank first (its puts are local and land first), so rows of
-  // early sources are copied while later ones are still on the wire.
-  __shared__ bool abort;
-  const int64_t first = me * d.experts_per_rank;
-  for (int64_t i = 0; i < W; ++i) {
-    const int64_t s = (me + i) % W;
-    const int64_t begin = a.plan.recv_offsets[s], end = a.plan.recv_offsets[s + 1];
-    if (begin == end) continue;
-    if (threadIdx.x == 0) {
-      abort = !wait_at_least(&sym.signals[kDispatchSignal * W + s],
-                             static_cast<uint64_t>(end - begin), deadline, a.err,
-                             WaitOp::kDispatch, static_cast<int>(s));
-      __threadfence();
+// After the transfer: the received rows and metadata copied out of the symmetric buffer by the
+// whole GPU (the communication SM budget only bounds the transfer).
+__global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
+  const int64_t K = d.top_k, meta_len = 1 + K, first = d.rank * d.experts_per_rank;
+  const int64_t N = a.plan.recv_offsets[d.world_size];
+  const int64_t vecs = a.recv_x != nullptr ? a.row_bytes / 16 : 0;
+  const int64_t per_slot = vecs + K + 1;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * per_slot;
+       i += stride) {
+    const int64_t slot = i / per_slot, j = i % per_slot;
+    if (j < vecs) {
+      reinterpret_cast<int4*>(a.recv_x + slot * a.row_bytes)[j] =
+          load_streaming(reinterpret_cast<const int4*>(sym.recv_x + slot * d.row_cap) + j);
+    } else if (j < vecs + K) {
+      const int64_t k = j - vecs;
+      const int64_t g = sym.recv_meta[slot * meta_len + 1 + k];
+      const bool local = g >= first && g < first + d.experts_per_rank;
+      a.recv_topk_idx[slot * K + k] = local ? g - first : -1;
+      a.recv_topk_weights[slot * K + k] = sym.recv_weights[slot * K + k];
+    } else {
+      a.recv_src[slot] = sym.recv_meta[slot * meta_len];
     }
-    __syncthreads();
-    if (abort) return;
-    const int64_t vecs = a.row_bytes / 16;  // rows are 16-byte multiples (checked on the host)
-    for (int64_t slot = begin + blockIdx.x; slot < end; slot += gridDim.x) {
-      if (a.recv_x != nullptr) {
-        const int4* src = reinterpret_cast<const int4*>(sym.recv_x + slot * d.row_cap);
-        int4* out = reinterpret_cast<int4*>(a.recv_x + slot * a.row_bytes);
-        for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) out[v] = src[v];
-      }
-      const int64_t* meta = sym.recv_meta + slot * meta_len;
-      if (threadIdx.x == 0) a.recv_src[slot] = meta[0];
-      if (threadIdx.x < K) {
-        const int64_t g = meta[1 + threadIdx.x];
-        const bool local = g >= first && g < first + d.experts_per_rank;
-        a.recv_topk_idx[slot * K + threadIdx.x] = local ? g - first : -1;
-        a.recv_topk_weights[slot * K + threadIdx.x] = sym.recv_weights[slot * K + threadIdx.x];
-      }
-    }
-    __syncthreads();  // `abort` is rewritten by the next wait
   }
 }
 
 }  // namespace
 
 void launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
-                     cudaStream_t stream) {
+                     int copy_blocks, cudaStream_t stream) {
   dispatch_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a);
+  copy_out_kernel<<<copy_blocks, 512, 0, stream>>>(sym, d, a);
 }
 
 }  // namespace uniep::cuda
