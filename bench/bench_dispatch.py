@@ -208,6 +208,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         timings[f"total_{sms}"] = median_time_ms(
             functools.partial(run_both, tuning), warmup, iters, cuda=True
         )
+        if hidden % 128 == 0:
+            # fp8: the cast to e4m3 (1x128 block scales) happens inside the dispatch kernel.
+            _settle()
+            timings[f"fp8dispatch_{sms}"] = median_time_ms(
+                functools.partial(run_dispatch, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
+            )
 
     keys = sorted(timings)
     slowest = dict(zip(keys, _max_over_ranks([timings[k] for k in keys], dev), strict=True))
@@ -217,6 +223,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         return []
 
     recv_bytes = n_recv * hidden * 2
+    # What fp8 rows weigh on the wire, as DeepEP counts them: e4m3 bytes plus the block scales.
+    fp8_bytes = n_recv * (hidden + hidden // 128 * 4)
 
     def us(key: str) -> float:
         return timings[key] * 1e3
@@ -261,6 +269,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             dispatch_GBps=gbps(d),
             combine_GBps=gbps(c),
         )
+        f8 = f"fp8dispatch_{sms}"
+        if f8 in timings:
+            row.update(
+                fp8_dispatch_us=us(f8),
+                fp8_dispatch_us_max=us_max(f8),
+                fp8_dispatch_GBps=fp8_bytes / (slowest[f8] * 1e-3) / 1e9,
+            )
         row.update(baseline)
         row.update(
             dispatch_speedup_vs_nccl=slowest["nccl_dispatch"] / slowest[d],
@@ -278,8 +293,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
 
 HEADER = [
     "| shape | W | SMs | dispatch us (max) | dispatch GB/s | combine us (max) | combine GB/s | "
-    "total us (max) | NCCL dispatch us | NCCL combine us | check err |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "total us (max) | fp8 dispatch us (GB/s) | NCCL dispatch us | NCCL combine us | check err |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
 
@@ -293,7 +308,12 @@ def _markdown(row: dict[str, Any]) -> str:
         f"{row['dispatch_us']:.1f} ({row['dispatch_us_max']:.1f}) | {row['dispatch_GBps']:.1f} | "
         f"{row['combine_us']:.1f} ({row['combine_us_max']:.1f}) | {row['combine_GBps']:.1f} | "
         f"{row['total_us']:.1f} ({row['total_us_max']:.1f}) | "
-        f"{row['nccl_dispatch_us_max']:.1f} | {row['nccl_combine_us_max']:.1f} | "
+        + (
+            f"{row['fp8_dispatch_us_max']:.1f} ({row['fp8_dispatch_GBps']:.1f}) | "
+            if "fp8_dispatch_us_max" in row
+            else "- | "
+        )
+        + f"{row['nccl_dispatch_us_max']:.1f} | {row['nccl_combine_us_max']:.1f} | "
         f"{row['check_rel_err']:.1e} |"
     )
 

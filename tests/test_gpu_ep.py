@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.multigpu
 
-HIDDEN = 1032  # not a power of two, a multiple of 8 (16-byte rows in bf16)
+HIDDEN = 1152  # not a power of two; a multiple of 128 (fp8 blocks)
 FFN = 256
 EXPERTS = 16
 TOP_K = 8
@@ -97,6 +97,13 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
                 res.tokens_per_expert.cpu(), torch.from_numpy(np.diff(plan["row_offsets"]))
             )
 
+        # fp8: the in-kernel cast gives the CPU executor's e4m3 bytes and block scales.
+        res8 = uniep.ep.dispatch(x, idx, w, tuning="sms=24,dispatch=fp8")
+        q, scales = _C.encode_fp8_rows(expected.float().numpy())
+        assert res8.recv_x.dtype == torch.float8_e4m3fn
+        assert torch.equal(res8.recv_x.cpu().view(torch.uint8), torch.from_numpy(q)), kind
+        assert torch.equal(res8.recv_scales.cpu(), torch.from_numpy(scales)), kind
+
         # Combine: bit-identical across SM budgets and runs, and to the ascending-k fp32 sum.
         gen = torch.Generator().manual_seed(1000 + seed)
         rows = res.handle.row_slot.numel()
@@ -133,6 +140,15 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         err = (gpu[0].cpu().float() - cpu.float()).norm() / cpu.float().norm().clamp_min(1e-6)
         assert err <= 1e-2, (kind, float(err))
         report[kind] = float(err)
+        # fp8 dispatch inside moe_forward: the same dequantisation as the CPU executor's.
+        gpu8 = torch.ops.uniep.moe_forward(
+            x, idx, w, w1.to(dev), w2.to(dev), name, "sms=24,dispatch=fp8"
+        )
+        cpu8 = torch.ops.uniep.moe_forward(
+            xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, "dispatch=fp8"
+        )
+        err8 = (gpu8.cpu().float() - cpu8.float()).norm() / cpu8.float().norm().clamp_min(1e-6)
+        assert err8 <= 1e-2, (kind, float(err8))
 
     # Bad input is an error naming the argument, not a hang.
     with pytest.raises(ValueError, match="topk_idx"):

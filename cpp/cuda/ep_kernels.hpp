@@ -47,13 +47,17 @@ void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& 
 
 struct DispatchArgs {
   const uint8_t* x;
-  int64_t row_bytes;
+  int64_t row_bytes;         // of x; for fp8 the bf16 row (hidden * 2)
+  int64_t fp8_hidden;        // 0: rows travel verbatim; >0: bf16 rows of this many columns are
+                             // cast to e4m3 with one fp32 scale per 1x128 block on the way
+                             // (H e4m3 bytes then H / 128 scales: at most 2H, the row capacity)
   const int64_t* topk_idx;
   const float* topk_weights;
   int64_t tokens;
   const int64_t* send_slot;  // [tokens][W], -1 where the token skips the rank
   PlanCounts plan;
-  uint8_t* recv_x;           // optional copy-out
+  uint8_t* recv_x;           // optional copy-out: rows ([N, row_bytes], or [N, H] e4m3 for fp8)
+  float* recv_scales;        // fp8 only: [N, H / 128]
   int64_t* recv_src;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;

@@ -1,9 +1,12 @@
 // uniep._C: the planner, the tuning space and build facts for Python. Loading this module also
 // registers the torch.ops.uniep operators (cpp/torch).
+#include <cstring>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
 #include "torch/ep_registry.hpp"
@@ -114,6 +117,22 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
       to_array(src_off).reshape({me.experts_per_rank(), W + 1});
   d["tiles"] = tile_arr;
   return d;
+}
+
+// The CPU executor's fp8 wire encoding of float rows, for checking the GPU cast bit for bit.
+py::tuple encode_fp8_rows_py(const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+  UNIEP_CHECK(x.ndim() == 2, "x must be a 2-D float32 array [N, H], got ", x.ndim(), " dims");
+  const int64_t N = x.shape(0), H = x.shape(1), blocks = cpu::fp8_blocks(H);
+  const int64_t row = cpu::wire_row_bytes<float>(H, DispatchPrecision::kFp8E4M3);
+  std::vector<uint8_t> wire(row);
+  py::array_t<uint8_t> q({N, H});
+  py::array_t<float> scales({N, blocks});
+  for (int64_t i = 0; i < N; ++i) {
+    cpu::encode_row(x.data() + i * H, H, DispatchPrecision::kFp8E4M3, wire.data());
+    std::memcpy(q.mutable_data() + i * H, wire.data(), H);
+    std::memcpy(scales.mutable_data() + i * blocks, wire.data() + H, blocks * sizeof(float));
+  }
+  return py::make_tuple(q, scales);
 }
 
 }  // namespace
@@ -237,6 +256,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("world_size"),
         "Routing layout of one rank: (tokens_per_rank [W], tokens_per_expert [E], "
         "token_in_rank uint8 [T, W]).");
+  m.def("encode_fp8_rows", &encode_fp8_rows_py, py::arg("x"),
+        "fp8 e4m3 rows with one fp32 scale per 1x128 block, as the executors send them: "
+        "(q uint8 [N, H], scales float32 [N, ceil(H / 128)]).");
   m.def("build_rank_plan", &build_rank_plan_py, py::arg("all_topk"), py::arg("num_experts"),
         py::arg("rank"), py::arg("tuning") = "",
         "The plan of `rank` given every rank's topk_idx, with the exchanges simulated in-process.");

@@ -142,6 +142,9 @@ class RuntimeImpl final : public Runtime {
     sym_.recv_meta = reinterpret_cast<int64_t*>(base + layout.recv_meta);
     sym_.recv_weights = reinterpret_cast<float*>(base + layout.recv_weights);
     sym_.combine = base + layout.combine;
+    all_peers_mapped_ = true;
+    for (int pe = 0; pe < static_cast<int>(cfg_.world_size); ++pe)
+      if (nvshmem_ptr(sym_base_, pe) == nullptr) all_peers_mapped_ = false;
     // Signals must read zero on every rank before any peer may add to them.
     UNIEP_CUDA_OK(cudaMemset(base, 0, layout.recv_x));
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
@@ -239,9 +242,10 @@ class RuntimeImpl final : public Runtime {
   }
 
   Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                  const float* topk_weights, int64_t tokens, int num_sms, void* recv_x,
-                  int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
-                  int64_t* row_slot, int64_t* row_target, cudaStream_t stream) override {
+                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8, void* recv_x,
+                  float* recv_scales, int64_t* recv_src, int64_t* recv_topk_idx,
+                  float* recv_topk_weights, int64_t* row_slot, int64_t* row_target,
+                  cudaStream_t stream) override {
     if (tokens != last_tokens_)
       return {StatusCode::kInvalidArgument,
               detail::str_cat("dispatch got ", tokens, " tokens but notify planned ",
@@ -255,9 +259,33 @@ class RuntimeImpl final : public Runtime {
               detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_,
                               "] (blocks wait on each other, so all must be resident), got ",
                               num_sms)};
-    cuda::DispatchArgs a{static_cast<const uint8_t*>(x), row_bytes, topk_idx, topk_weights,
-                         tokens, send_slot_, plan_, static_cast<uint8_t*>(recv_x), recv_src,
-                         recv_topk_idx, recv_topk_weights, timeout_ns(), err_dev_};
+    if (fp8) {
+      if (cfg_.hidden % 128 != 0 || row_bytes != cfg_.hidden * 2)
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("fp8 dispatch takes bf16 x of hidden = ", cfg_.hidden,
+                                " columns, a multiple of 128; got rows of ", row_bytes, " bytes")};
+      if (!all_peers_mapped_)
+        return {StatusCode::kUnsupported,
+                "fp8 dispatch casts into the peer's buffer and needs every peer reachable over "
+                "NVLink (nvshmem_ptr); use dispatch=bf16 across nodes"};
+    }
+    if (fp8 && recv_x != nullptr && recv_scales == nullptr)
+      return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
+    cuda::DispatchArgs a{static_cast<const uint8_t*>(x),
+                         row_bytes,
+                         fp8 ? cfg_.hidden : 0,
+                         topk_idx,
+                         topk_weights,
+                         tokens,
+                         send_slot_,
+                         plan_,
+                         static_cast<uint8_t*>(recv_x),
+                         recv_scales,
+                         recv_src,
+                         recv_topk_idx,
+                         recv_topk_weights,
+                         timeout_ns(),
+                         err_dev_};
     if (dispatched_)
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
@@ -339,6 +367,7 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   int sm_count_ = 1;
+  bool all_peers_mapped_ = false;
   uint64_t epoch_ = 0;
   bool dispatched_ = false, combined_ = false;
   int64_t last_tokens_ = -1;

@@ -72,8 +72,8 @@ namespace {
 
 struct Dispatched {
   ep::DispatchCounts counts;
-  at::Tensor recv_x, recv_src, recv_topk_idx, recv_topk_weights, tokens_per_expert, row_slot,
-      row_target;
+  at::Tensor recv_x, recv_scales, recv_src, recv_topk_idx, recv_topk_weights, tokens_per_expert,
+      row_slot, row_target;
   int64_t epoch = 0;
 };
 
@@ -98,17 +98,28 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
 }
 
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
-                        const at::Tensor& topk_weights, ep::Runtime& rt, int64_t num_sms,
-                        bool copy_rows, cudaStream_t stream) {
+                        const at::Tensor& topk_weights, ep::Runtime& rt,
+                        const TuningParams& params, bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   check_routing(x, topk_idx, topk_weights, cfg);
+  const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
+  UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
+              "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
   Dispatched d;
   ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
   const int64_t N = d.counts.num_recv, K = cfg.top_k;
   const int64_t R = std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(),
                                     int64_t{0});
   const auto i64 = x.options().dtype(at::kLong);
-  d.recv_x = copy_rows ? at::empty({N, x.size(1)}, x.options()) : at::Tensor();
+  if (!copy_rows) {
+    d.recv_x = at::Tensor();
+  } else if (fp8) {
+    d.recv_x = at::empty({N, x.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
+  } else {
+    d.recv_x = at::empty({N, x.size(1)}, x.options());
+  }
+  d.recv_scales = at::empty({fp8 ? N : 0, fp8 ? x.size(1) / 128 : 0},
+                            x.options().dtype(at::kFloat));
   d.recv_src = at::empty({N}, i64);
   d.recv_topk_idx = at::empty({N, K}, i64);
   d.recv_topk_weights = at::empty({N, K}, x.options().dtype(at::kFloat));
@@ -121,7 +132,8 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
       at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
   ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(),
                           topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), x.size(0),
-                          static_cast<int>(num_sms), copy_rows ? d.recv_x.data_ptr() : nullptr,
+                          params.comm_sms, fp8, copy_rows ? d.recv_x.data_ptr() : nullptr,
+                          fp8 && copy_rows ? d.recv_scales.data_ptr<float>() : nullptr,
                           d.recv_src.data_ptr<int64_t>(), d.recv_topk_idx.data_ptr<int64_t>(),
                           d.recv_topk_weights.data_ptr<float>(), d.row_slot.data_ptr<int64_t>(),
                           d.row_target.data_ptr<int64_t>(), stream));
@@ -129,16 +141,18 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           int64_t>
+           at::Tensor, int64_t>
 ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                 c10::string_view group_name, int64_t num_sms) {
+                 c10::string_view group_name, c10::string_view tuning) {
   return translate_errors([&] {
+    const TuningParams params = TuningParams::parse(std::string(tuning));
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, num_sms, true, stream);
-    return std::make_tuple(d.recv_x, d.recv_src, d.recv_topk_idx, d.recv_topk_weights,
-                           d.tokens_per_expert, d.row_slot, d.row_target, d.epoch);
+    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, true, stream);
+    return std::make_tuple(d.recv_x, d.recv_scales, d.recv_src, d.recv_topk_idx,
+                           d.recv_topk_weights, d.tokens_per_expert, d.row_slot, d.row_target,
+                           d.epoch);
   });
 }
 
@@ -167,8 +181,9 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
 
 at::Tensor ep_combine_cuda(const at::Tensor& y, const at::Tensor& row_target,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                           c10::string_view group_name, int64_t epoch, int64_t num_sms) {
+                           c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
   return translate_errors([&] {
+    const int64_t num_sms = TuningParams::parse(std::string(tuning)).comm_sms;
     const c10::cuda::CUDAGuard guard(y.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index());
@@ -192,11 +207,9 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     UNIEP_CHECK(in.shape.num_experts == cfg.num_experts && in.shape.hidden == cfg.hidden,
                 "w1/x describe ", in.shape.num_experts, " experts of hidden ", in.shape.hidden,
                 " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
-    UNIEP_CHECK_CODE(params.dispatch == DispatchPrecision::kBf16, StatusCode::kUnsupported,
-                     "dispatch=fp8 is not available on the CUDA executor yet");
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params.comm_sms, false, stream);
+    Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
     const int64_t N = d.counts.num_recv, H = cfg.hidden, I = in.shape.ffn_hidden;
     const int64_t R = d.row_slot.size(0);
     at::Tensor y;
@@ -204,9 +217,25 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
       y = at::empty({0, H}, x.options());
     } else {
       // The received rows stay in the symmetric buffer: gather the GEMM rows straight from it.
-      const at::Tensor rows = at::from_blob(const_cast<void*>(rt.received_rows()), {N, H},
-                                            {cfg.row_bytes_capacity() / 2, 1}, x.options());
-      const at::Tensor xs = rows.index_select(0, d.row_slot);
+      at::Tensor xs;
+      if (params.dispatch == DispatchPrecision::kFp8E4M3) {
+        // Dequantised as the CPU executor does it: fp32 product of e4m3 value and block scale,
+        // rounded once to bf16.
+        const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
+        const at::Tensor bytes =
+            at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
+                          x.options().dtype(at::kByte))
+                .index_select(0, d.row_slot);
+        const at::Tensor q = bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn);
+        const at::Tensor scales = bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat);
+        xs = (q.to(at::kFloat).view({R, blocks, 128}) * scales.unsqueeze(2))
+                 .view({R, H})
+                 .to(at::kBFloat16);
+      } else {
+        const at::Tensor rows = at::from_blob(const_cast<void*>(rt.received_rows()), {N, H},
+                                              {cfg.row_bytes_capacity() / 2, 1}, x.options());
+        xs = rows.index_select(0, d.row_slot);
+      }
       const at::Tensor offs = d.tokens_per_expert.cumsum(0).to(at::kInt);
       const at::Tensor h = at::_grouped_mm(xs, w1, offs);
       const at::Tensor act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);

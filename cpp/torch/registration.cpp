@@ -16,10 +16,10 @@ TORCH_LIBRARY(uniep, m) {
   // ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
   m.def(
       "ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "
-      "int num_sms=24) -> (Tensor recv_x, Tensor recv_src, Tensor recv_topk_idx, "
-      "Tensor recv_topk_weights, Tensor tokens_per_expert, Tensor row_slot, Tensor row_target, "
-      "int epoch)");
+      "str tuning=\"\") -> (Tensor recv_x, Tensor recv_scales, Tensor recv_src, "
+      "Tensor recv_topk_idx, Tensor recv_topk_weights, Tensor tokens_per_expert, "
+      "Tensor row_slot, Tensor row_target, int epoch)");
   m.def(
       "ep_combine(Tensor y, Tensor row_target, Tensor topk_idx, Tensor topk_weights, "
-      "str group_name, int epoch, int num_sms=24) -> Tensor");
+      "str group_name, int epoch, str tuning=\"\") -> Tensor");
 }

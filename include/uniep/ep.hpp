@@ -68,25 +68,30 @@ class Runtime {
   virtual Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
                         DispatchCounts* counts) = 0;
 
-  // Puts every token row into its receive slot on each destination rank (once per rank), waits
-  // for this rank's slots to fill, then writes the outputs (slot order = (source rank, token)):
-  //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim)
+  // Puts every token row into its receive slot on each destination rank (once per rank, however
+  // many of its experts live there), then writes the outputs (slot order = (source rank, token)):
+  //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim), or
+  //                with fp8: bf16 [tokens, hidden], hidden % 128 == 0, cast in the kernel to
+  //                e4m3 with one fp32 scale per 1x128 block (scale = amax / 448)
   //   topk_weights [tokens, K] float32
-  //   recv_x       [num_recv, row_bytes] or nullptr (the rows stay in the runtime's buffer,
-  //                readable through received_rows() until the next dispatch)
+  //   recv_x       [num_recv, row_bytes] (fp8: [num_recv, hidden] e4m3 bytes) or nullptr (the
+  //                rows stay in the runtime's buffer, readable through received_rows() until
+  //                the next dispatch); recv_scales: fp8 only, [num_recv, hidden / 128] float32
   //   recv_src     [num_recv] int64 source token index; recv_topk_idx [num_recv, K] int64 local
   //                expert ids (-1 where the expert is on another rank); recv_topk_weights
   //                [num_recv, K] float32
   //   row_slot     [R] int64: for each grouped-GEMM row (local experts in order, each expert's
   //                rows in slot order) the slot it reads; row_target [R] int64: where its output
   //                goes back to: src_rank * (max_tokens * K) + src_token * K + k
-  // `num_sms` blocks are used (the communication SM budget).
+  // `num_sms` blocks carry the rows (the communication SM budget).
   virtual Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                          const float* topk_weights, int64_t tokens, int num_sms, void* recv_x,
-                          int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
-                          int64_t* row_slot, int64_t* row_target, cudaStream_t stream) = 0;
+                          const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
+                          void* recv_x, float* recv_scales, int64_t* recv_src,
+                          int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
+                          int64_t* row_target, cudaStream_t stream) = 0;
 
-  // Device pointer to the receive buffer ([num_recv, row_bytes] rows) of the last dispatch.
+  // Device pointer to the receive buffer of the last dispatch: num_recv rows, each
+  // config().row_bytes_capacity() bytes apart (fp8 rows: hidden e4m3 bytes, then the scales).
   virtual const void* received_rows() const = 0;
   // Device [E_local] int64: grouped-GEMM rows per local expert, from the last notify.
   virtual const int64_t* rows_per_local_expert() const = 0;

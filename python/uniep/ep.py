@@ -134,17 +134,20 @@ class Handle:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     group_name: str
-    num_sms: int
+    tuning: str
     epoch: int
 
 
 @dataclass(frozen=True)
 class DispatchResult:
-    """recv_x [N, H]: received rows in slot order; recv_src [N] int64 source token; recv_topk_idx
-    [N, K] int64 local expert ids (-1: expert on another rank); recv_topk_weights [N, K] float32;
-    tokens_per_expert [E_local] int64 grouped-GEMM rows per local expert."""
+    """recv_x [N, H]: received rows in slot order (x's dtype, or float8_e4m3fn with
+    ``dispatch=fp8``); recv_scales [N, H / 128] float32 block scales (fp8 only, else [0, 0]);
+    recv_src [N] int64 source token; recv_topk_idx [N, K] int64 local expert ids (-1: expert on
+    another rank); recv_topk_weights [N, K] float32; tokens_per_expert [E_local] int64
+    grouped-GEMM rows per local expert."""
 
     recv_x: torch.Tensor
+    recv_scales: torch.Tensor
     recv_src: torch.Tensor
     recv_topk_idx: torch.Tensor
     recv_topk_weights: torch.Tensor
@@ -152,13 +155,9 @@ class DispatchResult:
     handle: Handle
 
 
-def _num_sms(tuning: str | _C.TuningParams) -> int:
+def _tuning_string(tuning: str | _C.TuningParams) -> str:
     params = tuning if isinstance(tuning, _C.TuningParams) else _C.TuningParams.parse(tuning)
-    if params.dispatch != "bf16":
-        raise NotImplementedError(
-            f"tuning dispatch={params.dispatch} is not available on the GPU runtime yet (bf16 only)"
-        )
-    return params.comm_sms
+    return params.to_string()
 
 
 def dispatch(
@@ -170,13 +169,15 @@ def dispatch(
 ) -> DispatchResult:
     """Send each token of ``x`` [T, H] (rows of a multiple of 16 bytes) once to every rank that
     holds one of its experts. ``topk_idx`` [T, K] int64 global expert ids (-1 unused),
-    ``topk_weights`` [T, K] float32. Synchronizes the host once (to learn the receive count)."""
+    ``topk_weights`` [T, K] float32. ``tuning``: ``sms=`` sets the SM budget of the transfer;
+    ``dispatch=fp8`` casts bf16 rows (H % 128 == 0) to e4m3 with one scale per 1x128 block inside
+    the kernel. Synchronizes the host once (to learn the receive count)."""
     name = _group_name(group)
-    num_sms = _num_sms(tuning)
-    out = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, name, num_sms)
-    recv_x, recv_src, recv_idx, recv_w, per_expert, row_slot, row_target, epoch = out
-    handle = Handle(row_slot, row_target, topk_idx, topk_weights, name, num_sms, epoch)
-    return DispatchResult(recv_x, recv_src, recv_idx, recv_w, per_expert, handle)
+    text = _tuning_string(tuning)
+    out = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, name, text)
+    recv_x, scales, recv_src, recv_idx, recv_w, per_expert, row_slot, row_target, epoch = out
+    handle = Handle(row_slot, row_target, topk_idx, topk_weights, name, text, epoch)
+    return DispatchResult(recv_x, scales, recv_src, recv_idx, recv_w, per_expert, handle)
 
 
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
@@ -192,19 +193,23 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         handle.topk_weights,
         handle.group_name,
         handle.epoch,
-        handle.num_sms,
+        handle.tuning,
     )
 
 
 @torch.library.register_fake("uniep::ep_dispatch")
-def _dispatch_fake(x, topk_idx, topk_weights, group_name, num_sms=24):  # noqa: ANN001, ANN202
+def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: ANN001, ANN202
     ctx = torch.library.get_ctx()
     n = ctx.new_dynamic_size()
     r = ctx.new_dynamic_size()
     k = topk_idx.shape[1]
     i64 = torch.int64
+    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
+    recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
     return (
-        x.new_empty((n, x.shape[1])),
+        recv_x,
+        scales,
         x.new_empty((n,), dtype=i64),
         x.new_empty((n, k), dtype=i64),
         x.new_empty((n, k), dtype=torch.float32),
@@ -216,5 +221,5 @@ def _dispatch_fake(x, topk_idx, topk_weights, group_name, num_sms=24):  # noqa: 
 
 
 @torch.library.register_fake("uniep::ep_combine")
-def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, num_sms=24):  # noqa: ANN001, ANN202
+def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
     return y.new_empty((topk_idx.shape[0], y.shape[1]))

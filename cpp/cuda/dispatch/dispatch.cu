@@ -7,6 +7,8 @@
 // are visible at the target), adds that count to the target's signal for this source. Block 0
 // waits until each source's signal reaches the count agreed in notify; a second kernel, on the
 // whole GPU, then copies the slots out.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -19,6 +21,48 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 256;
+constexpr int kFp8Block = 128;  // columns per scale
+constexpr float kE4m3Max = 448.0f;
+
+// One warp casts a bf16 row to e4m3 with a scale per 128 columns (scale = amax / 448, q =
+// RNE(x / scale) saturated), writing the receive-buffer format: H bytes, then the fp32 scales.
+// Exactly the CPU executor's encoding, so the bytes can be compared.
+__device__ __forceinline__ void warp_cast_fp8(uint8_t* dst, const __nv_bfloat16* x, int64_t hidden,
+                                              int lane) {
+  const int64_t blocks = hidden / kFp8Block;
+  constexpr int kUnroll = 4;  // blocks in flight per lane
+  for (int64_t b0 = 0; b0 < blocks; b0 += kUnroll) {
+    uint2 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (b0 + u < blocks)
+        raw[u] = *reinterpret_cast<const uint2*>(x + (b0 + u) * kFp8Block + lane * 4);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (b0 + u >= blocks) break;
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+      float v[4];
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = __bfloat162float(h[j]);
+        amax = fmaxf(amax, fabsf(v[j]));
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
+      uint32_t packed = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_fp8_storage_t q =
+            __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
+        packed |= static_cast<uint32_t>(q) << (8 * j);
+      }
+      *reinterpret_cast<uint32_t*>(dst + (b0 + u) * kFp8Block + lane * 4) = packed;
+      if (lane == 0) reinterpret_cast<float*>(dst + hidden)[b0 + u] = scale;
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
@@ -43,12 +87,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       // through NVSHMEM's transports.
       auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
       if (peer_row != nullptr) {
-        warp_copy(peer_row, a.x + t * a.row_bytes, a.row_bytes, lane);
+        if (a.fp8_hidden > 0) {
+          warp_cast_fp8(peer_row, reinterpret_cast<const __nv_bfloat16*>(a.x + t * a.row_bytes),
+                        a.fp8_hidden, lane);
+        } else {
+          warp_copy(peer_row, a.x + t * a.row_bytes, a.row_bytes, lane);
+        }
         auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
         auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
         if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
         if (lane < K) peer_weights[lane] = a.topk_weights[t * K + lane];
       } else {
+        // fp8 needs a mapped peer (checked on the host): the cast writes into the peer's row.
         nvshmemx_putmem_nbi_warp(row, a.x + t * a.row_bytes, a.row_bytes, pe);
         if (lane < meta_len)
           nvshmem_int64_p(meta + lane, lane == 0 ? t : a.topk_idx[t * K + lane - 1], pe);
@@ -80,17 +130,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
   const int64_t K = d.top_k, meta_len = 1 + K, first = d.rank * d.experts_per_rank;
   const int64_t N = a.plan.recv_offsets[d.world_size];
-  const int64_t vecs = a.recv_x != nullptr ? a.row_bytes / 16 : 0;
-  const int64_t per_slot = vecs + K + 1;
+  const int64_t x_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
+  const int64_t vecs = a.recv_x != nullptr ? x_bytes / 16 : 0;
+  const int64_t scales = a.fp8_hidden > 0 && a.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
+  const int64_t per_slot = vecs + scales + K + 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * per_slot;
        i += stride) {
     const int64_t slot = i / per_slot, j = i % per_slot;
     if (j < vecs) {
-      reinterpret_cast<int4*>(a.recv_x + slot * a.row_bytes)[j] =
+      reinterpret_cast<int4*>(a.recv_x + slot * x_bytes)[j] =
           load_streaming(reinterpret_cast<const int4*>(sym.recv_x + slot * d.row_cap) + j);
-    } else if (j < vecs + K) {
-      const int64_t k = j - vecs;
+    } else if (j < vecs + scales) {
+      a.recv_scales[slot * scales + (j - vecs)] =
+          reinterpret_cast<const float*>(sym.recv_x + slot * d.row_cap + a.fp8_hidden)[j - vecs];
+    } else if (j < vecs + scales + K) {
+      const int64_t k = j - vecs - scales;
       const int64_t g = sym.recv_meta[slot * meta_len + 1 + k];
       const bool local = g >= first && g < first + d.experts_per_rank;
       a.recv_topk_idx[slot * K + k] = local ? g - first : -1;
