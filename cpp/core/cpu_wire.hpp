@@ -32,10 +32,12 @@ void encode_row(const S* row, int64_t H, DispatchPrecision p, uint8_t* out) {
     const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
     float amax = 0.0f;
     for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(float(St::load(row[c]))));
-    // An all-zero block keeps scale 1 so decoding never divides by zero.
+    // An all-zero block keeps scale 1 so decoding never divides by zero. Values are multiplied
+    // by the reciprocal (one division per block, as the GPU kernel does it).
     const float scale = amax > 0.0f ? amax / numeric::kE4m3Max : 1.0f;
+    const float inv = amax > 0.0f ? numeric::kE4m3Max / amax : 1.0f;
     std::memcpy(&scales[b], &scale, sizeof scale);
-    for (int64_t c = c0; c < c1; ++c) out[c] = numeric::float_to_e4m3(float(St::load(row[c])) / scale);
+    for (int64_t c = c0; c < c1; ++c) out[c] = numeric::float_to_e4m3(float(St::load(row[c])) * inv);
   }
 }
 

@@ -33,4 +33,28 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
   for (; i < n; i += 32) d[i] = load_streaming(s + i);
 }
 
+// The same copy to several destinations (a token bound for several ranks): each source vector
+// is read once.
+template <int kUnroll = 4>
+__device__ __forceinline__ void warp_copy_multi(void* const* dsts, int num_dsts, const void* src,
+                                                int64_t bytes, int lane) {
+  const int4* s = static_cast<const int4*>(src);
+  const int64_t n = bytes / 16;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load_streaming(s + i + 32 * u);
+    for (int j = 0; j < num_dsts; ++j) {
+      int4* d = static_cast<int4*>(dsts[j]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
+    }
+  }
+  for (; i < n; i += 32) {
+    const int4 v = load_streaming(s + i);
+    for (int j = 0; j < num_dsts; ++j) static_cast<int4*>(dsts[j])[i] = v;
+  }
+}
+
 }  // namespace uniep::cuda

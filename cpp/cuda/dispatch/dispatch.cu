@@ -25,10 +25,11 @@ constexpr int kFp8Block = 128;  // columns per scale
 constexpr float kE4m3Max = 448.0f;
 
 // One warp casts a bf16 row to e4m3 with a scale per 128 columns (scale = amax / 448, q =
-// RNE(x / scale) saturated), writing the receive-buffer format: H bytes, then the fp32 scales.
-// Exactly the CPU executor's encoding, so the bytes can be compared.
-__device__ __forceinline__ void warp_cast_fp8(uint8_t* dst, const __nv_bfloat16* x, int64_t hidden,
-                                              int lane) {
+// RNE(x * (448 / amax)) saturated) and writes the receive-buffer format (H bytes, then the fp32
+// scales) to every destination: the row is read and cast once. Exactly the CPU executor's
+// encoding, so the bytes can be compared.
+__device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, int num_dsts,
+                                              const __nv_bfloat16* x, int64_t hidden, int lane) {
   const int64_t blocks = hidden / kFp8Block;
   constexpr int kUnroll = 4;  // blocks in flight per lane
   for (int64_t b0 = 0; b0 < blocks; b0 += kUnroll) {
@@ -51,15 +52,18 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* dst, const __nv_bfloat16*
 #pragma unroll
       for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
       const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
+      const float inv = amax > 0.0f ? __fdiv_rn(kE4m3Max, amax) : 1.0f;
       uint32_t packed = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const __nv_fp8_storage_t q =
-            __nv_cvt_float_to_fp8(__fdiv_rn(v[j], scale), __NV_SATFINITE, __NV_E4M3);
+            __nv_cvt_float_to_fp8(__fmul_rn(v[j], inv), __NV_SATFINITE, __NV_E4M3);
         packed |= static_cast<uint32_t>(q) << (8 * j);
       }
-      *reinterpret_cast<uint32_t*>(dst + (b0 + u) * kFp8Block + lane * 4) = packed;
-      if (lane == 0) reinterpret_cast<float*>(dst + hidden)[b0 + u] = scale;
+      for (int d = 0; d < num_dsts; ++d) {
+        *reinterpret_cast<uint32_t*>(dsts[d] + (b0 + u) * kFp8Block + lane * 4) = packed;
+        if (lane == 0) reinterpret_cast<float*>(dsts[d] + hidden)[b0 + u] = scale;
+      }
     }
   }
 }
@@ -75,36 +79,44 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  constexpr int kMaxDsts = 16;  // mapped destinations served by one read of the row
   for (int64_t t = warp; t < a.tokens; t += num_warps) {
-    for (int64_t dst = 0; dst < W; ++dst) {
-      const int64_t slot = a.send_slot[t * W + dst];
-      if (slot < 0) continue;
-      const int pe = static_cast<int>(dst);
-      uint8_t* row = sym.recv_x + slot * d.row_cap;
-      int64_t* meta = sym.recv_meta + slot * meta_len;
-      float* weights = sym.recv_weights + slot * K;
-      // NVLink peers (and ourselves) are plain stores through the mapped pointer; others go
-      // through NVSHMEM's transports.
-      auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
-      if (peer_row != nullptr) {
-        if (a.fp8_hidden > 0) {
-          warp_cast_fp8(peer_row, reinterpret_cast<const __nv_bfloat16*>(a.x + t * a.row_bytes),
-                        a.fp8_hidden, lane);
+    const uint8_t* x_row = a.x + t * a.row_bytes;
+    for (int64_t d0 = 0; d0 < W; d0 += kMaxDsts) {
+      uint8_t* mapped[kMaxDsts];
+      int num_mapped = 0;
+      for (int64_t dst = d0; dst < W && dst < d0 + kMaxDsts; ++dst) {
+        const int64_t slot = a.send_slot[t * W + dst];
+        if (slot < 0) continue;
+        const int pe = static_cast<int>(dst);
+        uint8_t* row = sym.recv_x + slot * d.row_cap;
+        int64_t* meta = sym.recv_meta + slot * meta_len;
+        float* weights = sym.recv_weights + slot * K;
+        // NVLink peers (and ourselves) take plain stores through the mapped pointer; others go
+        // through NVSHMEM's transports (bf16 only; fp8 needs mapped peers, checked on the host).
+        auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
+        if (peer_row != nullptr) {
+          mapped[num_mapped++] = peer_row;
+          auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
+          auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
+          if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
+          if (lane < K) peer_weights[lane] = a.topk_weights[t * K + lane];
         } else {
-          warp_copy(peer_row, a.x + t * a.row_bytes, a.row_bytes, lane);
+          nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
+          if (lane < meta_len)
+            nvshmem_int64_p(meta + lane, lane == 0 ? t : a.topk_idx[t * K + lane - 1], pe);
+          if (lane < K) nvshmem_float_p(weights + lane, a.topk_weights[t * K + lane], pe);
         }
-        auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
-        auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
-        if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
-        if (lane < K) peer_weights[lane] = a.topk_weights[t * K + lane];
-      } else {
-        // fp8 needs a mapped peer (checked on the host): the cast writes into the peer's row.
-        nvshmemx_putmem_nbi_warp(row, a.x + t * a.row_bytes, a.row_bytes, pe);
-        if (lane < meta_len)
-          nvshmem_int64_p(meta + lane, lane == 0 ? t : a.topk_idx[t * K + lane - 1], pe);
-        if (lane < K) nvshmem_float_p(weights + lane, a.topk_weights[t * K + lane], pe);
+        if (lane == 0) atomicAdd(&sent[dst], 1ull);
       }
-      if (lane == 0) atomicAdd(&sent[dst], 1ull);
+      if (num_mapped == 0) continue;
+      if (a.fp8_hidden > 0) {
+        warp_cast_fp8(mapped, num_mapped, reinterpret_cast<const __nv_bfloat16*>(x_row),
+                      a.fp8_hidden, lane);
+      } else {
+        warp_copy_multi(reinterpret_cast<void* const*>(mapped), num_mapped, x_row, a.row_bytes,
+                        lane);
+      }
     }
   }
   // Our stores are complete and visible system-wide before any peer can see the count.
