@@ -140,6 +140,19 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         err = (gpu[0].cpu().float() - cpu.float()).norm() / cpu.float().norm().clamp_min(1e-6)
         assert err <= 1e-2, (kind, float(err))
         report[kind] = float(err)
+        # Backward on GPU against the CPU executor's (same inputs, bf16 tolerance).
+        grad_out = torch.randn(idx.shape[0], HIDDEN, generator=gen).to(torch.bfloat16)
+        g_gpu = torch.ops.uniep.moe_backward(
+            grad_out.to(dev), x, idx, w, w1.to(dev), w2.to(dev), name, ""
+        )
+        g_cpu = torch.ops.uniep.moe_backward(
+            grad_out, xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, ""
+        )
+        for label, a, b in zip(("x", "topk_weights", "w1", "w2"), g_gpu, g_cpu, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype, (kind, label)
+            gerr = (a.cpu().double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
+            assert gerr <= 2e-2, (kind, label, float(gerr))
+
         # fp8 dispatch inside moe_forward: the same dequantisation as the CPU executor's.
         gpu8 = torch.ops.uniep.moe_forward(
             x, idx, w, w1.to(dev), w2.to(dev), name, "sms=24,dispatch=fp8"
@@ -187,3 +200,16 @@ def test_forced_timeout_raises_naming_the_peer() -> None:
 
     messages = run_local_ranks(_timeout_worker, 2, backend="nccl", timeout_s=300)
     assert "timed out" in messages[0]
+
+
+def _demo_cli() -> int:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "uniep.cli", "demo", "--device", "cuda", "--dtype", "bfloat16"]
+    return subprocess.run(cmd, timeout=300, check=False).returncode
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_demo_runs_on_gpus() -> None:
+    assert _demo_cli() == 0

@@ -16,6 +16,10 @@
 #include "uniep/tuning.hpp"
 
 namespace py = pybind11;
+
+// cpp/python/collectives_bindings.cpp
+void bind_collectives(py::module& m);
+
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 namespace {
@@ -232,6 +236,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("top_k"), py::arg("num_experts"), py::arg("world_size"), py::arg("rank"),
       py::arg("max_row_bytes") = 0, py::arg("timeout_s") = 100.0);
   m.def("ep_exists", &uniep::torch_glue::ep_exists, py::arg("group_name"));
+  m.def(
+      "ep_config",
+      [](const std::string& group_name) {
+        const uniep::ep::Config& c = uniep::torch_glue::ep_runtime(group_name).config();
+        py::dict d;
+        d["max_tokens"] = c.max_tokens;
+        d["hidden"] = c.hidden;
+        d["top_k"] = c.top_k;
+        d["num_experts"] = c.num_experts;
+        d["world_size"] = c.world_size;
+        d["rank"] = c.rank;
+        d["max_row_bytes"] = c.row_bytes_capacity();
+        d["timeout_s"] = c.timeout_s;
+        return d;
+      },
+      py::arg("group_name"), "The configuration the group's GPU runtime was created with.");
   m.def("ep_destroy", &uniep::torch_glue::ep_destroy, py::arg("group_name"),
         py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -252,6 +272,7 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("has_ep_runtime") = false;
 #endif
+  bind_collectives(m);
   m.def("compute_layout", &compute_layout_py, py::arg("topk_idx"), py::arg("num_experts"),
         py::arg("world_size"),
         "Routing layout of one rank: (tokens_per_rank [W], tokens_per_expert [E], "

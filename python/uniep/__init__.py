@@ -8,7 +8,7 @@ package (``uniep.init``, ``uniep.moe_forward``, ``uniep.nn.MoELayer``) and the `
 import torch  # noqa: F401
 
 # _C is listed first so it loads before ops, which extends the ops it registers.
-from . import _C, distributed, ep, nn, ops, reference  # noqa: F401
+from . import _C, collectives, distributed, ep, nn, ops, parallel, reference  # noqa: F401
 from ._C import TuningParams, build_info
 from .distributed import Runtime, init
 from .ops import moe_forward
@@ -20,11 +20,13 @@ __all__ = [
     "Runtime",
     "TuningParams",
     "build_info",
+    "collectives",
     "distributed",
     "ep",
     "init",
     "moe_forward",
     "nn",
     "ops",
+    "parallel",
     "reference",
 ]

@@ -218,6 +218,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"uniep demo: --top-k ({args.top_k}) must be <= --experts")
 
     device, why = _pick_device(args.device, args.world_size)
+    if device == "cuda" and args.dtype != "bfloat16":
+        # The CUDA executor runs torch._grouped_mm, which takes bfloat16.
+        if args.device == "cuda":
+            raise SystemExit("uniep demo: --device cuda needs --dtype bfloat16")
+        device, why = "cpu", f"the CUDA executor takes bfloat16, not {args.dtype}"
     cfg = {
         "device": device,
         "dtype": args.dtype,

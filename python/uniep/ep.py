@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import _C
 from .distributed import group_name as _group_name
@@ -31,6 +32,7 @@ __all__ = [
     "available",
     "combine",
     "dispatch",
+    "ensure_runtime",
     "init_runtime",
     "shutdown",
 ]
@@ -111,6 +113,23 @@ def init_runtime(
         max_row_bytes,
         _timeout(timeout_s),
     )
+
+
+def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_experts: int) -> None:
+    """Create the GPU runtime of the group named ``group_name`` on first use (collective).
+
+    ``max_tokens`` becomes the largest ``tokens`` over the ranks, rounded up to a power of two
+    (at least 256), so later batches up to that size reuse it; a larger batch later raises an
+    error naming the capacity. Used by ``MoELayer`` and ``uniep.moe_forward`` on CUDA tensors.
+    """
+    if _C.ep_exists(group_name):
+        return
+    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+    most = torch.tensor([tokens], dtype=torch.int64, device="cuda")
+    if group is not None:
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    capacity = max(256, 1 << max(0, int(most.item()) - 1).bit_length())
+    init_runtime(group, max_tokens=capacity, hidden=hidden, top_k=top_k, num_experts=num_experts)
 
 
 def shutdown(group: dist.ProcessGroup | None = None) -> None:
@@ -195,6 +214,100 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         handle.epoch,
         handle.tuning,
     )
+
+
+def _dequantize_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows times their 1x128 block scales in fp32, rounded once to bf16 (as the CPU
+    executor decodes them)."""
+    n, h = rows.shape
+    deq = rows.float().view(n, h // 128, 128) * scales.unsqueeze(2)
+    return deq.view(n, h).to(torch.bfloat16)
+
+
+@torch.library.impl("uniep::moe_backward", "CUDA")
+def _moe_backward_cuda(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    tuning: str = "",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of moe_forward on GPUs, built from the runtime's pieces.
+
+    The forward rows are dispatched again (same routing, so the same slots and rows), and so is
+    grad_out; the expert math is differentiated locally through torch._grouped_mm; grad_x comes
+    home through a combine with unit weights (sum over k, ascending, fp32); the per-(token, k)
+    dot products for grad_topk_weights go back over the group's NCCL all_to_all.
+    """
+    if x.dtype != torch.bfloat16:
+        raise NotImplementedError(f"moe_backward on CUDA takes bfloat16 x, got {x.dtype}")
+    params = _C.TuningParams.parse(tuning)
+    text = params.to_string()
+    # grad_out travels in bf16 whatever the forward's dispatch precision.
+    bf16_text = _C.TuningParams.parse(text)
+    bf16_text.dispatch = "bf16"
+    k_top = topk_idx.shape[1]
+    ffn = w2.shape[1]
+    cfg = _C.ep_config(group_name)
+    per_rank = cfg["max_tokens"] * k_top
+
+    fwd = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, group_name, text)
+    recv_x, scales, _, _, recv_w, per_expert, row_slot, row_target, _ = fwd
+    rows = recv_x.index_select(0, row_slot)
+    if params.dispatch == "fp8":
+        rows = _dequantize_fp8(rows, scales.index_select(0, row_slot))
+    k_of_row = row_target % k_top
+    w_row = recv_w.index_select(0, row_slot).gather(1, k_of_row.unsqueeze(1)).squeeze(1)
+    offs = per_expert.cumsum(0).to(torch.int32)
+
+    back = torch.ops.uniep.ep_dispatch(
+        grad_out.contiguous(), topk_idx, topk_weights, group_name, bf16_text.to_string()
+    )
+    go_rows = back[0].index_select(0, back[6])
+
+    with torch.enable_grad():
+        xs = rows.detach().requires_grad_(True)
+        w1_ = w1.detach().requires_grad_(True)
+        w2_ = w2.detach().requires_grad_(True)
+        if xs.shape[0] > 0:
+            h = torch._grouped_mm(xs, w1_, offs)
+            y = torch._grouped_mm(F.silu(h[:, :ffn]) * h[:, ffn:], w2_, offs)
+            grad_y = (go_rows.float() * w_row.unsqueeze(1)).to(y.dtype)
+            grad_rows, grad_w1, grad_w2 = torch.autograd.grad(y, (xs, w1_, w2_), grad_y)
+            dots = (go_rows.float() * y.detach().float()).sum(1)
+        else:
+            grad_rows, grad_w1, grad_w2 = xs, torch.zeros_like(w1), torch.zeros_like(w2)
+            dots = torch.zeros(0, dtype=torch.float32, device=x.device)
+
+    ones = torch.ones_like(topk_weights)
+    grad_x = torch.ops.uniep.ep_combine(
+        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], bf16_text.to_string()
+    )
+
+    # Each row's dot product belongs to slot (token, k) of its source rank.
+    dest = row_target // per_rank
+    order = torch.argsort(dest, stable=True)
+    world = cfg["world_size"]
+    send_counts = torch.bincount(dest, minlength=world)
+    slots = (row_target % per_rank).index_select(0, order)
+    values = dots.index_select(0, order)
+    if world > 1:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        splits_in, splits_out = send_counts.tolist(), recv_counts.tolist()
+        got_slots = slots.new_empty(sum(splits_out))
+        got_values = values.new_empty(sum(splits_out))
+        dist.all_to_all_single(got_slots, slots, splits_out, splits_in, group=group)
+        dist.all_to_all_single(got_values, values, splits_out, splits_in, group=group)
+        slots, values = got_slots, got_values
+    grad_w = torch.zeros(topk_weights.numel(), dtype=torch.float32, device=x.device)
+    grad_w[slots] = values
+    grad_w = grad_w.view_as(topk_weights).masked_fill(topk_idx < 0, 0.0)
+    return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
 
 
 @torch.library.register_fake("uniep::ep_dispatch")

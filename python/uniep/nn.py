@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C, distributed
+from .parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["MoELayer", "route", "route_weights"]
+__all__ = ["ColumnParallelLinear", "MoELayer", "RowParallelLinear", "route", "route_weights"]
 
 
 def _router_probs(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
@@ -170,6 +171,12 @@ class MoELayer(nn.Module):
         if x.dtype != self.w1.dtype:
             raise ValueError(f"x must have the layer's dtype {self.w1.dtype}, got {x.dtype}")
         tokens = x.reshape(-1, self.hidden).contiguous()
+        if tokens.is_cuda:
+            from . import ep
+
+            ep.ensure_runtime(
+                self.group_name, tokens.shape[0], self.hidden, self.top_k, self.num_experts
+            )
         topk_idx, topk_weights = self.route(tokens)
         y = torch.ops.uniep.moe_forward(
             tokens,

@@ -217,7 +217,8 @@ def moe_forward(
             ``""`` keeps the defaults. It never changes the output bits, except ``dispatch=fp8``.
 
     Returns:
-        ``[T, H]`` tensor of ``x``'s dtype and device.
+        ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
+        (``uniep.ep``) is created on the first call, sized for the largest batch of that call.
 
     Raises:
         ValueError: an argument has the wrong shape, dtype or device, or an expert id is out of
@@ -228,6 +229,11 @@ def moe_forward(
         tuning = tuning.to_string()
     elif not isinstance(tuning, str):
         raise ValueError(f"tuning must be a str or TuningParams, got {type(tuning).__name__}")
-    return torch.ops.uniep.moe_forward(
-        x, topk_idx, topk_weights, w1, w2, distributed.group_name(group), tuning
-    )
+    name = distributed.group_name(group)
+    if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
+        # CUDA tensors run on the group's GPU runtime: created here on first use (collective).
+        from . import ep
+
+        experts = w1.shape[0] * distributed.world_size(group)
+        ep.ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts)
+    return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)

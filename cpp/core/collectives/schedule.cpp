@@ -8,7 +8,9 @@
 namespace uniep {
 namespace {
 
-int64_t wrap(int64_t r, int64_t w) { return ((r % w) + w) % w; }
+int64_t wrap(int64_t r, int64_t w) {
+  return ((r % w) + w) % w;
+}
 
 // AG-GEMM, and with chunk ids per (src, dst) the all-to-all. Step i*c+j computes part j of the
 // block from rank src_i (local first: src_0 = r); the transfer feeding step t+c is issued at step
@@ -88,11 +90,16 @@ void reduce_steps(CollectiveSchedule& s) {
 
 const char* collective_kind_name(CollectiveKind kind) {
   switch (kind) {
-    case CollectiveKind::kAllGatherMatmul: return "all_gather_matmul";
-    case CollectiveKind::kMatmulReduceScatter: return "matmul_reduce_scatter";
-    case CollectiveKind::kAllGather: return "all_gather";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter";
-    case CollectiveKind::kAllToAllUlysses: return "all_to_all_ulysses";
+    case CollectiveKind::kAllGatherMatmul:
+      return "all_gather_matmul";
+    case CollectiveKind::kMatmulReduceScatter:
+      return "matmul_reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllToAllUlysses:
+      return "all_to_all_ulysses";
   }
   return "?";
 }
@@ -109,10 +116,9 @@ PeerOrder parse_peer_order(const std::string& text) {
 }
 
 CollectiveKind parse_collective_kind(const std::string& text) {
-  for (CollectiveKind k :
-       {CollectiveKind::kAllGatherMatmul, CollectiveKind::kMatmulReduceScatter,
-        CollectiveKind::kAllGather, CollectiveKind::kReduceScatter,
-        CollectiveKind::kAllToAllUlysses}) {
+  for (CollectiveKind k : {CollectiveKind::kAllGatherMatmul, CollectiveKind::kMatmulReduceScatter,
+                           CollectiveKind::kAllGather, CollectiveKind::kReduceScatter,
+                           CollectiveKind::kAllToAllUlysses}) {
     if (text == collective_kind_name(k)) return k;
   }
   UNIEP_CHECK(false,
@@ -131,8 +137,8 @@ bool is_reduce_kind(CollectiveKind kind) {
 }
 
 int64_t CollectiveSchedule::num_chunks() const {
-  const int64_t blocks = kind == CollectiveKind::kAllToAllUlysses ? world_size * world_size
-                                                                  : world_size;
+  const int64_t blocks =
+      kind == CollectiveKind::kAllToAllUlysses ? world_size * world_size : world_size;
   return blocks * chunks_per_rank;
 }
 

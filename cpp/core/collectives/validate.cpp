@@ -2,8 +2,10 @@
 // tracking what each rank holds and, for the reductions, which ranks' contributions each
 // accumulator carries. Every property a CUDA executor relies on is checked here, on the CPU.
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "uniep/collectives.hpp"
@@ -235,8 +237,8 @@ void check_reduce(const Context& cx, const std::vector<CollectiveSchedule>& rank
       const std::vector<int64_t> want = reduce_order(W, r);
       std::string got;
       for (int64_t q : result[r][u]) got += std::to_string(q) + " ";
-      cx.check(result[r][u] == want, r, T, "chunk ", u, " sums the contributions of ranks [ ",
-               got, "], not reduce_order(", W, ", ", r, ")");
+      cx.check(result[r][u] == want, r, T, "chunk ", u, " sums the contributions of ranks [ ", got,
+               "], not reduce_order(", W, ", ", r, ")");
     }
     // Tail-free: every step computes, the last one on the rank's own rows, so the last GEMM's
     // output needs no transfer; folds happen no later than the last step (checked above).
