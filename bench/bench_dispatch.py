@@ -122,7 +122,15 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
     idx = idx.contiguous()
     w = torch.randn(tokens, top_k, generator=gen, device=dev).softmax(dim=1).contiguous()
 
-    ep.init_runtime(max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts)
+    # Decode batches also get the low-latency buffers (no host sync, graph-capturable).
+    ll_tokens = tokens if tokens <= 256 else 0
+    ep.init_runtime(
+        max_tokens=tokens,
+        hidden=hidden,
+        top_k=top_k,
+        num_experts=experts,
+        ll_max_tokens=ll_tokens,
+    )
 
     # ---- correctness guard: combine(received rows per row_slot) == x * sum_k w over valid k ----
     res = ep.dispatch(x, idx, w, tuning=f"sms={SM_BUDGETS[0]}")
@@ -215,6 +223,32 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
                 functools.partial(run_dispatch, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
             )
 
+    if ll_tokens:
+        # Low-latency mode: dispatch + (stand-in expert: the received rows) + combine, eager and
+        # as replays of one captured CUDA graph (how decode steps run it).
+        def ll_both(buffer: int = 0) -> torch.Tensor:
+            res = ep.ll_dispatch(x, idx, buffer=buffer)
+            return ep.ll_combine(res.recv_x.contiguous(), idx, w, buffer=buffer)
+
+        def ll_dispatch_only() -> ep.LowLatencyResult:
+            return ep.ll_dispatch(x, idx, buffer=0)
+
+        _settle()
+        timings["ll_dispatch"] = median_time_ms(ll_dispatch_only, warmup, iters, cuda=True)
+        _settle()
+        timings["ll_total"] = median_time_ms(ll_both, warmup, iters, cuda=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ll_both(1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ll_both(1)
+        _settle()
+        timings["ll_total_graph"] = median_time_ms(graph.replay, warmup, iters, cuda=True)
+        ep.check()
+
     keys = sorted(timings)
     slowest = dict(zip(keys, _max_over_ranks([timings[k] for k in keys], dev), strict=True))
     _settle()
@@ -285,6 +319,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             warmup=warmup,
             iters=iters,
         )
+        if "ll_total" in timings:
+            row.update(
+                ll_dispatch_us_max=us_max("ll_dispatch"),
+                ll_total_us_max=us_max("ll_total"),
+                ll_total_graph_us_max=us_max("ll_total_graph"),
+            )
         row.update(GOALS)
         row.update(ANCHORS)
         rows.append(row)
@@ -315,6 +355,12 @@ def _markdown(row: dict[str, Any]) -> str:
         )
         + f"{row['nccl_dispatch_us_max']:.1f} | {row['nccl_combine_us_max']:.1f} | "
         f"{row['check_rel_err']:.1e} |"
+        + (
+            f" LL dispatch {row['ll_dispatch_us_max']:.1f} us, dispatch+combine "
+            f"{row['ll_total_us_max']:.1f} us eager / {row['ll_total_graph_us_max']:.1f} us graph |"
+            if "ll_total_us_max" in row
+            else ""
+        )
     )
 
 

@@ -22,6 +22,19 @@ struct SymmetricView {
 };
 enum SignalKind : int { kCountSignal = 0, kDispatchSignal = 1, kCombineSignal = 2, kSignalKinds = 3 };
 
+// Low-latency mode (decode batches): fixed regions per (local expert, source rank), so no count
+// exchange and no host sync. Two buffer sets, so two rounds can be in flight. ll_tokens == 0:
+// not allocated.
+struct LowLatencyView {
+  int64_t ll_tokens;    // capacity: tokens per source rank
+  uint8_t* x[2];        // [E_local][W][ll_tokens][row_cap]
+  int64_t* meta[2];     // [E_local][W][ll_tokens]: src_token * K + k
+  uint64_t* count[2];   // [E_local][W] signal: rows + 1, set by the source
+  uint8_t* combine[2];  // [ll_tokens * K][H * 2] at the source
+  uint64_t* back[2];    // [W] signal: rows returned by each rank, added up
+  int32_t* recv_count;  // [2][E_local][W] local (not symmetric): rows per region, for the ops
+};
+
 struct EpDims {
   int64_t world_size, rank, num_experts, experts_per_rank, top_k, hidden, max_tokens, row_cap;
 };
@@ -86,5 +99,19 @@ struct CombineArgs {
 // `blocks` carry the rows (the communication SM budget); `reduce_blocks` do the reduction.
 void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
                     int reduce_blocks, cudaStream_t stream);
+
+// Each block takes one global expert: finds this rank's (token, k) pairs routed to it in
+// (token, k) order and puts the rows at consecutive positions of region (expert, us) on the
+// expert's rank; blocks of our own experts then wait for every source's count.
+void launch_ll_dispatch(const LowLatencyView& ll, const EpDims& d, int buffer, const uint8_t* x,
+                        const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
+                        DeviceError* err, cudaStream_t stream);
+
+// y: [E_local][W * ll_tokens][H] bf16 in the dispatch's layout. Rows go back to (token, k) slots
+// of their source; then out[t] = sum_k w[t,k] * y_(t,k), k ascending, fp32 (as the HT combine).
+void launch_ll_combine(const LowLatencyView& ll, const EpDims& d, int buffer, const uint8_t* y,
+                       const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
+                       uint8_t* out, int reduce_blocks, uint64_t timeout_ns, DeviceError* err,
+                       cudaStream_t stream);
 
 }  // namespace uniep::cuda

@@ -218,7 +218,7 @@ PYBIND11_MODULE(_C, m) {
       "ep_create",
       [](const std::string& group_name, const py::bytes& unique_id, int64_t max_tokens,
          int64_t hidden, int64_t top_k, int64_t num_experts, int64_t world_size, int64_t rank,
-         int64_t max_row_bytes, double timeout_s) {
+         int64_t max_row_bytes, double timeout_s, int64_t ll_max_tokens) {
         uniep::ep::Config c;
         c.max_tokens = max_tokens;
         c.hidden = hidden;
@@ -228,13 +228,25 @@ PYBIND11_MODULE(_C, m) {
         c.rank = rank;
         c.max_row_bytes = max_row_bytes;
         c.timeout_s = timeout_s;
+        c.ll_max_tokens = ll_max_tokens;
         const std::string raw = unique_id;
         py::gil_scoped_release release;  // collective: other ranks' threads must progress
         uniep::torch_glue::ep_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()), c);
       },
       py::arg("group_name"), py::arg("unique_id"), py::arg("max_tokens"), py::arg("hidden"),
       py::arg("top_k"), py::arg("num_experts"), py::arg("world_size"), py::arg("rank"),
-      py::arg("max_row_bytes") = 0, py::arg("timeout_s") = 100.0);
+      py::arg("max_row_bytes") = 0, py::arg("timeout_s") = 100.0, py::arg("ll_max_tokens") = 0);
+  m.def(
+      "ep_check",
+      [](const std::string& group_name) {
+        uniep::ep::Runtime& rt = uniep::torch_glue::ep_runtime(group_name);
+        const uniep::Status s = rt.check_device_errors(nullptr);
+        if (!s.ok()) throw uniep::Error(s.code, s.message);
+      },
+      py::arg("group_name"), py::call_guard<py::gil_scoped_release>(),
+      "Synchronizes the device and raises an error a device-side wait or capacity check "
+      "recorded (low-latency calls do not synchronize, so they report here or at the next "
+      "dispatch).");
   m.def("ep_exists", &uniep::torch_glue::ep_exists, py::arg("group_name"));
   m.def(
       "ep_config",
@@ -249,6 +261,7 @@ PYBIND11_MODULE(_C, m) {
         d["rank"] = c.rank;
         d["max_row_bytes"] = c.row_bytes_capacity();
         d["timeout_s"] = c.timeout_s;
+        d["ll_max_tokens"] = c.ll_max_tokens;
         return d;
       },
       py::arg("group_name"), "The configuration the group's GPU runtime was created with.");
@@ -257,7 +270,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ep_symmetric_heap_bytes",
       [](int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts,
-         int64_t world_size, int64_t max_row_bytes) {
+         int64_t world_size, int64_t max_row_bytes, int64_t ll_max_tokens) {
         uniep::ep::Config c;
         c.max_tokens = max_tokens;
         c.hidden = hidden;
@@ -265,10 +278,11 @@ PYBIND11_MODULE(_C, m) {
         c.num_experts = num_experts;
         c.world_size = world_size;
         c.max_row_bytes = max_row_bytes;
+        c.ll_max_tokens = ll_max_tokens;
         return uniep::ep::symmetric_heap_bytes(c);
       },
       py::arg("max_tokens"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
-      py::arg("world_size"), py::arg("max_row_bytes") = 0);
+      py::arg("world_size"), py::arg("max_row_bytes") = 0, py::arg("ll_max_tokens") = 0);
 #else
   m.attr("has_ep_runtime") = false;
 #endif

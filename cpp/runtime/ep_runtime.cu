@@ -42,6 +42,7 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 struct Carve {
   size_t signals, counts, stage, recv_x, recv_meta, recv_weights, combine, total;
+  size_t ll_x[2], ll_meta[2], ll_count[2], ll_combine[2], ll_back[2];
 };
 
 Carve carve(const Config& c) {
@@ -60,6 +61,14 @@ Carve carve(const Config& c) {
   v.recv_meta = take(sizeof(int64_t) * W * T * (1 + K));
   v.recv_weights = take(sizeof(float) * W * T * K);
   v.combine = take(T * K * static_cast<size_t>(c.hidden) * 2);
+  const size_t El = E / W, L = c.ll_max_tokens;
+  for (int b = 0; b < 2; ++b) {
+    v.ll_x[b] = take(El * W * L * static_cast<size_t>(c.row_bytes_capacity()));
+    v.ll_meta[b] = take(sizeof(int64_t) * El * W * L);
+    v.ll_count[b] = take(sizeof(uint64_t) * El * W);
+    v.ll_combine[b] = take(L * K * static_cast<size_t>(c.hidden) * 2);
+    v.ll_back[b] = take(sizeof(uint64_t) * W);
+  }
   v.total = off;
   return v;
 }
@@ -69,6 +78,7 @@ const char* op_name(uint32_t op) {
     case cuda::WaitOp::kNotify: return "notify (count exchange)";
     case cuda::WaitOp::kDispatch: return "dispatch";
     case cuda::WaitOp::kCombine: return "combine";
+    case cuda::WaitOp::kCapacity: return "low-latency dispatch (capacity)";
     default: return "?";
   }
 }
@@ -145,6 +155,17 @@ class RuntimeImpl final : public Runtime {
     all_peers_mapped_ = true;
     for (int pe = 0; pe < static_cast<int>(cfg_.world_size); ++pe)
       if (nvshmem_ptr(sym_base_, pe) == nullptr) all_peers_mapped_ = false;
+    ll_.ll_tokens = cfg_.ll_max_tokens;
+    for (int b = 0; b < 2; ++b) {
+      ll_.x[b] = base + layout.ll_x[b];
+      ll_.meta[b] = reinterpret_cast<int64_t*>(base + layout.ll_meta[b]);
+      ll_.count[b] = reinterpret_cast<uint64_t*>(base + layout.ll_count[b]);
+      ll_.combine[b] = base + layout.ll_combine[b];
+      ll_.back[b] = reinterpret_cast<uint64_t*>(base + layout.ll_back[b]);
+      // Signals must read zero on every rank before any peer may set them.
+      UNIEP_CUDA_OK(cudaMemset(ll_.count[b], 0, layout.ll_combine[b] - layout.ll_count[b]));
+      UNIEP_CUDA_OK(cudaMemset(ll_.back[b], 0, sizeof(uint64_t) * cfg_.world_size));
+    }
     // Signals must read zero on every rank before any peer may add to them.
     UNIEP_CUDA_OK(cudaMemset(base, 0, layout.recv_x));
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
@@ -159,6 +180,7 @@ class RuntimeImpl final : public Runtime {
                   T = cfg_.max_tokens;
     // Device workspace: layout outputs, send slots, plan counts, layout error word.
     const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
+                      sizeof(int32_t) * 2 * El * W +
                       sizeof(bool) * T * W + sizeof(unsigned long long) + 64;
     UNIEP_CUDA_OK(cudaMalloc(&workspace_, ws));
     auto* p = static_cast<int64_t*>(workspace_);
@@ -170,6 +192,8 @@ class RuntimeImpl final : public Runtime {
     plan_.expert_offsets = p, p += El + 1;
     plan_.rows_back = p, p += W;
     rows_per_local_expert_ = p, p += El;
+    ll_.recv_count = reinterpret_cast<int32_t*>(p), p += (2 * El * W + 1) / 2;
+    UNIEP_CUDA_OK(cudaMemset(ll_.recv_count, 0, sizeof(int32_t) * 2 * El * W));
     layout_error_ = reinterpret_cast<unsigned long long*>(p), p += 1;
     token_in_rank_ = reinterpret_cast<bool*>(p);
 
@@ -190,6 +214,31 @@ class RuntimeImpl final : public Runtime {
   const void* received_rows() const override { return sym_.recv_x; }
   const int64_t* rows_per_local_expert() const override { return rows_per_local_expert_; }
   uint64_t epoch() const override { return epoch_; }
+
+  Status ll_dispatch(const void* x, const int64_t* topk_idx, int64_t tokens, int buffer,
+                     cudaStream_t stream) override {
+    if (Status s = ll_checks(tokens, buffer); !s.ok()) return s;
+    cuda::launch_ll_dispatch(ll_, dims_, buffer, static_cast<const uint8_t*>(x), topk_idx, tokens,
+                             timeout_ns(), err_dev_, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    return Status::Ok();
+  }
+
+  Status ll_combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
+                    int64_t tokens, int buffer, void* out, cudaStream_t stream) override {
+    if (Status s = ll_checks(tokens, buffer); !s.ok()) return s;
+    cuda::launch_ll_combine(ll_, dims_, buffer, static_cast<const uint8_t*>(y), topk_idx,
+                            topk_weights, tokens, static_cast<uint8_t*>(out), copy_blocks(),
+                            timeout_ns(), err_dev_, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    return Status::Ok();
+  }
+
+  const void* ll_received_rows(int buffer) const override { return ll_.x[buffer & 1]; }
+  const int32_t* ll_received_counts(int buffer) const override {
+    return ll_.recv_count + (buffer & 1) * dims_.experts_per_rank * cfg_.world_size;
+  }
+  const int64_t* ll_received_slots(int buffer) const override { return ll_.meta[buffer & 1]; }
 
   Status check_device_errors(cudaStream_t stream) override {
     UNIEP_CUDA_OK(cudaStreamSynchronize(stream));
@@ -337,12 +386,35 @@ class RuntimeImpl final : public Runtime {
 
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  Status ll_checks(int64_t tokens, int buffer) const {
+    if (cfg_.ll_max_tokens <= 0)
+      return {StatusCode::kInvalidArgument,
+              "the low-latency mode needs a runtime created with ll_max_tokens > 0"};
+    if (buffer != 0 && buffer != 1)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("buffer must be 0 or 1, got ", buffer)};
+    if (tokens < 0 || tokens > cfg_.ll_max_tokens)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("x has ", tokens, " tokens but the low-latency buffers hold ",
+                              cfg_.ll_max_tokens, " (ll_max_tokens)")};
+    return Status::Ok();
+  }
   // Grid of the copy-out and reduction kernels: a few blocks per SM, to keep bytes in flight.
   int copy_blocks() const { return 4 * sm_count_; }
 
   Status take_device_error() {
     volatile DeviceError* e = err_host_;
     if (e->op == 0) return Status::Ok();
+    if (e->op == static_cast<uint32_t>(cuda::WaitOp::kCapacity)) {
+      Status s{StatusCode::kCapacityExceeded,
+               detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e->have,
+                               " rows for one expert of rank ", e->peer, " exceed the region of ",
+                               e->want, " (ll_max_tokens; an expert repeated within a token's "
+                               "top-k?); nothing of that expert was sent")};
+      e->op = 0;
+      return s;
+    }
     Status s{StatusCode::kTimeout,
              detail::str_cat("uniep ", op_name(e->op), " on rank ", cfg_.rank,
                              " timed out after ", cfg_.timeout_s, " s waiting for rank ", e->peer,
@@ -356,6 +428,7 @@ class RuntimeImpl final : public Runtime {
   bool owns_ = false, counted_ = false;
   void* sym_base_ = nullptr;
   SymmetricView sym_{};
+  cuda::LowLatencyView ll_{};
   EpDims dims_{};
   PlanCounts plan_{};
   void* workspace_ = nullptr;
@@ -393,6 +466,8 @@ Status Config::validate() const {
   if (row_bytes_capacity() % 16 != 0)
     return bad(detail::str_cat("max_row_bytes must be a multiple of 16, got ", max_row_bytes));
   if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
+  if (ll_max_tokens < 0)
+    return bad(detail::str_cat("ll_max_tokens must be >= 0, got ", ll_max_tokens));
   return Status::Ok();
 }
 

@@ -246,10 +246,73 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ll_dispatch_cuda(const at::Tensor& x,
+                                                                const at::Tensor& topk_idx,
+                                                                c10::string_view group_name,
+                                                                int64_t buffer) {
+  return translate_errors([&] {
+    const c10::cuda::CUDAGuard guard(x.device());
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const ep::Config& cfg = rt.config();
+    UNIEP_CHECK(x.dim() == 2 && x.size(1) == cfg.hidden && x.scalar_type() == at::kBFloat16 &&
+                    x.is_cuda() && x.is_contiguous(),
+                "x must be contiguous bfloat16 CUDA [T, H = ", cfg.hidden, "], got ",
+                x.scalar_type(), " ", x.sizes());
+    check_topk_idx(topk_idx);
+    UNIEP_CHECK(topk_idx.size(0) == x.size(0) && topk_idx.size(1) == cfg.top_k &&
+                    topk_idx.device() == x.device(),
+                "topk_idx must be [T = ", x.size(0), ", K = ", cfg.top_k, "] on x's device");
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    ok_or_throw(rt.ll_dispatch(x.data_ptr(), topk_idx.data_ptr<int64_t>(), x.size(0),
+                               static_cast<int>(buffer), stream));
+    const int64_t El = cfg.num_experts / cfg.world_size, per = cfg.world_size * cfg.ll_max_tokens;
+    const int64_t row = cfg.row_bytes_capacity() / 2;
+    const int b = static_cast<int>(buffer);
+    at::Tensor rows = at::from_blob(const_cast<void*>(rt.ll_received_rows(b)), {El, per, cfg.hidden},
+                                    {per * row, row, 1}, x.options());
+    at::Tensor counts =
+        at::from_blob(const_cast<int32_t*>(rt.ll_received_counts(b)), {El, cfg.world_size},
+                      x.options().dtype(at::kInt));
+    at::Tensor slots = at::from_blob(const_cast<int64_t*>(rt.ll_received_slots(b)), {El, per},
+                                     x.options().dtype(at::kLong));
+    return std::make_tuple(rows, counts, slots);
+  });
+}
+
+at::Tensor ll_combine_cuda(const at::Tensor& y, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weights, c10::string_view group_name,
+                           int64_t buffer) {
+  return translate_errors([&] {
+    const c10::cuda::CUDAGuard guard(y.device());
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const ep::Config& cfg = rt.config();
+    const int64_t El = cfg.num_experts / cfg.world_size, per = cfg.world_size * cfg.ll_max_tokens;
+    UNIEP_CHECK(y.dim() == 3 && y.size(0) == El && y.size(1) == per && y.size(2) == cfg.hidden &&
+                    y.scalar_type() == at::kBFloat16 && y.is_cuda() && y.is_contiguous(),
+                "y must be contiguous bfloat16 [E_local = ", El, ", W * ll_max_tokens = ", per,
+                ", H = ", cfg.hidden, "] (the ll_dispatch layout), got ", y.scalar_type(), " ",
+                y.sizes());
+    check_topk_idx(topk_idx);
+    UNIEP_CHECK(topk_idx.size(1) == cfg.top_k && topk_idx.device() == y.device(),
+                "topk_idx must have K = ", cfg.top_k, " columns on y's device");
+    UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
+                    topk_weights.is_contiguous() && topk_weights.device() == y.device(),
+                "topk_weights must be contiguous float32 shaped like topk_idx on y's device");
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index());
+    at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
+    ok_or_throw(rt.ll_combine(y.data_ptr(), topk_idx.data_ptr<int64_t>(),
+                              topk_weights.data_ptr<float>(), topk_idx.size(0),
+                              static_cast<int>(buffer), out.data_ptr(), stream));
+    return out;
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("ll_dispatch", &uniep::torch_glue::ll_dispatch_cuda);
+  m.impl("ll_combine", &uniep::torch_glue::ll_combine_cuda);
   m.impl("ep_dispatch", &uniep::torch_glue::ep_dispatch_cuda);
   m.impl("ep_combine", &uniep::torch_glue::ep_combine_cuda);
   m.impl("moe_forward", &uniep::torch_glue::moe_forward_cuda);

@@ -22,4 +22,12 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "ep_combine(Tensor y, Tensor row_target, Tensor topk_idx, Tensor topk_weights, "
       "str group_name, int epoch, str tuning=\"\") -> Tensor");
+  // Low-latency mode: fixed regions per (local expert, source), no host sync, graph-capturable.
+  // The outputs are views of the runtime's buffer `buffer`, valid until its next ll_dispatch.
+  m.def(
+      "ll_dispatch(Tensor x, Tensor topk_idx, str group_name, int buffer=0) -> "
+      "(Tensor recv_x, Tensor recv_count, Tensor recv_slot)");
+  m.def(
+      "ll_combine(Tensor y, Tensor topk_idx, Tensor topk_weights, str group_name, "
+      "int buffer=0) -> Tensor");
 }

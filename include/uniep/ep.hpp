@@ -31,6 +31,7 @@ struct Config {
   int64_t rank = 0;
   int64_t max_row_bytes = 0;  // bytes of one dispatched row; 0: hidden * 2 (bf16)
   double timeout_s = 100.0;   // every device-side wait; env UNIEP_TIMEOUT_S overrides the default
+  int64_t ll_max_tokens = 0;  // low-latency mode capacity (tokens per rank); 0: no LL buffers
 
   int64_t row_bytes_capacity() const { return max_row_bytes > 0 ? max_row_bytes : hidden * 2; }
   Status validate() const;
@@ -106,6 +107,23 @@ class Runtime {
   virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
                          const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
                          int num_sms, void* out, uint64_t epoch, cudaStream_t stream) = 0;
+
+  // Low-latency mode (decode batches; Config::ll_max_tokens > 0). No count exchange and no host
+  // sync, so both calls can be captured in a CUDA graph. Region (local expert e, source rank s)
+  // of `buffer` (0 or 1: two rounds may be in flight) holds s's rows for e in (token, k) order:
+  //   ll_received_rows(buffer)   [E_local][W * ll_max_tokens] rows, row_bytes_capacity() apart
+  //   ll_received_counts(buffer) [E_local][W] int32: rows in each region
+  //   ll_received_slots(buffer)  [E_local][W * ll_max_tokens] int64: src_token * K + k
+  // valid until the next ll_dispatch on that buffer. x is bf16 [tokens, hidden].
+  virtual Status ll_dispatch(const void* x, const int64_t* topk_idx, int64_t tokens, int buffer,
+                             cudaStream_t stream) = 0;
+  virtual const void* ll_received_rows(int buffer) const = 0;
+  virtual const int32_t* ll_received_counts(int buffer) const = 0;
+  virtual const int64_t* ll_received_slots(int buffer) const = 0;
+  // y: bf16 rows in the dispatch's layout ([E_local][W * ll_max_tokens][hidden]); returns
+  // out[t] = sum_k w[t,k] * y_(t,k), k ascending, fp32, as combine() does.
+  virtual Status ll_combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
+                            int64_t tokens, int buffer, void* out, cudaStream_t stream) = 0;
 
   // Raises (as a Status) an error a device wait recorded; clears it.
   virtual Status check_device_errors(cudaStream_t stream) = 0;

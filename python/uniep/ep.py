@@ -32,8 +32,12 @@ __all__ = [
     "available",
     "combine",
     "dispatch",
+    "check",
     "ensure_runtime",
     "init_runtime",
+    "ll_combine",
+    "ll_dispatch",
+    "LowLatencyResult",
     "shutdown",
 ]
 
@@ -69,6 +73,7 @@ def init_runtime(
     num_experts: int,
     max_row_bytes: int = 0,
     timeout_s: float | None = None,
+    ll_max_tokens: int = 0,
 ) -> None:
     """Create the GPU runtime of ``group`` on every rank (collective).
 
@@ -77,7 +82,9 @@ def init_runtime(
     ranks) and the symmetric buffers are sized from the arguments:
     ``max_tokens`` (most tokens any rank dispatches at once), ``hidden``, ``top_k``,
     ``num_experts`` (split evenly over the ranks) and ``max_row_bytes`` (0: ``hidden`` bf16).
-    The current CUDA device must be this rank's GPU.
+    ``ll_max_tokens > 0`` also allocates the low-latency buffers (``ll_dispatch`` /
+    ``ll_combine``: two sets of E_local x W regions of that many rows). The current CUDA device
+    must be this rank's GPU.
     """
     if not available():
         raise RuntimeError(
@@ -216,6 +223,51 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     )
 
 
+@dataclass(frozen=True)
+class LowLatencyResult:
+    """Views of the runtime's low-latency buffer (valid until its next ``ll_dispatch``):
+    recv_x [E_local, W * L, H] bf16 (region (e, s) = rows s*L .. s*L + recv_count[e, s] - 1, in
+    (token, k) order of source s); recv_count [E_local, W] int32; recv_slot [E_local, W * L]
+    int64 = src_token * K + k."""
+
+    recv_x: torch.Tensor
+    recv_count: torch.Tensor
+    recv_slot: torch.Tensor
+    buffer: int
+
+
+def ll_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    buffer: int = 0,
+) -> LowLatencyResult:
+    """Low-latency dispatch for decode batches: bf16 ``x`` [T, H] (T <= ll_max_tokens) and
+    ``topk_idx`` [T, K]; no host synchronisation, so it can be captured in a CUDA graph. A token
+    is sent once per (token, k) into fixed regions of its expert's rank. ``buffer`` (0 or 1)
+    selects one of two buffer sets, so two rounds can be in flight."""
+    rows, counts, slots = torch.ops.uniep.ll_dispatch(x, topk_idx, _group_name(group), buffer)
+    return LowLatencyResult(rows, counts, slots, buffer)
+
+
+def ll_combine(
+    y: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    buffer: int = 0,
+) -> torch.Tensor:
+    """``y`` [E_local, W * L, H] bf16 expert outputs in the ``ll_dispatch`` layout; returns
+    [T, H] with out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, fp32 (the same bits
+    as ``combine``). No host synchronisation; errors surface through ``check``."""
+    return torch.ops.uniep.ll_combine(y, topk_idx, topk_weights, _group_name(group), buffer)
+
+
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """Synchronize and raise any error a device-side wait or capacity check recorded."""
+    _C.ep_check(_group_name(group))
+
+
 def _dequantize_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """e4m3 rows times their 1x128 block scales in fp32, rounded once to bf16 (as the CPU
     executor decodes them)."""
@@ -331,6 +383,23 @@ def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: A
         x.new_empty((r,), dtype=i64),
         0,
     )
+
+
+@torch.library.register_fake("uniep::ll_dispatch")
+def _ll_dispatch_fake(x, topk_idx, group_name, buffer=0):  # noqa: ANN001, ANN202
+    cfg = _C.ep_config(group_name)
+    local = cfg["num_experts"] // cfg["world_size"]
+    per = cfg["world_size"] * cfg["ll_max_tokens"]
+    return (
+        x.new_empty((local, per, x.shape[1])),
+        x.new_empty((local, cfg["world_size"]), dtype=torch.int32),
+        x.new_empty((local, per), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("uniep::ll_combine")
+def _ll_combine_fake(y, topk_idx, topk_weights, group_name, buffer=0):  # noqa: ANN001, ANN202
+    return y.new_empty((topk_idx.shape[0], y.shape[2]))
 
 
 @torch.library.register_fake("uniep::ep_combine")

@@ -3,6 +3,7 @@
 // before its compute, which is the ordering the plan already allows; the executor still checks
 // that each compute only reads what the plan says has arrived, so it tests the plan too.
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -135,16 +136,18 @@ void check_rows(int64_t rows, int64_t chunks, const char* what) {
 // Arrival bookkeeping shared by the executors: the step at which each chunk landed here.
 class Arrivals {
  public:
-  explicit Arrivals(int64_t chunks) : step_(chunks, -1) {}
+  static constexpr int64_t kNotYet = std::numeric_limits<int64_t>::max();
+  explicit Arrivals(int64_t chunks) : step_(chunks, kNotYet) {}
+  // step -1: held from the start (this rank's own data).
   void land(int64_t chunk, int64_t step) {
-    UNIEP_CHECK_CODE(step_[chunk] < 0, StatusCode::kInternal, "chunk ", chunk,
+    UNIEP_CHECK_CODE(step_[chunk] == kNotYet, StatusCode::kInternal, "chunk ", chunk,
                      " arrived twice (step ", step, ")");
     step_[chunk] = step;
   }
   // Usable at step t if it landed in an earlier step.
   void require(int64_t chunk, int64_t t, const char* use) const {
-    UNIEP_CHECK_CODE(step_[chunk] >= 0 && step_[chunk] < t, StatusCode::kInternal, use, " chunk ",
-                     chunk, " at step ", t, " before it arrived");
+    UNIEP_CHECK_CODE(step_[chunk] < t, StatusCode::kInternal, use, " chunk ", chunk, " at step ", t,
+                     " before it arrived");
   }
 
  private:

@@ -6,7 +6,13 @@
 
 namespace uniep::cuda {
 
-enum class WaitOp : uint32_t { kNone = 0, kNotify = 1, kDispatch = 2, kCombine = 3 };
+enum class WaitOp : uint32_t {
+  kNone = 0,
+  kNotify = 1,
+  kDispatch = 2,
+  kCombine = 3,
+  kCapacity = 4,  // not a wait: a low-latency region would overflow (peer = its rank)
+};
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.
 struct DeviceError {
@@ -15,6 +21,17 @@ struct DeviceError {
   uint64_t have;  // what the signal held when we gave up
   uint64_t want;  // what we waited for
 };
+
+// Records a capacity overflow the same way a timeout is recorded: the host raises it.
+__device__ __forceinline__ void report_capacity(DeviceError* err, int peer, uint64_t have,
+                                                uint64_t want) {
+  if (atomicCAS(&err->op, 0u, static_cast<uint32_t>(WaitOp::kCapacity)) == 0u) {
+    err->peer = peer;
+    err->have = have;
+    err->want = want;
+    __threadfence_system();
+  }
+}
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;

@@ -1,0 +1,102 @@
+// Low-latency combine: rows of the dispatch's regions go back to slot (token, k) of their source
+// (the region's metadata names it); each rank adds the rows it returned to the source's signal,
+// and the source, knowing from its own routing how many rows each rank owes it, waits and then
+// reduces over k in ascending order in fp32, exactly as the high-throughput combine does.
+#include <cuda_bf16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "cuda/common/warp_copy.cuh"
+#include "cuda/ep_kernels.hpp"
+
+namespace uniep::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+// One block per (local expert, source) region.
+__global__ void __launch_bounds__(kThreads)
+    ll_combine_send_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* y,
+                           const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
+                           DeviceError* err) {
+  const int64_t W = d.world_size, K = d.top_k, El = d.experts_per_rank, me = d.rank;
+  const int64_t row_bytes = d.hidden * 2, cap = ll.ll_tokens;
+  const uint64_t deadline = global_timer_ns() + timeout_ns;
+  const int64_t local = blockIdx.x / W, src = blockIdx.x % W;
+  const int pe = static_cast<int>(src);
+  const int n = ll.recv_count[(b * El + local) * W + src];
+  const int64_t region = (local * W + src) * cap;
+  const int lane = threadIdx.x % 32;
+  for (int j = threadIdx.x / 32; j < n; j += kWarps) {
+    const int64_t slot = ll.meta[b][region + j];
+    uint8_t* dst = ll.combine[b] + slot * row_bytes;
+    const uint8_t* row = y + (region + j) * row_bytes;
+    auto* peer = static_cast<uint8_t*>(nvshmem_ptr(dst, pe));
+    if (peer != nullptr) {
+      warp_copy(peer, row, row_bytes, lane);
+    } else {
+      nvshmemx_putmem_nbi_warp(dst, row, row_bytes, pe);
+    }
+  }
+  nvshmem_quiet();
+  __syncthreads();
+  if (threadIdx.x == 0 && n > 0)
+    nvshmemx_signal_op(ll.back[b] + me, static_cast<uint64_t>(n), NVSHMEM_SIGNAL_ADD, pe);
+
+  // Block 0 waits for what every rank owes us (counted from our own routing), then clears the
+  // signals for the next round on this buffer.
+  if (blockIdx.x != 0) return;
+  for (int64_t r = threadIdx.x; r < W; r += blockDim.x) {
+    uint64_t owed = 0;
+    for (int64_t i = 0; i < tokens * K; ++i) {
+      const int64_t e = topk_idx[i];
+      owed += (e >= 0 && e / El == r) ? 1 : 0;
+    }
+    if (owed > 0 && wait_at_least(ll.back[b] + r, owed, deadline, err, WaitOp::kCombine,
+                                  static_cast<int>(r)))
+      ll.back[b][r] = 0;
+  }
+}
+
+__global__ void ll_combine_reduce_kernel(LowLatencyView ll, EpDims d, int b,
+                                         const int64_t* topk_idx, const float* topk_weights,
+                                         int64_t tokens, uint8_t* out) {
+  const int64_t K = d.top_k, H = d.hidden, row_bytes = H * 2, vecs = H / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
+       i += stride) {
+    const int64_t t = i / vecs, v = i % vecs;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < K; ++k) {
+      if (topk_idx[t * K + k] < 0) continue;
+      const float w = topk_weights[t * K + k];
+      const int4 raw = load_streaming(
+          reinterpret_cast<const int4*>(ll.combine[b] + (t * K + k) * row_bytes) + v);
+      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
+    }
+    int4 packed;
+    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
+    reinterpret_cast<int4*>(out + t * row_bytes)[v] = packed;
+  }
+}
+
+}  // namespace
+
+void launch_ll_combine(const LowLatencyView& ll, const EpDims& d, int buffer, const uint8_t* y,
+                       const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
+                       uint8_t* out, int reduce_blocks, uint64_t timeout_ns, DeviceError* err,
+                       cudaStream_t stream) {
+  const unsigned regions = static_cast<unsigned>(d.experts_per_rank * d.world_size);
+  ll_combine_send_kernel<<<regions, kThreads, 0, stream>>>(ll, d, buffer, y, topk_idx, tokens,
+                                                           timeout_ns, err);
+  if (tokens > 0)
+    ll_combine_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(ll, d, buffer, topk_idx,
+                                                                topk_weights, tokens, out);
+}
+
+}  // namespace uniep::cuda

@@ -1,0 +1,99 @@
+// Low-latency dispatch: no count exchange and no host sync. Region (local expert e, source s) on
+// the expert's rank holds s's rows for e at positions 0, 1, ... in (token, k) order, so the
+// layout is still a function of the routing alone. The count travels as a signal (rows + 1, so
+// that zero rows is still an answer); the receiver resets it once read.
+#include <cub/block/block_scan.cuh>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "cuda/common/warp_copy.cuh"
+#include "cuda/ep_kernels.hpp"
+
+namespace uniep::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxMatches = 4096;  // (token, k) pairs of one expert held in shared memory
+
+__global__ void __launch_bounds__(kThreads)
+    ll_dispatch_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* x,
+                       const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
+                       DeviceError* err) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ int32_t matches[kMaxMatches];
+  __shared__ int count;
+  const int64_t W = d.world_size, K = d.top_k, El = d.experts_per_rank, me = d.rank;
+  const int64_t row_bytes = d.hidden * 2, cap = ll.ll_tokens;
+  const uint64_t deadline = global_timer_ns() + timeout_ns;
+  const int64_t expert = blockIdx.x, dst = expert / El, local = expert % El;
+  const int pe = static_cast<int>(dst);
+
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (int64_t i0 = 0; i0 < tokens * K; i0 += kThreads) {
+    const int64_t i = i0 + threadIdx.x;
+    const int hit = (i < tokens * K && topk_idx[i] == expert) ? 1 : 0;
+    int pos, total;
+    Scan(temp).ExclusiveSum(hit, pos, total);
+    if (hit && count + pos < kMaxMatches) matches[count + pos] = static_cast<int32_t>(i);
+    __syncthreads();
+    if (threadIdx.x == 0) count += total;
+    __syncthreads();
+  }
+  // A region holds `cap` rows; more (an expert repeated within a token's top-k) is an error,
+  // never a silent drop.
+  int n = count;
+  if (n > cap || n > kMaxMatches) {
+    if (threadIdx.x == 0) report_capacity(err, static_cast<int>(dst), n, cap);
+    n = 0;
+  }
+
+  const int64_t region = (local * W + me) * cap;
+  uint8_t* rows = ll.x[b] + region * d.row_cap;
+  int64_t* meta = ll.meta[b] + region;
+  auto* peer_rows = static_cast<uint8_t*>(nvshmem_ptr(rows, pe));
+  auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
+  const int lane = threadIdx.x % 32;
+  for (int j = threadIdx.x / 32; j < n; j += kWarps) {
+    const int64_t pair = matches[j], t = pair / K;
+    if (peer_rows != nullptr) {
+      warp_copy(peer_rows + j * d.row_cap, x + t * row_bytes, row_bytes, lane);
+      if (lane == 0) peer_meta[j] = pair;
+    } else {
+      nvshmemx_putmem_nbi_warp(rows + j * d.row_cap, x + t * row_bytes, row_bytes, pe);
+      if (lane == 0) nvshmem_int64_p(meta + j, pair, pe);
+    }
+  }
+  nvshmem_quiet();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    nvshmemx_signal_op(ll.count[b] + local * W + me, static_cast<uint64_t>(n) + 1,
+                       NVSHMEM_SIGNAL_SET, pe);
+
+  // Our own experts: wait for every source's count, publish it, and clear the signal for the
+  // next round on this buffer (no source can set it again before this round's combine).
+  if (dst != me) return;
+  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
+    uint64_t* signal = ll.count[b] + local * W + s;
+    if (wait_at_least(signal, 1, deadline, err, WaitOp::kDispatch, static_cast<int>(s))) {
+      __threadfence();
+      ll.recv_count[(b * El + local) * W + s] = static_cast<int32_t>(*signal - 1);
+      *signal = 0;
+    } else {
+      ll.recv_count[(b * El + local) * W + s] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_ll_dispatch(const LowLatencyView& ll, const EpDims& d, int buffer, const uint8_t* x,
+                        const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
+                        DeviceError* err, cudaStream_t stream) {
+  ll_dispatch_kernel<<<static_cast<unsigned>(d.num_experts), kThreads, 0, stream>>>(
+      ll, d, buffer, x, topk_idx, tokens, timeout_ns, err);
+}
+
+}  // namespace uniep::cuda
