@@ -31,9 +31,13 @@ GRAD_TOLERANCE = 1e-12  # float64
 
 @dataclass(frozen=True)
 class Case:
-    """One forward problem. rows: rows per rank (AG: the shard; RS: the output); for the
-    all-to-all, x is [rows, heads * W, width] scattered on `dims[0]`, gathered on `dims[1]`
-    (dims as given, the shape laid out so that they are valid)."""
+    """One forward problem, run once per (chunks, order) variant.
+
+    agmm: a [rows, k], b [k, n]; mmrs: a [W*rows, k], b [k, n]; ag: x [rows, k, n];
+    rs: x [W*rows, k]; uly: x [rows, k*W, n] (or [W*rows, k, n] for dims (0, 1), or
+    [2, rows, k*W, n] for the 4-D case), scattered on dims[0] and gathered on dims[1].
+    Every rank draws its own inputs from (seed, rank).
+    """
 
     name: str
     op: str  # agmm, mmrs, ag, rs, uly
@@ -195,11 +199,15 @@ def _backward_case(name: str, rank: int, world: int, chunks: int, order: str) ->
         fn(*xs).backward()
         return [x.grad for x in xs]
 
+    # torch's differentiable collectives (the *_single names are the current ones).
+    fc_ag = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    fc_rs = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+
     def ref_ag(x: torch.Tensor) -> torch.Tensor:
-        return fc.all_gather_tensor_autograd(x, 0, pg)
+        return fc_ag(x, 0, pg)
 
     def ref_rs(x: torch.Tensor) -> torch.Tensor:
-        return fc.reduce_scatter_tensor_autograd(x, "sum", 0, pg)
+        return fc_rs(x, "sum", 0, pg)
 
     if name.startswith("agmm"):
         a, b = leaves((m, k), (k, n))
@@ -618,10 +626,13 @@ def test_backward_matches_autograd_through_reference(world: int, name: str) -> N
             _close(ours, ref, GRAD_TOLERANCE, f"rank {rank} grad of input {i}")
 
 
+ERROR_NAMES = [name for name, _, _ in _error_cases(0, 2)]
+
+
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("index", range(21))
-def test_bad_inputs_raise_named_errors(world: int, index: int) -> None:
-    name, _, _ = _error_cases(0, world)[index]
+@pytest.mark.parametrize("name", ERROR_NAMES)
+def test_bad_inputs_raise_named_errors(world: int, name: str) -> None:
+    index = ERROR_NAMES.index(name)
     for rank, res in enumerate(_batch(world)):
         words = _error_cases(rank, world)[index][2]
         got = res["errors"][name]
@@ -629,10 +640,6 @@ def test_bad_inputs_raise_named_errors(world: int, index: int) -> None:
         kind, message = got
         assert kind == "ValueError", f"{name}: rank {rank} raised {kind}: {message}"
         assert words in message, f"{name}: rank {rank}: {message!r} lacks {words!r}"
-
-
-def test_error_case_count() -> None:
-    assert len(_error_cases(0, 2)) == 21
 
 
 @pytest.mark.parametrize("world", WORLDS)

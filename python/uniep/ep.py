@@ -108,6 +108,8 @@ def init_runtime(
         src = dist.get_global_rank(resolved, 0)
         dist.broadcast_object_list(box, src=src, group=resolved)
         uid = box[0]
+    if not isinstance(ll_max_tokens, int) or ll_max_tokens < 0:
+        raise ValueError(f"ll_max_tokens must be an int >= 0, got {ll_max_tokens!r}")
     _C.ep_create(
         name,
         uid,
@@ -119,6 +121,7 @@ def init_runtime(
         me,
         max_row_bytes,
         _timeout(timeout_s),
+        ll_max_tokens,
     )
 
 
