@@ -64,11 +64,13 @@ std::vector<uint8_t> dispatch_records(const SlotPlan& slots, int64_t record_byte
                                       const std::function<void(int64_t, uint8_t*)>& fill,
                                       Transport& transport) {
   const int64_t W = slots.world_size;
-  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal, "records must be 8-byte multiples");
+  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
+                   "records must be 8-byte multiples");
   // Entries are grouped by destination and, within it, in slot order: the byte ranges the
   // all-to-all delivers concatenate into exactly the receiver's slot order.
   std::vector<uint8_t> send(slots.num_send() * record_bytes);
-  for (int64_t i = 0; i < slots.num_send(); ++i) fill(slots.send_tokens[i], &send[i * record_bytes]);
+  for (int64_t i = 0; i < slots.num_send(); ++i)
+    fill(slots.send_tokens[i], &send[i * record_bytes]);
   std::vector<int64_t> send_bytes(W), recv_bytes(W);
   for (int64_t r = 0; r < W; ++r) {
     send_bytes[r] = (slots.send_offsets[r + 1] - slots.send_offsets[r]) * record_bytes;
@@ -90,7 +92,8 @@ std::vector<uint8_t> return_records(const ExpertPlan& experts, int64_t record_by
                                     const std::function<void(int64_t, uint8_t*)>& fill,
                                     const std::vector<int64_t>& expected, Transport& transport) {
   const int64_t W = experts.return_counts.size(), R = experts.num_rows();
-  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal, "records must be 8-byte multiples");
+  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
+                   "records must be 8-byte multiples");
   std::vector<int64_t> offsets(W + 1, 0);
   for (int64_t s = 0; s < W; ++s) offsets[s + 1] = offsets[s] + experts.return_counts[s];
   std::vector<uint8_t> send(R * record_bytes);

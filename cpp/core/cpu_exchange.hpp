@@ -46,6 +46,8 @@ std::vector<uint8_t> return_records(const ExpertPlan& experts, int64_t record_by
 // Rows each destination rank computes for this rank's tokens: one per valid (t, k).
 std::vector<int64_t> rows_expected_back(const RoutingLayout& layout, const MoeShape& shape);
 
-constexpr int64_t align8(int64_t n) { return (n + 7) / 8 * 8; }
+constexpr int64_t align8(int64_t n) {
+  return (n + 7) / 8 * 8;
+}
 
 }  // namespace uniep::cpu

@@ -15,10 +15,10 @@
 namespace uniep {
 namespace {
 
-using numeric::Bf16;
-using numeric::Storage;
 using cpu::ExpertWeights;
 using cpu::vec_mat_t;
+using numeric::Bf16;
+using numeric::Storage;
 
 enum class Pass : int64_t { kForward = 0, kBackward = 1 };
 
@@ -40,8 +40,10 @@ Acc load_weight(const MoeForwardArgs& a, int64_t i) {
 }
 
 void store_weight(const MoeForwardArgs& a, void* out, int64_t i, double v) {
-  if (a.weight_dtype == DType::kFloat64) static_cast<double*>(out)[i] = v;
-  else static_cast<float*>(out)[i] = static_cast<float>(v);
+  if (a.weight_dtype == DType::kFloat64)
+    static_cast<double*>(out)[i] = v;
+  else
+    static_cast<float*>(out)[i] = static_cast<float>(v);
 }
 
 // Everything a rank knows once the tokens have arrived.
@@ -102,8 +104,8 @@ void combine(const MoeForwardArgs& a, const cpu::AgreedPlan& plan, const ExpertP
              int64_t payload_bytes, Filler fill, Sink sink, Transport& tr) {
   const int64_t T = a.shape.tokens, K = a.shape.top_k;
   const int64_t rec = int64_t(sizeof(int64_t)) + payload_bytes;
-  const std::vector<uint8_t> back = cpu::return_records(
-      experts, rec, fill, cpu::rows_expected_back(plan.layout, a.shape), tr);
+  const std::vector<uint8_t> back =
+      cpu::return_records(experts, rec, fill, cpu::rows_expected_back(plan.layout, a.shape), tr);
   std::vector<uint8_t> filled(T * K, 0);
   for (size_t off = 0; off < back.size(); off += rec) {
     int64_t slot;
@@ -290,18 +292,24 @@ void check_args(const MoeForwardArgs& a) {
 void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport) {
   check_args(args);
   switch (args.dtype) {
-    case DType::kFloat32: return forward_impl<float>(args, transport);
-    case DType::kFloat64: return forward_impl<double>(args, transport);
-    case DType::kBFloat16: return forward_impl<Bf16>(args, transport);
+    case DType::kFloat32:
+      return forward_impl<float>(args, transport);
+    case DType::kFloat64:
+      return forward_impl<double>(args, transport);
+    case DType::kBFloat16:
+      return forward_impl<Bf16>(args, transport);
   }
 }
 
 void cpu_moe_backward(const MoeBackwardArgs& args, Transport& transport) {
   check_args(args.fwd);
   switch (args.fwd.dtype) {
-    case DType::kFloat32: return backward_impl<float>(args, transport);
-    case DType::kFloat64: return backward_impl<double>(args, transport);
-    case DType::kBFloat16: return backward_impl<Bf16>(args, transport);
+    case DType::kFloat32:
+      return backward_impl<float>(args, transport);
+    case DType::kFloat64:
+      return backward_impl<double>(args, transport);
+    case DType::kBFloat16:
+      return backward_impl<Bf16>(args, transport);
   }
 }
 

@@ -12,7 +12,9 @@
 
 namespace uniep::cpu {
 
-inline int64_t fp8_blocks(int64_t H) { return (H + numeric::kFp8BlockCols - 1) / numeric::kFp8BlockCols; }
+inline int64_t fp8_blocks(int64_t H) {
+  return (H + numeric::kFp8BlockCols - 1) / numeric::kFp8BlockCols;
+}
 
 template <typename S>
 int64_t wire_row_bytes(int64_t H, DispatchPrecision p) {
@@ -37,7 +39,8 @@ void encode_row(const S* row, int64_t H, DispatchPrecision p, uint8_t* out) {
     const float scale = amax > 0.0f ? amax / numeric::kE4m3Max : 1.0f;
     const float inv = amax > 0.0f ? numeric::kE4m3Max / amax : 1.0f;
     std::memcpy(&scales[b], &scale, sizeof scale);
-    for (int64_t c = c0; c < c1; ++c) out[c] = numeric::float_to_e4m3(float(St::load(row[c])) * inv);
+    for (int64_t c = c0; c < c1; ++c)
+      out[c] = numeric::float_to_e4m3(float(St::load(row[c])) * inv);
   }
 }
 
@@ -53,7 +56,8 @@ void decode_row(const uint8_t* in, int64_t H, DispatchPrecision p, S* row) {
     float scale;
     std::memcpy(&scale, in + H + b * sizeof(float), sizeof scale);
     const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
-    for (int64_t c = c0; c < c1; ++c) row[c] = St::store(Acc(numeric::e4m3_to_float(in[c]) * scale));
+    for (int64_t c = c0; c < c1; ++c)
+      row[c] = St::store(Acc(numeric::e4m3_to_float(in[c]) * scale));
   }
 }
 

@@ -60,8 +60,8 @@ ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
                      " routes to no expert of rank ", shape.rank);
   }
   for (int64_t e = 0; e < El; ++e) {
-    UNIEP_CHECK_CODE(cursor[e] == plan.row_offsets[e + 1], StatusCode::kInternal,
-                     "local expert ", e, " received fewer rows than announced");
+    UNIEP_CHECK_CODE(cursor[e] == plan.row_offsets[e + 1], StatusCode::kInternal, "local expert ",
+                     e, " received fewer rows than announced");
   }
   return plan;
 }

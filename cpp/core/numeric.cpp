@@ -41,8 +41,10 @@ uint8_t float_to_e4m3(float f) {
   int lo = 0, hi = 126;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (t[mid] < a) lo = mid + 1;
-    else hi = mid;
+    if (t[mid] < a)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   if (lo == 0 || t[lo] == a) return sign | static_cast<uint8_t>(lo);
   const float up = t[lo] - a, down = a - t[lo - 1];

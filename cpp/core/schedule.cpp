@@ -13,7 +13,8 @@ std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
               "source_offsets must be [E_local, W + 1]");
   std::vector<WorkTile> tiles;
   auto emit = [&](int64_t e, int64_t s) {
-    const int64_t begin = source_offsets[e * (W + 1) + s], end = source_offsets[e * (W + 1) + s + 1];
+    const int64_t begin = source_offsets[e * (W + 1) + s],
+                  end = source_offsets[e * (W + 1) + s + 1];
     for (int64_t r = begin; r < end; r += tm) tiles.push_back({e, r, std::min(end, r + tm), s});
   };
   if (tuning.overlap == OverlapMode::kSequential) {

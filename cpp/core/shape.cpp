@@ -17,9 +17,9 @@ void MoeShape::validate() const {
 }
 
 std::string MoeShape::to_string() const {
-  return detail::str_cat("MoeShape(tokens=", tokens, ", hidden=", hidden, ", ffn_hidden=",
-                         ffn_hidden, ", num_experts=", num_experts, ", top_k=", top_k,
-                         ", world_size=", world_size, ", rank=", rank, ")");
+  return detail::str_cat("MoeShape(tokens=", tokens, ", hidden=", hidden,
+                         ", ffn_hidden=", ffn_hidden, ", num_experts=", num_experts,
+                         ", top_k=", top_k, ", world_size=", world_size, ", rank=", rank, ")");
 }
 
 }  // namespace uniep

@@ -3,7 +3,8 @@
 
 namespace uniep {
 
-SlotPlan plan_slots(const RoutingLayout& layout, const int64_t* rank_counts, const MoeShape& shape) {
+SlotPlan plan_slots(const RoutingLayout& layout, const int64_t* rank_counts,
+                    const MoeShape& shape) {
   const int64_t W = shape.world_size, me = shape.rank, T = shape.tokens;
   UNIEP_CHECK(static_cast<int64_t>(layout.tokens_per_rank.size()) == W,
               "layout.tokens_per_rank must have world_size entries");
@@ -18,7 +19,8 @@ SlotPlan plan_slots(const RoutingLayout& layout, const int64_t* rank_counts, con
   // Slots on destination d: sources in rank order, each source's tokens in token order. The
   // base of my range there is the exclusive prefix over lower source ranks.
   plan.send_offsets.assign(W + 1, 0);
-  for (int64_t d = 0; d < W; ++d) plan.send_offsets[d + 1] = plan.send_offsets[d] + layout.tokens_per_rank[d];
+  for (int64_t d = 0; d < W; ++d)
+    plan.send_offsets[d + 1] = plan.send_offsets[d] + layout.tokens_per_rank[d];
   plan.send_tokens.resize(plan.send_offsets[W]);
   plan.send_slots.resize(plan.send_offsets[W]);
   std::vector<int64_t> cursor(plan.send_offsets.begin(), plan.send_offsets.end() - 1);
@@ -36,7 +38,8 @@ SlotPlan plan_slots(const RoutingLayout& layout, const int64_t* rank_counts, con
   }
 
   plan.recv_offsets.assign(W + 1, 0);
-  for (int64_t s = 0; s < W; ++s) plan.recv_offsets[s + 1] = plan.recv_offsets[s] + rank_counts[s * W + me];
+  for (int64_t s = 0; s < W; ++s)
+    plan.recv_offsets[s + 1] = plan.recv_offsets[s] + rank_counts[s * W + me];
   return plan;
 }
 

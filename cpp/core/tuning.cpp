@@ -12,17 +12,22 @@ namespace uniep {
 
 const char* overlap_mode_name(OverlapMode mode) {
   switch (mode) {
-    case OverlapMode::kSequential: return "sequential";
-    case OverlapMode::kChunked: return "chunked";
-    case OverlapMode::kFused: return "fused";
+    case OverlapMode::kSequential:
+      return "sequential";
+    case OverlapMode::kChunked:
+      return "chunked";
+    case OverlapMode::kFused:
+      return "fused";
   }
   return "?";
 }
 
 const char* dispatch_precision_name(DispatchPrecision precision) {
   switch (precision) {
-    case DispatchPrecision::kBf16: return "bf16";
-    case DispatchPrecision::kFp8E4M3: return "fp8";
+    case DispatchPrecision::kBf16:
+      return "bf16";
+    case DispatchPrecision::kFp8E4M3:
+      return "fp8";
   }
   return "?";
 }
@@ -49,7 +54,9 @@ int parse_int(const std::string& key, const std::string& value) {
   return static_cast<int>(v);
 }
 
-bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
+bool is_pow2(int v) {
+  return v > 0 && (v & (v - 1)) == 0;
+}
 
 }  // namespace
 
@@ -96,14 +103,22 @@ TuningParams TuningParams::parse(const std::string& text) {
     } else if (key == "stages") {
       p.stages = parse_int(key, value);
     } else if (key == "overlap") {
-      if (value == "sequential") p.overlap = OverlapMode::kSequential;
-      else if (value == "chunked") p.overlap = OverlapMode::kChunked;
-      else if (value == "fused") p.overlap = OverlapMode::kFused;
-      else UNIEP_CHECK(false, "tuning: overlap must be sequential, chunked or fused, got '", value, "'");
+      if (value == "sequential")
+        p.overlap = OverlapMode::kSequential;
+      else if (value == "chunked")
+        p.overlap = OverlapMode::kChunked;
+      else if (value == "fused")
+        p.overlap = OverlapMode::kFused;
+      else
+        UNIEP_CHECK(false, "tuning: overlap must be sequential, chunked or fused, got '", value,
+                    "'");
     } else if (key == "dispatch") {
-      if (value == "bf16") p.dispatch = DispatchPrecision::kBf16;
-      else if (value == "fp8" || value == "fp8_e4m3") p.dispatch = DispatchPrecision::kFp8E4M3;
-      else UNIEP_CHECK(false, "tuning: dispatch must be bf16 or fp8, got '", value, "'");
+      if (value == "bf16")
+        p.dispatch = DispatchPrecision::kBf16;
+      else if (value == "fp8" || value == "fp8_e4m3")
+        p.dispatch = DispatchPrecision::kFp8E4M3;
+      else
+        UNIEP_CHECK(false, "tuning: dispatch must be bf16 or fp8, got '", value, "'");
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
@@ -113,10 +128,12 @@ TuningParams TuningParams::parse(const std::string& text) {
 }
 
 void TuningParams::validate() const {
-  UNIEP_CHECK(comm_sms >= 1 && comm_sms <= 1024, "tuning: sms (communication SMs) must be in [1, 1024], got ", comm_sms);
+  UNIEP_CHECK(comm_sms >= 1 && comm_sms <= 1024,
+              "tuning: sms (communication SMs) must be in [1, 1024], got ", comm_sms);
   UNIEP_CHECK(total_sms == 0 || total_sms > comm_sms, "tuning: sms total (", total_sms,
               ") must be 0 (whole device) or more than the communication SMs (", comm_sms, ")");
-  UNIEP_CHECK(token_tile >= 1 && token_tile <= 4096, "tuning: token_tile must be in [1, 4096], got ", token_tile);
+  UNIEP_CHECK(token_tile >= 1 && token_tile <= 4096,
+              "tuning: token_tile must be in [1, 4096], got ", token_tile);
   UNIEP_CHECK(is_pow2(tile_m) && tile_m >= 16 && tile_m <= 256,
               "tuning: tile_m must be a power of two in [16, 256], got ", tile_m);
   UNIEP_CHECK(is_pow2(tile_n) && tile_n >= 16 && tile_n <= 256,

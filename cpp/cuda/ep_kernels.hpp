@@ -20,7 +20,12 @@ struct SymmetricView {
   float* recv_weights;   // [W * max_tokens][K]
   uint8_t* combine;      // [max_tokens * K][H * 2]
 };
-enum SignalKind : int { kCountSignal = 0, kDispatchSignal = 1, kCombineSignal = 2, kSignalKinds = 3 };
+enum SignalKind : int {
+  kCountSignal = 0,
+  kDispatchSignal = 1,
+  kCombineSignal = 2,
+  kSignalKinds = 3
+};
 
 // Low-latency mode (decode batches): fixed regions per (local expert, source rank), so no count
 // exchange and no host sync. Two buffer sets, so two rounds can be in flight. ll_tokens == 0:
@@ -41,10 +46,10 @@ struct EpDims {
 
 // Counts every rank agreed on, derived on the device right after the exchange.
 struct PlanCounts {
-  int64_t* recv_offsets;     // [W + 1] slots per source rank
-  int64_t* send_base;        // [W] first slot of ours on each destination
-  int64_t* expert_offsets;   // [E_local + 1] grouped-GEMM rows per local expert
-  int64_t* rows_back;        // [W] expert rows each rank returns to us
+  int64_t* recv_offsets;    // [W + 1] slots per source rank
+  int64_t* send_base;       // [W] first slot of ours on each destination
+  int64_t* expert_offsets;  // [E_local + 1] grouped-GEMM rows per local expert
+  int64_t* rows_back;       // [W] expert rows each rank returns to us
 };
 
 // layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
@@ -60,17 +65,17 @@ void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& 
 
 struct DispatchArgs {
   const uint8_t* x;
-  int64_t row_bytes;         // of x; for fp8 the bf16 row (hidden * 2)
-  int64_t fp8_hidden;        // 0: rows travel verbatim; >0: bf16 rows of this many columns are
-                             // cast to e4m3 with one fp32 scale per 1x128 block on the way
-                             // (H e4m3 bytes then H / 128 scales: at most 2H, the row capacity)
+  int64_t row_bytes;   // of x; for fp8 the bf16 row (hidden * 2)
+  int64_t fp8_hidden;  // 0: rows travel verbatim; >0: bf16 rows of this many columns are
+                       // cast to e4m3 with one fp32 scale per 1x128 block on the way
+                       // (H e4m3 bytes then H / 128 scales: at most 2H, the row capacity)
   const int64_t* topk_idx;
   const float* topk_weights;
   int64_t tokens;
   const int64_t* send_slot;  // [tokens][W], -1 where the token skips the rank
   PlanCounts plan;
-  uint8_t* recv_x;           // optional copy-out: rows ([N, row_bytes], or [N, H] e4m3 for fp8)
-  float* recv_scales;        // fp8 only: [N, H / 128]
+  uint8_t* recv_x;     // optional copy-out: rows ([N, row_bytes], or [N, H] e4m3 for fp8)
+  float* recv_scales;  // fp8 only: [N, H / 128]
   int64_t* recv_src;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
@@ -92,7 +97,7 @@ struct CombineArgs {
   const float* topk_weights;
   int64_t tokens;
   PlanCounts plan;
-  uint8_t* out;  // [tokens][H] bf16
+  uint8_t* out;         // [tokens][H] bf16
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
 };

@@ -117,14 +117,14 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
   d["row_src_rank"] = to_array(ep.row_src_rank);
   d["row_combine_slot"] = to_array(ep.row_combine_slot);
   d["return_counts"] = to_array(ep.return_counts);
-  d["expert_source_offsets"] =
-      to_array(src_off).reshape({me.experts_per_rank(), W + 1});
+  d["expert_source_offsets"] = to_array(src_off).reshape({me.experts_per_rank(), W + 1});
   d["tiles"] = tile_arr;
   return d;
 }
 
 // The CPU executor's fp8 wire encoding of float rows, for checking the GPU cast bit for bit.
-py::tuple encode_fp8_rows_py(const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+py::tuple encode_fp8_rows_py(
+    const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
   UNIEP_CHECK(x.ndim() == 2, "x must be a 2-D float32 array [N, H], got ", x.ndim(), " dims");
   const int64_t N = x.shape(0), H = x.shape(1), blocks = cpu::fp8_blocks(H);
   const int64_t row = cpu::wire_row_bytes<float>(H, DispatchPrecision::kFp8E4M3);
@@ -138,6 +138,21 @@ py::tuple encode_fp8_rows_py(const py::array_t<float, py::array::c_style | py::a
   }
   return py::make_tuple(q, scales);
 }
+
+#ifdef UNIEP_WITH_CUDA_OPS
+uniep::ep::Config ep_config(int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts,
+                            int64_t world_size, int64_t max_row_bytes, int64_t ll_max_tokens) {
+  uniep::ep::Config c;
+  c.max_tokens = max_tokens;
+  c.hidden = hidden;
+  c.top_k = top_k;
+  c.num_experts = num_experts;
+  c.world_size = world_size;
+  c.max_row_bytes = max_row_bytes;
+  c.ll_max_tokens = ll_max_tokens;
+  return c;
+}
+#endif
 
 }  // namespace
 
@@ -174,7 +189,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tile_k", &TuningParams::tile_k)
       .def_readwrite("stages", &TuningParams::stages)
       .def_property(
-          "overlap", [](const TuningParams& p) { return std::string(overlap_mode_name(p.overlap)); },
+          "overlap",
+          [](const TuningParams& p) { return std::string(overlap_mode_name(p.overlap)); },
           [](TuningParams& p, const std::string& v) {
             p.overlap = TuningParams::parse("overlap=" + v).overlap;
           })
@@ -185,9 +201,11 @@ PYBIND11_MODULE(_C, m) {
             p.dispatch = TuningParams::parse("dispatch=" + v).dispatch;
           })
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
-      .def("__hash__", [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })
+      .def("__hash__",
+           [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })
       .def("__str__", &TuningParams::to_string)
-      .def("__repr__", [](const TuningParams& p) { return "TuningParams('" + p.to_string() + "')"; });
+      .def("__repr__",
+           [](const TuningParams& p) { return "TuningParams('" + p.to_string() + "')"; });
 
   py::class_<MoeShape>(m, "MoeShape")
       .def(py::init<>())
@@ -219,16 +237,10 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& group_name, const py::bytes& unique_id, int64_t max_tokens,
          int64_t hidden, int64_t top_k, int64_t num_experts, int64_t world_size, int64_t rank,
          int64_t max_row_bytes, double timeout_s, int64_t ll_max_tokens) {
-        uniep::ep::Config c;
-        c.max_tokens = max_tokens;
-        c.hidden = hidden;
-        c.top_k = top_k;
-        c.num_experts = num_experts;
-        c.world_size = world_size;
+        uniep::ep::Config c = ep_config(max_tokens, hidden, top_k, num_experts, world_size,
+                                        max_row_bytes, ll_max_tokens);
         c.rank = rank;
-        c.max_row_bytes = max_row_bytes;
         c.timeout_s = timeout_s;
-        c.ll_max_tokens = ll_max_tokens;
         const std::string raw = unique_id;
         py::gil_scoped_release release;  // collective: other ranks' threads must progress
         uniep::torch_glue::ep_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()), c);
@@ -269,17 +281,10 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def(
       "ep_symmetric_heap_bytes",
-      [](int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts,
-         int64_t world_size, int64_t max_row_bytes, int64_t ll_max_tokens) {
-        uniep::ep::Config c;
-        c.max_tokens = max_tokens;
-        c.hidden = hidden;
-        c.top_k = top_k;
-        c.num_experts = num_experts;
-        c.world_size = world_size;
-        c.max_row_bytes = max_row_bytes;
-        c.ll_max_tokens = ll_max_tokens;
-        return uniep::ep::symmetric_heap_bytes(c);
+      [](int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts, int64_t world_size,
+         int64_t max_row_bytes, int64_t ll_max_tokens) {
+        return uniep::ep::symmetric_heap_bytes(ep_config(max_tokens, hidden, top_k, num_experts,
+                                                         world_size, max_row_bytes, ll_max_tokens));
       },
       py::arg("max_tokens"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
       py::arg("world_size"), py::arg("max_row_bytes") = 0, py::arg("ll_max_tokens") = 0);

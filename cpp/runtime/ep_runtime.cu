@@ -30,14 +30,16 @@ constexpr size_t kAlign = 256;
 // and only if a runtime started it.
 int g_live_runtimes = 0;
 bool g_started_nvshmem = false;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 
-#define UNIEP_CUDA_OK(expr)                                                                \
-  do {                                                                                     \
-    const cudaError_t uniep_e_ = (expr);                                                   \
-    if (uniep_e_ != cudaSuccess)                                                           \
-      return Status{StatusCode::kInternal,                                                 \
-                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))};    \
+#define UNIEP_CUDA_OK(expr)                                                             \
+  do {                                                                                  \
+    const cudaError_t uniep_e_ = (expr);                                                \
+    if (uniep_e_ != cudaSuccess)                                                        \
+      return Status{StatusCode::kInternal,                                              \
+                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))}; \
   } while (0)
 
 struct Carve {
@@ -75,11 +77,16 @@ Carve carve(const Config& c) {
 
 const char* op_name(uint32_t op) {
   switch (static_cast<cuda::WaitOp>(op)) {
-    case cuda::WaitOp::kNotify: return "notify (count exchange)";
-    case cuda::WaitOp::kDispatch: return "dispatch";
-    case cuda::WaitOp::kCombine: return "combine";
-    case cuda::WaitOp::kCapacity: return "low-latency dispatch (capacity)";
-    default: return "?";
+    case cuda::WaitOp::kNotify:
+      return "notify (count exchange)";
+    case cuda::WaitOp::kDispatch:
+      return "dispatch";
+    case cuda::WaitOp::kCombine:
+      return "combine";
+    case cuda::WaitOp::kCapacity:
+      return "low-latency dispatch (capacity)";
+    default:
+      return "?";
   }
 }
 
@@ -174,14 +181,14 @@ class RuntimeImpl final : public Runtime {
     int device = 0;
     UNIEP_CUDA_OK(cudaGetDevice(&device));
     UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
-    dims_ = {cfg_.world_size, cfg_.rank, cfg_.num_experts, cfg_.num_experts / cfg_.world_size,
-             cfg_.top_k, cfg_.hidden, cfg_.max_tokens, cfg_.row_bytes_capacity()};
+    dims_ = {cfg_.world_size, cfg_.rank,   cfg_.num_experts, cfg_.num_experts / cfg_.world_size,
+             cfg_.top_k,      cfg_.hidden, cfg_.max_tokens,  cfg_.row_bytes_capacity()};
     const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = dims_.experts_per_rank,
                   T = cfg_.max_tokens;
     // Device workspace: layout outputs, send slots, plan counts, layout error word.
     const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
-                      sizeof(int32_t) * 2 * El * W +
-                      sizeof(bool) * T * W + sizeof(unsigned long long) + 64;
+                      sizeof(int32_t) * 2 * El * W + sizeof(bool) * T * W +
+                      sizeof(unsigned long long) + 64;
     UNIEP_CUDA_OK(cudaMalloc(&workspace_, ws));
     auto* p = static_cast<int64_t*>(workspace_);
     tokens_per_rank_ = p, p += W;
@@ -261,8 +268,7 @@ class RuntimeImpl final : public Runtime {
     dispatched_ = false;
     last_tokens_ = -1;
     cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
-                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_,
-                        stream);
+                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     UNIEP_CUDA_OK(cudaStreamSynchronize(stream));
     if (Status e = take_device_error(); !e.ok()) return e;
@@ -274,9 +280,10 @@ class RuntimeImpl final : public Runtime {
                                        stream);
         if (!s.ok()) return s;
       }
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("rank ", bad, " passed an invalid topk_idx (an expert id outside [-1, ",
-                              cfg_.num_experts, ")); its error names the entry")};
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("rank ", bad, " passed an invalid topk_idx (an expert id outside [-1, ",
+                          cfg_.num_experts, ")); its error names the entry")};
     }
     const int64_t W = cfg_.world_size, El = dims_.experts_per_rank;
     counts->num_recv = counts_host_[0];
@@ -296,18 +303,18 @@ class RuntimeImpl final : public Runtime {
                   float* recv_topk_weights, int64_t* row_slot, int64_t* row_target,
                   cudaStream_t stream) override {
     if (tokens != last_tokens_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("dispatch got ", tokens, " tokens but notify planned ",
-                              last_tokens_)};
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("dispatch got ", tokens, " tokens but notify planned ", last_tokens_)};
     if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > cfg_.row_bytes_capacity())
       return {StatusCode::kInvalidArgument,
               detail::str_cat("x rows must be a multiple of 16 bytes and at most ",
                               cfg_.row_bytes_capacity(), " bytes, got ", row_bytes)};
     if (num_sms < 1 || num_sms > sm_count_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_,
-                              "] (blocks wait on each other, so all must be resident), got ",
-                              num_sms)};
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_,
+                          "] (blocks wait on each other, so all must be resident), got ", num_sms)};
     if (fp8) {
       if (cfg_.hidden % 128 != 0 || row_bytes != cfg_.hidden * 2)
         return {StatusCode::kInvalidArgument,
@@ -349,8 +356,8 @@ class RuntimeImpl final : public Runtime {
   }
 
   Status combine(const void* y, const int64_t* row_target, int64_t rows, const int64_t* topk_idx,
-                 const float* topk_weights, int64_t tokens, int num_sms, void* out,
-                 uint64_t epoch, cudaStream_t stream) override {
+                 const float* topk_weights, int64_t tokens, int num_sms, void* out, uint64_t epoch,
+                 cudaStream_t stream) override {
     if (epoch != epoch_ || !dispatched_)
       return {StatusCode::kInvalidArgument,
               detail::str_cat("combine answers the dispatch of epoch ", epoch,
@@ -367,17 +374,24 @@ class RuntimeImpl final : public Runtime {
               detail::str_cat("y must have the ", planned_rows,
                               " expert rows of the last dispatch, got ", rows)};
     if (tokens != last_tokens_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("combine got ", tokens, " tokens but the dispatch had ",
-                              last_tokens_)};
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("combine got ", tokens, " tokens but the dispatch had ", last_tokens_)};
     if (cfg_.hidden % 8 != 0)
       return {StatusCode::kInvalidArgument, "hidden must be a multiple of 8 for the GPU combine"};
     if (num_sms < 1 || num_sms > sm_count_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("num_sms (tuning sms) must be in [1, ", sm_count_, "], got ",
-                              num_sms)};
-    cuda::CombineArgs a{static_cast<const uint8_t*>(y), row_target, rows, topk_idx, topk_weights,
-                        tokens, plan_, static_cast<uint8_t*>(out), timeout_ns(), err_dev_};
+      return {StatusCode::kInvalidArgument, detail::str_cat("num_sms (tuning sms) must be in [1, ",
+                                                            sm_count_, "], got ", num_sms)};
+    cuda::CombineArgs a{static_cast<const uint8_t*>(y),
+                        row_target,
+                        rows,
+                        topk_idx,
+                        topk_weights,
+                        tokens,
+                        plan_,
+                        static_cast<uint8_t*>(out),
+                        timeout_ns(),
+                        err_dev_};
     cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     combined_ = true;
@@ -392,8 +406,7 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               "the low-latency mode needs a runtime created with ll_max_tokens > 0"};
     if (buffer != 0 && buffer != 1)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("buffer must be 0 or 1, got ", buffer)};
+      return {StatusCode::kInvalidArgument, detail::str_cat("buffer must be 0 or 1, got ", buffer)};
     if (tokens < 0 || tokens > cfg_.ll_max_tokens)
       return {StatusCode::kCapacityExceeded,
               detail::str_cat("x has ", tokens, " tokens but the low-latency buffers hold ",
@@ -410,16 +423,16 @@ class RuntimeImpl final : public Runtime {
       Status s{StatusCode::kCapacityExceeded,
                detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e->have,
                                " rows for one expert of rank ", e->peer, " exceed the region of ",
-                               e->want, " (ll_max_tokens; an expert repeated within a token's "
+                               e->want,
+                               " (ll_max_tokens; an expert repeated within a token's "
                                "top-k?); nothing of that expert was sent")};
       e->op = 0;
       return s;
     }
     Status s{StatusCode::kTimeout,
-             detail::str_cat("uniep ", op_name(e->op), " on rank ", cfg_.rank,
-                             " timed out after ", cfg_.timeout_s, " s waiting for rank ", e->peer,
-                             " (signal ", e->have, ", expected ", e->want,
-                             "); did every rank of the group call it?")};
+             detail::str_cat("uniep ", op_name(e->op), " on rank ", cfg_.rank, " timed out after ",
+                             cfg_.timeout_s, " s waiting for rank ", e->peer, " (signal ", e->have,
+                             ", expected ", e->want, "); did every rank of the group call it?")};
     e->op = 0;
     return s;
   }
@@ -471,11 +484,14 @@ Status Config::validate() const {
   return Status::Ok();
 }
 
-size_t symmetric_heap_bytes(const Config& config) { return carve(config).total; }
+size_t symmetric_heap_bytes(const Config& config) {
+  return carve(config).total;
+}
 
 Status make_unique_id(std::vector<uint8_t>* unique_id) {
   nvshmemx_uniqueid_t id;
-  if (nvshmemx_get_uniqueid(&id) != 0) return {StatusCode::kInternal, "nvshmemx_get_uniqueid failed"};
+  if (nvshmemx_get_uniqueid(&id) != 0)
+    return {StatusCode::kInternal, "nvshmemx_get_uniqueid failed"};
   unique_id->resize(sizeof id);
   std::memcpy(unique_id->data(), &id, sizeof id);
   return Status::Ok();

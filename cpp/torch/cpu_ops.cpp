@@ -79,8 +79,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cpu(const at::Tensor& topk_idx,
-                                                                   int64_t num_experts,
-                                                                   int64_t world_size) {
+                                                                  int64_t num_experts,
+                                                                  int64_t world_size) {
   return translate_errors([&] {
     check_topk_idx(topk_idx);
     UNIEP_CHECK(topk_idx.device().is_cpu(), "topk_idx must be a CPU tensor here, got ",
@@ -96,13 +96,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cpu(const at::Tens
     auto i64 = at::TensorOptions().dtype(at::kLong);
     at::Tensor per_rank = at::empty({world_size}, i64);
     at::Tensor per_expert = at::empty({num_experts}, i64);
-    at::Tensor in_rank = at::empty({shape.tokens, world_size}, at::TensorOptions().dtype(at::kBool));
+    at::Tensor in_rank =
+        at::empty({shape.tokens, world_size}, at::TensorOptions().dtype(at::kBool));
     std::copy(layout.tokens_per_rank.begin(), layout.tokens_per_rank.end(),
               per_rank.data_ptr<int64_t>());
     std::copy(layout.tokens_per_expert.begin(), layout.tokens_per_expert.end(),
               per_expert.data_ptr<int64_t>());
     bool* flags = in_rank.data_ptr<bool>();
-    for (size_t i = 0; i < layout.token_in_rank.size(); ++i) flags[i] = layout.token_in_rank[i] != 0;
+    for (size_t i = 0; i < layout.token_in_rank.size(); ++i)
+      flags[i] = layout.token_in_rank[i] != 0;
     return std::make_tuple(per_rank, per_expert, in_rank);
   });
 }

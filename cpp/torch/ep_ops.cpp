@@ -90,7 +90,8 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
   UNIEP_CHECK(topk_idx.size(1) == cfg.top_k, "topk_idx must have K = ", cfg.top_k,
               " columns (the runtime's top_k), got ", topk_idx.size(1));
   UNIEP_CHECK(topk_idx.device() == x.device(), "topk_idx must be on x's device ", x.device());
-  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights must have the shape of topk_idx");
+  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(),
+              "topk_weights must have the shape of topk_idx");
   UNIEP_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ",
               topk_weights.scalar_type());
   UNIEP_CHECK(topk_weights.device() == x.device() && topk_weights.is_contiguous(),
@@ -98,8 +99,8 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
 }
 
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
-                        const at::Tensor& topk_weights, ep::Runtime& rt,
-                        const TuningParams& params, bool copy_rows, cudaStream_t stream) {
+                        const at::Tensor& topk_weights, ep::Runtime& rt, const TuningParams& params,
+                        bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   check_routing(x, topk_idx, topk_weights, cfg);
   const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
@@ -108,8 +109,8 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   Dispatched d;
   ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
   const int64_t N = d.counts.num_recv, K = cfg.top_k;
-  const int64_t R = std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(),
-                                    int64_t{0});
+  const int64_t R =
+      std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(), int64_t{0});
   const auto i64 = x.options().dtype(at::kLong);
   if (!copy_rows) {
     d.recv_x = at::Tensor();
@@ -118,8 +119,8 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   } else {
     d.recv_x = at::empty({N, x.size(1)}, x.options());
   }
-  d.recv_scales = at::empty({fp8 ? N : 0, fp8 ? x.size(1) / 128 : 0},
-                            x.options().dtype(at::kFloat));
+  d.recv_scales =
+      at::empty({fp8 ? N : 0, fp8 ? x.size(1) / 128 : 0}, x.options().dtype(at::kFloat));
   d.recv_src = at::empty({N}, i64);
   d.recv_topk_idx = at::empty({N, K}, i64);
   d.recv_topk_weights = at::empty({N, K}, x.options().dtype(at::kFloat));
@@ -130,9 +131,9 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   const int64_t El = static_cast<int64_t>(d.counts.rows_per_expert.size());
   d.tokens_per_expert =
       at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
-  ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(),
-                          topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), x.size(0),
-                          params.comm_sms, fp8, copy_rows ? d.recv_x.data_ptr() : nullptr,
+  ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(), topk_idx.data_ptr<int64_t>(),
+                          topk_weights.data_ptr<float>(), x.size(0), params.comm_sms, fp8,
+                          copy_rows ? d.recv_x.data_ptr() : nullptr,
                           fp8 && copy_rows ? d.recv_scales.data_ptr<float>() : nullptr,
                           d.recv_src.data_ptr<int64_t>(), d.recv_topk_idx.data_ptr<int64_t>(),
                           d.recv_topk_weights.data_ptr<float>(), d.row_slot.data_ptr<int64_t>(),
@@ -157,19 +158,20 @@ ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tens
 }
 
 at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
-                       const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                       ep::Runtime& rt, int64_t epoch, int64_t num_sms, cudaStream_t stream) {
+                       const at::Tensor& topk_idx, const at::Tensor& topk_weights, ep::Runtime& rt,
+                       int64_t epoch, int64_t num_sms, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
-  UNIEP_CHECK(y.dim() == 2 && y.size(1) == cfg.hidden, "y must be [R, H = ", cfg.hidden,
-              "], got ", y.sizes());
+  UNIEP_CHECK(y.dim() == 2 && y.size(1) == cfg.hidden, "y must be [R, H = ", cfg.hidden, "], got ",
+              y.sizes());
   UNIEP_CHECK(y.scalar_type() == at::kBFloat16, "y must be bfloat16, got ", y.scalar_type());
   UNIEP_CHECK(y.is_cuda() && y.is_contiguous(), "y must be a contiguous CUDA tensor");
   UNIEP_CHECK(row_target.dim() == 1 && row_target.size(0) == y.size(0) &&
                   row_target.scalar_type() == at::kLong,
               "row_target must be int64 [R] with R = y.size(0) = ", y.size(0));
   check_topk_idx(topk_idx);
-  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
-                  topk_weights.is_contiguous() && topk_weights.device() == y.device(),
+  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
+                  topk_weights.device() == y.device(),
               "topk_weights must be contiguous float32 shaped like topk_idx on y's device");
   at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
   ok_or_throw(rt.combine(y.data_ptr(), row_target.data_ptr<int64_t>(), y.size(0),
@@ -222,10 +224,9 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
         // Dequantised as the CPU executor does it: fp32 product of e4m3 value and block scale,
         // rounded once to bf16.
         const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
-        const at::Tensor bytes =
-            at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
-                          x.options().dtype(at::kByte))
-                .index_select(0, d.row_slot);
+        const at::Tensor bytes = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
+                                               x.options().dtype(at::kByte))
+                                     .index_select(0, d.row_slot);
         const at::Tensor q = bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn);
         const at::Tensor scales = bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat);
         xs = (q.to(at::kFloat).view({R, blocks, 128}) * scales.unsqueeze(2))
@@ -268,11 +269,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ll_dispatch_cuda(const at::Tensor
     const int64_t El = cfg.num_experts / cfg.world_size, per = cfg.world_size * cfg.ll_max_tokens;
     const int64_t row = cfg.row_bytes_capacity() / 2;
     const int b = static_cast<int>(buffer);
-    at::Tensor rows = at::from_blob(const_cast<void*>(rt.ll_received_rows(b)), {El, per, cfg.hidden},
-                                    {per * row, row, 1}, x.options());
-    at::Tensor counts =
-        at::from_blob(const_cast<int32_t*>(rt.ll_received_counts(b)), {El, cfg.world_size},
-                      x.options().dtype(at::kInt));
+    at::Tensor rows = at::from_blob(const_cast<void*>(rt.ll_received_rows(b)),
+                                    {El, per, cfg.hidden}, {per * row, row, 1}, x.options());
+    at::Tensor counts = at::from_blob(const_cast<int32_t*>(rt.ll_received_counts(b)),
+                                      {El, cfg.world_size}, x.options().dtype(at::kInt));
     at::Tensor slots = at::from_blob(const_cast<int64_t*>(rt.ll_received_slots(b)), {El, per},
                                      x.options().dtype(at::kLong));
     return std::make_tuple(rows, counts, slots);
@@ -295,8 +295,9 @@ at::Tensor ll_combine_cuda(const at::Tensor& y, const at::Tensor& topk_idx,
     check_topk_idx(topk_idx);
     UNIEP_CHECK(topk_idx.size(1) == cfg.top_k && topk_idx.device() == y.device(),
                 "topk_idx must have K = ", cfg.top_k, " columns on y's device");
-    UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
-                    topk_weights.is_contiguous() && topk_weights.device() == y.device(),
+    UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes() &&
+                    topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
+                    topk_weights.device() == y.device(),
                 "topk_weights must be contiguous float32 shaped like topk_idx on y's device");
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index());
     at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());

@@ -5,7 +5,9 @@
 namespace uniep::torch_glue {
 
 namespace {
-std::string shape_str(const at::Tensor& t) { return detail::str_cat(t.sizes()); }
+std::string shape_str(const at::Tensor& t) {
+  return detail::str_cat(t.sizes());
+}
 }  // namespace
 
 void rethrow_as_torch_error(const Error& e) {
@@ -16,16 +18,20 @@ void rethrow_as_torch_error(const Error& e) {
 
 DType to_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kDouble:
+      return DType::kFloat64;
     default:
       UNIEP_CHECK(false, name, " must be float32, bfloat16 or float64, got ", t.scalar_type());
   }
   return DType::kFloat32;
 }
 
-void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                const char* ref_name) {
   UNIEP_CHECK(t.sizes() == ref.sizes(), name, " must have the shape of ", ref_name, " ",
               shape_str(ref), ", got ", shape_str(t));
   UNIEP_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name,
@@ -60,8 +66,9 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
   UNIEP_CHECK(topk_idx.device() == x.device(), "topk_idx must be on x's device ", x.device(),
               ", got ", topk_idx.device());
 
-  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights must have the shape of topk_idx ",
-              shape_str(topk_idx), ", got ", shape_str(topk_weights));
+  UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(),
+              "topk_weights must have the shape of topk_idx ", shape_str(topk_idx), ", got ",
+              shape_str(topk_weights));
   UNIEP_CHECK(topk_weights.scalar_type() == at::kFloat ||
                   (topk_weights.scalar_type() == at::kDouble && x.scalar_type() == at::kDouble),
               "topk_weights must be float32 (or float64 with float64 x), got ",
@@ -71,7 +78,8 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
               x.device(), ", got ", topk_weights.device());
   UNIEP_CHECK(topk_weights.is_contiguous(), "topk_weights must be contiguous");
 
-  UNIEP_CHECK(w1.dim() == 3, "w1 must be a 3-D tensor [E_local, H, 2*I], got shape ", shape_str(w1));
+  UNIEP_CHECK(w1.dim() == 3, "w1 must be a 3-D tensor [E_local, H, 2*I], got shape ",
+              shape_str(w1));
   UNIEP_CHECK(w1.scalar_type() == x.scalar_type(), "w1 must have x's dtype ", x.scalar_type(),
               ", got ", w1.scalar_type());
   UNIEP_CHECK(w1.size(0) >= 1, "w1 must hold at least one local expert, got shape ", shape_str(w1));

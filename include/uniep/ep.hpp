@@ -47,10 +47,10 @@ Status make_unique_id(std::vector<uint8_t>* unique_id);
 
 // Counts agreed by all ranks at the start of a dispatch; the host needs them to size outputs.
 struct DispatchCounts {
-  int64_t num_recv = 0;                     // receive slots on this rank
-  std::vector<int64_t> recv_from_rank;      // [W]
-  std::vector<int64_t> rows_per_expert;     // [E_local] grouped-GEMM rows of each local expert
-  std::vector<int64_t> rows_back_from_rank; // [W] expert rows each rank returns to us in combine
+  int64_t num_recv = 0;                      // receive slots on this rank
+  std::vector<int64_t> recv_from_rank;       // [W]
+  std::vector<int64_t> rows_per_expert;      // [E_local] grouped-GEMM rows of each local expert
+  std::vector<int64_t> rows_back_from_rank;  // [W] expert rows each rank returns to us in combine
 };
 
 class Runtime {

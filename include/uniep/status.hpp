@@ -30,8 +30,7 @@ struct Status {
 // Thrown by the C++ API; the Python bindings map kInvalidArgument to ValueError.
 class Error : public std::runtime_error {
  public:
-  Error(StatusCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(StatusCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   StatusCode code() const { return code_; }
   Status status() const { return {code_, what()}; }
 
@@ -57,11 +56,11 @@ std::string str_cat(const Args&... args) {
 }  // namespace uniep
 
 // UNIEP_CHECK(cond, "topk_idx must be int64, got ", dtype): message names the argument first.
-#define UNIEP_CHECK_CODE(cond, code, ...)                                         \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      throw ::uniep::Error((code), ::uniep::detail::str_cat(__VA_ARGS__));        \
-    }                                                                             \
+#define UNIEP_CHECK_CODE(cond, code, ...)                                  \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      throw ::uniep::Error((code), ::uniep::detail::str_cat(__VA_ARGS__)); \
+    }                                                                      \
   } while (0)
 #define UNIEP_CHECK(cond, ...) \
   UNIEP_CHECK_CODE(cond, ::uniep::StatusCode::kInvalidArgument, __VA_ARGS__)

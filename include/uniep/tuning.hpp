@@ -16,13 +16,13 @@ const char* dispatch_precision_name(DispatchPrecision precision);
 // and any subset; missing keys keep their defaults. None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire), which is a numerics choice, not a schedule.
 struct TuningParams {
-  int comm_sms = 24;   // SMs given to dispatch/combine roles
-  int total_sms = 0;   // 0: all SMs of the device
-  int token_tile = 64; // tokens per dispatch tile (one signal per tile)
-  int tile_m = 128;    // GEMM tile rows
-  int tile_n = 128;    // GEMM tile cols
-  int tile_k = 64;     // GEMM k-step
-  int stages = 2;      // pipeline depth (buffers in flight per role)
+  int comm_sms = 24;    // SMs given to dispatch/combine roles
+  int total_sms = 0;    // 0: all SMs of the device
+  int token_tile = 64;  // tokens per dispatch tile (one signal per tile)
+  int tile_m = 128;     // GEMM tile rows
+  int tile_n = 128;     // GEMM tile cols
+  int tile_k = 64;      // GEMM k-step
+  int stages = 2;       // pipeline depth (buffers in flight per role)
   OverlapMode overlap = OverlapMode::kFused;
   DispatchPrecision dispatch = DispatchPrecision::kBf16;
 

@@ -224,6 +224,20 @@ def run_local_ranks(
             f"backend 'nccl' needs one GPU per rank: world={world}, "
             f"visible GPUs={torch.cuda.device_count()}"
         )
+    # The free port is found before the children bind it; another process can take it in
+    # between (seen on busy machines as EADDRINUSE): that, and only that, is retried.
+    for attempt in range(3):
+        try:
+            return _run_local_ranks_once(fn, world, args, backend, timeout_s)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_local_ranks_once(
+    fn: Callable[..., Any], world: int, args: tuple, backend: str, timeout_s: float
+) -> list[Any]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

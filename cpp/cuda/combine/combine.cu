@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
     const uint64_t want = a.plan.rows_back[s];
     if (want > 0)
-      wait_at_least(&sym.signals[kCombineSignal * W + s], want, deadline, a.err,
-                    WaitOp::kCombine, static_cast<int>(s));
+      wait_at_least(&sym.signals[kCombineSignal * W + s], want, deadline, a.err, WaitOp::kCombine,
+                    static_cast<int>(s));
   }
 }
 

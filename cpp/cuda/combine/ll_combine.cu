@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t e = topk_idx[i];
       owed += (e >= 0 && e / El == r) ? 1 : 0;
     }
-    if (owed > 0 && wait_at_least(ll.back[b] + r, owed, deadline, err, WaitOp::kCombine,
-                                  static_cast<int>(r)))
+    if (owed > 0 &&
+        wait_at_least(ll.back[b] + r, owed, deadline, err, WaitOp::kCombine, static_cast<int>(r)))
       ll.back[b][r] = 0;
   }
 }

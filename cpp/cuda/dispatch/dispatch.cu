@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
     const uint64_t want = a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s];
     if (want > 0)
-      wait_at_least(&sym.signals[kDispatchSignal * W + s], want, deadline, a.err,
-                    WaitOp::kDispatch, static_cast<int>(s));
+      wait_at_least(&sym.signals[kDispatchSignal * W + s], want, deadline, a.err, WaitOp::kDispatch,
+                    static_cast<int>(s));
   }
 }
 
@@ -144,7 +144,8 @@ __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
   const int64_t N = a.plan.recv_offsets[d.world_size];
   const int64_t x_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
   const int64_t vecs = a.recv_x != nullptr ? x_bytes / 16 : 0;
-  const int64_t scales = a.fp8_hidden > 0 && a.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
+  const int64_t scales =
+      a.fp8_hidden > 0 && a.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
   const int64_t per_slot = vecs + scales + K + 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * per_slot;

@@ -2,9 +2,9 @@
 // the expert's rank holds s's rows for e at positions 0, 1, ... in (token, k) order, so the
 // layout is still a function of the routing alone. The count travels as a signal (rows + 1, so
 // that zero rows is still an answer); the receiver resets it once read.
-#include <cub/block/block_scan.cuh>
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#include <cub/block/block_scan.cuh>
 
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"

@@ -26,9 +26,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     int64_t v;
-    if (i < W) v = tokens_per_rank[i];
-    else if (i < W + E) v = tokens_per_expert[i - W];
-    else v = *layout_error == ~0ull ? 1 : 0;  // routing valid
+    if (i < W)
+      v = tokens_per_rank[i];
+    else if (i < W + E)
+      v = tokens_per_expert[i - W];
+    else
+      v = *layout_error == ~0ull ? 1 : 0;  // routing valid
     sym.count_stage[i] = v;
   }
   __threadfence_system();
@@ -70,7 +73,8 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     const int64_t El = d.experts_per_rank, first = me * El;
     plan.recv_offsets[0] = 0;
-    for (int64_t s = 0; s < W; ++s) plan.recv_offsets[s + 1] = plan.recv_offsets[s] + counts[s * C + me];
+    for (int64_t s = 0; s < W; ++s)
+      plan.recv_offsets[s + 1] = plan.recv_offsets[s] + counts[s * C + me];
     for (int64_t dst = 0; dst < W; ++dst) {
       int64_t base = 0;
       for (int64_t s = 0; s < me; ++s) base += counts[s * C + dst];
@@ -87,7 +91,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     // Host-mapped: [num_recv, recv_from[W], rows_per_expert[El], rows_back[W]].
     host_counts[0] = plan.recv_offsets[W];
-    for (int64_t s = 0; s < W; ++s) host_counts[1 + s] = plan.recv_offsets[s + 1] - plan.recv_offsets[s];
+    for (int64_t s = 0; s < W; ++s)
+      host_counts[1 + s] = plan.recv_offsets[s + 1] - plan.recv_offsets[s];
     for (int64_t e = 0; e < El; ++e) {
       host_counts[1 + W + e] = plan.expert_offsets[e + 1] - plan.expert_offsets[e];
       tokens_per_local_expert[e] = host_counts[1 + W + e];
