@@ -756,3 +756,31 @@ def test_single_rank_layers_equal_linear() -> None:
     with pytest.raises(ValueError, match="dtype"):
         col(torch.randn(4, 8))
     assert math.isfinite(float(col(x).detach().sum()))
+
+
+@pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported on this Python"
+)
+def test_compile_fullgraph_parallel_mlp() -> None:
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        col = ColumnParallelLinear(8, 12, bias=True, dtype=torch.float64, chunks=2)
+        row = RowParallelLinear(12, 8, bias=True, dtype=torch.float64, order="ring")
+
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            return row(torch.tanh(col(x))).square().sum()
+
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+        x = torch.randn(4, 8, dtype=torch.float64)
+        results = []
+        for fn in (loss, compiled):
+            for p in (*col.parameters(), *row.parameters()):
+                p.grad = None
+            value = fn(x)
+            value.backward()
+            results.append([value.detach(), col.weight.grad, row.weight.grad, row.bias.grad])
+        for eager, comp in zip(*results, strict=True):
+            assert same_bits(eager, comp)
+    finally:
+        torch._dynamo.reset()

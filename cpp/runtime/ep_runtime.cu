@@ -228,12 +228,19 @@ class RuntimeImpl final : public Runtime {
     cuda::launch_ll_dispatch(ll_, dims_, buffer, static_cast<const uint8_t*>(x), topk_idx, tokens,
                              timeout_ns(), err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
+    ll_pending_[buffer] = true;
     return Status::Ok();
   }
 
   Status ll_combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
                     int64_t tokens, int buffer, void* out, cudaStream_t stream) override {
     if (Status s = ll_checks(tokens, buffer); !s.ok()) return s;
+    if (!ll_pending_[buffer])
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("ll_combine of buffer ", buffer,
+                              " needs an ll_dispatch on that buffer first; each is combined once "
+                              "(its completion signals count one round)")};
+    ll_pending_[buffer] = false;
     cuda::launch_ll_combine(ll_, dims_, buffer, static_cast<const uint8_t*>(y), topk_idx,
                             topk_weights, tokens, static_cast<uint8_t*>(out), copy_blocks(),
                             timeout_ns(), err_dev_, stream);
@@ -442,6 +449,7 @@ class RuntimeImpl final : public Runtime {
   void* sym_base_ = nullptr;
   SymmetricView sym_{};
   cuda::LowLatencyView ll_{};
+  bool ll_pending_[2] = {false, false};
   EpDims dims_{};
   PlanCounts plan_{};
   void* workspace_ = nullptr;

@@ -14,6 +14,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRanks = 256;
 
 // One block per (local expert, source) region.
 __global__ void __launch_bounds__(kThreads)
@@ -44,17 +45,21 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && n > 0)
     nvshmemx_signal_op(ll.back[b] + me, static_cast<uint64_t>(n), NVSHMEM_SIGNAL_ADD, pe);
 
-  // Block 0 waits for what every rank owes us (counted from our own routing), then clears the
+  // Block 0 waits for what every rank owes us (counted from our own routing by the whole block:
+  // a serial scan of T*K ids by one thread costs more than the transfer), then clears the
   // signals for the next round on this buffer.
   if (blockIdx.x != 0) return;
+  __shared__ unsigned long long owed[kMaxRanks];
+  for (int64_t r = threadIdx.x; r < W; r += blockDim.x) owed[r] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < tokens * K; i += blockDim.x) {
+    const int64_t e = topk_idx[i];
+    if (e >= 0) atomicAdd(&owed[e / El], 1ull);
+  }
+  __syncthreads();
   for (int64_t r = threadIdx.x; r < W; r += blockDim.x) {
-    uint64_t owed = 0;
-    for (int64_t i = 0; i < tokens * K; ++i) {
-      const int64_t e = topk_idx[i];
-      owed += (e >= 0 && e / El == r) ? 1 : 0;
-    }
-    if (owed > 0 &&
-        wait_at_least(ll.back[b] + r, owed, deadline, err, WaitOp::kCombine, static_cast<int>(r)))
+    if (owed[r] > 0 && wait_at_least(ll.back[b] + r, owed[r], deadline, err, WaitOp::kCombine,
+                                     static_cast<int>(r)))
       ll.back[b][r] = 0;
   }
 }
