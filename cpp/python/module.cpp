@@ -9,6 +9,7 @@
 #include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
+#include "torch/coll_registry.hpp"
 #include "torch/ep_registry.hpp"
 #endif
 #include "uniep/plan.hpp"
@@ -288,6 +289,57 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("max_tokens"), py::arg("hidden"), py::arg("top_k"), py::arg("num_experts"),
       py::arg("world_size"), py::arg("max_row_bytes") = 0, py::arg("ll_max_tokens") = 0);
+  m.def(
+      "coll_create",
+      [](const std::string& group_name, const py::bytes& unique_id, int64_t world_size,
+         int64_t rank, int64_t max_block_bytes, double timeout_s) {
+        uniep::coll::Config c;
+        c.world_size = world_size;
+        c.rank = rank;
+        c.max_block_bytes = max_block_bytes;
+        c.timeout_s = timeout_s;
+        const std::string raw = unique_id;
+        py::gil_scoped_release release;  // collective: other ranks' threads must progress
+        uniep::torch_glue::coll_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()), c);
+      },
+      py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
+      py::arg("max_block_bytes"), py::arg("timeout_s") = 100.0);
+  m.def("coll_exists", &uniep::torch_glue::coll_exists, py::arg("group_name"));
+  m.def("coll_destroy", &uniep::torch_glue::coll_destroy, py::arg("group_name"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "coll_check",
+      [](const std::string& group_name, bool synchronize) {
+        const uniep::Status s =
+            uniep::torch_glue::coll_runtime(group_name).check_device_errors(synchronize);
+        if (!s.ok()) throw uniep::Error(s.code, s.message);
+      },
+      py::arg("group_name"), py::arg("synchronize") = true,
+      py::call_guard<py::gil_scoped_release>(),
+      "Raises the error a device-side wait of the group's collectives recorded (the CUDA "
+      "collectives never synchronize: a timeout reports here or at the next call).");
+  m.def(
+      "coll_config",
+      [](const std::string& group_name) {
+        const uniep::coll::Config& c = uniep::torch_glue::coll_runtime(group_name).config();
+        py::dict d;
+        d["world_size"] = c.world_size;
+        d["rank"] = c.rank;
+        d["max_block_bytes"] = c.max_block_bytes;
+        d["timeout_s"] = c.timeout_s;
+        return d;
+      },
+      py::arg("group_name"));
+  m.def(
+      "coll_symmetric_heap_bytes",
+      [](int64_t world_size, int64_t max_block_bytes) {
+        uniep::coll::Config c;
+        c.world_size = world_size;
+        c.max_block_bytes = max_block_bytes;
+        return static_cast<int64_t>(uniep::coll::symmetric_heap_bytes(c));
+      },
+      py::arg("world_size"), py::arg("max_block_bytes"),
+      "Bytes of NVSHMEM symmetric heap a collectives runtime of these parameters allocates.");
 #else
   m.attr("has_ep_runtime") = false;
 #endif

@@ -9,12 +9,9 @@
 #include <string>
 
 #include "cuda/ep_kernels.hpp"
+#include "runtime/nvshmem_session.hpp"
 #include "uniep/cuda/layout.hpp"
 #include "uniep/ep.hpp"
-
-// Exported by libnvshmem_device.a: initialises the device-side state of the CUDA module it is
-// linked into (ours) when the host library was already initialised by someone else.
-extern int nvshmemi_check_state_and_init_d();
 
 namespace uniep::ep {
 namespace {
@@ -26,10 +23,6 @@ using cuda::SymmetricView;
 
 constexpr size_t kAlign = 256;
 
-// Runtimes of several groups share one NVSHMEM initialisation; the last one out finalises it,
-// and only if a runtime started it.
-int g_live_runtimes = 0;
-bool g_started_nvshmem = false;
 size_t align_up(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
@@ -99,51 +92,14 @@ class RuntimeImpl final : public Runtime {
     if (sym_base_) nvshmem_free(sym_base_);
     if (workspace_) cudaFree(workspace_);
     if (host_) cudaFreeHost(host_);
-    if (counted_ && --g_live_runtimes == 0 && g_started_nvshmem) {
-      nvshmem_finalize();
-      g_started_nvshmem = false;
-    }
+    if (counted_) runtime::nvshmem_release();
   }
 
   Status init(const std::vector<uint8_t>& uid) {
     const Carve layout = carve(cfg_);
-    const int status = nvshmemx_init_status();
-    if (status >= NVSHMEM_STATUS_IS_INITIALIZED) {
-      // Someone in this process (torch symmetric memory, another runtime) started NVSHMEM:
-      // reuse it if it spans the same ranks, else refuse with the facts.
-      if (nvshmem_n_pes() != cfg_.world_size || nvshmem_my_pe() != cfg_.rank) {
-        return {StatusCode::kUnsupported,
-                detail::str_cat("NVSHMEM is already initialised in this process with ",
-                                nvshmem_n_pes(), " PEs (this PE ", nvshmem_my_pe(),
-                                "), but the group has world_size ", cfg_.world_size, " and rank ",
-                                cfg_.rank, "; UniEP can only share NVSHMEM over the same ranks")};
-      }
-      if (!g_started_nvshmem && nvshmemi_check_state_and_init_d() != 0)
-        return {StatusCode::kInternal, "NVSHMEM device state init for uniep failed"};
-      owns_ = false;
-    } else {
-      if (uid.size() != sizeof(nvshmemx_uniqueid_t))
-        return {StatusCode::kInvalidArgument,
-                detail::str_cat("unique_id must be ", sizeof(nvshmemx_uniqueid_t), " bytes, got ",
-                                uid.size())};
-      const size_t want = layout.total + (64u << 20);
-      if (const char* env = std::getenv("NVSHMEM_SYMMETRIC_SIZE")) {
-        (void)env;  // the user's choice wins; nvshmem_malloc below says if it is too small
-      } else {
-        setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(want).c_str(), 1);
-      }
-      nvshmemx_uniqueid_t id;
-      std::memcpy(&id, uid.data(), sizeof id);
-      nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-      if (nvshmemx_set_attr_uniqueid_args(static_cast<int>(cfg_.rank),
-                                          static_cast<int>(cfg_.world_size), &id, &attr) != 0)
-        return {StatusCode::kInternal, "nvshmemx_set_attr_uniqueid_args failed"};
-      if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-        return {StatusCode::kInternal, "nvshmemx_init_attr failed"};
-      owns_ = true;
-      g_started_nvshmem = true;
-    }
-    ++g_live_runtimes;
+    if (Status s = runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout.total, &owns_);
+        !s.ok())
+      return s;
     counted_ = true;
 
     sym_base_ = nvshmem_malloc(layout.total);

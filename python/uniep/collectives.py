@@ -13,7 +13,12 @@ straight to the rank that needs it: a full-NVLink node) or ``"ring"`` (neighbour
 a fixed order (``reduce_order``) in fp32 (fp64 for float64), whatever the schedule.
 
 Supported dtypes: float32, bfloat16, float64. CPU tensors run on the CPU executor over a gloo
-group; the group name ``""`` is a world of one rank.
+group; the group name ``""`` is a world of one rank. CUDA tensors run on the CUDA executor
+(``include/uniep/cuda/collectives.hpp``): copy-engine transfers between the GPUs of one NVLink
+domain and a device barrier per call, over a runtime that ``init_cuda`` creates (the wrappers
+below create it on first use). On CUDA, ``order`` must be ``"direct"``, calls are not
+CUDA-graph capturable, and a device timeout (a rank that never calls) raises at the group's next
+call or at ``check``.
 """
 
 from __future__ import annotations
@@ -25,16 +30,20 @@ import torch.distributed as dist
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
 from . import _C, distributed
+from . import ep as _ep
 
 __all__ = [
     "KINDS",
     "all_gather",
     "all_gather_matmul",
     "all_to_all_ulysses",
+    "check",
+    "init_cuda",
     "matmul_reduce_scatter",
     "reduce_order",
     "reduce_scatter",
     "schedule",
+    "shutdown_cuda",
     "validate_schedules",
 ]
 
@@ -321,6 +330,73 @@ torch.library.register_autograd(
 )
 
 
+# ---- the CUDA runtime ----
+
+DEFAULT_MAX_BLOCK_BYTES = 256 << 20
+
+
+def init_cuda(
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+    timeout_s: float | None = None,
+) -> None:
+    """Create the CUDA collectives runtime of ``group`` on every rank (collective).
+
+    NVSHMEM is initialised from rank 0's unique id (or shared with the expert-parallel runtime
+    of the same ranks), and ``(world_size + 2) * max_block_bytes`` of symmetric memory is
+    allocated: ``max_block_bytes`` is the largest block one rank moves in a call (all-gather
+    kinds: the shard ``a``/``x`` in bytes; reduce-scatter kinds: one rank's output in bytes;
+    all-to-all: one rank's block). A larger call later raises an error naming it. Every rank of
+    ``group`` must be on one NVLink domain, and the current CUDA device must be this rank's GPU.
+    """
+    if not getattr(_C, "has_ep_runtime", False) or not torch.cuda.is_available():
+        raise RuntimeError(
+            "the UniEP CUDA collectives need a CUDA build of torch and a visible GPU "
+            f"(build_info: {_C.build_info()})"
+        )
+    if not isinstance(max_block_bytes, int) or max_block_bytes < 1:
+        raise ValueError(f"max_block_bytes must be a positive int, got {max_block_bytes!r}")
+    resolved = distributed._resolve(group)
+    name = "" if resolved is None else resolved.group_name
+    world = 1 if resolved is None else dist.get_world_size(resolved)
+    me = 0 if resolved is None else dist.get_rank(resolved)
+    uid = _C.ep_unique_id() if me == 0 else b""
+    if resolved is not None and world > 1:
+        box = [uid]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
+        uid = box[0]
+    _C.coll_create(name, uid, world, me, max_block_bytes, _ep._timeout(timeout_s))
+
+
+def shutdown_cuda(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy the group's CUDA collectives runtime (collective; a no-op if there is none)."""
+    name = distributed.group_name(group)
+    if getattr(_C, "has_ep_runtime", False) and _C.coll_exists(name):
+        torch.cuda.synchronize()
+        _C.coll_destroy(name)
+
+
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """Synchronise the device and raise a timeout a CUDA collective of ``group`` recorded."""
+    _C.coll_check(distributed.group_name(group), True)
+
+
+def _ensure_cuda(group_name: str, block_bytes: int) -> None:
+    """Create the group's CUDA runtime on first use, large enough for ``block_bytes`` (the same
+    on every rank for valid calls) and at least ``DEFAULT_MAX_BLOCK_BYTES``."""
+    if _C.coll_exists(group_name):
+        return
+    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+    capacity = max(DEFAULT_MAX_BLOCK_BYTES, 1 << max(0, block_bytes - 1).bit_length())
+    init_cuda(group, max_block_bytes=capacity)
+
+
+def _maybe_cuda(t: torch.Tensor, group_name: str, block_bytes: int) -> None:
+    if t.is_cuda and getattr(_C, "has_ep_runtime", False):
+        _ensure_cuda(group_name, block_bytes)
+
+
 # ---- Python wrappers ----
 
 
@@ -356,7 +432,9 @@ def all_gather_matmul(
         ValueError: a bad shape, dtype, ``chunks`` or ``order``, or a mismatch across ranks; the
             message names the argument.
     """
-    return torch.ops.uniep.all_gather_matmul(a, b, distributed.group_name(group), chunks, order)
+    name = distributed.group_name(group)
+    _maybe_cuda(a, name, a.numel() * a.element_size())
+    return torch.ops.uniep.all_gather_matmul(a, b, name, chunks, order)
 
 
 def matmul_reduce_scatter(
@@ -384,7 +462,10 @@ def matmul_reduce_scatter(
         ``[M/W, N]`` in ``a``'s dtype: rows ``[rank*M/W, (rank+1)*M/W)`` of the sum over ranks of
         ``a @ b``.
     """
-    return torch.ops.uniep.matmul_reduce_scatter(a, b, distributed.group_name(group), chunks, order)
+    name = distributed.group_name(group)
+    world = _world_size_of(name)
+    _maybe_cuda(a, name, a.shape[0] // world * b.shape[-1] * a.element_size())
+    return torch.ops.uniep.matmul_reduce_scatter(a, b, name, chunks, order)
 
 
 def all_gather(
@@ -402,7 +483,9 @@ def all_gather(
     Returns:
         ``[W*m, ...]``: every rank's ``x`` in rank order. Backward: ``reduce_scatter``.
     """
-    return torch.ops.uniep.all_gather(x, distributed.group_name(group), chunks, order)
+    name = distributed.group_name(group)
+    _maybe_cuda(x, name, x.numel() * x.element_size())
+    return torch.ops.uniep.all_gather(x, name, chunks, order)
 
 
 def reduce_scatter(
@@ -423,7 +506,9 @@ def reduce_scatter(
     Returns:
         ``[m, ...]``: rows ``[rank*m, (rank+1)*m)`` of the sum. Backward: ``all_gather``.
     """
-    return torch.ops.uniep.reduce_scatter(x, distributed.group_name(group), chunks, order)
+    name = distributed.group_name(group)
+    _maybe_cuda(x, name, x.numel() // _world_size_of(name) * x.element_size())
+    return torch.ops.uniep.reduce_scatter(x, name, chunks, order)
 
 
 def all_to_all_ulysses(
@@ -446,9 +531,9 @@ def all_to_all_ulysses(
     Returns:
         ``x``'s shape with ``scatter_dim`` divided and ``gather_dim`` multiplied by ``W``.
     """
-    return torch.ops.uniep.all_to_all_ulysses(
-        x, scatter_dim, gather_dim, distributed.group_name(group)
-    )
+    name = distributed.group_name(group)
+    _maybe_cuda(x, name, x.numel() // _world_size_of(name) * x.element_size())
+    return torch.ops.uniep.all_to_all_ulysses(x, scatter_dim, gather_dim, name)
 
 
 def schedule(

@@ -1,0 +1,146 @@
+// Kernels of the collectives executor; see coll_kernels.hpp.
+#include <cuda_bf16.h>
+
+#include "cuda/collectives/coll_kernels.hpp"
+
+namespace uniep::cuda {
+namespace {
+
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ bool error_recorded(const DeviceError* err) {
+  return *reinterpret_cast<const volatile uint32_t*>(&err->op) != 0;
+}
+
+__global__ void coll_barrier_kernel(PeerWords remote, const uint64_t* local, int world, int rank,
+                                    uint64_t epoch, uint64_t timeout_ns, DeviceError* err,
+                                    uint32_t op) {
+  const int p = threadIdx.x;
+  if (p >= world || p == rank) return;
+  // Everything this rank's stream did before (the published slot, the previous call) is
+  // complete when the kernel starts; the fence makes it visible before the word.
+  __threadfence_system();
+  store_release_sys(remote.at[p], epoch);
+  if (error_recorded(err)) return;
+  wait_at_least(local + p, epoch, global_timer_ns() + timeout_ns, err, static_cast<WaitOp>(op), p);
+}
+
+__global__ void coll_wait_kernel(const uint64_t* words, int64_t stride, int world, int rank,
+                                 int only, uint64_t want, uint64_t timeout_ns, DeviceError* err,
+                                 uint32_t op) {
+  const int p = threadIdx.x;
+  if (p >= world || p == rank || (only >= 0 && p != only) || error_recorded(err)) return;
+  wait_at_least(words + p * stride, want, global_timer_ns() + timeout_ns, err,
+                static_cast<WaitOp>(op), p);
+}
+
+__global__ void coll_signal_kernel(uint64_t* word, uint64_t value) {
+  __threadfence_system();
+  store_release_sys(word, value);
+}
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Acc = float;
+  __device__ static float load(const float* p) { return *p; }
+  __device__ static void store(float* p, float v) { *p = v; }
+};
+template <>
+struct Elem<double> {
+  using Acc = double;
+  __device__ static double load(const double* p) { return *p; }
+  __device__ static void store(double* p, double v) { *p = v; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  using Acc = float;
+  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+// One 16-byte vector per thread and iteration: the fold is memory-bound, and the sources are
+// local HBM (the slots the peers pushed into, and this rank's own partial).
+template <typename T>
+__global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64_t elems,
+                                   bool vectorized) {
+  using Acc = typename Elem<T>::Acc;
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t vecs = vectorized ? elems / kVec : 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
+       v += stride) {
+    Acc acc[kVec];
+    for (int i = 0; i < count; ++i) {
+      const uint4 raw = reinterpret_cast<const uint4*>(inputs.in[i])[v];
+      const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // The first operand starts the sum: 0 + (-0) would lose the sign the CPU keeps.
+        const Acc xv = Elem<T>::load(x + e);
+        acc[e] = i == 0 ? xv : acc[e] + xv;
+      }
+    }
+    uint4 packed;
+    T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) Elem<T>::store(o + e, acc[e]);
+    reinterpret_cast<uint4*>(out)[v] = packed;
+  }
+  // The ragged end, or everything when a pointer is not 16-byte aligned: element by element.
+  for (int64_t e = vecs * kVec + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       e < elems; e += stride) {
+    Acc acc = 0;
+    for (int i = 0; i < count; ++i) {
+      const Acc xv = Elem<T>::load(static_cast<const T*>(inputs.in[i]) + e);
+      acc = i == 0 ? xv : acc + xv;
+    }
+    Elem<T>::store(out + e, acc);
+  }
+}
+
+}  // namespace
+
+void launch_coll_barrier(const PeerWords& remote, const uint64_t* local, int world, int rank,
+                         uint64_t epoch, uint64_t timeout_ns, DeviceError* err, uint32_t op,
+                         cudaStream_t stream) {
+  coll_barrier_kernel<<<1, 32, 0, stream>>>(remote, local, world, rank, epoch, timeout_ns, err, op);
+}
+
+void launch_coll_wait(const uint64_t* words, int64_t stride, int world, int rank, int only,
+                      uint64_t want, uint64_t timeout_ns, DeviceError* err, uint32_t op,
+                      cudaStream_t stream) {
+  coll_wait_kernel<<<1, 32, 0, stream>>>(words, stride, world, rank, only, want, timeout_ns, err,
+                                         op);
+}
+
+void launch_coll_signal(uint64_t* word, uint64_t value, cudaStream_t stream) {
+  coll_signal_kernel<<<1, 1, 0, stream>>>(word, value);
+}
+
+void launch_coll_reduce(DType dtype, const ReduceInputs& inputs, int count, void* out,
+                        int64_t elems, int blocks, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  bool vectorized = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  for (int i = 0; i < count; ++i)
+    vectorized = vectorized && reinterpret_cast<uintptr_t>(inputs.in[i]) % 16 == 0;
+  switch (dtype) {
+    case DType::kFloat32:
+      coll_reduce_kernel<float><<<blocks, kThreads, 0, stream>>>(
+          inputs, count, static_cast<float*>(out), elems, vectorized);
+      break;
+    case DType::kFloat64:
+      coll_reduce_kernel<double><<<blocks, kThreads, 0, stream>>>(
+          inputs, count, static_cast<double*>(out), elems, vectorized);
+      break;
+    case DType::kBFloat16:
+      coll_reduce_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          inputs, count, static_cast<__nv_bfloat16*>(out), elems, vectorized);
+      break;
+  }
+}
+
+}  // namespace uniep::cuda

@@ -1,0 +1,50 @@
+// Device side of the collectives executor (uniep/cuda/collectives.hpp): the group barrier, the
+// bounded wait on arrival signals, the fallback signal store, and the fixed-order reduction.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_wait.cuh"
+#include "uniep/cpu_executor.hpp"  // DType
+
+namespace uniep::cuda {
+
+constexpr int kCollMaxRanks = 16;
+
+// Error-word op codes of the collectives: kCollOpBase + CollectiveKind.
+constexpr uint32_t kCollOpBase = 16;
+
+// Where this rank's word lives on every peer (nullptr for itself), by value in kernel arguments.
+struct PeerWords {
+  uint64_t* at[kCollMaxRanks];
+};
+
+// Stores `epoch` into this rank's barrier word on every peer, then waits until every peer's word
+// here reaches it. Bounded: at the deadline it records (op, peer) in err and returns.
+void launch_coll_barrier(const PeerWords& remote, const uint64_t* local, int world, int rank,
+                         uint64_t epoch, uint64_t timeout_ns, DeviceError* err, uint32_t op,
+                         cudaStream_t stream);
+
+// Waits until words[p * stride] >= want for every p in [0, world) but `rank` (only p == `only`
+// when only >= 0). Bounded likewise; returns at once if an error is already recorded: one
+// timeout must not cost one timeout per later wait.
+void launch_coll_wait(const uint64_t* words, int64_t stride, int world, int rank, int only,
+                      uint64_t want, uint64_t timeout_ns, DeviceError* err, uint32_t op,
+                      cudaStream_t stream);
+
+// *word = value with release semantics at system scope (when the driver's stream write is not
+// available).
+void launch_coll_signal(uint64_t* word, uint64_t value, cudaStream_t stream);
+
+// out[e] = round(((in[0][e] + in[1][e]) + ...) + in[count-1][e]), accumulated in fp32 (fp64 for
+// float64): the CPU executor's reduce-order fold, bit for bit. 16-byte vectors where every
+// pointer is aligned to them.
+struct ReduceInputs {
+  const void* in[kCollMaxRanks];
+};
+void launch_coll_reduce(DType dtype, const ReduceInputs& inputs, int count, void* out,
+                        int64_t elems, int blocks, cudaStream_t stream);
+
+}  // namespace uniep::cuda

@@ -1,0 +1,477 @@
+// The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
+// barrier and arrival words, the published all-gather shards and the push slots, and the host
+// side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
+// computations on two streams.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstring>
+#include <string>
+
+#include "cuda/collectives/coll_kernels.hpp"
+#include "runtime/nvshmem_session.hpp"
+#include "uniep/collectives.hpp"
+#include "uniep/cuda/collectives.hpp"
+
+namespace uniep::coll {
+namespace {
+
+using cuda::DeviceError;
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+
+#define UNIEP_CUDA_OK(expr)                                                             \
+  do {                                                                                  \
+    const cudaError_t uniep_e_ = (expr);                                                \
+    if (uniep_e_ != cudaSuccess)                                                        \
+      return Status{StatusCode::kInternal,                                              \
+                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))}; \
+  } while (0)
+
+// Offsets in the symmetric allocation; the same on every rank.
+struct Carve {
+  size_t barrier;  // uint64 [kMaxRanks]: the epoch each peer last reached
+  size_t arrived;  // uint64 [kMaxRanks][kMaxChunks]: the epoch of each peer's last push of part j
+  size_t pull[2];  // published shard, two slots: a peer may still read the previous call's
+  size_t push;     // [kMaxRanks] slots of max_block_bytes: what each peer pushed here
+  size_t total;
+};
+
+Carve carve(const Config& c) {
+  Carve v{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  const size_t B = static_cast<size_t>(c.max_block_bytes);
+  v.barrier = take(sizeof(uint64_t) * kMaxRanks);
+  v.arrived = take(sizeof(uint64_t) * kMaxRanks * kMaxChunks);
+  v.pull[0] = take(B);
+  v.pull[1] = take(B);
+  v.push = take(B * static_cast<size_t>(c.world_size));
+  v.total = off;
+  return v;
+}
+
+int64_t dtype_bytes(DType d) {
+  return d == DType::kBFloat16 ? 2 : d == DType::kFloat32 ? 4 : 8;
+}
+
+using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+class RuntimeImpl final : public Runtime {
+ public:
+  explicit RuntimeImpl(const Config& c) : cfg_(c), layout_(carve(c)) {}
+  ~RuntimeImpl() override {
+    // nvshmem_free is collective: the runtime is destroyed by every rank together
+    // (uniep.collectives.shutdown_cuda), never from a static destructor.
+    if (comm_) cudaStreamSynchronize(comm_);
+    if (sym_) nvshmem_free(sym_);
+    for (cudaEvent_t& e : events_)
+      if (e) cudaEventDestroy(e);
+    if (comm_) cudaStreamDestroy(comm_);
+    if (err_host_) cudaFreeHost(err_host_);
+    if (counted_) runtime::nvshmem_release();
+  }
+
+  Status init(const std::vector<uint8_t>& uid) {
+    bool started = false;
+    if (Status s =
+            runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout_.total, &started);
+        !s.ok())
+      return s;
+    counted_ = true;
+    sym_ = nvshmem_malloc(layout_.total);
+    if (!sym_)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("nvshmem_malloc of ", layout_.total,
+                              " bytes for the collectives failed: lower max_block_bytes or raise "
+                              "NVSHMEM_SYMMETRIC_SIZE (set before the first UniEP runtime)")};
+    for (int64_t p = 0; p < cfg_.world_size; ++p) {
+      peer_[p] = static_cast<uint8_t*>(nvshmem_ptr(sym_, static_cast<int>(p)));
+      if (peer_[p] == nullptr)
+        return {StatusCode::kUnsupported,
+                detail::str_cat("the CUDA collectives need every rank of the group on this "
+                                "rank's NVLink domain, but rank ",
+                                p, " is not reachable through nvshmem_ptr from rank ", cfg_.rank,
+                                "; use NCCL (or the CPU executor) across nodes")};
+    }
+    // The words must read zero everywhere before any peer may store into them.
+    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.pull[0]));
+    UNIEP_CUDA_OK(cudaDeviceSynchronize());
+    nvshmem_barrier_all();
+
+    UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : events_)
+      UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
+                                cudaHostAllocMapped));
+    std::memset(err_host_, 0, sizeof(DeviceError));
+    UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
+    int device = 0;
+    UNIEP_CUDA_OK(cudaGetDevice(&device));
+    UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+    // Arrival signals are written by the stream front end (no SM, so they are not queued behind
+    // the GEMM blocks that fill the GPU); a one-thread kernel where the driver lacks it.
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      write_value64_ = reinterpret_cast<StreamWriteValue64>(fn);
+    (void)cudaGetLastError();
+    return Status::Ok();
+  }
+
+  const Config& config() const override { return cfg_; }
+
+  Status all_gather(const AllGatherCall& c, cudaStream_t stream) override {
+    const bool gemm = c.gemm.run != nullptr;
+    const CollectiveKind kind =
+        gemm ? CollectiveKind::kAllGatherMatmul : CollectiveKind::kAllGather;
+    if (Status s = check_rows(c.rows_per_rank, c.chunks, "rows_per_rank"); !s.ok()) return s;
+    if (c.row_bytes < 1) return bad(detail::str_cat("row_bytes must be >= 1, got ", c.row_bytes));
+    if (Status s = check_block(c.rows_per_rank * c.row_bytes, "rows_per_rank * row_bytes"); !s.ok())
+      return s;
+    if (!c.a || !c.gathered) return bad("a and gathered must be device pointers, got null");
+    if (gemm && (!c.out || c.out_row_bytes < 1))
+      return bad("an all-gather + GEMM needs out and out_row_bytes >= 1");
+    CollectiveSchedule plan;
+    if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
+    if (Status s = begin(kind, stream); !s.ok()) return s;
+
+    const int64_t W = cfg_.world_size, r = cfg_.rank, m = c.rows_per_rank;
+    const int64_t mc = m / c.chunks, rb = c.row_bytes, part = mc * rb;
+    const size_t slot = layout_.pull[epoch_ & 1];
+    const auto* a = static_cast<const uint8_t*>(c.a);
+    auto* gathered = static_cast<uint8_t*>(c.gathered);
+
+    // Publish, then the barrier: once it passes, every peer's shard can be read.
+    UNIEP_CUDA_OK(cudaMemcpyAsync(sym() + slot, a, m * rb, cudaMemcpyDeviceToDevice, stream));
+    barrier(kind, stream);
+    UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    // Pulls in the plan's receive order (the owner whose chunk is computed next comes first).
+    for (const ChunkStep& st : plan.steps) {
+      for (const Transfer& t : st.recvs) {
+        const int64_t owner = plan.chunk_block(t.chunk), j = plan.chunk_part(t.chunk);
+        UNIEP_CUDA_OK(cudaMemcpyAsync(gathered + (owner * m + j * mc) * rb,
+                                      peer_[t.peer] + slot + j * part, part,
+                                      cudaMemcpyDeviceToDevice, comm_));
+        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(t.chunk), comm_));
+      }
+    }
+    UNIEP_CUDA_OK(
+        cudaMemcpyAsync(gathered + r * m * rb, a, m * rb, cudaMemcpyDeviceToDevice, comm_));
+    Status status = Status::Ok();
+    if (gemm) {
+      auto* out = static_cast<uint8_t*>(c.out);
+      for (const ChunkStep& st : plan.steps) {
+        const int64_t owner = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
+        const uint8_t* rows = a + j * part;  // the own shard needs no copy to be read
+        if (owner != r) {
+          UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
+          rows = gathered + (owner * m + j * mc) * rb;
+        }
+        status =
+            c.gemm.run(c.gemm.ctx, rows, out + (owner * m + j * mc) * c.out_row_bytes, mc, stream);
+        if (!status.ok()) break;
+      }
+    }
+    return finish(stream, status);
+  }
+
+  Status reduce_scatter(const ReduceScatterCall& c, cudaStream_t stream) override {
+    const bool gemm = c.gemm.run != nullptr;
+    const CollectiveKind kind =
+        gemm ? CollectiveKind::kMatmulReduceScatter : CollectiveKind::kReduceScatter;
+    if (Status s = check_rows(c.rows_per_rank, c.chunks, "rows_per_rank"); !s.ok()) return s;
+    if (c.n < 1) return bad(detail::str_cat("n must be >= 1, got ", c.n));
+    const int64_t es = dtype_bytes(c.dtype), rb = c.n * es;
+    if (Status s = check_block(c.rows_per_rank * rb, "rows_per_rank * n * dtype size"); !s.ok())
+      return s;
+    if (!c.a || !c.out) return bad("a and out must be device pointers, got null");
+    if (gemm && !c.scratch) return bad("a GEMM + reduce-scatter needs scratch ([W*m, n])");
+    if (!gemm && c.a_row_bytes != rb)
+      return bad(detail::str_cat("a reduce-scatter's input rows are n * dtype size = ", rb,
+                                 " bytes, got a_row_bytes ", c.a_row_bytes));
+    CollectiveSchedule plan;
+    if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
+    if (Status s = begin(kind, stream); !s.ok()) return s;
+
+    const int64_t W = cfg_.world_size, r = cfg_.rank, m = c.rows_per_rank;
+    const int64_t mc = m / c.chunks, part = mc * rb;
+    const auto* a = static_cast<const uint8_t*>(c.a);
+    // Where the partial of (destination, part) is: the GEMM's scratch rows, or the input rows.
+    const uint8_t* partials = gemm ? static_cast<const uint8_t*>(c.scratch) : a;
+    auto partial = [&](int64_t chunk) {
+      return partials + (plan.chunk_block(chunk) * m + plan.chunk_part(chunk) * mc) * rb;
+    };
+    auto* out = static_cast<uint8_t*>(c.out);
+
+    barrier(kind, stream);
+    UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    Status status = Status::Ok();
+    // The caller's stream: the partials in plan order, each remote one marked for its push; the
+    // own rows last, each folded as soon as its GEMM is done (the plan's epilogue folds).
+    for (const ChunkStep& st : plan.steps) {
+      const int64_t dest = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
+      if (gemm) {
+        status = c.gemm.run(c.gemm.ctx, a + (dest * m + j * mc) * c.a_row_bytes,
+                            const_cast<uint8_t*>(partial(st.compute)), mc, stream);
+        if (!status.ok()) break;
+        if (dest != r) UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), stream));
+      }
+      if (dest != r) continue;
+      cuda::ReduceInputs in{};
+      int count = 0;
+      for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
+      in.in[count++] = partial(st.compute);
+      if (W > 1)
+        cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
+                               static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
+                               op_code(kind), stream);
+      cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, reduce_blocks(part),
+                               stream);
+      UNIEP_CUDA_OK(cudaGetLastError());
+    }
+    // The communication stream: each push as soon as its partial exists, in plan order.
+    if (status.ok()) {
+      for (const ChunkStep& st : plan.steps) {
+        for (const Transfer& t : st.sends) {
+          if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
+          const int64_t j = plan.chunk_part(t.chunk);
+          UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[t.peer] + push_slot(r) + j * part, partial(t.chunk),
+                                        part, cudaMemcpyDeviceToDevice, comm_));
+          if (Status s = signal(t.peer, arrived_word(r, j), comm_); !s.ok()) return s;
+        }
+      }
+    }
+    return finish(stream, status);
+  }
+
+  Status all_to_all(const AllToAllCall& c, cudaStream_t stream) override {
+    const CollectiveKind kind = CollectiveKind::kAllToAllUlysses;
+    if (c.chunks < 1 || c.chunks > kMaxChunks)
+      return bad(detail::str_cat("chunks must be in [1, ", kMaxChunks, "], got ", c.chunks));
+    if (c.block_bytes < 0 || c.block_bytes % c.chunks != 0)
+      return bad(detail::str_cat("block_bytes (", c.block_bytes,
+                                 ") must be >= 0 and divisible by chunks (", c.chunks, ")"));
+    if (Status s = check_block(c.block_bytes, "block_bytes"); !s.ok()) return s;
+    if (!c.send || !c.recv) return bad("send and recv must be device pointers, got null");
+    CollectiveSchedule plan;
+    if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
+    if (Status s = begin(kind, stream); !s.ok()) return s;
+
+    const int64_t W = cfg_.world_size, r = cfg_.rank, B = c.block_bytes, part = B / c.chunks;
+    const auto* send = static_cast<const uint8_t*>(c.send);
+    auto* recv = static_cast<uint8_t*>(c.recv);
+
+    barrier(kind, stream);
+    UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    for (const ChunkStep& st : plan.steps) {
+      for (const Transfer& t : st.sends) {
+        const int64_t dst = plan.chunk_dst(t.chunk), j = plan.chunk_part(t.chunk);
+        UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[t.peer] + push_slot(r) + j * part,
+                                      send + dst * B + j * part, part, cudaMemcpyDeviceToDevice,
+                                      comm_));
+        if (Status s = signal(t.peer, arrived_word(r, j), comm_); !s.ok()) return s;
+      }
+    }
+    // Placement in plan order: the own block first, then each arrival once its signal is seen.
+    for (const ChunkStep& st : plan.steps) {
+      const int64_t src = plan.chunk_src(st.compute), j = plan.chunk_part(st.compute);
+      const uint8_t* from = send + r * B + j * part;
+      if (src != r) {
+        cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
+                               static_cast<int>(r), static_cast<int>(src), epoch_, timeout_ns(),
+                               err_dev_, op_code(kind), stream);
+        from = sym() + push_slot(src) + j * part;
+      }
+      UNIEP_CUDA_OK(
+          cudaMemcpyAsync(recv + src * B + j * part, from, part, cudaMemcpyDeviceToDevice, stream));
+    }
+    return finish(stream, Status::Ok());
+  }
+
+  Status check_device_errors(bool synchronize) override {
+    if (synchronize) {
+      UNIEP_CUDA_OK(cudaStreamSynchronize(comm_));
+      UNIEP_CUDA_OK(cudaDeviceSynchronize());
+    }
+    return take_device_error();
+  }
+
+ private:
+  static Status bad(const std::string& message) { return {StatusCode::kInvalidArgument, message}; }
+
+  Status check_rows(int64_t rows, int64_t chunks, const char* name) const {
+    if (chunks < 1 || chunks > kMaxChunks)
+      return bad(detail::str_cat("chunks must be in [1, ", kMaxChunks, "], got ", chunks));
+    if (rows < 1 || rows % chunks != 0)
+      return bad(detail::str_cat(name, " (", rows, ") must be >= 1 and divisible by chunks (",
+                                 chunks, ")"));
+    return Status::Ok();
+  }
+
+  Status check_block(int64_t bytes, const char* what) const {
+    if (bytes > cfg_.max_block_bytes)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("this call moves blocks of ", bytes, " bytes (", what,
+                              ") but the collectives runtime was created with max_block_bytes ",
+                              cfg_.max_block_bytes,
+                              "; re-create it (uniep.collectives.init_cuda) with a larger one")};
+    return Status::Ok();
+  }
+
+  // The schedule throws on bad arguments; they were checked, but this API returns a Status.
+  Status plan_for(CollectiveKind kind, int64_t chunks, CollectiveSchedule* plan) const {
+    try {
+      *plan = make_schedule(kind, cfg_.world_size, cfg_.rank, chunks, PeerOrder::kDirect);
+    } catch (const Error& e) {
+      return {e.code(), e.what()};
+    }
+    return Status::Ok();
+  }
+
+  // Common prologue: a pending device error fails this call (a peer is gone; later waits would
+  // only time out again), and capture is refused (the epochs would be frozen into the graph).
+  Status begin(CollectiveKind kind, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return {StatusCode::kUnsupported,
+              detail::str_cat(collective_kind_name(kind),
+                              " on CUDA cannot be captured in a CUDA graph: each call's signals "
+                              "carry a fresh epoch from the host")};
+    if (Status s = take_device_error(); !s.ok()) return s;
+    ++epoch_;
+    return Status::Ok();
+  }
+
+  // The caller's stream joins the communication stream, so everything the call wrote (and read
+  // from the caller's tensors) is ordered before whatever the caller enqueues next.
+  Status finish(cudaStream_t stream, Status status) {
+    UNIEP_CUDA_OK(cudaGetLastError());
+    UNIEP_CUDA_OK(cudaEventRecord(end_event(), comm_));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, end_event(), 0));
+    return status;
+  }
+
+  void barrier(CollectiveKind kind, cudaStream_t stream) {
+    if (cfg_.world_size == 1) return;
+    cuda::PeerWords remote{};
+    for (int64_t p = 0; p < cfg_.world_size; ++p)
+      remote.at[p] = p == cfg_.rank
+                         ? nullptr
+                         : reinterpret_cast<uint64_t*>(peer_[p] + layout_.barrier) + cfg_.rank;
+    cuda::launch_coll_barrier(remote, words(layout_.barrier), static_cast<int>(cfg_.world_size),
+                              static_cast<int>(cfg_.rank), epoch_, timeout_ns(), err_dev_,
+                              op_code(kind), stream);
+  }
+
+  // Sets this rank's arrival word `word` on `peer` to the current epoch, after the stream's
+  // earlier copies (the driver's write carries a system-wide fence before it).
+  Status signal(int64_t peer, size_t word, cudaStream_t s) {
+    uint8_t* at = peer_[peer] + word;
+    if (write_value64_) {
+      const CUresult rc = write_value64_(reinterpret_cast<CUstream>(s),
+                                         reinterpret_cast<CUdeviceptr>(at), epoch_, 0);
+      if (rc == CUDA_SUCCESS) return Status::Ok();
+      write_value64_ = nullptr;  // not supported here: the kernel from now on
+    }
+    cuda::launch_coll_signal(reinterpret_cast<uint64_t*>(at), epoch_, s);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    return Status::Ok();
+  }
+
+  Status take_device_error() {
+    volatile DeviceError* e = err_host_;
+    if (e->op == 0) return Status::Ok();
+    const char* what = "collective";
+    if (e->op >= cuda::kCollOpBase)
+      what = collective_kind_name(static_cast<CollectiveKind>(e->op - cuda::kCollOpBase));
+    Status s{
+        StatusCode::kTimeout,
+        detail::str_cat("uniep ", what, " on rank ", cfg_.rank, " timed out after ", cfg_.timeout_s,
+                        " s waiting for rank ", e->peer, " (signal ", e->have, ", expected ",
+                        e->want, "); did every rank of the group make the same calls?")};
+    e->op = 0;
+    return s;
+  }
+
+  uint8_t* sym() const { return static_cast<uint8_t*>(sym_); }
+  const uint64_t* words(size_t offset) const {
+    return reinterpret_cast<const uint64_t*>(sym() + offset);
+  }
+  size_t push_slot(int64_t src) const {
+    return layout_.push + static_cast<size_t>(src) * static_cast<size_t>(cfg_.max_block_bytes);
+  }
+  size_t arrived_word(int64_t src, int64_t part) const {
+    return layout_.arrived + sizeof(uint64_t) * static_cast<size_t>(src * kMaxChunks + part);
+  }
+  static uint32_t op_code(CollectiveKind kind) {
+    return cuda::kCollOpBase + static_cast<uint32_t>(kind);
+  }
+  uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+  int reduce_blocks(int64_t bytes) const {
+    const int64_t want = (bytes / 16 + 255) / 256;
+    return static_cast<int>(want < 2 * sm_count_ ? (want > 0 ? want : 1) : 2 * sm_count_);
+  }
+  cudaEvent_t start_event() const { return events_[0]; }
+  cudaEvent_t end_event() const { return events_[1]; }
+  // One per chunk id; the all-to-all's ids run to W*W*c but only W*c of them reach events.
+  cudaEvent_t chunk_event(int64_t chunk) const {
+    return events_[2 + chunk % (kMaxRanks * kMaxChunks)];
+  }
+
+  Config cfg_;
+  Carve layout_;
+  bool counted_ = false;
+  void* sym_ = nullptr;
+  uint8_t* peer_[kMaxRanks] = {};
+  cudaStream_t comm_ = nullptr;
+  cudaEvent_t events_[2 + kMaxRanks * kMaxChunks] = {};
+  DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
+  StreamWriteValue64 write_value64_ = nullptr;
+  int sm_count_ = 1;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace
+
+Status Config::validate() const {
+  auto bad = [](const std::string& m) { return Status{StatusCode::kInvalidArgument, m}; };
+  if (world_size < 1 || world_size > kMaxRanks)
+    return bad(detail::str_cat("world_size must be in [1, ", kMaxRanks, "], got ", world_size));
+  if (rank < 0 || rank >= world_size)
+    return bad(detail::str_cat("rank must be in [0, ", world_size, "), got ", rank));
+  if (max_block_bytes < 1)
+    return bad(detail::str_cat("max_block_bytes must be >= 1, got ", max_block_bytes));
+  if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
+  return Status::Ok();
+}
+
+size_t symmetric_heap_bytes(const Config& config) {
+  return carve(config).total;
+}
+
+Status Runtime::create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime) {
+  if (Status s = config.validate(); !s.ok()) return s;
+  auto rt = std::make_unique<RuntimeImpl>(config);
+  if (Status s = rt->init(unique_id); !s.ok()) return s;
+  *runtime = std::move(rt);
+  return Status::Ok();
+}
+
+}  // namespace uniep::coll

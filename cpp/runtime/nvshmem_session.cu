@@ -1,0 +1,68 @@
+// The shared NVSHMEM initialisation of nvshmem_session.hpp.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "runtime/nvshmem_session.hpp"
+
+// Exported by libnvshmem_device.a: initialises the device-side state of the CUDA module it is
+// linked into (ours) when the host library was already initialised by someone else.
+extern int nvshmemi_check_state_and_init_d();
+
+namespace uniep::runtime {
+namespace {
+int g_holders = 0;
+bool g_started = false;
+}  // namespace
+
+Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size, int64_t rank,
+                       size_t heap_bytes, bool* started) {
+  *started = false;
+  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    if (nvshmem_n_pes() != world_size || nvshmem_my_pe() != rank) {
+      return {StatusCode::kUnsupported,
+              detail::str_cat("NVSHMEM is already initialised in this process with ",
+                              nvshmem_n_pes(), " PEs (this PE ", nvshmem_my_pe(),
+                              "), but the group has world_size ", world_size, " and rank ", rank,
+                              "; UniEP can only share NVSHMEM over the same ranks")};
+    }
+    // Started by someone else: our CUDA module's device state still needs its copy.
+    if (!g_started && g_holders == 0 && nvshmemi_check_state_and_init_d() != 0)
+      return {StatusCode::kInternal, "NVSHMEM device state init for uniep failed"};
+    ++g_holders;
+    return Status::Ok();
+  }
+  if (unique_id.size() != sizeof(nvshmemx_uniqueid_t))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("unique_id must be ", sizeof(nvshmemx_uniqueid_t), " bytes, got ",
+                            unique_id.size())};
+  // The user's NVSHMEM_SYMMETRIC_SIZE wins; nvshmem_malloc says later if it is too small.
+  if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr) {
+    const size_t want = heap_bytes + (64u << 20);
+    setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(want).c_str(), 1);
+  }
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, unique_id.data(), sizeof id);
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(static_cast<int>(rank), static_cast<int>(world_size), &id,
+                                      &attr) != 0)
+    return {StatusCode::kInternal, "nvshmemx_set_attr_uniqueid_args failed"};
+  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+    return {StatusCode::kInternal, "nvshmemx_init_attr failed"};
+  g_started = true;
+  *started = true;
+  ++g_holders;
+  return Status::Ok();
+}
+
+void nvshmem_release() {
+  if (g_holders > 0 && --g_holders == 0 && g_started) {
+    nvshmem_finalize();
+    g_started = false;
+  }
+}
+
+}  // namespace uniep::runtime

@@ -1,0 +1,114 @@
+// The CUDA executor of the P2P-decomposed collectives (uniep/collectives.hpp holds the schedules
+// and the CPU executor). It runs the same per-rank schedule on one node whose GPUs all reach each
+// other over NVLink (nvshmem_ptr):
+//  - transfers are copy-engine copies (cudaMemcpyAsync through the peer mapping) on the runtime's
+//    communication stream, so they take no SM from the GEMMs they overlap;
+//  - all-gather kinds PULL: each rank publishes its shard in a symmetric slot, then reads the
+//    peers' slots straight into the caller's gathered tensor, in the schedule's receive order;
+//  - reduce-scatter kinds and the all-to-all PUSH: each partial (or block) is copied into the
+//    destination's symmetric slot as soon as it is computed, followed by a signal the
+//    destination's stream waits on (a bounded device wait) before it folds or places it;
+//  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
+//    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
+//    would otherwise be the exposed tail.
+// Every call starts with a device barrier over the group on the caller's stream: it tells each
+// peer that this rank's slot is published and that its previous call is complete (which is what
+// makes reusing the slots safe), and it is bounded by Config::timeout_s like every other wait.
+// The host never synchronises: a timeout sets an error word that the next call on this runtime,
+// or check_device_errors(), turns into a kTimeout Status naming the operation and the peer.
+//
+// Results do not depend on the chunk count or arrival order: the all-gather copies bytes, and the
+// reduce-scatter adds the partials in reduce_order (fp32; fp64 for float64) exactly like the CPU
+// executor. Not capturable in a CUDA graph: each call's signals carry a fresh epoch from the host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "uniep/cpu_executor.hpp"  // DType
+#include "uniep/status.hpp"
+
+namespace uniep::coll {
+
+constexpr int64_t kMaxRanks = 16;   // ranks of one NVLink domain this executor addresses
+constexpr int64_t kMaxChunks = 64;  // chunks per rank of one call
+
+struct Config {
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  // The largest block one rank moves in a call: all-gather kinds: rows_per_rank * row_bytes;
+  // reduce-scatter kinds: rows_per_rank * n * dtype size; all-to-all: block_bytes.
+  int64_t max_block_bytes = 0;
+  double timeout_s = 100.0;  // every device-side wait
+
+  Status validate() const;
+};
+
+// Bytes of NVSHMEM symmetric heap a runtime with this config allocates.
+size_t symmetric_heap_bytes(const Config& config);
+
+// Enqueues out_rows[rows] = a_rows[rows] @ B on `stream` (the caller's; B, K, N and the dtype are
+// the callback's business). Returns a non-ok Status to abort the call.
+struct RowGemm {
+  Status (*run)(void* ctx, const void* a_rows, void* out_rows, int64_t rows,
+                cudaStream_t stream) = nullptr;
+  void* ctx = nullptr;
+};
+
+// all-gather (gemm.run null) and all-gather + GEMM. Device pointers, row-major, contiguous.
+struct AllGatherCall {
+  const void* a = nullptr;   // [m] rows of row_bytes: this rank's shard
+  void* gathered = nullptr;  // [W*m] rows: every rank's shard in rank order
+  int64_t rows_per_rank = 0;
+  int64_t row_bytes = 0;  // multiple of 16
+  int64_t chunks = 1;     // divides rows_per_rank
+  RowGemm gemm{};
+  void* out = nullptr;        // [W*m] rows of out_row_bytes: gathered @ B
+  int64_t out_row_bytes = 0;  // bytes of one output row
+};
+
+// reduce-scatter (gemm.run null: the partials are the rows of `a`) and GEMM + reduce-scatter.
+struct ReduceScatterCall {
+  DType dtype = DType::kBFloat16;  // of the partials and the output
+  const void* a = nullptr;         // [W*m] rows of a_row_bytes (reduce-scatter: [W*m, n])
+  int64_t a_row_bytes = 0;
+  void* scratch = nullptr;  // GEMM + RS: [W*m, n] partials as the GEMM writes them; else unused
+  void* out = nullptr;      // [m, n]: this rank's rows of the sum over ranks
+  int64_t rows_per_rank = 0;
+  int64_t n = 0;       // elements of one output row; n * dtype size a multiple of 16
+  int64_t chunks = 1;  // divides rows_per_rank
+  RowGemm gemm{};
+};
+
+// The all-to-all: send [W][block_bytes] (block p to rank p) -> recv [W][block_bytes] (block s
+// from rank s).
+struct AllToAllCall {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  int64_t block_bytes = 0;  // multiple of 16 * chunks
+  int64_t chunks = 1;
+};
+
+class Runtime {
+ public:
+  // Collective over the group: rank 0's unique id (uniep::ep::make_unique_id) broadcast by the
+  // framework. Shares NVSHMEM with the expert-parallel runtime of the same ranks.
+  static Status create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime);
+  virtual ~Runtime() = default;  // collective: every rank destroys its runtime together
+
+  virtual const Config& config() const = 0;
+  // Calls are enqueued on `stream` (the caller's) and return without synchronising. Every rank
+  // of the group makes the same calls in the same order with the same shapes.
+  virtual Status all_gather(const AllGatherCall& call, cudaStream_t stream) = 0;
+  virtual Status reduce_scatter(const ReduceScatterCall& call, cudaStream_t stream) = 0;
+  virtual Status all_to_all(const AllToAllCall& call, cudaStream_t stream) = 0;
+  // The error a device wait recorded (kTimeout naming the operation and the peer), cleared once
+  // returned. synchronize: wait for the device first.
+  virtual Status check_device_errors(bool synchronize) = 0;
+};
+
+}  // namespace uniep::coll

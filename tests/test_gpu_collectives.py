@@ -1,0 +1,166 @@
+"""CUDA executor of the P2P collectives against NCCL collectives + torch.mm.
+
+Needs >= 2 CUDA GPUs of one NVLink domain (marker `multigpu`); skipped cleanly elsewhere. Each
+test spawns one NCCL process per GPU (up to 4) and batches its cases into that one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.multigpu
+
+
+def _world() -> int:
+    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _gather_all(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+def _fixed_order_sum(parts: list[torch.Tensor], dest: int, dtype: torch.dtype) -> torch.Tensor:
+    """reduce_order(W, dest): dest+1, ..., dest-1, then dest, accumulated in fp32 (fp64)."""
+    world = len(parts)
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = None
+    for k in range(1, world + 1):
+        v = parts[(dest + k) % world].to(acc_dtype)
+        acc = v if acc is None else acc + v
+    assert acc is not None
+    return acc.to(dtype)
+
+
+def _collectives_worker(rank: int, world: int) -> dict[str, object]:
+    import uniep
+    import uniep.collectives as uc
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda", rank)
+    # The expert-parallel runtime first: the collectives share its NVSHMEM initialisation.
+    uniep.ep.init_runtime(max_tokens=64, hidden=256, top_k=2, num_experts=2 * world)
+    uc.init_cuda(max_block_bytes=16 << 20, timeout_s=30.0)
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    report: dict[str, object] = {}
+    tol = {torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+    for _round in range(3):  # repeated calls reuse the slots and advance the epochs
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            m, k, n = 96, 160, 136
+            a = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+            b = torch.randn(k, n, generator=gen, device=dev).to(dtype)
+            ag_ref = torch.cat(_gather_all(a, world))
+            for chunks in (1, 2, 4):
+                ag, mm = uc.all_gather_matmul(a, b, chunks=chunks)
+                assert torch.equal(ag, ag_ref), (dtype, chunks)
+                err = _rel(mm, ag_ref @ b)
+                assert err <= tol[dtype], ("all_gather_matmul", dtype, chunks, err)
+
+            big = torch.randn(world * m, k, generator=gen, device=dev).to(dtype)
+            partial = big @ b
+            rs_ref = torch.empty(m, n, device=dev, dtype=dtype)
+            dist.reduce_scatter_tensor(rs_ref, partial)
+            for chunks in (1, 3):
+                out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
+                err = _rel(out, rs_ref)
+                assert err <= tol[dtype] * 2, ("matmul_reduce_scatter", dtype, chunks, err)
+
+            # Plain collectives: bit-exact, and the same bits for every chunk count.
+            x = torch.randn(world * 24, 5, 8, generator=gen, device=dev).to(dtype)
+            parts = _gather_all(x, world)
+            exact = _fixed_order_sum([p[rank * 24 : (rank + 1) * 24] for p in parts], rank, dtype)
+            for chunks in (1, 2, 4, 8):
+                got = uc.reduce_scatter(x, chunks=chunks)
+                assert torch.equal(got, exact), ("reduce_scatter", dtype, chunks)
+                g = uc.all_gather(x[:24], chunks=chunks)
+                assert torch.equal(g, torch.cat([p[:24] for p in parts])), ("all_gather", chunks)
+    # Rows whose bytes are not a multiple of 16: the element-wise reduction path.
+    odd = torch.randn(world * 6, 7, generator=gen, device=dev)
+    parts = _gather_all(odd, world)
+    exact = _fixed_order_sum([p[rank * 6 : (rank + 1) * 6] for p in parts], rank, torch.float32)
+    assert torch.equal(uc.reduce_scatter(odd, chunks=2), exact)
+
+    # Ulysses all-to-all: [S/W, H, D] -> [S, H/W, D] and back, against NCCL's all_to_all.
+    s_local, heads, d = 32, 4 * world, 24
+    q = torch.randn(s_local, heads, d, generator=gen, device=dev, dtype=torch.bfloat16)
+    sent = list(q.tensor_split(world, 1))
+    received = [torch.empty_like(sent[0]) for _ in range(world)]
+    dist.all_to_all(received, [t.contiguous() for t in sent])
+    head_sharded = uc.all_to_all_ulysses(q, 1, 0)
+    assert torch.equal(head_sharded, torch.cat(received, 0))
+    assert torch.equal(uc.all_to_all_ulysses(head_sharded, 0, 1), q)
+
+    # Autograd through the CUDA ops: AG-GEMM's backward is a GEMM-RS (and the reverse).
+    a = torch.randn(32, 48, generator=gen, device=dev, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(48, 40, generator=gen, device=dev, dtype=torch.float64, requires_grad=True)
+    _, mm = uc.all_gather_matmul(a, b, chunks=2)
+    mm.square().sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a_all = torch.cat(_gather_all(a.detach(), world)).requires_grad_(True)
+    b_ref = b.detach().clone().requires_grad_(True)
+    (a_all @ b_ref).square().sum().backward()
+    g_all = a_all.grad.clone()
+    dist.all_reduce(g_all)  # every rank's loss depends on every shard
+    assert _rel(ga, g_all[rank * 32 : (rank + 1) * 32]) <= 1e-10
+    assert _rel(gb, b_ref.grad) <= 1e-10
+
+    # Errors name the argument; none of them leaves a peer waiting.
+    with pytest.raises(ValueError, match="ring"):
+        uc.all_gather(x[:24], order="ring")
+    with pytest.raises(RuntimeError, match="max_block_bytes"):
+        uc.all_gather(torch.empty(5 << 20, device=dev))
+    with pytest.raises(ValueError, match="chunks"):
+        uc.all_gather(x[:24], chunks=5)
+    uc.check()
+
+    # The expert-parallel runtime still works beside the collectives (one NVSHMEM, two heaps).
+    xt = torch.randn(16, 256, generator=gen, device=dev).bfloat16()
+    idx = torch.randint(0, 2 * world, (16, 2), generator=gen, device=dev)
+    w = torch.rand(16, 2, generator=gen, device=dev)
+    recv = uniep.ep.dispatch(xt, idx, w)
+    out = uniep.ep.combine(recv.recv_x[recv.handle.row_slot], recv.handle)
+    err = _rel(out.float(), xt.float() * w.sum(1, keepdim=True))
+    assert err <= 2e-2, ("ep dispatch+combine beside the collectives", err)
+    dist.barrier()
+    torch.cuda.synchronize()
+    uc.shutdown_cuda()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collectives_against_nccl() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_collectives_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
+def _coll_timeout_worker(rank: int, world: int) -> str:
+    import uniep.collectives as uc
+
+    uc.init_cuda(max_block_bytes=1 << 20, timeout_s=3.0)
+    message = "rank 1 never called"
+    if rank == 0:
+        x = torch.randn(2 * 64, 32, device="cuda")
+        uc.reduce_scatter(x)  # enqueued; its barrier waits for rank 1 and gives up
+        with pytest.raises(RuntimeError, match="waiting for rank 1") as info:
+            uc.check()
+        message = str(info.value)
+    dist.barrier()
+    return message
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collective_timeout_names_the_peer() -> None:
+    from uniep.distributed import run_local_ranks
+
+    messages = run_local_ranks(_coll_timeout_worker, 2, backend="nccl", timeout_s=300)
+    assert "timed out" in messages[0] and "reduce_scatter" in messages[0]
