@@ -82,9 +82,12 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
   UNIEP_CHECK(x.dim() == 2, "x must be a 2-D tensor [T, H], got ", x.sizes());
   UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   UNIEP_CHECK(x.is_contiguous(), "x must be contiguous");
-  UNIEP_CHECK(x.size(1) == cfg.hidden || x.size(1) * x.element_size() <= cfg.row_bytes_capacity(),
-              "x rows (", x.size(1), " x ", x.element_size(), " bytes) exceed the runtime's ",
-              cfg.row_bytes_capacity(), " bytes per row");
+  // Checked here, before notify starts the round with the peers; the runtime repeats it.
+  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+  UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= cfg.row_bytes_capacity(),
+              "x rows must be a multiple of 16 bytes and at most the runtime's row capacity of ",
+              cfg.row_bytes_capacity(), " bytes (uniep.ep.init_runtime max_row_bytes), got ",
+              x.size(1), " x ", x.element_size(), " = ", row_bytes, " bytes");
   check_topk_idx(topk_idx);
   UNIEP_CHECK(topk_idx.size(0) == x.size(0), "topk_idx must have T = ", x.size(0), " rows like x");
   UNIEP_CHECK(topk_idx.size(1) == cfg.top_k, "topk_idx must have K = ", cfg.top_k,

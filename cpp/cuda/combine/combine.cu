@@ -1,12 +1,11 @@
 // Combine: each expert output row goes to slot (token, k) of its source rank; the source then
-// reduces over k in ascending order in fp32. Slot-indexed, so the result never depends on which
-// block carried a row or when it arrived. The products and sums are rounded one by one
-// (__fmul_rn/__fadd_rn, no FMA contraction) exactly as the CPU executor does them, so equal
-// inputs give equal bits on both.
-#include <cuda_bf16.h>
+// reduces over k in ascending order in fp32 (common/combine_reduce.cuh, shared with the
+// low-latency combine and bit-identical to the CPU executor).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/combine_reduce.cuh"
+#include "cuda/common/signal_wait.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
@@ -41,46 +40,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 0) atomicAdd(&sent[pe], 1ull);
   }
-  nvshmem_quiet();
-  __syncthreads();
-  for (int64_t dst = threadIdx.x; dst < W; dst += blockDim.x) {
-    if (sent[dst] > 0)
-      nvshmemx_signal_op(&sym.signals[kCombineSignal * W + me], sent[dst], NVSHMEM_SIGNAL_ADD,
-                         static_cast<int>(dst));
-  }
-  // One block waits for every row owed to us; the reduction kernel runs after this one.
-  if (blockIdx.x != 0) return;
-  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
-    const uint64_t want = a.plan.rows_back[s];
-    if (want > 0)
-      wait_at_least(&sym.signals[kCombineSignal * W + s], want, deadline, a.err, WaitOp::kCombine,
-                    static_cast<int>(s));
-  }
+  // Waited for here, so the reduction kernel that follows on the stream sees every row.
+  const auto owed = [&](int64_t s) { return a.plan.rows_back[s]; };
+  signal_then_wait(sym.signals + kCombineSignal * W, sent, W, me, owed, deadline, a.err,
+                   WaitOp::kCombine);
 }
 
-// out[t] = sum_k w[t,k] * y_(t,k) over valid k, ascending, one thread per 8 columns of a token.
 __global__ void combine_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs a) {
-  const int64_t K = d.top_k, H = d.hidden, row_bytes = H * 2, vecs = H / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.tokens * vecs;
-       i += stride) {
-    const int64_t t = i / vecs, v = i % vecs;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      if (a.topk_idx[t * K + k] < 0) continue;
-      const float w = a.topk_weights[t * K + k];
-      const int4 raw =
-          load_streaming(reinterpret_cast<const int4*>(sym.combine + (t * K + k) * row_bytes) + v);
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
-    }
-    int4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(a.out + t * row_bytes)[v] = packed;
-  }
+  combine_reduce_bf16(sym.combine, a.topk_idx, a.topk_weights, a.tokens, d.top_k, d.hidden, a.out);
 }
 
 }  // namespace

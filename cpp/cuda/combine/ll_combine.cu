@@ -1,11 +1,12 @@
 // Low-latency combine: rows of the dispatch's regions go back to slot (token, k) of their source
 // (the region's metadata names it); each rank adds the rows it returned to the source's signal,
 // and the source, knowing from its own routing how many rows each rank owes it, waits and then
-// reduces over k in ascending order in fp32, exactly as the high-throughput combine does.
-#include <cuda_bf16.h>
+// reduces over k with the high-throughput combine's reduction (common/combine_reduce.cuh), so
+// both give the same bits.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/combine_reduce.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
@@ -67,27 +68,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void ll_combine_reduce_kernel(LowLatencyView ll, EpDims d, int b,
                                          const int64_t* topk_idx, const float* topk_weights,
                                          int64_t tokens, uint8_t* out) {
-  const int64_t K = d.top_k, H = d.hidden, row_bytes = H * 2, vecs = H / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
-       i += stride) {
-    const int64_t t = i / vecs, v = i % vecs;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      if (topk_idx[t * K + k] < 0) continue;
-      const float w = topk_weights[t * K + k];
-      const int4 raw = load_streaming(
-          reinterpret_cast<const int4*>(ll.combine[b] + (t * K + k) * row_bytes) + v);
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
-    }
-    int4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(out + t * row_bytes)[v] = packed;
-  }
+  combine_reduce_bf16(ll.combine[b], topk_idx, topk_weights, tokens, d.top_k, d.hidden, out);
 }
 
 }  // namespace

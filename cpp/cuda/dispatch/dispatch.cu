@@ -12,6 +12,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/signal_wait.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
@@ -119,22 +120,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  // Our stores are complete and visible system-wide before any peer can see the count.
-  nvshmem_quiet();
-  __syncthreads();
-  for (int64_t dst = threadIdx.x; dst < W; dst += blockDim.x) {
-    if (sent[dst] > 0)
-      nvshmemx_signal_op(&sym.signals[kDispatchSignal * W + me], sent[dst], NVSHMEM_SIGNAL_ADD,
-                         static_cast<int>(dst));
-  }
-  // One block waits for our slots to fill; the kernel (and so the stream) completes only then.
-  if (blockIdx.x != 0) return;
-  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
-    const uint64_t want = a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s];
-    if (want > 0)
-      wait_at_least(&sym.signals[kDispatchSignal * W + s], want, deadline, a.err, WaitOp::kDispatch,
-                    static_cast<int>(s));
-  }
+  const auto owed = [&](int64_t s) { return a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s]; };
+  signal_then_wait(sym.signals + kDispatchSignal * W, sent, W, me, owed, deadline, a.err,
+                   WaitOp::kDispatch);
 }
 
 // After the transfer: the received rows and metadata copied out of the symmetric buffer by the

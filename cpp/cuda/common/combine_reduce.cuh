@@ -1,0 +1,48 @@
+// The last step of every combine (high-throughput and low-latency): the weighted sum over k of
+// the rows that came back to the (token, k) slots. One definition, so the two combines give the
+// same bits, and both the CPU executor's: fp32 accumulation in ascending k, each product and
+// each sum rounded on its own (__fmul_rn/__fadd_rn, which nvcc never contracts into an FMA),
+// one rounding to bf16 at the end. Slot-indexed, so the result never depends on which block
+// carried a row or when it arrived.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common/warp_copy.cuh"
+
+namespace uniep::cuda {
+
+// out[t] = sum_k topk_weights[t,k] * combine_(t,k) over k with topk_idx[t,k] >= 0, ascending.
+//   combine       [tokens * top_k][hidden] bf16 slots, row (t * top_k + k) for (t, k)
+//   topk_idx      [tokens, top_k] (only the sign is read); topk_weights [tokens, top_k] fp32
+//   out           [tokens][hidden] bf16
+// hidden % 8 == 0, rows 16-byte aligned. Grid-stride: one thread per 8 columns of a token.
+__device__ __forceinline__ void combine_reduce_bf16(const uint8_t* combine, const int64_t* topk_idx,
+                                                    const float* topk_weights, int64_t tokens,
+                                                    int64_t top_k, int64_t hidden, uint8_t* out) {
+  const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
+       i += stride) {
+    const int64_t t = i / vecs, v = i % vecs;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < K; ++k) {
+      if (topk_idx[t * K + k] < 0) continue;
+      const float w = topk_weights[t * K + k];
+      const int4 raw =
+          load_streaming(reinterpret_cast<const int4*>(combine + (t * K + k) * row_bytes) + v);
+      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
+    }
+    int4 packed;
+    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
+    reinterpret_cast<int4*>(out + t * row_bytes)[v] = packed;
+  }
+}
+
+}  // namespace uniep::cuda
