@@ -166,6 +166,9 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
     # Bad input is an error naming the argument, not a hang.
     with pytest.raises(ValueError, match="topk_idx"):
         uniep.ep.dispatch(x, idx[:, :2].contiguous(), w[:, :2].contiguous())
+    # hidden float32 columns are twice the default row capacity (hidden bf16).
+    with pytest.raises(ValueError, match="row capacity"):
+        uniep.ep.dispatch(x.float(), idx, w)
     dist.barrier()
     return report
 
@@ -175,6 +178,27 @@ def test_dispatch_combine_moe_against_cpu() -> None:
     from uniep.distributed import run_local_ranks
 
     reports = run_local_ranks(_ep_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
+def _grad_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
+    import uniep
+    from _ep_grad_case import run_cases
+
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    dev = torch.device("cuda", rank)
+    report = run_cases(
+        rank, world, dev, max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, experts=EXPERTS
+    )
+    dist.barrier()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_dispatch_combine_gradients_against_dense_autograd() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_grad_worker, _world(), backend="nccl", timeout_s=600)
     assert len(reports) == _world()
 
 

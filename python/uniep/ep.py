@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -200,7 +201,12 @@ def dispatch(
     holds one of its experts. ``topk_idx`` [T, K] int64 global expert ids (-1 unused),
     ``topk_weights`` [T, K] float32. ``tuning``: ``sms=`` sets the SM budget of the transfer;
     ``dispatch=fp8`` casts bf16 rows (H % 128 == 0) to e4m3 with one scale per 1x128 block inside
-    the kernel. Synchronizes the host once (to learn the receive count)."""
+    the kernel. Synchronizes the host once (to learn the receive count).
+
+    Differentiable with respect to ``x`` (bf16 rows of ``hidden`` columns, ``dispatch=bf16``:
+    the gradient of each receive slot comes home through a combine with unit weights) and
+    ``topk_weights`` (the gradients of ``recv_topk_weights``, added over the ranks the token
+    went to). The backward is collective like the forward: every rank must run it."""
     name = _group_name(group)
     text = _tuning_string(tuning)
     out = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, name, text)
@@ -214,7 +220,11 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
 
     Each dispatch is combined once, before the next dispatch on the group (its buffers are
-    reused then); anything else raises ValueError."""
+    reused then); anything else raises ValueError.
+
+    Differentiable with respect to ``y`` (grad_out[t] * topk_weights[t, k] for the row of
+    (t, k)) and ``handle.topk_weights`` (grad_out[t] . y_(t, k), fp32). The backward dispatches
+    grad_out with the same routing, so it is collective: every rank must run it."""
     return torch.ops.uniep.ep_combine(
         y,
         handle.row_target,
@@ -279,6 +289,56 @@ def _dequantize_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return deq.view(n, h).to(torch.bfloat16)
 
 
+def _bf16_tuning(tuning: str) -> str:
+    """``tuning`` with ``dispatch=bf16``: gradients travel in bf16 whatever the forward's
+    dispatch precision (fp8 dispatch needs rows of exactly ``hidden`` bf16 columns)."""
+    params = _C.TuningParams.parse(tuning)
+    params.dispatch = "bf16"
+    return params.to_string()
+
+
+def _send_to_ranks(
+    dest: torch.Tensor, index: torch.Tensor, values: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sends item i, (``index[i]``, ``values[i]``), to rank ``dest[i]`` of the group over its
+    process group (NCCL on GPUs); returns what reached this rank: (index, values, sender of each),
+    grouped by sender in ascending rank order, each sender's items in the order it sent them.
+
+    For small per-row metadata only: the runtime's combine carries bf16 rows of ``hidden``
+    columns, and these are fp32 values that must arrive unrounded.
+    """
+    world = int(_C.ep_config(group_name)["world_size"])
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    index, values = index.index_select(0, order), values.index_select(0, order)
+    if world == 1:
+        return index, values, torch.zeros_like(index)
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    splits_in, splits_out = send_counts.tolist(), recv_counts.tolist()
+    got_index = index.new_empty(sum(splits_out))
+    got_values = values.new_empty((sum(splits_out), *values.shape[1:]))
+    dist.all_to_all_single(got_index, index, splits_out, splits_in, group=group)
+    dist.all_to_all_single(got_values, values, splits_out, splits_in, group=group)
+    senders = torch.arange(world, device=recv_counts.device).repeat_interleave(recv_counts)
+    return got_index, got_values, senders
+
+
+def _rows_to_slots(
+    values: torch.Tensor, row_target: torch.Tensor, topk_idx: torch.Tensor, group_name: str
+) -> torch.Tensor:
+    """One fp32 value per grouped-GEMM row (``values`` [R]) back to slot (token, k) of the row's
+    source rank: [T, K] float32 on each source, 0 where ``topk_idx`` is -1."""
+    per_rank = int(_C.ep_config(group_name)["max_tokens"]) * topk_idx.shape[1]
+    slots, got, _ = _send_to_ranks(
+        row_target // per_rank, row_target % per_rank, values, group_name
+    )
+    grad_w = torch.zeros(topk_idx.numel(), dtype=torch.float32, device=topk_idx.device)
+    grad_w[slots] = got
+    return grad_w.view_as(topk_idx).masked_fill(topk_idx < 0, 0.0)
+
+
 @torch.library.impl("uniep::moe_backward", "CUDA")
 def _moe_backward_cuda(
     grad_out: torch.Tensor,
@@ -302,12 +362,9 @@ def _moe_backward_cuda(
     params = _C.TuningParams.parse(tuning)
     text = params.to_string()
     # grad_out travels in bf16 whatever the forward's dispatch precision.
-    bf16_text = _C.TuningParams.parse(text)
-    bf16_text.dispatch = "bf16"
+    bf16_text = _bf16_tuning(text)
     k_top = topk_idx.shape[1]
     ffn = w2.shape[1]
-    cfg = _C.ep_config(group_name)
-    per_rank = cfg["max_tokens"] * k_top
 
     fwd = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, group_name, text)
     recv_x, scales, _, _, recv_w, per_expert, row_slot, row_target, _ = fwd
@@ -319,7 +376,7 @@ def _moe_backward_cuda(
     offs = per_expert.cumsum(0).to(torch.int32)
 
     back = torch.ops.uniep.ep_dispatch(
-        grad_out.contiguous(), topk_idx, topk_weights, group_name, bf16_text.to_string()
+        grad_out.contiguous(), topk_idx, topk_weights, group_name, bf16_text
     )
     go_rows = back[0].index_select(0, back[6])
 
@@ -339,29 +396,9 @@ def _moe_backward_cuda(
 
     ones = torch.ones_like(topk_weights)
     grad_x = torch.ops.uniep.ep_combine(
-        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], bf16_text.to_string()
+        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], bf16_text
     )
-
-    # Each row's dot product belongs to slot (token, k) of its source rank.
-    dest = row_target // per_rank
-    order = torch.argsort(dest, stable=True)
-    world = cfg["world_size"]
-    send_counts = torch.bincount(dest, minlength=world)
-    slots = (row_target % per_rank).index_select(0, order)
-    values = dots.index_select(0, order)
-    if world > 1:
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        splits_in, splits_out = send_counts.tolist(), recv_counts.tolist()
-        got_slots = slots.new_empty(sum(splits_out))
-        got_values = values.new_empty(sum(splits_out))
-        dist.all_to_all_single(got_slots, slots, splits_out, splits_in, group=group)
-        dist.all_to_all_single(got_values, values, splits_out, splits_in, group=group)
-        slots, values = got_slots, got_values
-    grad_w = torch.zeros(topk_weights.numel(), dtype=torch.float32, device=x.device)
-    grad_w[slots] = values
-    grad_w = grad_w.view_as(topk_weights).masked_fill(topk_idx < 0, 0.0)
+    grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
 
 
@@ -408,3 +445,132 @@ def _ll_combine_fake(y, topk_idx, topk_weights, group_name, buffer=0):  # noqa: 
 @torch.library.register_fake("uniep::ep_combine")
 def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
     return y.new_empty((topk_idx.shape[0], y.shape[1]))
+
+
+# Autograd of the raw ops. Each backward is itself collective (a dispatch, a combine, an
+# all_to_all): every rank of the group must run it, in the same order, with the same inputs
+# requiring grad. The forward's plan and combine buffers are gone by the time backward runs
+# (each dispatch is combined once, before the next), so the backward dispatches again with the
+# saved routing: the planner is deterministic, so the new plan has the forward's slots and rows.
+
+
+def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, topk_idx, topk_weights, group_name, tuning = inputs
+    _, _, recv_src, _, _, _, row_slot, row_target, _ = output
+    ctx.save_for_backward(topk_idx, topk_weights, recv_src, row_slot, row_target)
+    ctx.x_dtype, ctx.x_cols = x.dtype, x.shape[1]
+    ctx.group_name, ctx.tuning = group_name, tuning
+
+
+def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor) -> torch.Tensor:
+    topk_idx, topk_weights, recv_src, _, _ = ctx.saved_tensors
+    hidden = int(_C.ep_config(ctx.group_name)["hidden"])
+    if _C.TuningParams.parse(ctx.tuning).dispatch == "fp8":
+        raise NotImplementedError(
+            "ep_dispatch backward: no gradient of x through dispatch=fp8 (the rows are "
+            "quantised); dispatch in bf16 to differentiate"
+        )
+    if ctx.x_dtype != torch.bfloat16 or ctx.x_cols != hidden:
+        raise NotImplementedError(
+            "ep_dispatch backward: the gradient of x comes home through ep_combine, which "
+            f"carries bfloat16 rows of hidden = {hidden} columns; got x {ctx.x_dtype} with "
+            f"{ctx.x_cols} columns"
+        )
+    text = _bf16_tuning(ctx.tuning)
+    # Rows of 16 bytes: only the plan (and a fresh epoch for the combine) is wanted.
+    stub = topk_idx.new_zeros((topk_idx.shape[0], 8), dtype=torch.bfloat16)
+    plan = torch.ops.uniep.ep_dispatch(stub, topk_idx, topk_weights, ctx.group_name, text)
+    _, _, _, recv_idx, _, _, row_slot, row_target, epoch = plan
+    if recv_idx.shape[0] != recv_src.shape[0]:
+        raise RuntimeError(
+            f"ep_dispatch backward: the routing now gives {recv_idx.shape[0]} receive slots, "
+            f"the forward had {recv_src.shape[0]}; it must not change in between on any rank"
+        )
+    # A token reaches a rank once however many of its experts live there, but combine sums one
+    # row per (token, k): the slot's gradient rides on the row of its first local k alone, and
+    # the others carry exact zeros (masked, not multiplied, so inf/nan elsewhere cannot leak).
+    first_k = (recv_idx >= 0).to(torch.int32).argmax(1)
+    keep = (row_target % topk_idx.shape[1]) == first_k.index_select(0, row_slot)
+    rows = grad_recv_x.index_select(0, row_slot)
+    rows = torch.where(keep.unsqueeze(1), rows, torch.zeros_like(rows))
+    ones = torch.ones_like(topk_weights)
+    return torch.ops.uniep.ep_combine(
+        rows.contiguous(), row_target, topk_idx, ones, ctx.group_name, epoch, text
+    )
+
+
+def _dispatch_grad_weights(ctx: Any, grad_recv_w: torch.Tensor) -> torch.Tensor:
+    topk_idx, topk_weights, recv_src, row_slot, row_target = ctx.saved_tensors
+    cfg = _C.ep_config(ctx.group_name)
+    world = int(cfg["world_size"])
+    per_rank = int(cfg["max_tokens"]) * topk_idx.shape[1]
+    # Every slot has at least one row (a token is sent to a rank only for an expert there).
+    source = torch.zeros_like(recv_src)
+    source[row_slot] = row_target // per_rank
+    tokens, values, holder = _send_to_ranks(source, recv_src, grad_recv_w.float(), ctx.group_name)
+    # A token's K weights went to each of its ranks: their gradients add up, in rank order.
+    dense = torch.zeros((world, *topk_idx.shape), dtype=torch.float32, device=topk_weights.device)
+    dense[holder, tokens] = values
+    return dense.sum(0).to(topk_weights.dtype)
+
+
+def _dispatch_backward(ctx: Any, *grads: Any) -> tuple:
+    grad_recv_x, grad_recv_w = grads[0], grads[4]
+    needs = ctx.needs_input_grad
+    grad_x = grad_w = None
+    if needs[0]:
+        grad_x = _dispatch_grad_x(ctx, grad_recv_x)
+    if needs[2]:
+        grad_w = _dispatch_grad_weights(ctx, grad_recv_w)
+    return grad_x, None, grad_w, None, None
+
+
+torch.library.register_autograd(
+    "uniep::ep_dispatch", _dispatch_backward, setup_context=_dispatch_setup_context
+)
+
+
+def _combine_setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    y, row_target, topk_idx, topk_weights, group_name, _, tuning = inputs
+    ctx.save_for_backward(y, row_target, topk_idx, topk_weights)
+    ctx.group_name, ctx.tuning = group_name, tuning
+
+
+def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    y, row_target, topk_idx, topk_weights = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    # grad_out[t] goes to every row of (t, k), where the rows came from: a dispatch.
+    back = torch.ops.uniep.ep_dispatch(
+        grad_out.to(y.dtype).contiguous(),
+        topk_idx,
+        topk_weights,
+        ctx.group_name,
+        _bf16_tuning(ctx.tuning),
+    )
+    recv_go, _, _, _, recv_w, _, row_slot, plan_target, _ = back
+    if plan_target.shape != row_target.shape:
+        raise RuntimeError(
+            f"ep_combine backward: the routing gives {plan_target.shape[0]} rows, the forward "
+            f"combined {row_target.shape[0]}; it must not change in between on any rank"
+        )
+    # y's rows may come in any order (row_target says where each goes): find each one's row in
+    # the new plan by its target, which is unique per (rank, token, k).
+    order = torch.argsort(plan_target)
+    rows = order.index_select(0, torch.searchsorted(plan_target.index_select(0, order), row_target))
+    slot = row_slot.index_select(0, rows)
+    go = recv_go.index_select(0, slot).float()
+    grad_y = grad_w = None
+    if needs[0]:
+        k_of_row = (row_target % topk_idx.shape[1]).unsqueeze(1)
+        w_row = recv_w.index_select(0, slot).gather(1, k_of_row)
+        grad_y = (go * w_row).to(y.dtype)
+    if needs[3]:
+        dots = (go * y.float()).sum(1)
+        grad_w = _rows_to_slots(dots, row_target, topk_idx, ctx.group_name)
+        grad_w = grad_w.to(topk_weights.dtype)
+    return grad_y, None, None, grad_w, None, None, None
+
+
+torch.library.register_autograd(
+    "uniep::ep_combine", _combine_backward, setup_context=_combine_setup_context
+)
