@@ -82,6 +82,18 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
                 assert torch.equal(got, exact), ("reduce_scatter", dtype, chunks)
                 g = uc.all_gather(x[:24], chunks=chunks)
                 assert torch.equal(g, torch.cat([p[:24] for p in parts])), ("all_gather", chunks)
+    # Back-to-back calls of every push kind, checked each time: slot reuse and signal order.
+    for i in range(40):
+        x = torch.randn(world * 64, 1024, generator=gen, device=dev)
+        parts = _gather_all(x, world)
+        exact = _fixed_order_sum([p[rank * 64 : (rank + 1) * 64] for p in parts], rank, x.dtype)
+        got = uc.reduce_scatter(x, chunks=(1, 2, 4, 8)[i % 4])
+        assert torch.equal(got, exact), ("reduce_scatter stress", i)
+        b = torch.randn(1024, 256, generator=gen, device=dev)
+        mine = uc.matmul_reduce_scatter(x, b, chunks=(1, 2)[i % 2])
+        ref = torch.empty_like(mine)
+        dist.reduce_scatter_tensor(ref, x @ b)
+        assert _rel(mine, ref) <= 1e-5, ("matmul_reduce_scatter stress", i, _rel(mine, ref))
     # Rows whose bytes are not a multiple of 16: the element-wise reduction path.
     odd = torch.randn(world * 6, 7, generator=gen, device=dev)
     parts = _gather_all(odd, world)
@@ -151,7 +163,7 @@ def _coll_timeout_worker(rank: int, world: int) -> str:
     if rank == 0:
         x = torch.randn(2 * 64, 32, device="cuda")
         uc.reduce_scatter(x)  # enqueued; its barrier waits for rank 1 and gives up
-        with pytest.raises(RuntimeError, match="waiting for rank 1") as info:
+        with pytest.raises(TimeoutError, match="waiting for rank 1") as info:
             uc.check()
         message = str(info.value)
     dist.barrier()

@@ -2,7 +2,6 @@
 // barrier and arrival words, the published all-gather shards and the push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
 // computations on two streams.
-#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -64,8 +63,6 @@ int64_t dtype_bytes(DType d) {
   return d == DType::kBFloat16 ? 2 : d == DType::kFloat32 ? 4 : 8;
 }
 
-using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
 class RuntimeImpl final : public Runtime {
  public:
   explicit RuntimeImpl(const Config& c) : cfg_(c), layout_(carve(c)) {}
@@ -73,10 +70,12 @@ class RuntimeImpl final : public Runtime {
     // nvshmem_free is collective: the runtime is destroyed by every rank together
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
     if (comm_) cudaStreamSynchronize(comm_);
+    if (wait_) cudaStreamSynchronize(wait_);
     if (sym_) nvshmem_free(sym_);
     for (cudaEvent_t& e : events_)
       if (e) cudaEventDestroy(e);
     if (comm_) cudaStreamDestroy(comm_);
+    if (wait_) cudaStreamDestroy(wait_);
     if (err_host_) cudaFreeHost(err_host_);
     if (counted_) runtime::nvshmem_release();
   }
@@ -103,12 +102,18 @@ class RuntimeImpl final : public Runtime {
                                 p, " is not reachable through nvshmem_ptr from rank ", cfg_.rank,
                                 "; use NCCL (or the CPU executor) across nodes")};
     }
+    // Copies through the peer mappings are peer copies to the CUDA runtime: with peer access
+    // enabled they run on the copy engine over NVLink instead of being staged.
+    if (Status s = enable_peer_access(); !s.ok()) return s;
     // The words must read zero everywhere before any peer may store into them.
     UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.pull[0]));
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
 
     UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    // Arrival waits spin on their own stream: never on the caller's, which may be the legacy
+    // default stream that other work (a peer copy) can be made to wait behind.
+    UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&wait_, cudaStreamNonBlocking));
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
@@ -118,15 +123,6 @@ class RuntimeImpl final : public Runtime {
     int device = 0;
     UNIEP_CUDA_OK(cudaGetDevice(&device));
     UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
-    // Arrival signals are written by the stream front end (no SM, so they are not queued behind
-    // the GEMM blocks that fill the GPU); a one-thread kernel where the driver lacks it.
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault,
-                                         &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      write_value64_ = reinterpret_cast<StreamWriteValue64>(fn);
-    (void)cudaGetLastError();
     return Status::Ok();
   }
 
@@ -220,40 +216,54 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     Status status = Status::Ok();
-    // The caller's stream: the partials in plan order, each remote one marked for its push; the
-    // own rows last, each folded as soon as its GEMM is done (the plan's epilogue folds).
-    for (const ChunkStep& st : plan.steps) {
+    // Pushes go on the communication stream as soon as their partial exists (the input rows
+    // exist from the start); they are enqueued before any wait for arrivals, so no host call
+    // of the copy path can end up queued behind a wait that needs a peer's push.
+    auto enqueue_sends = [&](const ChunkStep& st) -> Status {
+      for (const Transfer& t : st.sends) {
+        if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
+        const int64_t j = plan.chunk_part(t.chunk);
+        if (Status s =
+                push(t.peer, push_slot(r) + j * part, partial(t.chunk), part, arrived_word(r, j));
+            !s.ok())
+          return s;
+      }
+      return Status::Ok();
+    };
+    if (!gemm) {
+      for (const ChunkStep& st : plan.steps)
+        if (Status s = enqueue_sends(st); !s.ok()) return finish(stream, s);
+    }
+    // The caller's stream: the partials in plan order, each remote one pushed one step later;
+    // the own rows last, each folded as soon as its GEMM is done (the plan's epilogue folds).
+    for (size_t t = 0; t < plan.steps.size(); ++t) {
+      const ChunkStep& st = plan.steps[t];
       const int64_t dest = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
       if (gemm) {
         status = c.gemm.run(c.gemm.ctx, a + (dest * m + j * mc) * c.a_row_bytes,
                             const_cast<uint8_t*>(partial(st.compute)), mc, stream);
         if (!status.ok()) break;
         if (dest != r) UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), stream));
+        if (t + 1 < plan.steps.size()) {
+          status = enqueue_sends(plan.steps[t + 1]);
+          if (!status.ok()) break;
+        }
       }
       if (dest != r) continue;
       cuda::ReduceInputs in{};
       int count = 0;
       for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
       in.in[count++] = partial(st.compute);
-      if (W > 1)
+      if (W > 1) {
         cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
                                static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
-                               op_code(kind), stream);
+                               op_code(kind), wait_);
+        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
+        UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
+      }
       cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, reduce_blocks(part),
                                stream);
       UNIEP_CUDA_OK(cudaGetLastError());
-    }
-    // The communication stream: each push as soon as its partial exists, in plan order.
-    if (status.ok()) {
-      for (const ChunkStep& st : plan.steps) {
-        for (const Transfer& t : st.sends) {
-          if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
-          const int64_t j = plan.chunk_part(t.chunk);
-          UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[t.peer] + push_slot(r) + j * part, partial(t.chunk),
-                                        part, cudaMemcpyDeviceToDevice, comm_));
-          if (Status s = signal(t.peer, arrived_word(r, j), comm_); !s.ok()) return s;
-        }
-      }
     }
     return finish(stream, status);
   }
@@ -281,10 +291,10 @@ class RuntimeImpl final : public Runtime {
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.sends) {
         const int64_t dst = plan.chunk_dst(t.chunk), j = plan.chunk_part(t.chunk);
-        UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[t.peer] + push_slot(r) + j * part,
-                                      send + dst * B + j * part, part, cudaMemcpyDeviceToDevice,
-                                      comm_));
-        if (Status s = signal(t.peer, arrived_word(r, j), comm_); !s.ok()) return s;
+        if (Status s = push(t.peer, push_slot(r) + j * part, send + dst * B + j * part, part,
+                            arrived_word(r, j));
+            !s.ok())
+          return s;
       }
     }
     // Placement in plan order: the own block first, then each arrival once its signal is seen.
@@ -294,7 +304,9 @@ class RuntimeImpl final : public Runtime {
       if (src != r) {
         cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
                                static_cast<int>(r), static_cast<int>(src), epoch_, timeout_ns(),
-                               err_dev_, op_code(kind), stream);
+                               err_dev_, op_code(kind), wait_);
+        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
+        UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
         from = sym() + push_slot(src) + j * part;
       }
       UNIEP_CUDA_OK(
@@ -330,6 +342,29 @@ class RuntimeImpl final : public Runtime {
                               ") but the collectives runtime was created with max_block_bytes ",
                               cfg_.max_block_bytes,
                               "; re-create it (uniep.collectives.init_cuda) with a larger one")};
+    return Status::Ok();
+  }
+
+  Status enable_peer_access() {
+    int self = 0;
+    UNIEP_CUDA_OK(cudaGetDevice(&self));
+    for (int64_t p = 0; p < cfg_.world_size; ++p) {
+      if (p == cfg_.rank) continue;
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, peer_[p]) != cudaSuccess || attr.device < 0 ||
+          attr.device == self) {
+        (void)cudaGetLastError();
+        continue;  // not a device this process sees: the copy path decides
+      }
+      int can = 0;
+      UNIEP_CUDA_OK(cudaDeviceCanAccessPeer(&can, self, attr.device));
+      if (!can) continue;
+      const cudaError_t e = cudaDeviceEnablePeerAccess(attr.device, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+        return {StatusCode::kInternal, detail::str_cat("cudaDeviceEnablePeerAccess(", attr.device,
+                                                       ") failed: ", cudaGetErrorString(e))};
+      (void)cudaGetLastError();
+    }
     return Status::Ok();
   }
 
@@ -379,17 +414,17 @@ class RuntimeImpl final : public Runtime {
                               op_code(kind), stream);
   }
 
-  // Sets this rank's arrival word `word` on `peer` to the current epoch, after the stream's
-  // earlier copies (the driver's write carries a system-wide fence before it).
+  // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
+  // stream, then sets this rank's arrival word `word` there to the current epoch.
+  Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
+    UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[peer] + at, src, bytes, cudaMemcpyDeviceToDevice, comm_));
+    return signal(peer, word, comm_);
+  }
+
+  // Sets this rank's arrival word `word` on `peer` to the current epoch with a one-thread
+  // kernel after the stream's earlier copies (fence, then a release store at system scope).
   Status signal(int64_t peer, size_t word, cudaStream_t s) {
-    uint8_t* at = peer_[peer] + word;
-    if (write_value64_) {
-      const CUresult rc = write_value64_(reinterpret_cast<CUstream>(s),
-                                         reinterpret_cast<CUdeviceptr>(at), epoch_, 0);
-      if (rc == CUDA_SUCCESS) return Status::Ok();
-      write_value64_ = nullptr;  // not supported here: the kernel from now on
-    }
-    cuda::launch_coll_signal(reinterpret_cast<uint64_t*>(at), epoch_, s);
+    cuda::launch_coll_signal(reinterpret_cast<uint64_t*>(peer_[peer] + word), epoch_, s);
     UNIEP_CUDA_OK(cudaGetLastError());
     return Status::Ok();
   }
@@ -439,10 +474,9 @@ class RuntimeImpl final : public Runtime {
   bool counted_ = false;
   void* sym_ = nullptr;
   uint8_t* peer_[kMaxRanks] = {};
-  cudaStream_t comm_ = nullptr;
+  cudaStream_t comm_ = nullptr, wait_ = nullptr;
   cudaEvent_t events_[2 + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
-  StreamWriteValue64 write_value64_ = nullptr;
   int sm_count_ = 1;
   uint64_t epoch_ = 0;
 };
