@@ -215,6 +215,7 @@ class RuntimeImpl final : public Runtime {
     barrier(kind, stream);
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     Status status = Status::Ok();
     // Pushes go on the communication stream as soon as their partial exists (the input rows
     // exist from the start); they are enqueued before any wait for arrivals, so no host call
@@ -250,21 +251,26 @@ class RuntimeImpl final : public Runtime {
         }
       }
       if (dest != r) continue;
+      // The fold of own part j runs beside the GEMM of part j+1 (on the wait stream, after
+      // that part's arrivals and its own partial): only the last part's fold is left at the end.
       cuda::ReduceInputs in{};
       int count = 0;
       for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
       in.in[count++] = partial(st.compute);
-      if (W > 1) {
+      if (gemm) {
+        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), stream));
+        UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, chunk_event(st.compute), 0));
+      }
+      if (W > 1)
         cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
                                static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
                                op_code(kind), wait_);
-        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
-        UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
-      }
       cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, reduce_blocks(part),
-                               stream);
+                               wait_);
       UNIEP_CUDA_OK(cudaGetLastError());
     }
+    UNIEP_CUDA_OK(cudaEventRecord(folded_event(), wait_));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, folded_event(), 0));
     return finish(stream, status);
   }
 
@@ -464,9 +470,10 @@ class RuntimeImpl final : public Runtime {
   }
   cudaEvent_t start_event() const { return events_[0]; }
   cudaEvent_t end_event() const { return events_[1]; }
+  cudaEvent_t folded_event() const { return events_[2]; }
   // One per chunk id; the all-to-all's ids run to W*W*c but only W*c of them reach events.
   cudaEvent_t chunk_event(int64_t chunk) const {
-    return events_[2 + chunk % (kMaxRanks * kMaxChunks)];
+    return events_[3 + chunk % (kMaxRanks * kMaxChunks)];
   }
 
   Config cfg_;
@@ -475,7 +482,7 @@ class RuntimeImpl final : public Runtime {
   void* sym_ = nullptr;
   uint8_t* peer_[kMaxRanks] = {};
   cudaStream_t comm_ = nullptr, wait_ = nullptr;
-  cudaEvent_t events_[2 + kMaxRanks * kMaxChunks] = {};
+  cudaEvent_t events_[3 + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
   int sm_count_ = 1;
   uint64_t epoch_ = 0;
