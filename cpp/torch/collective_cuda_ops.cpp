@@ -68,25 +68,12 @@ coll::Runtime& coll_runtime(const std::string& group_name) {
 
 namespace {
 
-void check_cuda(const at::Tensor& t, const char* name, const at::Tensor* ref) {
-  UNIEP_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
-  if (ref)
-    UNIEP_CHECK(t.device() == ref->device(), name, " must be on a's device ", ref->device(),
-                ", got ", t.device());
-}
-
 void check_direct(c10::string_view order) {
   UNIEP_CHECK(order == "direct" || order == "ring", "order must be \"direct\" or \"ring\", got \"",
               std::string(order), "\"");
   UNIEP_CHECK(order == "direct",
               "order=\"ring\" runs on the CPU executor only; the CUDA executor addresses every "
               "peer of its NVLink domain directly (order=\"direct\")");
-}
-
-int64_t row_width(const at::Tensor& x) {
-  int64_t w = 1;
-  for (int64_t d = 1; d < x.dim(); ++d) w *= x.size(d);
-  return w;
 }
 
 // The runtime was created for this group's ranks (init_cuda), so its world size is the group's.
@@ -116,24 +103,11 @@ Status mm_rows(void* ctx, const void* a_rows, void* out_rows, int64_t rows, cuda
   return Status::Ok();
 }
 
-void check_pair(const at::Tensor& a, const at::Tensor& b, const char* a_shape,
-                const char* b_shape) {
-  UNIEP_CHECK(a.dim() == 2, "a must be a 2-D tensor ", a_shape, ", got shape ", a.sizes());
-  to_dtype(a, "a");
-  check_cuda(a, "a", nullptr);
-  UNIEP_CHECK(b.dim() == 2, "b must be a 2-D tensor ", b_shape, ", got shape ", b.sizes());
-  UNIEP_CHECK(b.scalar_type() == a.scalar_type(), "b must have a's dtype ", a.scalar_type(),
-              ", got ", b.scalar_type());
-  check_cuda(b, "b", &a);
-  UNIEP_CHECK(b.size(0) == a.size(1), "b must be ", b_shape, " with K = a.size(1) = ", a.size(1),
-              " rows, got shape ", b.sizes());
-}
-
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                                                           c10::string_view group_name,
                                                           int64_t chunks, c10::string_view order) {
   return translate_errors([&] {
-    check_pair(a, b, "[M/W, K]", "[K, N]");
+    check_matmul_operands(a, b, "[M/W, K]", "[K, N]", Executor::kCuda);
     check_direct(order);
     const c10::cuda::CUDAGuard guard(a.device());
     coll::Runtime& rt = runtime_for(group_name);
@@ -160,16 +134,14 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
                                       c10::string_view group_name, int64_t chunks,
                                       c10::string_view order) {
   return translate_errors([&] {
-    check_pair(a, b, "[M, K_local]", "[K_local, N]");
+    check_matmul_operands(a, b, "[M, K_local]", "[K_local, N]", Executor::kCuda);
     check_direct(order);
     const c10::cuda::CUDAGuard guard(a.device());
     coll::Runtime& rt = runtime_for(group_name);
-    const int64_t W = rt.config().world_size;
-    UNIEP_CHECK(a.size(0) % W == 0, "a.size(0) (M = ", a.size(0),
-                ") must be divisible by the world size ", W);
+    const int64_t rows = matmul_reduce_scatter_rows(a, rt.config().world_size);
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
-    at::Tensor out = at::empty({a.size(0) / W, b.size(1)}, a.options());
+    at::Tensor out = at::empty({rows, b.size(1)}, a.options());
     MmContext ctx{bc, a.size(1), a.options()};
     coll::ReduceScatterCall c;
     c.dtype = to_dtype(a, "a");
@@ -177,7 +149,7 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.a_row_bytes = a.size(1) * a.element_size();
     c.scratch = scratch.data_ptr();
     c.out = out.data_ptr();
-    c.rows_per_rank = a.size(0) / W;
+    c.rows_per_rank = rows;
     c.n = b.size(1);
     c.chunks = chunks;
     c.gemm = {&mm_rows, &ctx};
@@ -186,24 +158,15 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
   });
 }
 
-void check_x(const at::Tensor& x) {
-  UNIEP_CHECK(x.dim() >= 1,
-              "x must have at least 1 dimension (dim 0 is split across ranks), got a 0-d tensor");
-  to_dtype(x, "x");
-  check_cuda(x, "x", nullptr);
-}
-
 at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                            c10::string_view order) {
   return translate_errors([&] {
-    check_x(x);
+    check_rows_input(x, Executor::kCuda);
     check_direct(order);
     const c10::cuda::CUDAGuard guard(x.device());
     coll::Runtime& rt = runtime_for(group_name);
     at::Tensor xc = x.contiguous();
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape[0] *= rt.config().world_size;
-    at::Tensor out = at::empty(shape, x.options());
+    at::Tensor out = empty_with_rows(x, rt.config().world_size * x.size(0));
     coll::AllGatherCall c;
     c.a = xc.data_ptr();
     c.gathered = out.data_ptr();
@@ -218,23 +181,19 @@ at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int
 at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                                c10::string_view order) {
   return translate_errors([&] {
-    check_x(x);
+    check_rows_input(x, Executor::kCuda);
     check_direct(order);
     const c10::cuda::CUDAGuard guard(x.device());
     coll::Runtime& rt = runtime_for(group_name);
-    const int64_t W = rt.config().world_size;
-    UNIEP_CHECK(x.size(0) % W == 0, "x.size(0) (", x.size(0),
-                ") must be divisible by the world size ", W);
+    const int64_t rows = reduce_scatter_rows(x, rt.config().world_size);
     at::Tensor xc = x.contiguous();
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape[0] /= W;
-    at::Tensor out = at::empty(shape, x.options());
+    at::Tensor out = empty_with_rows(x, rows);
     coll::ReduceScatterCall c;
     c.dtype = to_dtype(x, "x");
     c.a = xc.data_ptr();
     c.a_row_bytes = row_width(x) * x.element_size();
     c.out = out.data_ptr();
-    c.rows_per_rank = x.size(0) / W;
+    c.rows_per_rank = rows;
     c.n = row_width(x);
     c.chunks = chunks;
     ok_or_throw(rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
@@ -242,37 +201,22 @@ at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name,
   });
 }
 
-int64_t normalize_dim(int64_t dim, int64_t rank, const char* name) {
-  UNIEP_CHECK(dim >= -rank && dim < rank, name, " must be in [", -rank, ", ", rank,
-              ") for a tensor of ", rank, " dimensions, got ", dim);
-  return dim < 0 ? dim + rank : dim;
-}
-
 at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                                    c10::string_view group_name) {
   return translate_errors([&] {
-    UNIEP_CHECK(x.dim() >= 2,
-                "x must have at least 2 dimensions (one to scatter, one to gather), got shape ",
-                x.sizes());
-    to_dtype(x, "x");
-    check_cuda(x, "x", nullptr);
+    check_ulysses_input(x, Executor::kCuda);
     const c10::cuda::CUDAGuard guard(x.device());
     coll::Runtime& rt = runtime_for(group_name);
     const int64_t W = rt.config().world_size;
-    const int64_t sd = normalize_dim(scatter_dim, x.dim(), "scatter_dim");
-    const int64_t gd = normalize_dim(gather_dim, x.dim(), "gather_dim");
-    UNIEP_CHECK(sd != gd, "scatter_dim and gather_dim must differ, both are dimension ", sd);
-    UNIEP_CHECK(x.size(sd) % W == 0, "x.size(scatter_dim = ", sd, ") (", x.size(sd),
-                ") must be divisible by the world size ", W);
-    // [W, block...]: block p is what rank p receives from here (as the CPU executor lays it out).
-    at::Tensor send = at::stack(x.tensor_split(W, sd), 0).contiguous();
+    const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
+    at::Tensor send = ulysses_send_blocks(x, dims, W);
     at::Tensor recv = at::empty_like(send);
     coll::AllToAllCall c;
     c.send = send.data_ptr();
     c.recv = recv.data_ptr();
     c.block_bytes = send.numel() / W * send.element_size();
     ok_or_throw(rt.all_to_all(c, at::cuda::getCurrentCUDAStream().stream()));
-    return at::cat(recv.unbind(0), gd);
+    return ulysses_output(recv, dims);
   });
 }
 

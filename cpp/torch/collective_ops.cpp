@@ -6,7 +6,6 @@
 
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "torch/peer_transport.hpp"
 #include "torch/process_group.hpp"
@@ -35,25 +34,9 @@ TORCH_LIBRARY_FRAGMENT(uniep, m) {
 namespace uniep::torch_glue {
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  return detail::str_cat(t.sizes());
-}
-
-void check_cpu(const at::Tensor& t, const char* name) {
-  UNIEP_CHECK(t.device().is_cpu(), name, " must be a CPU tensor for the CPU executor, got ",
-              t.device());
-}
-
 void check_chunks(int64_t chunks, int64_t rows, const char* rows_desc) {
   UNIEP_CHECK(chunks >= 1, "chunks must be >= 1, got ", chunks);
   UNIEP_CHECK(rows % chunks == 0, "chunks (", chunks, ") must divide ", rows_desc, " (", rows, ")");
-}
-
-// Elements of one row of dim 0 (1 for a 1-D tensor).
-int64_t row_width(const at::Tensor& x) {
-  int64_t w = 1;
-  for (int64_t d = 1; d < x.dim(); ++d) w *= x.size(d);
-  return w;
 }
 
 // Everything an op needs once its arguments are checked; the transport exists before the checks
@@ -81,19 +64,6 @@ auto checked(CollectiveKind kind, Call& call, Checks checks) -> decltype(checks(
   }
 }
 
-void check_pair(const at::Tensor& a, const at::Tensor& b, const char* a_shape,
-                const char* b_shape) {
-  UNIEP_CHECK(a.dim() == 2, "a must be a 2-D tensor ", a_shape, ", got shape ", shape_str(a));
-  to_dtype(a, "a");
-  check_cpu(a, "a");
-  UNIEP_CHECK(b.dim() == 2, "b must be a 2-D tensor ", b_shape, ", got shape ", shape_str(b));
-  UNIEP_CHECK(b.scalar_type() == a.scalar_type(), "b must have a's dtype ", a.scalar_type(),
-              ", got ", b.scalar_type());
-  check_cpu(b, "b");
-  UNIEP_CHECK(b.size(0) == a.size(1), "b must be ", b_shape, " with K = a.size(1) = ", a.size(1),
-              " rows, got shape ", shape_str(b));
-}
-
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cpu(const at::Tensor& a, const at::Tensor& b,
                                                          c10::string_view group_name,
                                                          int64_t chunks, c10::string_view order) {
@@ -104,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cpu(const at::Tensor& a, co
     AllGatherArgs args;
     at::Tensor ac, bc, ag, mm;
     checked(kind, call, [&] {
-      check_pair(a, b, "[M/W, K]", "[K, N]");
+      check_matmul_operands(a, b, "[M/W, K]", "[K, N]", Executor::kCpu);
       args.order = parse_peer_order(std::string(order));
       check_chunks(chunks, a.size(0), "a.size(0), the rows of this rank's shard");
       ac = a.contiguous();
@@ -136,19 +106,18 @@ at::Tensor matmul_reduce_scatter_cpu(const at::Tensor& a, const at::Tensor& b,
     ReduceScatterArgs args;
     at::Tensor ac, bc, out;
     checked(kind, call, [&] {
-      check_pair(a, b, "[M, K_local]", "[K_local, N]");
+      check_matmul_operands(a, b, "[M, K_local]", "[K_local, N]", Executor::kCpu);
       args.order = parse_peer_order(std::string(order));
-      UNIEP_CHECK(a.size(0) % W == 0, "a.size(0) (M = ", a.size(0),
-                  ") must be divisible by the world size ", W);
-      check_chunks(chunks, a.size(0) / W, "M / world size, the rows of this rank's output");
+      const int64_t rows = matmul_reduce_scatter_rows(a, W);
+      check_chunks(chunks, rows, "M / world size, the rows of this rank's output");
       ac = a.contiguous();
       bc = b.contiguous();
-      out = at::empty({a.size(0) / W, b.size(1)}, a.options());
+      out = at::empty({rows, b.size(1)}, a.options());
       args.a = ac.data_ptr();
       args.b = bc.data_ptr();
       args.out = out.data_ptr();
       args.dtype = to_dtype(a, "a");
-      args.rows_per_rank = a.size(0) / W;
+      args.rows_per_rank = rows;
       args.k = a.size(1);
       args.n = b.size(1);
       args.chunks = chunks;
@@ -156,14 +125,6 @@ at::Tensor matmul_reduce_scatter_cpu(const at::Tensor& a, const at::Tensor& b,
     cpu_reduce_scatter(kind, args, *call.transport);
     return out;
   });
-}
-
-void check_x(const at::Tensor& x) {
-  UNIEP_CHECK(x.dim() >= 1,
-              "x must have at least 1 dimension (dim 0 is split across ranks), got "
-              "a 0-d tensor");
-  to_dtype(x, "x");
-  check_cpu(x, "x");
 }
 
 at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
@@ -175,13 +136,11 @@ at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group_name, int6
     AllGatherArgs args;
     at::Tensor xc, out;
     checked(kind, call, [&] {
-      check_x(x);
+      check_rows_input(x, Executor::kCpu);
       args.order = parse_peer_order(std::string(order));
       check_chunks(chunks, x.size(0), "x.size(0), the rows of this rank's shard");
       xc = x.contiguous();
-      std::vector<int64_t> shape = x.sizes().vec();
-      shape[0] *= W;
-      out = at::empty(shape, x.options());
+      out = empty_with_rows(x, W * x.size(0));
       args.a = xc.data_ptr();
       args.gathered = out.data_ptr();
       args.dtype = to_dtype(x, "x");
@@ -203,31 +162,22 @@ at::Tensor reduce_scatter_cpu(const at::Tensor& x, c10::string_view group_name, 
     ReduceScatterArgs args;
     at::Tensor xc, out;
     checked(kind, call, [&] {
-      check_x(x);
+      check_rows_input(x, Executor::kCpu);
       args.order = parse_peer_order(std::string(order));
-      UNIEP_CHECK(x.size(0) % W == 0, "x.size(0) (", x.size(0),
-                  ") must be divisible by the world size ", W);
-      check_chunks(chunks, x.size(0) / W, "x.size(0) / world size, the rows of this rank's output");
+      const int64_t rows = reduce_scatter_rows(x, W);
+      check_chunks(chunks, rows, "x.size(0) / world size, the rows of this rank's output");
       xc = x.contiguous();
-      std::vector<int64_t> shape = x.sizes().vec();
-      shape[0] /= W;
-      out = at::empty(shape, x.options());
+      out = empty_with_rows(x, rows);
       args.a = xc.data_ptr();
       args.out = out.data_ptr();
       args.dtype = to_dtype(x, "x");
-      args.rows_per_rank = x.size(0) / W;
+      args.rows_per_rank = rows;
       args.n = row_width(x);
       args.chunks = chunks;
     });
     cpu_reduce_scatter(kind, args, *call.transport);
     return out;
   });
-}
-
-int64_t normalize_dim(int64_t dim, int64_t rank, const char* name) {
-  UNIEP_CHECK(dim >= -rank && dim < rank, name, " must be in [", -rank, ", ", rank,
-              ") for a tensor of ", rank, " dimensions, got ", dim);
-  return dim < 0 ? dim + rank : dim;
 }
 
 at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
@@ -238,20 +188,11 @@ at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int6
     const int64_t W = call.group.world_size;
     AllToAllArgs args;
     at::Tensor send, recv;
-    int64_t gd = 0;
+    UlyssesDims dims;
     checked(kind, call, [&] {
-      UNIEP_CHECK(x.dim() >= 2,
-                  "x must have at least 2 dimensions (one to scatter, one to gather), got shape ",
-                  shape_str(x));
-      to_dtype(x, "x");
-      check_cpu(x, "x");
-      const int64_t sd = normalize_dim(scatter_dim, x.dim(), "scatter_dim");
-      gd = normalize_dim(gather_dim, x.dim(), "gather_dim");
-      UNIEP_CHECK(sd != gd, "scatter_dim and gather_dim must differ, both are dimension ", sd);
-      UNIEP_CHECK(x.size(sd) % W == 0, "x.size(scatter_dim = ", sd, ") (", x.size(sd),
-                  ") must be divisible by the world size ", W);
-      // [W, block...]: block p is what rank p receives from here.
-      send = at::stack(x.tensor_split(W, sd), 0).contiguous();
+      check_ulysses_input(x, Executor::kCpu);
+      dims = ulysses_dims(x, scatter_dim, gather_dim, W);
+      send = ulysses_send_blocks(x, dims, W);
       recv = at::empty_like(send);
       args.send = send.data_ptr();
       args.recv = recv.data_ptr();
@@ -259,7 +200,7 @@ at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int6
       args.block_bytes = send.numel() / W * send.element_size();
     });
     cpu_all_to_all(args, *call.transport);
-    return at::cat(recv.unbind(0), gd);
+    return ulysses_output(recv, dims);
   });
 }
 

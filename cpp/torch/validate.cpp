@@ -1,12 +1,23 @@
 #include "torch/validate.hpp"
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
+
+#include <vector>
 
 namespace uniep::torch_glue {
 
 namespace {
 std::string shape_str(const at::Tensor& t) {
   return detail::str_cat(t.sizes());
+}
+
+int64_t normalize_dim(int64_t dim, int64_t rank, const char* name) {
+  UNIEP_CHECK(dim >= -rank && dim < rank, name, " must be in [", -rank, ", ", rank,
+              ") for a tensor of ", rank, " dimensions, got ", dim);
+  return dim < 0 ? dim + rank : dim;
 }
 }  // namespace
 
@@ -111,6 +122,89 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
   in.shape.num_experts = El * world_size;
   in.shape.validate();
   return in;
+}
+
+void check_executor_device(const at::Tensor& t, const char* name, Executor executor) {
+  if (executor == Executor::kCpu)
+    UNIEP_CHECK(t.device().is_cpu(), name, " must be a CPU tensor for the CPU executor, got ",
+                t.device());
+  else
+    UNIEP_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+}
+
+void check_matmul_operands(const at::Tensor& a, const at::Tensor& b, const char* a_shape,
+                           const char* b_shape, Executor executor) {
+  UNIEP_CHECK(a.dim() == 2, "a must be a 2-D tensor ", a_shape, ", got shape ", shape_str(a));
+  to_dtype(a, "a");
+  check_executor_device(a, "a", executor);
+  UNIEP_CHECK(b.dim() == 2, "b must be a 2-D tensor ", b_shape, ", got shape ", shape_str(b));
+  UNIEP_CHECK(b.scalar_type() == a.scalar_type(), "b must have a's dtype ", a.scalar_type(),
+              ", got ", b.scalar_type());
+  check_executor_device(b, "b", executor);
+  // Always true on CPU (one device); on CUDA the GEMM runs on a's GPU.
+  UNIEP_CHECK(b.device() == a.device(), "b must be on a's device ", a.device(), ", got ",
+              b.device());
+  UNIEP_CHECK(b.size(0) == a.size(1), "b must be ", b_shape, " with K = a.size(1) = ", a.size(1),
+              " rows, got shape ", shape_str(b));
+}
+
+void check_rows_input(const at::Tensor& x, Executor executor) {
+  UNIEP_CHECK(x.dim() >= 1,
+              "x must have at least 1 dimension (dim 0 is split across ranks), got a 0-d tensor");
+  to_dtype(x, "x");
+  check_executor_device(x, "x", executor);
+}
+
+int64_t row_width(const at::Tensor& x) {
+  int64_t w = 1;
+  for (int64_t d = 1; d < x.dim(); ++d) w *= x.size(d);
+  return w;
+}
+
+at::Tensor empty_with_rows(const at::Tensor& x, int64_t rows) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = rows;
+  return at::empty(shape, x.options());
+}
+
+int64_t matmul_reduce_scatter_rows(const at::Tensor& a, int64_t world_size) {
+  UNIEP_CHECK(a.size(0) % world_size == 0, "a.size(0) (M = ", a.size(0),
+              ") must be divisible by the world size ", world_size);
+  return a.size(0) / world_size;
+}
+
+int64_t reduce_scatter_rows(const at::Tensor& x, int64_t world_size) {
+  UNIEP_CHECK(x.size(0) % world_size == 0, "x.size(0) (", x.size(0),
+              ") must be divisible by the world size ", world_size);
+  return x.size(0) / world_size;
+}
+
+void check_ulysses_input(const at::Tensor& x, Executor executor) {
+  UNIEP_CHECK(x.dim() >= 2,
+              "x must have at least 2 dimensions (one to scatter, one to gather), got shape ",
+              shape_str(x));
+  to_dtype(x, "x");
+  check_executor_device(x, "x", executor);
+}
+
+UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
+                         int64_t world_size) {
+  UlyssesDims d;
+  d.scatter = normalize_dim(scatter_dim, x.dim(), "scatter_dim");
+  d.gather = normalize_dim(gather_dim, x.dim(), "gather_dim");
+  UNIEP_CHECK(d.scatter != d.gather, "scatter_dim and gather_dim must differ, both are dimension ",
+              d.scatter);
+  UNIEP_CHECK(x.size(d.scatter) % world_size == 0, "x.size(scatter_dim = ", d.scatter, ") (",
+              x.size(d.scatter), ") must be divisible by the world size ", world_size);
+  return d;
+}
+
+at::Tensor ulysses_send_blocks(const at::Tensor& x, const UlyssesDims& dims, int64_t world_size) {
+  return at::stack(x.tensor_split(world_size, dims.scatter), 0).contiguous();
+}
+
+at::Tensor ulysses_output(const at::Tensor& recv, const UlyssesDims& dims) {
+  return at::cat(recv.unbind(0), dims.gather);
 }
 
 }  // namespace uniep::torch_glue

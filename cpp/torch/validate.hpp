@@ -29,6 +29,54 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, co
 
 void check_topk_idx(const at::Tensor& topk_idx);
 
+// ---- collectives: the checks their CPU and CUDA implementations share ----
+// The tensor checks and the checks against the world size are separate calls because the CUDA
+// ops learn the world size from their runtime, which they look up after the tensor checks.
+
+// Where an op's executor reads its tensors.
+enum class Executor { kCpu, kCuda };
+
+void check_executor_device(const at::Tensor& t, const char* name, Executor executor);
+
+// a and b of the GEMM collectives: 2-D, a float dtype, one dtype and device, b.size(0) ==
+// a.size(1). a_shape and b_shape ("[M/W, K]") name the layout the op expects.
+void check_matmul_operands(const at::Tensor& a, const at::Tensor& b, const char* a_shape,
+                           const char* b_shape, Executor executor);
+
+// x of all_gather / reduce_scatter: at least 1-D, a float dtype.
+void check_rows_input(const at::Tensor& x, Executor executor);
+
+// Elements of one row of dim 0 (1 for a 1-D tensor).
+int64_t row_width(const at::Tensor& x);
+
+// An empty tensor like x with `rows` rows in dim 0.
+at::Tensor empty_with_rows(const at::Tensor& x, int64_t rows);
+
+// The rows of this rank's output, M / world size, where a is matmul_reduce_scatter's [M, K_local].
+int64_t matmul_reduce_scatter_rows(const at::Tensor& a, int64_t world_size);
+
+// The rows of this rank's output, x.size(0) / world size, for reduce_scatter.
+int64_t reduce_scatter_rows(const at::Tensor& x, int64_t world_size);
+
+// x of all_to_all_ulysses: at least 2-D, a float dtype.
+void check_ulysses_input(const at::Tensor& x, Executor executor);
+
+struct UlyssesDims {
+  int64_t scatter = 0;
+  int64_t gather = 0;
+};
+
+// The dims normalised to [0, x.dim()); they must differ and the scatter dim must split evenly.
+UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
+                         int64_t world_size);
+
+// [W, block...]: block p of x's scatter dim is what rank p receives from here. Both executors
+// use this layout, so their results are the same bits.
+at::Tensor ulysses_send_blocks(const at::Tensor& x, const UlyssesDims& dims, int64_t world_size);
+
+// The received [W, block...] blocks, concatenated along the gather dim in rank order.
+at::Tensor ulysses_output(const at::Tensor& recv, const UlyssesDims& dims);
+
 // Runs fn, turning uniep::Error into the torch error Python users expect: ValueError for bad
 // arguments, RuntimeError otherwise.
 [[noreturn]] void rethrow_as_torch_error(const Error& e);
