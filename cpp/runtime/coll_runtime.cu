@@ -11,6 +11,7 @@
 
 #include "cuda/collectives/coll_kernels.hpp"
 #include "runtime/nvshmem_session.hpp"
+#include "runtime/runtime_support.hpp"
 #include "uniep/collectives.hpp"
 #include "uniep/cuda/collectives.hpp"
 
@@ -18,19 +19,6 @@ namespace uniep::coll {
 namespace {
 
 using cuda::DeviceError;
-
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) {
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-
-#define UNIEP_CUDA_OK(expr)                                                             \
-  do {                                                                                  \
-    const cudaError_t uniep_e_ = (expr);                                                \
-    if (uniep_e_ != cudaSuccess)                                                        \
-      return Status{StatusCode::kInternal,                                              \
-                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))}; \
-  } while (0)
 
 // Offsets in the symmetric allocation; the same on every rank.
 struct Carve {
@@ -43,19 +31,14 @@ struct Carve {
 
 Carve carve(const Config& c) {
   Carve v{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t at = off;
-    off += align_up(bytes);
-    return at;
-  };
+  runtime::HeapCarver heap;
   const size_t B = static_cast<size_t>(c.max_block_bytes);
-  v.barrier = take(sizeof(uint64_t) * kMaxRanks);
-  v.arrived = take(sizeof(uint64_t) * kMaxRanks * kMaxChunks);
-  v.pull[0] = take(B);
-  v.pull[1] = take(B);
-  v.push = take(B * static_cast<size_t>(c.world_size));
-  v.total = off;
+  v.barrier = heap.take(sizeof(uint64_t) * kMaxRanks);
+  v.arrived = heap.take(sizeof(uint64_t) * kMaxRanks * kMaxChunks);
+  v.pull[0] = heap.take(B);
+  v.pull[1] = heap.take(B);
+  v.push = heap.take(B * static_cast<size_t>(c.world_size));
+  v.total = heap.total();
   return v;
 }
 
@@ -436,18 +419,13 @@ class RuntimeImpl final : public Runtime {
   }
 
   Status take_device_error() {
-    volatile DeviceError* e = err_host_;
-    if (e->op == 0) return Status::Ok();
-    const char* what = "collective";
-    if (e->op >= cuda::kCollOpBase)
-      what = collective_kind_name(static_cast<CollectiveKind>(e->op - cuda::kCollOpBase));
-    Status s{
-        StatusCode::kTimeout,
-        detail::str_cat("uniep ", what, " on rank ", cfg_.rank, " timed out after ", cfg_.timeout_s,
-                        " s waiting for rank ", e->peer, " (signal ", e->have, ", expected ",
-                        e->want, "); did every rank of the group make the same calls?")};
-    e->op = 0;
-    return s;
+    return runtime::take_device_error(err_host_, [&](const volatile DeviceError& e) {
+      const char* what = "collective";
+      if (e.op >= cuda::kCollOpBase)
+        what = collective_kind_name(static_cast<CollectiveKind>(e.op - cuda::kCollOpBase));
+      return runtime::wait_timeout(what, cfg_.rank, cfg_.timeout_s, e,
+                                   "did every rank of the group make the same calls?");
+    });
   }
 
   uint8_t* sym() const { return static_cast<uint8_t*>(sym_); }

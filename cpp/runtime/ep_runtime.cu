@@ -10,6 +10,7 @@
 
 #include "cuda/ep_kernels.hpp"
 #include "runtime/nvshmem_session.hpp"
+#include "runtime/runtime_support.hpp"
 #include "uniep/cuda/layout.hpp"
 #include "uniep/ep.hpp"
 
@@ -21,20 +22,6 @@ using cuda::EpDims;
 using cuda::PlanCounts;
 using cuda::SymmetricView;
 
-constexpr size_t kAlign = 256;
-
-size_t align_up(size_t n) {
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-
-#define UNIEP_CUDA_OK(expr)                                                             \
-  do {                                                                                  \
-    const cudaError_t uniep_e_ = (expr);                                                \
-    if (uniep_e_ != cudaSuccess)                                                        \
-      return Status{StatusCode::kInternal,                                              \
-                    detail::str_cat(#expr, " failed: ", cudaGetErrorString(uniep_e_))}; \
-  } while (0)
-
 struct Carve {
   size_t signals, counts, stage, recv_x, recv_meta, recv_weights, combine, total;
   size_t ll_x[2], ll_meta[2], ll_count[2], ll_combine[2], ll_back[2];
@@ -43,28 +30,23 @@ struct Carve {
 Carve carve(const Config& c) {
   const size_t W = c.world_size, E = c.num_experts, K = c.top_k, T = c.max_tokens;
   Carve v{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t at = off;
-    off += align_up(bytes);
-    return at;
-  };
-  v.signals = take(sizeof(uint64_t) * cuda::kSignalKinds * W);
-  v.counts = take(sizeof(int64_t) * 2 * W * (W + E + 1));
-  v.stage = take(sizeof(int64_t) * (W + E + 1));
-  v.recv_x = take(W * T * static_cast<size_t>(c.row_bytes_capacity()));
-  v.recv_meta = take(sizeof(int64_t) * W * T * (1 + K));
-  v.recv_weights = take(sizeof(float) * W * T * K);
-  v.combine = take(T * K * static_cast<size_t>(c.hidden) * 2);
+  runtime::HeapCarver heap;
+  v.signals = heap.take(sizeof(uint64_t) * cuda::kSignalKinds * W);
+  v.counts = heap.take(sizeof(int64_t) * 2 * W * (W + E + 1));
+  v.stage = heap.take(sizeof(int64_t) * (W + E + 1));
+  v.recv_x = heap.take(W * T * static_cast<size_t>(c.row_bytes_capacity()));
+  v.recv_meta = heap.take(sizeof(int64_t) * W * T * (1 + K));
+  v.recv_weights = heap.take(sizeof(float) * W * T * K);
+  v.combine = heap.take(T * K * static_cast<size_t>(c.hidden) * 2);
   const size_t El = E / W, L = c.ll_max_tokens;
   for (int b = 0; b < 2; ++b) {
-    v.ll_x[b] = take(El * W * L * static_cast<size_t>(c.row_bytes_capacity()));
-    v.ll_meta[b] = take(sizeof(int64_t) * El * W * L);
-    v.ll_count[b] = take(sizeof(uint64_t) * El * W);
-    v.ll_combine[b] = take(L * K * static_cast<size_t>(c.hidden) * 2);
-    v.ll_back[b] = take(sizeof(uint64_t) * W);
+    v.ll_x[b] = heap.take(El * W * L * static_cast<size_t>(c.row_bytes_capacity()));
+    v.ll_meta[b] = heap.take(sizeof(int64_t) * El * W * L);
+    v.ll_count[b] = heap.take(sizeof(uint64_t) * El * W);
+    v.ll_combine[b] = heap.take(L * K * static_cast<size_t>(c.hidden) * 2);
+    v.ll_back[b] = heap.take(sizeof(uint64_t) * W);
   }
-  v.total = off;
+  v.total = heap.total();
   return v;
 }
 
@@ -380,24 +362,17 @@ class RuntimeImpl final : public Runtime {
   int copy_blocks() const { return 4 * sm_count_; }
 
   Status take_device_error() {
-    volatile DeviceError* e = err_host_;
-    if (e->op == 0) return Status::Ok();
-    if (e->op == static_cast<uint32_t>(cuda::WaitOp::kCapacity)) {
-      Status s{StatusCode::kCapacityExceeded,
-               detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e->have,
-                               " rows for one expert of rank ", e->peer, " exceed the region of ",
-                               e->want,
-                               " (ll_max_tokens; an expert repeated within a token's "
-                               "top-k?); nothing of that expert was sent")};
-      e->op = 0;
-      return s;
-    }
-    Status s{StatusCode::kTimeout,
-             detail::str_cat("uniep ", op_name(e->op), " on rank ", cfg_.rank, " timed out after ",
-                             cfg_.timeout_s, " s waiting for rank ", e->peer, " (signal ", e->have,
-                             ", expected ", e->want, "); did every rank of the group call it?")};
-    e->op = 0;
-    return s;
+    return runtime::take_device_error(err_host_, [&](const volatile DeviceError& e) -> Status {
+      if (e.op == static_cast<uint32_t>(cuda::WaitOp::kCapacity))
+        return {StatusCode::kCapacityExceeded,
+                detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
+                                " rows for one expert of rank ", e.peer, " exceed the region of ",
+                                e.want,
+                                " (ll_max_tokens; an expert repeated within a token's "
+                                "top-k?); nothing of that expert was sent")};
+      return runtime::wait_timeout(op_name(e.op), cfg_.rank, cfg_.timeout_s, e,
+                                   "did every rank of the group call it?");
+    });
   }
 
   Config cfg_;
