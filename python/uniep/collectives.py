@@ -357,15 +357,7 @@ def init_cuda(
         )
     if not isinstance(max_block_bytes, int) or max_block_bytes < 1:
         raise ValueError(f"max_block_bytes must be a positive int, got {max_block_bytes!r}")
-    resolved = distributed._resolve(group)
-    name = "" if resolved is None else resolved.group_name
-    world = 1 if resolved is None else dist.get_world_size(resolved)
-    me = 0 if resolved is None else dist.get_rank(resolved)
-    uid = _C.ep_unique_id() if me == 0 else b""
-    if resolved is not None and world > 1:
-        box = [uid]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
-        uid = box[0]
+    name, world, me, uid = distributed._nvshmem_bootstrap(group)
     _C.coll_create(name, uid, world, me, max_block_bytes, _ep._timeout(timeout_s))
 
 

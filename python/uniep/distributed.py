@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _C
+
 __all__ = [
     "Runtime",
     "init",
@@ -106,6 +108,24 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank in the group (0 without torch.distributed)."""
     resolved = _resolve(group)
     return 0 if resolved is None else dist.get_rank(resolved)
+
+
+def _nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, bytes]:
+    """``(group name, world size, rank, NVSHMEM unique id)`` of ``group`` (collective).
+
+    What ``_C.ep_create`` and ``_C.coll_create`` take: every rank must initialise NVSHMEM from
+    the same unique id, so rank 0 makes it and the group broadcasts it.
+    """
+    resolved = _resolve(group)
+    if resolved is None:
+        return "", 1, 0, _C.ep_unique_id()
+    world, me = dist.get_world_size(resolved), dist.get_rank(resolved)
+    uid = _C.ep_unique_id() if me == 0 else b""
+    if world > 1:
+        box = [uid]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
+        uid = box[0]
+    return resolved.group_name, world, me, uid
 
 
 def _device_kind(backend: str) -> str:

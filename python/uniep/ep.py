@@ -23,9 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import _C
+from .distributed import _nvshmem_bootstrap
 from .distributed import group_name as _group_name
-from .distributed import rank as _rank
-from .distributed import world_size as _world_size
 
 __all__ = [
     "DispatchResult",
@@ -100,15 +99,7 @@ def init_runtime(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    name = _group_name(group)
-    world, me = _world_size(group), _rank(group)
-    uid = _C.ep_unique_id() if me == 0 else b""
-    if world > 1:
-        resolved = group if group is not None else dist.group.WORLD
-        box = [uid]
-        src = dist.get_global_rank(resolved, 0)
-        dist.broadcast_object_list(box, src=src, group=resolved)
-        uid = box[0]
+    name, world, me, uid = _nvshmem_bootstrap(group)
     if not isinstance(ll_max_tokens, int) or ll_max_tokens < 0:
         raise ValueError(f"ll_max_tokens must be an int >= 0, got {ll_max_tokens!r}")
     _C.ep_create(
