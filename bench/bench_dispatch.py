@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, write_result  # noqa: E402
+from common import median_time_ms, profile_kernels, write_result  # noqa: E402
 
 # (name, tokens per rank, hidden, top_k, experts in total): the shapes of /work/shared/ANCHORS.md.
 SHAPES_FULL = [("dsv3", 4096, 7168, 8, 256), ("ll", 128, 7168, 8, 288)]
@@ -223,6 +223,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
                 functools.partial(run_dispatch, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
             )
 
+    profile_fns: dict[str, Callable[[], object]] = {
+        "dispatch_24": functools.partial(run_dispatch, "sms=24"),
+        "fp8dispatch_24": functools.partial(run_dispatch, "sms=24,dispatch=fp8"),
+        "dispatch_combine_24": functools.partial(run_both, "sms=24"),
+    }
+    if hidden % 128 != 0:
+        del profile_fns["fp8dispatch_24"]
     if ll_tokens:
         # Low-latency mode: dispatch + (stand-in expert: the received rows) + combine, eager and
         # as replays of one captured CUDA graph (how decode steps run it).
@@ -248,6 +255,11 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         _settle()
         timings["ll_total_graph"] = median_time_ms(graph.replay, warmup, iters, cuda=True)
         ep.check()
+        profile_fns = {"ll_dispatch": ll_dispatch_only, "ll_dispatch_combine": ll_both}
+
+    # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
+    _settle()
+    profile = profile_kernels(profile_fns, cfg.get("profile_iters", 0))
 
     keys = sorted(timings)
     slowest = dict(zip(keys, _max_over_ranks([timings[k] for k in keys], dev), strict=True))
@@ -327,6 +339,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             )
         row.update(GOALS)
         row.update(ANCHORS)
+        if profile:
+            row["kernel_us_rank0"] = profile
         rows.append(row)
     return rows
 
@@ -377,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (>= 30)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (>= 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
+    )
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -418,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if experts % world != 0:
             new = [{"shape": name, "world_size": world, "skipped": f"{experts} experts % {world}"}]
         else:
-            cfg = {"shape": shape, "warmup": warmup, "iters": iters}
+            cfg = {"shape": shape, "warmup": warmup, "iters": iters, "profile_iters": args.profile}
             try:
                 new = run_local_ranks(
                     _bench_rank, world, (cfg,), backend="nccl", timeout_s=args.timeout

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT_DIR, _slug, env_info  # noqa: E402
+from common import DEFAULT_OUT_DIR, _slug, env_info, profile_kernels  # noqa: E402
 from plot_svg import write_plot  # noqa: E402
 
 
@@ -582,6 +582,10 @@ def _bench_tp_kind(
     }
     if world == 4 and shape.name in ANCHORS_TP4:
         result["anchor_ms"] = ANCHORS_TP4[shape.name][kind]
+    if cfg.get("profile_iters", 0) > 0 and cfg["device"] == "cuda":
+        # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
+        profiled = {n: fn for n, fn in timed if n not in errors}
+        result["kernel_us_rank0"] = profile_kernels(profiled, cfg["profile_iters"])
     return result
 
 
@@ -864,6 +868,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "check_tol_fp32": CHECK_TOL_FP32,
         "goal_ideal": GOAL_IDEAL,
         "goal_baseline": GOAL_BASELINE,
+        "profile_iters": args.profile,
     }
 
 
@@ -1002,6 +1007,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
+    )
     parser.add_argument(
         "--cpu",
         action="store_true",

@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,3 +120,31 @@ def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
+
+
+def profile_kernels(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, Any]:
+    """Per-call GPU time of each kernel (and copy) the variants launch, from the CUDA profiler.
+
+    Where the time of a variant goes: the kernels' sum against the CUDA-event median shows the
+    host-side gaps (syncs, launches) that no kernel accounts for. Profiled runs are not timed.
+    """
+    if iters <= 0:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    result: dict[str, Any] = {}
+    for variant, fn in fns.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = {}
+        for evt in prof.key_averages():
+            device_us = getattr(evt, "self_device_time_total", 0.0) or 0.0
+            if device_us > 0:
+                per_kernel[evt.key[:120]] = round(device_us / iters, 2)
+        result[variant] = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+    return result

@@ -13,12 +13,15 @@
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 512;
+// Small blocks under a register cap, so all regions' blocks are resident at once (see
+// ll_dispatch.cu: a region holds a few rows on average).
+constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMinBlocksPerSm = 8;
 constexpr int kMaxRanks = 256;
 
 // One block per (local expert, source) region.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     ll_combine_send_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* y,
                            const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
                            DeviceError* err) {
@@ -46,10 +49,11 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && n > 0)
     nvshmemx_signal_op(ll.back[b] + me, static_cast<uint64_t>(n), NVSHMEM_SIGNAL_ADD, pe);
 
-  // Block 0 waits for what every rank owes us (counted from our own routing by the whole block:
-  // a serial scan of T*K ids by one thread costs more than the transfer), then clears the
-  // signals for the next round on this buffer.
-  if (blockIdx.x != 0) return;
+  // The last block waits for what every rank owes us (counted from our own routing by the whole
+  // block: a serial scan of T*K ids by one thread costs more than the transfer), then clears the
+  // signals for the next round on this buffer. Last, so that it never holds an SM that a
+  // sending block is queued for.
+  if (blockIdx.x != gridDim.x - 1) return;
   __shared__ unsigned long long owed[kMaxRanks];
   for (int64_t r = threadIdx.x; r < W; r += blockDim.x) owed[r] = 0;
   __syncthreads();

@@ -28,9 +28,11 @@ constexpr float kE4m3Max = 448.0f;
 // One warp casts a bf16 row to e4m3 with a scale per 128 columns (scale = amax / 448, q =
 // RNE(x * (448 / amax)) saturated) and writes the receive-buffer format (H bytes, then the fp32
 // scales) to every destination: the row is read and cast once. Exactly the CPU executor's
-// encoding, so the bytes can be compared.
-__device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, int num_dsts,
-                                              const __nv_bfloat16* x, int64_t hidden, int lane) {
+// encoding, so the bytes can be compared. scale_dsts[d]: where destination d's scales go (right
+// after its row in a receive slot; the caller's recv_scales for a row written straight out).
+__device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, float* const* scale_dsts,
+                                              int num_dsts, const __nv_bfloat16* x, int64_t hidden,
+                                              int lane) {
   const int64_t blocks = hidden / kFp8Block;
   constexpr int kUnroll = 4;  // blocks in flight per lane
   for (int64_t b0 = 0; b0 < blocks; b0 += kUnroll) {
@@ -63,7 +65,7 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, int num_dsts
       }
       for (int d = 0; d < num_dsts; ++d) {
         *reinterpret_cast<uint32_t*>(dsts[d] + (b0 + u) * kFp8Block + lane * 4) = packed;
-        if (lane == 0) reinterpret_cast<float*>(dsts[d] + hidden)[b0 + u] = scale;
+        if (lane == 0) scale_dsts[d][b0 + u] = scale;
       }
     }
   }
@@ -81,10 +83,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   constexpr int kMaxDsts = 16;  // mapped destinations served by one read of the row
+  // Rows for ourselves go straight to the caller's output when there is one: the copy-out then
+  // skips them (it is bandwidth-bound, and at EP2 half the rows are our own).
+  const bool direct_self = a.recv_x != nullptr;
+  const int64_t out_row_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
+  const int64_t scale_blocks = a.fp8_hidden / kFp8Block;
   for (int64_t t = warp; t < a.tokens; t += num_warps) {
     const uint8_t* x_row = a.x + t * a.row_bytes;
     for (int64_t d0 = 0; d0 < W; d0 += kMaxDsts) {
       uint8_t* mapped[kMaxDsts];
+      float* mapped_scales[kMaxDsts];
       int num_mapped = 0;
       for (int64_t dst = d0; dst < W && dst < d0 + kMaxDsts; ++dst) {
         const int64_t slot = a.send_slot[t * W + dst];
@@ -95,9 +103,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         float* weights = sym.recv_weights + slot * K;
         // NVLink peers (and ourselves) take plain stores through the mapped pointer; others go
         // through NVSHMEM's transports (bf16 only; fp8 needs mapped peers, checked on the host).
+        // Our own metadata still goes to the slot: the copy-out translates it for every slot.
         auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
+        if (dst == me && direct_self) {
+          mapped[num_mapped] = a.recv_x + slot * out_row_bytes;
+          mapped_scales[num_mapped++] = a.recv_scales + slot * scale_blocks;
+        } else if (peer_row != nullptr) {
+          mapped[num_mapped] = peer_row;
+          mapped_scales[num_mapped++] = reinterpret_cast<float*>(peer_row + a.fp8_hidden);
+        }
         if (peer_row != nullptr) {
-          mapped[num_mapped++] = peer_row;
           auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
           auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
           if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
@@ -112,8 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (num_mapped == 0) continue;
       if (a.fp8_hidden > 0) {
-        warp_cast_fp8(mapped, num_mapped, reinterpret_cast<const __nv_bfloat16*>(x_row),
-                      a.fp8_hidden, lane);
+        warp_cast_fp8(mapped, mapped_scales, num_mapped,
+                      reinterpret_cast<const __nv_bfloat16*>(x_row), a.fp8_hidden, lane);
       } else {
         warp_copy_multi(reinterpret_cast<void* const*>(mapped), num_mapped, x_row, a.row_bytes,
                         lane);
@@ -126,31 +141,39 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // After the transfer: the received rows and metadata copied out of the symmetric buffer by the
-// whole GPU (the communication SM budget only bounds the transfer).
+// whole GPU (the communication SM budget only bounds the transfer). Our own rows are already in
+// the output (see direct_self).
 __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
   const int64_t K = d.top_k, meta_len = 1 + K, first = d.rank * d.experts_per_rank;
   const int64_t N = a.plan.recv_offsets[d.world_size];
+  const int64_t self_begin = a.plan.recv_offsets[d.rank];
+  const int64_t self_slots = a.plan.recv_offsets[d.rank + 1] - self_begin;
   const int64_t x_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
   const int64_t vecs = a.recv_x != nullptr ? x_bytes / 16 : 0;
   const int64_t scales =
       a.fp8_hidden > 0 && a.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
-  const int64_t per_slot = vecs + scales + K + 1;
+  const int64_t per_row = vecs + scales;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * per_slot;
-       i += stride) {
-    const int64_t slot = i / per_slot, j = i % per_slot;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = begin; i < (N - self_slots) * per_row; i += stride) {
+    int64_t slot = i / per_row;
+    const int64_t j = i % per_row;
+    if (slot >= self_begin) slot += self_slots;
     if (j < vecs) {
       reinterpret_cast<int4*>(a.recv_x + slot * x_bytes)[j] =
           load_streaming(reinterpret_cast<const int4*>(sym.recv_x + slot * d.row_cap) + j);
-    } else if (j < vecs + scales) {
+    } else {
       a.recv_scales[slot * scales + (j - vecs)] =
           reinterpret_cast<const float*>(sym.recv_x + slot * d.row_cap + a.fp8_hidden)[j - vecs];
-    } else if (j < vecs + scales + K) {
-      const int64_t k = j - vecs - scales;
-      const int64_t g = sym.recv_meta[slot * meta_len + 1 + k];
+    }
+  }
+  for (int64_t i = begin; i < N * meta_len; i += stride) {
+    const int64_t slot = i / meta_len, j = i % meta_len;
+    if (j < K) {
+      const int64_t g = sym.recv_meta[slot * meta_len + 1 + j];
       const bool local = g >= first && g < first + d.experts_per_rank;
-      a.recv_topk_idx[slot * K + k] = local ? g - first : -1;
-      a.recv_topk_weights[slot * K + k] = sym.recv_weights[slot * K + k];
+      a.recv_topk_idx[slot * K + j] = local ? g - first : -1;
+      a.recv_topk_weights[slot * K + j] = sym.recv_weights[slot * K + j];
     } else {
       a.recv_src[slot] = sym.recv_meta[slot * meta_len];
     }

@@ -12,39 +12,49 @@
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 512;
+// A block carries one expert's rows: a few on average (T * K / E), so a few warps. Small blocks
+// with a register cap keep every block of the grid resident at once: with 512 threads and 128
+// registers a block filled an SM, and 288 experts ran in three waves (the receive-side waits
+// of the first wave then held SMs while the senders of the later waves queued).
+constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMinBlocksPerSm = 8;
 constexpr int kMaxMatches = 4096;  // (token, k) pairs of one expert held in shared memory
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     ll_dispatch_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* x,
                        const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
                        DeviceError* err) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   __shared__ int32_t matches[kMaxMatches];
-  __shared__ int count;
   const int64_t W = d.world_size, K = d.top_k, El = d.experts_per_rank, me = d.rank;
   const int64_t row_bytes = d.hidden * 2, cap = ll.ll_tokens;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
-  const int64_t expert = blockIdx.x, dst = expert / El, local = expert % El;
+  // Blocks of our own experts (the only ones that wait) come last in the grid, so every sending
+  // block is scheduled before any waiting one, whatever the grid's residency.
+  const int64_t expert = (blockIdx.x + (me + 1) * El) % d.num_experts;
+  const int64_t dst = expert / El, local = expert % El;
   const int pe = static_cast<int>(dst);
 
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  for (int64_t i0 = 0; i0 < tokens * K; i0 += kThreads) {
-    const int64_t i = i0 + threadIdx.x;
-    const int hit = (i < tokens * K && topk_idx[i] == expert) ? 1 : 0;
-    int pos, total;
-    Scan(temp).ExclusiveSum(hit, pos, total);
-    if (hit && count + pos < kMaxMatches) matches[count + pos] = static_cast<int32_t>(i);
-    __syncthreads();
-    if (threadIdx.x == 0) count += total;
-    __syncthreads();
+  // Each thread scans a contiguous run of the (token, k) pairs, so one block scan of the
+  // per-thread counts orders the matches by (token, k).
+  const int64_t pairs = tokens * K;
+  const int64_t per_thread = (pairs + kThreads - 1) / kThreads;
+  const int64_t first = threadIdx.x * per_thread;
+  const int64_t last = first + per_thread < pairs ? first + per_thread : pairs;
+  int hits = 0;
+  for (int64_t i = first; i < last; ++i) hits += topk_idx[i] == expert ? 1 : 0;
+  int pos, n;
+  Scan(temp).ExclusiveSum(hits, pos, n);
+  for (int64_t i = first; i < last && hits > 0; ++i) {
+    if (topk_idx[i] != expert) continue;
+    if (pos < kMaxMatches) matches[pos] = static_cast<int32_t>(i);
+    ++pos;
   }
+  __syncthreads();
   // A region holds `cap` rows; more (an expert repeated within a token's top-k) is an error,
   // never a silent drop.
-  int n = count;
   if (n > cap || n > kMaxMatches) {
     if (threadIdx.x == 0) report_capacity(err, static_cast<int>(dst), n, cap);
     n = 0;
