@@ -259,7 +259,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
 
     # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
     _settle()
-    profile = profile_kernels(profile_fns, cfg.get("profile_iters", 0))
+
+    def trace_path(variant: str) -> str | None:
+        if variant not in cfg.get("trace", ()) or not cfg.get("trace_dir"):
+            return None
+        return os.path.join(cfg["trace_dir"], f"trace-{name}-{variant}-rank{rank}.json")
+
+    profile = profile_kernels(profile_fns, cfg.get("profile_iters", 0), trace_path)
 
     keys = sorted(timings)
     slowest = dict(zip(keys, _max_over_ranks([timings[k] for k in keys], dev), strict=True))
@@ -398,6 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
     )
+    parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="VARIANT",
+        help="with --profile: write this variant's Chrome trace, one per rank",
+    )
+    parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -439,7 +453,14 @@ def main(argv: list[str] | None = None) -> int:
         if experts % world != 0:
             new = [{"shape": name, "world_size": world, "skipped": f"{experts} experts % {world}"}]
         else:
-            cfg = {"shape": shape, "warmup": warmup, "iters": iters, "profile_iters": args.profile}
+            cfg = {
+                "shape": shape,
+                "warmup": warmup,
+                "iters": iters,
+                "profile_iters": args.profile,
+                "trace": args.trace,
+                "trace_dir": args.trace_dir,
+            }
             try:
                 new = run_local_ranks(
                     _bench_rank, world, (cfg,), backend="nccl", timeout_s=args.timeout

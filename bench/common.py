@@ -122,11 +122,16 @@ def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool
     return float(statistics.median(times))
 
 
-def profile_kernels(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, Any]:
+def profile_kernels(
+    fns: dict[str, Callable[[], object]],
+    iters: int,
+    trace: Callable[[str], str | None] | None = None,
+) -> dict[str, Any]:
     """Per-call GPU time of each kernel (and copy) the variants launch, from the CUDA profiler.
 
     Where the time of a variant goes: the kernels' sum against the CUDA-event median shows the
     host-side gaps (syncs, launches) that no kernel accounts for. Profiled runs are not timed.
+    ``trace(variant)``: a path to write that variant's Chrome trace to, or None.
     """
     if iters <= 0:
         return {}
@@ -141,6 +146,9 @@ def profile_kernels(fns: dict[str, Callable[[], object]], iters: int) -> dict[st
             for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
+        path = trace(variant) if trace is not None else None
+        if path:
+            prof.export_chrome_trace(path)
         per_kernel: dict[str, float] = {}
         for evt in prof.key_averages():
             device_us = getattr(evt, "self_device_time_total", 0.0) or 0.0
