@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* slot = sym.combine + (target % per_rank) * row_bytes;
     auto* peer_slot = static_cast<uint8_t*>(nvshmem_ptr(slot, pe));
     if (peer_slot != nullptr) {
-      warp_copy(peer_slot, a.y + r * row_bytes, row_bytes, lane);
+      warp_copy<8>(peer_slot, a.y + r * row_bytes, row_bytes, lane);
     } else {
       nvshmemx_putmem_nbi_warp(slot, a.y + r * row_bytes, row_bytes, pe);
     }

@@ -15,9 +15,11 @@ namespace {
 
 // Small blocks under a register cap, so all regions' blocks are resident at once (see
 // ll_dispatch.cu: a region holds a few rows on average).
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMinBlocksPerSm = 8;
+constexpr int kMinBlocksPerSm = 3;
+constexpr int kSegments = 4;  // warps sharing one row (see row_segment)
+constexpr int kUnroll = 8;
 constexpr int kMaxRanks = 256;
 
 // One block per (local expert, source) region.
@@ -33,15 +35,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int n = ll.recv_count[(b * El + local) * W + src];
   const int64_t region = (local * W + src) * cap;
   const int lane = threadIdx.x % 32;
-  for (int j = threadIdx.x / 32; j < n; j += kWarps) {
+  for (int item = threadIdx.x / 32; item < n * kSegments; item += kWarps) {
+    const int j = item / kSegments;
+    const RowSegment part = row_segment(row_bytes, kSegments, item % kSegments);
     const int64_t slot = ll.meta[b][region + j];
-    uint8_t* dst = ll.combine[b] + slot * row_bytes;
-    const uint8_t* row = y + (region + j) * row_bytes;
+    uint8_t* dst = ll.combine[b] + slot * row_bytes + part.offset;
+    const uint8_t* row = y + (region + j) * row_bytes + part.offset;
     auto* peer = static_cast<uint8_t*>(nvshmem_ptr(dst, pe));
     if (peer != nullptr) {
-      warp_copy(peer, row, row_bytes, lane);
+      warp_copy<kUnroll>(peer, row, part.bytes, lane);
     } else {
-      nvshmemx_putmem_nbi_warp(dst, row, row_bytes, pe);
+      nvshmemx_putmem_nbi_warp(dst, row, part.bytes, pe);
     }
   }
   nvshmem_quiet();

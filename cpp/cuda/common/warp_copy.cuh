@@ -16,21 +16,35 @@ __device__ __forceinline__ int4 load_streaming(const int4* p) {
   return v;
 }
 
-// bytes must be a multiple of 16 and both pointers 16-byte aligned.
+// bytes must be a multiple of 16 and both pointers 16-byte aligned. The tail is unrolled too
+// (guarded), so any length costs ceil(bytes / (512 * kUnroll)) round trips.
 template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   const int4* s = static_cast<const int4*>(src);
   int4* d = static_cast<int4*>(dst);
   const int64_t n = bytes / 16;
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+  for (int64_t i = lane; i < n; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load_streaming(s + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n) v[u] = load_streaming(s + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n) d[i + 32 * u] = v[u];
   }
-  for (; i < n; i += 32) d[i] = load_streaming(s + i);
+}
+
+// Rows split into `segments` pieces (16-byte aligned) so that several warps share a row: a
+// decode batch has a few rows per block, and one warp per row leaves the row's reads (scattered
+// in a large buffer, so HBM and TLB latency) in a chain of round trips.
+struct RowSegment {
+  int64_t offset, bytes;
+};
+__device__ __forceinline__ RowSegment row_segment(int64_t row_bytes, int segments, int seg) {
+  const int64_t vecs = row_bytes / 16, per = (vecs + segments - 1) / segments;
+  const int64_t first = per * seg < vecs ? per * seg : vecs;
+  const int64_t last = first + per < vecs ? first + per : vecs;
+  return {first * 16, (last - first) * 16};
 }
 
 // The same copy to several destinations (a token bound for several ranks): each source vector

@@ -16,9 +16,11 @@ namespace {
 // with a register cap keep every block of the grid resident at once: with 512 threads and 128
 // registers a block filled an SM, and 288 experts ran in three waves (the receive-side waits
 // of the first wave then held SMs while the senders of the later waves queued).
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMinBlocksPerSm = 8;
+constexpr int kMinBlocksPerSm = 3;
+constexpr int kSegments = 4;       // warps sharing one row (see row_segment)
+constexpr int kUnroll = 8;         // 16-byte loads in flight per lane: up to 4 KB per warp per trip
 constexpr int kMaxMatches = 4096;  // (token, k) pairs of one expert held in shared memory
 
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
@@ -66,14 +68,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   auto* peer_rows = static_cast<uint8_t*>(nvshmem_ptr(rows, pe));
   auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
   const int lane = threadIdx.x % 32;
-  for (int j = threadIdx.x / 32; j < n; j += kWarps) {
+  for (int item = threadIdx.x / 32; item < n * kSegments; item += kWarps) {
+    const int j = item / kSegments, seg = item % kSegments;
     const int64_t pair = matches[j], t = pair / K;
+    const RowSegment part = row_segment(row_bytes, kSegments, seg);
+    const uint8_t* from = x + t * row_bytes + part.offset;
     if (peer_rows != nullptr) {
-      warp_copy(peer_rows + j * d.row_cap, x + t * row_bytes, row_bytes, lane);
-      if (lane == 0) peer_meta[j] = pair;
+      warp_copy<kUnroll>(peer_rows + j * d.row_cap + part.offset, from, part.bytes, lane);
+      if (lane == 0 && seg == 0) peer_meta[j] = pair;
     } else {
-      nvshmemx_putmem_nbi_warp(rows + j * d.row_cap, x + t * row_bytes, row_bytes, pe);
-      if (lane == 0) nvshmem_int64_p(meta + j, pair, pe);
+      nvshmemx_putmem_nbi_warp(rows + j * d.row_cap + part.offset, from, part.bytes, pe);
+      if (lane == 0 && seg == 0) nvshmem_int64_p(meta + j, pair, pe);
     }
   }
   nvshmem_quiet();
