@@ -1,5 +1,5 @@
 // The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
-// barrier and arrival words, the published all-gather shards and the push slots, and the host
+// barrier and arrival words and the push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
 // computations on two streams.
 #include <cuda_runtime.h>
@@ -24,7 +24,6 @@ using cuda::DeviceError;
 struct Carve {
   size_t barrier;  // uint64 [kMaxRanks]: the epoch each peer last reached
   size_t arrived;  // uint64 [kMaxRanks][kMaxChunks]: the epoch of each peer's last push of part j
-  size_t pull[2];  // published shard, two slots: a peer may still read the previous call's
   size_t push;     // [kMaxRanks] slots of max_block_bytes: what each peer pushed here
   size_t total;
 };
@@ -35,8 +34,6 @@ Carve carve(const Config& c) {
   const size_t B = static_cast<size_t>(c.max_block_bytes);
   v.barrier = heap.take(sizeof(uint64_t) * kMaxRanks);
   v.arrived = heap.take(sizeof(uint64_t) * kMaxRanks * kMaxChunks);
-  v.pull[0] = heap.take(B);
-  v.pull[1] = heap.take(B);
   v.push = heap.take(B * static_cast<size_t>(c.world_size));
   v.total = heap.total();
   return v;
@@ -89,7 +86,7 @@ class RuntimeImpl final : public Runtime {
     // enabled they run on the copy engine over NVLink instead of being staged.
     if (Status s = enable_peer_access(); !s.ok()) return s;
     // The words must read zero everywhere before any peer may store into them.
-    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.pull[0]));
+    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.push));
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
 
@@ -128,36 +125,54 @@ class RuntimeImpl final : public Runtime {
 
     const int64_t W = cfg_.world_size, r = cfg_.rank, m = c.rows_per_rank;
     const int64_t mc = m / c.chunks, rb = c.row_bytes, part = mc * rb;
-    const size_t slot = layout_.pull[epoch_ & 1];
     const auto* a = static_cast<const uint8_t*>(c.a);
     auto* gathered = static_cast<uint8_t*>(c.gathered);
 
-    // Publish, then the barrier: once it passes, every peer's shard can be read.
-    UNIEP_CUDA_OK(cudaMemcpyAsync(sym() + slot, a, m * rb, cudaMemcpyDeviceToDevice, stream));
+    // Once the barrier passes, every peer's push slots are free (its previous call is done).
     barrier(kind, stream);
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
-    // Pulls in the plan's receive order (the owner whose chunk is computed next comes first).
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
+    // Our shard goes straight from the caller's tensor into each peer's slot for us, in the
+    // plan's send order (the peer that computes our block soonest first). A push needs no copy
+    // of the shard into our own symmetric memory first, which a pull does before the barrier:
+    // that copy was the one transfer left exposed.
     for (const ChunkStep& st : plan.steps) {
-      for (const Transfer& t : st.recvs) {
-        const int64_t owner = plan.chunk_block(t.chunk), j = plan.chunk_part(t.chunk);
-        UNIEP_CUDA_OK(cudaMemcpyAsync(gathered + (owner * m + j * mc) * rb,
-                                      peer_[t.peer] + slot + j * part, part,
-                                      cudaMemcpyDeviceToDevice, comm_));
-        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(t.chunk), comm_));
+      for (const Transfer& t : st.sends) {
+        const int64_t j = plan.chunk_part(t.chunk);
+        if (Status s =
+                push(t.peer, push_slot(r) + j * part, a + j * part, part, arrived_word(r, j));
+            !s.ok())
+          return finish(stream, s);
       }
     }
     UNIEP_CUDA_OK(
         cudaMemcpyAsync(gathered + r * m * rb, a, m * rb, cudaMemcpyDeviceToDevice, comm_));
+    // Arrivals in the plan's receive order: each is waited for on the wait stream, then copied
+    // into the caller's gathered tensor on the copy engine (after every push, so no push waits
+    // behind an arrival). The GEMMs read the slots directly and never wait for those copies.
+    for (const ChunkStep& st : plan.steps) {
+      for (const Transfer& t : st.recvs) {
+        const int64_t owner = plan.chunk_block(t.chunk), j = plan.chunk_part(t.chunk);
+        cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
+                               static_cast<int>(r), static_cast<int>(owner), epoch_, timeout_ns(),
+                               err_dev_, op_code(kind), wait_);
+        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(t.chunk), wait_));
+        UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
+        UNIEP_CUDA_OK(cudaMemcpyAsync(gathered + (owner * m + j * mc) * rb,
+                                      sym() + push_slot(owner) + j * part, part,
+                                      cudaMemcpyDeviceToDevice, comm_));
+      }
+    }
     Status status = Status::Ok();
     if (gemm) {
       auto* out = static_cast<uint8_t*>(c.out);
       for (const ChunkStep& st : plan.steps) {
         const int64_t owner = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
-        const uint8_t* rows = a + j * part;  // the own shard needs no copy to be read
+        const uint8_t* rows = a + j * part;
         if (owner != r) {
           UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
-          rows = gathered + (owner * m + j * mc) * rb;
+          rows = sym() + push_slot(owner) + j * part;
         }
         status =
             c.gemm.run(c.gemm.ctx, rows, out + (owner * m + j * mc) * c.out_row_bytes, mc, stream);

@@ -344,7 +344,7 @@ def init_cuda(
     """Create the CUDA collectives runtime of ``group`` on every rank (collective).
 
     NVSHMEM is initialised from rank 0's unique id (or shared with the expert-parallel runtime
-    of the same ranks), and ``(world_size + 2) * max_block_bytes`` of symmetric memory is
+    of the same ranks), and ``world_size * max_block_bytes`` of symmetric memory is
     allocated: ``max_block_bytes`` is the largest block one rank moves in a call (all-gather
     kinds: the shard ``a``/``x`` in bytes; reduce-scatter kinds: one rank's output in bytes;
     all-to-all: one rank's block). A larger call later raises an error naming it. Every rank of

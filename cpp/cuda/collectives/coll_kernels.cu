@@ -19,7 +19,7 @@ __global__ void coll_barrier_kernel(PeerWords remote, const uint64_t* local, int
                                     uint32_t op) {
   const int p = threadIdx.x;
   if (p >= world || p == rank) return;
-  // Everything this rank's stream did before (the published slot, the previous call) is
+  // Everything this rank's stream did before (the previous call's reads of its slots) is
   // complete when the kernel starts; the fence makes it visible before the word.
   __threadfence_system();
   store_release_sys(remote.at[p], epoch);
@@ -63,7 +63,9 @@ struct Elem<__nv_bfloat16> {
 };
 
 // One 16-byte vector per thread and iteration: the fold is memory-bound, and the sources are
-// local HBM (the slots the peers pushed into, and this rank's own partial).
+// local HBM (the slots the peers pushed into, and this rank's own partial). Every input's vector
+// is loaded before the first is added, so a thread has all `count` loads in flight at once
+// instead of a chain of one round trip per input.
 template <typename T>
 __global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64_t elems,
                                    bool vectorized) {
@@ -73,15 +75,21 @@ __global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
        v += stride) {
-    Acc acc[kVec];
-    for (int i = 0; i < count; ++i) {
-      const uint4 raw = reinterpret_cast<const uint4*>(inputs.in[i])[v];
-      const T* x = reinterpret_cast<const T*>(&raw);
+    uint4 raw[kCollMaxRanks];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        // The first operand starts the sum: 0 + (-0) would lose the sign the CPU keeps.
-        const Acc xv = Elem<T>::load(x + e);
-        acc[e] = i == 0 ? xv : acc[e] + xv;
+    for (int i = 0; i < kCollMaxRanks; ++i)
+      if (i < count) raw[i] = reinterpret_cast<const uint4*>(inputs.in[i])[v];
+    Acc acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kCollMaxRanks; ++i) {
+      if (i < count) {
+        const T* x = reinterpret_cast<const T*>(&raw[i]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          // The first operand starts the sum: 0 + (-0) would lose the sign the CPU keeps.
+          const Acc xv = Elem<T>::load(x + e);
+          acc[e] = i == 0 ? xv : acc[e] + xv;
+        }
       }
     }
     uint4 packed;

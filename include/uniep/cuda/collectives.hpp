@@ -3,17 +3,18 @@
 // other over NVLink (nvshmem_ptr):
 //  - transfers are copy-engine copies (cudaMemcpyAsync through the peer mapping) on the runtime's
 //    communication stream, so they take no SM from the GEMMs they overlap;
-//  - all-gather kinds PULL: each rank publishes its shard in a symmetric slot, then reads the
-//    peers' slots straight into the caller's gathered tensor, in the schedule's receive order;
-//  - reduce-scatter kinds and the all-to-all PUSH: each partial (or block) is copied into the
-//    destination's symmetric slot as soon as it is computed, followed by a signal the
-//    destination's stream waits on (a bounded device wait) before it folds or places it;
+//  - every kind PUSHES: a shard, partial or block is copied from the caller's tensor into the
+//    destination's symmetric slot (all-gather kinds: at once, in the schedule's send order;
+//    reduce-scatter kinds: as soon as each partial is computed), followed by a signal the
+//    destination waits on (a bounded device wait) before it reads the slot: a GEMM reads the
+//    gathered rows from the slot itself, while the copy engine also copies them into the
+//    caller's gathered tensor; a fold adds the partials; the all-to-all places the block;
 //  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
 //    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
 //    would otherwise be the exposed tail.
 // Every call starts with a device barrier over the group on the caller's stream: it tells each
-// peer that this rank's slot is published and that its previous call is complete (which is what
-// makes reusing the slots safe), and it is bounded by Config::timeout_s like every other wait.
+// peer that this rank's previous call is complete, so its slots may be written again, and it is
+// bounded by Config::timeout_s like every other wait.
 // The host never synchronises: a timeout sets an error word that the next call on this runtime,
 // or check_device_errors(), turns into a kTimeout Status naming the operation and the peer.
 //
