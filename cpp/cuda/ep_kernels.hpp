@@ -83,8 +83,11 @@ struct DispatchArgs {
   DeviceError* err;
 };
 // `blocks` is the communication SM budget; `copy_blocks` the grid of the copy-out that follows.
-void launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
-                     int copy_blocks, cudaStream_t stream);
+// `transferred` (may be null) is recorded between the two: every row and its metadata are in
+// this rank's receive slots from then on. Returns that record's error.
+cudaError_t launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                            int blocks, int copy_blocks, cudaEvent_t transferred,
+                            cudaStream_t stream);
 
 void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
                         int64_t* row_slot, int64_t* row_target, cudaStream_t stream);

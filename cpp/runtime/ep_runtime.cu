@@ -71,8 +71,12 @@ class RuntimeImpl final : public Runtime {
   ~RuntimeImpl() override {
     // nvshmem_free and finalize are collective; a runtime is destroyed by every rank together
     // (uniep.shutdown), never from a static destructor.
+    if (side_) cudaStreamSynchronize(side_);
     if (sym_base_) nvshmem_free(sym_base_);
     if (workspace_) cudaFree(workspace_);
+    for (cudaEvent_t& e : side_events_)
+      if (e) cudaEventDestroy(e);
+    if (side_) cudaStreamDestroy(side_);
     if (host_) cudaFreeHost(host_);
     if (counted_) runtime::nvshmem_release();
   }
@@ -151,6 +155,10 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
     UNIEP_CUDA_OK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&counts_dev_), counts_host_, 0));
+    // The grouped-GEMM row lists are built beside the dispatch's copy-out (see dispatch()).
+    UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : side_events_)
+      UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return Status::Ok();
   }
 
@@ -290,12 +298,20 @@ class RuntimeImpl final : public Runtime {
     if (dispatched_)
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
-    cuda::launch_dispatch(sym_, dims_, a, num_sms, copy_blocks(), stream);
+    // The row lists only read the received metadata, like the copy-out: they run beside it on a
+    // side stream (the copy-out is bandwidth-bound, the row lists latency-bound), joined before
+    // anything the caller enqueues next.
+    cudaEvent_t transferred = row_slot != nullptr ? side_events_[0] : nullptr;
+    UNIEP_CUDA_OK(
+        cuda::launch_dispatch(sym_, dims_, a, num_sms, copy_blocks(), transferred, stream));
     UNIEP_CUDA_OK(cudaGetLastError());
     dispatched_ = true;
     if (row_slot != nullptr) {
-      cuda::launch_expert_rows(sym_, dims_, plan_, row_slot, row_target, stream);
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, transferred, 0));
+      cuda::launch_expert_rows(sym_, dims_, plan_, row_slot, row_target, side_);
       UNIEP_CUDA_OK(cudaGetLastError());
+      UNIEP_CUDA_OK(cudaEventRecord(side_events_[1], side_));
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[1], 0));
     }
     return Status::Ok();
   }
@@ -392,6 +408,8 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   int sm_count_ = 1;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t side_events_[2] = {nullptr, nullptr};  // transfer done; row lists done
   bool all_peers_mapped_ = false;
   uint64_t epoch_ = 0;
   bool dispatched_ = false, combined_ = false;

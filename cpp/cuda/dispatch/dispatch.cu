@@ -182,10 +182,14 @@ __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
 
 }  // namespace
 
-void launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
-                     int copy_blocks, cudaStream_t stream) {
+cudaError_t launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                            int blocks, int copy_blocks, cudaEvent_t transferred,
+                            cudaStream_t stream) {
   dispatch_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a);
+  const cudaError_t recorded =
+      transferred != nullptr ? cudaEventRecord(transferred, stream) : cudaSuccess;
   copy_out_kernel<<<copy_blocks, 512, 0, stream>>>(sym, d, a);
+  return recorded;
 }
 
 }  // namespace uniep::cuda
