@@ -6,64 +6,44 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "torch/coll_registry.hpp"
+#include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
 #include "uniep/cuda/collectives.hpp"
 
 namespace uniep::torch_glue {
 namespace {
 
-std::mutex& registry_mutex() {
-  static std::mutex m;
-  return m;
-}
-// Never destroyed at exit: freeing symmetric memory is collective, and ranks do not exit in step.
-std::map<std::string, std::unique_ptr<coll::Runtime>>& registry() {
-  static auto* r = new std::map<std::string, std::unique_ptr<coll::Runtime>>();
+RuntimeRegistry<coll::Runtime>& registry() {
+  static auto* r = new RuntimeRegistry<coll::Runtime>(
+      "collectives runtime on CUDA",
+      "call uniep.collectives.shutdown_cuda(group) first to re-create it",
+      "call uniep.collectives.init_cuda(group, max_block_bytes=...) on every rank first");
   return *r;
-}
-void ok_or_throw(const Status& s) {
-  if (!s.ok()) throw Error(s.code, s.message);
 }
 
 }  // namespace
 
 void coll_create(const std::string& group_name, const std::vector<uint8_t>& unique_id,
                  const coll::Config& config) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  UNIEP_CHECK(registry().count(group_name) == 0, "a UniEP collectives runtime for group '",
-              group_name,
-              "' exists already; call uniep.collectives.shutdown_cuda(group) first to re-create "
-              "it");
-  std::unique_ptr<coll::Runtime> rt;
-  ok_or_throw(coll::Runtime::create(config, unique_id, &rt));
-  registry()[group_name] = std::move(rt);
+  registry().create(group_name, unique_id, config);
 }
 
 bool coll_exists(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  return registry().count(group_name) != 0;
+  return registry().exists(group_name);
 }
 
 void coll_destroy(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().erase(group_name);
+  registry().destroy(group_name);
 }
 
 coll::Runtime& coll_runtime(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto it = registry().find(group_name);
-  UNIEP_CHECK(it != registry().end(), "group_name '", group_name,
-              "' has no UniEP collectives runtime on CUDA: call "
-              "uniep.collectives.init_cuda(group, max_block_bytes=...) on every rank first");
-  return *it->second;
+  return registry().get(group_name);
 }
 
 namespace {

@@ -5,13 +5,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 
 #include "torch/ep_registry.hpp"
 #include "torch/process_group.hpp"
+#include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
 #include "uniep/ep.hpp"
 #include "uniep/tuning.hpp"
@@ -19,17 +18,12 @@
 namespace uniep::torch_glue {
 
 namespace {
-std::mutex& registry_mutex() {
-  static std::mutex m;
-  return m;
-}
-// Never destroyed at exit: freeing symmetric memory is collective, and ranks do not exit in step.
-std::map<std::string, std::unique_ptr<ep::Runtime>>& registry() {
-  static auto* r = new std::map<std::string, std::unique_ptr<ep::Runtime>>();
+RuntimeRegistry<ep::Runtime>& registry() {
+  static auto* r = new RuntimeRegistry<ep::Runtime>(
+      "GPU runtime", "call uniep.shutdown(group) first to re-create it",
+      "call uniep.init(group, max_tokens=..., hidden=..., top_k=..., num_experts=...) on every "
+      "rank first");
   return *r;
-}
-void ok_or_throw(const Status& s) {
-  if (!s.ok()) throw Error(s.code, s.message);
 }
 }  // namespace
 
@@ -41,31 +35,19 @@ std::vector<uint8_t> ep_unique_id() {
 
 void ep_create(const std::string& group_name, const std::vector<uint8_t>& unique_id,
                const ep::Config& config) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  UNIEP_CHECK(registry().count(group_name) == 0, "a UniEP GPU runtime for group '", group_name,
-              "' exists already; call uniep.shutdown(group) first to re-create it");
-  std::unique_ptr<ep::Runtime> rt;
-  ok_or_throw(ep::Runtime::create(config, unique_id, &rt));
-  registry()[group_name] = std::move(rt);
+  registry().create(group_name, unique_id, config);
 }
 
 bool ep_exists(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  return registry().count(group_name) != 0;
+  return registry().exists(group_name);
 }
 
 void ep_destroy(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().erase(group_name);
+  registry().destroy(group_name);
 }
 
 ep::Runtime& ep_runtime(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto it = registry().find(group_name);
-  UNIEP_CHECK(it != registry().end(), "group_name '", group_name,
-              "' has no UniEP GPU runtime: call uniep.init(group, max_tokens=..., hidden=..., "
-              "top_k=..., num_experts=...) on every rank first");
-  return *it->second;
+  return registry().get(group_name);
 }
 
 namespace {
