@@ -39,7 +39,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, profile_kernels, write_result  # noqa: E402
+from common import (  # noqa: E402
+    add_profile_argument,
+    median_time_ms,
+    profile_kernels,
+    write_result,
+)
 
 # (name, tokens per rank, hidden, top_k, experts in total): the shapes of /work/shared/ANCHORS.md.
 SHAPES_FULL = [("dsv3", 4096, 7168, 8, 256), ("ll", 128, 7168, 8, 288)]
@@ -397,13 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (>= 30)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (>= 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
-    )
+    add_profile_argument(parser)
     parser.add_argument(
         "--trace",
         action="append",

@@ -50,7 +50,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT_DIR, _slug, env_info, profile_kernels  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT_DIR,
+    _slug,
+    add_profile_argument,
+    env_info,
+    profile_kernels,
+)
 from plot_svg import write_plot  # noqa: E402
 
 
@@ -1007,13 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
-    )
+    add_profile_argument(parser)
     parser.add_argument(
         "--cpu",
         action="store_true",

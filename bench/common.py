@@ -6,6 +6,7 @@ always be traced back to what produced it.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -120,6 +121,17 @@ def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
+
+
+def add_profile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--profile N``: the option of every benchmark that can call :func:`profile_kernels`."""
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also record rank 0's per-kernel GPU time over N profiled calls of each variant",
+    )
 
 
 def profile_kernels(
