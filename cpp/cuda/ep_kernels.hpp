@@ -36,7 +36,7 @@ struct LowLatencyView {
   int64_t* meta[2];     // [E_local][W][ll_tokens]: src_token * K + k
   uint64_t* count[2];   // [E_local][W] signal: rows + 1, set by the source
   uint8_t* combine[2];  // [ll_tokens * K][H * 2] at the source
-  uint64_t* back[2];    // [W] signal: rows returned by each rank, added up
+  uint64_t* back[2];    // [E_local][W] signal: rows + 1, set by rank w for its expert e
   int32_t* recv_count;  // [2][E_local][W] local (not symmetric): rows per region, for the ops
 };
 

@@ -44,7 +44,7 @@ Carve carve(const Config& c) {
     v.ll_meta[b] = heap.take(sizeof(int64_t) * El * W * L);
     v.ll_count[b] = heap.take(sizeof(uint64_t) * El * W);
     v.ll_combine[b] = heap.take(L * K * static_cast<size_t>(c.hidden) * 2);
-    v.ll_back[b] = heap.take(sizeof(uint64_t) * W);
+    v.ll_back[b] = heap.take(sizeof(uint64_t) * El * W);
   }
   v.total = heap.total();
   return v;
@@ -113,7 +113,7 @@ class RuntimeImpl final : public Runtime {
       ll_.back[b] = reinterpret_cast<uint64_t*>(base + layout.ll_back[b]);
       // Signals must read zero on every rank before any peer may set them.
       UNIEP_CUDA_OK(cudaMemset(ll_.count[b], 0, layout.ll_combine[b] - layout.ll_count[b]));
-      UNIEP_CUDA_OK(cudaMemset(ll_.back[b], 0, sizeof(uint64_t) * cfg_.world_size));
+      UNIEP_CUDA_OK(cudaMemset(ll_.back[b], 0, sizeof(uint64_t) * cfg_.num_experts));
     }
     // Signals must read zero on every rank before any peer may add to them.
     UNIEP_CUDA_OK(cudaMemset(base, 0, layout.recv_x));

@@ -1,8 +1,7 @@
 // Low-latency combine: rows of the dispatch's regions go back to slot (token, k) of their source
-// (the region's metadata names it); each rank adds the rows it returned to the source's signal,
-// and the source, knowing from its own routing how many rows each rank owes it, waits and then
-// reduces over k with the high-throughput combine's reduction (common/combine_reduce.cuh), so
-// both give the same bits.
+// (the region's metadata names it); each region's block then sets its own word on the source, and
+// the source waits for every region's word and reduces over k with the high-throughput combine's
+// reduction (common/combine_reduce.cuh), so both give the same bits.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -20,14 +19,12 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinBlocksPerSm = 3;
 constexpr int kSegments = 4;  // warps sharing one row (see row_segment)
 constexpr int kUnroll = 8;
-constexpr int kMaxRanks = 256;
 
 // One block per (local expert, source) region.
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     ll_combine_send_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* y,
-                           const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
-                           DeviceError* err) {
-  const int64_t W = d.world_size, K = d.top_k, El = d.experts_per_rank, me = d.rank;
+                           uint64_t timeout_ns, DeviceError* err) {
+  const int64_t W = d.world_size, El = d.experts_per_rank, me = d.rank;
   const int64_t row_bytes = d.hidden * 2, cap = ll.ll_tokens;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   const int64_t local = blockIdx.x / W, src = blockIdx.x % W;
@@ -50,26 +47,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
   nvshmem_quiet();
   __syncthreads();
-  if (threadIdx.x == 0 && n > 0)
-    nvshmemx_signal_op(ll.back[b] + me, static_cast<uint64_t>(n), NVSHMEM_SIGNAL_ADD, pe);
+  // One word per region, set (rows + 1, so that an empty region answers too): a single word per
+  // rank that every region's block added to made ~E/W remote atomics on one address per rank,
+  // which the target serialises.
+  if (threadIdx.x == 0)
+    nvshmemx_signal_op(ll.back[b] + local * W + me, static_cast<uint64_t>(n) + 1,
+                       NVSHMEM_SIGNAL_SET, pe);
 
-  // The last block waits for what every rank owes us (counted from our own routing by the whole
-  // block: a serial scan of T*K ids by one thread costs more than the transfer), then clears the
-  // signals for the next round on this buffer. Last, so that it never holds an SM that a
-  // sending block is queued for.
+  // The last block waits for every region's word, then clears them for the next round on this
+  // buffer. Last, so that it never holds an SM that a sending block is queued for.
   if (blockIdx.x != gridDim.x - 1) return;
-  __shared__ unsigned long long owed[kMaxRanks];
-  for (int64_t r = threadIdx.x; r < W; r += blockDim.x) owed[r] = 0;
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < tokens * K; i += blockDim.x) {
-    const int64_t e = topk_idx[i];
-    if (e >= 0) atomicAdd(&owed[e / El], 1ull);
-  }
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < W; r += blockDim.x) {
-    if (owed[r] > 0 && wait_at_least(ll.back[b] + r, owed[r], deadline, err, WaitOp::kCombine,
-                                     static_cast<int>(r)))
-      ll.back[b][r] = 0;
+  for (int64_t i = threadIdx.x; i < El * W; i += blockDim.x) {
+    if (wait_at_least(ll.back[b] + i, 1, deadline, err, WaitOp::kCombine, static_cast<int>(i % W)))
+      ll.back[b][i] = 0;
   }
 }
 
@@ -86,8 +76,7 @@ void launch_ll_combine(const LowLatencyView& ll, const EpDims& d, int buffer, co
                        uint8_t* out, int reduce_blocks, uint64_t timeout_ns, DeviceError* err,
                        cudaStream_t stream) {
   const unsigned regions = static_cast<unsigned>(d.experts_per_rank * d.world_size);
-  ll_combine_send_kernel<<<regions, kThreads, 0, stream>>>(ll, d, buffer, y, topk_idx, tokens,
-                                                           timeout_ns, err);
+  ll_combine_send_kernel<<<regions, kThreads, 0, stream>>>(ll, d, buffer, y, timeout_ns, err);
   if (tokens > 0)
     ll_combine_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(ll, d, buffer, topk_idx,
                                                                 topk_weights, tokens, out);
