@@ -185,7 +185,7 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               detail::str_cat("ll_combine of buffer ", buffer,
                               " needs an ll_dispatch on that buffer first; each is combined once "
-                              "(its completion signals count one round)")};
+                              "(its completion words hold one round)")};
     ll_pending_[buffer] = false;
     cuda::launch_ll_combine(ll_, dims_, buffer, static_cast<const uint8_t*>(y), topk_idx,
                             topk_weights, tokens, static_cast<uint8_t*>(out), copy_blocks(),

@@ -122,7 +122,7 @@ class Runtime {
   virtual const int64_t* ll_received_slots(int buffer) const = 0;
   // y: bf16 rows in the dispatch's layout ([E_local][W * ll_max_tokens][hidden]); returns
   // out[t] = sum_k w[t,k] * y_(t,k), k ascending, fp32, as combine() does. Each ll_dispatch of a
-  // buffer is combined once (the completion signals count rows per round).
+  // buffer is combined once (each region's completion word holds one round).
   virtual Status ll_combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
                             int64_t tokens, int buffer, void* out, cudaStream_t stream) = 0;
 
