@@ -147,6 +147,8 @@ def profile_kernels(
     """
     if iters <= 0:
         return {}
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"profile_kernels records CUDA kernels and needs a GPU (iters={iters})")
     from torch.profiler import ProfilerActivity, profile
 
     result: dict[str, Any] = {}

@@ -1,0 +1,42 @@
+"""The benchmark helpers that every bench script shares (bench/common.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import common  # noqa: E402
+
+
+def test_profile_argument_parses_a_call_count() -> None:
+    parser = argparse.ArgumentParser()
+    common.add_profile_argument(parser)
+    assert parser.parse_args([]).profile == 0
+    assert parser.parse_args(["--profile", "7"]).profile == 7
+
+
+def test_profile_kernels_with_no_calls_runs_nothing() -> None:
+    calls: list[int] = []
+    assert common.profile_kernels({"v": lambda: calls.append(1)}, 0) == {}
+    assert calls == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_profile_kernels_without_a_gpu_names_the_reason() -> None:
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        common.profile_kernels({"v": lambda: None}, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_kernels_reports_the_kernels_of_each_call() -> None:
+    a = torch.randn(256, 256, device="cuda")
+    result = common.profile_kernels({"mm": lambda: a @ a}, 3)
+    assert set(result) == {"mm"}
+    assert result["mm"], "the matrix product launched no kernel the profiler saw"
+    assert all(us > 0 for us in result["mm"].values())
