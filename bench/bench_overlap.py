@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -56,6 +55,7 @@ from common import (  # noqa: E402
     add_profile_argument,
     env_info,
     profile_kernels,
+    time_calls_ms,
 )
 from plot_svg import write_plot  # noqa: E402
 
@@ -327,23 +327,7 @@ def _time(fn: Callable[[], object], warmup: int, iters: int, dev: torch.device) 
     for _ in range(warmup):
         fn()
     _settle(dev)
-    if dev.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    return time_calls_ms(fn, iters, cuda=dev.type == "cuda")
 
 
 def _poison(*shapes: tuple[tuple[int, ...], torch.dtype], dev: torch.device) -> None:

@@ -89,38 +89,43 @@ def write_result(name: str, rows: list[dict], out_dir: str | None = None) -> str
     return str(path)
 
 
-def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``iters`` runs after ``warmup`` runs.
+def time_calls_ms(fn: Callable[[], object], iters: int, cuda: bool) -> list[float]:
+    """The time of each of ``iters`` calls of ``fn()`` in milliseconds, no warm-up.
 
-    With ``cuda`` each run is timed with CUDA events on the current stream (the host does not
-    wait between runs, so launch overhead is hidden as it would be in a training step);
+    With ``cuda`` each call is timed with CUDA events on the current stream (the host does not
+    wait between calls, so launch overhead is hidden as it would be in a training step);
     otherwise with ``time.perf_counter``.
     """
+    if not cuda:
+        times: list[float] = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
+    """Median time of ``fn()`` in milliseconds over ``iters`` calls after ``warmup`` calls, timed
+    as :func:`time_calls_ms` does."""
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     for _ in range(warmup):
         fn()
-    times: list[float] = []
-    if cuda:
-        torch.cuda.synchronize()
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(iters)
-        ]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))
+    return float(statistics.median(time_calls_ms(fn, iters, cuda)))
 
 
 def add_profile_argument(parser: argparse.ArgumentParser) -> None:
