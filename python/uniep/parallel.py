@@ -100,6 +100,15 @@ class _ParallelLinear(nn.Module):
         self.rank = distributed.rank(group)
         self._factory = {"dtype": dtype, "device": device}
 
+    def _per_rank(self, features: int, name: str) -> int:
+        """This rank's share of ``features`` split evenly over the group (errors name ``name``)."""
+        if features % self.world_size != 0:
+            raise ValueError(
+                f"{name} ({features}) must be divisible by the group's world size "
+                f"({self.world_size})"
+            )
+        return features // self.world_size
+
     def _full_init(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias nn.Linear(in, out, bias, dtype) would draw now, same RNG calls."""
         w = torch.empty(
@@ -234,12 +243,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(
             in_features, out_features, group, sequence_parallel, bias, dtype, device, chunks, order
         )
-        if out_features % self.world_size != 0:
-            raise ValueError(
-                f"out_features ({out_features}) must be divisible by the group's world size "
-                f"({self.world_size})"
-            )
-        self.out_per_rank = out_features // self.world_size
+        self.out_per_rank = self._per_rank(out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **self._factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank, **self._factory))
@@ -305,12 +309,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(
             in_features, out_features, group, sequence_parallel, bias, dtype, device, chunks, order
         )
-        if in_features % self.world_size != 0:
-            raise ValueError(
-                f"in_features ({in_features}) must be divisible by the group's world size "
-                f"({self.world_size})"
-            )
-        self.in_per_rank = in_features // self.world_size
+        self.in_per_rank = self._per_rank(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **self._factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **self._factory))
