@@ -69,19 +69,22 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 
 class _ParallelLinear(nn.Module):
-    """Shared set-up: the group, the checks, and nn.Linear-consistent initialisation."""
+    """Shared set-up: the group, the checks, and nn.Linear-consistent initialisation.
+
+    The constructor's arguments are documented on ``ColumnParallelLinear``.
+    """
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        group: dist.ProcessGroup | None,
-        sequence_parallel: bool,
-        bias: bool,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-        chunks: int,
-        order: str,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = True,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        chunks: int = 1,
+        order: str = "direct",
     ) -> None:
         super().__init__()
         self.in_features = _positive_int("in_features", in_features)
@@ -99,6 +102,12 @@ class _ParallelLinear(nn.Module):
         self.world_size = distributed.world_size(group)
         self.rank = distributed.rank(group)
         self._factory = {"dtype": dtype, "device": device}
+        self._make_parameters(bias)
+        self.reset_parameters()
+
+    def _make_parameters(self, bias: bool) -> None:
+        """Create this rank's ``weight`` and ``bias`` (or register ``bias`` as None)."""
+        raise NotImplementedError
 
     def _per_rank(self, features: int, name: str) -> int:
         """This rank's share of ``features`` split evenly over the group (errors name ``name``)."""
@@ -228,28 +237,15 @@ class ColumnParallelLinear(_ParallelLinear):
         order: ``"direct"`` or ``"ring"`` peer order; neither changes the result.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = True,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        chunks: int = 1,
-        order: str = "direct",
-    ) -> None:
-        super().__init__(
-            in_features, out_features, group, sequence_parallel, bias, dtype, device, chunks, order
+    def _make_parameters(self, bias: bool) -> None:
+        self.out_per_rank = self._per_rank(self.out_features, "out_features")
+        self.weight = nn.Parameter(
+            torch.empty(self.out_per_rank, self.in_features, **self._factory)
         )
-        self.out_per_rank = self._per_rank(out_features, "out_features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **self._factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank, **self._factory))
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
 
     def _load_slices(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         rows = slice(self.rank * self.out_per_rank, (self.rank + 1) * self.out_per_rank)
@@ -294,29 +290,16 @@ class RowParallelLinear(_ParallelLinear):
     parallelism ``S`` must be divisible by ``W`` (and the rows per rank by ``chunks``).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = True,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        chunks: int = 1,
-        order: str = "direct",
-    ) -> None:
-        super().__init__(
-            in_features, out_features, group, sequence_parallel, bias, dtype, device, chunks, order
+    def _make_parameters(self, bias: bool) -> None:
+        self.in_per_rank = self._per_rank(self.in_features, "in_features")
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, self.in_per_rank, **self._factory)
         )
-        self.in_per_rank = self._per_rank(in_features, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **self._factory))
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **self._factory))
+            self.bias = nn.Parameter(torch.empty(self.out_features, **self._factory))
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
 
     def _load_slices(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         cols = slice(self.rank * self.in_per_rank, (self.rank + 1) * self.in_per_rank)
