@@ -288,9 +288,9 @@ torch.library.register_autograd(
 )
 
 
-def _coll_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    _, group_name, chunks, order = inputs
-    ctx.args = (group_name, chunks, order)
+def _save_args(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    # The one-tensor ops: their backward needs every argument but the tensor.
+    ctx.args = inputs[1:]
 
 
 def _all_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -301,17 +301,10 @@ def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     return torch.ops.uniep.all_gather(grad.contiguous(), *ctx.args), None, None, None
 
 
+torch.library.register_autograd("uniep::all_gather", _all_gather_backward, setup_context=_save_args)
 torch.library.register_autograd(
-    "uniep::all_gather", _all_gather_backward, setup_context=_coll_setup
+    "uniep::reduce_scatter", _reduce_scatter_backward, setup_context=_save_args
 )
-torch.library.register_autograd(
-    "uniep::reduce_scatter", _reduce_scatter_backward, setup_context=_coll_setup
-)
-
-
-def _ulysses_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    _, scatter_dim, gather_dim, group_name = inputs
-    ctx.args = (scatter_dim, gather_dim, group_name)
 
 
 def _ulysses_backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -326,7 +319,7 @@ def _ulysses_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 torch.library.register_autograd(
-    "uniep::all_to_all_ulysses", _ulysses_backward, setup_context=_ulysses_setup
+    "uniep::all_to_all_ulysses", _ulysses_backward, setup_context=_save_args
 )
 
 
