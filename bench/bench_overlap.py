@@ -409,6 +409,26 @@ def _checked(
     return _max_over_ranks(value, dev)
 
 
+def _timing_fields(
+    runner: _Runner, chunks: list[int], checks: dict[str, Any], prefix: str = "ours_c"
+) -> dict[str, Any]:
+    """Gathers ``runner``'s timings (collective) into the result fields both benchmarks write;
+    ``ms["ours_best"]`` is the fastest ``{prefix}{chunks}`` variant, if any ran."""
+    per_rank, ms = runner.gather()
+    chunks_best, ours_ms = best_ours(ms, prefix)
+    if ours_ms is not None:
+        ms["ours_best"] = ours_ms
+    return {
+        "warmup": runner.warmup,
+        "iters": runner.iters,
+        "chunks": chunks,
+        "ms": ms,
+        "per_rank": per_rank,
+        "ours_best_chunks": chunks_best,
+        "check": checks,
+    }
+
+
 def _bench_tp_kind(
     shape: Shape,
     kind: str,
@@ -540,13 +560,11 @@ def _bench_tp_kind(
     timed += [(v, lambda ch=int(v[6:]): ours(ch)) for v in variants if v not in check_errors]
     for name, fn in timed:
         runner.time(name, fn)
-    per_rank, ms = runner.gather()
+    timing = _timing_fields(runner, chunks, checks)
+    ms = timing["ms"]
     errors = {**check_errors, **runner.errors}
     if ours_off is None:
         errors.update(_device_check(dev))
-    chunks_best, ours_ms = best_ours(ms)
-    if ours_ms is not None:
-        ms["ours_best"] = ours_ms
     result = {
         "tp": world,
         "kind": kind,
@@ -555,15 +573,13 @@ def _bench_tp_kind(
         "K": k,
         "N": n,
         "dtype": "bfloat16",
-        "warmup": cfg["warmup"],
-        "iters": iters,
-        "chunks": chunks,
-        "ms": ms,
-        "per_rank": per_rank,
-        "ours_best_chunks": chunks_best,
-        "check": checks,
+        **timing,
         **goals(
-            ours_ms, ms.get("mm_alone"), ms.get("coll_alone"), ms.get("nccl_mm"), checks["pass"]
+            ms.get("ours_best"),
+            ms.get("mm_alone"),
+            ms.get("coll_alone"),
+            ms.get("nccl_mm"),
+            checks["pass"],
         ),
         "torch_fused_ratio_to_baseline": (
             ms["torch_fused"] / ms["nccl_mm"] if "torch_fused" in ms and ms.get("nccl_mm") else None
@@ -665,12 +681,10 @@ def _bench_dp(
     for ch in ok_chunks:
         runner.time(f"ours_rs_alone_c{ch}", lambda ch=ch: ours_rs(ch))
         runner.time(f"ours_overlap_c{ch}", lambda ch=ch: overlapped(lambda: ours_rs(ch)))
-    per_rank, ms = runner.gather()
-    chunks_best, ours_ms = best_ours(ms, "ours_overlap_c")
-    if ours_ms is not None:
-        ms["ours_best"] = ours_ms
+    timing = _timing_fields(runner, chunks, checks, "ours_overlap_c")
+    ms = timing["ms"]
     g_ok = goals(
-        ours_ms,
+        ms.get("ours_best"),
         ms.get("gemm_alone"),
         ms.get("nccl_rs_alone"),
         ms.get("nccl_overlap"),
@@ -682,13 +696,7 @@ def _bench_dp(
         **result,
         "gemm_reps": reps,
         "gemm_once_ms": probe_ms.get("gemm_once"),
-        "warmup": warmup,
-        "iters": iters,
-        "chunks": chunks,
-        "ms": ms,
-        "per_rank": per_rank,
-        "ours_best_chunks": chunks_best,
-        "check": checks,
+        **timing,
         **g_ok,
         "nccl_overlap_ratio_to_ideal": (
             ms["nccl_overlap"] / max(ms["gemm_alone"], ms["nccl_rs_alone"])
