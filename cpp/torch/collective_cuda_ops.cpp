@@ -61,6 +61,15 @@ coll::Runtime& runtime_for(c10::string_view group_name) {
   return coll_runtime(std::string(group_name));
 }
 
+// The input's device made current and the group's runtime, for as long as an op runs. Opened
+// after the argument checks, so that a bad argument is reported ahead of a missing runtime.
+struct OpScope {
+  OpScope(const at::Tensor& input, c10::string_view group_name)
+      : guard(input.device()), rt(runtime_for(group_name)) {}
+  const c10::cuda::CUDAGuard guard;
+  coll::Runtime& rt;
+};
+
 // The GEMM of a row range: out[rows] = a[rows] @ b on the current stream, which is the stream
 // the runtime was handed.
 struct MmContext {
@@ -89,9 +98,8 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
   return translate_errors([&] {
     check_matmul_operands(a, b, "[M/W, K]", "[K, N]", Executor::kCuda);
     check_direct(order);
-    const c10::cuda::CUDAGuard guard(a.device());
-    coll::Runtime& rt = runtime_for(group_name);
-    const int64_t W = rt.config().world_size;
+    const OpScope scope(a, group_name);
+    const int64_t W = scope.rt.config().world_size;
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor ag = at::empty({W * a.size(0), a.size(1)}, a.options());
     at::Tensor mm = at::empty({W * a.size(0), b.size(1)}, a.options());
@@ -105,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     c.gemm = {&mm_rows, &ctx};
     c.out = mm.data_ptr();
     c.out_row_bytes = b.size(1) * a.element_size();
-    ok_or_throw(rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
+    ok_or_throw(scope.rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
     return std::make_tuple(ag, mm);
   });
 }
@@ -116,9 +124,8 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
   return translate_errors([&] {
     check_matmul_operands(a, b, "[M, K_local]", "[K_local, N]", Executor::kCuda);
     check_direct(order);
-    const c10::cuda::CUDAGuard guard(a.device());
-    coll::Runtime& rt = runtime_for(group_name);
-    const int64_t rows = matmul_reduce_scatter_rows(a, rt.config().world_size);
+    const OpScope scope(a, group_name);
+    const int64_t rows = matmul_reduce_scatter_rows(a, scope.rt.config().world_size);
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
     at::Tensor out = at::empty({rows, b.size(1)}, a.options());
@@ -133,7 +140,7 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.n = b.size(1);
     c.chunks = chunks;
     c.gemm = {&mm_rows, &ctx};
-    ok_or_throw(rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
+    ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
 }
@@ -143,17 +150,16 @@ at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int
   return translate_errors([&] {
     check_rows_input(x, Executor::kCuda);
     check_direct(order);
-    const c10::cuda::CUDAGuard guard(x.device());
-    coll::Runtime& rt = runtime_for(group_name);
+    const OpScope scope(x, group_name);
     at::Tensor xc = x.contiguous();
-    at::Tensor out = empty_with_rows(x, rt.config().world_size * x.size(0));
+    at::Tensor out = empty_with_rows(x, scope.rt.config().world_size * x.size(0));
     coll::AllGatherCall c;
     c.a = xc.data_ptr();
     c.gathered = out.data_ptr();
     c.rows_per_rank = x.size(0);
     c.row_bytes = row_width(x) * x.element_size();
     c.chunks = chunks;
-    ok_or_throw(rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
+    ok_or_throw(scope.rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
 }
@@ -163,9 +169,8 @@ at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name,
   return translate_errors([&] {
     check_rows_input(x, Executor::kCuda);
     check_direct(order);
-    const c10::cuda::CUDAGuard guard(x.device());
-    coll::Runtime& rt = runtime_for(group_name);
-    const int64_t rows = reduce_scatter_rows(x, rt.config().world_size);
+    const OpScope scope(x, group_name);
+    const int64_t rows = reduce_scatter_rows(x, scope.rt.config().world_size);
     at::Tensor xc = x.contiguous();
     at::Tensor out = empty_with_rows(x, rows);
     coll::ReduceScatterCall c;
@@ -176,7 +181,7 @@ at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name,
     c.rows_per_rank = rows;
     c.n = row_width(x);
     c.chunks = chunks;
-    ok_or_throw(rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
+    ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
 }
@@ -185,9 +190,8 @@ at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int
                                    c10::string_view group_name) {
   return translate_errors([&] {
     check_ulysses_input(x, Executor::kCuda);
-    const c10::cuda::CUDAGuard guard(x.device());
-    coll::Runtime& rt = runtime_for(group_name);
-    const int64_t W = rt.config().world_size;
+    const OpScope scope(x, group_name);
+    const int64_t W = scope.rt.config().world_size;
     const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
     at::Tensor send = ulysses_send_blocks(x, dims, W);
     at::Tensor recv = at::empty_like(send);
@@ -195,7 +199,7 @@ at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int
     c.send = send.data_ptr();
     c.recv = recv.data_ptr();
     c.block_bytes = send.numel() / W * send.element_size();
-    ok_or_throw(rt.all_to_all(c, at::cuda::getCurrentCUDAStream().stream()));
+    ok_or_throw(scope.rt.all_to_all(c, at::cuda::getCurrentCUDAStream().stream()));
     return ulysses_output(recv, dims);
   });
 }
