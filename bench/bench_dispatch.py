@@ -5,7 +5,10 @@ distinct random experts; both implementations then move the same rows:
 
 - uniep: ``uniep.ep.dispatch`` (a token goes once to every rank hosting one of its experts; the
   op synchronises the host to learn the receive count, which is part of its time) and
-  ``uniep.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets.
+  ``uniep.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
+  with the default combine (one row per (token, k) on the wire) and ``combine=rank_partials``
+  (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
+  per (token, rank): the baseline's bytes, with that local sum inside our time).
 - baseline (what users write today): ``all_to_all_single`` of one bf16 row per (token,
   destination rank), i.e. the copy-equivalent of our dispatch, and for combine the reverse
   ``all_to_all_single`` followed by ``index_add_`` into [T, H]. Only the collectives (and the
@@ -148,6 +151,16 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             f"{name}: combine(dispatch(x)) differs from x * sum(w): max rel err {check_err:.3e} "
             f">= {CHECK_TOLERANCE:.0e} on some rank; the rows did not move correctly"
         )
+    # The same with combine=rank_partials (one bf16 partial per (token, rank) on the wire).
+    res = ep.dispatch(x, idx, w, tuning=f"sms={SM_BUDGETS[0]},combine=rank_partials")
+    back = ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
+    ep.check()
+    (partials_err,) = _max_over_ranks([_rel_err(back, expected)], dev)
+    if not partials_err < CHECK_TOLERANCE:
+        raise RuntimeError(
+            f"{name}: combine=rank_partials of dispatch(x) differs from x * sum(w): max rel err "
+            f"{partials_err:.3e} >= {CHECK_TOLERANCE:.0e} on some rank"
+        )
     y = torch.randn(n_rows, hidden, generator=gen, device=dev).to(bf16)
     del back, expected
 
@@ -218,6 +231,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             functools.partial(run_dispatch, tuning), run_combine, warmup, iters
         )
         _settle()
+        timings[f"rpcombine_{sms}"] = _median_combine_ms(
+            functools.partial(run_dispatch, f"{tuning},combine=rank_partials"),
+            run_combine,
+            warmup,
+            iters,
+        )
+        _settle()
         timings[f"total_{sms}"] = median_time_ms(
             functools.partial(run_both, tuning), warmup, iters, cuda=True
         )
@@ -232,6 +252,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         "dispatch_24": functools.partial(run_dispatch, "sms=24"),
         "fp8dispatch_24": functools.partial(run_dispatch, "sms=24,dispatch=fp8"),
         "dispatch_combine_24": functools.partial(run_both, "sms=24"),
+        "dispatch_rpcombine_24": functools.partial(run_both, "sms=24,combine=rank_partials"),
     }
     if hidden % 128 != 0:
         del profile_fns["fp8dispatch_24"]
@@ -326,6 +347,14 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             dispatch_GBps=gbps(d),
             combine_GBps=gbps(c),
         )
+        rp = f"rpcombine_{sms}"
+        row.update(
+            rank_partials_combine_us=us(rp),
+            rank_partials_combine_us_max=us_max(rp),
+            rank_partials_combine_GBps=gbps(rp),
+            rank_partials_speedup_vs_nccl=slowest["nccl_combine"] / slowest[rp],
+            rank_partials_check_rel_err=partials_err,
+        )
         f8 = f"fp8dispatch_{sms}"
         if f8 in timings:
             row.update(
@@ -358,8 +387,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
 
 HEADER = [
     "| shape | W | SMs | dispatch us (max) | dispatch GB/s | combine us (max) | combine GB/s | "
-    "total us (max) | fp8 dispatch us (GB/s) | NCCL dispatch us | NCCL combine us | check err |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "rank-partials combine us (GB/s) | total us (max) | fp8 dispatch us (GB/s) | "
+    "NCCL dispatch us | NCCL combine us | check err |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
 
@@ -372,6 +402,7 @@ def _markdown(row: dict[str, Any]) -> str:
         f"| {row['shape']} | {row['world_size']} | {row['num_sms']} | "
         f"{row['dispatch_us']:.1f} ({row['dispatch_us_max']:.1f}) | {row['dispatch_GBps']:.1f} | "
         f"{row['combine_us']:.1f} ({row['combine_us_max']:.1f}) | {row['combine_GBps']:.1f} | "
+        f"{row['rank_partials_combine_us_max']:.1f} ({row['rank_partials_combine_GBps']:.1f}) | "
         f"{row['total_us']:.1f} ({row['total_us_max']:.1f}) | "
         + (
             f"{row['fp8_dispatch_us_max']:.1f} ({row['fp8_dispatch_GBps']:.1f}) | "

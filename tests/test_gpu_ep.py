@@ -6,6 +6,8 @@ process per GPU (up to 4) and batches its cases into that one spawn.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,23 @@ def _expected_combine(ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) ->
         term = w[:, k : k + 1] * ybuf[:, k, :].float()
         acc = torch.where((idx[:, k] >= 0).unsqueeze(1), acc + term, acc)
     return acc.to(torch.bfloat16)
+
+
+def _expected_rank_partials(
+    ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts_per_rank: int, world: int
+) -> torch.Tensor:
+    """combine=rank_partials: per expert rank, sum_k w*y over its k's ascending (fp32), rounded
+    to bf16; then those partials summed in ascending rank order (fp32)."""
+    owner = torch.where(idx >= 0, idx // experts_per_rank, -1)
+    out = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
+    for r in range(world):
+        part = torch.zeros_like(out)
+        for k in range(TOP_K):
+            term = w[:, k : k + 1] * ybuf[:, k, :].float()
+            part = torch.where((owner[:, k] == r).unsqueeze(1), part + term, part)
+        went = (owner == r).any(1, keepdim=True)
+        out = torch.where(went, out + part.to(torch.bfloat16).float(), out)
+    return out.to(torch.bfloat16)
 
 
 def _ep_worker(rank: int, world: int) -> dict[str, object]:
@@ -122,6 +141,21 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         want = _expected_combine(ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank])
         assert torch.equal(outs[0], want), kind
 
+        # combine=rank_partials: bit-identical across SM budgets and runs, in its documented
+        # order; y's rows in any order (row_target names each).
+        parts = []
+        for sms in (24, 8, 32, 24):
+            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms},combine=rank_partials")
+            perm = torch.randperm(rows, generator=gen)
+            handle = dataclasses.replace(res.handle, row_target=res.handle.row_target[perm.to(dev)])
+            parts.append(uniep.ep.combine(y[perm].to(dev), handle).cpu())
+        uniep.ep.check()
+        assert all(torch.equal(parts[0], o) for o in parts[1:]), kind
+        want_parts = _expected_rank_partials(
+            ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank], el, world
+        )
+        assert torch.equal(parts[0], want_parts), kind
+
         # moe_forward on GPU: within bf16 tolerance of the CPU executor, bits stable.
         gen = torch.Generator().manual_seed(2000 + seed)
         w1_all = (torch.randn(EXPERTS, HIDDEN, 2 * FFN, generator=gen) / HIDDEN**0.5).bfloat16()
@@ -162,6 +196,38 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         )
         err8 = (gpu8.cpu().float() - cpu8.float()).norm() / cpu8.float().norm().clamp_min(1e-6)
         assert err8 <= 1e-2, (kind, float(err8))
+
+        # combine=rank_partials inside moe_forward: against the CPU executor's same mode.
+        part_gpu = [
+            torch.ops.uniep.moe_forward(
+                x, idx, w, w1.to(dev), w2.to(dev), name, f"sms={s},combine=rank_partials"
+            )
+            for s in (24, 8)
+        ]
+        assert torch.equal(part_gpu[0], part_gpu[1]), kind
+        part_cpu = torch.ops.uniep.moe_forward(
+            xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, "combine=rank_partials"
+        )
+        errp = (part_gpu[0].cpu().float() - part_cpu.float()).norm()
+        errp = errp / part_cpu.float().norm().clamp_min(1e-6)
+        assert errp <= 1e-2, (kind, float(errp))
+
+    # rank_partials applies the dispatch's weights on the expert side: other weights at the
+    # combine are reported (checked on the device, raised by check), as is a repeated row.
+    res = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+    y_any = torch.zeros(res.handle.row_slot.numel(), HIDDEN, dtype=torch.bfloat16, device=dev)
+    other = dataclasses.replace(res.handle, topk_weights=w + 1)
+    uniep.ep.combine(y_any, other)
+    with pytest.raises(ValueError, match="differs from the weights the dispatch carried"):
+        uniep.ep.check()
+    res = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+    dup = res.handle.row_target.clone()
+    assert dup.numel() > 1  # every rank has rows here, and every rank must combine
+    dup[1] = dup[0]
+    uniep.ep.combine(y_any, dataclasses.replace(res.handle, row_target=dup))
+    with pytest.raises(ValueError, match="out of range or repeated"):
+        uniep.ep.check()
+    dist.barrier()
 
     # Bad input is an error naming the argument, not a hang.
     with pytest.raises(ValueError, match="topk_idx"):

@@ -81,6 +81,26 @@ std::vector<uint8_t> dispatch_records(const SlotPlan& slots, int64_t record_byte
   return recv;
 }
 
+std::vector<uint8_t> return_slot_records(const SlotPlan& slots, int64_t record_bytes,
+                                         const std::function<void(int64_t, uint8_t*)>& fill,
+                                         Transport& transport) {
+  const int64_t W = slots.world_size;
+  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
+                   "records must be 8-byte multiples");
+  // Slots are already grouped by source rank, and each source's tokens in the order it sent
+  // them: the all-to-all's byte ranges land in exactly the source's send order.
+  std::vector<uint8_t> send(slots.num_recv() * record_bytes);
+  for (int64_t n = 0; n < slots.num_recv(); ++n) fill(n, &send[n * record_bytes]);
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  for (int64_t r = 0; r < W; ++r) {
+    send_bytes[r] = (slots.recv_offsets[r + 1] - slots.recv_offsets[r]) * record_bytes;
+    recv_bytes[r] = (slots.send_offsets[r + 1] - slots.send_offsets[r]) * record_bytes;
+  }
+  std::vector<uint8_t> recv(slots.num_send() * record_bytes);
+  transport.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
+  return recv;
+}
+
 std::vector<int64_t> rows_expected_back(const RoutingLayout& layout, const MoeShape& shape) {
   std::vector<int64_t> expected(shape.world_size, 0);
   for (int64_t e = 0; e < shape.num_experts; ++e)

@@ -43,6 +43,13 @@ std::vector<uint8_t> return_records(const ExpertPlan& experts, int64_t record_by
                                     const std::function<void(int64_t row, uint8_t*)>& fill,
                                     const std::vector<int64_t>& expected, Transport& transport);
 
+// The reverse of dispatch_records: one record per receive slot goes back to the slot's source
+// rank. Returns [num_send][record_bytes] in the order of slots.send_tokens (grouped by the rank
+// that answered, ascending, each rank's records in token order).
+std::vector<uint8_t> return_slot_records(const SlotPlan& slots, int64_t record_bytes,
+                                         const std::function<void(int64_t slot, uint8_t*)>& fill,
+                                         Transport& transport);
+
 // Rows each destination rank computes for this rank's tokens: one per valid (t, k).
 std::vector<int64_t> rows_expected_back(const RoutingLayout& layout, const MoeShape& shape);
 

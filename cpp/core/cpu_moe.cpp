@@ -1,6 +1,7 @@
 // The CPU executor: agree on the plan, dispatch tokens into their receive slots, run the local
 // experts tile by tile in the schedule's order, return each row to its (token, k) combine slot and
-// reduce over k in ascending order.
+// reduce over k in ascending order (or, with combine=rank_partials, reduce each rank's k's where
+// the experts ran and the per-rank partials at home).
 #include <cstring>
 #include <vector>
 
@@ -30,6 +31,7 @@ std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
           {"dtype", static_cast<int64_t>(a.dtype)},
           {"topk_weights dtype", static_cast<int64_t>(a.weight_dtype)},
           {"tuning dispatch precision", static_cast<int64_t>(a.tuning.dispatch)},
+          {"tuning combine reduction", static_cast<int64_t>(a.tuning.combine)},
           {"pass (forward/backward)", static_cast<int64_t>(pass)}};
 }
 
@@ -122,13 +124,68 @@ void combine(const MoeForwardArgs& a, const cpu::AgreedPlan& plan, const ExpertP
   }
 }
 
+// combine=rank_partials: each receive slot's local rows summed here (k ascending, fp32, weights
+// applied, one rounding to S), one partial per (token, rank) sent home, summed there in ascending
+// rank order. The same order as the CUDA executor's, so the two give the same bits.
+template <typename S>
+void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const std::vector<S>& y,
+                           int64_t weights_offset, Transport& tr) {
+  using St = Storage<S>;
+  using Acc = typename St::Acc;
+  const MoeShape& sh = a.shape;
+  const int64_t T = sh.tokens, H = sh.hidden, K = sh.top_k, N = r.plan.slots.num_recv();
+  std::vector<int64_t> row_of(N * K, -1);  // grouped-GEMM row of (slot, k)
+  for (int64_t row = 0; row < r.experts.num_rows(); ++row)
+    row_of[r.experts.row_slot[row] * K + r.experts.row_combine_slot[row] % K] = row;
+  const int64_t part_bytes = cpu::align8(H * sizeof(S));
+  std::vector<Acc> acc(H);
+  const std::vector<uint8_t> back = cpu::return_slot_records(
+      r.plan.slots, part_bytes,
+      [&](int64_t n, uint8_t* p) {
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        const uint8_t* weights = &r.raw[n * r.record_bytes + weights_offset];
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t row = row_of[n * K + k];
+          if (row < 0) continue;
+          Acc wk;
+          std::memcpy(&wk, weights + k * sizeof(Acc), sizeof(Acc));
+          for (int64_t c = 0; c < H; ++c) acc[c] += wk * St::load(y[row * H + c]);
+        }
+        S* part = reinterpret_cast<S*>(p);
+        for (int64_t c = 0; c < H; ++c) part[c] = St::store(acc[c]);
+      },
+      tr);
+
+  // Our send order is rank-major, so walking it rank by rank adds each token's partials in
+  // ascending rank order.
+  std::vector<Acc> sum(T * H, Acc(0));
+  const SlotPlan& slots = r.plan.slots;
+  for (int64_t i = 0; i < slots.num_send(); ++i) {
+    const S* part = reinterpret_cast<const S*>(&back[i * part_bytes]);
+    Acc* dst = &sum[slots.send_tokens[i] * H];
+    for (int64_t c = 0; c < H; ++c) dst[c] += St::load(part[c]);
+  }
+  S* out = static_cast<S*>(a.out);
+  for (int64_t i = 0; i < T * H; ++i) out[i] = St::store(sum[i]);
+}
+
 template <typename S>
 void forward_impl(const MoeForwardArgs& a, Transport& tr) {
   using St = Storage<S>;
   using Acc = typename St::Acc;
   const MoeShape& sh = a.shape;
   const int64_t T = sh.tokens, H = sh.hidden, I = sh.ffn_hidden, K = sh.top_k;
-  Received<S> r = dispatch<S>(a, Pass::kForward, 0, {}, tr);
+  // With rank partials the expert side applies the routing weights: they travel with the token.
+  const bool partials = a.tuning.combine == CombineReduction::kRankPartials;
+  Received<S> r = dispatch<S>(
+      a, Pass::kForward, partials ? cpu::align8(K * int64_t(sizeof(Acc))) : 0,
+      [&](int64_t t, uint8_t* p) {
+        for (int64_t k = 0; k < K; ++k) {
+          const Acc wk = load_weight<Acc>(a, t * K + k);
+          std::memcpy(p + k * sizeof(Acc), &wk, sizeof(Acc));
+        }
+      },
+      tr);
 
   const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
                            sh.experts_per_rank(), H, I);
@@ -140,6 +197,7 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
       for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
     }
   }
+  if (partials) return combine_rank_partials<S>(a, r, y, r.extra_offset, tr);
 
   std::vector<S> ybuf(T * K * H);
   combine(

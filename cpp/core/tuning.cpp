@@ -32,9 +32,20 @@ const char* dispatch_precision_name(DispatchPrecision precision) {
   return "?";
 }
 
+const char* combine_reduction_name(CombineReduction reduction) {
+  switch (reduction) {
+    case CombineReduction::kPerChoice:
+      return "per_k";
+    case CombineReduction::kRankPartials:
+      return "rank_partials";
+  }
+  return "?";
+}
+
 namespace {
 
-constexpr const char* kKeys = "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch";
+constexpr const char* kKeys =
+    "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch, combine";
 
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
@@ -64,7 +75,8 @@ std::string TuningParams::to_string() const {
   return detail::str_cat("sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile,
                          ",tile_m=", tile_m, ",tile_n=", tile_n, ",tile_k=", tile_k,
                          ",stages=", stages, ",overlap=", overlap_mode_name(overlap),
-                         ",dispatch=", dispatch_precision_name(dispatch));
+                         ",dispatch=", dispatch_precision_name(dispatch),
+                         ",combine=", combine_reduction_name(combine));
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
@@ -119,6 +131,13 @@ TuningParams TuningParams::parse(const std::string& text) {
         p.dispatch = DispatchPrecision::kFp8E4M3;
       else
         UNIEP_CHECK(false, "tuning: dispatch must be bf16 or fp8, got '", value, "'");
+    } else if (key == "combine") {
+      if (value == "per_k")
+        p.combine = CombineReduction::kPerChoice;
+      else if (value == "rank_partials")
+        p.combine = CombineReduction::kRankPartials;
+      else
+        UNIEP_CHECK(false, "tuning: combine must be per_k or rank_partials, got '", value, "'");
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
@@ -146,7 +165,7 @@ void TuningParams::validate() const {
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
-         overlap == o.overlap && dispatch == o.dispatch;
+         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine;
 }
 
 }  // namespace uniep

@@ -12,13 +12,15 @@ namespace uniep::cuda {
 
 // Views of one runtime's NVSHMEM symmetric allocation (same offsets on every rank).
 struct SymmetricView {
-  uint64_t* signals;     // [kSignalKinds][W]
-  int64_t* counts;       // [2][W][W + E + 1]: by epoch parity, row s written by rank s
-  int64_t* count_stage;  // [W + E + 1]: this rank's row (+ routing-valid word) before the put
-  uint8_t* recv_x;       // [W * max_tokens][row_cap]
-  int64_t* recv_meta;    // [W * max_tokens][1 + K]: source token, K global expert ids
-  float* recv_weights;   // [W * max_tokens][K]
-  uint8_t* combine;      // [max_tokens * K][H * 2]
+  uint64_t* signals;       // [kSignalKinds][W]
+  CompletionTally* tally;  // [kSignalKinds], used locally only (zero at creation)
+  int64_t* counts;         // [2][W][W + E + 1]: by epoch parity, row s written by rank s
+  int64_t* count_stage;    // [W + E + 1]: this rank's row (+ routing-valid word) before the put
+  uint8_t* recv_x;         // [W * max_tokens][row_cap]
+  int64_t* recv_meta;      // [W * max_tokens][1 + K]: source token, K global expert ids
+  float* recv_weights;     // [W * max_tokens][K]
+  uint8_t* combine;        // [max_tokens * max(K, W)][H * 2]: (token, k) rows, or with rank
+                           // partials (token, rank) rows at token * W + rank
 };
 enum SignalKind : int {
   kCountSignal = 0,
@@ -50,6 +52,7 @@ struct PlanCounts {
   int64_t* send_base;       // [W] first slot of ours on each destination
   int64_t* expert_offsets;  // [E_local + 1] grouped-GEMM rows per local expert
   int64_t* rows_back;       // [W] expert rows each rank returns to us
+  int64_t* sent_to;         // [W] tokens we send to each rank (= rank partials it returns)
 };
 
 // layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
@@ -107,6 +110,21 @@ struct CombineArgs {
 // `blocks` carry the rows (the communication SM budget); `reduce_blocks` do the reduction.
 void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
                     int reduce_blocks, cudaStream_t stream);
+
+// combine=rank_partials. Besides CombineArgs, what the runtime keeps from the dispatch:
+struct RankPartialsArgs {
+  uint64_t* row_of_target;          // [W * max_tokens * K] workspace: epoch << 32 | row
+  uint32_t epoch;                   // tags this round's entries of row_of_target
+  uint8_t* staging;                 // [W * max_tokens][H * 2] workspace: partials for peers
+  const float* dispatched_weights;  // [tokens, K]: the weights the dispatch carried
+  const bool* token_in_rank;        // [tokens][W]: the token went to that rank
+};
+// Expert side: the whole GPU (`reduce_blocks`) sums each receive slot's rows, our own tokens'
+// straight into our combine buffer, the others' into staging; `blocks` (the communication SM
+// budget) carry the staged partials home. Home: the whole GPU sums each token's partials.
+void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
+                                  const RankPartialsArgs& p, int blocks, int reduce_blocks,
+                                  cudaStream_t stream);
 
 // Each block takes one global expert: finds this rank's (token, k) pairs routed to it in
 // (token, k) order and puts the rows at consecutive positions of region (expert, us) on the

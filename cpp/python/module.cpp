@@ -201,6 +201,12 @@ PYBIND11_MODULE(_C, m) {
           [](TuningParams& p, const std::string& v) {
             p.dispatch = TuningParams::parse("dispatch=" + v).dispatch;
           })
+      .def_property(
+          "combine",
+          [](const TuningParams& p) { return std::string(combine_reduction_name(p.combine)); },
+          [](TuningParams& p, const std::string& v) {
+            p.combine = TuningParams::parse("combine=" + v).combine;
+          })
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
       .def("__hash__",
            [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })

@@ -23,7 +23,7 @@ using cuda::PlanCounts;
 using cuda::SymmetricView;
 
 struct Carve {
-  size_t signals, counts, stage, recv_x, recv_meta, recv_weights, combine, total;
+  size_t signals, tally, counts, stage, recv_x, recv_meta, recv_weights, combine, total;
   size_t ll_x[2], ll_meta[2], ll_count[2], ll_combine[2], ll_back[2];
 };
 
@@ -32,12 +32,14 @@ Carve carve(const Config& c) {
   Carve v{};
   runtime::HeapCarver heap;
   v.signals = heap.take(sizeof(uint64_t) * cuda::kSignalKinds * W);
+  v.tally = heap.take(sizeof(cuda::CompletionTally) * cuda::kSignalKinds);
   v.counts = heap.take(sizeof(int64_t) * 2 * W * (W + E + 1));
   v.stage = heap.take(sizeof(int64_t) * (W + E + 1));
   v.recv_x = heap.take(W * T * static_cast<size_t>(c.row_bytes_capacity()));
   v.recv_meta = heap.take(sizeof(int64_t) * W * T * (1 + K));
   v.recv_weights = heap.take(sizeof(float) * W * T * K);
-  v.combine = heap.take(T * K * static_cast<size_t>(c.hidden) * 2);
+  // (token, k) rows, or with combine=rank_partials (token, rank) rows.
+  v.combine = heap.take(T * (K > W ? K : W) * static_cast<size_t>(c.hidden) * 2);
   const size_t El = E / W, L = c.ll_max_tokens;
   for (int b = 0; b < 2; ++b) {
     v.ll_x[b] = heap.take(El * W * L * static_cast<size_t>(c.row_bytes_capacity()));
@@ -60,6 +62,10 @@ const char* op_name(uint32_t op) {
       return "combine";
     case cuda::WaitOp::kCapacity:
       return "low-latency dispatch (capacity)";
+    case cuda::WaitOp::kCombineTarget:
+    case cuda::WaitOp::kCombineMissing:
+    case cuda::WaitOp::kCombineWeights:
+      return "combine (rank partials)";
     default:
       return "?";
   }
@@ -74,6 +80,7 @@ class RuntimeImpl final : public Runtime {
     if (side_) cudaStreamSynchronize(side_);
     if (sym_base_) nvshmem_free(sym_base_);
     if (workspace_) cudaFree(workspace_);
+    if (partials_ws_) cudaFree(partials_ws_);
     for (cudaEvent_t& e : side_events_)
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
@@ -95,6 +102,7 @@ class RuntimeImpl final : public Runtime {
                               " bytes failed: raise NVSHMEM_SYMMETRIC_SIZE or lower max_tokens")};
     auto* base = static_cast<uint8_t*>(sym_base_);
     sym_.signals = reinterpret_cast<uint64_t*>(base + layout.signals);
+    sym_.tally = reinterpret_cast<cuda::CompletionTally*>(base + layout.tally);
     sym_.counts = reinterpret_cast<int64_t*>(base + layout.counts);
     sym_.count_stage = reinterpret_cast<int64_t*>(base + layout.stage);
     sym_.recv_x = base + layout.recv_x;
@@ -129,8 +137,8 @@ class RuntimeImpl final : public Runtime {
                   T = cfg_.max_tokens;
     // Device workspace: layout outputs, send slots, plan counts, layout error word.
     const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
-                      sizeof(int32_t) * 2 * El * W + sizeof(bool) * T * W +
-                      sizeof(unsigned long long) + 64;
+                      sizeof(int32_t) * 2 * El * W + sizeof(float) * T * cfg_.top_k +
+                      sizeof(bool) * T * W + sizeof(unsigned long long) + 64;
     UNIEP_CUDA_OK(cudaMalloc(&workspace_, ws));
     auto* p = static_cast<int64_t*>(workspace_);
     tokens_per_rank_ = p, p += W;
@@ -144,7 +152,9 @@ class RuntimeImpl final : public Runtime {
     ll_.recv_count = reinterpret_cast<int32_t*>(p), p += (2 * El * W + 1) / 2;
     UNIEP_CUDA_OK(cudaMemset(ll_.recv_count, 0, sizeof(int32_t) * 2 * El * W));
     layout_error_ = reinterpret_cast<unsigned long long*>(p), p += 1;
+    dispatched_weights_ = reinterpret_cast<float*>(p), p += (T * cfg_.top_k + 1) / 2;
     token_in_rank_ = reinterpret_cast<bool*>(p);
+    plan_.sent_to = tokens_per_rank_;
 
     // Host-mapped: the error word and the counts the host reads after the notify sync.
     const size_t host_bytes = sizeof(DeviceError) + sizeof(int64_t) * (1 + W + El + W);
@@ -298,6 +308,12 @@ class RuntimeImpl final : public Runtime {
     if (dispatched_)
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
+    // combine=rank_partials applies these weights on the expert side; its reduction checks that
+    // the combine's are the same.
+    if (tokens > 0)
+      UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, topk_weights,
+                                    sizeof(float) * tokens * cfg_.top_k, cudaMemcpyDeviceToDevice,
+                                    stream));
     // The row lists only read the received metadata, like the copy-out: they run beside it on a
     // side stream (the copy-out is bandwidth-bound, the row lists latency-bound), joined before
     // anything the caller enqueues next.
@@ -317,8 +333,8 @@ class RuntimeImpl final : public Runtime {
   }
 
   Status combine(const void* y, const int64_t* row_target, int64_t rows, const int64_t* topk_idx,
-                 const float* topk_weights, int64_t tokens, int num_sms, void* out, uint64_t epoch,
-                 cudaStream_t stream) override {
+                 const float* topk_weights, int64_t tokens, int num_sms, CombineReduction reduction,
+                 void* out, uint64_t epoch, cudaStream_t stream) override {
     if (epoch != epoch_ || !dispatched_)
       return {StatusCode::kInvalidArgument,
               detail::str_cat("combine answers the dispatch of epoch ", epoch,
@@ -353,7 +369,18 @@ class RuntimeImpl final : public Runtime {
                         static_cast<uint8_t*>(out),
                         timeout_ns(),
                         err_dev_};
-    cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
+    if (reduction == CombineReduction::kRankPartials) {
+      if (!all_peers_mapped_)
+        return {StatusCode::kUnsupported,
+                "combine=rank_partials stores the partials into the peers' buffers and needs "
+                "every peer reachable over NVLink (nvshmem_ptr); use combine=per_k across nodes"};
+      if (Status s = ensure_partials_workspace(stream); !s.ok()) return s;
+      const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_), staging_,
+                                     dispatched_weights_, token_in_rank_};
+      cuda::launch_combine_rank_partials(sym_, dims_, a, p, num_sms, copy_blocks(), stream);
+    } else {
+      cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
+    }
     UNIEP_CUDA_OK(cudaGetLastError());
     combined_ = true;
     return Status::Ok();
@@ -374,11 +401,55 @@ class RuntimeImpl final : public Runtime {
                               cfg_.ll_max_tokens, " (ll_max_tokens)")};
     return Status::Ok();
   }
+  // combine=rank_partials only: the row index ([W * T * K] tagged words, zero = no round yet)
+  // and the staged partials ([W * T] rows), allocated by the first such combine.
+  Status ensure_partials_workspace(cudaStream_t stream) {
+    if (partials_ws_ != nullptr) return Status::Ok();
+    const size_t W = cfg_.world_size, T = cfg_.max_tokens, K = cfg_.top_k;
+    const size_t index_bytes = runtime::align_up(sizeof(uint64_t) * W * T * K);
+    const size_t staging_bytes = W * T * static_cast<size_t>(cfg_.hidden) * 2;
+    if (cudaMalloc(&partials_ws_, index_bytes + staging_bytes) != cudaSuccess) {
+      partials_ws_ = nullptr;
+      (void)cudaGetLastError();
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("combine=rank_partials needs ", index_bytes + staging_bytes,
+                              " bytes of device memory for its row index and staging; lower "
+                              "max_tokens or use combine=per_k")};
+    }
+    UNIEP_CUDA_OK(cudaMemsetAsync(partials_ws_, 0, index_bytes, stream));
+    row_of_target_ = static_cast<uint64_t*>(partials_ws_);
+    staging_ = static_cast<uint8_t*>(partials_ws_) + index_bytes;
+    return Status::Ok();
+  }
+
   // Grid of the copy-out and reduction kernels: a few blocks per SM, to keep bytes in flight.
   int copy_blocks() const { return 4 * sm_count_; }
 
   Status take_device_error() {
     return runtime::take_device_error(err_host_, [&](const volatile DeviceError& e) -> Status {
+      switch (static_cast<cuda::WaitOp>(e.op)) {
+        case cuda::WaitOp::kCombineTarget:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("combine=rank_partials on rank ", cfg_.rank, ": row_target[",
+                                  e.have, "] = ", e.want,
+                                  " is out of range or repeated; pass the dispatch's row_target "
+                                  "(handle.row_target)")};
+        case cuda::WaitOp::kCombineMissing:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("combine=rank_partials on rank ", cfg_.rank,
+                                  ": no row of y for receive slot ", e.have, " (from rank ", e.peer,
+                                  "), choice k = ", e.want,
+                                  "; row_target must name every row of the dispatch")};
+        case cuda::WaitOp::kCombineWeights:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("combine=rank_partials on rank ", cfg_.rank, ": topk_weights[",
+                                  e.have, ", ", e.want,
+                                  "] differs from the weights the dispatch carried; the expert "
+                                  "ranks apply those, so combine must get the same ones (or "
+                                  "use combine=per_k)")};
+        default:
+          break;
+      }
       if (e.op == static_cast<uint32_t>(cuda::WaitOp::kCapacity))
         return {StatusCode::kCapacityExceeded,
                 detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
@@ -407,6 +478,10 @@ class RuntimeImpl final : public Runtime {
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
+  float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
+  void* partials_ws_ = nullptr;
+  uint64_t* row_of_target_ = nullptr;
+  uint8_t* staging_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;
   cudaEvent_t side_events_[2] = {nullptr, nullptr};  // transfer done; row lists done

@@ -144,7 +144,7 @@ ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tens
 
 at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
                        const at::Tensor& topk_idx, const at::Tensor& topk_weights, ep::Runtime& rt,
-                       int64_t epoch, int64_t num_sms, cudaStream_t stream) {
+                       int64_t epoch, const TuningParams& params, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   UNIEP_CHECK(y.dim() == 2 && y.size(1) == cfg.hidden, "y must be [R, H = ", cfg.hidden, "], got ",
               y.sizes());
@@ -161,7 +161,7 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
   at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
   ok_or_throw(rt.combine(y.data_ptr(), row_target.data_ptr<int64_t>(), y.size(0),
                          topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
-                         topk_idx.size(0), static_cast<int>(num_sms), out.data_ptr(),
+                         topk_idx.size(0), params.comm_sms, params.combine, out.data_ptr(),
                          static_cast<uint64_t>(epoch), stream));
   return out;
 }
@@ -170,11 +170,11 @@ at::Tensor ep_combine_cuda(const at::Tensor& y, const at::Tensor& row_target,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                            c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
   return translate_errors([&] {
-    const int64_t num_sms = TuningParams::parse(std::string(tuning)).comm_sms;
+    const TuningParams params = TuningParams::parse(std::string(tuning));
     const c10::cuda::CUDAGuard guard(y.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index());
-    return run_combine(y, row_target, topk_idx, topk_weights, rt, epoch, num_sms, stream);
+    return run_combine(y, row_target, topk_idx, topk_weights, rt, epoch, params, stream);
   });
 }
 
@@ -227,8 +227,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
       const at::Tensor act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
       y = at::_grouped_mm(act, w2, offs).contiguous();
     }
-    return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params.comm_sms,
-                       stream);
+    return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params, stream);
   });
 }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "uniep/status.hpp"
+#include "uniep/tuning.hpp"
 
 namespace uniep::ep {
 
@@ -99,14 +100,20 @@ class Runtime {
   // The epoch of the last notify; a combine names the epoch of the dispatch it answers.
   virtual uint64_t epoch() const = 0;
 
-  // Writes each expert output row y[r] ([R, H] bf16) into slot (token, k) of its source rank,
-  // waits for this rank's R_back rows, then out[t] = sum_k w[t,k] * y_(t,k) over valid k in
-  // ascending order in fp32, stored as bf16. topk_idx / topk_weights are this rank's, as given
-  // to the matching dispatch. Each dispatch is combined at most once, and only before the next
-  // notify: `epoch` must be that dispatch's (the buffers of older ones are gone).
+  // kPerChoice: writes each expert output row y[r] ([R, H] bf16) into slot (token, k) of its
+  // source rank, waits for this rank's R_back rows, then out[t] = sum_k w[t,k] * y_(t,k) over
+  // valid k in ascending order in fp32, stored as bf16.
+  // kRankPartials: each rank sums, per receive slot, its rows in ascending k with the weights
+  // the dispatch carried (fp32, rounded once to bf16) and sends that one row home, where
+  // out[t] = the sum of the token's partials in ascending rank order (fp32). Needs every peer
+  // mapped over NVLink; a row_target that misses or repeats a row, or topk_weights other than
+  // the dispatch's, is reported by check_device_errors / the next notify.
+  // topk_idx / topk_weights are this rank's, as given to the matching dispatch. Each dispatch is
+  // combined at most once, and only before the next notify: `epoch` must be that dispatch's.
   virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
                          const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
-                         int num_sms, void* out, uint64_t epoch, cudaStream_t stream) = 0;
+                         int num_sms, CombineReduction reduction, void* out, uint64_t epoch,
+                         cudaStream_t stream) = 0;
 
   // Low-latency mode (decode batches; Config::ll_max_tokens > 0). No count exchange and no host
   // sync, so both calls can be captured in a CUDA graph. Region (local expert e, source rank s)

@@ -8,13 +8,25 @@ namespace uniep {
 
 enum class OverlapMode { kSequential, kChunked, kFused };
 enum class DispatchPrecision { kBf16, kFp8E4M3 };
+// How the combine sums a token's expert outputs.
+//   kPerChoice   every (token, k) row goes back to the token's rank, which sums over k in
+//                ascending order in fp32: the bits of the design's reference order.
+//   kRankPartials the expert rank sums its own k's (ascending, fp32, weights applied) and sends
+//                one bf16 partial per (token, rank); the token's rank sums the partials in
+//                ascending rank order in fp32. One row per (token, rank) crosses the wire
+//                instead of one per (token, k) (4x fewer bytes at top-8 over 2 ranks), at the
+//                price of one extra bf16 rounding per partial.
+enum class CombineReduction { kPerChoice, kRankPartials };
 
 const char* overlap_mode_name(OverlapMode mode);
 const char* dispatch_precision_name(DispatchPrecision precision);
+const char* combine_reduction_name(CombineReduction reduction);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=128,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. None of these changes the output bits except
-// `dispatch` (fp8 quantises what crosses the wire), which is a numerics choice, not a schedule.
+// `dispatch` (fp8 quantises what crosses the wire) and `combine` (where the sum over k is split),
+// which are numerics choices, not schedules: the autotuner never changes them, and the bits are
+// identical across every other point of the space for each choice.
 struct TuningParams {
   int comm_sms = 24;    // SMs given to dispatch/combine roles
   int total_sms = 0;    // 0: all SMs of the device
@@ -25,6 +37,7 @@ struct TuningParams {
   int stages = 2;       // pipeline depth (buffers in flight per role)
   OverlapMode overlap = OverlapMode::kFused;
   DispatchPrecision dispatch = DispatchPrecision::kBf16;
+  CombineReduction combine = CombineReduction::kPerChoice;
 
   std::string to_string() const;
   // Throws uniep::Error naming the key and the expected values.

@@ -210,6 +210,12 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     """``y`` [R, H] bf16 expert outputs, row r for ``handle.row_slot[r]``; returns [T, H] with
     out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
 
+    With ``combine=rank_partials`` in the dispatch's tuning, each expert rank sums its own k's
+    of a token first (ascending, fp32, rounded once to bf16) and sends one row per (token,
+    rank) instead of one per (token, k); the token's rank adds those partials in ascending rank
+    order in fp32. Fewer bytes on the wire, one more bf16 rounding per partial; deterministic
+    and bit-identical to the CPU executor's ``combine=rank_partials``.
+
     Each dispatch is combined once, before the next dispatch on the group (its buffers are
     reused then); anything else raises ValueError.
 
@@ -280,11 +286,14 @@ def _dequantize_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return deq.view(n, h).to(torch.bfloat16)
 
 
-def _bf16_tuning(tuning: str) -> str:
-    """``tuning`` with ``dispatch=bf16``: gradients travel in bf16 whatever the forward's
-    dispatch precision (fp8 dispatch needs rows of exactly ``hidden`` bf16 columns)."""
+def _grad_tuning(tuning: str) -> str:
+    """``tuning`` for the dispatches and combines inside a backward: ``dispatch=bf16`` (gradients
+    travel in bf16 whatever the forward's precision; fp8 needs rows of exactly ``hidden`` bf16
+    columns) and ``combine=per_k`` (those combines sum with unit weights, not the dispatch's,
+    which ``rank_partials`` would apply on the expert side)."""
     params = _C.TuningParams.parse(tuning)
     params.dispatch = "bf16"
+    params.combine = "per_k"
     return params.to_string()
 
 
@@ -353,7 +362,7 @@ def _moe_backward_cuda(
     params = _C.TuningParams.parse(tuning)
     text = params.to_string()
     # grad_out travels in bf16 whatever the forward's dispatch precision.
-    bf16_text = _bf16_tuning(text)
+    grad_text = _grad_tuning(text)
     k_top = topk_idx.shape[1]
     ffn = w2.shape[1]
 
@@ -367,7 +376,7 @@ def _moe_backward_cuda(
     offs = per_expert.cumsum(0).to(torch.int32)
 
     back = torch.ops.uniep.ep_dispatch(
-        grad_out.contiguous(), topk_idx, topk_weights, group_name, bf16_text
+        grad_out.contiguous(), topk_idx, topk_weights, group_name, grad_text
     )
     go_rows = back[0].index_select(0, back[6])
 
@@ -387,7 +396,7 @@ def _moe_backward_cuda(
 
     ones = torch.ones_like(topk_weights)
     grad_x = torch.ops.uniep.ep_combine(
-        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], bf16_text
+        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], grad_text
     )
     grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
@@ -467,7 +476,7 @@ def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor) -> torch.Tensor:
             f"carries bfloat16 rows of hidden = {hidden} columns; got x {ctx.x_dtype} with "
             f"{ctx.x_cols} columns"
         )
-    text = _bf16_tuning(ctx.tuning)
+    text = _grad_tuning(ctx.tuning)
     # Rows of 16 bytes: only the plan (and a fresh epoch for the combine) is wanted.
     stub = topk_idx.new_zeros((topk_idx.shape[0], 8), dtype=torch.bfloat16)
     plan = torch.ops.uniep.ep_dispatch(stub, topk_idx, topk_weights, ctx.group_name, text)
@@ -536,7 +545,7 @@ def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         topk_idx,
         topk_weights,
         ctx.group_name,
-        _bf16_tuning(ctx.tuning),
+        _grad_tuning(ctx.tuning),
     )
     recv_go, _, _, _, recv_w, _, row_slot, plan_target, _ = back
     if plan_target.shape != row_target.shape:

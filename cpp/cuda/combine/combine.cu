@@ -14,17 +14,14 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRanks = 256;
 
 __global__ void __launch_bounds__(kThreads, 1)
     combine_send_kernel(SymmetricView sym, EpDims d, CombineArgs a) {
-  __shared__ unsigned long long sent[kMaxRanks];
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, H = d.hidden;
   const int64_t row_bytes = H * 2, per_rank = d.max_tokens * K;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
-  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) sent[i] = 0;
-  __syncthreads();
+  unsigned long long* sent = block_send_counts(W);
 
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -42,8 +39,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // Waited for here, so the reduction kernel that follows on the stream sees every row.
   const auto owed = [&](int64_t s) { return a.plan.rows_back[s]; };
-  signal_then_wait(sym.signals + kCombineSignal * W, sent, W, me, owed, deadline, a.err,
-                   WaitOp::kCombine);
+  signal_then_wait(sym.signals + kCombineSignal * W, sent, sym.tally + kCombineSignal, W, me, owed,
+                   deadline, a.err, WaitOp::kCombine);
 }
 
 __global__ void combine_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs a) {

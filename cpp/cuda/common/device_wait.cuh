@@ -12,6 +12,10 @@ enum class WaitOp : uint32_t {
   kDispatch = 2,
   kCombine = 3,
   kCapacity = 4,  // not a wait: a low-latency region would overflow (peer = its rank)
+  // Not waits: combine=rank_partials inputs the host cannot check without a sync.
+  kCombineTarget = 5,   // row_target[have] = want is out of range or repeated
+  kCombineMissing = 6,  // no row for (receive slot have, k = want) from source `peer`
+  kCombineWeights = 7,  // topk_weights[have, want] differs from what the dispatch carried
 };
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.
@@ -22,10 +26,20 @@ struct DeviceError {
   uint64_t want;  // what we waited for
 };
 
-// Records a capacity overflow the same way a timeout is recorded: the host raises it.
-__device__ __forceinline__ void report_capacity(DeviceError* err, int peer, uint64_t have,
-                                                uint64_t want) {
-  if (atomicCAS(&err->op, 0u, static_cast<uint32_t>(WaitOp::kCapacity)) == 0u) {
+// Per-launch totals of a high-throughput transfer (common/signal_wait.cuh): blocks add the rows
+// they put to each destination here, and the last block to finish signals each peer once.
+// Local memory; zero between launches (the last block clears it).
+constexpr int kMaxTallyRanks = 256;
+struct CompletionTally {
+  unsigned int finished;                    // blocks done with their puts
+  unsigned long long sent[kMaxTallyRanks];  // rows put to each destination
+};
+
+// Records the first error of a kernel (a timeout, an overflow, a bad input) for the host to
+// raise; later ones are dropped, so one bad input does not flood the word.
+__device__ __forceinline__ void report_error(DeviceError* err, WaitOp op, int peer, uint64_t have,
+                                             uint64_t want) {
+  if (atomicCAS(&err->op, 0u, static_cast<uint32_t>(op)) == 0u) {
     err->peer = peer;
     err->have = have;
     err->want = want;
@@ -54,12 +68,7 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* signal, uint64_t w
   uint64_t have = load_acquire_sys(signal);
   while (have < want) {
     if (global_timer_ns() > deadline_ns) {
-      if (atomicCAS(&err->op, 0u, static_cast<uint32_t>(op)) == 0u) {
-        err->peer = peer;
-        err->have = have;
-        err->want = want;
-        __threadfence_system();
-      }
+      report_error(err, op, peer, have, want);
       return false;
     }
     have = load_acquire_sys(signal);

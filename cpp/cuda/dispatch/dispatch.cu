@@ -21,7 +21,6 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRanks = 256;
 constexpr int kFp8Block = 128;  // columns per scale
 constexpr float kE4m3Max = 448.0f;
 
@@ -73,12 +72,10 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, float* const
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
-  __shared__ unsigned long long sent[kMaxRanks];
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
-  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) sent[i] = 0;
-  __syncthreads();
+  unsigned long long* sent = block_send_counts(W);
 
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -136,8 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   const auto owed = [&](int64_t s) { return a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s]; };
-  signal_then_wait(sym.signals + kDispatchSignal * W, sent, W, me, owed, deadline, a.err,
-                   WaitOp::kDispatch);
+  signal_then_wait(sym.signals + kDispatchSignal * W, sent, sym.tally + kDispatchSignal, W, me,
+                   owed, deadline, a.err, WaitOp::kDispatch);
 }
 
 // After the transfer: the received rows and metadata copied out of the symmetric buffer by the

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // A region holds `cap` rows; more (an expert repeated within a token's top-k) is an error,
   // never a silent drop.
   if (n > cap || n > kMaxMatches) {
-    if (threadIdx.x == 0) report_capacity(err, static_cast<int>(dst), n, cap);
+    if (threadIdx.x == 0) report_error(err, WaitOp::kCapacity, static_cast<int>(dst), n, cap);
     n = 0;
   }
 

@@ -1,0 +1,148 @@
+"""combine=rank_partials on the CPU executor (1, 2 and 4 gloo ranks).
+
+Each expert rank sums its own k's of a token (ascending, fp32 for bf16/fp32, fp64 for fp64,
+weights applied, one rounding to the dtype) and the token's rank sums those partials in
+ascending rank order. The test rebuilds that order in torch from the per-(token, k) expert
+outputs, which it reads off the executor itself: a moe_forward whose routing keeps only choice
+k, with weight 1, returns exactly y_(t, k).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_ranks
+from _moe_cases import MoeCase, rank_inputs, rel_err, same_bits
+
+PARTIALS = "combine=rank_partials"
+# Schedules change nothing within a combine mode.
+TUNINGS = [PARTIALS, f"{PARTIALS},overlap=sequential,tile_m=64,tile_n=64,tile_k=32,sms=8/132"]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float64": 1e-12}
+CASES: dict[int, list[MoeCase]] = {
+    1: [MoeCase("w1-random-k4-bf16", (13,), 40, 16, 8, 4, "bfloat16", seed=40)],
+    2: [
+        MoeCase("w2-random-k4-bf16", (14, 11), 48, 16, 8, 4, "bfloat16", seed=41),
+        MoeCase("w2-random-k8-f32", (9, 12), 40, 16, 8, 8, "float32", seed=42),
+        MoeCase("w2-one-rank-k3-bf16", (10, 6), 32, 8, 8, 3, "bfloat16", "one_rank", 43),
+        MoeCase("w2-zero-tokens-k2-f64", (0, 9), 24, 8, 4, 2, "float64", seed=44),
+    ],
+    4: [
+        MoeCase("w4-random-k6-bf16", (7, 0, 9, 8), 56, 16, 16, 6, "bfloat16", seed=45),
+        MoeCase("w4-one-expert-k2-f32", (5, 6, 4, 7), 32, 8, 8, 2, "float32", "one_expert", 46),
+    ],
+}
+
+
+def _args(inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return inp["x"], inp["topk_idx"], inp["topk_weights"], inp["w1"], inp["w2"]
+
+
+def partials_worker(rank: int, world_size: int, cases: list[MoeCase]) -> dict[str, Any]:
+    import uniep  # noqa: F401  (loads the ops)
+    from uniep.distributed import group_name
+
+    group = group_name()
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            inp = rank_inputs(case, rank)
+            x, idx, w, w1, w2 = _args(inp)
+            outs = [
+                torch.ops.uniep.moe_forward(x, idx, w, w1, w2, group, t)
+                for t in TUNINGS + TUNINGS[:1]
+            ]
+            per_k = torch.ops.uniep.moe_forward(x, idx, w, w1, w2, group, "")
+            # y_(t, k) for every choice: one choice kept, weight 1 (exact in every dtype).
+            ys = []
+            for k in range(case.top_k):
+                only = torch.full_like(idx, -1)
+                only[:, k] = idx[:, k]
+                ones = torch.zeros_like(w)
+                ones[:, k] = 1.0
+                ys.append(torch.ops.uniep.moe_forward(x, only, ones, w1, w2, group, ""))
+            results[case.name] = {"outs": outs, "per_k": per_k, "ys": ys, "idx": idx, "w": w}
+        except Exception:
+            results[case.name] = traceback.format_exc()
+    return results
+
+
+_RESULTS: dict[int, Any] = {}
+
+
+def _results(world: int) -> list[dict[str, Any]]:
+    if world not in _RESULTS:
+        try:
+            _RESULTS[world] = run_ranks(world, partials_worker, CASES[world])
+        except Exception as e:
+            _RESULTS[world] = e
+    got = _RESULTS[world]
+    if isinstance(got, Exception):
+        pytest.fail(f"multi-rank run failed:\n{got}", pytrace=False)
+    return got
+
+
+def _expected(case: MoeCase, res: dict[str, Any]) -> torch.Tensor:
+    """Partials per expert rank in ascending k, then their sum in ascending rank order."""
+    dtype = case.torch_dtype
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    idx, w = res["idx"], res["w"].to(acc_dtype)
+    out = torch.zeros(idx.shape[0], case.hidden, dtype=acc_dtype)
+    owner = torch.where(idx >= 0, idx // case.experts_per_rank, -1)
+    for r in range(case.world_size):
+        part = torch.zeros_like(out)
+        for k in range(case.top_k):
+            on_r = (owner[:, k] == r).unsqueeze(1)
+            part = torch.where(on_r, part + w[:, k : k + 1] * res["ys"][k].to(acc_dtype), part)
+        went = (owner == r).any(1, keepdim=True)
+        out = torch.where(went, out + part.to(dtype).to(acc_dtype), out)
+    return out.to(dtype)
+
+
+def _params() -> list[Any]:
+    return [pytest.param(c, id=c.name) for w in sorted(CASES) for c in CASES[w]]
+
+
+@pytest.mark.parametrize("case", _params())
+def test_rank_partials_sum_in_the_documented_order(case: MoeCase) -> None:
+    for rank, res in enumerate(_results(case.world_size)):
+        assert not isinstance(res[case.name], str), f"rank {rank} raised:\n{res[case.name]}"
+        got = res[case.name]
+        want = _expected(case, got)
+        for out in got["outs"]:
+            assert same_bits(out, want), (case.name, rank)
+        # The same function: only where the sum is split changes.
+        assert rel_err(got["outs"][0], got["per_k"]) <= TOLERANCE[case.dtype], (case.name, rank)
+        if case.world_size == 1:  # one partial per token: per_k's bits exactly
+            assert same_bits(got["outs"][0], got["per_k"])
+
+
+def mode_mismatch_worker(rank: int, world_size: int) -> str:
+    import uniep  # noqa: F401
+    from uniep.distributed import group_name
+
+    case = CASES[2][0]
+    inp = rank_inputs(case, rank)
+    try:
+        torch.ops.uniep.moe_forward(*_args(inp), group_name(), PARTIALS if rank == 0 else "")
+    except Exception as e:  # every rank must fail, naming the field
+        return str(e)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_combine_mode_all_raise() -> None:
+    for rank, msg in enumerate(run_ranks(2, mode_mismatch_worker)):
+        assert "combine reduction differs across ranks" in msg, (rank, msg)
+
+
+def test_combine_mode_parses_and_prints() -> None:
+    from uniep import _C
+
+    params = _C.TuningParams.parse(PARTIALS)
+    assert params.combine == "rank_partials"
+    assert "combine=rank_partials" in params.to_string()
+    assert _C.TuningParams.parse("").combine == "per_k"
+    with pytest.raises(ValueError, match="combine must be per_k or rank_partials"):
+        _C.TuningParams.parse("combine=tree")
