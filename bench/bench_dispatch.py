@@ -8,7 +8,9 @@ distinct random experts; both implementations then move the same rows:
   ``uniep.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
   with the default combine (one row per (token, k) on the wire) and ``combine=rank_partials``
   (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
-  per (token, rank): the baseline's bytes, with that local sum inside our time).
+  per (token, rank): the baseline's bytes, with that local sum inside our time; the sum reads
+  every expert row, so it runs on the whole GPU and stores the partials as it goes: the SM
+  budget does not apply to it, and the JSON says so).
 - baseline (what users write today): ``all_to_all_single`` of one bf16 row per (token,
   destination rank), i.e. the copy-equivalent of our dispatch, and for combine the reverse
   ``all_to_all_single`` followed by ``index_add_`` into [T, H]. Only the collectives (and the
@@ -354,6 +356,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             rank_partials_combine_GBps=gbps(rp),
             rank_partials_speedup_vs_nccl=slowest["nccl_combine"] / slowest[rp],
             rank_partials_check_rel_err=partials_err,
+            rank_partials_sms="all (the expert-side sum and its stores)",
         )
         f8 = f"fp8dispatch_{sms}"
         if f8 in timings:

@@ -139,6 +139,26 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def kernel_label(key: str) -> str:
+    """A readable, distinct label for a profiler kernel key: ``uniep::cuda::dispatch_kernel`` for
+    a mangled C++ kernel (anonymous namespaces dropped), the key itself otherwise (capped at 120
+    characters). Cutting mangled names at a fixed length made kernels of one file collide."""
+    at = key.find("_ZN")
+    if at < 0:
+        return key[:120]
+    i, parts = at + 3, []
+    while i < len(key) and key[i].isdigit():
+        j = i
+        while j < len(key) and key[j].isdigit():
+            j += 1
+        size = int(key[i:j])
+        part = key[j : j + size]
+        if not part.startswith("_GLOBAL__N_"):
+            parts.append(part)
+        i = j + size
+    return "::".join(parts) if parts else key[:120]
+
+
 def profile_kernels(
     fns: dict[str, Callable[[], object]],
     iters: int,
@@ -172,6 +192,7 @@ def profile_kernels(
         for evt in prof.key_averages():
             device_us = getattr(evt, "self_device_time_total", 0.0) or 0.0
             if device_us > 0:
-                per_kernel[evt.key[:120]] = round(device_us / iters, 2)
+                label = kernel_label(evt.key)
+                per_kernel[label] = round(per_kernel.get(label, 0.0) + device_us / iters, 2)
         result[variant] = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
     return result

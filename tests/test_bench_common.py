@@ -40,3 +40,14 @@ def test_profile_kernels_reports_the_kernels_of_each_call() -> None:
     assert set(result) == {"mm"}
     assert result["mm"], "the matrix product launched no kernel the profiler saw"
     assert all(us > 0 for us in result["mm"].values())
+
+
+def test_kernel_labels_keep_kernels_of_one_file_apart() -> None:
+    prefix = "__nv_static_38__708314f3_16_rank_partials_cu_324ea7fc__ZN5uniep4cuda"
+    ns = "49_GLOBAL__N__708314f3_16_rank_partials_cu_324ea7fc"
+    fill = "15partials_kernelENS0_13SymmetricViewENS0_6EpDimsE"
+    index = "17index_rows_kernelENS0_6EpDimsENS0_11CombineArgsE"
+    assert common.kernel_label(prefix + ns + fill) == "uniep::cuda::partials_kernel"
+    assert common.kernel_label(prefix + ns + index) == "uniep::cuda::index_rows_kernel"
+    assert common.kernel_label("Memset (Device)") == "Memset (Device)"
+    assert common.kernel_label("x" * 300) == "x" * 120

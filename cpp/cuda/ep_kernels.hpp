@@ -115,16 +115,14 @@ void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs
 struct RankPartialsArgs {
   uint64_t* row_of_target;          // [W * max_tokens * K] workspace: epoch << 32 | row
   uint32_t epoch;                   // tags this round's entries of row_of_target
-  uint8_t* staging;                 // [W * max_tokens][H * 2] workspace: partials for peers
   const float* dispatched_weights;  // [tokens, K]: the weights the dispatch carried
   const bool* token_in_rank;        // [tokens][W]: the token went to that rank
 };
-// Expert side: the whole GPU (`reduce_blocks`) sums each receive slot's rows, our own tokens'
-// straight into our combine buffer, the others' into staging; `blocks` (the communication SM
-// budget) carry the staged partials home. Home: the whole GPU sums each token's partials.
+// The whole GPU (`device_sms`: the expert rows are read once, K / W times the bytes sent, too
+// much for the communication SMs) sums each receive slot's rows and stores the partial into the
+// source's combine buffer, over NVLink for peers; then sums each of our tokens' partials.
 void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
-                                  const RankPartialsArgs& p, int blocks, int reduce_blocks,
-                                  cudaStream_t stream);
+                                  const RankPartialsArgs& p, int device_sms, cudaStream_t stream);
 
 // Each block takes one global expert: finds this rank's (token, k) pairs routed to it in
 // (token, k) order and puts the rows at consecutive positions of region (expert, us) on the

@@ -80,7 +80,7 @@ class RuntimeImpl final : public Runtime {
     if (side_) cudaStreamSynchronize(side_);
     if (sym_base_) nvshmem_free(sym_base_);
     if (workspace_) cudaFree(workspace_);
-    if (partials_ws_) cudaFree(partials_ws_);
+    if (row_of_target_) cudaFree(row_of_target_);
     for (cudaEvent_t& e : side_events_)
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
@@ -375,9 +375,9 @@ class RuntimeImpl final : public Runtime {
                 "combine=rank_partials stores the partials into the peers' buffers and needs "
                 "every peer reachable over NVLink (nvshmem_ptr); use combine=per_k across nodes"};
       if (Status s = ensure_partials_workspace(stream); !s.ok()) return s;
-      const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_), staging_,
+      const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_),
                                      dispatched_weights_, token_in_rank_};
-      cuda::launch_combine_rank_partials(sym_, dims_, a, p, num_sms, copy_blocks(), stream);
+      cuda::launch_combine_rank_partials(sym_, dims_, a, p, sm_count_, stream);
     } else {
       cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
     }
@@ -401,24 +401,22 @@ class RuntimeImpl final : public Runtime {
                               cfg_.ll_max_tokens, " (ll_max_tokens)")};
     return Status::Ok();
   }
-  // combine=rank_partials only: the row index ([W * T * K] tagged words, zero = no round yet)
-  // and the staged partials ([W * T] rows), allocated by the first such combine.
+  // combine=rank_partials only: the row index ([W * T * K] tagged words, zero = no round yet),
+  // allocated by the first such combine.
   Status ensure_partials_workspace(cudaStream_t stream) {
-    if (partials_ws_ != nullptr) return Status::Ok();
-    const size_t W = cfg_.world_size, T = cfg_.max_tokens, K = cfg_.top_k;
-    const size_t index_bytes = runtime::align_up(sizeof(uint64_t) * W * T * K);
-    const size_t staging_bytes = W * T * static_cast<size_t>(cfg_.hidden) * 2;
-    if (cudaMalloc(&partials_ws_, index_bytes + staging_bytes) != cudaSuccess) {
-      partials_ws_ = nullptr;
+    if (row_of_target_ != nullptr) return Status::Ok();
+    const size_t bytes =
+        sizeof(uint64_t) * cfg_.world_size * cfg_.max_tokens * static_cast<size_t>(cfg_.top_k);
+    void* ws = nullptr;
+    if (cudaMalloc(&ws, bytes) != cudaSuccess) {
       (void)cudaGetLastError();
       return {StatusCode::kCapacityExceeded,
-              detail::str_cat("combine=rank_partials needs ", index_bytes + staging_bytes,
-                              " bytes of device memory for its row index and staging; lower "
-                              "max_tokens or use combine=per_k")};
+              detail::str_cat("combine=rank_partials needs ", bytes,
+                              " bytes of device memory for its row index; lower max_tokens or "
+                              "use combine=per_k")};
     }
-    UNIEP_CUDA_OK(cudaMemsetAsync(partials_ws_, 0, index_bytes, stream));
-    row_of_target_ = static_cast<uint64_t*>(partials_ws_);
-    staging_ = static_cast<uint8_t*>(partials_ws_) + index_bytes;
+    row_of_target_ = static_cast<uint64_t*>(ws);
+    UNIEP_CUDA_OK(cudaMemsetAsync(row_of_target_, 0, bytes, stream));
     return Status::Ok();
   }
 
@@ -479,9 +477,7 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
-  void* partials_ws_ = nullptr;
   uint64_t* row_of_target_ = nullptr;
-  uint8_t* staging_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;
   cudaEvent_t side_events_[2] = {nullptr, nullptr};  // transfer done; row lists done

@@ -104,7 +104,8 @@ class Runtime {
   // source rank, waits for this rank's R_back rows, then out[t] = sum_k w[t,k] * y_(t,k) over
   // valid k in ascending order in fp32, stored as bf16.
   // kRankPartials: each rank sums, per receive slot, its rows in ascending k with the weights
-  // the dispatch carried (fp32, rounded once to bf16) and sends that one row home, where
+  // the dispatch carried (fp32, rounded once to bf16; on the whole GPU, not num_sms: that reads
+  // every expert row) and stores that one row at home, where
   // out[t] = the sum of the token's partials in ascending rank order (fp32). Needs every peer
   // mapped over NVLink; a row_target that misses or repeats a row, or topk_weights other than
   // the dispatch's, is reported by check_device_errors / the next notify.

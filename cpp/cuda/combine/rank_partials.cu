@@ -14,9 +14,12 @@
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kVec = 8;  // bf16 columns per 16-byte vector
+constexpr int kVec = 8;       // bf16 columns per 16-byte vector
+constexpr int kSegments = 4;  // warps sharing one row: a few slots per warp over the whole GPU
+constexpr int kUnroll = 4;    // vectors of a row in flight per lane
+constexpr int kPartialBlocksPerSm = 3;  // all resident: one wave, the warps stride the items
 
 __device__ __forceinline__ int64_t source_of(const PlanCounts& plan, int64_t world, int64_t slot) {
   int64_t s = 0;
@@ -48,74 +51,91 @@ __global__ void index_rows_kernel(EpDims d, CombineArgs a, RankPartialsArgs p) {
   }
 }
 
-// One thread per (receive slot, 8 columns): the weighted sum of the slot's rows. Our own
-// tokens' partials go straight to our combine buffer; the others' to staging for the transfer.
-__global__ void partials_kernel(SymmetricView sym, EpDims d, CombineArgs a, RankPartialsArgs p) {
+// The whole GPU, one warp per (receive slot, segment of its row): the weighted sum of the slot's
+// rows, stored straight into row (token, us) of the source's combine buffer (ours locally, a
+// peer's over NVLink). Reading the expert rows (one per (token, k), about K / W times the bytes
+// sent) is the bulk of the work, too much for a few SMs; the stores ride along, as the
+// MegaKernel's GEMM epilogue will store its outputs. Then one signal per peer (signal_wait.cuh).
+__global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
+    partials_kernel(SymmetricView sym, EpDims d, CombineArgs a, RankPartialsArgs p) {
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
-  const int64_t row_bytes = d.hidden * 2, vecs = d.hidden / kVec;
-  const int64_t first = me * d.experts_per_rank, last = first + d.experts_per_rank;
-  const int64_t N = a.plan.recv_offsets[W];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * vecs;
-       i += stride) {
-    const int64_t n = i / vecs, v = i % vecs;
-    const int64_t src = source_of(a.plan, W, n);
-    const int64_t* meta = sym.recv_meta + n * meta_len;
-    const int64_t token = meta[0];
-    float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t expert = meta[1 + k];
-      if (expert < first || expert >= last) continue;
-      const uint64_t entry = p.row_of_target[(src * d.max_tokens + token) * K + k];
-      if (entry >> 32 != p.epoch) {
-        if (v == 0) report_error(a.err, WaitOp::kCombineMissing, static_cast<int>(src), n, k);
-        continue;
-      }
-      const float w = sym.recv_weights[n * K + k];
-      const int64_t row = static_cast<uint32_t>(entry);
-      const int4 raw = load_streaming(reinterpret_cast<const int4*>(a.y + row * row_bytes) + v);
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
-    }
-    int4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    uint8_t* dst =
-        src == me ? sym.combine + (token * W + me) * row_bytes : p.staging + n * row_bytes;
-    reinterpret_cast<int4*>(dst)[v] = packed;
-  }
-}
-
-// The communication SM budget: one warp per peer's receive slot copies its staged partial into
-// row (token, us) of the source's combine buffer over NVLink.
-__global__ void __launch_bounds__(kThreads, 1)
-    partials_send_kernel(SymmetricView sym, EpDims d, CombineArgs a, RankPartialsArgs p) {
-  const int64_t W = d.world_size, me = d.rank, meta_len = 1 + d.top_k;
   const int64_t row_bytes = d.hidden * 2;
+  const int64_t first = me * d.experts_per_rank, last = first + d.experts_per_rank;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
   unsigned long long* sent = block_send_counts(W);
 
-  // Our own slots were written in place by partials_kernel.
-  const int64_t self_begin = a.plan.recv_offsets[me];
-  const int64_t self_slots = a.plan.recv_offsets[me + 1] - self_begin;
-  const int64_t remote = a.plan.recv_offsets[W] - self_slots;
+  const int64_t items = a.plan.recv_offsets[W] * kSegments;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t j = warp; j < remote; j += num_warps) {
-    const int64_t n = j < self_begin ? j : j + self_slots;
+  for (int64_t item = warp; item < items; item += num_warps) {
+    const int64_t n = item / kSegments;
+    const int seg = static_cast<int>(item % kSegments);
     const int64_t src = source_of(a.plan, W, n);
-    const int64_t token = sym.recv_meta[n * meta_len];
-    // Every peer is mapped (checked on the host): staging is not symmetric, so no NVSHMEM put.
-    auto* peer = static_cast<uint8_t*>(
-        nvshmem_ptr(sym.combine + (token * W + me) * row_bytes, static_cast<int>(src)));
-    warp_copy<8>(peer, p.staging + n * row_bytes, row_bytes, lane);
-    if (lane == 0) atomicAdd(&sent[src], 1ull);
+    const int64_t* meta = sym.recv_meta + n * meta_len;
+    const int64_t token = meta[0];
+    // Lane k holds choice k's row and weight when the expert is ours; a ballot lists them.
+    int64_t row = 0;
+    float weight = 0.f;
+    bool mine = false;
+    if (lane < K) {
+      const int64_t expert = meta[1 + lane];
+      if (expert >= first && expert < last) {
+        const uint64_t entry = p.row_of_target[(src * d.max_tokens + token) * K + lane];
+        if (entry >> 32 == p.epoch) {
+          mine = true;
+          row = static_cast<uint32_t>(entry);
+          weight = sym.recv_weights[n * K + lane];
+        } else if (seg == 0) {
+          report_error(a.err, WaitOp::kCombineMissing, static_cast<int>(src), n, lane);
+        }
+      }
+    }
+    const unsigned ks = __ballot_sync(0xffffffffu, mine);
+    const RowSegment part = row_segment(row_bytes, kSegments, seg);
+    uint8_t* local = sym.combine + (token * W + me) * row_bytes + part.offset;
+    // Every peer is mapped (checked on the host).
+    auto* dst =
+        reinterpret_cast<int4*>(src == me ? local : nvshmem_ptr(local, static_cast<int>(src)));
+    const int64_t vecs = part.bytes / 16, col = part.offset / 16;
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+      float acc[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[u][j] = 0.f;
+      for (unsigned left = ks; left != 0; left &= left - 1) {
+        const int k = __ffs(static_cast<int>(left)) - 1;  // ascending k
+        const int64_t r = __shfl_sync(0xffffffffu, row, k);
+        const float w = __shfl_sync(0xffffffffu, weight, k);
+        const int4* y = reinterpret_cast<const int4*>(a.y + r * row_bytes) + col;
+        int4 raw[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + 32 * u < vecs) raw[u] = load_streaming(y + v0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(w, __bfloat162float(h[j])));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + 32 * u >= vecs) break;
+        int4 packed;
+        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o[j] = __float2bfloat16_rn(acc[u][j]);
+        dst[v0 + 32 * u] = packed;
+      }
+    }
+    if (lane == 0 && src != me) atomicAdd(&sent[src], 1ull);
   }
-  const auto owed = [&](int64_t s) { return s == me ? int64_t{0} : a.plan.sent_to[s]; };
+  // Our own tokens' partials are in place (the reduction follows on this stream); each peer
+  // answers with kSegments pieces per token we sent it.
+  const auto owed = [&](int64_t s) { return s == me ? int64_t{0} : a.plan.sent_to[s] * kSegments; };
   signal_then_wait(sym.signals + kCombineSignal * W, sent, sym.tally + kCombineSignal, W, me, owed,
                    deadline, a.err, WaitOp::kCombine);
 }
@@ -157,12 +177,11 @@ __global__ void partials_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs 
 }  // namespace
 
 void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
-                                  const RankPartialsArgs& p, int blocks, int reduce_blocks,
-                                  cudaStream_t stream) {
-  if (a.rows > 0) index_rows_kernel<<<reduce_blocks, 256, 0, stream>>>(d, a, p);
-  partials_kernel<<<reduce_blocks, 256, 0, stream>>>(sym, d, a, p);
-  partials_send_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a, p);
-  if (a.tokens > 0) partials_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(sym, d, a, p);
+                                  const RankPartialsArgs& p, int device_sms, cudaStream_t stream) {
+  const int blocks = 4 * device_sms;
+  if (a.rows > 0) index_rows_kernel<<<blocks, kThreads, 0, stream>>>(d, a, p);
+  partials_kernel<<<kPartialBlocksPerSm * device_sms, kThreads, 0, stream>>>(sym, d, a, p);
+  if (a.tokens > 0) partials_reduce_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a, p);
 }
 
 }  // namespace uniep::cuda
