@@ -11,6 +11,7 @@ torch._grouped_mm on GPU), send the results back and combine them with index_add
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
 # (name, tokens per rank, hidden, ffn, experts in total, top_k); the GPU shapes are those of
 # /work/shared/ANCHORS.md so the numbers compare with the recorded baselines.
+# The default combine (one row per (token, k), summed at home) and the per-rank partials.
+UNIEP_VARIANTS = [("uniep", ""), ("uniep combine=rank_partials", "combine=rank_partials")]
 CPU_QUICK = [("cpu-small", 256, 256, 512, 8, 2)]
 CPU_FULL = CPU_QUICK + [("cpu-medium", 1024, 512, 1024, 16, 4)]
 GPU_FULL = [("dsv3-like", 4096, 7168, 2048, 256, 8), ("mixtral-like", 4096, 4096, 14336, 8, 2)]
@@ -147,9 +150,15 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         base_name = "baseline: a2a + " + ("torch._grouped_mm" if grouped else "per-expert mm")
 
         def run_uniep(
-            x=x, topk_idx=topk_idx, topk_weights=topk_weights, w1=w1, w2=w2, name=group_name
+            tuning: str = "",
+            x=x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            w1=w1,
+            w2=w2,
+            name=group_name,
         ) -> torch.Tensor:
-            return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name)
+            return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
 
         def run_base(
             x=x, topk_idx=topk_idx, topk_weights=topk_weights, w1=w1, w2=w2, grouped=grouped
@@ -158,27 +167,29 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
 
         with torch.no_grad():
             y_base = run_base()
-            if cuda and not cfg["cuda_op"]:
-                uniep_row = {"impl": "uniep", "skipped": CUDA_SKIP}
-            else:
-                diff = torch.tensor(
-                    [_rel_diff(run_uniep(), y_base)], dtype=torch.float64, device=device
-                )
+            uniep_rows = []
+            for impl, tuning in UNIEP_VARIANTS:
+                if cuda and not cfg["cuda_op"]:
+                    uniep_rows.append({"impl": impl, "skipped": CUDA_SKIP})
+                    continue
+                run = functools.partial(run_uniep, tuning)
+                diff = torch.tensor([_rel_diff(run(), y_base)], dtype=torch.float64, device=device)
                 dist.all_reduce(diff, op=dist.ReduceOp.MAX)
                 # Timing a wrong answer is meaningless: the two must agree first.
                 if diff.item() > TOLERANCE[cfg["dtype"]]:
                     raise RuntimeError(
-                        f"uniep and the baseline disagree: max rel diff {diff.item():.2e} > "
+                        f"{impl} and the baseline disagree: max rel diff {diff.item():.2e} > "
                         f"{TOLERANCE[cfg['dtype']]:.0e} for {common}"
                     )
                 dist.barrier()
-                ms = median_time_ms(run_uniep, cfg["warmup"], cfg["iters"], cuda)
-                uniep_row = {"impl": "uniep", "median_ms": ms}
-                uniep_row["max_rel_diff_vs_baseline"] = diff.item()
+                ms = median_time_ms(run, cfg["warmup"], cfg["iters"], cuda)
+                uniep_rows.append(
+                    {"impl": impl, "median_ms": ms, "max_rel_diff_vs_baseline": diff.item()}
+                )
             dist.barrier()
             base_ms = median_time_ms(run_base, cfg["warmup"], cfg["iters"], cuda)
         base_row = {"impl": base_name, "median_ms": base_ms}
-        for row in (uniep_row, base_row):
+        for row in (*uniep_rows, base_row):
             if "median_ms" in row:
                 # A step is as slow as its slowest rank.
                 t = torch.tensor([row["median_ms"]], dtype=torch.float64, device=device)
