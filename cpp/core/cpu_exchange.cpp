@@ -60,45 +60,47 @@ AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
   return plan;
 }
 
+namespace {
+
+// Records laid out by rank ranges on both sides: `out` holds the ranges this rank sends
+// (out_offsets, [W + 1] in records), `in` the ones it receives. fill(i, rec) writes record i.
+std::vector<uint8_t> exchange_ranges(const std::vector<int64_t>& out_offsets,
+                                     const std::vector<int64_t>& in_offsets, int64_t record_bytes,
+                                     const std::function<void(int64_t, uint8_t*)>& fill,
+                                     Transport& transport) {
+  const int64_t W = static_cast<int64_t>(out_offsets.size()) - 1;
+  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
+                   "records must be 8-byte multiples");
+  std::vector<uint8_t> send(out_offsets[W] * record_bytes);
+  for (int64_t i = 0; i < out_offsets[W]; ++i) fill(i, &send[i * record_bytes]);
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  for (int64_t r = 0; r < W; ++r) {
+    send_bytes[r] = (out_offsets[r + 1] - out_offsets[r]) * record_bytes;
+    recv_bytes[r] = (in_offsets[r + 1] - in_offsets[r]) * record_bytes;
+  }
+  std::vector<uint8_t> recv(in_offsets[W] * record_bytes);
+  transport.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
+  return recv;
+}
+
+}  // namespace
+
 std::vector<uint8_t> dispatch_records(const SlotPlan& slots, int64_t record_bytes,
                                       const std::function<void(int64_t, uint8_t*)>& fill,
                                       Transport& transport) {
-  const int64_t W = slots.world_size;
-  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
-                   "records must be 8-byte multiples");
   // Entries are grouped by destination and, within it, in slot order: the byte ranges the
   // all-to-all delivers concatenate into exactly the receiver's slot order.
-  std::vector<uint8_t> send(slots.num_send() * record_bytes);
-  for (int64_t i = 0; i < slots.num_send(); ++i)
-    fill(slots.send_tokens[i], &send[i * record_bytes]);
-  std::vector<int64_t> send_bytes(W), recv_bytes(W);
-  for (int64_t r = 0; r < W; ++r) {
-    send_bytes[r] = (slots.send_offsets[r + 1] - slots.send_offsets[r]) * record_bytes;
-    recv_bytes[r] = (slots.recv_offsets[r + 1] - slots.recv_offsets[r]) * record_bytes;
-  }
-  std::vector<uint8_t> recv(slots.num_recv() * record_bytes);
-  transport.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
-  return recv;
+  return exchange_ranges(
+      slots.send_offsets, slots.recv_offsets, record_bytes,
+      [&](int64_t i, uint8_t* rec) { fill(slots.send_tokens[i], rec); }, transport);
 }
 
 std::vector<uint8_t> return_slot_records(const SlotPlan& slots, int64_t record_bytes,
                                          const std::function<void(int64_t, uint8_t*)>& fill,
                                          Transport& transport) {
-  const int64_t W = slots.world_size;
-  UNIEP_CHECK_CODE(record_bytes % 8 == 0, StatusCode::kInternal,
-                   "records must be 8-byte multiples");
   // Slots are already grouped by source rank, and each source's tokens in the order it sent
   // them: the all-to-all's byte ranges land in exactly the source's send order.
-  std::vector<uint8_t> send(slots.num_recv() * record_bytes);
-  for (int64_t n = 0; n < slots.num_recv(); ++n) fill(n, &send[n * record_bytes]);
-  std::vector<int64_t> send_bytes(W), recv_bytes(W);
-  for (int64_t r = 0; r < W; ++r) {
-    send_bytes[r] = (slots.recv_offsets[r + 1] - slots.recv_offsets[r]) * record_bytes;
-    recv_bytes[r] = (slots.send_offsets[r + 1] - slots.send_offsets[r]) * record_bytes;
-  }
-  std::vector<uint8_t> recv(slots.num_send() * record_bytes);
-  transport.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
-  return recv;
+  return exchange_ranges(slots.recv_offsets, slots.send_offsets, record_bytes, fill, transport);
 }
 
 std::vector<int64_t> rows_expected_back(const RoutingLayout& layout, const MoeShape& shape) {

@@ -11,6 +11,7 @@
 #ifdef UNIEP_WITH_CUDA_OPS
 #include "torch/coll_registry.hpp"
 #include "torch/ep_registry.hpp"
+#include "torch/runtime_registry.hpp"
 #endif
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
@@ -258,9 +259,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ep_check",
       [](const std::string& group_name) {
-        uniep::ep::Runtime& rt = uniep::torch_glue::ep_runtime(group_name);
-        const uniep::Status s = rt.check_device_errors(nullptr);
-        if (!s.ok()) throw uniep::Error(s.code, s.message);
+        uniep::torch_glue::ok_or_throw(
+            uniep::torch_glue::ep_runtime(group_name).check_device_errors(nullptr));
       },
       py::arg("group_name"), py::call_guard<py::gil_scoped_release>(),
       "Synchronizes the device and raises an error a device-side wait or capacity check "
@@ -316,9 +316,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "coll_check",
       [](const std::string& group_name, bool synchronize) {
-        const uniep::Status s =
-            uniep::torch_glue::coll_runtime(group_name).check_device_errors(synchronize);
-        if (!s.ok()) throw uniep::Error(s.code, s.message);
+        uniep::torch_glue::ok_or_throw(
+            uniep::torch_glue::coll_runtime(group_name).check_device_errors(synchronize));
       },
       py::arg("group_name"), py::arg("synchronize") = true,
       py::call_guard<py::gil_scoped_release>(),

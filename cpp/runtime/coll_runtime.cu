@@ -501,11 +501,7 @@ size_t symmetric_heap_bytes(const Config& config) {
 
 Status Runtime::create(const Config& config, const std::vector<uint8_t>& unique_id,
                        std::unique_ptr<Runtime>* runtime) {
-  if (Status s = config.validate(); !s.ok()) return s;
-  auto rt = std::make_unique<RuntimeImpl>(config);
-  if (Status s = rt->init(unique_id); !s.ok()) return s;
-  *runtime = std::move(rt);
-  return Status::Ok();
+  return ::uniep::runtime::create_runtime<RuntimeImpl>(config, unique_id, runtime);
 }
 
 }  // namespace uniep::coll

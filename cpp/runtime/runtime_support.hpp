@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "cuda/common/device_wait.cuh"
 #include "uniep/status.hpp"
@@ -64,6 +66,18 @@ inline Status wait_timeout(const char* what, int64_t rank, double timeout_s,
           detail::str_cat("uniep ", what, " on rank ", rank, " timed out after ", timeout_s,
                           " s waiting for rank ", e.peer, " (signal ", e.have, ", expected ",
                           e.want, "); ", hint)};
+}
+
+// Runtime::create of both runtimes: validate the config, then bring up an Impl (which has
+// `Status init(const std::vector<uint8_t>& unique_id)`); nothing is handed out on failure.
+template <typename Impl, typename Base, typename Config>
+Status create_runtime(const Config& config, const std::vector<uint8_t>& unique_id,
+                      std::unique_ptr<Base>* runtime) {
+  if (Status s = config.validate(); !s.ok()) return s;
+  auto rt = std::make_unique<Impl>(config);
+  if (Status s = rt->init(unique_id); !s.ok()) return s;
+  *runtime = std::move(rt);
+  return Status::Ok();
 }
 
 }  // namespace uniep::runtime

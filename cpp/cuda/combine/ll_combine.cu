@@ -6,22 +6,15 @@
 #include <nvshmemx.h>
 
 #include "cuda/common/combine_reduce.cuh"
+#include "cuda/common/ll_launch.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
 namespace uniep::cuda {
 namespace {
 
-// Small blocks under a register cap, so all regions' blocks are resident at once (see
-// ll_dispatch.cu: a region holds a few rows on average).
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMinBlocksPerSm = 3;
-constexpr int kSegments = 4;  // warps sharing one row (see row_segment)
-constexpr int kUnroll = 8;
-
 // One block per (local expert, source) region.
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kLlThreads, kLlMinBlocksPerSm)
     ll_combine_send_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* y,
                            uint64_t timeout_ns, DeviceError* err) {
   const int64_t W = d.world_size, El = d.experts_per_rank, me = d.rank;
@@ -32,15 +25,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int n = ll.recv_count[(b * El + local) * W + src];
   const int64_t region = (local * W + src) * cap;
   const int lane = threadIdx.x % 32;
-  for (int item = threadIdx.x / 32; item < n * kSegments; item += kWarps) {
-    const int j = item / kSegments;
-    const RowSegment part = row_segment(row_bytes, kSegments, item % kSegments);
+  for (int item = threadIdx.x / 32; item < n * kLlSegments; item += kLlWarps) {
+    const int j = item / kLlSegments;
+    const RowSegment part = row_segment(row_bytes, kLlSegments, item % kLlSegments);
     const int64_t slot = ll.meta[b][region + j];
     uint8_t* dst = ll.combine[b] + slot * row_bytes + part.offset;
     const uint8_t* row = y + (region + j) * row_bytes + part.offset;
     auto* peer = static_cast<uint8_t*>(nvshmem_ptr(dst, pe));
     if (peer != nullptr) {
-      warp_copy<kUnroll>(peer, row, part.bytes, lane);
+      warp_copy<kLlUnroll>(peer, row, part.bytes, lane);
     } else {
       nvshmemx_putmem_nbi_warp(dst, row, part.bytes, pe);
     }
@@ -76,7 +69,7 @@ void launch_ll_combine(const LowLatencyView& ll, const EpDims& d, int buffer, co
                        uint8_t* out, int reduce_blocks, uint64_t timeout_ns, DeviceError* err,
                        cudaStream_t stream) {
   const unsigned regions = static_cast<unsigned>(d.experts_per_rank * d.world_size);
-  ll_combine_send_kernel<<<regions, kThreads, 0, stream>>>(ll, d, buffer, y, timeout_ns, err);
+  ll_combine_send_kernel<<<regions, kLlThreads, 0, stream>>>(ll, d, buffer, y, timeout_ns, err);
   if (tokens > 0)
     ll_combine_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(ll, d, buffer, topk_idx,
                                                                 topk_weights, tokens, out);

@@ -6,28 +6,20 @@
 #include <nvshmemx.h>
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/common/ll_launch.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
 
 namespace uniep::cuda {
 namespace {
 
-// A block carries one expert's rows: a few on average (T * K / E), so a few warps. Small blocks
-// with a register cap keep every block of the grid resident at once: with 512 threads and 128
-// registers a block filled an SM, and 288 experts ran in three waves (the receive-side waits
-// of the first wave then held SMs while the senders of the later waves queued).
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMinBlocksPerSm = 3;
-constexpr int kSegments = 4;       // warps sharing one row (see row_segment)
-constexpr int kUnroll = 8;         // 16-byte loads in flight per lane: up to 4 KB per warp per trip
 constexpr int kMaxMatches = 4096;  // (token, k) pairs of one expert held in shared memory
 
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kLlThreads, kLlMinBlocksPerSm)
     ll_dispatch_kernel(LowLatencyView ll, EpDims d, int b, const uint8_t* x,
                        const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
                        DeviceError* err) {
-  using Scan = cub::BlockScan<int, kThreads>;
+  using Scan = cub::BlockScan<int, kLlThreads>;
   __shared__ typename Scan::TempStorage temp;
   __shared__ int32_t matches[kMaxMatches];
   const int64_t W = d.world_size, K = d.top_k, El = d.experts_per_rank, me = d.rank;
@@ -42,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // Each thread scans a contiguous run of the (token, k) pairs, so one block scan of the
   // per-thread counts orders the matches by (token, k).
   const int64_t pairs = tokens * K;
-  const int64_t per_thread = (pairs + kThreads - 1) / kThreads;
+  const int64_t per_thread = (pairs + kLlThreads - 1) / kLlThreads;
   const int64_t first = threadIdx.x * per_thread;
   const int64_t last = first + per_thread < pairs ? first + per_thread : pairs;
   int hits = 0;
@@ -68,13 +60,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   auto* peer_rows = static_cast<uint8_t*>(nvshmem_ptr(rows, pe));
   auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
   const int lane = threadIdx.x % 32;
-  for (int item = threadIdx.x / 32; item < n * kSegments; item += kWarps) {
-    const int j = item / kSegments, seg = item % kSegments;
+  for (int item = threadIdx.x / 32; item < n * kLlSegments; item += kLlWarps) {
+    const int j = item / kLlSegments, seg = item % kLlSegments;
     const int64_t pair = matches[j], t = pair / K;
-    const RowSegment part = row_segment(row_bytes, kSegments, seg);
+    const RowSegment part = row_segment(row_bytes, kLlSegments, seg);
     const uint8_t* from = x + t * row_bytes + part.offset;
     if (peer_rows != nullptr) {
-      warp_copy<kUnroll>(peer_rows + j * d.row_cap + part.offset, from, part.bytes, lane);
+      warp_copy<kLlUnroll>(peer_rows + j * d.row_cap + part.offset, from, part.bytes, lane);
       if (lane == 0 && seg == 0) peer_meta[j] = pair;
     } else {
       nvshmemx_putmem_nbi_warp(rows + j * d.row_cap + part.offset, from, part.bytes, pe);
@@ -107,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 void launch_ll_dispatch(const LowLatencyView& ll, const EpDims& d, int buffer, const uint8_t* x,
                         const int64_t* topk_idx, int64_t tokens, uint64_t timeout_ns,
                         DeviceError* err, cudaStream_t stream) {
-  ll_dispatch_kernel<<<static_cast<unsigned>(d.num_experts), kThreads, 0, stream>>>(
+  ll_dispatch_kernel<<<static_cast<unsigned>(d.num_experts), kLlThreads, 0, stream>>>(
       ll, d, buffer, x, topk_idx, tokens, timeout_ns, err);
 }
 
