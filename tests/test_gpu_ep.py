@@ -229,6 +229,16 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         uniep.ep.check()
     dist.barrier()
 
+    # A runtime the kernels cannot serve is refused at creation, on every rank.
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 31\]"):
+        uniep.ep.init_runtime(
+            dist.new_group(list(range(world))),
+            max_tokens=8,
+            hidden=HIDDEN,
+            top_k=32,
+            num_experts=EXPERTS,
+        )
+
     # Bad input is an error naming the argument, not a hang.
     with pytest.raises(ValueError, match="topk_idx"):
         uniep.ep.dispatch(x, idx[:, :2].contiguous(), w[:, :2].contiguous())

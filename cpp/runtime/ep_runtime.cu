@@ -495,7 +495,12 @@ Status Config::validate() const {
   if (max_tokens < 1) return bad(detail::str_cat("max_tokens must be >= 1, got ", max_tokens));
   if (hidden < 1 || hidden % 8 != 0)
     return bad(detail::str_cat("hidden must be a positive multiple of 8, got ", hidden));
-  if (top_k < 1) return bad(detail::str_cat("top_k must be >= 1, got ", top_k));
+  // One warp carries a token's metadata (its source index and K expert ids) in the kernels.
+  if (top_k < 1 || top_k > 31)
+    return bad(
+        detail::str_cat("top_k must be in [1, 31] (a token's index and expert ids fit "
+                        "one warp), got ",
+                        top_k));
   if (world_size < 1 || world_size > 256)
     return bad(detail::str_cat("world_size must be in [1, 256], got ", world_size));
   if (rank < 0 || rank >= world_size)
