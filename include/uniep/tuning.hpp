@@ -25,7 +25,7 @@ const char* combine_reduction_name(CombineReduction reduction);
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=128,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire) and `combine` (where the sum over k is split),
-// which are numerics choices, not schedules: the autotuner never changes them, and the bits are
+// which are numerics choices, not schedules: a tuner must not change them, and the bits are
 // identical across every other point of the space for each choice.
 struct TuningParams {
   int comm_sms = 24;    // SMs given to dispatch/combine roles
