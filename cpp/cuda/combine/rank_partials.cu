@@ -7,6 +7,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/combine_reduce.cuh"
 #include "cuda/common/signal_wait.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
@@ -20,12 +21,6 @@ constexpr int kVec = 8;       // bf16 columns per 16-byte vector
 constexpr int kSegments = 4;  // warps sharing one row: a few slots per warp over the whole GPU
 constexpr int kUnroll = 4;    // vectors of a row in flight per lane
 constexpr int kPartialBlocksPerSm = 3;  // all resident: one wave, the warps stride the items
-
-__device__ __forceinline__ int64_t source_of(const PlanCounts& plan, int64_t world, int64_t slot) {
-  int64_t s = 0;
-  while (s + 1 < world && slot >= plan.recv_offsets[s + 1]) ++s;
-  return s;
-}
 
 __device__ __forceinline__ uint64_t tag(uint32_t epoch, int64_t row) {
   return static_cast<uint64_t>(epoch) << 32 | static_cast<uint32_t>(row);
@@ -71,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
   for (int64_t item = warp; item < items; item += num_warps) {
     const int64_t n = item / kSegments;
     const int seg = static_cast<int>(item % kSegments);
-    const int64_t src = source_of(a.plan, W, n);
+    const int64_t src = source_rank_of(a.plan, W, n);
     const int64_t* meta = sym.recv_meta + n * meta_len;
     const int64_t token = meta[0];
     // Lane k holds choice k's row and weight when the expert is ours; a ballot lists them.
@@ -114,21 +109,12 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + 32 * u < vecs) raw[u] = load_streaming(y + v0 + 32 * u);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(w, __bfloat162float(h[j])));
-        }
+        for (int u = 0; u < kUnroll; ++u) accumulate_bf16x8(acc[u], raw[u], w);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (v0 + 32 * u >= vecs) break;
-        int4 packed;
-        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = __float2bfloat16_rn(acc[u][j]);
-        dst[v0 + 32 * u] = packed;
+        dst[v0 + 32 * u] = round_bf16x8(acc[u]);
       }
     }
     if (lane == 0 && src != me) atomicAdd(&sent[src], 1ull);
@@ -160,17 +146,13 @@ __global__ void partials_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs 
     float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t r = 0; r < W; ++r) {
       if (!p.token_in_rank[t * W + r]) continue;
-      const int4 raw =
-          load_streaming(reinterpret_cast<const int4*>(sym.combine + (t * W + r) * row_bytes) + v);
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], __bfloat162float(y[j]));
+      // Weight 1: the product is exact, so this is the plain fp32 sum of the partials.
+      accumulate_bf16x8(
+          acc,
+          load_streaming(reinterpret_cast<const int4*>(sym.combine + (t * W + r) * row_bytes) + v),
+          1.0f);
     }
-    int4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(a.out + t * row_bytes)[v] = packed;
+    reinterpret_cast<int4*>(a.out + t * row_bytes)[v] = round_bf16x8(acc);
   }
 }
 

@@ -14,6 +14,24 @@
 
 namespace uniep::cuda {
 
+// The combines' arithmetic, in one place so that every combine (high-throughput, low-latency,
+// rank partials) rounds alike: acc[j] += w * y[j] over the 8 bf16 of one 16-byte vector, the
+// product and the sum each rounded on its own.
+__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& raw, float w) {
+  const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
+}
+
+// acc rounded once to bf16, as one 16-byte vector.
+__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
+  int4 packed;
+  __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
+  return packed;
+}
+
 // out[t] = sum_k topk_weights[t,k] * combine_(t,k) over k with topk_idx[t,k] >= 0, ascending.
 //   combine       [tokens * top_k][hidden] bf16 slots, row (t * top_k + k) for (t, k)
 //   topk_idx      [tokens, top_k] (only the sign is read); topk_weights [tokens, top_k] fp32
@@ -30,18 +48,11 @@ __device__ __forceinline__ void combine_reduce_bf16(const uint8_t* combine, cons
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t k = 0; k < K; ++k) {
       if (topk_idx[t * K + k] < 0) continue;
-      const float w = topk_weights[t * K + k];
-      const int4 raw =
-          load_streaming(reinterpret_cast<const int4*>(combine + (t * K + k) * row_bytes) + v);
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
+      accumulate_bf16x8(
+          acc, load_streaming(reinterpret_cast<const int4*>(combine + (t * K + k) * row_bytes) + v),
+          topk_weights[t * K + k]);
     }
-    int4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(out + t * row_bytes)[v] = packed;
+    reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
   }
 }
 

@@ -39,8 +39,7 @@ __global__ void __launch_bounds__(kThreads)
     int prefix, total;
     Scan(temp).ExclusiveSum(matches, prefix, total);
     if (matches > 0) {
-      int64_t src = 0;
-      while (slot >= plan.recv_offsets[src + 1]) ++src;
+      const int64_t src = source_rank_of(plan, W, slot);
       int64_t r = row + prefix;
       for (int64_t k = 0; k < K; ++k) {
         if (ids[k] != global) continue;
