@@ -220,6 +220,12 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
     uniep.ep.combine(y_any, other)
     with pytest.raises(ValueError, match="differs from the weights the dispatch carried"):
         uniep.ep.check()
+    # ... and it answers only a dispatch made for it (which keeps the weights): refused at once.
+    res = uniep.ep.dispatch(x, idx, w)
+    asked = res.handle.tuning.replace("combine=per_k", "combine=rank_partials")
+    assert asked != res.handle.tuning
+    with pytest.raises(ValueError, match="answers a dispatch made with combine=rank_partials"):
+        uniep.ep.combine(y_any, dataclasses.replace(res.handle, tuning=asked))
     res = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
     dup = res.handle.row_target.clone()
     assert dup.numel() > 1  # every rank has rows here, and every rank must combine

@@ -261,10 +261,10 @@ class RuntimeImpl final : public Runtime {
   }
 
   Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8, void* recv_x,
-                  float* recv_scales, int64_t* recv_src, int64_t* recv_topk_idx,
-                  float* recv_topk_weights, int64_t* row_slot, int64_t* row_target,
-                  cudaStream_t stream) override {
+                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
+                  CombineReduction combine, void* recv_x, float* recv_scales, int64_t* recv_src,
+                  int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
+                  int64_t* row_target, cudaStream_t stream) override {
     if (tokens != last_tokens_)
       return {
           StatusCode::kInvalidArgument,
@@ -309,8 +309,9 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
     // combine=rank_partials applies these weights on the expert side; its reduction checks that
-    // the combine's are the same.
-    if (tokens > 0)
+    // the combine's are the same. Kept only for such a combine: a copy on every dispatch's path.
+    weights_kept_ = combine == CombineReduction::kRankPartials;
+    if (weights_kept_ && tokens > 0)
       UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, topk_weights,
                                     sizeof(float) * tokens * cfg_.top_k, cudaMemcpyDeviceToDevice,
                                     stream));
@@ -374,6 +375,11 @@ class RuntimeImpl final : public Runtime {
         return {StatusCode::kUnsupported,
                 "combine=rank_partials stores the partials into the peers' buffers and needs "
                 "every peer reachable over NVLink (nvshmem_ptr); use combine=per_k across nodes"};
+      if (!weights_kept_)
+        return {StatusCode::kInvalidArgument,
+                "combine=rank_partials answers a dispatch made with combine=rank_partials in its "
+                "tuning (that dispatch keeps the weights the expert ranks apply); this one was "
+                "dispatched for combine=per_k"};
       if (Status s = ensure_partials_workspace(stream); !s.ok()) return s;
       const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_),
                                      dispatched_weights_, token_in_rank_};
@@ -477,6 +483,7 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
+  bool weights_kept_ = false;            // ... when it was made for combine=rank_partials
   uint64_t* row_of_target_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;

@@ -118,7 +118,7 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
       at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
   ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(), topk_idx.data_ptr<int64_t>(),
                           topk_weights.data_ptr<float>(), x.size(0), params.comm_sms, fp8,
-                          copy_rows ? d.recv_x.data_ptr() : nullptr,
+                          params.combine, copy_rows ? d.recv_x.data_ptr() : nullptr,
                           fp8 && copy_rows ? d.recv_scales.data_ptr<float>() : nullptr,
                           d.recv_src.data_ptr<int64_t>(), d.recv_topk_idx.data_ptr<int64_t>(),
                           d.recv_topk_weights.data_ptr<float>(), d.row_slot.data_ptr<int64_t>(),

@@ -85,12 +85,13 @@ class Runtime {
   //   row_slot     [R] int64: for each grouped-GEMM row (local experts in order, each expert's
   //                rows in slot order) the slot it reads; row_target [R] int64: where its output
   //                goes back to: src_rank * (max_tokens * K) + src_token * K + k
-  // `num_sms` blocks carry the rows (the communication SM budget).
+  // `num_sms` blocks carry the rows (the communication SM budget). `combine`: how this dispatch
+  // will be combined; kRankPartials keeps a copy of topk_weights for that combine's check.
   virtual Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
                           const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
-                          void* recv_x, float* recv_scales, int64_t* recv_src,
-                          int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
-                          int64_t* row_target, cudaStream_t stream) = 0;
+                          CombineReduction combine, void* recv_x, float* recv_scales,
+                          int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
+                          int64_t* row_slot, int64_t* row_target, cudaStream_t stream) = 0;
 
   // Device pointer to the receive buffer of the last dispatch: num_recv rows, each
   // config().row_bytes_capacity() bytes apart (fp8 rows: hidden e4m3 bytes, then the scales).
@@ -107,8 +108,9 @@ class Runtime {
   // the dispatch carried (fp32, rounded once to bf16; on the whole GPU, not num_sms: that reads
   // every expert row) and stores that one row at home, where
   // out[t] = the sum of the token's partials in ascending rank order (fp32). Needs every peer
-  // mapped over NVLink; a row_target that misses or repeats a row, or topk_weights other than
-  // the dispatch's, is reported by check_device_errors / the next notify.
+  // mapped over NVLink and a dispatch made for it (dispatch's `combine`); a row_target that
+  // misses or repeats a row, or topk_weights other than the dispatch's, is reported by
+  // check_device_errors / the next notify.
   // topk_idx / topk_weights are this rank's, as given to the matching dispatch. Each dispatch is
   // combined at most once, and only before the next notify: `epoch` must be that dispatch's.
   virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
