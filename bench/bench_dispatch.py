@@ -11,6 +11,10 @@ distinct random experts; both implementations then move the same rows:
   per (token, rank): the baseline's bytes, with that local sum inside our time; the sum reads
   every expert row, so it runs on the whole GPU and stores the partials as it goes: the SM
   budget does not apply to it, and the JSON says so).
+- uniep cached: ``uniep.ep.dispatch_cached`` of the same rows on the plan of the last dispatch
+  (no layout, count exchange or host sync; a device barrier, then the transfer), bf16 and fp8
+  (cast in the kernel). DeepEP's own sweep, where the ANCHORS.md figures come from, times this
+  mode (``buffer.dispatch(x, handle=...)``), with its fp8 rows cast before the timed call.
 - baseline (what users write today): ``all_to_all_single`` of one bf16 row per (token,
   destination rank), i.e. the copy-equivalent of our dispatch, and for combine the reverse
   ``all_to_all_single`` followed by ``index_add_`` into [T, H]. Only the collectives (and the
@@ -213,14 +217,22 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         timings[key] = median_time_ms(fn, warmup, iters, cuda=True)
 
     # ---- ours, per SM budget ----
+    # A cached dispatch needs the handle of the runtime's current plan: the last fresh dispatch.
+    latest: dict[str, ep.Handle] = {}
+
     def run_dispatch(tuning: str) -> ep.DispatchResult:
-        return ep.dispatch(x, idx, w, tuning=tuning)
+        res = ep.dispatch(x, idx, w, tuning=tuning)
+        latest["handle"] = res.handle
+        return res
+
+    def run_cached(tuning: str) -> ep.CachedDispatchResult:
+        return ep.dispatch_cached(x, latest["handle"], tuning=tuning)
 
     def run_combine(handle: ep.Handle) -> torch.Tensor:
         return ep.combine(y, handle)
 
     def run_both(tuning: str) -> torch.Tensor:
-        return ep.combine(y, ep.dispatch(x, idx, w, tuning=tuning).handle)
+        return ep.combine(y, run_dispatch(tuning).handle)
 
     for sms in SM_BUDGETS:
         tuning = f"sms={sms}"
@@ -243,21 +255,31 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         timings[f"total_{sms}"] = median_time_ms(
             functools.partial(run_both, tuning), warmup, iters, cuda=True
         )
+        _settle()
+        timings[f"cached_{sms}"] = median_time_ms(
+            functools.partial(run_cached, tuning), warmup, iters, cuda=True
+        )
         if hidden % 128 == 0:
             # fp8: the cast to e4m3 (1x128 block scales) happens inside the dispatch kernel.
             _settle()
             timings[f"fp8dispatch_{sms}"] = median_time_ms(
                 functools.partial(run_dispatch, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
             )
+            _settle()
+            timings[f"fp8cached_{sms}"] = median_time_ms(
+                functools.partial(run_cached, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
+            )
 
     profile_fns: dict[str, Callable[[], object]] = {
         "dispatch_24": functools.partial(run_dispatch, "sms=24"),
         "fp8dispatch_24": functools.partial(run_dispatch, "sms=24,dispatch=fp8"),
+        "cached_24": functools.partial(run_cached, "sms=24"),
+        "fp8cached_24": functools.partial(run_cached, "sms=24,dispatch=fp8"),
         "dispatch_combine_24": functools.partial(run_both, "sms=24"),
         "dispatch_rpcombine_24": functools.partial(run_both, "sms=24,combine=rank_partials"),
     }
     if hidden % 128 != 0:
-        del profile_fns["fp8dispatch_24"]
+        del profile_fns["fp8dispatch_24"], profile_fns["fp8cached_24"]
     if ll_tokens:
         # Low-latency mode: dispatch + (stand-in expert: the received rows) + combine, eager and
         # as replays of one captured CUDA graph (how decode steps run it).
@@ -358,12 +380,21 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             rank_partials_check_rel_err=partials_err,
             rank_partials_sms="all (the expert-side sum and its stores)",
         )
-        f8 = f"fp8dispatch_{sms}"
+        cd = f"cached_{sms}"
+        row.update(
+            cached_dispatch_us=us(cd),
+            cached_dispatch_us_max=us_max(cd),
+            cached_dispatch_GBps=gbps(cd),
+        )
+        f8, c8 = f"fp8dispatch_{sms}", f"fp8cached_{sms}"
         if f8 in timings:
             row.update(
                 fp8_dispatch_us=us(f8),
                 fp8_dispatch_us_max=us_max(f8),
                 fp8_dispatch_GBps=fp8_bytes / (slowest[f8] * 1e-3) / 1e9,
+                fp8_cached_dispatch_us=us(c8),
+                fp8_cached_dispatch_us_max=us_max(c8),
+                fp8_cached_dispatch_GBps=fp8_bytes / (slowest[c8] * 1e-3) / 1e9,
             )
         row.update(baseline)
         row.update(
@@ -391,8 +422,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
 HEADER = [
     "| shape | W | SMs | dispatch us (max) | dispatch GB/s | combine us (max) | combine GB/s | "
     "rank-partials combine us (GB/s) | total us (max) | fp8 dispatch us (GB/s) | "
-    "NCCL dispatch us | NCCL combine us | check err |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "cached dispatch us (GB/s) | cached fp8 us (GB/s) | NCCL dispatch us | NCCL combine us | "
+    "check err |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
 
@@ -410,6 +442,12 @@ def _markdown(row: dict[str, Any]) -> str:
         + (
             f"{row['fp8_dispatch_us_max']:.1f} ({row['fp8_dispatch_GBps']:.1f}) | "
             if "fp8_dispatch_us_max" in row
+            else "- | "
+        )
+        + f"{row['cached_dispatch_us_max']:.1f} ({row['cached_dispatch_GBps']:.1f}) | "
+        + (
+            f"{row['fp8_cached_dispatch_us_max']:.1f} ({row['fp8_cached_dispatch_GBps']:.1f}) | "
+            if "fp8_cached_dispatch_us_max" in row
             else "- | "
         )
         + f"{row['nccl_dispatch_us_max']:.1f} | {row['nccl_combine_us_max']:.1f} | "

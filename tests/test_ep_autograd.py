@@ -25,7 +25,7 @@ HIDDEN = 64
 MAX_TOKENS = 80
 
 
-@pytest.mark.parametrize("op", ["ep_dispatch", "ep_combine"])
+@pytest.mark.parametrize("op", ["ep_dispatch", "ep_dispatch_cached", "ep_combine"])
 def test_autograd_is_registered(op: str) -> None:
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"uniep::{op}", "Autograd")
 
@@ -43,6 +43,13 @@ def test_fake_outputs_carry_the_backward() -> None:
     assert "ep_dispatch" in type(recv_x.grad_fn).__name__
     assert out.requires_grad and "ep_combine" in type(out.grad_fn).__name__
     assert tuple(out.shape) == (8, 256)
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.empty(8, 256, dtype=torch.bfloat16)).requires_grad_(True)
+        idx = mode.from_tensor(torch.empty(8, 4, dtype=torch.long))
+        w = mode.from_tensor(torch.empty(8, 4))
+        recv_x, _, epoch = torch.ops.uniep.ep_dispatch_cached(x, idx, w, "", 3, "")
+    assert recv_x.requires_grad and "ep_dispatch_cached" in type(recv_x.grad_fn).__name__
+    assert isinstance(epoch, int)
 
 
 @pytest.mark.skipif(uniep.ep.available(), reason="this build and machine have the GPU runtime")
@@ -67,8 +74,9 @@ class _WithConfig:
 
 
 def _simulate_ops() -> torch.library.Library:
-    """CPU kernels of ep_dispatch / ep_combine with the GPU ops' outputs, exchanging over the
-    group with gloo. The caller keeps the returned Library alive."""
+    """CPU kernels of ep_dispatch (and ep_dispatch_cached) / ep_combine with the GPU ops'
+    outputs, exchanging over the group with gloo. The caller keeps the returned Library
+    alive."""
     from uniep import _C
 
     per_rank = MAX_TOKENS * TOP_K
@@ -122,8 +130,13 @@ def _simulate_ops() -> torch.library.Library:
             acc = torch.where((topk_idx[:, k] >= 0).unsqueeze(1), acc + term, acc)
         return acc.to(torch.bfloat16)
 
+    def dispatch_cached(x, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
+        out = dispatch(x, topk_idx, topk_weights, group_name, tuning)
+        return out[0], out[1], epoch + 1
+
     lib = torch.library.Library("uniep", "IMPL")
     lib.impl("ep_dispatch", dispatch, "CPU")
+    lib.impl("ep_dispatch_cached", dispatch_cached, "CPU")
     lib.impl("ep_combine", combine, "CPU")
     return lib
 

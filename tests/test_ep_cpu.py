@@ -56,6 +56,34 @@ def test_dispatch_fake_kernel_shapes(precision: str) -> None:
     assert isinstance(epoch, int)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_dispatch_cached_fake_kernel_shapes(precision: str) -> None:
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.empty(8, 256, dtype=torch.bfloat16))
+        idx = mode.from_tensor(torch.empty(8, 4, dtype=torch.long))
+        w = mode.from_tensor(torch.empty(8, 4))
+        recv_x, scales, epoch = torch.ops.uniep.ep_dispatch_cached(
+            x, idx, w, "", 5, f"dispatch={precision}"
+        )
+    assert recv_x.dtype == (torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16)
+    assert recv_x.shape[1] == 256 and scales.dtype == torch.float32
+    assert scales.shape[1] == (2 if precision == "fp8" else 0)
+    assert isinstance(epoch, int)
+
+
+def test_dispatch_cached_needs_a_handle() -> None:
+    with pytest.raises(TypeError, match="handle must be a uniep.ep.Handle"):
+        uniep.ep.dispatch_cached(torch.zeros(4, 128), "epoch 3")  # type: ignore[arg-type]
+
+
+@no_gpu_runtime
+def test_dispatch_cached_of_cpu_tensors_is_not_implemented() -> None:
+    idx = torch.zeros(4, 2, dtype=torch.long)
+    handle = uniep.ep.Handle(idx[:, 0], idx[:, 0], idx, torch.ones(4, 2), "", "", 1)
+    with pytest.raises(NotImplementedError, match="ep_dispatch_cached"):
+        uniep.ep.dispatch_cached(torch.randn(4, 128, dtype=torch.bfloat16), handle)
+
+
 def test_combine_fake_kernel_shape() -> None:
     with FakeTensorMode() as mode:
         y = mode.from_tensor(torch.empty(10, 256, dtype=torch.bfloat16))

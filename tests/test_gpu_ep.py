@@ -284,6 +284,78 @@ def test_dispatch_combine_gradients_against_dense_autograd() -> None:
     assert len(reports) == _world()
 
 
+def _cached_worker(rank: int, world: int) -> None:
+    import uniep
+
+    dev = torch.device("cuda", rank)
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    xs, idxs, ws = _case("random", world, 7)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).bfloat16().to(dev)
+    gen = torch.Generator().manual_seed(50)
+
+    # Rows on the plan of x's dispatch: the bytes a fresh dispatch of x2 gives, at any budget.
+    fresh = uniep.ep.dispatch(x2, idx, w)
+    fresh8 = uniep.ep.dispatch(x2, idx, w, tuning="dispatch=fp8")
+    y = torch.randn(fresh.handle.row_slot.numel(), HIDDEN, generator=gen).bfloat16().to(dev)
+    want = uniep.ep.combine(y, uniep.ep.dispatch(x2, idx, w).handle)
+    res = uniep.ep.dispatch(x, idx, w)
+    assert torch.equal(res.handle.row_target, fresh.handle.row_target)
+    epochs = [res.handle.epoch]
+    for sms in (24, 8, 32):
+        cached = uniep.ep.dispatch_cached(x2, res.handle, tuning=f"sms={sms}")
+        assert torch.equal(cached.recv_x, fresh.recv_x), sms
+        epochs.append(cached.handle.epoch)
+    c8 = uniep.ep.dispatch_cached(x2, res.handle, tuning="dispatch=fp8")
+    assert torch.equal(c8.recv_x.view(torch.uint8), fresh8.recv_x.view(torch.uint8))
+    assert torch.equal(c8.recv_scales, fresh8.recv_scales)
+    # Each cached round is combined like a dispatch; the plan's own round is over.
+    cached = uniep.ep.dispatch_cached(x2, res.handle)
+    assert torch.equal(uniep.ep.combine(y, cached.handle), want)
+    epochs.append(cached.handle.epoch)
+    assert epochs == sorted(set(epochs)), epochs
+    with pytest.raises(ValueError, match="combine each dispatch before the next"):
+        uniep.ep.combine(y, res.handle)
+
+    # combine=rank_partials of a cached round applies the plan dispatch's weights.
+    plan = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+    want_p = uniep.ep.combine(y, plan.handle)
+    cached = uniep.ep.dispatch_cached(x2, plan.handle)
+    assert torch.equal(uniep.ep.combine(y, cached.handle), want_p)
+    uniep.ep.check()
+
+    # A dispatch with new routing replaces the plan: older handles are refused on every rank.
+    current = uniep.ep.dispatch(x2, idx, w).handle
+    with pytest.raises(ValueError, match="no longer holds"):
+        uniep.ep.dispatch_cached(x2, plan.handle)
+    # x must have the plan's tokens (checked before the round starts, so no rank waits).
+    with pytest.raises(ValueError, match="topk_idx must have T = 3 rows"):
+        uniep.ep.dispatch_cached(x2[:3].contiguous(), current)
+
+    # Rank 0 reuses its plan while the others pass new routing: every rank raises, none hangs.
+    plan = uniep.ep.dispatch(x, idx, w)
+    if rank == 0:
+        uniep.ep.dispatch_cached(x2, plan.handle)
+        with pytest.raises(ValueError, match="passed new routing"):
+            uniep.ep.check()
+    else:
+        with pytest.raises(ValueError, match="rank 0 dispatched on its cached plan"):
+            uniep.ep.dispatch(x2, idx, w)
+    dist.barrier()
+    # ... and the group goes on.
+    again = uniep.ep.dispatch(x2, idx, w)
+    assert torch.equal(again.recv_x, fresh.recv_x)
+    assert torch.equal(uniep.ep.combine(y, again.handle), want)
+    dist.barrier()
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cached_dispatch_reuses_the_plan() -> None:
+    from uniep.distributed import run_local_ranks
+
+    run_local_ranks(_cached_worker, _world(), backend="nccl", timeout_s=300)
+
+
 def _timeout_worker(rank: int, world: int) -> str:
     import uniep
 

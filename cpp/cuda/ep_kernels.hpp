@@ -73,6 +73,19 @@ void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tok
                    uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
                    int64_t* tokens_per_local_expert, DeviceError* err, cudaStream_t stream);
 
+// Validity word of a count row (the last of its W + E + 1): what the routing behind it was.
+constexpr int64_t kRoutingInvalid = 0;
+constexpr int64_t kRoutingValid = 1;
+constexpr int64_t kRoutingReused = 2;  // no counts: the sender reuses its last plan
+
+// A round on the plan of the last notify (a cached dispatch: same routing, other rows): resets
+// the round's completion words and passes a barrier with every peer, which tells each peer that
+// this rank reuses its plan. *round_ok becomes 1, or 0 (with a kPlanMismatch error) when a peer
+// sent new counts instead; the dispatch that follows then moves nothing.
+void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch,
+                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
+                       cudaStream_t stream);
+
 void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& d,
                        const int64_t* send_base, int64_t* send_slot, cudaStream_t stream);
 
@@ -94,6 +107,10 @@ struct DispatchArgs {
   float* recv_topk_weights;
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
+  // A cached dispatch: the rows only. The slots' metadata and weights are the plan's, already
+  // there; topk_idx, topk_weights and the recv_* outputs other than recv_x/recv_scales are unused.
+  bool rows_only;
+  const int32_t* round_ok;  // nullptr, or the reuse barrier's verdict: 0 moves nothing
 };
 // `blocks` is the communication SM budget; `copy_blocks` the grid of the copy-out that follows.
 // `transferred` (may be null) is recorded between the two: every row and its metadata are in

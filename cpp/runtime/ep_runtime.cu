@@ -66,6 +66,8 @@ const char* op_name(uint32_t op) {
     case cuda::WaitOp::kCombineMissing:
     case cuda::WaitOp::kCombineWeights:
       return "combine (rank partials)";
+    case cuda::WaitOp::kPlanMismatch:
+      return "cached dispatch (plan reuse)";
     default:
       return "?";
   }
@@ -138,7 +140,7 @@ class RuntimeImpl final : public Runtime {
     // Device workspace: layout outputs, send slots, plan counts, layout error word.
     const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
                       sizeof(int32_t) * 2 * El * W + sizeof(float) * T * cfg_.top_k +
-                      sizeof(bool) * T * W + sizeof(unsigned long long) + 64;
+                      sizeof(bool) * T * W + sizeof(unsigned long long) + sizeof(int64_t) + 64;
     UNIEP_CUDA_OK(cudaMalloc(&workspace_, ws));
     auto* p = static_cast<int64_t*>(workspace_);
     tokens_per_rank_ = p, p += W;
@@ -153,6 +155,7 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaMemset(ll_.recv_count, 0, sizeof(int32_t) * 2 * El * W));
     layout_error_ = reinterpret_cast<unsigned long long*>(p), p += 1;
     dispatched_weights_ = reinterpret_cast<float*>(p), p += (T * cfg_.top_k + 1) / 2;
+    round_ok_ = reinterpret_cast<int32_t*>(p), p += 1;
     token_in_rank_ = reinterpret_cast<bool*>(p);
     plan_.sent_to = tokens_per_rank_;
 
@@ -229,6 +232,7 @@ class RuntimeImpl final : public Runtime {
     ++epoch_;
     combined_ = false;
     dispatched_ = false;
+    reused_ = false;
     last_tokens_ = -1;
     cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
                         timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_, stream);
@@ -238,6 +242,11 @@ class RuntimeImpl final : public Runtime {
     if (counts_host_[0] < 0) {
       // Every rank stops here together; the rank with the bad id reports the entry.
       const int64_t bad = -1 - counts_host_[0];
+      if (bad >= cfg_.world_size)
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("rank ", bad - cfg_.world_size,
+                                " dispatched on its cached plan (a handle) while this rank passed "
+                                "new routing; every rank must do the same kind of dispatch")};
       if (bad == cfg_.rank) {
         s = cuda::check_routing_layout(topk_idx, cfg_.top_k, cfg_.num_experts, layout_error_,
                                        stream);
@@ -255,8 +264,32 @@ class RuntimeImpl final : public Runtime {
     counts->rows_back_from_rank.assign(counts_host_ + 1 + W + El, counts_host_ + 1 + W + El + W);
     last_ = *counts;
     last_tokens_ = tokens;
+    plan_epoch_ = epoch_;
     cuda::launch_send_slots(token_in_rank_, tokens, dims_, plan_.send_base, send_slot_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
+    return Status::Ok();
+  }
+
+  Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) override {
+    if (Status s = take_device_error(); !s.ok()) return s;
+    if (last_tokens_ < 0)
+      return {StatusCode::kInvalidArgument,
+              "a cached dispatch needs a plan: dispatch with topk_idx first"};
+    if (plan_epoch < plan_epoch_ || plan_epoch > epoch_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("the handle of epoch ", plan_epoch,
+                              " names a plan the runtime no longer holds (its plan is that of "
+                              "epoch ",
+                              plan_epoch_, ", rounds up to ", epoch_,
+                              "); a later dispatch with new routing replaced it: dispatch with "
+                              "topk_idx instead")};
+    ++epoch_;
+    combined_ = false;
+    dispatched_ = false;
+    reused_ = true;
+    cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    *counts = last_;
     return Status::Ok();
   }
 
@@ -290,6 +323,10 @@ class RuntimeImpl final : public Runtime {
     }
     if (fp8 && recv_x != nullptr && recv_scales == nullptr)
       return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
+    if (reused_ && recv_x == nullptr)
+      return {StatusCode::kInvalidArgument,
+              "a cached dispatch writes its rows out: pass recv_x (the runtime's buffer may "
+              "still hold rows a caller reads)"};
     cuda::DispatchArgs a{static_cast<const uint8_t*>(x),
                          row_bytes,
                          fp8 ? cfg_.hidden : 0,
@@ -304,26 +341,31 @@ class RuntimeImpl final : public Runtime {
                          recv_topk_idx,
                          recv_topk_weights,
                          timeout_ns(),
-                         err_dev_};
+                         err_dev_,
+                         reused_,
+                         reused_ ? round_ok_ : nullptr};
     if (dispatched_)
       return {StatusCode::kInvalidArgument,
               "dispatch already ran for this notify; call notify again for a new dispatch"};
     // combine=rank_partials applies these weights on the expert side; its reduction checks that
     // the combine's are the same. Kept only for such a combine: a copy on every dispatch's path.
-    weights_kept_ = combine == CombineReduction::kRankPartials;
-    if (weights_kept_ && tokens > 0)
+    // A cached dispatch moves rows only: the slots keep the plan dispatch's weights, and so does
+    // the copy a rank_partials combine checks against.
+    if (!reused_) weights_kept_ = combine == CombineReduction::kRankPartials;
+    if (!reused_ && weights_kept_ && tokens > 0)
       UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, topk_weights,
                                     sizeof(float) * tokens * cfg_.top_k, cudaMemcpyDeviceToDevice,
                                     stream));
     // The row lists only read the received metadata, like the copy-out: they run beside it on a
     // side stream (the copy-out is bandwidth-bound, the row lists latency-bound), joined before
     // anything the caller enqueues next.
-    cudaEvent_t transferred = row_slot != nullptr ? side_events_[0] : nullptr;
+    const bool row_lists = row_slot != nullptr && !reused_;
+    cudaEvent_t transferred = row_lists ? side_events_[0] : nullptr;
     UNIEP_CUDA_OK(
         cuda::launch_dispatch(sym_, dims_, a, num_sms, copy_blocks(), transferred, stream));
     UNIEP_CUDA_OK(cudaGetLastError());
     dispatched_ = true;
-    if (row_slot != nullptr) {
+    if (row_lists) {
       UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, transferred, 0));
       cuda::launch_expert_rows(sym_, dims_, plan_, row_slot, row_target, side_);
       UNIEP_CUDA_OK(cudaGetLastError());
@@ -454,6 +496,12 @@ class RuntimeImpl final : public Runtime {
         default:
           break;
       }
+      if (e.op == static_cast<uint32_t>(cuda::WaitOp::kPlanMismatch))
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("cached dispatch on rank ", cfg_.rank, ": rank ", e.peer,
+                                " passed new routing (topk_idx) in the same round while this "
+                                "rank reused its plan (a handle); every rank must do the same "
+                                "kind of dispatch. Nothing was sent")};
       if (e.op == static_cast<uint32_t>(cuda::WaitOp::kCapacity))
         return {StatusCode::kCapacityExceeded,
                 detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
@@ -483,6 +531,7 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
+  int32_t* round_ok_ = nullptr;          // device: the last reuse barrier's verdict
   bool weights_kept_ = false;            // ... when it was made for combine=rank_partials
   uint64_t* row_of_target_ = nullptr;
   int sm_count_ = 1;
@@ -490,6 +539,8 @@ class RuntimeImpl final : public Runtime {
   cudaEvent_t side_events_[2] = {nullptr, nullptr};  // transfer done; row lists done
   bool all_peers_mapped_ = false;
   uint64_t epoch_ = 0;
+  uint64_t plan_epoch_ = 0;  // the notify that made the plan (cached dispatches reuse it)
+  bool reused_ = false;      // this round reuses the plan: the dispatch moves rows only
   bool dispatched_ = false, combined_ = false;
   int64_t last_tokens_ = -1;
   DispatchCounts last_;

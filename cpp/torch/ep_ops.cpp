@@ -1,5 +1,5 @@
 // CUDA implementations of the expert-parallel ops over the NVSHMEM runtime: ep_dispatch,
-// ep_combine, and moe_forward = dispatch + torch._grouped_mm experts + combine.
+// ep_dispatch_cached, ep_combine, and moe_forward = dispatch + torch._grouped_mm experts + combine.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -139,6 +139,37 @@ ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tens
     return std::make_tuple(d.recv_x, d.recv_scales, d.recv_src, d.recv_topk_idx,
                            d.recv_topk_weights, d.tokens_per_expert, d.row_slot, d.row_target,
                            d.epoch);
+  });
+}
+
+// A dispatch on the plan of an earlier one (its handle's epoch): the same routing, other rows.
+// No layout, count exchange or host sync; the rows land in the plan's slots.
+std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
+    const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+    c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
+  return translate_errors([&] {
+    const TuningParams params = TuningParams::parse(std::string(tuning));
+    const c10::cuda::CUDAGuard guard(x.device());
+    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    check_routing(x, topk_idx, topk_weights, rt.config());
+    const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
+    UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
+                "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
+    UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
+    ep::DispatchCounts counts;
+    ok_or_throw(rt.reuse_plan(static_cast<uint64_t>(epoch), stream, &counts));
+    const int64_t N = counts.num_recv, H = x.size(1);
+    const at::Tensor recv_x =
+        at::empty({N, H}, fp8 ? x.options().dtype(at::kFloat8_e4m3fn) : x.options());
+    const at::Tensor recv_scales =
+        at::empty({fp8 ? N : 0, fp8 ? H / 128 : 0}, x.options().dtype(at::kFloat));
+    ok_or_throw(rt.dispatch(x.data_ptr(), H * x.element_size(), topk_idx.data_ptr<int64_t>(),
+                            topk_weights.data_ptr<float>(), x.size(0), params.comm_sms, fp8,
+                            params.combine, recv_x.data_ptr(),
+                            fp8 ? recv_scales.data_ptr<float>() : nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, stream));
+    return std::make_tuple(recv_x, recv_scales, static_cast<int64_t>(rt.epoch()));
   });
 }
 
@@ -299,6 +330,7 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("ll_dispatch", &uniep::torch_glue::ll_dispatch_cuda);
   m.impl("ll_combine", &uniep::torch_glue::ll_combine_cuda);
   m.impl("ep_dispatch", &uniep::torch_glue::ep_dispatch_cuda);
+  m.impl("ep_dispatch_cached", &uniep::torch_glue::ep_dispatch_cached_cuda);
   m.impl("ep_combine", &uniep::torch_glue::ep_combine_cuda);
   m.impl("moe_forward", &uniep::torch_glue::moe_forward_cuda);
 }

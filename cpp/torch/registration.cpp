@@ -19,6 +19,11 @@ TORCH_LIBRARY(uniep, m) {
       "str tuning=\"\") -> (Tensor recv_x, Tensor recv_scales, Tensor recv_src, "
       "Tensor recv_topk_idx, Tensor recv_topk_weights, Tensor tokens_per_expert, "
       "Tensor row_slot, Tensor row_target, int epoch)");
+  // The rows of x on the plan of an earlier ep_dispatch (same routing; `epoch` from its
+  // handle): no count exchange and no host sync. Returns the rows and the new round's epoch.
+  m.def(
+      "ep_dispatch_cached(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "
+      "int epoch, str tuning=\"\") -> (Tensor recv_x, Tensor recv_scales, int epoch)");
   m.def(
       "ep_combine(Tensor y, Tensor row_target, Tensor topk_idx, Tensor topk_weights, "
       "str group_name, int epoch, str tuning=\"\") -> Tensor");

@@ -70,6 +70,18 @@ class Runtime {
   virtual Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
                         DispatchCounts* counts) = 0;
 
+  // A round on the plan of the last notify, for rows routed exactly as that notify's topk_idx
+  // (another tensor of the same tokens, a gradient): no layout, no count exchange and no host
+  // sync, only a device-side barrier with every peer. `plan_epoch`: the epoch of a dispatch made
+  // on that plan (its handle's). The dispatch that follows moves the rows only (into the same
+  // slots; the slots' metadata and weights stay the plan dispatch's, so topk_idx, topk_weights
+  // and every output but recv_x / recv_scales are ignored, and recv_x is required). Every rank
+  // must reuse in the same round: a rank that calls notify instead gets kInvalidArgument naming
+  // the reusing rank, and the reusing rank sends nothing and reports the mismatch through
+  // check_device_errors / the next notify or reuse_plan. Starts a new epoch; `counts` are the
+  // plan's.
+  virtual Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) = 0;
+
   // Puts every token row into its receive slot on each destination rank (once per rank, however
   // many of its experts live there), then writes the outputs (slot order = (source rank, token)):
   //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim), or

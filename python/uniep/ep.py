@@ -27,11 +27,13 @@ from .distributed import _nvshmem_bootstrap
 from .distributed import group_name as _group_name
 
 __all__ = [
+    "CachedDispatchResult",
     "DispatchResult",
     "Handle",
     "available",
     "combine",
     "dispatch",
+    "dispatch_cached",
     "check",
     "ensure_runtime",
     "init_runtime",
@@ -206,6 +208,54 @@ def dispatch(
     return DispatchResult(recv_x, scales, recv_src, recv_idx, recv_w, per_expert, handle)
 
 
+@dataclass(frozen=True)
+class CachedDispatchResult:
+    """recv_x [N, H]: the rows of x in the receive slots of the handle's plan (x's dtype, or
+    float8_e4m3fn with ``dispatch=fp8``); recv_scales [N, H / 128] float32 (fp8 only, else
+    [0, 0]); handle: this round's, for ``combine`` (the plan's rows and routing, a new epoch)."""
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor
+    handle: Handle
+
+
+def dispatch_cached(
+    x: torch.Tensor, handle: Handle, tuning: str | _C.TuningParams | None = None
+) -> CachedDispatchResult:
+    """Send ``x`` [T, H] with the routing of ``handle``'s dispatch, on its plan: the rows land in
+    the same receive slots, so that dispatch's recv_src, recv_topk_idx, recv_topk_weights,
+    tokens_per_expert and row_slot describe them too. No routing layout, no count exchange and
+    no host synchronisation: only a device-side barrier with the peers before the transfer
+    (what DeepEP calls a cached dispatch). For a second tensor of the same tokens, or a
+    gradient on the way back.
+
+    The plan is the runtime's until the next ``dispatch`` with new routing on the group; a
+    handle of an older plan raises ValueError. Every rank must call it in the same round: a
+    rank whose peer passed new routing instead sends nothing, and its error (naming that peer)
+    is raised by ``check`` or its next dispatch. ``tuning`` (default: the handle's) sets
+    ``sms=`` and ``dispatch=fp8``; a ``combine=rank_partials`` of this round applies the plan
+    dispatch's weights, as its combine would.
+
+    Differentiable with respect to ``x`` as ``dispatch`` is (bf16 rows of ``hidden`` columns,
+    ``dispatch=bf16``)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"handle must be a uniep.ep.Handle, got {type(handle).__name__}")
+    text = handle.tuning if tuning is None else _tuning_string(tuning)
+    recv_x, scales, epoch = torch.ops.uniep.ep_dispatch_cached(
+        x, handle.topk_idx, handle.topk_weights, handle.group_name, handle.epoch, text
+    )
+    new = Handle(
+        handle.row_slot,
+        handle.row_target,
+        handle.topk_idx,
+        handle.topk_weights,
+        handle.group_name,
+        text,
+        epoch,
+    )
+    return CachedDispatchResult(recv_x, scales, new)
+
+
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     """``y`` [R, H] bf16 expert outputs, row r for ``handle.row_slot[r]``; returns [T, H] with
     out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
@@ -352,10 +402,11 @@ def _moe_backward_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of moe_forward on GPUs, built from the runtime's pieces.
 
-    The forward rows are dispatched again (same routing, so the same slots and rows), and so is
-    grad_out; the expert math is differentiated locally through torch._grouped_mm; grad_x comes
-    home through a combine with unit weights (sum over k, ascending, fp32); the per-(token, k)
-    dot products for grad_topk_weights go back over the group's NCCL all_to_all.
+    The forward rows are dispatched again (same routing, so the same slots and rows), and
+    grad_out on that dispatch's plan (``ep_dispatch_cached``); the expert math is
+    differentiated locally through torch._grouped_mm; grad_x comes home through a combine with
+    unit weights (sum over k, ascending, fp32); the per-(token, k) dot products for
+    grad_topk_weights go back over the group's NCCL all_to_all.
     """
     if x.dtype != torch.bfloat16:
         raise NotImplementedError(f"moe_backward on CUDA takes bfloat16 x, got {x.dtype}")
@@ -367,7 +418,7 @@ def _moe_backward_cuda(
     ffn = w2.shape[1]
 
     fwd = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, group_name, text)
-    recv_x, scales, _, _, recv_w, per_expert, row_slot, row_target, _ = fwd
+    recv_x, scales, _, _, recv_w, per_expert, row_slot, row_target, plan_epoch = fwd
     rows = recv_x.index_select(0, row_slot)
     if params.dispatch == "fp8":
         rows = _dequantize_fp8(rows, scales.index_select(0, row_slot))
@@ -375,10 +426,11 @@ def _moe_backward_cuda(
     w_row = recv_w.index_select(0, row_slot).gather(1, k_of_row.unsqueeze(1)).squeeze(1)
     offs = per_expert.cumsum(0).to(torch.int32)
 
-    back = torch.ops.uniep.ep_dispatch(
-        grad_out.contiguous(), topk_idx, topk_weights, group_name, grad_text
+    # Same routing: grad_out rides on the forward rows' plan (no second count exchange).
+    recv_go, _, back_epoch = torch.ops.uniep.ep_dispatch_cached(
+        grad_out.contiguous(), topk_idx, topk_weights, group_name, plan_epoch, grad_text
     )
-    go_rows = back[0].index_select(0, back[6])
+    go_rows = recv_go.index_select(0, row_slot)
 
     with torch.enable_grad():
         xs = rows.detach().requires_grad_(True)
@@ -396,7 +448,7 @@ def _moe_backward_cuda(
 
     ones = torch.ones_like(topk_weights)
     grad_x = torch.ops.uniep.ep_combine(
-        grad_rows.contiguous(), back[7], topk_idx, ones, group_name, back[8], grad_text
+        grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
     )
     grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
@@ -423,6 +475,15 @@ def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: A
         x.new_empty((r,), dtype=i64),
         0,
     )
+
+
+@torch.library.register_fake("uniep::ep_dispatch_cached")
+def _dispatch_cached_fake(x, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
+    n = torch.library.get_ctx().new_dynamic_size()
+    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
+    recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
+    return recv_x, scales, 0
 
 
 @torch.library.register_fake("uniep::ll_dispatch")
@@ -462,17 +523,20 @@ def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.group_name, ctx.tuning = group_name, tuning
 
 
-def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor) -> torch.Tensor:
-    topk_idx, topk_weights, recv_src, _, _ = ctx.saved_tensors
+def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor, slots: int, op: str) -> torch.Tensor:
+    """Gradient of x through a dispatch (``op``) of ``slots`` receive slots: each slot's gradient
+    comes home through a combine with unit weights. ctx: topk_idx and topk_weights first in
+    saved_tensors; group_name, tuning, x_dtype, x_cols."""
+    topk_idx, topk_weights = ctx.saved_tensors[:2]
     hidden = int(_C.ep_config(ctx.group_name)["hidden"])
     if _C.TuningParams.parse(ctx.tuning).dispatch == "fp8":
         raise NotImplementedError(
-            "ep_dispatch backward: no gradient of x through dispatch=fp8 (the rows are "
+            f"{op} backward: no gradient of x through dispatch=fp8 (the rows are "
             "quantised); dispatch in bf16 to differentiate"
         )
     if ctx.x_dtype != torch.bfloat16 or ctx.x_cols != hidden:
         raise NotImplementedError(
-            "ep_dispatch backward: the gradient of x comes home through ep_combine, which "
+            f"{op} backward: the gradient of x comes home through ep_combine, which "
             f"carries bfloat16 rows of hidden = {hidden} columns; got x {ctx.x_dtype} with "
             f"{ctx.x_cols} columns"
         )
@@ -481,10 +545,10 @@ def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor) -> torch.Tensor:
     stub = topk_idx.new_zeros((topk_idx.shape[0], 8), dtype=torch.bfloat16)
     plan = torch.ops.uniep.ep_dispatch(stub, topk_idx, topk_weights, ctx.group_name, text)
     _, _, _, recv_idx, _, _, row_slot, row_target, epoch = plan
-    if recv_idx.shape[0] != recv_src.shape[0]:
+    if recv_idx.shape[0] != slots:
         raise RuntimeError(
-            f"ep_dispatch backward: the routing now gives {recv_idx.shape[0]} receive slots, "
-            f"the forward had {recv_src.shape[0]}; it must not change in between on any rank"
+            f"{op} backward: the routing now gives {recv_idx.shape[0]} receive slots, "
+            f"the forward had {slots}; it must not change in between on any rank"
         )
     # A token reaches a rank once however many of its experts live there, but combine sums one
     # row per (token, k): the slot's gradient rides on the row of its first local k alone, and
@@ -519,7 +583,8 @@ def _dispatch_backward(ctx: Any, *grads: Any) -> tuple:
     needs = ctx.needs_input_grad
     grad_x = grad_w = None
     if needs[0]:
-        grad_x = _dispatch_grad_x(ctx, grad_recv_x)
+        slots = ctx.saved_tensors[2].shape[0]
+        grad_x = _dispatch_grad_x(ctx, grad_recv_x, slots, "ep_dispatch")
     if needs[2]:
         grad_w = _dispatch_grad_weights(ctx, grad_recv_w)
     return grad_x, None, grad_w, None, None
@@ -527,6 +592,28 @@ def _dispatch_backward(ctx: Any, *grads: Any) -> tuple:
 
 torch.library.register_autograd(
     "uniep::ep_dispatch", _dispatch_backward, setup_context=_dispatch_setup_context
+)
+
+
+def _dispatch_cached_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, topk_idx, topk_weights, group_name, _, tuning = inputs
+    ctx.save_for_backward(topk_idx, topk_weights)
+    ctx.slots = output[0].shape[0]
+    ctx.x_dtype, ctx.x_cols = x.dtype, x.shape[1]
+    ctx.group_name, ctx.tuning = group_name, tuning
+
+
+def _dispatch_cached_backward(ctx: Any, *grads: Any) -> tuple:
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _dispatch_grad_x(ctx, grads[0], ctx.slots, "ep_dispatch_cached")
+    return grad_x, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "uniep::ep_dispatch_cached",
+    _dispatch_cached_backward,
+    setup_context=_dispatch_cached_setup_context,
 )
 
 

@@ -16,6 +16,8 @@ enum class WaitOp : uint32_t {
   kCombineTarget = 5,   // row_target[have] = want is out of range or repeated
   kCombineMissing = 6,  // no row for (receive slot have, k = want) from source `peer`
   kCombineWeights = 7,  // topk_weights[have, want] differs from what the dispatch carried
+  // Not a wait: this rank reused its plan (a cached dispatch) while rank `peer` sent new counts.
+  kPlanMismatch = 8,
 };
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.

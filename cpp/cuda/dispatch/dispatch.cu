@@ -83,6 +83,8 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, float* const
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
+  // A failed reuse barrier: the peers have stopped, so nothing is sent and nothing awaited.
+  if (a.round_ok != nullptr && *a.round_ok == 0) return;
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
@@ -120,7 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           mapped[num_mapped] = peer_row;
           mapped_scales[num_mapped++] = reinterpret_cast<float*>(peer_row + a.fp8_hidden);
         }
-        if (peer_row != nullptr) {
+        if (a.rows_only) {
+          if (peer_row == nullptr) nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
+        } else if (peer_row != nullptr) {
           auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
           auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
           if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
@@ -152,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // whole GPU (the communication SM budget only bounds the transfer). Our own rows are already in
 // the output (see direct_self).
 __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
+  if (a.round_ok != nullptr && *a.round_ok == 0) return;
   const int64_t K = d.top_k, meta_len = 1 + K, first = d.rank * d.experts_per_rank;
   const int64_t N = a.plan.recv_offsets[d.world_size];
   const int64_t self_begin = a.plan.recv_offsets[d.rank];
@@ -175,6 +180,7 @@ __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
           reinterpret_cast<const float*>(sym.recv_x + slot * d.row_cap + a.fp8_hidden)[j - vecs];
     }
   }
+  if (a.rows_only) return;
   for (int64_t i = begin; i < N * meta_len; i += stride) {
     const int64_t slot = i / meta_len, j = i % meta_len;
     if (j < K) {

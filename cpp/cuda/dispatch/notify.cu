@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads)
     else if (i < W + E)
       v = tokens_per_expert[i - W];
     else
-      v = *layout_error == ~0ull ? 1 : 0;  // routing valid
+      v = *layout_error == ~0ull ? kRoutingValid : kRoutingInvalid;
     sym.count_stage[i] = v;
   }
   __threadfence_system();
@@ -57,13 +57,16 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (waits_failed) return;
 
+  // The first rank without valid counts fails the round on every rank: -1 - s when its routing
+  // was invalid, -1 - W - s when it reused its last plan (a cached dispatch) instead.
   __shared__ int64_t invalid_rank;
   if (threadIdx.x == 0) {
     invalid_rank = -1;
     for (int64_t s = W - 1; s >= 0; --s)
-      if (counts[s * C + C - 1] != 1) invalid_rank = s;
+      if (counts[s * C + C - 1] != kRoutingValid) invalid_rank = s;
     if (invalid_rank >= 0) {
-      host_counts[0] = -1 - invalid_rank;
+      const bool reused = counts[invalid_rank * C + C - 1] == kRoutingReused;
+      host_counts[0] = -1 - invalid_rank - (reused ? W : 0);
       __threadfence_system();
     }
   }
@@ -102,7 +105,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The barrier of a round that reuses the last plan. Only the validity word of our count row
+// travels (as kRoutingReused), with the round's signal; the peers' words say whether they reused
+// theirs too. The counts, the plan and the send slots stay as the last notify left them.
+__global__ void __launch_bounds__(kThreads)
+    reuse_plan_kernel(SymmetricView sym, EpDims d, uint64_t epoch, uint64_t timeout_ns,
+                      int32_t* round_ok, DeviceError* err) {
+  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
+  const uint64_t deadline = global_timer_ns() + timeout_ns;
+  // As in notify: the completion words restart before any peer can see this round's signal.
+  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) {
+    sym.signals[kDispatchSignal * W + i] = 0;
+    sym.signals[kCombineSignal * W + i] = 0;
+  }
+  if (threadIdx.x == 0) {
+    sym.count_stage[C - 1] = kRoutingReused;
+    *round_ok = 0;
+  }
+  __threadfence_system();
+  __syncthreads();
+  int64_t* const counts = sym.counts + static_cast<int64_t>(epoch & 1) * W * C;
+  for (int64_t pe = threadIdx.x; pe < W; pe += blockDim.x)
+    nvshmem_putmem_signal_nbi(counts + me * C + C - 1, sym.count_stage + C - 1, sizeof(int64_t),
+                              &sym.signals[kCountSignal * W + me], epoch, NVSHMEM_SIGNAL_SET,
+                              static_cast<int>(pe));
+  nvshmem_quiet();
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
+    if (!wait_at_least(&sym.signals[kCountSignal * W + s], epoch, deadline, err, WaitOp::kNotify,
+                       static_cast<int>(s))) {
+      atomicAdd(&failed, 1);
+    } else if (counts[s * C + C - 1] != kRoutingReused) {
+      report_error(err, WaitOp::kPlanMismatch, static_cast<int>(s),
+                   static_cast<uint64_t>(counts[s * C + C - 1]), kRoutingReused);
+      atomicAdd(&failed, 1);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && failed == 0) *round_ok = 1;
+}
+
 }  // namespace
+
+void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch,
+                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
+                       cudaStream_t stream) {
+  reuse_plan_kernel<<<1, kThreads, 0, stream>>>(sym, d, epoch, timeout_ns, round_ok, err);
+}
 
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
