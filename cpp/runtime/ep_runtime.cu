@@ -323,7 +323,7 @@ class RuntimeImpl final : public Runtime {
     }
     if (fp8 && recv_x != nullptr && recv_scales == nullptr)
       return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
-    if (reused_ && recv_x == nullptr)
+    if (reused_ && recv_x == nullptr && last_.num_recv > 0)
       return {StatusCode::kInvalidArgument,
               "a cached dispatch writes its rows out: pass recv_x (the runtime's buffer may "
               "still hold rows a caller reads)"};
