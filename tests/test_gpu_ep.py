@@ -331,6 +331,11 @@ def _cached_worker(rank: int, world: int) -> None:
     # x must have the plan's tokens (checked before the round starts, so no rank waits).
     with pytest.raises(ValueError, match="topk_idx must have T = 3 rows"):
         uniep.ep.dispatch_cached(x2[:3].contiguous(), current)
+    # A graph would freeze the round's epoch: capture is refused before anything is enqueued.
+    with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            uniep.ep.dispatch_cached(x2, current)
+    assert torch.equal(uniep.ep.dispatch_cached(x2, current).recv_x, fresh.recv_x)
 
     # Rank 0 reuses its plan while the others pass new routing: every rank raises, none hangs.
     plan = uniep.ep.dispatch(x, idx, w)

@@ -79,7 +79,7 @@ class Runtime {
   // must reuse in the same round: a rank that calls notify instead gets kInvalidArgument naming
   // the reusing rank, and the reusing rank sends nothing and reports the mismatch through
   // check_device_errors / the next notify or reuse_plan. Starts a new epoch; `counts` are the
-  // plan's.
+  // plan's. Not capturable in a CUDA graph (kUnsupported): the epoch comes from the host.
   virtual Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) = 0;
 
   // Puts every token row into its receive slot on each destination rank (once per rank, however
