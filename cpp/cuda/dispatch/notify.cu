@@ -11,6 +11,42 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The previous round's completion words restart. No peer can add to them before it has seen our
+// count signal of the new round, which exchange_count_row releases after these stores.
+__device__ __forceinline__ void restart_completion_words(const SymmetricView& sym, int64_t W) {
+  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) {
+    sym.signals[kDispatchSignal * W + i] = 0;
+    sym.signals[kCombineSignal * W + i] = 0;
+  }
+}
+
+// Puts words [first, first + n) of our staged count row into row `me` of every peer's count
+// matrix, with this round's signal, and waits for every peer's. Two matrices by epoch parity: a
+// rank can run at most one round ahead of a peer (it needs the peer's signal of the same epoch),
+// so it never overwrites a row still being read. Returns this round's matrix, or nullptr when a
+// wait timed out (recorded in err). Called by every thread of the block, after the staging.
+__device__ int64_t* exchange_count_row(const SymmetricView& sym, const EpDims& d, uint64_t epoch,
+                                       int64_t first, int64_t n, uint64_t deadline,
+                                       DeviceError* err) {
+  const int64_t W = d.world_size, C = W + d.num_experts + 1, me = d.rank;
+  int64_t* const counts = sym.counts + static_cast<int64_t>(epoch & 1) * W * C;
+  for (int64_t pe = threadIdx.x; pe < W; pe += blockDim.x)
+    nvshmem_putmem_signal_nbi(counts + me * C + first, sym.count_stage + first, n * sizeof(int64_t),
+                              &sym.signals[kCountSignal * W + me], epoch, NVSHMEM_SIGNAL_SET,
+                              static_cast<int>(pe));
+  nvshmem_quiet();
+  __shared__ int waits_failed;
+  if (threadIdx.x == 0) waits_failed = 0;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < W; s += blockDim.x)
+    if (!wait_at_least(&sym.signals[kCountSignal * W + s], epoch, deadline, err, WaitOp::kNotify,
+                       static_cast<int>(s)))
+      atomicAdd(&waits_failed, 1);
+  __threadfence();
+  __syncthreads();
+  return waits_failed ? nullptr : counts;
+}
+
 __global__ void __launch_bounds__(kThreads)
     notify_kernel(SymmetricView sym, EpDims d, const int64_t* tokens_per_rank,
                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
@@ -18,12 +54,7 @@ __global__ void __launch_bounds__(kThreads)
                   int64_t* tokens_per_local_expert, DeviceError* err) {
   const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
-  // The previous operation's receive counters restart here. No peer can add to them before it
-  // has seen our count signal below, which is released after these stores.
-  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) {
-    sym.signals[kDispatchSignal * W + i] = 0;
-    sym.signals[kCombineSignal * W + i] = 0;
-  }
+  restart_completion_words(sym, W);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     int64_t v;
     if (i < W)
@@ -36,26 +67,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __threadfence_system();
   __syncthreads();
-
-  // Two count matrices by epoch parity: a rank can run at most one notify ahead of a peer (it
-  // needs the peer's signal of the same epoch), so it never overwrites a row still being read.
-  int64_t* const counts = sym.counts + static_cast<int64_t>(epoch & 1) * W * C;
-  for (int64_t pe = threadIdx.x; pe < W; pe += blockDim.x) {
-    nvshmem_putmem_signal_nbi(counts + me * C, sym.count_stage, C * sizeof(int64_t),
-                              &sym.signals[kCountSignal * W + me], epoch, NVSHMEM_SIGNAL_SET,
-                              static_cast<int>(pe));
-  }
-  nvshmem_quiet();
-  __shared__ int waits_failed;
-  if (threadIdx.x == 0) waits_failed = 0;
-  __syncthreads();
-  for (int64_t s = threadIdx.x; s < W; s += blockDim.x)
-    if (!wait_at_least(&sym.signals[kCountSignal * W + s], epoch, deadline, err, WaitOp::kNotify,
-                       static_cast<int>(s)))
-      atomicAdd(&waits_failed, 1);
-  __threadfence();
-  __syncthreads();
-  if (waits_failed) return;
+  const int64_t* const counts = exchange_count_row(sym, d, epoch, 0, C, deadline, err);
+  if (counts == nullptr) return;
 
   // The first rank without valid counts fails the round on every rank: -1 - s when its routing
   // was invalid, -1 - W - s when it reused its last plan (a cached dispatch) instead.
@@ -111,40 +124,26 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     reuse_plan_kernel(SymmetricView sym, EpDims d, uint64_t epoch, uint64_t timeout_ns,
                       int32_t* round_ok, DeviceError* err) {
-  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
+  const int64_t W = d.world_size, C = W + d.num_experts + 1;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
-  // As in notify: the completion words restart before any peer can see this round's signal.
-  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) {
-    sym.signals[kDispatchSignal * W + i] = 0;
-    sym.signals[kCombineSignal * W + i] = 0;
-  }
+  restart_completion_words(sym, W);
   if (threadIdx.x == 0) {
     sym.count_stage[C - 1] = kRoutingReused;
     *round_ok = 0;
   }
   __threadfence_system();
   __syncthreads();
-  int64_t* const counts = sym.counts + static_cast<int64_t>(epoch & 1) * W * C;
-  for (int64_t pe = threadIdx.x; pe < W; pe += blockDim.x)
-    nvshmem_putmem_signal_nbi(counts + me * C + C - 1, sym.count_stage + C - 1, sizeof(int64_t),
-                              &sym.signals[kCountSignal * W + me], epoch, NVSHMEM_SIGNAL_SET,
-                              static_cast<int>(pe));
-  nvshmem_quiet();
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  for (int64_t s = threadIdx.x; s < W; s += blockDim.x) {
-    if (!wait_at_least(&sym.signals[kCountSignal * W + s], epoch, deadline, err, WaitOp::kNotify,
-                       static_cast<int>(s))) {
-      atomicAdd(&failed, 1);
-    } else if (counts[s * C + C - 1] != kRoutingReused) {
+  const int64_t* const counts = exchange_count_row(sym, d, epoch, C - 1, 1, deadline, err);
+  if (counts == nullptr) return;
+  if (threadIdx.x != 0) return;
+  for (int64_t s = 0; s < W; ++s) {
+    if (counts[s * C + C - 1] != kRoutingReused) {
       report_error(err, WaitOp::kPlanMismatch, static_cast<int>(s),
                    static_cast<uint64_t>(counts[s * C + C - 1]), kRoutingReused);
-      atomicAdd(&failed, 1);
+      return;
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0 && failed == 0) *round_ok = 1;
+  *round_ok = 1;
 }
 
 }  // namespace
