@@ -331,6 +331,11 @@ def _cached_worker(rank: int, world: int) -> None:
     # x must have the plan's tokens (checked before the round starts, so no rank waits).
     with pytest.raises(ValueError, match="topk_idx must have T = 3 rows"):
         uniep.ep.dispatch_cached(x2[:3].contiguous(), current)
+    # Tuning the runtime would refuse is refused before a round starts, so no rank waits.
+    with pytest.raises(ValueError, match="tuning sms must be in"):
+        uniep.ep.dispatch_cached(x2, current, tuning="sms=1000")
+    with pytest.raises(ValueError, match="dispatch=fp8 takes bfloat16 x of hidden"):
+        uniep.ep.dispatch(x2[:, :1024].contiguous(), idx, w, tuning="dispatch=fp8")
     # A graph would freeze the round's epoch: capture is refused before anything is enqueued.
     with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):

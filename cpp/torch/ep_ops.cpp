@@ -83,14 +83,29 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
               "topk_weights must be contiguous on x's device");
 }
 
+// What the runtime's dispatch would refuse, checked before the round starts with the peers: a
+// rank that fails after its notify or plan-reuse barrier leaves them waiting for its rows.
+bool check_dispatch_tuning(const at::Tensor& x, const TuningParams& params, const ep::Config& cfg) {
+  const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
+  UNIEP_CHECK(
+      !fp8 ||
+          (x.scalar_type() == at::kBFloat16 && x.size(1) == cfg.hidden && cfg.hidden % 128 == 0),
+      "tuning dispatch=fp8 takes bfloat16 x of hidden = ", cfg.hidden,
+      " columns (a multiple of 128), got ", x.scalar_type(), " with ", x.size(1), " columns");
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()));
+  UNIEP_CHECK(params.comm_sms >= 1 && params.comm_sms <= sms, "tuning sms must be in [1, ", sms,
+              "] (this GPU's SMs: the transfer's blocks wait on each other), got ",
+              params.comm_sms);
+  return fp8;
+}
+
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                         const at::Tensor& topk_weights, ep::Runtime& rt, const TuningParams& params,
                         bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   check_routing(x, topk_idx, topk_weights, cfg);
-  const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
-  UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
-              "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
+  const bool fp8 = check_dispatch_tuning(x, params, cfg);
   Dispatched d;
   ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
   const int64_t N = d.counts.num_recv, K = cfg.top_k;
@@ -153,9 +168,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     check_routing(x, topk_idx, topk_weights, rt.config());
-    const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
-    UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
-                "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
+    const bool fp8 = check_dispatch_tuning(x, params, rt.config());
     UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
     ep::DispatchCounts counts;
     ok_or_throw(rt.reuse_plan(static_cast<uint64_t>(epoch), stream, &counts));
