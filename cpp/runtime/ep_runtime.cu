@@ -301,15 +301,7 @@ class RuntimeImpl final : public Runtime {
     return Status::Ok();
   }
 
-  Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
-                  CombineReduction combine, void* recv_x, float* recv_scales, int64_t* recv_src,
-                  int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
-                  int64_t* row_target, cudaStream_t stream) override {
-    if (tokens != last_tokens_)
-      return {
-          StatusCode::kInvalidArgument,
-          detail::str_cat("dispatch got ", tokens, " tokens but notify planned ", last_tokens_)};
+  Status check_dispatch_args(int64_t row_bytes, int num_sms, bool fp8) const override {
     if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > cfg_.row_bytes_capacity())
       return {StatusCode::kInvalidArgument,
               detail::str_cat("x rows must be a multiple of 16 bytes and at most ",
@@ -329,6 +321,19 @@ class RuntimeImpl final : public Runtime {
                 "fp8 dispatch casts into the peer's buffer and needs every peer reachable over "
                 "NVLink (nvshmem_ptr); use dispatch=bf16 across nodes"};
     }
+    return Status::Ok();
+  }
+
+  Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
+                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
+                  CombineReduction combine, void* recv_x, float* recv_scales, int64_t* recv_src,
+                  int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
+                  int64_t* row_target, cudaStream_t stream) override {
+    if (tokens != last_tokens_)
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("dispatch got ", tokens, " tokens but notify planned ", last_tokens_)};
+    if (Status s = check_dispatch_args(row_bytes, num_sms, fp8); !s.ok()) return s;
     if (fp8 && recv_x != nullptr && recv_scales == nullptr)
       return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
     if (reused_ && recv_x == nullptr && last_.num_recv > 0)
@@ -501,22 +506,22 @@ class RuntimeImpl final : public Runtime {
                                   "] differs from the weights the dispatch carried; the expert "
                                   "ranks apply those, so combine must get the same ones (or "
                                   "use combine=per_k)")};
+        case cuda::WaitOp::kPlanMismatch:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("cached dispatch on rank ", cfg_.rank, ": rank ", e.peer,
+                                  " passed new routing (topk_idx) in the same round while this "
+                                  "rank reused its plan (a handle); every rank must do the same "
+                                  "kind of dispatch. Nothing was sent")};
+        case cuda::WaitOp::kCapacity:
+          return {StatusCode::kCapacityExceeded,
+                  detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
+                                  " rows for one expert of rank ", e.peer, " exceed the region of ",
+                                  e.want,
+                                  " (ll_max_tokens; an expert repeated within a token's "
+                                  "top-k?); nothing of that expert was sent")};
         default:
           break;
       }
-      if (e.op == static_cast<uint32_t>(cuda::WaitOp::kPlanMismatch))
-        return {StatusCode::kInvalidArgument,
-                detail::str_cat("cached dispatch on rank ", cfg_.rank, ": rank ", e.peer,
-                                " passed new routing (topk_idx) in the same round while this "
-                                "rank reused its plan (a handle); every rank must do the same "
-                                "kind of dispatch. Nothing was sent")};
-      if (e.op == static_cast<uint32_t>(cuda::WaitOp::kCapacity))
-        return {StatusCode::kCapacityExceeded,
-                detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
-                                " rows for one expert of rank ", e.peer, " exceed the region of ",
-                                e.want,
-                                " (ll_max_tokens; an expert repeated within a token's "
-                                "top-k?); nothing of that expert was sent")};
       return runtime::wait_timeout(op_name(e.op), cfg_.rank, cfg_.timeout_s, e,
                                    "did every rank of the group call it?");
     });
@@ -539,8 +544,8 @@ class RuntimeImpl final : public Runtime {
   int64_t *counts_host_ = nullptr, *counts_dev_ = nullptr;
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
-  int32_t* round_ok_ = nullptr;          // device: the last reuse barrier's verdict
   bool weights_kept_ = false;            // ... when it was made for combine=rank_partials
+  int32_t* round_ok_ = nullptr;          // device: the last reuse barrier's verdict
   uint64_t* row_of_target_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;

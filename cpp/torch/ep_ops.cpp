@@ -7,6 +7,8 @@
 
 #include <memory>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "torch/ep_registry.hpp"
 #include "torch/process_group.hpp"
@@ -83,21 +85,21 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
               "topk_weights must be contiguous on x's device");
 }
 
-// What the runtime's dispatch would refuse, checked before the round starts with the peers: a
-// rank that fails after its notify or plan-reuse barrier leaves them waiting for its rows.
-bool check_dispatch_tuning(const at::Tensor& x, const TuningParams& params, const ep::Config& cfg) {
+// The runtime's own dispatch checks, made before the round starts with the peers (see
+// Runtime::check_dispatch_args), and the dtype it cannot see. Returns whether rows go as fp8.
+bool check_dispatch_tuning(const at::Tensor& x, const TuningParams& params, const ep::Runtime& rt) {
   const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
-  UNIEP_CHECK(
-      !fp8 ||
-          (x.scalar_type() == at::kBFloat16 && x.size(1) == cfg.hidden && cfg.hidden % 128 == 0),
-      "tuning dispatch=fp8 takes bfloat16 x of hidden = ", cfg.hidden,
-      " columns (a multiple of 128), got ", x.scalar_type(), " with ", x.size(1), " columns");
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()));
-  UNIEP_CHECK(params.comm_sms >= 1 && params.comm_sms <= sms, "tuning sms must be in [1, ", sms,
-              "] (this GPU's SMs: the transfer's blocks wait on each other), got ",
-              params.comm_sms);
+  UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
+              "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
+  ok_or_throw(rt.check_dispatch_args(x.size(1) * x.element_size(), params.comm_sms, fp8));
   return fp8;
+}
+
+// The received rows (x's dtype, or e4m3 with fp8) and their fp8 block scales ([0, 0] if bf16).
+std::pair<at::Tensor, at::Tensor> empty_received(const at::Tensor& x, int64_t rows, bool fp8) {
+  const int64_t H = x.size(1);
+  return {at::empty({rows, H}, fp8 ? x.options().dtype(at::kFloat8_e4m3fn) : x.options()),
+          at::empty({fp8 ? rows : 0, fp8 ? H / 128 : 0}, x.options().dtype(at::kFloat))};
 }
 
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -105,22 +107,15 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                         bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   check_routing(x, topk_idx, topk_weights, cfg);
-  const bool fp8 = check_dispatch_tuning(x, params, cfg);
+  const bool fp8 = check_dispatch_tuning(x, params, rt);
   Dispatched d;
   ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
   const int64_t N = d.counts.num_recv, K = cfg.top_k;
   const int64_t R =
       std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(), int64_t{0});
   const auto i64 = x.options().dtype(at::kLong);
-  if (!copy_rows) {
-    d.recv_x = at::Tensor();
-  } else if (fp8) {
-    d.recv_x = at::empty({N, x.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
-  } else {
-    d.recv_x = at::empty({N, x.size(1)}, x.options());
-  }
-  d.recv_scales =
-      at::empty({fp8 ? N : 0, fp8 ? x.size(1) / 128 : 0}, x.options().dtype(at::kFloat));
+  // Without copy_rows the rows stay in the runtime's buffer: no recv_x (nor its scales).
+  std::tie(d.recv_x, d.recv_scales) = empty_received(x, copy_rows ? N : 0, fp8);
   d.recv_src = at::empty({N}, i64);
   d.recv_topk_idx = at::empty({N, K}, i64);
   d.recv_topk_weights = at::empty({N, K}, x.options().dtype(at::kFloat));
@@ -168,18 +163,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     check_routing(x, topk_idx, topk_weights, rt.config());
-    const bool fp8 = check_dispatch_tuning(x, params, rt.config());
+    const bool fp8 = check_dispatch_tuning(x, params, rt);
     UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
     ep::DispatchCounts counts;
     ok_or_throw(rt.reuse_plan(static_cast<uint64_t>(epoch), stream, &counts));
-    const int64_t N = counts.num_recv, H = x.size(1);
-    const at::Tensor recv_x =
-        at::empty({N, H}, fp8 ? x.options().dtype(at::kFloat8_e4m3fn) : x.options());
-    const at::Tensor recv_scales =
-        at::empty({fp8 ? N : 0, fp8 ? H / 128 : 0}, x.options().dtype(at::kFloat));
-    ok_or_throw(rt.dispatch(x.data_ptr(), H * x.element_size(), topk_idx.data_ptr<int64_t>(),
-                            topk_weights.data_ptr<float>(), x.size(0), params.comm_sms, fp8,
-                            params.combine, recv_x.data_ptr(),
+    const auto [recv_x, recv_scales] = empty_received(x, counts.num_recv, fp8);
+    ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(),
+                            topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), x.size(0),
+                            params.comm_sms, fp8, params.combine, recv_x.data_ptr(),
                             fp8 ? recv_scales.data_ptr<float>() : nullptr, nullptr, nullptr,
                             nullptr, nullptr, nullptr, stream));
     return std::make_tuple(recv_x, recv_scales, static_cast<int64_t>(rt.epoch()));

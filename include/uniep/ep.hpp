@@ -82,6 +82,11 @@ class Runtime {
   // plan's. Not capturable in a CUDA graph (kUnsupported): the epoch comes from the host.
   virtual Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) = 0;
 
+  // What dispatch() refuses in its row size, SM budget and precision, for a caller to check
+  // before notify / reuse_plan: a rank that fails after starting a round leaves its peers
+  // waiting for its rows until their timeout.
+  virtual Status check_dispatch_args(int64_t row_bytes, int num_sms, bool fp8) const = 0;
+
   // Puts every token row into its receive slot on each destination rank (once per rank, however
   // many of its experts live there), then writes the outputs (slot order = (source rank, token)):
   //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim), or

@@ -15,7 +15,7 @@ or on the SM budget. Every device-side wait times out after ``timeout_s`` (defau
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -244,16 +244,7 @@ def dispatch_cached(
     recv_x, scales, epoch = torch.ops.uniep.ep_dispatch_cached(
         x, handle.topk_idx, handle.topk_weights, handle.group_name, handle.epoch, text
     )
-    new = Handle(
-        handle.row_slot,
-        handle.row_target,
-        handle.topk_idx,
-        handle.topk_weights,
-        handle.group_name,
-        text,
-        epoch,
-    )
-    return CachedDispatchResult(recv_x, scales, new)
+    return CachedDispatchResult(recv_x, scales, replace(handle, tuning=text, epoch=epoch))
 
 
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
@@ -454,6 +445,15 @@ def _moe_backward_cuda(
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
 
 
+def _fake_received(x: torch.Tensor, n: Any, tuning: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The received rows of a fake dispatch (x's dtype, or e4m3 with dispatch=fp8) and their
+    block scales ([0, 0] unless fp8)."""
+    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
+    recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
+    return recv_x, scales
+
+
 @torch.library.register_fake("uniep::ep_dispatch")
 def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: ANN001, ANN202
     ctx = torch.library.get_ctx()
@@ -461,9 +461,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: A
     r = ctx.new_dynamic_size()
     k = topk_idx.shape[1]
     i64 = torch.int64
-    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
-    recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
-    scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
+    recv_x, scales = _fake_received(x, n, tuning)
     return (
         recv_x,
         scales,
@@ -479,10 +477,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, group_name, tuning=""):  # noqa: A
 
 @torch.library.register_fake("uniep::ep_dispatch_cached")
 def _dispatch_cached_fake(x, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
-    n = torch.library.get_ctx().new_dynamic_size()
-    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
-    recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
-    scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
+    recv_x, scales = _fake_received(x, torch.library.get_ctx().new_dynamic_size(), tuning)
     return recv_x, scales, 0
 
 

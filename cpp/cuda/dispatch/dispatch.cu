@@ -122,15 +122,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           mapped[num_mapped] = peer_row;
           mapped_scales[num_mapped++] = reinterpret_cast<float*>(peer_row + a.fp8_hidden);
         }
-        if (a.rows_only) {
-          if (peer_row == nullptr) nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
-        } else if (peer_row != nullptr) {
+        if (peer_row == nullptr) nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
+        // A cached dispatch (rows_only) finds the plan dispatch's metadata and weights there.
+        if (!a.rows_only && peer_row != nullptr) {
           auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
           auto* peer_weights = static_cast<float*>(nvshmem_ptr(weights, pe));
           if (lane < meta_len) peer_meta[lane] = lane == 0 ? t : a.topk_idx[t * K + lane - 1];
           if (lane < K) peer_weights[lane] = a.topk_weights[t * K + lane];
-        } else {
-          nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
+        } else if (!a.rows_only) {
           if (lane < meta_len)
             nvshmem_int64_p(meta + lane, lane == 0 ? t : a.topk_idx[t * K + lane - 1], pe);
           if (lane < K) nvshmem_float_p(weights + lane, a.topk_weights[t * K + lane], pe);
