@@ -591,7 +591,14 @@ def _bench_tp_kind(
     if cfg.get("profile_iters", 0) > 0 and cfg["device"] == "cuda":
         # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
         profiled = {n: fn for n, fn in timed if n not in errors}
-        result["kernel_us_rank0"] = profile_kernels(profiled, cfg["profile_iters"])
+
+        def trace_path(variant: str) -> str | None:
+            if variant not in cfg.get("trace", ()) or not cfg.get("trace_dir"):
+                return None
+            name = f"trace-tp{world}-{kind}-{shape.name}-{variant}-rank{rank}.json"
+            return os.path.join(cfg["trace_dir"], name)
+
+        result["kernel_us_rank0"] = profile_kernels(profiled, cfg["profile_iters"], trace_path)
     return result
 
 
@@ -867,6 +874,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "goal_ideal": GOAL_IDEAL,
         "goal_baseline": GOAL_BASELINE,
         "profile_iters": args.profile,
+        "trace": args.trace,
+        "trace_dir": args.trace_dir,
     }
 
 
@@ -1006,6 +1015,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
     add_profile_argument(parser)
+    parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="VARIANT",
+        help="with --profile: write this variant's Chrome trace per shape, one per rank",
+    )
+    parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
     parser.add_argument(
         "--cpu",
         action="store_true",

@@ -60,13 +60,21 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
   const int lane = threadIdx.x % 32;
   unsigned long long* sent = block_send_counts(W);
 
-  const int64_t items = a.plan.recv_offsets[W] * kSegments;
+  // The items interleave the sources (item i: source (me + i / kSegments) % W), so the stores
+  // to every peer and the local ones run side by side all through the kernel. In slot order
+  // (slots are grouped by source) each rank stored over NVLink only while it walked a peer's
+  // slots, and its own slots left the link idle: at EP2, half the kernel.
+  int64_t most = 0;  // slots of the source that sent the most
+  for (int64_t s = 0; s < W; ++s)
+    most = max(most, a.plan.recv_offsets[s + 1] - a.plan.recv_offsets[s]);
+  const int64_t items = most * W * kSegments;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t item = warp; item < items; item += num_warps) {
-    const int64_t n = item / kSegments;
     const int seg = static_cast<int>(item % kSegments);
-    const int64_t src = source_rank_of(a.plan, W, n);
+    const int64_t src = (me + item / kSegments) % W, q = item / kSegments / W;
+    if (q >= a.plan.recv_offsets[src + 1] - a.plan.recv_offsets[src]) continue;
+    const int64_t n = a.plan.recv_offsets[src] + q;
     const int64_t* meta = sym.recv_meta + n * meta_len;
     const int64_t token = meta[0];
     // Lane k holds choice k's row and weight when the expert is ours; a ballot lists them.
