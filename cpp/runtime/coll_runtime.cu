@@ -2,6 +2,7 @@
 // barrier and arrival words and the push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
 // computations on two streams.
+#include <cuda.h>  // types of the driver's stream write, fetched at run time (no -lcuda)
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -43,19 +44,55 @@ int64_t dtype_bytes(DType d) {
   return d == DType::kBFloat16 ? 2 : d == DType::kFloat32 ? 4 : 8;
 }
 
+// A copy on the copy engines where the driver can put it there. A plain cudaMemcpyAsync between
+// two addresses of this GPU ran as an SM copy: beside a GEMM that fills every SM it started only
+// in the GEMM's last wave (TP=2 traces), so the copy of the gathered rows ended after the GEMM
+// instead of under it. cudaMemcpyBatchAsync takes the hint; where it is refused, the plain copy.
+cudaError_t copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  void* dsts[1] = {dst};
+  const void* srcs[1] = {src};
+  size_t sizes[1] = {bytes};
+  size_t first[1] = {0};
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  const cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, first, 1, stream);
+  if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
+  (void)cudaGetLastError();
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
+using StreamWriteValue64 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+// The driver's stream write (no SM needed, so it is not queued behind a GEMM's blocks as a
+// signal kernel is), or nullptr where the driver lacks it. A device without 64-bit stream memory
+// operations answers CUDA_ERROR_NOT_SUPPORTED at the first write (see signal()).
+StreamWriteValue64 stream_write_value64() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<StreamWriteValue64>(fn);
+}
+
 class RuntimeImpl final : public Runtime {
  public:
   explicit RuntimeImpl(const Config& c) : cfg_(c), layout_(carve(c)) {}
   ~RuntimeImpl() override {
     // nvshmem_free is collective: the runtime is destroyed by every rank together
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
-    if (comm_) cudaStreamSynchronize(comm_);
-    if (wait_) cudaStreamSynchronize(wait_);
+    for (cudaStream_t st : {comm_, wait_, copy_})
+      if (st) cudaStreamSynchronize(st);
     if (sym_) nvshmem_free(sym_);
     for (cudaEvent_t& e : events_)
       if (e) cudaEventDestroy(e);
-    if (comm_) cudaStreamDestroy(comm_);
-    if (wait_) cudaStreamDestroy(wait_);
+    for (cudaStream_t st : {comm_, wait_, copy_})
+      if (st) cudaStreamDestroy(st);
     if (err_host_) cudaFreeHost(err_host_);
     if (counted_) runtime::nvshmem_release();
   }
@@ -90,10 +127,18 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
 
-    UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
-    // Arrival waits spin on their own stream: never on the caller's, which may be the legacy
-    // default stream that other work (a peer copy) can be made to wait behind.
-    UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&wait_, cudaStreamNonBlocking));
+    // The runtime's streams have the highest priority: their kernels (the waits, the signals
+    // where the driver cannot write, the folds) take an SM as soon as one of a GEMM's blocks
+    // ends instead of after the GEMM's last block has started.
+    int least = 0, greatest = 0;
+    UNIEP_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    // Pushes and signals. Arrival waits spin on their own stream: never on the caller's, which
+    // may be the legacy default stream that other work (a peer copy) can be made to wait behind.
+    // Copies within this GPU (into the gathered output) have a third, so that they run beside
+    // the pushes.
+    for (cudaStream_t* st : {&comm_, &wait_, &copy_})
+      UNIEP_CUDA_OK(cudaStreamCreateWithPriority(st, cudaStreamNonBlocking, greatest));
+    write_value_ = stream_write_value64();
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
@@ -133,6 +178,8 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
+    UNIEP_CUDA_OK(copy_async(gathered + r * m * rb, a, m * rb, copy_));
     // Our shard goes straight from the caller's tensor into each peer's slot for us, in the
     // plan's send order (the peer that computes our block soonest first). A push needs no copy
     // of the shard into our own symmetric memory first, which a pull does before the barrier:
@@ -146,11 +193,9 @@ class RuntimeImpl final : public Runtime {
           return finish(stream, s);
       }
     }
-    UNIEP_CUDA_OK(
-        cudaMemcpyAsync(gathered + r * m * rb, a, m * rb, cudaMemcpyDeviceToDevice, comm_));
     // Arrivals in the plan's receive order: each is waited for on the wait stream, then copied
-    // into the caller's gathered tensor on the copy engine (after every push, so no push waits
-    // behind an arrival). The GEMMs read the slots directly and never wait for those copies.
+    // into the caller's gathered tensor on the local copy stream (our own shard went first). The
+    // GEMMs read the slots directly and never wait for those copies.
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.recvs) {
         const int64_t owner = plan.chunk_block(t.chunk), j = plan.chunk_part(t.chunk);
@@ -158,10 +203,9 @@ class RuntimeImpl final : public Runtime {
                                static_cast<int>(r), static_cast<int>(owner), epoch_, timeout_ns(),
                                err_dev_, op_code(kind), wait_);
         UNIEP_CUDA_OK(cudaEventRecord(chunk_event(t.chunk), wait_));
-        UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
-        UNIEP_CUDA_OK(cudaMemcpyAsync(gathered + (owner * m + j * mc) * rb,
-                                      sym() + push_slot(owner) + j * part, part,
-                                      cudaMemcpyDeviceToDevice, comm_));
+        UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, chunk_event(t.chunk), 0));
+        UNIEP_CUDA_OK(copy_async(gathered + (owner * m + j * mc) * rb,
+                                 sym() + push_slot(owner) + j * part, part, copy_));
       }
     }
     Status status = Status::Ok();
@@ -313,8 +357,7 @@ class RuntimeImpl final : public Runtime {
         UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
         from = sym() + push_slot(src) + j * part;
       }
-      UNIEP_CUDA_OK(
-          cudaMemcpyAsync(recv + src * B + j * part, from, part, cudaMemcpyDeviceToDevice, stream));
+      UNIEP_CUDA_OK(copy_async(recv + src * B + j * part, from, part, stream));
     }
     return finish(stream, Status::Ok());
   }
@@ -401,6 +444,8 @@ class RuntimeImpl final : public Runtime {
   // from the caller's tensors) is ordered before whatever the caller enqueues next.
   Status finish(cudaStream_t stream, Status status) {
     UNIEP_CUDA_OK(cudaGetLastError());
+    UNIEP_CUDA_OK(cudaEventRecord(copied_event(), copy_));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, copied_event(), 0));
     UNIEP_CUDA_OK(cudaEventRecord(end_event(), comm_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, end_event(), 0));
     return status;
@@ -421,14 +466,26 @@ class RuntimeImpl final : public Runtime {
   // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
   // stream, then sets this rank's arrival word `word` there to the current epoch.
   Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
-    UNIEP_CUDA_OK(cudaMemcpyAsync(peer_[peer] + at, src, bytes, cudaMemcpyDeviceToDevice, comm_));
+    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), comm_));
     return signal(peer, word, comm_);
   }
 
-  // Sets this rank's arrival word `word` on `peer` to the current epoch with a one-thread
-  // kernel after the stream's earlier copies (fence, then a release store at system scope).
+  // Sets this rank's arrival word `word` on `peer` to the current epoch after the stream's
+  // earlier copies: the driver's stream write (its default flags fence the stream's earlier
+  // writes first, at system scope), else a one-thread kernel (fence, then a release store).
   Status signal(int64_t peer, size_t word, cudaStream_t s) {
-    cuda::launch_coll_signal(reinterpret_cast<uint64_t*>(peer_[peer] + word), epoch_, s);
+    auto* target = reinterpret_cast<uint64_t*>(peer_[peer] + word);
+    if (write_value_ != nullptr) {
+      const CUresult e = write_value_(s, reinterpret_cast<CUdeviceptr>(target), epoch_,
+                                      CU_STREAM_WRITE_VALUE_DEFAULT);
+      if (e == CUDA_SUCCESS) return Status::Ok();
+      if (e != CUDA_ERROR_NOT_SUPPORTED)
+        return {StatusCode::kInternal,
+                detail::str_cat("cuStreamWriteValue64 (arrival signal to rank ", peer,
+                                ") failed with CUresult ", static_cast<int>(e))};
+      write_value_ = nullptr;  // this device has no 64-bit stream writes: the kernel from now on
+    }
+    cuda::launch_coll_signal(target, epoch_, s);
     UNIEP_CUDA_OK(cudaGetLastError());
     return Status::Ok();
   }
@@ -458,15 +515,17 @@ class RuntimeImpl final : public Runtime {
   }
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
   int reduce_blocks(int64_t bytes) const {
+    // Up to 8 blocks of 256 threads per SM: a full SM of loads in flight.
     const int64_t want = (bytes / 16 + 255) / 256;
-    return static_cast<int>(want < 2 * sm_count_ ? (want > 0 ? want : 1) : 2 * sm_count_);
+    return static_cast<int>(want < 8 * sm_count_ ? (want > 0 ? want : 1) : 8 * sm_count_);
   }
   cudaEvent_t start_event() const { return events_[0]; }
   cudaEvent_t end_event() const { return events_[1]; }
   cudaEvent_t folded_event() const { return events_[2]; }
+  cudaEvent_t copied_event() const { return events_[3]; }
   // One per chunk id; the all-to-all's ids run to W*W*c but only W*c of them reach events.
   cudaEvent_t chunk_event(int64_t chunk) const {
-    return events_[3 + chunk % (kMaxRanks * kMaxChunks)];
+    return events_[kFixedEvents + chunk % (kMaxRanks * kMaxChunks)];
   }
 
   Config cfg_;
@@ -474,8 +533,10 @@ class RuntimeImpl final : public Runtime {
   bool counted_ = false;
   void* sym_ = nullptr;
   uint8_t* peer_[kMaxRanks] = {};
-  cudaStream_t comm_ = nullptr, wait_ = nullptr;
-  cudaEvent_t events_[3 + kMaxRanks * kMaxChunks] = {};
+  static constexpr int kFixedEvents = 4;
+  cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
+  StreamWriteValue64 write_value_ = nullptr;
+  cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
   int sm_count_ = 1;
   uint64_t epoch_ = 0;

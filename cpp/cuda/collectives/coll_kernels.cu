@@ -65,8 +65,10 @@ struct Elem<__nv_bfloat16> {
 // One 16-byte vector per thread and iteration: the fold is memory-bound, and the sources are
 // local HBM (the slots the peers pushed into, and this rank's own partial). Every input's vector
 // is loaded before the first is added, so a thread has all `count` loads in flight at once
-// instead of a chain of one round trip per input.
-template <typename T>
+// instead of a chain of one round trip per input. kMaxIn bounds the unrolled loads: an array for
+// kCollMaxRanks inputs took ~100 registers a thread, which capped the occupancy (and so the
+// loads in flight) at a third of the SM's and the fold at about 60% of HBM bandwidth.
+template <typename T, int kMaxIn>
 __global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64_t elems,
                                    bool vectorized) {
   using Acc = typename Elem<T>::Acc;
@@ -75,13 +77,13 @@ __global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
        v += stride) {
-    uint4 raw[kCollMaxRanks];
+    uint4 raw[kMaxIn];
 #pragma unroll
-    for (int i = 0; i < kCollMaxRanks; ++i)
+    for (int i = 0; i < kMaxIn; ++i)
       if (i < count) raw[i] = reinterpret_cast<const uint4*>(inputs.in[i])[v];
     Acc acc[kVec];
 #pragma unroll
-    for (int i = 0; i < kCollMaxRanks; ++i) {
+    for (int i = 0; i < kMaxIn; ++i) {
       if (i < count) {
         const T* x = reinterpret_cast<const T*>(&raw[i]);
 #pragma unroll
@@ -108,6 +110,21 @@ __global__ void coll_reduce_kernel(ReduceInputs inputs, int count, T* out, int64
     }
     Elem<T>::store(out + e, acc);
   }
+}
+
+template <typename T>
+void launch_reduce_typed(const ReduceInputs& inputs, int count, void* out, int64_t elems,
+                         int blocks, int threads, bool vectorized, cudaStream_t stream) {
+  T* o = static_cast<T*>(out);
+  if (count <= 2)
+    coll_reduce_kernel<T, 2><<<blocks, threads, 0, stream>>>(inputs, count, o, elems, vectorized);
+  else if (count <= 4)
+    coll_reduce_kernel<T, 4><<<blocks, threads, 0, stream>>>(inputs, count, o, elems, vectorized);
+  else if (count <= 8)
+    coll_reduce_kernel<T, 8><<<blocks, threads, 0, stream>>>(inputs, count, o, elems, vectorized);
+  else
+    coll_reduce_kernel<T, kCollMaxRanks>
+        <<<blocks, threads, 0, stream>>>(inputs, count, o, elems, vectorized);
 }
 
 }  // namespace
@@ -137,16 +154,14 @@ void launch_coll_reduce(DType dtype, const ReduceInputs& inputs, int count, void
     vectorized = vectorized && reinterpret_cast<uintptr_t>(inputs.in[i]) % 16 == 0;
   switch (dtype) {
     case DType::kFloat32:
-      coll_reduce_kernel<float><<<blocks, kThreads, 0, stream>>>(
-          inputs, count, static_cast<float*>(out), elems, vectorized);
+      launch_reduce_typed<float>(inputs, count, out, elems, blocks, kThreads, vectorized, stream);
       break;
     case DType::kFloat64:
-      coll_reduce_kernel<double><<<blocks, kThreads, 0, stream>>>(
-          inputs, count, static_cast<double*>(out), elems, vectorized);
+      launch_reduce_typed<double>(inputs, count, out, elems, blocks, kThreads, vectorized, stream);
       break;
     case DType::kBFloat16:
-      coll_reduce_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
-          inputs, count, static_cast<__nv_bfloat16*>(out), elems, vectorized);
+      launch_reduce_typed<__nv_bfloat16>(inputs, count, out, elems, blocks, kThreads, vectorized,
+                                         stream);
       break;
   }
 }

@@ -135,7 +135,11 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
 }
 
 // Home: out[t] = sum of the token's partials over the ranks it went to, ascending, fp32. The
-// expert ranks applied the weights the dispatch carried, so the caller's must be those.
+// expert ranks applied the weights the dispatch carried, so the caller's must be those. Every
+// rank's vector is loaded before the first is added: one load in flight per thread left the
+// kernel at about 60% of HBM bandwidth. kMaxW bounds the unrolled loads (registers: one array
+// for the largest group would cap the occupancy instead); 0: one load at a time, for W > 8.
+template <int kMaxW>
 __global__ void partials_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs a,
                                        RankPartialsArgs p) {
   const int64_t W = d.world_size, K = d.top_k, row_bytes = d.hidden * 2, vecs = d.hidden / kVec;
@@ -151,17 +155,35 @@ __global__ void partials_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs 
           report_error(a.err, WaitOp::kCombineWeights, static_cast<int>(d.rank), t, k);
       }
     }
+    const auto partial = [&](int64_t r) {
+      return load_streaming(reinterpret_cast<const int4*>(sym.combine + (t * W + r) * row_bytes) +
+                            v);
+    };
     float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t r = 0; r < W; ++r) {
-      if (!p.token_in_rank[t * W + r]) continue;
-      // Weight 1: the product is exact, so this is the plain fp32 sum of the partials.
-      accumulate_bf16x8(
-          acc,
-          load_streaming(reinterpret_cast<const int4*>(sym.combine + (t * W + r) * row_bytes) + v),
-          1.0f);
+    // Weight 1: the product is exact, so this is the plain fp32 sum of the partials.
+    if constexpr (kMaxW > 0) {
+      int4 raw[kMaxW];
+      bool in[kMaxW];
+#pragma unroll
+      for (int r = 0; r < kMaxW; ++r) {
+        in[r] = r < W && p.token_in_rank[t * W + r];
+        if (in[r]) raw[r] = partial(r);
+      }
+#pragma unroll
+      for (int r = 0; r < kMaxW; ++r)
+        if (in[r]) accumulate_bf16x8(acc, raw[r], 1.0f);
+    } else {
+      for (int64_t r = 0; r < W; ++r)
+        if (p.token_in_rank[t * W + r]) accumulate_bf16x8(acc, partial(r), 1.0f);
     }
     reinterpret_cast<int4*>(a.out + t * row_bytes)[v] = round_bf16x8(acc);
   }
+}
+
+template <int kMaxW>
+void launch_partials_reduce(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
+                            const RankPartialsArgs& p, int blocks, cudaStream_t stream) {
+  partials_reduce_kernel<kMaxW><<<blocks, kThreads, 0, stream>>>(sym, d, a, p);
 }
 
 }  // namespace
@@ -171,7 +193,15 @@ void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, con
   const int blocks = 4 * device_sms;
   if (a.rows > 0) index_rows_kernel<<<blocks, kThreads, 0, stream>>>(d, a, p);
   partials_kernel<<<kPartialBlocksPerSm * device_sms, kThreads, 0, stream>>>(sym, d, a, p);
-  if (a.tokens > 0) partials_reduce_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a, p);
+  if (a.tokens == 0) return;
+  if (d.world_size <= 2)
+    launch_partials_reduce<2>(sym, d, a, p, blocks, stream);
+  else if (d.world_size <= 4)
+    launch_partials_reduce<4>(sym, d, a, p, blocks, stream);
+  else if (d.world_size <= 8)
+    launch_partials_reduce<8>(sym, d, a, p, blocks, stream);
+  else
+    launch_partials_reduce<0>(sym, d, a, p, blocks, stream);
 }
 
 }  // namespace uniep::cuda

@@ -1,14 +1,18 @@
 // The CUDA executor of the P2P-decomposed collectives (uniep/collectives.hpp holds the schedules
 // and the CPU executor). It runs the same per-rank schedule on one node whose GPUs all reach each
 // other over NVLink (nvshmem_ptr):
-//  - transfers are copy-engine copies (cudaMemcpyAsync through the peer mapping) on the runtime's
-//    communication stream, so they take no SM from the GEMMs they overlap;
+//  - transfers are copy-engine copies (through the peer mapping, with the driver's hint to
+//    overlap compute) on the runtime's communication stream, so they take no SM from the GEMMs
+//    they overlap; the signal after each is the driver's stream write where the device has one
+//    (else a one-thread kernel). The runtime's streams have the highest priority, so its small
+//    kernels (waits, folds) take an SM as soon as one of a GEMM's blocks ends;
 //  - every kind PUSHES: a shard, partial or block is copied from the caller's tensor into the
 //    destination's symmetric slot (all-gather kinds: at once, in the schedule's send order;
 //    reduce-scatter kinds: as soon as each partial is computed), followed by a signal the
 //    destination waits on (a bounded device wait) before it reads the slot: a GEMM reads the
-//    gathered rows from the slot itself, while the copy engine also copies them into the
-//    caller's gathered tensor; a fold adds the partials; the all-to-all places the block;
+//    gathered rows from the slot itself, while a copy on a third stream also puts them into the
+//    caller's gathered tensor (beside the pushes, like the copy of the rank's own shard); a fold
+//    adds the partials; the all-to-all places the block;
 //  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
 //    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
 //    would otherwise be the exposed tail.
