@@ -162,7 +162,7 @@ def _coll_timeout_worker(rank: int, world: int) -> str:
     message = "rank 1 never called"
     if rank == 0:
         x = torch.randn(2 * 64, 32, device="cuda")
-        uc.reduce_scatter(x)  # enqueued; its barrier waits for rank 1 and gives up
+        uc.reduce_scatter(x)  # enqueued; its wait for rank 1's partial gives up
         with pytest.raises(TimeoutError, match="waiting for rank 1") as info:
             uc.check()
         message = str(info.value)

@@ -1,5 +1,5 @@
 // The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
-// barrier and arrival words and the push slots, and the host
+// arrival words and two sets of push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
 // computations on two streams.
 #include <cuda.h>  // types of the driver's stream write, fetched at run time (no -lcuda)
@@ -22,10 +22,16 @@ namespace {
 using cuda::DeviceError;
 
 // Offsets in the symmetric allocation; the same on every rank.
+//
+// The push slots come in two sets, used by calls of odd and even epoch, so no call needs a
+// barrier before it pushes: a peer's set for epoch e was last read in its call e - 2, and that
+// call was complete before the peer's pushes of call e - 1 (each call starts after the previous
+// one's reads, in stream order), whose arrival signals this rank waited for in its call e - 1
+// (every kind receives from every peer it pushes to). So the slots are free by the time this
+// rank's call e starts; ranks stay at most one call apart.
 struct Carve {
-  size_t barrier;  // uint64 [kMaxRanks]: the epoch each peer last reached
   size_t arrived;  // uint64 [kMaxRanks][kMaxChunks]: the epoch of each peer's last push of part j
-  size_t push;     // [kMaxRanks] slots of max_block_bytes: what each peer pushed here
+  size_t push;     // [2][world_size] slots of max_block_bytes: what each peer pushed here
   size_t total;
 };
 
@@ -33,9 +39,8 @@ Carve carve(const Config& c) {
   Carve v{};
   runtime::HeapCarver heap;
   const size_t B = static_cast<size_t>(c.max_block_bytes);
-  v.barrier = heap.take(sizeof(uint64_t) * kMaxRanks);
   v.arrived = heap.take(sizeof(uint64_t) * kMaxRanks * kMaxChunks);
-  v.push = heap.take(B * static_cast<size_t>(c.world_size));
+  v.push = heap.take(2 * B * static_cast<size_t>(c.world_size));
   v.total = heap.total();
   return v;
 }
@@ -173,8 +178,6 @@ class RuntimeImpl final : public Runtime {
     const auto* a = static_cast<const uint8_t*>(c.a);
     auto* gathered = static_cast<uint8_t*>(c.gathered);
 
-    // Once the barrier passes, every peer's push slots are free (its previous call is done).
-    barrier(kind, stream);
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
@@ -182,8 +185,8 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(copy_async(gathered + r * m * rb, a, m * rb, copy_));
     // Our shard goes straight from the caller's tensor into each peer's slot for us, in the
     // plan's send order (the peer that computes our block soonest first). A push needs no copy
-    // of the shard into our own symmetric memory first, which a pull does before the barrier:
-    // that copy was the one transfer left exposed.
+    // of the shard into our own symmetric memory first, which a pull does before its peers may
+    // read it: that copy was the one transfer left exposed.
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.sends) {
         const int64_t j = plan.chunk_part(t.chunk);
@@ -254,7 +257,6 @@ class RuntimeImpl final : public Runtime {
     };
     auto* out = static_cast<uint8_t*>(c.out);
 
-    barrier(kind, stream);
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
@@ -333,7 +335,6 @@ class RuntimeImpl final : public Runtime {
     const auto* send = static_cast<const uint8_t*>(c.send);
     auto* recv = static_cast<uint8_t*>(c.recv);
 
-    barrier(kind, stream);
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     for (const ChunkStep& st : plan.steps) {
@@ -451,18 +452,6 @@ class RuntimeImpl final : public Runtime {
     return status;
   }
 
-  void barrier(CollectiveKind kind, cudaStream_t stream) {
-    if (cfg_.world_size == 1) return;
-    cuda::PeerWords remote{};
-    for (int64_t p = 0; p < cfg_.world_size; ++p)
-      remote.at[p] = p == cfg_.rank
-                         ? nullptr
-                         : reinterpret_cast<uint64_t*>(peer_[p] + layout_.barrier) + cfg_.rank;
-    cuda::launch_coll_barrier(remote, words(layout_.barrier), static_cast<int>(cfg_.world_size),
-                              static_cast<int>(cfg_.rank), epoch_, timeout_ns(), err_dev_,
-                              op_code(kind), stream);
-  }
-
   // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
   // stream, then sets this rank's arrival word `word` there to the current epoch.
   Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
@@ -504,8 +493,11 @@ class RuntimeImpl final : public Runtime {
   const uint64_t* words(size_t offset) const {
     return reinterpret_cast<const uint64_t*>(sym() + offset);
   }
+  // src's slot in the set of the current call's epoch parity (see Carve).
   size_t push_slot(int64_t src) const {
-    return layout_.push + static_cast<size_t>(src) * static_cast<size_t>(cfg_.max_block_bytes);
+    const auto set = static_cast<int64_t>(epoch_ & 1);
+    return layout_.push + static_cast<size_t>(set * cfg_.world_size + src) *
+                              static_cast<size_t>(cfg_.max_block_bytes);
   }
   size_t arrived_word(int64_t src, int64_t part) const {
     return layout_.arrived + sizeof(uint64_t) * static_cast<size_t>(src * kMaxChunks + part);

@@ -15,7 +15,8 @@ a fixed order (``reduce_order``) in fp32 (fp64 for float64), whatever the schedu
 Supported dtypes: float32, bfloat16, float64. CPU tensors run on the CPU executor over a gloo
 group; the group name ``""`` is a world of one rank. CUDA tensors run on the CUDA executor
 (``include/uniep/cuda/collectives.hpp``): copy-engine transfers between the GPUs of one NVLink
-domain and a device barrier per call, over a runtime that ``init_cuda`` creates (the wrappers
+domain into two sets of slots (calls of odd and even epoch, so no barrier per call), with bounded
+device waits on arrival signals, over a runtime that ``init_cuda`` creates (the wrappers
 below create it on first use). On CUDA, ``order`` must be ``"direct"``, calls are not
 CUDA-graph capturable, and a device timeout (a rank that never calls) raises at the group's next
 call or at ``check``.
@@ -337,11 +338,12 @@ def init_cuda(
     """Create the CUDA collectives runtime of ``group`` on every rank (collective).
 
     NVSHMEM is initialised from rank 0's unique id (or shared with the expert-parallel runtime
-    of the same ranks), and ``world_size * max_block_bytes`` of symmetric memory is
-    allocated: ``max_block_bytes`` is the largest block one rank moves in a call (all-gather
-    kinds: the shard ``a``/``x`` in bytes; reduce-scatter kinds: one rank's output in bytes;
-    all-to-all: one rank's block). A larger call later raises an error naming it. Every rank of
-    ``group`` must be on one NVLink domain, and the current CUDA device must be this rank's GPU.
+    of the same ranks), and ``2 * world_size * max_block_bytes`` of symmetric memory is
+    allocated (two sets of slots, so that no call needs a barrier): ``max_block_bytes`` is the
+    largest block one rank moves in a call (all-gather kinds: the shard ``a``/``x`` in bytes;
+    reduce-scatter kinds: one rank's output in bytes; all-to-all: one rank's block). A larger
+    call later raises an error naming it. Every rank of ``group`` must be on one NVLink domain,
+    and the current CUDA device must be this rank's GPU.
     """
     if not getattr(_C, "has_ep_runtime", False) or not torch.cuda.is_available():
         raise RuntimeError(

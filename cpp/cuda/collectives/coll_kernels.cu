@@ -14,19 +14,6 @@ __device__ __forceinline__ bool error_recorded(const DeviceError* err) {
   return *reinterpret_cast<const volatile uint32_t*>(&err->op) != 0;
 }
 
-__global__ void coll_barrier_kernel(PeerWords remote, const uint64_t* local, int world, int rank,
-                                    uint64_t epoch, uint64_t timeout_ns, DeviceError* err,
-                                    uint32_t op) {
-  const int p = threadIdx.x;
-  if (p >= world || p == rank) return;
-  // Everything this rank's stream did before (the previous call's reads of its slots) is
-  // complete when the kernel starts; the fence makes it visible before the word.
-  __threadfence_system();
-  store_release_sys(remote.at[p], epoch);
-  if (error_recorded(err)) return;
-  wait_at_least(local + p, epoch, global_timer_ns() + timeout_ns, err, static_cast<WaitOp>(op), p);
-}
-
 __global__ void coll_wait_kernel(const uint64_t* words, int64_t stride, int world, int rank,
                                  int only, uint64_t want, uint64_t timeout_ns, DeviceError* err,
                                  uint32_t op) {
@@ -128,12 +115,6 @@ void launch_reduce_typed(const ReduceInputs& inputs, int count, void* out, int64
 }
 
 }  // namespace
-
-void launch_coll_barrier(const PeerWords& remote, const uint64_t* local, int world, int rank,
-                         uint64_t epoch, uint64_t timeout_ns, DeviceError* err, uint32_t op,
-                         cudaStream_t stream) {
-  coll_barrier_kernel<<<1, 32, 0, stream>>>(remote, local, world, rank, epoch, timeout_ns, err, op);
-}
 
 void launch_coll_wait(const uint64_t* words, int64_t stride, int world, int rank, int only,
                       uint64_t want, uint64_t timeout_ns, DeviceError* err, uint32_t op,

@@ -1,5 +1,5 @@
-// Device side of the collectives executor (uniep/cuda/collectives.hpp): the group barrier, the
-// bounded wait on arrival signals, the fallback signal store, and the fixed-order reduction.
+// Device side of the collectives executor (uniep/cuda/collectives.hpp): the bounded wait on
+// arrival signals, the fallback signal store, and the fixed-order reduction.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,20 +16,9 @@ constexpr int kCollMaxRanks = 16;
 // Error-word op codes of the collectives: kCollOpBase + CollectiveKind.
 constexpr uint32_t kCollOpBase = 16;
 
-// Where this rank's word lives on every peer (nullptr for itself), by value in kernel arguments.
-struct PeerWords {
-  uint64_t* at[kCollMaxRanks];
-};
-
-// Stores `epoch` into this rank's barrier word on every peer, then waits until every peer's word
-// here reaches it. Bounded: at the deadline it records (op, peer) in err and returns.
-void launch_coll_barrier(const PeerWords& remote, const uint64_t* local, int world, int rank,
-                         uint64_t epoch, uint64_t timeout_ns, DeviceError* err, uint32_t op,
-                         cudaStream_t stream);
-
 // Waits until words[p * stride] >= want for every p in [0, world) but `rank` (only p == `only`
-// when only >= 0). Bounded likewise; returns at once if an error is already recorded: one
-// timeout must not cost one timeout per later wait.
+// when only >= 0). Bounded: at the deadline it records (op, peer) in err and returns; it returns at
+// once if an error is already recorded: one timeout must not cost one timeout per later wait.
 void launch_coll_wait(const uint64_t* words, int64_t stride, int world, int rank, int only,
                       uint64_t want, uint64_t timeout_ns, DeviceError* err, uint32_t op,
                       cudaStream_t stream);

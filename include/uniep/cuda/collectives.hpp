@@ -16,9 +16,10 @@
 //  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
 //    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
 //    would otherwise be the exposed tail.
-// Every call starts with a device barrier over the group on the caller's stream: it tells each
-// peer that this rank's previous call is complete, so its slots may be written again, and it is
-// bounded by Config::timeout_s like every other wait.
+// No call starts with a barrier: the push slots come in two sets, one for calls of odd epoch and
+// one for even, and the arrival waits of a call prove that every peer has finished the call before
+// it (so its slots for the next call are free). The ranks stay at most one call apart; every wait
+// is bounded by Config::timeout_s.
 // The host never synchronises: a timeout sets an error word that the next call on this runtime,
 // or check_device_errors(), turns into a kTimeout Status naming the operation and the peer.
 //
@@ -45,7 +46,8 @@ struct Config {
   int64_t world_size = 1;
   int64_t rank = 0;
   // The largest block one rank moves in a call: all-gather kinds: rows_per_rank * row_bytes;
-  // reduce-scatter kinds: rows_per_rank * n * dtype size; all-to-all: block_bytes.
+  // reduce-scatter kinds: rows_per_rank * n * dtype size; all-to-all: block_bytes. The symmetric
+  // heap holds 2 * world_size slots of this size (two sets: no barrier per call).
   int64_t max_block_bytes = 0;
   double timeout_s = 100.0;  // every device-side wait
 
