@@ -176,3 +176,18 @@ def test_cuda_collective_timeout_names_the_peer() -> None:
 
     messages = run_local_ranks(_coll_timeout_worker, 2, backend="nccl", timeout_s=300)
     assert "timed out" in messages[0] and "reduce_scatter" in messages[0]
+
+
+def test_cuda_collectives_heap_holds_two_slot_sets() -> None:
+    """init_cuda allocates 2 * world_size * max_block_bytes of push slots: one set for calls of odd
+    epoch and one for even, which is what lets a call skip the barrier with its peers."""
+    from uniep import _C
+
+    if not getattr(_C, "has_ep_runtime", False):
+        pytest.skip("built without the CUDA runtime")
+    mib = 1 << 20
+    for world in (1, 2, 4, 8, 16):
+        grown = _C.coll_symmetric_heap_bytes(world, 3 * mib) - _C.coll_symmetric_heap_bytes(
+            world, mib
+        )
+        assert grown == 2 * world * 2 * mib, (world, grown)

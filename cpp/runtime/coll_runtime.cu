@@ -49,10 +49,11 @@ int64_t dtype_bytes(DType d) {
   return d == DType::kBFloat16 ? 2 : d == DType::kFloat32 ? 4 : 8;
 }
 
-// A copy on the copy engines where the driver can put it there. A plain cudaMemcpyAsync between
-// two addresses of this GPU ran as an SM copy: beside a GEMM that fills every SM it started only
-// in the GEMM's last wave (TP=2 traces), so the copy of the gathered rows ended after the GEMM
-// instead of under it. cudaMemcpyBatchAsync takes the hint; where it is refused, the plain copy.
+// A copy with the driver's hint to overlap compute. A cudaMemcpyAsync between two addresses of
+// this GPU behaves as an SM copy: beside a GEMM that fills every SM it starts only in the GEMM's
+// last wave (TP=2 traces). cudaMemcpyBatchAsync carries the hint that asks for a copy engine
+// instead; on the lent H200s the driver still kept local copies on SMs, while copies to a peer ran
+// on a copy engine either way. Where the batch call is refused, the plain copy.
 cudaError_t copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
   void* dsts[1] = {dst};
@@ -132,9 +133,9 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
 
-    // The runtime's streams have the highest priority: their kernels (the waits, the signals
-    // where the driver cannot write, the folds) take an SM as soon as one of a GEMM's blocks
-    // ends instead of after the GEMM's last block has started.
+    // The runtime's streams have the highest priority, so their kernels (the waits, the folds)
+    // go before a GEMM's blocks that have not started yet. cuBLAS's persistent Hopper GEMMs start
+    // them all at once, so beside those they still wait for the last wave (TP=2 traces).
     int least = 0, greatest = 0;
     UNIEP_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     // Pushes and signals. Arrival waits spin on their own stream: never on the caller's, which
