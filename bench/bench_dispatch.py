@@ -50,6 +50,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_profile_argument,
+    add_trace_arguments,
     median_time_ms,
     profile_kernels,
     write_result,
@@ -475,14 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (>= 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
     add_profile_argument(parser)
-    parser.add_argument(
-        "--trace",
-        action="append",
-        default=[],
-        metavar="VARIANT",
-        help="with --profile: write this variant's Chrome trace, one per rank",
-    )
-    parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
+    add_trace_arguments(parser)
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():

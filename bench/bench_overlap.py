@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     DEFAULT_OUT_DIR,
     _slug,
     add_profile_argument,
+    add_trace_arguments,
     env_info,
     profile_kernels,
     time_calls_ms,
@@ -1015,14 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
     add_profile_argument(parser)
-    parser.add_argument(
-        "--trace",
-        action="append",
-        default=[],
-        metavar="VARIANT",
-        help="with --profile: write this variant's Chrome trace per shape, one per rank",
-    )
-    parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
+    add_trace_arguments(parser)
     parser.add_argument(
         "--cpu",
         action="store_true",

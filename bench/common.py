@@ -139,6 +139,19 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--trace VARIANT`` (repeatable) and ``--trace-dir``: with ``--profile``, where
+    :func:`profile_kernels` writes the Chrome traces of the named variants, one per rank."""
+    parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="VARIANT",
+        help="with --profile: write this variant's Chrome trace (per shape), one per rank",
+    )
+    parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
+
+
 def kernel_label(key: str) -> str:
     """A readable, distinct label for a profiler kernel key: ``uniep::cuda::dispatch_kernel`` for
     a mangled C++ kernel (anonymous namespaces dropped), the key itself otherwise (capped at 120

@@ -20,6 +20,15 @@ def test_profile_argument_parses_a_call_count() -> None:
     assert parser.parse_args(["--profile", "7"]).profile == 7
 
 
+def test_trace_arguments_collect_variants_and_a_directory() -> None:
+    parser = argparse.ArgumentParser()
+    common.add_trace_arguments(parser)
+    none = parser.parse_args([])
+    assert none.trace == [] and none.trace_dir is None
+    args = parser.parse_args(["--trace", "ours_c1", "--trace", "mm_alone", "--trace-dir", "t"])
+    assert args.trace == ["ours_c1", "mm_alone"] and args.trace_dir == "t"
+
+
 def test_profile_kernels_with_no_calls_runs_nothing() -> None:
     calls: list[int] = []
     assert common.profile_kernels({"v": lambda: calls.append(1)}, 0) == {}
