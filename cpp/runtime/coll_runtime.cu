@@ -310,8 +310,7 @@ class RuntimeImpl final : public Runtime {
         cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
                                static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
                                op_code(kind), wait_);
-      cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, reduce_blocks(part),
-                               wait_);
+      cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, sm_count_, wait_);
       UNIEP_CUDA_OK(cudaGetLastError());
     }
     UNIEP_CUDA_OK(cudaEventRecord(folded_event(), wait_));
@@ -507,11 +506,6 @@ class RuntimeImpl final : public Runtime {
     return cuda::kCollOpBase + static_cast<uint32_t>(kind);
   }
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
-  int reduce_blocks(int64_t bytes) const {
-    // Up to 8 blocks of 256 threads per SM: a full SM of loads in flight.
-    const int64_t want = (bytes / 16 + 255) / 256;
-    return static_cast<int>(want < 8 * sm_count_ ? (want > 0 ? want : 1) : 8 * sm_count_);
-  }
   cudaEvent_t start_event() const { return events_[0]; }
   cudaEvent_t end_event() const { return events_[1]; }
   cudaEvent_t folded_event() const { return events_[2]; }

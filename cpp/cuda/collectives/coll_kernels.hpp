@@ -29,11 +29,11 @@ void launch_coll_signal(uint64_t* word, uint64_t value, cudaStream_t stream);
 
 // out[e] = round(((in[0][e] + in[1][e]) + ...) + in[count-1][e]), accumulated in fp32 (fp64 for
 // float64): the CPU executor's reduce-order fold, bit for bit. 16-byte vectors where every
-// pointer is aligned to them.
+// pointer is aligned to them. The grid is one wave of resident blocks on `sm_count` SMs at most.
 struct ReduceInputs {
   const void* in[kCollMaxRanks];
 };
 void launch_coll_reduce(DType dtype, const ReduceInputs& inputs, int count, void* out,
-                        int64_t elems, int blocks, cudaStream_t stream);
+                        int64_t elems, int sm_count, cudaStream_t stream);
 
 }  // namespace uniep::cuda
