@@ -94,6 +94,29 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
         ref = torch.empty_like(mine)
         dist.reduce_scatter_tensor(ref, x @ b)
         assert _rel(mine, ref) <= 1e-5, ("matmul_reduce_scatter stress", i, _rel(mine, ref))
+    # Calls on alternating streams with nothing in between: a call's pushes (which free the
+    # peers to write this rank's other slot set) wait for the previous call's reads of its slots,
+    # whatever stream that call came on.
+    side = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    w = torch.randn(1024, 256, generator=gen, device=dev)
+    xs = [torch.randn(world * 64, 1024, generator=gen, device=dev) for _ in range(12)]
+    torch.cuda.synchronize(dev)
+    outs = []
+    for i, xi in enumerate(xs):
+        with torch.cuda.stream(side[i % 2]):
+            if i % 3 == 0:
+                outs.append(uc.all_gather_matmul(xi[:64], w, chunks=1)[1])
+            else:
+                outs.append(uc.reduce_scatter(xi, chunks=1 + i % 2))
+    torch.cuda.synchronize(dev)
+    for i, (xi, got) in enumerate(zip(xs, outs, strict=True)):
+        if i % 3 == 0:
+            ref = torch.cat(_gather_all(xi[:64], world)) @ w
+            assert _rel(got, ref) <= 1e-5, ("all_gather_matmul across streams", i)
+        else:
+            parts = _gather_all(xi, world)
+            want = _fixed_order_sum([p[rank * 64 : (rank + 1) * 64] for p in parts], rank, xi.dtype)
+            assert torch.equal(got, want), ("reduce_scatter across streams", i)
     # Rows whose bytes are not a multiple of 16: the element-wise reduction path.
     odd = torch.randn(world * 6, 7, generator=gen, device=dev)
     parts = _gather_all(odd, world)

@@ -1,7 +1,7 @@
 // The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
 // arrival words and two sets of push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
-// computations on two streams.
+// computations on the caller's stream and the runtime's three.
 #include <cuda.h>  // types of the driver's stream write, fetched at run time (no -lcuda)
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -25,10 +25,11 @@ using cuda::DeviceError;
 //
 // The push slots come in two sets, used by calls of odd and even epoch, so no call needs a
 // barrier before it pushes: a peer's set for epoch e was last read in its call e - 2, and that
-// call was complete before the peer's pushes of call e - 1 (each call starts after the previous
-// one's reads, in stream order), whose arrival signals this rank waited for in its call e - 1
-// (every kind receives from every peer it pushes to). So the slots are free by the time this
-// rank's call e starts; ranks stay at most one call apart.
+// call was complete before the peer's pushes of call e - 1 (a call's pushes wait for the previous
+// call's done_event, recorded on its caller's stream after everything that read the slots, even
+// when the two calls come on different streams), whose arrival signals this rank waited for in
+// its call e - 1 (every kind receives from every peer it pushes to). So the slots are free by the
+// time this rank's call e starts; ranks stay at most one call apart.
 struct Carve {
   size_t arrived;  // uint64 [kMaxRanks][kMaxChunks]: the epoch of each peer's last push of part j
   size_t push;     // [2][world_size] slots of max_block_bytes: what each peer pushed here
@@ -181,6 +182,7 @@ class RuntimeImpl final : public Runtime {
 
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
     UNIEP_CUDA_OK(copy_async(gathered + r * m * rb, a, m * rb, copy_));
@@ -260,6 +262,7 @@ class RuntimeImpl final : public Runtime {
 
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     Status status = Status::Ok();
     // Pushes go on the communication stream as soon as their partial exists (the input rows
@@ -337,6 +340,7 @@ class RuntimeImpl final : public Runtime {
 
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.sends) {
         const int64_t dst = plan.chunk_dst(t.chunk), j = plan.chunk_part(t.chunk);
@@ -449,6 +453,7 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, copied_event(), 0));
     UNIEP_CUDA_OK(cudaEventRecord(end_event(), comm_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, end_event(), 0));
+    UNIEP_CUDA_OK(cudaEventRecord(done_event(), stream));
     return status;
   }
 
@@ -510,6 +515,8 @@ class RuntimeImpl final : public Runtime {
   cudaEvent_t end_event() const { return events_[1]; }
   cudaEvent_t folded_event() const { return events_[2]; }
   cudaEvent_t copied_event() const { return events_[3]; }
+  // The previous call, complete on its caller's stream (its GEMMs read the slots there).
+  cudaEvent_t done_event() const { return events_[4]; }
   // One per chunk id; the all-to-all's ids run to W*W*c but only W*c of them reach events.
   cudaEvent_t chunk_event(int64_t chunk) const {
     return events_[kFixedEvents + chunk % (kMaxRanks * kMaxChunks)];
@@ -520,7 +527,7 @@ class RuntimeImpl final : public Runtime {
   bool counted_ = false;
   void* sym_ = nullptr;
   uint8_t* peer_[kMaxRanks] = {};
-  static constexpr int kFixedEvents = 4;
+  static constexpr int kFixedEvents = 5;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
   StreamWriteValue64 write_value_ = nullptr;
   cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
