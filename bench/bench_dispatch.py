@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     add_trace_arguments,
     median_time_ms,
     profile_kernels,
+    trace_paths,
     write_result,
 )
 
@@ -311,12 +312,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
     # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
     _settle()
 
-    def trace_path(variant: str) -> str | None:
-        if variant not in cfg.get("trace", ()) or not cfg.get("trace_dir"):
-            return None
-        return os.path.join(cfg["trace_dir"], f"trace-{name}-{variant}-rank{rank}.json")
-
-    profile = profile_kernels(profile_fns, cfg.get("profile_iters", 0), trace_path)
+    traces = trace_paths(cfg, f"trace-{name}", rank)
+    profile = profile_kernels(profile_fns, cfg.get("profile_iters", 0), traces)
 
     keys = sorted(timings)
     slowest = dict(zip(keys, _max_over_ranks([timings[k] for k in keys], dev), strict=True))

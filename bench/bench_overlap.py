@@ -57,6 +57,7 @@ from common import (  # noqa: E402
     env_info,
     profile_kernels,
     time_calls_ms,
+    trace_paths,
 )
 from plot_svg import write_plot  # noqa: E402
 
@@ -592,14 +593,8 @@ def _bench_tp_kind(
     if cfg.get("profile_iters", 0) > 0 and cfg["device"] == "cuda":
         # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
         profiled = {n: fn for n, fn in timed if n not in errors}
-
-        def trace_path(variant: str) -> str | None:
-            if variant not in cfg.get("trace", ()) or not cfg.get("trace_dir"):
-                return None
-            name = f"trace-tp{world}-{kind}-{shape.name}-{variant}-rank{rank}.json"
-            return os.path.join(cfg["trace_dir"], name)
-
-        result["kernel_us_rank0"] = profile_kernels(profiled, cfg["profile_iters"], trace_path)
+        traces = trace_paths(cfg, f"trace-tp{world}-{kind}-{shape.name}", rank)
+        result["kernel_us_rank0"] = profile_kernels(profiled, cfg["profile_iters"], traces)
     return result
 
 

@@ -152,6 +152,19 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-dir", default=None, help="directory of the --trace files")
 
 
+def trace_paths(cfg: dict[str, Any], prefix: str, rank: int) -> Callable[[str], str | None]:
+    """The ``trace`` argument of :func:`profile_kernels` for ``--trace``/``--trace-dir`` (as
+    ``cfg["trace"]`` and ``cfg["trace_dir"]``): ``{trace_dir}/{prefix}-{variant}-rank{rank}.json``
+    for a named variant, None for the others or without a directory."""
+
+    def path(variant: str) -> str | None:
+        if variant not in cfg.get("trace", ()) or not cfg.get("trace_dir"):
+            return None
+        return os.path.join(cfg["trace_dir"], f"{prefix}-{variant}-rank{rank}.json")
+
+    return path
+
+
 def kernel_label(key: str) -> str:
     """A readable, distinct label for a profiler kernel key: ``uniep::cuda::dispatch_kernel`` for
     a mangled C++ kernel (anonymous namespaces dropped), the key itself otherwise (capped at 120

@@ -60,3 +60,11 @@ def test_kernel_labels_keep_kernels_of_one_file_apart() -> None:
     assert common.kernel_label(prefix + ns + index) == "uniep::cuda::index_rows_kernel"
     assert common.kernel_label("Memset (Device)") == "Memset (Device)"
     assert common.kernel_label("x" * 300) == "x" * 120
+
+
+def test_trace_paths_name_only_the_traced_variants() -> None:
+    cfg = {"trace": ["ours_c1"], "trace_dir": "out"}
+    path = common.trace_paths(cfg, "trace-tp2-ag_mm-8x8_n8", 1)
+    assert path("ours_c1") == str(Path("out") / "trace-tp2-ag_mm-8x8_n8-ours_c1-rank1.json")
+    assert path("mm_alone") is None
+    assert common.trace_paths({"trace": ["ours_c1"], "trace_dir": None}, "t", 0)("ours_c1") is None
