@@ -11,7 +11,9 @@ the gathered row count, each rank holds M/W rows), in bf16:
   this rank's rows of the sum over ranks of a @ b. Baseline: torch.mm, then
   reduce_scatter_tensor; ``torch_fused``: ``fused_matmul_reduce_scatter(a, b, "sum", 0, ...)``.
 
-Ours runs with chunks in {1, 2, 4} (those dividing M/W); ``ours_best`` is the fastest. Before
+Ours runs with chunks in {1, 2, 4} (those dividing M/W) and each GEMM choice of ``--gemm``
+(``uniep.collectives.set_gemm``: ``ours_c2`` is the default choice at 2 chunks,
+``ours_cutlass_sm8_c2`` the cutlass GEMM leaving 8 SMs); ``ours_best`` is the fastest. Before
 timing, each output is compared with the baseline's (relative error of the norm < 2e-2; the
 gathered ``ag`` must match bit for bit) and pass/fail goes into the JSON. The goal of the issue:
 ours_best <= 1.05 x max(mm_alone, coll_alone) and ours_best <= nccl_mm, on every shape.
@@ -85,6 +87,8 @@ CPU_DP_BUCKET_BYTES = 4 << 20
 CPU_DP_GEMM = 256
 KINDS = ("ag_mm", "mm_rs")
 CHUNKS = (1, 2, 4)
+GEMM_BACKENDS = ("auto", "cublas", "cutlass")  # uniep.collectives.GEMM_BACKENDS
+GPU_GEMMS = [("auto", 0), ("cublas", 0)]
 BASELINES = ("nccl_mm", "mm_alone", "coll_alone", "torch_fused")
 CHECK_TOL_BF16 = 2e-2
 CHECK_TOL_FP32 = 1e-5
@@ -193,9 +197,37 @@ def slowest_medians(per_rank: Sequence[dict[str, dict[str, float] | None]]) -> d
     return out
 
 
+def parse_gemms(text: str) -> list[tuple[str, int]]:
+    """``auto,cublas,cutlass@8`` -> [(backend, sm_carveout), ...] for ``set_gemm``."""
+    specs = []
+    for item in text.split(","):
+        backend, _, carveout = item.strip().partition("@")
+        if backend not in GEMM_BACKENDS or carveout and not carveout.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected BACKEND[@SMS] with BACKEND in {GEMM_BACKENDS}, got {item.strip()!r}"
+            )
+        specs.append((backend, int(carveout or 0)))
+    if not specs or len(set(specs)) != len(specs):
+        raise argparse.ArgumentTypeError(f"expected distinct GEMM choices, got {text!r}")
+    return specs
+
+
+def ours_prefix(gemm: Sequence[Any] = ("auto", 0)) -> str:
+    """Our variants' name before the chunk count: ``ours_c`` with the default GEMM choice,
+    ``ours_cutlass_sm8_c`` with backend cutlass leaving 8 SMs."""
+    backend, carveout = gemm
+    if (backend, carveout) == ("auto", 0):
+        return "ours_c"
+    return f"ours_{backend}" + (f"_sm{carveout}" if carveout else "") + "_c"
+
+
 def best_ours(ms: dict[str, float], prefix: str = "ours_c") -> tuple[int | None, float | None]:
     """(chunks, ms) of the fastest ``{prefix}{chunks}`` entry, or (None, None)."""
-    cands = [(v, int(k[len(prefix) :])) for k, v in ms.items() if k.startswith(prefix)]
+    cands = [
+        (v, int(k[len(prefix) :]))
+        for k, v in ms.items()
+        if k.startswith(prefix) and k[len(prefix) :].isdigit()
+    ]
     if not cands:
         return None, None
     t, c = min(cands)
@@ -412,21 +444,29 @@ def _checked(
 
 
 def _timing_fields(
-    runner: _Runner, chunks: list[int], checks: dict[str, Any], prefix: str = "ours_c"
+    runner: _Runner,
+    chunks: list[int],
+    checks: dict[str, Any],
+    prefixes: Sequence[str] = ("ours_c",),
 ) -> dict[str, Any]:
     """Gathers ``runner``'s timings (collective) into the result fields both benchmarks write;
-    ``ms["ours_best"]`` is the fastest ``{prefix}{chunks}`` variant, if any ran."""
+    ``ms["ours_best"]`` is the fastest ``{prefix}{chunks}`` variant of any prefix, if any ran."""
     per_rank, ms = runner.gather()
-    chunks_best, ours_ms = best_ours(ms, prefix)
-    if ours_ms is not None:
-        ms["ours_best"] = ours_ms
+    best: tuple[float, int, str] | None = None
+    for prefix in prefixes:
+        ch, t = best_ours(ms, prefix)
+        if t is not None and ch is not None and (best is None or t < best[0]):
+            best = (t, ch, f"{prefix}{ch}")
+    if best is not None:
+        ms["ours_best"] = best[0]
     return {
         "warmup": runner.warmup,
         "iters": runner.iters,
         "chunks": chunks,
         "ms": ms,
         "per_rank": per_rank,
-        "ours_best_chunks": chunks_best,
+        "ours_best_chunks": best[1] if best else None,
+        "ours_best_variant": best[2] if best else None,
         "check": checks,
     }
 
@@ -473,7 +513,8 @@ def _bench_tp_kind(
             )
             return outs[0], a_out
 
-        def ours(ch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def ours(ch: int, gemm: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            _set_gemm(gemm)
             ag_out, mm_out = torch.ops.uniep.all_gather_matmul(a, b, gname, ch, "direct")
             return mm_out, ag_out
 
@@ -502,7 +543,8 @@ def _bench_tp_kind(
                 None,
             )
 
-        def ours(ch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def ours(ch: int, gemm: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            _set_gemm(gemm)
             return torch.ops.uniep.matmul_reduce_scatter(a, b, gname, ch, "direct"), None
 
         out_shapes = (((rows, n), bf16),)
@@ -534,16 +576,22 @@ def _bench_tp_kind(
     fused_err = err_of("torch_fused", fused)
     checks["torch_fused_rel_err"] = fused_err
     checks["torch_fused_pass"] = fused_err < CHECK_TOL_BF16 and exact_ok["torch_fused"]
+    # Our variants: name -> (chunks, GEMM choice), for every choice and chunk count.
+    ours_variants = {
+        f"{ours_prefix(g)}{ch}": (ch, tuple(g))
+        for g in cfg.get("gemms", [("auto", 0)])
+        for ch in chunks
+    }
     if ours_off is None:
-        by_chunks = {ch: err_of(f"ours_c{ch}", lambda ch=ch: ours(ch)) for ch in chunks}
-        checks["ours_rel_err_by_chunks"] = {str(ch): e for ch, e in by_chunks.items()}
-        checks["ours_rel_err"] = max(by_chunks.values(), default=math.inf)
+        errs = {v: err_of(v, lambda v=v: ours(*ours_variants[v])) for v in ours_variants}
+        checks["ours_rel_err_by_variant"] = errs
+        checks["ours_rel_err"] = max(errs.values(), default=math.inf)
         if kind == "ag_mm":
-            checks["ours_ag_exact"] = all(exact_ok[f"ours_c{ch}"] for ch in chunks)
+            checks["ours_ag_exact"] = all(exact_ok[v] for v in ours_variants)
         checks["pass"] = checks["ours_rel_err"] < CHECK_TOL_BF16 and all(
-            exact_ok[f"ours_c{ch}"] for ch in chunks
+            exact_ok[v] for v in ours_variants
         )
-        variants = [f"ours_c{ch}" for ch in chunks]
+        variants = list(ours_variants)
     else:
         checks["pass"] = False
         checks["ours_skipped"] = ours_off
@@ -559,10 +607,12 @@ def _bench_tp_kind(
     ]
     if "torch_fused" not in check_errors:
         timed.append(("torch_fused", fused))
-    timed += [(v, lambda ch=int(v[6:]): ours(ch)) for v in variants if v not in check_errors]
+    timed += [(v, lambda v=v: ours(*ours_variants[v])) for v in variants if v not in check_errors]
     for name, fn in timed:
         runner.time(name, fn)
-    timing = _timing_fields(runner, chunks, checks)
+    _set_gemm(("auto", 0))
+    prefixes = [ours_prefix(g) for g in cfg.get("gemms", [("auto", 0)])]
+    timing = _timing_fields(runner, chunks, checks, prefixes)
     ms = timing["ms"]
     errors = {**check_errors, **runner.errors}
     if ours_off is None:
@@ -684,7 +734,7 @@ def _bench_dp(
     for ch in ok_chunks:
         runner.time(f"ours_rs_alone_c{ch}", lambda ch=ch: ours_rs(ch))
         runner.time(f"ours_overlap_c{ch}", lambda ch=ch: overlapped(lambda: ours_rs(ch)))
-    timing = _timing_fields(runner, chunks, checks, "ours_overlap_c")
+    timing = _timing_fields(runner, chunks, checks, ("ours_overlap_c",))
     ms = timing["ms"]
     g_ok = goals(
         ms.get("ours_best"),
@@ -708,6 +758,12 @@ def _bench_dp(
         ),
         "errors": {**errors, **runner.errors, **(_device_check(dev) if ours_off is None else {})},
     }
+
+
+def _set_gemm(gemm: Sequence[Any]) -> None:
+    import uniep.collectives as coll
+
+    coll.set_gemm(gemm[0], gemm[1])
 
 
 def _init_ours(group: dist.ProcessGroup, block_bytes: int, dev: torch.device) -> str | None:
@@ -858,6 +914,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu" if args.cpu else "cuda",
         "shapes": [asdict(s) for s in shapes],
         "chunks": list(CHUNKS),
+        # On GPUs the default GEMM choice and cuBLAS (the choice that was the only one before).
+        "gemms": [list(g) for g in args.gemm or ([("auto", 0)] if args.cpu else GPU_GEMMS)],
         "warmup": warmup,
         "iters": iters,
         "big_iters": min(iters, 20),
@@ -1010,6 +1068,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
+    parser.add_argument(
+        "--gemm",
+        type=parse_gemms,
+        default=None,
+        help="our GEMM choices to time, BACKEND[@SMS] comma-separated (uniep.collectives."
+        "set_gemm(BACKEND, sm_carveout=SMS)), e.g. auto,cublas,cutlass@8 (default auto,cublas; "
+        "auto with --cpu); ours_best is the fastest of all",
+    )
     add_profile_argument(parser)
     add_trace_arguments(parser)
     parser.add_argument(

@@ -43,6 +43,18 @@ def test_tp_and_chunks() -> None:
     assert bo.valid_chunks(3) == [1]
 
 
+def test_gemm_choices() -> None:
+    assert bo.parse_gemms("auto,cublas,cutlass@8") == [("auto", 0), ("cublas", 0), ("cutlass", 8)]
+    for bad in ("cudnn", "cutlass@x", "auto,auto", "cutlass@-1"):
+        with pytest.raises(Exception, match="expected"):
+            bo.parse_gemms(bad)
+    assert bo.ours_prefix() == "ours_c"
+    assert bo.ours_prefix(("cublas", 0)) == "ours_cublas_c"
+    assert bo.ours_prefix(("cutlass", 8)) == "ours_cutlass_sm8_c"
+    assert bo.ours_prefix(("auto", 4)) == "ours_auto_sm4_c"
+    assert bo.GEMM_BACKENDS == pytest.importorskip("uniep.collectives").GEMM_BACKENDS
+
+
 def test_max_block_bytes() -> None:
     shapes = bo.build_shapes("all")
     # TP=2: the AG block of M=32768 (16384 x 8192 bf16) is 256 MiB; the 1 GiB bucket's half wins.
@@ -64,6 +76,11 @@ def test_stats_and_ratios() -> None:
     assert bo.slowest_medians([{k: v for k, v in r.items() if v} for r in per_rank]) == {"a": 2.0}
     assert bo.best_ours({"ours_c1": 2.0, "ours_c4": 1.5, "nccl_mm": 1.0}) == (4, 1.5)
     assert bo.best_ours({"nccl_mm": 1.0}) == (None, None)
+    # Other GEMM choices' variants share the "ours_c" start but are not chunk counts of it.
+    ms = {"ours_c2": 2.0, "ours_cutlass_c2": 1.0, "ours_cutlass_sm8_c4": 0.5}
+    assert bo.best_ours(ms) == (2, 2.0)
+    assert bo.best_ours(ms, "ours_cutlass_c") == (2, 1.0)
+    assert bo.best_ours(ms, bo.ours_prefix(("cutlass", 8))) == (4, 0.5)
 
     g = bo.goals(1.25, mm=1.21, coll=0.41, base=1.60, check_ok=True)
     assert g["ratio_to_ideal"] == pytest.approx(1.25 / 1.21)

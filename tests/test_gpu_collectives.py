@@ -178,6 +178,76 @@ def test_cuda_collectives_against_nccl() -> None:
     assert len(reports) == _world()
 
 
+def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
+    """The GEMM choices of set_gemm: each against NCCL + torch.mm, and the cutlass GEMM's bits
+    the same for every chunk count and SM carve-out (its reduce-scatter folds in the epilogue)."""
+    import uniep.collectives as uc
+
+    dev = torch.device("cuda", rank)
+    uc.init_cuda(max_block_bytes=32 << 20, timeout_s=30.0)
+    gen = torch.Generator(device=dev).manual_seed(99 + rank)
+    hopper = torch.cuda.get_device_capability(dev) == (9, 0)
+    report: dict[str, object] = {"hopper": hopper}
+    bf16 = torch.bfloat16
+    try:
+        # Rows that fill no whole 128-row tile, and more than one cluster of tiles.
+        for m, k, n in ((96, 160, 136), (520, 1024, 776)):
+            a = torch.randn(m, k, generator=gen, device=dev).to(bf16)
+            b = (torch.randn(k, n, generator=gen, device=dev) * k**-0.5).to(bf16)
+            big = torch.randn(world * m, k, generator=gen, device=dev).to(bf16)
+            ag_ref = torch.cat(_gather_all(a, world))
+            mm_ref = (ag_ref.float() @ b.float()).to(bf16)
+            rs_ref = torch.empty(m, n, device=dev, dtype=bf16)
+            dist.reduce_scatter_tensor(rs_ref, big @ b)
+            bits: dict[str, torch.Tensor] = {}
+            choices = [("cublas", 0), ("auto", 0)]
+            if hopper:
+                choices += [("cutlass", 0), ("cutlass", 16)]
+            for backend, carveout in choices:
+                uc.set_gemm(backend, carveout)
+                for chunks in (1, 2, 4):
+                    ag, mm = uc.all_gather_matmul(a, b, chunks=chunks)
+                    assert torch.equal(ag, ag_ref), (backend, chunks)
+                    err = _rel(mm, mm_ref)
+                    assert err <= 1e-2, ("all_gather_matmul", backend, carveout, chunks, err)
+                    out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
+                    err = _rel(out, rs_ref)
+                    assert err <= 2e-2, ("matmul_reduce_scatter", backend, carveout, chunks, err)
+                    if backend == "cutlass":
+                        for name, got in (("ag_mm", mm), ("mm_rs", out)):
+                            want = bits.setdefault(name, got)
+                            assert torch.equal(got, want), (name, m, carveout, chunks)
+            report[f"checked_{m}"] = [f"{b_}@{c}" for b_, c in choices]
+        if hopper:
+            # Operands the kernel does not take: an error with backend="cutlass", cuBLAS with auto.
+            a32 = torch.randn(64, 32, generator=gen, device=dev)
+            b32 = torch.randn(32, 24, generator=gen, device=dev)
+            uc.set_gemm("cutlass")
+            with pytest.raises(NotImplementedError, match="cutlass.*bfloat16"):
+                uc.all_gather_matmul(a32, b32)
+            uc.set_gemm("cutlass", sm_carveout=10_000)
+            with pytest.raises(ValueError, match="sm_carveout=10000"):
+                uc.all_gather_matmul(a32.to(bf16), b32.to(bf16))
+            uc.set_gemm("auto")
+            _, mm32 = uc.all_gather_matmul(a32, b32)
+            assert _rel(mm32, torch.cat(_gather_all(a32, world)) @ b32) <= 1e-5
+        uc.check()
+    finally:
+        uc.set_gemm("auto")
+        dist.barrier()
+        torch.cuda.synchronize()
+        uc.shutdown_cuda()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collectives_gemm_backends() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_gemm_backends_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
 def _coll_timeout_worker(rank: int, world: int) -> str:
     import uniep.collectives as uc
 

@@ -9,6 +9,7 @@
 #include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
+#include "torch/coll_gemm.hpp"
 #include "torch/coll_registry.hpp"
 #include "torch/ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
@@ -311,6 +312,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
       py::arg("max_block_bytes"), py::arg("timeout_s") = 100.0);
   m.def("coll_exists", &uniep::torch_glue::coll_exists, py::arg("group_name"));
+  m.def("coll_set_gemm", &uniep::torch_glue::set_coll_gemm, py::arg("backend"),
+        py::arg("sm_carveout"));
+  m.def("coll_gemm", [] {
+    const uniep::torch_glue::CollGemm g = uniep::torch_glue::coll_gemm();
+    return py::make_tuple(std::string(uniep::torch_glue::coll_gemm_backend_name(g.backend)),
+                          g.sm_carveout);
+  });
   m.def("coll_destroy", &uniep::torch_glue::coll_destroy, py::arg("group_name"),
         py::call_guard<py::gil_scoped_release>());
   m.def(

@@ -224,8 +224,8 @@ class RuntimeImpl final : public Runtime {
           UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
           rows = sym() + push_slot(owner) + j * part;
         }
-        status =
-            c.gemm.run(c.gemm.ctx, rows, out + (owner * m + j * mc) * c.out_row_bytes, mc, stream);
+        status = c.gemm.run(c.gemm.ctx, rows, nullptr, out + (owner * m + j * mc) * c.out_row_bytes,
+                            mc, stream);
         if (!status.ok()) break;
       }
     }
@@ -283,14 +283,47 @@ class RuntimeImpl final : public Runtime {
       for (const ChunkStep& st : plan.steps)
         if (Status s = enqueue_sends(st); !s.ok()) return finish(stream, s);
     }
+    // The peers' partials of own part j, as one addend for the GEMM of that part: the slot
+    // itself where one peer sent it, else their fold (reduce order) into the part's scratch rows,
+    // which the own partial does not use. Both wait for the part's arrivals on the wait stream.
+    auto addend_for = [&](const ChunkStep& st, int64_t j, const void** addend) -> Status {
+      *addend = nullptr;
+      if (st.fold_waits.empty()) return Status::Ok();
+      cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
+                             static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_, op_code(kind),
+                             wait_);
+      cuda::ReduceInputs in{};
+      int count = 0;
+      for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
+      *addend = in.in[0];
+      if (count > 1) {
+        cuda::launch_coll_reduce(c.dtype, in, count, const_cast<uint8_t*>(partial(st.compute)),
+                                 mc * c.n, sm_count_, wait_);
+        *addend = partial(st.compute);
+      }
+      UNIEP_CUDA_OK(cudaGetLastError());
+      UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
+      return Status::Ok();
+    };
     // The caller's stream: the partials in plan order, each remote one pushed one step later;
-    // the own rows last, each folded as soon as its GEMM is done (the plan's epilogue folds).
+    // the own rows last, each folded as soon as its GEMM is done (the plan's epilogue folds):
+    // in the GEMM's own epilogue where it folds an addend, else by a kernel on the wait stream.
+    const bool epilogue_fold = gemm && c.gemm.folds_addend;
     for (size_t t = 0; t < plan.steps.size(); ++t) {
       const ChunkStep& st = plan.steps[t];
       const int64_t dest = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
       if (gemm) {
-        status = c.gemm.run(c.gemm.ctx, a + (dest * m + j * mc) * c.a_row_bytes,
-                            const_cast<uint8_t*>(partial(st.compute)), mc, stream);
+        const uint8_t* rows = a + (dest * m + j * mc) * c.a_row_bytes;
+        if (epilogue_fold && dest == r) {
+          const void* addend = nullptr;
+          status = addend_for(st, j, &addend);
+          if (status.ok())
+            status = c.gemm.run(c.gemm.ctx, rows, addend, out + j * part, mc, stream);
+        } else {
+          status = c.gemm.run(c.gemm.ctx, rows, nullptr, const_cast<uint8_t*>(partial(st.compute)),
+                              mc, stream);
+        }
         if (!status.ok()) break;
         if (dest != r) UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), stream));
         if (t + 1 < plan.steps.size()) {
@@ -298,7 +331,7 @@ class RuntimeImpl final : public Runtime {
           if (!status.ok()) break;
         }
       }
-      if (dest != r) continue;
+      if (dest != r || epilogue_fold) continue;
       // The fold of own part j runs beside the GEMM of part j+1 (on the wait stream, after
       // that part's arrivals and its own partial): only the last part's fold is left at the end.
       cuda::ReduceInputs in{};

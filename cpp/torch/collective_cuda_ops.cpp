@@ -1,16 +1,20 @@
 // CUDA implementations of the collective ops (schemas in collective_ops.cpp) over the NVSHMEM
-// collectives runtime: argument checks, output allocation, and the GEMM of a row range as
-// at::mm_out on the caller's stream, which the runtime's schedule interleaves with its copies.
+// collectives runtime: argument checks, output allocation, and the GEMM of a row range (at::mm,
+// or UniEP's sm90 GEMM: see coll_gemm.hpp) on the caller's stream, which the runtime's schedule
+// interleaves with its copies.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "cuda/gemm/gemm.hpp"
+#include "torch/coll_gemm.hpp"
 #include "torch/coll_registry.hpp"
 #include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
@@ -70,22 +74,145 @@ struct OpScope {
   coll::Runtime& rt;
 };
 
-// The GEMM of a row range: out[rows] = a[rows] @ b on the current stream, which is the stream
-// the runtime was handed.
+std::mutex& coll_gemm_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+CollGemm& coll_gemm_setting() {
+  static auto* g = new CollGemm;
+  return *g;
+}
+
+}  // namespace
+
+const char* coll_gemm_backend_name(CollGemmBackend backend) {
+  switch (backend) {
+    case CollGemmBackend::kAuto:
+      return "auto";
+    case CollGemmBackend::kCublas:
+      return "cublas";
+    case CollGemmBackend::kCutlass:
+      return "cutlass";
+  }
+  return "?";
+}
+
+void set_coll_gemm(const std::string& backend, int64_t sm_carveout) {
+  CollGemm g;
+  if (backend == "auto") {
+    g.backend = CollGemmBackend::kAuto;
+  } else if (backend == "cublas") {
+    g.backend = CollGemmBackend::kCublas;
+  } else if (backend == "cutlass") {
+    g.backend = CollGemmBackend::kCutlass;
+  } else {
+    UNIEP_CHECK(false, "backend must be \"auto\", \"cublas\" or \"cutlass\", got \"", backend,
+                "\"");
+  }
+  UNIEP_CHECK(sm_carveout >= 0, "sm_carveout must be >= 0, got ", sm_carveout);
+  g.sm_carveout = sm_carveout;
+  const std::lock_guard<std::mutex> lock(coll_gemm_mutex());
+  coll_gemm_setting() = g;
+}
+
+CollGemm coll_gemm() {
+  const std::lock_guard<std::mutex> lock(coll_gemm_mutex());
+  return coll_gemm_setting();
+}
+
+namespace {
+
+// The GEMM of a row range: out[rows] = a[rows] @ b (+ addend[rows]) on the current stream, which
+// is the stream the runtime was handed; UniEP's sm90 GEMM where the call chose it.
 struct MmContext {
   at::Tensor b;
   int64_t k = 0;
   at::TensorOptions options;
+  bool sm90 = false;
+  bool forced = false;  // backend "cutlass": a chunk the kernel refuses is an error, not cuBLAS
+  int device = 0;
+  int sm_count = 0;
+  at::Tensor workspace;
 };
 
-Status mm_rows(void* ctx, const void* a_rows, void* out_rows, int64_t rows, cudaStream_t stream) {
+cuda::GemmOperands row_operands(const MmContext& c, const void* a_rows, const void* addend,
+                                void* out_rows, int64_t rows) {
+  cuda::GemmOperands op;
+  op.a = a_rows;
+  op.b = c.b.data_ptr();
+  op.c = addend;
+  op.d = out_rows;
+  op.m = rows;
+  op.n = c.b.size(1);
+  op.k = c.k;
+  op.lda = c.k;
+  op.ldb = op.n;
+  op.ldc = op.n;
+  op.ldd = op.n;
+  return op;
+}
+
+// The runtime reports a bad chunk count; until then it only sizes the GEMM's workspace.
+int64_t chunks_or_one(int64_t chunks) {
+  return chunks >= 1 ? chunks : 1;
+}
+
+// Whether a call's chunks of `rows` rows run on the sm90 GEMM, and its grid and workspace.
+MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
+  MmContext ctx{b, a.size(1), a.options()};
+  const CollGemm choice = coll_gemm();
+  if (choice.backend == CollGemmBackend::kCublas) return ctx;
+  ctx.forced = choice.backend == CollGemmBackend::kCutlass;
+  ctx.device = a.device().index();
+  Status why{StatusCode::kOk, ""};
+  if (a.scalar_type() != at::kBFloat16) {
+    why = {StatusCode::kUnsupported,
+           detail::str_cat("the sm90 GEMM takes bfloat16, got ", c10::toString(a.scalar_type()))};
+  } else if (!cuda::gemm_sm90_device_ok(ctx.device)) {
+    why = {StatusCode::kUnsupported, "the sm90 GEMM needs a compute capability 9.0 GPU"};
+  } else {
+    // Representative operands: the call's own pointers are checked again per chunk.
+    why = cuda::gemm_sm90_supports(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows));
+  }
+  if (!why.ok()) {
+    UNIEP_CHECK_CODE(!ctx.forced, why.code, "set_gemm(backend=\"cutlass\"): ", why.message);
+    return ctx;
+  }
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device));
+  UNIEP_CHECK(choice.sm_carveout < sms, "set_gemm(sm_carveout=", choice.sm_carveout,
+              ") leaves no SM of the ", sms, " of this GPU to the GEMM");
+  ctx.sm90 = true;
+  ctx.sm_count = sms - static_cast<int>(choice.sm_carveout);
+  const size_t ws = cuda::gemm_sm90_workspace_bytes(
+      row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows), ctx.sm_count);
+  if (ws > 0) ctx.workspace = at::empty({static_cast<int64_t>(ws)}, a.options().dtype(at::kByte));
+  return ctx;
+}
+
+Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows, int64_t rows,
+               cudaStream_t stream) {
   auto* c = static_cast<MmContext*>(ctx);
   if (stream != at::cuda::getCurrentCUDAStream().stream())
     return {StatusCode::kInternal, "the GEMM callback runs on the current stream only"};
+  if (c->sm90) {
+    const cuda::GemmOperands op = row_operands(*c, a_rows, addend, out_rows, rows);
+    const Status fits = cuda::gemm_sm90_supports(op);
+    if (fits.ok() || c->forced)
+      return cuda::gemm_sm90_bf16(
+          op, c->device, c->sm_count, c->workspace.defined() ? c->workspace.data_ptr() : nullptr,
+          c->workspace.defined() ? static_cast<size_t>(c->workspace.numel()) : 0, stream);
+  }
   try {
     at::Tensor a = at::from_blob(const_cast<void*>(a_rows), {rows, c->k}, c->options);
     at::Tensor out = at::from_blob(out_rows, {rows, c->b.size(1)}, c->options);
-    at::mm_out(out, a, c->b);
+    if (addend != nullptr) {
+      at::Tensor add = at::from_blob(const_cast<void*>(addend), {rows, c->b.size(1)}, c->options);
+      at::addmm_out(out, add, a, c->b);
+    } else {
+      at::mm_out(out, a, c->b);
+    }
   } catch (const std::exception& e) {
     return {StatusCode::kInternal, detail::str_cat("GEMM of a chunk failed: ", e.what())};
   }
@@ -103,14 +230,14 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor ag = at::empty({W * a.size(0), a.size(1)}, a.options());
     at::Tensor mm = at::empty({W * a.size(0), b.size(1)}, a.options());
-    MmContext ctx{bc, a.size(1), a.options()};
+    MmContext ctx = mm_context(ac, bc, a.size(0) / chunks_or_one(chunks));
     coll::AllGatherCall c;
     c.a = ac.data_ptr();
     c.gathered = ag.data_ptr();
     c.rows_per_rank = a.size(0);
     c.row_bytes = a.size(1) * a.element_size();
     c.chunks = chunks;
-    c.gemm = {&mm_rows, &ctx};
+    c.gemm = {&mm_rows, &ctx, false};
     c.out = mm.data_ptr();
     c.out_row_bytes = b.size(1) * a.element_size();
     ok_or_throw(scope.rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
@@ -129,7 +256,7 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
     at::Tensor out = at::empty({rows, b.size(1)}, a.options());
-    MmContext ctx{bc, a.size(1), a.options()};
+    MmContext ctx = mm_context(ac, bc, rows / chunks_or_one(chunks));
     coll::ReduceScatterCall c;
     c.dtype = to_dtype(a, "a");
     c.a = ac.data_ptr();
@@ -139,7 +266,7 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.rows_per_rank = rows;
     c.n = b.size(1);
     c.chunks = chunks;
-    c.gemm = {&mm_rows, &ctx};
+    c.gemm = {&mm_rows, &ctx, ctx.sm90};
     ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });

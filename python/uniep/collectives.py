@@ -38,12 +38,15 @@ __all__ = [
     "all_gather",
     "all_gather_matmul",
     "all_to_all_ulysses",
+    "GEMM_BACKENDS",
     "check",
     "init_cuda",
     "matmul_reduce_scatter",
     "reduce_order",
     "reduce_scatter",
     "schedule",
+    "gemm",
+    "set_gemm",
     "shutdown_cuda",
     "validate_schedules",
 ]
@@ -367,6 +370,46 @@ def shutdown_cuda(group: dist.ProcessGroup | None = None) -> None:
 def check(group: dist.ProcessGroup | None = None) -> None:
     """Synchronise the device and raise a timeout a CUDA collective of ``group`` recorded."""
     _C.coll_check(distributed.group_name(group), True)
+
+
+GEMM_BACKENDS = ("auto", "cublas", "cutlass")
+_gemm_setting: tuple[str, int] = ("auto", 0)
+
+
+def set_gemm(backend: str = "auto", sm_carveout: int = 0) -> None:
+    """Choose the GEMM that the CUDA executor runs for the chunks of ``all_gather_matmul`` and
+    ``matmul_reduce_scatter`` (process-wide; every rank of a group must choose the same).
+
+    - ``"cublas"``: ``torch.mm``. A GEMM + reduce-scatter folds the ranks' partials with a
+      kernel after the GEMM of each of its own parts; the last fold runs after the last GEMM.
+    - ``"cutlass"``: UniEP's Hopper GEMM (CUTLASS 3, ``cpp/cuda/gemm``), bfloat16 on compute
+      capability 9.0 only; other operands raise. A GEMM + reduce-scatter adds the peers' partials
+      in the epilogue of its own parts' GEMMs (to the fp32 accumulator, so the own partial is
+      rounded once, with the sum), which leaves no fold after the last GEMM; those parts' GEMMs
+      wait for the peers' partials, so ``chunks >= 2`` lets the first ones arrive in time. The
+      persistent grid leaves ``sm_carveout`` SMs free for the copies, waits and folds that run
+      beside it.
+    - ``"auto"`` (the default): ``"cutlass"`` where it takes the operands, else ``"cublas"``.
+
+    Results are deterministic with each backend, but the two round differently. The CPU executor
+    is not affected.
+    """
+    global _gemm_setting
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int) or sm_carveout < 0:
+        raise ValueError(f"sm_carveout must be an int >= 0, got {sm_carveout!r}")
+    if getattr(_C, "has_ep_runtime", False):
+        _C.coll_set_gemm(backend, sm_carveout)
+    _gemm_setting = (backend, sm_carveout)
+
+
+def gemm() -> tuple[str, int]:
+    """The ``(backend, sm_carveout)`` that ``set_gemm`` chose."""
+    if getattr(_C, "has_ep_runtime", False):
+        backend, carveout = _C.coll_gemm()
+        return str(backend), int(carveout)
+    return _gemm_setting
 
 
 def _ensure_cuda(group_name: str, block_bytes: int) -> None:

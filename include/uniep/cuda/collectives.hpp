@@ -23,9 +23,12 @@
 // The host never synchronises: a timeout sets an error word that the next call on this runtime,
 // or check_device_errors(), turns into a kTimeout Status naming the operation and the peer.
 //
-// Results do not depend on the chunk count or arrival order: the all-gather copies bytes, and the
-// reduce-scatter adds the partials in reduce_order (fp32; fp64 for float64) exactly like the CPU
-// executor. Not capturable in a CUDA graph: each call's signals carry a fresh epoch from the host.
+// Results do not depend on arrival order: the all-gather copies bytes, and the reduce-scatter adds
+// the partials in reduce_order (fp32; fp64 for float64) exactly like the CPU executor. A GEMM that
+// folds the addend (RowGemm::folds_addend) adds the peers' partials (their reduce-order sum in
+// fp32, rounded once, where there are several) to its fp32 accumulator instead, which rounds the
+// own partial once less: deterministic, but not the CPU executor's bits. Not capturable in a CUDA
+// graph: each call's signals carry a fresh epoch from the host.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -57,12 +60,16 @@ struct Config {
 // Bytes of NVSHMEM symmetric heap a runtime with this config allocates.
 size_t symmetric_heap_bytes(const Config& config);
 
-// Enqueues out_rows[rows] = a_rows[rows] @ B on `stream` (the caller's; B, K, N and the dtype are
-// the callback's business). Returns a non-ok Status to abort the call.
+// Enqueues out_rows[rows] = a_rows[rows] @ B (+ addend_rows[rows]) on `stream` (the caller's; B,
+// K, N and the dtype are the callback's business). addend_rows is null unless folds_addend is
+// set: then a GEMM + reduce-scatter hands each of its own rows' GEMMs the sum of the peers'
+// partials to add in its epilogue, and no fold is left after the last GEMM. Returns a non-ok
+// Status to abort the call.
 struct RowGemm {
-  Status (*run)(void* ctx, const void* a_rows, void* out_rows, int64_t rows,
-                cudaStream_t stream) = nullptr;
+  Status (*run)(void* ctx, const void* a_rows, const void* addend_rows, void* out_rows,
+                int64_t rows, cudaStream_t stream) = nullptr;
   void* ctx = nullptr;
+  bool folds_addend = false;
 };
 
 // all-gather (gemm.run null) and all-gather + GEMM. Device pointers, row-major, contiguous.

@@ -1,0 +1,27 @@
+// Which GEMM the CUDA collectives run for their chunks, process-wide (uniep.collectives.set_gemm):
+//  - cublas: at::mm on the caller's stream; a GEMM + reduce-scatter folds the partials with a
+//    kernel after the GEMM of each own part (the last fold is left after the last GEMM);
+//  - cutlass: UniEP's sm90 GEMM (cpp/cuda/gemm), bf16 on Hopper only: a GEMM + reduce-scatter
+//    folds the peers' partials in the epilogue of its own parts' GEMMs, and the persistent grid
+//    leaves `sm_carveout` SMs to the copies, waits and folds queued beside it;
+//  - auto: cutlass where it takes the operands, else cublas.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace uniep::torch_glue {
+
+enum class CollGemmBackend { kAuto, kCublas, kCutlass };
+
+struct CollGemm {
+  CollGemmBackend backend = CollGemmBackend::kAuto;
+  int64_t sm_carveout = 0;
+};
+
+// Throws kInvalidArgument naming the argument for an unknown backend or a negative carveout.
+void set_coll_gemm(const std::string& backend, int64_t sm_carveout);
+CollGemm coll_gemm();
+const char* coll_gemm_backend_name(CollGemmBackend backend);
+
+}  // namespace uniep::torch_glue
