@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -158,6 +159,28 @@ int64_t chunks_or_one(int64_t chunks) {
   return chunks >= 1 ? chunks : 1;
 }
 
+// SMs of the GEMM's persistent grid: the device's but `sm_carveout`.
+int gemm_sm_count(int device, int64_t sm_carveout) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  UNIEP_CHECK(sm_carveout >= 0 && sm_carveout < sms, "sm_carveout=", sm_carveout,
+              " must leave the GEMM at least one of the ", sms, " SMs of this GPU");
+  return sms - static_cast<int>(sm_carveout);
+}
+
+at::Tensor gemm_workspace(const cuda::GemmOperands& op, int sm_count, const at::Tensor& like) {
+  const size_t bytes = cuda::gemm_sm90_workspace_bytes(op, sm_count);
+  if (bytes == 0) return {};
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+Status run_gemm(const cuda::GemmOperands& op, int device, int sm_count, const at::Tensor& workspace,
+                cudaStream_t stream) {
+  return cuda::gemm_sm90_bf16(
+      op, device, sm_count, workspace.defined() ? workspace.data_ptr() : nullptr,
+      workspace.defined() ? static_cast<size_t>(workspace.numel()) : 0, stream);
+}
+
 // Whether a call's chunks of `rows` rows run on the sm90 GEMM, and its grid and workspace.
 MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
   MmContext ctx{b, a.size(1), a.options()};
@@ -179,15 +202,10 @@ MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
     UNIEP_CHECK_CODE(!ctx.forced, why.code, "set_gemm(backend=\"cutlass\"): ", why.message);
     return ctx;
   }
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device));
-  UNIEP_CHECK(choice.sm_carveout < sms, "set_gemm(sm_carveout=", choice.sm_carveout,
-              ") leaves no SM of the ", sms, " of this GPU to the GEMM");
+  ctx.sm_count = gemm_sm_count(ctx.device, choice.sm_carveout);
   ctx.sm90 = true;
-  ctx.sm_count = sms - static_cast<int>(choice.sm_carveout);
-  const size_t ws = cuda::gemm_sm90_workspace_bytes(
-      row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows), ctx.sm_count);
-  if (ws > 0) ctx.workspace = at::empty({static_cast<int64_t>(ws)}, a.options().dtype(at::kByte));
+  ctx.workspace =
+      gemm_workspace(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows), ctx.sm_count, a);
   return ctx;
 }
 
@@ -199,10 +217,7 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
   if (c->sm90) {
     const cuda::GemmOperands op = row_operands(*c, a_rows, addend, out_rows, rows);
     const Status fits = cuda::gemm_sm90_supports(op);
-    if (fits.ok() || c->forced)
-      return cuda::gemm_sm90_bf16(
-          op, c->device, c->sm_count, c->workspace.defined() ? c->workspace.data_ptr() : nullptr,
-          c->workspace.defined() ? static_cast<size_t>(c->workspace.numel()) : 0, stream);
+    if (fits.ok() || c->forced) return run_gemm(op, c->device, c->sm_count, c->workspace, stream);
   }
   try {
     at::Tensor a = at::from_blob(const_cast<void*>(a_rows), {rows, c->k}, c->options);
@@ -268,6 +283,35 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.chunks = chunks;
     c.gemm = {&mm_rows, &ctx, ctx.sm90};
     ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
+    return out;
+  });
+}
+
+at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
+                          const std::optional<at::Tensor>& c, int64_t sm_carveout) {
+  return translate_errors([&] {
+    check_matmul_operands(a, b, "[M, K]", "[K, N]", Executor::kCuda);
+    UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the sm90 GEMM), got ",
+                c10::toString(a.scalar_type()));
+    if (c.has_value()) {
+      check_like(*c, "c", a, "a");
+      UNIEP_CHECK(c->dim() == 2 && c->size(0) == a.size(0) && c->size(1) == b.size(1),
+                  "c must be [M, N] = [", a.size(0), ", ", b.size(1), "], got ", c->sizes());
+    }
+    const c10::cuda::CUDAGuard guard(a.device());
+    const int device = a.device().index();
+    UNIEP_CHECK_CODE(cuda::gemm_sm90_device_ok(device), StatusCode::kUnsupported,
+                     "the sm90 GEMM needs a compute capability 9.0 GPU");
+    const int sm_count = gemm_sm_count(device, sm_carveout);
+    at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    at::Tensor cc = c.has_value() ? c->contiguous() : at::Tensor();
+    at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+    MmContext ctx{bc, a.size(1), a.options()};
+    const cuda::GemmOperands op = row_operands(
+        ctx, ac.data_ptr(), cc.defined() ? cc.data_ptr() : nullptr, out.data_ptr(), a.size(0));
+    ok_or_throw(cuda::gemm_sm90_supports(op));
+    ok_or_throw(run_gemm(op, device, sm_count, gemm_workspace(op, sm_count, a),
+                         at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
 }
@@ -340,4 +384,5 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("all_gather", &uniep::torch_glue::all_gather_cuda);
   m.impl("reduce_scatter", &uniep::torch_glue::reduce_scatter_cuda);
   m.impl("all_to_all_ulysses", &uniep::torch_glue::all_to_all_ulysses_cuda);
+  m.impl("sm90_gemm", &uniep::torch_glue::sm90_gemm_cuda);
 }

@@ -29,6 +29,9 @@ TORCH_LIBRARY_FRAGMENT(uniep, m) {
   // Splits x along scatter_dim into W blocks, block p to rank p; concatenates the blocks received
   // along gather_dim in rank order. [S/W, H, D] (1, 0) -> [S, H/W, D] and back with (0, 1).
   m.def("all_to_all_ulysses(Tensor x, int scatter_dim, int gather_dim, str group_name) -> Tensor");
+  // a [M, K] @ b [K, N] (+ c [M, N]) -> [M, N] on UniEP's Hopper GEMM (bf16, CUDA only), the one
+  // the collectives run with set_gemm("cutlass"); its grid leaves sm_carveout SMs free.
+  m.def("sm90_gemm(Tensor a, Tensor b, Tensor? c=None, int sm_carveout=0) -> Tensor");
 }
 
 namespace uniep::torch_glue {

@@ -152,6 +152,20 @@ def _matmul_reduce_scatter_fake(
     return a.new_empty((a.shape[0] // world, b.shape[1]))
 
 
+@torch.library.register_fake("uniep::sm90_gemm")
+def _sm90_gemm_fake(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, sm_carveout: int = 0
+) -> torch.Tensor:
+    _check_pair(a, b, "[M, K]", "[K, N]")
+    torch._check_value(a.dtype == torch.bfloat16, lambda: f"a must be bfloat16, got {a.dtype}")
+    if c is not None:
+        torch._check_value(
+            tuple(c.shape) == (a.shape[0], b.shape[1]) and c.dtype == a.dtype,
+            lambda: f"c must be [M, N] = [{a.shape[0]}, {b.shape[1]}] of a's dtype",
+        )
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
 @torch.library.register_fake("uniep::all_gather")
 def _all_gather_fake(
     x: torch.Tensor, group_name: str, chunks: int = 1, order: str = "direct"

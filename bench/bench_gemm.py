@@ -1,0 +1,116 @@
+"""UniEP's Hopper GEMM (``torch.ops.uniep.sm90_gemm``) against cuBLAS (``torch.mm``).
+
+The collectives run one of the two for every chunk (``uniep.collectives.set_gemm``), so the
+shapes are the chunks of bench_overlap's TP=2 anchors: (M/W)/chunks rows of [K] times [K, N], bf16.
+For each: torch.mm, ``sm90_gemm`` with every SM and with 8 and 16 SMs left out, and ``sm90_gemm``
+with an addend (D = A @ B + C, the reduce-scatter's epilogue fold) against ``torch.addmm``.
+Device time is the median of CUDA events over many calls after warm-up; host time is the median
+wall time to enqueue one call (the GPU busy with a long kernel meanwhile), which bounds how small
+a chunk can be before the host, not the GPU, sets the pace.
+
+    python bench/bench_gemm.py                 # on a Hopper GPU; skipped (exit 0) elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_time_ms, write_result  # noqa: E402
+
+# (M, K, N): bench_overlap's anchors at TP=2, their halves (2 chunks) and quarters.
+SHAPES = [
+    (m, k, n)
+    for (rows, k, n) in ((4096, 8192, 7168), (2048, 8192, 2048), (8192, 4096, 3584))
+    for m in (rows, rows // 2, rows // 4)
+]
+CARVEOUTS = (0, 8, 16)
+
+
+def host_us(fn: Callable[[], object], iters: int = 50) -> float:
+    """Median wall time to enqueue one call while the GPU is busy (so launches never wait)."""
+    torch.cuda._sleep(200_000_000)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def tflops(m: int, k: int, n: int, ms: float) -> float:
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+
+
+def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+    a = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    b = (torch.randn(k, n, generator=gen, device="cuda") * k**-0.5).bfloat16()
+    c = torch.randn(m, n, generator=gen, device="cuda").bfloat16()
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = a.float() @ b.float()
+    row: dict[str, Any] = {"M": m, "K": k, "N": n}
+    row["rel_err_cublas"] = float((torch.mm(a, b).float() - ref).norm() / ref.norm())
+    row["rel_err_sm90"] = float((torch.ops.uniep.sm90_gemm(a, b).float() - ref).norm() / ref.norm())
+    ref_c = ref + c.float()
+    got_c = torch.ops.uniep.sm90_gemm(a, b, c).float()
+    row["rel_err_sm90_addend"] = float((got_c - ref_c).norm() / ref_c.norm())
+    calls: dict[str, Callable[[], object]] = {"cublas_ms": lambda: torch.mm(a, b, out=out)}
+    calls["cublas_addmm_ms"] = lambda: torch.addmm(c, a, b, out=out)
+    for sms in CARVEOUTS:
+        calls[f"sm90_carve{sms}_ms"] = lambda sms=sms: torch.ops.uniep.sm90_gemm(a, b, None, sms)
+    calls["sm90_addend_ms"] = lambda: torch.ops.uniep.sm90_gemm(a, b, c)
+    for name, fn in calls.items():
+        row[name] = median_time_ms(fn, warmup, iters, cuda=True)
+    row["cublas_tflops"] = tflops(m, k, n, row["cublas_ms"])
+    row["sm90_tflops"] = tflops(m, k, n, row["sm90_carve0_ms"])
+    row["sm90_over_cublas"] = row["sm90_carve0_ms"] / row["cublas_ms"]
+    row["host_us_cublas"] = host_us(lambda: torch.mm(a, b, out=out))
+    row["host_us_sm90"] = host_us(lambda: torch.ops.uniep.sm90_gemm(a, b))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
+    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args(argv)
+    import uniep  # noqa: F401  (registers torch.ops.uniep)
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("bench_gemm: skipped (needs a compute capability 9.0 GPU)")
+        return 0
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("uniep::sm90_gemm", "CUDA"):
+        print("bench_gemm: skipped (this build has no CUDA kernel for uniep::sm90_gemm)")
+        return 0
+    rows = []
+    print("| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | TFLOP/s | host us |")
+    print("|---:|---:|---:|---:|---|---:|---|---|")
+    for m, k, n in SHAPES:
+        r = bench_shape(m, k, n, args.warmup, args.iters)
+        rows.append(r)
+        carves = "/".join(f"{r[f'sm90_carve{s}_ms']:.3f}" for s in CARVEOUTS)
+        print(
+            f"| {m} | {k} | {n} | {r['cublas_ms']:.3f} | {carves} | {r['sm90_over_cublas']:.3f} "
+            f"| {r['cublas_tflops']:.0f} / {r['sm90_tflops']:.0f} "
+            f"| {r['host_us_cublas']:.1f} / {r['host_us_sm90']:.1f} |",
+            flush=True,
+        )
+    path = write_result("bench_gemm", rows, args.out_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
