@@ -294,7 +294,9 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
     UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the sm90 GEMM), got ",
                 c10::toString(a.scalar_type()));
     if (c.has_value()) {
-      check_like(*c, "c", a, "a");
+      UNIEP_CHECK(c->scalar_type() == a.scalar_type() && c->device() == a.device(),
+                  "c must be bfloat16 on a's device ", a.device(), ", got ",
+                  c10::toString(c->scalar_type()), " on ", c->device());
       UNIEP_CHECK(c->dim() == 2 && c->size(0) == a.size(0) && c->size(1) == b.size(1),
                   "c must be [M, N] = [", a.size(0), ", ", b.size(1), "], got ", c->sizes());
     }
