@@ -2,8 +2,9 @@
 
 The collectives run one of the two for every chunk (``uniep.collectives.set_gemm``), so the
 shapes are the chunks of bench_overlap's TP=2 anchors: (M/W)/chunks rows of [K] times [K, N], bf16.
-For each: torch.mm, ``sm90_gemm`` with every SM and with 8 and 16 SMs left out, and ``sm90_gemm``
-with an addend (D = A @ B + C, the reduce-scatter's epilogue fold) against ``torch.addmm``.
+For each: torch.mm, ``sm90_gemm`` with every SM and with 8 and 16 SMs left out, ``sm90_gemm``
+with an addend (D = A @ B + C, the reduce-scatter's epilogue fold) against ``torch.addmm``, and
+``sm90_gemm`` at every tile width, swizzle and raster order (the sweep its defaults come from).
 Device time is the median of CUDA events over many calls after warm-up; host time is the median
 wall time to enqueue one call (the GPU busy with a long kernel meanwhile), which bounds how small
 a chunk can be before the host, not the GPU, sets the pace.
@@ -69,8 +70,19 @@ def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, An
     for sms in CARVEOUTS:
         calls[f"sm90_carve{sms}_ms"] = lambda sms=sms: torch.ops.uniep.sm90_gemm(a, b, None, sms)
     calls["sm90_addend_ms"] = lambda: torch.ops.uniep.sm90_gemm(a, b, c)
+    for tile in (128, 256):
+        for swz in (1, 2, 4, 8):
+            for raster in ("m", "n"):
+                calls[f"sm90_t{tile}_s{swz}_r{raster}_ms"] = (
+                    lambda tile=tile, swz=swz, raster=raster: torch.ops.uniep.sm90_gemm(
+                        a, b, None, 0, tile, swz, raster
+                    )
+                )
     for name, fn in calls.items():
         row[name] = median_time_ms(fn, warmup, iters, cuda=True)
+    sweep = {k: v for k, v in row.items() if k.startswith("sm90_t")}
+    row["sm90_best_config"] = min(sweep, key=sweep.__getitem__)
+    row["sm90_best_ms"] = sweep[row["sm90_best_config"]]
     row["cublas_tflops"] = tflops(m, k, n, row["cublas_ms"])
     row["sm90_tflops"] = tflops(m, k, n, row["sm90_carve0_ms"])
     row["sm90_over_cublas"] = row["sm90_carve0_ms"] / row["cublas_ms"]
@@ -95,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gemm: skipped (this build has no CUDA kernel for uniep::sm90_gemm)")
         return 0
     rows = []
-    print("| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | TFLOP/s | host us |")
-    print("|---:|---:|---:|---:|---|---:|---|---|")
+    print(
+        "| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | TFLOP/s | host us "
+        "| best sm90 config (ms) |"
+    )
+    print("|---:|---:|---:|---:|---|---:|---|---|---|")
     for m, k, n in SHAPES:
         r = bench_shape(m, k, n, args.warmup, args.iters)
         rows.append(r)
@@ -104,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {m} | {k} | {n} | {r['cublas_ms']:.3f} | {carves} | {r['sm90_over_cublas']:.3f} "
             f"| {r['cublas_tflops']:.0f} / {r['sm90_tflops']:.0f} "
-            f"| {r['host_us_cublas']:.1f} / {r['host_us_sm90']:.1f} |",
+            f"| {r['host_us_cublas']:.1f} / {r['host_us_sm90']:.1f} "
+            f"| {r['sm90_best_config'][5:-3]} ({r['sm90_best_ms']:.3f}) |",
             flush=True,
         )
     path = write_result("bench_gemm", rows, args.out_dir)

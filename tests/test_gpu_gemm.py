@@ -52,6 +52,16 @@ def test_bits_independent_of_carveout_and_row_ranges() -> None:
         assert torch.equal(gemm(a[lo:hi], b, c[lo:hi]), whole[lo:hi]), (lo, hi)
 
 
+def test_bits_independent_of_tiling() -> None:
+    a, b, c = _operands(777, 1024, 768, 11)
+    whole = gemm(a, b, c)
+    for tile_n in (128, 256):
+        for swizzle in (1, 2, 8):
+            for raster in ("m", "n"):
+                got = gemm(a, b, c, 0, tile_n, swizzle, raster)
+                assert torch.equal(got, whole), (tile_n, swizzle, raster)
+
+
 def test_strided_inputs_are_made_contiguous() -> None:
     a, b, _ = _operands(256, 512, 384, 3)
     at = a.t().contiguous().t()  # same values, column-major
@@ -71,6 +81,12 @@ def test_named_errors() -> None:
         gemm(a, b, None, -1)
     with pytest.raises(ValueError, match="sm_carveout=100000"):
         gemm(a, b, None, 100000)
+    with pytest.raises(ValueError, match="tile_n must be 0 .auto., 128 or 256, got 64"):
+        gemm(a, b, None, 0, 64)
+    with pytest.raises(ValueError, match="swizzle must be 0 .auto., 1, 2, 4 or 8, got 3"):
+        gemm(a, b, None, 0, 0, 3)
+    with pytest.raises(ValueError, match='raster must be "auto", "m" or "n", got "k"'):
+        gemm(a, b, None, 0, 0, 0, "k")
     with pytest.raises(NotImplementedError, match="multiples of 8"):
         gemm(a[:, :60], b[:60])  # k = 60: TMA needs 16-byte rows
 

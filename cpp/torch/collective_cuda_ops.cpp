@@ -134,6 +134,7 @@ struct MmContext {
   bool forced = false;  // backend "cutlass": a chunk the kernel refuses is an error, not cuBLAS
   int device = 0;
   int sm_count = 0;
+  cuda::GemmTuning tuning;  // the kernel's own choices
   at::Tensor workspace;
 };
 
@@ -168,16 +169,17 @@ int gemm_sm_count(int device, int64_t sm_carveout) {
   return sms - static_cast<int>(sm_carveout);
 }
 
-at::Tensor gemm_workspace(const cuda::GemmOperands& op, int sm_count, const at::Tensor& like) {
-  const size_t bytes = cuda::gemm_sm90_workspace_bytes(op, sm_count);
+at::Tensor gemm_workspace(const cuda::GemmOperands& op, const cuda::GemmTuning& tuning,
+                          int sm_count, const at::Tensor& like) {
+  const size_t bytes = cuda::gemm_sm90_workspace_bytes(op, tuning, sm_count);
   if (bytes == 0) return {};
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-Status run_gemm(const cuda::GemmOperands& op, int device, int sm_count, const at::Tensor& workspace,
-                cudaStream_t stream) {
+Status run_gemm(const cuda::GemmOperands& op, const cuda::GemmTuning& tuning, int device,
+                int sm_count, const at::Tensor& workspace, cudaStream_t stream) {
   return cuda::gemm_sm90_bf16(
-      op, device, sm_count, workspace.defined() ? workspace.data_ptr() : nullptr,
+      op, tuning, device, sm_count, workspace.defined() ? workspace.data_ptr() : nullptr,
       workspace.defined() ? static_cast<size_t>(workspace.numel()) : 0, stream);
 }
 
@@ -204,8 +206,8 @@ MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
   }
   ctx.sm_count = gemm_sm_count(ctx.device, choice.sm_carveout);
   ctx.sm90 = true;
-  ctx.workspace =
-      gemm_workspace(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows), ctx.sm_count, a);
+  ctx.workspace = gemm_workspace(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows),
+                                 ctx.tuning, ctx.sm_count, a);
   return ctx;
 }
 
@@ -217,7 +219,8 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
   if (c->sm90) {
     const cuda::GemmOperands op = row_operands(*c, a_rows, addend, out_rows, rows);
     const Status fits = cuda::gemm_sm90_supports(op);
-    if (fits.ok() || c->forced) return run_gemm(op, c->device, c->sm_count, c->workspace, stream);
+    if (fits.ok() || c->forced)
+      return run_gemm(op, c->tuning, c->device, c->sm_count, c->workspace, stream);
   }
   try {
     at::Tensor a = at::from_blob(const_cast<void*>(a_rows), {rows, c->k}, c->options);
@@ -288,8 +291,18 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
 }
 
 at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
-                          const std::optional<at::Tensor>& c, int64_t sm_carveout) {
+                          const std::optional<at::Tensor>& c, int64_t sm_carveout, int64_t tile_n,
+                          int64_t swizzle, c10::string_view raster) {
   return translate_errors([&] {
+    cuda::GemmTuning tuning;
+    tuning.tile_n = static_cast<int>(tile_n);
+    tuning.swizzle = static_cast<int>(swizzle);
+    UNIEP_CHECK(raster == "auto" || raster == "m" || raster == "n",
+                "raster must be \"auto\", \"m\" or \"n\", got \"", std::string(raster), "\"");
+    tuning.raster = raster == "m"   ? cuda::GemmRaster::kAlongM
+                    : raster == "n" ? cuda::GemmRaster::kAlongN
+                                    : cuda::GemmRaster::kAuto;
+    ok_or_throw(tuning.validate());
     check_matmul_operands(a, b, "[M, K]", "[K, N]", Executor::kCuda);
     UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the sm90 GEMM), got ",
                 c10::toString(a.scalar_type()));
@@ -312,7 +325,7 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
     const cuda::GemmOperands op = row_operands(
         ctx, ac.data_ptr(), cc.defined() ? cc.data_ptr() : nullptr, out.data_ptr(), a.size(0));
     ok_or_throw(cuda::gemm_sm90_supports(op));
-    ok_or_throw(run_gemm(op, device, sm_count, gemm_workspace(op, sm_count, a),
+    ok_or_throw(run_gemm(op, tuning, device, sm_count, gemm_workspace(op, tuning, sm_count, a),
                          at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });

@@ -30,8 +30,11 @@ TORCH_LIBRARY_FRAGMENT(uniep, m) {
   // along gather_dim in rank order. [S/W, H, D] (1, 0) -> [S, H/W, D] and back with (0, 1).
   m.def("all_to_all_ulysses(Tensor x, int scatter_dim, int gather_dim, str group_name) -> Tensor");
   // a [M, K] @ b [K, N] (+ c [M, N]) -> [M, N] on UniEP's Hopper GEMM (bf16, CUDA only), the one
-  // the collectives run with set_gemm("cutlass"); its grid leaves sm_carveout SMs free.
-  m.def("sm90_gemm(Tensor a, Tensor b, Tensor? c=None, int sm_carveout=0) -> Tensor");
+  // the collectives run with set_gemm("cutlass"); its grid leaves sm_carveout SMs free. tile_n
+  // (128, 256), swizzle (1, 2, 4, 8) and raster ("m", "n") override the kernel's own choice.
+  m.def(
+      "sm90_gemm(Tensor a, Tensor b, Tensor? c=None, int sm_carveout=0, int tile_n=0, "
+      "int swizzle=0, str raster=\"auto\") -> Tensor");
 }
 
 namespace uniep::torch_glue {

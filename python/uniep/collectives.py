@@ -154,7 +154,13 @@ def _matmul_reduce_scatter_fake(
 
 @torch.library.register_fake("uniep::sm90_gemm")
 def _sm90_gemm_fake(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, sm_carveout: int = 0
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    sm_carveout: int = 0,
+    tile_n: int = 0,
+    swizzle: int = 0,
+    raster: str = "auto",
 ) -> torch.Tensor:
     _check_pair(a, b, "[M, K]", "[K, N]")
     torch._check_value(a.dtype == torch.bfloat16, lambda: f"a must be bfloat16, got {a.dtype}")

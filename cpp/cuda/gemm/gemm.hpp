@@ -5,7 +5,8 @@
 //  - the number of SMs the persistent grid takes, so copies and folds queued beside the GEMM get
 //    SMs of their own instead of waiting for its last wave.
 // Row-major bf16 operands, fp32 accumulation, Hopper (sm_90a) only; callers fall back to
-// cuBLAS where gemm_sm90_supports() says no.
+// cuBLAS where gemm_sm90_supports() says no. Each output element's K loop is the same whatever
+// the tile, grid or row range, so its bits depend on none of them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,6 +28,21 @@ struct GemmOperands {
   int64_t lda = 0, ldb = 0, ldc = 0, ldd = 0;
 };
 
+// How the kernel tiles and orders its work; 0 / kAuto: chosen from the shape and the SM count.
+enum class GemmRaster { kAuto, kAlongM, kAlongN };
+struct GemmTuning {
+  int tile_n = 0;   // output tile 128 x tile_n: 128 or 256
+  int swizzle = 0;  // tiles a cluster row visits before the next: 1, 2, 4 or 8
+  GemmRaster raster = GemmRaster::kAuto;
+
+  Status validate() const;
+};
+
+// The tile width the kernel uses for `op` on `sm_count` SMs when tuning.tile_n is 0: the one
+// whose whole waves of tiles take the least time (a 128-wide tile does about 90% of the work per
+// SM-second of a 256-wide one, but half-empty last waves cost more).
+int gemm_sm90_auto_tile_n(const GemmOperands& op, int sm_count);
+
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
 bool gemm_sm90_device_ok(int device);
 
@@ -35,10 +51,10 @@ bool gemm_sm90_device_ok(int device);
 Status gemm_sm90_supports(const GemmOperands& op);
 
 // Bytes of device workspace gemm_sm90_bf16 needs for these operands on `sm_count` SMs.
-size_t gemm_sm90_workspace_bytes(const GemmOperands& op, int sm_count);
+size_t gemm_sm90_workspace_bytes(const GemmOperands& op, const GemmTuning& tuning, int sm_count);
 
 // Enqueues the GEMM on `stream`, its persistent grid on at most `sm_count` SMs of `device`.
-Status gemm_sm90_bf16(const GemmOperands& op, int device, int sm_count, void* workspace,
-                      size_t workspace_bytes, cudaStream_t stream);
+Status gemm_sm90_bf16(const GemmOperands& op, const GemmTuning& tuning, int device, int sm_count,
+                      void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace uniep::cuda
