@@ -12,7 +12,7 @@ the gathered row count, each rank holds M/W rows), in bf16:
   reduce_scatter_tensor; ``torch_fused``: ``fused_matmul_reduce_scatter(a, b, "sum", 0, ...)``.
 
 Ours runs with chunks in {1, 2, 4} (those dividing M/W) and each GEMM choice of ``--gemm``
-(``uniep.collectives.set_gemm``: ``ours_c2`` is the default choice at 2 chunks,
+(``uniep.collectives.set_gemm``: ``ours_c2`` is the default, cuBLAS, at 2 chunks,
 ``ours_cutlass_sm8_c2`` the cutlass GEMM leaving 8 SMs); ``ours_best`` is the fastest. Before
 timing, each output is compared with the baseline's (relative error of the norm < 2e-2; the
 gathered ``ag`` must match bit for bit) and pass/fail goes into the JSON. The goal of the issue:
@@ -87,8 +87,9 @@ CPU_DP_BUCKET_BYTES = 4 << 20
 CPU_DP_GEMM = 256
 KINDS = ("ag_mm", "mm_rs")
 CHUNKS = (1, 2, 4)
-GEMM_BACKENDS = ("auto", "cublas", "cutlass")  # uniep.collectives.GEMM_BACKENDS
-GPU_GEMMS = [("auto", 0), ("cublas", 0)]
+GEMM_BACKENDS = ("cublas", "cutlass")  # uniep.collectives.GEMM_BACKENDS
+DEFAULT_GEMM = ("cublas", 0)  # uniep.collectives.set_gemm's default
+GPU_GEMMS = [DEFAULT_GEMM, ("cutlass", 0)]
 BASELINES = ("nccl_mm", "mm_alone", "coll_alone", "torch_fused")
 CHECK_TOL_BF16 = 2e-2
 CHECK_TOL_FP32 = 1e-5
@@ -198,7 +199,7 @@ def slowest_medians(per_rank: Sequence[dict[str, dict[str, float] | None]]) -> d
 
 
 def parse_gemms(text: str) -> list[tuple[str, int]]:
-    """``auto,cublas,cutlass@8`` -> [(backend, sm_carveout), ...] for ``set_gemm``."""
+    """``cublas,cutlass@8`` -> [(backend, sm_carveout), ...] for ``set_gemm``."""
     specs = []
     for item in text.split(","):
         backend, _, carveout = item.strip().partition("@")
@@ -212,11 +213,11 @@ def parse_gemms(text: str) -> list[tuple[str, int]]:
     return specs
 
 
-def ours_prefix(gemm: Sequence[Any] = ("auto", 0)) -> str:
+def ours_prefix(gemm: Sequence[Any] = DEFAULT_GEMM) -> str:
     """Our variants' name before the chunk count: ``ours_c`` with the default GEMM choice,
     ``ours_cutlass_sm8_c`` with backend cutlass leaving 8 SMs."""
     backend, carveout = gemm
-    if (backend, carveout) == ("auto", 0):
+    if (backend, carveout) == DEFAULT_GEMM:
         return "ours_c"
     return f"ours_{backend}" + (f"_sm{carveout}" if carveout else "") + "_c"
 
@@ -579,7 +580,7 @@ def _bench_tp_kind(
     # Our variants: name -> (chunks, GEMM choice), for every choice and chunk count.
     ours_variants = {
         f"{ours_prefix(g)}{ch}": (ch, tuple(g))
-        for g in cfg.get("gemms", [("auto", 0)])
+        for g in cfg.get("gemms", [DEFAULT_GEMM])
         for ch in chunks
     }
     if ours_off is None:
@@ -610,8 +611,8 @@ def _bench_tp_kind(
     timed += [(v, lambda v=v: ours(*ours_variants[v])) for v in variants if v not in check_errors]
     for name, fn in timed:
         runner.time(name, fn)
-    _set_gemm(("auto", 0))
-    prefixes = [ours_prefix(g) for g in cfg.get("gemms", [("auto", 0)])]
+    _set_gemm(DEFAULT_GEMM)
+    prefixes = [ours_prefix(g) for g in cfg.get("gemms", [DEFAULT_GEMM])]
     timing = _timing_fields(runner, chunks, checks, prefixes)
     ms = timing["ms"]
     errors = {**check_errors, **runner.errors}
@@ -914,8 +915,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu" if args.cpu else "cuda",
         "shapes": [asdict(s) for s in shapes],
         "chunks": list(CHUNKS),
-        # On GPUs the default GEMM choice and cuBLAS (the choice that was the only one before).
-        "gemms": [list(g) for g in args.gemm or ([("auto", 0)] if args.cpu else GPU_GEMMS)],
+        # On GPUs both GEMM choices, side by side.
+        "gemms": [list(g) for g in args.gemm or ([DEFAULT_GEMM] if args.cpu else GPU_GEMMS)],
         "warmup": warmup,
         "iters": iters,
         "big_iters": min(iters, 20),
@@ -1073,8 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
         type=parse_gemms,
         default=None,
         help="our GEMM choices to time, BACKEND[@SMS] comma-separated (uniep.collectives."
-        "set_gemm(BACKEND, sm_carveout=SMS)), e.g. auto,cublas,cutlass@8 (default auto,cublas; "
-        "auto with --cpu); ours_best is the fastest of all",
+        "set_gemm(BACKEND, sm_carveout=SMS)), e.g. cublas,cutlass,cutlass@8 (default "
+        "cublas,cutlass; cublas with --cpu); ours_best is the fastest of all",
     )
     add_profile_argument(parser)
     add_trace_arguments(parser)

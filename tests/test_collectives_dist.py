@@ -739,17 +739,17 @@ def test_single_rank_errors() -> None:
 
 def test_set_gemm_validates_and_round_trips() -> None:
     before = collectives.gemm()
-    assert before == ("auto", 0)
+    assert before == ("cublas", 0)
     try:
         collectives.set_gemm("cutlass", sm_carveout=8)
         assert collectives.gemm() == ("cutlass", 8)
         collectives.set_gemm("cublas")
         assert collectives.gemm() == ("cublas", 0)
         with pytest.raises(ValueError, match="backend must be one of"):
-            collectives.set_gemm("cudnn")
+            collectives.set_gemm("auto")
         for bad in (-1, 1.5, True):
             with pytest.raises(ValueError, match="sm_carveout must be an int >= 0"):
-                collectives.set_gemm("auto", sm_carveout=bad)  # type: ignore[arg-type]
+                collectives.set_gemm("cutlass", sm_carveout=bad)  # type: ignore[arg-type]
         assert collectives.gemm() == ("cublas", 0)  # a refused call changes nothing
     finally:
         collectives.set_gemm(*before)

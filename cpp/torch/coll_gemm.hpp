@@ -1,10 +1,12 @@
 // Which GEMM the CUDA collectives run for their chunks, process-wide (uniep.collectives.set_gemm):
-//  - cublas: at::mm on the caller's stream; a GEMM + reduce-scatter folds the partials with a
-//    kernel after the GEMM of each own part (the last fold is left after the last GEMM);
-//  - cutlass: UniEP's sm90 GEMM (cpp/cuda/gemm), bf16 on Hopper only: a GEMM + reduce-scatter
-//    folds the peers' partials in the epilogue of its own parts' GEMMs, and the persistent grid
-//    leaves `sm_carveout` SMs to the copies, waits and folds queued beside it;
-//  - auto: cutlass where it takes the operands, else cublas.
+//  - cublas (the default): at::mm on the caller's stream; a GEMM + reduce-scatter folds the
+//    partials with a kernel after the GEMM of each own part (the last fold is left after the
+//    last GEMM);
+//  - cutlass: UniEP's sm90 GEMM (cpp/cuda/gemm) where it takes the operands (bf16 on Hopper,
+//    16-byte rows; cuBLAS elsewhere): a GEMM + reduce-scatter folds the peers' partials in the
+//    epilogue of its own parts' GEMMs, and the persistent grid leaves `sm_carveout` SMs to the
+//    copies, waits and folds queued beside it. Measured slower than cublas on the TP=2 shapes
+//    (bench/results), so not the default.
 #pragma once
 
 #include <cstdint>
@@ -12,10 +14,10 @@
 
 namespace uniep::torch_glue {
 
-enum class CollGemmBackend { kAuto, kCublas, kCutlass };
+enum class CollGemmBackend { kCublas, kCutlass };
 
 struct CollGemm {
-  CollGemmBackend backend = CollGemmBackend::kAuto;
+  CollGemmBackend backend = CollGemmBackend::kCublas;
   int64_t sm_carveout = 0;
 };
 

@@ -89,8 +89,6 @@ CollGemm& coll_gemm_setting() {
 
 const char* coll_gemm_backend_name(CollGemmBackend backend) {
   switch (backend) {
-    case CollGemmBackend::kAuto:
-      return "auto";
     case CollGemmBackend::kCublas:
       return "cublas";
     case CollGemmBackend::kCutlass:
@@ -101,14 +99,12 @@ const char* coll_gemm_backend_name(CollGemmBackend backend) {
 
 void set_coll_gemm(const std::string& backend, int64_t sm_carveout) {
   CollGemm g;
-  if (backend == "auto") {
-    g.backend = CollGemmBackend::kAuto;
-  } else if (backend == "cublas") {
+  if (backend == "cublas") {
     g.backend = CollGemmBackend::kCublas;
   } else if (backend == "cutlass") {
     g.backend = CollGemmBackend::kCutlass;
   } else {
-    UNIEP_CHECK(false, "backend must be \"auto\", \"cublas\" or \"cutlass\", got \"", backend,
+    UNIEP_CHECK(false, "backend must be \"cublas\" or \"cutlass\", got \"", backend,
                 "\"");
   }
   UNIEP_CHECK(sm_carveout >= 0, "sm_carveout must be >= 0, got ", sm_carveout);
@@ -131,7 +127,6 @@ struct MmContext {
   int64_t k = 0;
   at::TensorOptions options;
   bool sm90 = false;
-  bool forced = false;  // backend "cutlass": a chunk the kernel refuses is an error, not cuBLAS
   int device = 0;
   int sm_count = 0;
   cuda::GemmTuning tuning;  // the kernel's own choices
@@ -188,22 +183,12 @@ MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
   MmContext ctx{b, a.size(1), a.options()};
   const CollGemm choice = coll_gemm();
   if (choice.backend == CollGemmBackend::kCublas) return ctx;
-  ctx.forced = choice.backend == CollGemmBackend::kCutlass;
   ctx.device = a.device().index();
-  Status why{StatusCode::kOk, ""};
-  if (a.scalar_type() != at::kBFloat16) {
-    why = {StatusCode::kUnsupported,
-           detail::str_cat("the sm90 GEMM takes bfloat16, got ", c10::toString(a.scalar_type()))};
-  } else if (!cuda::gemm_sm90_device_ok(ctx.device)) {
-    why = {StatusCode::kUnsupported, "the sm90 GEMM needs a compute capability 9.0 GPU"};
-  } else {
-    // Representative operands: the call's own pointers are checked again per chunk.
-    why = cuda::gemm_sm90_supports(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows));
-  }
-  if (!why.ok()) {
-    UNIEP_CHECK_CODE(!ctx.forced, why.code, "set_gemm(backend=\"cutlass\"): ", why.message);
+  // Representative operands (the call's own pointers are checked again per chunk); where the
+  // kernel cannot take them, cuBLAS does.
+  if (a.scalar_type() != at::kBFloat16 || !cuda::gemm_sm90_device_ok(ctx.device) ||
+      !cuda::gemm_sm90_supports(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows)).ok())
     return ctx;
-  }
   ctx.sm_count = gemm_sm_count(ctx.device, choice.sm_carveout);
   ctx.sm90 = true;
   ctx.workspace = gemm_workspace(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows),
@@ -219,7 +204,7 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
   if (c->sm90) {
     const cuda::GemmOperands op = row_operands(*c, a_rows, addend, out_rows, rows);
     const Status fits = cuda::gemm_sm90_supports(op);
-    if (fits.ok() || c->forced)
+    if (fits.ok())
       return run_gemm(op, c->tuning, c->device, c->sm_count, c->workspace, stream);
   }
   try {

@@ -392,24 +392,26 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     _C.coll_check(distributed.group_name(group), True)
 
 
-GEMM_BACKENDS = ("auto", "cublas", "cutlass")
-_gemm_setting: tuple[str, int] = ("auto", 0)
+GEMM_BACKENDS = ("cublas", "cutlass")
+_gemm_setting: tuple[str, int] = ("cublas", 0)
 
 
-def set_gemm(backend: str = "auto", sm_carveout: int = 0) -> None:
+def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
     """Choose the GEMM that the CUDA executor runs for the chunks of ``all_gather_matmul`` and
     ``matmul_reduce_scatter`` (process-wide; every rank of a group must choose the same).
 
-    - ``"cublas"``: ``torch.mm``. A GEMM + reduce-scatter folds the ranks' partials with a
-      kernel after the GEMM of each of its own parts; the last fold runs after the last GEMM.
-    - ``"cutlass"``: UniEP's Hopper GEMM (CUTLASS 3, ``cpp/cuda/gemm``), bfloat16 on compute
-      capability 9.0 only; other operands raise. A GEMM + reduce-scatter adds the peers' partials
-      in the epilogue of its own parts' GEMMs (to the fp32 accumulator, so the own partial is
-      rounded once, with the sum), which leaves no fold after the last GEMM; those parts' GEMMs
-      wait for the peers' partials, so ``chunks >= 2`` lets the first ones arrive in time. The
-      persistent grid leaves ``sm_carveout`` SMs free for the copies, waits and folds that run
-      beside it.
-    - ``"auto"`` (the default): ``"cutlass"`` where it takes the operands, else ``"cublas"``.
+    - ``"cublas"`` (the default): ``torch.mm``. A GEMM + reduce-scatter folds the ranks'
+      partials with a kernel after the GEMM of each of its own parts; the last fold runs after
+      the last GEMM.
+    - ``"cutlass"``: UniEP's Hopper GEMM (``torch.ops.uniep.sm90_gemm``, CUTLASS 3) where it takes
+      the operands: bfloat16 on compute capability 9.0 with rows of a multiple of 16 bytes;
+      ``torch.mm`` elsewhere. A GEMM + reduce-scatter adds the peers' partials in the epilogue of
+      its own parts' GEMMs (to the fp32 accumulator, so the own partial is rounded once, with the
+      sum), which leaves no fold after the last GEMM; those parts' GEMMs wait for the peers'
+      partials, so ``chunks >= 2`` lets the first ones arrive in time. The persistent grid
+      leaves ``sm_carveout`` SMs free for the copies, waits and folds that run beside it. On the
+      TP=2 shapes of bench_overlap it is slower than ``"cublas"`` (the GEMM alone is 1-13%
+      slower than cuBLAS's: bench_gemm), hence not the default.
 
     Results are deterministic with each backend, but the two round differently. The CPU executor
     is not affected.
