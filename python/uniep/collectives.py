@@ -409,9 +409,9 @@ def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
       its own parts' GEMMs (to the fp32 accumulator, so the own partial is rounded once, with the
       sum), which leaves no fold after the last GEMM; those parts' GEMMs wait for the peers'
       partials, so ``chunks >= 2`` lets the first ones arrive in time. The persistent grid
-      leaves ``sm_carveout`` SMs free for the copies, waits and folds that run beside it. On the
-      TP=2 shapes of bench_overlap it is slower than ``"cublas"`` (the GEMM alone is 1-13%
-      slower than cuBLAS's: bench_gemm), hence not the default.
+      leaves ``sm_carveout`` SMs free for the copies, waits and folds that run beside it. On most
+      TP=2 shapes of bench_overlap it is slower than ``"cublas"`` (the GEMM alone is 3-16%
+      slower than cuBLAS's on an H200: bench_gemm), hence not the default.
 
     Results are deterministic with each backend, but the two round differently. The CPU executor
     is not affected.
