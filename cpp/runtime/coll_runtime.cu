@@ -283,18 +283,28 @@ class RuntimeImpl final : public Runtime {
       for (const ChunkStep& st : plan.steps)
         if (Status s = enqueue_sends(st); !s.ok()) return finish(stream, s);
     }
-    // The peers' partials of own part j, as one addend for the GEMM of that part: the slot
-    // itself where one peer sent it, else their fold (reduce order) into the part's scratch rows,
-    // which the own partial does not use. Both wait for the part's arrivals on the wait stream.
-    auto addend_for = [&](const ChunkStep& st, int64_t j, const void** addend) -> Status {
-      *addend = nullptr;
-      if (st.fold_waits.empty()) return Status::Ok();
+    // Part j of this call from every peer: waited for on the wait stream. The peers' slots of
+    // part j, in the step's fold order (the reduce order), go into `in`; returns their count.
+    auto wait_part = [&](int64_t j) {
       cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
                              static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_, op_code(kind),
                              wait_);
-      cuda::ReduceInputs in{};
+    };
+    auto peer_slots = [&](const ChunkStep& st, int64_t j, cuda::ReduceInputs* in) {
       int count = 0;
-      for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
+      for (const Transfer& f : st.fold_waits)
+        in->in[count++] = sym() + push_slot(f.peer) + j * part;
+      return count;
+    };
+    // The peers' partials of own part j, as one addend for the GEMM of that part: the slot
+    // itself where one peer sent it, else their fold into the part's scratch rows, which the own
+    // partial does not use.
+    auto addend_for = [&](const ChunkStep& st, int64_t j, const void** addend) -> Status {
+      *addend = nullptr;
+      if (st.fold_waits.empty()) return Status::Ok();
+      wait_part(j);
+      cuda::ReduceInputs in{};
+      const int count = peer_slots(st, j, &in);
       *addend = in.in[0];
       if (count > 1) {
         cuda::launch_coll_reduce(c.dtype, in, count, const_cast<uint8_t*>(partial(st.compute)),
@@ -335,17 +345,13 @@ class RuntimeImpl final : public Runtime {
       // The fold of own part j runs beside the GEMM of part j+1 (on the wait stream, after
       // that part's arrivals and its own partial): only the last part's fold is left at the end.
       cuda::ReduceInputs in{};
-      int count = 0;
-      for (const Transfer& f : st.fold_waits) in.in[count++] = sym() + push_slot(f.peer) + j * part;
+      int count = peer_slots(st, j, &in);
       in.in[count++] = partial(st.compute);
       if (gemm) {
         UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), stream));
         UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, chunk_event(st.compute), 0));
       }
-      if (W > 1)
-        cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
-                               static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
-                               op_code(kind), wait_);
+      if (W > 1) wait_part(j);
       cuda::launch_coll_reduce(c.dtype, in, count, out + j * part, mc * c.n, sm_count_, wait_);
       UNIEP_CUDA_OK(cudaGetLastError());
     }

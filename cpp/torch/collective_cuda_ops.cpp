@@ -104,8 +104,7 @@ void set_coll_gemm(const std::string& backend, int64_t sm_carveout) {
   } else if (backend == "cutlass") {
     g.backend = CollGemmBackend::kCutlass;
   } else {
-    UNIEP_CHECK(false, "backend must be \"cublas\" or \"cutlass\", got \"", backend,
-                "\"");
+    UNIEP_CHECK(false, "backend must be \"cublas\" or \"cutlass\", got \"", backend, "\"");
   }
   UNIEP_CHECK(sm_carveout >= 0, "sm_carveout must be >= 0, got ", sm_carveout);
   g.sm_carveout = sm_carveout;
@@ -186,13 +185,13 @@ MmContext mm_context(const at::Tensor& a, const at::Tensor& b, int64_t rows) {
   ctx.device = a.device().index();
   // Representative operands (the call's own pointers are checked again per chunk); where the
   // kernel cannot take them, cuBLAS does.
+  const cuda::GemmOperands op = row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows);
   if (a.scalar_type() != at::kBFloat16 || !cuda::gemm_sm90_device_ok(ctx.device) ||
-      !cuda::gemm_sm90_supports(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows)).ok())
+      !cuda::gemm_sm90_supports(op).ok())
     return ctx;
   ctx.sm_count = gemm_sm_count(ctx.device, choice.sm_carveout);
   ctx.sm90 = true;
-  ctx.workspace = gemm_workspace(row_operands(ctx, a.data_ptr(), nullptr, a.data_ptr(), rows),
-                                 ctx.tuning, ctx.sm_count, a);
+  ctx.workspace = gemm_workspace(op, ctx.tuning, ctx.sm_count, a);
   return ctx;
 }
 
@@ -204,8 +203,7 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
   if (c->sm90) {
     const cuda::GemmOperands op = row_operands(*c, a_rows, addend, out_rows, rows);
     const Status fits = cuda::gemm_sm90_supports(op);
-    if (fits.ok())
-      return run_gemm(op, c->tuning, c->device, c->sm_count, c->workspace, stream);
+    if (fits.ok()) return run_gemm(op, c->tuning, c->device, c->sm_count, c->workspace, stream);
   }
   try {
     at::Tensor a = at::from_blob(const_cast<void*>(a_rows), {rows, c->k}, c->options);
@@ -309,7 +307,8 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
     MmContext ctx{bc, a.size(1), a.options()};
     const cuda::GemmOperands op = row_operands(
         ctx, ac.data_ptr(), cc.defined() ? cc.data_ptr() : nullptr, out.data_ptr(), a.size(0));
-    ok_or_throw(cuda::gemm_sm90_supports(op));
+    // run_gemm names what the kernel lacks (gemm_sm90_supports); the workspace of operands it
+    // refuses is empty.
     ok_or_throw(run_gemm(op, tuning, device, sm_count, gemm_workspace(op, tuning, sm_count, a),
                          at::cuda::getCurrentCUDAStream().stream()));
     return out;

@@ -50,7 +50,8 @@ bool gemm_sm90_device_ok(int device);
 // 16 bytes for pointers and leading dimensions, 32-bit extents), so the caller can fall back.
 Status gemm_sm90_supports(const GemmOperands& op);
 
-// Bytes of device workspace gemm_sm90_bf16 needs for these operands on `sm_count` SMs.
+// Bytes of device workspace gemm_sm90_bf16 needs for these operands on `sm_count` SMs; 0 for
+// operands, tuning or SM counts it refuses.
 size_t gemm_sm90_workspace_bytes(const GemmOperands& op, const GemmTuning& tuning, int sm_count);
 
 // Enqueues the GEMM on `stream`, its persistent grid on at most `sm_count` SMs of `device`.

@@ -76,6 +76,8 @@ Status gemm_sm90_supports(const GemmOperands& op) {
 }
 
 size_t gemm_sm90_workspace_bytes(const GemmOperands& op, const GemmTuning& tuning, int sm_count) {
+  // Operands the kernel refuses (gemm_sm90_bf16 says why) get none, whatever their extents.
+  if (!gemm_sm90_supports(op).ok() || !tuning.validate().ok() || sm_count < 1) return 0;
   return tile_n_for(op, tuning, sm_count) == 128 ? sm90_gemm_workspace_n128(op, tuning, sm_count)
                                                  : sm90_gemm_workspace_n256(op, tuning, sm_count);
 }
