@@ -340,6 +340,10 @@ def _cached_worker(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             uniep.ep.dispatch_cached(x2, current)
+    # So is a dispatch with new routing: its host reads the counts to size the outputs.
+    with pytest.raises(NotImplementedError, match="new routing cannot be captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            uniep.ep.dispatch(x2, idx, w)
     assert torch.equal(uniep.ep.dispatch_cached(x2, current).recv_x, fresh.recv_x)
 
     # Rank 0 reuses its plan while the others pass new routing: every rank raises, none hangs.

@@ -68,6 +68,8 @@ __device__ __forceinline__ int64_t source_rank_of(const PlanCounts& plan, int64_
 // layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
 // travels with the counts, so a rank with bad routing makes every rank fail together instead of
 // leaving its peers to time out. host_counts[0] is then -1 - (first invalid rank).
+// host_counts = [num_recv, recv_from[W], rows_per_expert[El], rows_back[W], epoch]: the last word
+// is written last, after the others are visible, and only when the round is valid.
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                    uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,

@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -159,8 +160,9 @@ class RuntimeImpl final : public Runtime {
     token_in_rank_ = reinterpret_cast<bool*>(p);
     plan_.sent_to = tokens_per_rank_;
 
-    // Host-mapped: the error word and the counts the host reads after the notify sync.
-    const size_t host_bytes = sizeof(DeviceError) + sizeof(int64_t) * (1 + W + El + W);
+    // Host-mapped: the error word, and the counts the host reads after notify with the word that
+    // says they are this round's (see wait_for_counts).
+    const size_t host_bytes = sizeof(DeviceError) + sizeof(int64_t) * (1 + W + El + W + 1);
     UNIEP_CUDA_OK(cudaHostAlloc(&host_, host_bytes, cudaHostAllocMapped));
     std::memset(host_, 0, host_bytes);
     err_host_ = static_cast<DeviceError*>(host_);
@@ -220,6 +222,12 @@ class RuntimeImpl final : public Runtime {
 
   Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
                 DispatchCounts* counts) override {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return {StatusCode::kUnsupported,
+              "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
+              "the round's counts to size its outputs; decode steps in graphs use ll_dispatch"};
     if (Status s = take_device_error(); !s.ok()) return s;
     if (tokens < 0 || tokens > cfg_.max_tokens)
       return {StatusCode::kCapacityExceeded,
@@ -237,7 +245,7 @@ class RuntimeImpl final : public Runtime {
     cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
                         timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
-    UNIEP_CUDA_OK(cudaStreamSynchronize(stream));
+    if (Status w = wait_for_counts(stream); !w.ok()) return w;
     if (Status e = take_device_error(); !e.ok()) return e;
     if (counts_host_[0] < 0) {
       // Every rank stops here together; the rank with the bad id reports the entry.
@@ -449,6 +457,28 @@ class RuntimeImpl final : public Runtime {
 
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  // Until this round's counts are on the host. The notify kernel stores the round's epoch into
+  // the host-mapped word after the counts, so the host reads them as soon as they land instead
+  // of after a stream synchronize, whose wake-up measured longer than the rest of the wait. A
+  // round that fails (a timed-out wait, invalid routing) ends the kernel without that store: the
+  // stream's completion ends the spin, and notify's checks report why. The kernel's own waits
+  // are bounded, so this is too.
+  Status wait_for_counts(cudaStream_t stream) {
+    const volatile int64_t* ready = counts_host_ + 1 + 2 * cfg_.world_size + dims_.experts_per_rank;
+    for (uint32_t spin = 1;; ++spin) {
+      if (*ready == static_cast<int64_t>(epoch_)) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return Status::Ok();
+      }
+      if (spin % 64 != 0) continue;  // the query is a driver call: poll the word in between
+      const cudaError_t q = cudaStreamQuery(stream);
+      if (q == cudaSuccess) return Status::Ok();
+      if (q != cudaErrorNotReady)
+        return {StatusCode::kInternal,
+                detail::str_cat("the stream of notify failed: ", cudaGetErrorString(q))};
+    }
+  }
 
   Status ll_checks(int64_t tokens, int buffer) const {
     if (cfg_.ll_max_tokens <= 0)

@@ -47,12 +47,85 @@ __device__ int64_t* exchange_count_row(const SymmetricView& sym, const EpDims& d
   return waits_failed ? nullptr : counts;
 }
 
+// The offsets every rank agrees on, from the exchanged count matrix, by the whole block: a
+// thread per local expert and a warp per rank, since one thread walking the W x E matrix (and
+// writing the host-mapped words one by one) was most of this kernel's time.
+// Host-mapped: host_counts = [num_recv, recv_from[W], rows_per_expert[El], rows_back[W], epoch].
+__device__ void derive_plan(const int64_t* counts, const EpDims& d, const PlanCounts& plan,
+                            int64_t* host_counts, int64_t* tokens_per_local_expert,
+                            uint64_t epoch) {
+  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
+  const int64_t El = d.experts_per_rank, first = me * El;
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  // Rows per local expert, summed over the sources in rank order, as each thread's run of
+  // experts; then an exclusive scan of the runs across the block.
+  const int64_t per_thread = (El + kThreads - 1) / kThreads;
+  const int64_t lo = threadIdx.x * per_thread, hi = lo + per_thread < El ? lo + per_thread : El;
+  int64_t run = 0;
+  for (int64_t e = lo; e < hi; ++e) {
+    int64_t rows = 0;
+    for (int64_t s = 0; s < W; ++s) rows += counts[s * C + W + first + e];
+    host_counts[1 + W + e] = rows;
+    tokens_per_local_expert[e] = rows;
+    run += rows;
+  }
+  __shared__ int64_t scan[kThreads];
+  scan[threadIdx.x] = run;
+  __syncthreads();
+  for (int step = 1; step < kThreads; step *= 2) {
+    const int64_t add = threadIdx.x >= step ? scan[threadIdx.x - step] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int64_t offset = scan[threadIdx.x] - run;
+  for (int64_t e = lo; e < hi; ++e) {  // device memory: reading the host-mapped copy crosses PCIe
+    plan.expert_offsets[e] = offset;
+    offset += tokens_per_local_expert[e];
+  }
+  if (threadIdx.x == kThreads - 1) plan.expert_offsets[El] = scan[kThreads - 1];
+
+  // Rows each rank returns to us: the rows we routed to its experts, a warp per rank.
+  for (int64_t dst = warp; dst < W; dst += kWarps) {
+    int64_t back = 0;
+    for (int64_t e = dst * El + lane; e < (dst + 1) * El; e += 32) back += counts[me * C + W + e];
+    for (int o = 16; o > 0; o /= 2) back += __shfl_xor_sync(0xffffffffu, back, o);
+    if (lane == 0) {
+      plan.rows_back[dst] = back;
+      host_counts[1 + W + El + dst] = back;
+    }
+  }
+
+  // W is at most a few dozen: the per-rank offsets stay with one thread.
+  if (threadIdx.x == 0) {
+    plan.recv_offsets[0] = 0;
+    for (int64_t s = 0; s < W; ++s) {
+      plan.recv_offsets[s + 1] = plan.recv_offsets[s] + counts[s * C + me];
+      host_counts[1 + s] = counts[s * C + me];
+    }
+    host_counts[0] = plan.recv_offsets[W];
+    for (int64_t dst = 0; dst < W; ++dst) {
+      int64_t base = 0;
+      for (int64_t s = 0; s < me; ++s) base += counts[s * C + dst];
+      plan.send_base[dst] = base;
+    }
+  }
+  // The host spins on the last word (the round's epoch): every count must be visible first.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    *reinterpret_cast<volatile int64_t*>(host_counts + 1 + W + El + W) =
+        static_cast<int64_t>(epoch);
+}
+
 __global__ void __launch_bounds__(kThreads)
     notify_kernel(SymmetricView sym, EpDims d, const int64_t* tokens_per_rank,
                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
                   int64_t* tokens_per_local_expert, DeviceError* err) {
-  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1, me = d.rank;
+  const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   restart_completion_words(sym, W);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
@@ -86,36 +159,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (invalid_rank >= 0) return;
 
-  if (threadIdx.x == 0) {
-    const int64_t El = d.experts_per_rank, first = me * El;
-    plan.recv_offsets[0] = 0;
-    for (int64_t s = 0; s < W; ++s)
-      plan.recv_offsets[s + 1] = plan.recv_offsets[s] + counts[s * C + me];
-    for (int64_t dst = 0; dst < W; ++dst) {
-      int64_t base = 0;
-      for (int64_t s = 0; s < me; ++s) base += counts[s * C + dst];
-      plan.send_base[dst] = base;
-      int64_t back = 0;
-      for (int64_t e = dst * El; e < (dst + 1) * El; ++e) back += counts[me * C + W + e];
-      plan.rows_back[dst] = back;
-    }
-    plan.expert_offsets[0] = 0;
-    for (int64_t e = 0; e < El; ++e) {
-      int64_t rows = 0;
-      for (int64_t s = 0; s < W; ++s) rows += counts[s * C + W + first + e];
-      plan.expert_offsets[e + 1] = plan.expert_offsets[e] + rows;
-    }
-    // Host-mapped: [num_recv, recv_from[W], rows_per_expert[El], rows_back[W]].
-    host_counts[0] = plan.recv_offsets[W];
-    for (int64_t s = 0; s < W; ++s)
-      host_counts[1 + s] = plan.recv_offsets[s + 1] - plan.recv_offsets[s];
-    for (int64_t e = 0; e < El; ++e) {
-      host_counts[1 + W + e] = plan.expert_offsets[e + 1] - plan.expert_offsets[e];
-      tokens_per_local_expert[e] = host_counts[1 + W + e];
-    }
-    for (int64_t s = 0; s < W; ++s) host_counts[1 + W + El + s] = plan.rows_back[s];
-    __threadfence_system();
-  }
+  derive_plan(counts, d, plan, host_counts, tokens_per_local_expert, epoch);
 }
 
 // The barrier of a round that reuses the last plan. Only the validity word of our count row
