@@ -472,13 +472,11 @@ class RuntimeImpl final : public Runtime {
   // Common prologue: a pending device error fails this call (a peer is gone; later waits would
   // only time out again), and capture is refused (the epochs would be frozen into the graph).
   Status begin(CollectiveKind kind, cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return {StatusCode::kUnsupported,
-              detail::str_cat(collective_kind_name(kind),
-                              " on CUDA cannot be captured in a CUDA graph: each call's signals "
-                              "carry a fresh epoch from the host")};
+    if (Status s = runtime::refuse_capture(stream, collective_kind_name(kind),
+                                           " on CUDA cannot be captured in a CUDA graph: each "
+                                           "call's signals carry a fresh epoch from the host");
+        !s.ok())
+      return s;
     if (Status s = take_device_error(); !s.ok()) return s;
     ++epoch_;
     return Status::Ok();

@@ -222,12 +222,12 @@ class RuntimeImpl final : public Runtime {
 
   Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
                 DispatchCounts* counts) override {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return {StatusCode::kUnsupported,
-              "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
-              "the round's counts to size its outputs; decode steps in graphs use ll_dispatch"};
+    if (Status s = runtime::refuse_capture(
+            stream,
+            "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
+            "the round's counts to size its outputs; decode steps in graphs use ll_dispatch");
+        !s.ok())
+      return s;
     if (Status s = take_device_error(); !s.ok()) return s;
     if (tokens < 0 || tokens > cfg_.max_tokens)
       return {StatusCode::kCapacityExceeded,
@@ -281,12 +281,12 @@ class RuntimeImpl final : public Runtime {
   Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) override {
     // Unlike notify, nothing here syncs, so a capture would not fail by itself: it would freeze
     // this round's epoch into a graph whose replays then pass the barrier at once.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return {StatusCode::kUnsupported,
-              "a cached dispatch cannot be captured in a CUDA graph: its barrier carries a fresh "
-              "epoch from the host; decode steps in graphs use ll_dispatch"};
+    if (Status s = runtime::refuse_capture(
+            stream,
+            "a cached dispatch cannot be captured in a CUDA graph: its barrier carries a fresh "
+            "epoch from the host; decode steps in graphs use ll_dispatch");
+        !s.ok())
+      return s;
     if (Status s = take_device_error(); !s.ok()) return s;
     if (last_tokens_ < 0)
       return {StatusCode::kInvalidArgument,

@@ -47,6 +47,18 @@ class HeapCarver {
   size_t off_ = 0;
 };
 
+// A call whose host side stamps a fresh epoch or reads the device's results cannot be replayed
+// from a CUDA graph: kUnsupported with the message str_cat(why...) while `stream` is capturing
+// (built only then: the collectives call this on every call), Ok otherwise.
+template <typename... Why>
+Status refuse_capture(cudaStream_t stream, const Why&... why) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  UNIEP_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    return {StatusCode::kUnsupported, detail::str_cat(why...)};
+  return Status::Ok();
+}
+
 // The device error word lives in host-mapped memory that kernels write behind the host's back,
 // hence the volatile reads. If a kernel recorded an error, returns describe(word) and clears the
 // word so that the next call starts clean; Ok otherwise.
