@@ -70,10 +70,13 @@ __device__ __forceinline__ int64_t source_rank_of(const PlanCounts& plan, int64_
 // leaving its peers to time out. host_counts[0] is then -1 - (first invalid rank).
 // host_counts = [num_recv, recv_from[W], rows_per_expert[El], rows_back[W], epoch]: the last word
 // is written last, after the others are visible, and only when the round is valid.
+// *round_ok: 1 once the plan of a valid round is derived, else 0 (a failed wait, bad routing): the
+// send slots and the transfer, enqueued before the host has read the counts, then do nothing.
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                    uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                   int64_t* tokens_per_local_expert, DeviceError* err, cudaStream_t stream);
+                   int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err,
+                   cudaStream_t stream);
 
 // Validity word of a count row (the last of its W + E + 1): what the routing behind it was.
 constexpr int64_t kRoutingInvalid = 0;
@@ -88,8 +91,10 @@ void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch
                        uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
                        cudaStream_t stream);
 
+// Nothing is written unless *round_ok.
 void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& d,
-                       const int64_t* send_base, int64_t* send_slot, cudaStream_t stream);
+                       const int64_t* send_base, const int32_t* round_ok, int64_t* send_slot,
+                       cudaStream_t stream);
 
 struct DispatchArgs {
   const uint8_t* x;
@@ -102,24 +107,36 @@ struct DispatchArgs {
   int64_t tokens;
   const int64_t* send_slot;  // [tokens][W], -1 where the token skips the rank
   PlanCounts plan;
-  uint8_t* recv_x;     // optional copy-out: rows ([N, row_bytes], or [N, H] e4m3 for fp8)
-  float* recv_scales;  // fp8 only: [N, H / 128]
-  int64_t* recv_src;
-  int64_t* recv_topk_idx;
-  float* recv_topk_weights;
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
   // A cached dispatch: the rows only. The slots' metadata and weights are the plan's, already
-  // there; topk_idx, topk_weights and the recv_* outputs other than recv_x/recv_scales are unused.
+  // there; topk_idx and topk_weights are unused, and of the outputs only recv_x/recv_scales.
   bool rows_only;
-  const int32_t* round_ok;  // nullptr, or the reuse barrier's verdict: 0 moves nothing
+  const int32_t* round_ok;  // the verdict of the round's notify or reuse barrier: 0 moves nothing
 };
-// `blocks` is the communication SM budget; `copy_blocks` the grid of the copy-out that follows.
-// `transferred` (may be null) is recorded between the two: every row and its metadata are in
-// this rank's receive slots from then on. Returns that record's error.
-cudaError_t launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
-                            int blocks, int copy_blocks, cudaEvent_t transferred,
-                            cudaStream_t stream);
+
+// Where the received rows go. recv_x == nullptr: they stay in the receive buffer (sym.recv_x).
+struct DispatchOutputs {
+  uint8_t* recv_x;     // [N, row_bytes], or [N, H] e4m3 for fp8
+  float* recv_scales;  // fp8 with recv_x: [N, H / 128]
+  int64_t* recv_src;   // the rest: not with rows_only
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+};
+
+// The transfer, on `blocks` SMs (the communication budget): every row to its slot on each peer,
+// the metadata of every slot (ours too), then the wait for every peer's rows. Our own rows are
+// left to launch_self_rows.
+void launch_transfer(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
+                     cudaStream_t stream);
+// Our own rows, from x (cast for fp8) to out.recv_x or to our own receive slots: needs only the
+// send slots, so it runs on the SMs the transfer leaves free.
+void launch_self_rows(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                      const DispatchOutputs& out, int blocks, cudaStream_t stream);
+// After the transfer: the peers' rows (when out.recv_x) and every slot's metadata copied out of
+// the receive buffer, by `blocks` blocks.
+void launch_copy_out(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                     const DispatchOutputs& out, int blocks, cudaStream_t stream);
 
 void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
                         int64_t* row_slot, int64_t* row_target, cudaStream_t stream);

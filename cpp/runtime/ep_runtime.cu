@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -220,8 +221,8 @@ class RuntimeImpl final : public Runtime {
     return take_device_error();
   }
 
-  Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
-                DispatchCounts* counts) override {
+  Status begin_dispatch(const DispatchInput& in, cudaStream_t stream,
+                        DispatchCounts* counts) override {
     if (Status s = runtime::refuse_capture(
             stream,
             "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
@@ -229,22 +230,28 @@ class RuntimeImpl final : public Runtime {
         !s.ok())
       return s;
     if (Status s = take_device_error(); !s.ok()) return s;
-    if (tokens < 0 || tokens > cfg_.max_tokens)
-      return {StatusCode::kCapacityExceeded,
-              detail::str_cat("x has ", tokens, " tokens but the runtime was created for at most ",
-                              cfg_.max_tokens, " (max_tokens); re-create it with a larger one")};
-    Status s = cuda::routing_layout_async(topk_idx, tokens, cfg_.top_k, cfg_.num_experts,
+    if (in.tokens < 0 || in.tokens > cfg_.max_tokens)
+      return {
+          StatusCode::kCapacityExceeded,
+          detail::str_cat("x has ", in.tokens, " tokens but the runtime was created for at most ",
+                          cfg_.max_tokens, " (max_tokens); re-create it with a larger one")};
+    if (Status s = check_input(in, /*rows_only=*/false); !s.ok()) return s;
+    Status s = cuda::routing_layout_async(in.topk_idx, in.tokens, cfg_.top_k, cfg_.num_experts,
                                           cfg_.world_size, tokens_per_rank_, tokens_per_expert_,
                                           token_in_rank_, layout_error_, stream);
     if (!s.ok()) return s;
-    ++epoch_;
-    combined_ = false;
-    dispatched_ = false;
-    reused_ = false;
+    start_round(/*reused=*/false);
     last_tokens_ = -1;
     cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
-                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, err_dev_, stream);
+                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, round_ok_,
+                        err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
+    cuda::launch_send_slots(token_in_rank_, in.tokens, dims_, plan_.send_base, round_ok_,
+                            send_slot_, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    // Enqueued before the host reads the counts: the rows travel while it waits for them and
+    // sizes the outputs. A failed round leaves round_ok at 0, and these kernels do nothing.
+    if (Status t = start_transfer(in, stream); !t.ok()) return t;
     if (Status w = wait_for_counts(stream); !w.ok()) return w;
     if (Status e = take_device_error(); !e.ok()) return e;
     if (counts_host_[0] < 0) {
@@ -256,7 +263,7 @@ class RuntimeImpl final : public Runtime {
                                 " dispatched on its cached plan (a handle) while this rank passed "
                                 "new routing; every rank must do the same kind of dispatch")};
       if (bad == cfg_.rank) {
-        s = cuda::check_routing_layout(topk_idx, cfg_.top_k, cfg_.num_experts, layout_error_,
+        s = cuda::check_routing_layout(in.topk_idx, cfg_.top_k, cfg_.num_experts, layout_error_,
                                        stream);
         if (!s.ok()) return s;
       }
@@ -271,16 +278,16 @@ class RuntimeImpl final : public Runtime {
     counts->rows_per_expert.assign(counts_host_ + 1 + W, counts_host_ + 1 + W + El);
     counts->rows_back_from_rank.assign(counts_host_ + 1 + W + El, counts_host_ + 1 + W + El + W);
     last_ = *counts;
-    last_tokens_ = tokens;
+    last_tokens_ = in.tokens;
     plan_epoch_ = epoch_;
-    cuda::launch_send_slots(token_in_rank_, tokens, dims_, plan_.send_base, send_slot_, stream);
-    UNIEP_CUDA_OK(cudaGetLastError());
+    begun_ = true;
     return Status::Ok();
   }
 
-  Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) override {
-    // Unlike notify, nothing here syncs, so a capture would not fail by itself: it would freeze
-    // this round's epoch into a graph whose replays then pass the barrier at once.
+  Status begin_cached_dispatch(uint64_t plan_epoch, const DispatchInput& in, cudaStream_t stream,
+                               DispatchCounts* counts) override {
+    // Nothing here syncs, so a capture would not fail by itself: it would freeze this round's
+    // epoch into a graph whose replays then pass the barrier at once.
     if (Status s = runtime::refuse_capture(
             stream,
             "a cached dispatch cannot be captured in a CUDA graph: its barrier carries a fresh "
@@ -299,13 +306,61 @@ class RuntimeImpl final : public Runtime {
                               plan_epoch_, ", rounds up to ", epoch_,
                               "); a later dispatch with new routing replaced it: dispatch with "
                               "topk_idx instead")};
-    ++epoch_;
-    combined_ = false;
-    dispatched_ = false;
-    reused_ = true;
+    if (in.tokens != last_tokens_)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("a cached dispatch got ", in.tokens,
+                              " tokens but its plan was made for ", last_tokens_)};
+    if (Status s = check_input(in, /*rows_only=*/true); !s.ok()) return s;
+    start_round(/*reused=*/true);
     cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
+    if (Status t = start_transfer(in, stream); !t.ok()) return t;
     *counts = last_;
+    begun_ = true;
+    return Status::Ok();
+  }
+
+  Status end_dispatch(const DispatchOutput& out, cudaStream_t stream) override {
+    if (!begun_)
+      return {StatusCode::kInvalidArgument,
+              dispatched_ ? "end_dispatch already ran for this dispatch; begin a new one"
+                          : "end_dispatch needs a dispatch begun by begin_dispatch or "
+                            "begin_cached_dispatch (that succeeded)"};
+    const bool fp8 = transfer_.fp8_hidden > 0, any = last_.num_recv > 0;
+    if (fp8 && out.recv_x != nullptr && out.recv_scales == nullptr)
+      return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
+    if (reused_ && out.recv_x == nullptr && any)
+      return {StatusCode::kInvalidArgument,
+              "a cached dispatch writes its rows out: pass recv_x (the runtime's buffer may "
+              "still hold rows a caller reads)"};
+    if (!reused_ && any &&
+        (out.recv_src == nullptr || out.recv_topk_idx == nullptr ||
+         out.recv_topk_weights == nullptr))
+      return {StatusCode::kInvalidArgument,
+              "a dispatch with new routing writes recv_src, recv_topk_idx and recv_topk_weights: "
+              "pass all three"};
+    if ((out.row_slot == nullptr) != (out.row_target == nullptr))
+      return {StatusCode::kInvalidArgument, "pass both row_slot and row_target, or neither"};
+    begun_ = false;
+    dispatched_ = true;
+    const cuda::DispatchOutputs o{static_cast<uint8_t*>(out.recv_x), out.recv_scales, out.recv_src,
+                                  out.recv_topk_idx, out.recv_topk_weights};
+    // Side stream: our own rows, from the send slots on (beside the transfer); then the row
+    // lists, which read the received metadata like the copy-out (bandwidth-bound) does, but are
+    // latency-bound. Joined before anything the caller enqueues next.
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kSlotsReady], 0));
+    cuda::launch_self_rows(sym_, dims_, transfer_, o, std::max(1, sm_count_ - transfer_sms_),
+                           side_);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    if (out.row_slot != nullptr && !reused_) {
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kTransferred], 0));
+      cuda::launch_expert_rows(sym_, dims_, plan_, out.row_slot, out.row_target, side_);
+      UNIEP_CUDA_OK(cudaGetLastError());
+    }
+    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSideDone], side_));
+    cuda::launch_copy_out(sym_, dims_, transfer_, o, copy_blocks(), stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[kSideDone], 0));
     return Status::Ok();
   }
 
@@ -328,70 +383,6 @@ class RuntimeImpl final : public Runtime {
         return {StatusCode::kUnsupported,
                 "fp8 dispatch casts into the peer's buffer and needs every peer reachable over "
                 "NVLink (nvshmem_ptr); use dispatch=bf16 across nodes"};
-    }
-    return Status::Ok();
-  }
-
-  Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                  const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
-                  CombineReduction combine, void* recv_x, float* recv_scales, int64_t* recv_src,
-                  int64_t* recv_topk_idx, float* recv_topk_weights, int64_t* row_slot,
-                  int64_t* row_target, cudaStream_t stream) override {
-    if (tokens != last_tokens_)
-      return {
-          StatusCode::kInvalidArgument,
-          detail::str_cat("dispatch got ", tokens, " tokens but notify planned ", last_tokens_)};
-    if (Status s = check_dispatch_args(row_bytes, num_sms, fp8); !s.ok()) return s;
-    if (fp8 && recv_x != nullptr && recv_scales == nullptr)
-      return {StatusCode::kInvalidArgument, "fp8 dispatch with recv_x needs recv_scales"};
-    if (reused_ && recv_x == nullptr && last_.num_recv > 0)
-      return {StatusCode::kInvalidArgument,
-              "a cached dispatch writes its rows out: pass recv_x (the runtime's buffer may "
-              "still hold rows a caller reads)"};
-    cuda::DispatchArgs a{static_cast<const uint8_t*>(x),
-                         row_bytes,
-                         fp8 ? cfg_.hidden : 0,
-                         topk_idx,
-                         topk_weights,
-                         tokens,
-                         send_slot_,
-                         plan_,
-                         static_cast<uint8_t*>(recv_x),
-                         recv_scales,
-                         recv_src,
-                         recv_topk_idx,
-                         recv_topk_weights,
-                         timeout_ns(),
-                         err_dev_,
-                         reused_,
-                         reused_ ? round_ok_ : nullptr};
-    if (dispatched_)
-      return {StatusCode::kInvalidArgument,
-              "dispatch already ran for this notify; call notify again for a new dispatch"};
-    // combine=rank_partials applies these weights on the expert side; its reduction checks that
-    // the combine's are the same. Kept only for such a combine: a copy on every dispatch's path.
-    // A cached dispatch moves rows only: the slots keep the plan dispatch's weights, and so does
-    // the copy a rank_partials combine checks against.
-    if (!reused_) weights_kept_ = combine == CombineReduction::kRankPartials;
-    if (!reused_ && weights_kept_ && tokens > 0)
-      UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, topk_weights,
-                                    sizeof(float) * tokens * cfg_.top_k, cudaMemcpyDeviceToDevice,
-                                    stream));
-    // The row lists only read the received metadata, like the copy-out: they run beside it on a
-    // side stream (the copy-out is bandwidth-bound, the row lists latency-bound), joined before
-    // anything the caller enqueues next.
-    const bool row_lists = row_slot != nullptr && !reused_;
-    cudaEvent_t transferred = row_lists ? side_events_[0] : nullptr;
-    UNIEP_CUDA_OK(
-        cuda::launch_dispatch(sym_, dims_, a, num_sms, copy_blocks(), transferred, stream));
-    UNIEP_CUDA_OK(cudaGetLastError());
-    dispatched_ = true;
-    if (row_lists) {
-      UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, transferred, 0));
-      cuda::launch_expert_rows(sym_, dims_, plan_, row_slot, row_target, side_);
-      UNIEP_CUDA_OK(cudaGetLastError());
-      UNIEP_CUDA_OK(cudaEventRecord(side_events_[1], side_));
-      UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[1], 0));
     }
     return Status::Ok();
   }
@@ -458,12 +449,62 @@ class RuntimeImpl final : public Runtime {
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
 
+  // A new epoch; the round's state starts over.
+  void start_round(bool reused) {
+    ++epoch_;
+    begun_ = false;
+    dispatched_ = false;
+    combined_ = false;
+    reused_ = reused;
+  }
+
+  Status check_input(const DispatchInput& in, bool rows_only) const {
+    if (Status s = check_dispatch_args(in.row_bytes, in.num_sms, in.fp8); !s.ok()) return s;
+    if (in.tokens > 0 &&
+        (in.x == nullptr || (!rows_only && (in.topk_idx == nullptr || in.topk_weights == nullptr))))
+      return {StatusCode::kInvalidArgument,
+              "DispatchInput needs device pointers x, topk_idx and topk_weights for its tokens"};
+    return Status::Ok();
+  }
+
+  // The transfer of the round's rows on `stream`, with the events end_dispatch's side stream
+  // waits on: send slots ready (our own rows need only those), every peer's rows in.
+  Status start_transfer(const DispatchInput& in, cudaStream_t stream) {
+    // combine=rank_partials applies these weights on the expert side; its reduction checks that
+    // the combine's are the same. Kept only for such a combine: a copy on every dispatch's path.
+    // A cached dispatch moves rows only: the slots keep the plan dispatch's weights, and so does
+    // the copy a rank_partials combine checks against.
+    if (!reused_) weights_kept_ = in.combine == CombineReduction::kRankPartials;
+    if (!reused_ && weights_kept_ && in.tokens > 0)
+      UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, in.topk_weights,
+                                    sizeof(float) * in.tokens * cfg_.top_k,
+                                    cudaMemcpyDeviceToDevice, stream));
+    transfer_ = cuda::DispatchArgs{static_cast<const uint8_t*>(in.x),
+                                   in.row_bytes,
+                                   in.fp8 ? cfg_.hidden : 0,
+                                   in.topk_idx,
+                                   in.topk_weights,
+                                   in.tokens,
+                                   send_slot_,
+                                   plan_,
+                                   timeout_ns(),
+                                   err_dev_,
+                                   reused_,
+                                   round_ok_};
+    transfer_sms_ = in.num_sms;
+    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSlotsReady], stream));
+    cuda::launch_transfer(sym_, dims_, transfer_, in.num_sms, stream);
+    UNIEP_CUDA_OK(cudaGetLastError());
+    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kTransferred], stream));
+    return Status::Ok();
+  }
+
   // Until this round's counts are on the host. The notify kernel stores the round's epoch into
   // the host-mapped word after the counts, so the host reads them as soon as they land instead
   // of after a stream synchronize, whose wake-up measured longer than the rest of the wait. A
   // round that fails (a timed-out wait, invalid routing) ends the kernel without that store: the
-  // stream's completion ends the spin, and notify's checks report why. The kernel's own waits
-  // are bounded, so this is too.
+  // stream's completion ends the spin, and begin_dispatch's checks report why. The kernel's own
+  // waits are bounded, so this is too.
   Status wait_for_counts(cudaStream_t stream) {
     const volatile int64_t* ready = counts_host_ + 1 + 2 * cfg_.world_size + dims_.experts_per_rank;
     for (uint32_t spin = 1;; ++spin) {
@@ -575,16 +616,20 @@ class RuntimeImpl final : public Runtime {
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
   bool weights_kept_ = false;            // ... when it was made for combine=rank_partials
-  int32_t* round_ok_ = nullptr;          // device: the last reuse barrier's verdict
+  int32_t* round_ok_ = nullptr;          // device: the round's notify / reuse barrier verdict
   uint64_t* row_of_target_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;
-  cudaEvent_t side_events_[2] = {nullptr, nullptr};  // transfer done; row lists done
+  enum SideEvent { kSlotsReady, kTransferred, kSideDone, kSideEvents };
+  cudaEvent_t side_events_[kSideEvents] = {};
   bool all_peers_mapped_ = false;
   uint64_t epoch_ = 0;
-  uint64_t plan_epoch_ = 0;  // the notify that made the plan (cached dispatches reuse it)
+  uint64_t plan_epoch_ = 0;  // the dispatch that made the plan (cached dispatches reuse it)
   bool reused_ = false;      // this round reuses the plan: the dispatch moves rows only
+  bool begun_ = false;       // the transfer is enqueued; end_dispatch writes the outputs
   bool dispatched_ = false, combined_ = false;
+  cuda::DispatchArgs transfer_{};  // the begun round's, for end_dispatch's kernels
+  int transfer_sms_ = 1;
   int64_t last_tokens_ = -1;
   DispatchCounts last_;
 };

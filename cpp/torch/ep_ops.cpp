@@ -66,7 +66,7 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
   UNIEP_CHECK(x.dim() == 2, "x must be a 2-D tensor [T, H], got ", x.sizes());
   UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   UNIEP_CHECK(x.is_contiguous(), "x must be contiguous");
-  // Checked here, before notify starts the round with the peers; the runtime repeats it.
+  // Checked here, before the dispatch starts the round with the peers; the runtime repeats it.
   const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
   UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= cfg.row_bytes_capacity(),
               "x rows must be a multiple of 16 bytes and at most the runtime's row capacity of ",
@@ -102,6 +102,19 @@ std::pair<at::Tensor, at::Tensor> empty_received(const at::Tensor& x, int64_t ro
           at::empty({fp8 ? rows : 0, fp8 ? H / 128 : 0}, x.options().dtype(at::kFloat))};
 }
 
+ep::DispatchInput dispatch_input(const at::Tensor& x, const at::Tensor& topk_idx,
+                                 const at::Tensor& topk_weights, const TuningParams& params,
+                                 bool fp8) {
+  return {x.data_ptr(),
+          x.size(1) * static_cast<int64_t>(x.element_size()),
+          topk_idx.data_ptr<int64_t>(),
+          topk_weights.data_ptr<float>(),
+          x.size(0),
+          params.comm_sms,
+          fp8,
+          params.combine};
+}
+
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                         const at::Tensor& topk_weights, ep::Runtime& rt, const TuningParams& params,
                         bool copy_rows, cudaStream_t stream) {
@@ -109,7 +122,9 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   check_routing(x, topk_idx, topk_weights, cfg);
   const bool fp8 = check_dispatch_tuning(x, params, rt);
   Dispatched d;
-  ok_or_throw(rt.notify(topk_idx.data_ptr<int64_t>(), x.size(0), stream, &d.counts));
+  // The rows are on their way while the outputs below are allocated.
+  ok_or_throw(
+      rt.begin_dispatch(dispatch_input(x, topk_idx, topk_weights, params, fp8), stream, &d.counts));
   const int64_t N = d.counts.num_recv, K = cfg.top_k;
   const int64_t R =
       std::accumulate(d.counts.rows_per_expert.begin(), d.counts.rows_per_expert.end(), int64_t{0});
@@ -122,17 +137,19 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   d.row_slot = at::empty({R}, i64);
   d.row_target = at::empty({R}, i64);
   d.epoch = static_cast<int64_t>(rt.epoch());
+  ep::DispatchOutput out;
+  out.recv_x = copy_rows ? d.recv_x.data_ptr() : nullptr;
+  out.recv_scales = fp8 && copy_rows ? d.recv_scales.data_ptr<float>() : nullptr;
+  out.recv_src = d.recv_src.data_ptr<int64_t>();
+  out.recv_topk_idx = d.recv_topk_idx.data_ptr<int64_t>();
+  out.recv_topk_weights = d.recv_topk_weights.data_ptr<float>();
+  out.row_slot = d.row_slot.data_ptr<int64_t>();
+  out.row_target = d.row_target.data_ptr<int64_t>();
+  ok_or_throw(rt.end_dispatch(out, stream));
   // Device-to-device from the runtime's plan: no pageable host copy on the critical path.
   const int64_t El = static_cast<int64_t>(d.counts.rows_per_expert.size());
   d.tokens_per_expert =
       at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
-  ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(), topk_idx.data_ptr<int64_t>(),
-                          topk_weights.data_ptr<float>(), x.size(0), params.comm_sms, fp8,
-                          params.combine, copy_rows ? d.recv_x.data_ptr() : nullptr,
-                          fp8 && copy_rows ? d.recv_scales.data_ptr<float>() : nullptr,
-                          d.recv_src.data_ptr<int64_t>(), d.recv_topk_idx.data_ptr<int64_t>(),
-                          d.recv_topk_weights.data_ptr<float>(), d.row_slot.data_ptr<int64_t>(),
-                          d.row_target.data_ptr<int64_t>(), stream));
   return d;
 }
 
@@ -166,13 +183,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     const bool fp8 = check_dispatch_tuning(x, params, rt);
     UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
     ep::DispatchCounts counts;
-    ok_or_throw(rt.reuse_plan(static_cast<uint64_t>(epoch), stream, &counts));
+    ok_or_throw(rt.begin_cached_dispatch(static_cast<uint64_t>(epoch),
+                                         dispatch_input(x, topk_idx, topk_weights, params, fp8),
+                                         stream, &counts));
     const auto [recv_x, recv_scales] = empty_received(x, counts.num_recv, fp8);
-    ok_or_throw(rt.dispatch(x.data_ptr(), x.size(1) * x.element_size(),
-                            topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), x.size(0),
-                            params.comm_sms, fp8, params.combine, recv_x.data_ptr(),
-                            fp8 ? recv_scales.data_ptr<float>() : nullptr, nullptr, nullptr,
-                            nullptr, nullptr, nullptr, stream));
+    ep::DispatchOutput out;
+    out.recv_x = recv_x.data_ptr();
+    out.recv_scales = fp8 ? recv_scales.data_ptr<float>() : nullptr;
+    ok_or_throw(rt.end_dispatch(out, stream));
     return std::make_tuple(recv_x, recv_scales, static_cast<int64_t>(rt.epoch()));
   });
 }

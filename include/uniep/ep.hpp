@@ -54,6 +54,44 @@ struct DispatchCounts {
   std::vector<int64_t> rows_back_from_rank;  // [W] expert rows each rank returns to us in combine
 };
 
+// What a dispatch sends. Device pointers, read by kernels on the dispatch's stream until
+// end_dispatch has been enqueued: keep them alive (stream-ordered) until then.
+struct DispatchInput {
+  // [tokens, row_bytes] (any element type; bytes are copied verbatim), or with fp8: bf16
+  // [tokens, hidden], hidden % 128 == 0, cast in the kernel to e4m3 with one fp32 scale per
+  // 1x128 block (scale = amax / 448)
+  const void* x = nullptr;
+  int64_t row_bytes = 0;
+  const int64_t* topk_idx = nullptr;    // [tokens, K] int64, global expert ids, -1 unused
+  const float* topk_weights = nullptr;  // [tokens, K] float32
+  int64_t tokens = 0;
+  int num_sms = 0;  // blocks that carry the rows: the communication SM budget
+  bool fp8 = false;
+  // How this dispatch will be combined; kRankPartials keeps a copy of topk_weights for that
+  // combine's check.
+  CombineReduction combine = CombineReduction::kPerChoice;
+};
+
+// Where a dispatch writes what it received, in slot order = (source rank, token). Sized from
+// the DispatchCounts that begin_dispatch returns.
+struct DispatchOutput {
+  // [num_recv, row_bytes] (fp8: [num_recv, hidden] e4m3 bytes), or nullptr: the rows stay in
+  // the runtime's buffer, readable through received_rows() until the next dispatch.
+  void* recv_x = nullptr;
+  float* recv_scales = nullptr;  // fp8 with recv_x: [num_recv, hidden / 128] float32
+  // New routing only, required when num_recv > 0: [num_recv] int64 source token index;
+  // [num_recv, K] int64 local expert ids (-1 where the expert is on another rank);
+  // [num_recv, K] float32 weights.
+  int64_t* recv_src = nullptr;
+  int64_t* recv_topk_idx = nullptr;
+  float* recv_topk_weights = nullptr;
+  // Optional, both or neither (new routing only): for each grouped-GEMM row (local experts in
+  // order, each expert's rows in slot order) [R] int64 the slot it reads, and [R] int64 where
+  // its output goes back to: src_rank * (max_tokens * K) + src_token * K + k.
+  int64_t* row_slot = nullptr;
+  int64_t* row_target = nullptr;
+};
+
 class Runtime {
  public:
   static Status create(const Config& config, const std::vector<uint8_t>& unique_id,
@@ -63,59 +101,44 @@ class Runtime {
   // True when this runtime initialised NVSHMEM (finalised when the last runtime goes).
   virtual bool owns_nvshmem() const = 0;
 
-  // Layout of this rank's routing and the count exchange with every peer; synchronizes `stream`
-  // once to return the counts. topk_idx: [tokens, K] int64 device, global expert ids, -1 unused.
+  // A dispatch is begin_dispatch (or begin_cached_dispatch), then end_dispatch; each puts every
+  // token row into its receive slot on each destination rank (once per rank, however many of its
+  // experts live there).
+  //
+  // begin_dispatch: layout of this rank's routing, the count exchange with every peer, and the
+  // transfer of the rows to the peers, all enqueued on `stream`; returns the agreed counts once
+  // they are on the host, while the transfer runs, so the caller sizes the outputs meanwhile.
   // A rank whose routing holds an invalid expert id makes every rank return kInvalidArgument
-  // (that rank's message names the entry). Starts a new epoch.
-  virtual Status notify(const int64_t* topk_idx, int64_t tokens, cudaStream_t stream,
-                        DispatchCounts* counts) = 0;
-
-  // A round on the plan of the last notify, for rows routed exactly as that notify's topk_idx
+  // (that rank's message names the entry), and nothing is sent. Starts a new epoch. Not
+  // capturable in a CUDA graph (kUnsupported): the host reads the counts.
+  virtual Status begin_dispatch(const DispatchInput& in, cudaStream_t stream,
+                                DispatchCounts* counts) = 0;
+  // A round on the plan of the last begin_dispatch, for rows routed exactly as its topk_idx
   // (another tensor of the same tokens, a gradient): no layout, no count exchange and no host
   // sync, only a device-side barrier with every peer. `plan_epoch`: the epoch of a dispatch made
-  // on that plan (its handle's). The dispatch that follows moves the rows only (into the same
-  // slots; the slots' metadata and weights stay the plan dispatch's, so topk_idx, topk_weights
-  // and every output but recv_x / recv_scales are ignored, and recv_x is required). Every rank
-  // must reuse in the same round: a rank that calls notify instead gets kInvalidArgument naming
-  // the reusing rank, and the reusing rank sends nothing and reports the mismatch through
-  // check_device_errors / the next notify or reuse_plan. Starts a new epoch; `counts` are the
-  // plan's. Not capturable in a CUDA graph (kUnsupported): the epoch comes from the host.
-  virtual Status reuse_plan(uint64_t plan_epoch, cudaStream_t stream, DispatchCounts* counts) = 0;
-
-  // What dispatch() refuses in its row size, SM budget and precision, for a caller to check
-  // before notify / reuse_plan: a rank that fails after starting a round leaves its peers
-  // waiting for its rows until their timeout.
+  // on that plan (its handle's). Moves the rows only, into the same slots: the slots' metadata
+  // and weights stay the plan dispatch's, so in.topk_idx / in.topk_weights are not read, and
+  // end_dispatch needs recv_x and writes nothing else. Every rank must reuse in the same round:
+  // a rank that calls begin_dispatch instead gets kInvalidArgument naming the reusing rank, and
+  // the reusing rank sends nothing and reports the mismatch through check_device_errors / the
+  // next dispatch. Starts a new epoch; `counts` are the plan's. Not capturable in a CUDA graph
+  // (kUnsupported): the epoch comes from the host.
+  virtual Status begin_cached_dispatch(uint64_t plan_epoch, const DispatchInput& in,
+                                       cudaStream_t stream, DispatchCounts* counts) = 0;
+  // Writes the outputs of the begun dispatch: this rank's own rows (on SMs beside the transfer),
+  // then, once every peer's rows are in, the peers' rows and the metadata.
+  virtual Status end_dispatch(const DispatchOutput& out, cudaStream_t stream) = 0;
+  // What begin_dispatch refuses in its row size, SM budget and precision, for a caller to check
+  // before anything else of its own can fail: a rank that fails after starting a round leaves
+  // its peers waiting for its rows until their timeout.
   virtual Status check_dispatch_args(int64_t row_bytes, int num_sms, bool fp8) const = 0;
-
-  // Puts every token row into its receive slot on each destination rank (once per rank, however
-  // many of its experts live there), then writes the outputs (slot order = (source rank, token)):
-  //   x            [tokens, row_bytes] device (any element type; bytes are copied verbatim), or
-  //                with fp8: bf16 [tokens, hidden], hidden % 128 == 0, cast in the kernel to
-  //                e4m3 with one fp32 scale per 1x128 block (scale = amax / 448)
-  //   topk_weights [tokens, K] float32
-  //   recv_x       [num_recv, row_bytes] (fp8: [num_recv, hidden] e4m3 bytes) or nullptr (the
-  //                rows stay in the runtime's buffer, readable through received_rows() until
-  //                the next dispatch); recv_scales: fp8 only, [num_recv, hidden / 128] float32
-  //   recv_src     [num_recv] int64 source token index; recv_topk_idx [num_recv, K] int64 local
-  //                expert ids (-1 where the expert is on another rank); recv_topk_weights
-  //                [num_recv, K] float32
-  //   row_slot     [R] int64: for each grouped-GEMM row (local experts in order, each expert's
-  //                rows in slot order) the slot it reads; row_target [R] int64: where its output
-  //                goes back to: src_rank * (max_tokens * K) + src_token * K + k
-  // `num_sms` blocks carry the rows (the communication SM budget). `combine`: how this dispatch
-  // will be combined; kRankPartials keeps a copy of topk_weights for that combine's check.
-  virtual Status dispatch(const void* x, int64_t row_bytes, const int64_t* topk_idx,
-                          const float* topk_weights, int64_t tokens, int num_sms, bool fp8,
-                          CombineReduction combine, void* recv_x, float* recv_scales,
-                          int64_t* recv_src, int64_t* recv_topk_idx, float* recv_topk_weights,
-                          int64_t* row_slot, int64_t* row_target, cudaStream_t stream) = 0;
 
   // Device pointer to the receive buffer of the last dispatch: num_recv rows, each
   // config().row_bytes_capacity() bytes apart (fp8 rows: hidden e4m3 bytes, then the scales).
   virtual const void* received_rows() const = 0;
-  // Device [E_local] int64: grouped-GEMM rows per local expert, from the last notify.
+  // Device [E_local] int64: grouped-GEMM rows per local expert, from the last begin_dispatch.
   virtual const int64_t* rows_per_local_expert() const = 0;
-  // The epoch of the last notify; a combine names the epoch of the dispatch it answers.
+  // The epoch of the last dispatch (begun); a combine names the epoch of the dispatch it answers.
   virtual uint64_t epoch() const = 0;
 
   // kPerChoice: writes each expert output row y[r] ([R, H] bf16) into slot (token, k) of its
@@ -125,11 +148,12 @@ class Runtime {
   // the dispatch carried (fp32, rounded once to bf16; on the whole GPU, not num_sms: that reads
   // every expert row) and stores that one row at home, where
   // out[t] = the sum of the token's partials in ascending rank order (fp32). Needs every peer
-  // mapped over NVLink and a dispatch made for it (dispatch's `combine`); a row_target that
+  // mapped over NVLink and a dispatch made for it (DispatchInput::combine); a row_target that
   // misses or repeats a row, or topk_weights other than the dispatch's, is reported by
-  // check_device_errors / the next notify.
+  // check_device_errors / the next dispatch.
   // topk_idx / topk_weights are this rank's, as given to the matching dispatch. Each dispatch is
-  // combined at most once, and only before the next notify: `epoch` must be that dispatch's.
+  // combined at most once, after its end_dispatch and before the next dispatch: `epoch` must be
+  // that dispatch's.
   virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
                          const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
                          int num_sms, CombineReduction reduction, void* out, uint64_t epoch,

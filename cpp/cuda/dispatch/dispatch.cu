@@ -6,7 +6,8 @@
 // Completion: each block counts the rows it sent to each rank and, after nvshmem_quiet (its puts
 // are visible at the target), adds that count to the target's signal for this source. Block 0
 // waits until each source's signal reaches the count agreed in notify; a second kernel, on the
-// whole GPU, then copies the slots out.
+// whole GPU, then copies the slots out. Our own rows never cross NVLink: a third kernel writes
+// them beside the transfer.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <nvshmem.h>
@@ -82,9 +83,10 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, float* const
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    dispatch_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
-  // A failed reuse barrier: the peers have stopped, so nothing is sent and nothing awaited.
-  if (a.round_ok != nullptr && *a.round_ok == 0) return;
+    transfer_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
+  // A failed round (notify or reuse barrier): the peers have stopped, so nothing is sent and
+  // nothing awaited.
+  if (*a.round_ok == 0) return;
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
@@ -93,11 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   constexpr int kMaxDsts = 16;  // mapped destinations served by one read of the row
-  // Rows for ourselves go straight to the caller's output when there is one: the copy-out then
-  // skips them (it is bandwidth-bound, and at EP2 half the rows are our own).
-  const bool direct_self = a.recv_x != nullptr;
-  const int64_t out_row_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
-  const int64_t scale_blocks = a.fp8_hidden / kFp8Block;
   for (int64_t t = warp; t < a.tokens; t += num_warps) {
     const uint8_t* x_row = a.x + t * a.row_bytes;
     for (int64_t d0 = 0; d0 < W; d0 += kMaxDsts) {
@@ -111,18 +108,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint8_t* row = sym.recv_x + slot * d.row_cap;
         int64_t* meta = sym.recv_meta + slot * meta_len;
         float* weights = sym.recv_weights + slot * K;
-        // NVLink peers (and ourselves) take plain stores through the mapped pointer; others go
-        // through NVSHMEM's transports (bf16 only; fp8 needs mapped peers, checked on the host).
-        // Our own metadata still goes to the slot: the copy-out translates it for every slot.
+        // NVLink peers take plain stores through the mapped pointer; others go through
+        // NVSHMEM's transports (bf16 only; fp8 needs mapped peers, checked on the host). Our own
+        // row is self_rows_kernel's, but its metadata still goes to the slot: the copy-out
+        // translates it for every slot, and the completion count covers it.
         auto* peer_row = static_cast<uint8_t*>(nvshmem_ptr(row, pe));
-        if (dst == me && direct_self) {
-          mapped[num_mapped] = a.recv_x + slot * out_row_bytes;
-          mapped_scales[num_mapped++] = a.recv_scales + slot * scale_blocks;
-        } else if (peer_row != nullptr) {
+        if (dst != me && peer_row != nullptr) {
           mapped[num_mapped] = peer_row;
           mapped_scales[num_mapped++] = reinterpret_cast<float*>(peer_row + a.fp8_hidden);
+        } else if (dst != me) {
+          nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
         }
-        if (peer_row == nullptr) nvshmemx_putmem_nbi_warp(row, x_row, a.row_bytes, pe);
         // A cached dispatch (rows_only) finds the plan dispatch's metadata and weights there.
         if (!a.rows_only && peer_row != nullptr) {
           auto* peer_meta = static_cast<int64_t*>(nvshmem_ptr(meta, pe));
@@ -151,19 +147,51 @@ __global__ void __launch_bounds__(kThreads, 1)
                    owed, deadline, a.err, WaitOp::kDispatch);
 }
 
-// After the transfer: the received rows and metadata copied out of the symmetric buffer by the
-// whole GPU (the communication SM budget only bounds the transfer). Our own rows are already in
-// the output (see direct_self).
-__global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
-  if (a.round_ok != nullptr && *a.round_ok == 0) return;
+// Our own rows, a warp per token: straight into the caller's output (the copy-out then skips
+// them; at EP2 they are half the rows), or into our receive slots when the rows stay there. It
+// reads only x and the send slots, so it runs beside the transfer, on the SMs the communication
+// budget leaves, instead of on the transfer's SMs.
+constexpr int kSelfThreads = 512;
+__global__ void __launch_bounds__(kSelfThreads)
+    self_rows_kernel(SymmetricView sym, EpDims d, DispatchArgs a, DispatchOutputs out) {
+  if (*a.round_ok == 0) return;
+  const int64_t W = d.world_size, me = d.rank;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kSelfThreads + threadIdx.x) / 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * (kSelfThreads / 32);
+  const int64_t out_row_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
+  const int64_t scale_blocks = a.fp8_hidden / kFp8Block;
+  for (int64_t t = warp; t < a.tokens; t += num_warps) {
+    const int64_t slot = a.send_slot[t * W + me];
+    if (slot < 0) continue;
+    uint8_t* dst =
+        out.recv_x != nullptr ? out.recv_x + slot * out_row_bytes : sym.recv_x + slot * d.row_cap;
+    const uint8_t* x_row = a.x + t * a.row_bytes;
+    if (a.fp8_hidden > 0) {
+      float* scales = out.recv_x != nullptr ? out.recv_scales + slot * scale_blocks
+                                            : reinterpret_cast<float*>(dst + a.fp8_hidden);
+      warp_cast_fp8(&dst, &scales, 1, reinterpret_cast<const __nv_bfloat16*>(x_row), a.fp8_hidden,
+                    lane);
+    } else {
+      void* dsts[1] = {dst};
+      warp_copy_multi(dsts, 1, x_row, a.row_bytes, lane);
+    }
+  }
+}
+
+// After the transfer: the peers' rows and every slot's metadata copied out of the symmetric
+// buffer by the whole GPU (the communication SM budget only bounds the transfer). Our own rows
+// are self_rows_kernel's.
+__global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a, DispatchOutputs out) {
+  if (*a.round_ok == 0) return;
   const int64_t K = d.top_k, meta_len = 1 + K, first = d.rank * d.experts_per_rank;
   const int64_t N = a.plan.recv_offsets[d.world_size];
   const int64_t self_begin = a.plan.recv_offsets[d.rank];
   const int64_t self_slots = a.plan.recv_offsets[d.rank + 1] - self_begin;
   const int64_t x_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
-  const int64_t vecs = a.recv_x != nullptr ? x_bytes / 16 : 0;
+  const int64_t vecs = out.recv_x != nullptr ? x_bytes / 16 : 0;
   const int64_t scales =
-      a.fp8_hidden > 0 && a.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
+      a.fp8_hidden > 0 && out.recv_scales != nullptr ? a.fp8_hidden / kFp8Block : 0;
   const int64_t per_row = vecs + scales;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -172,10 +200,10 @@ __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
     const int64_t j = i % per_row;
     if (slot >= self_begin) slot += self_slots;
     if (j < vecs) {
-      reinterpret_cast<int4*>(a.recv_x + slot * x_bytes)[j] =
+      reinterpret_cast<int4*>(out.recv_x + slot * x_bytes)[j] =
           load_streaming(reinterpret_cast<const int4*>(sym.recv_x + slot * d.row_cap) + j);
     } else {
-      a.recv_scales[slot * scales + (j - vecs)] =
+      out.recv_scales[slot * scales + (j - vecs)] =
           reinterpret_cast<const float*>(sym.recv_x + slot * d.row_cap + a.fp8_hidden)[j - vecs];
     }
   }
@@ -185,24 +213,30 @@ __global__ void copy_out_kernel(SymmetricView sym, EpDims d, DispatchArgs a) {
     if (j < K) {
       const int64_t g = sym.recv_meta[slot * meta_len + 1 + j];
       const bool local = g >= first && g < first + d.experts_per_rank;
-      a.recv_topk_idx[slot * K + j] = local ? g - first : -1;
-      a.recv_topk_weights[slot * K + j] = sym.recv_weights[slot * K + j];
+      out.recv_topk_idx[slot * K + j] = local ? g - first : -1;
+      out.recv_topk_weights[slot * K + j] = sym.recv_weights[slot * K + j];
     } else {
-      a.recv_src[slot] = sym.recv_meta[slot * meta_len];
+      out.recv_src[slot] = sym.recv_meta[slot * meta_len];
     }
   }
 }
 
 }  // namespace
 
-cudaError_t launch_dispatch(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
-                            int blocks, int copy_blocks, cudaEvent_t transferred,
-                            cudaStream_t stream) {
-  dispatch_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a);
-  const cudaError_t recorded =
-      transferred != nullptr ? cudaEventRecord(transferred, stream) : cudaSuccess;
-  copy_out_kernel<<<copy_blocks, 512, 0, stream>>>(sym, d, a);
-  return recorded;
+void launch_transfer(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a, int blocks,
+                     cudaStream_t stream) {
+  transfer_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a);
+}
+
+void launch_self_rows(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                      const DispatchOutputs& out, int blocks, cudaStream_t stream) {
+  if (a.tokens == 0) return;
+  self_rows_kernel<<<blocks, kSelfThreads, 0, stream>>>(sym, d, a, out);
+}
+
+void launch_copy_out(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
+                     const DispatchOutputs& out, int blocks, cudaStream_t stream) {
+  copy_out_kernel<<<blocks, 512, 0, stream>>>(sym, d, a, out);
 }
 
 }  // namespace uniep::cuda

@@ -124,10 +124,11 @@ __global__ void __launch_bounds__(kThreads)
     notify_kernel(SymmetricView sym, EpDims d, const int64_t* tokens_per_rank,
                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                  int64_t* tokens_per_local_expert, DeviceError* err) {
+                  int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err) {
   const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   restart_completion_words(sym, W);
+  if (threadIdx.x == 0) *round_ok = 0;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     int64_t v;
     if (i < W)
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(kThreads)
   if (invalid_rank >= 0) return;
 
   derive_plan(counts, d, plan, host_counts, tokens_per_local_expert, epoch);
+  if (threadIdx.x == 0) *round_ok = 1;  // read by the kernels after this one on the stream
 }
 
 // The barrier of a round that reuses the last plan. Only the validity word of our count row
@@ -201,10 +203,11 @@ void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                    uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                   int64_t* tokens_per_local_expert, DeviceError* err, cudaStream_t stream) {
+                   int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err,
+                   cudaStream_t stream) {
   notify_kernel<<<1, kThreads, 0, stream>>>(sym, d, tokens_per_rank, tokens_per_expert,
                                             layout_error, epoch, timeout_ns, plan, host_counts,
-                                            tokens_per_local_expert, err);
+                                            tokens_per_local_expert, round_ok, err);
 }
 
 }  // namespace uniep::cuda

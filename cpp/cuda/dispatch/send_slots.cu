@@ -12,7 +12,8 @@ constexpr int kThreads = 512;
 
 __global__ void __launch_bounds__(kThreads)
     send_slots_kernel(const bool* token_in_rank, int64_t tokens, int64_t world_size,
-                      const int64_t* send_base, int64_t* send_slot) {
+                      const int64_t* send_base, const int32_t* round_ok, int64_t* send_slot) {
+  if (*round_ok == 0) return;  // no plan: send_base is not this round's
   using Scan = cub::BlockScan<int64_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   const int64_t dst = blockIdx.x;
@@ -31,10 +32,11 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& d,
-                       const int64_t* send_base, int64_t* send_slot, cudaStream_t stream) {
+                       const int64_t* send_base, const int32_t* round_ok, int64_t* send_slot,
+                       cudaStream_t stream) {
   if (tokens == 0) return;
   send_slots_kernel<<<static_cast<unsigned>(d.world_size), kThreads, 0, stream>>>(
-      token_in_rank, tokens, d.world_size, send_base, send_slot);
+      token_in_rank, tokens, d.world_size, send_base, round_ok, send_slot);
 }
 
 }  // namespace uniep::cuda
