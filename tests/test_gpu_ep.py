@@ -370,6 +370,65 @@ def test_cached_dispatch_reuses_the_plan() -> None:
     run_local_ranks(_cached_worker, _world(), backend="nccl", timeout_s=300)
 
 
+def _mixed_rounds_worker(rank: int, world: int) -> int:
+    """Many rounds of every kind back to back, with no host sync or barrier between them and GPU
+    skew between the ranks: the transfer starts before the host reads the counts, our own rows
+    move on a side stream, and cached rounds run ahead of the host. Returns the mismatches."""
+    import uniep
+
+    dev = torch.device("cuda", rank)
+    tokens, hidden, experts = 2048 - 256 * rank, 2048, 32
+    uniep.ep.init_runtime(
+        max_tokens=2048, hidden=hidden, top_k=TOP_K, num_experts=experts, timeout_s=20.0
+    )
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(dev)
+    idx = torch.rand(tokens, experts, generator=gen).topk(TOP_K, dim=1).indices.to(dev)
+    w = torch.rand(tokens, TOP_K, generator=gen).to(dev)
+    fresh = uniep.ep.dispatch(x, idx, w)
+    fresh8 = uniep.ep.dispatch(x, idx, w, tuning="dispatch=fp8")
+    y = torch.randn(fresh.handle.row_slot.numel(), hidden, generator=gen).bfloat16().to(dev)
+    want = uniep.ep.combine(y, uniep.ep.dispatch(x, idx, w).handle)
+    bad = torch.zeros((), dtype=torch.int64, device=dev)
+    handle = fresh.handle
+    kinds = torch.randint(0, 5, (240,), generator=torch.Generator().manual_seed(9)).tolist()
+    for step, kind in enumerate(kinds):
+        if step % world == rank and step % 3 == 0:
+            torch.cuda._sleep(100_000)  # this rank's GPU arrives late to the round
+        if kind == 0:
+            res = uniep.ep.dispatch(x, idx, w, tuning="sms=24")
+            handle = res.handle
+            bad += (res.recv_x != fresh.recv_x).any()
+            bad += (res.handle.row_slot != fresh.handle.row_slot).any()
+        elif kind == 1:
+            res = uniep.ep.dispatch(x, idx, w, tuning="sms=16,dispatch=fp8")
+            handle = res.handle
+            bad += (res.recv_x.view(torch.uint8) != fresh8.recv_x.view(torch.uint8)).any()
+            bad += (res.recv_scales != fresh8.recv_scales).any()
+        elif kind == 2:
+            got = uniep.ep.dispatch_cached(x, handle, tuning="sms=24").recv_x  # not the handle's
+            bad += (got != fresh.recv_x).any()
+        elif kind == 3:
+            got = uniep.ep.dispatch_cached(x, handle, tuning="sms=32,dispatch=fp8").recv_x
+            bad += (got.view(torch.uint8) != fresh8.recv_x.view(torch.uint8)).any()
+        else:
+            res = uniep.ep.dispatch(x, idx, w)
+            handle = res.handle
+            bad += (uniep.ep.combine(y, res.handle) != want).any()
+    uniep.ep.check()
+    return int(bad.item())
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_mixed_rounds_without_syncs_stay_exact() -> None:
+    from uniep.distributed import run_local_ranks
+
+    assert (
+        run_local_ranks(_mixed_rounds_worker, _world(), backend="nccl", timeout_s=300)
+        == [0] * _world()
+    )
+
+
 def _timeout_worker(rank: int, world: int) -> str:
     import uniep
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -171,7 +172,8 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
     UNIEP_CUDA_OK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&counts_dev_), counts_host_, 0));
-    // The grouped-GEMM row lists are built beside the dispatch's copy-out (see dispatch()).
+    // Our own rows and the grouped-GEMM row lists run beside the transfer and the copy-out (see
+    // end_dispatch).
     UNIEP_CUDA_OK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     for (cudaEvent_t& e : side_events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -504,15 +506,21 @@ class RuntimeImpl final : public Runtime {
   // of after a stream synchronize, whose wake-up measured longer than the rest of the wait. A
   // round that fails (a timed-out wait, invalid routing) ends the kernel without that store: the
   // stream's completion ends the spin, and begin_dispatch's checks report why. The kernel's own
-  // waits are bounded, so this is too.
+  // waits are bounded, so this is too. The stream is queried at most every 50 us: each query is
+  // a driver call and a CUDA-profiler event, and one per 64 spins flooded the profiler's trace
+  // until parsing it kept a rank away longer than its peers' timeout.
   Status wait_for_counts(cudaStream_t stream) {
+    using Clock = std::chrono::steady_clock;
+    constexpr auto kQueryEvery = std::chrono::microseconds(50);
     const volatile int64_t* ready = counts_host_ + 1 + 2 * cfg_.world_size + dims_.experts_per_rank;
+    Clock::time_point next_query = Clock::now() + kQueryEvery;
     for (uint32_t spin = 1;; ++spin) {
       if (*ready == static_cast<int64_t>(epoch_)) {
         std::atomic_thread_fence(std::memory_order_acquire);
         return Status::Ok();
       }
-      if (spin % 64 != 0) continue;  // the query is a driver call: poll the word in between
+      if (spin % 64 != 0 || Clock::now() < next_query) continue;
+      next_query = Clock::now() + kQueryEvery;
       const cudaError_t q = cudaStreamQuery(stream);
       if (q == cudaSuccess) return Status::Ok();
       if (q != cudaErrorNotReady)

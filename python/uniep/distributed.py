@@ -8,8 +8,10 @@ UniEP never starts its own launcher for real jobs: ranks and processes come from
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue as _queue
+import signal
 import socket
 import sys
 import time
@@ -190,6 +192,10 @@ def _rank_main(
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # The parent stops the other ranks when one fails (terminate); each then prints where it was,
+    # which is what tells a rank stuck on its host from one waiting on its peers.
+    if hasattr(signal, "SIGTERM") and sys.platform != "win32":
+        faulthandler.register(signal.SIGTERM, all_threads=False, chain=True)
     # Ranks share the host's cores; oversubscribing threads makes every collective wait on the
     # slowest rank.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

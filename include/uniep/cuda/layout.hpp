@@ -38,7 +38,7 @@ inline constexpr unsigned long long kNoLayoutError = ~0ull;
 //                      the CUDA context is lost, but no routing is ever dropped silently.
 //
 // Counts are integer sums, so they are exact and identical run to run whatever the block order.
-// tokens == 0 is valid (counts become zero, nothing is launched).
+// tokens == 0 is valid (counts become zero; only their reset is launched).
 Status routing_layout_async(const int64_t* topk_idx, int64_t tokens, int64_t top_k,
                             int64_t num_experts, int64_t world_size, int64_t* tokens_per_rank,
                             int64_t* tokens_per_expert, bool* token_in_rank,
