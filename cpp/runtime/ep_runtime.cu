@@ -225,6 +225,7 @@ class RuntimeImpl final : public Runtime {
 
   Status begin_dispatch(const DispatchInput& in, cudaStream_t stream,
                         DispatchCounts* counts) override {
+    if (Status s = check_input(in, /*rows_only=*/false); !s.ok()) return s;
     if (Status s = runtime::refuse_capture(
             stream,
             "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
@@ -237,7 +238,6 @@ class RuntimeImpl final : public Runtime {
           StatusCode::kCapacityExceeded,
           detail::str_cat("x has ", in.tokens, " tokens but the runtime was created for at most ",
                           cfg_.max_tokens, " (max_tokens); re-create it with a larger one")};
-    if (Status s = check_input(in, /*rows_only=*/false); !s.ok()) return s;
     Status s = cuda::routing_layout_async(in.topk_idx, in.tokens, cfg_.top_k, cfg_.num_experts,
                                           cfg_.world_size, tokens_per_rank_, tokens_per_expert_,
                                           token_in_rank_, layout_error_, stream);
@@ -288,6 +288,7 @@ class RuntimeImpl final : public Runtime {
 
   Status begin_cached_dispatch(uint64_t plan_epoch, const DispatchInput& in, cudaStream_t stream,
                                DispatchCounts* counts) override {
+    if (Status s = check_input(in, /*rows_only=*/true); !s.ok()) return s;
     // Nothing here syncs, so a capture would not fail by itself: it would freeze this round's
     // epoch into a graph whose replays then pass the barrier at once.
     if (Status s = runtime::refuse_capture(
@@ -312,7 +313,6 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               detail::str_cat("a cached dispatch got ", in.tokens,
                               " tokens but its plan was made for ", last_tokens_)};
-    if (Status s = check_input(in, /*rows_only=*/true); !s.ok()) return s;
     start_round(/*reused=*/true);
     cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());

@@ -85,13 +85,12 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
               "topk_weights must be contiguous on x's device");
 }
 
-// The runtime's own dispatch checks, made before the round starts with the peers (see
-// Runtime::check_dispatch_args), and the dtype it cannot see. Returns whether rows go as fp8.
-bool check_dispatch_tuning(const at::Tensor& x, const TuningParams& params, const ep::Runtime& rt) {
+// Whether rows go as fp8, after the dtype check the runtime cannot make (it sees bytes). The
+// runtime's begin_* check the rest of the tuning before anything is enqueued.
+bool check_dispatch_precision(const at::Tensor& x, const TuningParams& params) {
   const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
   UNIEP_CHECK(!fp8 || x.scalar_type() == at::kBFloat16,
               "x must be bfloat16 for tuning dispatch=fp8, got ", x.scalar_type());
-  ok_or_throw(rt.check_dispatch_args(x.size(1) * x.element_size(), params.comm_sms, fp8));
   return fp8;
 }
 
@@ -120,7 +119,7 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                         bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   check_routing(x, topk_idx, topk_weights, cfg);
-  const bool fp8 = check_dispatch_tuning(x, params, rt);
+  const bool fp8 = check_dispatch_precision(x, params);
   Dispatched d;
   // The rows are on their way while the outputs below are allocated.
   ok_or_throw(
@@ -180,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     check_routing(x, topk_idx, topk_weights, rt.config());
-    const bool fp8 = check_dispatch_tuning(x, params, rt);
+    const bool fp8 = check_dispatch_precision(x, params);
     UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
     ep::DispatchCounts counts;
     ok_or_throw(rt.begin_cached_dispatch(static_cast<uint64_t>(epoch),

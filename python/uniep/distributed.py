@@ -194,7 +194,7 @@ def _rank_main(
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # The parent stops the other ranks when one fails (terminate); each then prints where it was,
     # which is what tells a rank stuck on its host from one waiting on its peers.
-    if hasattr(signal, "SIGTERM") and sys.platform != "win32":
+    if hasattr(faulthandler, "register"):  # not on Windows
         faulthandler.register(signal.SIGTERM, all_threads=False, chain=True)
     # Ranks share the host's cores; oversubscribing threads makes every collective wait on the
     # slowest rank.

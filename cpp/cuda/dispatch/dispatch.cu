@@ -173,8 +173,7 @@ __global__ void __launch_bounds__(kSelfThreads)
       warp_cast_fp8(&dst, &scales, 1, reinterpret_cast<const __nv_bfloat16*>(x_row), a.fp8_hidden,
                     lane);
     } else {
-      void* dsts[1] = {dst};
-      warp_copy_multi(dsts, 1, x_row, a.row_bytes, lane);
+      warp_copy(dst, x_row, a.row_bytes, lane);
     }
   }
 }
