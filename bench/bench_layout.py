@@ -1,4 +1,4 @@
-"""Routing layout: torch.ops.uniep.routing_layout against the same outputs in plain torch.
+"""Routing layout and row lists: uniep's routing_layout and expert_rows against plain torch.
 
 The baseline, measured in the same run on the same routing: scatter_add_ for tokens_per_expert,
 scatter_ of each slot's rank into a [T, W+1] bool map (column W catches unused slots) for
@@ -8,6 +8,11 @@ fastest plain-torch version we know. Both must produce identical outputs before 
 On CUDA each implementation is timed twice: eagerly (the uniep op then includes its bad-id check,
 one stream synchronisation) and as a replayed CUDA graph (under capture the op skips that check,
 so this is the kernel alone).
+
+The row lists (torch.ops.uniep.expert_rows, the dispatch's row-list kernels) are timed on what
+rank 0 receives in the DeepSeek-V3 dispatch at EP2 and EP4, against a stable sort of the (slot,
+k) entries by local expert in plain torch. Both read the row count on the host (one sync each);
+on CUDA each row also carries its GPU time per kernel from the profiler (`kernel_us`).
 
     python bench/bench_layout.py --quick     # CPU op vs baseline on CPU, small shape
     python bench/bench_layout.py             # CUDA when present: DeepSeek-V3 and decode shapes
@@ -24,12 +29,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, write_result  # noqa: E402
+from common import median_time_ms, profile_kernels, write_result  # noqa: E402
 
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # (label, tokens, top_k, experts, world_size)
 GPU_SHAPES = [("deepseek-v3 prefill", 4096, 8, 256, 4), ("decode", 128, 8, 288, 8)]
+# (label, tokens per source, top_k, experts, world_size): rank 0's receive side
+ROW_SHAPES = [("deepseek-v3 EP2", 4096, 8, 256, 2), ("deepseek-v3 EP4", 4096, 8, 256, 4)]
+CPU_ROW_SHAPES = [("cpu small", 512, 8, 64, 4)]
 CPU_QUICK = [("cpu small", 512, 8, 64, 4)]
 CPU_FULL = CPU_QUICK + GPU_SHAPES
 
@@ -107,6 +115,67 @@ def bench_shape(
     return rows
 
 
+def received(tokens: int, top_k: int, experts: int, world: int, device: str) -> Layout:
+    """What rank 0 receives when every rank dispatches `tokens` routed tokens: (recv_src,
+    recv_topk_idx, recv_from_rank), slots ordered by (source, token)."""
+    per_rank = experts // world
+    srcs, ids, counts = [], [], []
+    for s in range(world):
+        idx = make_routing(tokens + s, top_k, experts, "cpu")[:tokens]
+        keep = (idx < per_rank).any(dim=1)
+        srcs.append(torch.arange(tokens)[keep])
+        ids.append(idx[keep])
+        counts.append(int(keep.sum()))
+    return (
+        torch.cat(srcs).to(device),
+        torch.cat(ids).contiguous().to(device),
+        torch.tensor(counts, dtype=torch.int64, device=device),
+    )
+
+
+def torch_expert_rows(recv: Layout, experts: int, max_tokens: int) -> Layout:
+    """expert_rows of rank 0 in plain torch: a stable sort of the (slot, k) entries by expert."""
+    src, ids, from_rank = recv
+    world, top_k = from_rank.numel(), ids.shape[1]
+    per_rank = experts // world
+    local = (ids >= 0) & (ids < per_rank)
+    key = torch.where(local, ids, per_rank).flatten()
+    per_expert = torch.bincount(key, minlength=per_rank + 1)[:per_rank]
+    rows = int(per_expert.sum())
+    entry = torch.sort(key, stable=True).indices[:rows]
+    slot = entry // top_k
+    source = torch.repeat_interleave(
+        torch.arange(world, device=ids.device), from_rank, output_size=src.numel()
+    )
+    target = source[slot] * (max_tokens * top_k) + src[slot] * top_k + entry % top_k
+    return slot, target, per_expert
+
+
+def bench_rows(
+    label: str, tokens: int, top_k: int, experts: int, world: int, device: str, iters: int
+) -> list[dict[str, Any]]:
+    recv = received(tokens, top_k, experts, world, device)
+    fns: dict[str, Callable[[], object]] = {
+        "uniep expert_rows": lambda: torch.ops.uniep.expert_rows(*recv, 0, experts, tokens),
+        "torch expert_rows": lambda: torch_expert_rows(recv, experts, tokens),
+    }
+    ours, base = (fn() for fn in fns.values())
+    for name, a, b in zip(("row_slot", "row_target", "tokens_per_expert"), ours, base, strict=True):
+        if not torch.equal(a, b):
+            raise RuntimeError(f"{label}: uniep and the baseline disagree on {name}")
+    cuda = device == "cuda"
+    common = {"shape": f"{label} ({recv[0].numel()} slots)", "tokens": tokens, "top_k": top_k}
+    common.update(experts=experts, world_size=world, device=device)
+    kernels = profile_kernels(fns, iters=20) if cuda else {}
+    rows = []
+    for impl, fn in fns.items():
+        ms = median_time_ms(fn, warmup=max(3, iters // 10), iters=iters, cuda=cuda)
+        rows.append({**common, "impl": impl, "median_ms": ms, "kernel_us": kernels.get(impl)})
+    for row in rows:
+        row["speedup_vs_torch"] = rows[1]["median_ms"] / row["median_ms"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU op vs baseline, small shape")
@@ -126,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print("| shape | T | K | E | W | device | impl | median ms | speedup vs torch |")
     print("|---|---:|---:|---:|---:|---|---|---:|---:|")
-    for shape in shapes:
-        for r in bench_shape(*shape, device=device, iters=iters):
+    row_shapes = CPU_ROW_SHAPES if device == "cpu" else ROW_SHAPES
+    results = [bench_shape(*shape, device=device, iters=iters) for shape in shapes]
+    results += [bench_rows(*shape, device=device, iters=iters) for shape in row_shapes]
+    for shape_rows in results:
+        for r in shape_rows:
             rows.append(r)
             print(
                 f"| {r['shape']} | {r['tokens']} | {r['top_k']} | {r['experts']} | "
@@ -135,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['speedup_vs_torch']:.2f}x |",
                 flush=True,
             )
+    for r in rows:
+        if r.get("kernel_us"):
+            print(f"{r['shape']}, {r['impl']}: GPU us per call by kernel {r['kernel_us']}")
     path = write_result("bench_layout", rows, args.out_dir)
     print(f"wrote {path}")
     return 0

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_wait.cuh"
+#include "cuda/dispatch/expert_rows.hpp"
 
 namespace uniep::cuda {
 
@@ -137,9 +138,6 @@ void launch_self_rows(const SymmetricView& sym, const EpDims& d, const DispatchA
 // the receive buffer, by `blocks` blocks.
 void launch_copy_out(const SymmetricView& sym, const EpDims& d, const DispatchArgs& a,
                      const DispatchOutputs& out, int blocks, cudaStream_t stream);
-
-void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
-                        int64_t* row_slot, int64_t* row_target, cudaStream_t stream);
 
 struct CombineArgs {
   const uint8_t* y;  // [rows][H] bf16

@@ -71,6 +71,8 @@ const char* op_name(uint32_t op) {
       return "combine (rank partials)";
     case cuda::WaitOp::kPlanMismatch:
       return "cached dispatch (plan reuse)";
+    case cuda::WaitOp::kExpertRows:
+      return "dispatch (row lists)";
     default:
       return "?";
   }
@@ -85,6 +87,7 @@ class RuntimeImpl final : public Runtime {
     if (side_) cudaStreamSynchronize(side_);
     if (sym_base_) nvshmem_free(sym_base_);
     if (workspace_) cudaFree(workspace_);
+    if (unit_rows_) cudaFree(unit_rows_);
     if (row_of_target_) cudaFree(row_of_target_);
     for (cudaEvent_t& e : side_events_)
       if (e) cudaEventDestroy(e);
@@ -161,6 +164,7 @@ class RuntimeImpl final : public Runtime {
     round_ok_ = reinterpret_cast<int32_t*>(p), p += 1;
     token_in_rank_ = reinterpret_cast<bool*>(p);
     plan_.sent_to = tokens_per_rank_;
+    UNIEP_CUDA_OK(cudaMalloc(&unit_rows_, cuda::expert_rows_scratch_bytes(W * T, El)));
 
     // Host-mapped: the error word, and the counts the host reads after notify with the word that
     // says they are this round's (see wait_for_counts).
@@ -356,7 +360,24 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaGetLastError());
     if (out.row_slot != nullptr && !reused_) {
       UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kTransferred], 0));
-      cuda::launch_expert_rows(sym_, dims_, plan_, out.row_slot, out.row_target, side_);
+      const int64_t K = cfg_.top_k;
+      const cuda::ExpertRowsArgs rows{sym_.recv_meta,
+                                      sym_.recv_meta + 1,
+                                      1 + K,
+                                      1 + K,
+                                      last_.num_recv,
+                                      plan_.recv_offsets,
+                                      plan_.expert_offsets,
+                                      cfg_.world_size,
+                                      cfg_.rank * dims_.experts_per_rank,
+                                      dims_.experts_per_rank,
+                                      K,
+                                      cfg_.max_tokens,
+                                      static_cast<int64_t*>(unit_rows_),
+                                      out.row_slot,
+                                      out.row_target,
+                                      err_dev_};
+      cuda::launch_expert_rows(rows, side_);
       UNIEP_CUDA_OK(cudaGetLastError());
     }
     UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSideDone], side_));
@@ -591,6 +612,13 @@ class RuntimeImpl final : public Runtime {
                                   " passed new routing (topk_idx) in the same round while this "
                                   "rank reused its plan (a handle); every rank must do the same "
                                   "kind of dispatch. Nothing was sent")};
+        case cuda::WaitOp::kExpertRows:
+          return {StatusCode::kInternal,
+                  detail::str_cat("dispatch on rank ", cfg_.rank, ": the received metadata holds ",
+                                  e.have, " rows for local expert ", e.peer,
+                                  " but its senders announced ", e.want,
+                                  " in the count exchange (a peer's buffers were overwritten?); "
+                                  "the round's row lists are incomplete")};
         case cuda::WaitOp::kCapacity:
           return {StatusCode::kCapacityExceeded,
                   detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,
@@ -615,6 +643,7 @@ class RuntimeImpl final : public Runtime {
   EpDims dims_{};
   PlanCounts plan_{};
   void* workspace_ = nullptr;
+  void* unit_rows_ = nullptr;  // scratch of the row lists (launch_expert_rows)
   int64_t *tokens_per_rank_ = nullptr, *tokens_per_expert_ = nullptr, *send_slot_ = nullptr;
   bool* token_in_rank_ = nullptr;
   unsigned long long* layout_error_ = nullptr;
@@ -668,6 +697,10 @@ Status Config::validate() const {
   if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
   if (ll_max_tokens < 0)
     return bad(detail::str_cat("ll_max_tokens must be >= 0, got ", ll_max_tokens));
+  if (num_experts / world_size > cuda::expert_rows_max_experts())
+    return bad(detail::str_cat("num_experts / world_size (experts per rank) must be at most ",
+                               cuda::expert_rows_max_experts(), ", got ",
+                               num_experts / world_size));
   return Status::Ok();
 }
 

@@ -8,6 +8,8 @@
 
 #include <tuple>
 
+#include "cuda/dispatch/expert_rows.hpp"
+#include "torch/expert_rows_op.hpp"
 #include "torch/validate.hpp"
 #include "uniep/cuda/layout.hpp"
 
@@ -58,9 +60,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cuda(const at::Ten
   });
 }
 
+// The dispatch's row-list kernels on caller-given metadata. The output length is data-dependent,
+// so this op reads it on the host (one sync, with the value checks): not for graph capture.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_rows_cuda(const at::Tensor& recv_src,
+                                                                const at::Tensor& recv_topk_idx,
+                                                                const at::Tensor& recv_from_rank,
+                                                                int64_t rank, int64_t num_experts,
+                                                                int64_t max_tokens) {
+  return translate_errors([&] {
+    const ExpertRowsDims d = check_expert_rows_args(recv_src, recv_topk_idx, recv_from_rank, rank,
+                                                    num_experts, max_tokens, Executor::kCuda);
+    UNIEP_CHECK(d.experts_per_rank <= cuda::expert_rows_max_experts(),
+                "num_experts / world_size (experts per rank) must be at most ",
+                cuda::expert_rows_max_experts(), " on CUDA, got ", d.experts_per_rank);
+    const c10::cuda::CUDAGuard guard(recv_src.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(recv_src.device().index());
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    UNIEP_CHECK(capture == cudaStreamCaptureStatusNone,
+                "expert_rows cannot be captured in a CUDA graph: its output length is read on "
+                "the host; the dispatch (ep_dispatch) returns the row lists of its own round");
+    check_expert_rows_values(recv_src, recv_topk_idx, recv_from_rank, num_experts, max_tokens, d);
+    const at::Tensor src = recv_src.contiguous(), ids = recv_topk_idx.contiguous();
+    const int64_t El = d.experts_per_rank;
+    const auto i64 = ids.options();
+    at::Tensor recv_offsets = at::zeros({d.world_size + 1}, i64);
+    recv_offsets.slice(0, 1).copy_(recv_from_rank.cumsum(0));
+    // Rows per local expert; entries of other ranks' experts (or none) go to bin El.
+    const at::Tensor local = ids - d.first_expert;
+    const at::Tensor bin = at::where((local >= 0) & (local < El), local, El).flatten();
+    at::Tensor per_expert = at::zeros({El + 1}, i64).scatter_add_(0, bin, at::ones_like(bin));
+    per_expert = per_expert.slice(0, 0, El).contiguous();
+    at::Tensor expert_offsets = at::zeros({El + 1}, i64);
+    expert_offsets.slice(0, 1).copy_(per_expert.cumsum(0));
+    const int64_t R = expert_offsets[El].item<int64_t>();
+    at::Tensor row_slot = at::empty({R}, i64), row_target = at::empty({R}, i64);
+    at::Tensor scratch = at::empty(
+        {static_cast<int64_t>(cuda::expert_rows_scratch_bytes(d.slots, El) / sizeof(int64_t))},
+        i64);
+    const cuda::ExpertRowsArgs a{src.data_ptr<int64_t>(),
+                                 ids.data_ptr<int64_t>(),
+                                 1,
+                                 d.top_k,
+                                 d.slots,
+                                 recv_offsets.data_ptr<int64_t>(),
+                                 expert_offsets.data_ptr<int64_t>(),
+                                 d.world_size,
+                                 d.first_expert,
+                                 El,
+                                 d.top_k,
+                                 max_tokens,
+                                 scratch.data_ptr<int64_t>(),
+                                 row_slot.data_ptr<int64_t>(),
+                                 row_target.data_ptr<int64_t>(),
+                                 nullptr};
+    cuda::launch_expert_rows(a, stream);
+    C10_CUDA_CHECK(cudaGetLastError());
+    return std::make_tuple(row_slot, row_target, per_expert);
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("routing_layout", &uniep::torch_glue::routing_layout_cuda);
+  m.impl("expert_rows", &uniep::torch_glue::expert_rows_cuda);
 }

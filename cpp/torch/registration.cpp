@@ -12,6 +12,12 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");
+  // The grouped-GEMM row lists of received slots (what ep_dispatch returns for its own round):
+  // rows of local expert e are [offsets[e], offsets[e + 1]) of the cumulative tokens_per_expert.
+  m.def(
+      "expert_rows(Tensor recv_src, Tensor recv_topk_idx, Tensor recv_from_rank, int rank, "
+      "int num_experts, int max_tokens) -> (Tensor row_slot, Tensor row_target, "
+      "Tensor tokens_per_expert)");
   // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.init). Slots are
   // ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
   m.def(

@@ -157,6 +157,54 @@ def _routing_layout_fake(
     )
 
 
+@torch.library.register_fake("uniep::expert_rows")
+def _expert_rows_fake(
+    recv_src: torch.Tensor,
+    recv_topk_idx: torch.Tensor,
+    recv_from_rank: torch.Tensor,
+    rank: int,
+    num_experts: int,
+    max_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    for name, t in (
+        ("recv_src", recv_src),
+        ("recv_topk_idx", recv_topk_idx),
+        ("recv_from_rank", recv_from_rank),
+    ):
+        torch._check_value(
+            t.dtype == torch.int64, lambda n=name, t=t: f"{n} must be int64, got {t.dtype}"
+        )
+    torch._check_value(
+        recv_src.dim() == 1, lambda: f"recv_src must be 1-D [N], got {recv_src.dim()}-D"
+    )
+    torch._check_value(
+        recv_topk_idx.dim() == 2 and recv_topk_idx.shape[0] == recv_src.shape[0],
+        lambda: (
+            f"recv_topk_idx must be [N, K] with N = {recv_src.shape[0]}, "
+            f"got {tuple(recv_topk_idx.shape)}"
+        ),
+    )
+    torch._check_value(
+        recv_from_rank.dim() == 1 and recv_from_rank.shape[0] >= 1,
+        lambda: f"recv_from_rank must be 1-D [world_size], got {tuple(recv_from_rank.shape)}",
+    )
+    world = recv_from_rank.shape[0]
+    torch._check_value(0 <= rank < world, lambda: f"rank must be in [0, {world}), got {rank}")
+    torch._check_value(
+        num_experts >= 1 and num_experts % world == 0,
+        lambda: (
+            f"num_experts ({num_experts}) must be a positive multiple of the world size ({world})"
+        ),
+    )
+    # R, the number of (slot, k) entries naming a local expert, is data-dependent.
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (
+        recv_src.new_empty((rows,)),
+        recv_src.new_empty((rows,)),
+        recv_src.new_empty((num_experts // world,)),
+    )
+
+
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     x, topk_idx, topk_weights, w1, w2, group_name, tuning = inputs
     ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)

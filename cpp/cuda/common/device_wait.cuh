@@ -18,6 +18,9 @@ enum class WaitOp : uint32_t {
   kCombineWeights = 7,  // topk_weights[have, want] differs from what the dispatch carried
   // Not a wait: this rank reused its plan (a cached dispatch) while rank `peer` sent new counts.
   kPlanMismatch = 8,
+  // Not a wait: local expert `peer` got `have` rows in the received metadata, but its senders
+  // announced `want` in the count exchange (a corrupt peer).
+  kExpertRows = 9,
 };
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.

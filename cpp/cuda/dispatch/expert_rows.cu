@@ -1,64 +1,176 @@
 // Grouped-GEMM rows of the local experts: each expert's rows are the receive slots that chose it,
-// in slot order (= (source rank, source token) order), one row per matching top-k entry. Each row
-// also records where its output goes back to: slot (token, k) on its source rank.
-#include <cub/block/block_scan.cuh>
+// in slot order (= (source rank, source token) order), one row per matching top-k entry in k
+// order. Each row also records where its output goes back to: slot (token, k) on its source rank.
+//
+// Three short kernels over warp units of kSlotsPerUnit slots. One block per expert scanning every
+// slot (El x N x K compares, 29 us of the EP2 DeepSeek-V3 round) was replaced so the work is
+// N x K, done once:
+//  1. count: each unit counts its entries per local expert;
+//  2. scan: per expert, an exclusive sum over units gives each unit's first row of that expert;
+//  3. assign: each unit walks its (slot, k) entries in that order, 32 at a time, and ranks
+//     equal experts among the lanes with __match_any_sync; a per-expert cursor in shared memory
+//     carries the rank from one group of 32 to the next.
+// Every row index is a function of the metadata alone, so the lists are identical run to run.
+#include <cstdint>
 
 #include "cuda/ep_kernels.hpp"
 
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kUnroll = 4;  // expert ids of a slot loaded before any is compared
+constexpr int kSlotsPerUnit = 32;  // one warp; a unit's entries are kSlotsPerUnit * K
+constexpr int kMaxWarps = 8;       // units per block of the count and assign kernels
+constexpr int kScanItems = 8;      // units each lane of the scan sums before the warp scan
+constexpr int kPrefetch = 8;       // groups of 32 entries whose ids are loaded before any is used
+constexpr size_t kSharedBytes = 48 * 1024;
 
-// One block per local expert, kThreads consecutive slots per step (coalesced metadata reads; a
-// contiguous run of slots per thread made each load touch its own cache line, and the El blocks
-// all read the whole metadata, so that was L2-bound), a block scan per step for the order.
-__global__ void __launch_bounds__(kThreads)
-    expert_rows_kernel(SymmetricView sym, EpDims d, PlanCounts plan, int64_t* row_slot,
-                       int64_t* row_target) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  const int64_t K = d.top_k, W = d.world_size, meta_len = 1 + K;
-  const int64_t expert = blockIdx.x, global = d.rank * d.experts_per_rank + expert;
-  const int64_t N = plan.recv_offsets[W];
-  int64_t row = plan.expert_offsets[expert];
-  for (int64_t s0 = 0; s0 < N; s0 += kThreads) {
-    const int64_t slot = s0 + threadIdx.x;
-    const int64_t* ids = sym.recv_meta + slot * meta_len + 1;
-    int matches = 0;
-    if (slot < N) {
-      for (int64_t k0 = 0; k0 < K; k0 += kUnroll) {
-        int64_t v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = k0 + u < K ? ids[k0 + u] : -1;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) matches += v[u] == global ? 1 : 0;
-      }
-    }
-    int prefix, total;
-    Scan(temp).ExclusiveSum(matches, prefix, total);
-    if (matches > 0) {
-      const int64_t src = source_rank_of(plan, W, slot);
-      int64_t r = row + prefix;
-      for (int64_t k = 0; k < K; ++k) {
-        if (ids[k] != global) continue;
-        row_slot[r] = slot;
-        row_target[r] = src * (d.max_tokens * K) + ids[-1] * K + k;
-        ++r;
-      }
-    }
-    row += total;
-    __syncthreads();  // the scan's storage is reused by the next step
+__device__ __forceinline__ int64_t units_of(int64_t slots) {
+  return (slots + kSlotsPerUnit - 1) / kSlotsPerUnit;
+}
+
+// Local expert of entry x of a unit (x = slot_in_unit * K + k), or -1 where the entry is past
+// the last slot or names another rank's expert (or none).
+struct Entry {
+  int64_t slot;
+  int64_t k;
+  int local;
+};
+
+__device__ __forceinline__ Entry load_entry(const ExpertRowsArgs& a, int64_t first_slot,
+                                            int64_t x) {
+  Entry e{first_slot + x / a.top_k, x % a.top_k, -1};
+  if (x < kSlotsPerUnit * a.top_k && e.slot < a.slots) {
+    const int64_t g = a.ids[e.slot * a.ids_stride + e.k] - a.first_expert;
+    if (g >= 0 && g < a.experts_per_rank) e.local = static_cast<int>(g);
   }
+  return e;
+}
+
+__global__ void expert_rows_count_kernel(ExpertRowsArgs a) {
+  extern __shared__ int64_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t El = a.experts_per_rank, units = units_of(a.slots);
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  int* count = reinterpret_cast<int*>(smem) + warp * El;
+  for (int64_t e = lane; e < El; e += 32) count[e] = 0;
+  __syncwarp();
+  if (unit >= units) return;
+  const int64_t slot = unit * kSlotsPerUnit + lane;
+  if (slot < a.slots) {
+    for (int64_t k = 0; k < a.top_k; ++k) {
+      const int64_t g = a.ids[slot * a.ids_stride + k] - a.first_expert;
+      if (g >= 0 && g < El) atomicAdd(&count[g], 1);
+    }
+  }
+  __syncwarp();
+  for (int64_t e = lane; e < El; e += 32) a.unit_rows[e * units + unit] = count[e];
+}
+
+// One warp per local expert: unit_rows[e][u] becomes the expert's first row in unit u. The
+// expert's total must be what its senders announced (expert_offsets, from the count exchange),
+// or a peer's metadata is corrupt: the assign kernel then keeps to the expert's rows, and the
+// error reaches the host.
+__global__ void expert_rows_scan_kernel(ExpertRowsArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (e >= a.experts_per_rank) return;
+  const int64_t units = units_of(a.slots);
+  int64_t* rows = a.unit_rows + e * units;
+  int64_t carry = a.expert_offsets[e];
+  for (int64_t u0 = 0; u0 < units; u0 += 32 * kScanItems) {
+    int64_t v[kScanItems];
+    int64_t sum = 0;
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      const int64_t u = u0 + lane * kScanItems + i;
+      v[i] = u < units ? rows[u] : 0;
+      sum += v[i];
+    }
+    int64_t inclusive = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    int64_t row = carry + inclusive - sum;
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      const int64_t u = u0 + lane * kScanItems + i;
+      if (u < units) rows[u] = row;
+      row += v[i];
+    }
+    carry += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+  const int64_t want = a.expert_offsets[e + 1];
+  if (lane == 0 && carry != want && a.err != nullptr)
+    report_error(a.err, WaitOp::kExpertRows, static_cast<int>(e), carry - a.expert_offsets[e],
+                 want - a.expert_offsets[e]);
+}
+
+__global__ void expert_rows_assign_kernel(ExpertRowsArgs a) {
+  extern __shared__ int64_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t El = a.experts_per_rank, K = a.top_k, units = units_of(a.slots);
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  if (unit >= units) return;
+  int64_t* cursor = smem + warp * El;
+  for (int64_t e = lane; e < El; e += 32) cursor[e] = a.unit_rows[e * units + unit];
+  __syncwarp();
+  const int64_t first_slot = unit * kSlotsPerUnit, entries = kSlotsPerUnit * K;
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t x0 = 0; x0 < entries; x0 += 32 * kPrefetch) {
+    Entry en[kPrefetch];
+#pragma unroll
+    for (int i = 0; i < kPrefetch; ++i) en[i] = load_entry(a, first_slot, x0 + i * 32 + lane);
+#pragma unroll
+    for (int i = 0; i < kPrefetch; ++i) {
+      if (x0 + i * 32 >= entries) break;  // uniform across the warp
+      const unsigned same = __match_any_sync(0xffffffffu, en[i].local);
+      int64_t row = -1;
+      if (en[i].local >= 0) row = cursor[en[i].local] + __popc(same & lower);
+      __syncwarp();
+      if (en[i].local >= 0) {
+        // The lowest lane of each expert advances its cursor past the group's rows.
+        if ((same & lower) == 0) cursor[en[i].local] += __popc(same);
+        if (row < a.expert_offsets[en[i].local + 1]) {
+          int64_t src = 0;
+          while (src + 1 < a.world_size && en[i].slot >= a.recv_offsets[src + 1]) ++src;
+          a.row_slot[row] = en[i].slot;
+          a.row_target[row] =
+              src * (a.max_tokens * K) + a.token[en[i].slot * a.token_stride] * K + en[i].k;
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+int warps_per_block(int64_t experts_per_rank) {
+  const int64_t fit = static_cast<int64_t>(kSharedBytes / sizeof(int64_t)) / experts_per_rank;
+  return static_cast<int>(fit < 1 ? 1 : fit > kMaxWarps ? kMaxWarps : fit);
 }
 
 }  // namespace
 
-void launch_expert_rows(const SymmetricView& sym, const EpDims& d, PlanCounts plan,
-                        int64_t* row_slot, int64_t* row_target, cudaStream_t stream) {
-  expert_rows_kernel<<<static_cast<unsigned>(d.experts_per_rank), kThreads, 0, stream>>>(
-      sym, d, plan, row_slot, row_target);
+size_t expert_rows_scratch_bytes(int64_t slots, int64_t experts_per_rank) {
+  return sizeof(int64_t) * static_cast<size_t>(experts_per_rank) *
+         static_cast<size_t>((slots + kSlotsPerUnit - 1) / kSlotsPerUnit);
+}
+
+int64_t expert_rows_max_experts() {
+  return static_cast<int64_t>(kSharedBytes / sizeof(int64_t));
+}
+
+void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream) {
+  if (a.slots <= 0 || a.experts_per_rank <= 0) return;
+  const int64_t units = (a.slots + kSlotsPerUnit - 1) / kSlotsPerUnit;
+  const int warps = warps_per_block(a.experts_per_rank);
+  const auto blocks = static_cast<unsigned>((units + warps - 1) / warps);
+  const size_t shared = sizeof(int64_t) * static_cast<size_t>(warps * a.experts_per_rank);
+  expert_rows_count_kernel<<<blocks, warps * 32, shared, stream>>>(a);
+  const auto scan_blocks = static_cast<unsigned>((a.experts_per_rank + kMaxWarps - 1) / kMaxWarps);
+  expert_rows_scan_kernel<<<scan_blocks, kMaxWarps * 32, 0, stream>>>(a);
+  expert_rows_assign_kernel<<<blocks, warps * 32, shared, stream>>>(a);
 }
 
 }  // namespace uniep::cuda
