@@ -80,41 +80,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_rows_cuda(const at::Tensor
     UNIEP_CHECK(capture == cudaStreamCaptureStatusNone,
                 "expert_rows cannot be captured in a CUDA graph: its output length is read on "
                 "the host; the dispatch (ep_dispatch) returns the row lists of its own round");
-    check_expert_rows_values(recv_src, recv_topk_idx, recv_from_rank, num_experts, max_tokens, d);
     const at::Tensor src = recv_src.contiguous(), ids = recv_topk_idx.contiguous();
-    const int64_t El = d.experts_per_rank;
+    const int64_t El = d.experts_per_rank, units = (d.slots + 31) / 32;
     const auto i64 = ids.options();
     at::Tensor recv_offsets = at::zeros({d.world_size + 1}, i64);
     recv_offsets.slice(0, 1).copy_(recv_from_rank.cumsum(0));
-    // Rows per local expert; entries of other ranks' experts (or none) go to bin El.
-    const at::Tensor local = ids - d.first_expert;
-    const at::Tensor bin = at::where((local >= 0) & (local < El), local, El).flatten();
-    at::Tensor per_expert = at::zeros({El + 1}, i64).scatter_add_(0, bin, at::ones_like(bin));
-    per_expert = per_expert.slice(0, 0, El).contiguous();
     at::Tensor expert_offsets = at::zeros({El + 1}, i64);
-    expert_offsets.slice(0, 1).copy_(per_expert.cumsum(0));
-    const int64_t R = expert_offsets[El].item<int64_t>();
-    at::Tensor row_slot = at::empty({R}, i64), row_target = at::empty({R}, i64);
     at::Tensor scratch = at::empty(
         {static_cast<int64_t>(cuda::expert_rows_scratch_bytes(d.slots, El) / sizeof(int64_t))},
         i64);
-    const cuda::ExpertRowsArgs a{src.data_ptr<int64_t>(),
-                                 ids.data_ptr<int64_t>(),
-                                 1,
-                                 d.top_k,
-                                 d.slots,
-                                 recv_offsets.data_ptr<int64_t>(),
-                                 expert_offsets.data_ptr<int64_t>(),
-                                 d.world_size,
-                                 d.first_expert,
-                                 El,
-                                 d.top_k,
-                                 max_tokens,
-                                 scratch.data_ptr<int64_t>(),
-                                 row_slot.data_ptr<int64_t>(),
-                                 row_target.data_ptr<int64_t>(),
-                                 nullptr};
-    cuda::launch_expert_rows(a, stream);
+    cuda::ExpertRowsArgs a{src.data_ptr<int64_t>(),
+                           ids.data_ptr<int64_t>(),
+                           1,
+                           d.top_k,
+                           d.slots,
+                           recv_offsets.data_ptr<int64_t>(),
+                           expert_offsets.data_ptr<int64_t>(),
+                           d.world_size,
+                           d.first_expert,
+                           El,
+                           d.top_k,
+                           max_tokens,
+                           scratch.data_ptr<int64_t>(),
+                           nullptr,
+                           nullptr,
+                           nullptr};
+    // Rows per local expert from the kernels' own count; R and the value checks reach the host
+    // in one copy, and only a flawed input pays for the checks that name the entry.
+    cuda::launch_expert_rows_count(a, stream);
+    C10_CUDA_CHECK(cudaGetLastError());
+    const at::Tensor per_expert = d.slots > 0
+                                      ? scratch.slice(0, 0, El * units).view({El, units}).sum(1)
+                                      : at::zeros({El}, i64);
+    expert_offsets.slice(0, 1).copy_(per_expert.cumsum(0));
+    const at::Tensor flaw =
+        expert_rows_input_flaw(recv_src, recv_topk_idx, recv_from_rank, num_experts, max_tokens, d);
+    const at::Tensor host = at::stack({expert_offsets[El], flaw}).cpu();
+    if (host[1].item<int64_t>() != 0)
+      check_expert_rows_values(recv_src, recv_topk_idx, recv_from_rank, num_experts, max_tokens, d);
+    const int64_t R = host[0].item<int64_t>();
+    at::Tensor row_slot = at::empty({R}, i64), row_target = at::empty({R}, i64);
+    a.row_slot = row_slot.data_ptr<int64_t>();
+    a.row_target = row_target.data_ptr<int64_t>();
+    cuda::launch_expert_rows_place(a, stream);
     C10_CUDA_CHECK(cudaGetLastError());
     return std::make_tuple(row_slot, row_target, per_expert);
   });

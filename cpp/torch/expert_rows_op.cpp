@@ -85,6 +85,19 @@ void check_expert_rows_values(const at::Tensor& recv_src, const at::Tensor& recv
               "experts");
 }
 
+at::Tensor expert_rows_input_flaw(const at::Tensor& recv_src, const at::Tensor& recv_topk_idx,
+                                  const at::Tensor& recv_from_rank, int64_t num_experts,
+                                  int64_t max_tokens, const ExpertRowsDims& d) {
+  at::Tensor flaw = (recv_from_rank < 0).any() | (recv_from_rank.sum() != d.slots);
+  if (d.slots > 0) {
+    const at::Tensor& ids = recv_topk_idx;
+    const at::Tensor local = (ids >= d.first_expert) & (ids < d.first_expert + d.experts_per_rank);
+    flaw = flaw | ((recv_src < 0) | (recv_src >= max_tokens)).any() |
+           ((ids < -1) | (ids >= num_experts)).any() | (~local.any(1)).any();
+  }
+  return flaw.to(at::kLong);
+}
+
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_rows_cpu(const at::Tensor& recv_src,

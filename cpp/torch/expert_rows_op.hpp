@@ -27,4 +27,10 @@ void check_expert_rows_values(const at::Tensor& recv_src, const at::Tensor& recv
                               const at::Tensor& recv_from_rank, int64_t num_experts,
                               int64_t max_tokens, const ExpertRowsDims& d);
 
+// 0-d int64 on the tensors' device: nonzero when check_expert_rows_values would throw. Nothing is
+// read on the host, so a caller can fold it into a copy it makes anyway.
+at::Tensor expert_rows_input_flaw(const at::Tensor& recv_src, const at::Tensor& recv_topk_idx,
+                                  const at::Tensor& recv_from_rank, int64_t num_experts,
+                                  int64_t max_tokens, const ExpertRowsDims& d);
+
 }  // namespace uniep::torch_glue

@@ -28,20 +28,27 @@ __device__ __forceinline__ int64_t units_of(int64_t slots) {
   return (slots + kSlotsPerUnit - 1) / kSlotsPerUnit;
 }
 
-// Local expert of entry x of a unit (x = slot_in_unit * K + k), or -1 where the entry is past
-// the last slot or names another rank's expert (or none).
+// Entry x of a unit (x = slot_in_unit * K + k): its local expert, or -1 where the entry is past
+// the last slot or names another rank's expert (or none); for a local one, where its output goes.
+// Everything is loaded before the entry is ranked, so a group's loads are all in flight at once.
 struct Entry {
   int64_t slot;
-  int64_t k;
+  int64_t target;
   int local;
 };
 
 __device__ __forceinline__ Entry load_entry(const ExpertRowsArgs& a, int64_t first_slot,
                                             int64_t x) {
-  Entry e{first_slot + x / a.top_k, x % a.top_k, -1};
-  if (x < kSlotsPerUnit * a.top_k && e.slot < a.slots) {
-    const int64_t g = a.ids[e.slot * a.ids_stride + e.k] - a.first_expert;
-    if (g >= 0 && g < a.experts_per_rank) e.local = static_cast<int>(g);
+  const int64_t slot = first_slot + x / a.top_k, k = x % a.top_k;
+  Entry e{slot, 0, -1};
+  if (x < kSlotsPerUnit * a.top_k && slot < a.slots) {
+    const int64_t g = a.ids[slot * a.ids_stride + k] - a.first_expert;
+    if (g >= 0 && g < a.experts_per_rank) {
+      e.local = static_cast<int>(g);
+      int64_t src = 0;
+      while (src + 1 < a.world_size && slot >= a.recv_offsets[src + 1]) ++src;
+      e.target = (src * a.max_tokens + a.token[slot * a.token_stride]) * a.top_k + k;
+    }
   }
   return e;
 }
@@ -133,11 +140,8 @@ __global__ void expert_rows_assign_kernel(ExpertRowsArgs a) {
         // The lowest lane of each expert advances its cursor past the group's rows.
         if ((same & lower) == 0) cursor[en[i].local] += __popc(same);
         if (row < a.expert_offsets[en[i].local + 1]) {
-          int64_t src = 0;
-          while (src + 1 < a.world_size && en[i].slot >= a.recv_offsets[src + 1]) ++src;
           a.row_slot[row] = en[i].slot;
-          a.row_target[row] =
-              src * (a.max_tokens * K) + a.token[en[i].slot * a.token_stride] * K + en[i].k;
+          a.row_target[row] = en[i].target;
         }
       }
       __syncwarp();
@@ -161,16 +165,40 @@ int64_t expert_rows_max_experts() {
   return static_cast<int64_t>(kSharedBytes / sizeof(int64_t));
 }
 
-void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream) {
-  if (a.slots <= 0 || a.experts_per_rank <= 0) return;
+namespace {
+
+struct UnitGrid {
+  unsigned blocks;
+  int threads;
+  size_t shared;
+};
+
+UnitGrid unit_grid(const ExpertRowsArgs& a) {
   const int64_t units = (a.slots + kSlotsPerUnit - 1) / kSlotsPerUnit;
   const int warps = warps_per_block(a.experts_per_rank);
-  const auto blocks = static_cast<unsigned>((units + warps - 1) / warps);
-  const size_t shared = sizeof(int64_t) * static_cast<size_t>(warps * a.experts_per_rank);
-  expert_rows_count_kernel<<<blocks, warps * 32, shared, stream>>>(a);
+  return {static_cast<unsigned>((units + warps - 1) / warps), warps * 32,
+          sizeof(int64_t) * static_cast<size_t>(warps * a.experts_per_rank)};
+}
+
+}  // namespace
+
+void launch_expert_rows_count(const ExpertRowsArgs& a, cudaStream_t stream) {
+  if (a.slots <= 0 || a.experts_per_rank <= 0) return;
+  const UnitGrid g = unit_grid(a);
+  expert_rows_count_kernel<<<g.blocks, g.threads, g.shared, stream>>>(a);
+}
+
+void launch_expert_rows_place(const ExpertRowsArgs& a, cudaStream_t stream) {
+  if (a.slots <= 0 || a.experts_per_rank <= 0) return;
+  const UnitGrid g = unit_grid(a);
   const auto scan_blocks = static_cast<unsigned>((a.experts_per_rank + kMaxWarps - 1) / kMaxWarps);
   expert_rows_scan_kernel<<<scan_blocks, kMaxWarps * 32, 0, stream>>>(a);
-  expert_rows_assign_kernel<<<blocks, warps * 32, shared, stream>>>(a);
+  expert_rows_assign_kernel<<<g.blocks, g.threads, g.shared, stream>>>(a);
+}
+
+void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream) {
+  launch_expert_rows_count(a, stream);
+  launch_expert_rows_place(a, stream);
 }
 
 }  // namespace uniep::cuda

@@ -33,5 +33,10 @@ size_t expert_rows_scratch_bytes(int64_t slots, int64_t experts_per_rank);
 int64_t expert_rows_max_experts();
 // Three kernels on `stream`, no sync; nothing for zero slots.
 void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream);
+// The same in two steps, for a caller that derives expert_offsets itself (torch's expert_rows):
+// after the count, unit_rows is [experts_per_rank][units] of rows per (expert, 32-slot unit),
+// whose row sums are the rows per expert; the place step reads expert_offsets.
+void launch_expert_rows_count(const ExpertRowsArgs& a, cudaStream_t stream);
+void launch_expert_rows_place(const ExpertRowsArgs& a, cudaStream_t stream);
 
 }  // namespace uniep::cuda
