@@ -30,27 +30,40 @@ __device__ __forceinline__ int64_t units_of(int64_t slots) {
 
 // Entry x of a unit (x = slot_in_unit * K + k): its local expert, or -1 where the entry is past
 // the last slot or names another rank's expert (or none); for a local one, where its output goes.
-// Everything is loaded before the entry is ranked, so a group's loads are all in flight at once.
 struct Entry {
   int64_t slot;
   int64_t target;
   int local;
 };
 
-__device__ __forceinline__ Entry load_entry(const ExpertRowsArgs& a, int64_t first_slot,
-                                            int64_t x) {
-  const int64_t slot = first_slot + x / a.top_k, k = x % a.top_k;
-  Entry e{slot, 0, -1};
-  if (x < kSlotsPerUnit * a.top_k && slot < a.slots) {
-    const int64_t g = a.ids[slot * a.ids_stride + k] - a.first_expert;
-    if (g >= 0 && g < a.experts_per_rank) {
-      e.local = static_cast<int>(g);
-      int64_t src = 0;
-      while (src + 1 < a.world_size && slot >= a.recv_offsets[src + 1]) ++src;
-      e.target = (src * a.max_tokens + a.token[slot * a.token_stride]) * a.top_k + k;
-    }
+// kPrefetch groups of 32 entries from entry x0 on. Each step's loads are independent of each
+// other, so they are in flight together: one latency for the ids, one for the tokens (a loop or a
+// branch per entry around the loads kept them one at a time, 9 us at EP2).
+__device__ __forceinline__ void load_entries(const ExpertRowsArgs& a, int64_t first_slot,
+                                             int64_t x0, int lane, Entry (&en)[kPrefetch]) {
+  const int64_t K = a.top_k, entries = kSlotsPerUnit * K;
+  int64_t k[kPrefetch], id[kPrefetch], token[kPrefetch];
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int64_t x = x0 + i * 32 + lane;
+    en[i].slot = first_slot + x / K;
+    k[i] = x % K;
+    const bool in = x < entries && en[i].slot < a.slots;
+    id[i] = in ? a.ids[en[i].slot * a.ids_stride + k[i]] : -1;
   }
-  return e;
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int64_t g = id[i] - a.first_expert;
+    en[i].local = id[i] >= 0 && g >= 0 && g < a.experts_per_rank ? static_cast<int>(g) : -1;
+    token[i] = en[i].local >= 0 ? a.token[en[i].slot * a.token_stride] : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    // recv_offsets: W + 1 words every warp reads, so from the cache.
+    int64_t src = 0;
+    while (src + 1 < a.world_size && en[i].slot >= a.recv_offsets[src + 1]) ++src;
+    en[i].target = (src * a.max_tokens + token[i]) * K + k[i];
+  }
 }
 
 __global__ void expert_rows_count_kernel(ExpertRowsArgs a) {
@@ -120,15 +133,15 @@ __global__ void expert_rows_assign_kernel(ExpertRowsArgs a) {
   const int64_t El = a.experts_per_rank, K = a.top_k, units = units_of(a.slots);
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
   if (unit >= units) return;
+  const int64_t first_slot = unit * kSlotsPerUnit, entries = kSlotsPerUnit * K;
+  Entry en[kPrefetch];
+  load_entries(a, first_slot, 0, lane, en);  // issued before the cursors' loads
   int64_t* cursor = smem + warp * El;
   for (int64_t e = lane; e < El; e += 32) cursor[e] = a.unit_rows[e * units + unit];
   __syncwarp();
-  const int64_t first_slot = unit * kSlotsPerUnit, entries = kSlotsPerUnit * K;
   const unsigned lower = (1u << lane) - 1u;
   for (int64_t x0 = 0; x0 < entries; x0 += 32 * kPrefetch) {
-    Entry en[kPrefetch];
-#pragma unroll
-    for (int i = 0; i < kPrefetch; ++i) en[i] = load_entry(a, first_slot, x0 + i * 32 + lane);
+    if (x0 > 0) load_entries(a, first_slot, x0, lane, en);
 #pragma unroll
     for (int i = 0; i < kPrefetch; ++i) {
       if (x0 + i * 32 >= entries) break;  // uniform across the warp
