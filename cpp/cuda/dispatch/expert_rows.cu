@@ -33,12 +33,14 @@ __device__ __forceinline__ int64_t units_of(int64_t slots) {
 struct Entry {
   int64_t slot;
   int64_t target;
+  int64_t end;  // of its expert's rows
   int local;
 };
 
 // kPrefetch groups of 32 entries from entry x0 on. Each step's loads are independent of each
-// other, so they are in flight together: one latency for the ids, one for the tokens (a loop or a
-// branch per entry around the loads kept them one at a time, 9 us at EP2).
+// other, so they are in flight together: one latency for the ids, one for the tokens and the ends
+// of the experts' rows (a loop or a branch per entry around the loads kept them one at a time:
+// 9 us at EP2).
 __device__ __forceinline__ void load_entries(const ExpertRowsArgs& a, int64_t first_slot,
                                              int64_t x0, int lane, Entry (&en)[kPrefetch]) {
   const int64_t K = a.top_k, entries = kSlotsPerUnit * K;
@@ -56,6 +58,7 @@ __device__ __forceinline__ void load_entries(const ExpertRowsArgs& a, int64_t fi
     const int64_t g = id[i] - a.first_expert;
     en[i].local = id[i] >= 0 && g >= 0 && g < a.experts_per_rank ? static_cast<int>(g) : -1;
     token[i] = en[i].local >= 0 ? a.token[en[i].slot * a.token_stride] : 0;
+    en[i].end = en[i].local >= 0 ? a.expert_offsets[en[i].local + 1] : 0;
   }
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i) {
@@ -152,7 +155,7 @@ __global__ void expert_rows_assign_kernel(ExpertRowsArgs a) {
       if (en[i].local >= 0) {
         // The lowest lane of each expert advances its cursor past the group's rows.
         if ((same & lower) == 0) cursor[en[i].local] += __popc(same);
-        if (row < a.expert_offsets[en[i].local + 1]) {
+        if (row < en[i].end) {
           a.row_slot[row] = en[i].slot;
           a.row_target[row] = en[i].target;
         }
