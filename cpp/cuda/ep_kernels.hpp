@@ -72,12 +72,15 @@ __device__ __forceinline__ int64_t source_rank_of(const PlanCounts& plan, int64_
 // host_counts = [num_recv, recv_from[W], rows_per_expert[El], rows_back[W], epoch]: the last word
 // is written last, after the others are visible, and only when the round is valid.
 // *round_ok: 1 once the plan of a valid round is derived, else 0 (a failed wait, bad routing): the
-// send slots and the transfer, enqueued before the host has read the counts, then do nothing.
+// transfer, enqueued before the host has read the counts, then does nothing.
+// send_index [tokens][W]: our token t's place among the tokens we send to rank d, in token order
+// (-1 where it skips d), from token_in_rank; the local half of each send slot, derived by blocks
+// of their own beside the exchange (it needs no peer), so no kernel between notify and transfer.
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
-                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                   int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err,
-                   cudaStream_t stream);
+                   const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
+                   PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
+                   int64_t* send_index, int32_t* round_ok, DeviceError* err, cudaStream_t stream);
 
 // Validity word of a count row (the last of its W + E + 1): what the routing behind it was.
 constexpr int64_t kRoutingInvalid = 0;
@@ -92,11 +95,6 @@ void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch
                        uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
                        cudaStream_t stream);
 
-// Nothing is written unless *round_ok.
-void launch_send_slots(const bool* token_in_rank, int64_t tokens, const EpDims& d,
-                       const int64_t* send_base, const int32_t* round_ok, int64_t* send_slot,
-                       cudaStream_t stream);
-
 struct DispatchArgs {
   const uint8_t* x;
   int64_t row_bytes;   // of x; for fp8 the bf16 row (hidden * 2)
@@ -106,7 +104,8 @@ struct DispatchArgs {
   const int64_t* topk_idx;
   const float* topk_weights;
   int64_t tokens;
-  const int64_t* send_slot;  // [tokens][W], -1 where the token skips the rank
+  const int64_t* send_index;  // [tokens][W] from notify: the token's receive slot on rank d is
+                              // plan.send_base[d] + send_index[t][d]; -1 where it skips d
   PlanCounts plan;
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;

@@ -143,7 +143,7 @@ class RuntimeImpl final : public Runtime {
              cfg_.top_k,      cfg_.hidden, cfg_.max_tokens,  cfg_.row_bytes_capacity()};
     const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = dims_.experts_per_rank,
                   T = cfg_.max_tokens;
-    // Device workspace: layout outputs, send slots, plan counts, layout error word.
+    // Device workspace: layout outputs, send indices, plan counts, layout error word.
     const size_t ws = sizeof(int64_t) * (W + E + T * W + (W + 1) + W + (El + 1) + W + El) +
                       sizeof(int32_t) * 2 * El * W + sizeof(float) * T * cfg_.top_k +
                       sizeof(bool) * T * W + sizeof(unsigned long long) + sizeof(int64_t) + 64;
@@ -151,7 +151,7 @@ class RuntimeImpl final : public Runtime {
     auto* p = static_cast<int64_t*>(workspace_);
     tokens_per_rank_ = p, p += W;
     tokens_per_expert_ = p, p += E;
-    send_slot_ = p, p += T * W;
+    send_index_ = p, p += T * W;
     plan_.recv_offsets = p, p += W + 1;
     plan_.send_base = p, p += W;
     plan_.expert_offsets = p, p += El + 1;
@@ -248,12 +248,9 @@ class RuntimeImpl final : public Runtime {
     if (!s.ok()) return s;
     start_round(/*reused=*/false);
     last_tokens_ = -1;
-    cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_, epoch_,
-                        timeout_ns(), plan_, counts_dev_, rows_per_local_expert_, round_ok_,
-                        err_dev_, stream);
-    UNIEP_CUDA_OK(cudaGetLastError());
-    cuda::launch_send_slots(token_in_rank_, in.tokens, dims_, plan_.send_base, round_ok_,
-                            send_slot_, stream);
+    cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_,
+                        token_in_rank_, in.tokens, epoch_, timeout_ns(), plan_, counts_dev_,
+                        rows_per_local_expert_, send_index_, round_ok_, err_dev_, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     // Enqueued before the host reads the counts: the rows travel while it waits for them and
     // sizes the outputs. A failed round leaves round_ok at 0, and these kernels do nothing.
@@ -508,7 +505,7 @@ class RuntimeImpl final : public Runtime {
                                    in.topk_idx,
                                    in.topk_weights,
                                    in.tokens,
-                                   send_slot_,
+                                   send_index_,
                                    plan_,
                                    timeout_ns(),
                                    err_dev_,
@@ -644,7 +641,7 @@ class RuntimeImpl final : public Runtime {
   PlanCounts plan_{};
   void* workspace_ = nullptr;
   void* unit_rows_ = nullptr;  // scratch of the row lists (launch_expert_rows)
-  int64_t *tokens_per_rank_ = nullptr, *tokens_per_expert_ = nullptr, *send_slot_ = nullptr;
+  int64_t *tokens_per_rank_ = nullptr, *tokens_per_expert_ = nullptr, *send_index_ = nullptr;
   bool* token_in_rank_ = nullptr;
   unsigned long long* layout_error_ = nullptr;
   void* host_ = nullptr;

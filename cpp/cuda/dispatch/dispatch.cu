@@ -102,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       float* mapped_scales[kMaxDsts];
       int num_mapped = 0;
       for (int64_t dst = d0; dst < W && dst < d0 + kMaxDsts; ++dst) {
-        const int64_t slot = a.send_slot[t * W + dst];
-        if (slot < 0) continue;
+        const int64_t index = a.send_index[t * W + dst];
+        if (index < 0) continue;
+        const int64_t slot = a.plan.send_base[dst] + index;
         const int pe = static_cast<int>(dst);
         uint8_t* row = sym.recv_x + slot * d.row_cap;
         int64_t* meta = sym.recv_meta + slot * meta_len;
@@ -162,8 +163,9 @@ __global__ void __launch_bounds__(kSelfThreads)
   const int64_t out_row_bytes = a.fp8_hidden > 0 ? a.fp8_hidden : a.row_bytes;
   const int64_t scale_blocks = a.fp8_hidden / kFp8Block;
   for (int64_t t = warp; t < a.tokens; t += num_warps) {
-    const int64_t slot = a.send_slot[t * W + me];
-    if (slot < 0) continue;
+    const int64_t index = a.send_index[t * W + me];
+    if (index < 0) continue;
+    const int64_t slot = a.plan.send_base[me] + index;
     uint8_t* dst =
         out.recv_x != nullptr ? out.recv_x + slot * out_row_bytes : sym.recv_x + slot * d.row_cap;
     const uint8_t* x_row = a.x + t * a.row_bytes;

@@ -1,8 +1,12 @@
 // Notify: every rank puts its routing counts ([W] tokens per rank, [E] rows per expert) into every
 // peer's count matrix, waits for all rows, and derives the offsets all ranks agree on. The slot
 // plan of uniep/plan.hpp follows from these prefix sums alone.
+//
+// Block 0 does that; blocks 1..W meanwhile number our tokens per destination (the send index):
+// a token's slot on rank d is the base of our slots there (from the counts) plus its index.
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#include <cub/block/block_scan.cuh>
 
 #include "cuda/ep_kernels.hpp"
 
@@ -120,12 +124,45 @@ __device__ void derive_plan(const int64_t* counts, const EpDims& d, const PlanCo
         static_cast<int64_t>(epoch);
 }
 
+// Our tokens' indices among those we send to rank dst, in token order: an exclusive scan of
+// token_in_rank, kItems consecutive tokens per thread.
+__device__ void number_tokens(const bool* token_in_rank, int64_t tokens, int64_t W, int64_t dst,
+                              int64_t* send_index) {
+  constexpr int kItems = 16;
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  int64_t running = 0;
+  for (int64_t t0 = 0; t0 < tokens; t0 += kThreads * kItems) {
+    const int64_t first = t0 + threadIdx.x * kItems;
+    bool sends[kItems];
+    int count = 0;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      sends[i] = first + i < tokens && token_in_rank[(first + i) * W + dst];
+      count += sends[i] ? 1 : 0;
+    }
+    int prefix, total;
+    Scan(temp).ExclusiveSum(count, prefix, total);
+    int64_t index = running + prefix;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i)
+      if (first + i < tokens) send_index[(first + i) * W + dst] = sends[i] ? index++ : -1;
+    running += total;
+    __syncthreads();  // temp is reused by the next chunk
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     notify_kernel(SymmetricView sym, EpDims d, const int64_t* tokens_per_rank,
                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
-                  uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                  int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err) {
+                  const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
+                  PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
+                  int64_t* send_index, int32_t* round_ok, DeviceError* err) {
   const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1;
+  if (blockIdx.x > 0) {
+    number_tokens(token_in_rank, tokens, W, blockIdx.x - 1, send_index);
+    return;
+  }
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   restart_completion_words(sym, W);
   if (threadIdx.x == 0) *round_ok = 0;
@@ -166,7 +203,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // The barrier of a round that reuses the last plan. Only the validity word of our count row
 // travels (as kRoutingReused), with the round's signal; the peers' words say whether they reused
-// theirs too. The counts, the plan and the send slots stay as the last notify left them.
+// theirs too. The counts, the plan and the send indices stay as the last notify left them.
 __global__ void __launch_bounds__(kThreads)
     reuse_plan_kernel(SymmetricView sym, EpDims d, uint64_t epoch, uint64_t timeout_ns,
                       int32_t* round_ok, DeviceError* err) {
@@ -202,12 +239,13 @@ void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch
 
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
-                   uint64_t epoch, uint64_t timeout_ns, PlanCounts plan, int64_t* host_counts,
-                   int64_t* tokens_per_local_expert, int32_t* round_ok, DeviceError* err,
-                   cudaStream_t stream) {
-  notify_kernel<<<1, kThreads, 0, stream>>>(sym, d, tokens_per_rank, tokens_per_expert,
-                                            layout_error, epoch, timeout_ns, plan, host_counts,
-                                            tokens_per_local_expert, round_ok, err);
+                   const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
+                   PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
+                   int64_t* send_index, int32_t* round_ok, DeviceError* err, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>(1 + (tokens > 0 ? d.world_size : 0));
+  notify_kernel<<<blocks, kThreads, 0, stream>>>(
+      sym, d, tokens_per_rank, tokens_per_expert, layout_error, token_in_rank, tokens, epoch,
+      timeout_ns, plan, host_counts, tokens_per_local_expert, send_index, round_ok, err);
 }
 
 }  // namespace uniep::cuda
