@@ -56,16 +56,6 @@ struct PlanCounts {
   int64_t* sent_to;         // [W] tokens we send to each rank (= rank partials it returns)
 };
 
-#ifdef __CUDACC__
-// The rank that sent receive slot `slot` (slots are ordered by source rank).
-__device__ __forceinline__ int64_t source_rank_of(const PlanCounts& plan, int64_t world,
-                                                  int64_t slot) {
-  int64_t s = 0;
-  while (s + 1 < world && slot >= plan.recv_offsets[s + 1]) ++s;
-  return s;
-}
-#endif
-
 // layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
 // travels with the counts, so a rank with bad routing makes every rank fail together instead of
 // leaving its peers to time out. host_counts[0] is then -1 - (first invalid rank).
