@@ -348,15 +348,17 @@ class RuntimeImpl final : public Runtime {
     dispatched_ = true;
     const cuda::DispatchOutputs o{static_cast<uint8_t*>(out.recv_x), out.recv_scales, out.recv_src,
                                   out.recv_topk_idx, out.recv_topk_weights};
-    // Side stream: our own rows, from the send slots on (beside the transfer); then the row
-    // lists, which read the received metadata like the copy-out (bandwidth-bound) does, but are
-    // latency-bound. Joined before anything the caller enqueues next.
-    UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kSlotsReady], 0));
-    cuda::launch_self_rows(sym_, dims_, transfer_, o, std::max(1, sm_count_ - transfer_sms_),
-                           side_);
+    // Side stream (a large round, see start_transfer): our own rows, from the send slots on
+    // (beside the transfer); then the row lists, which read the received metadata like the
+    // copy-out (bandwidth-bound) does, but are latency-bound. Joined before anything the caller
+    // enqueues next. A small round runs both on the caller's stream, after the transfer.
+    const cudaStream_t own = beside_ ? side_ : stream;
+    if (beside_) UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kSlotsReady], 0));
+    cuda::launch_self_rows(sym_, dims_, transfer_, o,
+                           beside_ ? std::max(1, sm_count_ - transfer_sms_) : sm_count_, own);
     UNIEP_CUDA_OK(cudaGetLastError());
     if (out.row_slot != nullptr && !reused_) {
-      UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kTransferred], 0));
+      if (beside_) UNIEP_CUDA_OK(cudaStreamWaitEvent(side_, side_events_[kTransferred], 0));
       const int64_t K = cfg_.top_k;
       const cuda::ExpertRowsArgs rows{sym_.recv_meta,
                                       sym_.recv_meta + 1,
@@ -374,13 +376,13 @@ class RuntimeImpl final : public Runtime {
                                       out.row_slot,
                                       out.row_target,
                                       err_dev_};
-      cuda::launch_expert_rows(rows, side_);
+      cuda::launch_expert_rows(rows, own);
       UNIEP_CUDA_OK(cudaGetLastError());
     }
-    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSideDone], side_));
+    if (beside_) UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSideDone], side_));
     cuda::launch_copy_out(sym_, dims_, transfer_, o, copy_blocks(), stream);
     UNIEP_CUDA_OK(cudaGetLastError());
-    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[kSideDone], 0));
+    if (beside_) UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[kSideDone], 0));
     return Status::Ok();
   }
 
@@ -512,10 +514,15 @@ class RuntimeImpl final : public Runtime {
                                    reused_,
                                    round_ok_};
     transfer_sms_ = in.num_sms;
-    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSlotsReady], stream));
+    // Our own rows go beside the transfer only where that pays: the side stream costs the host
+    // five stream and event calls a round. The 128-token decode round is host-bound, and lost
+    // 14 us (cached) when every round took them; its own rows copy in a few us after the
+    // transfer. The mixed-rounds test runs both kinds.
+    beside_ = in.tokens * in.row_bytes >= kBesideBytes;
+    if (beside_) UNIEP_CUDA_OK(cudaEventRecord(side_events_[kSlotsReady], stream));
     cuda::launch_transfer(sym_, dims_, transfer_, in.num_sms, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
-    UNIEP_CUDA_OK(cudaEventRecord(side_events_[kTransferred], stream));
+    if (beside_) UNIEP_CUDA_OK(cudaEventRecord(side_events_[kTransferred], stream));
     return Status::Ok();
   }
 
@@ -655,6 +662,9 @@ class RuntimeImpl final : public Runtime {
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;
   enum SideEvent { kSlotsReady, kTransferred, kSideDone, kSideEvents };
+  // Rows of x (bytes) from which a round's own rows move on the side stream (start_transfer).
+  static constexpr int64_t kBesideBytes = int64_t{4} << 20;
+  bool beside_ = false;
   cudaEvent_t side_events_[kSideEvents] = {};
   bool all_peers_mapped_ = false;
   uint64_t epoch_ = 0;
