@@ -17,14 +17,37 @@ def _world() -> int:
     return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
 
 
+def _device(rank: int) -> torch.device:
+    """This rank's GPU: its own under NCCL, or one shared by every rank (test_gpu_on_one_gpu)."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
 def _gather_all(x: torch.Tensor, world: int) -> list[torch.Tensor]:
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return parts
+    """Every rank's x, through NCCL, or through gloo's CPU all-gather when the ranks share a GPU
+    (test_gpu_on_one_gpu), which NCCL refuses."""
+    if dist.get_backend() == "nccl":
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return parts
+    host = [torch.empty(x.shape, dtype=x.dtype) for _ in range(world)]
+    dist.all_gather(host, x.detach().cpu().contiguous())
+    return [p.to(x.device) for p in host]
+
+
+def _reduce_scatter_ref(x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s rows of the sum of every rank's x: NCCL's reduce-scatter, or the sum of the
+    gathered parts where gloo serves the group (an order of its own: compare with a tolerance)."""
+    if dist.get_backend() == "nccl":
+        out = torch.empty(x.shape[0] // world, *x.shape[1:], device=x.device, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+    return sum(_gather_all(x, world)).tensor_split(world)[rank]
 
 
 def _fixed_order_sum(parts: list[torch.Tensor], dest: int, dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +67,7 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     import uniep.collectives as uc
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     # The expert-parallel runtime first: the collectives share its NVSHMEM initialisation.
     uniep.ep.init_runtime(max_tokens=64, hidden=256, top_k=2, num_experts=2 * world)
     uc.init_cuda(max_block_bytes=16 << 20, timeout_s=30.0)
@@ -65,9 +88,7 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
                 assert err <= tol[dtype], ("all_gather_matmul", dtype, chunks, err)
 
             big = torch.randn(world * m, k, generator=gen, device=dev).to(dtype)
-            partial = big @ b
-            rs_ref = torch.empty(m, n, device=dev, dtype=dtype)
-            dist.reduce_scatter_tensor(rs_ref, partial)
+            rs_ref = _reduce_scatter_ref(big @ b, world, rank)
             for chunks in (1, 3):
                 out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
                 err = _rel(out, rs_ref)
@@ -91,8 +112,7 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
         assert torch.equal(got, exact), ("reduce_scatter stress", i)
         b = torch.randn(1024, 256, generator=gen, device=dev)
         mine = uc.matmul_reduce_scatter(x, b, chunks=(1, 2)[i % 2])
-        ref = torch.empty_like(mine)
-        dist.reduce_scatter_tensor(ref, x @ b)
+        ref = _reduce_scatter_ref(x @ b, world, rank)
         assert _rel(mine, ref) <= 1e-5, ("matmul_reduce_scatter stress", i, _rel(mine, ref))
     # Calls on alternating streams with nothing in between: a call's pushes (which free the
     # peers to write this rank's other slot set) wait for the previous call's reads of its slots,
@@ -123,12 +143,10 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     exact = _fixed_order_sum([p[rank * 6 : (rank + 1) * 6] for p in parts], rank, torch.float32)
     assert torch.equal(uc.reduce_scatter(odd, chunks=2), exact)
 
-    # Ulysses all-to-all: [S/W, H, D] -> [S, H/W, D] and back, against NCCL's all_to_all.
+    # Ulysses all-to-all: [S/W, H, D] -> [S, H/W, D] and back, against each peer's head slice.
     s_local, heads, d = 32, 4 * world, 24
     q = torch.randn(s_local, heads, d, generator=gen, device=dev, dtype=torch.bfloat16)
-    sent = list(q.tensor_split(world, 1))
-    received = [torch.empty_like(sent[0]) for _ in range(world)]
-    dist.all_to_all(received, [t.contiguous() for t in sent])
+    received = [p.tensor_split(world, 1)[rank] for p in _gather_all(q, world)]
     head_sharded = uc.all_to_all_ulysses(q, 1, 0)
     assert torch.equal(head_sharded, torch.cat(received, 0))
     assert torch.equal(uc.all_to_all_ulysses(head_sharded, 0, 1), q)
@@ -143,7 +161,7 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     b_ref = b.detach().clone().requires_grad_(True)
     (a_all @ b_ref).square().sum().backward()
     g_all = a_all.grad.clone()
-    dist.all_reduce(g_all)  # every rank's loss depends on every shard
+    g_all = sum(_gather_all(g_all, world))  # every rank's loss depends on every shard
     assert _rel(ga, g_all[rank * 32 : (rank + 1) * 32]) <= 1e-10
     assert _rel(gb, b_ref.grad) <= 1e-10
 
@@ -183,7 +201,7 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
     the same for every chunk count and SM carve-out (its reduce-scatter folds in the epilogue)."""
     import uniep.collectives as uc
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     uc.init_cuda(max_block_bytes=32 << 20, timeout_s=30.0)
     gen = torch.Generator(device=dev).manual_seed(99 + rank)
     hopper = torch.cuda.get_device_capability(dev) == (9, 0)
@@ -197,8 +215,7 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
             big = torch.randn(world * m, k, generator=gen, device=dev).to(bf16)
             ag_ref = torch.cat(_gather_all(a, world))
             mm_ref = (ag_ref.float() @ b.float()).to(bf16)
-            rs_ref = torch.empty(m, n, device=dev, dtype=bf16)
-            dist.reduce_scatter_tensor(rs_ref, big @ b)
+            rs_ref = _reduce_scatter_ref(big @ b, world, rank)
             bits: dict[str, torch.Tensor] = {}
             choices = [("cublas", 0)]
             if hopper:

@@ -26,6 +26,13 @@ def _world() -> int:
     return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
 
 
+def _device(rank: int) -> torch.device:
+    """This rank's GPU: its own under NCCL, or one shared by every rank (test_gpu_on_one_gpu)."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def _routing(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
     if kind == "random":
         idx = torch.rand(tokens, EXPERTS, generator=gen).topk(TOP_K, dim=1).indices
@@ -85,7 +92,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
     import uniep
     from uniep import _C
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     cpu_group = dist.new_group(backend="gloo")
     uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
     report: dict[str, object] = {}
@@ -268,7 +275,7 @@ def _grad_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
     from _ep_grad_case import run_cases
 
     uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     report = run_cases(
         rank, world, dev, max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, experts=EXPERTS
     )
@@ -287,7 +294,7 @@ def test_dispatch_combine_gradients_against_dense_autograd() -> None:
 def _cached_worker(rank: int, world: int) -> None:
     import uniep
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
     xs, idxs, ws = _case("random", world, 7)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
@@ -377,7 +384,7 @@ def _mixed_rounds_worker(rank: int, world: int) -> int:
     move on a side stream, and cached rounds run ahead of the host. Returns the mismatches."""
     import uniep
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     tokens, hidden, experts = 2048 - 256 * rank, 2048, 32
     uniep.ep.init_runtime(
         max_tokens=2048, hidden=hidden, top_k=TOP_K, num_experts=experts, timeout_s=20.0
@@ -473,7 +480,7 @@ LL_TOKENS = 128
 def _ll_worker(rank: int, world: int) -> None:
     import uniep
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     uniep.ep.init_runtime(
         max_tokens=LL_TOKENS,
         hidden=HIDDEN,

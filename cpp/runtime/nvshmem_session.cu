@@ -1,4 +1,5 @@
 // The shared NVSHMEM initialisation of nvshmem_session.hpp.
+#include <cuda_runtime_api.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -44,6 +45,17 @@ Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size
     const size_t want = heap_bytes + (64u << 20);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(want).c_str(), 1);
   }
+  // NVSHMEM binds this PE to the thread's current CUDA context and exits the process when there
+  // is none (a rank that has not touched CUDA yet, as under a gloo group): make the current
+  // device's primary context current first.
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaFree(nullptr);
+  if (err != cudaSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("cannot make CUDA device ", device,
+                            " current for NVSHMEM: ", cudaGetErrorString(err))};
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, unique_id.data(), sizeof id);
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;

@@ -1,0 +1,78 @@
+"""The GPU runtimes on one GPU (marker `gpu`): a group of one rank, and groups of two and four
+ranks that share the GPU.
+
+The workers of test_gpu_ep.py and test_gpu_collectives.py run unchanged. At world size 1 every
+expert-parallel round runs the whole path (layout, count exchange with itself, own rows,
+copy-out, row lists, combine) against the CPU planner. At world sizes 2 and 4 the processes
+open the same GPU (NVSHMEM's multiple processes per GPU) and join over gloo: then the peer paths
+run too (the count exchange with other ranks, the transfer's rows and signals through the peers'
+symmetric heaps, the cross-rank combine, the collectives' pushes and signals, a peer that never
+calls), so a one-GPU machine checks them bit for bit. Their speed says nothing (the processes'
+kernels take turns on the GPU): speed needs the multi-GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_gpu_collectives import _coll_timeout_worker, _collectives_worker, _gemm_backends_worker
+from test_gpu_ep import (
+    _cached_worker,
+    _ep_worker,
+    _ll_worker,
+    _mixed_rounds_worker,
+    _timeout_worker,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+EP_WORKERS: list[tuple[str, Callable[[int, int], object]]] = [
+    ("dispatch_combine_moe", _ep_worker),
+    ("cached_dispatch", _cached_worker),
+    ("mixed_rounds", _mixed_rounds_worker),
+    ("low_latency", _ll_worker),
+]
+SHARED_WORKERS = EP_WORKERS + [
+    ("collectives", _collectives_worker),
+    ("collectives_gemm_backends", _gemm_backends_worker),
+]
+
+
+def _run(worker: Callable[[int, int], object], world: int) -> list[object]:
+    from uniep.distributed import run_local_ranks
+
+    # NCCL refuses two ranks on one device; the workers need only gloo's CPU collectives then.
+    backend = "nccl" if world == 1 else "gloo"
+    reports = run_local_ranks(worker, world, backend=backend, timeout_s=300)
+    if worker is _mixed_rounds_worker:
+        assert reports == [0] * world, f"mismatched mixed rounds per rank: {reports}"
+    return reports
+
+
+@pytest.mark.parametrize("worker", [w for _, w in EP_WORKERS], ids=[n for n, _ in EP_WORKERS])
+def test_one_rank_against_cpu(worker: Callable[[int, int], object]) -> None:
+    _run(worker, 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    "worker", [w for _, w in SHARED_WORKERS], ids=[n for n, _ in SHARED_WORKERS]
+)
+def test_ranks_sharing_the_gpu(worker: Callable[[int, int], object], world: int) -> None:
+    _run(worker, world)
+
+
+@pytest.mark.parametrize(
+    ("worker", "what"), [(_timeout_worker, "dispatch"), (_coll_timeout_worker, "reduce_scatter")]
+)
+def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
+    worker: Callable[[int, int], str], what: str
+) -> None:
+    (message, _) = _run(worker, 2)
+    assert "timed out" in message and "rank 1" in message, message
+    assert worker is _timeout_worker or what in message, message
