@@ -13,6 +13,7 @@ kernels take turns on the GPU): speed needs the multi-GPU benchmarks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -43,9 +44,15 @@ SHARED_WORKERS = EP_WORKERS + [
 ]
 
 
-def _run(worker: Callable[[int, int], object], world: int) -> list[object]:
+def _run(
+    worker: Callable[[int, int], object], world: int, monkeypatch: pytest.MonkeyPatch
+) -> list[object]:
     from uniep.distributed import run_local_ranks
 
+    if world > 1:
+        # The ranks (spawned, so they read it afresh) see one GPU, also on a multi-GPU machine.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     # NCCL refuses two ranks on one device; the workers need only gloo's CPU collectives then.
     backend = "nccl" if world == 1 else "gloo"
     reports = run_local_ranks(worker, world, backend=backend, timeout_s=300)
@@ -55,24 +62,28 @@ def _run(worker: Callable[[int, int], object], world: int) -> list[object]:
 
 
 @pytest.mark.parametrize("worker", [w for _, w in EP_WORKERS], ids=[n for n, _ in EP_WORKERS])
-def test_one_rank_against_cpu(worker: Callable[[int, int], object]) -> None:
-    _run(worker, 1)
+def test_one_rank_against_cpu(
+    worker: Callable[[int, int], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(worker, 1, monkeypatch)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
     "worker", [w for _, w in SHARED_WORKERS], ids=[n for n, _ in SHARED_WORKERS]
 )
-def test_ranks_sharing_the_gpu(worker: Callable[[int, int], object], world: int) -> None:
-    _run(worker, world)
+def test_ranks_sharing_the_gpu(
+    worker: Callable[[int, int], object], world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(worker, world, monkeypatch)
 
 
 @pytest.mark.parametrize(
     ("worker", "what"), [(_timeout_worker, "dispatch"), (_coll_timeout_worker, "reduce_scatter")]
 )
 def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
-    worker: Callable[[int, int], str], what: str
+    worker: Callable[[int, int], str], what: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (message, _) = _run(worker, 2)
+    (message, _) = _run(worker, 2, monkeypatch)
     assert "timed out" in message and "rank 1" in message, message
     assert worker is _timeout_worker or what in message, message
