@@ -453,6 +453,58 @@ def _timeout_worker(rank: int, world: int) -> str:
     return message
 
 
+def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
+    """torch's symmetric memory starts NVSHMEM first; the runtime then reuses it (no second
+    init), its rounds are exact, and torch's symmetric buffers still work beside it."""
+    import torch.distributed._symmetric_memory as symm_mem
+    import uniep
+    from uniep import _C
+
+    dev = _device(rank)
+    if not symm_mem.is_nvshmem_available():
+        return "torch has no NVSHMEM"
+    symm_mem.set_backend("NVSHMEM")
+    group = dist.group.WORLD.group_name
+    buf = symm_mem.empty(4 * world, dtype=torch.float32, device=dev).fill_(-1.0)
+    handle = symm_mem.rendezvous(buf, group)  # NVSHMEM starts here, under torch
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+
+    xs, idxs, ws = _case("random", world, 11)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    plan = _C.build_rank_plan([i.numpy() for i in idxs], EXPERTS, rank)
+    offsets = plan["recv_offsets"]
+    want_rows = [
+        xs[int(np.searchsorted(offsets, slot, side="right") - 1)][token]
+        for slot, token in enumerate(plan["recv_src_token"])
+    ]
+    res = uniep.ep.dispatch(x, idx, w)
+    assert torch.equal(res.recv_x.cpu(), torch.stack(want_rows))
+    # Every expert sends its row back unchanged: out[t] = sum over valid k of w[t, k] * x[t].
+    out = uniep.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
+    ybuf = xs[rank].unsqueeze(1).expand(-1, TOP_K, -1)
+    assert torch.equal(out.cpu(), _expected_combine(ybuf, idxs[rank], ws[rank]))
+    uniep.ep.check()
+
+    # torch's buffers beside ours: each rank writes its slice of every peer's buffer.
+    for peer in range(world):
+        view = handle.get_buffer(peer, (4 * world,), torch.float32)
+        view[4 * rank : 4 * (rank + 1)].fill_(float(rank))
+    torch.cuda.synchronize(dev)
+    dist.barrier()
+    assert torch.equal(buf.cpu(), torch.arange(world).float().repeat_interleave(4))
+    uniep.ep.shutdown()  # leaves torch's NVSHMEM running
+    dist.barrier()
+    return "reused"
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_runtime_reuses_nvshmem_that_torch_started() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_torch_nvshmem_first_worker, _world(), backend="nccl", timeout_s=300)
+    assert reports == ["reused"] * _world(), reports
+
+
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
 def test_forced_timeout_raises_naming_the_peer() -> None:
     from uniep.distributed import run_local_ranks
