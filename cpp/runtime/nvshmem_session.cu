@@ -9,14 +9,26 @@
 
 #include "runtime/nvshmem_session.hpp"
 
-// Exported by libnvshmem_device.a: initialises the device-side state of the CUDA module it is
-// linked into (ours) when the host library was already initialised by someone else.
-extern int nvshmemi_check_state_and_init_d();
-
 namespace uniep::runtime {
 namespace {
 int g_holders = 0;
 bool g_started = false;
+
+// What nvshmemx_init_attr does, minus its exit(-1) on failure: initialise (or join) NVSHMEM
+// through the device library linked into this module, which registers its device state with the
+// host library.
+Status init_through_our_device_library(unsigned int flags, nvshmemx_init_attr_t* attr) {
+  if (attr != nullptr) nvshmemx_init_init_attr_ver_only((*attr));
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  int provided = 0;
+  const int status =
+      nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, flags, attr, version);
+  if (status != 0)
+    return {StatusCode::kInternal, detail::str_cat("NVSHMEM initialisation failed (status ", status,
+                                                   "); NVSHMEM_DEBUG=WARN prints why")};
+  return Status::Ok();
+}
 }  // namespace
 
 Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size, int64_t rank,
@@ -30,9 +42,14 @@ Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size
                               "), but the group has world_size ", world_size, " and rank ", rank,
                               "; UniEP can only share NVSHMEM over the same ranks")};
     }
-    // Started by someone else: our CUDA module's device state still needs its copy.
-    if (!g_started && g_holders == 0 && nvshmemi_check_state_and_init_d() != 0)
-      return {StatusCode::kInternal, "NVSHMEM device state init for uniep failed"};
+    // Started by someone else (torch's symmetric memory, say), whose device library is not
+    // ours: our module's copy of the device state (heap bases, peer mappings, which every
+    // nvshmem_ptr and put in our kernels reads) is filled only once the host library knows it,
+    // and only an init call through our device library tells it. The host library then skips
+    // the bootstrap it already did and writes the running state into our copy.
+    if (!g_started && g_holders == 0) {
+      if (Status s = init_through_our_device_library(0, nullptr); !s.ok()) return s;
+    }
     ++g_holders;
     return Status::Ok();
   }
@@ -62,8 +79,8 @@ Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size
   if (nvshmemx_set_attr_uniqueid_args(static_cast<int>(rank), static_cast<int>(world_size), &id,
                                       &attr) != 0)
     return {StatusCode::kInternal, "nvshmemx_set_attr_uniqueid_args failed"};
-  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-    return {StatusCode::kInternal, "nvshmemx_init_attr failed"};
+  if (Status s = init_through_our_device_library(NVSHMEMX_INIT_WITH_UNIQUEID, &attr); !s.ok())
+    return s;
   g_started = true;
   *started = true;
   ++g_holders;
