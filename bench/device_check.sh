@@ -4,11 +4,12 @@
 # 1. installs the carried CUTLASS headers wheel (.whl/nvidia_cutlass-*.whl; the machine has no
 #    network, so any missing build/test requirement must be carried in .whl/ as well),
 # 2. builds and installs UniEP with the CUDA kernels and the torch CUDA ops,
-# 3. runs the gpu and multigpu tests, 4. runs every benchmark (bench/run_all.sh),
+# 3. runs the gpu and multigpu tests (on a one-GPU machine also those that need an MPS server,
+#    under one it starts and stops), 4. runs every benchmark (bench/run_all.sh),
 # 5. writes $OUT/device_check.json: device, GPU count, commit, date, build/test/bench status.
 # Later steps run even when earlier ones fail (the JSON always gets written); the exit status is
-# non-zero if anything failed. $OUT holds at most: build.log, gpu-tests.xml, bench.log,
-# device_check.json and the benchmark JSON files, one level deep.
+# non-zero if anything failed. $OUT holds at most: build.log, gpu-tests.xml, gpu-tests-mps.xml,
+# bench.log, device_check.json and the benchmark JSON files, one level deep.
 set -euo pipefail
 
 # Multicast objects are not available on the lent machines (see KINDS.md): keep NCCL, torch
@@ -61,6 +62,7 @@ python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$OUT/buil
 [[ $build_rc -eq 0 ]] || failed+=("build")
 
 pytest_rc=-1
+mps_rc=-1
 bench_rc=-1
 if [[ $build_rc -eq 0 ]]; then
   python3 -c "import json, uniep; print(json.dumps(uniep.build_info(), indent=1))" ||
@@ -71,6 +73,27 @@ if [[ $build_rc -eq 0 ]]; then
   python3 -m pytest -m "gpu or multigpu" -v --junitxml "$OUT/gpu-tests.xml" tests || pytest_rc=$?
   [[ $pytest_rc -eq 0 ]] || failed+=("pytest")
 
+  # Processes that share one GPU have NVSHMEM's teams, which torch's symmetric memory needs, only
+  # under MPS: on a one-GPU machine where an MPS server can be started, the tests that need one
+  # run under it, and it is stopped again before the benchmarks.
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [[ $gpus -eq 1 ]] && command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "== one-GPU tests under MPS"
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    if nvidia-cuda-mps-control -d; then
+      mps_rc=0
+      UNIEP_TEST_MPS=1 python3 -m pytest -m gpu -v -k under_mps --junitxml "$OUT/gpu-tests-mps.xml" \
+        tests/test_gpu_on_one_gpu.py || mps_rc=$?
+      echo quit | nvidia-cuda-mps-control || true
+      sleep 2  # the server exits after the quit returns
+      [[ $mps_rc -eq 0 ]] || failed+=("pytest-mps")
+    else
+      echo "no MPS server could be started: the MPS tests did not run"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+
   echo "== benchmarks (log: $OUT/bench.log)"
   bench_rc=0
   bash bench/run_all.sh --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
@@ -80,7 +103,7 @@ fi
 # The copy on the GPU machine may have no git history: UNIEP_COMMIT can name the commit instead.
 commit=${UNIEP_COMMIT:-$(git rev-parse --verify --quiet HEAD 2>/dev/null)} || true
 commit=${commit:-unknown}
-export OUT started commit build_rc pytest_rc bench_rc
+export OUT started commit build_rc pytest_rc mps_rc bench_rc
 export failed_steps="${failed[*]-}"
 python3 - <<'EOF' || failed+=("device_check.json")
 import json
@@ -93,14 +116,20 @@ import torch
 
 out = Path(os.environ["OUT"])
 count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-tests = {"tests": 0, "passed": 0, "failures": 0, "errors": 0, "skipped": 0}
-junit = out / "gpu-tests.xml"
-if junit.exists():
-    root = ET.parse(junit).getroot()
-    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
-        for key in ("tests", "failures", "errors", "skipped"):
-            tests[key] += int(suite.get(key, 0))
-    tests["passed"] = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
+
+
+def junit_counts(junit: Path) -> dict[str, int]:
+    tests = {"tests": 0, "passed": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if junit.exists():
+        root = ET.parse(junit).getroot()
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+            for key in ("tests", "failures", "errors", "skipped"):
+                tests[key] += int(suite.get(key, 0))
+        tests["passed"] = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
+    return tests
+
+
+tests = junit_counts(out / "gpu-tests.xml")
 try:
     import uniep
 
@@ -120,6 +149,9 @@ report = {
     "build_info": build_info,
     "pytest_exit_code": int(os.environ["pytest_rc"]),
     "pytest": tests,
+    # -1: not run (more than one GPU, where the multi-GPU tests cover it, or no MPS server).
+    "mps_pytest_exit_code": int(os.environ["mps_rc"]),
+    "mps_pytest": junit_counts(out / "gpu-tests-mps.xml"),
     "bench_exit_code": int(os.environ["bench_rc"]),
     "failed_steps": failed,
     "ok": not failed,

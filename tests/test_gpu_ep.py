@@ -455,9 +455,9 @@ def _timeout_worker(rank: int, world: int) -> str:
 
 def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
     """torch's symmetric memory starts NVSHMEM first; the runtime then reuses it (no second
-    init), its rounds are exact, and torch's symmetric buffers still work beside it. Not in
-    test_gpu_on_one_gpu: torch's rendezvous refuses a group of one, and calls NVSHMEM team
-    functions that processes sharing a GPU without MPS do not have."""
+    init), its rounds are exact, and torch's symmetric buffers still work beside it. On one GPU
+    only under MPS (test_gpu_on_one_gpu): torch's rendezvous refuses a group of one, and calls
+    NVSHMEM team functions that processes sharing a GPU have only under MPS."""
     import torch.distributed._symmetric_memory as symm_mem
     import uniep
     from uniep import _C

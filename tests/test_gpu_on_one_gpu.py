@@ -25,6 +25,7 @@ from test_gpu_ep import (
     _ll_worker,
     _mixed_rounds_worker,
     _timeout_worker,
+    _torch_nvshmem_first_worker,
 )
 
 pytestmark = [
@@ -87,3 +88,23 @@ def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
     (message, _) = _run(worker, 2, monkeypatch)
     assert "timed out" in message and "rank 1" in message, message
     assert worker is _timeout_worker or what in message, message
+
+
+# Set by bench/device_check.sh while an MPS server runs for this GPU.
+UNDER_MPS = os.environ.get("UNIEP_TEST_MPS") == "1"
+
+
+@pytest.mark.skipif(
+    not UNDER_MPS,
+    reason="needs an MPS server for the GPU and UNIEP_TEST_MPS=1 (bench/device_check.sh): "
+    "torch's symmetric memory uses NVSHMEM teams, which processes sharing a GPU have only "
+    "under MPS",
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_sharing_the_gpu_under_mps_join_torch_nvshmem(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NVSHMEM takes full multi-process support only when the ranks' shares add up to the GPU.
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // world))
+    reports = _run(_torch_nvshmem_first_worker, world, monkeypatch)
+    assert reports == ["reused"] * world, reports
