@@ -274,8 +274,8 @@ def _grad_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
     import uniep
     from _ep_grad_case import run_cases
 
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
     dev = _device(rank)
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
     report = run_cases(
         rank, world, dev, max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, experts=EXPERTS
     )

@@ -22,6 +22,7 @@ from test_gpu_collectives import _coll_timeout_worker, _collectives_worker, _gem
 from test_gpu_ep import (
     _cached_worker,
     _ep_worker,
+    _grad_worker,
     _ll_worker,
     _mixed_rounds_worker,
     _timeout_worker,
@@ -38,6 +39,7 @@ EP_WORKERS: list[tuple[str, Callable[[int, int], object]]] = [
     ("cached_dispatch", _cached_worker),
     ("mixed_rounds", _mixed_rounds_worker),
     ("low_latency", _ll_worker),
+    ("gradients", _grad_worker),
 ]
 SHARED_WORKERS = EP_WORKERS + [
     ("collectives", _collectives_worker),
