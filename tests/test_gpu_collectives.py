@@ -9,19 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_gpu_ep import _device
 
 pytestmark = pytest.mark.multigpu
 
 
 def _world() -> int:
     return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
-
-
-def _device(rank: int) -> torch.device:
-    """This rank's GPU: its own under NCCL, or one shared by every rank (test_gpu_on_one_gpu)."""
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -62,6 +62,21 @@ def _case(kind: str, world: int, seed: int) -> tuple[list[torch.Tensor], ...]:
     return xs, idxs, ws
 
 
+def _planned_rows(
+    xs: list[torch.Tensor], idxs: list[torch.Tensor], rank: int
+) -> tuple[dict, torch.Tensor]:
+    """The CPU planner's plan for `rank` and the rows it receives, in slot order."""
+    from uniep import _C
+
+    plan = _C.build_rank_plan([i.numpy() for i in idxs], EXPERTS, rank)
+    offsets = plan["recv_offsets"]
+    rows = [
+        xs[int(np.searchsorted(offsets, slot, side="right") - 1)][token]
+        for slot, token in enumerate(plan["recv_src_token"])
+    ]
+    return plan, torch.stack(rows) if rows else torch.empty(0, HIDDEN).bfloat16()
+
+
 def _expected_combine(ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k w*y over valid k, k ascending, one fp32 rounding per product and sum."""
     acc = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
@@ -102,15 +117,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
 
         # Dispatch: rows bit-identical to the CPU planner's slots, whatever the SM budget.
-        plan = _C.build_rank_plan([i.numpy() for i in idxs], EXPERTS, rank)
-        offsets = plan["recv_offsets"]
-        expected_rows = []
-        for slot, token in enumerate(plan["recv_src_token"]):
-            src = int(np.searchsorted(offsets, slot, side="right") - 1)
-            expected_rows.append(xs[src][token])
-        expected = (
-            torch.stack(expected_rows) if expected_rows else torch.empty(0, HIDDEN).bfloat16()
-        )
+        plan, expected = _planned_rows(xs, idxs, rank)
         per_rank_slots = MAX_TOKENS * TOP_K
         for sms in (24, 8, 32):
             res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
@@ -460,7 +467,6 @@ def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
     NVSHMEM team functions that processes sharing a GPU have only under MPS."""
     import torch.distributed._symmetric_memory as symm_mem
     import uniep
-    from uniep import _C
 
     dev = _device(rank)
     if not symm_mem.is_nvshmem_available():
@@ -473,14 +479,9 @@ def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
 
     xs, idxs, ws = _case("random", world, 11)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
-    plan = _C.build_rank_plan([i.numpy() for i in idxs], EXPERTS, rank)
-    offsets = plan["recv_offsets"]
-    want_rows = [
-        xs[int(np.searchsorted(offsets, slot, side="right") - 1)][token]
-        for slot, token in enumerate(plan["recv_src_token"])
-    ]
+    _, want_rows = _planned_rows(xs, idxs, rank)
     res = uniep.ep.dispatch(x, idx, w)
-    assert torch.equal(res.recv_x.cpu(), torch.stack(want_rows))
+    assert torch.equal(res.recv_x.cpu(), want_rows)
     # Every expert sends its row back unchanged: out[t] = sum over valid k of w[t, k] * x[t].
     out = uniep.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
     ybuf = xs[rank].unsqueeze(1).expand(-1, TOP_K, -1)
