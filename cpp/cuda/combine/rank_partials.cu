@@ -101,7 +101,11 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
     auto* dst =
         reinterpret_cast<int4*>(src == me ? local : nvshmem_ptr(local, static_cast<int>(src)));
     const int64_t vecs = part.bytes / 16, col = part.offset / 16;
-    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+    // Every lane runs every pass, also those with no vector in it: the shuffles below name the
+    // whole warp, and a lane that left the loop early (a segment of fewer than 32 vectors, or a
+    // last pass that covers part of the lanes) never reached them, so the warp waited forever.
+    for (int64_t base = 0; base < vecs; base += 32 * kUnroll) {
+      const int64_t v0 = base + lane;
       float acc[kUnroll][kVec];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
         int4 raw[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + 32 * u < vecs) raw[u] = load_streaming(y + v0 + 32 * u);
+          raw[u] = v0 + 32 * u < vecs ? load_streaming(y + v0 + 32 * u) : int4{0, 0, 0, 0};
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) accumulate_bf16x8(acc[u], raw[u], w);
       }
