@@ -8,6 +8,7 @@
 
 #include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
+#include "torch/call_checks.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
 #include "torch/coll_gemm.hpp"
 #include "torch/coll_registry.hpp"
@@ -157,6 +158,32 @@ uniep::ep::Config ep_config(int64_t max_tokens, int64_t hidden, int64_t top_k, i
 }
 #endif
 
+// The call agreement (torch/call_checks.hpp) for calls checked in Python: the signature fields,
+// this rank's error (empty if its checks passed). Raises on every rank as the C++ ops do.
+void agree_call_py(const std::string& group_name, const std::string& kind_name,
+                   const std::vector<std::pair<std::string, int64_t>>& fields,
+                   const std::string& error, const std::string& device) {
+  CallKind kind;
+  if (kind_name == "moe_forward")
+    kind = CallKind::kMoeForward;
+  else if (kind_name == "moe_backward")
+    kind = CallKind::kMoeBackward;
+  else if (kind_name == "ep_runtime_create")
+    kind = CallKind::kEpRuntimeCreate;
+  else
+    UNIEP_CHECK(false, "kind must be moe_forward, moe_backward or ep_runtime_create, got '",
+                kind_name, "'");
+  UNIEP_CHECK(static_cast<int64_t>(fields.size()) <= kMaxCallFields, "fields: at most ",
+              kMaxCallFields, ", got ", fields.size());
+  const torch_glue::Group group = torch_glue::resolve_group(group_name);
+  torch_glue::check_and_agree(group, kind, c10::Device(device), [&] {
+    UNIEP_CHECK(error.empty(), error);
+    CallSignature signature{kind, {}};
+    for (const auto& [name, value] : fields) signature.fields.push_back({name.c_str(), value});
+    return signature;
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -228,6 +255,12 @@ PYBIND11_MODULE(_C, m) {
       .def("validate", &MoeShape::validate)
       .def("__repr__", &MoeShape::to_string);
 
+  m.def("agree_call", &agree_call_py, py::arg("group_name"), py::arg("kind"),
+        py::arg("fields") = std::vector<std::pair<std::string, int64_t>>{}, py::arg("error") = "",
+        py::arg("device") = "cpu",
+        "Agree with the group's other ranks on a call checked in Python (see "
+        "uniep.distributed.agree_call); raises on every rank if any rank's error is set or a "
+        "field differs.");
   m.def("build_info", [] {
     py::dict d;
     for (const auto& [k, v] : uniep::python::build_info_strings()) d[py::str(k)] = v;

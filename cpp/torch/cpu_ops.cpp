@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "torch/call_checks.hpp"
 #include "torch/process_group.hpp"
 #include "torch/validate.hpp"
 #include "uniep/cpu_executor.hpp"
@@ -33,9 +34,13 @@ MoeForwardArgs forward_args(const at::Tensor& x, const at::Tensor& topk_idx,
   return args;
 }
 
-std::unique_ptr<Transport> make_transport(const Group& group) {
+std::unique_ptr<Transport> make_transport(const Group& group, CallKind kind) {
   if (!group.pg) return std::make_unique<LocalTransport>();
-  return std::make_unique<ProcessGroupTransport>(group.pg);
+  return std::make_unique<ProcessGroupTransport>(group.pg, call_kind_name(kind));
+}
+
+CallSignature signature_of(CallKind kind, const MoeForwardArgs& a) {
+  return moe_signature(kind, a.dtype, a.weight_dtype, a.shape, a.tuning);
 }
 
 at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -44,11 +49,14 @@ at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& topk_idx,
                            c10::string_view tuning) {
   return translate_errors([&] {
     const Group group = resolve_group(std::string(group_name));
-    MoeForwardArgs args =
-        forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
+    MoeForwardArgs args;
+    check_and_agree(group, CallKind::kMoeForward, x.device(), [&] {
+      args = forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
+      return signature_of(CallKind::kMoeForward, args);
+    });
     at::Tensor out = at::empty_like(x);
     args.out = out.data_ptr();
-    auto transport = make_transport(group);
+    auto transport = make_transport(group, CallKind::kMoeForward);
     cpu_moe_forward(args, *transport);
     return out;
   });
@@ -61,10 +69,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
   return translate_errors([&] {
     const Group group = resolve_group(std::string(group_name));
     MoeBackwardArgs args;
-    args.fwd = forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
     // Autograd may hand over a non-contiguous or expanded gradient; the executor needs rows.
     const at::Tensor go = grad_out.contiguous();
-    check_like(go, "grad_out", x, "x");
+    check_and_agree(group, CallKind::kMoeBackward, x.device(), [&] {
+      args.fwd = forward_args(x, topk_idx, topk_weights, w1, w2, std::string(tuning), group);
+      check_like(go, "grad_out", x, "x");
+      return signature_of(CallKind::kMoeBackward, args.fwd);
+    });
     at::Tensor grad_x = at::empty_like(x), grad_w = at::empty_like(topk_weights);
     at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     args.grad_out = go.data_ptr();
@@ -72,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
     args.grad_topk_weights = grad_w.data_ptr();
     args.grad_w1 = grad_w1.data_ptr();
     args.grad_w2 = grad_w2.data_ptr();
-    auto transport = make_transport(group);
+    auto transport = make_transport(group, CallKind::kMoeBackward);
     cpu_moe_backward(args, *transport);
     return std::make_tuple(grad_x, grad_w, grad_w1, grad_w2);
   });

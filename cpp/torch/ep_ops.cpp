@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "torch/call_checks.hpp"
 #include "torch/ep_registry.hpp"
 #include "torch/process_group.hpp"
 #include "torch/runtime_registry.hpp"
@@ -23,8 +24,8 @@ namespace {
 RuntimeRegistry<ep::Runtime>& registry() {
   static auto* r = new RuntimeRegistry<ep::Runtime>(
       "GPU runtime", "call uniep.shutdown(group) first to re-create it",
-      "call uniep.init(group, max_tokens=..., hidden=..., top_k=..., num_experts=...) on every "
-      "rank first");
+      "call uniep.ep.init_runtime(group, max_tokens=..., hidden=..., top_k=..., num_experts=...) "
+      "on every rank first (uniep.moe_forward and uniep.nn.MoELayer create it on first use)");
   return *r;
 }
 }  // namespace
@@ -230,22 +231,68 @@ at::Tensor ep_combine_cuda(const at::Tensor& y, const at::Tensor& row_target,
   });
 }
 
+// moe_forward's and moe_backward's checks, all of them before the dispatch's count exchange
+// and shared with the peers: a bad argument on one rank is the same error on all of them, not a
+// timeout in the exchange.
+struct CheckedMoeCall {
+  TuningParams params;
+  ep::Runtime* runtime = nullptr;
+  MoeInputs in;
+};
+
+CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const at::Tensor& x,
+                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                              const at::Tensor& w1, const at::Tensor& w2,
+                              c10::string_view group_name, c10::string_view tuning) {
+  const Group group = resolve_group(std::string(group_name));
+  CheckedMoeCall c;
+  check_and_agree(group, kind, x.device(), [&] {
+    c.params = TuningParams::parse(std::string(tuning));
+    c.runtime = &ep_runtime(std::string(group_name));
+    const ep::Config& cfg = c.runtime->config();
+    c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
+    UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
+                     "the CUDA executor takes bfloat16 x (torch._grouped_mm), got ",
+                     x.scalar_type());
+    UNIEP_CHECK(c.in.shape.num_experts == cfg.num_experts && c.in.shape.hidden == cfg.hidden,
+                "w1/x describe ", c.in.shape.num_experts, " experts of hidden ", c.in.shape.hidden,
+                " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
+    check_routing(x, topk_idx, topk_weights, cfg);
+    const bool fp8 = check_dispatch_precision(x, c.params);
+    ok_or_throw(c.runtime->check_dispatch_args(x.size(1) * static_cast<int64_t>(x.element_size()),
+                                               c.params.comm_sms, fp8));
+    UNIEP_CHECK_CODE(x.size(0) <= cfg.max_tokens, StatusCode::kCapacityExceeded, "x has ",
+                     x.size(0), " tokens but the group's runtime holds at most ", cfg.max_tokens,
+                     " per rank (max_tokens of uniep.ep.init_runtime)");
+    if (grad_out != nullptr) check_like(*grad_out, "grad_out", x, "x");
+    return moe_signature(kind, c.in.dtype, c.in.weight_dtype, c.in.shape, c.params);
+  });
+  return c;
+}
+
+// moe_backward on CUDA is composed in Python (uniep/ep.py) from the runtime's ops; it calls
+// this first, for the checks and the agreement moe_forward makes.
+void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                              const at::Tensor& w1, const at::Tensor& w2,
+                              c10::string_view group_name, c10::string_view tuning) {
+  translate_errors([&] {
+    check_moe_call(CallKind::kMoeBackward, &grad_out, x, topk_idx, topk_weights, w1, w2, group_name,
+                   tuning);
+  });
+}
+
 at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weights, const at::Tensor& w1,
                             const at::Tensor& w2, c10::string_view group_name,
                             c10::string_view tuning) {
   return translate_errors([&] {
-    const TuningParams params = TuningParams::parse(std::string(tuning));
-    ep::Runtime& rt = ep_runtime(std::string(group_name));
+    const CheckedMoeCall c = check_moe_call(CallKind::kMoeForward, nullptr, x, topk_idx,
+                                            topk_weights, w1, w2, group_name, tuning);
+    const TuningParams& params = c.params;
+    const MoeInputs& in = c.in;
+    ep::Runtime& rt = *c.runtime;
     const ep::Config& cfg = rt.config();
-    const MoeInputs in =
-        validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
-    UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
-                     "the CUDA executor takes bfloat16 x (torch._grouped_mm), got ",
-                     x.scalar_type());
-    UNIEP_CHECK(in.shape.num_experts == cfg.num_experts && in.shape.hidden == cfg.hidden,
-                "w1/x describe ", in.shape.num_experts, " experts of hidden ", in.shape.hidden,
-                " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
@@ -354,4 +401,5 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("ep_dispatch_cached", &uniep::torch_glue::ep_dispatch_cached_cuda);
   m.impl("ep_combine", &uniep::torch_glue::ep_combine_cuda);
   m.impl("moe_forward", &uniep::torch_glue::moe_forward_cuda);
+  m.impl("moe_backward_checks", &uniep::torch_glue::moe_backward_checks_cuda);
 }

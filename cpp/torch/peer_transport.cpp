@@ -25,7 +25,7 @@ int tag_of(int64_t chunk) {
 }  // namespace
 
 ProcessGroupPeerTransport::ProcessGroupPeerTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-    : pg_(pg), collectives_(std::move(pg)) {}
+    : pg_(pg), collectives_(std::move(pg), "the collective") {}
 
 void ProcessGroupPeerTransport::all_gather(const int64_t* in, int64_t n, int64_t* out) {
   collectives_.all_gather(in, n, out);
@@ -46,7 +46,7 @@ void ProcessGroupPeerTransport::exchange(const std::vector<PeerSend>& sends,
     keep.push_back({byte_view(s.data, s.bytes)});
     work.push_back(pg_->send(keep.back(), static_cast<int>(s.peer), tag_of(s.tag)));
   }
-  for (auto& w : work) w->wait();
+  for (auto& w : work) wait_bounded(w, "the collective's transfer", *pg_);
 }
 
 std::unique_ptr<PeerTransport> make_peer_transport(const Group& group) {

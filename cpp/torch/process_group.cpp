@@ -3,7 +3,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "uniep/status.hpp"
 
@@ -24,19 +27,77 @@ Group resolve_group(const std::string& group_name) {
   return g;
 }
 
-ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()) {}
+double host_timeout_s() {
+  constexpr double kDefault = 100.0;
+  const char* env = std::getenv("UNIEP_TIMEOUT_S");
+  if (env == nullptr || *env == '\0') return kDefault;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  UNIEP_CHECK(end != env && *end == '\0' && v > 0, "UNIEP_TIMEOUT_S must be a number of seconds ",
+              "> 0, got '", env, "'");
+  return v;
+}
+
+void wait_bounded(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
+                  const c10d::ProcessGroup& pg) {
+  using Clock = std::chrono::steady_clock;
+  const double limit = host_timeout_s();
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
+  // A few hundred microseconds of yielding spins (the common case: peers are there), then
+  // short sleeps, so a long wait does not burn a core that the peers' processes may need.
+  for (uint64_t spin = 0; !work->isCompleted(); ++spin) {
+    const auto now = Clock::now();
+    UNIEP_CHECK_CODE(now < deadline, StatusCode::kTimeout, op, " on rank ", pg.getRank(),
+                     " of group '", pg.getGroupName(), "' (", pg.getSize(),
+                     " ranks) timed out after ", limit,
+                     " s waiting for its peers (did every rank of the group call it? a rank "
+                     "that raised before joining, or a backward run on some ranks only, leaves "
+                     "the others here); UNIEP_TIMEOUT_S sets the limit");
+    if (now - start < std::chrono::microseconds(500))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  try {
+    work->wait();  // rethrows the backend's failure; for CUDA outputs, orders the current stream
+  } catch (const std::exception& e) {
+    UNIEP_CHECK_CODE(false, StatusCode::kInternal, op, " on rank ", pg.getRank(),
+                     ": the exchange over group '", pg.getGroupName(), "' failed: ", e.what());
+  }
+}
+
+namespace {
+// CPU staging where the group has a CPU backend (gloo): no device round trip for a few words.
+c10::Device staging_device(const c10d::ProcessGroup& pg, c10::Device data) {
+  for (const c10::Device& d : pg.getDeviceTypes())
+    if (d.type() == c10::kCPU) return c10::Device(c10::kCPU);
+  return data;
+}
+}  // namespace
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                             std::string op, c10::Device device)
+    : pg_(std::move(pg)),
+      rank_(pg_->getRank()),
+      world_(pg_->getSize()),
+      op_(std::move(op)),
+      staging_(staging_device(*pg_, device)) {}
 
 void ProcessGroupTransport::all_gather(const int64_t* in, int64_t n, int64_t* out) {
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor input = at::empty({n}, opts);
+  const auto host = at::TensorOptions().dtype(at::kLong);
+  at::Tensor input = at::empty({n}, host);
   std::memcpy(input.data_ptr<int64_t>(), in, n * sizeof(int64_t));
+  input = input.to(staging_);
   std::vector<at::Tensor> inputs{input};
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int64_t r = 0; r < world_; ++r) outputs[0].push_back(at::empty({n}, opts));
-  pg_->allgather(outputs, inputs)->wait();
-  for (int64_t r = 0; r < world_; ++r)
-    std::memcpy(out + r * n, outputs[0][r].data_ptr<int64_t>(), n * sizeof(int64_t));
+  for (int64_t r = 0; r < world_; ++r) outputs[0].push_back(at::empty({n}, input.options()));
+  wait_bounded(pg_->allgather(outputs, inputs), op_, *pg_);
+  for (int64_t r = 0; r < world_; ++r) {
+    const at::Tensor got = outputs[0][r].to(at::kCPU);
+    std::memcpy(out + r * n, got.data_ptr<int64_t>(), n * sizeof(int64_t));
+  }
 }
 
 void ProcessGroupTransport::all_to_all(const uint8_t* send, const std::vector<int64_t>& send_bytes,
@@ -54,14 +115,15 @@ void ProcessGroupTransport::all_to_all(const uint8_t* send, const std::vector<in
   }
   auto opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor input = at::empty({send_total}, opts);
-  at::Tensor output = at::empty({recv_total}, opts);
   if (send_total) std::memcpy(input.data_ptr(), send, send_total * 8);
+  input = input.to(staging_);
+  at::Tensor output = at::empty({recv_total}, input.options());
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   // alltoall_base is the name every supported torch has (all_to_all_single is 2.12+).
-  pg_->alltoall_base(output, input, recv_words, send_words)->wait();
+  wait_bounded(pg_->alltoall_base(output, input, recv_words, send_words), op_, *pg_);
 #pragma GCC diagnostic pop
-  if (recv_total) std::memcpy(recv, output.data_ptr(), recv_total * 8);
+  if (recv_total) std::memcpy(recv, output.to(at::kCPU).data_ptr(), recv_total * 8);
 }
 
 }  // namespace uniep::torch_glue

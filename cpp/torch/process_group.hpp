@@ -19,9 +19,25 @@ struct Group {
 // The same registry torch's own symm_mem ops resolve group names through.
 Group resolve_group(const std::string& group_name);
 
+// Seconds a host wait on a group may take before it raises: UNIEP_TIMEOUT_S (the limit of the
+// device-side waits too), default 100.
+double host_timeout_s();
+
+// Waits for `work` until host_timeout_s() has passed, then throws kTimeout naming `op` (the
+// call, say "moe_forward") and the group: a peer that never joins makes this rank raise instead
+// of waiting for the backend's own timeout (gloo's is 30 minutes). The group is unusable after
+// that, as after any failed collective.
+void wait_bounded(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
+                  const c10d::ProcessGroup& pg);
+
+// The all-gathers and all-to-alls of the CPU executor and of the call agreement over a process
+// group, every wait bounded. Their staging tensors are on the CPU when the group has a CPU
+// backend (gloo), else on `device` (an NCCL-only group of a CUDA op).
 class ProcessGroupTransport final : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                 std::string op = "the exchange",
+                                 c10::Device device = c10::Device(c10::kCPU));
   int64_t rank() const override { return rank_; }
   int64_t world_size() const override { return world_; }
   void all_gather(const int64_t* in, int64_t n, int64_t* out) override;
@@ -31,6 +47,8 @@ class ProcessGroupTransport final : public Transport {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int64_t rank_, world_;
+  std::string op_;
+  c10::Device staging_;
 };
 
 }  // namespace uniep::torch_glue

@@ -9,6 +9,11 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "moe_backward(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, "
       "Tensor w2, str group_name, str tuning=\"\") -> (Tensor, Tensor, Tensor, Tensor)");
+  // The checks of moe_backward's CUDA implementation (composed in Python) and their agreement
+  // with the peers; CUDA only.
+  m.def(
+      "moe_backward_checks(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor w1, Tensor w2, str group_name, str tuning=\"\") -> ()");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,19 @@ def _nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, 
         dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
         uid = box[0]
     return resolved.group_name, world, me, uid
+
+
+def raise_on_all_ranks(group_name: str, call: str, error: str, device: str) -> NoReturn:
+    """Raise ``ValueError(error)`` here and on every other rank of the group.
+
+    For checks made in Python before a multi-rank op (``call``: ``"moe_forward"`` or
+    ``"moe_backward"``): the other ranks are in that op's argument agreement (or in the GPU
+    runtime's creation, on a first call), which this joins with the error, so they raise at once
+    naming this rank and its message instead of waiting for it. ``device``: where the op's
+    tensors are (``"cpu"`` or ``"cuda"``).
+    """
+    _C.agree_call(group_name, call, [], error, device)
+    raise ValueError(error)  # agree_call raises first; this line states the contract
 
 
 def _device_kind(backend: str) -> str:

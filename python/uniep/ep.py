@@ -15,6 +15,7 @@ or on the SM budget. Every device-side wait times out after ``timeout_s`` (defau
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,16 +125,48 @@ def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_ex
 
     ``max_tokens`` becomes the largest ``tokens`` over the ranks, rounded up to a power of two
     (at least 256), so later batches up to that size reuse it; a larger batch later raises an
-    error naming the capacity. Used by ``MoELayer`` and ``uniep.moe_forward`` on CUDA tensors.
+    error naming the capacity. ``hidden``, ``top_k`` and ``num_experts`` must be the same on
+    every rank (the symmetric buffers are sized from them): a difference raises ValueError on
+    every rank, naming the value and both ranks. Used by ``MoELayer`` and ``uniep.moe_forward``
+    on CUDA tensors.
     """
     if _C.ep_exists(group_name):
         return
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
-    most = torch.tensor([tokens], dtype=torch.int64, device="cuda")
+    table = [[tokens]]
     if group is not None:
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    capacity = max(256, 1 << max(0, int(most.item()) - 1).bit_length())
+        # The sizes first, agreed like an op's arguments (a rank that failed its checks in
+        # moe_forward meets this exchange and names its error here), then the largest batch.
+        sizes = [("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)]
+        _C.agree_call(group_name, "ep_runtime_create", sizes, "", "cuda")
+        table = _all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.ep)")
+    most = max(row[0] for row in table)
+    capacity = max(256, 1 << max(0, int(most) - 1).bit_length())
     init_runtime(group, max_tokens=capacity, hidden=hidden, top_k=top_k, num_experts=num_experts)
+
+
+def _all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> list[list[int]]:
+    """Every rank's ``values`` (one row per rank), through ``group``; the wait is bounded by
+    ``UNIEP_TIMEOUT_S`` so a rank that never joins makes the others raise, naming ``what``."""
+    backend = str(dist.get_backend(group))
+    # A group with a CPU backend (gloo) moves a few words without touching the GPU.
+    device = "cuda" if backend == "nccl" else "cpu"
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+    limit = _timeout(None)
+    start = time.monotonic()
+    while not work.is_completed():
+        if time.monotonic() - start > limit:
+            raise RuntimeError(
+                f"{what} on rank {dist.get_rank(group)} of group '{group.group_name}' timed out "
+                f"after {limit} s waiting for its peers (did every rank call it?); "
+                "UNIEP_TIMEOUT_S sets the limit"
+            )
+        time.sleep(50e-6)
+    work.wait()
+    return everyone.view(world, len(values)).tolist()
 
 
 def shutdown(group: dist.ProcessGroup | None = None) -> None:
@@ -399,8 +432,10 @@ def _moe_backward_cuda(
     unit weights (sum over k, ascending, fp32); the per-(token, k) dot products for
     grad_topk_weights go back over the group's NCCL all_to_all.
     """
-    if x.dtype != torch.bfloat16:
-        raise NotImplementedError(f"moe_backward on CUDA takes bfloat16 x, got {x.dtype}")
+    # Every check first, agreed with the peers (a bad argument on one rank raises on all).
+    torch.ops.uniep.moe_backward_checks(
+        grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
+    )
     params = _C.TuningParams.parse(tuning)
     text = params.to_string()
     # grad_out travels in bf16 whatever the forward's dispatch precision.

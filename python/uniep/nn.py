@@ -166,10 +166,16 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., H]`` of the layer's dtype -> ``[..., H]``."""
+        error = None
         if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ValueError(f"x must be [..., H={self.hidden}], got shape {tuple(x.shape)}")
-        if x.dtype != self.w1.dtype:
-            raise ValueError(f"x must have the layer's dtype {self.w1.dtype}, got {x.dtype}")
+            error = f"x must be [..., H={self.hidden}], got shape {tuple(x.shape)}"
+        elif x.dtype != self.w1.dtype:
+            error = f"x must have the layer's dtype {self.w1.dtype}, got {x.dtype}"
+        elif x.device != self.w1.device:
+            error = f"x must be on the layer's device {self.w1.device}, got {x.device}"
+        if error is not None:
+            # The other ranks are in this forward's exchange: they raise too, naming this rank.
+            distributed.raise_on_all_ranks(self.group_name, "moe_forward", error, x.device.type)
         tokens = x.reshape(-1, self.hidden).contiguous()
         if tokens.is_cuda:
             from . import ep

@@ -273,11 +273,12 @@ def moe_forward(
             range; the message names the argument.
         RuntimeError: the exchange with another rank failed.
     """
+    name = distributed.group_name(group)
     if isinstance(tuning, _C.TuningParams):
         tuning = tuning.to_string()
     elif not isinstance(tuning, str):
-        raise ValueError(f"tuning must be a str or TuningParams, got {type(tuning).__name__}")
-    name = distributed.group_name(group)
+        error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
+        distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
     if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
         # CUDA tensors run on the group's GPU runtime: created here on first use (collective).
         from . import ep

@@ -1,0 +1,59 @@
+#include "torch/call_checks.hpp"
+
+#include <optional>
+
+#include "uniep/status.hpp"
+
+namespace uniep::torch_glue {
+
+namespace {
+std::string describe_overlap(int64_t v) {
+  return overlap_mode_name(static_cast<OverlapMode>(v));
+}
+std::string describe_dispatch(int64_t v) {
+  return dispatch_precision_name(static_cast<DispatchPrecision>(v));
+}
+std::string describe_combine(int64_t v) {
+  return combine_reduction_name(static_cast<CombineReduction>(v));
+}
+}  // namespace
+
+CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device device,
+                              const std::function<CallSignature()>& check) {
+  if (!group.pg || group.world_size == 1) return check();
+  CallSignature signature{kind, {}};
+  std::optional<Error> local_error;
+  try {
+    signature = check();
+  } catch (const Error& e) {
+    local_error = e;
+  }
+  ProcessGroupTransport transport(group.pg, call_kind_name(kind), device);
+  agree_on_call(signature, local_error ? &*local_error : nullptr, transport);
+  return signature;
+}
+
+CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, const MoeShape& shape,
+                            const TuningParams& tuning) {
+  return {kind,
+          {{"x dtype", static_cast<int64_t>(dtype), describe_dtype},
+           {"topk_weights dtype", static_cast<int64_t>(weight_dtype), describe_dtype},
+           {"hidden (x.size(1))", shape.hidden},
+           {"ffn_hidden (w2.size(1))", shape.ffn_hidden},
+           {"num_experts (w1.size(0) x world size)", shape.num_experts},
+           {"top_k (topk_idx.size(1))", shape.top_k},
+           // Every key of the tuning: the precision and the combine change what crosses the
+           // wire, and the rest must match for the schedules to pair up.
+           {"tuning sms (communication)", tuning.comm_sms},
+           {"tuning sms (total)", tuning.total_sms},
+           {"tuning token_tile", tuning.token_tile},
+           {"tuning tile_m", tuning.tile_m},
+           {"tuning tile_n", tuning.tile_n},
+           {"tuning tile_k", tuning.tile_k},
+           {"tuning stages", tuning.stages},
+           {"tuning overlap", static_cast<int64_t>(tuning.overlap), describe_overlap},
+           {"tuning dispatch", static_cast<int64_t>(tuning.dispatch), describe_dispatch},
+           {"tuning combine", static_cast<int64_t>(tuning.combine), describe_combine}}};
+}
+
+}  // namespace uniep::torch_glue
