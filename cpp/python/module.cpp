@@ -227,6 +227,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rank", &MoeShape::rank)
       .def("validate", &MoeShape::validate)
       .def("__repr__", &MoeShape::to_string);
+  // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
+  m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
+  m.attr("MAX_WORLD_SIZE") = uniep::kMaxWorldSize;
 
   m.def("build_info", [] {
     py::dict d;
