@@ -213,3 +213,24 @@ def test_expert_rows_bounds_num_experts() -> None:
                 src.to(device), idx.to(device), from_rank.to(device), 0, 2**40, 1
             )
 
+
+# ---- a NUL inside a tuning string: a C string would end there and hide what follows ----
+
+
+@pytest.mark.parametrize(
+    ("text", "position"),
+    [
+        ("sms=24\x00garbage", 6),
+        ("\x00", 0),
+        ("tile_m=64,\x00stages=2", 10),
+        ("dispatch=bf16\x00", 13),
+    ],
+)
+def test_tuning_parse_rejects_nul(text: str, position: int) -> None:
+    with pytest.raises(ValueError, match=rf"tuning: NUL character at position {position} "):
+        _C.TuningParams.parse(text)
+
+
+def test_tuning_with_nul_rejected_by_the_op() -> None:
+    with pytest.raises(ValueError, match="NUL character at position 6"):
+        _forward(tuning="sms=24\x00garbage")
