@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import uniep
+from uniep.cli import _parser
 
 
 def _uniep_command() -> list[str]:
@@ -54,3 +56,41 @@ def test_demo_reports_bad_arguments() -> None:
     proc = _run("demo", "--experts", "3", "--world-size", "2", timeout=60)
     assert proc.returncode != 0
     assert "--experts" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("--timeout", "0", "must be a finite number of seconds > 0, got '0'"),
+        ("--timeout", "-5", "must be a finite number of seconds > 0, got '-5'"),
+        ("--timeout", "nan", "must be a finite number of seconds > 0, got 'nan'"),
+        ("--timeout", "inf", "must be a finite number of seconds > 0, got 'inf'"),
+        ("--timeout", "soon", "must be a number of seconds > 0, got 'soon'"),
+        ("--world-size", "0", "must be an integer >= 1, got '0'"),
+        ("--tokens", "-1", "must be an integer >= 1, got '-1'"),
+        ("--hidden", "0", "must be an integer >= 1, got '0'"),
+        ("--ffn", "0", "must be an integer >= 1, got '0'"),
+        ("--experts", "-8", "must be an integer >= 1, got '-8'"),
+        ("--top-k", "0", "must be an integer >= 1, got '0'"),
+        ("--iters", "0", "must be an integer >= 1, got '0'"),
+        ("--iters", "2.5", "must be an integer >= 1, got '2.5'"),
+        ("--seed", "-1", "must be an integer in [0, 2**32), got '-1'"),
+        ("--seed", str(2**64), f"must be an integer in [0, 2**32), got '{2**64}'"),
+    ],
+)
+def test_demo_rejects_out_of_range_numbers(
+    option: str, value: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The parser alone: a bad value must stop `uniep demo` before it spawns anything.
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["demo", option, value])
+    assert exc.value.code == 2  # argparse's usage error
+    err = capsys.readouterr().err
+    assert f"argument {option}: {words}" in err, err
+
+
+def test_demo_accepts_the_boundaries() -> None:
+    args = _parser().parse_args(
+        ["demo", "--timeout", "0.5", "--world-size", "1", "--tokens", "1", "--seed", "0"]
+    )
+    assert (args.timeout, args.world_size, args.tokens, args.seed) == (0.5, 1, 1, 0)

@@ -355,26 +355,88 @@ def _error_cases(rank: int, world: int) -> list[tuple[str, Callable[[], Any], st
             lambda: ops.all_gather_matmul(a[None] if rank == 0 else a, b, g),
             "a must be a 2-D" if rank == 0 else "rank 0 passed invalid arguments",
         ),
+        # A mismatch: every rank raises the same message, rank 0's value against the first rank
+        # that differs from it.
         (
             "k-differs",
             lambda: ops.all_gather_matmul(torch.randn(4, 6 + rank), torch.randn(6 + rank, 5), g),
-            "K (a.size(1)) differs across ranks",
+            "all_gather_matmul: K (a.size(1)) differs across ranks: rank 0 has 6, rank 1 has 7",
         ),
         (
             "dtype-differs",
             lambda: ops.reduce_scatter(x.double() if rank == 0 else x, g),
-            "dtype differs across ranks",
+            "reduce_scatter: dtype differs across ranks: rank 0 has float64, rank 1 has float32",
         ),
         (
             "order-differs",
             lambda: ops.all_gather(x, g, 1, "ring" if rank == 0 else "direct"),
-            "order differs across ranks",
+            "all_gather: order differs across ranks: rank 0 has ring, rank 1 has direct",
         ),
-        ("chunks-differ", lambda: ops.all_gather(x, g, 1 + (rank == 0)), "chunks differs"),
+        (
+            "chunks-differ",
+            lambda: ops.all_gather(x, g, 1 + (rank == 0)),
+            "chunks differs across ranks: rank 0 has 2, rank 1 has 1",
+        ),
         (
             "rows-differ",
             lambda: ops.all_gather(torch.randn(2 + (rank == 1), 3), g),
-            "rows per rank (x.size(0)) differs",
+            "all_gather: x.shape differs across ranks: rank 0 has [2, 3], rank 1 has [3, 3]",
+        ),
+        # Same bytes per rank, another layout: silently mixed-up data before the shape was agreed.
+        (
+            "ag-row-shape-differs",
+            lambda: ops.all_gather(torch.randn(2, 6, 4) if rank == 1 else torch.randn(2, 4, 6), g),
+            "all_gather: x.shape differs across ranks: rank 0 has [2, 4, 6], rank 1 has [2, 6, 4]",
+        ),
+        (
+            "ag-transposed-differs",
+            lambda: ops.all_gather(torch.randn(6, 4) if rank == 1 else torch.randn(4, 6), g),
+            "all_gather: x.shape differs across ranks: rank 0 has [4, 6], rank 1 has [6, 4]",
+        ),
+        (
+            "ag-ndim-differs",
+            lambda: ops.all_gather(torch.randn(4, 1) if rank == 1 else torch.randn(4), g),
+            "all_gather: x.shape differs across ranks: rank 0 has [4], rank 1 has [4, 1]",
+        ),
+        (
+            # 10 dims: more than the header carries inline, so the shapes take a second exchange.
+            "ag-long-shape-differs",
+            lambda: ops.all_gather(torch.randn(2, *[1] * 7, *((3, 2) if rank == 1 else (2, 3))), g),
+            "all_gather: x.shape differs across ranks: rank 0 has [2, 1, 1, 1, 1, 1, 1, 1, 2, 3], "
+            "rank 1 has [2, 1, 1, 1, 1, 1, 1, 1, 3, 2]",
+        ),
+        (
+            "rs-row-shape-differs",
+            lambda: ops.reduce_scatter(
+                torch.randn(world, 6, 4) if rank == 1 else torch.randn(world, 4, 6), g
+            ),
+            f"reduce_scatter: x.shape differs across ranks: rank 0 has [{world}, 4, 6], "
+            f"rank 1 has [{world}, 6, 4]",
+        ),
+        (
+            "uly-scatter-dim-differs",
+            lambda: ops.all_to_all_ulysses(torch.randn(4, 4, 3), 0 if rank == 1 else 1, 2, g),
+            "all_to_all_ulysses: scatter_dim differs across ranks: rank 0 has 1, rank 1 has 0",
+        ),
+        (
+            "uly-dims-swapped",
+            lambda: ops.all_to_all_ulysses(
+                torch.randn(4, 4, 3), *((0, 1) if rank == 1 else (1, 0)), g
+            ),
+            "all_to_all_ulysses: scatter_dim differs across ranks: rank 0 has 1, rank 1 has 0",
+        ),
+        (
+            "uly-gather-dim-differs",
+            lambda: ops.all_to_all_ulysses(torch.randn(4, 4, 3), 1, 2 if rank == 1 else 0, g),
+            "all_to_all_ulysses: gather_dim differs across ranks: rank 0 has 0, rank 1 has 2",
+        ),
+        (
+            "uly-shape-differs",
+            lambda: ops.all_to_all_ulysses(
+                torch.randn(2, 4, 3) if rank == 1 else torch.randn(3, 4, 2), 1, 0, g
+            ),
+            "all_to_all_ulysses: x.shape differs across ranks: rank 0 has [3, 4, 2], "
+            "rank 1 has [2, 4, 3]",
         ),
     ]
 
@@ -533,6 +595,20 @@ def batch_worker(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     # The group must still be usable, in step, after every rank failed together.
     record("after-errors", lambda: torch.ops.uniep.all_gather(torch.full((2,), float(rank)), group))
 
+    def agreed_layouts() -> dict[str, Any]:
+        # What the agreement must accept: dims equal once normalised, shapes past the inline ones.
+        x = torch.randn(2, world, 3, generator=_gen(93, rank))
+        long = torch.full((1, *[1] * 8, 2), float(rank))
+        return {
+            "uly-mixed-sign-dims": (
+                torch.ops.uniep.all_to_all_ulysses(x, -2 if rank % 2 else 1, 0, group),
+                torch.ops.uniep.all_to_all_ulysses(x, 1, 0, group),
+            ),
+            "ag-long-shape": torch.ops.uniep.all_gather(long, group),
+        }
+
+    record("agreed-layouts", agreed_layouts)
+
     record("modules", lambda: _module_cases(rank, world))
     return results
 
@@ -640,6 +716,17 @@ def test_bad_inputs_raise_named_errors(world: int, name: str) -> None:
         kind, message = got
         assert kind == "ValueError", f"{name}: rank {rank} raised {kind}: {message}"
         assert words in message, f"{name}: rank {rank}: {message!r} lacks {words!r}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_equal_layouts_agree(world: int) -> None:
+    for rank, res in enumerate(_results(world, "agreed-layouts")):
+        mixed, plain = res["uly-mixed-sign-dims"]
+        assert same_bits(mixed, plain), f"rank {rank}: scatter_dim -2 and 1 ran differently"
+        want = torch.arange(world, dtype=torch.float32).repeat_interleave(2)
+        got = res["ag-long-shape"]
+        assert got.shape == (world, *[1] * 8, 2), f"rank {rank}: shape {tuple(got.shape)}"
+        assert torch.equal(got.flatten(), want), f"rank {rank}: {got.flatten()}"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -163,3 +164,73 @@ def test_good_arguments_pass() -> None:
 def test_tuning_parse_error_names_key(text: str, name: str) -> None:
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         _C.TuningParams.parse(text)
+
+
+# ---- absurd expert and rank counts: a named ValueError, never a failed allocation ----
+
+_IDX = torch.zeros(4, 2, dtype=torch.int64)
+# (num_experts, world_size, the message): the bound names the argument, the limit and the value.
+_E_MAX = "num_experts must be <= 1048576 (2**20, uniep::kMaxExperts), got "
+_W_MAX = "world_size must be <= 65536 (2**16, uniep::kMaxWorldSize), got "
+BOUNDS = [
+    pytest.param(2**40, 1, _E_MAX + str(2**40), id="E-2**40"),
+    pytest.param(2**21, 2, _E_MAX + str(2**21), id="E-2**21"),
+    pytest.param(2**20, 2**17, _W_MAX + str(2**17), id="W-2**17"),
+    pytest.param(2**40, 2**40, _W_MAX + str(2**40), id="both-2**40"),
+]
+
+
+@pytest.mark.parametrize(("experts", "world", "words"), BOUNDS)
+def test_routing_layout_bounds_counts(experts: int, world: int, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        torch.ops.uniep.routing_layout(_IDX, experts, world)
+
+
+@pytest.mark.parametrize(("experts", "world", "words"), BOUNDS)
+def test_routing_layout_fake_bounds_counts(experts: int, world: int, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        torch.ops.uniep.routing_layout(_IDX.to("meta"), experts, world)
+
+
+def test_routing_layout_at_the_bounds() -> None:
+    per_rank, per_expert, in_rank = torch.ops.uniep.routing_layout(_IDX, 2**20, 2**16)
+    assert per_expert.shape == (2**20,) and per_rank.shape == (2**16,)
+    assert in_rank.shape == (4, 2**16)
+    assert per_expert[0] == 8 and per_expert[1:].sum() == 0 and per_rank[0] == 4
+    fake = torch.ops.uniep.routing_layout(_IDX.to("meta"), 2**20, 2**16)
+    assert [t.shape for t in fake] == [per_rank.shape, per_expert.shape, in_rank.shape]
+
+
+def test_expert_rows_bounds_num_experts() -> None:
+    src, idx, from_rank = (
+        torch.zeros(0, dtype=torch.int64),
+        _IDX[:0],
+        torch.zeros(1, dtype=torch.int64),
+    )
+    for device in ("cpu", "meta"):
+        with pytest.raises(ValueError, match="num_experts must be <= 1048576"):
+            torch.ops.uniep.expert_rows(
+                src.to(device), idx.to(device), from_rank.to(device), 0, 2**40, 1
+            )
+
+
+# ---- a NUL inside a tuning string: a C string would end there and hide what follows ----
+
+
+@pytest.mark.parametrize(
+    ("text", "position"),
+    [
+        ("sms=24\x00garbage", 6),
+        ("\x00", 0),
+        ("tile_m=64,\x00stages=2", 10),
+        ("dispatch=bf16\x00", 13),
+    ],
+)
+def test_tuning_parse_rejects_nul(text: str, position: int) -> None:
+    with pytest.raises(ValueError, match=rf"tuning: NUL character at position {position} "):
+        _C.TuningParams.parse(text)
+
+
+def test_tuning_with_nul_rejected_by_the_op() -> None:
+    with pytest.raises(ValueError, match="NUL character at position 6"):
+        _forward(tuning="sms=24\x00garbage")

@@ -20,10 +20,13 @@ struct AgreedPlan {
 };
 
 // header: values every rank must agree on (shape, dtypes, precision); a mismatch names the field
-// and both ranks instead of corrupting buffers.
+// and both ranks instead of corrupting buffers. Every rank raises the same message: rank 0's
+// value against the first rank that differs from it.
 struct HeaderField {
   const char* name;
   int64_t value;
+  // Prints an enum value by its name ("float32", not 0); null: the value is a plain integer.
+  const char* (*value_name)(int64_t) = nullptr;
 };
 AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
                          const std::vector<HeaderField>& header, Transport& transport);

@@ -23,16 +23,29 @@ using numeric::Storage;
 
 enum class Pass : int64_t { kForward = 0, kBackward = 1 };
 
+const char* pass_name(Pass pass) {
+  return pass == Pass::kForward ? "forward" : pass == Pass::kBackward ? "backward" : "?";
+}
+
+// A header field printed by the name of its enum value, through `name_of` (dtype_name, ...).
+template <typename Enum, const char* (*name_of)(Enum)>
+cpu::HeaderField enum_field(const char* name, Enum value) {
+  return {name, static_cast<int64_t>(value),
+          [](int64_t v) { return name_of(static_cast<Enum>(v)); }};
+}
+
 std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
   return {{"hidden", a.shape.hidden},
           {"ffn_hidden", a.shape.ffn_hidden},
           {"top_k", a.shape.top_k},
           {"num_experts", a.shape.num_experts},
-          {"dtype", static_cast<int64_t>(a.dtype)},
-          {"topk_weights dtype", static_cast<int64_t>(a.weight_dtype)},
-          {"tuning dispatch precision", static_cast<int64_t>(a.tuning.dispatch)},
-          {"tuning combine reduction", static_cast<int64_t>(a.tuning.combine)},
-          {"pass (forward/backward)", static_cast<int64_t>(pass)}};
+          enum_field<DType, dtype_name>("dtype", a.dtype),
+          enum_field<DType, dtype_name>("topk_weights dtype", a.weight_dtype),
+          enum_field<DispatchPrecision, dispatch_precision_name>("tuning dispatch precision",
+                                                                 a.tuning.dispatch),
+          enum_field<CombineReduction, combine_reduction_name>("tuning combine reduction",
+                                                               a.tuning.combine),
+          enum_field<Pass, pass_name>("pass (forward/backward)", pass)};
 }
 
 template <typename Acc>

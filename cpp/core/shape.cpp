@@ -9,8 +9,12 @@ void MoeShape::validate() const {
   UNIEP_CHECK(hidden > 0, "hidden must be > 0, got ", hidden);
   UNIEP_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);
   UNIEP_CHECK(world_size > 0, "world_size must be > 0, got ", world_size);
+  UNIEP_CHECK(world_size <= kMaxWorldSize, "world_size must be <= ", kMaxWorldSize,
+              " (2**16, uniep::kMaxWorldSize), got ", world_size);
   UNIEP_CHECK(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ", rank);
   UNIEP_CHECK(num_experts > 0, "num_experts must be > 0, got ", num_experts);
+  UNIEP_CHECK(num_experts <= kMaxExperts, "num_experts must be <= ", kMaxExperts,
+              " (2**20, uniep::kMaxExperts), got ", num_experts);
   UNIEP_CHECK(num_experts % world_size == 0, "num_experts (", num_experts,
               ") must be divisible by the world size (", world_size, ")");
   UNIEP_CHECK(top_k > 0, "top_k must be > 0, got ", top_k);

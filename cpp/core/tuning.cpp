@@ -80,6 +80,11 @@ std::string TuningParams::to_string() const {
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
+  // A C string ends at the first NUL, so the value checks below (strtol) would stop there and
+  // accept whatever follows it: reject NUL outright.
+  const size_t nul = text.find('\0');
+  UNIEP_CHECK(nul == std::string::npos, "tuning: NUL character at position ", nul,
+              " of the tuning string (", text.size(), " characters); it must be plain text");
   TuningParams p;
   std::vector<std::string> seen;
   size_t pos = 0;

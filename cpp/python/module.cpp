@@ -254,6 +254,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rank", &MoeShape::rank)
       .def("validate", &MoeShape::validate)
       .def("__repr__", &MoeShape::to_string);
+  // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
+  m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
+  m.attr("MAX_WORLD_SIZE") = uniep::kMaxWorldSize;
 
   m.def("agree_call", &agree_call_py, py::arg("group_name"), py::arg("kind"),
         py::arg("fields") = std::vector<std::pair<std::string, int64_t>>{}, py::arg("error") = "",

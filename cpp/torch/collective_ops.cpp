@@ -153,6 +153,7 @@ at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group_name, int6
       args.rows_per_rank = x.size(0);
       args.k = row_width(x);
       args.chunks = chunks;
+      args.shape = x.sizes().vec();
     });
     cpu_all_gather(kind, args, *call.transport);
     return out;
@@ -180,6 +181,7 @@ at::Tensor reduce_scatter_cpu(const at::Tensor& x, c10::string_view group_name, 
       args.rows_per_rank = rows;
       args.n = row_width(x);
       args.chunks = chunks;
+      args.shape = x.sizes().vec();
     });
     cpu_reduce_scatter(kind, args, *call.transport);
     return out;
@@ -204,6 +206,9 @@ at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int6
       args.recv = recv.data_ptr();
       args.dtype = to_dtype(x, "x");
       args.block_bytes = send.numel() / W * send.element_size();
+      args.shape = x.sizes().vec();
+      args.scatter_dim = dims.scatter;
+      args.gather_dim = dims.gather;
     });
     cpu_all_to_all(args, *call.transport);
     return ulysses_output(recv, dims);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "uniep/plan.hpp"
+#include "uniep/shape.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::torch_glue {
@@ -49,6 +50,8 @@ ExpertRowsDims check_expert_rows_args(const at::Tensor& recv_src, const at::Tens
               ") (recv_from_rank's length is the world size), got ", rank);
   UNIEP_CHECK(num_experts >= 1 && num_experts % W == 0, "num_experts (", num_experts,
               ") must be a positive multiple of the world size (", W, ")");
+  UNIEP_CHECK(num_experts <= kMaxExperts, "num_experts must be <= ", kMaxExperts,
+              " (2**20, uniep::kMaxExperts), got ", num_experts);
   UNIEP_CHECK(max_tokens >= 1, "max_tokens must be >= 1, got ", max_tokens);
   const int64_t El = num_experts / W;
   return {W, El, rank * El, recv_topk_idx.size(1), recv_src.size(0)};

@@ -207,6 +207,10 @@ struct AllGatherArgs {
   int64_t n = 0;
   int64_t chunks = 1;
   PeerOrder order = PeerOrder::kDirect;
+  // all-gather: the shape of the caller's x ([m, ...], K = the product of its trailing dims), or
+  // empty. Never read, only agreed on: ranks whose rows hold the same number of elements in
+  // different layouts would otherwise exchange them silently.
+  std::vector<int64_t> shape;
 };
 // kind: kAllGatherMatmul or kAllGather.
 void cpu_all_gather(CollectiveKind kind, const AllGatherArgs& args, PeerTransport& transport);
@@ -226,6 +230,7 @@ struct ReduceScatterArgs {
   int64_t n = 0;
   int64_t chunks = 1;
   PeerOrder order = PeerOrder::kDirect;
+  std::vector<int64_t> shape;  // reduce-scatter: the caller's x [W*m, ...], or empty; agreed on
 };
 // kind: kMatmulReduceScatter or kReduceScatter.
 void cpu_reduce_scatter(CollectiveKind kind, const ReduceScatterArgs& args,
@@ -240,14 +245,20 @@ struct AllToAllArgs {
   int64_t block_bytes = 0;
   int64_t chunks = 1;
   PeerOrder order = PeerOrder::kDirect;
+  // The caller's layout, only agreed on like dtype (the bytes do not pin it down): the shape of
+  // its x, or empty, and the dims it scatters and gathers, in [0, x.dim()).
+  std::vector<int64_t> shape;
+  int64_t scatter_dim = 0;
+  int64_t gather_dim = 0;
 };
 void cpu_all_to_all(const AllToAllArgs& args, PeerTransport& transport);
 
-// Each cpu_* call first exchanges its parameters and this rank's verdict on them, so that a
-// mismatch (or a bad argument on one rank) fails every rank with a message naming the field and
-// the ranks instead of leaving the peers blocked in a transfer. A caller whose own argument
-// checks failed calls this instead of the executor: it takes part in that exchange, then throws
-// `error` here (the peers throw an error naming this rank).
+// Each cpu_* call first exchanges its parameters (the shape and dims above included) and this
+// rank's verdict on them, so that a mismatch (or a bad argument on one rank) fails every rank
+// with the same message, naming the field and rank 0's value against the first rank that differs,
+// instead of leaving the peers blocked in a transfer (or exchanging mislaid data). A caller whose
+// own argument checks failed calls this instead of the executor: it takes part in that exchange,
+// then throws `error` here (the peers throw an error naming this rank).
 [[noreturn]] void fail_collective_call(CollectiveKind kind, const Error& error,
                                        PeerTransport& transport);
 

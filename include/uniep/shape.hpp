@@ -6,6 +6,14 @@
 
 namespace uniep {
 
+// Bounds MoeShape::validate enforces, so that a nonsense count is a named ValueError rather than a
+// failed allocation: the planner sizes arrays by them ([E] and [W] counts, [T, W] flags, a
+// [W, W + E] count exchange). 2**20 experts is the largest MoE published (PEER's 1024 x 1024);
+// an expert-parallel group of 2**16 ranks is far beyond any machine. Within the bounds, memory is
+// the caller's to provide.
+inline constexpr int64_t kMaxExperts = int64_t{1} << 20;
+inline constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
+
 struct MoeShape {
   int64_t tokens = 0;       // T: tokens on this rank (may be 0)
   int64_t hidden = 0;       // H

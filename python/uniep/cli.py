@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -206,9 +207,6 @@ def _pick_device(requested: str, world: int) -> tuple[str, str]:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from uniep.distributed import run_local_ranks
 
-    for name in ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "iters"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"uniep demo: --{name.replace('_', '-')} must be >= 1")
     if args.experts % args.world_size != 0:
         raise SystemExit(
             f"uniep demo: --experts ({args.experts}) must be divisible by --world-size "
@@ -281,6 +279,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of counts and sizes: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type of --seed: an integer in [0, 2**32), so that the per-rank seeds derived from
+    it stay within what torch.Generator.manual_seed takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [0, 2**32), got {text!r}"
+        ) from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of a timeout: a finite number of seconds > 0 (0 would stop every rank at
+    once, and nan or inf would never stop a hung one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uniep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -293,18 +328,21 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="run an MoE layer forward+backward on local ranks and check it against a reference",
     )
-    demo.add_argument("--world-size", type=int, default=2, help="local ranks to spawn")
-    demo.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--ffn", type=int, default=512, help="expert intermediate width")
-    demo.add_argument("--experts", type=int, default=8, help="experts in total")
-    demo.add_argument("--top-k", type=int, default=2)
+    demo.add_argument("--world-size", type=_positive_int, default=2, help="local ranks to spawn")
+    demo.add_argument("--tokens", type=_positive_int, default=512, help="tokens per rank")
+    demo.add_argument("--hidden", type=_positive_int, default=256)
+    demo.add_argument("--ffn", type=_positive_int, default=512, help="expert intermediate width")
+    demo.add_argument("--experts", type=_positive_int, default=8, help="experts in total")
+    demo.add_argument("--top-k", type=_positive_int, default=2)
     demo.add_argument("--dtype", choices=sorted(_TOLERANCE), default="float32")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--iters", type=int, default=3, help="timed iterations (median)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--iters", type=_positive_int, default=3, help="timed iterations (median)")
+    demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds before hung ranks are stopped"
+        "--timeout",
+        type=_positive_seconds,
+        default=120.0,
+        help="seconds before hung ranks are stopped",
     )
     demo.set_defaults(func=_cmd_demo)
     return parser

@@ -577,11 +577,17 @@ def all_to_all_ulysses(
     ``scatter_dim=0, gather_dim=1`` goes back. Backward: the same op with the dims swapped.
 
     Args:
-        x: at least 2-D, float32, bfloat16 or float64; ``x.size(scatter_dim)`` divisible by ``W``.
-        scatter_dim, gather_dim: distinct dims of ``x`` (negative counts from the end).
+        x: at least 2-D, float32, bfloat16 or float64; the same shape on every rank,
+            ``x.size(scatter_dim)`` divisible by ``W``.
+        scatter_dim, gather_dim: distinct dims of ``x`` (negative counts from the end), the same
+            dims on every rank.
 
     Returns:
         ``x``'s shape with ``scatter_dim`` divided and ``gather_dim`` multiplied by ``W``.
+
+    Raises:
+        ValueError: a bad shape, dtype or dim, or a mismatch across ranks (the CPU executor
+            checks the shape, dtype and dims of every rank; every rank raises).
     """
     name = distributed.group_name(group)
     _maybe_cuda(x, name, x.numel() // _world_size_of(name) * x.element_size())

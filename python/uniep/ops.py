@@ -133,6 +133,11 @@ def _moe_backward_fake(
     )
 
 
+def _check_at_most(value: int, name: str, bound: int, why: str) -> None:
+    # The C++ bound (MoeShape::validate): larger counts would size the outputs past any memory.
+    torch._check_value(value <= bound, lambda: f"{name} must be <= {bound} ({why}), got {value}")
+
+
 @torch.library.register_fake("uniep::routing_layout")
 def _routing_layout_fake(
     topk_idx: torch.Tensor, num_experts: int, world_size: int
@@ -144,7 +149,9 @@ def _routing_layout_fake(
         topk_idx.dtype == torch.int64, lambda: f"topk_idx must be int64, got {topk_idx.dtype}"
     )
     torch._check_value(world_size > 0, lambda: f"world_size must be > 0, got {world_size}")
+    _check_at_most(world_size, "world_size", _C.MAX_WORLD_SIZE, "2**16, uniep::kMaxWorldSize")
     torch._check_value(num_experts > 0, lambda: f"num_experts must be > 0, got {num_experts}")
+    _check_at_most(num_experts, "num_experts", _C.MAX_EXPERTS, "2**20, uniep::kMaxExperts")
     torch._check_value(
         num_experts % world_size == 0,
         lambda: f"num_experts ({num_experts}) must be divisible by world_size ({world_size})",
@@ -196,6 +203,7 @@ def _expert_rows_fake(
             f"num_experts ({num_experts}) must be a positive multiple of the world size ({world})"
         ),
     )
+    _check_at_most(num_experts, "num_experts", _C.MAX_EXPERTS, "2**20, uniep::kMaxExperts")
     # R, the number of (slot, k) entries naming a local expert, is data-dependent.
     rows = torch.library.get_ctx().new_dynamic_size()
     return (

@@ -27,7 +27,10 @@ def moe_reference(
     """SwiGLU mixture of experts over all experts on one process.
 
     ``y[t] = sum_k topk_weights[t, k] * (silu(x[t] @ W1g[e]) * (x[t] @ W1u[e])) @ W2[e]`` with
-    ``e = topk_idx[t, k]``; slots with ``e == -1`` contribute nothing.
+    ``e = topk_idx[t, k]``; slots with ``e == -1`` contribute nothing. Only what the routing uses
+    is computed: a NaN or inf in an expert no token uses, in the weight of a -1 slot, or in a
+    token routed nowhere does not reach the output (a token routed nowhere gives zeros), while
+    one in a used expert shows up in the tokens that use it.
 
     Args:
         x: ``[T, H]`` tokens, any floating dtype.
@@ -76,8 +79,11 @@ def moe_reference(
     xs = x.to(compute_dtype)
     gates = topk_weights.to(compute_dtype)
     # Starts connected to every input, so the result is differentiable even when no token
-    # reaches any expert (its gradients are then zeros, not an error).
-    y = xs * 0 + (gates.sum() + w1_full.sum() + w2_full.sum()).to(compute_dtype) * 0
+    # reaches any expert (its gradients are then zeros, not an error). Through empty slices, not
+    # `* 0`: a NaN or inf in an unused expert, an unused slot's weight or an unrouted token must
+    # not reach the output (NaN * 0 is NaN).
+    untouched = sum(t[:0].sum().to(compute_dtype) for t in (xs, gates, w1_full, w2_full))
+    y = xs.new_zeros(xs.shape) + untouched
     for e in range(num_experts):
         tokens, slots = (topk_idx == e).nonzero(as_tuple=True)
         if tokens.numel() == 0:

@@ -2,6 +2,7 @@
 // PeerTransport, then computes its chunk with plain loops. On the CPU a step's transfers complete
 // before its compute, which is the ordering the plan already allows; the executor still checks
 // that each compute only reads what the plan says has arrived, so it tests the plan too.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -20,7 +21,8 @@ using numeric::Bf16;
 using numeric::Storage;
 
 // What every rank must agree on before the first transfer. rows/width are kind-specific (named
-// in the messages).
+// in the messages); shape and the all-to-all dims pin down the layout that equal byte counts
+// alone do not (a [2, 4, 6] and a [2, 6, 4] tensor move the same bytes).
 struct CallHeader {
   CollectiveKind kind;
   PeerOrder order;
@@ -28,8 +30,26 @@ struct CallHeader {
   DType dtype;
   int64_t rows;
   int64_t width;
+  std::vector<int64_t> shape;  // x.shape; empty: not agreed on (the matmul kinds)
+  int64_t scatter_dim = 0;     // all-to-all only
+  int64_t gather_dim = 0;
 };
-constexpr int64_t kHeaderWords = 7;
+// The header's words on the wire, then the first kInlineDims of the shape (zero-padded); a longer
+// shape takes a second exchange.
+enum Word : int64_t {
+  kKind,
+  kOrder,
+  kChunks,
+  kDtype,
+  kRows,
+  kWidth,
+  kScatterDim,
+  kGatherDim,
+  kVerdict,  // 1: this rank's arguments passed its own checks
+  kNdim,
+  kFixedWords
+};
+constexpr int64_t kInlineDims = 8, kHeaderWords = kFixedWords + kInlineDims;
 
 const char* rows_name(CollectiveKind kind) {
   switch (kind) {
@@ -62,48 +82,84 @@ const char* width_name(CollectiveKind kind) {
   return "width";
 }
 
+std::string shape_str(const int64_t* dims, int64_t ndim) {
+  std::string s = "[";
+  for (int64_t d = 0; d < ndim; ++d) s += detail::str_cat(d ? ", " : "", dims[d]);
+  return s + "]";
+}
+
 // Exchanges the header and this rank's verdict; throws on every rank if any rank failed or the
-// headers differ. The local error is rethrown as is, so its message names the argument.
+// headers differ. The local error is rethrown as is, so its message names the argument; a
+// mismatch is reported as rank 0's value against the first rank that differs from it, so every
+// rank raises the same message.
 void agree(const CallHeader& h, const std::string& local_error, PeerTransport& tr) {
-  const int64_t W = tr.world_size(), me = tr.rank();
-  const int64_t mine[kHeaderWords] = {static_cast<int64_t>(h.kind),
-                                      static_cast<int64_t>(h.order),
-                                      h.chunks,
-                                      static_cast<int64_t>(h.dtype),
-                                      h.rows,
-                                      h.width,
-                                      local_error.empty() ? 1 : 0};
+  const int64_t W = tr.world_size(), ndim = static_cast<int64_t>(h.shape.size());
+  std::vector<int64_t> mine(kHeaderWords, 0);
+  mine[kKind] = static_cast<int64_t>(h.kind);
+  mine[kOrder] = static_cast<int64_t>(h.order);
+  mine[kChunks] = h.chunks;
+  mine[kDtype] = static_cast<int64_t>(h.dtype);
+  mine[kRows] = h.rows;
+  mine[kWidth] = h.width;
+  mine[kScatterDim] = h.scatter_dim;
+  mine[kGatherDim] = h.gather_dim;
+  mine[kVerdict] = local_error.empty() ? 1 : 0;
+  mine[kNdim] = ndim;
+  std::copy_n(h.shape.begin(), std::min(ndim, kInlineDims), mine.begin() + kFixedWords);
   std::vector<int64_t> all(W * kHeaderWords);
-  tr.all_gather(mine, kHeaderWords, all.data());
+  tr.all_gather(mine.data(), kHeaderWords, all.data());
+  auto word = [&](int64_t r, Word w) { return all[r * kHeaderWords + w]; };
+  // Every rank sees the same ndims, so either all of them take the second exchange or none does.
+  int64_t max_ndim = 0;
+  for (int64_t r = 0; r < W; ++r) max_ndim = std::max(max_ndim, word(r, kNdim));
+  std::vector<int64_t> shapes(W * max_ndim);  // [W][max_ndim]
+  if (max_ndim > kInlineDims) {
+    std::vector<int64_t> padded(h.shape);
+    padded.resize(max_ndim, 0);
+    tr.all_gather(padded.data(), max_ndim, shapes.data());
+  } else {
+    for (int64_t r = 0; r < W; ++r)
+      std::copy_n(&all[r * kHeaderWords + kFixedWords], max_ndim, &shapes[r * max_ndim]);
+  }
+  auto shape_of = [&](int64_t r) { return shape_str(&shapes[r * max_ndim], word(r, kNdim)); };
+
   UNIEP_CHECK(local_error.empty(), local_error);
   const char* op = collective_kind_name(h.kind);
   for (int64_t r = 0; r < W; ++r) {
-    const int64_t* o = &all[r * kHeaderWords];
-    UNIEP_CHECK(o[0] == mine[0], op, ": rank ", r, " called ",
-                collective_kind_name(static_cast<CollectiveKind>(o[0])),
+    UNIEP_CHECK(word(r, kKind) == mine[kKind], op, ": rank ", r, " called ",
+                collective_kind_name(static_cast<CollectiveKind>(word(r, kKind))),
                 " at the same time: every rank of the group must call the same collectives in "
                 "the same order");
-    UNIEP_CHECK(o[6] == 1, op, ": rank ", r,
+    UNIEP_CHECK(word(r, kVerdict) == 1, op, ": rank ", r,
                 " passed invalid arguments (its error names the argument)");
   }
-  const char* names[] = {"kind", "order", "chunks", "dtype", rows_name(h.kind), width_name(h.kind)};
-  for (int64_t r = 0; r < W; ++r) {
-    for (int64_t f = 1; f < 6; ++f) {
-      const int64_t theirs = all[r * kHeaderWords + f];
-      if (theirs == mine[f]) continue;
-      if (f == 1) {
-        UNIEP_CHECK(false, op, ": order differs across ranks: rank ", me, " has ",
-                    peer_order_name(h.order), ", rank ", r, " has ",
-                    peer_order_name(static_cast<PeerOrder>(theirs)));
-      }
-      if (f == 3) {
-        UNIEP_CHECK(false, op, ": dtype differs across ranks: rank ", me, " has ",
-                    dtype_name(h.dtype), ", rank ", r, " has ",
-                    dtype_name(static_cast<DType>(theirs)));
-      }
-      UNIEP_CHECK(false, op, ": ", names[f], " differs across ranks: rank ", me, " has ", mine[f],
-                  ", rank ", r, " has ", theirs);
+  auto differs = [&](const char* name, const std::string& first, int64_t r,
+                     const std::string& theirs) {
+    UNIEP_CHECK(false, op, ": ", name, " differs across ranks: rank 0 has ", first, ", rank ", r,
+                " has ", theirs);
+  };
+  auto int_field = [&](Word w, const char* name, int64_t r) {
+    if (word(r, w) != word(0, w))
+      differs(name, std::to_string(word(0, w)), r, std::to_string(word(r, w)));
+  };
+  const bool a2a = h.kind == CollectiveKind::kAllToAllUlysses;
+  // The fields in the order their messages help most: the layout before the byte counts
+  // derived from it.
+  for (int64_t r = 1; r < W; ++r) {
+    if (word(r, kOrder) != word(0, kOrder))
+      differs("order", peer_order_name(static_cast<PeerOrder>(word(0, kOrder))), r,
+              peer_order_name(static_cast<PeerOrder>(word(r, kOrder))));
+    int_field(kChunks, "chunks", r);
+    if (word(r, kDtype) != word(0, kDtype))
+      differs("dtype", dtype_name(static_cast<DType>(word(0, kDtype))), r,
+              dtype_name(static_cast<DType>(word(r, kDtype))));
+    if (a2a) {
+      int_field(kScatterDim, "scatter_dim", r);
+      int_field(kGatherDim, "gather_dim", r);
     }
+    if (shape_of(r) != shape_of(0)) differs("x.shape", shape_of(0), r, shape_of(r));
+    int_field(kRows, rows_name(h.kind), r);
+    int_field(kWidth, width_name(h.kind), r);
   }
 }
 
@@ -343,15 +399,16 @@ void fail_collective_call(CollectiveKind kind, const Error& error, PeerTransport
 
 void cpu_all_gather(CollectiveKind kind, const AllGatherArgs& args, PeerTransport& transport) {
   check_transport(transport);
-  validate_and_agree({kind, args.order, args.chunks, args.dtype, args.rows_per_rank, args.k},
-                     transport, [&] {
-                       UNIEP_CHECK(is_gather_kind(kind),
-                                   "cpu_all_gather: kind must be "
-                                   "all_gather_matmul or all_gather, got ",
-                                   collective_kind_name(kind));
-                       check_rows(args.rows_per_rank, args.chunks, "rows per rank");
-                       UNIEP_CHECK(args.k >= 0 && args.n >= 0, "k and n must be >= 0");
-                     });
+  validate_and_agree(
+      {kind, args.order, args.chunks, args.dtype, args.rows_per_rank, args.k, args.shape},
+      transport, [&] {
+        UNIEP_CHECK(is_gather_kind(kind),
+                    "cpu_all_gather: kind must be "
+                    "all_gather_matmul or all_gather, got ",
+                    collective_kind_name(kind));
+        check_rows(args.rows_per_rank, args.chunks, "rows per rank");
+        UNIEP_CHECK(args.k >= 0 && args.n >= 0, "k and n must be >= 0");
+      });
   const CollectiveSchedule s =
       make_schedule(kind, transport.world_size(), transport.rank(), args.chunks, args.order);
   by_dtype(args.dtype, [&](auto tag) { gather_impl<decltype(tag)>(kind, args, s, transport); });
@@ -360,15 +417,16 @@ void cpu_all_gather(CollectiveKind kind, const AllGatherArgs& args, PeerTranspor
 void cpu_reduce_scatter(CollectiveKind kind, const ReduceScatterArgs& args,
                         PeerTransport& transport) {
   check_transport(transport);
-  validate_and_agree({kind, args.order, args.chunks, args.dtype, args.rows_per_rank, args.n},
-                     transport, [&] {
-                       UNIEP_CHECK(is_reduce_kind(kind),
-                                   "cpu_reduce_scatter: kind must be "
-                                   "matmul_reduce_scatter or reduce_scatter, got ",
-                                   collective_kind_name(kind));
-                       check_rows(args.rows_per_rank, args.chunks, "rows per rank");
-                       UNIEP_CHECK(args.k >= 0 && args.n >= 0, "k and n must be >= 0");
-                     });
+  validate_and_agree(
+      {kind, args.order, args.chunks, args.dtype, args.rows_per_rank, args.n, args.shape},
+      transport, [&] {
+        UNIEP_CHECK(is_reduce_kind(kind),
+                    "cpu_reduce_scatter: kind must be "
+                    "matmul_reduce_scatter or reduce_scatter, got ",
+                    collective_kind_name(kind));
+        check_rows(args.rows_per_rank, args.chunks, "rows per rank");
+        UNIEP_CHECK(args.k >= 0 && args.n >= 0, "k and n must be >= 0");
+      });
   const CollectiveSchedule s =
       make_schedule(kind, transport.world_size(), transport.rank(), args.chunks, args.order);
   by_dtype(args.dtype, [&](auto tag) { reduce_impl<decltype(tag)>(kind, args, s, transport); });
@@ -377,8 +435,9 @@ void cpu_reduce_scatter(CollectiveKind kind, const ReduceScatterArgs& args,
 void cpu_all_to_all(const AllToAllArgs& args, PeerTransport& transport) {
   check_transport(transport);
   const CollectiveKind kind = CollectiveKind::kAllToAllUlysses;
-  validate_and_agree({kind, args.order, args.chunks, args.dtype, args.block_bytes, 0}, transport,
-                     [&] { check_rows(args.block_bytes, args.chunks, "block bytes"); });
+  validate_and_agree({kind, args.order, args.chunks, args.dtype, args.block_bytes, 0, args.shape,
+                      args.scatter_dim, args.gather_dim},
+                     transport, [&] { check_rows(args.block_bytes, args.chunks, "block bytes"); });
   const CollectiveSchedule s =
       make_schedule(kind, transport.world_size(), transport.rank(), args.chunks, args.order);
   const int64_t W = s.world_size, r = s.rank, B = args.block_bytes, pb = B / args.chunks;

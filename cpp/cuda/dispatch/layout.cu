@@ -21,6 +21,7 @@
 #include <limits>
 
 #include "uniep/cuda/layout.hpp"
+#include "uniep/shape.hpp"
 
 namespace uniep::cuda {
 namespace {
@@ -133,8 +134,16 @@ Status validate_routing_layout(int64_t tokens, int64_t top_k, int64_t num_expert
   // Order and wording follow MoeShape::validate, so both devices reject a call the same way.
   if (tokens < 0) return invalid(detail::str_cat("tokens must be >= 0, got ", tokens));
   if (world_size < 1) return invalid(detail::str_cat("world_size must be > 0, got ", world_size));
+  if (world_size > kMaxWorldSize) {
+    return invalid(detail::str_cat("world_size must be <= ", kMaxWorldSize,
+                                   " (2**16, uniep::kMaxWorldSize), got ", world_size));
+  }
   if (num_experts < 1) {
     return invalid(detail::str_cat("num_experts must be > 0, got ", num_experts));
+  }
+  if (num_experts > kMaxExperts) {
+    return invalid(detail::str_cat("num_experts must be <= ", kMaxExperts,
+                                   " (2**20, uniep::kMaxExperts), got ", num_experts));
   }
   if (num_experts % world_size != 0) {
     return invalid(detail::str_cat("num_experts (", num_experts,
