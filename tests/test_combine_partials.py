@@ -134,7 +134,7 @@ def mode_mismatch_worker(rank: int, world_size: int) -> str:
 
 def test_ranks_disagreeing_on_combine_mode_all_raise() -> None:
     for rank, msg in enumerate(run_ranks(2, mode_mismatch_worker)):
-        want = "combine reduction differs across ranks: rank 0 has rank_partials, rank 1 has per_k"
+        want = "tuning combine differs across ranks: rank 0 has rank_partials, rank 1 has per_k"
         assert want in msg, (rank, msg)
 
 

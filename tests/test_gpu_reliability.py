@@ -211,3 +211,136 @@ def test_two_ranks_sharing_the_gpu_fail_together_on_one_bad_argument(
             assert re.search(text, message), (case_id, rank, message)
             assert seconds < 30.0, (case_id, rank, seconds)
     assert all(r[-1][1] == "" for r in reports), reports
+
+
+def _raw_ops_table() -> list[tuple[str, Callable[[dict], object], str]]:
+    """(id, call on the state of one good dispatch, the argument the message must name)."""
+    import uniep
+
+    def x_bf16(t: int, h: int = HIDDEN) -> torch.Tensor:
+        return torch.randn(t, h, device="cuda").bfloat16()
+
+    return [
+        (
+            "dispatch-x-non-contiguous",
+            lambda s: uniep.ep.dispatch(s["x"].t().contiguous().t(), s["idx"], s["w"]),
+            r"\bx\b",
+        ),
+        (
+            "dispatch-x-rows-not-16-bytes",
+            lambda s: uniep.ep.dispatch(x_bf16(TOKENS, 4), s["idx"], s["w"]),
+            r"\bx\b",
+        ),
+        (
+            "dispatch-topk_idx-int32",
+            lambda s: uniep.ep.dispatch(s["x"], s["idx"].int(), s["w"]),
+            "topk_idx",
+        ),
+        (
+            "dispatch-topk_idx-wrong-k",
+            lambda s: uniep.ep.dispatch(
+                s["x"], s["idx"][:, :1].contiguous(), s["w"][:, :1].contiguous()
+            ),
+            "topk_idx",
+        ),
+        (
+            "dispatch-topk_weights-float16",
+            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"].half()),
+            "topk_weights",
+        ),
+        (
+            "dispatch-fp8-float32-x",
+            lambda s: uniep.ep.dispatch(s["x"].float(), s["idx"], s["w"], tuning="dispatch=fp8"),
+            r"\bx\b",
+        ),
+        (
+            "dispatch-sms-too-many",
+            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"], tuning="sms=100000"),
+            "sms",
+        ),
+        (
+            "dispatch-bad-tuning",
+            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"], tuning="tile_m=7"),
+            "tile_m",
+        ),
+        (
+            "dispatch-expert-out-of-range",
+            lambda s: uniep.ep.dispatch(s["x"], torch.full_like(s["idx"], EXPERTS + 1), s["w"]),
+            "topk_idx",
+        ),
+        (
+            "combine-y-float32",
+            lambda s: uniep.ep.combine(s["y"].float(), s["res"].handle),
+            r"\by\b",
+        ),
+        (
+            "combine-y-wrong-hidden",
+            lambda s: uniep.ep.combine(s["y"][:, :128].contiguous(), s["res"].handle),
+            r"\by\b",
+        ),
+        (
+            "combine-row_target-short",
+            lambda s: torch.ops.uniep.ep_combine(
+                s["y"],
+                s["res"].handle.row_target[:-1].contiguous(),
+                s["idx"],
+                s["w"],
+                s["res"].handle.group_name,
+                s["res"].handle.epoch,
+                "",
+            ),
+            "row_target",
+        ),
+        (
+            "ll_dispatch-without-ll-buffers",
+            lambda s: uniep.ep.ll_dispatch(s["x"], s["idx"]),
+            "ll_max_tokens",
+        ),
+    ]
+
+
+def _raw_ops_worker(rank: int, world: int) -> list[tuple[str, str, str]]:
+    import uniep
+
+    _device()
+    uniep.ep.init_runtime(max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS)
+    out = []
+    for case_id, call, _ in _raw_ops_table():
+        gen = torch.Generator().manual_seed(len(out))
+        idx = torch.rand(TOKENS, EXPERTS, generator=gen).topk(K, dim=1).indices.cuda()
+        state = {
+            "x": torch.randn(TOKENS, HIDDEN, device="cuda").bfloat16(),
+            "idx": idx,
+            "w": torch.rand(TOKENS, K, device="cuda"),
+        }
+        state["res"] = uniep.ep.dispatch(state["x"], state["idx"], state["w"])
+        rows = state["res"].handle.row_slot.numel()
+        state["y"] = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+        try:
+            call(state)
+            torch.cuda.synchronize()
+            uniep.ep.check()
+            out.append((case_id, "", "no error"))
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            out.append((case_id, type(e).__name__, str(e)))
+    # Still usable: a full round after every refusal.
+    x = torch.randn(TOKENS, HIDDEN, device="cuda").bfloat16()
+    idx = torch.randint(0, EXPERTS, (TOKENS, 1), device="cuda").repeat(1, K)
+    idx[:, 1] = (idx[:, 0] + 1) % EXPERTS
+    res = uniep.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
+    y = res.recv_x.index_select(0, res.handle.row_slot)
+    uniep.ep.combine(y, res.handle)
+    uniep.ep.check()
+    out.append(("round-after", "", "ok"))
+    return out
+
+
+def test_raw_ops_name_the_bad_argument_and_stay_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    (report,) = _run(_raw_ops_worker, 1, monkeypatch)
+    table = _raw_ops_table()
+    assert len(report) == len(table) + 1
+    for (case_id, _, name), (got_id, kind, message) in zip(table, report, strict=False):
+        assert got_id == case_id
+        assert kind in ("ValueError", "NotImplementedError", "RuntimeError"), (case_id, kind)
+        assert re.search(name, message), (case_id, message)
+    assert report[-1] == ("round-after", "", "ok")

@@ -276,22 +276,34 @@ def test_backward_matches_reference_autograd(case: MoeCase) -> None:
 # (id, what the message must say, {rank: overrides of the baseline shape}). Every rank gets the
 # same message: rank 0's value against rank 1's, enums by name.
 MISMATCHES: list[tuple[str, str, dict[str, Any]]] = [
-    ("hidden", "hidden differs across ranks: rank 0 has 16, rank 1 has 24", {"hidden": 24}),
-    ("ffn", "ffn_hidden differs across ranks: rank 0 has 8, rank 1 has 12", {"ffn": 12}),
-    ("top_k", "top_k differs across ranks: rank 0 has 2, rank 1 has 3", {"top_k": 3}),
+    (
+        "hidden",
+        "hidden (x.size(1)) differs across ranks: rank 0 has 16, rank 1 has 24",
+        {"hidden": 24},
+    ),
+    (
+        "ffn",
+        "ffn_hidden (w2.size(1)) differs across ranks: rank 0 has 8, rank 1 has 12",
+        {"ffn": 12},
+    ),
+    (
+        "top_k",
+        "top_k (topk_idx.size(1)) differs across ranks: rank 0 has 2, rank 1 has 3",
+        {"top_k": 3},
+    ),
     (
         "local-experts",
-        "num_experts differs across ranks: rank 0 has 4, rank 1 has 6",
+        "num_experts (w1.size(0) x world size) differs across ranks: rank 0 has 4, rank 1 has 6",
         {"local_experts": 3},
     ),
     (
         "dtype",
-        "dtype differs across ranks: rank 0 has float32, rank 1 has float64",
+        "x dtype differs across ranks: rank 0 has float32, rank 1 has float64",
         {"dtype": torch.float64},
     ),
     (
         "dispatch",
-        "tuning dispatch precision differs across ranks: rank 0 has bf16, rank 1 has fp8",
+        "tuning dispatch differs across ranks: rank 0 has bf16, rank 1 has fp8",
         {"tuning": "dispatch=fp8"},
     ),
 ]

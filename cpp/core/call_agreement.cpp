@@ -86,12 +86,14 @@ void agree_on_call(const CallSignature& signature, const Error* local_error, Tra
                 " at the same time; every rank of the group must make the same calls in the "
                 "same order (a backward run on some ranks only?)");
   }
-  for (int64_t r = 0; r < W; ++r) {
-    for (int64_t i = 0; i < F; ++i) {
+  // Against rank 0's values, so that every rank raises the same message.
+  for (int64_t i = 0; i < F; ++i) {
+    const CallField& f = signature.fields[i];
+    const int64_t first = all[kHead + i];
+    for (int64_t r = 1; r < W; ++r) {
       const int64_t theirs = all[r * kWords + kHead + i];
-      const CallField& f = signature.fields[i];
-      UNIEP_CHECK(theirs == f.value, op, ": ", f.name, " differs across ranks: rank ", me, " has ",
-                  field_text(f, f.value), ", rank ", r, " has ", field_text(f, theirs),
+      UNIEP_CHECK(theirs == first, op, ": ", f.name, " differs across ranks: rank 0 has ",
+                  field_text(f, first), ", rank ", r, " has ", field_text(f, theirs),
                   "; every rank of the group must pass the same");
     }
   }

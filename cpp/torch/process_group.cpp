@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 
 #include "uniep/status.hpp"
 
@@ -43,26 +42,18 @@ void wait_bounded(const c10::intrusive_ptr<c10d::Work>& work, const std::string&
   using Clock = std::chrono::steady_clock;
   const double limit = host_timeout_s();
   const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
-  // A few hundred microseconds of yielding spins (the common case: peers are there), then
-  // short sleeps, so a long wait does not burn a core that the peers' processes may need.
-  for (uint64_t spin = 0; !work->isCompleted(); ++spin) {
-    const auto now = Clock::now();
-    UNIEP_CHECK_CODE(now < deadline, StatusCode::kTimeout, op, " on rank ", pg.getRank(),
+  try {
+    // The backends bound this wait themselves (gloo's send/recv work never reports completion
+    // through isCompleted, so polling it would spin to the deadline); it throws at the limit.
+    work->wait(std::chrono::milliseconds(static_cast<int64_t>(limit * 1000.0)));
+  } catch (const std::exception& e) {
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    UNIEP_CHECK_CODE(waited < limit, StatusCode::kTimeout, op, " on rank ", pg.getRank(),
                      " of group '", pg.getGroupName(), "' (", pg.getSize(),
                      " ranks) timed out after ", limit,
                      " s waiting for its peers (did every rank of the group call it? a rank "
                      "that raised before joining, or a backward run on some ranks only, leaves "
                      "the others here); UNIEP_TIMEOUT_S sets the limit");
-    if (now - start < std::chrono::microseconds(500))
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  try {
-    work->wait();  // rethrows the backend's failure; for CUDA outputs, orders the current stream
-  } catch (const std::exception& e) {
     UNIEP_CHECK_CODE(false, StatusCode::kInternal, op, " on rank ", pg.getRank(),
                      ": the exchange over group '", pg.getGroupName(), "' failed: ", e.what());
   }
