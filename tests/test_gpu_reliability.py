@@ -344,3 +344,94 @@ def test_raw_ops_name_the_bad_argument_and_stay_usable(monkeypatch: pytest.Monke
         assert kind in ("ValueError", "NotImplementedError", "RuntimeError"), (case_id, kind)
         assert re.search(name, message), (case_id, message)
     assert report[-1] == ("round-after", "", "ok")
+
+
+def _raw_agreement_cases() -> list[tuple[str, Callable[[int, dict], object], str]]:
+    """(id, the call every rank makes, with rank BAD's arguments spoiled; what every rank's
+    message must hold). The raw dispatches do no host-side exchange: a rank that refuses its
+    round still joins the round's device exchange with a failing verdict, and every round
+    carries its row size, precision and combine."""
+    import uniep
+
+    def dispatch(r: int, s: dict, **kw: object) -> object:
+        res = uniep.ep.dispatch(s["x"], s["idx"], s["w"], **kw)
+        torch.cuda.synchronize()
+        return res
+
+    def cached(r: int, s: dict, x: torch.Tensor, tuning: str | None = None) -> None:
+        uniep.ep.dispatch_cached(x, s["res"].handle, tuning=tuning)
+        uniep.ep.check()
+
+    half_w = lambda r, s: dispatch(r, {**s, "w": s["w"].half()} if r == BAD else s)  # noqa: E731
+    fp8 = lambda r, s: dispatch(r, s, tuning="dispatch=fp8" if r == BAD else "")  # noqa: E731
+    partials = lambda r, s: dispatch(  # noqa: E731
+        r, s, tuning="combine=rank_partials" if r == BAD else ""
+    )
+    many = lambda r, s: dispatch(  # noqa: E731
+        r, {k: v.repeat(3, 1) for k, v in s.items() if k != "res"} if r == BAD else s
+    )
+    cached_bad_x = lambda r, s: cached(r, s, s["x"].float() if r == BAD else s["x"])  # noqa: E731
+    cached_fp8 = lambda r, s: cached(  # noqa: E731
+        r, s, s["x"], "dispatch=fp8" if r == BAD else None
+    )
+    return [
+        ("dispatch-bad-argument", half_w, r"rank 1 failed its argument checks|topk_weights"),
+        ("dispatch-precision-differs", fp8, "differs from rank 0's"),
+        ("dispatch-combine-differs", partials, "differs from rank 0's"),
+        ("dispatch-over-capacity", many, r"rank 1 failed its argument checks|max_tokens"),
+        ("cached-bad-argument", cached_bad_x, r"rank 1 failed its argument checks|\bx\b"),
+        ("cached-precision-differs", cached_fp8, "differs from rank 0's"),
+    ]
+
+
+def _raw_agreement_worker(rank: int, world: int) -> list[tuple[str, str, str, float]]:
+    import uniep
+
+    os.environ["UNIEP_TIMEOUT_S"] = "30"
+    _device()
+    uniep.ep.init_runtime(
+        max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS, timeout_s=30.0
+    )
+    out = []
+    for i, (case_id, call, _) in enumerate(_raw_agreement_cases()):
+        gen = torch.Generator().manual_seed(100 * i + rank)
+        idx = torch.rand(TOKENS, EXPERTS, generator=gen).topk(K, dim=1).indices.cuda()
+        state = {
+            "x": torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().cuda(),
+            "idx": idx,
+            "w": torch.rand(TOKENS, K, generator=gen).cuda(),
+        }
+        if case_id.startswith("cached"):
+            state["res"] = uniep.ep.dispatch(state["x"], state["idx"], state["w"])
+        start = time.monotonic()
+        try:
+            call(rank, state)
+            out.append((case_id, "", "no error", time.monotonic() - start))
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            out.append((case_id, type(e).__name__, str(e), time.monotonic() - start))
+    # The epochs stayed in step: a full round on every rank after every refusal.
+    x = torch.randn(TOKENS, HIDDEN, device="cuda").bfloat16()
+    idx = torch.rand(TOKENS, EXPERTS, device="cuda").topk(K, dim=1).indices
+    res = uniep.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
+    uniep.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
+    uniep.ep.check()
+    out.append(("round-after", "", "ok", 0.0))
+    return out
+
+
+def test_raw_dispatch_refused_on_one_rank_fails_every_rank_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reports = _run(_raw_agreement_worker, 2, monkeypatch)
+    cases = _raw_agreement_cases()
+    for rank, report in enumerate(reports):
+        assert len(report) == len(cases) + 1, report
+        for (case_id, _, text), (got_id, kind, message, seconds) in zip(
+            cases, report, strict=False
+        ):
+            assert got_id == case_id
+            assert kind in ("ValueError", "RuntimeError"), (case_id, rank, kind, message)
+            assert re.search(text, message), (case_id, rank, message)
+            # Well inside the 30 s timeout: the peers learnt it from the exchange.
+            assert seconds < 10.0, (case_id, rank, seconds, message)
+        assert report[-1][:3] == ("round-after", "", "ok"), report[-1]

@@ -58,7 +58,12 @@ struct PlanCounts {
 
 // layout_error: the routing-layout kernel's error word (~0 when every expert id was valid). It
 // travels with the counts, so a rank with bad routing makes every rank fail together instead of
-// leaving its peers to time out. host_counts[0] is then -1 - (first invalid rank).
+// leaving its peers to time out. signature: this round's (round_signature); args_invalid: this
+// rank's arguments failed its own checks, so it joins the exchange only to fail the round (no
+// layout was computed: tokens_per_* and layout_error are not read). A failed round leaves
+// host_counts[0] = -1 - s - kind_offset for the first failing rank s, kind_offset 0 for bad
+// routing, W for a plan reuse, 2W for failed argument checks, 3W for a signature that differs
+// from rank 0's (then host_counts[1] = rank 0's word, host_counts[2] = rank s's).
 // host_counts = [num_recv, recv_from[W], rows_per_expert[El], rows_back[W], epoch]: the last word
 // is written last, after the others are visible, and only when the round is valid.
 // *round_ok: 1 once the plan of a valid round is derived, else 0 (a failed wait, bad routing): the
@@ -70,20 +75,43 @@ void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tok
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                    const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
                    PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
-                   int64_t* send_index, int32_t* round_ok, DeviceError* err, cudaStream_t stream);
+                   int64_t* send_index, int32_t* round_ok, DeviceError* err, int64_t signature,
+                   bool args_invalid, cudaStream_t stream);
 
-// Validity word of a count row (the last of its W + E + 1): what the routing behind it was.
+// Validity word of a count row (the last of its W + E + 1): in its low byte, what the round
+// behind it was; above it, the round's signature (round_signature), which every rank must share:
+// a rank that sent fp8 rows into a peer expecting bf16 ones would corrupt it silently.
 constexpr int64_t kRoutingInvalid = 0;
 constexpr int64_t kRoutingValid = 1;
-constexpr int64_t kRoutingReused = 2;  // no counts: the sender reuses its last plan
+constexpr int64_t kRoutingReused = 2;     // no counts: the sender reuses its last plan
+constexpr int64_t kRoundArgsInvalid = 3;  // the sender's arguments failed its own checks
+constexpr int64_t kRoutingWordBits = 8;
+
+// What every rank's round must share: the bytes of a row, fp8 or not, and the combine it is
+// made for. Plain fields (not a hash), so a mismatch can be named.
+__host__ __device__ constexpr int64_t round_signature(int64_t row_bytes, bool fp8,
+                                                      bool rank_partials) {
+  return (row_bytes << 2) | (fp8 ? 1 : 0) | (rank_partials ? 2 : 0);
+}
+__host__ __device__ constexpr int64_t round_word(int64_t kind, int64_t signature) {
+  return kind | (signature << kRoutingWordBits);
+}
+__host__ __device__ constexpr int64_t word_kind(int64_t word) {
+  return word & ((int64_t{1} << kRoutingWordBits) - 1);
+}
+__host__ __device__ constexpr int64_t word_signature(int64_t word) {
+  return word >> kRoutingWordBits;
+}
 
 // A round on the plan of the last notify (a cached dispatch: same routing, other rows): resets
 // the round's completion words and passes a barrier with every peer, which tells each peer that
-// this rank reuses its plan. *round_ok becomes 1, or 0 (with a kPlanMismatch error) when a peer
-// sent new counts instead; the dispatch that follows then moves nothing.
+// this rank reuses its plan. *round_ok becomes 1, or 0 when a peer sent new counts instead
+// (kPlanMismatch), failed its argument checks (kPeerArgs) or a signature other than rank 0's
+// (kRoundMismatch); the dispatch that follows then moves nothing. args_invalid: this rank only
+// passes the barrier to fail the round (and reports nothing of its own).
 void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch,
-                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
-                       cudaStream_t stream);
+                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err, int64_t signature,
+                       bool args_invalid, cudaStream_t stream);
 
 struct DispatchArgs {
   const uint8_t* x;

@@ -70,6 +70,8 @@ const char* op_name(uint32_t op) {
     case cuda::WaitOp::kCombineWeights:
       return "combine (rank partials)";
     case cuda::WaitOp::kPlanMismatch:
+    case cuda::WaitOp::kPeerArgs:
+    case cuda::WaitOp::kRoundMismatch:
       return "cached dispatch (plan reuse)";
     case cuda::WaitOp::kExpertRows:
       return "dispatch (row lists)";
@@ -229,19 +231,24 @@ class RuntimeImpl final : public Runtime {
 
   Status begin_dispatch(const DispatchInput& in, cudaStream_t stream,
                         DispatchCounts* counts) override {
-    if (Status s = check_input(in, /*rows_only=*/false); !s.ok()) return s;
     if (Status s = runtime::refuse_capture(
             stream,
             "a dispatch with new routing cannot be captured in a CUDA graph: the host reads "
             "the round's counts to size its outputs; decode steps in graphs use ll_dispatch");
         !s.ok())
       return s;
-    if (Status s = take_device_error(); !s.ok()) return s;
+    // A rank that refuses its round still takes part in the count exchange, so its peers fail
+    // at once instead of waiting for its counts until their timeout.
+    if (Status s = check_input(in, /*rows_only=*/false); !s.ok())
+      return failed_round(false, s, stream);
+    if (Status s = take_device_error(); !s.ok()) return failed_round(false, s, stream);
     if (in.tokens < 0 || in.tokens > cfg_.max_tokens)
-      return {
-          StatusCode::kCapacityExceeded,
-          detail::str_cat("x has ", in.tokens, " tokens but the runtime was created for at most ",
-                          cfg_.max_tokens, " (max_tokens); re-create it with a larger one")};
+      return failed_round(
+          false,
+          {StatusCode::kCapacityExceeded,
+           detail::str_cat("x has ", in.tokens, " tokens but the runtime was created for at most ",
+                           cfg_.max_tokens, " (max_tokens); re-create it with a larger one")},
+          stream);
     Status s = cuda::routing_layout_async(in.topk_idx, in.tokens, cfg_.top_k, cfg_.num_experts,
                                           cfg_.world_size, tokens_per_rank_, tokens_per_expert_,
                                           token_in_rank_, layout_error_, stream);
@@ -250,7 +257,8 @@ class RuntimeImpl final : public Runtime {
     last_tokens_ = -1;
     cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_,
                         token_in_rank_, in.tokens, epoch_, timeout_ns(), plan_, counts_dev_,
-                        rows_per_local_expert_, send_index_, round_ok_, err_dev_, stream);
+                        rows_per_local_expert_, send_index_, round_ok_, err_dev_, signature_of(in),
+                        /*args_invalid=*/false, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     // Enqueued before the host reads the counts: the rows travel while it waits for them and
     // sizes the outputs. A failed round leaves round_ok at 0, and these kernels do nothing.
@@ -259,10 +267,23 @@ class RuntimeImpl final : public Runtime {
     if (Status e = take_device_error(); !e.ok()) return e;
     if (counts_host_[0] < 0) {
       // Every rank stops here together; the rank with the bad id reports the entry.
-      const int64_t bad = -1 - counts_host_[0];
-      if (bad >= cfg_.world_size)
+      const int64_t bad = -1 - counts_host_[0], W = cfg_.world_size;
+      if (bad >= 3 * W)
         return {StatusCode::kInvalidArgument,
-                detail::str_cat("rank ", bad - cfg_.world_size,
+                detail::str_cat("dispatch on rank ", cfg_.rank, ": rank ", bad - 3 * W,
+                                "'s round differs from rank 0's: ",
+                                describe_round(counts_host_[2], bad - 3 * W), " against ",
+                                describe_round(counts_host_[1], 0),
+                                "; every rank must dispatch the same row size, precision (tuning "
+                                "dispatch) and combine (tuning combine). Nothing was sent")};
+      if (bad >= 2 * W)
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("dispatch on rank ", cfg_.rank, ": rank ", bad - 2 * W,
+                                " failed its argument checks in its dispatch (its error names "
+                                "the argument). Nothing was sent")};
+      if (bad >= W)
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("rank ", bad - W,
                                 " dispatched on its cached plan (a handle) while this rank passed "
                                 "new routing; every rank must do the same kind of dispatch")};
       if (bad == cfg_.rank) {
@@ -289,7 +310,6 @@ class RuntimeImpl final : public Runtime {
 
   Status begin_cached_dispatch(uint64_t plan_epoch, const DispatchInput& in, cudaStream_t stream,
                                DispatchCounts* counts) override {
-    if (Status s = check_input(in, /*rows_only=*/true); !s.ok()) return s;
     // Nothing here syncs, so a capture would not fail by itself: it would freeze this round's
     // epoch into a graph whose replays then pass the barrier at once.
     if (Status s = runtime::refuse_capture(
@@ -298,24 +318,35 @@ class RuntimeImpl final : public Runtime {
             "epoch from the host; decode steps in graphs use ll_dispatch");
         !s.ok())
       return s;
-    if (Status s = take_device_error(); !s.ok()) return s;
+    // As in begin_dispatch: a refused round still passes the barrier, failing it on every rank.
+    if (Status s = check_input(in, /*rows_only=*/true); !s.ok())
+      return failed_round(true, s, stream);
+    if (Status s = take_device_error(); !s.ok()) return failed_round(true, s, stream);
     if (last_tokens_ < 0)
-      return {StatusCode::kInvalidArgument,
-              "a cached dispatch needs a plan: dispatch with topk_idx first"};
+      return failed_round(true,
+                          {StatusCode::kInvalidArgument,
+                           "a cached dispatch needs a plan: dispatch with topk_idx first"},
+                          stream);
     if (plan_epoch < plan_epoch_ || plan_epoch > epoch_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("the handle of epoch ", plan_epoch,
-                              " names a plan the runtime no longer holds (its plan is that of "
-                              "epoch ",
-                              plan_epoch_, ", rounds up to ", epoch_,
-                              "); a later dispatch with new routing replaced it: dispatch with "
-                              "topk_idx instead")};
+      return failed_round(
+          true,
+          {StatusCode::kInvalidArgument,
+           detail::str_cat("the handle of epoch ", plan_epoch,
+                           " names a plan the runtime no longer holds (its plan is that of "
+                           "epoch ",
+                           plan_epoch_, ", rounds up to ", epoch_,
+                           "); a later dispatch with new routing replaced it: dispatch with "
+                           "topk_idx instead")},
+          stream);
     if (in.tokens != last_tokens_)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("a cached dispatch got ", in.tokens,
-                              " tokens but its plan was made for ", last_tokens_)};
+      return failed_round(true,
+                          {StatusCode::kInvalidArgument,
+                           detail::str_cat("a cached dispatch got ", in.tokens,
+                                           " tokens but its plan was made for ", last_tokens_)},
+                          stream);
     start_round(/*reused=*/true);
-    cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_, stream);
+    cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_,
+                            signature_of(in), /*args_invalid=*/false, stream);
     UNIEP_CUDA_OK(cudaGetLastError());
     if (Status t = start_transfer(in, stream); !t.ok()) return t;
     *counts = last_;
@@ -384,6 +415,10 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaGetLastError());
     if (beside_) UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, side_events_[kSideDone], 0));
     return Status::Ok();
+  }
+
+  Status fail_round(bool cached, cudaStream_t stream) override {
+    return failed_round(cached, Status::Ok(), stream);
   }
 
   Status check_dispatch_args(int64_t row_bytes, int num_sms, bool fp8) const override {
@@ -456,11 +491,16 @@ class RuntimeImpl final : public Runtime {
                 "combine=rank_partials answers a dispatch made with combine=rank_partials in its "
                 "tuning (that dispatch keeps the weights the expert ranks apply); this one was "
                 "dispatched for combine=per_k"};
+      if (round_combine_ != CombineReduction::kRankPartials)
+        return round_combine_mismatch(reduction);
       if (Status s = ensure_partials_workspace(stream); !s.ok()) return s;
       const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_),
                                      dispatched_weights_, token_in_rank_};
       cuda::launch_combine_rank_partials(sym_, dims_, a, p, sm_count_, stream);
     } else {
+      // The peers combine as their round said (the rounds agreed on it): a rank that combined
+      // otherwise would write where they do not read.
+      if (round_combine_ != CombineReduction::kPerChoice) return round_combine_mismatch(reduction);
       cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
     }
     UNIEP_CUDA_OK(cudaGetLastError());
@@ -470,6 +510,56 @@ class RuntimeImpl final : public Runtime {
 
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  Status round_combine_mismatch(CombineReduction asked) const {
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("combine=", combine_reduction_name(asked),
+                            " answers a dispatch round made for combine=",
+                            combine_reduction_name(round_combine_),
+                            " (tuning combine); combine with the round's tuning (its handle's)")};
+  }
+
+  static int64_t signature_of(const DispatchInput& in) {
+    return cuda::round_signature(in.row_bytes, in.fp8,
+                                 in.combine == CombineReduction::kRankPartials);
+  }
+
+  static std::string describe_round(int64_t word, int64_t rank) {
+    const int64_t sig = cuda::word_signature(word);
+    return detail::str_cat("rank ", rank, " sends rows of ", sig >> 2, " bytes in ",
+                           (sig & 1) ? "fp8" : "their own dtype (bf16 or other)",
+                           " for combine=", (sig & 2) ? "rank_partials" : "per_k");
+  }
+
+  // This rank refused its round (`why`): it still takes part in the round's exchange (the count
+  // exchange, or a cached dispatch's barrier) with a verdict that fails it on every rank, and
+  // sends nothing. Keeps the epochs of the ranks in step. Returns `why`. Under CUDA-graph
+  // capture nothing is launched (a captured exchange would replay later).
+  Status failed_round(bool cached, Status why, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      (void)cudaGetLastError();
+      return why;
+    }
+    start_round(cached);
+    if (cached) {
+      cuda::launch_reuse_plan(sym_, dims_, epoch_, timeout_ns(), round_ok_, err_dev_, 0,
+                              /*args_invalid=*/true, stream);
+      if (cudaGetLastError() != cudaSuccess) return why;
+    } else {
+      last_tokens_ = -1;
+      cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_,
+                          token_in_rank_, 0, epoch_, timeout_ns(), plan_, counts_dev_,
+                          rows_per_local_expert_, send_index_, round_ok_, err_dev_, 0,
+                          /*args_invalid=*/true, stream);
+      if (cudaGetLastError() != cudaSuccess) return why;
+      // Bounded: the exchange's waits time out. A peer's timeout here is not this call's news.
+      (void)wait_for_counts(stream);
+      (void)take_device_error();
+    }
+    return why;
+  }
 
   // A new epoch; the round's state starts over.
   void start_round(bool reused) {
@@ -497,6 +587,7 @@ class RuntimeImpl final : public Runtime {
     // A cached dispatch moves rows only: the slots keep the plan dispatch's weights, and so does
     // the copy a rank_partials combine checks against.
     if (!reused_) weights_kept_ = in.combine == CombineReduction::kRankPartials;
+    round_combine_ = in.combine;
     if (!reused_ && weights_kept_ && in.tokens > 0)
       UNIEP_CUDA_OK(cudaMemcpyAsync(dispatched_weights_, in.topk_weights,
                                     sizeof(float) * in.tokens * cfg_.top_k,
@@ -616,6 +707,19 @@ class RuntimeImpl final : public Runtime {
                                   " passed new routing (topk_idx) in the same round while this "
                                   "rank reused its plan (a handle); every rank must do the same "
                                   "kind of dispatch. Nothing was sent")};
+        case cuda::WaitOp::kPeerArgs:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("cached dispatch on rank ", cfg_.rank, ": rank ", e.peer,
+                                  " failed its argument checks in the same round (its error "
+                                  "names the argument). Nothing was sent")};
+        case cuda::WaitOp::kRoundMismatch:
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("cached dispatch on rank ", cfg_.rank, ": rank ", e.peer,
+                                  "'s round differs from rank 0's: ",
+                                  describe_round(static_cast<int64_t>(e.have), e.peer), " against ",
+                                  describe_round(static_cast<int64_t>(e.want), 0),
+                                  "; every rank must dispatch the same row size, precision and "
+                                  "combine. Nothing was sent")};
         case cuda::WaitOp::kExpertRows:
           return {StatusCode::kInternal,
                   detail::str_cat("dispatch on rank ", cfg_.rank, ": the received metadata holds ",
@@ -657,7 +761,8 @@ class RuntimeImpl final : public Runtime {
   int64_t* rows_per_local_expert_ = nullptr;
   float* dispatched_weights_ = nullptr;  // [T, K]: the last dispatch's topk_weights
   bool weights_kept_ = false;            // ... when it was made for combine=rank_partials
-  int32_t* round_ok_ = nullptr;          // device: the round's notify / reuse barrier verdict
+  CombineReduction round_combine_ = CombineReduction::kPerChoice;  // what this round is for
+  int32_t* round_ok_ = nullptr;  // device: the round's notify / reuse barrier verdict
   uint64_t* row_of_target_ = nullptr;
   int sm_count_ = 1;
   cudaStream_t side_ = nullptr;

@@ -102,6 +102,20 @@ std::pair<at::Tensor, at::Tensor> empty_received(const at::Tensor& x, int64_t ro
           at::empty({fp8 ? rows : 0, fp8 ? H / 128 : 0}, x.options().dtype(at::kFloat))};
 }
 
+// Runs a raw dispatch's own checks (`check` returns its tuning); when one fails, this rank
+// still takes part in the round's exchange (Runtime::fail_round), so that its peers fail at once
+// naming it instead of waiting for its counts until their timeout, then rethrows.
+template <typename Check>
+TuningParams checked_or_failed_round(ep::Runtime& rt, bool cached, cudaStream_t stream,
+                                     Check check) {
+  try {
+    return check();
+  } catch (const Error&) {
+    (void)rt.fail_round(cached, stream);
+    throw;
+  }
+}
+
 ep::DispatchInput dispatch_input(const at::Tensor& x, const at::Tensor& topk_idx,
                                  const at::Tensor& topk_weights, const TuningParams& params,
                                  bool fp8) {
@@ -158,10 +172,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                  c10::string_view group_name, c10::string_view tuning) {
   return translate_errors([&] {
-    const TuningParams params = TuningParams::parse(std::string(tuning));
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    const TuningParams params = checked_or_failed_round(rt, false, stream, [&] {
+      const TuningParams p = TuningParams::parse(std::string(tuning));
+      check_routing(x, topk_idx, topk_weights, rt.config());
+      check_dispatch_precision(x, p);
+      return p;
+    });
     Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, true, stream);
     return std::make_tuple(d.recv_x, d.recv_scales, d.recv_src, d.recv_topk_idx,
                            d.recv_topk_weights, d.tokens_per_expert, d.row_slot, d.row_target,
@@ -175,13 +194,17 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
   return translate_errors([&] {
-    const TuningParams params = TuningParams::parse(std::string(tuning));
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-    check_routing(x, topk_idx, topk_weights, rt.config());
-    const bool fp8 = check_dispatch_precision(x, params);
-    UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
+    const TuningParams params = checked_or_failed_round(rt, true, stream, [&] {
+      const TuningParams p = TuningParams::parse(std::string(tuning));
+      check_routing(x, topk_idx, topk_weights, rt.config());
+      check_dispatch_precision(x, p);
+      UNIEP_CHECK(epoch >= 0, "epoch must be a handle's epoch (>= 0), got ", epoch);
+      return p;
+    });
+    const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
     ep::DispatchCounts counts;
     ok_or_throw(rt.begin_cached_dispatch(static_cast<uint64_t>(epoch),
                                          dispatch_input(x, topk_idx, topk_weights, params, fp8),

@@ -128,6 +128,14 @@ class Runtime {
   // Writes the outputs of the begun dispatch: this rank's own rows (on SMs beside the transfer),
   // then, once every peer's rows are in, the peers' rows and the metadata.
   virtual Status end_dispatch(const DispatchOutput& out, cudaStream_t stream) = 0;
+  // For a caller whose own checks refused a dispatch before begin_dispatch (or
+  // begin_cached_dispatch, `cached`) was reached: takes part in the round's exchange with a
+  // verdict that fails the round on every rank (their begin_dispatch returns kInvalidArgument
+  // naming this rank; a cached round's peers report it through check_device_errors), sends
+  // nothing and keeps the epochs in step. begin_* do the same for what they refuse themselves.
+  // Every rank's round also carries its row size, precision and combine: a rank whose differ from
+  // rank 0's fails the round everywhere, named. Waits (bounded) for the exchange.
+  virtual Status fail_round(bool cached, cudaStream_t stream) = 0;
   // What begin_dispatch refuses in its row size, SM budget and precision, for a caller to check
   // before anything else of its own can fail: a rank that fails after starting a round leaves
   // its peers waiting for its rows until their timeout.

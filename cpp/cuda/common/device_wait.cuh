@@ -21,6 +21,11 @@ enum class WaitOp : uint32_t {
   // Not a wait: local expert `peer` got `have` rows in the received metadata, but its senders
   // announced `want` in the count exchange (a corrupt peer).
   kExpertRows = 9,
+  // Not waits, a cached dispatch's barrier: rank `peer` failed its own argument checks; or its
+  // round's signature (`have`) differs from rank 0's (`want`): another precision, combine or
+  // row size.
+  kPeerArgs = 10,
+  kRoundMismatch = 11,
 };
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.

@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(kThreads)
                   const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                   const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
                   PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
-                  int64_t* send_index, int32_t* round_ok, DeviceError* err) {
+                  int64_t* send_index, int32_t* round_ok, DeviceError* err, int64_t signature,
+                  bool args_invalid) {
   const int64_t W = d.world_size, E = d.num_experts, C = W + E + 1;
   if (blockIdx.x > 0) {
     number_tokens(token_in_rank, tokens, W, blockIdx.x - 1, send_index);
@@ -168,12 +169,14 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) *round_ok = 0;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     int64_t v;
-    if (i < W)
+    if (args_invalid)
+      v = i < C - 1 ? 0 : round_word(kRoundArgsInvalid, signature);
+    else if (i < W)
       v = tokens_per_rank[i];
     else if (i < W + E)
       v = tokens_per_expert[i - W];
     else
-      v = *layout_error == ~0ull ? kRoutingValid : kRoutingInvalid;
+      v = round_word(*layout_error == ~0ull ? kRoutingValid : kRoutingInvalid, signature);
     sym.count_stage[i] = v;
   }
   __threadfence_system();
@@ -181,16 +184,31 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t* const counts = exchange_count_row(sym, d, epoch, 0, C, deadline, err);
   if (counts == nullptr) return;
 
-  // The first rank without valid counts fails the round on every rank: -1 - s when its routing
-  // was invalid, -1 - W - s when it reused its last plan (a cached dispatch) instead.
+  // The first rank without valid counts fails the round on every rank (launch_notify says how
+  // host_counts[0] names it); then the first whose signature differs from rank 0's.
   __shared__ int64_t invalid_rank;
   if (threadIdx.x == 0) {
     invalid_rank = -1;
-    for (int64_t s = W - 1; s >= 0; --s)
-      if (counts[s * C + C - 1] != kRoutingValid) invalid_rank = s;
+    int64_t offset = 0;
+    for (int64_t s = W - 1; s >= 0; --s) {
+      const int64_t kind = word_kind(counts[s * C + C - 1]);
+      if (kind != kRoutingValid) {
+        invalid_rank = s;
+        offset = kind == kRoutingReused ? W : kind == kRoundArgsInvalid ? 2 * W : 0;
+      }
+    }
+    const int64_t first = counts[C - 1];
+    for (int64_t s = 1; s < W && invalid_rank < 0; ++s) {
+      const int64_t word = counts[s * C + C - 1];
+      if (word_signature(word) != word_signature(first)) {
+        invalid_rank = s;
+        offset = 3 * W;
+        host_counts[1] = first;
+        host_counts[2] = word;
+      }
+    }
     if (invalid_rank >= 0) {
-      const bool reused = counts[invalid_rank * C + C - 1] == kRoutingReused;
-      host_counts[0] = -1 - invalid_rank - (reused ? W : 0);
+      host_counts[0] = -1 - invalid_rank - offset;
       __threadfence_system();
     }
   }
@@ -206,23 +224,34 @@ __global__ void __launch_bounds__(kThreads)
 // theirs too. The counts, the plan and the send indices stay as the last notify left them.
 __global__ void __launch_bounds__(kThreads)
     reuse_plan_kernel(SymmetricView sym, EpDims d, uint64_t epoch, uint64_t timeout_ns,
-                      int32_t* round_ok, DeviceError* err) {
+                      int32_t* round_ok, DeviceError* err, int64_t signature, bool args_invalid) {
   const int64_t W = d.world_size, C = W + d.num_experts + 1;
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   restart_completion_words(sym, W);
   if (threadIdx.x == 0) {
-    sym.count_stage[C - 1] = kRoutingReused;
+    sym.count_stage[C - 1] =
+        round_word(args_invalid ? kRoundArgsInvalid : kRoutingReused, signature);
     *round_ok = 0;
   }
   __threadfence_system();
   __syncthreads();
   const int64_t* const counts = exchange_count_row(sym, d, epoch, C - 1, 1, deadline, err);
   if (counts == nullptr) return;
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0 || args_invalid) return;  // that rank raises its own error already
   for (int64_t s = 0; s < W; ++s) {
-    if (counts[s * C + C - 1] != kRoutingReused) {
-      report_error(err, WaitOp::kPlanMismatch, static_cast<int>(s),
-                   static_cast<uint64_t>(counts[s * C + C - 1]), kRoutingReused);
+    const int64_t word = counts[s * C + C - 1];
+    if (word_kind(word) != kRoutingReused) {
+      report_error(err,
+                   word_kind(word) == kRoundArgsInvalid ? WaitOp::kPeerArgs : WaitOp::kPlanMismatch,
+                   static_cast<int>(s), static_cast<uint64_t>(word), kRoutingReused);
+      return;
+    }
+  }
+  for (int64_t s = 1; s < W; ++s) {
+    if (word_signature(counts[s * C + C - 1]) != word_signature(counts[C - 1])) {
+      report_error(err, WaitOp::kRoundMismatch, static_cast<int>(s),
+                   static_cast<uint64_t>(counts[s * C + C - 1]),
+                   static_cast<uint64_t>(counts[C - 1]));
       return;
     }
   }
@@ -232,20 +261,23 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void launch_reuse_plan(const SymmetricView& sym, const EpDims& d, uint64_t epoch,
-                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err,
-                       cudaStream_t stream) {
-  reuse_plan_kernel<<<1, kThreads, 0, stream>>>(sym, d, epoch, timeout_ns, round_ok, err);
+                       uint64_t timeout_ns, int32_t* round_ok, DeviceError* err, int64_t signature,
+                       bool args_invalid, cudaStream_t stream) {
+  reuse_plan_kernel<<<1, kThreads, 0, stream>>>(sym, d, epoch, timeout_ns, round_ok, err, signature,
+                                                args_invalid);
 }
 
 void launch_notify(const SymmetricView& sym, const EpDims& d, const int64_t* tokens_per_rank,
                    const int64_t* tokens_per_expert, const unsigned long long* layout_error,
                    const bool* token_in_rank, int64_t tokens, uint64_t epoch, uint64_t timeout_ns,
                    PlanCounts plan, int64_t* host_counts, int64_t* tokens_per_local_expert,
-                   int64_t* send_index, int32_t* round_ok, DeviceError* err, cudaStream_t stream) {
-  const auto blocks = static_cast<unsigned>(1 + (tokens > 0 ? d.world_size : 0));
+                   int64_t* send_index, int32_t* round_ok, DeviceError* err, int64_t signature,
+                   bool args_invalid, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>(1 + (tokens > 0 && !args_invalid ? d.world_size : 0));
   notify_kernel<<<blocks, kThreads, 0, stream>>>(
       sym, d, tokens_per_rank, tokens_per_expert, layout_error, token_in_rank, tokens, epoch,
-      timeout_ns, plan, host_counts, tokens_per_local_expert, send_index, round_ok, err);
+      timeout_ns, plan, host_counts, tokens_per_local_expert, send_index, round_ok, err, signature,
+      args_invalid);
 }
 
 }  // namespace uniep::cuda
