@@ -548,7 +548,9 @@ class RuntimeImpl final : public Runtime {
                               /*args_invalid=*/true, stream);
       if (cudaGetLastError() != cudaSuccess) return why;
     } else {
-      last_tokens_ = -1;
+      // This rank's plan stays (its layout, send indices and plan were not touched: the
+      // exchange ends before them), so ranks that all refused the round keep theirs; a peer
+      // that did start the round dropped its plan, and a cached dispatch on it then fails there.
       cuda::launch_notify(sym_, dims_, tokens_per_rank_, tokens_per_expert_, layout_error_,
                           token_in_rank_, 0, epoch_, timeout_ns(), plan_, counts_dev_,
                           rows_per_local_expert_, send_index_, round_ok_, err_dev_, 0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -157,15 +158,16 @@ def _all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> 
     work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
     limit = _timeout(None)
     start = time.monotonic()
-    while not work.is_completed():
-        if time.monotonic() - start > limit:
-            raise RuntimeError(
-                f"{what} on rank {dist.get_rank(group)} of group '{group.group_name}' timed out "
-                f"after {limit} s waiting for its peers (did every rank call it?); "
-                "UNIEP_TIMEOUT_S sets the limit"
-            )
-        time.sleep(50e-6)
-    work.wait()
+    try:
+        work.wait(timeout=timedelta(seconds=limit))
+    except Exception as e:
+        if time.monotonic() - start < limit:
+            raise
+        raise RuntimeError(
+            f"{what} on rank {dist.get_rank(group)} of group '{group.group_name}' timed out "
+            f"after {limit} s waiting for its peers (did every rank call it?); "
+            "UNIEP_TIMEOUT_S sets the limit"
+        ) from e
     return everyone.view(world, len(values)).tolist()
 
 
