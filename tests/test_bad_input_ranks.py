@@ -277,3 +277,29 @@ def test_backward_on_some_ranks_only_times_out_naming_it(world: int) -> None:
     assert kind == "RuntimeError", (kind, message)
     assert "moe_backward" in message and "timed out" in message, message
     assert seconds < LIMIT_S, seconds
+
+
+def _broadcast_worker(rank: int, world: int) -> tuple[bytes, str]:
+    from uniep.distributed import _broadcast_bytes
+
+    os.environ["UNIEP_TIMEOUT_S"] = "3"
+    data = bytes(range(7, 7 + 131)) if rank == 0 else b""
+    got = _broadcast_bytes(data, dist.group.WORLD, "the test's broadcast")
+    # Rank 1 never joins the second broadcast: rank 0 must raise after about 3 s.
+    message = ""
+    if rank == 0:
+        try:
+            _broadcast_bytes(b"x", dist.group.WORLD, "the lone broadcast")
+        except RuntimeError as e:
+            message = str(e)
+    else:
+        time.sleep(6)
+    return got, message
+
+
+def test_runtime_start_up_broadcast_is_exact_and_bounded() -> None:
+    """What the GPU runtimes' start-up sends (NVSHMEM's unique id): rank 0's bytes on every
+    rank, and a rank that never joins makes rank 0 raise after UNIEP_TIMEOUT_S."""
+    reports = run_ranks(2, _broadcast_worker, timeout=60)
+    assert [r[0] for r in reports] == [bytes(range(7, 7 + 131))] * 2
+    assert "the lone broadcast" in reports[0][1] and "timed out" in reports[0][1], reports[0][1]

@@ -124,10 +124,47 @@ def _nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, 
     world, me = dist.get_world_size(resolved), dist.get_rank(resolved)
     uid = _C.ep_unique_id() if me == 0 else b""
     if world > 1:
-        box = [uid]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
-        uid = box[0]
+        uid = _broadcast_bytes(uid, resolved, "NVSHMEM start-up (the unique id's broadcast)")
     return resolved.group_name, world, me, uid
+
+
+def _staging_device(group: dist.ProcessGroup) -> str:
+    """Where a few words for ``group`` go: the CPU unless the group is NCCL only."""
+    return "cuda" if str(dist.get_backend(group)) == "nccl" else "cpu"
+
+
+def bounded_wait(work: dist.Work, group: dist.ProcessGroup, what: str) -> None:
+    """``work.wait()``, bounded by ``UNIEP_TIMEOUT_S`` (default 100 s): a peer that never joins
+    makes this rank raise RuntimeError naming ``what`` and the group, not wait for the backend's
+    own timeout (gloo's is 30 minutes). The group is unusable after that."""
+    from .ep import _timeout
+
+    limit = _timeout(None)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=limit))
+    except Exception as e:
+        if time.monotonic() - start < limit:
+            raise
+        raise RuntimeError(
+            f"{what} on rank {dist.get_rank(group)} of group '{group.group_name}' timed out "
+            f"after {limit} s waiting for its peers (did every rank call it?); "
+            "UNIEP_TIMEOUT_S sets the limit"
+        ) from e
+
+
+def _broadcast_bytes(data: bytes, group: dist.ProcessGroup, what: str) -> bytes:
+    """Rank 0's ``data`` on every rank of ``group`` (a length, then the bytes), each wait
+    bounded."""
+    device = _staging_device(group)
+    src = dist.get_global_rank(group, 0)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    bounded_wait(dist.broadcast(size, src=src, group=group, async_op=True), group, what)
+    payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank(group) == 0:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    bounded_wait(dist.broadcast(payload, src=src, group=group, async_op=True), group, what)
+    return bytes(payload.cpu().tolist())
 
 
 def raise_on_all_ranks(group_name: str, call: str, error: str, device: str) -> NoReturn:

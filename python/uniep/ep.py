@@ -15,9 +15,7 @@ or on the SM budget. Every device-side wait times out after ``timeout_s`` (defau
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import _C
-from .distributed import _nvshmem_bootstrap
+from .distributed import _nvshmem_bootstrap, _staging_device, bounded_wait
 from .distributed import group_name as _group_name
 
 __all__ = [
@@ -149,25 +147,12 @@ def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_ex
 def _all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> list[list[int]]:
     """Every rank's ``values`` (one row per rank), through ``group``; the wait is bounded by
     ``UNIEP_TIMEOUT_S`` so a rank that never joins makes the others raise, naming ``what``."""
-    backend = str(dist.get_backend(group))
-    # A group with a CPU backend (gloo) moves a few words without touching the GPU.
-    device = "cuda" if backend == "nccl" else "cpu"
+    device = _staging_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
-    limit = _timeout(None)
-    start = time.monotonic()
-    try:
-        work.wait(timeout=timedelta(seconds=limit))
-    except Exception as e:
-        if time.monotonic() - start < limit:
-            raise
-        raise RuntimeError(
-            f"{what} on rank {dist.get_rank(group)} of group '{group.group_name}' timed out "
-            f"after {limit} s waiting for its peers (did every rank call it?); "
-            "UNIEP_TIMEOUT_S sets the limit"
-        ) from e
+    bounded_wait(work, group, what)
     return everyone.view(world, len(values)).tolist()
 
 
