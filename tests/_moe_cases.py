@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,7 +96,12 @@ def make_inputs(case: MoeCase) -> dict[str, torch.Tensor]:
 
 def rank_inputs(case: MoeCase, rank: int) -> dict[str, torch.Tensor]:
     """This rank's tokens and its slice of the experts, as fresh contiguous tensors."""
-    g = make_inputs(case)
+    return rank_slice(make_inputs(case), case, rank)
+
+
+def rank_slice(g: dict[str, torch.Tensor], case: Any, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of the global inputs ``g`` of ``case`` (anything with token_range
+    and expert_range): its tokens and its slice of the experts, fresh and contiguous."""
     t0, t1 = case.token_range(rank)
     e0, e1 = case.expert_range(rank)
     local = {k: g[k][t0:t1] for k in ("x", "topk_idx", "topk_weights", "grad_out")}

@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, replace
 
 import torch
-from _moe_cases import DTYPES
+from _moe_cases import DTYPES, rank_slice
 
 ROUTINGS = ("uniform", "zipf", "one_expert", "skew_to_rank", "holes")
 MAX_TOKENS = 4096
@@ -242,13 +242,7 @@ def global_inputs(case: RoutingCase) -> dict[str, torch.Tensor]:
 
 def rank_inputs(case: RoutingCase, rank: int) -> dict[str, torch.Tensor]:
     """This rank's tokens and its slice of the experts, as fresh contiguous tensors."""
-    g = global_inputs(case)
-    t0, t1 = case.token_range(rank)
-    e0, e1 = case.expert_range(rank)
-    local = {k: g[k][t0:t1] for k in ("x", "topk_idx", "topk_weights", "grad_out")}
-    local["w1"] = g["w1"][e0:e1]
-    local["w2"] = g["w2"][e0:e1]
-    return {k: v.clone().contiguous() for k, v in local.items()}
+    return rank_slice(global_inputs(case), case, rank)
 
 
 def random_tuning(rng: random.Random, *, dispatch: str = "bf16", combine: str = "per_k") -> str:

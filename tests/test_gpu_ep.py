@@ -78,9 +78,10 @@ def _planned_rows(
 
 
 def _expected_combine(ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k w*y over valid k, k ascending, one fp32 rounding per product and sum."""
-    acc = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
-    for k in range(TOP_K):
+    """ybuf [T, K, H] (the row of each (t, k)): out[t] = sum_k w*y over valid k, k ascending,
+    one fp32 rounding per product and sum."""
+    acc = torch.zeros(ybuf.shape[0], ybuf.shape[2], dtype=torch.float32)
+    for k in range(ybuf.shape[1]):
         term = w[:, k : k + 1] * ybuf[:, k, :].float()
         acc = torch.where((idx[:, k] >= 0).unsqueeze(1), acc + term, acc)
     return acc.to(torch.bfloat16)
@@ -90,12 +91,12 @@ def _expected_rank_partials(
     ybuf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts_per_rank: int, world: int
 ) -> torch.Tensor:
     """combine=rank_partials: per expert rank, sum_k w*y over its k's ascending (fp32), rounded
-    to bf16; then those partials summed in ascending rank order (fp32)."""
+    to bf16; then those partials summed in ascending rank order (fp32). ybuf [T, K, H]."""
     owner = torch.where(idx >= 0, idx // experts_per_rank, -1)
-    out = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
+    out = torch.zeros(ybuf.shape[0], ybuf.shape[2], dtype=torch.float32)
     for r in range(world):
         part = torch.zeros_like(out)
-        for k in range(TOP_K):
+        for k in range(ybuf.shape[1]):
             term = w[:, k : k + 1] * ybuf[:, k, :].float()
             part = torch.where((owner[:, k] == r).unsqueeze(1), part + term, part)
         went = (owner == r).any(1, keepdim=True)

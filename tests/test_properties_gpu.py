@@ -35,6 +35,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _routing_gen import ROUTINGS, RoutingCase, draw_case, global_inputs
+from test_gpu_ep import _expected_combine as _expected_per_k
+from test_gpu_ep import _expected_rank_partials
 
 
 @dataclass(frozen=True)
@@ -112,32 +114,6 @@ def _rows_of_targets(target: torch.Tensor, hidden: int) -> torch.Tensor:
     cols = torch.arange(hidden, device=target.device)
     mixed = (target.unsqueeze(1) * 2654435761 + cols * 40503 + 12345) % 65536
     return (mixed.float() / 32768 - 1).to(torch.bfloat16)
-
-
-def _expected_per_k(ys: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * ys[t, k] over valid k, k ascending, fp32, one rounding."""
-    acc = torch.zeros(ys.shape[0], ys.shape[2], dtype=torch.float32)
-    for k in range(ys.shape[1]):
-        term = w[:, k : k + 1] * ys[:, k, :].float()
-        acc = torch.where((idx[:, k] >= 0).unsqueeze(1), acc + term, acc)
-    return acc.to(torch.bfloat16)
-
-
-def _expected_rank_partials(
-    ys: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts_per_rank: int, world: int
-) -> torch.Tensor:
-    """combine=rank_partials: per expert rank, its k's ascending in fp32, rounded to bf16; then
-    those partials in ascending rank order in fp32."""
-    owner = torch.where(idx >= 0, idx // experts_per_rank, -1)
-    out = torch.zeros(ys.shape[0], ys.shape[2], dtype=torch.float32)
-    for r in range(world):
-        part = torch.zeros_like(out)
-        for k in range(ys.shape[1]):
-            term = w[:, k : k + 1] * ys[:, k, :].float()
-            part = torch.where((owner[:, k] == r).unsqueeze(1), part + term, part)
-        went = (owner == r).any(1, keepdim=True)
-        out = torch.where(went, out + part.to(torch.bfloat16).float(), out)
-    return out.to(torch.bfloat16)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
