@@ -46,6 +46,13 @@ def test_info_prints_versions() -> None:
     assert version in out, out
 
 
+def test_info_prints_cmake_prefix_path() -> None:
+    proc = _run("info", "--cmake-prefix-path", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == uniep.cmake_prefix_path()
+    assert (Path(proc.stdout.strip()) / "lib" / "cmake" / "uniep" / "uniepConfig.cmake").is_file()
+
+
 def test_demo_runs_on_cpu() -> None:
     proc = _run("demo", timeout=150)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

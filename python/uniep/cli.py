@@ -33,6 +33,7 @@ def _info() -> dict[str, Any]:
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "build": dict(uniep.build_info()),
+        "cmake_prefix_path": uniep.cmake_prefix_path(),
         "runtime": {
             "torch_version": torch.__version__,
             "torch_cuda_version": torch.version.cuda or "",
@@ -50,6 +51,11 @@ def _yes(value: object) -> str:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    import uniep
+
+    if args.cmake_prefix_path:
+        print(uniep.cmake_prefix_path())
+        return 0
     info = _info()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -68,6 +74,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("CUDA compiler", b.get("cuda_compiler_version") or "-"),
         ("torch (built against)", b.get("torch_version") or "-"),
         ("torch (running)", f"{r['torch_version']} (CUDA {r['torch_cuda_version'] or 'none'})"),
+        ("C++ package (CMake prefix)", info["cmake_prefix_path"]),
         (
             "CUDA devices visible",
             f"{len(devices)}" + (f": {', '.join(devices)}" if devices else ""),
@@ -322,6 +329,11 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="what this build contains (CUDA, NVSHMEM, CUTLASS, archs)")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument(
+        "--cmake-prefix-path",
+        action="store_true",
+        help="print only the folder for CMAKE_PREFIX_PATH (find_package(uniep) from C++)",
+    )
     info.set_defaults(func=_cmd_info)
 
     demo = sub.add_parser(
