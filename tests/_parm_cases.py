@@ -50,9 +50,17 @@ def rank_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]
         g = rank // N
         per_schedule = {}
         for schedule in SCHEDULES:
-            layer = ParmMoELayer(mp, ep, case["M"], case["H"], case["E"], case["k"],
-                                 capacity_factor=case["f"], schedule=schedule,
-                                 overflow=case.get("overflow", "error"))
+            layer = ParmMoELayer(
+                mp,
+                ep,
+                case["M"],
+                case["H"],
+                case["E"],
+                case["k"],
+                capacity_factor=case["f"],
+                schedule=schedule,
+                overflow=case.get("overflow", "error"),
+            )
             layer.load_full(t["gate"].float(), t["w1"].float(), t["w2"].float())
             x = t["x"][g].float().requires_grad_()
             try:
@@ -63,9 +71,14 @@ def rank_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]
             loss = (y * t["dy"][g].float()).sum() + t["dl"][g].float() * layer.l_aux
             loss.backward()
             per_schedule[schedule] = {
-                "y": y.detach(), "l_aux": layer.l_aux.detach(), "dx": x.grad,
-                "dgate": layer.gate.grad, "dw1": layer.w1.grad, "dw2": layer.w2.grad,
-                "dropped": layer.last_stats["dropped"], "ran": layer.last_schedule,
+                "y": y.detach(),
+                "l_aux": layer.l_aux.detach(),
+                "dx": x.grad,
+                "dgate": layer.gate.grad,
+                "dw1": layer.w1.grad,
+                "dw2": layer.w2.grad,
+                "dropped": layer.last_stats["dropped"],
+                "ran": layer.last_schedule,
             }
         out.append(per_schedule)
     return out
@@ -79,9 +92,17 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
 
     t = case_tensors(case)
     G = case["world"] // case["N"]
-    shape = _C.parm.ParmShape(world_size=case["world"], mp_size=case["N"], gpus_per_node=case["N"],
-                              tokens=case["S"], hidden=case["M"], ffn_hidden=case["H"],
-                              num_experts=case["E"], top_k=case["k"], capacity_factor=case["f"])
+    shape = _C.parm.ParmShape(
+        world_size=case["world"],
+        mp_size=case["N"],
+        gpus_per_node=case["N"],
+        tokens=case["S"],
+        hidden=case["M"],
+        ffn_hidden=case["H"],
+        num_experts=case["E"],
+        top_k=case["k"],
+        capacity_factor=case["f"],
+    )
     w1 = t["w1"].clone().requires_grad_()
     w2 = t["w2"].clone().requires_grad_()
     res: dict[str, Any] = {"y": [], "l_aux": [], "dx": [], "dgate": [], "dropped": 0}
@@ -90,8 +111,9 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     for g in range(G):
         x = t["x"][g].clone().requires_grad_()
         gate = t["gate"].clone().requires_grad_()
-        y, l_aux, dropped = parm_reference(x, gate, w1, w2, case["k"], case["N"],
-                                           shape.slice_capacity)
+        y, l_aux, dropped = parm_reference(
+            x, gate, w1, w2, case["k"], case["N"], shape.slice_capacity
+        )
         loss = loss + (y * t["dy"][g]).sum() + t["dl"][g] * l_aux
         res["y"].append(y.detach())
         res["l_aux"].append(l_aux.detach())

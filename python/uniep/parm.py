@@ -46,17 +46,41 @@ rank_layout = _C.parm.rank_layout
 # (uniep parm profile) replaces the communication coefficients.
 CLUSTERS: dict[str, dict[str, float]] = {
     # 8x H100 SXM per node, NVLink 4, 8x 400 Gb/s InfiniBand (one NIC per GPU).
-    "h100-ib": dict(gpus_per_node=8, nodes=4, intra_alpha=4e-6, intra_bw=300e9,
-                    inter_alpha=8e-6, inter_bw=40e9, peak_flops=600e12, mem_bw=3e12,
-                    kernel_alpha=5e-6),
+    "h100-ib": dict(
+        gpus_per_node=8,
+        nodes=4,
+        intra_alpha=4e-6,
+        intra_bw=300e9,
+        inter_alpha=8e-6,
+        inter_bw=40e9,
+        peak_flops=600e12,
+        mem_bw=3e12,
+        kernel_alpha=5e-6,
+    ),
     # FSMoE's testbed A: 8x RTX A6000 per node (PCIe 4.0 between most pairs), one 200 Gb/s NIC.
-    "a6000-ib": dict(gpus_per_node=8, nodes=4, intra_alpha=8e-6, intra_bw=20e9,
-                     inter_alpha=12e-6, inter_bw=3e9, peak_flops=75e12, mem_bw=768e9,
-                     kernel_alpha=8e-6),
+    "a6000-ib": dict(
+        gpus_per_node=8,
+        nodes=4,
+        intra_alpha=8e-6,
+        intra_bw=20e9,
+        inter_alpha=12e-6,
+        inter_bw=3e9,
+        peak_flops=75e12,
+        mem_bw=768e9,
+        kernel_alpha=8e-6,
+    ),
     # FSMoE's testbed B: 4x RTX 2080 Ti per node over PCIe 3.0, one 100 Gb/s NIC, 8 nodes.
-    "2080ti-ib": dict(gpus_per_node=4, nodes=8, intra_alpha=10e-6, intra_bw=10e9,
-                      inter_alpha=15e-6, inter_bw=3e9, peak_flops=27e12, mem_bw=616e9,
-                      kernel_alpha=8e-6),
+    "2080ti-ib": dict(
+        gpus_per_node=4,
+        nodes=8,
+        intra_alpha=10e-6,
+        intra_bw=10e9,
+        inter_alpha=15e-6,
+        inter_bw=3e9,
+        peak_flops=27e12,
+        mem_bw=616e9,
+        kernel_alpha=8e-6,
+    ),
 }
 
 
@@ -75,8 +99,9 @@ def cluster_spec(cluster: str | dict[str, float] | Any = "h100-ib") -> Any:
     return spec
 
 
-def cost_model(world_size: int, mp_size: int, cluster: Any = "h100-ib",
-               gpus_per_node: int | None = None) -> Any:
+def cost_model(
+    world_size: int, mp_size: int, cluster: Any = "h100-ib", gpus_per_node: int | None = None
+) -> Any:
     """The ring-model ``CostModel`` of a described cluster for this layout."""
     spec = cluster_spec(cluster)
     gpn = gpus_per_node or spec.gpus_per_node
@@ -109,10 +134,20 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
 
 
-def plan(world_size: int, mp_size: int, tokens: int, hidden: int, ffn_hidden: int,
-         num_experts: int, top_k: int, capacity_factor: float = 1.0,
-         dtype: torch.dtype | int = torch.bfloat16, gpus_per_node: int | None = None,
-         cluster: Any = "h100-ib", model: Any = None) -> ParmPlan:
+def plan(
+    world_size: int,
+    mp_size: int,
+    tokens: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float = 1.0,
+    dtype: torch.dtype | int = torch.bfloat16,
+    gpus_per_node: int | None = None,
+    cluster: Any = "h100-ib",
+    model: Any = None,
+) -> ParmPlan:
     """Price baseline, S1 and S2 (forward + backward) and pick the fastest.
 
     ``tokens`` is S, the tokens entering the layer per MP group; ``model`` (a ``CostModel``, e.g.
@@ -120,15 +155,24 @@ def plan(world_size: int, mp_size: int, tokens: int, hidden: int, ffn_hidden: in
     cluster's; it decides which groups cross nodes."""
     spec = cluster_spec(cluster)
     gpn = gpus_per_node or spec.gpus_per_node
-    shape = _C.parm.ParmShape(world_size=world_size, mp_size=mp_size, gpus_per_node=gpn,
-                              tokens=tokens, hidden=hidden, ffn_hidden=ffn_hidden,
-                              num_experts=num_experts, top_k=top_k,
-                              capacity_factor=capacity_factor, dtype_bytes=_dtype_bytes(dtype))
+    shape = _C.parm.ParmShape(
+        world_size=world_size,
+        mp_size=mp_size,
+        gpus_per_node=gpn,
+        tokens=tokens,
+        hidden=hidden,
+        ffn_hidden=ffn_hidden,
+        num_experts=num_experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        dtype_bytes=_dtype_bytes(dtype),
+    )
     if model is None:
         model = _C.parm.cost_model_from_cluster(spec, rank_layout(world_size, mp_size, gpn))
     best, costs = _C.parm.choose(shape, model)
-    predicted = {name: {"forward": f, "backward": b, "total": f + b}
-                 for name, (f, b) in costs.items()}
+    predicted = {
+        name: {"forward": f, "backward": b, "total": f + b} for name, (f, b) in costs.items()
+    }
     return ParmPlan(schedule=best, predicted=predicted, shape=shape)
 
 
@@ -153,8 +197,14 @@ class _ParmFunction(torch.autograd.Function):
     """Forward: the schedule's forward step list; backward: its backward step list."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, wg: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                run: tuple[CpuExecutor, Any, Any, dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        run: tuple[CpuExecutor, Any, Any, dict],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         executor, fwd, bwd, stats = run
         need_grad = any(ctx.needs_input_grad[:4])
         y, laux, state = executor.forward(x, wg, w1, w2, fwd, need_grad)
@@ -193,11 +243,22 @@ class ParmMoELayer(nn.Module):
     group's tokens (differentiable), ``self.last_schedule`` and ``self.last_stats`` say what ran.
     """
 
-    def __init__(self, mp_group: dist.ProcessGroup | None, ep_group: dist.ProcessGroup | None,
-                 hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
-                 capacity_factor: float = 1.0, schedule: str = "auto", overflow: str = "error",
-                 dtype: torch.dtype = torch.float32, cluster: Any = "h100-ib",
-                 gpus_per_node: int | None = None, model: Any = None) -> None:
+    def __init__(
+        self,
+        mp_group: dist.ProcessGroup | None,
+        ep_group: dist.ProcessGroup | None,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float = 1.0,
+        schedule: str = "auto",
+        overflow: str = "error",
+        dtype: torch.dtype = torch.float32,
+        cluster: Any = "h100-ib",
+        gpus_per_node: int | None = None,
+        model: Any = None,
+    ) -> None:
         super().__init__()
         if schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")
@@ -213,14 +274,21 @@ class ParmMoELayer(nn.Module):
             raise ValueError(
                 f"mp_group/ep_group: expected the layout of uniep.parm.rank_layout (MP group = N "
                 f"consecutive ranks, EP group = ranks with the same MP index; new_groups makes "
-                f"them), got N={N}, G={G}, world={world}, rank {rank} at mp index {m}, ep index {g}")
+                f"them), got N={N}, G={G}, world={world}, rank {rank} at mp index {m}, "
+                f"ep index {g}"
+            )
         if ffn_hidden % N or num_experts % G:
-            raise ValueError(f"ffn_hidden ({ffn_hidden}) must divide by the MP size {N} and "
-                             f"num_experts ({num_experts}) by the EP size {G}")
-        self.groups = Groups(mp=mp_group, ep=ep_group, mp_size=N, ep_size=G, mp_index=m,
-                             ep_index=g)
+            raise ValueError(
+                f"ffn_hidden ({ffn_hidden}) must divide by the MP size {N} and "
+                f"num_experts ({num_experts}) by the EP size {G}"
+            )
+        self.groups = Groups(mp=mp_group, ep=ep_group, mp_size=N, ep_size=G, mp_index=m, ep_index=g)
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = (
-            hidden, ffn_hidden, num_experts, top_k)
+            hidden,
+            ffn_hidden,
+            num_experts,
+            top_k,
+        )
         self.capacity_factor, self.schedule, self.overflow = capacity_factor, schedule, overflow
         self.cluster, self.gpus_per_node, self.model = cluster, gpus_per_node or N, model
         E_loc, Hn = num_experts // G, ffn_hidden // N
@@ -258,14 +326,22 @@ class ParmMoELayer(nn.Module):
             gr = self.groups
             world = gr.mp_size * gr.ep_size
             shape = _C.parm.ParmShape(
-                world_size=world, mp_size=gr.mp_size, gpus_per_node=self.gpus_per_node,
-                tokens=tokens, hidden=self.hidden, ffn_hidden=self.ffn_hidden,
-                num_experts=self.num_experts, top_k=self.top_k,
-                capacity_factor=self.capacity_factor, dtype_bytes=_dtype_bytes(self.w1.dtype))
+                world_size=world,
+                mp_size=gr.mp_size,
+                gpus_per_node=self.gpus_per_node,
+                tokens=tokens,
+                hidden=self.hidden,
+                ffn_hidden=self.ffn_hidden,
+                num_experts=self.num_experts,
+                top_k=self.top_k,
+                capacity_factor=self.capacity_factor,
+                dtype_bytes=_dtype_bytes(self.w1.dtype),
+            )
             name = self.schedule
             if name == "auto":
-                model = self.model or cost_model(world, gr.mp_size, self.cluster,
-                                                 self.gpus_per_node)
+                model = self.model or cost_model(
+                    world, gr.mp_size, self.cluster, self.gpus_per_node
+                )
                 name = _C.parm.choose(shape, model)[0]
             self._plans[tokens] = (name, shape, *plan_steps(shape, name))
         return self._plans[tokens]
@@ -279,7 +355,8 @@ class ParmMoELayer(nn.Module):
         name, shape, fwd, bwd = self._plan(flat.shape[0])
         executor = CpuExecutor(shape, self.groups, self.overflow)
         self.last_stats = {}
-        y, self.l_aux = _ParmFunction.apply(flat, self.gate, self.w1, self.w2,
-                                            (executor, fwd, bwd, self.last_stats))
+        y, self.l_aux = _ParmFunction.apply(
+            flat, self.gate, self.w1, self.w2, (executor, fwd, bwd, self.last_stats)
+        )
         self.last_schedule = name
         return y.reshape(x.shape)

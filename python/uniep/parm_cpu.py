@@ -146,8 +146,15 @@ class CpuExecutor:
         )
 
     # ---- forward ----
-    def forward(self, x: torch.Tensor, wg: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                steps: Any, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, ForwardState]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        steps: Any,
+        need_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardState]:
         st = ForwardState()
         env: dict[str, torch.Tensor] = {"x": x}
         S = x.shape[0]
@@ -162,7 +169,8 @@ class CpuExecutor:
                 if not split:
                     slices = torch.repeat_interleave(
                         torch.arange(self.N),
-                        torch.tensor([self.shape.slice_tokens(m) for m in range(self.N)]))
+                        torch.tensor([self.shape.slice_tokens(m) for m in range(self.N)]),
+                    )
                 else:
                     slices = torch.full((xin.shape[0],), self.g.mp_index, dtype=torch.long)
                 with torch.enable_grad():
@@ -177,24 +185,35 @@ class CpuExecutor:
             elif op == "mp_all_reduce_stats":
                 both = torch.cat([st.route.psum.detach().double(), st.route.top1])
                 tot = self._all_reduce(both)
-                self._psum_total, self._top1_total = tot[: self.E].float(), tot[self.E:]
+                self._psum_total, self._top1_total = tot[: self.E].float(), tot[self.E :]
             elif op == "order":
-                env[step.output] = self._compute(st, "order", [env[step.input]], need_grad,
-                                                 lambda xin: self._order(xin, st.route))
+                env[step.output] = self._compute(
+                    st,
+                    "order",
+                    [env[step.input]],
+                    need_grad,
+                    lambda xin: self._order(xin, st.route),
+                )
             elif op == "expert":
-                env[step.output] = self._compute(st, "expert", [env[step.input], w1, w2],
-                                                 need_grad, self._expert)
+                env[step.output] = self._compute(
+                    st, "expert", [env[step.input], w1, w2], need_grad, self._expert
+                )
             elif op == "iorder":
                 env[step.output] = self._compute(
-                    st, "iorder", [env[step.input], st.route.weights], need_grad,
-                    lambda comb, w: self._iorder(comb, w, st.route, x.dtype))
+                    st,
+                    "iorder",
+                    [env[step.input], st.route.weights],
+                    need_grad,
+                    lambda comb, w: self._iorder(comb, w, st.route, x.dtype),
+                )
             else:
                 env[step.output] = self._move(op, env[step.input], S)
         st.laux = self._laux(st, S, need_grad)
         return env["y"], st.laux.detach(), st
 
-    def _compute(self, st: ForwardState, name: str, inputs: list[torch.Tensor], need_grad: bool,
-                 fn: Any) -> torch.Tensor:
+    def _compute(
+        self, st: ForwardState, name: str, inputs: list[torch.Tensor], need_grad: bool, fn: Any
+    ) -> torch.Tensor:
         with torch.enable_grad() if need_grad else torch.no_grad():
             leaves = [t.detach().requires_grad_(need_grad) for t in inputs]
             out = fn(*leaves)
@@ -225,7 +244,8 @@ class CpuExecutor:
         if not bool((sizes == sizes[0]).all()):
             raise ValueError(
                 f"x: every rank must pass the same number of tokens, got {sizes.tolist()} "
-                "(per rank); the MP group replicates them and the all-to-alls need equal sizes")
+                "(per rank); the MP group replicates them and the all-to-alls need equal sizes"
+            )
         dropped, demand = int(rows[:, 1].sum()), int(rows[:, 2].max())
         st.stats = {"dropped": dropped, "max_demand": demand, "slice_capacity": self.c}
         if dropped and self.overflow != "drop":
@@ -233,7 +253,8 @@ class CpuExecutor:
                 f"capacity overflow: {dropped} (token, choice) pairs found their (slice, expert) "
                 f"capacity of {self.c} full (the largest demand was {demand}); raise "
                 "capacity_factor, or pass overflow='drop' to drop them (counted in "
-                "last_stats['dropped'])")
+                "last_stats['dropped'])"
+            )
 
     def _order(self, xin: torch.Tensor, r: Routing) -> torch.Tensor:
         rows = self._rows
@@ -292,8 +313,9 @@ class CpuExecutor:
         raise NotImplementedError(f"parm CPU executor: no handler for step {op!r}")
 
     # ---- backward ----
-    def backward(self, st: ForwardState, dy: torch.Tensor, dlaux: torch.Tensor | None,
-                 steps: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self, st: ForwardState, dy: torch.Tensor, dlaux: torch.Tensor | None, steps: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         env: dict[str, torch.Tensor] = {"dy": dy.contiguous()}
         grads: dict[str, torch.Tensor] = {}
         S = dy.shape[0]
@@ -301,14 +323,14 @@ class CpuExecutor:
             op = step.op
             if op == "iorder_bwd":
                 (comb, w), (y,) = st.graphs["iorder"]
-                d_comb, d_w = torch.autograd.grad(y, [comb, w], env[step.input],
-                                                  allow_unused=True)
+                d_comb, d_w = torch.autograd.grad(y, [comb, w], env[step.input], allow_unused=True)
                 env[step.output] = d_comb
                 env["d_w"] = d_w if d_w is not None else torch.zeros_like(w)
             elif op == "expert_bwd":
                 (inp, w1, w2), (out,) = st.graphs["expert"]
-                d_in, grads["w1"], grads["w2"] = torch.autograd.grad(out, [inp, w1, w2],
-                                                                     env[step.input])
+                d_in, grads["w1"], grads["w2"] = torch.autograd.grad(
+                    out, [inp, w1, w2], env[step.input]
+                )
                 env[step.output] = d_in
             elif op == "order_bwd":
                 (xin,), (disp,) = st.graphs["order"]
@@ -327,5 +349,7 @@ class CpuExecutor:
 
 def plan_steps(shape: Any, schedule: str) -> tuple[Any, Any]:
     """(forward, backward) step lists of one schedule."""
-    return (_C.parm.build_steps(shape, schedule, "forward"),
-            _C.parm.build_steps(shape, schedule, "backward"))
+    return (
+        _C.parm.build_steps(shape, schedule, "forward"),
+        _C.parm.build_steps(shape, schedule, "backward"),
+    )

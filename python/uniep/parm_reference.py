@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
-def keep_mask(topk_idx: torch.Tensor, mp_size: int, slice_capacity: int,
-              num_experts: int) -> tuple[torch.Tensor, int, int]:
+def keep_mask(
+    topk_idx: torch.Tensor, mp_size: int, slice_capacity: int, num_experts: int
+) -> tuple[torch.Tensor, int, int]:
     """(kept [S, k] bool, dropped pairs, largest (slice, expert) demand) of one MP group."""
     S, k = topk_idx.shape
     kept = torch.zeros(S, k, dtype=torch.bool)
@@ -32,9 +33,15 @@ def keep_mask(topk_idx: torch.Tensor, mp_size: int, slice_capacity: int,
     return kept, dropped, demand
 
 
-def parm_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   top_k: int, mp_size: int, slice_capacity: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def parm_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    mp_size: int,
+    slice_capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One MP group: x [S, M], gate [M, E], w1 [E, M, H], w2 [E, H, M].
 
     Returns (y [S, M], l_aux, dropped pairs), differentiable in x, gate, w1 and w2. Computed in the
