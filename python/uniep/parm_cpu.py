@@ -107,8 +107,8 @@ class CpuExecutor:
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """t [N, ...] partial -> [...] summed over the MP group, block m to rank m.
 
-        As an all-to-all of the blocks and an ordered local sum: gloo has no reduce-scatter, and
-        the sum order is then fixed (MP rank 0 first), the same as _all_reduce's."""
+        As an all-to-all of the blocks and a local sum in MP-rank order (the same order as
+        _all_reduce's), so the bits do not depend on the backend's reduction order."""
         got = self._all_to_all(t, self.g.mp, self.N)
         return _ordered_sum(list(got.unbind(0)))
 
