@@ -46,10 +46,13 @@ def rank_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]
         if N not in groups:
             groups[N] = new_groups(N)
         mp, ep = groups[N]
+        if case.get("errors"):
+            out.append(_error_cases(rank, world, mp, ep, case))
+            continue
         t = case_tensors(case)
         g = rank // N
         per_schedule = {}
-        for schedule in SCHEDULES:
+        for schedule in (*SCHEDULES, "auto") if case.get("auto") else SCHEDULES:
             layer = ParmMoELayer(
                 mp,
                 ep,
@@ -124,3 +127,22 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     res["dgate"] = [gate.grad for _, gate in leaves]
     res["dw1"], res["dw2"] = w1.grad, w2.grad
     return res
+
+
+def _error_cases(rank: int, world: int, mp: Any, ep: Any, case: dict[str, Any]) -> dict[str, str]:
+    """Misuse that every rank must report the same way (and then carry on in step)."""
+    from uniep.parm import ParmMoELayer
+
+    def message(fn: Any) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    got = {"swapped-groups": message(lambda: ParmMoELayer(ep, mp, 8, 8, 4, 2))}
+    for schedule in SCHEDULES:
+        layer = ParmMoELayer(mp, ep, 8, 8, 4, 2, capacity_factor=0.0, schedule=schedule)
+        tokens = 6 + rank // case["N"]  # MP groups disagree on the token count
+        got[schedule] = message(lambda layer=layer, t=tokens: layer(torch.randn(t, 8)))
+    return got

@@ -25,7 +25,10 @@
 // (SAA: the inter-node all-to-all of chunk i runs alongside the intra-node all-gather of chunk
 // i-1); the result equals running them one after the other, which is what the CPU executor does.
 // Backward step lists consume the forward's saved buffers; a *Bwd compute step is the
-// vector-Jacobian product of the forward step of the same name.
+// vector-Jacobian product of the forward step of the same name. Besides its `output`, kIOrderBwd
+// writes "d_w" (the gradient of the combine weights, which kGateBwd reads with the load-balancing
+// loss's gradient) and kGateBwd writes "d_wg" (the gate weight's); kGateBwd and kOrderBwd add into
+// their `output` (both feed the gradient of the tokens).
 #pragma once
 
 #include <cstdint>

@@ -270,7 +270,14 @@ class ParmMoELayer(nn.Module):
         g = dist.get_rank(ep_group) if ep_group is not None else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if N * G != world or rank != g * N + m:
+        layout_ok = N * G == world and rank == g * N + m
+        if layout_ok and mp_group is not None and ep_group is not None:
+            # The ranks themselves: a swapped pair of groups can pass the size and index checks.
+            lay = rank_layout(world, N, N)
+            mp_ranks = dist.get_process_group_ranks(mp_group)
+            ep_ranks = dist.get_process_group_ranks(ep_group)
+            layout_ok = mp_ranks == lay.mp_group(rank) and ep_ranks == lay.ep_group(rank)
+        if not layout_ok:
             raise ValueError(
                 f"mp_group/ep_group: expected the layout of uniep.parm.rank_layout (MP group = N "
                 f"consecutive ranks, EP group = ranks with the same MP index; new_groups makes "
