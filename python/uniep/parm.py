@@ -307,6 +307,7 @@ class ParmMoELayer(nn.Module):
         self.last_schedule: str | None = None
         self.last_stats: dict[str, int] = {}
         self._plans: dict[int, tuple[str, Any, Any, Any]] = {}
+        self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
 
     def reset_parameters(self) -> None:
         # The full layer's weights on every rank (same seed), then this rank's shards: the shards
@@ -328,22 +329,26 @@ class ParmMoELayer(nn.Module):
         self.w1.copy_(w1[es, :, hs])
         self.w2.copy_(w2[es, hs, :])
 
+    def _shape(self, tokens: int) -> Any:
+        gr = self.groups
+        return _C.parm.ParmShape(
+            world_size=gr.mp_size * gr.ep_size,
+            mp_size=gr.mp_size,
+            gpus_per_node=self.gpus_per_node,
+            tokens=tokens,
+            hidden=self.hidden,
+            ffn_hidden=self.ffn_hidden,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            dtype_bytes=_dtype_bytes(self.w1.dtype),
+        )
+
     def _plan(self, tokens: int) -> tuple[str, Any, Any, Any]:
         if tokens not in self._plans:
             gr = self.groups
             world = gr.mp_size * gr.ep_size
-            shape = _C.parm.ParmShape(
-                world_size=world,
-                mp_size=gr.mp_size,
-                gpus_per_node=self.gpus_per_node,
-                tokens=tokens,
-                hidden=self.hidden,
-                ffn_hidden=self.ffn_hidden,
-                num_experts=self.num_experts,
-                top_k=self.top_k,
-                capacity_factor=self.capacity_factor,
-                dtype_bytes=_dtype_bytes(self.w1.dtype),
-            )
+            shape = self._shape(tokens)
             name = self.schedule
             if name == "auto":
                 model = self.model or cost_model(
