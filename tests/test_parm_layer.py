@@ -22,7 +22,7 @@ def _layer_and_reference(dtype: torch.dtype, schedule: str, top_k: int = 2, f: f
     xin = x.to(dtype).requires_grad_()
     y = layer(xin)
     (y.float().sum() + layer.l_aux).backward()
-    got = (y, xin.grad, layer.gate.grad, layer.w1.grad, layer.w2.grad)
+    got = (y.detach(), xin.grad, layer.gate.grad, layer.w1.grad, layer.w2.grad)
     want = (y_ref.detach(), x64.grad, gate.grad, w1.grad, w2.grad)
     return got, want
 
