@@ -129,3 +129,71 @@ def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
     if "gemm" in result:
         model.gemm = _C.parm.AlphaBeta(result["gemm"]["alpha"], result["gemm"]["beta"])
     return model
+
+
+def measure_rank(rank: int, world: int, mp_size: int, layers: list[dict], iters: int) -> list:
+    """Median seconds of ParmMoELayer forward+backward per layer config and schedule."""
+    from .parm import SCHEDULES, ParmMoELayer
+
+    mp, ep = new_groups(mp_size)
+    out = []
+    for cfg in layers:
+        times = {}
+        for schedule in SCHEDULES:
+            torch.manual_seed(0)
+            layer = ParmMoELayer(
+                mp,
+                ep,
+                cfg["hidden"],
+                cfg["ffn_hidden"],
+                cfg["num_experts"],
+                cfg["top_k"],
+                capacity_factor=cfg["capacity_factor"],
+                schedule=schedule,
+                overflow="drop",
+            )
+            x = torch.randn(
+                cfg["tokens"], cfg["hidden"], generator=torch.Generator().manual_seed(1)
+            )
+
+            def step(layer: ParmMoELayer = layer, x: torch.Tensor = x) -> None:
+                y = layer(x.requires_grad_())
+                (y.sum() + layer.l_aux).backward()
+
+            times[schedule] = _time(step, iters)
+        out.append(times)
+    return out
+
+
+def measure_layers(
+    world: int,
+    mp_size: int,
+    layers: list[dict],
+    iters: int = 3,
+    model: Any = None,
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Measure every schedule of every layer on local gloo ranks (the slowest rank's median) and
+    set beside it the cost model's prediction: per layer the measured and predicted seconds, the
+    predicted choice, the measured best, and the regret of the choice."""
+    from .distributed import run_local_ranks
+    from .parm import plan
+
+    per_rank = run_local_ranks(measure_rank, world, (mp_size, layers, iters), timeout_s=timeout_s)
+    rows = []
+    for i, cfg in enumerate(layers):
+        measured = {s: max(r[i][s] for r in per_rank) for s in per_rank[0][i]}
+        p = plan(world, mp_size, dtype=torch.float32, gpus_per_node=mp_size, model=model, **cfg)
+        best = min(measured, key=measured.get)
+        rows.append(
+            dict(
+                cfg,
+                measured=measured,
+                predicted={s: v["total"] for s, v in p.predicted.items()},
+                chosen=p.schedule,
+                measured_best=best,
+                right=p.schedule == best,
+                regret=measured[p.schedule] / measured[best] - 1,
+            )
+        )
+    return rows
