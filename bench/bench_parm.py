@@ -9,7 +9,7 @@ Rows:
                   whether its choice was the measured best, and the regret
   kind=simulate   one per described cluster (uniep.parm.CLUSTERS): the 1296-layer grid, the
                   geomean / min / max predicted fwd+bwd speedup of auto over the baseline, and how
-                  often each schedule is chosen. Predictions only: no measured layer times yet.
+                  often each schedule is chosen (predictions; kind=measure is the measured check).
 
     python bench/bench_parm.py --quick     # CPU, 4 gloo ranks, 8 message sizes
     python bench/bench_parm.py             # CPU, 4 gloo ranks, 16 message sizes, measured layers
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 auto_max=summary["auto_max"],
                 s1_geomean=summary["s1_geomean"],
                 s2_geomean=summary["s2_geomean"],
-                chosen=summary["chosen"],
+                chosen_counts=summary["chosen"],
                 goal=GOAL_SPEEDUP,
                 meets_goal=summary["auto_geomean"] >= GOAL_SPEEDUP,
             )

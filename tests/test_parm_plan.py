@@ -225,3 +225,64 @@ def test_slow_network_favours_paused_mp() -> None:
     f_base, f_s1 = cheap.predicted["baseline"]["forward"], cheap.predicted["s1"]["forward"]
     assert routing("s1") < routing("baseline") / 2
     assert f_base - f_s1 == pytest.approx(routing("baseline") - routing("s1"), rel=1e-6)
+
+
+def _random_shapes(n: int, seed: int = 0) -> list[object]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        N = rng.choice([1, 2, 3, 4, 8])
+        G = rng.choice([1, 2, 3, 4])
+        E = G * rng.randint(1, 4)
+        out.append(
+            shape(
+                world_size=N * G,
+                mp_size=N,
+                gpus_per_node=rng.choice([1, N, 2 * N, 8]),
+                tokens=rng.randint(1, 5000),
+                hidden=rng.randint(1, 300),
+                ffn_hidden=N * rng.randint(1, 64),
+                num_experts=E,
+                top_k=rng.randint(1, E),
+                capacity_factor=rng.choice([0.0, 0.5, 1.0, 1.3]),
+                dtype_bytes=rng.choice([1, 2, 4]),
+            )
+        )
+    return out
+
+
+# What each pass may read before any step wrote it: its inputs and the forward's saved buffers.
+PASS_INPUTS = {"forward": {"x"}, "backward": {"dy", "route"}}
+# Outputs besides `output` (include/uniep/parm.hpp, step model).
+EXTRA_OUTPUTS = {"iorder_bwd": ("d_w",), "gate_bwd": ("d_wg",)}
+
+
+def test_random_shapes_plan_invariants() -> None:
+    model = parm.cost_model(8, 2, "a6000-ib")
+    for s in _random_shapes(150):
+        N, D = s.mp_size, s.dispatch_bytes
+        assert s.capacity == N * s.slice_capacity and D % N == 0
+        assert sum(s.slice_tokens(m) for m in range(N)) == s.tokens
+        expert_flops = set()
+        for name in SCHEDULES:
+            for pass_ in ("forward", "backward"):
+                lst = steps(s, name, pass_)
+                have = set(PASS_INPUTS[pass_])
+                for i, x in enumerate(lst):
+                    # Buffers flow: every input was produced before.
+                    assert x.input in have, (name, pass_, i, x.op, x.input)
+                    have |= {x.output, *EXTRA_OUTPUTS.get(x.op, ())}
+                    if x.overlap_with >= 0:
+                        a, g = sorted((i, x.overlap_with))
+                        assert g == a + 1 and lst[a].collective == "all_to_all"
+                        assert lst[g].collective == "all_gather" and lst[g].stream == 1
+                    assert x.wire_intra >= 0 and x.wire_inter >= 0
+                assert {"forward": "y", "backward": "dx"}[pass_] in have
+                a2a = [x.bytes for x in lst if x.collective == "all_to_all"]
+                assert [b * N for b in a2a] == [D * (N if name == "baseline" else 1)] * 2
+                expert_flops.add(sum(x.flops for x in lst if x.op.startswith("expert")))
+        # The expert work is the same in every schedule (forward and backward, two values).
+        assert len(expert_flops) == 2, expert_flops
+        best, costs = P.choose(s, model)
+        totals = {k: f + b for k, (f, b) in costs.items()}
+        assert all(t > 0 for t in totals.values()) and totals[best] == min(totals.values())
