@@ -23,6 +23,8 @@ namespace py = pybind11;
 
 // cpp/python/collectives_bindings.cpp
 void bind_collectives(py::module& m);
+// cpp/python/parm_bindings.cpp
+void bind_parm(py::module& m);
 
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
@@ -393,6 +395,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("has_ep_runtime") = false;
 #endif
   bind_collectives(m);
+  bind_parm(m);
   m.def("compute_layout", &compute_layout_py, py::arg("topk_idx"), py::arg("num_experts"),
         py::arg("world_size"),
         "Routing layout of one rank: (tokens_per_rank [W], tokens_per_expert [E], "

@@ -10,7 +10,7 @@ import os
 import torch  # noqa: F401
 
 # _C is listed first so it loads before ops, which extends the ops it registers.
-from . import _C, collectives, distributed, ep, nn, ops, parallel, reference  # noqa: F401
+from . import _C, collectives, distributed, ep, nn, ops, parallel, parm, reference  # noqa: F401
 from ._C import TuningParams, build_info
 from .distributed import Runtime, init
 from .ops import moe_forward
@@ -40,5 +40,6 @@ __all__ = [
     "nn",
     "ops",
     "parallel",
+    "parm",
     "reference",
 ]

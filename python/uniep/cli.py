@@ -323,6 +323,81 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _cluster_from_args(args: argparse.Namespace) -> dict[str, float]:
+    from . import parm
+
+    fields = dict(parm.CLUSTERS[args.cluster])
+    for name, scale in (
+        ("gpus_per_node", 1),
+        ("nodes", 1),
+        ("intra_bw", 1e9),
+        ("inter_bw", 1e9),
+        ("intra_alpha", 1e-6),
+        ("inter_alpha", 1e-6),
+        ("peak_flops", 1e12),
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value * scale
+    return fields
+
+
+def _cmd_parm_simulate(args: argparse.Namespace) -> int:
+    from . import parm_sim
+    from .parm_profile import cost_model_from_profile
+
+    cluster = _cluster_from_args(args)
+    model = None
+    if args.profile:
+        with open(args.profile) as f:
+            model = cost_model_from_profile(json.load(f))
+    rows = parm_sim.simulate(cluster, model=model, dtype_bytes=args.dtype_bytes)
+    summary = parm_sim.summarize(rows)
+    P = int(cluster["gpus_per_node"] * cluster["nodes"])
+    print(
+        f"Parm simulator: {len(rows)} layers on {P} GPUs ({int(cluster['nodes'])} nodes x "
+        f"{int(cluster['gpus_per_node'])}), predicted fwd+bwd speedup over the baseline"
+    )
+    print(parm_sim.format_table(summary))
+    with open(args.out, "w") as f:
+        json.dump(
+            {
+                "cluster": cluster,
+                "profile": args.profile,
+                "grid": parm_sim.GRID,
+                "summary": summary,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_parm_profile(args: argparse.Namespace) -> int:
+    from .parm_profile import DEFAULT_SIZES, profile
+
+    sizes = DEFAULT_SIZES[: args.sizes]
+    result = profile(args.world_size, args.mp_size, sizes, args.iters, args.timeout)
+    print(f"{'collective':<16}{'link':<7}{'alpha (us)':>12}{'beta (ns/B)':>13}{'R^2':>8}")
+    for kind, links in result["coefficients"].items():
+        for link, c in links.items():
+            print(
+                f"{kind:<16}{link:<7}{c['alpha'] * 1e6:>12.2f}{c['beta'] * 1e9:>13.4f}"
+                f"{c['r2']:>8.4f}"
+            )
+    g = result["gemm"]
+    print(
+        f"{'gemm':<16}{'local':<7}{g['alpha'] * 1e6:>12.2f}{g['beta'] * 1e12:>13.4f}"
+        f"{g['r2']:>8.4f}  (beta in ps/flop)"
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uniep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -357,6 +432,41 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds before hung ranks are stopped",
     )
     demo.set_defaults(func=_cmd_demo)
+
+    parm = sub.add_parser("parm", help="Parm schedules (MP+EP+ESP): simulator and profiler")
+    parm_sub = parm.add_subparsers(dest="parm_command", required=True)
+    sim = parm_sub.add_parser(
+        "simulate", help="price baseline, S1 and S2 over a 1296-layer grid on a described cluster"
+    )
+    from .parm import CLUSTERS
+
+    sim.add_argument(
+        "--cluster",
+        choices=sorted(CLUSTERS),
+        default="h100-ib",
+        help="preset the options below override",
+    )
+    sim.add_argument("--gpus-per-node", dest="gpus_per_node", type=_positive_int)
+    sim.add_argument("--nodes", type=_positive_int)
+    sim.add_argument("--intra-bw", dest="intra_bw", type=float, help="GB/s per GPU")
+    sim.add_argument("--inter-bw", dest="inter_bw", type=float, help="GB/s per GPU")
+    sim.add_argument("--intra-alpha", dest="intra_alpha", type=float, help="us per hop")
+    sim.add_argument("--inter-alpha", dest="inter_alpha", type=float, help="us per hop")
+    sim.add_argument("--peak-tflops", dest="peak_flops", type=float)
+    sim.add_argument("--dtype-bytes", type=_positive_int, default=2)
+    sim.add_argument("--profile", help="JSON of `uniep parm profile`: fitted coefficients")
+    sim.add_argument("--out", default="parm-simulate.json", help="JSON output")
+    sim.set_defaults(func=_cmd_parm_simulate)
+    prof = parm_sub.add_parser(
+        "profile", help="fit alpha/beta of the collectives on local gloo ranks (CPU)"
+    )
+    prof.add_argument("--world-size", type=_positive_int, default=4)
+    prof.add_argument("--mp-size", type=_positive_int, default=2)
+    prof.add_argument("--iters", type=_positive_int, default=5, help="timed runs per size")
+    prof.add_argument("--sizes", type=_positive_int, default=16, help="message sizes (<= 16)")
+    prof.add_argument("--timeout", type=_positive_seconds, default=300.0)
+    prof.add_argument("--out", default="parm-profile.json", help="JSON output")
+    prof.set_defaults(func=_cmd_parm_profile)
     return parser
 
 

@@ -1,0 +1,135 @@
+"""Parm cost model: the alpha/beta fit of each collective (R^2) and the simulator's predicted
+speedup of schedule="auto" over the baseline (DeepSpeed-MoE with tensor-parallel experts).
+
+Rows:
+  kind=fit        one per (collective, link) and the GEMM, from `uniep parm profile`'s measurement
+                  on local gloo ranks (CPU; the GPU/NCCL profile is not written yet)
+  kind=measure    (without --quick, or with --measure) a few layers timed under each schedule on
+                  the same gloo ranks, beside the cost model's prediction from this run's fit:
+                  whether its choice was the measured best, and the regret
+  kind=simulate   one per described cluster (uniep.parm.CLUSTERS): the 1296-layer grid, the
+                  geomean / min / max predicted fwd+bwd speedup of auto over the baseline, and how
+                  often each schedule is chosen (predictions; kind=measure is the measured check).
+
+    python bench/bench_parm.py --quick     # CPU, 4 gloo ranks, 8 message sizes
+    python bench/bench_parm.py             # CPU, 4 gloo ranks, 16 message sizes, measured layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+GOAL_SPEEDUP = 1.5  # issue 20: geomean predicted speedup of auto over the baseline
+
+
+# Layers for the measured check: big enough on CPU that the exchange is not all start-up cost.
+MEASURED_LAYERS = [
+    dict(tokens=t, hidden=m, ffn_hidden=2 * m, num_experts=4, top_k=k, capacity_factor=f)
+    for t, m in ((256, 128), (1024, 256))
+    for k in (1, 2)
+    for f in (1.0, 2.0)
+]
+
+
+def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -> None:
+    """Time every schedule of a few layers on the same gloo ranks and check the cost model's
+    choice (fitted from this run's profile) against the measured best."""
+    from uniep.parm_profile import cost_model_from_profile, measure_layers
+
+    model = cost_model_from_profile(profile_result)
+    measured = measure_layers(args.world_size, args.mp_size, MEASURED_LAYERS, model=model)
+    print(f"\n{'measured':<34}{'baseline':>10}{'s1':>10}{'s2':>10}  chosen/best  regret")
+    for r in measured:
+        name = f"S={r['tokens']} M={r['hidden']} k={r['top_k']} f={r['capacity_factor']}"
+        m = r["measured"]
+        print(
+            f"{name:<34}{m['baseline'] * 1e3:>8.1f}ms{m['s1'] * 1e3:>8.1f}ms"
+            f"{m['s2'] * 1e3:>8.1f}ms  {r['chosen']}/{r['measured_best']}  {r['regret']:.1%}"
+        )
+        rows.append(dict(kind="measure", world_size=args.world_size, mp_size=args.mp_size, **r))
+    right = sum(r["right"] for r in measured)
+    print(
+        f"choice right in {right}/{len(measured)} layers, mean regret "
+        f"{sum(r['regret'] for r in measured) / len(measured):.1%}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--mp-size", type=int, default=2)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also time the schedules (on by default without --quick)",
+    )
+    args = parser.parse_args(argv)
+
+    from uniep import parm, parm_sim
+    from uniep.parm_profile import DEFAULT_SIZES, profile
+
+    rows: list[dict] = []
+    sizes = DEFAULT_SIZES[::2] if args.quick else DEFAULT_SIZES
+    result = profile(args.world_size, args.mp_size, sizes, iters=3 if args.quick else 5)
+    fits = [
+        (k, link, c) for k, links in result["coefficients"].items() for link, c in links.items()
+    ]
+    fits.append(("gemm", "local", result["gemm"]))
+    print(f"{'fit':<16}{'link':<7}{'alpha (us)':>12}{'beta':>12}{'R^2':>8}")
+    for kind, link, c in fits:
+        unit = "s/flop" if kind == "gemm" else "s/byte"
+        print(f"{kind:<16}{link:<7}{c['alpha'] * 1e6:>12.2f}{c['beta']:>12.3e}{c['r2']:>8.4f}")
+        rows.append(
+            dict(
+                kind="fit",
+                collective=kind,
+                link=link,
+                alpha_s=c["alpha"],
+                beta=c["beta"],
+                beta_unit=unit,
+                r2=c["r2"],
+                samples=len(c["samples"]),
+                world_size=args.world_size,
+                mp_size=args.mp_size,
+                backend="gloo",
+            )
+        )
+
+    print(f"\n{'simulate':<12}{'layers':>7}{'auto geomean':>14}{'min':>7}{'max':>7}  chosen")
+    for name in parm.CLUSTERS:
+        summary = parm_sim.summarize(parm_sim.simulate(name))["all"]
+        print(
+            f"{name:<12}{summary['layers']:>7}{summary['auto_geomean']:>13.2f}x"
+            f"{summary['auto_min']:>6.2f}x{summary['auto_max']:>6.2f}x  {summary['chosen']}"
+        )
+        rows.append(
+            dict(
+                kind="simulate",
+                cluster=name,
+                layers=summary["layers"],
+                auto_geomean=summary["auto_geomean"],
+                auto_min=summary["auto_min"],
+                auto_max=summary["auto_max"],
+                s1_geomean=summary["s1_geomean"],
+                s2_geomean=summary["s2_geomean"],
+                chosen_counts=summary["chosen"],
+                goal=GOAL_SPEEDUP,
+                meets_goal=summary["auto_geomean"] >= GOAL_SPEEDUP,
+            )
+        )
+    if args.measure or not args.quick:
+        _measure(args, result, rows)
+    path = write_result("bench_parm", rows, args.out_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

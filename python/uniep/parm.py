@@ -1,0 +1,374 @@
+"""Parm: MoE layers under MP+EP+ESP training with the schedules of arXiv 2407.00599.
+
+``plan(...)`` prices the three schedules (``baseline``: DeepSpeed-MoE with tensor-parallel experts;
+``s1`` and ``s2``: Parm's) with the alpha-beta cost model and returns the fastest;
+``fit_alpha_beta`` fits a collective's alpha and beta from measured (size, seconds) samples;
+``ParmMoELayer`` is the layer, run by the CPU executor over gloo (``uniep.parm_cpu``). The step
+lists and the cost model are C++ (``cpp/core/parm``, ``include/uniep/parm.hpp``); docs/parm.md
+says what follows the paper and what is a reconstruction.
+
+Rank layout (``rank_layout``): MP group = N consecutive ranks, EP group = ranks with the same MP
+index; ``new_groups(mp_size)`` makes both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+from .parm_cpu import CapacityError, CpuExecutor, ForwardState, Groups, plan_steps
+
+__all__ = [
+    "CLUSTERS",
+    "CapacityError",
+    "ParmMoELayer",
+    "ParmPlan",
+    "SCHEDULES",
+    "cluster_spec",
+    "cost_model",
+    "fit_alpha_beta",
+    "new_groups",
+    "plan",
+    "rank_layout",
+]
+
+SCHEDULES = ("baseline", "s1", "s2")
+rank_layout = _C.parm.rank_layout
+
+# Described clusters (per-GPU bandwidths: a node's NICs are shared by its GPUs). Rough public
+# figures, for the simulator and for schedule="auto" before a profile exists; a fitted profile
+# (uniep parm profile) replaces the communication coefficients.
+CLUSTERS: dict[str, dict[str, float]] = {
+    # 8x H100 SXM per node, NVLink 4, 8x 400 Gb/s InfiniBand (one NIC per GPU).
+    "h100-ib": dict(
+        gpus_per_node=8,
+        nodes=4,
+        intra_alpha=4e-6,
+        intra_bw=300e9,
+        inter_alpha=8e-6,
+        inter_bw=40e9,
+        peak_flops=600e12,
+        mem_bw=3e12,
+        kernel_alpha=5e-6,
+    ),
+    # FSMoE's testbed A: 8x RTX A6000 per node (PCIe 4.0 between most pairs), one 200 Gb/s NIC.
+    "a6000-ib": dict(
+        gpus_per_node=8,
+        nodes=4,
+        intra_alpha=8e-6,
+        intra_bw=20e9,
+        inter_alpha=12e-6,
+        inter_bw=3e9,
+        peak_flops=75e12,
+        mem_bw=768e9,
+        kernel_alpha=8e-6,
+    ),
+    # FSMoE's testbed B: 4x RTX 2080 Ti per node over PCIe 3.0, one 100 Gb/s NIC, 8 nodes.
+    "2080ti-ib": dict(
+        gpus_per_node=4,
+        nodes=8,
+        intra_alpha=10e-6,
+        intra_bw=10e9,
+        inter_alpha=15e-6,
+        inter_bw=3e9,
+        peak_flops=27e12,
+        mem_bw=616e9,
+        kernel_alpha=8e-6,
+    ),
+}
+
+
+def cluster_spec(cluster: str | dict[str, float] | Any = "h100-ib") -> Any:
+    """A ``ClusterSpec`` from a preset name (``CLUSTERS``), a dict of its fields, or itself."""
+    if isinstance(cluster, _C.parm.ClusterSpec):
+        return cluster
+    fields = CLUSTERS.get(cluster) if isinstance(cluster, str) else cluster
+    if fields is None:
+        raise ValueError(f"cluster must be one of {sorted(CLUSTERS)} or a dict, got {cluster!r}")
+    spec = _C.parm.ClusterSpec()
+    for name, value in fields.items():
+        if not hasattr(spec, name):
+            raise ValueError(f"cluster: unknown field {name!r}")
+        setattr(spec, name, type(getattr(spec, name))(value))
+    return spec
+
+
+def cost_model(
+    world_size: int, mp_size: int, cluster: Any = "h100-ib", gpus_per_node: int | None = None
+) -> Any:
+    """The ring-model ``CostModel`` of a described cluster for this layout."""
+    spec = cluster_spec(cluster)
+    gpn = gpus_per_node or spec.gpus_per_node
+    return _C.parm.cost_model_from_cluster(spec, rank_layout(world_size, mp_size, gpn))
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> Any:
+    """Least-squares ``t = alpha + beta * n``; the result has ``alpha``, ``beta``, ``r2``."""
+    return _C.parm.fit_alpha_beta([float(s) for s in sizes], [float(t) for t in seconds])
+
+
+@dataclass
+class ParmPlan:
+    """The chosen schedule and the predicted seconds of all three (forward, backward, total)."""
+
+    schedule: str
+    predicted: dict[str, dict[str, float]]
+    shape: Any
+
+    @property
+    def speedup(self) -> float:
+        """Predicted baseline time over the chosen schedule's."""
+        return self.predicted["baseline"]["total"] / self.predicted[self.schedule]["total"]
+
+    def steps(self, schedule: str | None = None, pass_: str = "forward") -> Any:
+        return _C.parm.build_steps(self.shape, schedule or self.schedule, pass_)
+
+
+def _dtype_bytes(dtype: torch.dtype | int) -> int:
+    return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
+
+
+def plan(
+    world_size: int,
+    mp_size: int,
+    tokens: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float = 1.0,
+    dtype: torch.dtype | int = torch.bfloat16,
+    gpus_per_node: int | None = None,
+    cluster: Any = "h100-ib",
+    model: Any = None,
+) -> ParmPlan:
+    """Price baseline, S1 and S2 (forward + backward) and pick the fastest.
+
+    ``tokens`` is S, the tokens entering the layer per MP group; ``model`` (a ``CostModel``, e.g.
+    from a profile) overrides the one derived from ``cluster``. ``gpus_per_node`` defaults to the
+    cluster's; it decides which groups cross nodes."""
+    spec = cluster_spec(cluster)
+    gpn = gpus_per_node or spec.gpus_per_node
+    shape = _C.parm.ParmShape(
+        world_size=world_size,
+        mp_size=mp_size,
+        gpus_per_node=gpn,
+        tokens=tokens,
+        hidden=hidden,
+        ffn_hidden=ffn_hidden,
+        num_experts=num_experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        dtype_bytes=_dtype_bytes(dtype),
+    )
+    if model is None:
+        model = _C.parm.cost_model_from_cluster(spec, rank_layout(world_size, mp_size, gpn))
+    best, costs = _C.parm.choose(shape, model)
+    predicted = {
+        name: {"forward": f, "backward": b, "total": f + b} for name, (f, b) in costs.items()
+    }
+    return ParmPlan(schedule=best, predicted=predicted, shape=shape)
+
+
+def new_groups(mp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(mp_group, ep_group) of this rank in the Parm layout; every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world, mp_size, mp_size)
+    mine: dict[str, dist.ProcessGroup] = {}
+    # new_group is collective over the world: create every group, in the same order everywhere.
+    for g in range(layout.ep_size):
+        grp = dist.new_group(layout.mp_group(g * mp_size))
+        if layout.ep_index(rank) == g:
+            mine["mp"] = grp
+    for m in range(mp_size):
+        grp = dist.new_group(layout.ep_group(m))
+        if layout.mp_index(rank) == m:
+            mine["ep"] = grp
+    return mine["mp"], mine["ep"]
+
+
+class _ParmFunction(torch.autograd.Function):
+    """Forward: the schedule's forward step list; backward: its backward step list."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        run: tuple[CpuExecutor, Any, Any, dict],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        executor, fwd, bwd, stats = run
+        need_grad = any(ctx.needs_input_grad[:4])
+        y, laux, state = executor.forward(x, wg, w1, w2, fwd, need_grad)
+        stats.update(state.stats)
+        ctx.run = (executor, bwd, state)
+        return y, laux
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dlaux: torch.Tensor) -> tuple[Any, ...]:
+        executor, bwd, state = ctx.run
+        assert isinstance(state, ForwardState)
+        dx, dwg, dw1, dw2 = executor.backward(state, dy, dlaux, bwd)
+        ctx.run = None  # the graphs are large; free them with the step
+        return dx, dwg, dw1, dw2, None
+
+
+class ParmMoELayer(nn.Module):
+    """An MoE block whose dense neighbours are tensor-parallel over ``mp_group`` (its input is
+    replicated there) and whose experts are spread over ``ep_group`` and sharded over the MP group.
+
+    Args:
+        mp_group, ep_group: this rank's groups (``new_groups``); None for a group of one.
+        hidden (M), ffn_hidden (H, split N ways), num_experts (E, E / G per MP group), top_k.
+        capacity_factor: per-(slice, expert) capacity c = ceil(k*f*S/(E*N)); <= 0: no drops.
+        schedule: "auto" (cost model), "baseline", "s1" or "s2". All give the same result.
+        overflow: "error" (default: every rank raises CapacityError) or "drop" (pairs beyond
+            capacity contribute nothing; counted in ``last_stats['dropped']``).
+        cluster / gpus_per_node / model: what "auto" prices (see ``plan``).
+
+    Parameters: ``gate`` [M, E] float32 (replicated; under S1 its gradient is summed over the MP
+    group by the backward step list), ``w1`` [E_loc, M, H/N], ``w2`` [E_loc, H/N, M]: this rank's
+    shards of its MP group's experts. Expert e: y = gelu(x W1_e) W2_e. Under one manual_seed on
+    every rank, the shards of all ranks together are one full layer's weights (``load_full``).
+
+    forward(x [..., M]) -> y [..., M]; ``self.l_aux`` is GShard's load-balancing loss of the MP
+    group's tokens (differentiable), ``self.last_schedule`` and ``self.last_stats`` say what ran.
+    """
+
+    def __init__(
+        self,
+        mp_group: dist.ProcessGroup | None,
+        ep_group: dist.ProcessGroup | None,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float = 1.0,
+        schedule: str = "auto",
+        overflow: str = "error",
+        dtype: torch.dtype = torch.float32,
+        cluster: Any = "h100-ib",
+        gpus_per_node: int | None = None,
+        model: Any = None,
+    ) -> None:
+        super().__init__()
+        if schedule not in ("auto", *SCHEDULES):
+            raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")
+        if overflow not in ("error", "drop"):
+            raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
+        N = dist.get_world_size(mp_group) if mp_group is not None else 1
+        G = dist.get_world_size(ep_group) if ep_group is not None else 1
+        m = dist.get_rank(mp_group) if mp_group is not None else 0
+        g = dist.get_rank(ep_group) if ep_group is not None else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        layout_ok = N * G == world and rank == g * N + m
+        if layout_ok and mp_group is not None and ep_group is not None:
+            # The ranks themselves: a swapped pair of groups can pass the size and index checks.
+            lay = rank_layout(world, N, N)
+            mp_ranks = dist.get_process_group_ranks(mp_group)
+            ep_ranks = dist.get_process_group_ranks(ep_group)
+            layout_ok = mp_ranks == lay.mp_group(rank) and ep_ranks == lay.ep_group(rank)
+        if not layout_ok:
+            raise ValueError(
+                f"mp_group/ep_group: expected the layout of uniep.parm.rank_layout (MP group = N "
+                f"consecutive ranks, EP group = ranks with the same MP index; new_groups makes "
+                f"them), got N={N}, G={G}, world={world}, rank {rank} at mp index {m}, "
+                f"ep index {g}"
+            )
+        if ffn_hidden % N or num_experts % G:
+            raise ValueError(
+                f"ffn_hidden ({ffn_hidden}) must divide by the MP size {N} and "
+                f"num_experts ({num_experts}) by the EP size {G}"
+            )
+        self.groups = Groups(mp=mp_group, ep=ep_group, mp_size=N, ep_size=G, mp_index=m, ep_index=g)
+        self.hidden, self.ffn_hidden, self.num_experts, self.top_k = (
+            hidden,
+            ffn_hidden,
+            num_experts,
+            top_k,
+        )
+        self.capacity_factor, self.schedule, self.overflow = capacity_factor, schedule, overflow
+        self.cluster, self.gpus_per_node, self.model = cluster, gpus_per_node or N, model
+        E_loc, Hn = num_experts // G, ffn_hidden // N
+        self.gate = nn.Parameter(torch.empty(hidden, num_experts, dtype=torch.float32))
+        self.w1 = nn.Parameter(torch.empty(E_loc, hidden, Hn, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(E_loc, Hn, hidden, dtype=dtype))
+        self.reset_parameters()
+        self.l_aux: torch.Tensor | None = None
+        self.last_schedule: str | None = None
+        self.last_stats: dict[str, int] = {}
+        self._plans: dict[int, tuple[str, Any, Any, Any]] = {}
+        self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
+
+    def reset_parameters(self) -> None:
+        # The full layer's weights on every rank (same seed), then this rank's shards: the shards
+        # of all ranks together equal a one-rank layer's.
+        E, M, H = self.num_experts, self.hidden, self.ffn_hidden
+        gate = torch.empty(M, E).uniform_(-1 / math.sqrt(M), 1 / math.sqrt(M))
+        w1 = torch.empty(E, M, H).uniform_(-1 / math.sqrt(M), 1 / math.sqrt(M))
+        w2 = torch.empty(E, H, M).uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H))
+        self.load_full(gate, w1, w2)
+
+    @torch.no_grad()
+    def load_full(self, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Set this rank's shards from a full layer: gate [M, E], w1 [E, M, H], w2 [E, H, M]."""
+        gr = self.groups
+        E_loc, Hn = self.num_experts // gr.ep_size, self.ffn_hidden // gr.mp_size
+        es = slice(gr.ep_index * E_loc, (gr.ep_index + 1) * E_loc)
+        hs = slice(gr.mp_index * Hn, (gr.mp_index + 1) * Hn)
+        self.gate.copy_(gate)
+        self.w1.copy_(w1[es, :, hs])
+        self.w2.copy_(w2[es, hs, :])
+
+    def _shape(self, tokens: int) -> Any:
+        gr = self.groups
+        return _C.parm.ParmShape(
+            world_size=gr.mp_size * gr.ep_size,
+            mp_size=gr.mp_size,
+            gpus_per_node=self.gpus_per_node,
+            tokens=tokens,
+            hidden=self.hidden,
+            ffn_hidden=self.ffn_hidden,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            dtype_bytes=_dtype_bytes(self.w1.dtype),
+        )
+
+    def _plan(self, tokens: int) -> tuple[str, Any, Any, Any]:
+        if tokens not in self._plans:
+            gr = self.groups
+            world = gr.mp_size * gr.ep_size
+            shape = self._shape(tokens)
+            name = self.schedule
+            if name == "auto":
+                model = self.model or cost_model(
+                    world, gr.mp_size, self.cluster, self.gpus_per_node
+                )
+                name = _C.parm.choose(shape, model)[0]
+            self._plans[tokens] = (name, shape, *plan_steps(shape, name))
+        return self._plans[tokens]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"x: last dimension must be hidden={self.hidden}, got {x.shape}")
+        if x.device.type != "cpu":
+            raise NotImplementedError("ParmMoELayer: only the CPU executor exists so far")
+        flat = x.reshape(-1, self.hidden).contiguous()
+        name, shape, fwd, bwd = self._plan(flat.shape[0])
+        executor = CpuExecutor(shape, self.groups, self.overflow)
+        self.last_stats = {}
+        y, self.l_aux = _ParmFunction.apply(
+            flat, self.gate, self.w1, self.w2, (executor, fwd, bwd, self.last_stats)
+        )
+        self.last_schedule = name
+        return y.reshape(x.shape)

@@ -1,0 +1,61 @@
+"""`uniep parm simulate` and `uniep parm profile`, and the simulator's grid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from uniep import parm, parm_sim
+from uniep.cli import main
+from uniep.parm_profile import cost_model_from_profile
+
+
+def test_grid_has_1296_layers() -> None:
+    configs = parm_sim.grid_configs()
+    assert len(configs) == 1296
+    assert len({tuple(c.values()) for c in configs}) == 1296
+
+
+def test_simulate_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["parm", "simulate", "--cluster", "a6000-ib", "--inter-bw", "2.5",
+                 "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "1296 layers on 32 GPUs" in text and "auto geomean" in text
+    data = json.loads(out.read_text())
+    assert data["cluster"]["inter_bw"] == 2.5e9
+    assert len(data["rows"]) == 1296 and data["summary"]["all"]["layers"] == 1296
+    row = data["rows"][0]
+    assert row["choice"] in ("baseline", "s1", "s2")
+    assert row["speedup"] == pytest.approx(
+        row["seconds"]["baseline"] / row["seconds"][row["choice"]]
+    )
+    # The issue's goal, on the described clusters: auto >= 1.5x over the baseline (geomean).
+    assert data["summary"]["all"]["auto_geomean"] >= 1.5
+
+
+def test_auto_never_predicted_slower_than_baseline() -> None:
+    rows = parm_sim.simulate("h100-ib")
+    assert all(r["speedup"] >= 1.0 for r in rows)
+    assert parm_sim.summarize(rows)["all"]["auto_geomean"] >= 1.5
+
+
+def test_profile_fits_and_feeds_the_simulator(tmp_path: Path) -> None:
+    out = tmp_path / "prof.json"
+    args = ["parm", "profile", "--world-size", "4", "--mp-size", "2", "--sizes", "4"]
+    assert main([*args, "--iters", "2", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert set(prof["coefficients"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+    assert set(prof["coefficients"]["all_to_all"]) == {"inter"}
+    for links in prof["coefficients"].values():
+        for c in links.values():
+            assert len(c["samples"]) == 4 and c["r2"] <= 1.0
+    model = cost_model_from_profile(prof)
+    assert (
+        model.get("all_gather", "intra").beta == prof["coefficients"]["all_gather"]["intra"]["beta"]
+    )
+    # Any fit prices a plan (CPU loopback coefficients say little about a real cluster).
+    plan = parm.plan(4, 2, 1024, 256, 512, 4, 2, gpus_per_node=2, model=model)
+    assert plan.schedule in parm.SCHEDULES
+    assert main(["parm", "simulate", "--profile", str(out), "--out", str(tmp_path / "s.json")]) == 0

@@ -1,0 +1,59 @@
+"""ParmMoELayer in one process (no torch.distributed: a world of one, N = G = 1): the executor's
+math against the dense reference in fp32 and bf16, and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from uniep.parm import SCHEDULES, CapacityError, ParmMoELayer
+from uniep.parm_reference import parm_reference
+
+
+def _layer_and_reference(dtype: torch.dtype, schedule: str, top_k: int = 2, f: float = 0.0):
+    torch.manual_seed(0)
+    layer = ParmMoELayer(None, None, 16, 24, 6, top_k, capacity_factor=f, schedule=schedule,
+                         dtype=dtype)  # fmt: skip
+    x = torch.randn(9, 16)
+    gate, w1, w2 = (p.detach().double().requires_grad_() for p in (layer.gate, layer.w1, layer.w2))
+    x64 = x.double().requires_grad_()
+    cap = layer._plan(9)[1].slice_capacity
+    y_ref, laux_ref, _ = parm_reference(x64, gate, w1, w2, top_k, 1, cap)
+    (y_ref.sum() + laux_ref).backward()
+    xin = x.to(dtype).requires_grad_()
+    y = layer(xin)
+    (y.float().sum() + layer.l_aux).backward()
+    got = (y.detach(), xin.grad, layer.gate.grad, layer.w1.grad, layer.w2.grad)
+    want = (y_ref.detach(), x64.grad, gate.grad, w1.grad, w2.grad)
+    return got, want
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "auto"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_one_rank_matches_reference(schedule: str, dtype: torch.dtype, tol: float) -> None:
+    got, want = _layer_and_reference(dtype, schedule)
+    for name, g, w in zip(("y", "dx", "dgate", "dw1", "dw2"), got, want, strict=True):
+        assert g.dtype == (torch.float32 if name == "dgate" else dtype), name
+        err = float((g.double() - w).abs().max() / w.abs().max())
+        assert err <= tol, f"{name}: {err:.2e}"
+
+
+def test_capacity_overflow_raises_unless_dropping() -> None:
+    torch.manual_seed(1)
+    layer = ParmMoELayer(None, None, 8, 8, 4, 2, capacity_factor=0.1)
+    with pytest.raises(CapacityError, match="capacity overflow: .* overflow='drop'"):
+        layer(torch.randn(32, 8))
+    layer.overflow = "drop"
+    y = layer(torch.randn(32, 8))
+    assert y.shape == (32, 8) and layer.last_stats["dropped"] > 0
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(ValueError, match="schedule"):
+        ParmMoELayer(None, None, 8, 8, 4, 2, schedule="s3")
+    with pytest.raises(ValueError, match="overflow"):
+        ParmMoELayer(None, None, 8, 8, 4, 2, overflow="ignore")
+    layer = ParmMoELayer(None, None, 8, 8, 4, 2)
+    with pytest.raises(ValueError, match="hidden=8"):
+        layer(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="top_k"):
+        ParmMoELayer(None, None, 8, 8, 4, 5)
