@@ -188,7 +188,7 @@ class CpuExecutor:
                 env[step.output] = self._order(env[step.input], st.route)
             elif op == "expert":
                 st.saved["exp_in"] = env[step.input]
-                env[step.output] = self._expert(env[step.input], w1, w2)[0]
+                env[step.output] = self._expert(env[step.input], w1, w2)
             elif op == "iorder":
                 st.saved["comb"] = env[step.input]
                 env[step.output] = self._iorder(env[step.input], st.route, x.dtype)
@@ -252,13 +252,11 @@ class CpuExecutor:
         out = xin.new_zeros(self.E * self._rows, xin.shape[1]).index_copy(0, flat, xin[tok])
         return out.view(self.E, self._rows, xin.shape[1])
 
-    def _expert(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor):
-        """inp [..., E_loc, r, M] -> (the partial outputs of this rank's shards, same shape; the
-        first GEMM's output [E_loc, rows, H/N], for the backward)."""
+    def _expert(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """inp [..., E_loc, r, M] -> the partial outputs of this rank's shards, same shape."""
         rows = inp.movedim(-3, 0).reshape(self.E_loc, -1, inp.shape[-1])
-        pre = torch.bmm(rows, w1)
-        out = torch.bmm(torch.nn.functional.gelu(pre), w2)
-        return out.reshape(inp.movedim(-3, 0).shape).movedim(0, -3), pre
+        out = torch.bmm(torch.nn.functional.gelu(torch.bmm(rows, w1)), w2)
+        return out.reshape(inp.movedim(-3, 0).shape).movedim(0, -3)
 
     def _iorder(self, comb: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
         tok, j, flat = self._flat(r)
