@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from plot_svg import Panel, Series, render_svg  # noqa: E402
 
 GOAL_SPEEDUP = 1.5  # issue 20: geomean predicted speedup of auto over the baseline
 
@@ -59,12 +60,23 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
     )
 
 
+def _speedup_panel(cluster: str, rows: list[dict]) -> Panel:
+    """Each MP size's layers sorted by the chosen schedule's predicted speedup."""
+    series = []
+    for n, color in zip((2, 4, 8), ("#1f77b4", "#2ca02c", "#d62728"), strict=True):
+        ys = sorted(r["speedup"] for r in rows if r["mp_size"] == n)
+        xs = [100.0 * (i + 1) / len(ys) for i in range(len(ys))]
+        series.append(Series(f"N = {n}", xs, ys, color))
+    return Panel(cluster, series, x_label="layers (percentile)", y_label="speedup (x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--mp-size", type=int, default=2)
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--no-plot", action="store_true", help="write no SVG")
     parser.add_argument(
         "--measure",
         action="store_true",
@@ -103,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     print(f"\n{'simulate':<12}{'layers':>7}{'auto geomean':>14}{'min':>7}{'max':>7}  chosen")
+    panels = []
     for name in parm.CLUSTERS:
-        summary = parm_sim.summarize(parm_sim.simulate(name))["all"]
+        sim = parm_sim.simulate(name)
+        panels.append(_speedup_panel(name, sim))
+        summary = parm_sim.summarize(sim)["all"]
         print(
             f"{name:<12}{summary['layers']:>7}{summary['auto_geomean']:>13.2f}x"
             f"{summary['auto_min']:>6.2f}x{summary['auto_max']:>6.2f}x  {summary['chosen']}"
@@ -128,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         _measure(args, result, rows)
     path = write_result("bench_parm", rows, args.out_dir)
     print(f"wrote {path}")
+    if not args.no_plot:
+        svg = Path(path).with_suffix(".svg")
+        title = "Parm: predicted speedup of auto over the baseline (fwd+bwd), 1296 layers"
+        svg.write_text(render_svg(panels, title, columns=3, log_x=False, log_y=False))
+        print(f"wrote {svg}")
     return 0
 
 

@@ -59,3 +59,8 @@ def test_profile_fits_and_feeds_the_simulator(tmp_path: Path) -> None:
     plan = parm.plan(4, 2, 1024, 256, 512, 4, 2, gpus_per_node=2, model=model)
     assert plan.schedule in parm.SCHEDULES
     assert main(["parm", "simulate", "--profile", str(out), "--out", str(tmp_path / "s.json")]) == 0
+
+
+def test_profile_rejects_a_layout_without_ep(capsys: pytest.CaptureFixture) -> None:
+    assert main(["parm", "profile", "--world-size", "4", "--mp-size", "4"]) == 2
+    assert "must divide" in capsys.readouterr().err

@@ -11,12 +11,13 @@ from uniep.parm_reference import parm_reference
 
 def _layer_and_reference(dtype: torch.dtype, schedule: str, top_k: int = 2, f: float = 0.0):
     torch.manual_seed(0)
-    layer = ParmMoELayer(None, None, 16, 24, 6, top_k, capacity_factor=f, schedule=schedule,
-                         dtype=dtype)  # fmt: skip
+    layer = ParmMoELayer(
+        None, None, 16, 24, 6, top_k, capacity_factor=f, schedule=schedule, dtype=dtype
+    )
     x = torch.randn(9, 16)
     gate, w1, w2 = (p.detach().double().requires_grad_() for p in (layer.gate, layer.w1, layer.w2))
     x64 = x.double().requires_grad_()
-    cap = layer._plan(9)[1].slice_capacity
+    cap = layer._shape(9).slice_capacity
     y_ref, laux_ref, _ = parm_reference(x64, gate, w1, w2, top_k, 1, cap)
     (y_ref.sum() + laux_ref).backward()
     xin = x.to(dtype).requires_grad_()
@@ -57,3 +58,41 @@ def test_argument_errors() -> None:
         layer(torch.randn(3, 7))
     with pytest.raises(ValueError, match="top_k"):
         ParmMoELayer(None, None, 8, 8, 4, 5)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_ops_pass_opcheck(schedule: str) -> None:
+    torch.manual_seed(2)
+    layer = ParmMoELayer(None, None, 8, 12, 4, 2, capacity_factor=0.0)
+    x = torch.randn(5, 8, requires_grad=True)
+    args = (x, layer.gate, layer.w1, layer.w2, "", "", 2, 0.0, schedule, "error")
+    torch.library.opcheck(torch.ops.uniep.parm_moe_forward.default, args)
+    y, l_aux, exp_in, comb, stats = torch.ops.uniep.parm_moe_forward(*args)
+    back = (
+        torch.randn(5, 8),
+        torch.tensor(0.5),
+        x.detach(),
+        layer.gate.detach(),
+        layer.w1.detach(),
+        layer.w2.detach(),
+        exp_in,
+        comb,
+        stats,
+        "",
+        "",
+        2,
+        0.0,
+        schedule,
+    )
+    torch.library.opcheck(torch.ops.uniep.parm_moe_backward.default, back)
+
+
+def test_layer_compiles_through_the_fake_kernels() -> None:
+    torch.manual_seed(3)
+    layer = ParmMoELayer(None, None, 8, 12, 4, 2, capacity_factor=0.0, schedule="s2")
+    x = torch.randn(6, 8)
+    want = layer(x)
+    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x.requires_grad_())
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    assert x.grad is not None and layer.w1.grad is not None

@@ -46,4 +46,17 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "ll_combine(Tensor y, Tensor topk_idx, Tensor topk_weights, str group_name, "
       "int buffer=0) -> Tensor");
+  // Parm (MP+EP+ESP, include/uniep/parm.hpp): one MoE layer under one schedule ("baseline", "s1",
+  // "s2"). Besides y and l_aux it returns what the backward needs: the expert input and the
+  // combine input of this rank, and stats = [top-1 counts of the MP group (E), dropped pairs,
+  // largest (slice, expert) demand, slice capacity] (float64). CPU: uniep/parm_ops.py.
+  m.def(
+      "parm_moe_forward(Tensor x, Tensor gate, Tensor w1, Tensor w2, str mp_group, "
+      "str ep_group, int top_k, float capacity_factor, str schedule, str overflow=\"error\") -> "
+      "(Tensor y, Tensor l_aux, Tensor exp_in, Tensor comb, Tensor stats)");
+  m.def(
+      "parm_moe_backward(Tensor grad_y, Tensor grad_l_aux, Tensor x, Tensor gate, Tensor w1, "
+      "Tensor w2, Tensor exp_in, Tensor comb, Tensor stats, str mp_group, str ep_group, "
+      "int top_k, float capacity_factor, str schedule) -> "
+      "(Tensor grad_x, Tensor grad_gate, Tensor grad_w1, Tensor grad_w2)");
 }

@@ -378,6 +378,13 @@ def _cmd_parm_simulate(args: argparse.Namespace) -> int:
 def _cmd_parm_profile(args: argparse.Namespace) -> int:
     from .parm_profile import DEFAULT_SIZES, profile
 
+    if args.world_size % args.mp_size or args.world_size == args.mp_size:
+        print(
+            f"uniep parm profile: --mp-size ({args.mp_size}) must divide --world-size "
+            f"({args.world_size}) with at least two MP groups (the EP all-to-all needs them)",
+            file=sys.stderr,
+        )
+        return 2
     sizes = DEFAULT_SIZES[: args.sizes]
     result = profile(args.world_size, args.mp_size, sizes, args.iters, args.timeout)
     print(f"{'collective':<16}{'link':<7}{'alpha (us)':>12}{'beta (ns/B)':>13}{'R^2':>8}")

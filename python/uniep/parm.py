@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
-from .parm_cpu import CapacityError, CpuExecutor, ForwardState, Groups, plan_steps
+# parm_ops registers the CPU kernels, fake kernels and autograd of torch.ops.uniep.parm_moe_*.
+from . import _C, parm_ops  # noqa: F401
+from .parm_cpu import CapacityError, Groups
 
 __all__ = [
     "CLUSTERS",
@@ -193,34 +194,6 @@ def new_groups(mp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mine["mp"], mine["ep"]
 
 
-class _ParmFunction(torch.autograd.Function):
-    """Forward: the schedule's forward step list; backward: its backward step list."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        wg: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        run: tuple[CpuExecutor, Any, Any, dict],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        executor, fwd, bwd, stats = run
-        need_grad = any(ctx.needs_input_grad[:4])
-        y, laux, state = executor.forward(x, wg, w1, w2, fwd, need_grad)
-        stats.update(state.stats)
-        ctx.run = (executor, bwd, state)
-        return y, laux
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor, dlaux: torch.Tensor) -> tuple[Any, ...]:
-        executor, bwd, state = ctx.run
-        assert isinstance(state, ForwardState)
-        dx, dwg, dw1, dw2 = executor.backward(state, dy, dlaux, bwd)
-        ctx.run = None  # the graphs are large; free them with the step
-        return dx, dwg, dw1, dw2, None
-
-
 class ParmMoELayer(nn.Module):
     """An MoE block whose dense neighbours are tensor-parallel over ``mp_group`` (its input is
     replicated there) and whose experts are spread over ``ep_group`` and sharded over the MP group.
@@ -306,7 +279,7 @@ class ParmMoELayer(nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.last_schedule: str | None = None
         self.last_stats: dict[str, int] = {}
-        self._plans: dict[int, tuple[str, Any, Any, Any]] = {}
+        self._plans: dict[int, str] = {}
         self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
 
     def reset_parameters(self) -> None:
@@ -344,18 +317,16 @@ class ParmMoELayer(nn.Module):
             dtype_bytes=_dtype_bytes(self.w1.dtype),
         )
 
-    def _plan(self, tokens: int) -> tuple[str, Any, Any, Any]:
+    def _plan(self, tokens: int) -> str:
         if tokens not in self._plans:
-            gr = self.groups
-            world = gr.mp_size * gr.ep_size
-            shape = self._shape(tokens)
             name = self.schedule
             if name == "auto":
+                gr = self.groups
                 model = self.model or cost_model(
-                    world, gr.mp_size, self.cluster, self.gpus_per_node
+                    gr.mp_size * gr.ep_size, gr.mp_size, self.cluster, self.gpus_per_node
                 )
-                name = _C.parm.choose(shape, model)[0]
-            self._plans[tokens] = (name, shape, *plan_steps(shape, name))
+                name = _C.parm.choose(self._shape(tokens), model)[0]
+            self._plans[tokens] = name
         return self._plans[tokens]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -364,11 +335,25 @@ class ParmMoELayer(nn.Module):
         if x.device.type != "cpu":
             raise NotImplementedError("ParmMoELayer: only the CPU executor exists so far")
         flat = x.reshape(-1, self.hidden).contiguous()
-        name, shape, fwd, bwd = self._plan(flat.shape[0])
-        executor = CpuExecutor(shape, self.groups, self.overflow)
-        self.last_stats = {}
-        y, self.l_aux = _ParmFunction.apply(
-            flat, self.gate, self.w1, self.w2, (executor, fwd, bwd, self.last_stats)
+        name = self._plan(flat.shape[0])
+        gr = self.groups
+        y, self.l_aux, _, _, stats = torch.ops.uniep.parm_moe_forward(
+            flat,
+            self.gate,
+            self.w1,
+            self.w2,
+            gr.mp.group_name if gr.mp is not None else "",
+            gr.ep.group_name if gr.ep is not None else "",
+            self.top_k,
+            float(self.capacity_factor),
+            name,
+            self.overflow,
         )
+        E = self.num_experts
+        self.last_stats = {
+            "dropped": int(stats[E]),
+            "max_demand": int(stats[E + 1]),
+            "slice_capacity": int(stats[E + 2]),
+        }
         self.last_schedule = name
         return y.reshape(x.shape)

@@ -1,0 +1,239 @@
+"""torch.ops.uniep.parm_moe_forward / parm_moe_backward: the CPU implementation (the step-list
+interpreter of uniep.parm_cpu), fake kernels and autograd. Schemas: cpp/torch/registration.cpp.
+
+    parm_moe_forward(x [S, M], gate [M, E] float32, w1 [E_loc, M, H/N], w2 [E_loc, H/N, M],
+                     mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error")
+        -> y [S, M], l_aux [] float32, exp_in, comb, stats [E + 3] float64
+    exp_in  [G, E_loc, N*c, M] (baseline) or [N, G, E_loc, c, M] (s1, s2): this rank's expert input
+    comb    [E, N*c, M] (baseline, s2) or [E, c, M] (s1): this rank's combine input
+    stats   top-1 counts of the MP group's tokens (E), dropped pairs, largest (slice, expert)
+            demand, slice capacity c
+
+Group arguments are ``ProcessGroup.group_name``; "" is a group of one rank. The backward
+recomputes the local compute steps from (x, gate, exp_in, comb) and runs the backward step list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .parm_cpu import CpuExecutor, Groups
+
+SCHEDULES = ("baseline", "s1", "s2")
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    if not name:
+        return None
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _sizes(mp_group: str, ep_group: str) -> tuple[int, int]:
+    mp, ep = resolve_group(mp_group), resolve_group(ep_group)
+    return (
+        dist.get_world_size(mp) if mp is not None else 1,
+        dist.get_world_size(ep) if ep is not None else 1,
+    )
+
+
+def _check(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    schedule: str,
+    N: int,
+    G: int,
+) -> None:
+    def need(cond: bool, msg: str) -> None:
+        torch._check_value(cond, lambda: msg)
+
+    need(schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    need(x.dim() == 2, f"x must be [S, M], got shape {tuple(x.shape)}")
+    M = x.shape[1]
+    need(
+        gate.dim() == 2 and gate.shape[0] == M and gate.dtype == torch.float32,
+        f"gate must be float32 [M={M}, E], got {gate.dtype} {tuple(gate.shape)}",
+    )
+    E = gate.shape[1]
+    need(E % G == 0, f"gate: E={E} experts must divide by the EP size {G}")
+    need(
+        w1.dim() == 3 and w1.shape[0] == E // G and w1.shape[1] == M and w1.dtype == x.dtype,
+        f"w1 must be {x.dtype} [E_loc={E // G}, M={M}, H/N], got {w1.dtype} {tuple(w1.shape)}",
+    )
+    want = (E // G, w1.shape[2], M)
+    need(
+        w2.dim() == 3 and tuple(w2.shape) == want and w2.dtype == x.dtype,
+        f"w2 must be {x.dtype} {list(want)}, got {w2.dtype} {tuple(w2.shape)}",
+    )
+
+
+def _shape(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w1: torch.Tensor,
+    N: int,
+    G: int,
+    top_k: int,
+    capacity_factor: float,
+) -> Any:
+    return _C.parm.ParmShape(
+        world_size=N * G,
+        mp_size=N,
+        gpus_per_node=N,
+        tokens=int(x.shape[0]),
+        hidden=int(x.shape[1]),
+        ffn_hidden=int(w1.shape[2]) * N,
+        num_experts=int(gate.shape[1]),
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        dtype_bytes=x.element_size(),
+    )
+
+
+def _executor(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    mp_group: str,
+    ep_group: str,
+    top_k: int,
+    capacity_factor: float,
+    schedule: str,
+    overflow: str,
+) -> tuple[CpuExecutor, Any]:
+    mp, ep = resolve_group(mp_group), resolve_group(ep_group)
+    N, G = _sizes(mp_group, ep_group)
+    _check(x, gate, w1, w2, schedule, N, G)
+    groups = Groups(
+        mp=mp,
+        ep=ep,
+        mp_size=N,
+        ep_size=G,
+        mp_index=dist.get_rank(mp) if mp is not None else 0,
+        ep_index=dist.get_rank(ep) if ep is not None else 0,
+    )
+    shape = _shape(x, gate, w1, N, G, top_k, capacity_factor)
+    return CpuExecutor(shape, groups, overflow), shape
+
+
+@torch.library.impl("uniep::parm_moe_forward", "CPU")
+def _forward_cpu(
+    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error"
+):
+    if overflow not in ("error", "drop"):
+        raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
+    ex, shape = _executor(
+        x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
+    )
+    fwd = _C.parm.build_steps(shape, schedule, "forward")
+    y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd)
+    s = st.stats
+    tail = torch.tensor([s["dropped"], s["max_demand"], s["slice_capacity"]], dtype=torch.float64)
+    stats = torch.cat([st.saved["top1_total"].double(), tail])
+    return y, laux, st.saved["exp_in"], st.saved["comb"], stats
+
+
+@torch.library.impl("uniep::parm_moe_backward", "CPU")
+def _backward_cpu(
+    grad_y,
+    grad_l_aux,
+    x,
+    gate,
+    w1,
+    w2,
+    exp_in,
+    comb,
+    stats,
+    mp_group,
+    ep_group,
+    top_k,
+    capacity_factor,
+    schedule,
+):
+    ex, shape = _executor(
+        x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, "drop"
+    )
+    E = int(gate.shape[1])
+    fwd = _C.parm.build_steps(shape, schedule, "forward")
+    st = ex.rebuild(x.contiguous(), gate, exp_in, comb, stats[:E].clone(), fwd)
+    bwd = _C.parm.build_steps(shape, schedule, "backward")
+    return ex.backward(st, grad_y, grad_l_aux, gate, w1, w2, bwd)
+
+
+def _saved_shapes(x, gate, w1, mp_group, ep_group, top_k, capacity_factor, schedule):
+    N, G = _sizes(mp_group, ep_group)
+    shape = _shape(x, gate, w1, N, G, top_k, capacity_factor)
+    E, M, c = shape.num_experts, shape.hidden, shape.slice_capacity
+    if schedule == "baseline":
+        return (G, E // G, N * c, M), (E, N * c, M)
+    return (N, G, E // G, c, M), (E, c if schedule == "s1" else N * c, M)
+
+
+@torch.library.register_fake("uniep::parm_moe_forward")
+def _forward_fake(
+    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error"
+):
+    N, G = _sizes(mp_group, ep_group)
+    _check(x, gate, w1, w2, schedule, N, G)
+    exp_in, comb = _saved_shapes(x, gate, w1, mp_group, ep_group, top_k, capacity_factor, schedule)
+    return (
+        x.new_empty(x.shape),
+        gate.new_empty(()),
+        x.new_empty(exp_in),
+        x.new_empty(comb),
+        gate.new_empty((gate.shape[1] + 3,), dtype=torch.float64),
+    )
+
+
+@torch.library.register_fake("uniep::parm_moe_backward")
+def _backward_fake(
+    grad_y,
+    grad_l_aux,
+    x,
+    gate,
+    w1,
+    w2,
+    exp_in,
+    comb,
+    stats,
+    mp_group,
+    ep_group,
+    top_k,
+    capacity_factor,
+    schedule,
+):
+    N, G = _sizes(mp_group, ep_group)
+    _check(x, gate, w1, w2, schedule, N, G)
+    torch._check_value(grad_y.shape == x.shape, lambda: "grad_y must have x's shape")
+    return (
+        x.new_empty(x.shape),
+        gate.new_empty(gate.shape),
+        w1.new_empty(w1.shape),
+        w2.new_empty(w2.shape),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, *_ = inputs
+    _, _, exp_in, comb, stats = output
+    ctx.save_for_backward(x, gate, w1, w2, exp_in, comb, stats)
+    ctx.args = (mp_group, ep_group, top_k, capacity_factor, schedule)
+    ctx.mark_non_differentiable(exp_in, comb, stats)
+
+
+def _backward(ctx: Any, grad_y: torch.Tensor, grad_l_aux: torch.Tensor, *_: Any) -> tuple:
+    x, gate, w1, w2, exp_in, comb, stats = ctx.saved_tensors
+    # Every rank must run the backward: its collectives pair with the peers'.
+    gx, gg, g1, g2 = torch.ops.uniep.parm_moe_backward(
+        grad_y.contiguous(), grad_l_aux, x, gate, w1, w2, exp_in, comb, stats, *ctx.args
+    )
+    return gx, gg, g1, g2, None, None, None, None, None, None
+
+
+torch.library.register_autograd("uniep::parm_moe_forward", _backward, setup_context=_setup_context)
