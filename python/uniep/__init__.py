@@ -10,7 +10,18 @@ import os
 import torch  # noqa: F401
 
 # _C is listed first so it loads before ops, which extends the ops it registers.
-from . import _C, collectives, distributed, ep, nn, ops, parallel, parm, reference  # noqa: F401
+from . import (  # noqa: F401
+    _C,
+    collectives,
+    distributed,
+    ep,
+    integrations,
+    nn,
+    ops,
+    parallel,
+    parm,
+    reference,
+)
 from ._C import TuningParams, build_info
 from .distributed import Runtime, init
 from .ops import moe_forward
@@ -36,6 +47,7 @@ __all__ = [
     "distributed",
     "ep",
     "init",
+    "integrations",
     "moe_forward",
     "nn",
     "ops",
