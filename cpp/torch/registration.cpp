@@ -14,6 +14,10 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "moe_backward_checks(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, "
       "Tensor w1, Tensor w2, str group_name, str tuning=\"\") -> ()");
+  // torch._grouped_mm's bf16 case on UniEP's Hopper grouped GEMM (CUDA only): x [R, K],
+  // w [E, K, N], offs [E] int32 cumulative row ends -> [R, N]; expert e multiplies rows
+  // [offs[e-1], offs[e]) of x by w[e]. offs stays on the device (no host sync).
+  m.def("grouped_mm(Tensor x, Tensor w, Tensor offs) -> Tensor");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

@@ -1,0 +1,61 @@
+// The expert GEMM engine, step one: a bf16 grouped GEMM for Hopper (sm_90a) with the semantics of
+// torch._grouped_mm(x [R, K], w [E, K, N], offs [E]) -> [R, N]: expert e multiplies rows
+// [offs[e-1], offs[e]) of x (offs[-1] = 0) by w[e], fp32 accumulation, bf16 out.
+//
+// The per-expert row counts stay on the device: a small kernel turns offs into the grouped
+// kernel's problem shapes and pointers, in the caller's workspace, on the caller's stream. The
+// host never reads them, so a call never waits for the GPU and can be captured in a CUDA graph
+// right after the dispatch that produced offs.
+//
+// Bits: no split-K and no stream-K. Each output element is one fp32 dot product over K in
+// ascending K-block order, whatever the grid size, the expert's other rows, or where the row falls
+// in a tile; results are identical run to run and for every sm_count.
+//
+// All pointers are device pointers; arrays are contiguous, row-major. Functions return a Status
+// instead of throwing; kInvalidArgument / kUnsupported messages name the argument.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+struct GroupedGemmProblem {
+  const void* x = nullptr;        // [rows, k] bf16
+  const void* w = nullptr;        // [num_experts, k, n] bf16
+  const int32_t* offs = nullptr;  // [num_experts] int32, cumulative row ends (device memory)
+  // [rows, n] bf16. Rows at or past offs[num_experts - 1] are not written (as torch._grouped_mm).
+  void* out = nullptr;
+  int64_t num_experts = 0;  // E >= 1
+  int64_t rows = 0;         // R: the most rows offs may describe (offs values are clamped to it)
+  int64_t k = 0, n = 0;
+};
+
+// Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
+bool grouped_gemm_device_ok(int device);
+
+// OK when the kernel takes this problem; else kInvalidArgument naming the argument and what it
+// needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
+// bytes), 16-byte aligned x, w and out, a non-null offs. R = 0 needs no x or out.
+//
+// offs is device data and is not checked. The problem kernel makes it safe instead: every offs
+// value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives
+// wrong rows, never an access outside x, w or out.
+Status grouped_gemm_supports(const GroupedGemmProblem& p);
+
+// Bytes of device workspace grouped_gemm_bf16 needs for `num_experts` groups on a grid of
+// `sm_count` SMs (per-expert shapes, pointers and strides, and per-SM TMA descriptors); 0 if
+// num_experts < 1 or sm_count < 1. It does not depend on R, k, n or offs.
+size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count);
+
+// Enqueues the problem kernel and the grouped GEMM on `stream`, the GEMM's persistent grid on at
+// most `sm_count` SMs of `device` (the current device). Returns without launching anything when
+// R = 0. The workspace (256-byte aligned) must stay untouched until the GEMM has run.
+Status grouped_gemm_bf16(const GroupedGemmProblem& p, int device, int sm_count, void* workspace,
+                         size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace uniep::cuda

@@ -1,0 +1,182 @@
+"""UniEP's grouped GEMM (``torch.ops.uniep.grouped_mm``, cpp/cuda/gemm/grouped) against
+``torch._grouped_mm`` and a float64 reference.
+
+Same semantics as ``torch._grouped_mm(x [R, K], w [E, K, N], offs [E] int32)``: expert e multiplies
+rows [offs[e-1], offs[e]) of x by w[e]. Checked here: empty experts, one-row experts, row counts
+that fill no tile, K and N that are multiples of 8 or 64 but not of 128, 1 to 300 experts, R = 0;
+the same bits run to run and for an expert computed on its own; capture in a CUDA graph (offs
+read on the device at replay); a malformed offs staying in bounds; named errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import uniep  # noqa: F401  (registers torch.ops.uniep)
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hopper, reason="needs a compute capability 9.0 GPU"),
+]
+
+
+def _op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # Poison first: a freed block of the output's size, full of NaN, is what the caching
+    # allocator hands the op, so a row the kernel misses shows up as NaN.
+    poison = torch.full((x.shape[0], w.shape[2]), float("nan"), device="cuda", dtype=x.dtype)
+    del poison
+    return torch.ops.uniep.grouped_mm(x, w, offs)
+
+
+def _operands(
+    counts: list[int], k: int, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(counts)
+    x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(len(counts), k, n, generator=gen, device="cuda") * k**-0.5).bfloat16()
+    offs = torch.tensor(counts, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+    return x, w, offs
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """float64, expert by expert, written for clarity."""
+    out = torch.zeros(x.shape[0], w.shape[2], device=x.device, dtype=torch.float64)
+    lo = 0
+    for e, hi in enumerate(offs.tolist()):
+        out[lo:hi] = x[lo:hi].double() @ w[e].double()
+        lo = hi
+    return out
+
+
+def _assert_bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16
+    assert not got.isnan().any(), "rows left unwritten (NaN poison) or NaN results"
+    # One bf16 rounding of an fp32 sum of O(1) values: 2^-8 relative, plus accumulation noise.
+    torch.testing.assert_close(got.double(), ref, rtol=1.6e-2, atol=2e-2)
+
+
+def _random_counts(num_experts: int, max_rows: int, seed: int, empty_every: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, max_rows + 1, (num_experts,), generator=gen).tolist()
+    if empty_every:
+        counts = [0 if e % empty_every == 0 else c for e, c in enumerate(counts)]
+    return counts
+
+
+CASES = {
+    "one-expert": ([200], 256, 128),
+    "empty-experts": ([0, 5, 0, 0, 130, 0], 128, 256),
+    "one-row-experts": ([1] * 17, 512, 384),
+    "odd-rows": ([3, 127, 129, 255, 1, 77], 1024, 512),
+    "k-n-multiples-of-64": ([100, 200, 64, 1], 192, 320),
+    "k-n-multiples-of-8": ([33, 150, 9], 72, 136),
+    "many-experts": (_random_counts(300, 40, 1, empty_every=7), 256, 256),
+    "dsv3-like": (_random_counts(32, 600, 2), 2048, 1024),
+    "last-experts-empty": ([64, 64, 0, 0], 128, 128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_and_torch(name: str) -> None:
+    counts, k, n = CASES[name]
+    x, w, offs = _operands(counts, k, n, seed=len(counts) + k + n)
+    out = _op(x, w, offs)
+    assert out.shape == (sum(counts), n)
+    ref = _reference(x, w, offs)
+    _assert_bf16_close(out, ref)
+    _assert_bf16_close(torch._grouped_mm(x, w, offs=offs), ref)
+
+
+def test_no_rows() -> None:
+    x, w, offs = _operands([0, 0, 0], 128, 256, seed=3)
+    out = _op(x, w, offs)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
+def test_bits_run_to_run() -> None:
+    x, w, offs = _operands(_random_counts(64, 300, 4, empty_every=5), 1024, 768, seed=4)
+    first = _op(x, w, offs)
+    for _ in range(3):
+        assert torch.equal(_op(x, w, offs), first)
+
+
+def test_bits_independent_of_the_other_experts() -> None:
+    # No split-K, and a row's K loop is the same wherever it sits in a tile: an expert's rows
+    # computed alone (other offsets, other tiles) have the bits they have in the full call.
+    counts = [70, 0, 300, 129, 1]
+    x, w, offs = _operands(counts, 512, 256, seed=5)
+    whole = _op(x, w, offs)
+    lo = 0
+    for e, c in enumerate(counts):
+        if c:
+            alone = _op(
+                x[lo : lo + c], w[e : e + 1], torch.tensor([c], device="cuda", dtype=torch.int32)
+            )
+            assert torch.equal(alone, whole[lo : lo + c]), e
+        lo += c
+
+
+def test_cuda_graph_reads_offs_at_replay() -> None:
+    # No host sync: the op can be captured, and the row counts are read when the graph runs.
+    x, w, offs = _operands([100, 100, 56], 256, 128, seed=6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.uniep.grouped_mm(x, w, offs)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.uniep.grouped_mm(x, w, offs)
+    for counts in ([100, 100, 56], [0, 256, 0], [1, 2, 253]):
+        offs.copy_(torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_bf16_close(out, _reference(x, w, offs))
+
+
+def test_malformed_offs_stay_in_bounds() -> None:
+    # offs is device data: the kernel clamps each end to [0, R] and to the largest earlier end
+    # instead of reading it on the host. Here [5, 3, 100] on R = 10 acts as [5, 5, 10].
+    x, w, _ = _operands([10, 0, 0], 128, 128, seed=7)
+    bad = torch.tensor([5, 3, 100], device="cuda", dtype=torch.int32)
+    out = _op(x, w, bad)
+    clamped = torch.tensor([5, 5, 10], device="cuda", dtype=torch.int32)
+    _assert_bf16_close(out, _reference(x, w, clamped))
+
+
+def test_named_errors() -> None:
+    x, w, offs = _operands([32, 32], 64, 64, seed=8)
+    op = torch.ops.uniep.grouped_mm
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        op(x.float(), w, offs)
+    with pytest.raises(ValueError, match="w must be bfloat16"):
+        op(x, w.float(), offs)
+    with pytest.raises(ValueError, match="offs must be int32"):
+        op(x, w, offs.long())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        op(x[None], w, offs)
+    with pytest.raises(ValueError, match="w must be 3-D"):
+        op(x, w[0], offs)
+    with pytest.raises(ValueError, match="offs must have E = w.size.0. = 2 entries, got 3"):
+        op(x, w, torch.cat([offs, offs[-1:]]))
+    with pytest.raises(ValueError, match=r"w must be \[E, K, N\] with K = x.size.1. = 64"):
+        op(x, w[:, :32], offs)
+    with pytest.raises(ValueError, match="offs must be on x's device"):
+        op(x, w, offs.cpu())
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        op(x.t().contiguous().t(), w, offs)
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        op(x, w.transpose(1, 2).contiguous().transpose(1, 2), offs)
+    x60, w60, offs60 = _operands([16], 60, 64, seed=9)
+    with pytest.raises(NotImplementedError, match=r"K = x.size.1. must be a multiple of 8.*got 60"):
+        op(x60, w60, offs60)
+    x_, w_, offs_ = _operands([16], 64, 60, seed=10)
+    with pytest.raises(NotImplementedError, match=r"N = w.size.2. must be a multiple of 8.*got 60"):
+        op(x_, w_, offs_)
+
+
+def test_opcheck() -> None:
+    x, w, offs = _operands([40, 0, 88], 128, 192, seed=11)
+    torch.library.opcheck(torch.ops.uniep.grouped_mm, (x, w, offs))
