@@ -157,6 +157,24 @@ void baseline_backward(Builder& b) {
   b.compute(Op::kGateBwd, "d_w", "dx", 4.0 * d.S * d.M * d.E, 2.0 * d.S * d.M * d.b);
 }
 
+// The expert exchange S1 and S2 share, forward and backward: each rank's 1/N slice crosses the
+// EP all-to-all while the ESP all-gather of its arrived chunks runs beside it (an SAA pair), the
+// expert shards run on the gathered rows, the ESP reduce-scatter gives each rank its slice back,
+// and that goes home over the all-to-all. Buffers: the forward's exp_*, the backward's d_exp_*.
+void sliced_expert_exchange(Builder& b, const char* from, const char* to, bool backward) {
+  const Dims& d = b.d();
+  const char* arrived = backward ? "d_exp_out_m" : "exp_in_m";
+  const char* gathered = backward ? "d_exp_out" : "exp_in";
+  const char* done = backward ? "d_exp_in" : "exp_out";
+  const char* scattered = backward ? "d_exp_in_m" : "exp_out_m";
+  b.collective(Op::kEpAllToAllDispatch, Collective::kAllToAll, Group::kEp, d.Dn, from, arrived);
+  b.collective(Op::kEspAllGather, Collective::kAllGather, Group::kMp, d.D, arrived, gathered);
+  b.pair_last_two();
+  b.expert(gathered, done, backward);
+  b.collective(Op::kEspReduceScatter, Collective::kReduceScatter, Group::kMp, d.D, done, scattered);
+  b.collective(Op::kEpAllToAllCombine, Collective::kAllToAll, Group::kEp, d.Dn, scattered, to);
+}
+
 // S1: pause MP before the gate. Each MP rank routes its slice; tokens come back with an
 // MP-AllGather after the I-order.
 void s1_forward(Builder& b) {
@@ -168,15 +186,7 @@ void s1_forward(Builder& b) {
   b.collective(Op::kMpAllReduceStats, Collective::kAllReduce, Group::kMp, 2 * d.E * 4, "route",
                "route");
   b.order("x_m", d.Sm, d.E * d.c);
-  b.collective(Op::kEpAllToAllDispatch, Collective::kAllToAll, Group::kEp, d.Dn, "disp",
-               "exp_in_m");
-  b.collective(Op::kEspAllGather, Collective::kAllGather, Group::kMp, d.D, "exp_in_m", "exp_in");
-  b.pair_last_two();
-  b.expert("exp_in", "exp_out", false);
-  b.collective(Op::kEspReduceScatter, Collective::kReduceScatter, Group::kMp, d.D, "exp_out",
-               "exp_out_m");
-  b.collective(Op::kEpAllToAllCombine, Collective::kAllToAll, Group::kEp, d.Dn, "exp_out_m",
-               "comb");
+  sliced_expert_exchange(b, "disp", "comb", false);
   b.iorder("comb", "y_m", d.Sm, d.E * d.c);
   b.collective(Op::kMpAllGatherTokens, Collective::kAllGather, Group::kMp, d.N * d.Sm * d.M * d.b,
                "y_m", "y");
@@ -187,16 +197,7 @@ void s1_backward(Builder& b) {
   // The adjoint of an MP-AllGather whose consumer is replicated: each rank keeps its slice.
   b.slice(Op::kMpSplitTokens, "dy", "dy_m");
   b.compute(Op::kIOrderBwd, "dy_m", "d_comb", 4.0 * d.Sm * d.k * d.M, 3.0 * d.Sm * d.k * d.M * d.b);
-  b.collective(Op::kEpAllToAllDispatch, Collective::kAllToAll, Group::kEp, d.Dn, "d_comb",
-               "d_exp_out_m");
-  b.collective(Op::kEspAllGather, Collective::kAllGather, Group::kMp, d.D, "d_exp_out_m",
-               "d_exp_out");
-  b.pair_last_two();
-  b.expert("d_exp_out", "d_exp_in", true);
-  b.collective(Op::kEspReduceScatter, Collective::kReduceScatter, Group::kMp, d.D, "d_exp_in",
-               "d_exp_in_m");
-  b.collective(Op::kEpAllToAllCombine, Collective::kAllToAll, Group::kEp, d.Dn, "d_exp_in_m",
-               "d_disp");
+  sliced_expert_exchange(b, "d_comb", "d_disp", true);
   b.compute(Op::kOrderBwd, "d_disp", "dx_m", 0, 2.0 * d.Sm * d.k * d.M * d.b + d.Dn);
   b.compute(Op::kGateBwd, "d_w", "dx_m", 4.0 * d.Sm * d.M * d.E, 2.0 * d.Sm * d.M * d.b);
   // The slices gated different tokens: the gate weight's gradient is their sum.
@@ -214,15 +215,7 @@ void s2_forward(Builder& b) {
   b.agree();
   b.order("x", d.S, d.E * d.T);
   b.slice(Op::kMpSplitCapacity, "disp", "disp_m");
-  b.collective(Op::kEpAllToAllDispatch, Collective::kAllToAll, Group::kEp, d.Dn, "disp_m",
-               "exp_in_m");
-  b.collective(Op::kEspAllGather, Collective::kAllGather, Group::kMp, d.D, "exp_in_m", "exp_in");
-  b.pair_last_two();
-  b.expert("exp_in", "exp_out", false);
-  b.collective(Op::kEspReduceScatter, Collective::kReduceScatter, Group::kMp, d.D, "exp_out",
-               "exp_out_m");
-  b.collective(Op::kEpAllToAllCombine, Collective::kAllToAll, Group::kEp, d.Dn, "exp_out_m",
-               "comb_m");
+  sliced_expert_exchange(b, "disp_m", "comb_m", false);
   b.collective(Op::kMpAllGatherCapacity, Collective::kAllGather, Group::kMp, d.D, "comb_m", "comb");
   b.pair_last_two();
   b.iorder("comb", "y", d.S, d.E * d.T);
@@ -232,16 +225,7 @@ void s2_backward(Builder& b) {
   const Dims& d = b.d();
   b.compute(Op::kIOrderBwd, "dy", "d_comb", 4.0 * d.S * d.k * d.M, 3.0 * d.S * d.k * d.M * d.b);
   b.slice(Op::kMpSplitCapacity, "d_comb", "d_comb_m");
-  b.collective(Op::kEpAllToAllDispatch, Collective::kAllToAll, Group::kEp, d.Dn, "d_comb_m",
-               "d_exp_out_m");
-  b.collective(Op::kEspAllGather, Collective::kAllGather, Group::kMp, d.D, "d_exp_out_m",
-               "d_exp_out");
-  b.pair_last_two();
-  b.expert("d_exp_out", "d_exp_in", true);
-  b.collective(Op::kEspReduceScatter, Collective::kReduceScatter, Group::kMp, d.D, "d_exp_in",
-               "d_exp_in_m");
-  b.collective(Op::kEpAllToAllCombine, Collective::kAllToAll, Group::kEp, d.Dn, "d_exp_in_m",
-               "d_disp_m");
+  sliced_expert_exchange(b, "d_comb_m", "d_disp_m", true);
   b.collective(Op::kMpAllGatherCapacity, Collective::kAllGather, Group::kMp, d.D, "d_disp_m",
                "d_disp");
   b.pair_last_two();
