@@ -14,7 +14,6 @@ whether uniep's bits repeat run to run.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, write_result  # noqa: E402
+from common import (  # noqa: E402
+    median_time_ms,
+    sm90_gemm_bench_args,
+    sm90_kernel_missing,
+    write_result,
+)
 
 # (load, experts, rows, K, N)
 LOADS = [
@@ -87,19 +91,8 @@ def bench_load(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
-    args = parser.parse_args(argv)
-    import uniep  # noqa: F401  (registers torch.ops.uniep)
-
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("bench_experts: skipped (needs a compute capability 9.0 GPU)")
-        return 0
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("uniep::grouped_mm", "CUDA"):
-        print("bench_experts: skipped (this build has no CUDA kernel for uniep::grouped_mm)")
+    args = sm90_gemm_bench_args(__doc__.splitlines()[0], argv)
+    if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
         return 0
     rows = []
     print(

@@ -222,3 +222,27 @@ def profile_kernels(
                 per_kernel[label] = round(per_kernel.get(label, 0.0) + device_us / iters, 2)
         result[variant] = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
     return result
+
+
+def sm90_gemm_bench_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
+    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    return parser.parse_args(argv)
+
+
+def sm90_kernel_missing(script: str, op: str) -> bool:
+    """True (after saying why the benchmark skips) unless a compute capability 9.0 GPU is
+    visible and this build has a CUDA kernel for ``op`` (``uniep::...``)."""
+    import uniep  # noqa: F401  (registers torch.ops.uniep)
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print(f"{script}: skipped (needs a compute capability 9.0 GPU)")
+        return True
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"):
+        print(f"{script}: skipped (this build has no CUDA kernel for {op})")
+        return True
+    return False
