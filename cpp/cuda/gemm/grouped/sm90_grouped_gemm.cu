@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "cuda/gemm/gemm.hpp"
 #include "cuda/gemm/grouped/grouped_problems.cuh"
 #include "cuda/gemm/grouped/sm90_grouped_gemm_kernel.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -54,13 +55,7 @@ size_t gemm_workspace_bytes(int64_t num_experts, int sm_count) {
 }  // namespace
 
 bool grouped_gemm_device_ok(int device) {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;
+  return gemm_sm90_device_ok(device);  // the same sm_90a-only build as the dense GEMM
 }
 
 Status grouped_gemm_supports(const GroupedGemmProblem& p) {
