@@ -129,12 +129,13 @@ ep::DispatchInput dispatch_input(const at::Tensor& x, const at::Tensor& topk_idx
           params.combine};
 }
 
+// The caller has run check_routing and check_dispatch_precision (inside the checks its peers
+// agree on, so they are not repeated on this path).
 Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                         const at::Tensor& topk_weights, ep::Runtime& rt, const TuningParams& params,
                         bool copy_rows, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
-  check_routing(x, topk_idx, topk_weights, cfg);
-  const bool fp8 = check_dispatch_precision(x, params);
+  const bool fp8 = params.dispatch == DispatchPrecision::kFp8E4M3;
   Dispatched d;
   // The rows are on their way while the outputs below are allocated.
   ok_or_throw(
