@@ -1,69 +1,98 @@
-"""The expert GEMM engine (``torch.ops.uniep.grouped_mm``) against ``torch._grouped_mm``, world 1.
+"""The expert GEMM engine at world 1: its grouped GEMMs against ``torch._grouped_mm``, and the
+whole ``moe_forward`` against the dense cuBLAS chain of the same FLOPs.
 
-Loads (bf16, rows routed at random over the experts with a fixed seed, so row counts are uneven
-and fill no whole tile):
-  - the DeepSeek-V3 EP8 rank: R = 32768 rows over 32 experts, the up projection K 7168 -> N 4096
-    (gate and up, 2 x 2048) and the down projection K 2048 -> N 7168;
-  - many small experts: 256 experts, about 128 rows each (R = 32768), K 7168 -> N 4096.
-Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count
-2 * R * K * N. Each row also has both results' relative error against an fp32 reference and
-whether uniep's bits repeat run to run.
+Layers (bf16; every token picks top-k distinct experts uniformly at random with a fixed seed, so
+row counts are uneven and fill no whole tile):
+
+    load              tokens T  hidden H  expert FFN I  experts E  top-k
+    dsv3-ep8-rank         4096      7168          2048         32      8
+    mixtral-ep4-rank      8192      4096         14336          2      2
+    qwen3-30b-a3b         4096      2048           768        128      8   (many small experts)
+    dsv3-256-experts      4096      7168          2048        256      8   (many small experts)
+
+Part 1, kernels: each layer's up projection (K = H -> N = 2I) and down projection (K = I -> N = H)
+as a grouped GEMM over the layer's R = T * top-k routed rows: torch._grouped_mm, the engine's
+automatic choice, and every compiled configuration; whether all of them give the same bits.
+
+Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: dispatch to itself, experts,
+combine) with the engine (default) and with ``gemm=torch``, each with both combines, beside
+  - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
+    [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
+  - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
+The goal ratios are against max(dense chain, weight floor).
+
+Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
+``--profile N`` adds each layer's per-kernel GPU time (torch profiler, N calls) for the dense chain
+and moe_forward with each GEMM engine.
 
     python bench/bench_experts.py      # on a Hopper GPU; skipped (exit 0) elsewhere
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     median_time_ms,
+    profile_kernels,
     sm90_gemm_bench_args,
     sm90_kernel_missing,
     write_result,
 )
 
-# (load, experts, rows, K, N)
-LOADS = [
-    ("dsv3-rank-up", 32, 32768, 7168, 4096),
-    ("dsv3-rank-down", 32, 32768, 2048, 7168),
-    ("many-small", 256, 32768, 7168, 4096),
+# (load, tokens, hidden, ffn, experts, top-k)
+LAYERS = [
+    ("dsv3-ep8-rank", 4096, 7168, 2048, 32, 8),
+    ("mixtral-ep4-rank", 8192, 4096, 14336, 2, 2),
+    ("qwen3-30b-a3b", 4096, 2048, 768, 128, 8),
+    ("dsv3-256-experts", 4096, 7168, 2048, 256, 8),
+]
+# The engine's compiled configurations, as tuning requests (include/uniep/cuda/grouped_gemm.hpp).
+CONFIGS = [
+    "tile_m=128,tile_n=256,tile_k=64",
+    "tile_m=64,tile_n=128,tile_k=128",
+    "tile_m=128,tile_n=128,tile_k=64",
+    "tile_m=256,tile_n=128,tile_k=64",
+    "tile_m=64,tile_n=256,tile_k=64",
+]
+LAYER_VARIANTS = [
+    ("uniep", ""),
+    ("uniep rank_partials", "combine=rank_partials"),
+    ("torch._grouped_mm", "gemm=torch"),
+    ("torch._grouped_mm rank_partials", "gemm=torch,combine=rank_partials"),
 ]
 
 
-def routed_counts(experts: int, rows: int, seed: int) -> torch.Tensor:
-    """Rows per expert of `rows` rows each sent to a uniformly random expert (int64, CPU)."""
+def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    choice = torch.randint(0, experts, (rows,), generator=gen)
-    return torch.bincount(choice, minlength=experts)
+    scores = torch.rand(tokens, experts, generator=gen)
+    idx = scores.topk(top_k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+    return idx, weights
 
 
 def tflops(rows: int, k: int, n: int, ms: float) -> float:
     return 2.0 * rows * k * n / (ms * 1e-3) / 1e12
 
 
-def bench_load(
-    load: str, experts: int, rows: int, k: int, n: int, warmup: int, iters: int
+def bench_kernel(
+    load: str, counts: torch.Tensor, k: int, n: int, warmup: int, iters: int
 ) -> dict[str, Any]:
+    experts, rows = counts.numel(), int(counts.sum())
     gen = torch.Generator(device="cuda").manual_seed(experts + k + n)
-    # Drawn in bf16 directly: the many-small load's weights alone are 15 GB.
     x = torch.randn(rows, k, generator=gen, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(experts, k, n, generator=gen, device="cuda", dtype=torch.bfloat16)
     w.mul_(k**-0.5)
-    counts = routed_counts(experts, rows, seed=experts)
     offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
-
-    ref = torch.empty(rows, n, device="cuda", dtype=torch.float32)
-    lo = 0
-    for e, c in enumerate(counts.tolist()):
-        ref[lo : lo + c] = x[lo : lo + c].float() @ w[e].float()
-        lo += c
-    ours = torch.ops.uniep.grouped_mm(x, w, offs)
+    op = torch.ops.uniep.grouped_mm
+    ours = op(x, w, offs)
     theirs = torch._grouped_mm(x, w, offs=offs)
     row: dict[str, Any] = {
         "load": load,
@@ -73,43 +102,156 @@ def bench_load(
         "N": n,
         "rows_min": int(counts.min()),
         "rows_max": int(counts.max()),
-        "rel_err_uniep": float((ours.float() - ref).norm() / ref.norm()),
-        "rel_err_torch": float((theirs.float() - ref).norm() / ref.norm()),
-        "uniep_bits_repeat": bool(torch.equal(torch.ops.uniep.grouped_mm(x, w, offs), ours)),
+        "rel_diff_uniep_vs_torch": float(
+            (ours.float() - theirs.float()).norm() / theirs.float().norm()
+        ),
+        "bits_repeat": bool(torch.equal(op(x, w, offs), ours)),
+        "bits_same_every_config": all(torch.equal(op(x, w, offs, c), ours) for c in CONFIGS),
     }
-    del ref
     row["torch_ms"] = median_time_ms(
         lambda: torch._grouped_mm(x, w, offs=offs), warmup, iters, cuda=True
     )
-    row["uniep_ms"] = median_time_ms(
-        lambda: torch.ops.uniep.grouped_mm(x, w, offs), warmup, iters, cuda=True
-    )
+    row["uniep_ms"] = median_time_ms(lambda: op(x, w, offs), warmup, iters, cuda=True)
+    for c in CONFIGS:
+        row[f"uniep_ms[{c}]"] = median_time_ms(lambda c=c: op(x, w, offs, c), warmup, iters, True)
+    row["best_config"] = min(CONFIGS, key=lambda c: row[f"uniep_ms[{c}]"])
     row["torch_tflops"] = tflops(rows, k, n, row["torch_ms"])
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
     row["uniep_over_torch"] = row["uniep_ms"] / row["torch_ms"]
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sm90_gemm_bench_args(__doc__.splitlines()[0], argv)
-    if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
-        return 0
+def kernels(warmup: int, iters: int) -> list[dict[str, Any]]:
     rows = []
     print(
-        "| load | E | R | K | N | rows/expert | torch ms | uniep ms | uniep/torch | TFLOP/s "
-        "torch / uniep | rel err torch / uniep | bits repeat |"
+        "| grouped GEMM | E | R | K | N | rows/expert | torch ms | uniep ms (auto) | best config "
+        "ms | uniep/torch | bits same across configs |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|---|")
-    for load, experts, total, k, n in LOADS:
-        r = bench_load(load, experts, total, k, n, args.warmup, args.iters)
-        rows.append(r)
-        print(
-            f"| {load} | {experts} | {total} | {k} | {n} | {r['rows_min']}-{r['rows_max']} "
-            f"| {r['torch_ms']:.3f} | {r['uniep_ms']:.3f} | {r['uniep_over_torch']:.3f} "
-            f"| {r['torch_tflops']:.0f} / {r['uniep_tflops']:.0f} "
-            f"| {r['rel_err_torch']:.2e} / {r['rel_err_uniep']:.2e} | {r['uniep_bits_repeat']} |",
-            flush=True,
-        )
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
+    for load, tokens, hidden, ffn, experts, top_k in LAYERS:
+        idx, _ = routing(tokens, experts, top_k, seed=experts)
+        counts = torch.bincount(idx.flatten(), minlength=experts)
+        for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
+            r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters)
+            rows.append({"part": "kernel", **r})
+            best = r[f"uniep_ms[{r['best_config']}]"]
+            counts_text = f"{r['rows_min']}-{r['rows_max']}"
+            print(
+                f"| {r['load']} | {r['E']} | {r['R']} | {k} | {n} | {counts_text} "
+                f"| {r['torch_ms']:.3f} | {r['uniep_ms']:.3f} | {best:.3f} ({r['best_config']}) "
+                f"| {r['uniep_over_torch']:.3f} | {r['bits_same_every_config']} |",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_layer(
+    group: Any, layer: tuple[str, int, int, int, int, int], warmup: int, iters: int, profile: int
+) -> dict[str, Any]:
+    import uniep
+
+    load, tokens, hidden, ffn, experts, top_k = layer
+    uniep.ep.init_runtime(group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts)
+    name = uniep.distributed.group_name(group)
+    gen = torch.Generator(device="cuda").manual_seed(experts)
+    bf16 = torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
+    w1 = torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
+    w1.mul_(hidden**-0.5)
+    w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
+    w2.mul_(ffn**-0.5)
+    idx, weights = routing(tokens, experts, top_k, seed=experts)
+    idx, weights = idx.cuda(), weights.cuda()
+    xd = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=bf16)
+    w1d, w2d = w1[0].clone(), w2[0].clone()
+
+    def dense() -> torch.Tensor:
+        h = xd @ w1d
+        return (F.silu(h[:, :ffn]) * h[:, ffn:]) @ w2d
+
+    def weight_read() -> torch.Tensor:
+        return w1.sum(dtype=torch.float32) + w2.sum(dtype=torch.float32)
+
+    def layer_call(tuning: str) -> torch.Tensor:
+        return torch.ops.uniep.moe_forward(x, idx, weights, w1, w2, name, tuning)
+
+    row: dict[str, Any] = {
+        "part": "layer",
+        "load": load,
+        "tokens": tokens,
+        "hidden": hidden,
+        "ffn": ffn,
+        "experts": experts,
+        "top_k": top_k,
+        "weight_gb": (w1.numel() + w2.numel()) * 2 / 1e9,
+    }
+    with torch.no_grad():
+        ref = layer_call("gemm=torch").float()
+        row["dense_ms"] = median_time_ms(dense, warmup, iters, cuda=True)
+        row["weight_read_ms"] = median_time_ms(weight_read, warmup, iters, cuda=True)
+        floor = max(row["dense_ms"], row["weight_read_ms"])
+        for impl, tuning in LAYER_VARIANTS:
+            out = layer_call(tuning).float()
+            row[f"rel_diff[{impl}]"] = float((out - ref).norm() / ref.norm())
+            ms = median_time_ms(lambda t=tuning: layer_call(t), warmup, iters, cuda=True)
+            row[f"ms[{impl}]"] = ms
+            row[f"over_floor[{impl}]"] = ms / floor
+        if profile:
+            fns = {"dense": dense} | {
+                impl: lambda t=tuning: layer_call(t) for impl, tuning in LAYER_VARIANTS[:3:2]
+            }
+            row["kernels_us"] = profile_kernels(fns, profile)
+    return row
+
+
+def _layer_rank(
+    rank: int, world: int, warmup: int, iters: int, profile: int
+) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    rows = []
+    for layer in LAYERS:
+        rows.append(_bench_layer(dist.new_group([0]), layer, warmup, iters, profile))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def layers(warmup: int, iters: int, profile: int) -> list[dict[str, Any]]:
+    import uniep
+
+    # One process, one rank; NVSHMEM's heap (sized once per process) holds every load's runtime.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
+    rows = uniep.distributed.run_local_ranks(
+        _layer_rank, 1, (warmup, iters, profile), backend="nccl", timeout_s=900
+    )[0]
+    print()
+    names = [impl for impl, _ in LAYER_VARIANTS]
+    print(
+        "| layer | dense ms | weight read ms | "
+        + " | ".join(f"{n} ms (x floor)" for n in names)
+        + " |"
+    )
+    print("|---|---:|---:|" + "---:|" * len(names))
+    for r in rows:
+        cells = " | ".join(f"{r[f'ms[{n}]']:.3f} ({r[f'over_floor[{n}]']:.2f}x)" for n in names)
+        print(f"| {r['load']} | {r['dense_ms']:.3f} | {r['weight_read_ms']:.3f} | {cells} |")
+    for r in rows:
+        for variant, kernels_us in r.get("kernels_us", {}).items():
+            top = ", ".join(f"{k} {v:.0f}" for k, v in list(kernels_us.items())[:8])
+            print(f"{r['load']} / {variant}: us per call: {top}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sm90_gemm_bench_args(__doc__.splitlines()[0], argv, profile=True)
+    if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
+        return 0
+    rows = kernels(args.warmup, args.iters)
+    if torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
+        rows += layers(args.warmup, args.iters, args.profile)
+    else:
+        print("bench_experts: layer part skipped (this build has no CUDA moe_forward)")
     path = write_result("bench_experts", rows, args.out_dir)
     print(f"wrote {path}")
     return 0

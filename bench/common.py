@@ -224,13 +224,18 @@ def profile_kernels(
     return result
 
 
-def sm90_gemm_bench_args(description: str, argv: list[str] | None) -> argparse.Namespace:
-    """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts)."""
+def sm90_gemm_bench_args(
+    description: str, argv: list[str] | None, profile: bool = False
+) -> argparse.Namespace:
+    """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts); ``profile``
+    adds ``--profile N`` (:func:`add_profile_argument`)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
     parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    if profile:
+        add_profile_argument(parser)
     return parser.parse_args(argv)
 
 

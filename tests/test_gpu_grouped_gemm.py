@@ -180,3 +180,92 @@ def test_named_errors() -> None:
 def test_opcheck() -> None:
     x, w, offs = _operands([40, 0, 88], 128, 192, seed=11)
     torch.library.opcheck(torch.ops.uniep.grouped_mm, (x, w, offs))
+
+
+# Every compiled configuration, as a tuning request (include/uniep/cuda/grouped_gemm.hpp).
+CONFIGS = [
+    "tile_m=128,tile_n=256,tile_k=64",
+    "tile_m=64,tile_n=128,tile_k=128",
+    "tile_m=128,tile_n=128,tile_k=64",
+    "tile_m=256,tile_n=128,tile_k=64",
+    "tile_m=64,tile_n=256,tile_k=64",
+]
+
+
+@pytest.mark.parametrize(
+    "counts,k,n",
+    [
+        (_random_counts(40, 300, 12, empty_every=6), 1024, 768),
+        ([1, 0, 129, 64, 511, 3], 192, 320),  # K, N multiples of 64 but not 128
+        (_random_counts(260, 20, 13, empty_every=3), 256, 136),  # hundreds of tiny experts
+    ],
+)
+def test_bits_identical_across_configurations(counts: list[int], k: int, n: int) -> None:
+    # No split-K, one K order: the tile shape, cluster and schedule must not change a bit.
+    x, w, offs = _operands(counts, k, n, seed=sum(counts))
+    auto = _op(x, w, offs)
+    _assert_bf16_close(auto, _reference(x, w, offs))
+    for tuning in CONFIGS:
+        got = torch.ops.uniep.grouped_mm(x, w, offs, tuning)
+        assert torch.equal(got, auto), tuning
+
+
+def test_partial_requests_and_unknown_combinations() -> None:
+    x, w, offs = _operands([50, 70], 128, 128, seed=14)
+    auto = _op(x, w, offs)
+    # A partial request takes the first configuration that matches it.
+    for tuning in ("tile_m=256", "tile_n=256", "tile_k=128", "tile_m=64,tile_n=256"):
+        assert torch.equal(torch.ops.uniep.grouped_mm(x, w, offs, tuning), auto), tuning
+    with pytest.raises(
+        ValueError,
+        match=r"no grouped GEMM configuration has tile_m=32(.|\n)*tile_m=128,tile_n=256,tile_k=64",
+    ):
+        torch.ops.uniep.grouped_mm(x, w, offs, "tile_m=32")
+    with pytest.raises(ValueError, match="stages=1"):
+        torch.ops.uniep.grouped_mm(x, w, offs, "stages=1")
+    with pytest.raises(ValueError, match="tuning: gemm must be uniep or torch"):
+        torch.ops.uniep.grouped_mm(x, w, offs, "gemm=cublas")
+
+
+SWIGLU_CASES = {
+    "one-expert": ([200], 256, 128),
+    "empty-and-one-row": ([0, 1, 0, 130, 1], 128, 256),
+    "odd-rows": ([3, 127, 129, 255, 1, 77], 512, 512),
+    "k-multiple-of-64": ([100, 200, 64, 1], 192, 320),
+    "many-experts": (_random_counts(300, 40, 15, empty_every=7), 256, 128),
+    "dsv3-like": (_random_counts(32, 600, 16), 2048, 1024),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWIGLU_CASES))
+def test_swiglu_epilogue(name: str) -> None:
+    from uniep.gemm import grouped_mm_swiglu, pack_gate_up
+
+    counts, k, two_i = SWIGLU_CASES[name]
+    x, w1, offs = _operands(counts, k, two_i, seed=len(counts) + k + 3 * two_i)
+    i = two_i // 2
+    act = grouped_mm_swiglu(x, pack_gate_up(w1), offs)
+    assert act.shape == (sum(counts), i) and act.dtype == torch.bfloat16
+    assert not act.isnan().any(), "rows left unwritten (NaN poison) or NaN results"
+    # The unfused chain's numerics: h stored in bf16, silu(g) * u in fp32, rounded once.
+    h = _op(x, w1, offs).float()
+    chain = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]).bfloat16()
+    torch.testing.assert_close(act.float(), chain.float(), rtol=8e-3, atol=1e-3)
+    # And the float64 truth within bf16 error.
+    ref = _reference(x, w1, offs)
+    truth = torch.nn.functional.silu(ref[:, :i]) * ref[:, i:]
+    torch.testing.assert_close(act.double(), truth, rtol=3e-2, atol=3e-2)
+    # Every configuration, and every run, gives the same bits.
+    for tuning in CONFIGS:
+        assert torch.equal(grouped_mm_swiglu(x, pack_gate_up(w1), offs, tuning), act), tuning
+    assert torch.equal(grouped_mm_swiglu(x, pack_gate_up(w1), offs), act)
+
+
+def test_swiglu_named_errors() -> None:
+    x, w, offs = _operands([16, 16], 64, 24, seed=17)
+    with pytest.raises(NotImplementedError, match=r"2I = w.size.2. a multiple of 16.*got 24"):
+        torch.ops.uniep.grouped_mm_swiglu(x, w, offs)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        torch.ops.uniep.grouped_mm_swiglu(x.float(), w, offs)
+    x, w, offs = _operands([16, 16], 64, 32, seed=18)
+    torch.library.opcheck(torch.ops.uniep.grouped_mm_swiglu, (x, w, offs))

@@ -35,7 +35,7 @@ struct CallSignature {
   std::vector<CallField> fields;  // at most kMaxCallFields
 };
 
-constexpr int64_t kMaxCallFields = 16;
+constexpr int64_t kMaxCallFields = 24;
 
 // Describes a DType field by name.
 std::string describe_dtype(int64_t dtype);

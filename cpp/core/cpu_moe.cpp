@@ -206,7 +206,8 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
   cpu::RowForward<S> f(H, I);
   for (const WorkTile& tile : r.tiles) {
     for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
-      f.run(&r.x[r.experts.row_slot[row] * H], w, tile.expert, a.tuning.tile_n, a.tuning.tile_k);
+      f.run(&r.x[r.experts.row_slot[row] * H], w, tile.expert, a.tuning.tile_n_or_default(),
+            a.tuning.tile_k_or_default());
       for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
     }
   }
@@ -267,7 +268,8 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
     for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
       const int64_t slot = r.experts.row_slot[row];
       const int64_t k = r.experts.row_combine_slot[row] % K;
-      f.run(&r.x[slot * H], w, tile.expert, a.tuning.tile_n, a.tuning.tile_k);
+      f.run(&r.x[slot * H], w, tile.expert, a.tuning.tile_n_or_default(),
+            a.tuning.tile_k_or_default());
       const uint8_t* extra = &r.raw[slot * r.record_bytes + r.extra_offset];
       Acc wk;
       std::memcpy(&wk, extra + go_bytes + k * sizeof(Acc), sizeof(Acc));

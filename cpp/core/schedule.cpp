@@ -8,7 +8,7 @@ namespace uniep {
 std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
                                             const std::vector<int64_t>& source_offsets,
                                             const TuningParams& tuning, const MoeShape& shape) {
-  const int64_t W = shape.world_size, El = plan.num_local_experts, tm = tuning.tile_m;
+  const int64_t W = shape.world_size, El = plan.num_local_experts, tm = tuning.tile_m_or_default();
   UNIEP_CHECK(static_cast<int64_t>(source_offsets.size()) == El * (W + 1),
               "source_offsets must be [E_local, W + 1]");
   std::vector<WorkTile> tiles;

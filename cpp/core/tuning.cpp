@@ -42,10 +42,20 @@ const char* combine_reduction_name(CombineReduction reduction) {
   return "?";
 }
 
+const char* gemm_engine_name(GemmEngine engine) {
+  switch (engine) {
+    case GemmEngine::kUniep:
+      return "uniep";
+    case GemmEngine::kTorch:
+      return "torch";
+  }
+  return "?";
+}
+
 namespace {
 
 constexpr const char* kKeys =
-    "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch, combine";
+    "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch, combine, gemm";
 
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
@@ -69,14 +79,27 @@ bool is_pow2(int v) {
   return v > 0 && (v & (v - 1)) == 0;
 }
 
+// tile_m, tile_n, tile_k and stages: "auto" (stored as 0), or a positive integer; validate()
+// checks its range.
+int parse_auto_int(const std::string& key, const std::string& value) {
+  if (value == "auto") return 0;
+  const int v = parse_int(key, value);
+  UNIEP_CHECK(v != 0, "tuning: ", key, " must be auto or a positive integer, got 0");
+  return v;
+}
+
+std::string auto_int(int v) {
+  return v == 0 ? std::string("auto") : std::to_string(v);
+}
+
 }  // namespace
 
 std::string TuningParams::to_string() const {
-  return detail::str_cat("sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile,
-                         ",tile_m=", tile_m, ",tile_n=", tile_n, ",tile_k=", tile_k,
-                         ",stages=", stages, ",overlap=", overlap_mode_name(overlap),
-                         ",dispatch=", dispatch_precision_name(dispatch),
-                         ",combine=", combine_reduction_name(combine));
+  return detail::str_cat(
+      "sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile, ",tile_m=", auto_int(tile_m),
+      ",tile_n=", auto_int(tile_n), ",tile_k=", auto_int(tile_k), ",stages=", auto_int(stages),
+      ",overlap=", overlap_mode_name(overlap), ",dispatch=", dispatch_precision_name(dispatch),
+      ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm));
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
@@ -112,13 +135,13 @@ TuningParams TuningParams::parse(const std::string& text) {
     } else if (key == "token_tile") {
       p.token_tile = parse_int(key, value);
     } else if (key == "tile_m") {
-      p.tile_m = parse_int(key, value);
+      p.tile_m = parse_auto_int(key, value);
     } else if (key == "tile_n") {
-      p.tile_n = parse_int(key, value);
+      p.tile_n = parse_auto_int(key, value);
     } else if (key == "tile_k") {
-      p.tile_k = parse_int(key, value);
+      p.tile_k = parse_auto_int(key, value);
     } else if (key == "stages") {
-      p.stages = parse_int(key, value);
+      p.stages = parse_auto_int(key, value);
     } else if (key == "overlap") {
       if (value == "sequential")
         p.overlap = OverlapMode::kSequential;
@@ -143,6 +166,13 @@ TuningParams TuningParams::parse(const std::string& text) {
         p.combine = CombineReduction::kRankPartials;
       else
         UNIEP_CHECK(false, "tuning: combine must be per_k or rank_partials, got '", value, "'");
+    } else if (key == "gemm") {
+      if (value == "uniep")
+        p.gemm = GemmEngine::kUniep;
+      else if (value == "torch")
+        p.gemm = GemmEngine::kTorch;
+      else
+        UNIEP_CHECK(false, "tuning: gemm must be uniep or torch, got '", value, "'");
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
@@ -158,19 +188,20 @@ void TuningParams::validate() const {
               ") must be 0 (whole device) or more than the communication SMs (", comm_sms, ")");
   UNIEP_CHECK(token_tile >= 1 && token_tile <= 4096,
               "tuning: token_tile must be in [1, 4096], got ", token_tile);
-  UNIEP_CHECK(is_pow2(tile_m) && tile_m >= 16 && tile_m <= 256,
-              "tuning: tile_m must be a power of two in [16, 256], got ", tile_m);
-  UNIEP_CHECK(is_pow2(tile_n) && tile_n >= 16 && tile_n <= 256,
-              "tuning: tile_n must be a power of two in [16, 256], got ", tile_n);
-  UNIEP_CHECK(is_pow2(tile_k) && tile_k >= 16 && tile_k <= 256,
-              "tuning: tile_k must be a power of two in [16, 256], got ", tile_k);
-  UNIEP_CHECK(stages >= 1 && stages <= 8, "tuning: stages must be in [1, 8], got ", stages);
+  auto tile_ok = [](int v) { return v == 0 || (is_pow2(v) && v >= 16 && v <= 256); };
+  UNIEP_CHECK(tile_ok(tile_m), "tuning: tile_m must be auto or a power of two in [16, 256], got ",
+              tile_m);
+  UNIEP_CHECK(tile_ok(tile_n), "tuning: tile_n must be auto or a power of two in [16, 256], got ",
+              tile_n);
+  UNIEP_CHECK(tile_ok(tile_k), "tuning: tile_k must be auto or a power of two in [16, 256], got ",
+              tile_k);
+  UNIEP_CHECK(stages >= 0 && stages <= 8, "tuning: stages must be auto or in [1, 8], got ", stages);
 }
 
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
-         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine;
+         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm;
 }
 
 }  // namespace uniep

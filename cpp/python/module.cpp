@@ -238,6 +238,11 @@ PYBIND11_MODULE(_C, m) {
           [](TuningParams& p, const std::string& v) {
             p.combine = TuningParams::parse("combine=" + v).combine;
           })
+      .def_property(
+          "gemm", [](const TuningParams& p) { return std::string(gemm_engine_name(p.gemm)); },
+          [](TuningParams& p, const std::string& v) {
+            p.gemm = TuningParams::parse("gemm=" + v).gemm;
+          })
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
       .def("__hash__",
            [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })

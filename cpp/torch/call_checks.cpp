@@ -16,6 +16,9 @@ std::string describe_dispatch(int64_t v) {
 std::string describe_combine(int64_t v) {
   return combine_reduction_name(static_cast<CombineReduction>(v));
 }
+std::string describe_gemm(int64_t v) {
+  return gemm_engine_name(static_cast<GemmEngine>(v));
+}
 }  // namespace
 
 CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device device,
@@ -53,7 +56,8 @@ CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, cons
            {"tuning stages", tuning.stages},
            {"tuning overlap", static_cast<int64_t>(tuning.overlap), describe_overlap},
            {"tuning dispatch", static_cast<int64_t>(tuning.dispatch), describe_dispatch},
-           {"tuning combine", static_cast<int64_t>(tuning.combine), describe_combine}}};
+           {"tuning combine", static_cast<int64_t>(tuning.combine), describe_combine},
+           {"tuning gemm", static_cast<int64_t>(tuning.gemm), describe_gemm}}};
 }
 
 }  // namespace uniep::torch_glue

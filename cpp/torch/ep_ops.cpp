@@ -1,5 +1,6 @@
 // CUDA implementations of the expert-parallel ops over the NVSHMEM runtime: ep_dispatch,
-// ep_dispatch_cached, ep_combine, and moe_forward = dispatch + torch._grouped_mm experts + combine.
+// ep_dispatch_cached, ep_combine, and moe_forward = dispatch + grouped-GEMM experts (the expert
+// GEMM engine, or torch._grouped_mm with tuning gemm=torch) + combine.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,9 +13,11 @@
 
 #include "torch/call_checks.hpp"
 #include "torch/ep_registry.hpp"
+#include "torch/grouped_gemm.hpp"
 #include "torch/process_group.hpp"
 #include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/ep.hpp"
 #include "uniep/tuning.hpp"
 
@@ -276,8 +279,28 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
     const ep::Config& cfg = c.runtime->config();
     c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
     UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
-                     "the CUDA executor takes bfloat16 x (torch._grouped_mm), got ",
+                     "the CUDA executor takes bfloat16 x (its expert GEMMs are bf16), got ",
                      x.scalar_type());
+    if (c.params.gemm == GemmEngine::kUniep) {
+      // The engine's TMA moves 16-byte rows of every operand; torch._grouped_mm takes any size.
+      UNIEP_CHECK_CODE(c.in.shape.ffn_hidden % 8 == 0, StatusCode::kUnsupported,
+                       "w2.size(1) (the expert FFN size) must be a multiple of 8 for the expert "
+                       "GEMM engine, got ",
+                       c.in.shape.ffn_hidden, " (tuning gemm=torch takes any size)");
+      UNIEP_CHECK_CODE(c.in.shape.hidden % 8 == 0, StatusCode::kUnsupported,
+                       "x.size(1) (hidden) must be a multiple of 8 for the expert GEMM engine, "
+                       "got ",
+                       c.in.shape.hidden, " (tuning gemm=torch takes any size)");
+      UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(x.device().index()), StatusCode::kUnsupported,
+                       "the expert GEMM engine needs a compute capability 9.0 GPU (it is built "
+                       "for sm_90a); tuning gemm=torch runs torch._grouped_mm instead");
+      // A tile request that no compiled configuration has is an error on every rank alike.
+      cuda::GroupedGemmProblem probe;
+      probe.num_experts = 1;
+      int index = 0;
+      ok_or_throw(cuda::grouped_gemm_select(
+          probe, {c.params.tile_m, c.params.tile_n, c.params.tile_k, c.params.stages}, &index));
+    }
     UNIEP_CHECK(c.in.shape.num_experts == cfg.num_experts && c.in.shape.hidden == cfg.hidden,
                 "w1/x describe ", c.in.shape.num_experts, " experts of hidden ", c.in.shape.hidden,
                 " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
@@ -346,9 +369,13 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
         xs = rows.index_select(0, d.row_slot);
       }
       const at::Tensor offs = d.tokens_per_expert.cumsum(0).to(at::kInt);
-      const at::Tensor h = at::_grouped_mm(xs, w1, offs);
+      auto grouped = [&](const at::Tensor& a, const at::Tensor& w) {
+        return params.gemm == GemmEngine::kUniep ? engine_grouped_mm(a, w, offs, params)
+                                                 : at::_grouped_mm(a, w, offs);
+      };
+      const at::Tensor h = grouped(xs, w1);
       const at::Tensor act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
-      y = at::_grouped_mm(act, w2, offs).contiguous();
+      y = grouped(act, w2).contiguous();
     }
     return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params, stream);
   });

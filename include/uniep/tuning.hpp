@@ -17,13 +17,20 @@ enum class DispatchPrecision { kBf16, kFp8E4M3 };
 //                instead of one per (token, k) (4x fewer bytes at top-8 over 2 ranks), at the
 //                price of one extra bf16 rounding per partial.
 enum class CombineReduction { kPerChoice, kRankPartials };
+// Which grouped GEMM runs the experts on CUDA: UniEP's own expert GEMM engine, or
+// torch._grouped_mm (kept for comparison). The CPU executor ignores it.
+enum class GemmEngine { kUniep, kTorch };
 
 const char* overlap_mode_name(OverlapMode mode);
 const char* dispatch_precision_name(DispatchPrecision precision);
 const char* combine_reduction_name(CombineReduction reduction);
+const char* gemm_engine_name(GemmEngine engine);
 
-// Printed and parsed as "sms=24/132,token_tile=64,tile_m=128,...". Keys may appear in any order
-// and any subset; missing keys keep their defaults. None of these changes the output bits except
+// Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
+// and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
+// ("auto") unless given: on CUDA they pick one of the expert GEMM engine's compiled
+// configurations (a combination that none has is an error listing them); the CPU executor
+// blocks its loops by them (128, 128, 64 when auto). None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire) and `combine` (where the sum over k is split),
 // which are numerics choices, not schedules: a tuner must not change them, and the bits are
 // identical across every other point of the space for each choice.
@@ -31,13 +38,19 @@ struct TuningParams {
   int comm_sms = 24;    // SMs given to dispatch/combine roles
   int total_sms = 0;    // 0: all SMs of the device
   int token_tile = 64;  // tokens per dispatch tile (one signal per tile)
-  int tile_m = 128;     // GEMM tile rows
-  int tile_n = 128;     // GEMM tile cols
-  int tile_k = 64;      // GEMM k-step
-  int stages = 2;       // pipeline depth (buffers in flight per role)
+  int tile_m = 0;       // GEMM tile rows (0: auto)
+  int tile_n = 0;       // GEMM tile cols (0: auto)
+  int tile_k = 0;       // GEMM k-step (0: auto)
+  int stages = 0;       // GEMM mainloop pipeline depth (0: auto)
   OverlapMode overlap = OverlapMode::kFused;
   DispatchPrecision dispatch = DispatchPrecision::kBf16;
   CombineReduction combine = CombineReduction::kPerChoice;
+  GemmEngine gemm = GemmEngine::kUniep;
+
+  // The tile sizes with auto resolved, for the CPU executor's loops and the plan's row tiles.
+  int tile_m_or_default() const { return tile_m != 0 ? tile_m : 128; }
+  int tile_n_or_default() const { return tile_n != 0 ? tile_n : 128; }
+  int tile_k_or_default() const { return tile_k != 0 ? tile_k : 64; }
 
   std::string to_string() const;
   // Throws uniep::Error naming the key and the expected values.

@@ -213,13 +213,8 @@ def _expert_rows_fake(
     )
 
 
-@torch.library.register_fake("uniep::grouped_mm")
-def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16.
-
-    Expert e multiplies rows [offs[e-1], offs[e]) of x by w[e], as ``torch._grouped_mm``; rows
-    past offs[E-1] are not written. The metadata checks of the CUDA kernel, worded alike.
-    """
+def check_grouped_mm_meta(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+    """The metadata checks of the grouped GEMM's CUDA kernel, worded alike (fake kernels)."""
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got shape {tuple(x.shape)}")
     torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
     torch._check_value(
@@ -238,6 +233,18 @@ def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
         w.shape[1] == x.shape[1],
         lambda: f"w must be [E, K, N] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
     )
+
+
+@torch.library.register_fake("uniep::grouped_mm")
+def _grouped_mm_fake(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16.
+
+    Expert e multiplies rows [offs[e-1], offs[e]) of x by w[e], as ``torch._grouped_mm``; rows
+    past offs[E-1] are not written.
+    """
+    check_grouped_mm_meta(x, w, offs)
     return x.new_empty((x.shape[0], w.shape[2]))
 
 

@@ -24,6 +24,16 @@
 
 namespace uniep::cuda {
 
+// What the kernel writes.
+//   kStore   out [R, n] = x w (fp32 accumulation, rounded once to bf16).
+//   kSwiGlu  the first expert GEMM with SwiGLU applied in its epilogue: w's n = 2I columns hold
+//            gate and up interleaved in blocks of 8 (columns [16b, 16b + 8) are gate columns
+//            8b..8b+7, columns [16b + 8, 16b + 16) up columns 8b..8b+7; n % 16 == 0), and
+//            out [R, I] = silu(g) * u with g and u the product's columns rounded to bf16, the
+//            activation computed in fp32 and rounded once (the numerics of storing h, then
+//            applying SwiGLU). The [R, 2I] product never reaches memory.
+enum class GroupedGemmEpilogue { kStore, kSwiGlu };
+
 struct GroupedGemmProblem {
   const void* x = nullptr;        // [rows, k] bf16
   const void* w = nullptr;        // [num_experts, k, n] bf16
@@ -33,6 +43,7 @@ struct GroupedGemmProblem {
   int64_t num_experts = 0;  // E >= 1
   int64_t rows = 0;         // R: the most rows offs may describe (offs values are clamped to it)
   int64_t k = 0, n = 0;
+  GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::kStore;  // kSwiGlu: out is [R, n / 2]
 };
 
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
@@ -40,22 +51,54 @@ bool grouped_gemm_device_ok(int device);
 
 // OK when the kernel takes this problem; else kInvalidArgument naming the argument and what it
 // needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
-// bytes), 16-byte aligned x, w and out, a non-null offs. R = 0 needs no x or out.
+// bytes; kSwiGlu: n a multiple of 16), 16-byte aligned x, w and out, a non-null offs. R = 0
+// needs no x or out.
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives
 // wrong rows, never an access outside x, w or out.
 Status grouped_gemm_supports(const GroupedGemmProblem& p);
 
+// One compiled configuration of the kernel: its output tile (tile_m x tile_n), k-step, mainloop
+// pipeline depth, thread-block cluster (cluster_m x cluster_n CTAs) and schedule ("cooperative":
+// two warpgroups share one tile; "pingpong": each has its own, one's epilogue overlapping the
+// other's mainloop). The bits of the result are the same for every configuration.
+struct GroupedGemmConfig {
+  const char* name = "";
+  int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
+  int cluster_m = 1, cluster_n = 1;
+  bool pingpong = false;
+};
+
+// The configurations compiled in, in the order grouped_gemm_select prefers them when several
+// match; `count` receives their number.
+const GroupedGemmConfig* grouped_gemm_configs(int* count);
+
+// What a caller asks of the configuration; 0 leaves that field to the selection.
+struct GroupedGemmTiles {
+  int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
+};
+
+// The index (into grouped_gemm_configs) of the configuration that runs `p` for the request
+// `want`. With every field 0 the choice follows the problem's shape: experts averaging at most
+// 128 rows (R / E), or n <= 128, take the ping-pong 64-row tiles (64 x 256 when n >= 256), larger
+// ones the cooperative 128 x 256 tiles.
+// Otherwise the first configuration matching every non-zero field; none matching is
+// kInvalidArgument listing the valid combinations.
+Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index);
+
 // Bytes of device workspace grouped_gemm_bf16 needs for `num_experts` groups on a grid of
-// `sm_count` SMs (per-expert shapes, pointers and strides, and per-SM TMA descriptors); 0 if
-// num_experts < 1 or sm_count < 1. It does not depend on R, k, n or offs.
+// `sm_count` SMs, whatever the configuration (per-expert shapes, pointers and strides, and
+// per-SM TMA descriptors); 0 if num_experts < 1 or sm_count < 1. It does not depend on R, k, n
+// or offs.
 size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count);
 
-// Enqueues the problem kernel and the grouped GEMM on `stream`, the GEMM's persistent grid on at
-// most `sm_count` SMs of `device` (the current device). Returns without launching anything when
-// R = 0. The workspace (256-byte aligned) must stay untouched until the GEMM has run.
-Status grouped_gemm_bf16(const GroupedGemmProblem& p, int device, int sm_count, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream);
+// Enqueues the problem kernel and the grouped GEMM of the configuration grouped_gemm_select picks
+// for `tiles` on `stream`, the GEMM's persistent grid on at most `sm_count` SMs of `device` (the
+// current device). Returns without launching anything when R = 0. The workspace (256-byte
+// aligned) must stay untouched until the GEMM has run.
+Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& tiles, int device,
+                         int sm_count, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream);
 
 }  // namespace uniep::cuda

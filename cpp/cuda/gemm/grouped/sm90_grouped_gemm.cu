@@ -1,55 +1,47 @@
-// include/uniep/cuda/grouped_gemm.hpp's entry points: argument checks, the workspace, the problem
-// kernel (grouped_problems.cuh) and the CUTLASS grouped kernel (sm90_grouped_gemm_kernel.cuh).
-// The one CUTLASS translation unit of the expert GEMM engine.
+// include/uniep/cuda/grouped_gemm.hpp's entry points: argument checks, the choice of a
+// configuration (grouped_configs.hpp), the workspace, the problem kernel (grouped_problems.cuh)
+// and the launch of the chosen CUTLASS kernel (its own translation unit, grouped_run.cuh).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <limits>
+#include <string>
 
 #include "cuda/gemm/gemm.hpp"
+#include "cuda/gemm/grouped/grouped_configs.hpp"
 #include "cuda/gemm/grouped/grouped_problems.cuh"
-#include "cuda/gemm/grouped/sm90_grouped_gemm_kernel.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
 namespace {
 
-using G = Sm90Bf16GroupedGemm;
-
-constexpr int64_t kAlign = G::kAlign;
+constexpr int64_t kAlign = grouped::kAlign;
 constexpr int64_t kMaxExtent = std::numeric_limits<int>::max();
 
 bool aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// The kernel's arguments; the shapes, pointers and strides are the workspace arrays that the
-// problem kernel fills (no host copy of the shapes: host_problem_shapes stays null, and the
-// persistent grid is then simply sm_count CTAs).
-G::Gemm::Arguments arguments(const grouped::Workspace& ws, int64_t num_experts, int device,
-                             int sm_count) {
-  G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
-  args.mainloop.ptr_A = ws.ptr_a;
-  args.mainloop.dA = ws.stride_a;
-  args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = ws.stride_b;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ws.ptr_d;
-  args.epilogue.dD = ws.stride_d;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  return args;
+// In preference order: grouped_gemm_select takes the first match of a partial request.
+const std::array<const grouped::GroupedEntry*, 5>& entries() {
+  static const std::array<const grouped::GroupedEntry*, 5> all = {
+      &grouped::entry_coop_128x256x64(),    &grouped::entry_pingpong_64x128x128(),
+      &grouped::entry_coop_128x128x64(),    &grouped::entry_coop_256x128x64(),
+      &grouped::entry_pingpong_64x256x64(),
+  };
+  return all;
 }
 
-size_t gemm_workspace_bytes(int64_t num_experts, int sm_count) {
-  // Depends on the SM count only (per-SM TMA descriptors); any aligned base gives the sizes.
-  const grouped::Workspace ws =
-      grouped::carve(reinterpret_cast<void*>(grouped::kWorkspaceAlign), num_experts);
-  return G::Gemm::get_workspace_size(arguments(ws, num_experts, 0, sm_count));
+std::string describe(const GroupedGemmConfig& c) {
+  return detail::str_cat("tile_m=", c.tile_m, ",tile_n=", c.tile_n, ",tile_k=", c.tile_k,
+                         ",stages=", c.stages, " (", c.pingpong ? "ping-pong" : "cooperative",
+                         ", cluster ", c.cluster_m, "x", c.cluster_n, ")");
+}
+
+bool matches(const GroupedGemmConfig& c, const GroupedGemmTiles& t) {
+  return (t.tile_m == 0 || t.tile_m == c.tile_m) && (t.tile_n == 0 || t.tile_n == c.tile_n) &&
+         (t.tile_k == 0 || t.tile_k == c.tile_k) && (t.stages == 0 || t.stages == c.stages);
 }
 
 }  // namespace
@@ -76,6 +68,13 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
   if (p.n % kAlign != 0)
     return unsupported("n must be a multiple of ", kAlign,
                        " (the grouped GEMM's TMA moves 16-byte rows), got ", p.n);
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGlu && p.n % 16 != 0)
+    return unsupported(
+        "n (2 x the FFN size) must be a multiple of 16 for the SwiGLU epilogue "
+        "(gate and up interleave in blocks of 8), got ",
+        p.n);
+  if (p.epilogue != GroupedGemmEpilogue::kStore && p.epilogue != GroupedGemmEpilogue::kSwiGlu)
+    return bad("epilogue must be kStore or kSwiGlu");
   if (p.offs == nullptr) return bad("offs must not be null");
   if (p.w == nullptr || !aligned(p.w)) return unsupported("w must be 16-byte aligned (non-null)");
   if (p.rows > 0 && (p.x == nullptr || !aligned(p.x)))
@@ -85,14 +84,56 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
   return Status::Ok();
 }
 
-size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
-  if (num_experts < 1 || num_experts > kMaxExtent || sm_count < 1) return 0;
-  return grouped::group_arrays_bytes(num_experts) + gemm_workspace_bytes(num_experts, sm_count);
+const GroupedGemmConfig* grouped_gemm_configs(int* count) {
+  static const std::array<GroupedGemmConfig, 5> configs = [] {
+    std::array<GroupedGemmConfig, 5> c;
+    for (size_t i = 0; i < c.size(); ++i) c[i] = entries()[i]->config;
+    return c;
+  }();
+  if (count != nullptr) *count = static_cast<int>(configs.size());
+  return configs.data();
 }
 
-Status grouped_gemm_bf16(const GroupedGemmProblem& p, int device, int sm_count, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream) {
+Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index) {
+  const auto& all = entries();
+  if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
+    // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and
+    // give the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve
+    // them better (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128
+    // rows, H100, bench/results/2026-11-25-h100-engine); above that the 128 x 256 cooperative
+    // tiles, which load the fewest bytes per FLOP, match or beat the others.
+    const bool small = p.rows <= 128 * p.num_experts || p.n <= 128;
+    *index = !small ? 0 : p.n >= 256 ? 4 : 1;
+    return Status::Ok();
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (matches(all[i]->config, want)) {
+      *index = static_cast<int>(i);
+      return Status::Ok();
+    }
+  }
+  std::string valid;
+  for (const auto* e : all) valid += detail::str_cat("\n  ", describe(e->config));
+  return {StatusCode::kInvalidArgument,
+          detail::str_cat("no grouped GEMM configuration has tile_m=", want.tile_m,
+                          ",tile_n=", want.tile_n, ",tile_k=", want.tile_k, ",stages=", want.stages,
+                          " (0: any); the compiled ones are:", valid)};
+}
+
+size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
+  if (num_experts < 1 || num_experts > kMaxExtent || sm_count < 1) return 0;
+  size_t gemm = 0;
+  for (const auto* e : entries())
+    gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
+  return grouped::group_arrays_bytes(num_experts) + gemm;
+}
+
+Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& tiles, int device,
+                         int sm_count, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) {
   if (Status s = grouped_gemm_supports(p); !s.ok()) return s;
+  int index = 0;
+  if (Status s = grouped_gemm_select(p, tiles, &index); !s.ok()) return s;
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0) return Status::Ok();
@@ -106,26 +147,19 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, int device, int sm_count, 
             detail::str_cat("workspace must be ", grouped::kWorkspaceAlign, "-byte aligned")};
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
+  const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  const int64_t out_n = swiglu ? p.n / 2 : p.n;
   grouped::build_grouped_problems<<<1, 32, 0, stream>>>(
       p.offs, static_cast<int>(p.num_experts), static_cast<int>(p.rows), static_cast<int>(p.k),
-      static_cast<int>(p.n), static_cast<const G::Bf16*>(p.x), static_cast<const G::Bf16*>(p.w),
-      static_cast<G::Bf16*>(p.out), ws);
+      static_cast<int>(p.n), static_cast<int>(out_n), static_cast<const grouped::Bf16*>(p.x),
+      static_cast<const grouped::Bf16*>(p.w), static_cast<grouped::Bf16*>(p.out), ws);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
-  const G::Gemm::Arguments args = arguments(ws, p.num_experts, device, sm_count);
-  G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, "the grouped GEMM cannot implement these operands"};
-  cutlass::Status s = gemm.initialize(args, ws.gemm, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the grouped GEMM failed to launch: ", cutlassGetStatusString(s), " (",
-                            cudaGetErrorString(cudaGetLastError()), ")")};
-  return Status::Ok();
+  const grouped::GroupedEntry& e = *entries()[index];
+  return (swiglu ? e.run_swiglu : e.run)(ws, p.num_experts, out_n, device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda

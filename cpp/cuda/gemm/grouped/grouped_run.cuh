@@ -1,0 +1,92 @@
+// One configuration's entry points (grouped_configs.hpp) from its CUTLASS type: the kernel's
+// arguments over the workspace arrays the problem kernel fills, its workspace size, and the
+// launch. Included by the sm90_grouped_<name>.cu files only, one instantiation each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/gemm/grouped/grouped_configs.hpp"
+#include "cuda/gemm/grouped/grouped_kernel.cuh"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda::grouped {
+
+// The shapes, pointers and strides are device arrays (no host copy of the shapes:
+// host_problem_shapes stays null, and the persistent grid is then simply sm_count CTAs).
+template <class G>
+typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_experts, int device,
+                                              int sm_count, int64_t ld_out) {
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
+  args.mainloop.ptr_A = ws.ptr_a;
+  args.mainloop.dA = ws.stride_a;
+  args.mainloop.ptr_B = ws.ptr_b;
+  args.mainloop.dB = ws.stride_b;
+  if constexpr (G::kEpilogue == GroupedEpilogue::kSwiGlu) {
+    args.epilogue.ptr_out = ws.ptr_d;
+    args.epilogue.ld_out = ld_out;
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = ws.ptr_d;
+    args.epilogue.dD = ws.stride_d;
+  }
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+template <class G>
+size_t grouped_gemm_workspace(int64_t num_experts, int sm_count) {
+  // Depends on the SM count only (per-SM TMA descriptors); any aligned base gives the sizes.
+  const Workspace ws = carve(reinterpret_cast<void*>(kWorkspaceAlign), num_experts);
+  return G::Gemm::get_workspace_size(grouped_arguments<G>(ws, num_experts, 0, sm_count, 2));
+}
+
+template <class G>
+Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
+                        int sm_count, cudaStream_t stream) {
+  const typename G::Gemm::Arguments args =
+      grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out);
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return {StatusCode::kUnsupported, "the grouped GEMM cannot implement these operands"};
+  cutlass::Status s = gemm.initialize(args, ws.gemm, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("the grouped GEMM failed to launch: ", cutlassGetStatusString(s), " (",
+                            cudaGetErrorString(cudaGetLastError()), ")")};
+  return Status::Ok();
+}
+
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong>
+GroupedEntry make_entry(const char* name) {
+  using G =
+      Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong, GroupedEpilogue::kStore>;
+  using GSwiGlu =
+      Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong, GroupedEpilogue::kSwiGlu>;
+  GroupedEntry e;
+  e.config.name = name;
+  e.config.tile_m = TileM;
+  e.config.tile_n = TileN;
+  e.config.tile_k = TileK;
+  e.config.stages = G::kStages;
+  e.config.cluster_m = ClusterM;
+  e.config.cluster_n = ClusterN;
+  e.config.pingpong = PingPong;
+  e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
+    return std::max(grouped_gemm_workspace<G>(num_experts, sm_count),
+                    grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count));
+  };
+  e.run = &grouped_gemm_run<G>;
+  e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
+  return e;
+}
+
+}  // namespace uniep::cuda::grouped

@@ -1,0 +1,60 @@
+// Where the grouped GEMM keeps its per-expert arrays inside the caller's workspace: E entries of
+// each array, then CUTLASS's own workspace (its per-SM TMA descriptors).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/gemm/grouped/grouped_types.hpp"
+
+namespace uniep::cuda::grouped {
+
+// Every piece starts on a 256-byte boundary (CUTLASS wants 64 for descriptors;
+// 256 keeps each array in whole cache lines).
+struct Workspace {
+  Shape* shapes = nullptr;
+  const Bf16** ptr_a = nullptr;
+  const Bf16** ptr_b = nullptr;
+  Bf16** ptr_d = nullptr;
+  StrideA* stride_a = nullptr;
+  StrideB* stride_b = nullptr;
+  StrideD* stride_d = nullptr;
+  void* gemm = nullptr;
+};
+
+constexpr size_t kWorkspaceAlign = 256;
+
+inline size_t round_up(size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// Bytes before the CUTLASS workspace for E groups.
+inline size_t group_arrays_bytes(int64_t num_experts) {
+  const size_t e = static_cast<size_t>(num_experts);
+  return round_up(e * sizeof(Shape)) + 3 * round_up(e * sizeof(void*)) +
+         round_up(e * sizeof(StrideA)) + round_up(e * sizeof(StrideB)) +
+         round_up(e * sizeof(StrideD));
+}
+
+// The pieces of a workspace at `base` (256-byte aligned) for E groups.
+inline Workspace carve(void* base, int64_t num_experts) {
+  const size_t e = static_cast<size_t>(num_experts);
+  char* p = static_cast<char*>(base);
+  auto take = [&p](size_t bytes) {
+    char* at = p;
+    p += round_up(bytes);
+    return at;
+  };
+  Workspace ws;
+  ws.shapes = reinterpret_cast<Shape*>(take(e * sizeof(Shape)));
+  ws.ptr_a = reinterpret_cast<const Bf16**>(take(e * sizeof(void*)));
+  ws.ptr_b = reinterpret_cast<const Bf16**>(take(e * sizeof(void*)));
+  ws.ptr_d = reinterpret_cast<Bf16**>(take(e * sizeof(void*)));
+  ws.stride_a = reinterpret_cast<StrideA*>(take(e * sizeof(StrideA)));
+  ws.stride_b = reinterpret_cast<StrideB*>(take(e * sizeof(StrideB)));
+  ws.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
+  ws.gemm = p;
+  return ws;
+}
+
+}  // namespace uniep::cuda::grouped

@@ -1,0 +1,133 @@
+// The grouped GEMM's SwiGLU epilogue: out[m, j] = silu(gate[m, j]) * up[m, j] straight from the
+// fp32 accumulators of the first expert GEMM, so the [R, 2I] product never reaches memory.
+//
+// Why this layout of w1: the pair (gate j, up j) must sit in one thread's accumulators. A WGMMA
+// accumulator gives each thread two adjacent columns in every block of 8 (c, c + 1, then c + 8,
+// c + 9, ...), so w1's columns are interleaved in blocks of 8: columns [16b, 16b + 8) hold gate
+// j = 8b..8b+7 and [16b + 8, 16b + 16) hold up for the same j (pack_gate_up in
+// include/uniep/cuda/grouped_gemm.hpp describes it). Column c of a gate block pairs with column
+// c + 8, the value four places on in the thread's fragment, and every thread writes act for two
+// adjacent columns (one 4-byte store); no shared memory, no shuffle.
+//
+// Numerics are those of the unfused chain and of the CPU executor: gate and up rounded to bf16
+// (where the chain stored h), silu(g) * u in fp32, rounded once to bf16.
+//
+// The class has the interface of CUTLASS's operator-style ptr-array epilogues
+// (DefaultEpilogueArray) and runs inside the warp-specialized kernels through
+// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+#include <cutlass/epilogue/thread/linear_combination.h>
+
+#include "cuda/gemm/grouped/grouped_types.hpp"
+
+namespace uniep::cuda::grouped {
+
+class SwiGluEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementC = void;  // no source operand
+  using ElementD = Bf16;
+  using ElementOutput = Bf16;
+  using InternalStrideC = ::uniep::cuda::grouped::StrideD;
+  using StrideC = InternalStrideC*;
+  using InternalStrideD = ::uniep::cuda::grouped::StrideD;
+  using StrideD = InternalStrideD*;
+  // Named by the device adapter (GemmUniversalAdapter); never applied.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Bf16, 1, float, float>;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
+    int64_t ld_out = 0;        // elements between rows of out (I)
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(const ProblemShape&, const Arguments& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(const ProblemShape&, const Arguments&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(const ProblemShape&, const Arguments&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(const ProblemShape&, const Arguments& args) {
+    return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
+  }
+
+  CUTLASS_HOST_DEVICE explicit SwiGluEpilogue(const Params& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    // The WGMMA accumulator fragment: ((2 columns, 2 row halves, N/8 column blocks), M, N).
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                  "SwiGluEpilogue expects a WGMMA accumulator fragment");
+    constexpr int kAtom = size<0>(FrgLayout{});
+    static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
+
+    const int M = get<0>(problem_shape_mnkl);
+    const int N = get<1>(problem_shape_mnkl);
+    const auto m_coord = get<0>(blk_coord_mnkl);
+    const auto n_coord = get<1>(blk_coord_mnkl);
+    const auto l_coord = get<3>(blk_coord_mnkl);
+    Tensor coords = make_identity_tensor(make_shape(M, N));
+    Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk), make_coord(m_coord, n_coord));
+    Tensor crd = tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
+    Bf16* out = params_.ptr_out[l_coord];
+    const int64_t ld = params_.ld_out;
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += kAtom) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < kAtom; ++v) {
+        // v = column + 2 * row half + 4 * column block; gate blocks are the even ones.
+        if ((v / 4) % 2 != 0 || v % 2 != 0) continue;
+        const auto c = crd(i + v);
+        const int m = get<0>(c), n = get<1>(c);
+        if (m >= M || n >= N) continue;
+        const float act0 = swiglu(acc(i + v), acc(i + v + 4));
+        const float act1 = swiglu(acc(i + v + 1), acc(i + v + 5));
+        // n is in a gate block [16b, 16b + 8): its act column is 8b + n % 16.
+        const int64_t j = (n / 16) * 8 + n % 16;
+        __nv_bfloat162 pair = __floats2bfloat162_rn(act0, act1);
+        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + m * ld + j) =
+            pair;
+      }
+    }
+  }
+
+ private:
+  CUTLASS_DEVICE static float swiglu(float gate, float up) {
+    const float g = static_cast<float>(Bf16(gate));
+    const float u = static_cast<float>(Bf16(up));
+    return g / (1.0f + expf(-g)) * u;
+  }
+
+  Params params_;
+};
+
+}  // namespace uniep::cuda::grouped

@@ -1,0 +1,23 @@
+// UniEP's grouped GEMM on torch tensors, for the ops that run experts (moe_forward) as well as
+// uniep::grouped_mm itself. CUDA builds only.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "uniep/tuning.hpp"
+
+namespace uniep::torch_glue {
+
+// torch._grouped_mm's bf16 (x [R, K], w [E, K, N], offs [E] int32) -> [R, N] on the expert GEMM
+// engine, the configuration picked from tuning's tile_m, tile_n, tile_k and stages (all auto:
+// by shape). Throws uniep::Error naming the argument for operands the kernel does not take.
+at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                             const TuningParams& tuning);
+
+// The first expert GEMM with SwiGLU in its epilogue: w_packed [E, K, 2I] holds gate and up
+// interleaved in blocks of 8 columns (include/uniep/cuda/grouped_gemm.hpp, kSwiGlu); returns
+// act [R, I] = silu(gate) * up.
+at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
+                                    const at::Tensor& offs, const TuningParams& tuning);
+
+}  // namespace uniep::torch_glue
