@@ -274,7 +274,8 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
     c.params = TuningParams::parse(std::string(tuning));
     c.runtime = &ep_runtime(std::string(group_name));
     const ep::Config& cfg = c.runtime->config();
-    c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
+    c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank,
+                               Executor::kCuda);
     UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
                      "the CUDA executor takes bfloat16 x (torch._grouped_mm), got ",
                      x.scalar_type());
