@@ -232,3 +232,15 @@ def test_tuning_parse_rejects_nul(text: str, position: int) -> None:
 def test_tuning_with_nul_rejected_by_the_op() -> None:
     with pytest.raises(ValueError, match="NUL character at position 6"):
         _forward(tuning="sms=24\x00garbage")
+
+
+def test_grown_capacity() -> None:
+    """The GPU runtime's token capacity when it is created or grown (uniep.ep, pure)."""
+    from uniep.ep import grown_capacity
+
+    assert grown_capacity(None, 1) == 256
+    assert grown_capacity(None, 256) == 256
+    assert grown_capacity(None, 257) == 512
+    assert grown_capacity(None, 1000) == 1024
+    assert grown_capacity(256, 1000) == 1024
+    assert grown_capacity(4096, 1000) == 4096  # never smaller than before

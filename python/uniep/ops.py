@@ -323,7 +323,8 @@ def moe_forward(
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
-        (``uniep.ep``) is created on the first call, sized for the largest batch of that call.
+        (``uniep.ep``) is created on the first call, sized for the largest batch of that call,
+        and re-created larger (on every rank, in the same call) when a later call needs more.
 
     Raises:
         ValueError: an argument has the wrong shape, dtype or device, or an expert id is out of
