@@ -101,3 +101,49 @@ def test_demo_accepts_the_boundaries() -> None:
         ["demo", "--timeout", "0.5", "--world-size", "1", "--tokens", "1", "--seed", "0"]
     )
     assert (args.timeout, args.world_size, args.tokens, args.seed) == (0.5, 1, 1, 0)
+
+
+# ---- uniep demo's choice of configuration (pure; the machine comes as arguments) ----
+
+_GPU_BUILD = {"cuda_ops": True, "cuda_kernel": True}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "build", "want"),
+    [
+        (1, _GPU_BUILD, ("cuda", 1, "bfloat16", 8)),  # a one-GPU box: one rank, no refusal
+        (2, _GPU_BUILD, ("cuda", 2, "bfloat16", 8)),
+        (3, _GPU_BUILD, ("cuda", 3, "bfloat16", 9)),  # experts rounded up to the world
+        (8, _GPU_BUILD, ("cuda", 8, "bfloat16", 8)),
+        (16, _GPU_BUILD, ("cuda", 16, "bfloat16", 16)),
+        (0, _GPU_BUILD, ("cpu", 2, "float32", 8)),  # no GPU: two gloo ranks
+        (1, {"cuda_ops": False, "cuda_kernel": False}, ("cpu", 2, "float32", 8)),
+        (1, {"cuda_ops": True, "cuda_kernel": False}, ("cpu", 2, "float32", 8)),
+    ],
+)
+def test_demo_defaults_fit_the_machine(gpus: int, build: dict[str, bool], want: tuple) -> None:
+    from uniep.cli import plan_demo
+
+    plan = plan_demo("auto", None, None, None, gpus=gpus, **build)
+    assert (plan.device, plan.world, plan.dtype, plan.experts) == want
+    assert (plan.why == "") == (want[0] == "cuda")
+
+
+def test_demo_explicit_choices() -> None:
+    from uniep.cli import plan_demo
+
+    # An explicit world larger than the GPUs, or a dtype the CUDA executor lacks: CPU, saying why.
+    plan = plan_demo("auto", 2, None, None, gpus=1, **_GPU_BUILD)
+    assert (plan.device, plan.world, plan.dtype) == ("cpu", 2, "float32")
+    assert "1 CUDA device(s) visible" in plan.why
+    plan = plan_demo("auto", None, "float32", None, gpus=1, **_GPU_BUILD)
+    assert (plan.device, plan.world) == ("cpu", 2) and "bfloat16" in plan.why
+    plan = plan_demo("cpu", None, None, 6, gpus=4, **_GPU_BUILD)
+    assert (plan.device, plan.world, plan.dtype, plan.experts) == ("cpu", 2, "float32", 6)
+    # --device cuda that cannot run is refused, naming what is missing.
+    with pytest.raises(SystemExit, match="no CUDA device is visible"):
+        plan_demo("cuda", None, None, None, gpus=0, **_GPU_BUILD)
+    with pytest.raises(SystemExit, match="--world-size 4"):
+        plan_demo("cuda", 4, None, None, gpus=2, **_GPU_BUILD)
+    with pytest.raises(SystemExit, match="no torch CUDA ops"):
+        plan_demo("cuda", None, None, None, gpus=1, cuda_ops=False, cuda_kernel=False)

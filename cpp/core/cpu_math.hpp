@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/numeric.hpp"
+#include "uniep/cpu_executor.hpp"
 
 namespace uniep::cpu {
 
@@ -45,17 +46,30 @@ Acc sigmoid(Acc g) {
   return Acc(1) / (Acc(1) + std::exp(-g));
 }
 
-// Local expert weights widened once to the accumulation type.
+// Local expert weights widened once to the accumulation type, read through their strides (this
+// copy is the one the executor makes anyway, so strided weights cost nothing more).
 template <typename S>
 struct ExpertWeights {
   using Acc = typename numeric::Storage<S>::Acc;
   int64_t H, I;
   std::vector<Acc> w1, w2;  // [E_local][H][2I], [E_local][I][H]
 
-  ExpertWeights(const S* w1s, const S* w2s, int64_t experts, int64_t hidden, int64_t ffn)
+  ExpertWeights(const S* w1s, const S* w2s, int64_t experts, int64_t hidden, int64_t ffn,
+                const WeightStrides& s1 = {}, const WeightStrides& s2 = {})
       : H(hidden), I(ffn), w1(experts * hidden * 2 * ffn), w2(experts * ffn * hidden) {
-    for (size_t i = 0; i < w1.size(); ++i) w1[i] = numeric::Storage<S>::load(w1s[i]);
-    for (size_t i = 0; i < w2.size(); ++i) w2[i] = numeric::Storage<S>::load(w2s[i]);
+    widen(w1s, experts, hidden, 2 * ffn, s1, w1.data());
+    widen(w2s, experts, ffn, hidden, s2, w2.data());
+  }
+  static void widen(const S* src, int64_t experts, int64_t rows, int64_t cols,
+                    const WeightStrides& s, Acc* dst) {
+    if (s.contiguous()) {
+      for (int64_t i = 0; i < experts * rows * cols; ++i) dst[i] = numeric::Storage<S>::load(src[i]);
+      return;
+    }
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          *dst++ = numeric::Storage<S>::load(src[e * s.expert + r * s.row + c * s.col]);
   }
   const Acc* up(int64_t e) const { return &w1[e * H * 2 * I]; }
   const Acc* down(int64_t e) const { return &w2[e * I * H]; }

@@ -48,15 +48,20 @@ std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
           enum_field<Pass, pass_name>("pass (forward/backward)", pass)};
 }
 
+// Routing weights are promoted here, on read: a bf16 router's weights need no cast before the op.
 template <typename Acc>
 Acc load_weight(const MoeForwardArgs& a, int64_t i) {
   if (a.weight_dtype == DType::kFloat64) return Acc(static_cast<const double*>(a.topk_weights)[i]);
+  if (a.weight_dtype == DType::kBFloat16)
+    return Acc(numeric::bf16_to_float(static_cast<const Bf16*>(a.topk_weights)[i]));
   return Acc(static_cast<const float*>(a.topk_weights)[i]);
 }
 
 void store_weight(const MoeForwardArgs& a, void* out, int64_t i, double v) {
   if (a.weight_dtype == DType::kFloat64)
     static_cast<double*>(out)[i] = v;
+  else if (a.weight_dtype == DType::kBFloat16)
+    static_cast<Bf16*>(out)[i] = numeric::float_to_bf16(static_cast<float>(v));
   else
     static_cast<float*>(out)[i] = static_cast<float>(v);
 }
@@ -201,7 +206,7 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
       tr);
 
   const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
-                           sh.experts_per_rank(), H, I);
+                           sh.experts_per_rank(), H, I, a.w1_strides, a.w2_strides);
   std::vector<S> y(r.experts.num_rows() * H);
   cpu::RowForward<S> f(H, I);
   for (const WorkTile& tile : r.tiles) {
@@ -256,7 +261,8 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
       },
       tr);
 
-  const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2), El, H, I);
+  const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2), El, H, I,
+                           a.w1_strides, a.w2_strides);
   const int64_t R = r.experts.num_rows();
   std::vector<Acc> act(R * I), gy(R * H), gh(R * 2 * I), dot(R);
   std::vector<S> gx(R * H);
@@ -354,9 +360,8 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
 void check_args(const MoeForwardArgs& a) {
   a.shape.validate();
   a.tuning.validate();
-  UNIEP_CHECK(a.weight_dtype == DType::kFloat32 ||
-                  (a.weight_dtype == DType::kFloat64 && a.dtype == DType::kFloat64),
-              "topk_weights must be float32 (or float64 with float64 x), got ",
+  UNIEP_CHECK(a.weight_dtype != DType::kFloat64 || a.dtype == DType::kFloat64,
+              "topk_weights must be float32 or bfloat16 (float64 only with float64 x), got ",
               dtype_name(a.weight_dtype), " with x ", dtype_name(a.dtype));
 }
 

@@ -312,6 +312,28 @@ PYBIND11_MODULE(_C, m) {
       "dispatch).");
   m.def("ep_exists", &uniep::torch_glue::ep_exists, py::arg("group_name"));
   m.def(
+      "set_ep_runtime_factory",
+      [](const py::function& fn) {
+        // Never freed: the ops may call it until exit, when no GIL can be taken to free it.
+        auto* held = new py::function(fn);
+        uniep::torch_glue::set_ep_runtime_factory(
+            [held](const std::string& group_name, int64_t tokens, int64_t hidden, int64_t top_k,
+                   int64_t num_experts) {
+              py::gil_scoped_acquire gil;
+              try {
+                (*held)(group_name, tokens, hidden, top_k, num_experts);
+              } catch (py::error_already_set& e) {
+                throw uniep::Error(uniep::StatusCode::kInvalidArgument,
+                                   std::string("creating the group's GPU runtime for this call "
+                                               "(uniep.ep.init_runtime) failed: ") +
+                                       e.what());
+              }
+            });
+      },
+      py::arg("factory"),
+      "The function moe_forward / moe_backward call (collectively) to create or grow a group's "
+      "GPU runtime: factory(group_name, tokens, hidden, top_k, num_experts).");
+  m.def(
       "ep_config",
       [](const std::string& group_name) {
         const uniep::ep::Config& c = uniep::torch_glue::ep_runtime(group_name).config();

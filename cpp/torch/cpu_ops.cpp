@@ -14,12 +14,18 @@
 namespace uniep::torch_glue {
 namespace {
 
+// Element strides of a strided w1 / w2, read in place by the executor (zero: contiguous).
+WeightStrides strides_of(const at::Tensor& w) {
+  if (w.is_contiguous()) return {};
+  return {w.stride(0), w.stride(1), w.stride(2)};
+}
+
 MoeForwardArgs forward_args(const at::Tensor& x, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weights, const at::Tensor& w1,
                             const at::Tensor& w2, const std::string& tuning, const Group& group) {
   const TuningParams params = TuningParams::parse(tuning);
-  const MoeInputs in =
-      validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, group.world_size, group.rank);
+  const MoeInputs in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, group.world_size,
+                                           group.rank, Executor::kCpu);
   UNIEP_CHECK(x.device().is_cpu(), "x must be a CPU tensor for the CPU executor, got ", x.device());
   MoeForwardArgs args;
   args.x = x.data_ptr();
@@ -27,6 +33,8 @@ MoeForwardArgs forward_args(const at::Tensor& x, const at::Tensor& topk_idx,
   args.topk_weights = topk_weights.data_ptr();
   args.w1 = w1.data_ptr();
   args.w2 = w2.data_ptr();
+  args.w1_strides = strides_of(w1);
+  args.w2_strides = strides_of(w2);
   args.dtype = in.dtype;
   args.weight_dtype = in.weight_dtype;
   args.shape = in.shape;
@@ -77,7 +85,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
       return signature_of(CallKind::kMoeBackward, args.fwd);
     });
     at::Tensor grad_x = at::empty_like(x), grad_w = at::empty_like(topk_weights);
-    at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
+    // Contiguous whatever w1 / w2's strides: the executor writes them row-major.
+    at::Tensor grad_w1 = at::empty(w1.sizes(), w1.options());
+    at::Tensor grad_w2 = at::empty(w2.sizes(), w2.options());
     args.grad_out = go.data_ptr();
     args.grad_x = grad_x.data_ptr();
     args.grad_topk_weights = grad_w.data_ptr();

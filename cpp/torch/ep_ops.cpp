@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -26,12 +27,25 @@ namespace uniep::torch_glue {
 namespace {
 RuntimeRegistry<ep::Runtime>& registry() {
   static auto* r = new RuntimeRegistry<ep::Runtime>(
-      "GPU runtime", "call uniep.shutdown(group) first to re-create it",
+      "GPU runtime", "call uniep.ep.shutdown(group) on every rank first to re-create it",
       "call uniep.ep.init_runtime(group, max_tokens=..., hidden=..., top_k=..., num_experts=...) "
-      "on every rank first (uniep.moe_forward and uniep.nn.MoELayer create it on first use)");
+      "on every rank first (moe_forward creates it on first use once uniep is imported)");
   return *r;
 }
+
+EpRuntimeFactory& factory_slot() {
+  static auto* f = new EpRuntimeFactory();
+  return *f;
+}
+
+// In the messages of a runtime too small for a call: the call agreement hands them to every
+// rank (a peer's quoted), and check_moe_call grows the runtime on seeing it.
+constexpr const char* kRuntimeTooSmall = "the group's GPU runtime is too small for this call";
 }  // namespace
+
+void set_ep_runtime_factory(EpRuntimeFactory factory) {
+  factory_slot() = std::move(factory);
+}
 
 std::vector<uint8_t> ep_unique_id() {
   std::vector<uint8_t> id;
@@ -267,17 +281,18 @@ struct CheckedMoeCall {
   MoeInputs in;
 };
 
-CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const at::Tensor& x,
-                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                              const at::Tensor& w1, const at::Tensor& w2,
-                              c10::string_view group_name, c10::string_view tuning) {
-  const Group group = resolve_group(std::string(group_name));
+CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::Tensor* grad_out,
+                                   const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& topk_weights, const at::Tensor& w1,
+                                   const at::Tensor& w2, c10::string_view group_name,
+                                   c10::string_view tuning) {
   CheckedMoeCall c;
   check_and_agree(group, kind, x.device(), [&] {
     c.params = TuningParams::parse(std::string(tuning));
     c.runtime = &ep_runtime(std::string(group_name));
     const ep::Config& cfg = c.runtime->config();
-    c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank);
+    c.in = validate_moe_inputs(x, topk_idx, topk_weights, w1, w2, cfg.world_size, cfg.rank,
+                               Executor::kCuda);
     UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
                      "the CUDA executor takes bfloat16 x (its expert GEMMs are bf16), got ",
                      x.scalar_type());
@@ -301,20 +316,51 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
       ok_or_throw(cuda::grouped_gemm_select(
           probe, {c.params.tile_m, c.params.tile_n, c.params.tile_k, c.params.stages}, &index));
     }
-    UNIEP_CHECK(c.in.shape.num_experts == cfg.num_experts && c.in.shape.hidden == cfg.hidden,
-                "w1/x describe ", c.in.shape.num_experts, " experts of hidden ", c.in.shape.hidden,
-                " but the group's runtime was created for ", cfg.num_experts, " and ", cfg.hidden);
+    UNIEP_CHECK(c.in.shape.num_experts == cfg.num_experts && c.in.shape.hidden == cfg.hidden &&
+                    c.in.shape.top_k == cfg.top_k,
+                "w1/x/topk_idx describe ", c.in.shape.num_experts, " experts of hidden ",
+                c.in.shape.hidden, ", top_k ", c.in.shape.top_k, ": ", kRuntimeTooSmall,
+                " (created for ", cfg.num_experts, ", ", cfg.hidden, ", ", cfg.top_k, ")");
     check_routing(x, topk_idx, topk_weights, cfg);
     const bool fp8 = check_dispatch_precision(x, c.params);
     ok_or_throw(c.runtime->check_dispatch_args(x.size(1) * static_cast<int64_t>(x.element_size()),
                                                c.params.comm_sms, fp8));
     UNIEP_CHECK_CODE(x.size(0) <= cfg.max_tokens, StatusCode::kCapacityExceeded, "x has ",
-                     x.size(0), " tokens but the group's runtime holds at most ", cfg.max_tokens,
-                     " per rank (max_tokens of uniep.ep.init_runtime)");
+                     x.size(0), " tokens: ", kRuntimeTooSmall, " (it holds at most ",
+                     cfg.max_tokens, " per rank, max_tokens of uniep.ep.init_runtime)");
     if (grad_out != nullptr) check_like(*grad_out, "grad_out", x, "x");
     return moe_signature(kind, c.in.dtype, c.in.weight_dtype, c.in.shape, c.params);
   });
   return c;
+}
+
+// The checks of check_moe_call_once on the group's runtime, created first if the group has none
+// and re-created larger if the agreed checks found it too small on any rank. Both are collective
+// and safe: runtimes are created and destroyed on every rank together, so a missing one is
+// missing everywhere; and the agreement gives every rank the too-small verdict in the same call,
+// before any transfer, so every rank grows it here, in step, then checks again once.
+CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const at::Tensor& x,
+                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                              const at::Tensor& w1, const at::Tensor& w2,
+                              c10::string_view group_name, c10::string_view tuning) {
+  const std::string name(group_name);
+  const Group group = resolve_group(name);
+  const EpRuntimeFactory& make = factory_slot();
+  // The sizes the factory needs; malformed shapes are left to the checks, which name them.
+  const bool shaped = make && x.dim() == 2 && topk_idx.dim() == 2 && w1.dim() == 3;
+  const auto make_for_call = [&] {
+    make(name, x.size(0), x.size(1), topk_idx.size(1), w1.size(0) * group.world_size);
+  };
+  if (shaped && !ep_exists(name)) make_for_call();
+  try {
+    return check_moe_call_once(kind, group, grad_out, x, topk_idx, topk_weights, w1, w2,
+                               group_name, tuning);
+  } catch (const Error& e) {
+    if (!shaped || std::string(e.what()).find(kRuntimeTooSmall) == std::string::npos) throw;
+  }
+  make_for_call();
+  return check_moe_call_once(kind, group, grad_out, x, topk_idx, topk_weights, w1, w2, group_name,
+                             tuning);
 }
 
 // moe_backward on CUDA is composed in Python (uniep/ep.py) from the runtime's ops; it calls

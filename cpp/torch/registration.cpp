@@ -32,7 +32,7 @@ TORCH_LIBRARY(uniep, m) {
       "expert_rows(Tensor recv_src, Tensor recv_topk_idx, Tensor recv_from_rank, int rank, "
       "int num_experts, int max_tokens) -> (Tensor row_slot, Tensor row_target, "
       "Tensor tokens_per_expert)");
-  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.init). Slots are
+  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.ep.init_runtime). Slots are
   // ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
   m.def(
       "ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "

@@ -35,6 +35,11 @@ DType to_dtype(const at::Tensor& t, const char* name) {
       return DType::kBFloat16;
     case at::kDouble:
       return DType::kFloat64;
+    case at::kHalf:
+      UNIEP_CHECK(false, name,
+                  " must be float32, bfloat16 or float64, got float16: the expert kernels have no "
+                  "float16 path (cast to bfloat16: same size, wider range)");
+      break;
     default:
       UNIEP_CHECK(false, name, " must be float32, bfloat16 or float64, got ", t.scalar_type());
   }
@@ -61,9 +66,22 @@ void check_topk_idx(const at::Tensor& topk_idx) {
   UNIEP_CHECK(topk_idx.is_contiguous(), "topk_idx must be contiguous");
 }
 
+namespace {
+// w1 / w2 on an executor: any strides on CPU, contiguous on CUDA (torch._grouped_mm there).
+void check_weight_layout(const at::Tensor& w, const char* name, const char* shape,
+                         Executor executor) {
+  if (executor == Executor::kCpu || w.is_contiguous()) return;
+  UNIEP_CHECK(false, name, " must be contiguous ", shape,
+              " on CUDA (the expert GEMMs read it row-major), got strides ", w.strides(),
+              "; strided views are read in place by the CPU executor only: pass ", name,
+              ".contiguous() once, outside the step");
+}
+}  // namespace
+
 MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
                               const at::Tensor& topk_weights, const at::Tensor& w1,
-                              const at::Tensor& w2, int64_t world_size, int64_t rank) {
+                              const at::Tensor& w2, int64_t world_size, int64_t rank,
+                              Executor executor) {
   MoeInputs in;
   UNIEP_CHECK(x.dim() == 2, "x must be a 2-D tensor [T, H], got shape ", shape_str(x));
   in.dtype = to_dtype(x, "x");
@@ -80,11 +98,20 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
   UNIEP_CHECK(topk_weights.sizes() == topk_idx.sizes(),
               "topk_weights must have the shape of topk_idx ", shape_str(topk_idx), ", got ",
               shape_str(topk_weights));
-  UNIEP_CHECK(topk_weights.scalar_type() == at::kFloat ||
-                  (topk_weights.scalar_type() == at::kDouble && x.scalar_type() == at::kDouble),
-              "topk_weights must be float32 (or float64 with float64 x), got ",
-              topk_weights.scalar_type());
-  in.weight_dtype = topk_weights.scalar_type() == at::kDouble ? DType::kFloat64 : DType::kFloat32;
+  const at::ScalarType wt = topk_weights.scalar_type();
+  UNIEP_CHECK(wt != at::kHalf,
+              "topk_weights must be float32 or bfloat16, got float16: the executors read "
+              "float32 or bfloat16 routing weights (cast the [T, K] weights to float32)");
+  if (executor == Executor::kCuda) {
+    UNIEP_CHECK(wt == at::kFloat, "topk_weights must be float32 on CUDA (the dispatch sends fp32 ",
+                "weights; uniep.moe_forward casts bfloat16 ones), got ", wt);
+  } else {
+    UNIEP_CHECK(wt == at::kFloat || wt == at::kBFloat16 ||
+                    (wt == at::kDouble && x.scalar_type() == at::kDouble),
+                "topk_weights must be float32 or bfloat16 (float64 only with float64 x), got ",
+                wt);
+  }
+  in.weight_dtype = to_dtype(topk_weights, "topk_weights");
   UNIEP_CHECK(topk_weights.device() == x.device(), "topk_weights must be on x's device ",
               x.device(), ", got ", topk_weights.device());
   UNIEP_CHECK(topk_weights.is_contiguous(), "topk_weights must be contiguous");
@@ -100,7 +127,7 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
               shape_str(w1));
   UNIEP_CHECK(w1.device() == x.device(), "w1 must be on x's device ", x.device(), ", got ",
               w1.device());
-  UNIEP_CHECK(w1.is_contiguous(), "w1 must be contiguous");
+  check_weight_layout(w1, "w1", "[E_local, H, 2*I]", executor);
   const int64_t El = w1.size(0), I = w1.size(2) / 2;
 
   UNIEP_CHECK(w2.dim() == 3, "w2 must be a 3-D tensor [E_local, I, H], got shape ", shape_str(w2));
@@ -111,7 +138,7 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
               shape_str(w2));
   UNIEP_CHECK(w2.device() == x.device(), "w2 must be on x's device ", x.device(), ", got ",
               w2.device());
-  UNIEP_CHECK(w2.is_contiguous(), "w2 must be contiguous");
+  check_weight_layout(w2, "w2", "[E_local, I, H]", executor);
 
   in.shape.tokens = T;
   in.shape.hidden = H;

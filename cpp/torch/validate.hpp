@@ -21,9 +21,6 @@ struct MoeInputs {
   DType weight_dtype = DType::kFloat32;
 };
 
-MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
-                              const at::Tensor& topk_weights, const at::Tensor& w1,
-                              const at::Tensor& w2, int64_t world_size, int64_t rank);
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
 
@@ -76,6 +73,14 @@ at::Tensor ulysses_send_blocks(const at::Tensor& x, const UlyssesDims& dims, int
 
 // The received [W, block...] blocks, concatenated along the gather dim in rank order.
 at::Tensor ulysses_output(const at::Tensor& recv, const UlyssesDims& dims);
+
+// moe_forward / moe_backward's arguments. The CPU executor reads w1 / w2 through their strides
+// and bfloat16 topk_weights (promoted to fp32 as it reads them); the CUDA executor needs both
+// weights contiguous and float32 topk_weights, and its errors say so.
+MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
+                              const at::Tensor& topk_weights, const at::Tensor& w1,
+                              const at::Tensor& w2, int64_t world_size, int64_t rank,
+                              Executor executor);
 
 // Runs fn, turning uniep::Error into the torch error Python users expect: ValueError for bad
 // arguments, RuntimeError otherwise.

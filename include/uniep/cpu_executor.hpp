@@ -37,9 +37,18 @@ class LocalTransport final : public Transport {
                   const std::vector<int64_t>& recv_bytes) override;
 };
 
-// Pointers are host memory, row-major and contiguous.
-//   x [T, H], topk_idx [T, K] int64, topk_weights [T, K] (float32, or float64 with float64 x),
+// Pointers are host memory, row-major and contiguous, except w1 / w2 when strides are given.
+//   x [T, H], topk_idx [T, K] int64, topk_weights [T, K] (float32 or bfloat16, or float64 with
+//   float64 x; read and promoted to the accumulation type inside the executor),
 //   w1 [E_local, H, 2I] (gate | up), w2 [E_local, I, H], out [T, H].
+// Element strides of w1 / w2 (all zero: contiguous). Any strides a framework tensor may have
+// (a transposed view, say) are read as they are: the executor widens the weights into its own
+// buffer once per call, so a strided view costs no extra copy.
+struct WeightStrides {
+  int64_t expert = 0, row = 0, col = 0;
+  bool contiguous() const { return expert == 0 && row == 0 && col == 0; }
+};
+
 struct MoeForwardArgs {
   const void* x = nullptr;
   const int64_t* topk_idx = nullptr;
@@ -49,6 +58,7 @@ struct MoeForwardArgs {
   void* out = nullptr;
   DType dtype = DType::kFloat32;         // of x, w1, w2, out
   DType weight_dtype = DType::kFloat32;  // of topk_weights
+  WeightStrides w1_strides, w2_strides;
   MoeShape shape;
   TuningParams tuning;
 };
@@ -59,7 +69,7 @@ struct MoeForwardArgs {
 void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport);
 
 // Gradients of cpu_moe_forward. Outputs are written, not accumulated; each has its input's shape
-// and dtype.
+// and dtype, and is contiguous (grad_w1 / grad_w2 too when w1 / w2 are strided).
 struct MoeBackwardArgs {
   MoeForwardArgs fwd;  // fwd.out unused
   const void* grad_out = nullptr;

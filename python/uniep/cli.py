@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -190,30 +191,79 @@ def _demo_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "forward_ms": times[0].item(), "fwd_bwd_ms": times[1].item()}
 
 
-def _pick_device(requested: str, world: int) -> tuple[str, str]:
-    """The device to run on, and why it is not the GPU when it is not."""
-    if requested == "cpu":
-        return "cpu", "--device cpu"
-    import uniep
+@dataclass(frozen=True)
+class DemoPlan:
+    """What ``uniep demo`` runs: ``device`` ("cuda" or "cpu"), ``world`` ranks, ``dtype``,
+    ``experts`` in total, and ``why`` it is not on GPUs when it is not ("" on GPUs)."""
 
+    device: str
+    world: int
+    dtype: str
+    experts: int
+    why: str
+
+
+def plan_demo(
+    device: str,
+    world: int | None,
+    dtype: str | None,
+    experts: int | None,
+    *,
+    gpus: int,
+    cuda_ops: bool,
+    cuda_kernel: bool,
+) -> DemoPlan:
+    """Pick the demo's configuration for this machine (pure: the machine comes as arguments).
+
+    ``device``: "auto", "cpu" or "cuda"; ``world`` / ``dtype`` / ``experts``: as given on the
+    command line, None for "pick one". On GPUs the world is one rank per visible GPU (1 on a
+    one-GPU box) and the dtype bfloat16 (the CUDA executor's); on CPU two gloo ranks (the
+    exchange between ranks is what the demo shows) in float32. "auto" runs on GPUs when this
+    build has the CUDA kernels and enough GPUs for an explicit ``world``, else on CPU, saying
+    why. ``experts`` defaults to the smallest multiple of the world that is at least 8.
+
+    Raises:
+        SystemExit: ``device="cuda"`` cannot run here, naming what is missing.
+    """
     problems = []
-    gpus = torch.cuda.device_count()
-    if gpus < world:
-        problems.append(f"{gpus} CUDA device(s) visible, {world} needed")
-    if not uniep.build_info().get("cuda_ops"):
+    if gpus < 1:
+        problems.append("no CUDA device is visible")
+    elif world is not None and gpus < world:
+        problems.append(f"{gpus} CUDA device(s) visible, --world-size {world} asks for {world}")
+    if not cuda_ops:
         problems.append("this build has no torch CUDA ops")
-    elif not _has_cuda_moe_kernel():
+    elif not cuda_kernel:
         problems.append("torch.ops.uniep.moe_forward has no CUDA kernel yet")
-    if not problems:
-        return "cuda", ""
-    if requested == "cuda":
+    if dtype not in (None, "bfloat16"):
+        problems.append(f"the CUDA executor takes bfloat16, not --dtype {dtype}")
+    if device == "cuda" and problems:
         raise SystemExit("uniep demo: --device cuda is not possible: " + "; ".join(problems))
-    return "cpu", "; ".join(problems)
+    on_gpu = device != "cpu" and not problems
+    why = "" if on_gpu else ("--device cpu" if device == "cpu" else "; ".join(problems))
+    if world is None:
+        world = gpus if on_gpu else 2
+    if dtype is None:
+        dtype = "bfloat16" if on_gpu else "float32"
+    if experts is None:
+        experts = -(-max(8, world) // world) * world
+    return DemoPlan("cuda" if on_gpu else "cpu", world, dtype, experts, why)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import uniep
     from uniep.distributed import run_local_ranks
 
+    plan = plan_demo(
+        args.device,
+        args.world_size,
+        args.dtype,
+        args.experts,
+        gpus=torch.cuda.device_count(),
+        cuda_ops=bool(uniep.build_info().get("cuda_ops")),
+        cuda_kernel=_has_cuda_moe_kernel(),
+    )
+    args.world_size, args.dtype, args.experts = plan.world, plan.dtype, plan.experts
+    device, why = plan.device, plan.why
     if args.experts % args.world_size != 0:
         raise SystemExit(
             f"uniep demo: --experts ({args.experts}) must be divisible by --world-size "
@@ -221,13 +271,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     if args.top_k > args.experts:
         raise SystemExit(f"uniep demo: --top-k ({args.top_k}) must be <= --experts")
-
-    device, why = _pick_device(args.device, args.world_size)
-    if device == "cuda" and args.dtype != "bfloat16":
-        # The CUDA executor runs torch._grouped_mm, which takes bfloat16.
-        if args.device == "cuda":
-            raise SystemExit("uniep demo: --device cuda needs --dtype bfloat16")
-        device, why = "cpu", f"the CUDA executor takes bfloat16, not {args.dtype}"
     cfg = {
         "device": device,
         "dtype": args.dtype,
@@ -422,13 +465,28 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="run an MoE layer forward+backward on local ranks and check it against a reference",
     )
-    demo.add_argument("--world-size", type=_positive_int, default=2, help="local ranks to spawn")
+    demo.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="local ranks to spawn (default: one per visible GPU, or 2 on CPU)",
+    )
     demo.add_argument("--tokens", type=_positive_int, default=512, help="tokens per rank")
     demo.add_argument("--hidden", type=_positive_int, default=256)
     demo.add_argument("--ffn", type=_positive_int, default=512, help="expert intermediate width")
-    demo.add_argument("--experts", type=_positive_int, default=8, help="experts in total")
+    demo.add_argument(
+        "--experts",
+        type=_positive_int,
+        default=None,
+        help="experts in total (default: the smallest multiple of the world size >= 8)",
+    )
     demo.add_argument("--top-k", type=_positive_int, default=2)
-    demo.add_argument("--dtype", choices=sorted(_TOLERANCE), default="float32")
+    demo.add_argument(
+        "--dtype",
+        choices=sorted(_TOLERANCE),
+        default=None,
+        help="default: bfloat16 on GPUs, float32 on CPU",
+    )
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     demo.add_argument("--iters", type=_positive_int, default=3, help="timed iterations (median)")
     demo.add_argument("--seed", type=_seed, default=0)

@@ -36,6 +36,7 @@ __all__ = [
     "dispatch_cached",
     "check",
     "ensure_runtime",
+    "grown_capacity",
     "init_runtime",
     "ll_combine",
     "ll_dispatch",
@@ -119,18 +120,36 @@ def init_runtime(
     )
 
 
+def grown_capacity(current: int | None, needed: int) -> int:
+    """``max_tokens`` of a runtime created (``current`` None) or re-created for a call whose
+    largest batch over the ranks is ``needed`` tokens: a power of two, at least 256 and at
+    least ``current``, so that batches up to that size reuse it."""
+    want = max(256, 1 << max(0, int(needed) - 1).bit_length())
+    return want if current is None else max(want, int(current))
+
+
 def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_experts: int) -> None:
     """Create the GPU runtime of the group named ``group_name`` on first use (collective).
 
-    ``max_tokens`` becomes the largest ``tokens`` over the ranks, rounded up to a power of two
-    (at least 256), so later batches up to that size reuse it; a larger batch later raises an
-    error naming the capacity. ``hidden``, ``top_k`` and ``num_experts`` must be the same on
-    every rank (the symmetric buffers are sized from them): a difference raises ValueError on
-    every rank, naming the value and both ranks. Used by ``MoELayer`` and ``uniep.moe_forward``
-    on CUDA tensors.
+    ``max_tokens`` becomes ``grown_capacity`` of the largest ``tokens`` over the ranks.
+    ``hidden``, ``top_k`` and ``num_experts`` must be the same on every rank (the symmetric
+    buffers are sized from them): a difference raises ValueError on every rank, naming the
+    value and both ranks. A runtime that exists is kept: ``moe_forward`` grows it when a call
+    needs more (``_runtime_for_call``).
     """
     if _C.ep_exists(group_name):
         return
+    _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
+
+
+def _runtime_for_call(
+    group_name: str, tokens: int, hidden: int, top_k: int, num_experts: int
+) -> None:
+    """Create the group's runtime, or re-create it larger, for a call (collective: every rank
+    calls it in the same call). The C++ ``moe_forward`` / ``moe_backward`` call it (set below)
+    when the group has none, or when their agreed checks found it too small for this call on
+    some rank; the new one holds the largest batch over the ranks and the call's sizes, and
+    keeps the old one's row capacity, timeout and low-latency buffers."""
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     table = [[tokens]]
     if group is not None:
@@ -140,8 +159,31 @@ def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_ex
         _C.agree_call(group_name, "ep_runtime_create", sizes, "", "cuda")
         table = _all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.ep)")
     most = max(row[0] for row in table)
-    capacity = max(256, 1 << max(0, int(most) - 1).bit_length())
-    init_runtime(group, max_tokens=capacity, hidden=hidden, top_k=top_k, num_experts=num_experts)
+    old = _C.ep_config(group_name) if _C.ep_exists(group_name) else None
+    keep: dict[str, Any] = {}
+    same = False
+    if old is not None:
+        same = (old["hidden"], old["top_k"], old["num_experts"]) == (hidden, top_k, num_experts)
+        keep = {"timeout_s": old["timeout_s"], "ll_max_tokens": old["ll_max_tokens"]}
+        if same:
+            keep["max_row_bytes"] = old["max_row_bytes"]
+        # Freeing symmetric memory is collective; work queued on it must be finished first.
+        torch.cuda.synchronize()
+        _C.ep_destroy(group_name)
+    capacity = grown_capacity(old["max_tokens"] if same else None, most)
+    init_runtime(
+        group,
+        max_tokens=capacity,
+        hidden=hidden,
+        top_k=top_k,
+        num_experts=num_experts,
+        **keep,
+    )
+
+
+if getattr(_C, "has_ep_runtime", False):
+    # The CUDA moe_forward / moe_backward create and grow the runtime through this.
+    _C.set_ep_runtime_factory(_runtime_for_call)
 
 
 def _all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> list[list[int]]:

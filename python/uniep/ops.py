@@ -31,6 +31,13 @@ def _check_moe_args(
         x.dim() == 2, lambda: f"x must be 2-D [T, H], got {x.dim()}-D {tuple(x.shape)}"
     )
     torch._check_value(
+        x.dtype != torch.float16,
+        lambda: (
+            "x must be float32, bfloat16 or float64, got float16: the expert kernels have no "
+            "float16 path (cast to bfloat16: same size, wider range)"
+        ),
+    )
+    torch._check_value(
         x.dtype in _FLOAT_DTYPES, lambda: f"x must be float32, bfloat16 or float64, got {x.dtype}"
     )
     torch._check_value(
@@ -55,11 +62,20 @@ def _check_moe_args(
             f"got {tuple(topk_weights.shape)}"
         ),
     )
-    allowed = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
+    torch._check_value(
+        topk_weights.dtype != torch.float16,
+        lambda: (
+            "topk_weights must be float32 or bfloat16, got float16: the executors read float32 "
+            "or bfloat16 routing weights (cast the [T, K] weights to float32)"
+        ),
+    )
+    allowed = (torch.float32, torch.bfloat16)
+    if x.dtype == torch.float64:
+        allowed += (torch.float64,)
     torch._check_value(
         topk_weights.dtype in allowed,
         lambda: (
-            f"topk_weights must be float32 (float64 allowed with float64 x), "
+            f"topk_weights must be float32 or bfloat16 (float64 only with float64 x), "
             f"got {topk_weights.dtype}"
         ),
     )
@@ -295,12 +311,17 @@ def moe_forward(
     Differentiable with respect to ``x``, ``topk_weights``, ``w1`` and ``w2``.
 
     Args:
-        x: ``[T, H]`` float32, bfloat16 or float64, contiguous: this rank's tokens.
+        x: ``[T, H]`` float32, bfloat16 or float64, contiguous: this rank's tokens (float16 is
+            refused: the expert kernels have no float16 path).
         topk_idx: ``[T, K]`` int64 global expert ids in ``[0, E)``; -1 marks an unused slot.
-        topk_weights: ``[T, K]`` float32 gate weights (float64 allowed with float64 ``x``).
+        topk_weights: ``[T, K]`` float32 or bfloat16 gate weights (float64 allowed with float64
+            ``x``), contiguous. The CPU executor promotes bfloat16 weights to fp32 as it reads
+            them (no copy; their gradient comes back in bfloat16); on CUDA this wrapper casts them
+            to float32 (one ``[T, K]`` cast, differentiable), since the dispatch sends fp32.
         w1: ``[E_local, H, 2I]`` dtype of ``x``: this rank's gate (columns ``0..I-1``) and up
-            (columns ``I..2I-1``) projections.
-        w2: ``[E_local, I, H]`` dtype of ``x``: this rank's down projections.
+            (columns ``I..2I-1``) projections. Any strides on CPU (e.g. ``gate_up.transpose(1,
+            2)`` of a ``[E_local, 2I, H]`` tensor: read in place, no copy); contiguous on CUDA.
+        w2: ``[E_local, I, H]`` dtype of ``x``: this rank's down projections; strides as ``w1``.
         group: the process group the experts are split over; None uses the group given to
             ``uniep.init``, else WORLD, else a world of one rank (no torch.distributed needed).
             CPU tensors need a gloo group.
@@ -309,7 +330,8 @@ def moe_forward(
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
-        (``uniep.ep``) is created on the first call, sized for the largest batch of that call.
+        (``uniep.ep``) is created on the first call, sized for the largest batch of that call,
+        and re-created larger (on every rank, in the same call) when a later call needs more.
 
     Raises:
         ValueError: an argument has the wrong shape, dtype or device, or an expert id is out of
@@ -322,6 +344,9 @@ def moe_forward(
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
+    if x.is_cuda and topk_weights.dtype == torch.bfloat16:
+        # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
+        topk_weights = topk_weights.float()
     if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
         # CUDA tensors run on the group's GPU runtime: created here on first use (collective).
         from . import ep
