@@ -244,11 +244,15 @@ def layers(warmup: int, iters: int, profile: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sm90_gemm_bench_args(__doc__.splitlines()[0], argv, profile=True)
+    args = sm90_gemm_bench_args(
+        __doc__.splitlines()[0], argv, profile=True, parts=("kernels", "layers")
+    )
     if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
         return 0
-    rows = kernels(args.warmup, args.iters)
-    if torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
+    rows = kernels(args.warmup, args.iters) if args.part in ("kernels", "all") else []
+    if args.part == "kernels":
+        pass
+    elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
         rows += layers(args.warmup, args.iters, args.profile)
     else:
         print("bench_experts: layer part skipped (this build has no CUDA moe_forward)")

@@ -225,10 +225,11 @@ def profile_kernels(
 
 
 def sm90_gemm_bench_args(
-    description: str, argv: list[str] | None, profile: bool = False
+    description: str, argv: list[str] | None, profile: bool = False, parts: tuple[str, ...] = ()
 ) -> argparse.Namespace:
     """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts); ``profile``
-    adds ``--profile N`` (:func:`add_profile_argument`)."""
+    adds ``--profile N`` (:func:`add_profile_argument`), ``parts`` a ``--part`` choice among them
+    (default all)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
     parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
@@ -236,6 +237,8 @@ def sm90_gemm_bench_args(
     parser.add_argument("--warmup", type=int, default=10)
     if profile:
         add_profile_argument(parser)
+    if parts:
+        parser.add_argument("--part", choices=[*parts, "all"], default="all")
     return parser.parse_args(argv)
 
 

@@ -139,12 +139,6 @@ def _bwd(a: dict[str, torch.Tensor], grad_out: torch.Tensor) -> object:
     )
 
 
-def _three_times_the_tokens(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """96 tokens for a runtime of max_tokens 64."""
-    rows = ("x", "topk_idx", "topk_weights")
-    return {k: v.repeat(3, 1) if k in rows else v for k, v in a.items()}
-
-
 # (id, bad rank's call, what every rank's message must hold)
 GPU_CASES: list[tuple[str, Callable[[dict[str, torch.Tensor]], object], str]] = [
     (
@@ -156,7 +150,9 @@ GPU_CASES: list[tuple[str, Callable[[dict[str, torch.Tensor]], object], str]] = 
     ("tuning-differs", lambda a: _fwd(a, "dispatch=fp8"), "tuning dispatch differs"),
     ("sms-too-many", lambda a: _fwd(a, "sms=100000"), "sms"),
     ("x-non-contiguous", lambda a: _fwd({**a, "x": a["x"].t().contiguous().t()}), "contiguous"),
-    ("too-many-tokens", lambda a: _fwd(_three_times_the_tokens(a)), "tokens"),
+    # More tokens than the runtime holds is no longer an error: every rank grows it together
+    # (test_gpu_runtime_on_demand.py). A tile request no expert GEMM configuration has is.
+    ("tile-not-compiled", lambda a: _fwd(a, "tile_m=32"), "tile_m"),
     (
         "backward-grad_out-shape",
         lambda a: _bwd(a, torch.ones(TOKENS, HIDDEN + 8, dtype=torch.bfloat16, device="cuda")),

@@ -353,8 +353,8 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
   };
   if (shaped && !ep_exists(name)) make_for_call();
   try {
-    return check_moe_call_once(kind, group, grad_out, x, topk_idx, topk_weights, w1, w2,
-                               group_name, tuning);
+    return check_moe_call_once(kind, group, grad_out, x, topk_idx, topk_weights, w1, w2, group_name,
+                               tuning);
   } catch (const Error& e) {
     if (!shaped || std::string(e.what()).find(kRuntimeTooSmall) == std::string::npos) throw;
   }
@@ -420,7 +420,14 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
                                                  : at::_grouped_mm(a, w, offs);
       };
       const at::Tensor h = grouped(xs, w1);
-      const at::Tensor act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
+      at::Tensor act;
+      if (params.gemm == GemmEngine::kUniep) {
+        // One pass over h, silu(g) * u rounded once (the SwiGLU epilogue's formula).
+        act = at::empty({R, I}, h.options());
+        ok_or_throw(cuda::swiglu_bf16(h.data_ptr(), R, I, act.data_ptr(), stream));
+      } else {
+        act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
+      }
       y = grouped(act, w2).contiguous();
     }
     return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params, stream);

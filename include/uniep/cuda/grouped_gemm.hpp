@@ -101,4 +101,10 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
                          int sm_count, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream);
 
+// act [rows, ffn] = silu(h[:, :ffn]) * h[:, ffn:] for h [rows, 2 ffn] bf16, in fp32, rounded once
+// to bf16: the activation between the expert GEMMs when w1 is not packed for kSwiGlu, with the
+// same formula (so both give the same bits from the same h). ffn a multiple of 8; h and act
+// 16-byte aligned, contiguous.
+Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStream_t stream);
+
 }  // namespace uniep::cuda
