@@ -19,7 +19,8 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
   - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
-The goal ratios are against max(dense chain, weight floor).
+The goal ratios are against max(dense chain, weight floor). Also ``moe_backward`` (which recomputes
+the experts' forward) against the dense chain's backward alone and with its forward.
 
 Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
 ``--profile N`` adds each layer's per-kernel GPU time (torch profiler, N calls) for the dense chain
@@ -121,7 +122,7 @@ def bench_kernel(
     return row
 
 
-def kernels(warmup: int, iters: int) -> list[dict[str, Any]]:
+def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     rows = []
     print(
         "| grouped GEMM | E | R | K | N | rows/expert | torch ms | uniep ms (auto) | best config "
@@ -129,6 +130,8 @@ def kernels(warmup: int, iters: int) -> list[dict[str, Any]]:
     )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
     for load, tokens, hidden, ffn, experts, top_k in LAYERS:
+        if loads and load not in loads:
+            continue
         idx, _ = routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
         for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
@@ -176,6 +179,28 @@ def _bench_layer(
     def layer_call(tuning: str) -> torch.Tensor:
         return torch.ops.uniep.moe_forward(x, idx, weights, w1, w2, name, tuning)
 
+    go = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
+
+    def backward_call(tuning: str) -> tuple[torch.Tensor, ...]:
+        return torch.ops.uniep.moe_backward(go, x, idx, weights, w1, w2, name, tuning)
+
+    # The dense chain's backward alone (its graph kept), and with its forward: moe_backward
+    # recomputes the experts' forward, so the second is its like-for-like FLOP count.
+    leaves = [t.detach().requires_grad_(True) for t in (xd, w1d, w2d)]
+    with torch.enable_grad():
+        h_d = leaves[0] @ leaves[1]
+        out_d = (F.silu(h_d[:, :ffn]) * h_d[:, ffn:]) @ leaves[2]
+    go_d = torch.randn_like(out_d)
+
+    def dense_backward() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(out_d, leaves, go_d, retain_graph=True)
+
+    def dense_forward_backward() -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            h = leaves[0] @ leaves[1]
+            out = (F.silu(h[:, :ffn]) * h[:, ffn:]) @ leaves[2]
+            return torch.autograd.grad(out, leaves, go_d)
+
     row: dict[str, Any] = {
         "part": "layer",
         "load": load,
@@ -197,6 +222,14 @@ def _bench_layer(
             ms = median_time_ms(lambda t=tuning: layer_call(t), warmup, iters, cuda=True)
             row[f"ms[{impl}]"] = ms
             row[f"over_floor[{impl}]"] = ms / floor
+        row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
+        row["dense_forward_backward_ms"] = median_time_ms(
+            dense_forward_backward, warmup, iters, cuda=True
+        )
+        for impl, tuning in LAYER_VARIANTS[:3:2]:
+            ms = median_time_ms(lambda t=tuning: backward_call(t), warmup, iters, cuda=True)
+            row[f"backward_ms[{impl}]"] = ms
+            row[f"backward_over_dense_fwd_bwd[{impl}]"] = ms / row["dense_forward_backward_ms"]
         if profile:
             fns = {"dense": dense} | {
                 impl: lambda t=tuning: layer_call(t) for impl, tuning in LAYER_VARIANTS[:3:2]
@@ -206,24 +239,26 @@ def _bench_layer(
 
 
 def _layer_rank(
-    rank: int, world: int, warmup: int, iters: int, profile: int
+    rank: int, world: int, warmup: int, iters: int, profile: int, loads: list[str]
 ) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     rows = []
     for layer in LAYERS:
+        if loads and layer[0] not in loads:
+            continue
         rows.append(_bench_layer(dist.new_group([0]), layer, warmup, iters, profile))
         torch.cuda.empty_cache()
     return rows
 
 
-def layers(warmup: int, iters: int, profile: int) -> list[dict[str, Any]]:
+def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict[str, Any]]:
     import uniep
 
     # One process, one rank; NVSHMEM's heap (sized once per process) holds every load's runtime.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
     rows = uniep.distributed.run_local_ranks(
-        _layer_rank, 1, (warmup, iters, profile), backend="nccl", timeout_s=900
+        _layer_rank, 1, (warmup, iters, profile, loads), backend="nccl", timeout_s=900
     )[0]
     print()
     names = [impl for impl, _ in LAYER_VARIANTS]
@@ -236,6 +271,18 @@ def layers(warmup: int, iters: int, profile: int) -> list[dict[str, Any]]:
     for r in rows:
         cells = " | ".join(f"{r[f'ms[{n}]']:.3f} ({r[f'over_floor[{n}]']:.2f}x)" for n in names)
         print(f"| {r['load']} | {r['dense_ms']:.3f} | {r['weight_read_ms']:.3f} | {cells} |")
+    print()
+    print(
+        "| layer | dense bwd ms | dense fwd+bwd ms | moe_backward uniep ms (x fwd+bwd) | torch ms |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        u, t = "uniep", "torch._grouped_mm"
+        print(
+            f"| {r['load']} | {r['dense_backward_ms']:.3f} | {r['dense_forward_backward_ms']:.3f} "
+            f"| {r[f'backward_ms[{u}]']:.3f} ({r[f'backward_over_dense_fwd_bwd[{u}]']:.2f}x) "
+            f"| {r[f'backward_ms[{t}]']:.3f} |"
+        )
     for r in rows:
         for variant, kernels_us in r.get("kernels_us", {}).items():
             top = ", ".join(f"{k} {v:.0f}" for k, v in list(kernels_us.items())[:8])
@@ -249,11 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
         return 0
-    rows = kernels(args.warmup, args.iters) if args.part in ("kernels", "all") else []
+    loads = [name for name in args.loads.split(",") if name] if args.loads else []
+    unknown = sorted(set(loads) - {layer[0] for layer in LAYERS})
+    if unknown:
+        print(f"bench_experts: unknown --loads {unknown}; known: {[la[0] for la in LAYERS]}")
+        return 2
+    rows = kernels(args.warmup, args.iters, loads) if args.part in ("kernels", "all") else []
     if args.part == "kernels":
         pass
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
-        rows += layers(args.warmup, args.iters, args.profile)
+        rows += layers(args.warmup, args.iters, args.profile, loads)
     else:
         print("bench_experts: layer part skipped (this build has no CUDA moe_forward)")
     path = write_result("bench_experts", rows, args.out_dir)

@@ -239,6 +239,7 @@ def sm90_gemm_bench_args(
         add_profile_argument(parser)
     if parts:
         parser.add_argument("--part", choices=[*parts, "all"], default="all")
+        parser.add_argument("--loads", default="", help="comma-separated load names (default all)")
     return parser.parse_args(argv)
 
 

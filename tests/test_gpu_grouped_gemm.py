@@ -269,3 +269,66 @@ def test_swiglu_named_errors() -> None:
         torch.ops.uniep.grouped_mm_swiglu(x.float(), w, offs)
     x, w, offs = _operands([16, 16], 64, 32, seed=18)
     torch.library.opcheck(torch.ops.uniep.grouped_mm_swiglu, (x, w, offs))
+
+
+BACKWARD_CASES = {
+    "empty-and-one-row": ([0, 1, 0, 130, 1], 128, 256),
+    "odd-rows": ([3, 127, 129, 255, 1, 77], 512, 384),
+    "k-n-multiples-of-64": ([100, 200, 64, 1], 192, 320),
+    "many-experts": (_random_counts(260, 30, 19, empty_every=5), 256, 128),
+    "dsv3-like": (_random_counts(32, 600, 20), 2048, 1024),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD_CASES))
+def test_dgrad_and_wgrad(name: str) -> None:
+    from uniep.gemm import grouped_mm_dgrad, grouped_mm_wgrad
+
+    counts, k, n = BACKWARD_CASES[name]
+    x, w, offs = _operands(counts, k, n, seed=len(counts) + 5 * k + n)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    dy = torch.randn(x.shape[0], n, generator=gen, device="cuda").bfloat16()
+    # The gradient of the input: dy w[e]^T, against float64.
+    poison = torch.full((x.shape[0], k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    dx = grouped_mm_dgrad(dy, w, offs)
+    assert dx.shape == x.shape and not dx.isnan().any()
+    ref_dx = _reference(dy, w.transpose(1, 2), offs)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=1.6e-2, atol=2e-2)
+    # The gradient of the weight: x[rows]^T dy[rows], zeros for the empty experts.
+    poison = torch.full((len(counts), k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    dw = grouped_mm_wgrad(x, dy, offs)
+    assert dw.shape == w.shape and not dw.isnan().any()
+    ref_dw = torch.zeros(w.shape, device="cuda", dtype=torch.float64)
+    lo = 0
+    for e, c in enumerate(counts):
+        ref_dw[e] = x[lo : lo + c].double().T @ dy[lo : lo + c].double()
+        lo += c
+    scale = max(1.0, max(counts) ** 0.5)
+    torch.testing.assert_close(dw.double(), ref_dw, rtol=1.6e-2, atol=2e-2 * scale)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.count_nonzero(dw[e]) == 0, e
+    # And what torch._grouped_mm's autograd gives, within bf16 error; the same bits every run.
+    xr = x.detach().requires_grad_(True)
+    wr = w.detach().requires_grad_(True)
+    torch._grouped_mm(xr, wr, offs=offs).backward(dy)
+    torch.testing.assert_close(dx.float(), xr.grad.float(), rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(dw.float(), wr.grad.float(), rtol=1.6e-2, atol=2e-2 * scale)
+    assert torch.equal(grouped_mm_dgrad(dy, w, offs), dx)
+    assert torch.equal(grouped_mm_wgrad(x, dy, offs), dw)
+
+
+def test_backward_named_errors_and_opcheck() -> None:
+    x, w, offs = _operands([16, 16], 64, 32, seed=22)
+    dy = torch.ones(32, 32, device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.uniep
+    with pytest.raises(ValueError, match=r"w must be \[E, K, N\] with N = dy.size.1. = 24"):
+        ops.grouped_mm_dgrad(dy[:, :24].contiguous(), w, offs)
+    with pytest.raises(ValueError, match="dy must have the R = 32 rows of x"):
+        ops.grouped_mm_wgrad(x, dy[:16], offs)
+    with pytest.raises(ValueError, match="dy must be bfloat16"):
+        ops.grouped_mm_dgrad(dy.float(), w, offs)
+    torch.library.opcheck(ops.grouped_mm_dgrad, (dy, w, offs))
+    torch.library.opcheck(ops.grouped_mm_wgrad, (x, dy, offs))

@@ -20,4 +20,12 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning);
 
+// The backward's products: dy [R, N] w[e]^T -> [R, K] for w [E, K, N] (the input's gradient),
+// and x[rows of e]^T dy[rows of e] -> [E, K, N] (the weight's gradient; zeros for an expert with
+// no rows), summed over the rows in ascending order.
+at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
+                                   const at::Tensor& offs, const TuningParams& tuning);
+at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
+                                   const at::Tensor& offs, const TuningParams& tuning);
+
 }  // namespace uniep::torch_glue

@@ -49,9 +49,68 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
                    " (the grouped GEMM's TMA moves 16-byte rows), got ", w.size(2));
 }
 
+// The backward's operands: dy [R, N] with w [E, K, N] (kDgrad), or x [R, K] with dy [R, N]
+// (kWgrad); offs [E] int32 on the same device; all bf16, contiguous, K and N multiples of 8.
+void check_backward_args(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                         const char* b_name, const at::Tensor& offs, bool wgrad) {
+  UNIEP_CHECK(a.dim() == 2, a_name, " must be 2-D [R, ", wgrad ? "K" : "N", "], got shape ",
+              a.sizes());
+  UNIEP_CHECK(b.dim() == (wgrad ? 2 : 3), b_name, " must be ",
+              wgrad ? "2-D [R, N]" : "3-D [E, K, N]", ", got shape ", b.sizes());
+  UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
+  UNIEP_CHECK(a.scalar_type() == at::kBFloat16, a_name, " must be bfloat16, got ", a.scalar_type());
+  UNIEP_CHECK(b.scalar_type() == at::kBFloat16, b_name, " must be bfloat16 like ", a_name, ", got ",
+              b.scalar_type());
+  UNIEP_CHECK(offs.scalar_type() == at::kInt, "offs must be int32, got ", offs.scalar_type());
+  UNIEP_CHECK(a.device().is_cuda(), a_name, " must be a CUDA tensor, got ", a.device());
+  UNIEP_CHECK(b.device() == a.device(), b_name, " must be on ", a_name, "'s device ", a.device(),
+              ", got ", b.device());
+  UNIEP_CHECK(offs.device() == a.device(), "offs must be on ", a_name, "'s device ", a.device(),
+              ", got ", offs.device());
+  UNIEP_CHECK(offs.size(0) >= 1, "offs must have at least one expert, got shape ", offs.sizes());
+  if (wgrad) {
+    UNIEP_CHECK(b.size(0) == a.size(0), b_name, " must have the R = ", a.size(0), " rows of ",
+                a_name, ", got shape ", b.sizes());
+  } else {
+    UNIEP_CHECK(offs.size(0) == b.size(0), "offs must have E = ", b_name, ".size(0) = ", b.size(0),
+                " entries, got ", offs.size(0));
+    UNIEP_CHECK(b.size(2) == a.size(1), b_name, " must be [E, K, N] with N = ", a_name,
+                ".size(1) = ", a.size(1), ", got shape ", b.sizes());
+  }
+  UNIEP_CHECK(a.is_contiguous(), a_name, " must be contiguous, got strides ", a.strides());
+  UNIEP_CHECK(b.is_contiguous(), b_name, " must be contiguous, got strides ", b.strides());
+  UNIEP_CHECK(offs.is_contiguous(), "offs must be contiguous, got strides ", offs.strides());
+  const int64_t k = wgrad ? a.size(1) : b.size(1), n = wgrad ? b.size(1) : a.size(1);
+  UNIEP_CHECK_CODE(k % kAlign == 0, StatusCode::kUnsupported, "K must be a multiple of ", kAlign,
+                   " (the grouped GEMM's TMA moves 16-byte rows), got ", k);
+  UNIEP_CHECK_CODE(n % kAlign == 0, StatusCode::kUnsupported, "N must be a multiple of ", kAlign,
+                   " (the grouped GEMM's TMA moves 16-byte rows), got ", n);
+}
+
 }  // namespace
 
 namespace {
+
+// Runs `p` (pointers, shapes and kind filled in) on the device of `like`, with its workspace.
+void launch(cuda::GroupedGemmProblem& p, const at::Tensor& like, const TuningParams& tuning) {
+  const int device = like.device().index();
+  UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                   "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
+                   "sm_90a)");
+  ok_or_throw(cuda::grouped_gemm_supports(p));
+  int sm_count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  const size_t bytes = cuda::grouped_gemm_workspace_bytes(p.num_experts, sm_count);
+  // The caching allocator's blocks are 512-byte aligned, more than the 256 the kernel needs.
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  cuda::GroupedGemmTiles tiles;
+  tiles.tile_m = tuning.tile_m;
+  tiles.tile_n = tuning.tile_n;
+  tiles.tile_k = tuning.tile_k;
+  tiles.stages = tuning.stages;
+  ok_or_throw(cuda::grouped_gemm_bf16(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
+                                      at::cuda::getCurrentCUDAStream(device).stream()));
+}
 
 at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                       const TuningParams& tuning, cuda::GroupedGemmEpilogue epilogue) {
@@ -68,10 +127,6 @@ at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options());
   if (rows == 0 || n == 0) return out;
   if (k == 0) return out.zero_();  // (with SwiGLU too: silu(0) * 0 = 0)
-  const int device = x.device().index();
-  UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
-                   "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
-                   "sm_90a)");
   cuda::GroupedGemmProblem p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -82,19 +137,7 @@ at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   p.k = k;
   p.n = n;
   p.epilogue = epilogue;
-  ok_or_throw(cuda::grouped_gemm_supports(p));
-  int sm_count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const size_t bytes = cuda::grouped_gemm_workspace_bytes(p.num_experts, sm_count);
-  // The caching allocator's blocks are 512-byte aligned, more than the 256 the kernel needs.
-  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-  cuda::GroupedGemmTiles tiles;
-  tiles.tile_m = tuning.tile_m;
-  tiles.tile_n = tuning.tile_n;
-  tiles.tile_k = tuning.tile_k;
-  tiles.stages = tuning.stages;
-  ok_or_throw(cuda::grouped_gemm_bf16(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
-                                      at::cuda::getCurrentCUDAStream(device).stream()));
+  launch(p, x, tuning);
   return out;
 }
 
@@ -108,6 +151,47 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning) {
   return run_engine(x, w_packed, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGlu);
+}
+
+at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
+                                   const at::Tensor& offs, const TuningParams& tuning) {
+  check_backward_args(dy, "dy", w, "w", offs, false);
+  const c10::cuda::CUDAGuard guard(dy.device());
+  const int64_t rows = dy.size(0), k = w.size(1), n = w.size(2);
+  at::Tensor out = at::empty({rows, k}, dy.options());
+  if (rows == 0) return out;
+  cuda::GroupedGemmProblem p;
+  p.kind = cuda::GroupedGemmKind::kDgrad;
+  p.x = dy.data_ptr();
+  p.w = w.data_ptr();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.num_experts = w.size(0);
+  p.rows = rows;
+  p.k = n;  // the GEMM's K: dy's columns
+  p.n = k;  // the GEMM's N: the forward input's columns
+  launch(p, dy, tuning);
+  return out;
+}
+
+at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
+                                   const at::Tensor& offs, const TuningParams& tuning) {
+  check_backward_args(x, "x", dy, "dy", offs, true);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t experts = offs.size(0), k = x.size(1), n = dy.size(1);
+  at::Tensor out = at::empty({experts, k, n}, x.options());
+  cuda::GroupedGemmProblem p;
+  p.kind = cuda::GroupedGemmKind::kWgrad;
+  p.x = x.size(0) > 0 ? x.data_ptr() : nullptr;
+  p.w = dy.size(0) > 0 ? dy.data_ptr() : nullptr;
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.num_experts = experts;
+  p.rows = x.size(0);
+  p.k = k;
+  p.n = n;
+  launch(p, x, tuning);
+  return out;
 }
 
 namespace {
@@ -125,10 +209,26 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
   });
 }
 
+at::Tensor grouped_mm_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& offs,
+                                 c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_dgrad(dy, w, offs, TuningParams::parse(std::string(tuning)));
+  });
+}
+
+at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offs,
+                                 c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_wgrad(x, dy, offs, TuningParams::parse(std::string(tuning)));
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm", &uniep::torch_glue::grouped_mm_cuda);
   m.impl("grouped_mm_swiglu", &uniep::torch_glue::grouped_mm_swiglu_cuda);
+  m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
+  m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

@@ -21,8 +21,12 @@ TORCH_LIBRARY(uniep, m) {
   m.def("grouped_mm(Tensor x, Tensor w, Tensor offs, str tuning=\"\") -> Tensor");
   // The same with SwiGLU applied in the GEMM's epilogue (CUDA only): w_packed [E, K, 2I] holds
   // gate and up interleaved in blocks of 8 columns (uniep.gemm.pack_gate_up) -> act [R, I].
-  m.def(
-      "grouped_mm_swiglu(Tensor x, Tensor w_packed, Tensor offs, str tuning=\"\") -> Tensor");
+  m.def("grouped_mm_swiglu(Tensor x, Tensor w_packed, Tensor offs, str tuning=\"\") -> Tensor");
+  // The backward's grouped products (CUDA only): dgrad dy [R, N] x w[e]^T for w [E, K, N] ->
+  // [R, K]; wgrad x[rows of e]^T x dy[rows of e] for x [R, K], dy [R, N] -> [E, K, N] (E =
+  // offs.size(0); zeros for an expert with no rows), summed over rows in ascending order.
+  m.def("grouped_mm_dgrad(Tensor dy, Tensor w, Tensor offs, str tuning=\"\") -> Tensor");
+  m.def("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str tuning=\"\") -> Tensor");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");
@@ -32,8 +36,8 @@ TORCH_LIBRARY(uniep, m) {
       "expert_rows(Tensor recv_src, Tensor recv_topk_idx, Tensor recv_from_rank, int rank, "
       "int num_experts, int max_tokens) -> (Tensor row_slot, Tensor row_target, "
       "Tensor tokens_per_expert)");
-  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.ep.init_runtime). Slots are
-  // ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
+  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.ep.init_runtime). Slots
+  // are ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
   m.def(
       "ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "
       "str tuning=\"\") -> (Tensor recv_x, Tensor recv_scales, Tensor recv_src, "

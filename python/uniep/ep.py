@@ -457,7 +457,8 @@ def _moe_backward_cuda(
 
     The forward rows are dispatched again (same routing, so the same slots and rows), and
     grad_out on that dispatch's plan (``ep_dispatch_cached``); the expert math is
-    differentiated locally through torch._grouped_mm; grad_x comes home through a combine with
+    differentiated locally on the expert GEMM engine (data- and weight-gradient grouped GEMMs;
+    torch._grouped_mm's autograd with tuning gemm=torch); grad_x comes home through a combine with
     unit weights (sum over k, ascending, fp32); the per-(token, k) dot products for
     grad_topk_weights go back over the group's NCCL all_to_all.
     """
@@ -487,6 +488,33 @@ def _moe_backward_cuda(
     )
     go_rows = recv_go.index_select(0, row_slot)
 
+    if params.gemm == "uniep" and rows.shape[0] > 0:
+        grad_rows, grad_w1, grad_w2, dots = _experts_backward_engine(
+            rows, go_rows, w_row, w1, w2, offs, text
+        )
+    else:
+        grad_rows, grad_w1, grad_w2, dots = _experts_backward_torch(
+            rows, go_rows, w_row, w1, w2, offs, ffn
+        )
+
+    ones = torch.ones_like(topk_weights)
+    grad_x = torch.ops.uniep.ep_combine(
+        grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
+    )
+    grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
+    return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
+
+
+def _experts_backward_torch(
+    rows: torch.Tensor,
+    go_rows: torch.Tensor,
+    w_row: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    ffn: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' gradients through torch._grouped_mm's autograd (tuning gemm=torch)."""
     with torch.enable_grad():
         xs = rows.detach().requires_grad_(True)
         w1_ = w1.detach().requires_grad_(True)
@@ -499,14 +527,40 @@ def _moe_backward_cuda(
             dots = (go_rows.float() * y.detach().float()).sum(1)
         else:
             grad_rows, grad_w1, grad_w2 = xs, torch.zeros_like(w1), torch.zeros_like(w2)
-            dots = torch.zeros(0, dtype=torch.float32, device=x.device)
+            dots = torch.zeros(0, dtype=torch.float32, device=rows.device)
 
-    ones = torch.ones_like(topk_weights)
-    grad_x = torch.ops.uniep.ep_combine(
-        grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
-    )
-    grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
-    return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
+    return grad_rows, grad_w1, grad_w2, dots
+
+
+def _experts_backward_engine(
+    rows: torch.Tensor,
+    go_rows: torch.Tensor,
+    w_row: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    tuning: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' gradients on the expert GEMM engine: the forward recomputed as moe_forward
+    ran it (SwiGLU rounded once), then two data-gradient and two weight-gradient grouped GEMMs
+    (weight gradients summed over each expert's rows in ascending order)."""
+    ops = torch.ops.uniep
+    ffn = w2.shape[1]
+    h = ops.grouped_mm(rows, w1, offs, tuning)
+    g, u = h[:, :ffn].float(), h[:, ffn:].float()
+    sig = torch.sigmoid(g)
+    act = (g * sig * u).to(rows.dtype)
+    y = ops.grouped_mm(act, w2, offs, tuning)
+    grad_y = (go_rows.float() * w_row.unsqueeze(1)).to(rows.dtype)
+    grad_act = ops.grouped_mm_dgrad(grad_y, w2, offs, tuning).float()
+    # d silu(g) / dg = sig * (1 + g * (1 - sig))
+    grad_g = grad_act * u * sig * (1 + g * (1 - sig))
+    grad_h = torch.cat([grad_g, grad_act * g * sig], dim=1).to(rows.dtype)
+    grad_rows = ops.grouped_mm_dgrad(grad_h, w1, offs, tuning)
+    grad_w1 = ops.grouped_mm_wgrad(rows, grad_h, offs, tuning)
+    grad_w2 = ops.grouped_mm_wgrad(act, grad_y, offs, tuning)
+    dots = (go_rows.float() * y.float()).sum(1)
+    return grad_rows, grad_w1, grad_w2, dots
 
 
 def _fake_received(x: torch.Tensor, n: Any, tuning: str) -> tuple[torch.Tensor, torch.Tensor]:

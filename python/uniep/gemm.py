@@ -16,7 +16,13 @@ import torch
 
 from .ops import check_grouped_mm_meta
 
-__all__ = ["grouped_mm_swiglu", "pack_gate_up", "unpack_gate_up"]
+__all__ = [
+    "grouped_mm_dgrad",
+    "grouped_mm_swiglu",
+    "grouped_mm_wgrad",
+    "pack_gate_up",
+    "unpack_gate_up",
+]
 
 _BLOCK = 8
 
@@ -81,3 +87,67 @@ def _grouped_mm_swiglu_fake(
         ),
     )
     return x.new_empty((x.shape[0], w_packed.shape[2] // 2))
+
+
+def grouped_mm_dgrad(
+    dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    """``dy[rows of e] @ w[e].T`` for dy [R, N], w [E, K, N] -> [R, K]: the gradient of
+    ``grouped_mm(x, w, offs)``'s input (CUDA, bf16, Hopper)."""
+    return torch.ops.uniep.grouped_mm_dgrad(dy, w, offs, tuning)
+
+
+def grouped_mm_wgrad(
+    x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    """``x[rows of e].T @ dy[rows of e]`` for x [R, K], dy [R, N] -> [E, K, N] with E =
+    offs.size(0): the gradient of ``grouped_mm(x, w, offs)``'s weight, summed over each expert's
+    rows in ascending order (no split-K); zeros for an expert with no rows."""
+    return torch.ops.uniep.grouped_mm_wgrad(x, dy, offs, tuning)
+
+
+def _check_backward_meta(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, wgrad: bool) -> None:
+    an, bn = ("x", "dy") if wgrad else ("dy", "w")
+    torch._check_value(a.dim() == 2, lambda: f"{an} must be 2-D, got shape {tuple(a.shape)}")
+    torch._check_value(
+        b.dim() == (2 if wgrad else 3),
+        lambda: (
+            f"{bn} must be {'2-D [R, N]' if wgrad else '3-D [E, K, N]'}, got shape {tuple(b.shape)}"
+        ),
+    )
+    torch._check_value(offs.dim() == 1, lambda: f"offs must be 1-D [E], got {tuple(offs.shape)}")
+    torch._check_value(a.dtype == torch.bfloat16, lambda: f"{an} must be bfloat16, got {a.dtype}")
+    torch._check_value(
+        b.dtype == torch.bfloat16, lambda: f"{bn} must be bfloat16 like {an}, got {b.dtype}"
+    )
+    torch._check_value(offs.dtype == torch.int32, lambda: f"offs must be int32, got {offs.dtype}")
+    if wgrad:
+        torch._check_value(
+            b.shape[0] == a.shape[0],
+            lambda: f"dy must have the R = {a.shape[0]} rows of x, got {tuple(b.shape)}",
+        )
+    else:
+        torch._check_value(
+            offs.shape[0] == b.shape[0],
+            lambda: f"offs must have E = w.size(0) = {b.shape[0]} entries, got {offs.shape[0]}",
+        )
+        torch._check_value(
+            b.shape[2] == a.shape[1],
+            lambda: f"w must be [E, K, N] with N = dy.size(1) = {a.shape[1]}, got {tuple(b.shape)}",
+        )
+
+
+@torch.library.register_fake("uniep::grouped_mm_dgrad")
+def _grouped_mm_dgrad_fake(
+    dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    _check_backward_meta(dy, w, offs, wgrad=False)
+    return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+@torch.library.register_fake("uniep::grouped_mm_wgrad")
+def _grouped_mm_wgrad_fake(
+    x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    _check_backward_meta(x, dy, offs, wgrad=True)
+    return x.new_empty((offs.shape[0], x.shape[1], dy.shape[1]))

@@ -1,6 +1,7 @@
-// The expert GEMM engine, step one: a bf16 grouped GEMM for Hopper (sm_90a) with the semantics of
-// torch._grouped_mm(x [R, K], w [E, K, N], offs [E]) -> [R, N]: expert e multiplies rows
-// [offs[e-1], offs[e]) of x (offs[-1] = 0) by w[e], fp32 accumulation, bf16 out.
+// The expert GEMM engine: bf16 grouped GEMMs for Hopper (sm_90a). The forward has the semantics
+// of torch._grouped_mm(x [R, K], w [E, K, N], offs [E]) -> [R, N]: expert e multiplies rows
+// [offs[e-1], offs[e]) of x (offs[-1] = 0) by w[e], fp32 accumulation, bf16 out. The backward's
+// two products (GroupedGemmKind) run on the same kernels with other operand layouts.
 //
 // The per-expert row counts stay on the device: a small kernel turns offs into the grouped
 // kernel's problem shapes and pointers, in the caller's workspace, on the caller's stream. The
@@ -34,16 +35,30 @@ namespace uniep::cuda {
 //            applying SwiGLU). The [R, 2I] product never reaches memory.
 enum class GroupedGemmEpilogue { kStore, kSwiGlu };
 
+// Which product, over each expert's rows [offs[e-1], offs[e]):
+//   kForward  out[rows] = x[rows] w[e]:      x [R, k], w [E, k, n], out [R, n]
+//   kDgrad    out[rows] = x[rows] w[e]^T:    x [R, k] (the output's gradient), w [E, n, k] (the
+//             forward's weight), out [R, n]: the gradient of the forward's input
+//   kWgrad    out[e] = x[rows]^T w[rows]:    x [R, k] (the forward's input), w [R, n] (the
+//             output's gradient), out [E, k, n]: the gradient of the forward's weight, summed
+//             over the expert's rows in ascending order (no split-K); an expert with no rows
+//             gets zeros.
+// The tile request (GroupedGemmTiles) applies to kForward; the backward kinds choose by shape
+// among their own configurations. Every kind's bits are independent of the configuration.
+enum class GroupedGemmKind { kForward, kDgrad, kWgrad };
+
 struct GroupedGemmProblem {
   const void* x = nullptr;        // [rows, k] bf16
-  const void* w = nullptr;        // [num_experts, k, n] bf16
+  const void* w = nullptr;        // kForward [E, k, n]; kDgrad [E, n, k]; kWgrad [rows, n] bf16
   const int32_t* offs = nullptr;  // [num_experts] int32, cumulative row ends (device memory)
-  // [rows, n] bf16. Rows at or past offs[num_experts - 1] are not written (as torch._grouped_mm).
+  // kForward / kDgrad: [rows, n] bf16; rows at or past offs[num_experts - 1] are not written (as
+  // torch._grouped_mm). kWgrad: [num_experts, k, n].
   void* out = nullptr;
   int64_t num_experts = 0;  // E >= 1
   int64_t rows = 0;         // R: the most rows offs may describe (offs values are clamped to it)
   int64_t k = 0, n = 0;
   GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::kStore;  // kSwiGlu: out is [R, n / 2]
+  GroupedGemmKind kind = GroupedGemmKind::kForward;            // kSwiGlu needs kForward
 };
 
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
@@ -51,8 +66,8 @@ bool grouped_gemm_device_ok(int device);
 
 // OK when the kernel takes this problem; else kInvalidArgument naming the argument and what it
 // needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
-// bytes; kSwiGlu: n a multiple of 16), 16-byte aligned x, w and out, a non-null offs. R = 0
-// needs no x or out.
+// bytes; kSwiGlu: n a multiple of 16, kForward only), 16-byte aligned x, w and out, a non-null
+// offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written, with zeros).
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives

@@ -23,7 +23,7 @@ struct GroupedEntry {
   Status (*run)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device, int sm_count,
                 cudaStream_t stream);
   Status (*run_swiglu)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
-                       int sm_count, cudaStream_t stream);
+                       int sm_count, cudaStream_t stream);  // null but for the forward kind
 };
 
 const GroupedEntry& entry_coop_128x256x64();
@@ -31,5 +31,10 @@ const GroupedEntry& entry_coop_128x128x64();
 const GroupedEntry& entry_coop_256x128x64();
 const GroupedEntry& entry_pingpong_64x128x128();
 const GroupedEntry& entry_pingpong_64x256x64();
+// The backward's products (GroupedGemmKind kDgrad, kWgrad), chosen by shape only.
+const GroupedEntry& entry_dgrad_coop_128x256x64();
+const GroupedEntry& entry_dgrad_pingpong_64x256x64();
+const GroupedEntry& entry_wgrad_coop_128x256x64();
+const GroupedEntry& entry_wgrad_coop_128x128x64();
 
 }  // namespace uniep::cuda::grouped

@@ -35,8 +35,14 @@ namespace uniep::cuda::grouped {
 enum class GroupedEpilogue { kStore, kSwiGlu };
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
-          GroupedEpilogue Epi>
+          GroupedEpilogue Epi, GroupedKind Kind = GroupedKind::kForward>
 struct Sm90GroupedGemm {
+  static_assert(Epi == GroupedEpilogue::kStore || Kind == GroupedKind::kForward,
+                "the SwiGLU epilogue belongs to the forward's first GEMM");
+  using LayoutA = typename KindLayouts<Kind>::LayoutA;
+  using LayoutB = typename KindLayouts<Kind>::LayoutB;
+  using StrideA = typename KindLayouts<Kind>::StrideA;
+  using StrideB = typename KindLayouts<Kind>::StrideB;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule =
@@ -56,8 +62,8 @@ struct Sm90GroupedGemm {
       StoreEpilogue>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, RowMajorArray, kAlign, Bf16,
-      RowMajorArray, kAlign, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA, kAlign, Bf16, LayoutB,
+      kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
@@ -66,6 +72,7 @@ struct Sm90GroupedGemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
   static constexpr GroupedEpilogue kEpilogue = Epi;
+  static constexpr GroupedKind kKind = Kind;
 
   // The problem kernel (grouped_problems.cuh) writes one stride of each of these per group.
   static_assert(cute::is_same_v<typename Kernel::InternalStrideA, StrideA>);

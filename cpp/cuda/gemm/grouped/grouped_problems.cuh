@@ -16,12 +16,19 @@
 
 namespace uniep::cuda::grouped {
 
+// What each kind reads and writes, from one expert's rows [begin, end) (k and n are the GEMM's K
+// and N for kForward and kDgrad, the output's rows and columns for kWgrad):
+//   kForward  x [R, k], w [E, k, n], out [R, out_n]:  M = rows, A = x rows, B = w[e], D = out rows
+//   kDgrad    x = dy [R, k], w [E, n, k], out [R, n]:  M = rows, B = w[e]^T (K-major)
+//   kWgrad    x [R, k], w = dy [R, n], out [E, k, n]:  M = k, N = n, K = rows; an expert with no
+//             rows gets no tiles (M = 0) and zero_empty_wgrad clears its out[e].
 // out_n: the columns of out (n, or n / 2 for the SwiGLU epilogue).
 //
 // One warp walks offs in chunks of 32 experts. Each end is clamped to [0, rows] and raised to the
 // largest earlier end (a max-scan): the row ranges are then disjoint, ascending and inside x and
 // out whatever offs holds, so a malformed offs can give wrong rows but never an access out of
 // bounds or two experts writing one row. For a valid offs the clamp changes nothing.
+template <GroupedKind Kind>
 __global__ void __launch_bounds__(32)
     build_grouped_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k,
                            int n, int out_n, const Bf16* x, const Bf16* w, Bf16* out,
@@ -40,16 +47,41 @@ __global__ void __launch_bounds__(32)
     int begin = __shfl_up_sync(0xffffffffu, end, 1);
     if (lane == 0) begin = carry;
     carry = __shfl_sync(0xffffffffu, end, 31);
-    if (e < num_experts) {
-      ws.shapes[e] = Shape{end - begin, n, k};
-      ws.ptr_a[e] = x + static_cast<int64_t>(begin) * k;
-      ws.ptr_b[e] = w + static_cast<int64_t>(e) * k * n;
-      ws.ptr_d[e] = out + static_cast<int64_t>(begin) * out_n;
-      ws.stride_a[e] = StrideA{static_cast<int64_t>(k), cute::_1{}, cute::_0{}};
-      ws.stride_b[e] = StrideB{cute::_1{}, static_cast<int64_t>(n), cute::_0{}};
+    if (e >= num_experts) continue;
+    const int m = end - begin;
+    const int64_t b = begin, ee = e;
+    if constexpr (Kind == GroupedKind::kWgrad) {
+      ws.shapes[e] = Shape{m > 0 ? k : 0, n, m};
+      ws.ptr_a[e] = x + b * k;
+      ws.ptr_b[e] = w + b * n;
+      ws.ptr_d[e] = out + ee * k * n;
+      ws.stride_a[e] = k;  // x^T: M (the columns of x) contiguous, K (its rows) k apart
+      ws.stride_b[e] = n;  // dy: N contiguous, K (its rows) n apart
+      ws.stride_d[e] = StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
+    } else {
+      ws.shapes[e] = Shape{m, n, k};
+      ws.ptr_a[e] = x + b * k;
+      ws.ptr_b[e] = w + ee * k * n;
+      ws.ptr_d[e] = out + b * out_n;
+      ws.stride_a[e] = k;  // x rows: K contiguous, M k apart
+      // kForward: w[e] [k, n], N contiguous, K n apart; kDgrad: w[e] [n, k], K contiguous, N
+      // k apart.
+      ws.stride_b[e] = Kind == GroupedKind::kForward ? n : k;
       ws.stride_d[e] = StrideD{static_cast<int64_t>(out_n), cute::_1{}, cute::_0{}};
     }
   }
+}
+
+// kWgrad: out[e] = 0 for every expert with no rows (the GEMM gives it no tiles, and a sum over
+// no rows is zero). Grid (E, chunks); 16-byte stores.
+__global__ void zero_empty_wgrad(const Shape* __restrict__ shapes, int64_t kn, Bf16* out) {
+  const int e = static_cast<int>(blockIdx.x);
+  if (cute::get<0>(shapes[e]) != 0) return;
+  uint4* dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(e) * kn);
+  const int64_t vecs = kn / 8;
+  for (int64_t i = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.y) * blockDim.x)
+    dst[i] = make_uint4(0, 0, 0, 0);
 }
 
 }  // namespace uniep::cuda::grouped

@@ -22,9 +22,10 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
   args.mainloop.ptr_A = ws.ptr_a;
-  args.mainloop.dA = ws.stride_a;
+  // The problem kernel wrote each stride's one dynamic value into its 8-byte slot.
+  args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
   args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = ws.stride_b;
+  args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
   if constexpr (G::kEpilogue == GroupedEpilogue::kSwiGlu) {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
@@ -65,12 +66,11 @@ Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out
   return Status::Ok();
 }
 
-template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong>
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
+          GroupedKind Kind = GroupedKind::kForward>
 GroupedEntry make_entry(const char* name) {
-  using G =
-      Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong, GroupedEpilogue::kStore>;
-  using GSwiGlu =
-      Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong, GroupedEpilogue::kSwiGlu>;
+  using G = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
+                            GroupedEpilogue::kStore, Kind>;
   GroupedEntry e;
   e.config.name = name;
   e.config.tile_m = TileM;
@@ -80,12 +80,19 @@ GroupedEntry make_entry(const char* name) {
   e.config.cluster_m = ClusterM;
   e.config.cluster_n = ClusterN;
   e.config.pingpong = PingPong;
-  e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
-    return std::max(grouped_gemm_workspace<G>(num_experts, sm_count),
-                    grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count));
-  };
   e.run = &grouped_gemm_run<G>;
-  e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
+  if constexpr (Kind == GroupedKind::kForward) {
+    using GSwiGlu = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
+                                    GroupedEpilogue::kSwiGlu, Kind>;
+    e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
+      return std::max(grouped_gemm_workspace<G>(num_experts, sm_count),
+                      grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count));
+    };
+    e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
+  } else {
+    e.gemm_workspace_bytes = &grouped_gemm_workspace<G>;
+    e.run_swiglu = nullptr;
+  }
   return e;
 }
 

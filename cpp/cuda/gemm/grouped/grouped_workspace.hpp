@@ -16,8 +16,8 @@ struct Workspace {
   const Bf16** ptr_a = nullptr;
   const Bf16** ptr_b = nullptr;
   Bf16** ptr_d = nullptr;
-  StrideA* stride_a = nullptr;
-  StrideB* stride_b = nullptr;
+  int64_t* stride_a = nullptr;  // 8-byte slots: the kind's A stride type (grouped_types.hpp)
+  int64_t* stride_b = nullptr;  // 8-byte slots: the kind's B stride type
   StrideD* stride_d = nullptr;
   void* gemm = nullptr;
 };
@@ -32,8 +32,7 @@ inline size_t round_up(size_t bytes) {
 inline size_t group_arrays_bytes(int64_t num_experts) {
   const size_t e = static_cast<size_t>(num_experts);
   return round_up(e * sizeof(Shape)) + 3 * round_up(e * sizeof(void*)) +
-         round_up(e * sizeof(StrideA)) + round_up(e * sizeof(StrideB)) +
-         round_up(e * sizeof(StrideD));
+         2 * round_up(e * sizeof(int64_t)) + round_up(e * sizeof(StrideD));
 }
 
 // The pieces of a workspace at `base` (256-byte aligned) for E groups.
@@ -50,8 +49,8 @@ inline Workspace carve(void* base, int64_t num_experts) {
   ws.ptr_a = reinterpret_cast<const Bf16**>(take(e * sizeof(void*)));
   ws.ptr_b = reinterpret_cast<const Bf16**>(take(e * sizeof(void*)));
   ws.ptr_d = reinterpret_cast<Bf16**>(take(e * sizeof(void*)));
-  ws.stride_a = reinterpret_cast<StrideA*>(take(e * sizeof(StrideA)));
-  ws.stride_b = reinterpret_cast<StrideB*>(take(e * sizeof(StrideB)));
+  ws.stride_a = reinterpret_cast<int64_t*>(take(e * sizeof(int64_t)));
+  ws.stride_b = reinterpret_cast<int64_t*>(take(e * sizeof(int64_t)));
   ws.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
   ws.gemm = p;
   return ws;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -31,6 +32,30 @@ const std::array<const grouped::GroupedEntry*, 5>& entries() {
       &grouped::entry_pingpong_64x256x64(),
   };
   return all;
+}
+
+// The backward kinds' configurations: [0] for large experts, [1] for small ones (kDgrad) or
+// narrow outputs (kWgrad).
+const std::array<const grouped::GroupedEntry*, 2>& backward_entries(GroupedGemmKind kind) {
+  static const std::array<const grouped::GroupedEntry*, 2> dgrad = {
+      &grouped::entry_dgrad_coop_128x256x64(), &grouped::entry_dgrad_pingpong_64x256x64()};
+  static const std::array<const grouped::GroupedEntry*, 2> wgrad = {
+      &grouped::entry_wgrad_coop_128x256x64(), &grouped::entry_wgrad_coop_128x128x64()};
+  return kind == GroupedGemmKind::kDgrad ? dgrad : wgrad;
+}
+
+// The problem kernel writes each stride's one dynamic value into an 8-byte slot that the grouped
+// kernel reads as its CuTe stride type: that needs the value at offset 0 and nothing else there.
+bool strides_are_one_int64() {
+  auto one = [](auto stride, int64_t v) {
+    int64_t out = 0;
+    std::memcpy(&out, &stride, sizeof(out));
+    return sizeof(stride) == sizeof(int64_t) && out == v;
+  };
+  return one(grouped::KMajorA{7, cute::_1{}, cute::_0{}}, 7) &&
+         one(grouped::MMajorA{cute::_1{}, 7, cute::_0{}}, 7) &&
+         one(grouped::NMajorB{cute::_1{}, 7, cute::_0{}}, 7) &&
+         one(grouped::KMajorB{7, cute::_1{}, cute::_0{}}, 7);
 }
 
 std::string describe(const GroupedGemmConfig& c) {
@@ -75,11 +100,18 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
         p.n);
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.epilogue != GroupedGemmEpilogue::kSwiGlu)
     return bad("epilogue must be kStore or kSwiGlu");
+  if (p.kind != GroupedGemmKind::kForward && p.kind != GroupedGemmKind::kDgrad &&
+      p.kind != GroupedGemmKind::kWgrad)
+    return bad("kind must be kForward, kDgrad or kWgrad");
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGlu && p.kind != GroupedGemmKind::kForward)
+    return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
-  if (p.w == nullptr || !aligned(p.w)) return unsupported("w must be 16-byte aligned (non-null)");
+  const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
+  if ((!wgrad || p.rows > 0) && (p.w == nullptr || !aligned(p.w)))
+    return unsupported("w must be 16-byte aligned (non-null)");
   if (p.rows > 0 && (p.x == nullptr || !aligned(p.x)))
     return unsupported("x must be 16-byte aligned (non-null)");
-  if (p.rows > 0 && (p.out == nullptr || !aligned(p.out)))
+  if ((wgrad || p.rows > 0) && (p.out == nullptr || !aligned(p.out)))
     return unsupported("out must be 16-byte aligned (non-null)");
   return Status::Ok();
 }
@@ -123,6 +155,9 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
 size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
   if (num_experts < 1 || num_experts > kMaxExtent || sm_count < 1) return 0;
   size_t gemm = 0;
+  for (const auto kind : {GroupedGemmKind::kDgrad, GroupedGemmKind::kWgrad})
+    for (const auto* e : backward_entries(kind))
+      gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   for (const auto* e : entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   return grouped::group_arrays_bytes(num_experts) + gemm;
@@ -132,11 +167,24 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
                          int sm_count, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream) {
   if (Status s = grouped_gemm_supports(p); !s.ok()) return s;
-  int index = 0;
-  if (Status s = grouped_gemm_select(p, tiles, &index); !s.ok()) return s;
+  static const bool strides_ok = strides_are_one_int64();
+  if (!strides_ok)
+    return {StatusCode::kInternal,
+            "the grouped GEMM's stride slots do not match CuTe's stride layout in this build"};
+  const grouped::GroupedEntry* entry = nullptr;
+  if (p.kind == GroupedGemmKind::kForward) {
+    int index = 0;
+    if (Status s = grouped_gemm_select(p, tiles, &index); !s.ok()) return s;
+    entry = entries()[index];
+  } else if (p.kind == GroupedGemmKind::kDgrad) {
+    const bool small = p.rows <= 128 * p.num_experts;
+    entry = backward_entries(p.kind)[small ? 1 : 0];
+  } else {
+    entry = backward_entries(p.kind)[p.n <= 128 ? 1 : 0];
+  }
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
-  if (p.rows == 0) return Status::Ok();
+  if (p.rows == 0 && p.kind != GroupedGemmKind::kWgrad) return Status::Ok();
   const size_t need = grouped_gemm_workspace_bytes(p.num_experts, sm_count);
   if (workspace == nullptr || workspace_bytes < need)
     return {StatusCode::kInvalidArgument,
@@ -149,17 +197,35 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
   const int64_t out_n = swiglu ? p.n / 2 : p.n;
-  grouped::build_grouped_problems<<<1, 32, 0, stream>>>(
-      p.offs, static_cast<int>(p.num_experts), static_cast<int>(p.rows), static_cast<int>(p.k),
-      static_cast<int>(p.n), static_cast<int>(out_n), static_cast<const grouped::Bf16*>(p.x),
-      static_cast<const grouped::Bf16*>(p.w), static_cast<grouped::Bf16*>(p.out), ws);
+  const int rows = static_cast<int>(p.rows), k = static_cast<int>(p.k), n = static_cast<int>(p.n);
+  const auto* x = static_cast<const grouped::Bf16*>(p.x);
+  const auto* w = static_cast<const grouped::Bf16*>(p.w);
+  auto* out = static_cast<grouped::Bf16*>(p.out);
+  const int experts = static_cast<int>(p.num_experts);
+  switch (p.kind) {
+    case GroupedGemmKind::kForward:
+      grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
+          p.offs, experts, rows, k, n, static_cast<int>(out_n), x, w, out, ws);
+      break;
+    case GroupedGemmKind::kDgrad:
+      grouped::build_grouped_problems<grouped::GroupedKind::kDgrad>
+          <<<1, 32, 0, stream>>>(p.offs, experts, rows, k, n, n, x, w, out, ws);
+      break;
+    case GroupedGemmKind::kWgrad:
+      grouped::build_grouped_problems<grouped::GroupedKind::kWgrad>
+          <<<1, 32, 0, stream>>>(p.offs, experts, rows, k, n, n, x, w, out, ws);
+      // A sum over no rows is zero: the experts the GEMM gives no tiles.
+      grouped::zero_empty_wgrad<<<dim3(static_cast<unsigned>(experts), 8), 256, 0, stream>>>(
+          ws.shapes, p.k * p.n, out);
+      break;
+  }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
-  const grouped::GroupedEntry& e = *entries()[index];
-  return (swiglu ? e.run_swiglu : e.run)(ws, p.num_experts, out_n, device, sm_count, stream);
+  return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
+                                                   stream);
 }
 
 }  // namespace uniep::cuda

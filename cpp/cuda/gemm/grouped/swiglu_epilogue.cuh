@@ -18,9 +18,9 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
+#include <cutlass/epilogue/thread/linear_combination.h>
 #include <cute/tensor.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
-#include <cutlass/epilogue/thread/linear_combination.h>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
 
