@@ -3,7 +3,9 @@
 ``plan(...)`` prices the three schedules (``baseline``: DeepSpeed-MoE with tensor-parallel experts;
 ``s1`` and ``s2``: Parm's) with the alpha-beta cost model and returns the fastest;
 ``fit_alpha_beta`` fits a collective's alpha and beta from measured (size, seconds) samples;
-``ParmMoELayer`` is the layer, run by the CPU executor over gloo (``uniep.parm_cpu``). The step
+``ParmMoELayer`` is the layer, run by the step-list interpreter (``uniep.parm_exec``): the CPU
+executor over gloo for CPU tensors (``uniep.parm_cpu``), the CUDA executor over UniEP's
+collectives for CUDA tensors (``uniep.parm_cuda``). The step
 lists and the cost model are C++ (``cpp/core/parm``, ``include/uniep/parm.hpp``); docs/parm.md
 says what follows the paper and what is a reconstruction.
 
@@ -332,8 +334,13 @@ class ParmMoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x: last dimension must be hidden={self.hidden}, got {x.shape}")
-        if x.device.type != "cpu":
-            raise NotImplementedError("ParmMoELayer: only the CPU executor exists so far")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"x: expected a CPU or CUDA tensor, got device {x.device}")
+        if x.device != self.w1.device:
+            raise ValueError(
+                f"x: expected the parameters' device {self.w1.device} (move the layer with "
+                f".to()), got {x.device}"
+            )
         flat = x.reshape(-1, self.hidden).contiguous()
         name = self._plan(flat.shape[0])
         gr = self.groups

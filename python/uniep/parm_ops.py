@@ -1,5 +1,6 @@
-"""torch.ops.uniep.parm_moe_forward / parm_moe_backward: the CPU implementation (the step-list
-interpreter of uniep.parm_cpu), fake kernels and autograd. Schemas: cpp/torch/registration.cpp.
+"""torch.ops.uniep.parm_moe_forward / parm_moe_backward: the CPU and CUDA implementations (the
+step-list interpreter of uniep.parm_exec over uniep.parm_cpu's gloo backend or uniep.parm_cuda's
+backend on UniEP's collectives), fake kernels and autograd. Schemas: cpp/torch/registration.cpp.
 
     parm_moe_forward(x [S, M], gate [M, E] float32, w1 [E_loc, M, H/N], w2 [E_loc, H/N, M],
                      mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error")
@@ -15,6 +16,7 @@ recomputes the local compute steps from (x, gate, exp_in, comb) and runs the bac
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -22,8 +24,10 @@ import torch.distributed as dist
 
 from . import _C
 from .parm_cpu import CpuExecutor, Groups
+from .parm_exec import ParmExecutor
 
 SCHEDULES = ("baseline", "s1", "s2")
+_CUDA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_group(name: str) -> dist.ProcessGroup | None:
@@ -54,6 +58,8 @@ def _check(
 
     need(schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     need(x.dim() == 2, f"x must be [S, M], got shape {tuple(x.shape)}")
+    for name, t in (("gate", gate), ("w1", w1), ("w2", w2)):
+        need(t.device == x.device, f"{name} must be on x's device {x.device}, got {t.device}")
     M = x.shape[1]
     need(
         gate.dim() == 2 and gate.shape[0] == M and gate.dtype == torch.float32,
@@ -106,7 +112,7 @@ def _executor(
     capacity_factor: float,
     schedule: str,
     overflow: str,
-) -> tuple[CpuExecutor, Any]:
+) -> tuple[ParmExecutor, Any]:
     mp, ep = resolve_group(mp_group), resolve_group(ep_group)
     N, G = _sizes(mp_group, ep_group)
     _check(x, gate, w1, w2, schedule, N, G)
@@ -119,11 +125,23 @@ def _executor(
         ep_index=dist.get_rank(ep) if ep is not None else 0,
     )
     shape = _shape(x, gate, w1, N, G, top_k, capacity_factor)
+    if x.is_cuda:
+        torch._check_value(
+            x.dtype in _CUDA_DTYPES,
+            lambda: f"x must be one of {_CUDA_DTYPES} on CUDA (UniEP's collectives), got {x.dtype}",
+        )
+        from .parm_cuda import CudaExecutor
+
+        return CudaExecutor(shape, groups, overflow), shape
     return CpuExecutor(shape, groups, overflow), shape
 
 
-@torch.library.impl("uniep::parm_moe_forward", "CPU")
-def _forward_cpu(
+def _on_device(x: torch.Tensor) -> Any:
+    """The CUDA executor's runtimes (NVSHMEM) bind to the current device: make it x's."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _forward_kernel(
     x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error"
 ):
     if overflow not in ("error", "drop"):
@@ -132,15 +150,15 @@ def _forward_cpu(
         x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
     )
     fwd = _C.parm.build_steps(shape, schedule, "forward")
-    y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd)
+    with _on_device(x):
+        y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd)
     s = st.stats
     tail = torch.tensor([s["dropped"], s["max_demand"], s["slice_capacity"]], dtype=torch.float64)
-    stats = torch.cat([st.saved["top1_total"].double(), tail])
+    stats = torch.cat([st.saved["top1_total"].double(), tail.to(x.device)])
     return y, laux, st.saved["exp_in"], st.saved["comb"], stats
 
 
-@torch.library.impl("uniep::parm_moe_backward", "CPU")
-def _backward_cpu(
+def _backward_kernel(
     grad_y,
     grad_l_aux,
     x,
@@ -161,9 +179,17 @@ def _backward_cpu(
     )
     E = int(gate.shape[1])
     fwd = _C.parm.build_steps(shape, schedule, "forward")
-    st = ex.rebuild(x.contiguous(), gate, exp_in, comb, stats[:E].clone(), fwd)
     bwd = _C.parm.build_steps(shape, schedule, "backward")
-    return ex.backward(st, grad_y, grad_l_aux, gate, w1, w2, bwd)
+    with _on_device(x):
+        st = ex.rebuild(x.contiguous(), gate, exp_in, comb, stats[:E].clone(), fwd)
+        return ex.backward(st, grad_y, grad_l_aux, gate, w1, w2, bwd)
+
+
+# One Python implementation per op for both keys: the executor picks its backend from x's
+# device (torch.library.impl's decorator returns None, hence the plain calls).
+for _key in ("CPU", "CUDA"):
+    torch.library.impl("uniep::parm_moe_forward", _key)(_forward_kernel)
+    torch.library.impl("uniep::parm_moe_backward", _key)(_backward_kernel)
 
 
 def _saved_shapes(x, gate, w1, mp_group, ep_group, top_k, capacity_factor, schedule):

@@ -1,0 +1,503 @@
+"""The Parm step-list interpreter, shared by the CPU and the CUDA executor.
+
+``ParmExecutor`` runs the steps of ``uniep._C.parm.build_steps`` in order, one handler per op,
+over named buffers. What moves data between ranks and what multiplies the expert shards is a
+``ParmBackend``: ``uniep.parm_cpu.GlooBackend`` (torch.distributed over gloo, CPU tensors) or
+``uniep.parm_cuda.CudaBackend`` (UniEP's collectives, CUDA tensors). The routing, the ordering
+into the dispatch buffer, the I-order and every backward compute step are plain torch math here,
+on the tensors' device. Each backward compute step is the explicit vector-Jacobian product of
+its forward step: no autograd inside the kernels, so they run under any dispatch mode (opcheck's
+schema check, FlopCounterMode).
+
+An SAA pair (two collectives linked by ``overlap_with``: an EP all-to-all, then an MP all-gather
+of what arrived) goes to ``ParmBackend.pipelined`` as two callables: the CPU backend runs them
+one after the other, the CUDA backend cuts the capacity dimension into chunks and runs chunk i's
+all-gather on a second stream beside chunk i+1's all-to-all (``chunk_pipeline``). Both pair
+members keep the capacity dimension at -2 (``CHUNK_DIM``), so the chunks' results concatenate to
+the unpipelined result.
+
+Layout and capacity semantics: include/uniep/parm.hpp. Shapes (one rank):
+    x, y           [S, M]                  replicated over the MP group
+    route          gate output: top-k ids/weights [s, k], slot of each (token, choice)
+    disp, comb     [E, rows, M]            rows = T = N*c (baseline, S2) or c (S1, S2's *_m)
+    exp_in/out     [G, E_loc, T, M] (baseline) or [N, G, E_loc, c, M] (S1, S2)
+The backward needs, from the forward: the routing (recomputed from x and the gate: it is a pure
+function of them), the expert input ``exp_in``, the combine input ``comb`` and the MP group's
+top-1 counts (for the load-balancing loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+# The capacity (row) dimension of every SAA pair's input, intermediate and output.
+CHUNK_DIM = -2
+
+
+class CapacityError(RuntimeError):
+    """A (token, choice) pair found its (slice, expert) capacity full and dropping was not asked."""
+
+
+@dataclass
+class Groups:
+    """This rank's place in the layout of ``uniep._C.parm.rank_layout``."""
+
+    mp: dist.ProcessGroup | None
+    ep: dist.ProcessGroup | None
+    mp_size: int  # N
+    ep_size: int  # G
+    mp_index: int  # m
+    ep_index: int  # g
+
+
+@dataclass
+class Routing:
+    x_in: torch.Tensor  # [s, M] the routed tokens (all S, or this rank's slice under S1)
+    probs: torch.Tensor  # [s, E] float32 softmax of the gate logits
+    idx: torch.Tensor  # [s, k] int64 expert ids
+    weights: torch.Tensor  # [s, k] float32 combine weights (the top-k probabilities)
+    slot: torch.Tensor  # [s, k] int64 row in the [E, rows, M] buffer
+    kept: torch.Tensor  # [s, k] bool
+    top1: torch.Tensor  # [E] float64: tokens whose first choice is e (before capacity)
+    dropped: int  # pairs of this rank's tokens that found no slot
+    max_demand: int  # the largest (slice, expert) count: the capacity that would drop nothing
+
+
+@dataclass
+class ForwardState:
+    """What the backward steps read: the routing, the saved step inputs and statistics."""
+
+    route: Routing | None = None
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class ParmBackend(Protocol):
+    """The primitives a Parm executor runs on. Group collectives are over this rank's MP (= ESP)
+    group or its EP group, in group-rank order; every rank of the world calls the same
+    primitives in the same order with the same shapes."""
+
+    def mp_all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every MP rank's ``t`` (same shape everywhere), in MP order."""
+        ...
+
+    def ep_all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [G, ...]: block j goes to EP rank j; returns [G, ...], block j from EP rank j."""
+        ...
+
+    def mp_reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [N, ...] partials -> [...]: block m summed over the MP group, on MP rank m."""
+        ...
+
+    def mp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the MP group, in MP-rank order."""
+        ...
+
+    def world_all_gather_ints(self, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` [k] int64 (CPU) of every world rank: [P, k] int64 on the CPU."""
+        ...
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """[B, m, k] @ [B, k, n] -> [B, m, n]: the expert shards' GEMMs."""
+        ...
+
+    def pipelined(
+        self,
+        first: Callable[[torch.Tensor], torch.Tensor],
+        second: Callable[[torch.Tensor], torch.Tensor],
+        t: torch.Tensor,
+    ) -> torch.Tensor:
+        """``second(first(t))``, possibly in chunks of dim ``CHUNK_DIM`` (an SAA pair)."""
+        ...
+
+    def end_pass(self) -> None:
+        """After a forward or backward: report what the collectives recorded (device timeouts)."""
+        ...
+
+
+class Lanes(Protocol):
+    """Where the two halves of a chunk pipeline run: ``second`` may start once ``first`` of the
+    same chunk is done and may run beside ``first`` of the next chunk."""
+
+    def run_second(
+        self, second: Callable[[torch.Tensor], torch.Tensor], mid: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def join(self, outs: list[torch.Tensor]) -> None:
+        """Make every ``run_second`` result usable by what follows the pipeline."""
+        ...
+
+
+class SerialLanes:
+    """Both halves in program order on the current stream (or the CPU)."""
+
+    def run_second(
+        self, second: Callable[[torch.Tensor], torch.Tensor], mid: torch.Tensor
+    ) -> torch.Tensor:
+        return second(mid)
+
+    def join(self, outs: list[torch.Tensor]) -> None:
+        return None
+
+
+def chunk_pipeline(
+    first: Callable[[torch.Tensor], torch.Tensor],
+    second: Callable[[torch.Tensor], torch.Tensor],
+    t: torch.Tensor,
+    chunks: int,
+    lanes: Lanes,
+) -> torch.Tensor:
+    """``second(first(t))`` in ``chunks`` pieces of dim ``CHUNK_DIM``: chunk i's ``first`` is
+    issued before chunk i-1's ``second`` is waited for, so with two lanes (CUDA streams) they
+    overlap, as in the released SAA kernel. Both callables must act on each row of that dim on
+    its own (the Parm all-to-alls and all-gathers move whole rows), so that the result equals
+    the unpipelined one; every rank must use the same ``chunks``."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    rows = t.shape[CHUNK_DIM]
+    n = max(1, min(chunks, rows))
+    outs = []
+    for part in torch.tensor_split(t, n, dim=CHUNK_DIM):
+        mid = first(part.contiguous())
+        outs.append(lanes.run_second(second, mid))
+    lanes.join(outs)
+    return outs[0] if n == 1 else torch.cat(outs, dim=CHUNK_DIM)
+
+
+def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ..., in that order (bits independent of a backend's order)."""
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
+    """d gelu(h) / dh of the exact (erf) GELU."""
+    cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + h * pdf
+
+
+class ParmExecutor:
+    """Runs one layer's forward and backward step lists on this rank, over ``backend``."""
+
+    def __init__(self, shape: Any, groups: Groups, overflow: str, backend: ParmBackend) -> None:
+        self.shape = shape
+        self.g = groups
+        self.overflow = overflow
+        self.be = backend
+        self.E = shape.num_experts
+        self.k = shape.top_k
+        self.c = shape.slice_capacity
+        self.N = shape.mp_size
+        self.G = shape.ep_size
+        self.E_loc = shape.local_experts
+
+    # ---- walking a step list ----
+    @staticmethod
+    def _walk(steps: Any):
+        """(step, SAA partner or None) in list order; a pair's second member is not repeated."""
+        lst = list(steps.steps)
+        i = 0
+        while i < len(lst):
+            step = lst[i]
+            if step.overlap_with > i:
+                if step.overlap_with != i + 1 or lst[i + 1].input != step.output:
+                    raise ValueError(
+                        f"steps: an SAA pair must be two adjacent steps, the second reading the "
+                        f"first's output; step {i} ({step.op}) pairs with step {step.overlap_with}"
+                    )
+                yield step, lst[i + 1]
+                i += 2
+            else:
+                yield step, None
+                i += 1
+
+    def _pair(self, first_op: str, second_op: str, t: torch.Tensor) -> torch.Tensor:
+        """An SAA pair (an EP all-to-all, then an MP all-gather of what arrived) on ``t``."""
+
+        def first(chunk: torch.Tensor) -> torch.Tensor:
+            return self._move(first_op, chunk)
+
+        if second_op == "mp_all_gather_capacity":
+            # Gathered as [E, N, rows, M] so that the rows stay at CHUNK_DIM; the capacity
+            # layout [E, N*rows, M] (MP rank n's rows at [n*rows, (n+1)*rows)) once whole.
+            out = self.be.pipelined(first, self._gather_capacity, t)
+            return out.reshape(out.shape[0], -1, out.shape[-1])
+
+        def second(chunk: torch.Tensor) -> torch.Tensor:
+            return self._move(second_op, chunk)
+
+        return self.be.pipelined(first, second, t)
+
+    # ---- routing ----
+    def _slices(self, tokens: int, split: bool, device: torch.device) -> torch.Tensor:
+        """The slice of each routed token: this rank's under S1, else the MP group's N slices."""
+        if split:
+            return torch.full((tokens,), self.g.mp_index, dtype=torch.long, device=device)
+        sizes = torch.tensor([self.shape.slice_tokens(m) for m in range(self.N)], device=device)
+        return torch.repeat_interleave(torch.arange(self.N, device=device), sizes)
+
+    def _route(self, x: torch.Tensor, wg: torch.Tensor, split: bool) -> Routing:
+        """Gate + slot assignment. Under S1 the slot is the position in this rank's slice (the
+        [E, c] buffer); otherwise slice * c + position (the [E, N*c] buffer)."""
+        s, E, k, c = x.shape[0], self.E, self.k, self.c
+        dev = x.device
+        slices = self._slices(s, split, dev)
+        probs = torch.softmax(x.float() @ wg.float(), dim=-1)
+        weights, idx = probs.topk(k, dim=-1)
+        # Choice-major order inside each (slice, expert): all first choices, then all second...
+        key = slices.repeat(k) * E + idx.t().reshape(-1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=self.N * E)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(key)
+        pos[order] = torch.arange(key.numel(), device=dev) - starts[key[order]]
+        pos = pos.view(k, s).t()
+        kept = pos < c
+        return Routing(
+            x_in=x,
+            probs=probs,
+            idx=idx,
+            weights=weights,
+            slot=pos + (0 if split else slices[:, None] * c),
+            kept=kept,
+            top1=torch.bincount(idx[:, 0], minlength=E).double(),
+            dropped=int((~kept).sum()),
+            max_demand=int(counts.max()) if s else 0,
+        )
+
+    def _flat(self, r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token, choice, row of [E * rows]) of every kept pair, token-major."""
+        tok, j = r.kept.nonzero(as_tuple=True)
+        return tok, j, r.idx[tok, j] * self._rows + r.slot[tok, j]
+
+    # ---- forward ----
+    def forward(
+        self, x: torch.Tensor, wg: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, steps: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardState]:
+        """(y, l_aux, what the backward needs)."""
+        st = ForwardState()
+        env: dict[str, torch.Tensor] = {"x": x}
+        split = self._begin(steps)
+        for step, partner in self._walk(steps):
+            op = step.op
+            if partner is not None:
+                env[partner.output] = self._pair(op, partner.op, env[step.input])
+            elif op == "gate":
+                st.route = self._route(env[step.input], wg, split)
+                self._top1_total = st.route.top1
+                self._psum_total = st.route.probs.sum(0)
+            elif op == "world_agree_routing":
+                self._agree(st, x.shape[0], counts_drops=split or self.g.mp_index == 0)
+            elif op == "mp_all_reduce_stats":
+                both = torch.cat([st.route.probs.sum(0).double(), st.route.top1])
+                tot = self.be.mp_all_reduce(both)
+                self._psum_total, self._top1_total = tot[: self.E].float(), tot[self.E :]
+            elif op == "order":
+                env[step.output] = self._order(env[step.input], st.route)
+            elif op == "expert":
+                st.saved["exp_in"] = env[step.input]
+                env[step.output] = self._expert(env[step.input], w1, w2)
+            elif op == "iorder":
+                st.saved["comb"] = env[step.input]
+                env[step.output] = self._iorder(env[step.input], st.route, x.dtype)
+            else:
+                env[step.output] = self._move(op, env[step.input])
+        self.be.end_pass()
+        st.saved["top1_total"] = self._top1_total
+        S = x.shape[0]
+        ce = self._top1_total.float() / S
+        laux = self.E * (self._psum_total * ce).sum() / S
+        return env["y"], laux, st
+
+    def _begin(self, steps: Any) -> bool:
+        # S1 routes one slice per MP rank into a [E, c] buffer; the others route all S tokens
+        # into [E, N*c], slice m's tokens in rows [m*c, (m+1)*c).
+        split = steps.schedule == "s1"
+        self._rows = self.c if split else self.N * self.c
+        return split
+
+    def rebuild(
+        self,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        exp_in: torch.Tensor,
+        comb: torch.Tensor,
+        top1_total: torch.Tensor,
+        steps: Any,
+    ) -> ForwardState:
+        """The forward state from its saved tensors, for a backward in another call (the
+        torch.ops path). No collective: routing is a pure function of (x, gate)."""
+        split = self._begin(steps)
+        xin = torch.tensor_split(x, self.N)[self.g.mp_index].contiguous() if split else x
+        st = ForwardState(route=self._route(xin, wg, split))
+        st.saved = {"exp_in": exp_in, "comb": comb, "top1_total": top1_total}
+        return st
+
+    def _agree(self, st: ForwardState, S: int, counts_drops: bool) -> None:
+        """Every rank learns every rank's token count and overflow, so all raise or none does.
+        Ranks that route the same tokens (baseline, S2) count drops on MP rank 0 only."""
+        r = st.route
+        mine = torch.tensor([S, r.dropped if counts_drops else 0, r.max_demand], dtype=torch.long)
+        rows = self.be.world_all_gather_ints(mine)
+        sizes = rows[:, 0]
+        if not bool((sizes == sizes[0]).all()):
+            raise ValueError(
+                f"x: every rank must pass the same number of tokens, got {sizes.tolist()} "
+                "(per rank); the MP group replicates them and the all-to-alls need equal sizes"
+            )
+        dropped, demand = int(rows[:, 1].sum()), int(rows[:, 2].max())
+        st.stats = {"dropped": dropped, "max_demand": demand, "slice_capacity": self.c}
+        if dropped and self.overflow != "drop":
+            raise CapacityError(
+                f"capacity overflow: {dropped} (token, choice) pairs found their (slice, expert) "
+                f"capacity of {self.c} full (the largest demand was {demand}); raise "
+                "capacity_factor, or pass overflow='drop' to drop them (counted in "
+                "last_stats['dropped'])"
+            )
+
+    def _order(self, xin: torch.Tensor, r: Routing) -> torch.Tensor:
+        tok, _, flat = self._flat(r)
+        out = xin.new_zeros(self.E * self._rows, xin.shape[1]).index_copy(0, flat, xin[tok])
+        return out.view(self.E, self._rows, xin.shape[1])
+
+    def _expert(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """inp [..., E_loc, r, M] -> the partial outputs of this rank's shards, same shape."""
+        rows = inp.movedim(-3, 0).reshape(self.E_loc, -1, inp.shape[-1])
+        out = self.be.bmm(torch.nn.functional.gelu(self.be.bmm(rows, w1)), w2)
+        return out.reshape(inp.movedim(-3, 0).shape).movedim(0, -3)
+
+    def _iorder(self, comb: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
+        tok, j, flat = self._flat(r)
+        M = comb.shape[-1]
+        vals = comb.reshape(-1, M)[flat].float() * r.weights[tok, j][:, None]
+        y = torch.zeros(r.idx.shape[0], M, dtype=torch.float32, device=comb.device)
+        return y.index_add(0, tok, vals).to(dtype)
+
+    # ---- data movement (the same handlers serve both passes) ----
+    def _gather_capacity(self, t: torch.Tensor) -> torch.Tensor:
+        """[E, rows, M] of every MP rank -> [E, N, rows, M]."""
+        return torch.stack(self.be.mp_all_gather(t), 1)
+
+    def _move(self, op: str, t: torch.Tensor) -> torch.Tensor:
+        N, m = self.N, self.g.mp_index
+        if op == "mp_split_tokens":
+            return torch.tensor_split(t, N)[m].contiguous()
+        if op == "mp_all_gather_tokens":
+            sizes = [self.shape.slice_tokens(i) for i in range(N)]
+            pad = t.new_zeros(max(sizes), t.shape[1])
+            pad[: t.shape[0]] = t
+            parts = self.be.mp_all_gather(pad)
+            return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+        if op == "mp_split_capacity":
+            E, T, M = t.shape
+            return t.view(E, N, T // N, M)[:, m].contiguous()
+        if op == "mp_all_gather_capacity":
+            E, rows, M = t.shape
+            return self._gather_capacity(t).reshape(E, N * rows, M)
+        if op == "ep_all_to_all_dispatch":
+            E, rows, M = t.shape
+            return self.be.ep_all_to_all(t.reshape(self.G, self.E_loc, rows, M))
+        if op == "ep_all_to_all_combine":
+            got = self.be.ep_all_to_all(t)
+            return got.reshape(self.E, t.shape[-2], t.shape[-1])
+        if op == "esp_all_gather":
+            return torch.stack(self.be.mp_all_gather(t))
+        if op == "esp_reduce_scatter":
+            return self.be.mp_reduce_scatter(t)
+        if op in ("esp_all_reduce", "mp_all_reduce_gate_grad"):
+            return self.be.mp_all_reduce(t)
+        raise NotImplementedError(f"parm executor: no handler for step {op!r}")
+
+    # ---- backward ----
+    def backward(
+        self,
+        st: ForwardState,
+        dy: torch.Tensor,
+        dlaux: torch.Tensor | None,
+        wg: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        steps: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dx, d gate, d w1, d w2) from the backward step list."""
+        env: dict[str, torch.Tensor] = {"dy": dy.contiguous()}
+        r = st.route
+        grads: dict[str, torch.Tensor] = {}
+        for step, partner in self._walk(steps):
+            op, g = step.op, env.get(step.input)
+            if partner is not None:
+                env[partner.output] = self._pair(op, partner.op, g)
+            elif op == "iorder_bwd":
+                env[step.output], env["d_w"] = self._iorder_bwd(g, st.saved["comb"], r)
+            elif op == "expert_bwd":
+                env[step.output], grads["w1"], grads["w2"] = self._expert_bwd(
+                    g, st.saved["exp_in"], w1, w2
+                )
+            elif op == "order_bwd":
+                tok, _, flat = self._flat(r)
+                d = torch.zeros_like(r.x_in).index_add(0, tok, g.reshape(-1, g.shape[-1])[flat])
+                env[step.output] = env[step.output] + d if step.output in env else d
+            elif op == "gate_bwd":
+                d_x, env["d_wg"] = self._gate_bwd(g, dlaux, st, wg, dy.shape[0])
+                env[step.output] = env[step.output] + d_x if step.output in env else d_x
+            else:
+                env[step.output] = self._move(op, g)
+        self.be.end_pass()
+        return env["dx"], env["d_wg"], grads["w1"], grads["w2"]
+
+    def _iorder_bwd(self, dy: torch.Tensor, comb: torch.Tensor, r: Routing):
+        tok, j, flat = self._flat(r)
+        M = comb.shape[-1]
+        d_vals = dy.float()[tok]
+        d_comb = torch.zeros(comb.numel() // M, M, dtype=comb.dtype, device=comb.device)
+        d_comb.index_add_(0, flat, (d_vals * r.weights[tok, j][:, None]).to(comb.dtype))
+        d_w = torch.zeros_like(r.weights)
+        d_w[tok, j] = (d_vals * comb.reshape(-1, M)[flat].float()).sum(-1)
+        return d_comb.view(comb.shape), d_w
+
+    def _expert_bwd(
+        self, d_out: torch.Tensor, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    ):
+        """(d input partial, d w1, d w2). The first GEMM is recomputed from the saved input."""
+        M = inp.shape[-1]
+        mm = self.be.bmm
+        rows = inp.movedim(-3, 0).reshape(self.E_loc, -1, M)
+        d_rows_out = d_out.movedim(-3, 0).reshape(self.E_loc, -1, M)
+        pre = mm(rows, w1)
+        h = torch.nn.functional.gelu(pre)
+        d_w2 = mm(h.transpose(1, 2), d_rows_out)
+        d_pre = mm(d_rows_out, w2.transpose(1, 2)) * _gelu_grad(pre)
+        d_w1 = mm(rows.transpose(1, 2), d_pre)
+        d_in = mm(d_pre, w1.transpose(1, 2))
+        return d_in.reshape(inp.movedim(-3, 0).shape).movedim(0, -3), d_w1, d_w2
+
+    def _gate_bwd(
+        self,
+        d_w: torch.Tensor,
+        dlaux: torch.Tensor | None,
+        st: ForwardState,
+        wg: torch.Tensor,
+        S: int,
+    ):
+        """(d routed tokens, d gate weight) through top-k, softmax and the logits GEMM; l_aux =
+        E * sum_e me_e * ce_e gives each probability E * ce_e / S (ce: the MP group's top-1
+        fractions; under S1 the other slices' probabilities are their ranks' gradient)."""
+        r = st.route
+        d_probs = torch.zeros_like(r.probs)
+        d_probs.scatter_add_(1, r.idx, d_w)
+        if dlaux is not None:
+            ce = st.saved["top1_total"].float() / S
+            d_probs += dlaux.float() * self.E * ce / S
+        d_logits = r.probs * (d_probs - (d_probs * r.probs).sum(-1, keepdim=True))
+        d_x = (d_logits @ wg.float().t()).to(r.x_in.dtype)
+        d_wg = (r.x_in.float().t() @ d_logits).to(wg.dtype)
+        return d_x, d_wg
