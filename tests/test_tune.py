@@ -259,6 +259,14 @@ def test_tune_refuses_a_winner_whose_bits_differ(monkeypatch: pytest.MonkeyPatch
     assert result.cache_path is None
 
 
+def test_budget_stops_measuring_but_keeps_the_default() -> None:
+    result = tune.tune(**SHAPE, device="cpu", cache=False, budget_s=1e-9, **QUICK)
+    assert [c.tuning for c in result.candidates] == [result.default] == [result.tuning]
+    assert math.isfinite(result.default_ms) and result.considered > QUICK["candidates"]
+    with pytest.raises(ValueError, match="budget_s"):
+        tune.tune(**SHAPE, device="cpu", cache=False, budget_s=0)
+
+
 def test_unwritable_cache_warns_and_returns_the_result(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

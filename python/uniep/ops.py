@@ -348,7 +348,13 @@ def moe_forward(
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
-    cached = tuning == "" and w2.dim() == 3 and not torch.compiler.is_compiling()
+    cached = (
+        tuning == ""
+        and not torch.compiler.is_compiling()
+        and all(isinstance(t, torch.Tensor) for t in (x, topk_idx, w1, w2))
+        and w1.dim() == 3
+        and w2.dim() == 3
+    )
     if cached:
         from . import tune
 
