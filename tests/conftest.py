@@ -6,8 +6,16 @@ reason printed by `-ra`) instead of failing, so the whole suite runs on CPU-only
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# moe_forward with an empty tuning string reads uniep.tune's cache: the tests must not see the
+# user's, so every test (and the ranks it spawns, which inherit the environment) gets an empty
+# one unless it sets its own.
+os.environ["UNIEP_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="uniep-tests-"), "tune.json")
 
 
 def _cuda_device_count() -> int:

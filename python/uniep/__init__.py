@@ -22,6 +22,7 @@ from . import (  # noqa: F401
     parallel,
     parm,
     reference,
+    tune,
 )
 from ._C import TuningParams, build_info
 from .distributed import Runtime, init
@@ -55,4 +56,5 @@ __all__ = [
     "parallel",
     "parm",
     "reference",
+    "tune",
 ]

@@ -1,4 +1,5 @@
-"""The ``uniep`` command: ``uniep info`` (what this build contains) and ``uniep demo``."""
+"""The ``uniep`` command: ``uniep info`` (what this build contains), ``uniep demo``, ``uniep tune``
+and ``uniep parm``."""
 
 from __future__ import annotations
 
@@ -340,6 +341,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type of --warmup: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _seed(text: str) -> int:
     """argparse type of --seed: an integer in [0, 2**32), so that the per-rank seeds derived from
     it stay within what torch.Generator.manual_seed takes."""
@@ -448,6 +460,130 @@ def _cmd_parm_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- tune ----
+
+
+class _ProgressBar:
+    """A one-line text progress bar on stderr (rewritten in place with a carriage return)."""
+
+    def __init__(self, stream: Any = None, width: int = 30) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.width = width
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        filled = self.width * done // max(total, 1)
+        bar = "#" * filled + "-" * (self.width - filled)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r[{bar}] {done}/{total} {what[:60]:<60}{end}")
+        self.stream.flush()
+
+
+def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
+    from uniep import tune
+
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+    return tune.tune(
+        tokens=cfg["tokens"],
+        hidden=cfg["hidden"],
+        ffn=cfg["ffn"],
+        experts=cfg["experts"],
+        top_k=cfg["top_k"],
+        dtype=cfg["dtype"],
+        numerics=cfg["numerics"],
+        candidates=cfg["candidates"],
+        warmup=cfg["warmup"],
+        iters=cfg["iters"],
+        budget_s=cfg["budget"],
+        device=cfg["device"],
+        path=cfg["cache"],
+        progress=_ProgressBar() if rank == 0 else None,
+    )
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from uniep import tune
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and _has_cuda_moe_kernel() else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < args.world_size:
+        raise SystemExit(
+            f"uniep tune: --device cuda --world-size {args.world_size} needs one GPU per rank, "
+            f"{torch.cuda.device_count()} visible"
+        )
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    if args.experts % args.world_size != 0:
+        raise SystemExit(
+            f"uniep tune: --experts ({args.experts}) must be divisible by --world-size "
+            f"({args.world_size})"
+        )
+    if args.top_k > args.experts:
+        raise SystemExit(f"uniep tune: --top-k ({args.top_k}) must be <= --experts")
+    numerics = ",".join(
+        f"{key}={value}"
+        for key, value in (
+            ("dispatch", args.dispatch),
+            ("combine", args.combine),
+            ("gemm", args.gemm),
+        )
+        if value is not None
+    )
+    cfg = {
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "ffn": args.ffn,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "dtype": dtype,
+        "numerics": tune.normalize_numerics(numerics),
+        "candidates": args.candidates,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "budget": args.budget,
+        "device": device,
+        "cache": args.cache,
+    }
+    target = args.cache or str(tune.cache_path())
+    print(
+        f"uniep tune: {args.world_size} rank(s) on {device}, {dtype}, tokens/rank={args.tokens} "
+        f"hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k}, "
+        f"{cfg['numerics']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.world_size == 1:
+        result = _tune_rank(0, 1, cfg)
+    else:
+        from uniep.distributed import run_local_ranks
+
+        backend = "nccl" if device == "cuda" else "gloo"
+        try:
+            result = run_local_ranks(
+                _tune_rank, args.world_size, (cfg,), backend=backend, timeout_s=args.timeout
+            )[0]
+        except RuntimeError as exc:
+            print(f"uniep tune: FAILED: {exc}", file=sys.stderr)
+            return 1
+    print(
+        f"{result.considered} candidates ranked by the cost model, {len(result.candidates)} "
+        f"measured (median of {args.iters}, slowest of {result.world_size} rank(s)) on "
+        f"{result.device_name}:\n"
+    )
+    print(result.table())
+    speedup = result.default_ms / result.best_ms if result.best_ms > 0 else math.nan
+    print(f"\nchosen: {result.tuning}")
+    print(
+        f"  {result.best_ms:.3f} ms vs {result.default_ms:.3f} ms for the default "
+        f"({speedup:.2f}x); output bits equal to the default's: {_yes(result.bits_identical)}"
+    )
+    if result.cache_path:
+        print(f"  cached in {result.cache_path}")
+    else:
+        print(f"  NOT cached (see the warning above; target {target})")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uniep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -497,6 +633,42 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds before hung ranks are stopped",
     )
     demo.set_defaults(func=_cmd_demo)
+
+    tune_p = sub.add_parser(
+        "tune",
+        help="search the schedule keys for one MoE shape, measure the best, cache the winner",
+    )
+    tune_p.add_argument("--tokens", type=_positive_int, required=True, help="tokens per rank")
+    tune_p.add_argument("--hidden", type=_positive_int, required=True)
+    tune_p.add_argument("--ffn", type=_positive_int, required=True, help="per expert")
+    tune_p.add_argument("--experts", type=_positive_int, required=True, help="in total")
+    tune_p.add_argument("--top-k", dest="top_k", type=_positive_int, required=True)
+    tune_p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32", "float64"],
+        default=None,
+        help="default: bfloat16 on GPUs, float32 on CPU",
+    )
+    tune_p.add_argument("--world-size", type=_positive_int, default=1, help="local ranks")
+    tune_p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    tune_p.add_argument(
+        "--candidates", type=_positive_int, default=8, help="best predicted points to measure"
+    )
+    tune_p.add_argument("--iters", type=_positive_int, default=10, help="timed calls each")
+    tune_p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed calls each")
+    tune_p.add_argument(
+        "--budget", type=_positive_seconds, default=None, help="seconds of measuring at most"
+    )
+    tune_p.add_argument(
+        "--cache", default=None, help="cache file (default: $UNIEP_TUNE_CACHE or the user cache)"
+    )
+    tune_p.add_argument("--dispatch", choices=["bf16", "fp8"], default=None, help="kept as given")
+    tune_p.add_argument(
+        "--combine", choices=["per_k", "rank_partials"], default=None, help="kept as given"
+    )
+    tune_p.add_argument("--gemm", choices=["uniep", "torch"], default=None, help="kept as given")
+    tune_p.add_argument("--timeout", type=_positive_seconds, default=600.0)
+    tune_p.set_defaults(func=_cmd_tune)
 
     parm = sub.add_parser("parm", help="Parm schedules (MP+EP+ESP): simulator and profiler")
     parm_sub = parm.add_subparsers(dest="parm_command", required=True)

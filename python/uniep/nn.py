@@ -295,9 +295,26 @@ def _run_experts(
         from . import ep
 
         ep.ensure_runtime(module.group_name, tokens.shape[0], hidden, top_k, module.num_experts)
-    y = torch.ops.uniep.moe_forward(
-        tokens, idx, weights, module.w1, module.w2, module.group_name, module.tuning
+    tuning = module.tuning
+    if tuning != "" or torch.compiler.is_compiling():
+        y = torch.ops.uniep.moe_forward(
+            tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
+        )
+        return y.reshape(x.shape)
+    from . import tune
+
+    tuning = tune.tuning_for_call(
+        tokens, idx, module.ffn_hidden, module.num_experts, module.world_size
     )
+    try:
+        y = torch.ops.uniep.moe_forward(
+            tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
+        )
+    except ValueError as e:
+        hinted = tune.cache_mismatch_error(e, tuning)
+        if hinted is None:
+            raise
+        raise hinted from e
     return y.reshape(x.shape)
 
 
@@ -325,7 +342,9 @@ class Experts(nn.Module):
         ffn_hidden: ``I``, each expert's intermediate width.
         num_experts: ``E``, in total over the group, divisible by its world size.
         group: the process group the experts are split over (see ``uniep.moe_forward``).
-        tuning: ``TuningParams`` or its string form, passed to every forward.
+        tuning: ``TuningParams`` or its string form, passed to every forward; ``""`` uses the
+            point ``uniep.tune`` cached for each forward's shape, else the defaults (see
+            ``uniep.moe_forward``).
         dtype: float32, bfloat16 or float64 (float16 is refused: the kernels have no float16
             path).
         device: parameter device.
@@ -492,7 +511,9 @@ class MoELayer(nn.Module):
         top_k: experts per token, ``1 <= top_k <= num_experts``.
         group: process group the experts are split over (see ``uniep.moe_forward``); resolved
             once, here.
-        tuning: ``TuningParams`` or its string form, passed to every forward.
+        tuning: ``TuningParams`` or its string form, passed to every forward; ``""`` uses the
+            point ``uniep.tune`` cached for each forward's shape, else the defaults (see
+            ``uniep.moe_forward``).
         dtype: parameter dtype (float32, bfloat16 or float64; float16 is refused); the router
             stays float32 (float64 for float64 layers).
         device: parameter device.

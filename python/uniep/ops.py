@@ -325,8 +325,12 @@ def moe_forward(
         group: the process group the experts are split over; None uses the group given to
             ``uniep.init``, else WORLD, else a world of one rank (no torch.distributed needed).
             CPU tensors need a gloo group.
-        tuning: a ``TuningParams`` or its string form, e.g. ``"sms=24/132,token_tile=64"``;
-            ``""`` keeps the defaults. It never changes the output bits, except ``dispatch=fp8``.
+        tuning: a ``TuningParams`` or its string form, e.g. ``"sms=24/132,token_tile=64"``.
+            ``""`` uses the point ``uniep.tune`` cached for this call's shape (``tokens =
+            x.shape[0]``, this device and world size), else the defaults; every rank must see
+            the same cache file (a rank that picks another point fails the call on every rank,
+            naming the tuning key). It never changes the output bits, except ``dispatch=fp8``
+            and ``combine=rank_partials``, which a cached point never changes.
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
@@ -344,6 +348,18 @@ def moe_forward(
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
+    cached = (
+        tuning == ""
+        and not torch.compiler.is_compiling()
+        and all(isinstance(t, torch.Tensor) for t in (x, topk_idx, w1, w2))
+        and w1.dim() == 3
+        and w2.dim() == 3
+    )
+    if cached:
+        from . import tune
+
+        world = distributed.world_size(group)
+        tuning = tune.tuning_for_call(x, topk_idx, w2.shape[1], w1.shape[0] * world, world)
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
         topk_weights = topk_weights.float()
@@ -353,4 +369,12 @@ def moe_forward(
 
         experts = w1.shape[0] * distributed.world_size(group)
         ep.ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts)
-    return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    if not cached:
+        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    try:
+        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    except ValueError as e:
+        hinted = tune.cache_mismatch_error(e, tuning)
+        if hinted is None:
+            raise
+        raise hinted from e

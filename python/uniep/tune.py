@@ -1,0 +1,1080 @@
+"""``uniep.tune``: search the schedule keys of the tuning space for one MoE shape, cache the winner.
+
+``uniep.tune(...)`` (this module is callable; it is ``uniep.tune.tune``) ranks every candidate
+schedule with a small cost model (alpha-beta per link for dispatch and combine, a roofline for the
+expert GEMMs; docs/tune.md), calibrated by a short measurement of the real op, then times the best
+few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape (CUDA events on a
+GPU, the wall clock on CPU). With a process group every rank times every candidate in the same
+order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast.
+
+Only schedule keys are searched (``sms``, ``token_tile``, ``tile_m``, ``tile_n``, ``tile_k``,
+``stages``, ``overlap``): they never change the output bits. The numerics keys (``dispatch``,
+``combine``) and the GEMM engine (``gemm``) are the caller's choice, kept as given; the winner's
+output is compared bit for bit with the default point's on the tuning inputs, and a winner whose
+bits differ is refused (a warning, and the default is kept).
+
+Winners are cached in a JSON file (``cache_path()``: ``UNIEP_TUNE_CACHE``, else
+``$XDG_CACHE_HOME/uniep/tune.json``, else ``~/.cache/uniep/tune.json``) under a key holding the
+device name, world size, shape, dtype, numerics keys, UniEP version and the cache schema, so that
+another GPU or world size never reuses an entry. ``uniep.moe_forward`` and the ``uniep.nn``
+modules use a cached point when their tuning string is ``""``. A corrupt, unreadable or foreign
+cache file is reported with a warning and ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _C, distributed
+
+__all__ = [
+    "CUDA_TILES",
+    "NUMERICS_KEYS",
+    "SCHEDULE_KEYS",
+    "Candidate",
+    "CostModel",
+    "MoeShape",
+    "TuneResult",
+    "cache_key",
+    "cache_path",
+    "candidate_points",
+    "device_name",
+    "lookup",
+    "store",
+    "tune",
+]
+
+SCHEMA = 1
+_KIND = "uniep-tune-cache"
+NUMERICS_KEYS = ("dispatch", "combine", "gemm")
+SCHEDULE_KEYS = ("sms", "token_tile", "tile_m", "tile_n", "tile_k", "stages", "overlap")
+# The expert GEMM engine's compiled (tile_m, tile_n, tile_k), in its registry order
+# (cpp/cuda/gemm/grouped): the only tile keys a CUDA candidate may name.
+CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
+# The CPU executor blocks its loops by any power of two in [16, 256].
+CPU_TILES = (16, 32, 64, 128, 256)
+_CUDA_SMS = (8, 16, 24, 32)
+_CUDA_TOKEN_TILES = (32, 64, 128)
+# SMs of communication warps that saturate a GPU's links (a model assumption, docs/tune.md).
+_SATURATING_COMM_SMS = 20
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+# ---- names, keys, paths ----
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in _DTYPES:
+            return name
+    elif isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+    raise ValueError(f"dtype must be float32, bfloat16 or float64, got {dtype!r}")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
+    """``numerics`` (``dispatch``, ``combine``, ``gemm`` keys; the rest keep their defaults) in the
+    canonical form ``"dispatch=bf16,combine=per_k,gemm=uniep"``.
+
+    Raises:
+        ValueError: a key other than these three (the tuner chooses the schedule keys), or a bad
+            value (naming the key).
+    """
+    if isinstance(numerics, _C.TuningParams):
+        p = numerics
+    elif isinstance(numerics, str):
+        for item in numerics.split(","):
+            key = item.split("=", 1)[0].strip()
+            if key and key not in NUMERICS_KEYS:
+                raise ValueError(
+                    f"numerics: key '{key}' is not a numerics key; numerics takes only "
+                    f"{', '.join(NUMERICS_KEYS)} (the tuner chooses {', '.join(SCHEDULE_KEYS)})"
+                )
+        p = _C.TuningParams.parse(numerics) if numerics.strip() else _C.TuningParams()
+    else:
+        raise ValueError(f"numerics must be a str, got {type(numerics).__name__}")
+    return f"dispatch={p.dispatch},combine={p.combine},gemm={p.gemm}"
+
+
+def _numerics_of(tuning: str) -> str:
+    return normalize_numerics(_C.TuningParams.parse(tuning))
+
+
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The name a cache key holds for ``device``: the GPU's name (``torch.cuda.get_device_name``)
+    or ``"cpu-<machine>"`` (e.g. ``cpu-x86_64``)."""
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda":
+        return _cuda_device_name(
+            dev.index if dev.index is not None else torch.cuda.current_device()
+        )
+    if dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {dev}")
+    return f"cpu-{platform.machine() or 'unknown'}"
+
+
+_device_name_of = device_name  # for the functions whose keyword device_name hides it
+
+
+@functools.lru_cache(maxsize=1)
+def _version() -> str:
+    return str(_C.build_info()["version"])
+
+
+def cache_path() -> Path:
+    """Where winners are cached: ``UNIEP_TUNE_CACHE`` if set, else ``$XDG_CACHE_HOME/uniep/
+    tune.json`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG spec says), else
+    ``~/.cache/uniep/tune.json``."""
+    env = os.environ.get("UNIEP_TUNE_CACHE", "")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "uniep" / "tune.json"
+
+
+def cache_key(
+    *,
+    device_name: str,
+    world_size: int,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    dtype: torch.dtype | str,
+    numerics: str = "",
+) -> str:
+    """The cache key of one shape: every field that may change the best point, the numerics keys,
+    the UniEP version and the cache schema (``tokens``: per rank, ``x.shape[0]``)."""
+    return "|".join(
+        (
+            f"schema={SCHEMA}",
+            f"uniep={_version()}",
+            f"device={device_name}",
+            f"world={world_size}",
+            f"tokens={tokens}",
+            f"hidden={hidden}",
+            f"ffn={ffn}",
+            f"experts={experts}",
+            f"top_k={top_k}",
+            f"dtype={_dtype_name(dtype)}",
+            normalize_numerics(numerics),
+        )
+    )
+
+
+# ---- the cache file ----
+
+# path -> ((mtime_ns, size, inode), {key: tuning}): moe_forward looks the cache up on every call
+# with an empty tuning string, so the file is parsed (and its problems reported) once per version.
+_MEMO: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
+
+
+def _read_raw(path: Path) -> dict[str, Any]:
+    """The file's entries, ``{}`` (with a warning naming the path) when it is not a cache of this
+    schema; a missing file is an empty cache, silently."""
+
+    def ignored(problem: str) -> dict[str, Any]:
+        warnings.warn(
+            f"uniep tune cache {path}: {problem}; ignoring it (uniep tune rewrites it, "
+            "or delete it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return {}
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        return ignored(f"unreadable ({type(e).__name__}: {e})")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        return ignored(f"not valid JSON ({e})")
+    if not isinstance(data, dict) or data.get("kind") != _KIND:
+        return ignored(f'not a UniEP tune cache (no "kind": "{_KIND}")')
+    if data.get("schema") != SCHEMA:
+        return ignored(f"schema {data.get('schema')!r}, this UniEP reads schema {SCHEMA}")
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        return ignored(f'"entries" must be an object, got {type(entries).__name__}')
+    return entries
+
+
+def _valid_entries(path: Path, entries: dict[str, Any]) -> dict[str, str]:
+    good: dict[str, str] = {}
+    for key, entry in entries.items():
+        problem = None
+        tuning = entry.get("tuning") if isinstance(entry, dict) else None
+        if not isinstance(tuning, str):
+            problem = 'no "tuning" string'
+        else:
+            try:
+                numerics = _numerics_of(tuning)
+            except ValueError as e:
+                problem = f"bad tuning {tuning!r} ({e})"
+            else:
+                if not key.endswith("|" + numerics):
+                    problem = f"its tuning {tuning!r} changes the numerics keys of its key"
+        if problem is not None:
+            warnings.warn(
+                f"uniep tune cache {path}: entry {key!r} skipped: {problem}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        good[key] = tuning
+    return good
+
+
+def _load(path: Path) -> dict[str, str]:
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        _MEMO.pop(str(path), None)
+        return {}
+    except OSError:
+        st = None
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else (-1, -1, -1)
+    memo = _MEMO.get(str(path))
+    if memo is not None and memo[0] == stamp and st is not None:
+        return memo[1]
+    entries = _valid_entries(path, _read_raw(path))
+    _MEMO[str(path)] = (stamp, entries)
+    return entries
+
+
+def lookup(
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    dtype: torch.dtype | str,
+    world_size: int = 1,
+    device: torch.device | str | None = None,
+    numerics: str = "",
+    device_name: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> str | None:
+    """The cached tuning string for this shape, or None.
+
+    ``device_name`` (default: ``device_name(device)``) and ``world_size`` are part of the key;
+    ``path`` defaults to ``cache_path()``. Never raises for the file's content: a corrupt,
+    unreadable or foreign file warns and reads as empty, a bad entry warns and is skipped.
+    """
+    key = cache_key(
+        device_name=_device_name_of(device) if device_name is None else device_name,
+        world_size=world_size,
+        tokens=tokens,
+        hidden=hidden,
+        ffn=ffn,
+        experts=experts,
+        top_k=top_k,
+        dtype=dtype,
+        numerics=numerics,
+    )
+    return _load(Path(path) if path is not None else cache_path()).get(key)
+
+
+def store(
+    tuning: str,
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    dtype: torch.dtype | str,
+    world_size: int = 1,
+    device: torch.device | str | None = None,
+    numerics: str = "",
+    device_name: str | None = None,
+    path: str | os.PathLike | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Cache ``tuning`` for this shape (the key as in ``lookup``) and return the file's path.
+
+    The file is rewritten whole through a temporary file in its folder and a rename, so readers
+    never see half a file; of two concurrent writers the last one wins. A corrupt or foreign file
+    there is replaced (with the warning ``lookup`` gives). ``info`` (JSON values: times, counts)
+    is kept next to the entry for people reading the file.
+
+    Raises:
+        ValueError: ``tuning`` does not parse, or its numerics keys differ from ``numerics``.
+        OSError: the file cannot be written (naming it).
+    """
+    parsed = _C.TuningParams.parse(tuning)
+    if normalize_numerics(parsed) != normalize_numerics(numerics):
+        raise ValueError(
+            f"tuning {tuning!r} has numerics {normalize_numerics(parsed)!r} but the entry is for "
+            f"{normalize_numerics(numerics)!r}: a cached point must keep the numerics keys"
+        )
+    name = _device_name_of(device) if device_name is None else device_name
+    key = cache_key(
+        device_name=name,
+        world_size=world_size,
+        tokens=tokens,
+        hidden=hidden,
+        ffn=ffn,
+        experts=experts,
+        top_k=top_k,
+        dtype=dtype,
+        numerics=numerics,
+    )
+    target = Path(path) if path is not None else cache_path()
+    entries = dict(_read_raw(target))
+    entry: dict[str, Any] = {"tuning": parsed.to_string()}
+    entry.update(info or {})
+    entry["stored"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    entries[key] = entry
+    payload = {"kind": _KIND, "schema": SCHEMA, "entries": entries}
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(payload, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+    except OSError as e:
+        raise OSError(f"could not write the uniep tune cache {target}: {e}") from e
+    _MEMO.pop(str(target), None)
+    return target
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+
+
+def tuning_for_call(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    ffn: int,
+    experts: int,
+    world_size: int,
+) -> str:
+    """What ``moe_forward`` runs with for an empty tuning string: the cached point for this call's
+    shape (``tokens = x.shape[0]``, default numerics), else ``""`` (the built-in default).
+
+    Not under ``torch.compile`` (a file read is no graph op: compiled code runs the default).
+    Every rank must see the same cache file: a rank that finds another point than its peers
+    makes the call agreement of ``moe_forward`` raise on every rank, naming the tuning key.
+    """
+    if torch.compiler.is_compiling() or x.dim() != 2 or topk_idx.dim() != 2:
+        return ""
+    if x.dtype not in _DTYPES.values() or x.device.type not in ("cpu", "cuda"):
+        return ""
+    hit = lookup(
+        tokens=x.shape[0],
+        hidden=x.shape[1],
+        ffn=ffn,
+        experts=experts,
+        top_k=topk_idx.shape[1],
+        dtype=x.dtype,
+        world_size=world_size,
+        device=x.device,
+    )
+    return hit or ""
+
+
+def cache_mismatch_error(error: ValueError, used: str) -> ValueError | None:
+    """For a call that ran with ``used`` because its tuning string was ``""``: when the call
+    agreement failed on a tuning key, the same error saying where that point came from (ranks
+    that read different cache files pick different points); None for any other error."""
+    if not re.search(r"tuning [\w ()]+ differs", str(error)):
+        return None
+    path = cache_path()
+    source = (
+        f"the point cached in the uniep tune cache {path}"
+        if used
+        else f"the defaults (the uniep tune cache {path} has no entry for this shape)"
+    )
+    return ValueError(
+        f'{error}\n(this rank was called with tuning "" and so ran {source}; every rank must '
+        "see the same tune cache file: copy it, set UNIEP_TUNE_CACHE, or pass a tuning string)"
+    )
+
+
+# ---- candidates and the cost model ----
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One tuning problem: ``tokens`` per rank, ``hidden``, ``ffn`` (per expert), ``experts`` in
+    total, ``top_k``, ``world`` ranks, ``dtype`` name."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    world: int
+    dtype: str
+
+    @property
+    def elem_bytes(self) -> int:
+        return _DTYPES[self.dtype].itemsize
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.world
+
+    def ranks_per_token(self) -> float:
+        """Expected distinct ranks a token goes to, top-k drawn uniformly without replacement."""
+        if self.world == 1:
+            return 1.0
+        el = self.local_experts
+        k = min(self.top_k, self.experts)
+        miss = math.comb(self.experts - el, k) / math.comb(self.experts, k)
+        return self.world * (1.0 - miss)
+
+
+def candidate_points(
+    shape: MoeShape, device: str, numerics: str = "", sm_count: int = 132
+) -> list[str]:
+    """Every schedule point the tuner considers for ``shape`` on ``device`` ("cpu" or "cuda"),
+    as full tuning strings with ``numerics`` kept; the default point first.
+
+    CPU: ``tile_m`` (rows per work tile), ``tile_n`` and ``tile_k`` (loop blocking) over the powers
+    of two 16..256 and ``overlap`` sequential or fused (chunked orders the tiles as fused does on
+    CPU); ``sms`` and ``token_tile`` do not change the CPU executor. CUDA: the engine's compiled
+    tile shapes and auto, ``sms`` in 8/16/24/32 (below the device's SMs), ``token_tile``
+    32/64/128 and every overlap mode.
+    """
+    base = _C.TuningParams.parse(normalize_numerics(numerics))
+    out = [base.to_string()]
+    seen = set(out)
+
+    def add(**keys: Any) -> None:
+        p = _C.TuningParams.parse(base.to_string())
+        for k, v in keys.items():
+            setattr(p, k, v)
+        p.validate()
+        text = p.to_string()
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+
+    if device == "cpu":
+        for overlap in ("fused", "sequential"):
+            for tm in CPU_TILES:
+                for tn in CPU_TILES:
+                    for tk in CPU_TILES:
+                        add(tile_m=tm, tile_n=tn, tile_k=tk, overlap=overlap)
+    elif device == "cuda":
+        tiles: list[tuple[int, int, int]] = [(0, 0, 0), *CUDA_TILES]
+        for overlap in ("fused", "chunked", "sequential"):
+            for sms in _CUDA_SMS:
+                if sms >= sm_count:
+                    continue
+                for tt in _CUDA_TOKEN_TILES:
+                    for tm, tn, tk in tiles:
+                        add(
+                            comm_sms=sms,
+                            token_tile=tt,
+                            tile_m=tm,
+                            tile_n=tn,
+                            tile_k=tk,
+                            overlap=overlap,
+                        )
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return out
+
+
+def _cuda_auto_tiles(rows: int, experts: int, n: int) -> tuple[int, int, int]:
+    # The engine's own choice for tile keys left at auto (grouped_gemm_select).
+    small = rows <= 128 * experts or n <= 128
+    return CUDA_TILES[0] if not small else CUDA_TILES[4] if n >= 256 else CUDA_TILES[1]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of one ``moe_forward`` at a tuning point (docs/tune.md).
+
+    ``comm = 3 (W - 1) alpha + (dispatch + combine bytes) * beta`` (per link, expected bytes under
+    uniform routing; on CUDA the bandwidth falls with fewer than 20 communication SMs);
+    ``gemm`` is a roofline (``max(flops / peak_flops, bytes / mem_bw)``): on CPU over the whole
+    GEMM plus ``tile_cost`` per start of the executor's innermost loop (``tile_n`` columns), on
+    CUDA per output tile, wave-quantised over the SMs left to the GEMM. ``sequential`` adds the
+    two, the overlapped modes hide the smaller behind the larger but for one token tile's worth.
+    ``scale`` maps the model onto the measured time of the default point.
+    """
+
+    device: str
+    peak_flops: float
+    mem_bw: float
+    alpha: float = 0.0
+    beta: float = 0.0
+    tile_cost: float = 0.0
+    sm_count: int = 1
+    scale: float = 1.0
+
+    def comm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
+        w = shape.world
+        if w == 1:
+            return 0.0
+        remote = (w - 1) / w
+        wire = 1.0 + 4.0 / 128 if p.dispatch == "fp8" else float(shape.elem_bytes)
+        rows_out = shape.tokens * shape.ranks_per_token() * remote
+        dispatch_bytes = rows_out * shape.hidden * wire
+        combine_rows = (
+            rows_out if p.combine == "rank_partials" else shape.tokens * shape.top_k * remote
+        )
+        combine_bytes = combine_rows * shape.hidden * shape.elem_bytes
+        beta = self.beta
+        if self.device == "cuda":
+            beta /= min(1.0, p.comm_sms / _SATURATING_COMM_SMS)
+        return 3 * (w - 1) * self.alpha + (dispatch_bytes + combine_bytes) * beta
+
+    def gemm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
+        h, i, eb = shape.hidden, shape.ffn, shape.elem_bytes
+        rows = shape.tokens * shape.top_k  # expected rows per rank under uniform routing
+        # The two expert GEMMs as (N, K): [rows, H] x [H, 2I], then [rows, I] x [I, H].
+        gemms = ((2 * i, h), (h, i))
+        if self.device == "cpu":
+            # The executor multiplies one row at a time (cpp/core/cpu_math.hpp, vec_mat): every
+            # row streams each weight matrix once, whatever the blocking, and its innermost loop
+            # (tile_n columns of one k) starts ceil(N / tile_n) * K times: the blocking's cost.
+            tn = p.tile_n or 128
+            flops = 2.0 * rows * sum(n * k for n, k in gemms)
+            weight_bytes = rows * sum(n * k for n, k in gemms) * eb
+            loops = rows * sum(math.ceil(n / tn) * k for n, k in gemms)
+            return max(flops / self.peak_flops, weight_bytes / self.mem_bw) + loops * self.tile_cost
+        el = shape.local_experts
+        m = rows / el  # rows per local expert
+        gemm_sms = self.sm_count - (p.comm_sms if p.overlap == "fused" else 0)
+        gemm_sms = max(1, gemm_sms)
+        total = 0.0
+        for n, k in gemms:
+            if p.tile_m or p.tile_n or p.tile_k:
+                tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
+            else:
+                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n)
+            tiles = el * math.ceil(m / tm) * math.ceil(n / tn)
+            waves = math.ceil(tiles / gemm_sms)
+            per_sm_flops = self.peak_flops / self.sm_count
+            per_sm_bw = self.mem_bw / self.sm_count
+            tile_s = max(2.0 * tm * tn * k / per_sm_flops, (tm + tn) * k * eb / per_sm_bw)
+            total += waves * (tile_s + self.tile_cost * math.ceil(k / tk))
+        return total
+
+    def seconds(self, shape: MoeShape, tuning: str) -> float:
+        p = _C.TuningParams.parse(tuning)
+        comm = self.comm_seconds(shape, p)
+        gemm = self.gemm_seconds(shape, p)
+        if p.overlap == "sequential" or self.device == "cpu":
+            # The CPU executor runs its phases one after another whatever the overlap mode.
+            raw = comm + gemm
+        else:
+            chunks = max(1, math.ceil(shape.tokens / p.token_tile))
+            raw = max(comm, gemm) + min(comm, gemm) / chunks
+        return self.scale * raw
+
+
+# ---- measurement ----
+
+
+def _times_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> list[float]:
+    """Per-call times in ms of ``iters`` calls after ``warmup`` untimed ones: CUDA events on the
+    current stream (the host does not wait between calls) or the wall clock."""
+    for _ in range(warmup):
+        fn()
+    if not cuda:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+class _Group:
+    """The few collectives the tuner needs, bounded like UniEP's own (``UNIEP_TIMEOUT_S``)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.pg = distributed._resolve(group)
+        self.world = 1 if self.pg is None else dist.get_world_size(self.pg)
+        self.rank = 0 if self.pg is None else dist.get_rank(self.pg)
+        self.device = "cpu" if self.pg is None else distributed._staging_device(self.pg)
+
+    def max(self, values: Sequence[float], what: str) -> list[float]:
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg, async_op=True)
+        distributed.bounded_wait(work, self.pg, f"uniep.tune ({what})")
+        return t.cpu().tolist()
+
+    def rank0_text(self, text: str, what: str) -> str:
+        if self.world == 1:
+            return text
+        data = distributed._broadcast_bytes(text.encode(), self.pg, f"uniep.tune ({what})")
+        return data.decode()
+
+
+def _inputs(
+    shape: MoeShape, device: torch.device, rank: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed * 7919 + 1 + rank)
+    dtype = _DTYPES[shape.dtype]
+    t, h, i, e, k, el = (
+        shape.tokens,
+        shape.hidden,
+        shape.ffn,
+        shape.experts,
+        shape.top_k,
+        shape.local_experts,
+    )
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    idx = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].contiguous()
+    weights = torch.rand(t, k, generator=gen) + 0.1
+    weights = (weights / weights.sum(dim=1, keepdim=True)).to(
+        torch.float64 if dtype == torch.float64 else torch.float32
+    )
+    w1 = (torch.randn(el, h, 2 * i, generator=gen) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn(el, i, h, generator=gen) / math.sqrt(i)).to(dtype)
+    return tuple(a.to(device) for a in (x, idx, weights, w1, w2))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()])
+
+
+# ---- the tuner ----
+
+
+def _label(tuning: str, default: str) -> str:
+    """The keys of ``tuning`` that differ from ``default`` (``"default"`` when none do)."""
+    diff = [kv for kv, d in zip(tuning.split(","), default.split(","), strict=True) if kv != d]
+    return ",".join(diff) or "default"
+
+
+@dataclass
+class Candidate:
+    """One measured point: its tuning string, the model's prediction and the measured median (the
+    slowest rank's) in ms; ``error`` when it could not run (then ``measured_ms`` is inf)."""
+
+    tuning: str
+    predicted_ms: float
+    measured_ms: float = math.nan
+    error: str = ""
+
+    @property
+    def schedule(self) -> str:
+        """The schedule keys only (the numerics keys are the same for every candidate)."""
+        return ",".join(
+            kv for kv in self.tuning.split(",") if kv.split("=", 1)[0] not in NUMERICS_KEYS
+        )
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` found. ``tuning``: the point to use (the default when the search found
+    nothing faster or the winner's bits differed); ``candidates``: the measured points in the
+    cost model's order (``considered`` were ranked); ``cache_path``: where it was stored (None
+    when not stored)."""
+
+    tuning: str
+    default: str
+    key: str
+    device_name: str
+    world_size: int
+    default_ms: float
+    best_ms: float
+    considered: int
+    candidates: list[Candidate] = field(default_factory=list)
+    calibration: dict[str, float] = field(default_factory=dict)
+    bits_identical: bool = True
+    cache_path: str | None = None
+
+    def table(self) -> str:
+        """The measured candidates as a Markdown table (schedule keys, predicted and measured ms,
+        the chosen one marked)."""
+        lines = [
+            "| # | schedule | predicted ms | measured ms | chosen |",
+            "|---:|---|---:|---:|:---:|",
+        ]
+        for n, c in enumerate(self.candidates, 1):
+            measured = f"{c.measured_ms:.3f}" if math.isfinite(c.measured_ms) else "failed"
+            chosen = "**yes**" if c.tuning == self.tuning else ""
+            default = " (default)" if c.tuning == self.default else ""
+            lines.append(
+                f"| {n} | `{c.schedule}`{default} | {c.predicted_ms:.3f} | {measured} | {chosen} |"
+            )
+        return "\n".join(lines)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        cuda = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "uniep::moe_forward", "CUDA"
+        )
+        device = "cuda" if cuda else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device is cuda but no CUDA device is visible")
+        return torch.device(
+            "cuda", dev.index if dev.index is not None else torch.cuda.current_device()
+        )
+    if dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {dev}")
+    return dev
+
+
+def _calibrate(
+    shape: MoeShape,
+    dev: torch.device,
+    grp: _Group,
+    run: Callable[[str], torch.Tensor],
+    default: str,
+    probe: str | None,
+    warmup: int,
+    iters: int,
+) -> CostModel:
+    """Fit the cost model's constants with a few short measurements (slowest rank's, so that every
+    rank ranks the candidates alike): a matmul (peak flops), a copy (memory bandwidth), two
+    all-reduces (alpha, beta), and the op itself at the default point (and, on CPU, at the
+    narrowest loop blocks, ``tile_n=16``, which fixes the cost per loop start)."""
+    cuda = dev.type == "cuda"
+    dtype = _DTYPES[shape.dtype]
+    m = max(16, min(256, shape.tokens * shape.top_k))
+    a = torch.randn(m, shape.hidden, device=dev).to(dtype)
+    b = torch.randn(shape.hidden, 2 * shape.ffn, device=dev).to(dtype)
+    mm_ms = statistics.median(_times_ms(lambda: a @ b, 1, 3, cuda))
+    buf = torch.empty(1 << 22, dtype=torch.uint8, device=dev)
+    copy_ms = statistics.median(_times_ms(buf.clone, 1, 3, cuda))
+    small_ms = big_ms = 0.0
+    big_bytes = 1 << 20
+    if grp.world > 1:
+        one = torch.zeros(1, device=grp.device)
+        big = torch.zeros(big_bytes // 4, device=grp.device)
+        small_ms = statistics.median(
+            _times_ms(lambda: dist.all_reduce(one, group=grp.pg), 1, 5, False)
+        )
+        big_ms = statistics.median(
+            _times_ms(lambda: dist.all_reduce(big, group=grp.pg), 1, 3, False)
+        )
+    op_ms = statistics.median(_times_ms(lambda: run(default), warmup, iters, cuda))
+    probe_ms = 0.0
+    if probe is not None:
+        probe_ms = statistics.median(_times_ms(lambda: run(probe), warmup, iters, cuda))
+    mm_ms, copy_ms, small_ms, big_ms, op_ms, probe_ms = grp.max(
+        [mm_ms, copy_ms, small_ms, big_ms, op_ms, probe_ms], "calibration"
+    )
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+    # An all-reduce of n bytes moves about 2n over each link (ring): beta per byte of one link.
+    alpha = small_ms / 1e3 / 2 if grp.world > 1 else 0.0
+    beta = max(0.0, (big_ms - small_ms) / 1e3 / (2 * big_bytes)) if grp.world > 1 else 0.0
+    model = CostModel(
+        device=dev.type,
+        peak_flops=2.0 * m * shape.hidden * 2 * shape.ffn / max(mm_ms / 1e3, 1e-9),
+        mem_bw=2.0 * buf.numel() / max(copy_ms / 1e3, 1e-9),
+        alpha=alpha,
+        beta=beta,
+        sm_count=sm_count,
+    )
+    if probe is not None:
+        # Two measurements, two unknowns (scale s, cost per loop start c):
+        # t = s * (base + blocks * c) at the default point and at the probe.
+        base_d = model.seconds(shape, default)
+        base_p = model.seconds(shape, probe)
+        one_block = CostModel(**{**model.__dict__, "tile_cost": 1.0})
+        blocks_d = one_block.seconds(shape, default) - base_d
+        blocks_p = one_block.seconds(shape, probe) - base_p
+        t_d, t_p = op_ms / 1e3, probe_ms / 1e3
+        denom = t_d * blocks_p - t_p * blocks_d
+        cost = (t_p * base_d - t_d * base_p) / denom if denom > 0 else 0.0
+        model = CostModel(**{**model.__dict__, "tile_cost": max(0.0, cost)})
+    raw = model.seconds(shape, default)
+    scale = (op_ms / 1e3) / raw if raw > 0 else 1.0
+    return CostModel(**{**model.__dict__, "scale": scale})
+
+
+def tune(
+    group: dist.ProcessGroup | None = None,
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    dtype: torch.dtype | str = torch.bfloat16,
+    numerics: str = "",
+    candidates: int = 8,
+    warmup: int = 2,
+    iters: int = 10,
+    budget_s: float | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    cache: bool = True,
+    path: str | os.PathLike | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> TuneResult:
+    """Find the fastest schedule for one MoE shape and cache it; collective over ``group``.
+
+    Every rank of ``group`` (default: as ``uniep.moe_forward``) must call it with the same
+    arguments. It ranks every candidate schedule (``uniep.tune.candidate_points``) with a cost model
+    calibrated by a short measurement, then times the best ``candidates`` of them and the default
+    point with ``torch.ops.uniep.moe_forward`` on random routing: ``warmup`` untimed calls, then
+    ``iters`` timed ones in two rounds (median; CUDA events on a GPU, the wall clock on CPU). A
+    candidate's time is the slowest rank's; rank 0's choice is broadcast. The winner's output must
+    equal the default point's bit for bit on the tuning inputs, else a warning and the default.
+
+    Args:
+        group: the process group the experts are split over.
+        tokens: tokens per rank (``x.shape[0]`` of the calls to tune for).
+        hidden, ffn, experts, top_k: ``H``, ``I`` (per expert), ``E`` in total, ``K``.
+        dtype: float32, bfloat16 or float64 (the CUDA executor takes bfloat16).
+        numerics: ``dispatch``, ``combine``, ``gemm`` keys, kept as given (e.g. ``"dispatch=fp8"``).
+        candidates: how many of the model's best points to measure (plus the default).
+        warmup, iters: calls per candidate, untimed and timed.
+        budget_s: stop measuring new candidates after this many seconds (all ranks agree).
+        device: "cpu" or "cuda" (default: cuda when this build runs moe_forward there).
+        seed: seed of the random inputs.
+        cache: store the winner (every rank writes its own ``cache_path()``, atomically); a
+            failed write warns.
+        path: the cache file instead of ``cache_path()``.
+        progress: ``progress(done, total, what)`` after each measurement.
+
+    Returns:
+        A ``TuneResult``.
+
+    Raises:
+        ValueError: a bad argument (named), or the ranks were given different arguments.
+    """
+    for name, value in (
+        ("tokens", tokens),
+        ("hidden", hidden),
+        ("ffn", ffn),
+        ("experts", experts),
+        ("top_k", top_k),
+        ("candidates", candidates),
+        ("iters", iters),
+    ):
+        _positive(name, value)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if budget_s is not None and not (isinstance(budget_s, (int, float)) and budget_s > 0):
+        raise ValueError(f"budget_s must be a number of seconds > 0 or None, got {budget_s!r}")
+    if top_k > experts:
+        raise ValueError(f"top_k ({top_k}) must be <= experts ({experts})")
+    dtype_name = _dtype_name(dtype)
+    numerics = normalize_numerics(numerics)
+    dev = _resolve_device(device)
+    grp = _Group(group)
+    if experts % grp.world != 0:
+        raise ValueError(f"experts ({experts}) must be divisible by the world size ({grp.world})")
+    shape = MoeShape(tokens, hidden, ffn, experts, top_k, grp.world, dtype_name)
+    # Different arguments on different ranks would pair up different candidates' calls.
+    mine = json.dumps([shape.__dict__, numerics, candidates, warmup, iters, budget_s, dev.type])
+    theirs = grp.rank0_text(mine, "arguments")
+    if grp.max([float(theirs != mine)], "arguments")[0]:
+        raise ValueError(
+            "uniep.tune: the ranks were given different arguments (shape, dtype, numerics, "
+            f"candidates, warmup, iters, budget_s or device); rank 0: {theirs}, rank "
+            f"{grp.rank}: {mine}"
+        )
+
+    from . import ops
+
+    x, idx, weights, w1, w2 = _inputs(shape, dev, grp.rank, seed)
+    cuda = dev.type == "cuda"
+
+    @torch.no_grad()
+    def run(tuning: str) -> torch.Tensor:
+        return ops.moe_forward(x, idx, weights, w1, w2, group, tuning=tuning)
+
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 132
+    points = candidate_points(shape, dev.type, numerics, sm_count)
+    default = points[0]
+    probe = None
+    if not cuda:
+        probe = _C.TuningParams.parse(default)
+        probe.tile_n = CPU_TILES[0]
+        probe = probe.to_string()
+    run(default)  # the GPU runtime's creation and first-call costs stay out of the calibration
+    model = _calibrate(shape, dev, grp, run, default, probe, min(warmup, 1), max(3, iters // 2))
+    ranked = sorted(points, key=lambda t: (model.seconds(shape, t), t))
+    chosen = ranked[:candidates]
+    if default not in chosen:
+        chosen.append(default)
+    # Every rank measures rank 0's list in rank 0's order.
+    chosen = json.loads(grp.rank0_text(json.dumps(chosen), "candidates"))
+    rows = [Candidate(t, model.seconds(shape, t) * 1e3) for t in chosen]
+
+    samples: list[list[float]] = [[] for _ in rows]
+    rounds = 2 if iters >= 2 else 1
+    per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+    total = rounds * len(rows)
+    done = 0
+    start = time.monotonic()
+    out_of_time = False
+    # The default first: a budget that runs out still leaves the reference measured.
+    order = sorted(range(len(rows)), key=lambda n: rows[n].tuning != default)
+    for r in range(rounds):
+        for n in order:
+            row = rows[n]
+            skip = row.error or ((out_of_time or r > 0) and not samples[n])
+            if not skip:
+                try:
+                    samples[n] += _times_ms(
+                        lambda t=row.tuning: run(t), warmup if r == 0 else 0, per_round[r], cuda
+                    )
+                except (ValueError, RuntimeError, NotImplementedError) as e:
+                    # moe_forward agrees its checks before any transfer: every rank fails alike.
+                    row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            done += 1
+            if progress is not None and grp.rank == 0:
+                progress(done, total, _label(row.tuning, default))
+            if budget_s is not None and r == 0 and not out_of_time:
+                elapsed = grp.max([time.monotonic() - start], "budget")[0]
+                out_of_time = elapsed > budget_s
+    medians = [
+        statistics.median(s) if s and not row.error else math.inf
+        for s, row in zip(samples, rows, strict=True)
+    ]
+    medians = grp.max(medians, "measurements")
+    for row, ms in zip(rows, medians, strict=True):
+        row.measured_ms = ms
+    measured = [row for n, row in enumerate(rows) if samples[n] or row.error]
+    default_row = next(row for row in rows if row.tuning == default)
+    best = min(measured, key=lambda c: (c.measured_ms, c.tuning != default))
+    winner = grp.rank0_text(best.tuning, "winner")
+    if _numerics_of(winner) != numerics:
+        raise AssertionError(f"uniep.tune changed the numerics keys: {winner!r} vs {numerics!r}")
+
+    bits_ok = True
+    if winner != default:
+        same = torch.equal(_bits(run(default)), _bits(run(winner)))
+        bits_ok = grp.max([0.0 if same else 1.0], "bit check")[0] == 0.0
+        if not bits_ok:
+            warnings.warn(
+                f"uniep.tune: the output of {winner!r} differs bitwise from the default "
+                f"point's on the tuning inputs (it must not: only numerics keys may change "
+                "bits); keeping the default",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            winner = default
+    winner_ms = next(row.measured_ms for row in rows if row.tuning == winner)
+    name = device_name(dev)
+    result = TuneResult(
+        tuning=winner,
+        default=default,
+        key=cache_key(
+            device_name=name,
+            world_size=grp.world,
+            tokens=tokens,
+            hidden=hidden,
+            ffn=ffn,
+            experts=experts,
+            top_k=top_k,
+            dtype=dtype_name,
+            numerics=numerics,
+        ),
+        device_name=name,
+        world_size=grp.world,
+        default_ms=default_row.measured_ms,
+        best_ms=winner_ms,
+        considered=len(points),
+        candidates=measured,
+        calibration={k: float(v) for k, v in model.__dict__.items() if k != "device"},
+        bits_identical=bits_ok,
+    )
+    if cache:
+        try:
+            result.cache_path = str(
+                store(
+                    winner,
+                    tokens=tokens,
+                    hidden=hidden,
+                    ffn=ffn,
+                    experts=experts,
+                    top_k=top_k,
+                    dtype=dtype_name,
+                    world_size=grp.world,
+                    device_name=name,
+                    numerics=numerics,
+                    path=path,
+                    info={
+                        "measured_ms": winner_ms,
+                        "default_ms": default_row.measured_ms,
+                        "measured": len(measured),
+                        "considered": len(points),
+                    },
+                )
+            )
+        except OSError as e:
+            warnings.warn(
+                f"uniep.tune: {e}; the result is not cached", RuntimeWarning, stacklevel=2
+            )
+    return result
+
+
+class _CallableModule(types.ModuleType):
+    """``uniep.tune(...)`` is ``uniep.tune.tune(...)``, and the module keeps its other names."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TuneResult:
+        return tune(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

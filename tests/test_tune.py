@@ -1,0 +1,395 @@
+"""uniep.tune on CPU: the cache file, the search, moe_forward's use of the cache and `uniep tune`.
+
+Tiny shapes only: the search itself is timed, so what is checked is its contract (numerics kept,
+bits equal, ranks agreeing, the cache keyed and robust), not which point wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import uniep
+from _dist import run_ranks
+from uniep import tune
+from uniep.cli import main
+
+SHAPE = {"tokens": 8, "hidden": 16, "ffn": 16, "experts": 4, "top_k": 2, "dtype": torch.float32}
+QUICK = {"candidates": 3, "warmup": 0, "iters": 2}
+POINT = "tile_m=32,tile_n=16,tile_k=16,overlap=sequential"
+
+
+def _full(tuning: str) -> str:
+    return uniep.TuningParams.parse(tuning).to_string()
+
+
+def _inputs(rank: int = 0, world: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(5 + rank)
+    t, h, f, e, k = (SHAPE[n] for n in ("tokens", "hidden", "ffn", "experts", "top_k"))
+    idx = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].contiguous()
+    return (
+        torch.randn(t, h, generator=gen),
+        idx,
+        torch.rand(t, k, generator=gen),
+        torch.randn(e // world, h, 2 * f, generator=gen),
+        torch.randn(e // world, f, h, generator=gen),
+    )
+
+
+# ---- the cache file ----
+
+
+def test_cache_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "tune.json"
+    assert tune.lookup(**SHAPE, path=path) is None  # a missing file is an empty cache, silently
+    written = tune.store(POINT, **SHAPE, path=path, info={"measured_ms": 1.5})
+    assert written == path
+    assert tune.lookup(**SHAPE, path=path) == _full(POINT)
+    other = {**SHAPE, "tokens": 16}
+    tune.store("tile_m=64", **other, path=path)
+    assert tune.lookup(**SHAPE, path=path) == _full(POINT)  # earlier entries are kept
+    assert tune.lookup(**other, path=path) == _full("tile_m=64")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "uniep-tune-cache" and data["schema"] == tune.SCHEMA
+    (key,) = [k for k in data["entries"] if "tokens=8|" in k]
+    assert data["entries"][key]["measured_ms"] == 1.5
+    assert f"uniep={uniep.__version__}" in key and "device=cpu-" in key
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tune-")]  # no temp left
+
+
+def test_cache_path_follows_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UNIEP_TUNE_CACHE", str(tmp_path / "x.json"))
+    assert tune.cache_path() == tmp_path / "x.json"
+    monkeypatch.delenv("UNIEP_TUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tune.cache_path() == tmp_path / "uniep" / "tune.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # ignored, as the XDG spec says
+    assert tune.cache_path() == Path.home() / ".cache" / "uniep" / "tune.json"
+
+
+def test_keys_isolate_device_world_size_and_numerics(tmp_path: Path) -> None:
+    path = tmp_path / "tune.json"
+    tune.store(POINT, **SHAPE, device_name="NVIDIA H100 80GB HBM3", path=path)
+    assert tune.lookup(**SHAPE, path=path) is None  # this CPU never reuses a GPU's entry
+    assert tune.lookup(**SHAPE, device_name="NVIDIA H200", path=path) is None
+    assert tune.lookup(**SHAPE, device_name="NVIDIA H100 80GB HBM3", path=path) == _full(POINT)
+    tune.store(POINT, **SHAPE, world_size=2, path=path)
+    assert tune.lookup(**SHAPE, path=path) is None  # world 1 never reuses world 2's
+    assert tune.lookup(**SHAPE, world_size=4, path=path) is None
+    assert tune.lookup(**SHAPE, world_size=2, path=path) == _full(POINT)
+    assert tune.lookup(**SHAPE, world_size=2, numerics="combine=rank_partials", path=path) is None
+    key = tune.cache_key(device_name="d", world_size=2, **SHAPE)
+    for field in (
+        "schema=1",
+        "device=d",
+        "world=2",
+        "tokens=8",
+        "hidden=16",
+        "ffn=16",
+        "experts=4",
+        "top_k=2",
+        "dtype=float32",
+        "dispatch=bf16,combine=per_k",
+    ):
+        assert field in key
+
+
+def test_store_refuses_a_point_that_changes_numerics(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="numerics"):
+        tune.store("dispatch=fp8", **SHAPE, path=tmp_path / "t.json")
+    with pytest.raises(ValueError, match="key 'tile_m' is not a numerics key"):
+        tune.lookup(**SHAPE, numerics="tile_m=64", path=tmp_path / "t.json")
+
+
+_GOOD_ENTRY = {"tuning": _full(POINT)}
+
+
+def _cache_text(entries: object, kind: str = "uniep-tune-cache", schema: object = 1) -> str:
+    return json.dumps({"kind": kind, "schema": schema, "entries": entries})
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{not json", "not valid JSON"),
+        ("", "not valid JSON"),
+        ("[1, 2]", "not a UniEP tune cache"),
+        (_cache_text({}, kind="someone-else"), "not a UniEP tune cache"),
+        (_cache_text({}, schema=99), "schema 99"),
+        (_cache_text([1, 2]), '"entries" must be an object'),
+        (b"\xff\xfe\x00garbage", "unreadable"),
+        (None, "unreadable"),  # a folder where the file should be
+    ],
+    ids=[
+        "bad-json",
+        "empty",
+        "list",
+        "foreign-kind",
+        "other-schema",
+        "entries-list",
+        "not-utf8",
+        "folder",
+    ],
+)
+def test_corrupt_or_foreign_cache_warns_and_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | bytes | None, problem: str
+) -> None:
+    path = tmp_path / "tune.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    # Never fatal: moe_forward with "" warns (once per version of the file) and runs the defaults.
+    monkeypatch.setenv("UNIEP_TUNE_CACHE", str(path))
+    x, idx, w, w1, w2 = _inputs()
+    with pytest.warns(RuntimeWarning, match=re.escape(str(path)) + ".*" + re.escape(problem)):
+        y = uniep.moe_forward(x, idx, w, w1, w2)
+    assert torch.equal(y, uniep.moe_forward(x, idx, w, w1, w2, tuning=_full("")))
+    assert tune.lookup(**SHAPE, path=path) is None
+    if content is not None:  # store replaces a corrupt file
+        with pytest.warns(RuntimeWarning, match="ignoring it"):
+            tune.store(POINT, **SHAPE, path=path)
+        assert tune.lookup(**SHAPE, path=path) == _full(POINT)
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("just a string", 'no "tuning" string'),
+        ({"tuning": 5}, 'no "tuning" string'),
+        ({"tuning": "tile_m=3"}, "bad tuning"),
+        ({"tuning": _full("dispatch=fp8")}, "changes the numerics keys"),
+    ],
+)
+def test_bad_entry_is_skipped_with_a_warning(tmp_path: Path, entry: object, problem: str) -> None:
+    path = tmp_path / "tune.json"
+    good_key = tune.cache_key(device_name=tune.device_name(), world_size=1, **SHAPE)
+    other = {**SHAPE, "tokens": 9}
+    bad_key = tune.cache_key(device_name=tune.device_name(), world_size=1, **other)
+    path.write_text(_cache_text({good_key: _GOOD_ENTRY, bad_key: entry}))
+    with pytest.warns(RuntimeWarning, match=re.escape(problem)):
+        assert tune.lookup(**other, path=path) is None
+    assert tune.lookup(**SHAPE, path=path) == _full(POINT)
+
+
+# ---- the search ----
+
+
+def test_candidates_keep_numerics_and_compiled_tiles() -> None:
+    shape = tune.MoeShape(64, 128, 256, 8, 2, 1, "bfloat16")
+    numerics = "dispatch=fp8,combine=rank_partials,gemm=torch"
+    for device in ("cpu", "cuda"):
+        points = tune.candidate_points(shape, device, numerics)
+        assert points[0] == _full(numerics) and len(set(points)) == len(points) > 1
+        for text in points:
+            p = uniep.TuningParams.parse(text)
+            assert (p.dispatch, p.combine, p.gemm) == ("fp8", "rank_partials", "torch")
+            if device == "cuda":
+                assert (p.tile_m, p.tile_n, p.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
+                assert p.stages == 0
+    model = tune.CostModel(
+        "cuda", peak_flops=1e15, mem_bw=3e12, alpha=2e-6, beta=1e-11, sm_count=132
+    )
+    shape2 = tune.MoeShape(4096, 4096, 2048, 64, 8, 8, "bfloat16")
+    times = [model.seconds(shape2, t) for t in tune.candidate_points(shape2, "cuda")]
+    assert all(math.isfinite(s) and s > 0 for s in times) and len(set(times)) > 1
+
+
+def test_tune_keeps_numerics_and_winner_bits_equal_default(tmp_path: Path) -> None:
+    path = tmp_path / "tune.json"
+    seen: list[str] = []
+    result = tune.tune(
+        **SHAPE,
+        numerics="combine=rank_partials",
+        device="cpu",
+        path=path,
+        progress=lambda done, total, what: seen.append(f"{done}/{total} {what}"),
+        **QUICK,
+    )
+    assert result.default == _full("combine=rank_partials")
+    assert len(result.candidates) == QUICK["candidates"] + 1  # the default is always measured
+    assert seen[-1].startswith(f"{2 * len(result.candidates)}/{2 * len(result.candidates)} ")
+    for c in [*result.candidates, tune.Candidate(result.tuning, 0.0)]:
+        assert uniep.TuningParams.parse(c.tuning).combine == "rank_partials"
+        assert uniep.TuningParams.parse(c.tuning).dispatch == "bf16"
+    measured = [c.measured_ms for c in result.candidates]
+    assert all(math.isfinite(m) and m > 0 for m in measured)
+    assert result.best_ms == min(measured) and result.bits_identical
+    assert result.cache_path == str(path)
+    assert tune.lookup(**SHAPE, numerics="combine=rank_partials", path=path) == result.tuning
+    x, idx, w, w1, w2 = _inputs()
+    y_default = uniep.moe_forward(x, idx, w, w1, w2, tuning=result.default)
+    assert torch.equal(y_default, uniep.moe_forward(x, idx, w, w1, w2, tuning=result.tuning))
+    table = result.table()
+    assert table.count("\n") == len(result.candidates) + 1 and "**yes**" in table
+    with pytest.raises(ValueError, match="numerics: key 'overlap'"):
+        tune.tune(**SHAPE, numerics="overlap=sequential", device="cpu", cache=False)
+    with pytest.raises(ValueError, match="top_k"):
+        tune.tune(**{**SHAPE, "top_k": 0}, device="cpu", cache=False)
+
+
+def test_tune_refuses_a_winner_whose_bits_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from uniep import ops
+
+    real = ops.moe_forward
+    default = _full("")
+
+    def fake(x, topk_idx, topk_weights, w1, w2, group=None, tuning=""):  # noqa: ANN001, ANN202
+        y = real(x, topk_idx, topk_weights, w1, w2, group, tuning)
+        if tuning == default:
+            time.sleep(0.02)  # every other point wins...
+            return y
+        return y + 1.0  # ...with other bits
+
+    monkeypatch.setattr(ops, "moe_forward", fake)
+    with pytest.warns(RuntimeWarning, match="differs bitwise .* keeping the default"):
+        result = tune.tune(**SHAPE, device="cpu", cache=False, **QUICK)
+    assert result.tuning == default and not result.bits_identical
+    assert result.cache_path is None
+
+
+def test_budget_stops_measuring_but_keeps_the_default() -> None:
+    result = tune.tune(**SHAPE, device="cpu", cache=False, budget_s=1e-9, **QUICK)
+    assert [c.tuning for c in result.candidates] == [result.default] == [result.tuning]
+    assert math.isfinite(result.default_ms) and result.considered > QUICK["candidates"]
+    with pytest.raises(ValueError, match="budget_s"):
+        tune.tune(**SHAPE, device="cpu", cache=False, budget_s=0)
+
+
+def test_unwritable_cache_warns_and_returns_the_result(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.warns(RuntimeWarning, match="could not write the uniep tune cache"):
+        result = tune.tune(**SHAPE, device="cpu", path=blocker / "tune.json", **QUICK)
+    assert result.cache_path is None and result.tuning
+
+
+# ---- moe_forward and the nn modules with an empty tuning string ----
+
+
+def test_empty_tuning_uses_the_cached_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("UNIEP_TUNE_CACHE", str(path))
+    real = torch.ops.uniep.moe_forward
+    calls: list[str] = []
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(str(args[6]))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.uniep, "moe_forward", spy)
+    x, idx, w, w1, w2 = _inputs()
+    uniep.moe_forward(x, idx, w, w1, w2)
+    assert calls[-1] == ""  # no cache entry: the built-in default
+    tune.store(POINT, **SHAPE)
+    y = uniep.moe_forward(x, idx, w, w1, w2)
+    assert calls[-1] == _full(POINT)
+    assert torch.equal(y, real(x, idx, w, w1, w2, "", ""))  # same bits, by design
+    uniep.moe_forward(x, idx, w, w1, w2, tuning="tile_m=64")
+    assert calls[-1] == "tile_m=64"  # an explicit point is never replaced
+    uniep.moe_forward(x, idx, w, w1, w2, tuning=uniep.TuningParams())
+    assert calls[-1] == _full("")
+    uniep.moe_forward(x[:4], idx[:4], w[:4], w1, w2)
+    assert calls[-1] == ""  # another token count is another key
+    tune.store("tile_m=16", **SHAPE)  # a rewritten file is read again
+    uniep.moe_forward(x, idx, w, w1, w2)
+    assert calls[-1] == _full("tile_m=16")
+
+    experts = uniep.nn.Experts(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"])
+    experts(x, idx, w)
+    assert calls[-1] == _full("tile_m=16")
+    layer = uniep.nn.MoELayer(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["top_k"])
+    layer(x)
+    assert calls[-1] == _full("tile_m=16")
+    pinned = uniep.nn.MoELayer(16, 16, 4, 2, tuning="tile_m=64")
+    pinned(x)
+    assert calls[-1] == "tile_m=64"
+
+
+# ---- two gloo ranks ----
+
+
+def _two_ranks(rank: int, world: int, folder: str) -> dict:
+    import warnings
+
+    os.environ["UNIEP_TUNE_CACHE"] = os.path.join(folder, f"rank{rank}.json")
+    result = tune.tune(**SHAPE, device="cpu", **QUICK)
+    out = {
+        "tuning": result.tuning,
+        "measured": [c.measured_ms for c in result.candidates],
+        "order": [c.tuning for c in result.candidates],
+        "world": result.world_size,
+        "looked_up": tune.lookup(**SHAPE, world_size=world),
+        "world1": tune.lookup(**SHAPE, world_size=1),
+    }
+    # Both caches hold the same point: moe_forward with "" uses it on both ranks.
+    x, idx, w, w1, w2 = _inputs(rank, world)
+    y = uniep.moe_forward(x, idx, w, w1, w2)
+    out["same_bits"] = torch.equal(y, uniep.moe_forward(x, idx, w, w1, w2, tuning=_full("")))
+    # Rank 0's cache now holds another point, rank 1's none: the call agreement must fail both.
+    other = _full(POINT) if result.tuning != _full(POINT) else _full("tile_m=16")
+    if rank == 0:
+        tune.store(other, **SHAPE, world_size=world)
+    else:
+        os.remove(os.environ["UNIEP_TUNE_CACHE"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            uniep.moe_forward(x, idx, w, w1, w2)
+        out["error"] = ""
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_two_ranks_tune_collectively_and_a_cache_mismatch_fails_loudly(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(2, _two_ranks, str(tmp_path), timeout=90.0)
+    assert r0["world"] == r1["world"] == 2
+    assert r0["tuning"] == r1["tuning"] and r0["order"] == r1["order"]
+    assert r0["measured"] == r1["measured"]  # the slowest rank's median, on both
+    for r in (r0, r1):
+        assert r["looked_up"] == r0["tuning"] and r["world1"] is None and r["same_bits"]
+        # Not a hang, not silent divergence: every rank raises, naming a tuning key and the hint.
+        assert r["error"].startswith("ValueError"), r["error"]
+        assert re.search(r"tuning \w+ differs", r["error"]), r["error"]
+        assert "tune cache" in r["error"], r["error"]
+    assert "rank0.json" in r0["error"] and "rank1.json" in r1["error"]
+
+
+# ---- uniep tune ----
+
+
+def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "cli.json"
+    args = (
+        "tune --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 --device cpu --candidates 2 "
+        "--iters 2 --warmup 0 --combine rank_partials"
+    ).split() + ["--cache", str(path)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "| # | schedule | predicted ms | measured ms | chosen |" in captured.out
+    assert "**yes**" in captured.out and f"cached in {path}" in captured.out
+    assert re.search(r"\[#+\] 6/6 ", captured.err)  # the progress bar: 3 points, 2 rounds
+    chosen = re.search(r"^chosen: (\S+)$", captured.out, re.M).group(1)
+    assert "combine=rank_partials" in chosen
+    assert (
+        tune.lookup(**{**SHAPE, "dtype": "float32"}, numerics="combine=rank_partials", path=path)
+        == chosen
+    )
+    with pytest.raises(SystemExit, match="divisible by --world-size"):
+        main([*args[:7], "--experts", "3", "--top-k", "2", "--world-size", "2"])
+    with pytest.raises(SystemExit):
+        main([*args, "--dispatch", "fp9"])
