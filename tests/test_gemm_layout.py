@@ -36,3 +36,42 @@ def test_named_errors() -> None:
         pack_gate_up(torch.zeros(1, 4, 24))
     with pytest.raises(ValueError, match=r"w1_packed.size\(2\)"):
         unpack_gate_up(torch.zeros(1, 4, 8))
+
+
+def test_quantize_rows_blocks_and_error() -> None:
+    from uniep.gemm import dequantize_rows, quantize_rows
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 384, generator=gen) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(128)
+    x[2, 128:256] = 0.0  # an all-zero block: scale 1, values 0
+    q, scales = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert scales.shape == (5, 3) and scales.dtype == torch.float32
+    amax = x.abs().reshape(5, 3, 128).amax(2)
+    torch.testing.assert_close(scales, torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
+    assert scales[2, 1] == 1.0 and torch.count_nonzero(q[2, 128:256].float()) == 0
+    # Each block's largest value lands on +-448; e4m3 keeps 3 mantissa bits: error <= 2^-4.
+    assert q.float().abs().reshape(5, 3, 128).amax(2)[amax > 0].eq(448).all()
+    err = (dequantize_rows(q, scales) - x).abs()
+    assert (err <= x.abs() * 2**-4 + scales.repeat_interleave(128, 1) * 2**-9).all()
+
+
+def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:
+    from uniep.gemm import dequantize_expert_weights, quantize_expert_weights
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 256, 384, generator=gen)
+    w[1, :128, 128:256] *= 1000.0  # one block far larger than the rest keeps its own scale
+    q, scales = quantize_expert_weights(w.bfloat16())
+    assert q.shape == (3, 384, 256) and q.is_contiguous()  # [E, N, K]
+    assert scales.shape == (3, 2, 3)
+    wb = w.bfloat16().float()
+    amax = wb.reshape(3, 2, 128, 3, 128).abs().amax(dim=(2, 4))
+    torch.testing.assert_close(scales, amax / 448)
+    back = dequantize_expert_weights(q, scales)
+    assert back.shape == w.shape
+    rel = (back - wb).abs() / scales.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    assert (rel <= 448 * 2**-4).all()  # at most half an e4m3 step of the block's range
+    torch.testing.assert_close(back, wb, rtol=2**-4, atol=float(scales.max()) * 2**-6)
+    with pytest.raises(ValueError, match="K and N multiples of 128"):
+        quantize_expert_weights(torch.zeros(1, 128, 100))

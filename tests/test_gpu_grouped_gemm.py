@@ -332,3 +332,56 @@ def test_backward_named_errors_and_opcheck() -> None:
         ops.grouped_mm_dgrad(dy.float(), w, offs)
     torch.library.opcheck(ops.grouped_mm_dgrad, (dy, w, offs))
     torch.library.opcheck(ops.grouped_mm_wgrad, (x, dy, offs))
+
+
+FP8_CASES = {
+    "empty-and-one-row": ([0, 1, 0, 130, 1], 256, 256),
+    "odd-rows": ([3, 127, 129, 255, 1, 77], 512, 384),
+    "many-experts": (_random_counts(260, 30, 23, empty_every=5), 256, 128),
+    "dsv3-like": (_random_counts(32, 600, 24), 2048, 1024),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CASES))
+def test_fp8_grouped_gemm(name: str) -> None:
+    from uniep.gemm import (
+        dequantize_expert_weights,
+        dequantize_rows,
+        grouped_mm_fp8,
+        quantize_expert_weights,
+        quantize_rows,
+    )
+
+    counts, k, n = FP8_CASES[name]
+    x, w, offs = _operands(counts, k, n, seed=len(counts) + 7 * k + n)
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_expert_weights(w)
+    poison = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    out = grouped_mm_fp8(xq, xs, wq, ws, offs)
+    assert out.shape == (x.shape[0], n) and out.dtype == torch.bfloat16
+    assert not out.isnan().any(), "rows left unwritten (NaN poison) or NaN results"
+    # Against float64 of the dequantized operands: only fp32 accumulation and bf16 rounding.
+    ref_q = _reference(dequantize_rows(xq, xs), dequantize_expert_weights(wq, ws), offs)
+    torch.testing.assert_close(out.double(), ref_q, rtol=1.6e-2, atol=2e-2)
+    # Against the bf16 operands' product: the fp8 quantization error, within the goal of 5e-2.
+    ref = _reference(x, w, offs)
+    rel = float((out.double() - ref).norm() / ref.norm())
+    assert rel <= 5e-2, rel
+    assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs), out)
+
+
+def test_fp8_named_errors() -> None:
+    from uniep.gemm import quantize_expert_weights, quantize_rows
+
+    x, w, offs = _operands([64, 64], 256, 128, seed=25)
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_expert_weights(w)
+    op = torch.ops.uniep.grouped_mm_fp8
+    with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
+        op(x, xs, wq, ws, offs)
+    with pytest.raises(ValueError, match=r"w must be \[E, N, K\] with K = x.size.1. = 256"):
+        op(xq, xs, wq.transpose(1, 2).contiguous(), ws, offs)
+    with pytest.raises(ValueError, match=r"x_scales must be \[R, K / 128\]"):
+        op(xq, xs[:, :1].contiguous(), wq, ws, offs)
+    torch.library.opcheck(op, (xq, xs, wq, ws, offs))

@@ -91,3 +91,31 @@ def test_inequality() -> None:
     a = _C.TuningParams.parse("tile_m=64")
     b = _C.TuningParams.parse("tile_m=128")
     assert a != b and not (a == b)
+
+
+def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
+    d = _C.TuningParams()
+    assert (d.tile_m, d.tile_n, d.tile_k, d.stages) == (0, 0, 0, 0)
+    assert d.gemm == "uniep"
+    assert "tile_m=auto,tile_n=auto,tile_k=auto,stages=auto" in d.to_string()
+    assert d.to_string().endswith(",gemm=uniep")
+    p = _C.TuningParams.parse("tile_m=auto,tile_n=256,stages=auto,gemm=torch")
+    assert (p.tile_m, p.tile_n, p.stages, p.gemm) == (0, 256, 0, "torch")
+    assert _C.TuningParams.parse(p.to_string()) == p
+    assert p != _C.TuningParams.parse("tile_n=256")  # gemm is part of the point
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("tile_m=0", "tile_m must be auto or a positive integer, got 0"),
+        ("stages=0", "stages must be auto or a positive integer, got 0"),
+        ("tile_k=Auto", "tile_k"),
+        ("stages=9", "stages must be auto or in"),
+        ("gemm=cublas", "gemm must be uniep or torch"),
+        ("gemm=", "gemm must be uniep or torch"),
+    ],
+)
+def test_auto_and_gemm_errors(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _C.TuningParams.parse(text)

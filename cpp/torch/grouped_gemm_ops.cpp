@@ -209,6 +209,72 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
   });
 }
 
+at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                               const at::Tensor& w_scales, const at::Tensor& offs) {
+  return translate_errors([&] {
+    UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
+    UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
+    UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
+    UNIEP_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "x must be float8_e4m3fn, got ",
+                x.scalar_type());
+    UNIEP_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "w must be float8_e4m3fn, got ",
+                w.scalar_type());
+    UNIEP_CHECK(x_scales.scalar_type() == at::kFloat && w_scales.scalar_type() == at::kFloat,
+                "x_scales and w_scales must be float32, got ", x_scales.scalar_type(), " and ",
+                w_scales.scalar_type());
+    UNIEP_CHECK(offs.scalar_type() == at::kInt, "offs must be int32, got ", offs.scalar_type());
+    for (const at::Tensor* t : {&x_scales, &w, &w_scales, &offs})
+      UNIEP_CHECK(t->device() == x.device(), "every operand must be on x's device ", x.device(),
+                  ", got ", t->device());
+    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    const int64_t rows = x.size(0), k = x.size(1), e = w.size(0), n = w.size(1);
+    UNIEP_CHECK(w.size(2) == k, "w must be [E, N, K] with K = x.size(1) = ", k, ", got shape ",
+                w.sizes());
+    UNIEP_CHECK(offs.size(0) == e, "offs must have E = w.size(0) = ", e, " entries, got ",
+                offs.size(0));
+    UNIEP_CHECK_CODE(k % 128 == 0 && n % 128 == 0, StatusCode::kUnsupported,
+                     "K and N must be multiples of 128 (one scale per 128 x 128 weight block), "
+                     "got K = ",
+                     k, ", N = ", n);
+    UNIEP_CHECK(x_scales.dim() == 2 && x_scales.size(0) == rows && x_scales.size(1) == k / 128,
+                "x_scales must be [R, K / 128] = [", rows, ", ", k / 128, "], got shape ",
+                x_scales.sizes());
+    UNIEP_CHECK(w_scales.dim() == 3 && w_scales.size(0) == e && w_scales.size(1) == k / 128 &&
+                    w_scales.size(2) == n / 128,
+                "w_scales must be [E, K / 128, N / 128] = [", e, ", ", k / 128, ", ", n / 128,
+                "], got shape ", w_scales.sizes());
+    for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
+      UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
+                  t->strides());
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
+    if (rows == 0) return out;
+    const int device = x.device().index();
+    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                     "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
+                     "sm_90a)");
+    cuda::GroupedGemmFp8Problem p;
+    p.x = x.data_ptr();
+    p.x_scales = x_scales.data_ptr<float>();
+    p.w = w.data_ptr();
+    p.w_scales = w_scales.data_ptr<float>();
+    p.offs = offs.data_ptr<int32_t>();
+    p.out = out.data_ptr();
+    p.num_experts = e;
+    p.rows = rows;
+    p.k = k;
+    p.n = n;
+    ok_or_throw(cuda::grouped_gemm_fp8_supports(p));
+    int sm_count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    const size_t bytes = cuda::grouped_gemm_fp8_workspace_bytes(e, rows, k, sm_count);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    ok_or_throw(cuda::grouped_gemm_fp8(p, device, sm_count, workspace.data_ptr(), bytes,
+                                       at::cuda::getCurrentCUDAStream(device).stream()));
+    return out;
+  });
+}
+
 at::Tensor grouped_mm_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& offs,
                                  c10::string_view tuning) {
   return translate_errors([&] {
@@ -230,5 +296,6 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm", &uniep::torch_glue::grouped_mm_cuda);
   m.impl("grouped_mm_swiglu", &uniep::torch_glue::grouped_mm_swiglu_cuda);
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
+  m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

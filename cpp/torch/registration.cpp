@@ -27,6 +27,12 @@ TORCH_LIBRARY(uniep, m) {
   // offs.size(0); zeros for an expert with no rows), summed over rows in ascending order.
   m.def("grouped_mm_dgrad(Tensor dy, Tensor w, Tensor offs, str tuning=\"\") -> Tensor");
   m.def("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str tuning=\"\") -> Tensor");
+  // The forward in fp8 (CUDA only): x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3
+  // (K-major) with w_scales [E, K / 128, N / 128] -> bf16 [R, N] (uniep.gemm.quantize_rows,
+  // quantize_expert_weights).
+  m.def(
+      "grouped_mm_fp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor offs) -> "
+      "Tensor");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

@@ -17,10 +17,15 @@ import torch
 from .ops import check_grouped_mm_meta
 
 __all__ = [
+    "dequantize_expert_weights",
+    "dequantize_rows",
     "grouped_mm_dgrad",
+    "grouped_mm_fp8",
     "grouped_mm_swiglu",
     "grouped_mm_wgrad",
     "pack_gate_up",
+    "quantize_expert_weights",
+    "quantize_rows",
     "unpack_gate_up",
 ]
 
@@ -151,3 +156,94 @@ def _grouped_mm_wgrad_fake(
 ) -> torch.Tensor:
     _check_backward_meta(x, dy, offs, wgrad=True)
     return x.new_empty((offs.shape[0], x.shape[1], dy.shape[1]))
+
+
+# fp8 (e4m3, OCP "fn") with one fp32 scale per block: scale = amax / 448 (1 for an all-zero
+# block), q = round-to-nearest-even(v / scale) saturated at 448. The rows' encoding is the fp8
+# dispatch's (cpp/cuda/dispatch/dispatch.cu, cpp/core/numeric.hpp), so received rows feed
+# grouped_mm_fp8 as they are.
+_FP8_BLOCK = 128
+_E4M3_MAX = 448.0
+
+
+def _block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    inv = torch.where(amax > 0, _E4M3_MAX / amax, torch.ones_like(amax))
+    return scale, inv
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (K a multiple of 128) -> (e4m3 [R, K], fp32 scales [R, K / 128]): one scale per
+    row and 128 columns, the fp8 dispatch's format."""
+    if x.dim() != 2 or x.shape[1] % _FP8_BLOCK != 0:
+        raise ValueError(f"x must be [R, K] with K a multiple of 128, got {tuple(x.shape)}")
+    r, k = x.shape
+    blocks = x.float().reshape(r, k // _FP8_BLOCK, _FP8_BLOCK)
+    scale, inv = _block_scales(blocks.abs().amax(dim=2))
+    q = (blocks * inv.unsqueeze(2)).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(r, k), scale
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values (e4m3 value times its block's scale) of :func:`quantize_rows`' output."""
+    r, k = q.shape
+    return (q.float().reshape(r, k // _FP8_BLOCK, _FP8_BLOCK) * scales.unsqueeze(2)).reshape(r, k)
+
+
+def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] (the bf16 expert weight moe_forward takes; K and N multiples of 128) ->
+    (e4m3 [E, N, K], fp32 scales [E, K / 128, N / 128]): one scale per 128 x 128 block, the
+    weight stored K-major as Hopper's fp8 tensor cores read it."""
+    if w.dim() != 3 or w.shape[1] % _FP8_BLOCK != 0 or w.shape[2] % _FP8_BLOCK != 0:
+        raise ValueError(f"w must be [E, K, N] with K and N multiples of 128, got {tuple(w.shape)}")
+    e, k, n = w.shape
+    kb, nb = k // _FP8_BLOCK, n // _FP8_BLOCK
+    blocks = w.float().reshape(e, kb, _FP8_BLOCK, nb, _FP8_BLOCK)
+    scale, inv = _block_scales(blocks.abs().amax(dim=(2, 4)))  # [E, kb, nb]
+    q = (blocks * inv[:, :, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX)
+    q = q.to(torch.float8_e4m3fn).reshape(e, k, n).transpose(1, 2).contiguous()
+    return q, scale
+
+
+def dequantize_expert_weights(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 [E, K, N] values of :func:`quantize_expert_weights`' output."""
+    e, n, k = q.shape
+    kb, nb = k // _FP8_BLOCK, n // _FP8_BLOCK
+    blocks = q.transpose(1, 2).float().reshape(e, kb, _FP8_BLOCK, nb, _FP8_BLOCK)
+    return (blocks * scales[:, :, None, :, None]).reshape(e, k, n)
+
+
+def grouped_mm_fp8(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    """``x[rows of e] @ w[e]`` in fp8 -> bf16 [R, N] (CUDA, Hopper): x and x_scales from
+    :func:`quantize_rows` (or the fp8 dispatch), w and w_scales from
+    :func:`quantize_expert_weights`; each 128-deep k-block's product scaled and summed in fp32."""
+    return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs)
+
+
+@torch.library.register_fake("uniep::grouped_mm_fp8")
+def _grouped_mm_fp8_fake(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got {tuple(x.shape)}")
+    torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, N, K], got {tuple(w.shape)}")
+    torch._check_value(
+        x.dtype == torch.float8_e4m3fn, lambda: f"x must be float8_e4m3fn, got {x.dtype}"
+    )
+    torch._check_value(
+        w.dtype == torch.float8_e4m3fn, lambda: f"w must be float8_e4m3fn, got {w.dtype}"
+    )
+    torch._check_value(
+        w.shape[2] == x.shape[1],
+        lambda: f"w must be [E, N, K] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
+    )
+    return x.new_empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16)

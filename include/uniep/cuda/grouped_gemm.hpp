@@ -116,6 +116,35 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
                          int sm_count, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream);
 
+// The forward in fp8 (e4m3, OCP "fn"): x's rows carry a scale per 1 x 128 block (the format the
+// fp8 dispatch sends: x[r, c] ~ x_q[r, c] * x_scales[r, c / 128]) and each expert's weight a scale
+// per 128 x 128 block (w[e][c, j] ~ w_q[e][j, c] * w_scales[e][c / 128][j / 128]); the products of
+// each 128-deep k-block are scaled and summed in fp32, in one k order (no split-K), and written
+// as bf16. Hopper's fp8 tensor cores read both operands K-major, so w_q is stored [E, n, k], the
+// transpose of the bf16 weight [E, k, n].
+struct GroupedGemmFp8Problem {
+  const void* x = nullptr;            // [rows, k] e4m3
+  const float* x_scales = nullptr;    // [rows, k / 128]
+  const void* w = nullptr;            // [num_experts, n, k] e4m3
+  const float* w_scales = nullptr;    // [num_experts, k / 128, n / 128]
+  const int32_t* offs = nullptr;      // [num_experts] int32, cumulative row ends (device memory)
+  void* out = nullptr;                // [rows, n] bf16
+  int64_t num_experts = 0, rows = 0;  // as GroupedGemmProblem
+  int64_t k = 0, n = 0;               // multiples of 128
+};
+
+// OK when the fp8 kernel takes the problem: k and n positive multiples of 128, 16-byte aligned
+// x, w and out, non-null scales and offs (kUnsupported / kInvalidArgument naming the argument).
+Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p);
+
+// Bytes of workspace grouped_gemm_fp8 needs (its per-expert arrays, the rows' scales reordered
+// for the kernel, CUTLASS's descriptors); 0 for arguments it refuses.
+size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64_t k, int sm_count);
+
+// Enqueues the fp8 grouped GEMM on `stream` (no host sync; offs read on the device).
+Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream);
+
 // act [rows, ffn] = silu(h[:, :ffn]) * h[:, ffn:] for h [rows, 2 ffn] bf16, in fp32, rounded once
 // to bf16: the activation between the expert GEMMs when w1 is not packed for kSwiGlu, with the
 // same formula (so both give the same bits from the same h). ffn a multiple of 8; h and act
