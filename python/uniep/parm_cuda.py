@@ -9,8 +9,9 @@ What runs on which primitive (one rank):
   accumulation in ``uniep.collectives.reduce_order``, rounded once).
 - The EP all-to-alls: ``torch.ops.uniep.all_to_all_ulysses`` on a [P, block] tensor (scatter
   dim 0, gather dim 1), which is a plain block all-to-all.
-- The expert shards: ``torch._grouped_mm`` (bf16 on compute capability 9.x/10.x, K and N
-  multiples of 8: every local expert has the same capacity rows, so the groups are equal),
+- The expert shards: UniEP's expert GEMM engine (``torch.ops.uniep.grouped_mm``, bf16 on
+  compute capability 9.0 with the engine built; ``torch._grouped_mm`` on 10.x), K and N
+  multiples of 8 (every local expert has the same capacity rows, so the groups are equal);
   otherwise ``torch.bmm``.
 - Routing, order, I-order and the backward's VJPs: torch ops on the GPU (``parm_exec``).
 - The routing agreement (three int64 per rank): torch.distributed on the default group (gloo
@@ -154,6 +155,14 @@ def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(a.device)[0] in (9, 10)
 
 
+def _engine_fits(a: torch.Tensor) -> bool:
+    """Whether UniEP's expert GEMM engine runs here: a compute capability 9.0 GPU and a build
+    with its CUDA kernel (``_grouped_mm_fits`` has checked the rest)."""
+    return torch.cuda.get_device_capability(a.device) == (9, 0) and bool(
+        torch._C._dispatch_has_kernel_for_dispatch_key("uniep::grouped_mm", "CUDA")
+    )
+
+
 class CudaBackend:
     """The ``ParmBackend`` over UniEP's collectives (CUDA tensors; CPU tensors too, on the CPU
     collectives, for tests). See the module docstring for what runs where.
@@ -291,7 +300,11 @@ class CudaBackend:
             return torch.bmm(a, b)
         B, m, k = a.shape
         offs = torch.arange(1, B + 1, device=a.device, dtype=torch.int32) * m
-        out = torch._grouped_mm(a.contiguous().view(B * m, k), b.contiguous(), offs)
+        rows, w = a.contiguous().view(B * m, k), b.contiguous()
+        if _engine_fits(a):
+            out = torch.ops.uniep.grouped_mm(rows, w, offs)
+        else:
+            out = torch._grouped_mm(rows, w, offs)
         return out.view(B, m, b.shape[2])
 
     def pipelined(
