@@ -2,10 +2,13 @@
 // ep_dispatch_cached, ep_combine, and moe_forward = dispatch + grouped-GEMM experts (the expert
 // GEMM engine, or torch._grouped_mm with tuning gemm=torch) + combine.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -236,6 +239,19 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
   });
 }
 
+// The per-(token, k) combine runs after the experts, alone on the stream: it has nothing to
+// overlap with, so it takes the SMs of the whole budget (sms's total; all of the device by
+// default), as combine=rank_partials always has. sms's first number bounds communication where
+// it runs beside compute (the dispatch's roles, the MegaKernel). Measured on one H100 with 24
+// SMs: the send copied a DeepSeek-V3 rank's rows at 1.4 TB/s, 0.69 ms of a 6 ms layer
+// (bench/results/2026-11-25-h100-engine).
+int combine_sms(const TuningParams& params, const at::Tensor& like) {
+  int device_sms = 0;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, like.device().index()));
+  return params.total_sms > 0 ? std::min(params.total_sms, device_sms) : device_sms;
+}
+
 at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
                        const at::Tensor& topk_idx, const at::Tensor& topk_weights, ep::Runtime& rt,
                        int64_t epoch, const TuningParams& params, cudaStream_t stream) {
@@ -255,7 +271,7 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
   at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
   ok_or_throw(rt.combine(y.data_ptr(), row_target.data_ptr<int64_t>(), y.size(0),
                          topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
-                         topk_idx.size(0), params.comm_sms, params.combine, out.data_ptr(),
+                         topk_idx.size(0), combine_sms(params, y), params.combine, out.data_ptr(),
                          static_cast<uint64_t>(epoch), stream));
   return out;
 }
