@@ -19,8 +19,10 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
   - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
-The goal ratios are against max(dense chain, weight floor). Also ``moe_backward`` (which recomputes
-the experts' forward) against the dense chain's backward alone and with its forward.
+The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepared``'s
+``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue and with fp8 experts (and the
+fp8 dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
+recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
 ``--profile N`` adds each layer's per-kernel GPU time (torch profiler, N calls) for the dense chain
@@ -222,6 +224,25 @@ def _bench_layer(
             ms = median_time_ms(lambda t=tuning: layer_call(t), warmup, iters, cuda=True)
             row[f"ms[{impl}]"] = ms
             row[f"over_floor[{impl}]"] = ms / floor
+        # Prepared experts (uniep.prepared): w1 packed for the SwiGLU epilogue, and fp8 with the
+        # fp8 dispatch; each against the bf16 layer's output and time.
+        from uniep.prepared import moe_forward_prepared, prepare_experts
+
+        base_ms = row["ms[uniep]"]
+        for fmt, tuning in (("bf16_packed", ""), ("fp8", "dispatch=fp8")):
+            prepared = prepare_experts(w1, w2, fmt)
+
+            def prepared_call(p: Any = prepared, t: str = tuning) -> torch.Tensor:
+                return moe_forward_prepared(x, idx, weights, p, group, t)
+
+            out = prepared_call().float()
+            row[f"rel_diff[{fmt}]"] = float((out - ref).norm() / ref.norm())
+            ms = median_time_ms(prepared_call, warmup, iters, cuda=True)
+            row[f"ms[{fmt}]"] = ms
+            row[f"over_bf16_layer[{fmt}]"] = ms / base_ms
+            row[f"over_floor[{fmt}]"] = ms / floor
+            del prepared, out
+            torch.cuda.empty_cache()
         row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
         row["dense_forward_backward_ms"] = median_time_ms(
             dense_forward_backward, warmup, iters, cuda=True

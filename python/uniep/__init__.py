@@ -21,6 +21,7 @@ from . import (  # noqa: F401
     ops,
     parallel,
     parm,
+    prepared,
     reference,
     tune,
 )

@@ -1,0 +1,170 @@
+"""MoE inference on expert weights prepared once for the expert GEMM engine.
+
+``moe_forward`` takes the weights as training holds them (bf16 ``w1 [E, H, 2I]`` gate then up,
+``w2 [E, I, H]``), so its SwiGLU runs between the GEMMs and its fp8 dispatch feeds bf16 GEMMs. A
+server's weights do not change: :func:`prepare_experts` lays them out once in one of the engine's
+formats, and :func:`moe_forward_prepared` runs the layer on them.
+
+- ``"bf16_packed"``: w1 with gate and up interleaved in blocks of 8 columns
+  (``uniep.gemm.pack_gate_up``), so the first GEMM applies SwiGLU in its epilogue and the
+  [R, 2I] product never reaches memory.
+- ``"fp8"``: both weights in e4m3 with one scale per 128 x 128 block, stored K-major
+  (``uniep.gemm.quantize_expert_weights``); the tokens travel in the fp8 dispatch's format (1 x 128
+  scales) and feed the fp8 grouped GEMM as they arrive; the activation is quantized the same way
+  for the second GEMM. Needs ``dispatch=fp8`` in the tuning, hidden and the expert FFN size
+  multiples of 128.
+
+On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
+CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
+Forward only (no autograd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import _C
+from .distributed import group_name, world_size
+from .gemm import (
+    dequantize_expert_weights,
+    pack_gate_up,
+    quantize_expert_weights,
+    quantize_rows,
+    unpack_gate_up,
+)
+
+__all__ = ["FORMATS", "PreparedExperts", "moe_forward_prepared", "prepare_experts"]
+
+FORMATS = ("bf16_packed", "fp8")
+
+
+@dataclass(frozen=True)
+class PreparedExperts:
+    """One rank's experts in an engine format (see the module docstring)."""
+
+    format: str
+    w1: torch.Tensor  # bf16_packed: [E, H, 2I] bf16 interleaved; fp8: [E, 2I, H] e4m3
+    w2: torch.Tensor  # bf16_packed: [E, I, H] bf16; fp8: [E, H, I] e4m3
+    w1_scales: torch.Tensor | None = None  # fp8: [E, H / 128, 2I / 128]
+    w2_scales: torch.Tensor | None = None  # fp8: [E, I / 128, H / 128]
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w1.shape[0])
+
+    @property
+    def hidden(self) -> int:
+        return int(self.w1.shape[1] if self.format == "bf16_packed" else self.w1.shape[2])
+
+    @property
+    def ffn(self) -> int:
+        return int(self.w2.shape[1] if self.format == "bf16_packed" else self.w2.shape[2])
+
+    def plain(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as ``moe_forward`` takes them (w1 [E, H, 2I] gate then up, w2 [E, I, H]),
+        in ``dtype``: unpacked, or dequantized (e4m3 value times its block's scale)."""
+        if self.format == "bf16_packed":
+            return unpack_gate_up(self.w1).to(dtype), self.w2.to(dtype).contiguous()
+        assert self.w1_scales is not None and self.w2_scales is not None
+        w1 = dequantize_expert_weights(self.w1, self.w1_scales)
+        w2 = dequantize_expert_weights(self.w2, self.w2_scales)
+        return w1.to(dtype).contiguous(), w2.to(dtype).contiguous()
+
+
+def prepare_experts(w1: torch.Tensor, w2: torch.Tensor, format: str) -> PreparedExperts:
+    """This rank's experts (w1 [E, H, 2I], gate then up; w2 [E, I, H]) in ``format``
+    (``"bf16_packed"`` or ``"fp8"``); one copy of the weights, made once."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"w1 must be [E, H, 2I] and w2 [E, I, H], got {tuple(w1.shape)} and {tuple(w2.shape)}"
+        )
+    e, h, two_i = w1.shape
+    if two_i % 2 or tuple(w2.shape) != (e, two_i // 2, h):
+        raise ValueError(
+            f"w2 must be [E, I, H] = [{e}, {two_i // 2}, {h}] for w1 {tuple(w1.shape)}, got "
+            f"{tuple(w2.shape)}"
+        )
+    if w1.device != w2.device:
+        raise ValueError(f"w1 and w2 must be on one device, got {w1.device} and {w2.device}")
+    if format == "bf16_packed":
+        w1p = pack_gate_up(w1.detach().to(torch.bfloat16))
+        return PreparedExperts(format, w1p, w2.detach().to(torch.bfloat16).contiguous())
+    if h % 128 or (two_i // 2) % 128:
+        raise ValueError(
+            f"fp8 experts need hidden and the expert FFN size to be multiples of 128 (one scale "
+            f"per 128 x 128 block), got hidden {h}, FFN {two_i // 2}"
+        )
+    w1q, w1s = quantize_expert_weights(w1.detach())
+    w2q, w2s = quantize_expert_weights(w2.detach())
+    return PreparedExperts(format, w1q, w2q, w1s, w2s)
+
+
+def moe_forward_prepared(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: PreparedExperts,
+    group: dist.ProcessGroup | None = None,
+    tuning: str = "",
+) -> torch.Tensor:
+    """The MoE layer of ``uniep.moe_forward`` on prepared experts (forward only).
+
+    CUDA (bf16 x, Hopper): the dispatch, the engine's GEMMs in the prepared format, the combine.
+    CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
+    """
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts must be a PreparedExperts, got {type(experts).__name__}")
+    params = _C.TuningParams.parse(tuning)
+    if experts.format == "fp8" and params.dispatch != "fp8":
+        raise ValueError(
+            "fp8 experts take the tokens in the fp8 dispatch's format: add dispatch=fp8 to tuning"
+        )
+    name = group_name(group)
+    if x.device.type != "cuda":
+        w1, w2 = experts.plain(x.dtype)
+        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    world = world_size(group)
+    return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
+
+
+def _forward_cuda(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: PreparedExperts,
+    name: str,
+    world: int,
+    tuning: str,
+) -> torch.Tensor:
+    from .ep import ensure_runtime
+
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 on CUDA, got {x.dtype}")
+    if experts.w1.device != x.device:
+        raise ValueError(f"the experts must be on x's device {x.device}, got {experts.w1.device}")
+    if x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be [T, H = {experts.hidden}], got {tuple(x.shape)}")
+    ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts.num_experts * world)
+    ops = torch.ops.uniep
+    recv_x, scales, _, _, _, per_expert, row_slot, row_target, epoch = ops.ep_dispatch(
+        x, topk_idx, topk_weights, name, tuning
+    )
+    offs = per_expert.cumsum(0).to(torch.int32)
+    rows = recv_x.index_select(0, row_slot)
+    if experts.format == "bf16_packed":
+        act = ops.grouped_mm_swiglu(rows, experts.w1, offs, tuning)
+        y = ops.grouped_mm(act, experts.w2, offs, tuning)
+    else:
+        row_scales = scales.index_select(0, row_slot)
+        h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs)
+        ffn = experts.ffn
+        act = (F.silu(h[:, :ffn].float()) * h[:, ffn:].float()).to(torch.bfloat16)
+        act_q, act_s = quantize_rows(act)
+        y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs)
+    return ops.ep_combine(y.contiguous(), row_target, topk_idx, topk_weights, name, epoch, tuning)
