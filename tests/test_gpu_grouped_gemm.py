@@ -168,7 +168,7 @@ def test_named_errors() -> None:
     with pytest.raises(ValueError, match="x must be contiguous"):
         op(x.t().contiguous().t(), w, offs)
     with pytest.raises(ValueError, match="w must be contiguous"):
-        op(x, w.transpose(1, 2).contiguous().transpose(1, 2), offs)
+        op(x, w.repeat(1, 1, 2)[:, :, : w.shape[2]], offs)  # rows 2N apart: neither layout
     x60, w60, offs60 = _operands([16], 60, 64, seed=9)
     with pytest.raises(NotImplementedError, match=r"K = x.size.1. must be a multiple of 8.*got 60"):
         op(x60, w60, offs60)
@@ -385,3 +385,16 @@ def test_fp8_named_errors() -> None:
     with pytest.raises(ValueError, match=r"x_scales must be \[R, K / 128\]"):
         op(xq, xs[:, :1].contiguous(), wq, ws, offs)
     torch.library.opcheck(op, (xq, xs, wq, ws, offs))
+
+
+def test_k_major_weights_run_without_a_copy() -> None:
+    # w [E, K, N] as the transpose of a contiguous [E, N, K] (HF's gate_up_proj layout) runs as
+    # the data-gradient kind's product, reading w K-major: the same values, and the same bits
+    # as the contiguous w (one fp32 sum over K in the same k-step order).
+    counts = [70, 0, 300, 129, 1]
+    x, w, offs = _operands(counts, 512, 256, seed=26)
+    w_t = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not w_t.is_contiguous() and w_t.transpose(1, 2).is_contiguous()
+    got = _op(x, w_t, offs)
+    _assert_bf16_close(got, _reference(x, w, offs))
+    assert torch.equal(got, _op(x, w, offs))

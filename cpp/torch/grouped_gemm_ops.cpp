@@ -35,10 +35,13 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
               " entries, got ", offs.size(0));
   UNIEP_CHECK(w.size(1) == x.size(1), "w must be [E, K, N] with K = x.size(1) = ", x.size(1),
               ", got shape ", w.sizes());
-  // A copy of a transposed w would cost more than the GEMM: the caller decides.
+  // A copy of a transposed w would cost more than the GEMM; a w whose [E, N, K] transpose is
+  // contiguous (the layout of HF's gate_up_proj) runs as it is, read K-major (engine_grouped_mm).
   UNIEP_CHECK(x.is_contiguous(), "x must be contiguous (row-major [R, K]), got strides ",
               x.strides());
-  UNIEP_CHECK(w.is_contiguous(), "w must be contiguous (row-major [E, K, N]), got strides ",
+  UNIEP_CHECK(w.is_contiguous() || w.transpose(1, 2).is_contiguous(),
+              "w must be contiguous (row-major [E, K, N]) or the transpose of a contiguous "
+              "[E, N, K], got strides ",
               w.strides());
   UNIEP_CHECK(offs.is_contiguous(), "offs must be contiguous, got strides ", offs.strides());
   UNIEP_CHECK_CODE(x.size(1) % kAlign == 0, StatusCode::kUnsupported,
@@ -145,6 +148,12 @@ at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 
 at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                              const TuningParams& tuning) {
+  if (w.dim() == 3 && !w.is_contiguous() && w.transpose(1, 2).is_contiguous()) {
+    // w [E, K, N] viewed from a contiguous [E, N, K]: x w[e] = x (w^T)[e]^T is the data-gradient
+    // kind's product, which reads its weight K-major, so no copy is made.
+    check_grouped_mm_args(x, w, offs);
+    return engine_grouped_mm_dgrad(x, w.transpose(1, 2), offs, tuning);
+  }
   return run_engine(x, w, offs, tuning, cuda::GroupedGemmEpilogue::kStore);
 }
 

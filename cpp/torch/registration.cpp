@@ -17,7 +17,8 @@ TORCH_LIBRARY(uniep, m) {
   // torch._grouped_mm's bf16 case on UniEP's Hopper grouped GEMM (CUDA only): x [R, K],
   // w [E, K, N], offs [E] int32 cumulative row ends -> [R, N]; expert e multiplies rows
   // [offs[e-1], offs[e]) of x by w[e]. offs stays on the device (no host sync). tuning's
-  // tile_m, tile_n, tile_k and stages pick the configuration (all auto: by shape).
+  // tile_m, tile_n, tile_k and stages pick the configuration (all auto: by shape). w may be the
+  // transpose of a contiguous [E, N, K] (read K-major, no copy).
   m.def("grouped_mm(Tensor x, Tensor w, Tensor offs, str tuning=\"\") -> Tensor");
   // The same with SwiGLU applied in the GEMM's epilogue (CUDA only): w_packed [E, K, 2I] holds
   // gate and up interleaved in blocks of 8 columns (uniep.gemm.pack_gate_up) -> act [R, I].
