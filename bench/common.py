@@ -15,7 +15,6 @@ import re
 import socket
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,30 +89,12 @@ def write_result(name: str, rows: list[dict], out_dir: str | None = None) -> str
 
 
 def time_calls_ms(fn: Callable[[], object], iters: int, cuda: bool) -> list[float]:
-    """The time of each of ``iters`` calls of ``fn()`` in milliseconds, no warm-up.
+    """The time of each of ``iters`` calls of ``fn()`` in milliseconds, no warm-up: UniEP's own
+    timing (``uniep.timing.time_calls_ms``, CUDA events with ``cuda``, else the wall clock), so
+    the benchmarks and ``uniep.tune`` measure alike."""
+    from uniep.timing import time_calls_ms as uniep_time_calls_ms
 
-    With ``cuda`` each call is timed with CUDA events on the current stream (the host does not
-    wait between calls, so launch overhead is hidden as it would be in a training step);
-    otherwise with ``time.perf_counter``.
-    """
-    if not cuda:
-        times: list[float] = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    return uniep_time_calls_ms(fn, iters, cuda)
 
 
 def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:

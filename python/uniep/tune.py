@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, distributed
+from .timing import time_calls_ms
 
 __all__ = [
     "CUDA_TILES",
@@ -625,24 +626,7 @@ def _times_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> 
     current stream (the host does not wait between calls) or the wall clock."""
     for _ in range(warmup):
         fn()
-    if not cuda:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    return time_calls_ms(fn, iters, cuda)
 
 
 class _Group:

@@ -24,6 +24,8 @@ swapped too, and one that does not is named with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -256,16 +258,30 @@ def swap_moe_blocks(
             f"{type(model).__name__} has no HF experts module (a submodule named 'experts' with "
             "gate_up_proj and down_proj)"
         )
+    return _replace_found(
+        model, found, unsupported_reason, lambda m: HFExperts.from_hf(m, group, tuning), strict
+    )
+
+
+def _replace_found(
+    model: nn.Module,
+    found: list[tuple[str, nn.Module]],
+    unsupported: Callable[[nn.Module], str | None],
+    make: Callable[[nn.Module], nn.Module],
+    strict: bool,
+) -> list[str]:
+    """Replace each (qualified name, module) of ``found`` in ``model`` by ``make(module)``, in
+    place; a module ``unsupported`` gives a reason for raises (``strict``) or stays. Returns the
+    names replaced. Shared by the HF and Megatron swaps."""
     swapped = []
     for name, module in found:
-        reason = unsupported_reason(module)
+        reason = unsupported(module)
         if reason is not None:
             if strict:
                 raise ValueError(f"cannot swap {name} ({type(module).__name__}): {reason}")
             continue
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, HFExperts.from_hf(module, group, tuning))
+        setattr(model.get_submodule(parent_name), child, make(module))
         swapped.append(name)
     return swapped
 

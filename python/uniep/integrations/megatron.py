@@ -64,7 +64,7 @@ from torch import nn
 
 from .. import _C
 from ..nn import Experts
-from .hf import _is_silu
+from .hf import _is_silu, _replace_found
 
 __all__ = [
     "LAYOUTS",
@@ -574,19 +574,13 @@ def swap_moe_blocks(
             f"{type(model).__name__} is itself a Megatron-style block: use "
             "MegatronMoE.from_megatron(block) instead of swapping it in place"
         )
-    swapped = []
-    for name, block in found:
-        reason = unsupported_reason(block)
-        if reason is not None:
-            if strict:
-                raise ValueError(f"cannot swap {name} ({type(block).__name__}): {reason}")
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(
-            model.get_submodule(parent_name), child, MegatronMoE.from_megatron(block, group, tuning)
-        )
-        swapped.append(name)
-    return swapped
+    return _replace_found(
+        model,
+        found,
+        unsupported_reason,
+        lambda block: MegatronMoE.from_megatron(block, group, tuning),
+        strict,
+    )
 
 
 def megatron_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 
@@ -22,12 +23,8 @@ namespace uniep::cuda::grouped {
 //   kDgrad    x = dy [R, k], w [E, n, k], out [R, n]:  M = rows, B = w[e]^T (K-major)
 //   kWgrad    x [R, k], w = dy [R, n], out [E, k, n]:  M = k, N = n, K = rows; an expert with no
 //             rows gets no tiles (M = 0) and zero_empty_wgrad clears its out[e].
-// out_n: the columns of out (n, or n / 2 for the SwiGLU epilogue).
-//
-// One warp walks offs in chunks of 32 experts. Each end is clamped to [0, rows] and raised to the
-// largest earlier end (a max-scan): the row ranges are then disjoint, ascending and inside x and
-// out whatever offs holds, so a malformed offs can give wrong rows but never an access out of
-// bounds or two experts writing one row. For a valid offs the clamp changes nothing.
+// out_n: the columns of out (n, or n / 2 for the SwiGLU epilogue). One warp walks the experts
+// (expert_rows_step).
 template <GroupedKind Kind>
 __global__ void __launch_bounds__(32)
     build_grouped_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k,
@@ -37,19 +34,10 @@ __global__ void __launch_bounds__(32)
   int carry = 0;  // end of the last expert of the previous chunk
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
-    int end = e < num_experts ? min(max(offs[e], 0), rows) : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, end, d);
-      if (lane >= d) end = max(end, v);
-    }
-    end = max(end, carry);
-    int begin = __shfl_up_sync(0xffffffffu, end, 1);
-    if (lane == 0) begin = carry;
-    carry = __shfl_sync(0xffffffffu, end, 31);
+    const ExpertRows r = expert_rows_step(offs, e, num_experts, rows, lane, carry);
     if (e >= num_experts) continue;
-    const int m = end - begin;
-    const int64_t b = begin, ee = e;
+    const int m = r.end - r.begin;
+    const int64_t b = r.begin, ee = e;
     if constexpr (Kind == GroupedKind::kWgrad) {
       ws.shapes[e] = Shape{m > 0 ? k : 0, n, m};
       ws.ptr_a[e] = x + b * k;

@@ -29,16 +29,11 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
   if constexpr (G::kEpilogue == GroupedEpilogue::kSwiGlu) {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
   } else {
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.epilogue.ptr_D = ws.ptr_d;
-    args.epilogue.dD = ws.stride_d;
+    set_store_epilogue(args, ws, device, sm_count);
   }
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
   return args;
 }
 

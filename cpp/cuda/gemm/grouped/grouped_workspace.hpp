@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
+#include "uniep/status.hpp"
 
 namespace uniep::cuda::grouped {
 
@@ -54,6 +55,33 @@ inline Workspace carve(void* base, int64_t num_experts) {
   ws.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
   ws.gemm = p;
   return ws;
+}
+
+// A caller's workspace for a kernel that needs `need` bytes: kInvalidArgument naming `what` (the
+// kernel) when it is missing, too small or not 256-byte aligned.
+inline Status check_workspace(const void* workspace, size_t workspace_bytes, size_t need,
+                              const char* what) {
+  if (workspace == nullptr || workspace_bytes < need)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(what, " needs ", need, " bytes of workspace, got ", workspace_bytes)};
+  if (reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlign != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("workspace must be ", kWorkspaceAlign, "-byte aligned")};
+  return Status::Ok();
+}
+
+// The arguments every grouped kernel with the TMA store epilogue shares: D = acc into the
+// workspace's per-group out pointers and strides (no C), on sm_count SMs of device.
+template <class Arguments>
+void set_store_epilogue(Arguments& args, const Workspace& ws, int device, int sm_count) {
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ws.ptr_d;
+  args.epilogue.dD = ws.stride_d;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
 }
 
 }  // namespace uniep::cuda::grouped

@@ -24,6 +24,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -103,7 +104,8 @@ Fp8Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
   return a;
 }
 
-// As grouped_problems.cuh's kernel (the same clamped max-scan of offs), for the fp8 operands:
+// As grouped_problems.cuh's kernel (the same walk over offs, expert_rows_step), for the fp8
+// operands:
 // per expert the shapes, the K-major x rows and w[e] [n, k], the bf16 out rows, and the scales'
 // pointers and layouts (A's scales: this expert's block of the reordered sfa).
 __global__ void __launch_bounds__(32)
@@ -115,19 +117,11 @@ __global__ void __launch_bounds__(32)
   int carry = 0;
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
-    int end = e < num_experts ? min(max(offs[e], 0), rows) : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, end, d);
-      if (lane >= d) end = max(end, v);
-    }
-    end = max(end, carry);
-    int begin = __shfl_up_sync(0xffffffffu, end, 1);
-    if (lane == 0) begin = carry;
-    carry = __shfl_sync(0xffffffffu, end, 31);
+    const grouped::ExpertRows r =
+        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
     if (e >= num_experts) continue;
-    const int m = end - begin;
-    const int64_t b = begin, ee = e;
+    const int m = r.end - r.begin;
+    const int64_t b = r.begin, ee = e;
     ws.shapes[e] = grouped::Shape{m, n, k};
     ws.ptr_a[e] = reinterpret_cast<const Bf16*>(x + b * k);
     ws.ptr_b[e] = reinterpret_cast<const Bf16*>(w + ee * n * k);
@@ -172,14 +166,7 @@ Fp8Gemm::Gemm::Arguments fp8_arguments(const grouped::Workspace& ws, const Fp8Ar
   args.mainloop.layout_SFA = fa.layout_sfa;
   args.mainloop.ptr_SFB = fa.ptr_sfb;
   args.mainloop.layout_SFB = fa.layout_sfb;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ws.ptr_d;
-  args.epilogue.dD = ws.stride_d;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
+  grouped::set_store_epilogue(args, ws, device, sm_count);
   return args;
 }
 
@@ -236,13 +223,9 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0) return Status::Ok();
   const size_t need = grouped_gemm_fp8_workspace_bytes(p.num_experts, p.rows, p.k, sm_count);
-  if (workspace == nullptr || workspace_bytes < need)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("the fp8 grouped GEMM needs ", need, " bytes of workspace, got ",
-                            workspace_bytes)};
-  if (reinterpret_cast<uintptr_t>(workspace) % grouped::kWorkspaceAlign != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("workspace must be ", grouped::kWorkspaceAlign, "-byte aligned")};
+  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the fp8 grouped GEMM");
+      !s.ok())
+    return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   void* after = static_cast<char*>(workspace) + grouped::group_arrays_bytes(p.num_experts);

@@ -186,13 +186,9 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0 && p.kind != GroupedGemmKind::kWgrad) return Status::Ok();
   const size_t need = grouped_gemm_workspace_bytes(p.num_experts, sm_count);
-  if (workspace == nullptr || workspace_bytes < need)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("the grouped GEMM needs ", need, " bytes of workspace, got ",
-                            workspace_bytes)};
-  if (reinterpret_cast<uintptr_t>(workspace) % grouped::kWorkspaceAlign != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("workspace must be ", grouped::kWorkspaceAlign, "-byte aligned")};
+  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the grouped GEMM");
+      !s.ok())
+    return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
