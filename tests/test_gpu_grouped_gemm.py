@@ -384,7 +384,13 @@ def test_fp8_named_errors() -> None:
         op(xq, xs, wq.transpose(1, 2).contiguous(), ws, offs)
     with pytest.raises(ValueError, match=r"x_scales must be \[R, K / 128\]"):
         op(xq, xs[:, :1].contiguous(), wq, ws, offs)
-    torch.library.opcheck(op, (xq, xs, wq, ws, offs))
+    # Not test_schema: its mutation check compares fp8 tensors with allclose, which torch does
+    # not implement for float8_e4m3fn.
+    torch.library.opcheck(
+        op,
+        (xq, xs, wq, ws, offs),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def test_k_major_weights_run_without_a_copy() -> None:

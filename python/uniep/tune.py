@@ -859,9 +859,10 @@ def tune(
     arguments. It ranks every candidate schedule (``uniep.tune.candidate_points``) with a cost model
     calibrated by a short measurement, then times the best ``candidates`` of them and the default
     point with ``torch.ops.uniep.moe_forward`` on random routing: ``warmup`` untimed calls, then
-    ``iters`` timed ones in two rounds (median; CUDA events on a GPU, the wall clock on CPU). A
-    candidate's time is the slowest rank's; rank 0's choice is broadcast. The winner's output must
-    equal the default point's bit for bit on the tuning inputs, else a warning and the default.
+    ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the wall
+    clock on CPU). A candidate's time is the slowest rank's; rank 0's choice is broadcast. The
+    winner's output must equal the default point's bit for bit on the tuning inputs, else a
+    warning and the default.
 
     Args:
         group: the process group the experts are split over.
@@ -946,7 +947,9 @@ def tune(
     rows = [Candidate(t, model.seconds(shape, t) * 1e3) for t in chosen]
 
     samples: list[list[float]] = [[] for _ in rows]
-    rounds = 2 if iters >= 2 else 1
+    # Interleaved rounds so that a clock or thermal drift during the search spreads over every
+    # candidate instead of favouring the ones measured early: 2 to 4 rounds of at least 3 calls.
+    rounds = min(iters, max(2, min(4, iters // 3)))
     per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
     total = rounds * len(rows)
     done = 0
