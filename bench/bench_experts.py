@@ -213,7 +213,15 @@ def _bench_layer(
         "top_k": top_k,
         "weight_gb": (w1.numel() + w2.numel()) * 2 / 1e9,
     }
+
+    def progress(stage: str) -> None:
+        # Where the memory goes, stage by stage (the largest loads come close to 80 GB).
+        gb = torch.cuda.memory_allocated() / 1e9
+        peak = torch.cuda.max_memory_allocated() / 1e9
+        print(f"{load}: {stage} (allocated {gb:.1f} GB, peak {peak:.1f} GB)", flush=True)
+
     with torch.no_grad():
+        progress("inputs")
         ref = layer_call("gemm=torch").float()
         row["dense_ms"] = median_time_ms(dense, warmup, iters, cuda=True)
         row["weight_read_ms"] = median_time_ms(weight_read, warmup, iters, cuda=True)
@@ -228,6 +236,7 @@ def _bench_layer(
         # fp8 dispatch; each against the bf16 layer's output and time.
         from uniep.prepared import moe_forward_prepared, prepare_experts
 
+        progress("moe_forward variants")
         base_ms = row["ms[uniep]"]
         for fmt, tuning in (("bf16_packed", ""), ("fp8", "dispatch=fp8")):
             prepared = prepare_experts(w1, w2, fmt)
@@ -243,6 +252,7 @@ def _bench_layer(
             row[f"over_floor[{fmt}]"] = ms / floor
             del prepared, out
             torch.cuda.empty_cache()
+            progress(fmt)
         row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
         row["dense_forward_backward_ms"] = median_time_ms(
             dense_forward_backward, warmup, iters, cuda=True
@@ -251,6 +261,7 @@ def _bench_layer(
             ms = median_time_ms(lambda t=tuning: backward_call(t), warmup, iters, cuda=True)
             row[f"backward_ms[{impl}]"] = ms
             row[f"backward_over_dense_fwd_bwd[{impl}]"] = ms / row["dense_forward_backward_ms"]
+        progress("backward")
         if profile:
             fns = {"dense": dense} | {
                 impl: lambda t=tuning: layer_call(t) for impl, tuning in LAYER_VARIANTS[:3:2]

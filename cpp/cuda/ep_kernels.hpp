@@ -168,9 +168,16 @@ struct CombineArgs {
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
 };
-// `blocks` carry the rows (the communication SM budget); `reduce_blocks` do the reduction.
-void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
-                    int reduce_blocks, cudaStream_t stream);
+// combine=per_k's rows that stay on this rank: instead of a copy into our own slot, the slot's
+// entry names the row of y (epoch << 32 | row; an entry of another round reads as "copied").
+// row_of_slot == nullptr: every row is copied.
+struct SelfRowIndex {
+  uint64_t* row_of_slot;  // [max_tokens * K], this rank's slots
+  uint32_t epoch;
+};
+// `blocks` carry the rows; `reduce_blocks` do the reduction.
+void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
+                    const SelfRowIndex& self, int blocks, int reduce_blocks, cudaStream_t stream);
 
 // combine=rank_partials. Besides CombineArgs, what the runtime keeps from the dispatch:
 struct RankPartialsArgs {

@@ -493,7 +493,7 @@ class RuntimeImpl final : public Runtime {
                 "dispatched for combine=per_k"};
       if (round_combine_ != CombineReduction::kRankPartials)
         return round_combine_mismatch(reduction);
-      if (Status s = ensure_partials_workspace(stream); !s.ok()) return s;
+      if (Status s = ensure_row_index(stream); !s.ok()) return s;
       const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_),
                                      dispatched_weights_, token_in_rank_};
       cuda::launch_combine_rank_partials(sym_, dims_, a, p, sm_count_, stream);
@@ -501,7 +501,13 @@ class RuntimeImpl final : public Runtime {
       // The peers combine as their round said (the rounds agreed on it): a rank that combined
       // otherwise would write where they do not read.
       if (round_combine_ != CombineReduction::kPerChoice) return round_combine_mismatch(reduction);
-      cuda::launch_combine(sym_, dims_, a, num_sms, copy_blocks(), stream);
+      // Our own rows skip the copy when the row index can be had (else they are copied, as
+      // rows to peers are: the same bits either way).
+      cuda::SelfRowIndex self{nullptr, static_cast<uint32_t>(epoch_)};
+      if (ensure_row_index(stream).ok())
+        self.row_of_slot =
+            row_of_target_ + static_cast<int64_t>(cfg_.rank) * cfg_.max_tokens * cfg_.top_k;
+      cuda::launch_combine(sym_, dims_, a, self, num_sms, copy_blocks(), stream);
     }
     UNIEP_CUDA_OK(cudaGetLastError());
     combined_ = true;
@@ -659,9 +665,9 @@ class RuntimeImpl final : public Runtime {
                               cfg_.ll_max_tokens, " (ll_max_tokens)")};
     return Status::Ok();
   }
-  // combine=rank_partials only: the row index ([W * T * K] tagged words, zero = no round yet),
-  // allocated by the first such combine.
-  Status ensure_partials_workspace(cudaStream_t stream) {
+  // The row index of the combines ([W * T * K] tagged words, zero = no round yet), allocated by
+  // the first combine: rank_partials inverts row_target into it, per_k marks its own rows.
+  Status ensure_row_index(cudaStream_t stream) {
     if (row_of_target_ != nullptr) return Status::Ok();
     const size_t bytes =
         sizeof(uint64_t) * cfg_.world_size * cfg_.max_tokens * static_cast<size_t>(cfg_.top_k);

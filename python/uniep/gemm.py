@@ -198,11 +198,17 @@ def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"w must be [E, K, N] with K and N multiples of 128, got {tuple(w.shape)}")
     e, k, n = w.shape
     kb, nb = k // _FP8_BLOCK, n // _FP8_BLOCK
-    blocks = w.float().reshape(e, kb, _FP8_BLOCK, nb, _FP8_BLOCK)
-    scale, inv = _block_scales(blocks.abs().amax(dim=(2, 4)))  # [E, kb, nb]
-    q = (blocks * inv[:, :, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX)
-    q = q.to(torch.float8_e4m3fn).reshape(e, k, n).transpose(1, 2).contiguous()
-    return q, scale
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(e, kb, nb, dtype=torch.float32, device=w.device)
+    # One expert at a time: the fp32 temporaries of a whole [E, K, N] (a DeepSeek-V3 rank's w1 is
+    # 1.9 GB in bf16) would take several times the weights' memory.
+    for i in range(e):
+        blocks = w[i].float().reshape(kb, _FP8_BLOCK, nb, _FP8_BLOCK)
+        scale, inv = _block_scales(blocks.abs().amax(dim=(1, 3)))  # [kb, nb]
+        qi = (blocks * inv[:, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX)
+        q[i] = qi.to(torch.float8_e4m3fn).reshape(k, n).t()
+        scales[i] = scale
+    return q, scales
 
 
 def dequantize_expert_weights(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 // Combine: each expert output row goes to slot (token, k) of its source rank; the source then
 // reduces over k in ascending order in fp32 (common/combine_reduce.cuh, shared with the
-// low-latency combine and bit-identical to the CPU executor).
+// low-latency combine and bit-identical to the CPU executor). A row whose source is this rank
+// is not copied: its slot's entry in the row index names it, and the reduction reads it from y
+// (the same bytes; at world 1 that is every row, a whole copy of the expert outputs saved).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -16,7 +18,7 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 
 __global__ void __launch_bounds__(kThreads, 1)
-    combine_send_kernel(SymmetricView sym, EpDims d, CombineArgs a) {
+    combine_send_kernel(SymmetricView sym, EpDims d, CombineArgs a, SelfRowIndex self) {
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, H = d.hidden;
   const int64_t row_bytes = H * 2, per_rank = d.max_tokens * K;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
@@ -28,6 +30,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t r = warp; r < a.rows; r += num_warps) {
     const int64_t target = a.row_target[r];
     const int pe = static_cast<int>(target / per_rank);
+    if (pe == me && self.row_of_slot != nullptr) {
+      if (lane == 0) {
+        const int64_t slot = target % per_rank;
+        const auto old = atomicExch(
+            reinterpret_cast<unsigned long long*>(self.row_of_slot + slot),
+            static_cast<unsigned long long>(self.epoch) << 32 | static_cast<uint32_t>(r));
+        // Two rows for one slot: the plan is broken (the copy path would keep the later one).
+        if (old >> 32 == self.epoch)
+          report_error(a.err, WaitOp::kCombineTarget, static_cast<int>(me), r, target);
+        atomicAdd(&sent[pe], 1ull);
+      }
+      continue;
+    }
     uint8_t* slot = sym.combine + (target % per_rank) * row_bytes;
     auto* peer_slot = static_cast<uint8_t*>(nvshmem_ptr(slot, pe));
     if (peer_slot != nullptr) {
@@ -43,16 +58,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                    deadline, a.err, WaitOp::kCombine);
 }
 
-__global__ void combine_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs a) {
-  combine_reduce_bf16(sym.combine, a.topk_idx, a.topk_weights, a.tokens, d.top_k, d.hidden, a.out);
+__global__ void combine_reduce_kernel(SymmetricView sym, EpDims d, CombineArgs a,
+                                      SelfRowIndex self) {
+  combine_reduce_bf16(sym.combine, a.topk_idx, a.topk_weights, a.tokens, d.top_k, d.hidden, a.out,
+                      SelfRows{self.row_of_slot, self.epoch, a.y});
 }
 
 }  // namespace
 
-void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a, int blocks,
-                    int reduce_blocks, cudaStream_t stream) {
-  combine_send_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a);
-  if (a.tokens > 0) combine_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(sym, d, a);
+void launch_combine(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
+                    const SelfRowIndex& self, int blocks, int reduce_blocks, cudaStream_t stream) {
+  combine_send_kernel<<<blocks, kThreads, 0, stream>>>(sym, d, a, self);
+  if (a.tokens > 0) combine_reduce_kernel<<<reduce_blocks, 256, 0, stream>>>(sym, d, a, self);
 }
 
 }  // namespace uniep::cuda

@@ -32,14 +32,26 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
   return packed;
 }
 
+// Rows that never left the rank (combine's self rows): entry (me, t, k) of the row index holds
+// the expert output row that answers (t, k), tagged with the round; the reduction reads that
+// row of y where the slot copy would have been the same bytes. Empty (index == nullptr) for the
+// low-latency combine, whose rows all pass through the slots.
+struct SelfRows {
+  const uint64_t* index = nullptr;  // [tokens * top_k] of this rank: epoch << 32 | row
+  uint32_t epoch = 0;
+  const uint8_t* y = nullptr;  // [rows][hidden] bf16
+};
+
 // out[t] = sum_k topk_weights[t,k] * combine_(t,k) over k with topk_idx[t,k] >= 0, ascending.
 //   combine       [tokens * top_k][hidden] bf16 slots, row (t * top_k + k) for (t, k)
 //   topk_idx      [tokens, top_k] (only the sign is read); topk_weights [tokens, top_k] fp32
 //   out           [tokens][hidden] bf16
+//   self          where (t, k) is answered by one of our own rows, read it from y instead
 // hidden % 8 == 0, rows 16-byte aligned. Grid-stride: one thread per 8 columns of a token.
 __device__ __forceinline__ void combine_reduce_bf16(const uint8_t* combine, const int64_t* topk_idx,
                                                     const float* topk_weights, int64_t tokens,
-                                                    int64_t top_k, int64_t hidden, uint8_t* out) {
+                                                    int64_t top_k, int64_t hidden, uint8_t* out,
+                                                    SelfRows self = {}) {
   const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
@@ -48,9 +60,13 @@ __device__ __forceinline__ void combine_reduce_bf16(const uint8_t* combine, cons
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t k = 0; k < K; ++k) {
       if (topk_idx[t * K + k] < 0) continue;
-      accumulate_bf16x8(
-          acc, load_streaming(reinterpret_cast<const int4*>(combine + (t * K + k) * row_bytes) + v),
-          topk_weights[t * K + k]);
+      const uint8_t* row = combine + (t * K + k) * row_bytes;
+      if (self.index != nullptr) {
+        const uint64_t entry = self.index[t * K + k];
+        if (entry >> 32 == self.epoch) row = self.y + static_cast<uint32_t>(entry) * row_bytes;
+      }
+      accumulate_bf16x8(acc, load_streaming(reinterpret_cast<const int4*>(row) + v),
+                        topk_weights[t * K + k]);
     }
     reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
   }
