@@ -431,7 +431,7 @@ def _cmd_parm_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_parm_profile(args: argparse.Namespace) -> int:
-    from .parm_profile import DEFAULT_SIZES, profile
+    from .parm_profile import default_sizes, profile
 
     if args.world_size % args.mp_size or args.world_size == args.mp_size:
         print(
@@ -440,8 +440,18 @@ def _cmd_parm_profile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    sizes = DEFAULT_SIZES[: args.sizes]
-    result = profile(args.world_size, args.mp_size, sizes, args.iters, args.timeout)
+    sizes = default_sizes(args.device)[: args.sizes]
+    try:
+        result = profile(
+            args.world_size, args.mp_size, sizes, args.iters, args.timeout, device=args.device
+        )
+    except RuntimeError as exc:
+        print(f"uniep parm profile: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{result['backend']} on {result['device_name']}, {args.world_size} ranks"
+        + (" sharing one GPU" if args.device == "cuda" else "")
+    )
     print(f"{'collective':<16}{'link':<7}{'alpha (us)':>12}{'beta (ns/B)':>13}{'R^2':>8}")
     for kind, links in result["coefficients"].items():
         for link, c in links.items():
@@ -695,10 +705,19 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", default="parm-simulate.json", help="JSON output")
     sim.set_defaults(func=_cmd_parm_simulate)
     prof = parm_sub.add_parser(
-        "profile", help="fit alpha/beta of the collectives on local gloo ranks (CPU)"
+        "profile",
+        help="fit alpha/beta of the collectives on local gloo ranks (CPU) or, with --device "
+        "cuda, of the CUDA executor's collectives on local ranks sharing one GPU",
     )
     prof.add_argument("--world-size", type=_positive_int, default=4)
     prof.add_argument("--mp-size", type=_positive_int, default=2)
+    prof.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo collectives; cuda: UniEP's CUDA collectives as the Parm CUDA executor "
+        "calls them, ranks sharing one GPU (its memory is every link)",
+    )
     prof.add_argument("--iters", type=_positive_int, default=5, help="timed runs per size")
     prof.add_argument("--sizes", type=_positive_int, default=16, help="message sizes (<= 16)")
     prof.add_argument("--timeout", type=_positive_seconds, default=300.0)

@@ -56,6 +56,7 @@ __all__ = [
     "CudaBackend",
     "CudaExecutor",
     "CudaLanes",
+    "layer_block_bytes",
     "saa_chunks",
     "set_saa_chunks",
     "shutdown",
@@ -163,17 +164,34 @@ def _engine_fits(a: torch.Tensor) -> bool:
     )
 
 
+def layer_block_bytes(shape: Any) -> int:
+    """The largest per-rank block of any call of a layer of ``ParmShape`` ``shape``: the
+    [E, N*c, M] dispatch tensor (the baseline's all-reduce gathers it whole), a token slice, the
+    gate gradient, the stats. The carriers' slots are sized from it."""
+    E, N, c, M, b = (
+        shape.num_experts,
+        shape.mp_size,
+        shape.slice_capacity,
+        shape.hidden,
+        shape.dtype_bytes,
+    )
+    return max(E * N * c * M * b, shape.slice_tokens(0) * M * b, M * E * 4, 16 * E)
+
+
 class CudaBackend:
     """The ``ParmBackend`` over UniEP's collectives (CUDA tensors; CPU tensors too, on the CPU
     collectives, for tests). See the module docstring for what runs where.
 
     Args:
         shape: the layer's ``ParmShape`` (sizes the carriers' slots: the largest block any call
-            of the layer moves, so that one runtime serves the whole layer).
+            of the layer moves, so that one runtime serves the whole layer); may be None when
+            ``block_bytes`` is given.
         groups: this rank's MP and EP groups.
         lanes: where an SAA pair's halves run; None: ``CudaLanes`` for CUDA tensors, one lane
             (``SerialLanes``) for CPU tensors.
         chunks: chunks per SAA pair (None: ``saa_chunks()``).
+        block_bytes: the carriers' slot size in bytes, for callers that run no layer
+            (``uniep.parm_profile``); None: ``layer_block_bytes(shape)``.
     """
 
     def __init__(
@@ -182,6 +200,7 @@ class CudaBackend:
         groups: Groups,
         lanes: Lanes | None = None,
         chunks: int | None = None,
+        block_bytes: int | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             if groups.mp_size * groups.ep_size != 1:
@@ -202,17 +221,8 @@ class CudaBackend:
             )
         self.lanes = lanes
         self.chunks = _saa_chunks if chunks is None else chunks
-        E, N, c, M, b = (
-            shape.num_experts,
-            shape.mp_size,
-            shape.slice_capacity,
-            shape.hidden,
-            shape.dtype_bytes,
-        )
-        # The largest per-rank block of any call: the [E, N*c, M] dispatch tensor (the
-        # baseline's all-reduce gathers it whole), a token slice, the gate gradient, the stats.
-        self.block_bytes = max(E * N * c * M * b, shape.slice_tokens(0) * M * b, M * E * 4, 16 * E)
         self._used: list[str] = []
+        self.block_bytes = layer_block_bytes(shape) if block_bytes is None else block_bytes
 
     def _ranks(self, group: dist.ProcessGroup | None, name: str) -> list[int]:
         if group is None:

@@ -1,17 +1,44 @@
 """``uniep parm profile``: measure the collectives the Parm cost model prices, fit alpha/beta.
 
-On local gloo ranks (CPU) in the Parm layout: all-gather, reduce-scatter and all-reduce over the
-MP groups, all-to-all over the EP groups, each over a range of message sizes (the cost model's
-convention: all-gather output, reduce-scatter input, all-reduce buffer, all-to-all per-rank send
-bytes), plus a GEMM (torch.matmul) for the compute coefficients. A sample's time is the slowest
-rank's median; the fit is ``fit_alpha_beta``. The MP groups count as intra-node and the EP groups
-as inter-node, as on a cluster with one MP group per node, though here every link is the loopback.
+Two devices, each timing what its executor runs:
+
+- ``device="cpu"`` (``backend="gloo"``): local gloo ranks in the Parm layout. All-gather,
+  reduce-scatter and all-reduce over the MP groups, all-to-all over the EP groups
+  (torch.distributed on gloo, float32), plus a float32 GEMM (torch.matmul) for the compute
+  coefficients. Every link is the loopback.
+- ``device="cuda"`` (``backend="uniep-cuda"``): ``world`` local ranks that share ONE GPU
+  (``CUDA_VISIBLE_DEVICES`` pinned to the first visible device, NVSHMEM's multiple processes per
+  GPU, host agreement over gloo: how tests/test_gpu_parm.py runs the CUDA executor). They time
+  the CUDA executor's own primitives (``uniep.parm_cuda.CudaBackend``, bf16): the MP all-gather,
+  reduce-scatter and all-reduce (an all-gather plus a sum in MP-rank order) and the EP
+  all-to-all. These run on UniEP's P2P collectives over the world *carrier* groups, so the
+  zero blocks sent to non-members and the P/N or P/G times larger transfers are in the times,
+  as they are in the executor. The GEMM is a bf16 CUDA matmul.
+
+  **This measures one GPU, not a cluster.** The ranks' kernels time-slice the GPU, and every
+  "link", intra and inter alike, is copies within that GPU's memory. The coefficients describe
+  the CUDA executor on this GPU at this world size, not NVLink or InfiniBand: they are what to
+  price ``measure_layers(device="cuda")`` on the same GPU with, not a model of a real cluster.
+
+On both, the MP groups count as intra-node and the EP groups as inter-node, as on a cluster with
+one MP group per node. Message sizes follow the cost model's convention: all-gather output,
+reduce-scatter input, all-reduce buffer, all-to-all per-rank send bytes. A sample is one call
+after a barrier of the ranks (on CUDA: with ``torch.cuda.synchronize()`` before and after, wall
+clock, so the carriers' side streams and the host's launches are in it). A size's time is the
+slowest rank's median. The GEMM runs on rank 0 alone while the others wait, so its fit is the
+device's own GEMM rate; in the measured layers the ranks' GEMMs share the GPU, which the cost
+model does not know. Each (collective, link) and the GEMM is fitted with ``fit_alpha_beta``
+(alpha, beta, R^2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,22 +47,123 @@ import torch.distributed as dist
 from . import _C
 from .parm import fit_alpha_beta, new_groups
 
+DEVICES = ("cpu", "cuda")
+BACKENDS = {"cpu": "gloo", "cuda": "uniep-cuda"}
+
 # Message sizes in bytes, 1 MiB .. 16 MiB in 16 even steps (FSMoE's profile also steps linearly):
 # large enough that the bandwidth term stands out of the scheduling noise of shared CPU cores.
 DEFAULT_SIZES = [2**20 * i for i in range(1, 17)]
 GEMM_SIZES = [(64 * i, 256, 256) for i in range(1, 13)]  # (m, k, n)
+# On the GPU: 4 MiB .. 64 MiB, the range of the measured layers' transfers (a token block of
+# 2048 x 1024 bf16 is 4 MiB), where a copy within HBM is not all launch and wait overhead.
+CUDA_SIZES = [4 * 2**20 * i for i in range(1, 17)]
+CUDA_GEMM_SIZES = [(1024 * i, 2048, 2048) for i in range(1, 13)]  # (m, k, n), bf16
+# What the CUDA executor calls for the MP and EP collectives (parm_cuda.CudaBackend).
+_CUDA_OPS = ("all_gather", "reduce_scatter", "all_to_all_ulysses")
 
 
-def _time(fn: Any, iters: int, group: Any = None, sync: bool = True) -> float:
-    fn()  # warm-up (buffers, connections)
-    times = []
+def default_sizes(device: str = "cpu") -> list[int]:
+    """The profile's message sizes in bytes on ``device`` (16 of them)."""
+    check_device(device, need_cuda=False)
+    return list(CUDA_SIZES if device == "cuda" else DEFAULT_SIZES)
+
+
+def cuda_problems() -> list[str]:
+    """Why the CUDA profile cannot run in this process; empty when it can."""
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("no CUDA device is visible (torch.cuda.is_available() is False)")
+    if not getattr(_C, "has_ep_runtime", False):
+        problems.append("this build of uniep has no CUDA collectives runtime")
+    missing = [
+        f"uniep::{op}"
+        for op in _CUDA_OPS
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"uniep::{op}", "CUDA")
+    ]
+    if missing:
+        problems.append(f"no CUDA kernel for {', '.join(missing)}")
+    return problems
+
+
+def check_device(device: str, need_cuda: bool = True) -> None:
+    """Raise ValueError unless ``device`` is "cpu" or "cuda"; with ``need_cuda``, RuntimeError if
+    "cuda" cannot run here (naming what is missing)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    problems = cuda_problems() if device == "cuda" and need_cuda else []
+    if problems:
+        raise RuntimeError(
+            "device='cuda' needs a CUDA build of torch, a visible GPU and uniep built with its "
+            f"CUDA collectives: {'; '.join(problems)} (uniep build_info: {dict(_C.build_info())})"
+        )
+
+
+@contextlib.contextmanager
+def _ranks_share_one_gpu() -> Iterator[None]:
+    """Spawned ranks see only the first visible GPU, also on a multi-GPU machine."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = (before or "0").split(",")[0]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def _run(fn: Callable[..., Any], world: int, args: tuple, device: str, timeout_s: float) -> list:
+    from .distributed import run_local_ranks
+
+    if device == "cpu":
+        return run_local_ranks(fn, world, args, timeout_s=timeout_s)
+    with _ranks_share_one_gpu():
+        # NCCL refuses two ranks on one device: gloo carries the host agreement and barriers.
+        return run_local_ranks(fn, world, args, backend="gloo", timeout_s=timeout_s)
+
+
+def _rank_device(rank: int) -> torch.device:
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    # platform.processor() is empty on many Linux systems; machine() always has a value.
+    return "cpu-" + (platform.processor() or platform.machine() or "unknown")
+
+
+def _sample(fn: Any, group: Any, sync: bool, cuda: bool) -> float:
+    """Seconds of one call of ``fn``, after a barrier of ``group`` when ``sync``; with ``cuda``
+    the device is idle at the start and the call's GPU work is done at the end."""
+    if cuda:
+        torch.cuda.synchronize()
+    if sync:
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _time(fn: Any, iters: int, group: Any = None, sync: bool = True, cuda: bool = False) -> float:
+    fn()  # warm-up (buffers, connections, runtimes)
+    return statistics.median(_sample(fn, group, sync, cuda) for _ in range(iters))
+
+
+def _time_interleaved(fns: dict[str, Any], iters: int, cuda: bool) -> dict[str, float]:
+    """Median seconds of each function's calls. The calls take turns (a round calls each once),
+    so a drift in the shared GPU's speed hits all of them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        if sync:
-            dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            times[name].append(_sample(fn, None, True, cuda))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _collective(kind: str, n_bytes: int, group: Any, size: int) -> Any:
@@ -53,22 +181,51 @@ def _collective(kind: str, n_bytes: int, group: Any, size: int) -> Any:
     return lambda: dist.all_to_all_single(out, inp, group=group)
 
 
-def profile_rank(rank: int, world: int, mp_size: int, sizes: list[int], iters: int) -> dict:
+def _cuda_collective(kind: str, n_bytes: int, backend: Any, size: int, dev: torch.device) -> Any:
+    """The CUDA executor's primitive of ``kind`` on bf16 buffers of ``n_bytes`` (the cost
+    model's convention), as the step interpreter calls it."""
+    elems = max(size, n_bytes // 2 // size * size)  # divisible by the group size
+
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(*shape, dtype=torch.bfloat16, device=dev)
+
+    if kind == "all_gather":
+        part = ones(elems // size)
+        return lambda: backend.mp_all_gather(part)
+    if kind == "reduce_scatter":
+        partials = ones(size, elems // size)
+        return lambda: backend.mp_reduce_scatter(partials)
+    if kind == "all_reduce":
+        buf = ones(elems)
+        return lambda: backend.mp_all_reduce(buf)
+    blocks = ones(size, elems // size)
+    return lambda: backend.ep_all_to_all(blocks)
+
+
+def _plan(world: int, mp_size: int) -> list[tuple[str, str, int]]:
+    """(collective, link, group size) of the profile; groups of one rank are left out."""
+    plan = [
+        ("all_gather", "intra", mp_size),
+        ("reduce_scatter", "intra", mp_size),
+        ("all_reduce", "intra", mp_size),
+        ("all_to_all", "inter", world // mp_size),
+    ]
+    return [p for p in plan if p[2] > 1]
+
+
+def profile_rank(
+    rank: int, world: int, mp_size: int, sizes: list[int], iters: int, device: str = "cpu"
+) -> dict:
     """Every rank's median seconds per (collective, link, size), and rank 0's GEMM times."""
+    if device == "cuda":
+        return _profile_rank_cuda(rank, world, mp_size, sizes, iters)
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor names, deprecated
     mp, ep = new_groups(mp_size)
-    out: dict[str, Any] = {"comm": {}, "gemm": []}
-    plan = [
-        ("all_gather", "intra", mp, mp_size),
-        ("reduce_scatter", "intra", mp, mp_size),
-        ("all_reduce", "intra", mp, mp_size),
-        ("all_to_all", "inter", ep, world // mp_size),
-    ]
-    for kind, link, group, size in plan:
-        if size == 1:
-            continue
+    out: dict[str, Any] = {"comm": {}, "gemm": [], "device_name": _device_name("cpu")}
+    for kind, link, size in _plan(world, mp_size):
+        group = mp if link == "intra" else ep
         out["comm"][f"{kind}/{link}"] = [
             (n, _time(_collective(kind, n, group, size), iters, group)) for n in sizes
         ]
@@ -81,22 +238,87 @@ def profile_rank(rank: int, world: int, mp_size: int, sizes: list[int], iters: i
     return out
 
 
+def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], iters: int) -> dict:
+    from . import parm_cuda
+    from .parm_cpu import Groups
+
+    dev = _rank_device(rank)
+    mp, ep = new_groups(mp_size)
+    groups = Groups(
+        mp=mp,
+        ep=ep,
+        mp_size=mp_size,
+        ep_size=world // mp_size,
+        mp_index=dist.get_rank(mp),
+        ep_index=dist.get_rank(ep),
+    )
+    # One runtime per carrier for the whole profile, sized for the largest block (an all-reduce
+    # gathers its whole buffer from every rank): none is re-created between sizes.
+    backend = parm_cuda.CudaBackend(None, groups, block_bytes=max(sizes))
+    out: dict[str, Any] = {"comm": {}, "gemm": [], "device_name": _device_name("cuda")}
+    for kind, link, size in _plan(world, mp_size):
+        # Every call runs on a carrier of all ranks: the barrier is the world's.
+        out["comm"][f"{kind}/{link}"] = [
+            (n, _time(_cuda_collective(kind, n, backend, size, dev), iters, cuda=True))
+            for n in sizes
+        ]
+    backend.end_pass()  # a device wait that timed out raises here, naming the peer
+    if rank == 0:  # alone: the other ranks wait in the barrier below
+        for m, k, n in CUDA_GEMM_SIZES:
+            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+            t = _time(lambda a=a, b=b: a @ b, iters, sync=False, cuda=True)
+            out["gemm"].append((2.0 * m * k * n, t))
+    dist.barrier()
+    parm_cuda.shutdown()
+    return out
+
+
 def profile(
     world: int = 4,
     mp_size: int = 2,
     sizes: list[int] | None = None,
     iters: int = 5,
     timeout_s: float = 300.0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run the profile on ``world`` local gloo ranks and fit every (collective, link)."""
-    from .distributed import run_local_ranks
+    """Run the profile on ``world`` local ranks (gloo on CPU, or ranks sharing one GPU with
+    ``device="cuda"``; see the module docstring) and fit every (collective, link) and the GEMM.
 
-    sizes = sizes or DEFAULT_SIZES
-    per_rank = run_local_ranks(profile_rank, world, (mp_size, sizes, iters), timeout_s=timeout_s)
+    Args:
+        world, mp_size: the Parm layout (MP groups of ``mp_size`` consecutive ranks).
+        sizes: message sizes in bytes (None: ``default_sizes(device)``).
+        iters: timed calls per size (after one warm-up call).
+        device: "cpu" or "cuda".
+
+    Returns:
+        ``{"world_size", "mp_size", "iters", "device", "backend", "device_name",
+        "coefficients": {collective: {link: {"alpha", "beta", "r2", "samples"}}},
+        "gemm": {"alpha", "beta", "r2", "samples"}}``; ``samples`` are (bytes or flops, seconds).
+
+    Raises:
+        ValueError: ``device`` is neither "cpu" nor "cuda".
+        RuntimeError: ``device="cuda"`` cannot run here (no GPU, no CUDA collectives), or a
+            rank failed.
+    """
+    check_device(device)
+    sizes = sizes or default_sizes(device)
+    per_rank = _run(profile_rank, world, (mp_size, sizes, iters, device), device, timeout_s)
+    return fit_profile(per_rank, world, mp_size, iters, device)
+
+
+def fit_profile(
+    per_rank: list[dict], world: int, mp_size: int, iters: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """``profile``'s result from every rank's ``profile_rank`` output."""
+    check_device(device, need_cuda=False)
     result: dict[str, Any] = {
         "world_size": world,
         "mp_size": mp_size,
         "iters": iters,
+        "device": device,
+        "backend": BACKENDS[device],
+        "device_name": per_rank[0]["device_name"],
         "coefficients": {},
     }
     for key in per_rank[0]["comm"]:
@@ -131,30 +353,44 @@ def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
     return model
 
 
-def measure_rank(rank: int, world: int, mp_size: int, layers: list[dict], iters: int) -> list:
+def _new_layer(mp: Any, ep: Any, cfg: dict, schedule: str, dtype: torch.dtype) -> Any:
+    from .parm import ParmMoELayer
+
+    torch.manual_seed(0)
+    return ParmMoELayer(
+        mp,
+        ep,
+        cfg["hidden"],
+        cfg["ffn_hidden"],
+        cfg["num_experts"],
+        cfg["top_k"],
+        capacity_factor=cfg["capacity_factor"],
+        schedule=schedule,
+        overflow="drop",
+        dtype=dtype,
+    )
+
+
+def _layer_input(cfg: dict) -> torch.Tensor:
+    """The layer's input [tokens, hidden] float32, the same on every rank."""
+    return torch.randn(cfg["tokens"], cfg["hidden"], generator=torch.Generator().manual_seed(1))
+
+
+def measure_rank(
+    rank: int, world: int, mp_size: int, layers: list[dict], iters: int, device: str = "cpu"
+) -> list:
     """Median seconds of ParmMoELayer forward+backward per layer config and schedule."""
     from .parm import SCHEDULES, ParmMoELayer
 
+    if device == "cuda":
+        return _measure_rank_cuda(rank, world, mp_size, layers, iters)
     mp, ep = new_groups(mp_size)
     out = []
     for cfg in layers:
         times = {}
         for schedule in SCHEDULES:
-            torch.manual_seed(0)
-            layer = ParmMoELayer(
-                mp,
-                ep,
-                cfg["hidden"],
-                cfg["ffn_hidden"],
-                cfg["num_experts"],
-                cfg["top_k"],
-                capacity_factor=cfg["capacity_factor"],
-                schedule=schedule,
-                overflow="drop",
-            )
-            x = torch.randn(
-                cfg["tokens"], cfg["hidden"], generator=torch.Generator().manual_seed(1)
-            )
+            layer = _new_layer(mp, ep, cfg, schedule, torch.float32)
+            x = _layer_input(cfg)
 
             def step(layer: ParmMoELayer = layer, x: torch.Tensor = x) -> None:
                 y = layer(x.requires_grad_())
@@ -165,6 +401,40 @@ def measure_rank(rank: int, world: int, mp_size: int, layers: list[dict], iters:
     return out
 
 
+def _cuda_step(layer: Any, x: torch.Tensor) -> None:
+    y = layer(x)
+    (y.float().sum() + layer.l_aux).backward()
+
+
+def _measure_rank_cuda(
+    rank: int, world: int, mp_size: int, layers: list[dict], iters: int
+) -> list[dict[str, float]]:
+    from . import parm_cuda
+    from .parm import SCHEDULES, plan
+
+    dev = _rank_device(rank)
+    mp, ep = new_groups(mp_size)
+    blocks = [
+        parm_cuda.layer_block_bytes(
+            plan(world, mp_size, dtype=torch.bfloat16, gpus_per_node=mp_size, **cfg).shape
+        )
+        for cfg in layers
+    ]
+    out: list[dict[str, float]] = [{} for _ in layers]
+    # The layer with the largest carrier blocks first: the carriers' runtimes are created for it
+    # (and NVSHMEM's heap, which is sized when the first one starts) and never grow.
+    for i in sorted(range(len(layers)), key=lambda i: -blocks[i]):
+        cfg = layers[i]
+        steps = {}
+        for schedule in SCHEDULES:
+            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16).to(dev)
+            x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
+            steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
+        out[i] = _time_interleaved(steps, iters, cuda=True)
+    parm_cuda.shutdown()
+    return out
+
+
 def measure_layers(
     world: int,
     mp_size: int,
@@ -172,18 +442,51 @@ def measure_layers(
     iters: int = 3,
     model: Any = None,
     timeout_s: float = 600.0,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
-    """Measure every schedule of every layer on local gloo ranks (the slowest rank's median) and
-    set beside it the cost model's prediction: per layer the measured and predicted seconds, the
-    predicted choice, the measured best, and the regret of the choice."""
-    from .distributed import run_local_ranks
+    """Measure every schedule of every layer and set beside it the cost model's prediction: per
+    layer the measured and predicted seconds, the predicted choice, the measured best, and the
+    regret of the choice (``measure_rows``).
+
+    A layer's time is one forward + backward of ``ParmMoELayer`` (``overflow="drop"``), the
+    slowest rank's median over ``iters`` calls after a warm-up. ``device="cpu"``: float32 on
+    local gloo ranks (the CPU executor), the schedules timed one after the other.
+    ``device="cuda"``: bf16 on ``world`` ranks sharing one GPU (the CUDA executor; ranks and
+    caveats as in ``profile``), the three schedules' calls taking turns, each call between
+    ``torch.cuda.synchronize()`` calls. ``model`` is the ``CostModel`` that chooses (e.g.
+    ``cost_model_from_profile`` of a profile on the same device); None: the h100-ib preset.
+
+    ``layers``: dicts of ``tokens, hidden, ffn_hidden, num_experts, top_k, capacity_factor``.
+
+    Raises:
+        ValueError: ``device`` is neither "cpu" nor "cuda".
+        RuntimeError: ``device="cuda"`` cannot run here, or a rank failed.
+    """
+    check_device(device)
+    per_rank = _run(measure_rank, world, (mp_size, layers, iters, device), device, timeout_s)
+    return measure_rows(layers, per_rank, world, mp_size, model, device)
+
+
+def measure_rows(
+    layers: list[dict],
+    per_rank: list[list[dict[str, float]]],
+    world: int,
+    mp_size: int,
+    model: Any = None,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """``measure_layers``' rows from every rank's ``measure_rank`` output: per layer its config
+    and ``measured`` / ``predicted`` seconds per schedule, ``chosen`` (the cost model's pick,
+    priced in the device's dtype: float32 on CPU, bf16 on CUDA), ``measured_best``, ``right``
+    and ``regret`` (the chosen schedule's measured time over the best's, minus 1)."""
     from .parm import plan
 
-    per_rank = run_local_ranks(measure_rank, world, (mp_size, layers, iters), timeout_s=timeout_s)
+    check_device(device, need_cuda=False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
     for i, cfg in enumerate(layers):
         measured = {s: max(r[i][s] for r in per_rank) for s in per_rank[0][i]}
-        p = plan(world, mp_size, dtype=torch.float32, gpus_per_node=mp_size, model=model, **cfg)
+        p = plan(world, mp_size, dtype=dtype, gpus_per_node=mp_size, model=model, **cfg)
         best = min(measured, key=measured.get)
         rows.append(
             dict(
