@@ -118,6 +118,19 @@ def bench_kernel(
     for c in CONFIGS:
         row[f"uniep_ms[{c}]"] = median_time_ms(lambda c=c: op(x, w, offs, c), warmup, iters, True)
     row["best_config"] = min(CONFIGS, key=lambda c: row[f"uniep_ms[{c}]"])
+    if k % 128 == 0 and n % 128 == 0:
+        # The fp8 engine on the same product (rows with 1x128 scales, weights with 128x128).
+        from uniep.gemm import quantize_expert_weights, quantize_rows
+
+        xq, xs = quantize_rows(x)
+        wq, ws = quantize_expert_weights(w)
+        fp8 = torch.ops.uniep.grouped_mm_fp8
+        got = fp8(xq, xs, wq, ws, offs).float()
+        row["fp8_rel_diff_vs_bf16"] = float((got - ours.float()).norm() / ours.float().norm())
+        row["fp8_ms"] = median_time_ms(lambda: fp8(xq, xs, wq, ws, offs), warmup, iters, True)
+        row["fp8_tflops"] = tflops(rows, k, n, row["fp8_ms"])
+        row["fp8_over_uniep"] = row["fp8_ms"] / row["uniep_ms"]
+        del xq, xs, wq, ws, got
     row["torch_tflops"] = tflops(rows, k, n, row["torch_ms"])
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
     row["uniep_over_torch"] = row["uniep_ms"] / row["torch_ms"]
@@ -128,9 +141,10 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     rows = []
     print(
         "| grouped GEMM | E | R | K | N | rows/expert | torch ms | uniep ms (auto) | best config "
-        "ms | uniep/torch | bits same across configs |"
+        "ms | uniep/torch | bits same across configs | fp8 ms (x uniep) |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|")
+    nan = float("nan")
     for load, tokens, hidden, ffn, experts, top_k in LAYERS:
         if loads and load not in loads:
             continue
@@ -144,7 +158,8 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
             print(
                 f"| {r['load']} | {r['E']} | {r['R']} | {k} | {n} | {counts_text} "
                 f"| {r['torch_ms']:.3f} | {r['uniep_ms']:.3f} | {best:.3f} ({r['best_config']}) "
-                f"| {r['uniep_over_torch']:.3f} | {r['bits_same_every_config']} |",
+                f"| {r['uniep_over_torch']:.3f} | {r['bits_same_every_config']} "
+                f"| {r.get('fp8_ms', nan):.3f} ({r.get('fp8_over_uniep', nan):.2f}x) |",
                 flush=True,
             )
             torch.cuda.empty_cache()
@@ -266,6 +281,12 @@ def _bench_layer(
             fns = {"dense": dense} | {
                 impl: lambda t=tuning: layer_call(t) for impl, tuning in LAYER_VARIANTS[:3:2]
             }
+            fns["dense forward+backward"] = dense_forward_backward
+            fns["moe_backward uniep"] = lambda: backward_call("")
+            prepared8 = prepare_experts(w1, w2, "fp8")
+            fns["fp8 prepared"] = lambda: moe_forward_prepared(
+                x, idx, weights, prepared8, group, "dispatch=fp8"
+            )
             row["kernels_us"] = profile_kernels(fns, profile)
     return row
 

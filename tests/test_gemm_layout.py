@@ -75,3 +75,46 @@ def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:
     torch.testing.assert_close(back, wb, rtol=2**-4, atol=float(scales.max()) * 2**-6)
     with pytest.raises(ValueError, match="K and N multiples of 128"):
         quantize_expert_weights(torch.zeros(1, 128, 100))
+
+
+def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    ffn = h.shape[1] // 2
+    g, u = h[:, :ffn].double(), h[:, ffn:].double()
+    return g * torch.sigmoid(g) * u
+
+
+def test_swiglu_fp8_is_swiglu_then_the_row_quantization() -> None:
+    from uniep.gemm import dequantize_rows, quantize_rows, swiglu_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    h = (torch.randn(37, 2 * 384, generator=gen) * 3).bfloat16()
+    h[5, :384] = 0  # a row whose activation is all zeros: scale 1, zeros
+    act, scales = swiglu_fp8(h)
+    assert act.dtype == torch.float8_e4m3fn and act.shape == (37, 384)
+    assert scales.dtype == torch.float32 and scales.shape == (37, 3)
+    assert torch.equal(scales[5], torch.ones(3)) and not act[5].float().any()
+    # The bf16 activation (the engine's formula), then quantize_rows: the same bytes, but for
+    # the odd last-ulp difference of torch's CPU exp (its vector and scalar paths differ, and
+    # which elements take which depends on the buffers' alignment).
+    g, u = h[:, :384].float(), h[:, 384:].float()
+    q, s = quantize_rows((g / (1.0 + torch.exp(-g)) * u).bfloat16())
+    assert act.view(torch.uint8).eq(q.view(torch.uint8)).float().mean() >= 0.99
+    torch.testing.assert_close(scales, s, rtol=2**-7, atol=0)
+    # Within e4m3's rounding of the exact activation.
+    ref = _swiglu_reference(h)
+    err = (dequantize_rows(act, scales).double() - ref).abs()
+    assert bool((err <= 0.07 * ref.abs() + scales.repeat_interleave(128, 1).double() / 32).all())
+
+
+def test_swiglu_fp8_named_errors() -> None:
+    from uniep.gemm import swiglu_fp8
+
+    with pytest.raises(ValueError, match="I a multiple of 128"):
+        swiglu_fp8(torch.zeros(4, 2 * 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="h must be bfloat16"):
+        swiglu_fp8(torch.zeros(4, 256))
+    torch.library.opcheck(
+        torch.ops.uniep.swiglu_fp8,
+        (torch.randn(8, 256).bfloat16(),),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )

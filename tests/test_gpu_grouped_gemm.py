@@ -404,3 +404,30 @@ def test_k_major_weights_run_without_a_copy() -> None:
     got = _op(x, w_t, offs)
     _assert_bf16_close(got, _reference(x, w, offs))
     assert torch.equal(got, _op(x, w, offs))
+
+
+def test_swiglu_fp8_one_pass() -> None:
+    # The fp8 layer's activation in one pass: SwiGLU rounded to bf16, then the row quantization
+    # (1x128 scales), against the same two steps in torch on the device and the float64 truth.
+    from uniep.gemm import dequantize_rows, quantize_rows, swiglu_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    h = (torch.randn(1000, 2 * 640, generator=gen, device="cuda") * 4).bfloat16()
+    h[7, :640] = 0  # an all-zero activation row: scales 1, zeros
+    act, scales = swiglu_fp8(h)
+    assert act.shape == (1000, 640) and scales.shape == (1000, 5)
+    assert torch.equal(scales[7], torch.ones(5, device="cuda")) and not act[7].float().any()
+    g, u = h[:, :640].float(), h[:, 640:].float()
+    q, s = quantize_rows((g / (1.0 + torch.exp(-g)) * u).bfloat16())
+    assert act.view(torch.uint8).eq(q.view(torch.uint8)).float().mean() >= 0.999
+    torch.testing.assert_close(scales, s, rtol=2**-7, atol=0)
+    truth = g.double() * torch.sigmoid(g.double()) * u.double()
+    err = (dequantize_rows(act, scales).double() - truth).abs()
+    assert bool((err <= 0.07 * truth.abs() + scales.repeat_interleave(128, 1).double() / 32).all())
+    again = swiglu_fp8(h)
+    assert torch.equal(again[0].view(torch.uint8), act.view(torch.uint8))
+    assert torch.equal(again[1], scales)
+    with pytest.raises(ValueError, match="I a multiple of 128"):
+        swiglu_fp8(h[:, :192].contiguous())
+    with pytest.raises(ValueError, match="h must be contiguous"):
+        swiglu_fp8(h[:, :512])

@@ -8,6 +8,8 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <tuple>
+
 #include "torch/grouped_gemm.hpp"
 #include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
@@ -284,6 +286,26 @@ at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, 
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
+  return translate_errors([&] {
+    UNIEP_CHECK(h.dim() == 2, "h must be 2-D [R, 2I], got shape ", h.sizes());
+    UNIEP_CHECK(h.scalar_type() == at::kBFloat16, "h must be bfloat16, got ", h.scalar_type());
+    UNIEP_CHECK(h.is_cuda(), "h must be a CUDA tensor, got ", h.device());
+    UNIEP_CHECK(h.is_contiguous(), "h must be contiguous, got strides ", h.strides());
+    const int64_t rows = h.size(0), ffn = h.size(1) / 2;
+    UNIEP_CHECK_CODE(h.size(1) % 256 == 0, StatusCode::kUnsupported,
+                     "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), "
+                     "got shape ",
+                     h.sizes());
+    const c10::cuda::CUDAGuard guard(h.device());
+    at::Tensor act = at::empty({rows, ffn}, h.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor scales = at::empty({rows, ffn / 128}, h.options().dtype(at::kFloat));
+    ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
+                                 at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+    return std::make_tuple(act, scales);
+  });
+}
+
 at::Tensor grouped_mm_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& offs,
                                  c10::string_view tuning) {
   return translate_errors([&] {
@@ -306,5 +328,6 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_swiglu", &uniep::torch_glue::grouped_mm_swiglu_cuda);
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
+  m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

@@ -34,6 +34,10 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "grouped_mm_fp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor offs) -> "
       "Tensor");
+  // The activation between the fp8 GEMMs: h [R, 2I] bf16 -> SwiGLU rounded to bf16, quantized
+  // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
+  // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.
+  m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

@@ -26,6 +26,7 @@ __all__ = [
     "pack_gate_up",
     "quantize_expert_weights",
     "quantize_rows",
+    "swiglu_fp8",
     "unpack_gate_up",
 ]
 
@@ -253,3 +254,41 @@ def _grouped_mm_fp8_fake(
         lambda: f"w must be [E, N, K] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
     )
     return x.new_empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16)
+
+
+def swiglu_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation between the two fp8 expert GEMMs: ``h [R, 2I]`` bf16 (gate columns, then
+    up) -> ``silu(gate) * up`` rounded to bf16, quantized as :func:`quantize_rows` quantizes a
+    row: ``(e4m3 [R, I], fp32 scales [R, I / 128])``. One pass on CUDA; I % 128 == 0."""
+    return torch.ops.uniep.swiglu_fp8(h)
+
+
+def _check_swiglu_fp8(h: torch.Tensor) -> None:
+    torch._check_value(h.dim() == 2, lambda: f"h must be 2-D [R, 2I], got {tuple(h.shape)}")
+    torch._check_value(h.dtype == torch.bfloat16, lambda: f"h must be bfloat16, got {h.dtype}")
+    torch._check_value(
+        h.shape[1] % 256 == 0,
+        lambda: (
+            "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got "
+            f"{tuple(h.shape)}"
+        ),
+    )
+
+
+@torch.library.register_fake("uniep::swiglu_fp8")
+def _swiglu_fp8_fake(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_swiglu_fp8(h)
+    ffn = h.shape[1] // 2
+    act = h.new_empty((h.shape[0], ffn), dtype=torch.float8_e4m3fn)
+    return act, h.new_empty((h.shape[0], ffn // _FP8_BLOCK), dtype=torch.float32)
+
+
+def _swiglu_fp8_cpu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_swiglu_fp8(h)
+    ffn = h.shape[1] // 2
+    g, u = h[:, :ffn].float(), h[:, ffn:].float()
+    # The CUDA kernel's formula (the SwiGLU epilogue's): g / (1 + exp(-g)) * u, in fp32.
+    return quantize_rows((g / (1.0 + torch.exp(-g)) * u).to(torch.bfloat16))
+
+
+torch.library.impl("uniep::swiglu_fp8", "CPU")(_swiglu_fp8_cpu)

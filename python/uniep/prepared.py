@@ -11,7 +11,7 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
 - ``"fp8"``: both weights in e4m3 with one scale per 128 x 128 block, stored K-major
   (``uniep.gemm.quantize_expert_weights``); the tokens travel in the fp8 dispatch's format (1 x 128
   scales) and feed the fp8 grouped GEMM as they arrive; the activation is quantized the same way
-  for the second GEMM. Needs ``dispatch=fp8`` in the tuning, hidden and the expert FFN size
+  for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs ``dispatch=fp8`` in the tuning, hidden and the expert FFN size
   multiples of 128.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import _C
 from .distributed import group_name, world_size
@@ -33,7 +32,6 @@ from .gemm import (
     dequantize_expert_weights,
     pack_gate_up,
     quantize_expert_weights,
-    quantize_rows,
     unpack_gate_up,
 )
 
@@ -163,8 +161,6 @@ def _forward_cuda(
     else:
         row_scales = scales.index_select(0, row_slot)
         h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs)
-        ffn = experts.ffn
-        act = (F.silu(h[:, :ffn].float()) * h[:, ffn:].float()).to(torch.bfloat16)
-        act_q, act_s = quantize_rows(act)
+        act_q, act_s = ops.swiglu_fp8(h)
         y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs)
     return ops.ep_combine(y.contiguous(), row_target, topk_idx, topk_weights, name, epoch, tuning)

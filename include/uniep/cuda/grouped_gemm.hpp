@@ -151,4 +151,10 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count
 // 16-byte aligned, contiguous.
 Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStream_t stream);
 
+// swiglu_bf16's activation quantized for the second fp8 GEMM in the same pass: act [rows][ffn]
+// e4m3 and scales [rows][ffn / 128] fp32 (amax / 448 per 128 columns, the fp8 dispatch's
+// encoding of the bf16 activation). ffn % 128 == 0; h and act 16-byte aligned.
+Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
+                  cudaStream_t stream);
+
 }  // namespace uniep::cuda

@@ -1,7 +1,9 @@
-// swiglu_bf16 (include/uniep/cuda/grouped_gemm.hpp): the activation between the two expert
-// GEMMs when w1 is not packed for the SwiGLU epilogue, in one pass over h instead of torch's
-// silu and multiply kernels (which also round silu(g) to bf16 before the product).
+// swiglu_bf16 and swiglu_fp8 (include/uniep/cuda/grouped_gemm.hpp): the activation between the
+// two expert GEMMs when w1 is not packed for the SwiGLU epilogue, in one pass over h instead of
+// torch's silu and multiply kernels (which also round silu(g) to bf16 before the product); the
+// fp8 one also quantizes it for the second fp8 GEMM in the same pass.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +15,11 @@ namespace uniep::cuda {
 namespace {
 
 constexpr int kVec = 8;  // bf16 values per 16-byte load
+
+// The SwiGLU epilogue's formula, so packed and unpacked w1 give the same activation.
+__device__ __forceinline__ float swiglu(float g, float u) {
+  return g / (1.0f + expf(-g)) * u;
+}
 
 // One thread per 8 activation columns of one row: two 16-byte loads (gate and up), one store.
 __global__ void swiglu_rows_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
@@ -31,11 +38,63 @@ __global__ void swiglu_rows_kernel(const __nv_bfloat16* __restrict__ h, int64_t 
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
       const float2 gf = __bfloat1622float2(g[i]), uf = __bfloat1622float2(u[i]);
-      // The SwiGLU epilogue's formula, so packed and unpacked w1 give the same activation.
-      o[i] = __floats2bfloat162_rn(gf.x / (1.0f + expf(-gf.x)) * uf.x,
-                                   gf.y / (1.0f + expf(-gf.y)) * uf.y);
+      o[i] = __floats2bfloat162_rn(swiglu(gf.x, uf.x), swiglu(gf.y, uf.y));
     }
     *reinterpret_cast<uint4*>(act + r * ffn + c) = out;
+  }
+}
+
+constexpr int kFp8Block = 128;  // columns per scale
+constexpr int kFp8Cols = 16;    // activation columns per lane
+constexpr int kFp8Lanes = kFp8Block / kFp8Cols;
+constexpr float kE4m3Max = 448.0f;
+
+// One lane per 16 activation columns, eight lanes per 128-column scale block. Each value is
+// swiglu_bf16's (rounded to bf16), then quantized as the fp8 dispatch and uniep.gemm.quantize_rows
+// quantize a bf16 row: scale = amax / 448, q = RNE(a * (448 / amax)) saturated. ffn % 128 == 0,
+// so a warp's 32 lanes cover whole scale blocks; every lane runs every step (the shuffles name
+// the whole warp), those past the end with zeros and no stores.
+__global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
+                                  uint8_t* __restrict__ act, float* __restrict__ scales) {
+  const int64_t lanes_per_row = ffn / kFp8Cols, total = rows * lanes_per_row;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp0 = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32 * 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = warp0; base < total; base += stride) {
+    const int64_t v = base + lane;
+    const bool in = v < total;
+    const int64_t r = in ? v / lanes_per_row : 0, c = in ? (v % lanes_per_row) * kFp8Cols : 0;
+    float a[kFp8Cols];
+    float amax = 0.0f;
+    if (in) {
+      uint4 g4[2], u4[2];
+      g4[0] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + c);
+      g4[1] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + c + 8);
+      u4[0] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + ffn + c);
+      u4[1] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + ffn + c + 8);
+      const auto* g = reinterpret_cast<const __nv_bfloat16*>(g4);
+      const auto* u = reinterpret_cast<const __nv_bfloat16*>(u4);
+#pragma unroll
+      for (int j = 0; j < kFp8Cols; ++j) {
+        a[j] = __bfloat162float(
+            __float2bfloat16_rn(swiglu(__bfloat162float(g[j]), __bfloat162float(u[j]))));
+        amax = fmaxf(amax, fabsf(a[j]));
+      }
+    }
+#pragma unroll
+    for (int m = kFp8Lanes / 2; m > 0; m >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    if (!in) continue;
+    const float inv = amax > 0.0f ? __fdiv_rn(kE4m3Max, amax) : 1.0f;
+    uint4 packed;
+    auto* q = reinterpret_cast<uint8_t*>(&packed);
+#pragma unroll
+    for (int j = 0; j < kFp8Cols; ++j)
+      q[j] = __nv_cvt_float_to_fp8(__fmul_rn(a[j], inv), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint4*>(act + r * ffn + c) = packed;
+    if (lane % kFp8Lanes == 0)
+      scales[r * (ffn / kFp8Block) + c / kFp8Block] =
+          amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
   }
 }
 
@@ -60,6 +119,30 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("swiglu_bf16 failed to launch: ", cudaGetErrorString(e))};
+  return Status::Ok();
+}
+
+Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
+                  cudaStream_t stream) {
+  if (rows < 0)
+    return {StatusCode::kInvalidArgument, detail::str_cat("rows must be >= 0, got ", rows)};
+  if (ffn < 1 || ffn % kFp8Block != 0)
+    return {StatusCode::kUnsupported,
+            detail::str_cat("ffn must be a positive multiple of ", kFp8Block,
+                            " (one scale per 128 columns), got ", ffn)};
+  if (rows == 0) return Status::Ok();
+  if (h == nullptr || act == nullptr || scales == nullptr ||
+      reinterpret_cast<uintptr_t>(h) % 16 != 0 || reinterpret_cast<uintptr_t>(act) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(scales) % 4 != 0)
+    return {StatusCode::kUnsupported, "h and act must be 16-byte aligned, scales 4 (non-null)"};
+  const int64_t total = rows * (ffn / kFp8Cols);
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
+  swiglu_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("swiglu_fp8 failed to launch: ", cudaGetErrorString(e))};
   return Status::Ok();
 }
 
