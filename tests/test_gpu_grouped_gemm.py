@@ -431,3 +431,38 @@ def test_swiglu_fp8_one_pass() -> None:
         swiglu_fp8(h[:, :192].contiguous())
     with pytest.raises(ValueError, match="h must be contiguous"):
         swiglu_fp8(h[:, :512])
+
+
+def test_backward_elementwise_ops_match_the_torch_chain() -> None:
+    # moe_backward's one-pass steps against the torch chain they replace (fp32, op by op).
+    ops = torch.ops.uniep
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    rows, ffn, hidden = 777, 384, 520
+    h = (torch.randn(rows, 2 * ffn, generator=gen, device="cuda") * 3).bfloat16()
+    grad_act = torch.randn(rows, ffn, generator=gen, device="cuda").bfloat16()
+    act, grad_h = ops.swiglu_backward(h, grad_act)
+    g, u, ga = h[:, :ffn].float(), h[:, ffn:].float(), grad_act.float()
+    sig = torch.sigmoid(g)
+    ref_act = (g * sig * u).bfloat16()
+    ref_grad = torch.cat([ga * u * sig * (1 + g * (1 - sig)), ga * g * sig], dim=1).bfloat16()
+    for got, ref in ((act, ref_act), (grad_h, ref_grad)):
+        assert got.view(torch.int16).eq(ref.view(torch.int16)).float().mean() >= 0.999
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=1e-5)
+    again = ops.swiglu_backward(h, grad_act)
+    assert torch.equal(again[0], act) and torch.equal(again[1], grad_h)
+
+    x = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
+    w = torch.rand(rows, generator=gen, device="cuda")
+    assert torch.equal(ops.scale_rows(x, w), (x.float() * w.unsqueeze(1)).bfloat16())
+    y = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
+    dots = ops.row_dots(x, y)
+    exact = (x.double() * y.double()).sum(1)
+    torch.testing.assert_close(dots.double(), exact, rtol=1e-5, atol=1e-3)
+    assert torch.equal(ops.row_dots(x, y), dots)
+    assert ops.row_dots(x[:0], y[:0]).shape == (0,)
+    with pytest.raises(ValueError, match=r"h must be \[R, 2I\] for grad_act"):
+        ops.swiglu_backward(h[:, :256].contiguous(), grad_act)
+    with pytest.raises(ValueError, match="w must be \\[R\\]"):
+        ops.scale_rows(x, w[:-1])
+    with pytest.raises(ValueError, match="a and b must have one shape"):
+        ops.row_dots(x, y[:-1])

@@ -293,16 +293,81 @@ std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
     UNIEP_CHECK(h.is_cuda(), "h must be a CUDA tensor, got ", h.device());
     UNIEP_CHECK(h.is_contiguous(), "h must be contiguous, got strides ", h.strides());
     const int64_t rows = h.size(0), ffn = h.size(1) / 2;
-    UNIEP_CHECK_CODE(h.size(1) % 256 == 0, StatusCode::kUnsupported,
-                     "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), "
-                     "got shape ",
-                     h.sizes());
+    // A shape error like the CPU kernel's (uniep/gemm.py), so both raise ValueError.
+    UNIEP_CHECK(
+        h.size(1) % 256 == 0,
+        "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got shape ",
+        h.sizes());
     const c10::cuda::CUDAGuard guard(h.device());
     at::Tensor act = at::empty({rows, ffn}, h.options().dtype(at::kFloat8_e4m3fn));
     at::Tensor scales = at::empty({rows, ffn / 128}, h.options().dtype(at::kFloat));
     ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
                                  at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
     return std::make_tuple(act, scales);
+  });
+}
+
+// The bf16 CUDA rows the backward's element-wise kernels take: 2-D, contiguous, on one device.
+void check_bf16_rows(const at::Tensor& t, const char* name) {
+  UNIEP_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  UNIEP_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  UNIEP_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+  UNIEP_CHECK(t.size(1) % 8 == 0, name, " must have a multiple of 8 columns, got shape ",
+              t.sizes());
+}
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& h,
+                                                        const at::Tensor& grad_act) {
+  return translate_errors([&] {
+    check_bf16_rows(h, "h");
+    check_bf16_rows(grad_act, "grad_act");
+    const int64_t rows = h.size(0), ffn = h.size(1) / 2;
+    UNIEP_CHECK(grad_act.size(0) == rows && h.size(1) == 2 * grad_act.size(1),
+                "h must be [R, 2I] for grad_act [R, I] = ", grad_act.sizes(), ", got ", h.sizes());
+    UNIEP_CHECK(grad_act.device() == h.device(), "grad_act must be on h's device ", h.device(),
+                ", got ", grad_act.device());
+    const c10::cuda::CUDAGuard guard(h.device());
+    at::Tensor act = at::empty({rows, ffn}, h.options());
+    at::Tensor grad_h = at::empty_like(h);
+    ok_or_throw(cuda::swiglu_backward_bf16(h.data_ptr(), grad_act.data_ptr(), rows, ffn,
+                                           act.data_ptr(), grad_h.data_ptr(), stream_of(h)));
+    return std::make_tuple(act, grad_h);
+  });
+}
+
+at::Tensor scale_rows_cuda(const at::Tensor& x, const at::Tensor& w) {
+  return translate_errors([&] {
+    check_bf16_rows(x, "x");
+    UNIEP_CHECK(w.dim() == 1 && w.size(0) == x.size(0), "w must be [R] = [", x.size(0),
+                "], got shape ", w.sizes());
+    UNIEP_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.device() == x.device(),
+                "w must be contiguous float32 on x's device ", x.device(), ", got ",
+                w.scalar_type(), " on ", w.device());
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor out = at::empty_like(x);
+    ok_or_throw(cuda::scale_rows_bf16(x.data_ptr(), w.data_ptr<float>(), x.size(0), x.size(1),
+                                      out.data_ptr(), stream_of(x)));
+    return out;
+  });
+}
+
+at::Tensor row_dots_cuda(const at::Tensor& a, const at::Tensor& b) {
+  return translate_errors([&] {
+    check_bf16_rows(a, "a");
+    check_bf16_rows(b, "b");
+    UNIEP_CHECK(a.sizes() == b.sizes() && a.device() == b.device(),
+                "a and b must have one shape on one device, got ", a.sizes(), " on ", a.device(),
+                " and ", b.sizes(), " on ", b.device());
+    const c10::cuda::CUDAGuard guard(a.device());
+    at::Tensor dots = at::empty({a.size(0)}, a.options().dtype(at::kFloat));
+    ok_or_throw(cuda::row_dots_bf16(a.data_ptr(), b.data_ptr(), a.size(0), a.size(1),
+                                    dots.data_ptr<float>(), stream_of(a)));
+    return dots;
   });
 }
 
@@ -329,5 +394,8 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
+  m.impl("swiglu_backward", &uniep::torch_glue::swiglu_backward_cuda);
+  m.impl("scale_rows", &uniep::torch_glue::scale_rows_cuda);
+  m.impl("row_dots", &uniep::torch_glue::row_dots_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

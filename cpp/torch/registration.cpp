@@ -38,6 +38,12 @@ TORCH_LIBRARY(uniep, m) {
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.
   m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
+  // The element-wise steps of moe_backward's experts on CUDA (uniep/cuda/grouped_gemm.hpp),
+  // bf16 rows: SwiGLU's backward (h [R, 2I], grad_act [R, I] -> act [R, I], grad_h [R, 2I]),
+  // rows scaled by an fp32 weight each, and fp32 row dot products.
+  m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
+  m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("row_dots(Tensor a, Tensor b) -> Tensor");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

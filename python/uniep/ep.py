@@ -545,21 +545,17 @@ def _experts_backward_engine(
     ran it (SwiGLU rounded once), then two data-gradient and two weight-gradient grouped GEMMs
     (weight gradients summed over each expert's rows in ascending order)."""
     ops = torch.ops.uniep
-    ffn = w2.shape[1]
     h = ops.grouped_mm(rows, w1, offs, tuning)
-    g, u = h[:, :ffn].float(), h[:, ffn:].float()
-    sig = torch.sigmoid(g)
-    act = (g * sig * u).to(rows.dtype)
+    grad_y = ops.scale_rows(go_rows, w_row)
+    grad_act = ops.grouped_mm_dgrad(grad_y, w2, offs, tuning)
+    # One pass: act = silu(g) * u (rounded once) and grad_h = [d/dg, d/du] (torch's fp32
+    # arithmetic, op by op), instead of a dozen fp32 kernels over [R, 2I].
+    act, grad_h = ops.swiglu_backward(h, grad_act)
     y = ops.grouped_mm(act, w2, offs, tuning)
-    grad_y = (go_rows.float() * w_row.unsqueeze(1)).to(rows.dtype)
-    grad_act = ops.grouped_mm_dgrad(grad_y, w2, offs, tuning).float()
-    # d silu(g) / dg = sig * (1 + g * (1 - sig))
-    grad_g = grad_act * u * sig * (1 + g * (1 - sig))
-    grad_h = torch.cat([grad_g, grad_act * g * sig], dim=1).to(rows.dtype)
     grad_rows = ops.grouped_mm_dgrad(grad_h, w1, offs, tuning)
     grad_w1 = ops.grouped_mm_wgrad(rows, grad_h, offs, tuning)
     grad_w2 = ops.grouped_mm_wgrad(act, grad_y, offs, tuning)
-    dots = (go_rows.float() * y.float()).sum(1)
+    dots = ops.row_dots(go_rows, y)
     return grad_rows, grad_w1, grad_w2, dots
 
 

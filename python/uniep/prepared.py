@@ -11,8 +11,8 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
 - ``"fp8"``: both weights in e4m3 with one scale per 128 x 128 block, stored K-major
   (``uniep.gemm.quantize_expert_weights``); the tokens travel in the fp8 dispatch's format (1 x 128
   scales) and feed the fp8 grouped GEMM as they arrive; the activation is quantized the same way
-  for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs ``dispatch=fp8`` in the tuning, hidden and the expert FFN size
-  multiples of 128.
+  for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs
+  ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.

@@ -157,4 +157,19 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
 Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
                   cudaStream_t stream);
 
+// The experts' backward between its grouped GEMMs, each one pass over bf16 rows with torch's
+// fp32 arithmetic (each operation rounded on its own). Row lengths multiples of 8, pointers
+// 16-byte aligned, contiguous rows.
+//   swiglu_backward_bf16: from h [rows, 2 ffn] (gate, up) and grad_act [rows, ffn]:
+//     sig = 1 / (1 + exp(-g)), act = g sig u, grad_h = [grad_act u sig (1 + g (1 - sig)),
+//     grad_act g sig] ([rows, 2 ffn]).
+//   scale_rows_bf16: out[r] = x[r] * w[r] (w fp32 [rows]).
+//   row_dots_bf16: dots[r] = sum_c a[r, c] b[r, c] in fp32, in a fixed order.
+Status swiglu_backward_bf16(const void* h, const void* grad_act, int64_t rows, int64_t ffn,
+                            void* act, void* grad_h, cudaStream_t stream);
+Status scale_rows_bf16(const void* x, const float* w, int64_t rows, int64_t cols, void* out,
+                       cudaStream_t stream);
+Status row_dots_bf16(const void* a, const void* b, int64_t rows, int64_t cols, float* dots,
+                     cudaStream_t stream);
+
 }  // namespace uniep::cuda
