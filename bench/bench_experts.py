@@ -29,6 +29,7 @@ Device time is the median of CUDA events over many calls after warm-up; TFLOP/s 
 and moe_forward with each GEMM engine.
 
     python bench/bench_experts.py      # on a Hopper GPU; skipped (exit 0) elsewhere
+    python bench/bench_experts.py --plot RESULT.json   # the SVG of a result, again
 """
 
 from __future__ import annotations
@@ -343,7 +344,67 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
     return rows
 
 
+# Goals of the expert GEMM engine issue, as ratios: layer time over max(dense chain, weight read)
+# per load, the fp8 layer over the bf16 layer, the backward over the dense chain's.
+GOALS = {
+    "dsv3-ep8-rank": 1.10,
+    "mixtral-ep4-rank": 1.05,
+    "qwen3-30b-a3b": 1.15,
+    "dsv3-256-experts": 1.15,
+}
+FP8_GOAL, BACKWARD_GOAL = 0.6, 1.15
+
+
+def plot_layers(result_path: str | Path) -> Path:
+    """An SVG beside a bench_experts JSON: per load (x = its number in LAYERS order), the
+    forward variants over their floor with the goals, fp8 over bf16, and the backward over the
+    dense chain's forward + backward."""
+    import json
+
+    from plot_svg import Panel, Series, render_svg
+
+    payload = json.loads(Path(result_path).read_text())
+    rows = [r for r in payload["rows"] if r.get("part") == "layer"]
+    xs = [float(i + 1) for i in range(len(rows))]
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+    def series(label: str, key: str, color: str, dashed: bool = False) -> Series:
+        return Series(label, xs, [r.get(key) for r in rows], color, dashed)
+
+    forward = [
+        series(f"{impl}", f"over_floor[{impl}]", colors[i])
+        for i, (impl, _) in enumerate(LAYER_VARIANTS)
+    ] + [series("bf16_packed", "over_floor[bf16_packed]", colors[4])]
+    forward.append(Series("goal", xs, [GOALS.get(r["load"]) for r in rows], "#000000", True))
+    fp8 = [
+        series("fp8 layer / bf16 layer", "over_bf16_layer[fp8]", colors[5]),
+        Series("fp8 goal", xs, [FP8_GOAL] * len(rows), "#000000", True),
+    ]
+    backward = [
+        series(
+            "moe_backward (engine) / dense fwd+bwd", "backward_over_dense_fwd_bwd[uniep]", colors[0]
+        ),
+        Series("backward goal", xs, [BACKWARD_GOAL] * len(rows), "#000000", True),
+    ]
+    loads = ", ".join(f"{i + 1}={r['load']}" for i, r in enumerate(rows))
+    panels = [
+        Panel("moe_forward / max(dense, weight read)", forward, "load", "ratio"),
+        Panel("fp8", fp8, "load", "ratio"),
+        Panel("backward", backward, "load", "ratio"),
+    ]
+    env = payload.get("env", {})
+    title = f"bench_experts on {env.get('device', '?')} ({env.get('commit', '?')}): {loads}"
+    out = Path(result_path).with_suffix(".svg")
+    out.write_text(render_svg(panels, title, columns=3, log_x=False, log_y=False))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if len(argv) == 2 and argv[0] == "--plot":
+        print(f"wrote {plot_layers(argv[1])}")
+        return 0
     args = sm90_gemm_bench_args(
         __doc__.splitlines()[0], argv, profile=True, parts=("kernels", "layers")
     )
@@ -363,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_experts: layer part skipped (this build has no CUDA moe_forward)")
     path = write_result("bench_experts", rows, args.out_dir)
     print(f"wrote {path}")
+    if any(r.get("part") == "layer" for r in rows):
+        print(f"wrote {plot_layers(path)}")
     return 0
 
 
