@@ -2,7 +2,7 @@
 torch.ops.uniep.moe_forward with no set-up creates the group's runtime from the call's shapes,
 a later call with more tokens re-creates it larger on every rank, and both agree with the
 float64 reference. World 1 (NCCL) and two ranks sharing the GPU (gloo), as
-test_gpu_on_one_gpu.py runs them. Written without a GPU at hand: not yet run on one."""
+test_gpu_on_one_gpu.py runs them."""
 
 from __future__ import annotations
 
