@@ -288,8 +288,22 @@ def _bench_layer(
             fns["fp8 prepared"] = lambda: moe_forward_prepared(
                 x, idx, weights, prepared8, group, "dispatch=fp8"
             )
-            row["kernels_us"] = profile_kernels(fns, profile)
+            row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
     return row
+
+
+def _trace_paths(load: str) -> Any:
+    """--trace VARIANT / --trace-dir, passed to the spawned rank through the environment."""
+    names = [v for v in os.environ.get("UNIEP_BENCH_TRACE", "").split(",") if v]
+    directory = os.environ.get("UNIEP_BENCH_TRACE_DIR", "")
+
+    def path(variant: str) -> str | None:
+        if variant not in names or not directory:
+            return None
+        name = variant.replace(" ", "_").replace("+", "_").replace("/", "_")
+        return os.path.join(directory, f"{load}-{name}.json")
+
+    return path
 
 
 def _layer_rank(
@@ -406,8 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {plot_layers(argv[1])}")
         return 0
     args = sm90_gemm_bench_args(
-        __doc__.splitlines()[0], argv, profile=True, parts=("kernels", "layers")
+        __doc__.splitlines()[0], argv, profile=True, parts=("kernels", "layers"), trace=True
     )
+    if args.trace and args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        os.environ["UNIEP_BENCH_TRACE"] = ",".join(args.trace)
+        os.environ["UNIEP_BENCH_TRACE_DIR"] = args.trace_dir
     if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
         return 0
     loads = [name for name in args.loads.split(",") if name] if args.loads else []

@@ -188,11 +188,13 @@ def profile_kernels(
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        path = trace(variant) if trace is not None else None
+        # A traced variant records the host's ops too: the gaps between kernels are host time.
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if path else [])
+        with profile(activities=activities) as prof:
             for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
-        path = trace(variant) if trace is not None else None
         if path:
             prof.export_chrome_trace(path)
         per_kernel: dict[str, float] = {}
@@ -206,7 +208,11 @@ def profile_kernels(
 
 
 def sm90_gemm_bench_args(
-    description: str, argv: list[str] | None, profile: bool = False, parts: tuple[str, ...] = ()
+    description: str,
+    argv: list[str] | None,
+    profile: bool = False,
+    parts: tuple[str, ...] = (),
+    trace: bool = False,
 ) -> argparse.Namespace:
     """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts); ``profile``
     adds ``--profile N`` (:func:`add_profile_argument`), ``parts`` a ``--part`` choice among them
@@ -218,6 +224,8 @@ def sm90_gemm_bench_args(
     parser.add_argument("--warmup", type=int, default=10)
     if profile:
         add_profile_argument(parser)
+    if trace:
+        add_trace_arguments(parser)
     if parts:
         parser.add_argument("--part", choices=[*parts, "all"], default="all")
         parser.add_argument("--loads", default="", help="comma-separated load names (default all)")

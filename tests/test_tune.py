@@ -196,6 +196,8 @@ def test_candidates_keep_numerics_and_compiled_tiles() -> None:
             if device == "cuda":
                 assert (p.tile_m, p.tile_n, p.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
                 assert p.stages == 0
+                # Every overlap mode runs the same launches on CUDA today: not searched.
+                assert p.overlap == uniep.TuningParams.parse("").overlap
     model = tune.CostModel(
         "cuda", peak_flops=1e15, mem_bw=3e12, alpha=2e-6, beta=1e-11, sm_count=132
     )

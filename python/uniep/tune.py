@@ -509,20 +509,12 @@ def candidate_points(
                         add(tile_m=tm, tile_n=tn, tile_k=tk, overlap=overlap)
     elif device == "cuda":
         tiles: list[tuple[int, int, int]] = [(0, 0, 0), *CUDA_TILES]
-        for overlap in ("fused", "chunked", "sequential"):
-            for sms in _CUDA_SMS:
-                if sms >= sm_count:
-                    continue
-                for tt in _CUDA_TOKEN_TILES:
-                    for tm, tn, tk in tiles:
-                        add(
-                            comm_sms=sms,
-                            token_tile=tt,
-                            tile_m=tm,
-                            tile_n=tn,
-                            tile_k=tk,
-                            overlap=overlap,
-                        )
+        for sms in _CUDA_SMS:
+            if sms >= sm_count:
+                continue
+            for tt in _CUDA_TOKEN_TILES:
+                for tm, tn, tk in tiles:
+                    add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return out
