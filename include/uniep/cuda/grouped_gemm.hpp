@@ -157,6 +157,17 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
 Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
                   cudaStream_t stream);
 
+// The first GEMM's input from a dispatch's receive slots: dst[r] = src[row_slot[r]] for rows of
+// cols bf16 (slot s at src + s * src_stride_bytes; a slot outside [0, slots) leaves its row
+// unwritten). cols % 8 == 0, src_stride_bytes % 16 == 0, src and dst 16-byte aligned.
+Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
+                        const int64_t* row_slot, int64_t rows, int64_t cols, void* dst,
+                        cudaStream_t stream);
+
+// The grouped GEMM's offs from per-expert row counts on the device: offs[e] = counts[0] + ... +
+// counts[e], int32, no host sync.
+Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cudaStream_t stream);
+
 // The experts' backward between its grouped GEMMs, each one pass over bf16 rows with torch's
 // fp32 arithmetic (each operation rounded on its own). Row lengths multiples of 8, pointers
 // 16-byte aligned, contiguous rows.
