@@ -13,6 +13,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "cuda/common/fp8_block.cuh"
 #include "cuda/common/signal_wait.cuh"
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/ep_kernels.hpp"
@@ -22,14 +23,12 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kFp8Block = 128;  // columns per scale
-constexpr float kE4m3Max = 448.0f;
 
-// One warp casts a bf16 row to e4m3 with a scale per 128 columns (scale = amax / 448, q =
-// RNE(x * (448 / amax)) saturated) and writes the receive-buffer format (H bytes, then the fp32
-// scales) to every destination: the row is read and cast once. Exactly the CPU executor's
-// encoding, so the bytes can be compared. scale_dsts[d]: where destination d's scales go (right
-// after its row in a receive slot; the caller's recv_scales for a row written straight out).
+// One warp casts a bf16 row to e4m3 with a scale per 128 columns (common/fp8_block.cuh: scale =
+// amax / 448, q = RNE(x * (448 / amax)) saturated) and writes the receive-buffer format (H bytes,
+// then the fp32 scales) to every destination: the row is read and cast once. Exactly the CPU
+// executor's encoding, so the bytes can be compared. scale_dsts[d]: where destination d's scales go
+// (right after its row in a receive slot; the caller's recv_scales for a row written straight out).
 // Each lane takes 16 columns (two 16-byte loads, one 16-byte store per destination), so eight
 // lanes share a scale block: 4-byte stores over NVLink, four lanes per block, made the cast
 // slower than a bf16 copy of twice the bytes.
@@ -63,17 +62,11 @@ __device__ __forceinline__ void warp_cast_fp8(uint8_t* const* dsts, float* const
         v[j] = in ? __bfloat162float(h[j]) : 0.0f;
         amax = fmaxf(amax, fabsf(v[j]));
       }
-#pragma unroll
-      for (int m = kCastLanes / 2; m > 0; m >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      amax = block_amax<kCastLanes>(amax);
       if (!in) continue;
-      const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
-      const float inv = amax > 0.0f ? __fdiv_rn(kE4m3Max, amax) : 1.0f;
+      const float scale = e4m3_scale(amax);
       int4 packed;
-      auto* q = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-      for (int j = 0; j < kCastCols; ++j)
-        q[j] = __nv_cvt_float_to_fp8(__fmul_rn(v[j], inv), __NV_SATFINITE, __NV_E4M3);
+      encode_e4m3(v, amax, reinterpret_cast<uint8_t*>(&packed));
       for (int d = 0; d < num_dsts; ++d) {
         *reinterpret_cast<int4*>(dsts[d] + col) = packed;
         if (lane % kCastLanes == 0) scale_dsts[d][col / kFp8Block] = scale;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
@@ -119,13 +120,6 @@ int64_t grid_for(int64_t work) {
   return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 132 * 16));
 }
 
-Status launched(const char* what) {
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat(what, " failed to launch: ", cudaGetErrorString(e))};
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status swiglu_backward_bf16(const void* h, const void* grad_act, int64_t rows, int64_t ffn,
@@ -139,7 +133,7 @@ Status swiglu_backward_bf16(const void* h, const void* grad_act, int64_t rows, i
                            stream>>>(
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(grad_act), rows, ffn,
       static_cast<__nv_bfloat16*>(act), static_cast<__nv_bfloat16*>(grad_h));
-  return launched("swiglu_backward_bf16");
+  return launch_status("swiglu_backward_bf16");
 }
 
 Status scale_rows_bf16(const void* x, const float* w, int64_t rows, int64_t cols, void* out,
@@ -150,7 +144,7 @@ Status scale_rows_bf16(const void* x, const float* w, int64_t rows, int64_t cols
     return {StatusCode::kUnsupported, "scale_rows_bf16: x and out must be 16-byte aligned"};
   scale_rows_kernel<<<static_cast<unsigned>(grid_for(rows * (cols / kVec))), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), w, rows, cols, static_cast<__nv_bfloat16*>(out));
-  return launched("scale_rows_bf16");
+  return launch_status("scale_rows_bf16");
 }
 
 Status row_dots_bf16(const void* a, const void* b, int64_t rows, int64_t cols, float* dots,
@@ -161,7 +155,7 @@ Status row_dots_bf16(const void* a, const void* b, int64_t rows, int64_t cols, f
     return {StatusCode::kUnsupported, "row_dots_bf16: a and b must be 16-byte aligned"};
   row_dots_kernel<<<static_cast<unsigned>(grid_for(rows * 32)), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a), static_cast<const __nv_bfloat16*>(b), rows, cols, dots);
-  return launched("row_dots_bf16");
+  return launch_status("row_dots_bf16");
 }
 
 }  // namespace uniep::cuda

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/common/warp_copy.cuh"
+#include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
@@ -42,13 +43,6 @@ __global__ void expert_offsets_kernel(const int64_t* __restrict__ counts, int64_
   }
 }
 
-Status launched(const char* what) {
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat(what, " failed to launch: ", cudaGetErrorString(e))};
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
@@ -75,7 +69,7 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
   gather_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(src), src_stride_bytes, slots, row_slot, rows, cols * 2,
       static_cast<uint8_t*>(dst));
-  return launched("gather_rows_bf16");
+  return launch_status("gather_rows_bf16");
 }
 
 Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cudaStream_t stream) {
@@ -86,7 +80,7 @@ Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cud
   if (counts == nullptr || offs == nullptr)
     return {StatusCode::kInvalidArgument, "expert_offsets: counts and offs must be non-null"};
   expert_offsets_kernel<<<1, 1, 0, stream>>>(counts, experts, offs);
-  return launched("expert_offsets");
+  return launch_status("expert_offsets");
 }
 
 }  // namespace uniep::cuda

@@ -3,12 +3,13 @@
 // torch's silu and multiply kernels (which also round silu(g) to bf16 before the product); the
 // fp8 one also quantizes it for the second fp8 GEMM in the same pass.
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/common/fp8_block.cuh"
+#include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
@@ -44,14 +45,12 @@ __global__ void swiglu_rows_kernel(const __nv_bfloat16* __restrict__ h, int64_t 
   }
 }
 
-constexpr int kFp8Block = 128;  // columns per scale
-constexpr int kFp8Cols = 16;    // activation columns per lane
+constexpr int kFp8Cols = 16;  // activation columns per lane
 constexpr int kFp8Lanes = kFp8Block / kFp8Cols;
-constexpr float kE4m3Max = 448.0f;
 
 // One lane per 16 activation columns, eight lanes per 128-column scale block. Each value is
-// swiglu_bf16's (rounded to bf16), then quantized as the fp8 dispatch and uniep.gemm.quantize_rows
-// quantize a bf16 row: scale = amax / 448, q = RNE(a * (448 / amax)) saturated. ffn % 128 == 0,
+// swiglu_bf16's (rounded to bf16), then encoded as the fp8 dispatch encodes a bf16 row
+// (common/fp8_block.cuh; uniep.gemm.quantize_rows on the CPU). ffn % 128 == 0,
 // so a warp's 32 lanes cover whole scale blocks; every lane runs every step (the shuffles name
 // the whole warp), those past the end with zeros and no stores.
 __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
@@ -81,20 +80,12 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
         amax = fmaxf(amax, fabsf(a[j]));
       }
     }
-#pragma unroll
-    for (int m = kFp8Lanes / 2; m > 0; m >>= 1)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    amax = block_amax<kFp8Lanes>(amax);
     if (!in) continue;
-    const float inv = amax > 0.0f ? __fdiv_rn(kE4m3Max, amax) : 1.0f;
     uint4 packed;
-    auto* q = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-    for (int j = 0; j < kFp8Cols; ++j)
-      q[j] = __nv_cvt_float_to_fp8(__fmul_rn(a[j], inv), __NV_SATFINITE, __NV_E4M3);
+    encode_e4m3(a, amax, reinterpret_cast<uint8_t*>(&packed));
     *reinterpret_cast<uint4*>(act + r * ffn + c) = packed;
-    if (lane % kFp8Lanes == 0)
-      scales[r * (ffn / kFp8Block) + c / kFp8Block] =
-          amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
+    if (lane % kFp8Lanes == 0) scales[r * (ffn / kFp8Block) + c / kFp8Block] = e4m3_scale(amax);
   }
 }
 
@@ -116,10 +107,7 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
   swiglu_rows_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<__nv_bfloat16*>(act));
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("swiglu_bf16 failed to launch: ", cudaGetErrorString(e))};
-  return Status::Ok();
+  return launch_status("swiglu_bf16");
 }
 
 Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
@@ -140,10 +128,7 @@ Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* sc
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
   swiglu_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("swiglu_fp8 failed to launch: ", cudaGetErrorString(e))};
-  return Status::Ok();
+  return launch_status("swiglu_fp8");
 }
 
 }  // namespace uniep::cuda
