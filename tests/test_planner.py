@@ -187,6 +187,34 @@ def _check_tiles(plan: dict[str, np.ndarray], world: int, per: int, tile_m: int)
 
 
 @pytest.mark.parametrize("r", ROUTINGS, ids=lambda r: r.name)
+def test_sender_rows_are_the_receivers_rows(r: Routing) -> None:
+    """The MegaKernel's sender-side gather: each (token, k) computes its GEMM row on the
+    destination from its own routing and the counts, and it is the row the receiver's plan has."""
+    topk = r.topk()
+    plans = _plans(r)
+    el = r.experts // r.world_size
+    covered = [np.zeros(len(p["row_slot"]), dtype=np.int64) for p in plans]
+    for src, plan in enumerate(plans):
+        dest, row = plan["send_gemm_rank"], plan["send_gemm_row"]
+        idx = topk[src]
+        assert dest.shape == row.shape == idx.shape
+        np.testing.assert_array_equal(dest < 0, idx < 0)
+        np.testing.assert_array_equal(row < 0, idx < 0)
+        for t, k in zip(*np.nonzero(idx >= 0), strict=True):
+            d, g = int(dest[t, k]), int(idx[t, k])
+            assert d == g // el
+            there = plans[d]
+            i = int(row[t, k])
+            lo, hi = there["row_offsets"][g - d * el], there["row_offsets"][g - d * el + 1]
+            assert lo <= i < hi, "the row lies in the destination expert's rows"
+            assert there["row_src_rank"][i] == src
+            assert there["row_combine_slot"][i] == t * r.top_k + k
+            covered[d][i] += 1
+    for c in covered:
+        assert (c == 1).all(), "every GEMM row is written by exactly one sender entry"
+
+
+@pytest.mark.parametrize("r", ROUTINGS, ids=lambda r: r.name)
 @pytest.mark.parametrize("tile_m", [16, 64])
 def test_schedule_tiles_cover_rows_in_mode_order(r: Routing, tile_m: int) -> None:
     world, per = r.world_size, r.experts // r.world_size

@@ -18,6 +18,41 @@ std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const M
   return offsets;
 }
 
+SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
+                            const MoeShape& shape) {
+  const int64_t T = shape.tokens, K = shape.top_k, E = shape.num_experts, W = shape.world_size;
+  const int64_t El = shape.experts_per_rank(), me = shape.rank;
+  SenderRows out;
+  out.dest_rank.assign(T * K, -1);
+  out.gemm_row.assign(T * K, -1);
+  // First row of (expert g, source me) on g's rank: that rank's rows of the local experts before
+  // g, then g's rows from sources before me (expert_source_offsets of rank g / El).
+  std::vector<int64_t> next(E, 0);
+  for (int64_t r = 0; r < W; ++r) {
+    int64_t row = 0;
+    for (int64_t e = 0; e < El; ++e) {
+      const int64_t g = r * El + e;
+      for (int64_t s = 0; s < W; ++s) {
+        if (s == me) next[g] = row;
+        row += expert_counts[s * E + g];
+      }
+    }
+  }
+  std::vector<int64_t> sent(E, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t g = topk_idx[i];
+    if (g < 0) continue;
+    UNIEP_CHECK(g < E, "topk_idx[", i / K, ", ", i % K, "] = ", g, " is not an expert id below ",
+                E);
+    UNIEP_CHECK_CODE(sent[g] < expert_counts[me * E + g], StatusCode::kInternal, "rank ", me,
+                     " routes more rows to expert ", g, " than its announced count ",
+                     expert_counts[me * E + g]);
+    out.dest_rank[i] = g / El;
+    out.gemm_row[i] = next[g] + sent[g]++;
+  }
+  return out;
+}
+
 ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
                         const int64_t* recv_topk_idx, const int64_t* expert_counts,
                         const MoeShape& shape) {

@@ -28,4 +28,21 @@ std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
   return tiles;
 }
 
+std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows,
+                                    int64_t tile_m) {
+  UNIEP_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+  UNIEP_CHECK(rows >= 0 && rows < (int64_t{1} << 31), "rows must be in [0, 2^31), got ", rows);
+  UNIEP_CHECK(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
+  std::vector<int32_t> base(static_cast<size_t>(num_experts) + 1);
+  int64_t end = 0, tiles = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    base[e] = static_cast<int32_t>(tiles);
+    const int64_t begin = end;
+    end = std::max(end, std::min<int64_t>(std::max<int64_t>(offs[e], 0), rows));
+    tiles += (end - begin + tile_m - 1) / tile_m;
+  }
+  base[num_experts] = static_cast<int32_t>(tiles);
+  return base;
+}
+
 }  // namespace uniep

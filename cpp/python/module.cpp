@@ -125,6 +125,9 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
   d["return_counts"] = to_array(ep.return_counts);
   d["expert_source_offsets"] = to_array(src_off).reshape({me.experts_per_rank(), W + 1});
   d["tiles"] = tile_arr;
+  const SenderRows sr = plan_sender_rows(all_topk[rank].data(), expert_counts.data(), me);
+  d["send_gemm_rank"] = to_array(sr.dest_rank).reshape({me.tokens, K});
+  d["send_gemm_row"] = to_array(sr.gemm_row).reshape({me.tokens, K});
   return d;
 }
 

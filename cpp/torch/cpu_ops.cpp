@@ -2,7 +2,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "torch/call_checks.hpp"
 #include "torch/process_group.hpp"
@@ -130,10 +132,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cpu(const at::Tens
   });
 }
 
+// The executor-independent reference of the device's gate_tile_base (cpp/core/schedule.cpp).
+at::Tensor gate_tile_base_cpu(const at::Tensor& offs, int64_t rows, int64_t tile_m) {
+  return translate_errors([&] {
+    UNIEP_CHECK(offs.dim() == 1 && offs.size(0) >= 1,
+                "offs must be 1-D with at least one expert, got shape ", offs.sizes());
+    UNIEP_CHECK(offs.scalar_type() == at::kInt, "offs must be int32, got ", offs.scalar_type());
+    UNIEP_CHECK(tile_m >= 1 && tile_m <= (1 << 20), "tile_m must be in [1, 2^20], got ", tile_m);
+    const at::Tensor o = offs.contiguous();
+    const std::vector<int32_t> base =
+        gate_tile_base(o.data_ptr<int32_t>(), o.size(0), rows, tile_m);
+    at::Tensor out = at::empty({static_cast<int64_t>(base.size())}, o.options());
+    std::copy(base.begin(), base.end(), out.data_ptr<int32_t>());
+    return out;
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CPU, m) {
+  m.impl("gate_tile_base", &uniep::torch_glue::gate_tile_base_cpu);
   m.impl("moe_forward", &uniep::torch_glue::moe_forward_cpu);
   m.impl("moe_backward", &uniep::torch_glue::moe_backward_cpu);
   m.impl("routing_layout", &uniep::torch_glue::routing_layout_cpu);

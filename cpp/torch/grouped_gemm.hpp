@@ -8,6 +8,11 @@
 
 namespace uniep::torch_glue {
 
+// The operand checks of uniep::grouped_mm (x [R, K], w [E, K, N] or the transpose of a contiguous
+// [E, N, K], offs [E] int32, bf16 on one CUDA device, K and N multiples of 8); throws naming the
+// argument.
+void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs);
+
 // torch._grouped_mm's bf16 (x [R, K], w [E, K, N], offs [E] int32) -> [R, N] on the expert GEMM
 // engine, the configuration picked from tuning's tile_m, tile_n, tile_k and stages (all auto:
 // by shape). Throws uniep::Error naming the argument for operands the kernel does not take.

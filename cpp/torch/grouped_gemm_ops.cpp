@@ -17,8 +17,8 @@
 
 namespace uniep::torch_glue {
 namespace {
-
 constexpr int64_t kAlign = 8;  // bf16 elements in the 16 bytes a TMA row needs
+}  // namespace
 
 void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
   UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
@@ -53,6 +53,8 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
                    "N = w.size(2) must be a multiple of ", kAlign,
                    " (the grouped GEMM's TMA moves 16-byte rows), got ", w.size(2));
 }
+
+namespace {
 
 // The backward's operands: dy [R, N] with w [E, K, N] (kDgrad), or x [R, K] with dy [R, N]
 // (kWgrad); offs [E] int32 on the same device; all bf16, contiguous, K and N multiples of 8.

@@ -41,6 +41,19 @@ TORCH_LIBRARY(uniep, m) {
   // The element-wise steps of moe_backward's experts on CUDA (uniep/cuda/grouped_gemm.hpp),
   // bf16 rows: SwiGLU's backward (h [R, 2I], grad_act [R, I] -> act [R, I], grad_h [R, 2I]),
   // rows scaled by an fp32 weight each, and fp32 row dot products.
+  // The MegaKernel's tile gates on their own (CUDA only; include/uniep/cuda/tile_gate.hpp):
+  // gate_tile_base(offs, rows, tile_m) -> [E + 1] int32, the first counter of each expert's
+  // tiles; grouped_mm_gated runs grouped_mm's forward (swiglu: grouped_mm_swiglu's) on the
+  // 128 x 256 cooperative tiles with the producer waiting, before each tile, until
+  // counters[tile_base[e] + i] >= per_row * rows_in_tile + per_tile; with `done`, each finished
+  // tile's warps add 1 to done[tile_base[e] + i]. Writes `out` ([R, N], or [R, N / 2] with
+  // swiglu) and returns timeout [5] int32: flag, expert, m_tile, have, need of the first wait
+  // that passed timeout_s (uniep.gate.check_gate_timeout).
+  m.def("gate_tile_base(Tensor offs, int rows, int tile_m) -> Tensor");
+  m.def(
+      "grouped_mm_gated(Tensor x, Tensor w, Tensor offs, Tensor counters, Tensor tile_base, "
+      "int per_row, int per_tile, float timeout_s, bool swiglu, Tensor(a!)? done, "
+      "int sm_count, Tensor(b!) out) -> Tensor timeout");
   m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
   m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

@@ -64,6 +64,20 @@ ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
 // counts alone, before any token arrives. [E_local][W + 1] row-major, offsets into the rows.
 std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const MoeShape& shape);
 
+// Where each of this rank's (token, k) rows lands as a grouped-GEMM row on its destination: the
+// sender-side gather of the MegaKernel (docs/megakernel.md). Row (t, k) routed to global expert g
+// of rank r goes to expert_source_offsets(r)[g - first(r)][me] + the number of (t', k') < (t, k)
+// (token-major) of this rank routed to g: exactly the row plan_experts gives it on r, computed
+// from this rank's routing and the agreed counts alone, before any token moves.
+struct SenderRows {
+  std::vector<int64_t> dest_rank;  // [T * K] -1 for an unused entry
+  std::vector<int64_t> gemm_row;   // [T * K] the row on dest_rank, -1 for an unused entry
+};
+
+// expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered).
+SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
+                            const MoeShape& shape);
+
 // One unit of expert work: rows [row_begin, row_end) of local expert `expert`.
 struct WorkTile {
   int64_t expert = 0;
@@ -78,5 +92,12 @@ struct WorkTile {
 std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
                                             const std::vector<int64_t>& source_offsets,
                                             const TuningParams& tuning, const MoeShape& shape);
+
+// The tile counters of a gated grouped GEMM (include/uniep/cuda/tile_gate.hpp): base[e] = the
+// number of tile_m-row tiles of experts before e, base[E] their total, for the row ranges of
+// offs (cumulative row ends) after the grouped GEMM's clamp (each end into [0, rows] and to at
+// least the largest earlier end). The CUDA executor computes the same on the device.
+std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows,
+                                    int64_t tile_m);
 
 }  // namespace uniep

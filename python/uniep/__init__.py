@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     collectives,
     distributed,
     ep,
+    gate,
     gemm,
     integrations,
     nn,

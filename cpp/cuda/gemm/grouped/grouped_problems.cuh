@@ -61,8 +61,9 @@ __global__ void __launch_bounds__(32)
 }
 
 // kWgrad: out[e] = 0 for every expert with no rows (the GEMM gives it no tiles, and a sum over
-// no rows is zero). Grid (E, chunks); 16-byte stores.
-__global__ void zero_empty_wgrad(const Shape* __restrict__ shapes, int64_t kn, Bf16* out) {
+// no rows is zero). Grid (E, chunks); 16-byte stores. Static: this header is included by more
+// than one translation unit (the engine and the gated GEMM).
+static __global__ void zero_empty_wgrad(const Shape* __restrict__ shapes, int64_t kn, Bf16* out) {
   const int e = static_cast<int>(blockIdx.x);
   if (cute::get<0>(shapes[e]) != 0) return;
   uint4* dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(e) * kn);

@@ -23,6 +23,7 @@
 #include <cutlass/epilogue/dispatch_policy.hpp>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::grouped {
 
@@ -50,6 +51,12 @@ class SwiGluEpilogue {
   struct Arguments {
     Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
     int64_t ld_out = 0;        // elements between rows of out (I)
+    // Optional (the MegaKernel's second GEMM waits on it, docs/megakernel.md): once a warp has
+    // written its part of output tile (expert e, m-tile i), it adds 1 to
+    // done[done_base[e] + i], so the tile's activation rows are complete at
+    // (consumer warps per tile) x (N-tiles) arrivals. Null: no signal.
+    uint32_t* done = nullptr;
+    const int32_t* done_base = nullptr;
   };
   using Params = Arguments;
 
@@ -117,6 +124,13 @@ class SwiGluEpilogue {
         *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + m * ld + j) =
             pair;
       }
+    }
+    if (params_.done != nullptr) {
+      // Every lane's stores are visible before lane 0's release can be observed.
+      __threadfence_system();
+      __syncwarp();
+      if (threadIdx.x % 32 == 0)
+        megakernel::gate_signal(params_.done + params_.done_base[l_coord] + m_coord, 1u);
     }
   }
 

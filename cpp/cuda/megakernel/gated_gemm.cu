@@ -1,0 +1,56 @@
+// grouped_gemm_gated_bf16 (include/uniep/cuda/tile_gate.hpp): the engine's checks and problem
+// kernel, then the gated configuration of the chosen epilogue.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/gemm/grouped/grouped_problems.cuh"
+#include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/gated_run.cuh"
+
+namespace uniep::cuda {
+
+size_t grouped_gemm_gated_workspace_bytes(int64_t num_experts, int sm_count) {
+  if (num_experts < 1 || num_experts > (1ll << 31) - 1 || sm_count < 1) return 0;
+  return grouped::group_arrays_bytes(num_experts) +
+         std::max(megakernel::gated_store_workspace(num_experts, sm_count),
+                  megakernel::gated_swiglu_workspace(num_experts, sm_count));
+}
+
+Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate,
+                               const GatedSignal& signal, int device, int sm_count,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (Status s = grouped_gemm_supports(p); !s.ok()) return s;
+  if (p.kind != GroupedGemmKind::kForward)
+    return {StatusCode::kInvalidArgument,
+            "the gated grouped GEMM runs the forward (kForward) only"};
+  const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  if (gate.counters != nullptr && (gate.tile_base == nullptr || gate.timeout == nullptr))
+    return {StatusCode::kInvalidArgument,
+            "gate: with counters, tile_base (gate_tile_base) and timeout must be device pointers"};
+  if (signal.done != nullptr && !swiglu)
+    return {StatusCode::kInvalidArgument,
+            "signal: the done signal belongs to the SwiGLU epilogue (epilogue kSwiGlu)"};
+  if (signal.done != nullptr && signal.done_base == nullptr)
+    return {StatusCode::kInvalidArgument, "signal: done needs done_base (gate_tile_base)"};
+  if (sm_count < 1)
+    return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
+  if (p.rows == 0) return Status::Ok();
+  const size_t need = grouped_gemm_gated_workspace_bytes(p.num_experts, sm_count);
+  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the gated GEMM");
+      !s.ok())
+    return s;
+
+  const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
+  const int64_t out_n = swiglu ? p.n / 2 : p.n;
+  grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
+      p.offs, static_cast<int>(p.num_experts), static_cast<int>(p.rows), static_cast<int>(p.k),
+      static_cast<int>(p.n), static_cast<int>(out_n), static_cast<const grouped::Bf16*>(p.x),
+      static_cast<const grouped::Bf16*>(p.w), static_cast<grouped::Bf16*>(p.out), ws);
+  if (Status s = launch_status("the gated GEMM's problem kernel"); !s.ok()) return s;
+  return swiglu ? megakernel::gated_swiglu_run(ws, p.num_experts, gate, signal, out_n, device,
+                                               sm_count, stream)
+                : megakernel::gated_store_run(ws, p.num_experts, gate, device, sm_count, stream);
+}
+
+}  // namespace uniep::cuda

@@ -1,0 +1,81 @@
+// A CUTLASS ptr-array mainloop whose producer waits at a tile gate (tile_gate.cuh) before it
+// loads a tile's A rows: how the MegaKernel's GEMMs start on the first tiles whose rows have
+// arrived instead of after the whole dispatch (docs/megakernel.md).
+//
+// Why a wrapper and not our own kernel: the warp-specialized kernels (GemmUniversal's ptr-array
+// cooperative and ping-pong kernels) reach the mainloop only through its collective interface:
+// the producer warp calls tensormaps_perform_update(..., batch) whenever it moves to another
+// group and load(..., blk_coord, ...) once per output tile. Hiding those two members is enough
+// to gate every tile, and the pipeline, the WGMMA consumers and the tile scheduler stay
+// CUTLASS's own. The gate is read by the producer only: the consumers wait on the pipeline's
+// barriers as always, so a gated tile costs the consumers nothing but the time the rows take.
+//
+// The wait sits before the TMA loads of the tile's first k-block; B (the expert's weight) is
+// loaded in the same TMA transaction, so neither operand of a tile is read early.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/megakernel/tile_gate.cuh"
+
+namespace uniep::cuda::megakernel {
+
+template <class Base, int TileM>
+struct GatedMainloop : Base {
+  struct Arguments : Base::Arguments {
+    TileGate gate;
+  };
+  struct Params : Base::Params {
+    TileGate gate;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape problem_shapes, const Arguments& args,
+                                        void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) =
+        Base::to_underlying_arguments(problem_shapes, args, workspace);
+    p.gate = args.gate;
+    return p;
+  }
+
+  // The producer warp calls this for the first group of its CTA and at every change of group,
+  // before the group's first load: remember which expert the next tiles belong to and its rows.
+  template <class TensorMapA, class TensorMapB, class ProblemShapeMNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(
+      typename Base::TensorMapStorage& shared_tensormaps, const Params& params,
+      const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps, ProblemShapeMNKL problem_mnkl,
+      int32_t next_batch) {
+    group_ = next_batch;
+    group_rows_ = static_cast<int>(cute::get<0>(problem_mnkl));
+    Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_mnkl,
+                                    next_batch);
+  }
+
+  template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load(const Params& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState smem_pipe_write,
+                           const cute::tuple<TensorA, TensorB>& load_inputs,
+                           const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps,
+                           const BlockCoord& blk_coord, KTileIterator k_tile_iter,
+                           int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
+                           typename Base::TensorStorage& shared_tensors) {
+    if (params.gate.counters != nullptr && k_tile_count > 0) {
+      if (cute::elect_one_sync()) {
+        gate_wait(params.gate, group_, static_cast<int>(cute::get<0>(blk_coord)), group_rows_,
+                  TileM);
+        fence_generic_to_async();
+      }
+      __syncwarp();
+    }
+    Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
+               k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+  }
+
+ private:
+  int group_ = 0;
+  int group_rows_ = 0;
+};
+
+}  // namespace uniep::cuda::megakernel

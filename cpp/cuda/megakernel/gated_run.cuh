@@ -1,0 +1,91 @@
+// The gated grouped GEMM (include/uniep/cuda/tile_gate.hpp): the engine's cooperative
+// 128 x 256 x 64 configuration with GatedMainloop in place of CUTLASS's mainloop. Included by
+// sm90_gated_store.cu and sm90_gated_swiglu.cu, one epilogue each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/gemm/grouped/grouped_kernel.cuh"
+#include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "cuda/megakernel/gated_mainloop.cuh"
+#include "uniep/cuda/tile_gate.hpp"
+
+namespace uniep::cuda::megakernel {
+
+// The gate's tile: it must be the GEMM's, since a counter stands for one output row block.
+static_assert(kGatedTileM == 128, "the gated configuration is the 128-row cooperative tile");
+
+template <grouped::GroupedEpilogue Epi>
+struct GatedGemm {
+  using Plain = grouped::Sm90GroupedGemm<kGatedTileM, kGatedTileN, 64, 2, 1, false, Epi>;
+  using Mainloop = GatedMainloop<typename Plain::Mainloop, kGatedTileM>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop,
+                                           typename Plain::Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
+  static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
+};
+
+template <grouped::GroupedEpilogue Epi>
+typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspace& ws,
+                                                         int64_t num_experts, const TileGate& gate,
+                                                         const GatedSignal& signal, int device,
+                                                         int sm_count, int64_t ld_out) {
+  using G = GatedGemm<Epi>;
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
+  args.mainloop.ptr_A = ws.ptr_a;
+  args.mainloop.dA = reinterpret_cast<grouped::KMajorA*>(ws.stride_a);
+  args.mainloop.ptr_B = ws.ptr_b;
+  args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
+  args.mainloop.gate = gate;
+  if constexpr (Epi == grouped::GroupedEpilogue::kSwiGlu) {
+    args.epilogue.ptr_out = ws.ptr_d;
+    args.epilogue.ld_out = ld_out;
+    args.epilogue.done = signal.done;
+    args.epilogue.done_base = signal.done_base;
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+  } else {
+    grouped::set_store_epilogue(args, ws, device, sm_count);
+  }
+  return args;
+}
+
+template <grouped::GroupedEpilogue Epi>
+size_t gated_gemm_workspace(int64_t num_experts, int sm_count) {
+  const grouped::Workspace ws =
+      grouped::carve(reinterpret_cast<void*>(grouped::kWorkspaceAlign), num_experts);
+  return GatedGemm<Epi>::Gemm::get_workspace_size(
+      gated_arguments<Epi>(ws, num_experts, TileGate{}, GatedSignal{}, 0, sm_count, 2));
+}
+
+template <grouped::GroupedEpilogue Epi>
+Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
+                      const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
+                      cudaStream_t stream) {
+  const auto args = gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out);
+  typename GatedGemm<Epi>::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return {StatusCode::kUnsupported, "the gated grouped GEMM cannot implement these operands"};
+  cutlass::Status s = gemm.initialize(args, ws.gemm, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("the gated grouped GEMM failed to launch: ", cutlassGetStatusString(s),
+                            " (", cudaGetErrorString(cudaGetLastError()), ")")};
+  return Status::Ok();
+}
+
+// One per epilogue, each defined in its own translation unit.
+size_t gated_store_workspace(int64_t num_experts, int sm_count);
+Status gated_store_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
+                       int device, int sm_count, cudaStream_t stream);
+size_t gated_swiglu_workspace(int64_t num_experts, int sm_count);
+Status gated_swiglu_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
+                        const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
+                        cudaStream_t stream);
+
+}  // namespace uniep::cuda::megakernel

@@ -1,0 +1,62 @@
+// The device side of a tile gate (include/uniep/cuda/tile_gate.hpp): the bounded wait a GEMM's
+// producer makes before it loads a tile's rows, and the signal the writers of those rows give.
+#pragma once
+
+#include <cstdint>
+
+#include "uniep/cuda/tile_gate.hpp"
+
+namespace uniep::cuda::megakernel {
+
+__device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
+  uint32_t v;
+  // System scope: the rows may have been stored by a peer GPU through an NVLink mapping.
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t gate_clock_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The rows were written by ordinary stores (generic proxy) and are about to be read by TMA (the
+// async proxy): without this fence the TMA load may see the bytes from before the stores.
+__device__ __forceinline__ void fence_generic_to_async() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
+// loaded, or at the deadline after recording the first timeout.
+__device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_tile, int rows,
+                                          int tile_m) {
+  const int in_tile = min(tile_m, rows - m_tile * tile_m);
+  const uint32_t need = g.per_row * static_cast<uint32_t>(max(in_tile, 0)) + g.per_tile;
+  const uint32_t* counter = g.counters + g.tile_base[expert] + m_tile;
+  uint32_t have = load_acquire_u32(counter);
+  if (have >= need) return;
+  const uint64_t deadline = g.timeout_ns ? gate_clock_ns() + g.timeout_ns : ~0ull;
+  while (have < need) {
+    __nanosleep(64);
+    if (gate_clock_ns() > deadline) {
+      if (atomicCAS(&g.timeout->flag, 0u, 1u) == 0u) {
+        g.timeout->expert = expert;
+        g.timeout->m_tile = m_tile;
+        g.timeout->have = have;
+        g.timeout->need = need;
+        __threadfence_system();
+      }
+      return;
+    }
+    have = load_acquire_u32(counter);
+  }
+}
+
+// The writer's side: everything this thread stored before the call is visible (at system scope)
+// to whoever acquires the counter after seeing the increment.
+__device__ __forceinline__ void gate_signal(uint32_t* counter, uint32_t add) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(counter), "r"(add) : "memory");
+}
+
+}  // namespace uniep::cuda::megakernel

@@ -1,0 +1,93 @@
+// Tile gates: the readiness counters through which one part of the MoE MegaKernel tells another
+// that a tile's inputs are in memory (docs/megakernel.md). A grouped GEMM run with a gate waits,
+// before its producer loads the A rows of output tile (expert e, m-tile i), until
+//
+//     counters[tile_base[e] + i] >= per_row * rows_in_tile + per_tile
+//
+// where rows_in_tile = min(tile_m, M_e - i * tile_m). A dispatch that bumps a tile's counter once
+// per row it has stored (per_row = 1, per_tile = 0) releases the tile when its last row lands; an
+// epilogue that bumps it once per warp and N-tile it finished (per_row = 0, per_tile = warps x
+// N-tiles) releases it when the whole row block of the previous GEMM is written.
+//
+// Counters only grow within a call; whoever owns them zeroes them between calls. Waits are
+// bounded: past the deadline the first timed-out tile is recorded in `timeout` and the GEMM goes
+// on (its output is then garbage, and the caller raises the recorded timeout instead of
+// returning it), so a rank that never arrives gives an error naming the tile, not a hang.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+// Written by the device when a gated wait gives up (host-mapped or device memory, zeroed by the
+// caller before the launch). flag != 0 once a wait timed out; the fields describe the first one.
+struct GateTimeout {
+  uint32_t flag = 0;
+  int32_t expert = -1;  // the group (local expert) of the tile
+  int32_t m_tile = -1;  // its m-tile within the expert
+  uint32_t have = 0;    // the counter when the wait gave up
+  uint32_t need = 0;    // what the tile needed
+};
+
+struct TileGate {
+  const uint32_t* counters = nullptr;  // one per (expert, m-tile); null: no gate
+  const int32_t* tile_base = nullptr;  // [E + 1] first counter of each expert (gate_tile_base)
+  uint32_t per_row = 0, per_tile = 0;  // what one tile needs, as above
+  uint64_t timeout_ns = 0;             // 0: wait forever (tests of the gate only)
+  GateTimeout* timeout = nullptr;      // where a timed-out wait is recorded; required with counters
+};
+
+// tile_base[e] = sum over e' < e of ceil(M_e' / tile_m) for the row ranges in offs (cumulative
+// row ends, clamped to [0, rows] as the grouped GEMM clamps them), tile_base[E] the total: the
+// counters a gate over these experts needs. One warp, on the device, no host sync.
+Status gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows, int tile_m,
+                      int32_t* tile_base, cudaStream_t stream);
+
+// The most counters a gate over `rows` rows of `num_experts` experts can need with tile_m-row
+// tiles (each expert may end in a partial tile): what to allocate without reading offs.
+inline int64_t gate_max_tiles(int64_t rows, int64_t num_experts, int tile_m) {
+  return (rows + tile_m - 1) / tile_m + num_experts;
+}
+
+// What a gated GEMM with the SwiGLU epilogue tells the next GEMM: once a warp has written its part
+// of output tile (expert e, m-tile i) it adds 1 to done[done_base[e] + i]. A tile is complete at
+// kGatedWarpsPerTile x ceil(n / kGatedTileN) arrivals (n = 2 x FFN, the first GEMM's width),
+// which is the per_tile of the second GEMM's gate.
+struct GatedSignal {
+  uint32_t* done = nullptr;  // null: no signal
+  const int32_t* done_base = nullptr;
+};
+
+// The gated GEMM's one configuration: the engine's cooperative 128 x 256 x 64 tiles (clusters
+// of two CTAs along M). Its gates and signals count tiles of kGatedTileM rows.
+constexpr int kGatedTileM = 128;
+constexpr int kGatedTileN = 256;
+constexpr int kGatedWarpsPerTile = 8;  // two consumer warpgroups share a tile
+
+// Bytes of workspace grouped_gemm_gated_bf16 needs (either epilogue); 0 for num_experts < 1 or
+// sm_count < 1.
+size_t grouped_gemm_gated_workspace_bytes(int64_t num_experts, int sm_count);
+
+// grouped_gemm_bf16's forward (kind kForward, epilogue kStore or kSwiGlu, the same checks and
+// the same bits) with the producer waiting at `gate` before each tile's loads (gate.counters
+// null: no wait), and for kSwiGlu the done signal. The grid is persistent: a gate released by
+// work on the same device needs that work to have SMs of its own (sm_count below the device's),
+// or to run inside the same kernel, as the MegaKernel's dispatch does.
+Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate,
+                               const GatedSignal& signal, int device, int sm_count,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Raises (as Status) a recorded timeout, naming the tile; OK when none was recorded.
+inline Status gate_timeout_status(const GateTimeout& t, const char* what) {
+  if (t.flag == 0) return Status::Ok();
+  return {StatusCode::kTimeout,
+          detail::str_cat(what, ": the rows of expert ", t.expert, ", m-tile ", t.m_tile,
+                          " never arrived (its counter reached ", t.have, " of ", t.need, ")")};
+}
+
+}  // namespace uniep::cuda

@@ -1,0 +1,98 @@
+"""Tile gates: the readiness counters the MoE MegaKernel's GEMMs wait on (docs/megakernel.md).
+
+A gated grouped GEMM waits, before its producer loads the rows of output tile (expert e, m-tile
+i), until ``counters[tile_base[e] + i] >= per_row * rows_in_tile + per_tile``. The writers of the
+rows (the dispatch, or the previous GEMM's epilogue through ``done``) raise the counters. These
+functions expose the gate on its own so it can be tested and timed; the MegaKernel composes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import check_grouped_mm_meta
+
+# The gated GEMM's configuration (include/uniep/cuda/tile_gate.hpp): the cooperative
+# 128 x 256 x 64 tile, two consumer warpgroups (8 warps) per tile.
+TILE_M = 128
+TILE_N = 256
+WARPS_PER_TILE = 8
+
+
+def tile_base(offs: torch.Tensor, rows: int, tile_m: int = TILE_M) -> torch.Tensor:
+    """``[E + 1]`` int32: the first counter of each expert's ``tile_m``-row tiles, then the total,
+    for the row ranges of ``offs`` (cumulative row ends, clamped as the grouped GEMM clamps
+    them). CPU and CUDA give the same values; on CUDA nothing waits for the host."""
+    return torch.ops.uniep.gate_tile_base(offs, rows, tile_m)
+
+
+def done_per_tile(n: int) -> int:
+    """What a tile of the second GEMM waits for when the first GEMM (width ``n`` = 2 x FFN)
+    signals through ``done``: one arrival per warp and N-tile of the row block."""
+    return WARPS_PER_TILE * -(-n // TILE_N)
+
+
+def grouped_mm_gated(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    counters: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    per_row: int = 1,
+    per_tile: int = 0,
+    timeout_s: float = 10.0,
+    swiglu: bool = False,
+    done: torch.Tensor | None = None,
+    sm_count: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_mm(x, w, offs)`` (or ``grouped_mm_swiglu`` with ``swiglu``) with each tile waiting
+    at the gate first, written into ``out`` (a new tensor if None). Returns ``(out, timeout)``;
+    pass ``timeout`` to :func:`check_gate_timeout` once the stream has run. ``sm_count``
+    (default: all SMs) bounds the persistent grid: work that releases the gate from another
+    stream needs SMs the GEMM leaves free."""
+    if sm_count is None:
+        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if out is None:
+        out = x.new_empty((x.shape[0], w.shape[2] // 2 if swiglu else w.shape[2]))
+    timeout = torch.ops.uniep.grouped_mm_gated(
+        x, w, offs, counters, base, per_row, per_tile, timeout_s, swiglu, done, sm_count, out
+    )
+    return out, timeout
+
+
+def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
+    """Raise ``TimeoutError`` naming the tile if a gated wait gave up (reads ``timeout``, so it
+    waits for the stream that wrote it)."""
+    flag, expert, m_tile, have, need = (int(v) for v in timeout.cpu().tolist())
+    if flag:
+        raise TimeoutError(
+            f"{what}: the rows of expert {expert}, m-tile {m_tile} never arrived "
+            f"(its counter reached {have} of {need})"
+        )
+
+
+@torch.library.register_fake("uniep::gate_tile_base")
+def _gate_tile_base_fake(offs: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
+    torch._check_value(offs.dim() == 1, lambda: f"offs must be 1-D, got shape {tuple(offs.shape)}")
+    return offs.new_empty((offs.shape[0] + 1,))
+
+
+@torch.library.register_fake("uniep::grouped_mm_gated")
+def _grouped_mm_gated_fake(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    counters: torch.Tensor,
+    tile_base: torch.Tensor,
+    per_row: int,
+    per_tile: int,
+    timeout_s: float,
+    swiglu: bool,
+    done: torch.Tensor | None,
+    sm_count: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    check_grouped_mm_meta(x, w, offs)
+    return x.new_empty((5,), dtype=torch.int32)

@@ -1,0 +1,85 @@
+"""The tile gate's plan on CPU (uniep.gate, cpp/core/schedule.cpp gate_tile_base): where each
+expert's tile counters start, with the grouped GEMM's clamp of a malformed offs; the fake kernels;
+the timeout report. The device side is tests/test_gpu_tile_gate.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import uniep  # noqa: F401  (registers torch.ops.uniep)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from uniep import gate
+
+
+def _reference(offs: list[int], rows: int, tile_m: int) -> list[int]:
+    """Written for clarity: clamp each end into [0, rows] and up to the largest earlier end."""
+    base, end, tiles = [], 0, 0
+    for o in offs:
+        base.append(tiles)
+        begin, end = end, max(end, min(max(o, 0), rows))
+        tiles += -(-(end - begin) // tile_m)
+    return base + [tiles]
+
+
+@pytest.mark.parametrize("tile_m", [1, 64, 128, 256])
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_base_matches_reference(tile_m: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(1, 300, (1,), generator=gen))
+    counts = torch.randint(0, 400, (experts,), generator=gen)
+    counts[torch.rand(experts, generator=gen) < 0.3] = 0  # empty experts
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = int(offs[-1])
+    got = gate.tile_base(offs, rows, tile_m)
+    assert got.dtype == torch.int32 and got.shape == (experts + 1,)
+    assert got.tolist() == _reference(offs.tolist(), rows, tile_m)
+    # Each expert's tiles cover its rows exactly once.
+    tiles = (got[1:] - got[:-1]).tolist()
+    assert tiles == [-(-c // tile_m) for c in counts.tolist()]
+
+
+def test_tile_base_clamps_a_malformed_offs() -> None:
+    offs = torch.tensor([5, 3, -2, 900, 40, 1000], dtype=torch.int32)
+    got = gate.tile_base(offs, 300, 128)
+    # Ends clamp to [5, 5, 5, 300, 300, 300]: tiles 1, 0, 0, 3 (295 rows), 0, 0.
+    assert got.tolist() == [0, 1, 1, 1, 4, 4, 4]
+    assert got.tolist() == _reference(offs.tolist(), 300, 128)
+
+
+def test_tile_base_rejects_bad_arguments() -> None:
+    offs = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="tile_m"):
+        gate.tile_base(offs, 5, 0)
+    with pytest.raises(ValueError, match="offs must be int32"):
+        gate.tile_base(offs.long(), 5, 128)
+    with pytest.raises(ValueError, match="offs must be 1-D"):
+        gate.tile_base(offs.reshape(1, 2), 5, 128)
+    with pytest.raises(ValueError, match="rows"):
+        gate.tile_base(offs, -1, 128)
+
+
+def test_done_per_tile_counts_warps_and_n_tiles() -> None:
+    assert gate.done_per_tile(256) == gate.WARPS_PER_TILE
+    assert gate.done_per_tile(257) == 2 * gate.WARPS_PER_TILE
+    assert gate.done_per_tile(2 * 2048) == 16 * gate.WARPS_PER_TILE
+
+
+def test_check_gate_timeout_names_the_tile() -> None:
+    gate.check_gate_timeout(torch.zeros(5, dtype=torch.int32))  # no timeout: no error
+    with pytest.raises(TimeoutError, match="expert 3, m-tile 7 never arrived .*12 of 128"):
+        gate.check_gate_timeout(torch.tensor([1, 3, 7, 12, 128], dtype=torch.int32))
+
+
+def test_fake_kernels_give_the_shapes() -> None:
+    with FakeTensorMode():
+        x = torch.empty(300, 64, dtype=torch.bfloat16)
+        w = torch.empty(4, 64, 512, dtype=torch.bfloat16)
+        offs = torch.empty(4, dtype=torch.int32)
+        counters = torch.empty(10, dtype=torch.int32)
+        assert torch.ops.uniep.gate_tile_base(offs, 300, 128).shape == (5,)
+        out = torch.empty(300, 256, dtype=torch.bfloat16)
+        timeout = torch.ops.uniep.grouped_mm_gated(
+            x, w, offs, counters, counters[:5], 1, 0, 1.0, True, None, 8, out
+        )
+        assert timeout.shape == (5,)
+        assert timeout.dtype == torch.int32
