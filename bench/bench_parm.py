@@ -10,6 +10,15 @@ Two devices (``--device``):
         a bf16 matmul, bf16 layers on the CUDA executor. The ranks time-slice the GPU and every
         "link", intra and inter alike, is that GPU's memory: the fit and the measured choice say
         how the cost model does on this executor on this GPU, not on a cluster.
+        With --ranks-per-gpu 1: one rank per GPU (world = the GPU count unless --world-size),
+        the same executor and calls, the links NVLink between the GPUs of one host (the MP and
+        EP groups alike: "inter" in the fit is NVLink too). The ranks are spawned here with
+        uniep.parm_profile's own rank functions (profile_rank, measure_rank) and gloo for the
+        host agreement, as the one-GPU runs do; only the GPU each rank uses differs.
+
+--grid-sample K measures K layers drawn (fixed seed) from the simulator's grid (uniep.parm_sim.
+GRID, the count of the Parm paper's grid) that fit the layout instead of the fixed set: the
+layers whose MP size is --mp-size, experts = experts per MP group x (world / MP size).
 
 Rows:
   kind=fit        one per (collective, link) and the GEMM, from `uniep parm profile`'s measurement
@@ -26,13 +35,16 @@ Rows:
     python bench/bench_parm.py --quick                 # CPU, 4 gloo ranks, 8 message sizes
     python bench/bench_parm.py                         # CPU, 16 message sizes, measured layers
     python bench/bench_parm.py --device cuda --out-dir DIR   # 4 ranks on one GPU, 8 layers
+    python bench/bench_parm.py --device cuda --ranks-per-gpu 1 --grid-sample 8   # every GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
@@ -58,6 +70,83 @@ CUDA_MEASURED_LAYERS = [
     for m in (1024, 2048)
     for k in (1, 2)
 ]
+
+
+LAYER_KEYS = ("tokens", "hidden", "ffn_hidden", "num_experts", "top_k", "capacity_factor")
+
+
+def grid_layers(world: int, mp_size: int, count: int, seed: int = 0) -> list[dict]:
+    """``count`` distinct layers of the simulator's grid (``uniep.parm_sim.GRID``) that fit a
+    ``world``-rank layout with MP groups of ``mp_size``: the grid's entries of that MP size, with
+    ``tokens = batch * seq``, ``ffn_hidden = hidden * ffn_ratio``, ``num_experts =
+    experts_per_group * (world // mp_size)``, and ``top_k <= num_experts``. Drawn with a fixed
+    seed, returned in grid order. ValueError if the grid has no entry of that MP size."""
+    from uniep import parm_sim
+
+    if count < 1 or mp_size < 1 or world % mp_size:
+        raise ValueError(f"need count >= 1 and mp_size dividing world, got {count}, {mp_size}")
+    layers: list[dict] = []
+    for c in parm_sim.grid_configs():
+        if c["mp_size"] != mp_size:
+            continue
+        layer = dict(
+            tokens=c["batch"] * c["seq"],
+            hidden=c["hidden"],
+            ffn_hidden=c["hidden"] * c["ffn_ratio"],
+            num_experts=c["experts_per_group"] * (world // mp_size),
+            top_k=c["top_k"],
+            capacity_factor=c["capacity_factor"],
+        )
+        if layer["top_k"] <= layer["num_experts"] and layer not in layers:
+            layers.append(layer)
+    if not layers:
+        raise ValueError(f"the simulator's grid has no layer with MP size {mp_size}")
+    picked = sorted(random.Random(seed).sample(range(len(layers)), min(count, len(layers))))
+    return [layers[i] for i in picked]
+
+
+def measure_table(measured: list[dict]) -> list[str]:
+    """Predicted against measured ms per schedule, the choice, the measured best, the regret."""
+    lines = [
+        "| layer | baseline pred / meas ms | s1 pred / meas | s2 pred / meas | chosen | "
+        "measured best | chose the faster | regret |",
+        "|---|---:|---:|---:|---|---|---|---:|",
+    ]
+    for r in measured:
+        name = (
+            f"S={r['tokens']} M={r['hidden']} H={r['ffn_hidden']} E={r['num_experts']} "
+            f"k={r['top_k']} f={r['capacity_factor']}"
+        )
+        cells = " | ".join(
+            f"{r['predicted'][s] * 1e3:.2f} / {r['measured'][s] * 1e3:.2f}"
+            for s in ("baseline", "s1", "s2")
+        )
+        lines.append(
+            f"| {name} | {cells} | {r['chosen']} | {r['measured_best']} | "
+            f"{'yes' if r['right'] else 'no'} | {r['regret']:.1%} |"
+        )
+    return lines
+
+
+def _spawn(fn: Any, args: argparse.Namespace, fn_args: tuple, timeout_s: float) -> list:
+    """``fn(rank, world, *fn_args)`` on one rank per GPU (``--ranks-per-gpu 1``): gloo carries
+    the host agreement and barriers, as where the ranks share a GPU; each rank picks GPU
+    ``rank % count`` (``uniep.parm_profile``)."""
+    from uniep.distributed import run_local_ranks
+
+    return run_local_ranks(fn, args.world_size, fn_args, backend="gloo", timeout_s=timeout_s)
+
+
+def _profile(args: argparse.Namespace, sizes: list[int], iters: int) -> dict:
+    from uniep.parm_profile import fit_profile, profile, profile_rank
+
+    if args.ranks_per_gpu == "all":
+        return profile(
+            args.world_size, args.mp_size, sizes, iters, args.timeout, device=args.device
+        )
+    fn_args = (args.mp_size, sizes, iters, args.device)
+    per_rank = _spawn(profile_rank, args, fn_args, args.timeout)
+    return fit_profile(per_rank, args.world_size, args.mp_size, iters, args.device)
 
 
 def fit_rows(result: dict, world_size: int, mp_size: int) -> list[dict]:
@@ -107,42 +196,61 @@ def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int
 def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -> None:
     """Time every schedule of a few layers on the same ranks and check the cost model's choice
     (fitted from this run's profile) against the measured best."""
-    from uniep.parm_profile import cost_model_from_profile, measure_layers
+    from uniep.parm_profile import (
+        cost_model_from_profile,
+        measure_layers,
+        measure_rank,
+        measure_rows,
+    )
 
     cuda = args.device == "cuda"
     model = cost_model_from_profile(profile_result)
-    measured = measure_layers(
-        args.world_size,
-        args.mp_size,
-        CUDA_MEASURED_LAYERS if cuda else MEASURED_LAYERS,
-        iters=(3 if args.quick else 5) if cuda else 3,
-        model=model,
-        device=args.device,
-    )
-    backend = profile_result["backend"]
-    print(f"\n{'measured':<34}{'baseline':>10}{'s1':>10}{'s2':>10}  chosen/best  regret")
-    for r in measured:
-        name = f"S={r['tokens']} M={r['hidden']} k={r['top_k']} f={r['capacity_factor']}"
-        m = r["measured"]
-        print(
-            f"{name:<34}{m['baseline'] * 1e3:>8.1f}ms{m['s1'] * 1e3:>8.1f}ms"
-            f"{m['s2'] * 1e3:>8.1f}ms  {r['chosen']}/{r['measured_best']}  {r['regret']:.1%}"
+    if args.grid_sample:
+        layers = grid_layers(args.world_size, args.mp_size, args.grid_sample)
+    else:
+        layers = CUDA_MEASURED_LAYERS if cuda else MEASURED_LAYERS
+    iters = args.iters or ((3 if args.quick else 5) if cuda else 3)
+    if args.ranks_per_gpu == "all":
+        measured = measure_layers(
+            args.world_size,
+            args.mp_size,
+            layers,
+            iters=iters,
+            model=model,
+            timeout_s=args.timeout,
+            device=args.device,
         )
+    else:
+        fn_args = (args.mp_size, layers, iters, args.device)
+        per_rank = _spawn(measure_rank, args, fn_args, args.timeout)
+        measured = measure_rows(layers, per_rank, args.world_size, args.mp_size, model, "cuda")
+    backend = profile_result["backend"]
+    print()
+    print("\n".join(measure_table(measured)))
+    for r in measured:
         rows.append(
             dict(
                 kind="measure",
                 world_size=args.world_size,
                 mp_size=args.mp_size,
                 backend=backend,
+                placement=_placement(args),
                 **r,
             )
         )
     summary = choice_row(measured, backend, args.world_size, args.mp_size)
+    summary["placement"] = _placement(args)
     rows.append(summary)
     print(
         f"choice right in {summary['right']}/{summary['layers']} layers "
         f"(goal >= {GOAL_RIGHT:.0%}), mean regret {summary['mean_regret']:.1%}"
     )
+
+
+def _placement(args: argparse.Namespace) -> str:
+    if args.device == "cpu":
+        return "gloo-ranks-on-cpu"
+    return "one-rank-per-gpu" if args.ranks_per_gpu == "1" else "ranks-share-one-gpu"
 
 
 def _speedup_panel(cluster: str, rows: list[dict]) -> Panel:
@@ -155,10 +263,15 @@ def _speedup_panel(cluster: str, rows: list[dict]) -> Panel:
     return Panel(cluster, series, x_label="layers (percentile)", y_label="speedup (x)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks (default 4; with --ranks-per-gpu 1 the GPU count)",
+    )
     parser.add_argument("--mp-size", type=int, default=2)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--no-plot", action="store_true", help="write no SVG")
@@ -171,23 +284,71 @@ def main(argv: list[str] | None = None) -> int:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cpu: gloo ranks; cuda: ranks sharing one GPU, the CUDA executor (see above)",
+        help="cpu: gloo ranks; cuda: the CUDA executor (see above)",
     )
+    parser.add_argument(
+        "--ranks-per-gpu",
+        choices=["all", "1"],
+        default="all",
+        help="with --device cuda: all ranks on the first GPU (default) or one rank per GPU",
+    )
+    parser.add_argument(
+        "--grid-sample",
+        type=int,
+        default=0,
+        metavar="K",
+        help="measure K layers of the simulator's grid at this layout (default: the fixed set)",
+    )
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per size / layer")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per spawn")
+    parser.add_argument("--no-simulate", action="store_true", help="skip the simulator grids")
     args = parser.parse_args(argv)
+    if args.ranks_per_gpu == "1" and args.device != "cuda":
+        parser.error("--ranks-per-gpu 1 needs --device cuda")
+    if args.world_size is None:
+        per_gpu = args.ranks_per_gpu == "1"
+        args.world_size = _gpu_count() if per_gpu else 4
+    if args.mp_size < 1 or args.world_size >= 1 and args.world_size % args.mp_size:
+        # (No GPU with --ranks-per-gpu 1 leaves a world of 0: per_gpu_problem says why.)
+        parser.error(f"--mp-size {args.mp_size} must divide --world-size {args.world_size}")
+    if args.grid_sample < 0 or args.iters is not None and args.iters < 1:
+        parser.error("--grid-sample must be >= 0 and --iters >= 1")
+    return args
 
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def per_gpu_problem(args: argparse.Namespace) -> str | None:
+    """Why one rank per GPU cannot run here (None when it can)."""
+    if args.ranks_per_gpu != "1":
+        return None
+    gpus = _gpu_count()
+    if gpus < 2:
+        return f"one rank per GPU needs >= 2 GPUs, found {gpus}"
+    if args.world_size < 2 or args.world_size > gpus:
+        return f"one rank per GPU needs 2..{gpus} ranks here, asked for {args.world_size}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from uniep import parm, parm_sim
-    from uniep.parm_profile import default_sizes, profile
+    from uniep.parm_profile import default_sizes
 
     rows: list[dict] = []
+    why = per_gpu_problem(args)
+    if why:
+        print(f"bench_parm: skipped ({why})")
+        row = dict(kind="skipped", why=why, world_size=args.world_size, mp_size=args.mp_size)
+        print(f"wrote {write_result('bench_parm', [row], args.out_dir)}")
+        return 0
     sizes = default_sizes(args.device)
     sizes = sizes[::2] if args.quick else sizes
-    result = profile(
-        args.world_size,
-        args.mp_size,
-        sizes,
-        iters=3 if args.quick else 5,
-        device=args.device,
-    )
+    result = _profile(args, sizes, args.iters or (3 if args.quick else 5))
     print(f"fit: {result['backend']} on {result['device_name']}, {args.world_size} ranks")
     print(f"{'fit':<16}{'link':<7}{'alpha (us)':>12}{'beta':>12}{'R^2':>8}")
     for row in fit_rows(result, args.world_size, args.mp_size):
@@ -195,11 +356,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['collective']:<16}{row['link']:<7}{row['alpha_s'] * 1e6:>12.2f}"
             f"{row['beta']:>12.3e}{row['r2']:>8.4f}"
         )
-        rows.append(row)
+        rows.append(dict(row, placement=_placement(args)))
 
     print(f"\n{'simulate':<12}{'layers':>7}{'auto geomean':>14}{'min':>7}{'max':>7}  chosen")
     panels = []
-    for name in parm.CLUSTERS:
+    for name in [] if args.no_simulate else parm.CLUSTERS:
         sim = parm_sim.simulate(name)
         panels.append(_speedup_panel(name, sim))
         summary = parm_sim.summarize(sim)["all"]
@@ -226,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         _measure(args, result, rows)
     path = write_result("bench_parm", rows, args.out_dir)
     print(f"wrote {path}")
-    if not args.no_plot:
+    if panels and not args.no_plot:
         svg = Path(path).with_suffix(".svg")
         title = "Parm: predicted speedup of auto over the baseline (fwd+bwd), 1296 layers"
         svg.write_text(render_svg(panels, title, columns=3, log_x=False, log_y=False))

@@ -51,10 +51,38 @@ def _device() -> str:
     return "cpu-" + (platform.processor() or platform.machine() or "unknown")
 
 
+def kind_from_gpus(name: str, count: int) -> str:
+    """The device tool's name for ``count`` GPUs called ``name``: ``nvidia-h100-x2``,
+    ``nvidia-h200-x4``; one H200 is ``nvidia-h200`` and one H100 ``nvidia-h100-x1``, as the tool
+    names them. A name without a chip model like ``h100`` gives its slug instead."""
+    if count < 1:
+        return "none"
+    found = re.search(r"(?<![a-z0-9])([a-z]{1,2}\d{2,4})(?![0-9])", name.lower())
+    chip = found.group(1) if found else _slug(name)
+    if count == 1:
+        return "nvidia-h200" if chip == "h200" else f"nvidia-{chip}-x1"
+    return f"nvidia-{chip}-x{count}"
+
+
+def device_kind() -> str:
+    """The kind of machine a result comes from: ``$UNIEP_DEVICE_KIND`` when the caller names it
+    (the device tool's kind, e.g. ``nvidia-h100-x2``), else :func:`kind_from_gpus` of the visible
+    GPUs, else ``cpu-<machine>``."""
+    named = os.environ.get("UNIEP_DEVICE_KIND", "").strip()
+    if named:
+        return named
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return kind_from_gpus(torch.cuda.get_device_name(0), torch.cuda.device_count())
+    return "cpu-" + (platform.machine() or "unknown")
+
+
 def env_info() -> dict:
-    """What produced a result: device name, torch and CUDA versions, commit, UTC date, host."""
+    """What produced a result: device name, the machine's kind (:func:`device_kind`) and GPU
+    count, torch and CUDA versions, commit, UTC date, host."""
     return {
         "device": _device(),
+        "kind": device_kind(),
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
         "commit": _commit(),

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine has to prove, in one run from the repository root:
 #   bash bench/device_check.sh            (OUT=bench/results/device unless set)
+#   bash bench/device_check.sh --multigpu [OPTIONS]
+#       issue 23's multi-GPU measurement run instead, sized for one 10-minute device call (build,
+#       the multigpu tests, EP dispatch/combine, the MoE layer, TP/SP overlap, Parm on every GPU,
+#       a summary of each goal): bench/multigpu_run.sh, whose header has its options and budget.
 # 1. installs the carried CUTLASS headers wheel (.whl/nvidia_cutlass-*.whl; the machine has no
 #    network, so any missing build/test requirement must be carried in .whl/ as well),
 # 2. builds and installs UniEP with the CUDA kernels and the torch CUDA ops,
@@ -11,6 +15,11 @@
 # non-zero if anything failed. $OUT holds at most: build.log, gpu-tests.xml, gpu-tests-mps.xml,
 # bench.log, device_check.json and the benchmark JSON files, one level deep.
 set -euo pipefail
+
+if [[ "${1:-}" == "--multigpu" ]]; then
+  shift
+  exec bash "$(dirname "${BASH_SOURCE[0]}")/multigpu_run.sh" "$@"
+fi
 
 # Multicast objects are not available on the lent machines (see KINDS.md): keep NCCL, torch
 # symmetric memory and NVSHMEM off NVLink SHARP.
