@@ -52,6 +52,26 @@ def _experts_grouped(rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2
     return torch._grouped_mm(F.silu(h[:, :ffn]) * h[:, ffn:], w2, offs=offs)
 
 
+def route_rows(
+    topk_idx: torch.Tensor, local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor]:
+    """The hand-written baseline's routing exchange: the valid (token, k) entries sorted by
+    expert (experts are owned in contiguous blocks, so that is destination-rank order), their
+    tokens, the split sizes both ways, and the local expert of each row this rank receives."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    flat = topk_idx.reshape(-1)
+    keep = (flat >= 0).nonzero().squeeze(1)
+    keep = keep[torch.argsort(flat[keep], stable=True)]
+    experts = flat[keep]
+    send_counts = torch.bincount(experts // local_experts, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    recv_e = experts.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv_e, experts, recv_splits, send_splits)
+    return keep, keep // topk_idx.shape[1], send_splits, recv_splits, recv_e - rank * local_experts
+
+
 def baseline_moe(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -61,29 +81,11 @@ def baseline_moe(
     grouped: bool,
 ) -> torch.Tensor:
     """All-to-all MoE as commonly hand-written: one token copy per (token, expert)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tokens_k = topk_idx.shape[1]
-    local_experts = w1.shape[0]
-    flat = topk_idx.reshape(-1)
-    keep = (flat >= 0).nonzero().squeeze(1)
-    # Experts are owned in contiguous blocks, so expert order is also destination-rank order.
-    order = torch.argsort(flat[keep], stable=True)
-    keep = keep[order]
-    experts = flat[keep]
-    tokens = keep // tokens_k
-    send_counts = torch.bincount(experts // local_experts, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    received = sum(recv_splits)
-    recv_x = x.new_empty(received, x.shape[1])
+    keep, tokens, send_splits, recv_splits, local = route_rows(topk_idx, w1.shape[0])
+    recv_x = x.new_empty(sum(recv_splits), x.shape[1])
     dist.all_to_all_single(recv_x, x[tokens], recv_splits, send_splits)
-    recv_e = experts.new_empty(received)
-    dist.all_to_all_single(recv_e, experts, recv_splits, send_splits)
-
-    local = recv_e - rank * local_experts
     by_expert = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=local_experts).tolist()
+    counts = torch.bincount(local, minlength=w1.shape[0]).tolist()
     run = _experts_grouped if grouped else _experts_mm
     out = torch.empty_like(recv_x)
     out[by_expert] = run(recv_x[by_expert], counts, w1, w2).to(x.dtype)

@@ -50,7 +50,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import _experts_grouped, _experts_mm, _rel_diff, baseline_moe  # noqa: E402
+from bench_moe import (  # noqa: E402
+    _experts_grouped,
+    _experts_mm,
+    _rel_diff,
+    baseline_moe,
+    route_rows,
+)
 from common import median_time_ms, time_calls_ms, write_result  # noqa: E402
 
 # (name, tokens per rank, hidden, ffn, experts in total, top_k): the two layers.
@@ -104,21 +110,9 @@ def baseline_moe_autograd(
 
     # torch >= 2.13 deprecates it for the functional collectives; the GPU machine runs 2.11.
     warnings.filterwarnings("ignore", r".*all_to_all_single is deprecated", FutureWarning)
-    world, rank = dist.get_world_size(), dist.get_rank()
     local_experts = w1.shape[0]
     with torch.no_grad():
-        flat = topk_idx.reshape(-1)
-        keep = (flat >= 0).nonzero().squeeze(1)
-        keep = keep[torch.argsort(flat[keep], stable=True)]
-        experts = flat[keep]
-        tokens = keep // topk_idx.shape[1]
-        send_counts = torch.bincount(experts // local_experts, minlength=world)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_e = experts.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_e, experts, recv_splits, send_splits)
-        local = recv_e - rank * local_experts
+        keep, tokens, send_splits, recv_splits, local = route_rows(topk_idx, local_experts)
         by_expert = torch.argsort(local, stable=True)
         back_to_slots = torch.argsort(by_expert)
         counts = torch.bincount(local, minlength=local_experts).tolist()

@@ -372,6 +372,50 @@ def _poison(*shapes: tuple[tuple[int, ...], torch.dtype], dev: torch.device) -> 
         torch.full(shape, float("nan"), dtype=dtype, device=dev)
 
 
+class _GemmUnder:
+    """The DP benches' background compute: a bf16 g^3 GEMM repeated ``reps`` times so that it
+    takes about as long as the collective ``comm`` alone (measured here, after warm-up), and
+    ``overlapped(fn)``, which runs the collective ``fn`` on a side stream under it."""
+
+    def __init__(
+        self,
+        dev: torch.device,
+        g: int,
+        gen: torch.Generator,
+        comm: Callable[[], object],
+        comm_name: str,
+        warmup: int,
+        iters: int,
+    ) -> None:
+        self.a = torch.randn(g, g, generator=gen, device=dev).to(torch.bfloat16)
+        self.b = (torch.randn(g, g, generator=gen, device=dev) * g**-0.5).to(torch.bfloat16)
+        self.c = torch.empty(g, g, dtype=torch.bfloat16, device=dev)
+        self.side = torch.cuda.Stream() if dev.type == "cuda" else None
+        probe = _Runner(dev, warmup, iters)
+        probe.time("gemm_once", lambda: torch.mm(self.a, self.b, out=self.c))
+        probe.time(comm_name, comm)
+        _, self.probe_ms = probe.gather()
+        self.reps = 1
+        if "gemm_once" in self.probe_ms and comm_name in self.probe_ms:
+            self.reps = max(1, round(self.probe_ms[comm_name] / self.probe_ms["gemm_once"]))
+
+    def gemm(self) -> None:
+        for _ in range(self.reps):
+            torch.mm(self.a, self.b, out=self.c)
+
+    def overlapped(self, comm: Callable[[], object]) -> None:
+        if self.side is None:  # CPU: no streams, the harness only
+            comm()
+            self.gemm()
+            return
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            comm()
+        self.gemm()
+        main.wait_stream(self.side)
+
+
 class _Runner:
     """Times variants and records per-rank stats and errors; every rank calls it identically."""
 
@@ -670,10 +714,6 @@ def _bench_dp(
     gen = torch.Generator(device=dev).manual_seed(777 + 31 * rank)
     x = torch.randn(total_rows, DP_COLS, generator=gen, device=dev)
     out = torch.empty(total_rows // world, DP_COLS, device=dev)
-    ga = torch.randn(g, g, generator=gen, device=dev).to(torch.bfloat16)
-    gb = (torch.randn(g, g, generator=gen, device=dev) * g**-0.5).to(torch.bfloat16)
-    gc = torch.empty(g, g, dtype=torch.bfloat16, device=dev)
-    side = torch.cuda.Stream() if dev.type == "cuda" else None
     chunks = valid_chunks(total_rows // world, cfg["chunks"])
 
     def nccl_rs() -> None:
@@ -703,33 +743,12 @@ def _bench_dp(
     ok_chunks = [ch for ch in chunks if ours_off is None and f"ours_c{ch}" not in errors]
 
     warmup, iters = cfg["warmup"], cfg["dp_iters"]
-    # How many GEMMs the backward needs to take about as long as NCCL's reduce-scatter.
-    probe = _Runner(dev, warmup, iters)
-    probe.time("gemm_once", lambda: torch.mm(ga, gb, out=gc))
-    probe.time("nccl_rs_alone", nccl_rs)
-    _, probe_ms = probe.gather()
-    reps = 1
-    if "gemm_once" in probe_ms and "nccl_rs_alone" in probe_ms:
-        reps = max(1, round(probe_ms["nccl_rs_alone"] / probe_ms["gemm_once"]))
-
-    def gemm() -> None:
-        for _ in range(reps):
-            torch.mm(ga, gb, out=gc)
-
-    def overlapped(comm: Callable[[], object]) -> None:
-        if side is None:  # CPU: no streams, the harness only
-            comm()
-            gemm()
-            return
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            comm()
-        gemm()
-        main.wait_stream(side)
+    # The backward's compute: as many GEMMs as take about as long as NCCL's reduce-scatter.
+    bg = _GemmUnder(dev, g, gen, nccl_rs, "nccl_rs_alone", warmup, iters)
+    overlapped = bg.overlapped
 
     runner = _Runner(dev, warmup, iters)
-    runner.time("gemm_alone", gemm)
+    runner.time("gemm_alone", bg.gemm)
     runner.time("nccl_rs_alone", nccl_rs)
     runner.time("nccl_overlap", lambda: overlapped(nccl_rs))
     for ch in ok_chunks:
@@ -748,8 +767,8 @@ def _bench_dp(
     g_ok["goal_met"] = bool(g_ok["goal_baseline_met"] and checks["pass"])
     return {
         **result,
-        "gemm_reps": reps,
-        "gemm_once_ms": probe_ms.get("gemm_once"),
+        "gemm_reps": bg.reps,
+        "gemm_once_ms": bg.probe_ms.get("gemm_once"),
         **timing,
         **g_ok,
         "nccl_overlap_ratio_to_ideal": (

@@ -30,7 +30,6 @@ import argparse
 import os
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overlap import (  # noqa: E402
     CHILD_ENV,
     _checked,
+    _GemmUnder,
     _init_ours,
     _poison,
     _rank_device,
@@ -160,10 +160,6 @@ def _dp_ag_row(world: int, rank: int, gname: str, cfg: dict) -> dict[str, Any]:
     gen = torch.Generator(device=dev).manual_seed(555 + 13 * rank)
     shard = torch.randn(rows // world, cols, generator=gen, device=dev).to(torch.bfloat16)
     full = torch.empty(rows, cols, dtype=torch.bfloat16, device=dev)
-    ga = torch.randn(g, g, generator=gen, device=dev).to(torch.bfloat16)
-    gb = (torch.randn(g, g, generator=gen, device=dev) * g**-0.5).to(torch.bfloat16)
-    gc = torch.empty(g, g, dtype=torch.bfloat16, device=dev)
-    side = torch.cuda.Stream() if dev.type == "cuda" else None
     chunks = valid_chunks(rows // world, CHUNKS)
 
     def nccl_ag() -> None:
@@ -192,32 +188,12 @@ def _dp_ag_row(world: int, rank: int, gname: str, cfg: dict) -> dict[str, Any]:
         checks.update({"pass": False, "ours_skipped": cfg["ours_off"]})
     ok_chunks = [ch for ch in chunks if cfg["ours_off"] is None and f"ours_c{ch}" not in errors]
 
-    probe = _Runner(dev, cfg["warmup"], cfg["iters"])
-    probe.time("gemm_once", lambda: torch.mm(ga, gb, out=gc))
-    probe.time("nccl_ag_alone", nccl_ag)
-    _, probe_ms = probe.gather()
-    reps = 1
-    if "gemm_once" in probe_ms and "nccl_ag_alone" in probe_ms:
-        reps = max(1, round(probe_ms["nccl_ag_alone"] / probe_ms["gemm_once"]))
-
-    def gemm() -> None:
-        for _ in range(reps):
-            torch.mm(ga, gb, out=gc)
-
-    def overlapped(comm: Callable[[], object]) -> None:
-        if side is None:  # CPU: no streams, the harness only
-            comm()
-            gemm()
-            return
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            comm()
-        gemm()
-        main.wait_stream(side)
+    # The compute under the all-gather: as many GEMMs as take about as long as NCCL's.
+    bg = _GemmUnder(dev, g, gen, nccl_ag, "nccl_ag_alone", cfg["warmup"], cfg["iters"])
+    overlapped = bg.overlapped
 
     runner = _Runner(dev, cfg["warmup"], cfg["iters"])
-    runner.time("gemm_alone", gemm)
+    runner.time("gemm_alone", bg.gemm)
     runner.time("nccl_ag_alone", nccl_ag)
     runner.time("nccl_overlap", lambda: overlapped(nccl_ag))
     for ch in ok_chunks:
@@ -230,7 +206,7 @@ def _dp_ag_row(world: int, rank: int, gname: str, cfg: dict) -> dict[str, Any]:
         ms["ours_best"] = best
     return {
         **row,
-        "gemm_reps": reps,
+        "gemm_reps": bg.reps,
         "chunks": chunks,
         "ms": ms,
         "per_rank": per_rank,
