@@ -64,11 +64,7 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
                 per_tile);
     UNIEP_CHECK(timeout_s >= 0 && timeout_s <= 3600, "timeout_s must be in [0, 3600], got ",
                 timeout_s);
-    if (swiglu)
-      UNIEP_CHECK_CODE(w.size(2) % 16 == 0, StatusCode::kUnsupported,
-                       "w must be [E, K, 2I] with 2I a multiple of 16 for the SwiGLU epilogue "
-                       "(uniep.gemm.pack_gate_up), got ",
-                       w.size(2));
+    if (swiglu) check_swiglu_width(w);
     UNIEP_CHECK(!done.has_value() || swiglu,
                 "done is the SwiGLU epilogue's signal: pass swiglu=True with it");
     if (done.has_value()) check_int_vector(*done, "done", at::kInt, x);
@@ -89,16 +85,9 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
                 ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
     at::Tensor timeout = at::zeros({5}, x.options().dtype(at::kInt));
     if (rows == 0) return timeout;
-    cuda::GroupedGemmProblem p;
-    p.x = x.data_ptr();
-    p.w = w.data_ptr();
-    p.offs = offs.data_ptr<int32_t>();
-    p.out = out.data_ptr();
-    p.num_experts = w.size(0);
-    p.rows = rows;
-    p.k = x.size(1);
-    p.n = n;
-    p.epilogue = swiglu ? cuda::GroupedGemmEpilogue::kSwiGlu : cuda::GroupedGemmEpilogue::kStore;
+    const cuda::GroupedGemmProblem p = forward_problem(
+        x, w, offs, out,
+        swiglu ? cuda::GroupedGemmEpilogue::kSwiGlu : cuda::GroupedGemmEpilogue::kStore);
     cuda::TileGate gate;
     gate.counters = reinterpret_cast<const uint32_t*>(counters.data_ptr<int32_t>());
     gate.tile_base = tile_base.data_ptr<int32_t>();

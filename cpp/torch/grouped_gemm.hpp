@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/tuning.hpp"
 
 namespace uniep::torch_glue {
@@ -12,6 +13,15 @@ namespace uniep::torch_glue {
 // [E, N, K], offs [E] int32, bf16 on one CUDA device, K and N multiples of 8); throws naming the
 // argument.
 void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs);
+
+// The SwiGLU epilogue's width check: w [E, K, 2I] with 2I a multiple of 16.
+void check_swiglu_width(const at::Tensor& w);
+
+// The forward problem x [R, K] w [E, K, N] -> out (offs's experts), for the engine's entry points;
+// the tensors are checked already.
+cuda::GroupedGemmProblem forward_problem(const at::Tensor& x, const at::Tensor& w,
+                                         const at::Tensor& offs, const at::Tensor& out,
+                                         cuda::GroupedGemmEpilogue epilogue);
 
 // torch._grouped_mm's bf16 (x [R, K], w [E, K, N], offs [E] int32) -> [R, N] on the expert GEMM
 // engine, the configuration picked from tuning's tile_m, tile_n, tile_k and stages (all auto:

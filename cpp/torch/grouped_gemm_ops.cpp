@@ -54,6 +54,29 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
                    " (the grouped GEMM's TMA moves 16-byte rows), got ", w.size(2));
 }
 
+void check_swiglu_width(const at::Tensor& w) {
+  UNIEP_CHECK_CODE(w.size(2) % 16 == 0, StatusCode::kUnsupported,
+                   "w must be [E, K, 2I] with 2I = w.size(2) a multiple of 16 (gate and up "
+                   "interleave in blocks of 8: uniep.gemm.pack_gate_up), got ",
+                   w.size(2));
+}
+
+cuda::GroupedGemmProblem forward_problem(const at::Tensor& x, const at::Tensor& w,
+                                         const at::Tensor& offs, const at::Tensor& out,
+                                         cuda::GroupedGemmEpilogue epilogue) {
+  cuda::GroupedGemmProblem p;
+  p.x = x.data_ptr();
+  p.w = w.data_ptr();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.num_experts = w.size(0);
+  p.rows = x.size(0);
+  p.k = x.size(1);
+  p.n = w.size(2);
+  p.epilogue = epilogue;
+  return p;
+}
+
 namespace {
 
 // The backward's operands: dy [R, N] with w [E, K, N] (kDgrad), or x [R, K] with dy [R, N]
@@ -123,27 +146,14 @@ at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       const TuningParams& tuning, cuda::GroupedGemmEpilogue epilogue) {
   check_grouped_mm_args(x, w, offs);
   const bool swiglu = epilogue == cuda::GroupedGemmEpilogue::kSwiGlu;
-  if (swiglu)
-    UNIEP_CHECK_CODE(w.size(2) % 16 == 0, StatusCode::kUnsupported,
-                     "w must be [E, K, 2I] with 2I = w.size(2) a multiple of 16 (gate and up "
-                     "interleave in blocks of 8: uniep.gemm.pack_gate_up), got ",
-                     w.size(2));
+  if (swiglu) check_swiglu_width(w);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(2);
   // Rows past offs[E - 1] are not written, as with torch._grouped_mm.
   at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options());
   if (rows == 0 || n == 0) return out;
   if (k == 0) return out.zero_();  // (with SwiGLU too: silu(0) * 0 = 0)
-  cuda::GroupedGemmProblem p;
-  p.x = x.data_ptr();
-  p.w = w.data_ptr();
-  p.offs = offs.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.num_experts = w.size(0);
-  p.rows = rows;
-  p.k = k;
-  p.n = n;
-  p.epilogue = epilogue;
+  cuda::GroupedGemmProblem p = forward_problem(x, w, offs, out, epilogue);
   launch(p, x, tuning);
   return out;
 }
