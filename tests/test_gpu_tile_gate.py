@@ -114,18 +114,34 @@ def test_first_gemm_releases_the_second() -> None:
     done = torch.zeros_like(open_rows)
     act = torch.zeros_like(act_want)
     torch.cuda.synchronize()
-    # The second GEMM is enqueued first, on its own stream and half the SMs: it can only finish
-    # through the first's done signal.
+    # The second GEMM is enqueued first, on its own stream and a quarter of the SMs: it can
+    # only finish through the first's done signal, and it leaves the first room for its whole
+    # persistent grid (a waiting CTA never gives its SM back).
     second = torch.cuda.Stream()
     with torch.cuda.stream(second):
         out, t2 = gate.grouped_mm_gated(
-            act, w2, offs, done, base, per_row=0, per_tile=gate.done_per_tile(512),
-            timeout_s=20.0, sm_count=_half_sms(),
+            act,
+            w2,
+            offs,
+            done,
+            base,
+            per_row=0,
+            per_tile=gate.done_per_tile(512),
+            timeout_s=20.0,
+            sm_count=_half_sms() // 2 // 2 * 2,
         )
     torch.cuda._sleep(20_000_000)  # ~10 ms: the second GEMM is waiting by then
     _, t1 = gate.grouped_mm_gated(
-        x, w1p, offs, open_rows, base, swiglu=True, done=done, timeout_s=5.0,
-        sm_count=_half_sms(), out=act,
+        x,
+        w1p,
+        offs,
+        open_rows,
+        base,
+        swiglu=True,
+        done=done,
+        timeout_s=5.0,
+        sm_count=_half_sms(),
+        out=act,
     )
     torch.cuda.current_stream().wait_stream(second)
     gate.check_gate_timeout(t1)
