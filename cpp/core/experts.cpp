@@ -25,18 +25,13 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
   SenderRows out;
   out.dest_rank.assign(T * K, -1);
   out.gemm_row.assign(T * K, -1);
-  // First row of (expert g, source me) on g's rank: that rank's rows of the local experts before
-  // g, then g's rows from sources before me (expert_source_offsets of rank g / El).
+  // First row of (expert g, source me) on g's rank: what that rank's expert_source_offsets say.
   std::vector<int64_t> next(E, 0);
+  MoeShape there = shape;
   for (int64_t r = 0; r < W; ++r) {
-    int64_t row = 0;
-    for (int64_t e = 0; e < El; ++e) {
-      const int64_t g = r * El + e;
-      for (int64_t s = 0; s < W; ++s) {
-        if (s == me) next[g] = row;
-        row += expert_counts[s * E + g];
-      }
-    }
+    there.rank = r;
+    const std::vector<int64_t> offsets = expert_source_offsets(expert_counts, there);
+    for (int64_t e = 0; e < El; ++e) next[r * El + e] = offsets[e * (W + 1) + me];
   }
   std::vector<int64_t> sent(E, 0);
   for (int64_t i = 0; i < T * K; ++i) {

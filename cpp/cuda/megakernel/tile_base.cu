@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/gemm/grouped/expert_rows.cuh"
+#include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
 namespace uniep::cuda {
@@ -46,11 +47,7 @@ Status gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows, in
     return {StatusCode::kInvalidArgument, "offs and tile_base must be device pointers"};
   tile_base_kernel<<<1, 32, 0, stream>>>(offs, static_cast<int>(num_experts),
                                          static_cast<int>(rows), tile_m, tile_base);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("gate_tile_base failed to launch: ", cudaGetErrorString(e))};
-  return Status::Ok();
+  return launch_status("gate_tile_base");
 }
 
 }  // namespace uniep::cuda
