@@ -68,6 +68,8 @@ def test_check_gate_timeout_names_the_tile() -> None:
     gate.check_gate_timeout(torch.zeros(5, dtype=torch.int32))  # no timeout: no error
     with pytest.raises(TimeoutError, match="expert 3, m-tile 7 never arrived .*12 of 128"):
         gate.check_gate_timeout(torch.tensor([1, 3, 7, 12, 128], dtype=torch.int32))
+    with pytest.raises(ValueError, match="counters holds 4 entries, but expert 2, m-tile 1 needs"):
+        gate.check_gate_timeout(torch.tensor([2, 2, 1, 4, 5], dtype=torch.int32))
 
 
 def test_fake_kernels_give_the_shapes() -> None:

@@ -158,3 +158,12 @@ def test_rows_that_never_come_time_out_naming_the_tile() -> None:
     _, timeout = gate.grouped_mm_gated(x, w, offs, counters, base, timeout_s=0.05)
     with pytest.raises(TimeoutError, match=r"expert \d+, m-tile \d+ never arrived"):
         gate.check_gate_timeout(timeout)
+
+
+def test_too_few_counters_is_named_not_read() -> None:
+    x, w, offs = _operands([256, 100], 128, 256, seed=5)
+    base = gate.tile_base(offs, x.shape[0])  # 3 tiles
+    counters = torch.full((2,), 1 << 20, dtype=torch.int32, device="cuda")
+    _, timeout = gate.grouped_mm_gated(x, w, offs, counters, base, timeout_s=5.0)
+    with pytest.raises(ValueError, match="counters holds 2 entries, but expert 1, m-tile 0"):
+        gate.check_gate_timeout(timeout)

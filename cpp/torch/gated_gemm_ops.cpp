@@ -90,6 +90,7 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
         swiglu ? cuda::GroupedGemmEpilogue::kSwiGlu : cuda::GroupedGemmEpilogue::kStore);
     cuda::TileGate gate;
     gate.counters = reinterpret_cast<const uint32_t*>(counters.data_ptr<int32_t>());
+    gate.num_counters = counters.size(0);
     gate.tile_base = tile_base.data_ptr<int32_t>();
     gate.per_row = static_cast<uint32_t>(per_row);
     gate.per_tile = static_cast<uint32_t>(per_tile);
@@ -99,6 +100,7 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
     if (done.has_value()) {
       signal.done = reinterpret_cast<uint32_t*>(done->data_ptr<int32_t>());
       signal.done_base = tile_base.data_ptr<int32_t>();
+      signal.num_done = done->size(0);
     }
     const size_t bytes = cuda::grouped_gemm_gated_workspace_bytes(p.num_experts,
                                                                   static_cast<int>(sm_count));

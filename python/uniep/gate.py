@@ -63,9 +63,15 @@ def grouped_mm_gated(
 
 
 def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
-    """Raise ``TimeoutError`` naming the tile if a gated wait gave up (reads ``timeout``, so it
-    waits for the stream that wrote it)."""
+    """Raise ``TimeoutError`` naming the tile if a gated wait gave up, or ``ValueError`` if a
+    tile's counter lay past the end of ``counters`` (reads ``timeout``, so it waits for the
+    stream that wrote it)."""
     flag, expert, m_tile, have, need = (int(v) for v in timeout.cpu().tolist())
+    if flag == 2:
+        raise ValueError(
+            f"{what}: counters holds {have} entries, but expert {expert}, m-tile {m_tile} needs "
+            f"entry {need} (size counters by tile_base's last entry)"
+        )
     if flag:
         raise TimeoutError(
             f"{what}: the rows of expert {expert}, m-tile {m_tile} never arrived "

@@ -28,11 +28,16 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
   if (gate.counters != nullptr && (gate.tile_base == nullptr || gate.timeout == nullptr))
     return {StatusCode::kInvalidArgument,
             "gate: with counters, tile_base (gate_tile_base) and timeout must be device pointers"};
+  if (gate.counters != nullptr && gate.num_counters < 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("gate: num_counters must be >= 1 with counters, got ",
+                            gate.num_counters)};
   if (signal.done != nullptr && !swiglu)
     return {StatusCode::kInvalidArgument,
             "signal: the done signal belongs to the SwiGLU epilogue (epilogue kSwiGlu)"};
-  if (signal.done != nullptr && signal.done_base == nullptr)
-    return {StatusCode::kInvalidArgument, "signal: done needs done_base (gate_tile_base)"};
+  if (signal.done != nullptr && (signal.done_base == nullptr || signal.num_done < 1))
+    return {StatusCode::kInvalidArgument,
+            "signal: done needs done_base (gate_tile_base) and num_done >= 1"};
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0) return Status::Ok();

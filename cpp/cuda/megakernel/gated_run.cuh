@@ -46,6 +46,7 @@ typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspac
     args.epilogue.ld_out = ld_out;
     args.epilogue.done = signal.done;
     args.epilogue.done_base = signal.done_base;
+    args.epilogue.num_done = signal.num_done;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
   } else {

@@ -27,26 +27,39 @@ __device__ __forceinline__ void fence_generic_to_async() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// Records the first failed wait (GateTimeout's flags); later ones are dropped.
+__device__ __forceinline__ void gate_report(GateTimeout* t, uint32_t flag, int expert, int m_tile,
+                                            uint32_t have, uint32_t need) {
+  if (atomicCAS(&t->flag, 0u, flag) == 0u) {
+    t->expert = expert;
+    t->m_tile = m_tile;
+    t->have = have;
+    t->need = need;
+    __threadfence_system();
+  }
+}
+
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
-// loaded, or at the deadline after recording the first timeout.
+// loaded, or at the deadline after recording the first timeout; a tile with no counter among
+// the gate's is recorded at once and never read.
 __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_tile, int rows,
                                           int tile_m) {
   const int in_tile = min(tile_m, rows - m_tile * tile_m);
   const uint32_t need = g.per_row * static_cast<uint32_t>(max(in_tile, 0)) + g.per_tile;
-  const uint32_t* counter = g.counters + g.tile_base[expert] + m_tile;
+  const int64_t index = static_cast<int64_t>(g.tile_base[expert]) + m_tile;
+  if (index < 0 || index >= g.num_counters) {
+    gate_report(g.timeout, 2u, expert, m_tile, static_cast<uint32_t>(g.num_counters),
+                static_cast<uint32_t>(index));
+    return;
+  }
+  const uint32_t* counter = g.counters + index;
   uint32_t have = load_acquire_u32(counter);
   if (have >= need) return;
   const uint64_t deadline = g.timeout_ns ? gate_clock_ns() + g.timeout_ns : ~0ull;
   while (have < need) {
     __nanosleep(64);
     if (gate_clock_ns() > deadline) {
-      if (atomicCAS(&g.timeout->flag, 0u, 1u) == 0u) {
-        g.timeout->expert = expert;
-        g.timeout->m_tile = m_tile;
-        g.timeout->have = have;
-        g.timeout->need = need;
-        __threadfence_system();
-      }
+      gate_report(g.timeout, 1u, expert, m_tile, have, need);
       return;
     }
     have = load_acquire_u32(counter);

@@ -25,17 +25,21 @@
 namespace uniep::cuda {
 
 // Written by the device when a gated wait gives up (host-mapped or device memory, zeroed by the
-// caller before the launch). flag != 0 once a wait timed out; the fields describe the first one.
+// caller before the launch); the fields describe the first one.
+//   flag 1  the wait timed out: have = the counter then, need = what the tile needed
+//   flag 2  the tile's counter lies outside the gate's counters (too few for the row ranges):
+//           have = num_counters, need = the counter's index; nothing was read
 struct GateTimeout {
   uint32_t flag = 0;
   int32_t expert = -1;  // the group (local expert) of the tile
   int32_t m_tile = -1;  // its m-tile within the expert
-  uint32_t have = 0;    // the counter when the wait gave up
-  uint32_t need = 0;    // what the tile needed
+  uint32_t have = 0;
+  uint32_t need = 0;
 };
 
 struct TileGate {
   const uint32_t* counters = nullptr;  // one per (expert, m-tile); null: no gate
+  int64_t num_counters = 0;            // entries of counters (tile_base[E] are used)
   const int32_t* tile_base = nullptr;  // [E + 1] first counter of each expert (gate_tile_base)
   uint32_t per_row = 0, per_tile = 0;  // what one tile needs, as above
   uint64_t timeout_ns = 0;             // 0: wait forever (tests of the gate only)
@@ -48,12 +52,6 @@ struct TileGate {
 Status gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows, int tile_m,
                       int32_t* tile_base, cudaStream_t stream);
 
-// The most counters a gate over `rows` rows of `num_experts` experts can need with tile_m-row
-// tiles (each expert may end in a partial tile): what to allocate without reading offs.
-inline int64_t gate_max_tiles(int64_t rows, int64_t num_experts, int tile_m) {
-  return (rows + tile_m - 1) / tile_m + num_experts;
-}
-
 // What a gated GEMM with the SwiGLU epilogue tells the next GEMM: once a warp has written its part
 // of output tile (expert e, m-tile i) it adds 1 to done[done_base[e] + i]. A tile is complete at
 // kGatedWarpsPerTile x ceil(n / kGatedTileN) arrivals (n = 2 x FFN, the first GEMM's width),
@@ -61,6 +59,8 @@ inline int64_t gate_max_tiles(int64_t rows, int64_t num_experts, int tile_m) {
 struct GatedSignal {
   uint32_t* done = nullptr;  // null: no signal
   const int32_t* done_base = nullptr;
+  int64_t num_done = 0;  // entries of done; a tile outside them is not signalled (its waiter
+                         // then times out naming it)
 };
 
 // The gated GEMM's one configuration: the engine's cooperative 128 x 256 x 64 tiles (clusters
@@ -82,9 +82,14 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
                                const GatedSignal& signal, int device, int sm_count,
                                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Raises (as Status) a recorded timeout, naming the tile; OK when none was recorded.
+// Raises (as Status) a recorded timeout or missing counter, naming the tile; OK when none.
 inline Status gate_timeout_status(const GateTimeout& t, const char* what) {
   if (t.flag == 0) return Status::Ok();
+  if (t.flag == 2)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(what, ": counters holds ", t.have, " entries, but expert ", t.expert,
+                            ", m-tile ", t.m_tile, " needs entry ", t.need,
+                            " (size counters by gate_tile_base's last entry)")};
   return {StatusCode::kTimeout,
           detail::str_cat(what, ": the rows of expert ", t.expert, ", m-tile ", t.m_tile,
                           " never arrived (its counter reached ", t.have, " of ", t.need, ")")};

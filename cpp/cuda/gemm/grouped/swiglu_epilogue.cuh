@@ -57,6 +57,7 @@ class SwiGluEpilogue {
     // (consumer warps per tile) x (N-tiles) arrivals. Null: no signal.
     uint32_t* done = nullptr;
     const int32_t* done_base = nullptr;
+    int64_t num_done = 0;  // entries of done; a tile outside them is not signalled
   };
   using Params = Arguments;
 
@@ -129,8 +130,9 @@ class SwiGluEpilogue {
       // Every lane's stores are visible before lane 0's release can be observed.
       __threadfence_system();
       __syncwarp();
-      if (threadIdx.x % 32 == 0)
-        megakernel::gate_signal(params_.done + params_.done_base[l_coord] + m_coord, 1u);
+      const int64_t index = static_cast<int64_t>(params_.done_base[l_coord]) + m_coord;
+      if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
+        megakernel::gate_signal(params_.done + index, 1u);
     }
   }
 
