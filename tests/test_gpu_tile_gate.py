@@ -167,3 +167,135 @@ def test_too_few_counters_is_named_not_read() -> None:
     _, timeout = gate.grouped_mm_gated(x, w, offs, counters, base, timeout_s=5.0)
     with pytest.raises(ValueError, match="counters holds 2 entries, but expert 1, m-tile 0"):
         gate.check_gate_timeout(timeout)
+
+
+# ---- the MegaKernel's dispatch (uniep.gate.sender_rows / send_rows) ----
+
+
+def _routing(world: int, experts: int, top_k: int, tokens: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tokens:
+        idx = torch.randint(0, experts, (t, top_k), generator=gen)
+        idx[torch.rand(t, top_k, generator=gen) < 0.1] = -1
+        out.append(idx)
+    counts = torch.stack([torch.bincount(i[i >= 0], minlength=experts) for i in out])
+    return out, counts.to(torch.int64)
+
+
+@pytest.mark.parametrize("world,experts,top_k", [(1, 8, 2), (2, 16, 9), (4, 256, 8), (8, 64, 4)])
+def test_device_sender_rows_equal_the_cpu_plan(world: int, experts: int, top_k: int) -> None:
+    routing, counts = _routing(world, experts, top_k, [700] * (world - 1) + [3], seed=world)
+    for rank in range(world):
+        for tile_m in (16, 128):
+            want = gate.sender_rows(routing[rank], counts, rank, tile_m=tile_m)
+            got = gate.sender_rows(routing[rank].cuda(), counts.cuda(), rank, tile_m=tile_m)
+            for g, w in zip(got[:3], want[:3], strict=True):
+                assert torch.equal(g.cpu(), w)
+
+
+def test_device_send_rows_equal_the_cpu_send() -> None:
+    routing, counts = _routing(1, 24, 9, [1000], seed=7)
+    idx = routing[0]
+    x = torch.randn(1000, 264).to(torch.bfloat16)  # 528-byte rows: not a multiple of 128 bytes
+    plan = gate.sender_rows(idx, counts, 0)
+    total = int(counts.sum())
+    ncounters = int(gate.tile_base(counts[0].cumsum(0).to(torch.int32), total)[-1])
+    rows = torch.zeros(total, 264, dtype=torch.bfloat16)
+    counters = torch.zeros(ncounters, dtype=torch.int32)
+    gate.check_send_error(gate.send_rows(x, *plan[:3], rows, counters), 9)
+    rows_d, counters_d = rows.cuda().zero_(), counters.cuda().zero_()
+    err = gate.send_rows(x.cuda(), *(p.cuda() for p in plan[:3]), rows_d, counters_d, sm_count=5)
+    gate.check_send_error(err, 9)
+    assert torch.equal(rows_d.cpu(), rows)
+    assert torch.equal(counters_d.cpu(), counters)
+
+
+def test_send_rows_release_the_gated_gemms() -> None:
+    """World 1, the sequence the MegaKernel runs: the send on a few SMs beside gated GEMM 1
+    (SwiGLU, done signal) and GEMM 2 gated on done, enqueued first; same bits as the
+    ungated chain on the gathered rows."""
+    tokens, hidden, ffn, experts, top_k = 2048, 256, 256, 16, 4
+    routing, counts = _routing(1, experts, top_k, [tokens], seed=11)
+    idx = routing[0].cuda()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda") / 16).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device="cuda") / 16).bfloat16()
+    w1p = pack_gate_up(w1)
+    dest, row, counter, err = gate.sender_rows(idx, counts.cuda(), 0, check=False)
+    total = int(counts.sum())
+    offs = counts[0].cuda().cumsum(0).to(torch.int32)
+    base = gate.tile_base(offs, total)
+    # The reference: the rows gathered on the host's plan, the ungated chain.
+    gathered = torch.zeros(total, hidden, dtype=torch.bfloat16, device="cuda")
+    used = dest >= 0
+    gathered[row[used]] = x.unsqueeze(1).expand(-1, top_k, -1)[used]
+    act_want = torch.ops.uniep.grouped_mm_swiglu(gathered, w1p, offs, SAME_CONFIG)
+    want = torch.ops.uniep.grouped_mm(act_want, w2, offs, SAME_CONFIG)
+
+    rows = torch.zeros_like(gathered)
+    counters = torch.zeros(int(base[-1]), dtype=torch.int32, device="cuda")
+    done = torch.zeros_like(counters)
+    act = torch.zeros_like(act_want)
+    out = torch.zeros_like(want)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gemm_sms = (sms - 8) // 2 * 2
+    torch.cuda.synchronize()
+    gemms = torch.cuda.Stream()
+    with torch.cuda.stream(gemms):
+        _, t1 = gate.grouped_mm_gated(
+            rows,
+            w1p,
+            offs,
+            counters,
+            base,
+            swiglu=True,
+            done=done,
+            timeout_s=20.0,
+            sm_count=gemm_sms,
+            out=act,
+        )
+        _, t2 = gate.grouped_mm_gated(
+            act,
+            w2,
+            offs,
+            done,
+            base,
+            per_row=0,
+            per_tile=gate.done_per_tile(2 * ffn),
+            timeout_s=20.0,
+            sm_count=gemm_sms,
+            out=out,
+        )
+    torch.cuda._sleep(20_000_000)  # ~10 ms: GEMM 1 is waiting on every tile by then
+    send_err = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=sms - gemm_sms)
+    torch.cuda.current_stream().wait_stream(gemms)
+    gate.check_send_error(err, top_k, "sender_rows")
+    gate.check_send_error(send_err, top_k)
+    gate.check_gate_timeout(t1, "GEMM 1")
+    gate.check_gate_timeout(t2, "GEMM 2")
+    assert torch.equal(rows, gathered)
+    assert torch.equal(act, act_want)
+    assert torch.equal(out, want)
+
+
+def test_device_send_errors_name_the_entry() -> None:
+    idx = torch.tensor([[0, 1], [2, 9], [1, -1]], device="cuda")
+    counts = torch.tensor([[1, 2, 1, 0]], device="cuda")
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id >= num_exp"):
+        gate.sender_rows(idx, counts, 0)
+    with pytest.raises(ValueError, match=r"entry \(token 2, k 0\) routes more rows to its exp"):
+        gate.sender_rows(idx[:, :1].contiguous(), torch.tensor([[1, 0, 1, 0]], device="cuda"), 0)
+    dest, row, counter, _ = gate.sender_rows(
+        torch.tensor([[0, 1], [2, 3], [1, -1]], device="cuda"),
+        torch.tensor([[1, 2, 1, 1]], device="cuda"),
+        0,
+    )
+    x = torch.ones(3, 8, dtype=torch.bfloat16, device="cuda")
+    rows = torch.zeros(5, 8, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(4, dtype=torch.int32, device="cuda")
+    error = gate.send_rows(x, dest.clone().fill_(3), row, counter, rows, counters)
+    with pytest.raises(ValueError, match="goes to a rank outside the peer table"):
+        gate.check_send_error(error, 2)
+    assert not rows.any() and not counters.any()

@@ -19,19 +19,29 @@ std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const M
 }
 
 SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
-                            const MoeShape& shape) {
+                            const MoeShape& shape, int64_t tile_m) {
   const int64_t T = shape.tokens, K = shape.top_k, E = shape.num_experts, W = shape.world_size;
   const int64_t El = shape.experts_per_rank(), me = shape.rank;
+  UNIEP_CHECK(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
   SenderRows out;
   out.dest_rank.assign(T * K, -1);
   out.gemm_row.assign(T * K, -1);
-  // First row of (expert g, source me) on g's rank: what that rank's expert_source_offsets say.
-  std::vector<int64_t> next(E, 0);
+  out.counter.assign(T * K, -1);
+  // Per global expert g on its rank r: the first row of (g, source me), the first row of g and
+  // g's first gate counter, from what r's expert_source_offsets say.
+  std::vector<int64_t> next(E, 0), first_row(E, 0), first_tile(E, 0);
   MoeShape there = shape;
   for (int64_t r = 0; r < W; ++r) {
     there.rank = r;
     const std::vector<int64_t> offsets = expert_source_offsets(expert_counts, there);
-    for (int64_t e = 0; e < El; ++e) next[r * El + e] = offsets[e * (W + 1) + me];
+    int64_t tiles = 0;
+    for (int64_t e = 0; e < El; ++e) {
+      const int64_t begin = offsets[e * (W + 1)], end = offsets[e * (W + 1) + W];
+      next[r * El + e] = offsets[e * (W + 1) + me];
+      first_row[r * El + e] = begin;
+      first_tile[r * El + e] = tiles;
+      tiles += (end - begin + tile_m - 1) / tile_m;
+    }
   }
   std::vector<int64_t> sent(E, 0);
   for (int64_t i = 0; i < T * K; ++i) {
@@ -39,11 +49,14 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
     if (g < 0) continue;
     UNIEP_CHECK(g < E, "topk_idx[", i / K, ", ", i % K, "] = ", g, " is not an expert id below ",
                 E);
-    UNIEP_CHECK_CODE(sent[g] < expert_counts[me * E + g], StatusCode::kInternal, "rank ", me,
-                     " routes more rows to expert ", g, " than its announced count ",
-                     expert_counts[me * E + g]);
+    UNIEP_CHECK(sent[g] < expert_counts[me * E + g], "topk_idx[", i / K, ", ", i % K,
+                "]: rank ", me, " routes more rows to expert ", g,
+                " than its announced count (expert_counts[", me, ", ", g,
+                "] = ", expert_counts[me * E + g], ")");
+    const int64_t row = next[g] + sent[g]++;
     out.dest_rank[i] = g / El;
-    out.gemm_row[i] = next[g] + sent[g]++;
+    out.gemm_row[i] = row;
+    out.counter[i] = first_tile[g] + (row - first_row[g]) / tile_m;
   }
   return out;
 }

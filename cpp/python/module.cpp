@@ -15,6 +15,7 @@
 #include "torch/ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
 #endif
+#include "uniep/cuda/send_rows_error.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
 #include "uniep/tuning.hpp"
@@ -62,7 +63,7 @@ py::tuple compute_layout_py(const I64Array& topk_idx, int64_t num_experts, int64
 // Runs the planner for one rank with the count exchange and the metadata dispatch simulated
 // in-process from every rank's routing: the pure functions, end to end, without a transport.
 py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_experts,
-                            int64_t rank, const std::string& tuning) {
+                            int64_t rank, const std::string& tuning, int64_t gate_tile_m) {
   const int64_t W = all_topk.size();
   UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
   UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
@@ -125,9 +126,11 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
   d["return_counts"] = to_array(ep.return_counts);
   d["expert_source_offsets"] = to_array(src_off).reshape({me.experts_per_rank(), W + 1});
   d["tiles"] = tile_arr;
-  const SenderRows sr = plan_sender_rows(all_topk[rank].data(), expert_counts.data(), me);
+  const SenderRows sr =
+      plan_sender_rows(all_topk[rank].data(), expert_counts.data(), me, gate_tile_m);
   d["send_gemm_rank"] = to_array(sr.dest_rank).reshape({me.tokens, K});
   d["send_gemm_row"] = to_array(sr.gemm_row).reshape({me.tokens, K});
+  d["send_gate_counter"] = to_array(sr.counter).reshape({me.tokens, K});
   return d;
 }
 
@@ -433,7 +436,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("encode_fp8_rows", &encode_fp8_rows_py, py::arg("x"),
         "fp8 e4m3 rows with one fp32 scale per 1x128 block, as the executors send them: "
         "(q uint8 [N, H], scales float32 [N, ceil(H / 128)]).");
+  m.def(
+      "send_rows_error_message",
+      [](int64_t word, int64_t top_k, const std::string& what) {
+        const Status s = cuda::send_rows_error_status(static_cast<uint64_t>(word), top_k,
+                                                      what.c_str());
+        return s.ok() ? std::string() : s.message;
+      },
+      py::arg("word"), py::arg("top_k"), py::arg("what"),
+      "The message of a sender_rows / send_rows error word ('' for 0): the failing entry and "
+      "why.");
   m.def("build_rank_plan", &build_rank_plan_py, py::arg("all_topk"), py::arg("num_experts"),
-        py::arg("rank"), py::arg("tuning") = "",
-        "The plan of `rank` given every rank's topk_idx, with the exchanges simulated in-process.");
+        py::arg("rank"), py::arg("tuning") = "", py::arg("gate_tile_m") = 128,
+        "The plan of `rank` given every rank's topk_idx, with the exchanges simulated in-process "
+        "(send_gate_counter: tile gate counters of gate_tile_m-row tiles).");
 }

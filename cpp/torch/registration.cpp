@@ -54,6 +54,19 @@ TORCH_LIBRARY(uniep, m) {
       "grouped_mm_gated(Tensor x, Tensor w, Tensor offs, Tensor counters, Tensor tile_base, "
       "int per_row, int per_tile, float timeout_s, bool swiglu, Tensor(a!)? done, "
       "int sm_count, Tensor(b!) out) -> Tensor timeout");
+  // The MegaKernel's dispatch on its own (include/uniep/cuda/send_rows.hpp; CPU and CUDA):
+  // sender_rows(topk_idx [T, K], expert_counts [W, E], rank, tile_m) -> dest_rank, gemm_row,
+  // counter ([T, K] int64: each entry's rank, grouped-GEMM row there and tile gate counter
+  // there, -1 unused) and error [1] int64; send_rows (world 1: this rank's own rows) stores
+  // row x[t] at rows[gemm_row[t, k]] and adds 1 to counters[counter[t, k]] for every entry,
+  // returning error [1] int64. A failing entry is skipped and recorded in error
+  // (uniep.gate.check_send_error).
+  m.def(
+      "sender_rows(Tensor topk_idx, Tensor expert_counts, int rank, int tile_m) -> "
+      "(Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor error)");
+  m.def(
+      "send_rows(Tensor x, Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor(a!) rows, "
+      "Tensor(b!) counters, int sm_count) -> Tensor error");
   m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
   m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

@@ -69,14 +69,20 @@ std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const M
 // of rank r goes to expert_source_offsets(r)[g - first(r)][me] + the number of (t', k') < (t, k)
 // (token-major) of this rank routed to g: exactly the row plan_experts gives it on r, computed
 // from this rank's routing and the agreed counts alone, before any token moves.
+// The row's tile gate counter (include/uniep/cuda/tile_gate.hpp) on dest_rank: its expert's
+// first counter there (gate_tile_base over that rank's row ranges, tiles of tile_m rows) plus
+// the row's m-tile within the expert.
 struct SenderRows {
   std::vector<int64_t> dest_rank;  // [T * K] -1 for an unused entry
   std::vector<int64_t> gemm_row;   // [T * K] the row on dest_rank, -1 for an unused entry
+  std::vector<int64_t> counter;    // [T * K] the row's gate counter on dest_rank, -1 unused
 };
 
-// expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered).
+// expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered). An expert id
+// >= E, or more rows to an expert than this rank's own count says, is a kInvalidArgument naming
+// the entry (the counts are this rank's announcement, so its routing must match them).
 SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
-                            const MoeShape& shape);
+                            const MoeShape& shape, int64_t tile_m);
 
 // One unit of expert work: rows [row_begin, row_end) of local expert `expert`.
 struct WorkTile {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
 from .ops import check_grouped_mm_meta
 
 # The gated GEMM's configuration (include/uniep/cuda/tile_gate.hpp): the cooperative
@@ -77,6 +78,89 @@ def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
             f"{what}: the rows of expert {expert}, m-tile {m_tile} never arrived "
             f"(its counter reached {have} of {need})"
         )
+
+
+def sender_rows(
+    topk_idx: torch.Tensor,
+    expert_counts: torch.Tensor,
+    rank: int,
+    *,
+    tile_m: int = TILE_M,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each of this rank's ``(token, k)`` rows goes in the MegaKernel's dispatch:
+    ``(dest_rank, gemm_row, counter, error)``, the first three ``[T, K]`` int64 (-1 for unused
+    entries): the destination rank, the grouped-GEMM row there (its local experts' rows in order,
+    each expert's rows by source rank, then in this rank's ``(token, k)`` order) and the row's
+    tile gate counter there (:func:`tile_base` over that rank's rows, plus the m-tile).
+    ``expert_counts`` is ``[W, E]``: the rows every rank routes to every expert, as all ranks
+    agreed. With ``check`` a failing entry (an id >= E, more rows to an expert than this rank's
+    count) raises ``ValueError`` (on CUDA this waits for the stream); without it, read ``error``
+    later with :func:`check_send_error`."""
+    dest, row, counter, error = torch.ops.uniep.sender_rows(topk_idx, expert_counts, rank, tile_m)
+    if check:
+        check_send_error(error, topk_idx.shape[1], "sender_rows")
+    return dest, row, counter, error
+
+
+def send_rows(
+    x: torch.Tensor,
+    dest_rank: torch.Tensor,
+    gemm_row: torch.Tensor,
+    counter: torch.Tensor,
+    rows: torch.Tensor,
+    counters: torch.Tensor,
+    *,
+    sm_count: int | None = None,
+) -> torch.Tensor:
+    """The MegaKernel's dispatch at world 1: ``rows[gemm_row[t, k]] = x[t]`` and
+    ``counters[counter[t, k]] += 1`` for every used entry (the plan of :func:`sender_rows`), on
+    ``sm_count`` SMs on CUDA (default 16), so that a gated GEMM waiting on ``counters`` from
+    another stream starts on each tile once its rows are in. Returns the error word; pass it to
+    :func:`check_send_error` once the stream has run. A failing entry is neither stored nor
+    counted."""
+    if sm_count is None:
+        sm_count = 16
+        if x.is_cuda:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            sm_count = min(sm_count, sms)
+    return torch.ops.uniep.send_rows(x, dest_rank, gemm_row, counter, rows, counters, sm_count)
+
+
+def check_send_error(error: torch.Tensor, top_k: int, what: str = "send_rows") -> None:
+    """Raise ``ValueError`` naming the failing ``(token, k)`` entry if ``error`` (from
+    :func:`sender_rows` or :func:`send_rows`) records one; reads it, so it waits for its stream."""
+    message = _C.send_rows_error_message(int(error.cpu().item()), top_k, what)
+    if message:
+        raise ValueError(message)
+
+
+@torch.library.register_fake("uniep::sender_rows")
+def _sender_rows_fake(
+    topk_idx: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
+    )
+    return (
+        torch.empty_like(topk_idx),
+        torch.empty_like(topk_idx),
+        torch.empty_like(topk_idx),
+        topk_idx.new_empty((1,)),
+    )
+
+
+@torch.library.register_fake("uniep::send_rows")
+def _send_rows_fake(
+    x: torch.Tensor,
+    dest_rank: torch.Tensor,
+    gemm_row: torch.Tensor,
+    counter: torch.Tensor,
+    rows: torch.Tensor,
+    counters: torch.Tensor,
+    sm_count: int,
+) -> torch.Tensor:
+    return x.new_empty((1,), dtype=torch.int64)
 
 
 @torch.library.register_fake("uniep::gate_tile_base")

@@ -1,0 +1,133 @@
+// The device side of the MegaKernel's dispatch (include/uniep/cuda/send_rows.hpp): where this
+// rank's (token, k) rows go (one block per global expert), and the warp that stores a token's
+// row at each of its destinations and counts it on their tile gates. Device functions, so the
+// persistent kernel can run them as its communication stage.
+#pragma once
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cstdint>
+
+#include "cuda/megakernel/tile_gate.cuh"
+#include "uniep/cuda/send_rows.hpp"
+
+namespace uniep::cuda::megakernel {
+
+__device__ __forceinline__ void send_error(unsigned long long* error, uint64_t code,
+                                           int64_t entry) {
+  atomicCAS(error, 0ull,
+            static_cast<unsigned long long>((code << kSendErrorShift) |
+                                            static_cast<uint64_t>(entry)));
+}
+
+// Block `g` (global expert g) of a plan. The block walks all of this rank's entries in
+// (token, k) order, so the i-th entry routed to g gets the i-th row of (g, this rank) on g's
+// rank: the order plan_sender_rows (cpp/core/experts.cpp) and the receiver's plan use.
+template <int kThreads>
+__device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
+  using Reduce = cub::BlockReduce<int64_t, kThreads>;
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int64_t first_row, first_tile, source_row, announced;
+  const int64_t W = a.world_size, E = a.num_experts, El = E / W, me = a.rank;
+  const int64_t dest = g / El, el = g % El, n = a.tokens * a.top_k;
+  const int tid = static_cast<int>(threadIdx.x);
+
+  // g's first row and first counter on its rank: the rows and tiles of the experts before it.
+  int64_t rows_before = 0, tiles_before = 0;
+  for (int64_t e = tid; e < el; e += kThreads) {
+    int64_t rows = 0;
+    for (int64_t s = 0; s < W; ++s) rows += a.counts[s * a.counts_ld + dest * El + e];
+    rows_before += rows;
+    tiles_before += (rows + a.tile_m - 1) / a.tile_m;
+  }
+  const int64_t rows_sum = Reduce(tmp.reduce).Sum(rows_before);
+  __syncthreads();
+  const int64_t tiles_sum = Reduce(tmp.reduce).Sum(tiles_before);
+  if (tid == 0) {
+    int64_t before_me = 0;
+    for (int64_t s = 0; s < me; ++s) before_me += a.counts[s * a.counts_ld + g];
+    first_row = rows_sum;
+    first_tile = tiles_sum;
+    source_row = before_me;
+    announced = a.counts[me * a.counts_ld + g];
+  }
+  __syncthreads();
+
+  int64_t taken = 0;
+  for (int64_t base = 0; base < n; base += kThreads) {
+    const int64_t i = base + tid;
+    const int64_t id = i < n ? a.topk_idx[i] : -1;
+    // Entries routed nowhere (or nowhere valid) are block 0's to mark.
+    if (g == 0 && i < n && (id < 0 || id >= E)) {
+      a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
+      if (id >= E) send_error(a.error, kSendBadExpert, i);
+    }
+    const int mine = id == g ? 1 : 0;
+    int before = 0, total = 0;
+    Scan(tmp.scan).ExclusiveSum(mine, before, total);
+    if (mine) {
+      const int64_t j = taken + before;
+      if (j >= announced) {
+        a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
+        send_error(a.error, kSendOverCount, i);
+      } else {
+        const int64_t in_expert = source_row + j;
+        a.dest_rank[i] = dest;
+        a.gemm_row[i] = first_row + in_expert;
+        a.counter[i] = first_tile + in_expert / a.tile_m;
+      }
+    }
+    taken += total;
+    __syncthreads();  // the scan's storage is reused by the next chunk
+  }
+}
+
+// One warp sends token t: lanes k < top_k hold the destinations of entries (t, k), every lane
+// reads its 16-byte pieces of the row once and stores each at every destination.
+__device__ __forceinline__ void send_token_row(const SendRowsArgs& a, const RowPeers& p,
+                                               int64_t t, int lane) {
+  uint8_t* dst = nullptr;
+  uint32_t* counter = nullptr;
+  if (lane < a.top_k) {
+    const int64_t i = t * a.top_k + lane, d = a.dest_rank[i];
+    if (d >= 0) {
+      const int64_t row = a.gemm_row[i], c = a.counter[i];
+      if (d >= p.num_peers) {
+        send_error(a.error, kSendBadPeer, i);
+      } else if (row < 0 || row >= p.rows_capacity) {
+        send_error(a.error, kSendRowOutOfRange, i);
+      } else if (c < 0 || c >= p.num_counters) {
+        send_error(a.error, kSendCounterOutOfRange, i);
+      } else {
+        dst = p.rows[d] + row * p.row_stride;
+        counter = p.counters[d] + c;
+      }
+    }
+  }
+  const int64_t pieces = a.row_bytes / 16;
+  const auto* src =
+      reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + t * a.x_stride);
+  // Whole-warp trip counts: the shuffles need every lane.
+  for (int64_t base = 0; base < pieces; base += 32) {
+    const int64_t v = base + lane;
+    const bool in_row = v < pieces;
+    int4 piece = make_int4(0, 0, 0, 0);
+    if (in_row) piece = __ldg(src + v);
+    for (int k = 0; k < a.top_k; ++k) {
+      auto* to = reinterpret_cast<int4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
+      if (in_row && to != nullptr) to[v] = piece;
+    }
+  }
+  // Every lane's stores are ordered before the counters at system scope (a peer GPU's GEMM
+  // acquires them), and the warp's barrier orders them before each lane's release.
+  __threadfence_system();
+  __syncwarp();
+  if (counter != nullptr) gate_signal(counter, 1u);
+}
+
+}  // namespace uniep::cuda::megakernel

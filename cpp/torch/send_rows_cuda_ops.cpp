@@ -1,0 +1,94 @@
+// CUDA implementations of uniep::sender_rows and uniep::send_rows (schemas in registration.cpp):
+// the MegaKernel's dispatch on its own (include/uniep/cuda/send_rows.hpp), so it can be tested
+// against the CPU implementation and run beside a gated GEMM. No host sync: the error word is
+// returned for the caller to read once the stream has run (uniep.gate.check_send_error).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "torch/runtime_registry.hpp"
+#include "torch/send_rows_ops.hpp"
+#include "torch/validate.hpp"
+#include "uniep/cuda/send_rows.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cuda(
+    const at::Tensor& topk_idx, const at::Tensor& expert_counts, int64_t rank, int64_t tile_m) {
+  return translate_errors([&] {
+    check_sender_rows_args(topk_idx, expert_counts, rank, tile_m);
+    const c10::cuda::CUDAGuard guard(topk_idx.device());
+    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
+    at::Tensor dest = at::empty({T, K}, topk_idx.options());
+    at::Tensor row = at::empty({T, K}, topk_idx.options());
+    at::Tensor counter = at::empty({T, K}, topk_idx.options());
+    at::Tensor error = at::zeros({1}, topk_idx.options());
+    cuda::SenderRowsPlanArgs a;
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.tokens = T;
+    a.top_k = K;
+    a.counts = expert_counts.data_ptr<int64_t>();
+    a.counts_ld = expert_counts.size(1);
+    a.world_size = expert_counts.size(0);
+    a.rank = rank;
+    a.num_experts = expert_counts.size(1);
+    a.tile_m = static_cast<int>(tile_m);
+    a.dest_rank = dest.data_ptr<int64_t>();
+    a.gemm_row = row.data_ptr<int64_t>();
+    a.counter = counter.data_ptr<int64_t>();
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
+    return std::make_tuple(dest, row, counter, error);
+  });
+}
+
+// The world-1 form: the peer table holds this rank's own rows and counters only.
+at::Tensor send_rows_cuda(const at::Tensor& x, const at::Tensor& dest_rank,
+                          const at::Tensor& gemm_row, const at::Tensor& counter,
+                          const at::Tensor& rows, const at::Tensor& counters, int64_t sm_count) {
+  return translate_errors([&] {
+    check_send_rows_args(x, dest_rank, gemm_row, counter, rows, counters);
+    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    int device_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
+                                          x.device().index()));
+    UNIEP_CHECK(sm_count >= 1 && sm_count <= device_sms, "sm_count must be in [1, ", device_sms,
+                "], got ", sm_count);
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor error = at::zeros({1}, x.options().dtype(at::kLong));
+    cuda::SendRowsArgs a;
+    a.x = x.data_ptr();
+    a.row_bytes = x.size(1) * x.element_size();
+    a.x_stride = a.row_bytes;
+    a.tokens = x.size(0);
+    a.top_k = dest_rank.size(1);
+    a.dest_rank = dest_rank.data_ptr<int64_t>();
+    a.gemm_row = gemm_row.data_ptr<int64_t>();
+    a.counter = counter.data_ptr<int64_t>();
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    cuda::RowPeers peers;
+    peers.num_peers = 1;
+    peers.rows[0] = static_cast<uint8_t*>(rows.data_ptr());
+    peers.counters[0] = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
+    peers.row_stride = rows.size(1) * rows.element_size();
+    peers.rows_capacity = rows.size(0);
+    peers.num_counters = counters.size(0);
+    ok_or_throw(cuda::send_rows_async(a, peers, static_cast<int>(sm_count),
+                                      at::cuda::getCurrentCUDAStream().stream()));
+    return error;
+  });
+}
+
+}  // namespace
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("sender_rows", &uniep::torch_glue::sender_rows_cuda);
+  m.impl("send_rows", &uniep::torch_glue::send_rows_cuda);
+}

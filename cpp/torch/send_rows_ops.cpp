@@ -1,0 +1,177 @@
+// CPU implementations of uniep::sender_rows and uniep::send_rows (schemas in registration.cpp):
+// the reference the CUDA kernels (cpp/cuda/megakernel/send_rows.cu) are tested against. Both
+// record a failing entry in the error word as the device does, so the two executors answer a
+// bad call alike.
+#include "torch/send_rows_ops.hpp"
+
+#include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
+
+#include "torch/validate.hpp"
+#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/plan.hpp"
+#include "uniep/shape.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+void check_int64_matrix(const at::Tensor& t, const char* name) {
+  UNIEP_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  UNIEP_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name) {
+  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like_name, "'s device ",
+              like.device(), ", got ", t.device());
+}
+
+uint64_t error_word(uint64_t code, int64_t entry) {
+  return (code << cuda::kSendErrorShift) | static_cast<uint64_t>(entry);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cpu(
+    const at::Tensor& topk_idx, const at::Tensor& expert_counts, int64_t rank, int64_t tile_m) {
+  return translate_errors([&] {
+    check_sender_rows_args(topk_idx, expert_counts, rank, tile_m);
+    UNIEP_CHECK(topk_idx.device().is_cpu(), "topk_idx must be a CPU tensor here, got ",
+                topk_idx.device());
+    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
+    const int64_t W = expert_counts.size(0), E = expert_counts.size(1);
+    const int64_t* idx = topk_idx.data_ptr<int64_t>();
+    const int64_t* counts = expert_counts.data_ptr<int64_t>();
+    at::Tensor error = at::zeros({1}, topk_idx.options());
+    // The device records a bad entry and plans the rest; so does this, by planning a copy of
+    // the routing with the failing entries taken out.
+    at::Tensor routed = topk_idx.clone();
+    int64_t* r = routed.data_ptr<int64_t>();
+    std::vector<int64_t> seen(E, 0);
+    uint64_t word = 0;
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int64_t g = idx[i];
+      if (g < 0) continue;
+      const uint64_t code = g >= E                              ? cuda::kSendBadExpert
+                            : seen[g]++ >= counts[rank * E + g] ? cuda::kSendOverCount
+                                                                : 0;
+      if (code == 0) continue;
+      if (word == 0) word = error_word(code, i);
+      r[i] = -1;
+    }
+    error.data_ptr<int64_t>()[0] = static_cast<int64_t>(word);
+    MoeShape shape;
+    shape.tokens = T;
+    shape.top_k = K;
+    shape.num_experts = E;
+    shape.world_size = W;
+    shape.rank = rank;
+    shape.hidden = shape.ffn_hidden = 1;
+    const SenderRows plan = plan_sender_rows(r, counts, shape, tile_m);
+    auto out = [&](const std::vector<int64_t>& v) {
+      at::Tensor t = at::empty({T, K}, topk_idx.options());
+      std::memcpy(t.data_ptr<int64_t>(), v.data(), sizeof(int64_t) * v.size());
+      return t;
+    };
+    return std::make_tuple(out(plan.dest_rank), out(plan.gemm_row), out(plan.counter), error);
+  });
+}
+
+// The world-1 form: the only destination is this rank's own rows and counters.
+at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
+                         const at::Tensor& gemm_row, const at::Tensor& counter,
+                         const at::Tensor& rows, const at::Tensor& counters, int64_t sm_count) {
+  return translate_errors([&] {
+    check_send_rows_args(x, dest_rank, gemm_row, counter, rows, counters);
+    UNIEP_CHECK(x.device().is_cpu(), "x must be a CPU tensor here, got ", x.device());
+    UNIEP_CHECK(sm_count >= 1, "sm_count must be >= 1, got ", sm_count);
+    const int64_t T = x.size(0), K = dest_rank.size(1);
+    const int64_t row_bytes = x.size(1) * x.element_size();
+    const int64_t stride = rows.size(1) * rows.element_size();
+    const int64_t capacity = rows.size(0), num_counters = counters.size(0);
+    const int64_t* dest = dest_rank.data_ptr<int64_t>();
+    const int64_t* row = gemm_row.data_ptr<int64_t>();
+    const int64_t* ctr = counter.data_ptr<int64_t>();
+    const auto* src = static_cast<const uint8_t*>(x.data_ptr());
+    auto* to = static_cast<uint8_t*>(rows.data_ptr());
+    auto* c = counters.data_ptr<int32_t>();
+    uint64_t word = 0;
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (dest[i] < 0) continue;
+      const uint64_t code = dest[i] >= 1                             ? cuda::kSendBadPeer
+                            : row[i] < 0 || row[i] >= capacity       ? cuda::kSendRowOutOfRange
+                            : ctr[i] < 0 || ctr[i] >= num_counters ? cuda::kSendCounterOutOfRange
+                                                                     : 0;
+      if (code != 0) {
+        if (word == 0) word = error_word(code, i);
+        continue;
+      }
+      std::memcpy(to + row[i] * stride, src + (i / K) * row_bytes, row_bytes);
+      c[ctr[i]] += 1;
+    }
+    at::Tensor error = at::zeros({1}, x.options().dtype(at::kLong));
+    error.data_ptr<int64_t>()[0] = static_cast<int64_t>(word);
+    return error;
+  });
+}
+
+}  // namespace
+
+void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
+                            int64_t rank, int64_t tile_m) {
+  check_int64_matrix(topk_idx, "topk_idx");
+  check_int64_matrix(expert_counts, "expert_counts");
+  check_same_device(expert_counts, "expert_counts", topk_idx, "topk_idx");
+  const int64_t K = topk_idx.size(1), W = expert_counts.size(0), E = expert_counts.size(1);
+  UNIEP_CHECK(K >= 1 && K <= 32, "topk_idx must have 1 to 32 columns (top-k), got ", K);
+  UNIEP_CHECK(W >= 1 && E >= 1 && E % W == 0,
+              "expert_counts must be [world_size, num_experts] with num_experts a positive "
+              "multiple of world_size, got shape ",
+              expert_counts.sizes());
+  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, world_size = ", W, "), got ", rank);
+  UNIEP_CHECK(tile_m >= 1 && tile_m <= (1 << 20), "tile_m must be in [1, 2^20], got ", tile_m);
+  if (expert_counts.device().is_cpu())
+    UNIEP_CHECK(expert_counts.min().item<int64_t>() >= 0,
+                "expert_counts must be non-negative row counts");
+}
+
+void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
+                          const at::Tensor& gemm_row, const at::Tensor& counter,
+                          const at::Tensor& rows, const at::Tensor& counters) {
+  UNIEP_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [tokens, hidden] tensor, "
+              "got shape ", x.sizes(), " and strides ", x.strides());
+  const int64_t T = x.size(0), row_bytes = x.size(1) * x.element_size();
+  UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0, "x's rows must be a positive multiple of 16 "
+              "bytes, got ", row_bytes);
+  check_int64_matrix(dest_rank, "dest_rank");
+  UNIEP_CHECK(dest_rank.size(0) == T && dest_rank.size(1) >= 1 && dest_rank.size(1) <= 32,
+              "dest_rank must be [tokens = ", T, ", top_k <= 32], got ", dest_rank.sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{gemm_row, "gemm_row"},
+                                {counter, "counter"}}) {
+    check_int64_matrix(t, name);
+    UNIEP_CHECK(t.sizes() == dest_rank.sizes(), name, " must have dest_rank's shape ",
+                dest_rank.sizes(), ", got ", t.sizes());
+  }
+  UNIEP_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.scalar_type() == x.scalar_type() &&
+                  rows.size(1) >= x.size(1),
+              "rows must be a contiguous [capacity, >= ", x.size(1), "] tensor of x's dtype ",
+              x.scalar_type(), ", got ", rows.scalar_type(), " of shape ", rows.sizes());
+  UNIEP_CHECK((rows.size(1) * rows.element_size()) % 16 == 0,
+              "rows' row stride must be a multiple of 16 bytes, got ",
+              rows.size(1) * rows.element_size());
+  UNIEP_CHECK(counters.dim() == 1 && counters.scalar_type() == at::kInt && counters.is_contiguous(),
+              "counters must be a contiguous 1-D int32 tensor, got ", counters.scalar_type(),
+              " of shape ", counters.sizes());
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{dest_rank, "dest_rank"},
+        {gemm_row, "gemm_row"}, {counter, "counter"}, {rows, "rows"}, {counters, "counters"}})
+    check_same_device(t, name, x, "x");
+}
+
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CPU, m) {
+  m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
+  m.impl("send_rows", &uniep::torch_glue::send_rows_cpu);
+}

@@ -1,0 +1,24 @@
+// The argument checks of uniep::sender_rows and uniep::send_rows (the MegaKernel's dispatch on
+// its own, include/uniep/cuda/send_rows.hpp), shared by the CPU and CUDA implementations so both
+// refuse the same calls with the same messages.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace uniep::torch_glue {
+
+// topk_idx [T, K] int64 (K in [1, 32]), expert_counts [W, E] int64 on the same device, E a
+// multiple of W, rank in [0, W), tile_m in [1, 2^20].
+void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
+                            int64_t rank, int64_t tile_m);
+
+// x [T, H] contiguous (rows of H * element size bytes, a multiple of 16); dest_rank, gemm_row,
+// counter [T, K] int64; rows [C, H'] of x's dtype, H' >= H, contiguous; counters [N] int32;
+// all on x's device.
+void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
+                          const at::Tensor& gemm_row, const at::Tensor& counter,
+                          const at::Tensor& rows, const at::Tensor& counters);
+
+}  // namespace uniep::torch_glue

@@ -1,0 +1,69 @@
+// The MegaKernel's dispatch (docs/megakernel.md): each (token, k) row is stored by its sender
+// straight into its grouped-GEMM row on the destination rank, and every stored row adds 1 to
+// that row's tile gate counter there (include/uniep/cuda/tile_gate.hpp), so a gated GEMM starts
+// on a tile as soon as its last row has landed. Where each row goes follows from the routing and
+// the agreed counts alone (uniep::plan_sender_rows in uniep/plan.hpp is the CPU reference), so
+// the rows' places never depend on arrival order.
+//
+// Plain device pointers. Peers are reached through pointers the caller resolved (nvshmem_ptr
+// for NVLink peers, the rank's own buffers for itself) with ordinary stores and system-scope
+// atomics: no NVSHMEM device call, so these kernels can live in the GEMMs' non-relocatable code.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+// plan_sender_rows on the device: one block per global expert.
+struct SenderRowsPlanArgs {
+  const int64_t* topk_idx = nullptr;  // [tokens][top_k] global expert ids, negative: unused
+  int64_t tokens = 0, top_k = 0;
+  // counts[s * counts_ld + g]: rows rank s routes to global expert g, as every rank agreed
+  // ([W][E] with counts_ld = E, or the count exchange's matrix with its own stride)
+  const int64_t* counts = nullptr;
+  int64_t counts_ld = 0;
+  int64_t world_size = 1, rank = 0, num_experts = 0;
+  int tile_m = 128;
+  int64_t* dest_rank = nullptr;  // [tokens * top_k] outputs, -1 for unused entries
+  int64_t* gemm_row = nullptr;
+  int64_t* counter = nullptr;
+  unsigned long long* error = nullptr;  // zeroed by the caller
+};
+Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
+
+// The destinations a send may write: row r of rank d at rows[d] + r * row_stride, its gate
+// counters at counters[d]. The same capacities on every rank (symmetric buffers).
+constexpr int kMaxRowPeers = 64;
+struct RowPeers {
+  uint8_t* rows[kMaxRowPeers] = {};
+  uint32_t* counters[kMaxRowPeers] = {};
+  int num_peers = 0;
+  int64_t row_stride = 0;     // bytes, a multiple of 16
+  int64_t rows_capacity = 0;  // rows of each destination
+  int64_t num_counters = 0;   // counters of each destination
+};
+
+struct SendRowsArgs {
+  const void* x = nullptr;  // [tokens] rows of row_bytes, x_stride bytes apart
+  int64_t x_stride = 0;
+  int64_t row_bytes = 0;  // a multiple of 16, at most the peers' row_stride
+  int64_t tokens = 0, top_k = 0;
+  const int64_t* dest_rank = nullptr;  // [tokens * top_k] from plan_sender_rows
+  const int64_t* gemm_row = nullptr;
+  const int64_t* counter = nullptr;
+  unsigned long long* error = nullptr;  // zeroed by the caller
+};
+// One warp per token on `blocks` blocks: the row is read once and stored at each of its
+// destinations; then each destination's counter gets 1, with release semantics at system scope
+// after a system fence, so a waiter that acquires the counter reads the whole row. An entry that
+// fails a check is neither stored nor counted (its tile's waiter times out naming it) and is
+// recorded in `error`.
+Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
+                       cudaStream_t stream);
+
+}  // namespace uniep::cuda

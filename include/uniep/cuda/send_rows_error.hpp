@@ -1,0 +1,41 @@
+// The error word of the MegaKernel's dispatch (uniep/cuda/send_rows.hpp) and its message. Host
+// code only, no CUDA headers: the Python module decodes the word on machines without CUDA too.
+#pragma once
+
+#include <cstdint>
+
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+// What went wrong with a failing (token, k) entry (the first one recorded; with several, which
+// one wins is a race), in the error word:
+// (code << kSendErrorShift) | entry, entry = token * K + k. 0: nothing.
+enum SendRowsErrorCode : uint64_t {
+  kSendBadExpert = 1,         // topk_idx holds an id >= num_experts
+  kSendOverCount = 2,         // more rows to an expert than this rank's announced count
+  kSendBadPeer = 3,           // dest_rank has no entry in the peer table
+  kSendRowOutOfRange = 4,     // gemm_row lies outside the destination's rows
+  kSendCounterOutOfRange = 5  // the gate counter lies outside the destination's counters
+};
+constexpr int kSendErrorShift = 48;
+
+// The Status of an error word of plan_sender_rows_async / send_rows_async; OK for 0.
+inline Status send_rows_error_status(uint64_t word, int64_t top_k, const char* what) {
+  if (word == 0) return Status::Ok();
+  const uint64_t code = word >> kSendErrorShift;
+  const int64_t entry = static_cast<int64_t>(word & ((uint64_t{1} << kSendErrorShift) - 1));
+  const int64_t t = top_k > 0 ? entry / top_k : entry, k = top_k > 0 ? entry % top_k : 0;
+  const char* why = code == kSendBadExpert   ? "holds an expert id >= num_experts"
+                    : code == kSendOverCount ? "routes more rows to its expert than the rank's "
+                                               "announced count"
+                    : code == kSendBadPeer   ? "goes to a rank outside the peer table"
+                    : code == kSendRowOutOfRange ? "has a GEMM row outside the destination's rows"
+                    : code == kSendCounterOutOfRange
+                        ? "has a gate counter outside the destination's counters"
+                        : "failed an unknown check";
+  return {StatusCode::kInvalidArgument,
+          detail::str_cat(what, ": entry (token ", t, ", k ", k, ") ", why, "; it was not sent")};
+}
+
+}  // namespace uniep::cuda

@@ -1,0 +1,224 @@
+"""The MegaKernel's dispatch on CPU (uniep.gate.sender_rows / send_rows; cpp/core/experts.cpp
+plan_sender_rows, cpp/torch/send_rows_ops.cpp): where every (token, k) row of a rank goes (rank,
+grouped-GEMM row, tile gate counter there), and the world-1 send that stores the rows and counts
+them. Checked against the receivers' plans, an independent reading of the counts, and each
+other; bad entries and arguments give errors naming them. The device side is in
+tests/test_gpu_tile_gate.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import uniep  # noqa: F401  (registers torch.ops.uniep)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from uniep import _C, gate
+
+
+def _routings(world: int, experts: int, top_k: int, tokens: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tokens:
+        # Skewed: half the entries go to the first quarter of the experts; some entries unused.
+        hot = torch.randint(0, max(1, experts // 4), (t, top_k), generator=gen)
+        cold = torch.randint(0, experts, (t, top_k), generator=gen)
+        idx = torch.where(torch.rand(t, top_k, generator=gen) < 0.5, hot, cold)
+        idx[torch.rand(t, top_k, generator=gen) < 0.15] = -1
+        out.append(idx)
+    counts = torch.stack([torch.bincount(i[i >= 0], minlength=experts) for i in out]).to(
+        torch.int64
+    )
+    return out, counts
+
+
+def _expected_counter(counts: torch.Tensor, world: int, tile_m: int, dest: int, row: int) -> int:
+    """Independently: the rows of each local expert on `dest` in order; the tile of `row`."""
+    el = counts.shape[1] // world
+    per_expert = counts[:, dest * el : (dest + 1) * el].sum(0).tolist()
+    begin = tiles = 0
+    for rows in per_expert:
+        if row < begin + rows:
+            return tiles + (row - begin) // tile_m
+        begin += rows
+        tiles += -(-rows // tile_m)
+    raise AssertionError(f"row {row} lies past the rows of rank {dest}")
+
+
+CASES = [
+    # world, experts, top_k, tokens per rank
+    (1, 8, 2, [37]),
+    (1, 16, 9, [200]),
+    (2, 8, 4, [50, 0]),
+    (4, 32, 8, [64, 17, 1, 90]),
+    (4, 4, 3, [30, 30, 30, 30]),
+]
+
+
+@pytest.mark.parametrize("world,experts,top_k,tokens", CASES)
+@pytest.mark.parametrize("tile_m", [16, 128])
+def test_sender_rows_are_the_receivers_rows_and_tiles(
+    world: int, experts: int, top_k: int, tokens: list[int], tile_m: int
+) -> None:
+    routing, counts = _routings(world, experts, top_k, tokens, seed=world * 31 + top_k)
+    arrays = [r.numpy() for r in routing]
+    el = experts // world
+    written = {}
+    for rank in range(world):
+        dest, row, counter, error = gate.sender_rows(routing[rank], counts, rank, tile_m=tile_m)
+        assert int(error) == 0
+        plan = _C.build_rank_plan(arrays, experts, rank, "", tile_m)
+        np.testing.assert_array_equal(dest.numpy(), plan["send_gemm_rank"])
+        np.testing.assert_array_equal(row.numpy(), plan["send_gemm_row"])
+        np.testing.assert_array_equal(counter.numpy(), plan["send_gate_counter"])
+        used = routing[rank] >= 0
+        assert torch.equal(dest >= 0, used) and torch.equal(counter >= 0, used)
+        for t, k in used.nonzero().tolist():
+            d, r, c = int(dest[t, k]), int(row[t, k]), int(counter[t, k])
+            assert d == int(routing[rank][t, k]) // el
+            assert c == _expected_counter(counts, world, tile_m, d, r)
+            assert (d, r) not in written, "two entries write one row"
+            written[(d, r)] = (rank, t, k)
+    # Every destination's rows are written exactly once: as many as the counts say.
+    for d in range(world):
+        total = int(counts[:, d * el : (d + 1) * el].sum())
+        assert sorted(r for dd, r in written if dd == d) == list(range(total))
+
+
+def test_sender_rows_counters_fit_tile_base() -> None:
+    """The counters a receiver needs are gate.tile_base over its own row ranges."""
+    routing, counts = _routings(2, 6, 3, [80, 45], seed=5)
+    el = 3
+    for d in range(2):
+        offs = counts[:, d * el : (d + 1) * el].sum(0).cumsum(0).to(torch.int32)
+        base = gate.tile_base(offs, int(offs[-1]), 16)
+        seen = set()
+        for rank in range(2):
+            dest, row, counter, _ = gate.sender_rows(routing[rank], counts, rank, tile_m=16)
+            seen |= set(counter[dest == d].tolist())
+        assert seen == set(range(int(base[-1])))
+
+
+@pytest.mark.parametrize("tile_m", [16, 128])
+def test_send_rows_at_world_one_stores_and_counts_every_row(tile_m: int) -> None:
+    routing, counts = _routings(1, 12, 5, [150], seed=tile_m)
+    idx = routing[0]
+    x = torch.randn(150, 40).to(torch.bfloat16)  # 80-byte rows
+    dest, row, counter, _ = gate.sender_rows(idx, counts, 0, tile_m=tile_m)
+    total = int(counts.sum())
+    offs = counts[0].cumsum(0).to(torch.int32)
+    base = gate.tile_base(offs, total, tile_m)
+    rows = torch.zeros(total + 3, 48, dtype=torch.bfloat16)  # wider rows and spare capacity
+    counters = torch.zeros(int(base[-1]), dtype=torch.int32)
+    error = gate.send_rows(x, dest, row, counter, rows, counters)
+    gate.check_send_error(error, 5)
+    # Rows: expert-major, each expert's rows in (token, k) order.
+    order = [(int(idx[t, k]), t, k) for t in range(150) for k in range(5) if idx[t, k] >= 0]
+    order.sort(key=lambda e: e[0])
+    want = torch.stack([x[t] for _, t, _ in order])
+    assert torch.equal(rows[:total, :40], want)
+    assert not rows[:, 40:].any() and not rows[total:].any()
+    # Counters: the rows in each tile, what the gate waits for with per_row = 1.
+    need = []
+    for c in counts[0].tolist():
+        need += [min(tile_m, c - i * tile_m) for i in range(-(-c // tile_m))]
+    assert counters.tolist() == need
+
+
+def test_bad_entries_are_named_and_skipped() -> None:
+    idx = torch.tensor([[0, 1], [2, 9], [1, -1]])
+    counts = torch.tensor([[1, 2, 1, 0]])
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id >= num_exp"):
+        gate.sender_rows(idx, counts, 0)
+    dest, row, counter, error = gate.sender_rows(idx, counts, 0, check=False)
+    assert dest[1, 1] == row[1, 1] == counter[1, 1] == -1 and int(error) != 0
+    assert row[:, 0].tolist() == [0, 3, 2] and row[0, 1] == 1  # the rest is planned
+    # More rows to an expert than the rank announced: the extra ones are refused.
+    short = torch.tensor([[1, 1, 1, 0]])
+    with pytest.raises(ValueError, match=r"entry \(token 2, k 0\) routes more rows to its exp"):
+        gate.sender_rows(torch.tensor([[0, 1], [2, -1], [1, -1]]), short, 0)
+
+    x = torch.ones(3, 8, dtype=torch.bfloat16)
+    counts = torch.tensor([[1, 2, 1, 1]])
+    dest, row, counter, _ = gate.sender_rows(torch.tensor([[0, 1], [2, 3], [1, -1]]), counts, 0)
+    rows = torch.zeros(5, 8, dtype=torch.bfloat16)
+    counters = torch.zeros(4, dtype=torch.int32)
+    cases = [
+        (dest.clone().index_fill_(1, torch.tensor([0]), 1), "goes to a rank outside the peer"),
+        (row.clone().fill_(7), "has a GEMM row outside the destination's rows"),
+        (counter.clone().fill_(-5), "has a gate counter outside the destination's counters"),
+    ]
+    for i, (bad, why) in enumerate(cases):
+        args = [dest, row, counter]
+        args[i] = bad
+        rows.zero_()
+        counters.zero_()
+        error = gate.send_rows(x, *args, rows, counters)
+        with pytest.raises(ValueError, match=r"entry \(token 0, k 0\) " + why):
+            gate.check_send_error(error, 2)
+        assert not rows[0].any(), "a refused entry is not stored"
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    counts = torch.tensor([[8, 0, 0, 0]])
+    with pytest.raises(ValueError, match="rank must be in"):
+        gate.sender_rows(idx, counts, 1)
+    with pytest.raises(ValueError, match="topk_idx must have 1 to 32 columns"):
+        gate.sender_rows(torch.zeros(4, 33, dtype=torch.int64), counts, 0)
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        gate.sender_rows(idx, torch.zeros(3, 4, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="topk_idx must be int64"):
+        gate.sender_rows(idx.int(), counts, 0)
+    with pytest.raises(ValueError, match="expert_counts must be non-negative"):
+        gate.sender_rows(idx, torch.tensor([[8, -1, 0, 0]]), 0)
+    with pytest.raises(ValueError, match="tile_m must be in"):
+        gate.sender_rows(idx, counts, 0, tile_m=0)
+    dest, row, counter, _ = gate.sender_rows(idx, counts, 0)
+    rows = torch.zeros(8, 8, dtype=torch.bfloat16)
+    counters = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        gate.send_rows(torch.ones(4, 5, dtype=torch.bfloat16), dest, row, counter, rows, counters)
+    with pytest.raises(ValueError, match="rows must be a contiguous"):
+        gate.send_rows(torch.ones(4, 8), dest, row, counter, rows, counters)
+    with pytest.raises(ValueError, match="counter must have dest_rank's shape"):
+        x = torch.ones(4, 8, dtype=torch.bfloat16)
+        gate.send_rows(x, dest, row, counter[:, :1].contiguous(), rows, counters)
+    with pytest.raises(ValueError, match="counters must be a contiguous 1-D int32"):
+        gate.send_rows(x, dest, row, counter, rows, counters.long())
+
+
+def test_fake_kernels_give_the_shapes() -> None:
+    with FakeTensorMode():
+        idx = torch.empty(6, 3, dtype=torch.int64)
+        dest, row, counter, error = torch.ops.uniep.sender_rows(
+            idx, torch.empty(2, 8, dtype=torch.int64), 0, 128
+        )
+        assert dest.shape == row.shape == counter.shape == (6, 3) and error.shape == (1,)
+        x = torch.empty(6, 16, dtype=torch.bfloat16)
+        err = torch.ops.uniep.send_rows(
+            x,
+            dest,
+            row,
+            counter,
+            torch.empty(20, 16, dtype=torch.bfloat16),
+            torch.empty(4, dtype=torch.int32),
+            8,
+        )
+        assert err.shape == (1,) and err.dtype == torch.int64
+
+
+def test_opcheck() -> None:
+    routing, counts = _routings(2, 4, 2, [10, 6], seed=1)
+    torch.library.opcheck(torch.ops.uniep.sender_rows.default, (routing[1], counts, 1, 16))
+    dest, row, counter, _ = gate.sender_rows(routing[0], counts, 0, tile_m=16)
+    total = int(counts[:, :2].sum())
+    args = (
+        torch.randn(10, 8).to(torch.bfloat16),
+        dest,
+        row,
+        counter,
+        torch.zeros(total, 8, dtype=torch.bfloat16),
+        torch.zeros(8, dtype=torch.int32),
+        4,
+    )
+    torch.library.opcheck(torch.ops.uniep.send_rows.default, args)
