@@ -299,3 +299,64 @@ def test_device_send_errors_name_the_entry() -> None:
     with pytest.raises(ValueError, match="goes to a rank outside the peer table"):
         gate.check_send_error(error, 2)
     assert not rows.any() and not counters.any()
+
+
+# ---- the pieces composed at world 1 (uniep.megakernel.moe_forward_local) ----
+
+
+def _local_layer(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
+    idx = torch.randint(0, experts - 1, (tokens, top_k), generator=gen, device="cuda")
+    idx[torch.rand(tokens, top_k, generator=gen, device="cuda") < 0.1] = -1  # expert E-1 empty
+    w = torch.rand(tokens, top_k, generator=gen, device="cuda")
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda") / 16).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device="cuda") / 16).bfloat16()
+    return x, idx, w, w1, w2
+
+
+def test_moe_forward_local_modes_agree_bit_for_bit() -> None:
+    from uniep.megakernel import moe_forward_local
+
+    x, idx, w, w1, w2 = _local_layer(1000, 256, 256, 16, 9, seed=21)
+    w1p = pack_gate_up(w1)
+    seq = moe_forward_local(x, idx, w, w1p, w2)
+    assert torch.equal(moe_forward_local(x, idx, w, w1p, w2), seq), "run to run"
+    for comm in (4, 16):
+        got = moe_forward_local(x, idx, w, w1p, w2, overlap="streams", comm_sms=comm)
+        assert torch.equal(got, seq), f"streams with {comm} SMs"
+    # The engine's chain on rows gathered by the host's plan, then the combines' sum: same bits.
+    counts = torch.bincount(idx[idx >= 0], minlength=16).cpu().view(1, 16)
+    dest, row, _, _ = gate.sender_rows(idx.cpu(), counts, 0)
+    offs = counts[0].cumsum(0).to(torch.int32).cuda()
+    used = (dest >= 0).cuda()
+    rows = torch.zeros(int(counts.sum()), 256, dtype=torch.bfloat16, device="cuda")
+    rows[row.cuda()[used]] = x.unsqueeze(1).expand(-1, 9, -1)[used]
+    act = torch.ops.uniep.grouped_mm_swiglu(rows, w1p, offs, SAME_CONFIG)
+    y = torch.ops.uniep.grouped_mm(act, w2, offs, SAME_CONFIG)
+    want, _ = gate.combine_rows(y, row.cuda(), w)
+    assert torch.equal(seq, want)
+    # And the layer itself, against float64.
+    xd, w1d, w2d = x.double(), w1.double(), w2.double()
+    ref = torch.zeros(1000, 256, dtype=torch.float64, device="cuda")
+    for e in range(16):
+        t, k = (idx == e).nonzero(as_tuple=True)
+        if t.numel():
+            h = xd[t] @ w1d[e]
+            ref.index_add_(0, t, (torch.nn.functional.silu(h[:, :256]) * h[:, 256:]) @ w2d[e]
+                           * w[t, k].double().unsqueeze(1))  # fmt: skip
+    err = (seq.double() - ref).norm() / ref.norm()
+    assert err < 2e-2, f"relative error {err:.3g}"
+
+
+def test_moe_forward_local_edge_cases() -> None:
+    from uniep.megakernel import moe_forward_local
+
+    x, idx, w, w1, w2 = _local_layer(0, 128, 128, 4, 2, seed=1)
+    assert moe_forward_local(x, idx, w, pack_gate_up(w1), w2).shape == (0, 128)
+    x, idx, w, w1, w2 = _local_layer(5, 128, 128, 4, 1, seed=2)
+    idx[:] = -1
+    assert not moe_forward_local(x, idx, w, pack_gate_up(w1), w2).any()
+    idx[0, 0] = 9
+    with pytest.raises(ValueError, match=r"entry \(token 0, k 0\) holds an expert id"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2)

@@ -222,3 +222,52 @@ def test_opcheck() -> None:
         4,
     )
     torch.library.opcheck(torch.ops.uniep.send_rows.default, args)
+
+
+def test_combine_rows_is_the_combines_sum() -> None:
+    """Ascending k, fp32 products and sums each rounded, one rounding to bf16: checked against
+    the same sum written out in float64-free numpy float32 steps."""
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(40, 24, generator=gen).to(torch.bfloat16)
+    row = torch.randint(0, 40, (9, 5), generator=gen)
+    row[torch.rand(9, 5, generator=gen) < 0.2] = -1
+    w = torch.rand(9, 5, generator=gen)
+    out, error = gate.combine_rows(y, row, w)
+    assert int(error) == 0 and out.dtype == torch.bfloat16
+    yf = y.float().numpy()
+    want = np.zeros((9, 24), np.float32)
+    for t in range(9):
+        for k in range(5):
+            if row[t, k] >= 0:
+                want[t] = np.float32(want[t] + np.float32(w[t, k].item()) * yf[int(row[t, k])])
+    assert torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"entry \(token 2, k 1\) has a GEMM row outside"):
+        gate.combine_rows(
+            y, row.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor(40)), w
+        )
+    with pytest.raises(ValueError, match="topk_weights must be contiguous float32"):
+        gate.combine_rows(y, row, w.double())
+    with pytest.raises(ValueError, match="y must be a contiguous bfloat16"):
+        gate.combine_rows(y.float(), row, w)
+
+
+def test_expert_counts_skip_unused_and_bad_ids() -> None:
+    from uniep.megakernel import expert_counts
+
+    idx = torch.tensor([[0, 3], [-1, 3], [7, 1]])
+    assert expert_counts(idx, 4).tolist() == [1, 1, 0, 2]
+    assert expert_counts(torch.empty(0, 2, dtype=torch.int64), 3).tolist() == [0, 0, 0]
+
+
+def test_moe_forward_local_refuses_bad_arguments() -> None:
+    from uniep.megakernel import moe_forward_local
+
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    w = torch.ones(4, 2)
+    w1 = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        moe_forward_local(x, idx, w, w1, w2, overlap="fused")
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        moe_forward_local(x, idx, w, w1, w2)

@@ -67,6 +67,11 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "send_rows(Tensor x, Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor(a!) rows, "
       "Tensor(b!) counters, int sm_count) -> Tensor error");
+  // combine_rows(y [R, H] bf16, gemm_row [T, K], topk_weights [T, K] fp32) -> out [T, H], error:
+  // out[t] = sum_k w[t, k] * y[gemm_row[t, k]] (k ascending, fp32, the combines' rounding).
+  m.def(
+      "combine_rows(Tensor y, Tensor gemm_row, Tensor topk_weights) -> "
+      "(Tensor out, Tensor error)");
   m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
   m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

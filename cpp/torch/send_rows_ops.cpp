@@ -6,6 +6,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 
@@ -116,7 +117,57 @@ at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y,
+                                                    const at::Tensor& gemm_row,
+                                                    const at::Tensor& topk_weights) {
+  return translate_errors([&] {
+    check_combine_rows_args(y, gemm_row, topk_weights);
+    UNIEP_CHECK(y.device().is_cpu(), "y must be a CPU tensor here, got ", y.device());
+    const int64_t T = gemm_row.size(0), K = gemm_row.size(1), R = y.size(0);
+    // Tensor ops, one per step: each product and each sum is rounded to fp32 on its own (no
+    // fused multiply-add), as the device's __fmul_rn / __fadd_rn do.
+    at::Tensor acc = at::zeros({T, y.size(1)}, y.options().dtype(at::kFloat));
+    const at::Tensor w = topk_weights.to(at::kFloat);
+    uint64_t word = 0;
+    const int64_t* row = gemm_row.data_ptr<int64_t>();
+    for (int64_t i = 0; i < T * K && word == 0; ++i)
+      if (row[i] >= R) word = error_word(cuda::kSendRowOutOfRange, i);
+    for (int64_t k = 0; k < K; ++k) {
+      const at::Tensor r = gemm_row.select(1, k);
+      const at::Tensor used = r.ge(0).logical_and(r.lt(R));
+      const at::Tensor rows = y.index_select(0, r.clamp(0, std::max<int64_t>(R - 1, 0)))
+                                  .to(at::kFloat);
+      const at::Tensor term = rows.mul(w.select(1, k).unsqueeze(1));
+      acc = at::where(used.unsqueeze(1), acc.add(term), acc);
+    }
+    at::Tensor error = at::zeros({1}, gemm_row.options());
+    error.data_ptr<int64_t>()[0] = static_cast<int64_t>(word);
+    return std::make_tuple(acc.to(at::kBFloat16), error);
+  });
+}
+
 }  // namespace
+
+void check_combine_rows_args(const at::Tensor& y, const at::Tensor& gemm_row,
+                             const at::Tensor& topk_weights) {
+  UNIEP_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kBFloat16,
+              "y must be a contiguous bfloat16 [rows, hidden] tensor, got ", y.scalar_type(),
+              " of shape ", y.sizes());
+  UNIEP_CHECK(y.size(1) > 0 && y.size(1) % 8 == 0, "y's hidden size must be a positive multiple "
+              "of 8, got ", y.size(1));
+  check_int64_matrix(gemm_row, "gemm_row");
+  UNIEP_CHECK(gemm_row.size(1) >= 1 && gemm_row.size(1) <= 32,
+              "gemm_row must have 1 to 32 columns (top-k), got ", gemm_row.size(1));
+  UNIEP_CHECK(topk_weights.sizes() == gemm_row.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous(),
+              "topk_weights must be contiguous float32 of gemm_row's shape ", gemm_row.sizes(),
+              ", got ", topk_weights.scalar_type(), " of shape ", topk_weights.sizes());
+  check_same_device(gemm_row, "gemm_row", y, "y");
+  check_same_device(topk_weights, "topk_weights", y, "y");
+  if (y.device().is_cpu() && y.size(0) == 0)
+    UNIEP_CHECK(gemm_row.numel() == 0 || gemm_row.max().item<int64_t>() < 0,
+                "y has no rows, so every gemm_row entry must be -1");
+}
 
 void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
                             int64_t rank, int64_t tile_m) {
@@ -174,4 +225,5 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
 TORCH_LIBRARY_IMPL(uniep, CPU, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cpu);
+  m.impl("combine_rows", &uniep::torch_glue::combine_rows_cpu);
 }

@@ -21,4 +21,9 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
                           const at::Tensor& gemm_row, const at::Tensor& counter,
                           const at::Tensor& rows, const at::Tensor& counters);
 
+// y [R, H] bf16 contiguous, H a multiple of 8; gemm_row [T, K] int64 (K in [1, 32]);
+// topk_weights [T, K] float32; all on y's device.
+void check_combine_rows_args(const at::Tensor& y, const at::Tensor& gemm_row,
+                             const at::Tensor& topk_weights);
+
 }  // namespace uniep::torch_glue

@@ -127,6 +127,19 @@ def send_rows(
     return torch.ops.uniep.send_rows(x, dest_rank, gemm_row, counter, rows, counters, sm_count)
 
 
+def combine_rows(
+    y: torch.Tensor, gemm_row: torch.Tensor, topk_weights: torch.Tensor, *, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out[t] = sum_k topk_weights[t, k] * y[gemm_row[t, k]]`` over the entries with
+    ``gemm_row >= 0``, in ascending k, fp32, rounded once to bf16: every combine's arithmetic, so
+    the bits are theirs. Returns ``(out, error)``; with ``check`` a row past ``y``'s raises
+    ``ValueError`` naming the entry (on CUDA this waits for the stream)."""
+    out, error = torch.ops.uniep.combine_rows(y, gemm_row, topk_weights)
+    if check:
+        check_send_error(error, gemm_row.shape[1], "combine_rows")
+    return out, error
+
+
 def check_send_error(error: torch.Tensor, top_k: int, what: str = "send_rows") -> None:
     """Raise ``ValueError`` naming the failing ``(token, k)`` entry if ``error`` (from
     :func:`sender_rows` or :func:`send_rows`) records one; reads it, so it waits for its stream."""
@@ -161,6 +174,14 @@ def _send_rows_fake(
     sm_count: int,
 ) -> torch.Tensor:
     return x.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.register_fake("uniep::combine_rows")
+def _combine_rows_fake(
+    y: torch.Tensor, gemm_row: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check_value(y.dim() == 2, lambda: f"y must be 2-D, got shape {tuple(y.shape)}")
+    return y.new_empty((gemm_row.shape[0], y.shape[1])), gemm_row.new_empty((1,))
 
 
 @torch.library.register_fake("uniep::gate_tile_base")

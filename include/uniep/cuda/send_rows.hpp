@@ -66,4 +66,13 @@ struct SendRowsArgs {
 Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
                        cudaStream_t stream);
 
+// The reduce of this rank's tokens once their expert rows are in y ([y_rows][hidden] bf16):
+// out[t] = sum_k topk_weights[t, k] * y[gemm_row[t, k]] over entries with gemm_row >= 0, in
+// ascending k, fp32 with each product and sum rounded on its own, one rounding to bf16: the
+// arithmetic of every combine (cuda/common/combine_reduce.cuh), so its bits are theirs. A row
+// >= y_rows is skipped and recorded in `error` (kSendRowOutOfRange).
+Status combine_rows_bf16(const void* y, int64_t y_rows, const int64_t* gemm_row,
+                         const float* topk_weights, int64_t tokens, int64_t top_k, int64_t hidden,
+                         void* out, unsigned long long* error, int blocks, cudaStream_t stream);
+
 }  // namespace uniep::cuda

@@ -1,0 +1,149 @@
+"""The MoE MegaKernel's pieces composed at world 1 (docs/megakernel.md, step 2): the forward of
+one rank's experts on its own tokens with no host sync anywhere, from the same device functions
+the persistent kernel will run.
+
+1. the counts per expert, on the device (``expert_counts``);
+2. the dispatch (:func:`uniep.gate.sender_rows`, :func:`uniep.gate.send_rows`): every
+   ``(token, k)`` row stored at its grouped-GEMM row, expert-contiguous, each row counted on its
+   tile gate;
+3. GEMM 1 with the SwiGLU epilogue (``w1`` packed by :func:`uniep.gemm.pack_gate_up`), gated on
+   the rows' counters, signalling ``done`` per tile;
+4. GEMM 2, gated on ``done``;
+5. the reduce over k (:func:`uniep.gate.combine_rows`).
+
+Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads a count.
+``overlap="sequential"`` runs the steps one after the other on the current stream;
+``overlap="streams"`` runs the send on ``comm_sms`` SMs beside GEMM 1, which waits per tile.
+Both give the same bits: a gate changes when a tile starts, never what it computes. The
+persistent kernel (``overlap=fused`` of the tuning string) composes the same steps inside one
+launch and does not exist yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gate
+
+__all__ = ["expert_counts", "moe_forward_local"]
+
+OVERLAPS = ("sequential", "streams")
+
+
+def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[num_experts]`` int64: the entries of ``topk_idx`` routed to each expert, on its device
+    without a host sync. Negative entries count nowhere; ids >= ``num_experts`` count nowhere
+    either (:func:`uniep.gate.sender_rows` reports them)."""
+    idx = topk_idx.reshape(-1)
+    valid = (idx >= 0) & (idx < num_experts)
+    bins = torch.where(valid, idx + 1, torch.zeros_like(idx))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    return counts[1:]
+
+
+def _check(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    overlap: str,
+    comm_sms: int,
+) -> None:
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+    if not x.is_cuda:
+        raise ValueError(f"x must be a CUDA tensor (the gated GEMMs run on Hopper), got {x.device}")
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 [T, H], got {x.dtype} of shape {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.dtype != torch.int64:
+        raise ValueError(
+            f"topk_idx must be int64 [T = {t}, K], got {topk_idx.dtype} of shape "
+            f"{tuple(topk_idx.shape)}"
+        )
+    if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be float32 of topk_idx's shape {tuple(topk_idx.shape)}, got "
+            f"{topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
+        )
+    if w1_packed.dim() != 3 or w1_packed.shape[1] != h:
+        raise ValueError(f"w1_packed must be [E, H = {h}, 2I], got {tuple(w1_packed.shape)}")
+    e, _, two_i = w1_packed.shape
+    if w2.dim() != 3 or w2.shape != (e, two_i // 2, h):
+        raise ValueError(f"w2 must be [E = {e}, I = {two_i // 2}, H = {h}], got {tuple(w2.shape)}")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if overlap == "streams" and not 1 <= comm_sms <= sms - 2:
+        raise ValueError(
+            f"comm_sms must be in [1, {sms - 2}] (GEMM 1 keeps the rest), got {comm_sms}"
+        )
+
+
+def moe_forward_local(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    overlap: str = "sequential",
+    comm_sms: int = 16,
+    timeout_s: float = 10.0,
+    check: bool = True,
+) -> torch.Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
+    (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
+    recorded errors (a bad expert id, a gate that timed out) are raised at the end, which waits
+    for the stream; without it nothing waits for the host and the caller should not trust
+    ``out`` until it has checked them some other way."""
+    _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
+    t, h = x.shape
+    k = topk_idx.shape[1]
+    e, _, two_i = w1_packed.shape
+    counts = expert_counts(topk_idx, e)
+    dest, row, counter, plan_error = gate.sender_rows(topk_idx, counts.view(1, e), 0, check=False)
+    capacity = t * k
+    offs = counts.cumsum(0).to(torch.int32)
+    base = gate.tile_base(offs, capacity)
+    # Every expert's tiles, whatever the routing: at most capacity / TILE_M + E.
+    counters = torch.zeros(capacity // gate.TILE_M + e + 1, dtype=torch.int32, device=x.device)
+    done = torch.zeros_like(counters)
+    rows = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
+    act = torch.empty(capacity, two_i // 2, dtype=x.dtype, device=x.device)
+    y = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    def gemms(gemm1_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, t1 = gate.grouped_mm_gated(
+            rows, w1_packed, offs, counters, base, swiglu=True, done=done,
+            timeout_s=timeout_s, sm_count=gemm1_sms, out=act,
+        )  # fmt: skip
+        _, t2 = gate.grouped_mm_gated(
+            act, w2, offs, done, base, per_row=0, per_tile=gate.done_per_tile(two_i),
+            timeout_s=timeout_s, sm_count=sms, out=y,
+        )  # fmt: skip
+        return t1, t2
+
+    if overlap == "sequential":
+        send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=sms)
+        t1, t2 = gemms(sms)
+    else:
+        # GEMM 1 takes its SMs first and waits per tile; the send gets the ones it leaves.
+        main = torch.cuda.current_stream(x.device)
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            t1, t2 = gemms((sms - comm_sms) // 2 * 2)
+        send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=comm_sms)
+        main.wait_stream(side)
+        for tensor in (rows, act, y, counters, done, offs, base):
+            tensor.record_stream(side)
+    out, combine_error = gate.combine_rows(y, row, topk_weights, check=False)
+    if check:
+        gate.check_send_error(plan_error, k, "moe_forward_local (plan)")
+        gate.check_send_error(send_error, k, "moe_forward_local (send)")
+        gate.check_gate_timeout(t1, "moe_forward_local (GEMM 1)")
+        gate.check_gate_timeout(t2, "moe_forward_local (GEMM 2)")
+        gate.check_send_error(combine_error, k, "moe_forward_local (combine)")
+    return out
