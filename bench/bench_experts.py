@@ -266,6 +266,13 @@ def _bench_layer(
             row[f"ms[{fmt}]"] = ms
             row[f"over_bf16_layer[{fmt}]"] = ms / base_ms
             row[f"over_floor[{fmt}]"] = ms / floor
+            if fmt == "bf16_packed":
+                # Not yet run on a GPU when written: a failure is recorded, the rest still runs.
+                try:
+                    _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
+                except (RuntimeError, ValueError, TimeoutError) as e:
+                    row["local_error"] = f"{type(e).__name__}: {e}"
+                    print(f"{load}: moe_forward_local failed: {row['local_error']}", flush=True)
             del prepared, out
             torch.cuda.empty_cache()
             progress(fmt)
@@ -290,6 +297,49 @@ def _bench_layer(
             )
             row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
     return row
+
+
+def _bench_local(
+    row: dict[str, Any],
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    prepared: Any,
+    ref: torch.Tensor,
+    warmup: int,
+    iters: int,
+) -> None:
+    """The MegaKernel's pieces at world 1 (uniep.megakernel.moe_forward_local: no host sync)
+    beside the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward
+    within 1.03x of that GEMM-only time."""
+    from uniep import gate
+    from uniep.megakernel import expert_counts, moe_forward_local
+
+    experts = prepared.w1.shape[0]
+    counts = expert_counts(idx, experts)
+    dest, grow, _, _ = gate.sender_rows(idx, counts.view(1, experts), 0)
+    offs = counts.cumsum(0).to(torch.int32)
+    used = dest >= 0
+    rows = torch.zeros(int(counts.sum()), x.shape[1], dtype=x.dtype, device=x.device)
+    rows[grow[used]] = x.unsqueeze(1).expand(-1, idx.shape[1], -1)[used]
+
+    def gemm_only() -> torch.Tensor:
+        act = torch.ops.uniep.grouped_mm_swiglu(rows, prepared.w1, offs, "")
+        return torch.ops.uniep.grouped_mm(act, prepared.w2, offs, "")
+
+    row["gemm_only_ms"] = median_time_ms(gemm_only, warmup, iters, cuda=True)
+    for overlap in ("sequential", "streams"):
+
+        def local(o: str = overlap, check: bool = False) -> torch.Tensor:
+            return moe_forward_local(x, idx, weights, prepared.w1, prepared.w2, overlap=o,
+                                     check=check)  # fmt: skip
+
+        out = local(check=True).float()
+        key = f"local {overlap}"
+        row[f"rel_diff[{key}]"] = float((out - ref).norm() / ref.norm())
+        ms = median_time_ms(local, warmup, iters, cuda=True)
+        row[f"ms[{key}]"] = ms
+        row[f"over_gemm_only[{key}]"] = ms / row["gemm_only_ms"]
 
 
 def _trace_paths(load: str) -> Any:
