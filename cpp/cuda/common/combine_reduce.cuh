@@ -42,6 +42,30 @@ struct SelfRows {
   const uint8_t* y = nullptr;  // [rows][hidden] bf16
 };
 
+// out[t] = sum_k topk_weights[t,k] * row_of(t, k, v)[v] over k in ascending order, for the
+// rows row_of returns (nullptr: (t, k) adds nothing), in 16-byte vectors v: the loop of every
+// reduce over k. hidden % 8 == 0, rows 16-byte aligned. Grid-stride: one thread per 8 columns of
+// a token.
+template <typename RowOf>
+__device__ __forceinline__ void weighted_rows_sum_bf16(RowOf row_of, const float* topk_weights,
+                                                       int64_t tokens, int64_t top_k,
+                                                       int64_t hidden, uint8_t* out) {
+  const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
+       i += stride) {
+    const int64_t t = i / vecs, v = i % vecs;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t* row = row_of(t, k, v);
+      if (row == nullptr) continue;
+      accumulate_bf16x8(acc, load_streaming(reinterpret_cast<const int4*>(row) + v),
+                        topk_weights[t * K + k]);
+    }
+    reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
+  }
+}
+
 // out[t] = sum_k topk_weights[t,k] * combine_(t,k) over k with topk_idx[t,k] >= 0, ascending.
 //   combine       [tokens * top_k][hidden] bf16 slots, row (t * top_k + k) for (t, k)
 //   topk_idx      [tokens, top_k] (only the sign is read); topk_weights [tokens, top_k] fp32
@@ -52,24 +76,16 @@ __device__ __forceinline__ void combine_reduce_bf16(const uint8_t* combine, cons
                                                     const float* topk_weights, int64_t tokens,
                                                     int64_t top_k, int64_t hidden, uint8_t* out,
                                                     SelfRows self = {}) {
-  const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
-       i += stride) {
-    const int64_t t = i / vecs, v = i % vecs;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      if (topk_idx[t * K + k] < 0) continue;
-      const uint8_t* row = combine + (t * K + k) * row_bytes;
-      if (self.index != nullptr) {
-        const uint64_t entry = self.index[t * K + k];
-        if (entry >> 32 == self.epoch) row = self.y + static_cast<uint32_t>(entry) * row_bytes;
-      }
-      accumulate_bf16x8(acc, load_streaming(reinterpret_cast<const int4*>(row) + v),
-                        topk_weights[t * K + k]);
+  const int64_t K = top_k, row_bytes = hidden * 2;
+  auto row_of = [&](int64_t t, int64_t k, int64_t) -> const uint8_t* {
+    if (topk_idx[t * K + k] < 0) return nullptr;
+    if (self.index != nullptr) {
+      const uint64_t entry = self.index[t * K + k];
+      if (entry >> 32 == self.epoch) return self.y + static_cast<uint32_t>(entry) * row_bytes;
     }
-    reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
-  }
+    return combine + (t * K + k) * row_bytes;
+  };
+  weighted_rows_sum_bf16(row_of, topk_weights, tokens, top_k, hidden, out);
 }
 
 }  // namespace uniep::cuda

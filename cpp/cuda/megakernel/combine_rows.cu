@@ -13,30 +13,23 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A thread per 8 columns of a token; each (t, k) reads row gemm_row[t, k] of y, in ascending k.
+// Each (t, k) reads row gemm_row[t, k] of y; a row past y is skipped and reported once.
 __global__ void __launch_bounds__(kThreads)
     combine_rows_kernel(const uint8_t* __restrict__ y, int64_t y_rows,
                         const int64_t* __restrict__ gemm_row, const float* __restrict__ weights,
                         int64_t tokens, int64_t top_k, int64_t hidden, uint8_t* __restrict__ out,
                         unsigned long long* error) {
-  const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
-       i += stride) {
-    const int64_t t = i / vecs, v = i % vecs;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t r = gemm_row[t * K + k];
-      if (r < 0) continue;
-      if (r >= y_rows) {
-        if (v == 0) megakernel::send_error(error, kSendRowOutOfRange, t * K + k);
-        continue;
-      }
-      accumulate_bf16x8(acc, load_streaming(reinterpret_cast<const int4*>(y + r * row_bytes) + v),
-                        weights[t * K + k]);
+  const int64_t row_bytes = hidden * 2;
+  auto row_of = [&](int64_t t, int64_t k, int64_t v) -> const uint8_t* {
+    const int64_t r = gemm_row[t * top_k + k];
+    if (r < 0) return nullptr;
+    if (r >= y_rows) {
+      if (v == 0) megakernel::send_error(error, kSendRowOutOfRange, t * top_k + k);
+      return nullptr;
     }
-    reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
-  }
+    return y + r * row_bytes;
+  };
+  weighted_rows_sum_bf16(row_of, weights, tokens, top_k, hidden, out);
 }
 
 }  // namespace
