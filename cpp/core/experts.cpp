@@ -28,31 +28,35 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
   out.gemm_row.assign(T * K, -1);
   out.counter.assign(T * K, -1);
   // Per global expert g on its rank r: the first row of (g, source me), the first row of g and
-  // g's first gate counter, from what r's expert_source_offsets say.
+  // g's first gate counter, from r's expert_source_offsets and the gate's tiles over them.
   std::vector<int64_t> next(E, 0), first_row(E, 0), first_tile(E, 0);
   MoeShape there = shape;
+  std::vector<int32_t> ends(El);
   for (int64_t r = 0; r < W; ++r) {
     there.rank = r;
     const std::vector<int64_t> offsets = expert_source_offsets(expert_counts, there);
-    int64_t tiles = 0;
+    UNIEP_CHECK(offsets.back() < (int64_t{1} << 31), "expert_counts: rank ", r, " would hold ",
+                offsets.back(), " GEMM rows, more than the grouped GEMM's int32 rows");
+    for (int64_t e = 0; e < El; ++e) ends[e] = static_cast<int32_t>(offsets[e * (W + 1) + W]);
+    const std::vector<int32_t> tiles = gate_tile_base(ends.data(), El, ends[El - 1], tile_m);
     for (int64_t e = 0; e < El; ++e) {
-      const int64_t begin = offsets[e * (W + 1)], end = offsets[e * (W + 1) + W];
       next[r * El + e] = offsets[e * (W + 1) + me];
-      first_row[r * El + e] = begin;
-      first_tile[r * El + e] = tiles;
-      tiles += (end - begin + tile_m - 1) / tile_m;
+      first_row[r * El + e] = offsets[e * (W + 1)];
+      first_tile[r * El + e] = tiles[e];
     }
   }
   std::vector<int64_t> sent(E, 0);
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t g = topk_idx[i];
     if (g < 0) continue;
-    UNIEP_CHECK(g < E, "topk_idx[", i / K, ", ", i % K, "] = ", g, " is not an expert id below ",
-                E);
-    UNIEP_CHECK(sent[g] < expert_counts[me * E + g], "topk_idx[", i / K, ", ", i % K,
-                "]: rank ", me, " routes more rows to expert ", g,
-                " than its announced count (expert_counts[", me, ", ", g,
-                "] = ", expert_counts[me * E + g], ")");
+    // A failing entry is recorded and skipped, as the device's plan does: the rest is planned.
+    const uint64_t code = g >= E                                 ? cuda::kSendBadExpert
+                          : sent[g] >= expert_counts[me * E + g] ? cuda::kSendOverCount
+                                                                 : 0;
+    if (code != 0) {
+      if (out.error == 0) out.error = cuda::send_error_word(code, i);
+      continue;
+    }
     const int64_t row = next[g] + sent[g]++;
     out.dest_rank[i] = g / El;
     out.gemm_row[i] = row;

@@ -128,6 +128,8 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
   d["tiles"] = tile_arr;
   const SenderRows sr =
       plan_sender_rows(all_topk[rank].data(), expert_counts.data(), me, gate_tile_m);
+  if (const Status s = cuda::send_rows_error_status(sr.error, K, "plan_sender_rows"); !s.ok())
+    throw Error(s.code, s.message);
   d["send_gemm_rank"] = to_array(sr.dest_rank).reshape({me.tokens, K});
   d["send_gemm_row"] = to_array(sr.gemm_row).reshape({me.tokens, K});
   d["send_gate_counter"] = to_array(sr.counter).reshape({me.tokens, K});

@@ -30,10 +30,6 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
               like.device(), ", got ", t.device());
 }
 
-uint64_t error_word(uint64_t code, int64_t entry) {
-  return (code << cuda::kSendErrorShift) | static_cast<uint64_t>(entry);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cpu(
     const at::Tensor& topk_idx, const at::Tensor& expert_counts, int64_t rank, int64_t tile_m) {
   return translate_errors([&] {
@@ -42,26 +38,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cpu(
                 topk_idx.device());
     const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
     const int64_t W = expert_counts.size(0), E = expert_counts.size(1);
-    const int64_t* idx = topk_idx.data_ptr<int64_t>();
-    const int64_t* counts = expert_counts.data_ptr<int64_t>();
-    at::Tensor error = at::zeros({1}, topk_idx.options());
-    // The device records a bad entry and plans the rest; so does this, by planning a copy of
-    // the routing with the failing entries taken out.
-    at::Tensor routed = topk_idx.clone();
-    int64_t* r = routed.data_ptr<int64_t>();
-    std::vector<int64_t> seen(E, 0);
-    uint64_t word = 0;
-    for (int64_t i = 0; i < T * K; ++i) {
-      const int64_t g = idx[i];
-      if (g < 0) continue;
-      const uint64_t code = g >= E                              ? cuda::kSendBadExpert
-                            : seen[g]++ >= counts[rank * E + g] ? cuda::kSendOverCount
-                                                                : 0;
-      if (code == 0) continue;
-      if (word == 0) word = error_word(code, i);
-      r[i] = -1;
-    }
-    error.data_ptr<int64_t>()[0] = static_cast<int64_t>(word);
     MoeShape shape;
     shape.tokens = T;
     shape.top_k = K;
@@ -69,7 +45,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cpu(
     shape.world_size = W;
     shape.rank = rank;
     shape.hidden = shape.ffn_hidden = 1;
-    const SenderRows plan = plan_sender_rows(r, counts, shape, tile_m);
+    const SenderRows plan = plan_sender_rows(topk_idx.data_ptr<int64_t>(),
+                                             expert_counts.data_ptr<int64_t>(), shape, tile_m);
+    at::Tensor error = at::full({1}, static_cast<int64_t>(plan.error), topk_idx.options());
     auto out = [&](const std::vector<int64_t>& v) {
       at::Tensor t = at::empty({T, K}, topk_idx.options());
       std::memcpy(t.data_ptr<int64_t>(), v.data(), sizeof(int64_t) * v.size());
@@ -100,12 +78,10 @@ at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
     uint64_t word = 0;
     for (int64_t i = 0; i < T * K; ++i) {
       if (dest[i] < 0) continue;
-      const uint64_t code = dest[i] >= 1                             ? cuda::kSendBadPeer
-                            : row[i] < 0 || row[i] >= capacity       ? cuda::kSendRowOutOfRange
-                            : ctr[i] < 0 || ctr[i] >= num_counters ? cuda::kSendCounterOutOfRange
-                                                                     : 0;
+      const uint64_t code = cuda::send_entry_check(dest[i], row[i], ctr[i], 1, capacity,
+                                                   num_counters);
       if (code != 0) {
-        if (word == 0) word = error_word(code, i);
+        if (word == 0) word = cuda::send_error_word(code, i);
         continue;
       }
       std::memcpy(to + row[i] * stride, src + (i / K) * row_bytes, row_bytes);
@@ -131,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y,
     uint64_t word = 0;
     const int64_t* row = gemm_row.data_ptr<int64_t>();
     for (int64_t i = 0; i < T * K && word == 0; ++i)
-      if (row[i] >= R) word = error_word(cuda::kSendRowOutOfRange, i);
+      if (row[i] >= R) word = cuda::send_error_word(cuda::kSendRowOutOfRange, i);
     for (int64_t k = 0; k < K; ++k) {
       const at::Tensor r = gemm_row.select(1, k);
       const at::Tensor used = r.ge(0).logical_and(r.lt(R));

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "uniep/cuda/send_rows_error.hpp"
 #include "uniep/shape.hpp"
 #include "uniep/tuning.hpp"
 
@@ -76,11 +77,14 @@ struct SenderRows {
   std::vector<int64_t> dest_rank;  // [T * K] -1 for an unused entry
   std::vector<int64_t> gemm_row;   // [T * K] the row on dest_rank, -1 for an unused entry
   std::vector<int64_t> counter;    // [T * K] the row's gate counter on dest_rank, -1 unused
+  // The first failing entry, as the device records it (uniep/cuda/send_rows_error.hpp): an
+  // expert id >= E, or more rows to an expert than this rank's own count says (the counts are
+  // its announcement, so its routing must match them). Failing entries are left unused; 0: none.
+  uint64_t error = 0;
 };
 
-// expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered). An expert id
-// >= E, or more rows to an expert than this rank's own count says, is a kInvalidArgument naming
-// the entry (the counts are this rank's announcement, so its routing must match them).
+// expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered); each rank's
+// rows must fit int32 (the grouped GEMM's row indices).
 SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
                             const MoeShape& shape, int64_t tile_m);
 

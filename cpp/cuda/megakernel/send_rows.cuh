@@ -15,9 +15,7 @@ namespace uniep::cuda::megakernel {
 
 __device__ __forceinline__ void send_error(unsigned long long* error, uint64_t code,
                                            int64_t entry) {
-  atomicCAS(error, 0ull,
-            static_cast<unsigned long long>((code << kSendErrorShift) |
-                                            static_cast<uint64_t>(entry)));
+  atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(code, entry)));
 }
 
 // Block `g` (global expert g) of a plan. The block walks all of this rank's entries in
@@ -96,12 +94,10 @@ __device__ __forceinline__ void send_token_row(const SendRowsArgs& a, const RowP
     const int64_t i = t * a.top_k + lane, d = a.dest_rank[i];
     if (d >= 0) {
       const int64_t row = a.gemm_row[i], c = a.counter[i];
-      if (d >= p.num_peers) {
-        send_error(a.error, kSendBadPeer, i);
-      } else if (row < 0 || row >= p.rows_capacity) {
-        send_error(a.error, kSendRowOutOfRange, i);
-      } else if (c < 0 || c >= p.num_counters) {
-        send_error(a.error, kSendCounterOutOfRange, i);
+      const uint64_t code =
+          send_entry_check(d, row, c, p.num_peers, p.rows_capacity, p.num_counters);
+      if (code != 0) {
+        send_error(a.error, code, i);
       } else {
         dst = p.rows[d] + row * p.row_stride;
         counter = p.counters[d] + c;

@@ -20,6 +20,21 @@ enum SendRowsErrorCode : uint64_t {
 };
 constexpr int kSendErrorShift = 48;
 
+constexpr uint64_t send_error_word(uint64_t code, int64_t entry) {
+  return (code << kSendErrorShift) | static_cast<uint64_t>(entry);
+}
+
+// The checks of one used entry (dest >= 0) against its destination, in the order the send makes
+// them: 0 when it may be sent, else the code. Shared by the device's send and the CPU reference
+// (constexpr: device code calls it with --expt-relaxed-constexpr).
+constexpr uint64_t send_entry_check(int64_t dest, int64_t row, int64_t counter, int64_t num_peers,
+                                    int64_t rows_capacity, int64_t num_counters) {
+  return dest >= num_peers                        ? kSendBadPeer
+         : row < 0 || row >= rows_capacity        ? kSendRowOutOfRange
+         : counter < 0 || counter >= num_counters ? kSendCounterOutOfRange
+                                                  : 0;
+}
+
 // The Status of an error word of plan_sender_rows_async / send_rows_async; OK for 0.
 inline Status send_rows_error_status(uint64_t word, int64_t top_k, const char* what) {
   if (word == 0) return Status::Ok();
