@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import warnings
 from collections.abc import Callable
@@ -57,7 +56,7 @@ from bench_moe import (  # noqa: E402
     baseline_moe,
     route_rows,
 )
-from common import median_time_ms, time_calls_ms, write_result  # noqa: E402
+from common import median_time_ms, write_result  # noqa: E402
 
 # (name, tokens per rank, hidden, ffn, experts in total, top_k): the issue's two layers.
 GPU_SHAPES = [("dsv3-like", 4096, 7168, 2048, 256, 8), ("mixtral-like", 4096, 4096, 14336, 8, 2)]
@@ -344,6 +343,8 @@ def _tune_and_retime(
     tune_mod: Any,
 ) -> dict[str, Any]:
     """uniep.tune's pick, and every point it measured re-timed in interleaved rounds."""
+    from uniep.timing import interleaved_medians_ms
+
     _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
     cuda = dev.type == "cuda"
     result = tune_mod.tune(
@@ -361,16 +362,13 @@ def _tune_and_retime(
         cache=False,
     )
     points = [c.tuning for c in result.candidates if math.isfinite(c.measured_ms)]
-    samples: dict[str, list[float]] = {p: [] for p in points}
     per_round = max(1, cfg["tune_iters"] // 3)
+    fns = {p: lambda p=p: fwd(p) for p in points}
     with torch.no_grad():
-        for _ in range(3):
-            for p in points:
-                _settle(cuda)
-                fwd(p)
-                samples[p] += time_calls_ms(lambda p=p: fwd(p), per_round, cuda)
-    medians = [statistics.median(samples[p]) for p in points]
-    again = dict(zip(points, _max_over_ranks(medians, dev), strict=True))
+        medians = interleaved_medians_ms(
+            fns, 3, per_round, cuda, warmup=1, before=lambda: _settle(cuda)
+        )
+    again = dict(zip(points, _max_over_ranks([medians[p] for p in points], dev), strict=True))
     return {
         "pick": result.tuning,
         "default": result.default,

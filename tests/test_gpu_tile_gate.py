@@ -183,6 +183,14 @@ def _routing(world: int, experts: int, top_k: int, tokens: list[int], seed: int)
     return out, counts.to(torch.int64)
 
 
+def _gathered(x: torch.Tensor, dest: torch.Tensor, row: torch.Tensor, total: int) -> torch.Tensor:
+    """The reference dispatch: x's rows at their planned GEMM rows, by indexing."""
+    out = torch.zeros(total, x.shape[1], dtype=x.dtype, device=x.device)
+    used = dest.to(x.device) >= 0
+    out[row.to(x.device)[used]] = x.unsqueeze(1).expand(-1, dest.shape[1], -1)[used]
+    return out
+
+
 @pytest.mark.parametrize("world,experts,top_k", [(1, 8, 2), (2, 16, 9), (4, 256, 8), (8, 64, 4)])
 def test_device_sender_rows_equal_the_cpu_plan(world: int, experts: int, top_k: int) -> None:
     routing, counts = _routing(world, experts, top_k, [700] * (world - 1) + [3], seed=world)
@@ -228,9 +236,7 @@ def test_send_rows_release_the_gated_gemms() -> None:
     offs = counts[0].cuda().cumsum(0).to(torch.int32)
     base = gate.tile_base(offs, total)
     # The reference: the rows gathered on the host's plan, the ungated chain.
-    gathered = torch.zeros(total, hidden, dtype=torch.bfloat16, device="cuda")
-    used = dest >= 0
-    gathered[row[used]] = x.unsqueeze(1).expand(-1, top_k, -1)[used]
+    gathered = _gathered(x, dest, row, total)
     act_want = torch.ops.uniep.grouped_mm_swiglu(gathered, w1p, offs, SAME_CONFIG)
     want = torch.ops.uniep.grouped_mm(act_want, w2, offs, SAME_CONFIG)
 
@@ -329,9 +335,7 @@ def test_moe_forward_local_modes_agree_bit_for_bit() -> None:
     counts = torch.bincount(idx[idx >= 0], minlength=16).cpu().view(1, 16)
     dest, row, _, _ = gate.sender_rows(idx.cpu(), counts, 0)
     offs = counts[0].cumsum(0).to(torch.int32).cuda()
-    used = (dest >= 0).cuda()
-    rows = torch.zeros(int(counts.sum()), 256, dtype=torch.bfloat16, device="cuda")
-    rows[row.cuda()[used]] = x.unsqueeze(1).expand(-1, 9, -1)[used]
+    rows = _gathered(x, dest, row, int(counts.sum()))
     act = torch.ops.uniep.grouped_mm_swiglu(rows, w1p, offs, SAME_CONFIG)
     y = torch.ops.uniep.grouped_mm(act, w2, offs, SAME_CONFIG)
     want, _ = gate.combine_rows(y, row.cuda(), w)

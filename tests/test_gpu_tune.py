@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 
 import pytest
 import torch
@@ -35,16 +34,12 @@ def _worker(rank: int, world: int, cache: str) -> dict:
     shape = tune.MoeShape(**SHAPE, world=world, dtype="bfloat16")
     x, idx, w, w1, w2 = tune._inputs(shape, torch.device("cuda", rank), rank, 1)
     import uniep
+    from uniep.timing import interleaved_medians_ms
 
     points = [c.tuning for c in result.candidates if math.isfinite(c.measured_ms)]
-    samples: dict[str, list[float]] = {p: [] for p in points}
+    fns = {p: lambda p=p: uniep.moe_forward(x, idx, w, w1, w2, tuning=p) for p in points}
     with torch.no_grad():
-        for _ in range(3):
-            for p in points:
-                samples[p] += tune._times_ms(
-                    lambda p=p: uniep.moe_forward(x, idx, w, w1, w2, tuning=p), 2, 10, True
-                )
-    again = {p: statistics.median(s) for p, s in samples.items()}
+        again = interleaved_medians_ms(fns, 3, 10, True, warmup=2)
     return {
         "tuning": result.tuning,
         "default": result.default,
