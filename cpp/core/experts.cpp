@@ -50,11 +50,11 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
     const int64_t g = topk_idx[i];
     if (g < 0) continue;
     // A failing entry is recorded and skipped, as the device's plan does: the rest is planned.
-    const uint64_t code = g >= E                                 ? cuda::kSendBadExpert
-                          : sent[g] >= expert_counts[me * E + g] ? cuda::kSendOverCount
+    const uint64_t code = g >= E                                 ? kSendBadExpert
+                          : sent[g] >= expert_counts[me * E + g] ? kSendOverCount
                                                                  : 0;
     if (code != 0) {
-      if (out.error == 0) out.error = cuda::send_error_word(code, i);
+      if (out.error == 0) out.error = send_error_word(code, i);
       continue;
     }
     const int64_t row = next[g] + sent[g]++;

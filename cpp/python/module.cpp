@@ -15,7 +15,7 @@
 #include "torch/ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
 #endif
-#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
 #include "uniep/tuning.hpp"
@@ -128,7 +128,7 @@ py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
   d["tiles"] = tile_arr;
   const SenderRows sr =
       plan_sender_rows(all_topk[rank].data(), expert_counts.data(), me, gate_tile_m);
-  if (const Status s = cuda::send_rows_error_status(sr.error, K, "plan_sender_rows"); !s.ok())
+  if (const Status s = send_rows_error_status(sr.error, K, "plan_sender_rows"); !s.ok())
     throw Error(s.code, s.message);
   d["send_gemm_rank"] = to_array(sr.dest_rank).reshape({me.tokens, K});
   d["send_gemm_row"] = to_array(sr.gemm_row).reshape({me.tokens, K});
@@ -441,7 +441,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "send_rows_error_message",
       [](int64_t word, int64_t top_k, const std::string& what) {
-        const Status s = cuda::send_rows_error_status(static_cast<uint64_t>(word), top_k,
+        const Status s = send_rows_error_status(static_cast<uint64_t>(word), top_k,
                                                       what.c_str());
         return s.ok() ? std::string() : s.message;
       },

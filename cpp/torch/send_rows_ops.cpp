@@ -11,7 +11,7 @@
 #include <tuple>
 
 #include "torch/validate.hpp"
-#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/shape.hpp"
 
@@ -78,10 +78,10 @@ at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
     uint64_t word = 0;
     for (int64_t i = 0; i < T * K; ++i) {
       if (dest[i] < 0) continue;
-      const uint64_t code = cuda::send_entry_check(dest[i], row[i], ctr[i], 1, capacity,
-                                                   num_counters);
+      const uint64_t code =
+          send_entry_check(dest[i], row[i], ctr[i], 1, capacity, num_counters);
       if (code != 0) {
-        if (word == 0) word = cuda::send_error_word(code, i);
+        if (word == 0) word = send_error_word(code, i);
         continue;
       }
       std::memcpy(to + row[i] * stride, src + (i / K) * row_bytes, row_bytes);
@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y,
     uint64_t word = 0;
     const int64_t* row = gemm_row.data_ptr<int64_t>();
     for (int64_t i = 0; i < T * K && word == 0; ++i)
-      if (row[i] >= R) word = cuda::send_error_word(cuda::kSendRowOutOfRange, i);
+      if (row[i] >= R) word = send_error_word(kSendRowOutOfRange, i);
     for (int64_t k = 0; k < K; ++k) {
       const at::Tensor r = gemm_row.select(1, k);
       const at::Tensor used = r.ge(0).logical_and(r.lt(R));

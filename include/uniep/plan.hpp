@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/shape.hpp"
 #include "uniep/tuning.hpp"
 

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "uniep/cuda/send_rows_error.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::cuda {

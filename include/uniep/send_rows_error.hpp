@@ -1,23 +1,22 @@
-// The error word of the MegaKernel's dispatch (uniep/cuda/send_rows.hpp) and its message. Host
-// code only, no CUDA headers: the Python module decodes the word on machines without CUDA too.
+// The error word of the MegaKernel's dispatch (uniep/cuda/send_rows.hpp, and its CPU reference
+// plan_sender_rows in uniep/plan.hpp) and its message. No CUDA headers: the core and the Python
+// module use it on machines without CUDA, and the C++ package installs it without the CUDA ones.
 #pragma once
 
 #include <cstdint>
 
 #include "uniep/status.hpp"
 
-namespace uniep::cuda {
+namespace uniep {
 
 // What went wrong with a failing (token, k) entry (the first one recorded; with several, which
 // one wins is a race), in the error word:
 // (code << kSendErrorShift) | entry, entry = token * K + k. 0: nothing.
-enum SendRowsErrorCode : uint64_t {
-  kSendBadExpert = 1,         // topk_idx holds an id >= num_experts
-  kSendOverCount = 2,         // more rows to an expert than this rank's announced count
-  kSendBadPeer = 3,           // dest_rank has no entry in the peer table
-  kSendRowOutOfRange = 4,     // gemm_row lies outside the destination's rows
-  kSendCounterOutOfRange = 5  // the gate counter lies outside the destination's counters
-};
+constexpr uint64_t kSendBadExpert = 1;          // topk_idx holds an id >= num_experts
+constexpr uint64_t kSendOverCount = 2;          // more rows to an expert than the rank's count
+constexpr uint64_t kSendBadPeer = 3;            // dest_rank has no entry in the peer table
+constexpr uint64_t kSendRowOutOfRange = 4;      // gemm_row lies outside the destination's rows
+constexpr uint64_t kSendCounterOutOfRange = 5;  // the gate counter lies outside its counters
 constexpr int kSendErrorShift = 48;
 
 constexpr uint64_t send_error_word(uint64_t code, int64_t entry) {
@@ -53,4 +52,4 @@ inline Status send_rows_error_status(uint64_t word, int64_t top_k, const char* w
           detail::str_cat(what, ": entry (token ", t, ", k ", k, ") ", why, "; it was not sent")};
 }
 
-}  // namespace uniep::cuda
+}  // namespace uniep
