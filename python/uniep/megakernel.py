@@ -99,6 +99,8 @@ def moe_forward_local(
     ``out`` until it has checked them some other way."""
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     t, h = x.shape
+    if t == 0:  # no rows for the GEMMs: nothing to launch
+        return x.new_empty(0, h)
     k = topk_idx.shape[1]
     e, _, two_i = w1_packed.shape
     counts = expert_counts(topk_idx, e)

@@ -51,11 +51,13 @@ Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream) 
                             a.counts_ld)};
   if (a.tile_m < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("tile_m must be >= 1, got ", a.tile_m)};
-  if (a.counts == nullptr || a.dest_rank == nullptr || a.gemm_row == nullptr ||
-      a.counter == nullptr || a.error == nullptr || (a.tokens > 0 && a.topk_idx == nullptr))
+  // Without tokens the outputs are empty (torch gives them no storage) and nothing is read.
+  if (a.error == nullptr ||
+      (a.tokens > 0 && (a.counts == nullptr || a.dest_rank == nullptr || a.gemm_row == nullptr ||
+                        a.counter == nullptr || a.topk_idx == nullptr)))
     return {StatusCode::kInvalidArgument,
-            "plan_sender_rows_async: counts, the three outputs and error must be device pointers "
-            "(and topk_idx, with tokens)"};
+            "plan_sender_rows_async: error, and with tokens topk_idx, counts and the three outputs, "
+            "must be device pointers"};
   if (a.tokens == 0) return Status::Ok();
   sender_rows_plan_kernel<<<static_cast<unsigned>(a.num_experts), kPlanThreads, 0, stream>>>(a);
   return launch_status("plan_sender_rows_async");
@@ -68,7 +70,7 @@ Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
     return {StatusCode::kInvalidArgument,
             detail::str_cat("the peer table must hold 1 to ", kMaxRowPeers, " ranks, got ",
                             peers.num_peers)};
-  for (int d = 0; d < peers.num_peers; ++d)
+  for (int d = 0; d < peers.num_peers && a.tokens > 0; ++d)  // without tokens none is written
     if (peers.rows[d] == nullptr || peers.counters[d] == nullptr)
       return {StatusCode::kInvalidArgument,
               detail::str_cat("rank ", d, " of the peer table has no rows or counters pointer")};

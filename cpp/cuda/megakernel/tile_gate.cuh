@@ -41,11 +41,14 @@ __device__ __forceinline__ void gate_report(GateTimeout* t, uint32_t flag, int e
 
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
 // loaded, or at the deadline after recording the first timeout; a tile with no counter among
-// the gate's is recorded at once and never read.
+// the gate's is recorded at once and never read. A tile past the expert's rows returns at once:
+// the scheduler pads each expert's tiles to the cluster's M (2), and such a tile loads only
+// out-of-bounds zeros, so it has no counter of its own (the index would be the next expert's).
 __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_tile, int rows,
                                           int tile_m) {
   const int in_tile = min(tile_m, rows - m_tile * tile_m);
-  const uint32_t need = g.per_row * static_cast<uint32_t>(max(in_tile, 0)) + g.per_tile;
+  if (in_tile <= 0) return;
+  const uint32_t need = g.per_row * static_cast<uint32_t>(in_tile) + g.per_tile;
   const int64_t index = static_cast<int64_t>(g.tile_base[expert]) + m_tile;
   if (index < 0 || index >= g.num_counters) {
     gate_report(g.timeout, 2u, expert, m_tile, static_cast<uint32_t>(g.num_counters),

@@ -126,7 +126,9 @@ class SwiGluEpilogue {
             pair;
       }
     }
-    if (params_.done != nullptr) {
+    // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
+    // nothing and has no done counter: its index would be the next expert's first tile.
+    if (params_.done != nullptr && m_coord * size<0>(blk_shape_mnk) < M) {
       // Every lane's stores are visible before lane 0's release can be observed.
       __threadfence_system();
       __syncwarp();
