@@ -89,11 +89,21 @@ def test_rows_released_late_are_waited_for() -> None:
     need = _needs(COUNTS, 1, 0)
     landing = torch.zeros_like(x)
     counters = torch.zeros_like(need)
+    side = torch.cuda.Stream()
+    # The writers' kernels run once first: under lazy module loading, a kernel's first launch
+    # may wait for the device to go idle, which a GEMM spinning on its rows never does (the
+    # first H100 run of this test timed out so).
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1)
+        landing.copy_(x)
+        counters.copy_(need)
+    torch.cuda.synchronize()
+    landing.zero_()
+    counters.zero_()
     torch.cuda.synchronize()
     out, timeout = gate.grouped_mm_gated(
         landing, w, offs, counters, base, timeout_s=20.0, sm_count=_half_sms()
     )
-    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # ~25 ms: the GEMM is waiting by then
         landing.copy_(x)

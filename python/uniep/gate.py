@@ -52,7 +52,9 @@ def grouped_mm_gated(
     at the gate first, written into ``out`` (a new tensor if None). Returns ``(out, timeout)``;
     pass ``timeout`` to :func:`check_gate_timeout` once the stream has run. ``sm_count``
     (default: all SMs) bounds the persistent grid: work that releases the gate from another
-    stream needs SMs the GEMM leaves free."""
+    stream needs SMs the GEMM leaves free, and its kernels must have run once before (under
+    CUDA's lazy module loading a kernel's first launch may wait for the device to go idle, which
+    a waiting GEMM never lets it; UniEP's own send is loaded here, before the launch)."""
     if sm_count is None:
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
     if out is None:

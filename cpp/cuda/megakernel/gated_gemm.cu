@@ -7,6 +7,7 @@
 #include "cuda/gemm/grouped/grouped_problems.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/gated_run.cuh"
+#include "uniep/cuda/send_rows.hpp"
 
 namespace uniep::cuda {
 
@@ -41,6 +42,10 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0) return Status::Ok();
+  // The send that releases this GEMM's tiles is launched after it (streams overlap): loaded now,
+  // its launch cannot wait for this kernel to finish (lazy module loading).
+  if (gate.counters != nullptr)
+    if (Status s = preload_send_rows_kernels(); !s.ok()) return s;
   const size_t need = grouped_gemm_gated_workspace_bytes(p.num_experts, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the gated GEMM");
       !s.ok())

@@ -63,6 +63,19 @@ Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream) 
   return launch_status("plan_sender_rows_async");
 }
 
+Status preload_send_rows_kernels() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, sender_rows_plan_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, send_rows_kernel);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it for the caller's next launch check
+    return {StatusCode::kInternal, detail::str_cat("preload_send_rows_kernels: could not load "
+                                                   "the send kernels: ",
+                                                   cudaGetErrorString(e))};
+  }
+  return Status::Ok();
+}
+
 Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
                        cudaStream_t stream) {
   if (Status s = check_routing_shape(a.tokens, a.top_k); !s.ok()) return s;

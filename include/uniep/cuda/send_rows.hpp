@@ -58,6 +58,12 @@ struct SendRowsArgs {
   const int64_t* counter = nullptr;
   unsigned long long* error = nullptr;  // zeroed by the caller
 };
+// Loads the plan and send kernels into the current device's context now. Under lazy module
+// loading (CUDA's default) a kernel's first launch may wait for the device to go idle, and a
+// gated GEMM that is already spinning for the rows this send stores never lets it: the gated
+// GEMM calls this before its launch. Cheap after the first call.
+Status preload_send_rows_kernels();
+
 // One warp per token on `blocks` blocks: the row is read once and stored at each of its
 // destinations; then each destination's counter gets 1, with release semantics at system scope
 // after a system fence, so a waiter that acquires the counter reads the whole row. An entry that
