@@ -8,9 +8,9 @@ distinct random experts; both implementations then move the same rows:
   ``uniep.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
   with the default combine (one row per (token, k) on the wire) and ``combine=rank_partials``
   (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
-  per (token, rank): the baseline's bytes, with that local sum inside our time; the sum reads
-  every expert row, so it runs on the whole GPU and stores the partials as it goes: the SM
-  budget does not apply to it, and the JSON says so).
+  per (token, rank): the baseline's bytes, with that local sum inside our time). Every one of
+  them runs on the row's SM budget (tuning ``sms=S/S``); before 2026-11-26 the combines ran on
+  the whole GPU whatever the row said.
 - uniep cached: ``uniep.ep.dispatch_cached`` of the same rows on the plan of the last dispatch
   (no layout, count exchange or host sync; a device barrier, then the transfer), bf16 and fp8
   (cast in the kernel). DeepEP's own sweep, where the ANCHORS.md figures come from, times this
@@ -237,7 +237,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         return ep.combine(y, run_dispatch(tuning).handle)
 
     for sms in SM_BUDGETS:
-        tuning = f"sms={sms}"
+        # sms=S/S: the dispatch's S communication SMs, and S in all for the combine (which
+        # takes the tuning's total; "sms=S" alone would leave it the whole device).
+        tuning = f"sms={sms}/{sms}"
         _settle()
         timings[f"dispatch_{sms}"] = median_time_ms(
             functools.partial(run_dispatch, tuning), warmup, iters, cuda=True
@@ -273,12 +275,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             )
 
     profile_fns: dict[str, Callable[[], object]] = {
-        "dispatch_24": functools.partial(run_dispatch, "sms=24"),
-        "fp8dispatch_24": functools.partial(run_dispatch, "sms=24,dispatch=fp8"),
-        "cached_24": functools.partial(run_cached, "sms=24"),
-        "fp8cached_24": functools.partial(run_cached, "sms=24,dispatch=fp8"),
-        "dispatch_combine_24": functools.partial(run_both, "sms=24"),
-        "dispatch_rpcombine_24": functools.partial(run_both, "sms=24,combine=rank_partials"),
+        "dispatch_24": functools.partial(run_dispatch, "sms=24/24"),
+        "fp8dispatch_24": functools.partial(run_dispatch, "sms=24/24,dispatch=fp8"),
+        "cached_24": functools.partial(run_cached, "sms=24/24"),
+        "fp8cached_24": functools.partial(run_cached, "sms=24/24,dispatch=fp8"),
+        "dispatch_combine_24": functools.partial(run_both, "sms=24/24"),
+        "dispatch_rpcombine_24": functools.partial(run_both, "sms=24/24,combine=rank_partials"),
     }
     if hidden % 128 != 0:
         del profile_fns["fp8dispatch_24"], profile_fns["fp8cached_24"]
@@ -376,7 +378,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             rank_partials_combine_GBps=gbps(rp),
             rank_partials_speedup_vs_nccl=slowest["nccl_combine"] / slowest[rp],
             rank_partials_check_rel_err=partials_err,
-            rank_partials_sms="all (the expert-side sum and its stores)",
+            combine_sms=sms,
         )
         cd = f"cached_{sms}"
         row.update(

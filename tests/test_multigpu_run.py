@@ -73,7 +73,10 @@ def test_summary_judges_recorded_gpu_results(tmp_path: Path) -> None:
     assert bf16["status"] == ms.MET and bf16["measured"] == pytest.approx(394.07, abs=0.01)
     assert "EP2" in bf16["why"] and bf16["nccl_GBps"] > 0
     assert goals["fp8 dispatch, DeepSeek-V3 shape"]["status"] == ms.MISSED
-    assert goals["combine (per_k), DeepSeek-V3 shape"]["status"] == ms.MISSED
+    # That result's combines took the whole GPU (no combine_sms): not a figure at <= 24 SMs.
+    for name in ("combine (per_k)", "combine (rank_partials"):
+        comb = next(g for n, g in goals.items() if n.startswith(name))
+        assert comb["status"] == ms.NOT_RUN and "whole GPU" in comb["why"]
     ll = goals["low-latency dispatch + combine, 128 tokens, 288 experts (eager)"]
     assert ll["status"] == ms.MET and ll["measured"] == pytest.approx(73.888, abs=1e-3)
     ag = goals["TP=2 AG+GEMM 8192x8192_n7168"]

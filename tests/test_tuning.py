@@ -119,3 +119,14 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
 def test_auto_and_gemm_errors(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _C.TuningParams.parse(text)
+
+
+def test_sms_total_may_equal_the_communication_sms() -> None:
+    # A call that only communicates (a dispatch and its combine) kept to 24 SMs in all.
+    p = _C.TuningParams.parse("sms=24/24")
+    assert (p.comm_sms, p.total_sms) == (24, 24)
+    assert _C.TuningParams.parse(p.to_string()) == p
+    with pytest.raises(
+        ValueError, match=r"sms total \(23\) must be 0 \(whole device\) or at least"
+    ):
+        _C.TuningParams.parse("sms=24/23")

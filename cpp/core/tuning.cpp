@@ -184,8 +184,9 @@ TuningParams TuningParams::parse(const std::string& text) {
 void TuningParams::validate() const {
   UNIEP_CHECK(comm_sms >= 1 && comm_sms <= 1024,
               "tuning: sms (communication SMs) must be in [1, 1024], got ", comm_sms);
-  UNIEP_CHECK(total_sms == 0 || total_sms > comm_sms, "tuning: sms total (", total_sms,
-              ") must be 0 (whole device) or more than the communication SMs (", comm_sms, ")");
+  // total == comm: a call that only communicates (a dispatch, a combine) kept to those SMs.
+  UNIEP_CHECK(total_sms == 0 || total_sms >= comm_sms, "tuning: sms total (", total_sms,
+              ") must be 0 (whole device) or at least the communication SMs (", comm_sms, ")");
   UNIEP_CHECK(token_tile >= 1 && token_tile <= 4096,
               "tuning: token_tile must be in [1, 4096], got ", token_tile);
   auto tile_ok = [](int v) { return v == 0 || (is_pow2(v) && v >= 16 && v <= 256); };

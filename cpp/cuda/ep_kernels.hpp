@@ -186,11 +186,12 @@ struct RankPartialsArgs {
   const float* dispatched_weights;  // [tokens, K]: the weights the dispatch carried
   const bool* token_in_rank;        // [tokens][W]: the token went to that rank
 };
-// The whole GPU (`device_sms`: the expert rows are read once, K / W times the bytes sent, too
-// much for the communication SMs) sums each receive slot's rows and stores the partial into the
-// source's combine buffer, over NVLink for peers; then sums each of our tokens' partials.
+// `num_sms` SMs' worth of blocks (the combine's budget, the tuning's total: the whole GPU by
+// default, since the expert rows are read once, K / W times the bytes sent) sum each receive
+// slot's rows and store the partial into the source's combine buffer, over NVLink for peers;
+// then sum each of our tokens' partials. Any grid gives the same bits.
 void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
-                                  const RankPartialsArgs& p, int device_sms, cudaStream_t stream);
+                                  const RankPartialsArgs& p, int num_sms, cudaStream_t stream);
 
 // Each block takes one global expert: finds this rank's (token, k) pairs routed to it in
 // (token, k) order and puts the rows at consecutive positions of region (expert, us) on the

@@ -496,7 +496,7 @@ class RuntimeImpl final : public Runtime {
       if (Status s = ensure_row_index(stream); !s.ok()) return s;
       const cuda::RankPartialsArgs p{row_of_target_, static_cast<uint32_t>(epoch_),
                                      dispatched_weights_, token_in_rank_};
-      cuda::launch_combine_rank_partials(sym_, dims_, a, p, sm_count_, stream);
+      cuda::launch_combine_rank_partials(sym_, dims_, a, p, num_sms, stream);
     } else {
       // The peers combine as their round said (the rounds agreed on it): a rank that combined
       // otherwise would write where they do not read.

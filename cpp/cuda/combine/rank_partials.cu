@@ -193,10 +193,10 @@ void launch_partials_reduce(const SymmetricView& sym, const EpDims& d, const Com
 }  // namespace
 
 void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, const CombineArgs& a,
-                                  const RankPartialsArgs& p, int device_sms, cudaStream_t stream) {
-  const int blocks = 4 * device_sms;
+                                  const RankPartialsArgs& p, int num_sms, cudaStream_t stream) {
+  const int blocks = 4 * num_sms;
   if (a.rows > 0) index_rows_kernel<<<blocks, kThreads, 0, stream>>>(d, a, p);
-  partials_kernel<<<kPartialBlocksPerSm * device_sms, kThreads, 0, stream>>>(sym, d, a, p);
+  partials_kernel<<<kPartialBlocksPerSm * num_sms, kThreads, 0, stream>>>(sym, d, a, p);
   if (a.tokens == 0) return;
   if (d.world_size <= 2)
     launch_partials_reduce<2>(sym, d, a, p, blocks, stream);
