@@ -254,6 +254,20 @@ built=1
 if ((!dry)); then
   echo "== environment"
   timeout 20 nvidia-smi -L || true
+  shopt -s nullglob
+  wheels=(.whl/nvidia_cutlass-*.whl)
+  if ((!skip_build)) && [[ ${#wheels[@]} -gt 0 ]]; then
+    timeout 60 python3 -m pip install -q --no-index --no-deps "${wheels[@]}" ||
+      echo "== the carried CUTLASS wheel did not install"
+  fi
+  # As device_check.sh: build and test requirements missing there come from .whl/ (no network).
+  for req in scikit_build_core:scikit-build-core pybind11:pybind11 pytest:pytest; do
+    if ! python3 -c "import ${req%%:*}" 2>/dev/null; then
+      timeout 60 python3 -m pip install -q --no-index --find-links .whl "${req#*:}" ||
+        echo "== ${req#*:} is missing and not in .whl/"
+    fi
+  done
+  # After the wheels: the versions recorded are the ones the build uses.
   timeout 60 python3 - "$WORK" <<'EOF' || true
 import importlib.metadata as md, json, sys
 from pathlib import Path
@@ -268,19 +282,6 @@ print(json.dumps(info))
 meta = Path(sys.argv[1]) / "meta.json"
 meta.write_text(json.dumps({**json.loads(meta.read_text()), "versions": info}, indent=1) + "\n")
 EOF
-  shopt -s nullglob
-  wheels=(.whl/nvidia_cutlass-*.whl)
-  if ((!skip_build)) && [[ ${#wheels[@]} -gt 0 ]]; then
-    timeout 60 python3 -m pip install -q --no-index --no-deps "${wheels[@]}" ||
-      echo "== the carried CUTLASS wheel did not install"
-  fi
-  # As device_check.sh: build and test requirements missing there come from .whl/ (no network).
-  for req in scikit_build_core:scikit-build-core pybind11:pybind11 pytest:pytest; do
-    if ! python3 -c "import ${req%%:*}" 2>/dev/null; then
-      timeout 60 python3 -m pip install -q --no-index --find-links .whl "${req#*:}" ||
-        echo "== ${req#*:} is missing and not in .whl/"
-    fi
-  done
 fi
 if ((skip_build)); then
   skip_step build "--skip-build: the installed uniep is used"

@@ -525,12 +525,19 @@ def markdown(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+# Always text: a short commit such as 8e48801 reads as a JSON number (inf).
+TEXT_KEYS = frozenset({"commit", "kind", "device", "date", "started"})
+
+
 def _kv(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"expected key=value, got {item!r}")
+        if key in TEXT_KEYS:
+            out[key] = value
+            continue
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -224,3 +224,10 @@ def test_dry_run_on_eight_gpus_and_a_short_budget(tmp_path: Path) -> None:
     skipped = [s for s in summary["steps"] if s["status"] == "skipped"]
     assert any("budget" in s.get("why", "") for s in skipped)
     assert any(s["step"] == "part4-parm-w2" and s["status"] == "dry-run" for s in summary["steps"])
+
+
+def test_meta_keeps_a_commit_that_reads_as_a_number(tmp_path: Path) -> None:
+    # 8e48801 is a float to JSON (inf): the first H200x2 summary of that commit said "commit inf".
+    ms.main(["meta", "--work", str(tmp_path), "commit=8e48801", "gpu_count=2", "kind=x-2"])
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["commit"] == "8e48801" and meta["gpu_count"] == 2
