@@ -10,7 +10,8 @@ distinct random experts; both implementations then move the same rows:
   (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
   per (token, rank): the baseline's bytes, with that local sum inside our time). Every one of
   them runs on the row's SM budget (tuning ``sms=S/S``); before 2026-11-26 the combines ran on
-  the whole GPU whatever the row said.
+  the whole GPU whatever the row said. Both combines are also timed once on the whole GPU
+  (``combine_whole_gpu_*``, ``rank_partials_combine_whole_gpu_*``): what the budget costs them.
 - uniep cached: ``uniep.ep.dispatch_cached`` of the same rows on the plan of the last dispatch
   (no layout, count exchange or host sync; a device barrier, then the transfer), bf16 and fp8
   (cast in the kernel). DeepEP's own sweep, where the ANCHORS.md figures come from, times this
@@ -274,6 +275,17 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
                 functools.partial(run_cached, f"{tuning},dispatch=fp8"), warmup, iters, cuda=True
             )
 
+    # The combines once more on the whole GPU (tuning total 0), beside the budgeted ones: what
+    # the SM budget costs them.
+    for key, tuning in (
+        ("combine_all", "sms=24"),
+        ("rpcombine_all", "sms=24,combine=rank_partials"),
+    ):
+        _settle()
+        timings[key] = _median_combine_ms(
+            functools.partial(run_dispatch, tuning), run_combine, warmup, iters
+        )
+
     profile_fns: dict[str, Callable[[], object]] = {
         "dispatch_24": functools.partial(run_dispatch, "sms=24/24"),
         "fp8dispatch_24": functools.partial(run_dispatch, "sms=24/24,dispatch=fp8"),
@@ -397,6 +409,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
                 fp8_cached_dispatch_GBps=fp8_bytes / (slowest[c8] * 1e-3) / 1e9,
             )
         row.update(baseline)
+        row.update(
+            combine_whole_gpu_us_max=us_max("combine_all"),
+            combine_whole_gpu_GBps=gbps("combine_all"),
+            rank_partials_combine_whole_gpu_us_max=us_max("rpcombine_all"),
+            rank_partials_combine_whole_gpu_GBps=gbps("rpcombine_all"),
+        )
         row.update(
             dispatch_speedup_vs_nccl=slowest["nccl_dispatch"] / slowest[d],
             combine_speedup_vs_nccl=slowest["nccl_combine"] / slowest[c],

@@ -191,6 +191,7 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             c_why,
             bytes_note="per_k sends one row per (token, k): top_k / (ranks per token) times the "
             "bytes counted",
+            whole_gpu_GBps=_best(dsv3, "combine_whole_gpu_GBps"),
             nccl_GBps=_best(dsv3, "nccl_combine_GBps"),
         ),
         goal(
@@ -201,6 +202,7 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             "GB/s",
             partials is not None and partials >= COMBINE_GBPS,
             c_why,
+            whole_gpu_GBps=_best(dsv3, "rank_partials_combine_whole_gpu_GBps"),
             nccl_GBps=_best(dsv3, "nccl_combine_GBps"),
         ),
         goal(
