@@ -149,7 +149,6 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
     # Combines count only where they ran on the row's budget: bench_dispatch records combine_sms
     # since they do (before, they took the whole GPU whatever the row's num_sms said).
     budget = [r for r in dsv3 if isinstance(r.get("combine_sms"), int)]
-    comb, partials = (_best(budget, k) for k in ("combine_GBps", "rank_partials_combine_GBps"))
     c_why = d_why
     if dsv3 and not budget:
         c_why = (
@@ -157,6 +156,22 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             "before the SM budget applied to them), so none was measured at <= "
             f"{MAX_SMS} SMs"
         )
+
+    def combine_goal(name: str, prefix: str, **extra: Any) -> dict:
+        measured = _best(budget, f"{prefix}_GBps")
+        return goal(
+            part,
+            f"{name}, DeepSeek-V3 shape",
+            f">= {COMBINE_GBPS:.0f} GB/s at <= {MAX_SMS} SMs",
+            measured,
+            "GB/s",
+            measured is not None and measured >= COMBINE_GBPS,
+            c_why,
+            whole_gpu_GBps=_best(dsv3, f"{prefix}_whole_gpu_GBps"),
+            nccl_GBps=_best(dsv3, "nccl_combine_GBps"),
+            **extra,
+        )
+
     ll_us = min((r["ll_total_us_max"] for r in ll), default=None)
     return [
         goal(
@@ -181,29 +196,15 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             d_why,
             cached_GBps=_best(dsv3, "fp8_cached_dispatch_GBps"),
         ),
-        goal(
-            part,
-            "combine (per_k), DeepSeek-V3 shape",
-            f">= {COMBINE_GBPS:.0f} GB/s at <= {MAX_SMS} SMs",
-            comb,
-            "GB/s",
-            comb is not None and comb >= COMBINE_GBPS,
-            c_why,
+        combine_goal(
+            "combine (per_k)",
+            "combine",
             bytes_note="per_k sends one row per (token, k): top_k / (ranks per token) times the "
             "bytes counted",
-            whole_gpu_GBps=_best(dsv3, "combine_whole_gpu_GBps"),
-            nccl_GBps=_best(dsv3, "nccl_combine_GBps"),
         ),
-        goal(
-            part,
-            "combine (rank_partials: DeepEP's bytes, one row per (token, rank)), DeepSeek-V3 shape",
-            f">= {COMBINE_GBPS:.0f} GB/s at <= {MAX_SMS} SMs",
-            partials,
-            "GB/s",
-            partials is not None and partials >= COMBINE_GBPS,
-            c_why,
-            whole_gpu_GBps=_best(dsv3, "rank_partials_combine_whole_gpu_GBps"),
-            nccl_GBps=_best(dsv3, "nccl_combine_GBps"),
+        combine_goal(
+            "combine (rank_partials: DeepEP's bytes, one row per (token, rank))",
+            "rank_partials_combine",
         ),
         goal(
             part,

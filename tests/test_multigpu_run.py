@@ -231,3 +231,21 @@ def test_meta_keeps_a_commit_that_reads_as_a_number(tmp_path: Path) -> None:
     ms.main(["meta", "--work", str(tmp_path), "commit=8e48801", "gpu_count=2", "kind=x-2"])
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["commit"] == "8e48801" and meta["gpu_count"] == 2
+
+
+def test_summary_counts_combines_run_on_the_budget(tmp_path: Path) -> None:
+    # 8e48801 on 2 x H200: the combines on the row's SMs (combine_sms), 24 SMs the best <= 24.
+    src = ROOT / "bench" / "results" / "2026-11-25-session17" / "x2-8e48801" / "part1"
+    work = tmp_path / "work"
+    (work / "part1-dispatch").mkdir(parents=True)
+    for f in src.glob("bench_dispatch-*.json"):
+        shutil.copy(f, work / "part1-dispatch")
+    _record(work, "part1-dispatch", "ok", work / "part1-dispatch", rc=0, seconds=17, timeout=90)
+    ms.main(["meta", "--work", str(work), "gpu_count=2", "kind=nvidia-h200-x2"])
+    goals = _by_name(ms.build(work))
+    per_k = goals["combine (per_k), DeepSeek-V3 shape"]
+    assert per_k["status"] == ms.MISSED and per_k["measured"] == pytest.approx(108.74, abs=0.01)
+    partials = next(g for n, g in goals.items() if n.startswith("combine (rank_partials"))
+    assert partials["status"] == ms.MISSED
+    assert partials["measured"] == pytest.approx(154.18, abs=0.01)
+    assert partials["nccl_GBps"] > 0 and "EP2" in partials["why"]
