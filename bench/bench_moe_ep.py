@@ -56,7 +56,7 @@ from bench_moe import (  # noqa: E402
     baseline_moe,
     route_rows,
 )
-from common import median_time_ms, write_result  # noqa: E402
+from common import add_profile_argument, median_time_ms, profile_kernels, write_result  # noqa: E402
 
 # (name, tokens per rank, hidden, ffn, experts in total, top_k): the issue's two layers.
 GPU_SHAPES = [("dsv3-like", 4096, 7168, 2048, 256, 8), ("mixtral-like", 4096, 4096, 14336, 8, 2)]
@@ -306,6 +306,20 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         mine["fwd_bwd_sequential"] = time_ms(lambda: fwd_bwd(seq))
         mine["fwd_bwd_fused"] = time_ms(lambda: fwd_bwd(fused))
     mine["fwd_bwd_baseline"] = time_ms(base_fwd_bwd)
+    if cfg.get("profile_iters", 0) > 0 and cuda:
+        # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
+        profiled: dict[str, Callable[[], object]] = {
+            "fwd_sequential": lambda: fwd(seq),
+            "fwd_baseline": lambda: baseline_moe(x, idx, w, w1, w2, grouped),
+            "bwd_sequential": lambda: bwd(seq),
+            "fwd_bwd_baseline": base_fwd_bwd,
+        }
+        profiled.update({f"experts_{k}": chain for k, chain in chains.items()})
+        _settle(cuda)
+        with torch.no_grad():
+            profile = profile_kernels(profiled, cfg["profile_iters"])
+        if rank == 0:
+            row["kernel_us_rank0"] = profile
 
     # Per rank: the forward over this rank's expert GEMMs (the faster chain).
     expert_keys = [k for k in mine if k.startswith("experts_")]
@@ -417,6 +431,7 @@ def build_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
         "tune_candidates": args.tune_candidates if args.tune_candidates is not None else 4,
         "tune_warmup": 1 if quick else 2,
         "tune_iters": args.tune_iters if args.tune_iters is not None else (3 if quick else 9),
+        "profile_iters": args.profile,
     }
 
 
@@ -436,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tune-iters", type=int, default=None, help="tuner calls per point")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
+    add_profile_argument(parser)
     args = parser.parse_args(argv)
     for name in ("iters", "tune_iters"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

@@ -6,6 +6,10 @@
 # (--budget, default 560 s from the start, the build included), and writes a summary of every goal:
 # met / missed / not-run and why. Later steps run when earlier ones fail.
 #
+# Parts 1, 2 and 3's TP overlap also record each variant's GPU time per kernel on rank 0
+# (kernel_us_rank0: --profile with MGPU_PROFILE_ITERS calls, default 3; 0 turns it off): the
+# issue asks what a profiler shows for each miss, and the machines have no nsys.
+#
 # Sizes: EP = min(4, GPUs) (the issue's EP4), TP in {2, 4} up to the GPU count, Parm at 4 and 8
 # GPUs where there are that many, else at the GPU count (2 on nvidia-h100-x2), MP groups of 2.
 #
@@ -97,6 +101,9 @@ UA_WARMUP=${all_warmup:-${MGPU_UA_WARMUP:-5}}
 PARM_ITERS=${all_iters:-${MGPU_PARM_ITERS:-5}}
 PARM_LAYERS=${MGPU_PARM_LAYERS:-8}
 PARM_MP=${MGPU_PARM_MP:-2}
+# Per-kernel GPU time (rank 0) of each variant over this many extra calls, for the misses:
+# the machines have no nsys, and this is what CUPTI gives through torch's profiler.
+PROFILE_ITERS=${MGPU_PROFILE_ITERS:-3}
 
 # Multicast objects are not available on the lent machines (KINDS.md): NCCL, torch's symmetric
 # memory and NVSHMEM stay off NVLink SHARP, in every process the steps start.
@@ -321,7 +328,7 @@ if want 1; then
     budget_for 90 25
     run_step part1-dispatch "$T" 30 "$WORK/part1" python3 bench/bench_dispatch.py \
       --world-size "$ep" --iters "$DISPATCH_ITERS" --warmup "$DISPATCH_WARMUP" \
-      --timeout $(((T - 10) / 2)) --out-dir "$WORK/part1"
+      --profile "$PROFILE_ITERS" --timeout $(((T - 10) / 2)) --out-dir "$WORK/part1"
   fi
 fi
 
@@ -334,7 +341,7 @@ if want 2; then
     run_step part2-moe "$T" 70 "$WORK/part2" python3 bench/bench_moe_ep.py \
       --world-size "$ep" --iters "$MOE_ITERS" --warmup "$MOE_WARMUP" \
       --tune-candidates "$TUNE_CANDIDATES" --tune-iters "$TUNE_ITERS" \
-      --timeout $(((T - 10) / 2)) --out-dir "$WORK/part2"
+      --profile "$PROFILE_ITERS" --timeout $(((T - 10) / 2)) --out-dir "$WORK/part2"
   fi
 fi
 
@@ -350,7 +357,7 @@ if want 3; then
     budget_for $((50 * ntp)) $((25 * ntp))
     run_step part3-overlap "$T" $((25 * ntp)) "$WORK/part3" python3 bench/bench_overlap.py \
       --tp "$tp_csv" --shapes anchors --iters "$OVERLAP_ITERS" --warmup "$OVERLAP_WARMUP" \
-      --timeout $(((T - 10) / ntp)) --out-dir "$WORK/part3"
+      --profile "$PROFILE_ITERS" --timeout $(((T - 10) / ntp)) --out-dir "$WORK/part3"
     budget_for $((35 * ntp)) $((15 * ntp))
     run_step part3-ulysses-dp-ag "$T" $((15 * ntp)) "$WORK/part3" python3 bench/bench_ulysses_ag.py \
       --tp "$tp_csv" --iters "$UA_ITERS" --warmup "$UA_WARMUP" \
