@@ -267,12 +267,7 @@ def _bench_layer(
             row[f"over_bf16_layer[{fmt}]"] = ms / base_ms
             row[f"over_floor[{fmt}]"] = ms / floor
             if fmt == "bf16_packed":
-                # Not yet run on a GPU when written: a failure is recorded, the rest still runs.
-                try:
-                    _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
-                except (RuntimeError, ValueError, TimeoutError) as e:
-                    row["local_error"] = f"{type(e).__name__}: {e}"
-                    print(f"{load}: moe_forward_local failed: {row['local_error']}", flush=True)
+                _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
             del prepared, out
             torch.cuda.empty_cache()
             progress(fmt)
@@ -299,19 +294,26 @@ def _bench_layer(
     return row
 
 
+# The fused MoE kernel's tuning points timed at world 1: (CTAs that send first, rounds of tiles
+# the others take before they join; -1 = the launch's bandwidth model). 10000 CTAs: every CTA
+# sends its share before it computes.
+FUSED_POINTS = [(16, -1), (8, -1), (32, -1), (16, 0), (16, 4), (16, 16), (10000, 0)]
+
+
 def _bench_local(
     row: dict[str, Any],
     x: torch.Tensor,
     idx: torch.Tensor,
     weights: torch.Tensor,
     prepared: Any,
-    ref: torch.Tensor,
+    ref: torch.Tensor | None,
     warmup: int,
     iters: int,
 ) -> None:
-    """The MegaKernel's pieces at world 1 (uniep.megakernel.moe_forward_local: no host sync)
-    beside the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward
-    within 1.03x of that GEMM-only time."""
+    """The MegaKernel at world 1 (uniep.megakernel.moe_forward_local: no host sync; its
+    sequential and streams compositions and the fused persistent kernel at FUSED_POINTS) beside
+    the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward within 1.03x
+    of that GEMM-only time."""
     from uniep import gate
     from uniep.megakernel import expert_counts, moe_forward_local
 
@@ -328,18 +330,81 @@ def _bench_local(
         return torch.ops.uniep.grouped_mm(act, prepared.w2, offs, "")
 
     row["gemm_only_ms"] = median_time_ms(gemm_only, warmup, iters, cuda=True)
-    for overlap in ("sequential", "streams"):
+    points: list[tuple[str, dict[str, Any]]] = [
+        ("sequential", {"overlap": "sequential"}),
+        ("streams", {"overlap": "streams"}),
+    ]
+    points += [
+        (f"fused c{comm} s{skip}", {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip})
+        for comm, skip in FUSED_POINTS
+    ]
+    seq = None
+    fused_equal, best = True, None
+    for name, kwargs in points:
 
-        def local(o: str = overlap, check: bool = False) -> torch.Tensor:
-            return moe_forward_local(x, idx, weights, prepared.w1, prepared.w2, overlap=o,
-                                     check=check)  # fmt: skip
+        def local(kw: dict[str, Any] = kwargs, check: bool = False) -> torch.Tensor:
+            return moe_forward_local(x, idx, weights, prepared.w1, prepared.w2, check=check, **kw)
 
-        out = local(check=True).float()
-        key = f"local {overlap}"
-        row[f"rel_diff[{key}]"] = float((out - ref).norm() / ref.norm())
+        key = f"local {name}"
+        try:
+            out = local(check=True)
+        except (RuntimeError, ValueError, TimeoutError) as e:
+            row[f"error[{key}]"] = f"{type(e).__name__}: {e}"
+            print(f"{row['load']}: {key} failed: {row[f'error[{key}]']}", flush=True)
+            fused_equal = fused_equal and kwargs["overlap"] != "fused"
+            continue
+        if seq is None:
+            seq = out
+        elif kwargs["overlap"] == "fused":
+            fused_equal = fused_equal and torch.equal(out, seq)
+        if ref is not None:
+            row[f"rel_diff[{key}]"] = float((out.float() - ref).norm() / ref.norm())
+        del out
         ms = median_time_ms(local, warmup, iters, cuda=True)
         row[f"ms[{key}]"] = ms
         row[f"over_gemm_only[{key}]"] = ms / row["gemm_only_ms"]
+        if kwargs["overlap"] == "fused" and (best is None or ms < row[f"ms[local {best}]"]):
+            best = name
+    row["fused_bits_equal_sequential"] = fused_equal
+    if best is not None:
+        row["fused_best_point"] = best
+        row["ms[local fused]"] = row[f"ms[local {best}]"]
+        row["over_gemm_only[local fused]"] = row[f"over_gemm_only[local {best}]"]
+
+
+def _local_rank(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
+    """The ``local`` part: only the world-1 MegaKernel rows of each load (no EP runtime)."""
+    from uniep.prepared import prepare_experts
+
+    rows = []
+    for load, tokens, hidden, ffn, experts, top_k in LAYERS:
+        if loads and load not in loads:
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(experts)
+        bf16 = torch.bfloat16
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
+        w1 = torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
+        w1.mul_(hidden**-0.5)
+        w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
+        w2.mul_(ffn**-0.5)
+        idx, weights = routing(tokens, experts, top_k, seed=experts)
+        prepared = prepare_experts(w1, w2, "bf16_packed")
+        del w1
+        row: dict[str, Any] = {"part": "local", "load": load, "tokens": tokens, "hidden": hidden,
+                               "ffn": ffn, "experts": experts, "top_k": top_k}  # fmt: skip
+        with torch.no_grad():
+            _bench_local(row, x, idx.cuda(), weights.cuda(), prepared, None, warmup, iters)
+        print(
+            f"{load}: GEMMs alone {row['gemm_only_ms']:.3f} ms; "
+            + ", ".join(
+                f"{k[9:-1]} {v:.3f}x" for k, v in row.items() if k.startswith("over_gemm_only[")
+            ),
+            flush=True,
+        )
+        rows.append(row)
+        del x, w2, prepared
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _trace_paths(load: str) -> Any:
@@ -470,7 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {plot_layers(argv[1])}")
         return 0
     args = sm90_gemm_bench_args(
-        __doc__.splitlines()[0], argv, profile=True, parts=("kernels", "layers"), trace=True
+        __doc__.splitlines()[0],
+        argv,
+        profile=True,
+        parts=("kernels", "layers", "local"),
+        trace=True,
     )
     if args.trace and args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -486,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = kernels(args.warmup, args.iters, loads) if args.part in ("kernels", "all") else []
     if args.part == "kernels":
         pass
+    elif args.part == "local":
+        rows += _local_rank(args.warmup, args.iters, loads)
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
         rows += layers(args.warmup, args.iters, args.profile, loads)
     else:

@@ -75,6 +75,11 @@ def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
             f"{what}: counters holds {have} entries, but expert {expert}, m-tile {m_tile} needs "
             f"entry {need} (size counters by tile_base's last entry)"
         )
+    if flag == 3:
+        raise TimeoutError(
+            f"{what}: the expert output of token {expert}, k = {m_tile} never arrived "
+            f"(its tile's counter reached {have} of {need})"
+        )
     if flag:
         raise TimeoutError(
             f"{what}: the rows of expert {expert}, m-tile {m_tile} never arrived "

@@ -13,10 +13,12 @@ the persistent kernel will run.
 
 Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads a count.
 ``overlap="sequential"`` runs the steps one after the other on the current stream;
-``overlap="streams"`` runs the send on ``comm_sms`` SMs beside GEMM 1, which waits per tile.
-Both give the same bits: a gate changes when a tile starts, never what it computes. The
-persistent kernel (``overlap=fused`` of the tuning string) composes the same steps inside one
-launch and does not exist yet.
+``overlap="streams"`` runs the send on ``comm_sms`` SMs beside GEMM 1, which waits per tile;
+``overlap="fused"`` is the MegaKernel (``torch.ops.uniep.moe_fused_local``,
+include/uniep/cuda/fused_moe.hpp): one persistent launch in which the first ``comm_sms`` CTAs
+send the rows in GEMM-row order and then join the GEMMs, both GEMMs run as one grouped GEMM gated
+tile by tile, and every CTA reduces a share of the tokens after its tiles. All three give the
+same bits: a gate changes when a tile starts, never what it computes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from . import gate
 
 __all__ = ["expert_counts", "moe_forward_local"]
 
-OVERLAPS = ("sequential", "streams")
+OVERLAPS = ("sequential", "streams", "fused")
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -78,6 +80,8 @@ def _check(
         raise ValueError(
             f"comm_sms must be in [1, {sms - 2}] (GEMM 1 keeps the rest), got {comm_sms}"
         )
+    if overlap == "fused" and comm_sms < 1:
+        raise ValueError(f"comm_sms must be >= 1 (CTAs that send; >= {sms}: all), got {comm_sms}")
 
 
 def moe_forward_local(
@@ -89,6 +93,7 @@ def moe_forward_local(
     *,
     overlap: str = "sequential",
     comm_sms: int = 16,
+    skip_rounds: int = -1,
     timeout_s: float = 10.0,
     check: bool = True,
 ) -> torch.Tensor:
@@ -96,7 +101,8 @@ def moe_forward_local(
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
     recorded errors (a bad expert id, a gate that timed out) are raised at the end, which waits
     for the stream; without it nothing waits for the host and the caller should not trust
-    ``out`` until it has checked them some other way."""
+    ``out`` until it has checked them some other way. ``skip_rounds`` (``fused`` only): rounds
+    of tiles the CTAs that do not send take before the senders join (-1: a bandwidth model)."""
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     t, h = x.shape
     if t == 0:  # no rows for the GEMMs: nothing to launch
@@ -108,6 +114,17 @@ def moe_forward_local(
     capacity = t * k
     offs = counts.cumsum(0).to(torch.int32)
     base = gate.tile_base(offs, capacity)
+    if overlap == "fused":
+        out, send_error, t1 = torch.ops.uniep.moe_fused_local(
+            x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
+            timeout_s,
+        )  # fmt: skip
+        if check:
+            gate.check_send_error(plan_error, k, "moe_forward_local (plan)")
+            gate.check_send_error(send_error, k, "moe_forward_local (fused)")
+            gate.check_gate_timeout(t1, "moe_forward_local (fused)")
+        return out
+
     # Every expert's tiles, whatever the routing: at most capacity / TILE_M + E.
     counters = torch.zeros(capacity // gate.TILE_M + e + 1, dtype=torch.int32, device=x.device)
     done = torch.zeros_like(counters)

@@ -12,9 +12,15 @@
 //
 // The wait sits before the TMA loads of the tile's first k-block; B (the expert's weight) is
 // loaded in the same TMA transaction, so neither operand of a tile is read early.
+//
+// Two gates: the fused kernel runs both expert GEMMs as one grouped GEMM (groups [0, split) GEMM
+// 1, [split, 2 split) GEMM 2), and the second half waits on GEMM 1's done counters (gate2, with
+// expert = group - split) where the first waits on the dispatch's rows (gate).
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include <climits>
 
 #include "cuda/megakernel/tile_gate.cuh"
 
@@ -24,9 +30,13 @@ template <class Base, int TileM>
 struct GatedMainloop : Base {
   struct Arguments : Base::Arguments {
     TileGate gate;
+    TileGate gate2;
+    int32_t split = INT_MAX;
   };
   struct Params : Base::Params {
     TileGate gate;
+    TileGate gate2;
+    int32_t split = INT_MAX;
   };
 
   template <class ProblemShape>
@@ -36,6 +46,8 @@ struct GatedMainloop : Base {
     static_cast<typename Base::Params&>(p) =
         Base::to_underlying_arguments(problem_shapes, args, workspace);
     p.gate = args.gate;
+    p.gate2 = args.gate2;
+    p.split = args.split;
     return p;
   }
 
@@ -61,10 +73,12 @@ struct GatedMainloop : Base {
                            const BlockCoord& blk_coord, KTileIterator k_tile_iter,
                            int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
                            typename Base::TensorStorage& shared_tensors) {
-    if (params.gate.counters != nullptr && k_tile_count > 0) {
+    const bool second = group_ >= params.split;
+    const TileGate& gate = second ? params.gate2 : params.gate;
+    if (gate.counters != nullptr && k_tile_count > 0) {
       if (cute::elect_one_sync()) {
-        gate_wait(params.gate, group_, static_cast<int>(cute::get<0>(blk_coord)), group_rows_,
-                  TileM);
+        gate_wait(gate, second ? group_ - params.split : group_,
+                  static_cast<int>(cute::get<0>(blk_coord)), group_rows_, TileM);
         fence_generic_to_async();
       }
       __syncwarp();

@@ -29,6 +29,8 @@ namespace uniep::cuda {
 //   flag 1  the wait timed out: have = the counter then, need = what the tile needed
 //   flag 2  the tile's counter lies outside the gate's counters (too few for the row ranges):
 //           have = num_counters, need = the counter's index; nothing was read
+//   flag 3  the fused kernel's reduce (fused_moe.hpp) timed out on a token's expert row:
+//           expert = the token, m_tile = its k, have / need as for flag 1
 struct GateTimeout {
   uint32_t flag = 0;
   int32_t expert = -1;  // the group (local expert) of the tile
@@ -90,6 +92,11 @@ inline Status gate_timeout_status(const GateTimeout& t, const char* what) {
             detail::str_cat(what, ": counters holds ", t.have, " entries, but expert ", t.expert,
                             ", m-tile ", t.m_tile, " needs entry ", t.need,
                             " (size counters by gate_tile_base's last entry)")};
+  if (t.flag == 3)
+    return {StatusCode::kTimeout,
+            detail::str_cat(what, ": the expert output of token ", t.expert, ", k = ", t.m_tile,
+                            " never arrived (its tile's counter reached ", t.have, " of ", t.need,
+                            ")")};
   return {StatusCode::kTimeout,
           detail::str_cat(what, ": the rows of expert ", t.expert, ", m-tile ", t.m_tile,
                           " never arrived (its counter reached ", t.have, " of ", t.need, ")")};

@@ -1,0 +1,155 @@
+// The fused MoE kernel's epilogue: one grouped GEMM runs both expert GEMMs (groups [0, split)
+// are GEMM 1 of each expert, groups [split, 2 split) GEMM 2), so the epilogue depends on the
+// group:
+//   GEMM 1  act = silu(gate) * up from the accumulators (the SwiGLU epilogue's arithmetic,
+//           swiglu_epilogue.cuh), then each warp adds 1 to done1[tile] of its output tile;
+//   GEMM 2  y = acc rounded once to bf16 (the bits of the TMA store epilogue), then each warp
+//           adds 1 to done2[tile], which the reduce of the tokens waits on.
+// Direct 4-byte stores from the accumulator fragment, no shared memory: the fused kernel keeps
+// all of it for the mainloop's stages.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/thread/linear_combination.h>
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+
+#include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/megakernel/tile_gate.cuh"
+
+namespace uniep::cuda::megakernel {
+
+class FusedMoeEpilogue {
+ public:
+  using Bf16 = grouped::Bf16;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementC = void;
+  using ElementD = Bf16;
+  using ElementOutput = Bf16;
+  using InternalStrideC = grouped::StrideD;
+  using StrideC = InternalStrideC*;
+  using InternalStrideD = grouped::StrideD;
+  using StrideD = InternalStrideD*;
+  // Named by the device adapter; never applied.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Bf16, 1, float, float>;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    Bf16** ptr_out = nullptr;  // per group: row 0 of its output rows (act, then y)
+    int64_t ld_act = 0;        // FFN: the columns of act
+    int64_t ld_y = 0;          // hidden: the columns of y
+    int32_t split = 0;         // groups below it are GEMM 1
+    uint32_t* done1 = nullptr;  // per (expert, m-tile) at tile_base[e] + i
+    uint32_t* done2 = nullptr;
+    const int32_t* tile_base = nullptr;
+    int64_t num_done = 0;  // entries of each of done1 and done2
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(const ProblemShape&, const Arguments& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(const ProblemShape&, const Arguments&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(const ProblemShape&, const Arguments&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(const ProblemShape&, const Arguments& a) {
+    return a.ptr_out != nullptr && a.ld_act > 0 && a.ld_act % 2 == 0 && a.ld_y > 0 &&
+           a.ld_y % 2 == 0 && a.split > 0 && a.done1 != nullptr && a.done2 != nullptr &&
+           a.tile_base != nullptr && a.num_done > 0;
+  }
+
+  CUTLASS_HOST_DEVICE explicit FusedMoeEpilogue(const Params& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                  "FusedMoeEpilogue expects a WGMMA accumulator fragment");
+    constexpr int kAtom = size<0>(FrgLayout{});
+    static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
+
+    const int M = get<0>(problem_shape_mnkl);
+    const int N = get<1>(problem_shape_mnkl);
+    const auto m_coord = get<0>(blk_coord_mnkl);
+    const auto n_coord = get<1>(blk_coord_mnkl);
+    const int group = static_cast<int>(get<3>(blk_coord_mnkl));
+    Tensor coords = make_identity_tensor(make_shape(M, N));
+    Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk), make_coord(m_coord, n_coord));
+    Tensor crd = tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
+    auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]);
+    const bool first = group < params_.split;
+
+    if (first) {
+      const int64_t ld = params_.ld_act;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); i += kAtom) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < kAtom; ++v) {
+          // v = column + 2 * row half + 4 * column block; gate blocks are the even ones.
+          if ((v / 4) % 2 != 0 || v % 2 != 0) continue;
+          const auto c = crd(i + v);
+          const int m = get<0>(c), n = get<1>(c);
+          if (m >= M || n >= N) continue;
+          const float act0 = swiglu(acc(i + v), acc(i + v + 4));
+          const float act1 = swiglu(acc(i + v + 1), acc(i + v + 5));
+          const int64_t j = (n / 16) * 8 + n % 16;
+          *reinterpret_cast<__nv_bfloat162*>(out + m * ld + j) = __floats2bfloat162_rn(act0, act1);
+        }
+      }
+    } else {
+      const int64_t ld = params_.ld_y;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        const auto c = crd(i);
+        const int m = get<0>(c), n = get<1>(c);
+        if (m >= M || n >= N) continue;
+        *reinterpret_cast<__nv_bfloat162*>(out + m * ld + n) =
+            __floats2bfloat162_rn(acc(i), acc(i + 1));
+      }
+    }
+    // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
+    // nothing and has no counter of its own.
+    if (m_coord * size<0>(blk_shape_mnk) < M) {
+      __threadfence();
+      __syncwarp();
+      const int expert = first ? group : group - params_.split;
+      const int64_t index = static_cast<int64_t>(params_.tile_base[expert]) + m_coord;
+      uint32_t* done = first ? params_.done1 : params_.done2;
+      if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
+        gate_signal(done + index, 1u);
+    }
+  }
+
+ private:
+  CUTLASS_DEVICE static float swiglu(float gate, float up) {
+    const float g = static_cast<float>(Bf16(gate));
+    const float u = static_cast<float>(Bf16(up));
+    return g / (1.0f + expf(-g)) * u;
+  }
+
+  Params params_;
+};
+
+}  // namespace uniep::cuda::megakernel

@@ -1,0 +1,119 @@
+// The stages of the fused MoE kernel around its GEMMs (include/uniep/cuda/fused_moe.hpp): the
+// send of the rows by the communication CTAs before they compute, and the reduce of the tokens
+// by every CTA's consumer warps after its tiles.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common/combine_reduce.cuh"
+#include "cuda/megakernel/send_rows.cuh"
+#include "cuda/megakernel/tile_gate.cuh"
+#include "uniep/cuda/fused_moe.hpp"
+
+namespace uniep::cuda::megakernel {
+
+// 16-byte pieces a lane keeps in flight: one SM moves a row store only as fast as its loads
+// return, so the send needs many outstanding loads per warp.
+constexpr int kSendUnroll = 8;
+
+// Warp `warp` of `warps` stores GEMM rows warp, warp + warps, ... : row r gets x[token of
+// row_entry[r]] and its tile counter 1. Rows go in increasing order, so the first experts'
+// first tiles are complete first, which is the order the GEMM takes them in.
+__device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
+                                                int lane) {
+  const int64_t pieces = a.hidden * 2 / 16;
+  const auto* x = static_cast<const int4*>(a.x);
+  auto* rows = static_cast<int4*>(a.rows);
+  for (int64_t r = warp; r < a.capacity; r += warps) {
+    const int64_t entry = a.row_entry[r];
+    if (entry < 0) continue;
+    const int64_t t = entry / a.top_k, c = a.counter[entry];
+    if (entry >= a.tokens * a.top_k || c < 0 || c >= a.num_counters) {
+      if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
+      continue;
+    }
+    const int4* src = x + t * pieces;
+    int4* dst = rows + r * pieces;
+    for (int64_t base = lane; base < pieces; base += 32 * kSendUnroll) {
+      int4 v[kSendUnroll];
+#pragma unroll
+      for (int u = 0; u < kSendUnroll; ++u)
+        if (base + 32 * u < pieces) v[u] = __ldg(src + base + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kSendUnroll; ++u)
+        if (base + 32 * u < pieces) dst[base + 32 * u] = v[u];
+    }
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) gate_signal(a.counters + c, 1u);
+  }
+}
+
+// Waits (one lane's loads suffice for the warp after __syncwarp, but every lane acquires so each
+// one's later loads are ordered after it) until tile counter `index` of done2 reaches `need`.
+// False if it timed out (recorded with flag 3).
+__device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, int64_t index,
+                                               uint32_t need, int64_t token, int k, int lane) {
+  const uint32_t* counter = a.done2 + index;
+  uint32_t have = load_acquire_u32(counter);
+  if (have >= need) return true;
+  const uint64_t deadline = a.timeout_ns ? gate_clock_ns() + a.timeout_ns : ~0ull;
+  while (have < need) {
+    __nanosleep(128);
+    if (gate_clock_ns() > deadline) {
+      if (lane == 0)
+        gate_report(a.timeout, 3u, static_cast<int>(token), k, have, need);
+      return false;
+    }
+    have = load_acquire_u32(counter);
+  }
+  return true;
+}
+
+// Warp `warp` of `warps` reduces tokens warp, warp + warps, ...: out[t] = sum over k ascending of
+// w[t, k] * y[gemm_row[t, k]], with the combines' arithmetic (combine_reduce.cuh), each row read
+// once GEMM 2 has signalled its tile complete (`need` warps).
+__device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64_t warp,
+                                                    int64_t warps, int lane, uint32_t need) {
+  const int64_t K = a.top_k, vecs = a.hidden / 8, row_bytes = a.hidden * 2;
+  const auto* y = static_cast<const uint8_t*>(a.y);
+  auto* out = static_cast<uint8_t*>(a.out);
+  for (int64_t t = warp; t < a.tokens; t += warps) {
+    int64_t row = -1, index = -1;
+    float w = 0.f;
+    if (lane < K) {
+      row = a.gemm_row[t * K + lane];
+      index = a.counter[t * K + lane];
+      w = a.topk_weights[t * K + lane];
+      if (row >= a.capacity || (row >= 0 && (index < 0 || index >= a.num_counters))) {
+        send_error(a.error, kSendRowOutOfRange, t * K + lane);
+        row = -1;
+      }
+    }
+    for (int k = 0; k < K; ++k) {
+      const int64_t rk = __shfl_sync(0xffffffffu, row, k);
+      const int64_t ik = __shfl_sync(0xffffffffu, index, k);
+      if (rk >= 0 && !fused_wait_row(a, ik, need, t, k, lane))
+        if (lane == k) row = -1;  // its output is garbage; leave it out
+    }
+    __syncwarp();
+    // Whole-warp trip counts: the shuffles need every lane.
+    for (int64_t base = 0; base < vecs; base += 32) {
+      const int64_t v = base + lane;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < K; ++k) {
+        const int64_t rk = __shfl_sync(0xffffffffu, row, k);
+        const float wk = __shfl_sync(0xffffffffu, w, k);
+        if (rk < 0 || v >= vecs) continue;
+        // y is written by this kernel: coherent loads, after the acquire above.
+        const int4 raw = *reinterpret_cast<const int4*>(y + rk * row_bytes + v * 16);
+        accumulate_bf16x8(acc, raw, wk);
+      }
+      if (v < vecs) reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
+    }
+  }
+}
+
+}  // namespace uniep::cuda::megakernel

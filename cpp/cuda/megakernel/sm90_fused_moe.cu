@@ -1,0 +1,338 @@
+// moe_fused_forward_bf16 (include/uniep/cuda/fused_moe.hpp): the MegaKernel's forward at world 1
+// as one persistent launch. The kernel is CUTLASS's ptr-array cooperative GEMM body (128 x 256 x
+// 64 tiles, clusters of two along M) over 2E groups, GEMM 1 of every expert then GEMM 2 of every
+// expert, wrapped by the send before it (communication CTAs only) and the reduce after it.
+//
+// Why one grouped GEMM for both: the persistent scheduler walks the groups in order, so each CTA
+// finishes its GEMM-1 tiles before it takes a GEMM-2 tile, and a GEMM-2 tile only waits on
+// GEMM-1 tiles, which only wait on the send, which waits on nothing: with every CTA resident the
+// waits cannot close a cycle. Two GEMM bodies in one kernel would need the pipelines' barriers
+// torn down and rebuilt between them; one body needs nothing of the kind.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/gemm/grouped/expert_rows.cuh"
+#include "cuda/gemm/grouped/grouped_kernel.cuh"
+#include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/fused_epilogue.cuh"
+#include "cuda/megakernel/fused_scheduler.cuh"
+#include "cuda/megakernel/fused_stages.cuh"
+#include "cuda/megakernel/gated_mainloop.cuh"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+
+namespace uniep::cuda {
+namespace megakernel {
+namespace {
+
+constexpr int kTileM = kGatedTileM, kTileN = kGatedTileN;
+
+struct FusedGemm {
+  // The SwiGLU configuration's mainloop: built with the stage count of an epilogue that keeps
+  // no shared memory, which FusedMoeEpilogue also keeps none of.
+  using Plain = grouped::Sm90GroupedGemm<kTileM, kTileN, 64, 2, 1, false,
+                                         grouped::GroupedEpilogue::kSwiGlu>;
+  using Mainloop = GatedMainloop<typename Plain::Mainloop, kTileM>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<FusedMoeEpilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<FusedProblemShape, Mainloop, Epilogue>;
+  static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
+  static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
+  static_assert(cute::is_same_v<typename Kernel::TileScheduler,
+                                SkewedGroupScheduler<Kernel::TileSchedulerStages>>,
+                "the fused kernel must run the skewed scheduler");
+};
+using Kernel = FusedGemm::Kernel;
+
+constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
+constexpr int kThreads = static_cast<int>(Kernel::MaxThreadsPerBlock);
+static_assert(kThreads == 128 + kConsumerThreads);
+
+// Groups [0, E): x rows times w1_packed[e] (SwiGLU into act); groups [E, 2E): act rows times
+// w2[e] into y. One warp.
+__global__ void __launch_bounds__(32)
+    fused_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden,
+                   int ffn, const grouped::Bf16* x_rows, const grouped::Bf16* w1,
+                   const grouped::Bf16* w2, grouped::Bf16* act, grouped::Bf16* y,
+                   grouped::Workspace ws) {
+  const int lane = static_cast<int>(threadIdx.x);
+  int carry = 0;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    const grouped::ExpertRows r =
+        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
+    if (e >= num_experts) continue;
+    const int m = r.end - r.begin, e2 = e + num_experts;
+    const int64_t b = r.begin, ee = e, h = hidden, f = ffn;
+    ws.shapes[e] = grouped::Shape{m, 2 * ffn, hidden};
+    ws.ptr_a[e] = x_rows + b * h;
+    ws.ptr_b[e] = w1 + ee * h * 2 * f;
+    ws.ptr_d[e] = act + b * f;
+    ws.stride_a[e] = h;
+    ws.stride_b[e] = 2 * f;
+    ws.stride_d[e] = grouped::StrideD{f, cute::_1{}, cute::_0{}};
+    ws.shapes[e2] = grouped::Shape{m, hidden, ffn};
+    ws.ptr_a[e2] = act + b * f;
+    ws.ptr_b[e2] = w2 + ee * f * h;
+    ws.ptr_d[e2] = y + b * h;
+    ws.stride_a[e2] = f;
+    ws.stride_b[e2] = h;
+    ws.stride_d[e2] = grouped::StrideD{h, cute::_1{}, cute::_0{}};
+  }
+}
+
+__global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, int64_t entries,
+                                         int64_t capacity, int64_t* __restrict__ row_entry) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < entries;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = gemm_row[i];
+    if (r >= 0 && r < capacity) row_entry[r] = i;
+  }
+}
+
+struct Stages {
+  FusedMoeArgs a;
+  int comm_units = 0;  // the first comm_units cluster units send (as the scheduler counts them)
+  uint32_t reduce_need = 0;  // GEMM 2's done arrivals per tile
+};
+
+__global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
+    fused_moe_kernel(const __grid_constant__ typename Kernel::Params params,
+                     const __grid_constant__ Stages st) {
+  extern __shared__ char smem[];
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const bool along_n =
+      params.scheduler.raster_order_ == Kernel::TileScheduler::RasterOrder::AlongN;
+  const uint64_t ctas = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
+  const uint64_t units = Kernel::TileScheduler::units_in_grid(params.scheduler);
+  const uint64_t per_unit = ctas / units;
+  const uint64_t first = fused_first_linear(along_n);
+  // 1. The send, by the first comm_units units (all of them when comm_units >= units).
+  const uint64_t comm_units = static_cast<uint64_t>(st.comm_units);
+  const uint64_t comm_ctas = (comm_units < units ? comm_units : units) * per_unit;
+  if (first < comm_ctas) {
+    const int64_t warps = static_cast<int64_t>(comm_ctas) * (kThreads / 32);
+    fused_send_rows(st.a, static_cast<int64_t>(first) * (kThreads / 32) + warp, warps, lane);
+  }
+  __syncthreads();
+  // 2. Both GEMMs.
+  Kernel{}(params, smem);
+  // 3. The reduce, by the consumer warpgroups: the producer warpgroup has given its registers
+  // to them (setmaxnreg) and may not run code that needs more.
+  if (threadIdx.x >= 128) {
+    const int64_t per_cta = kConsumerThreads / 32;
+    fused_reduce_tokens(st.a, static_cast<int64_t>(first) * per_cta + (warp - 4),
+                        static_cast<int64_t>(ctas) * per_cta, lane, st.reduce_need);
+  }
+}
+
+typename Kernel::Arguments fused_arguments(const grouped::Workspace& ws, const FusedMoeArgs& a,
+                                           int comm_units, int skip_rounds, int device,
+                                           int sm_count) {
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape.num_groups = static_cast<int>(2 * a.num_experts);
+  args.problem_shape.problem_shapes = ws.shapes;
+  args.problem_shape.host_problem_shapes = nullptr;
+  args.mainloop.ptr_A = ws.ptr_a;
+  args.mainloop.dA = reinterpret_cast<grouped::KMajorA*>(ws.stride_a);
+  args.mainloop.ptr_B = ws.ptr_b;
+  args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
+  TileGate rows_gate;
+  rows_gate.counters = a.counters;
+  rows_gate.num_counters = a.num_counters;
+  rows_gate.tile_base = a.tile_base;
+  rows_gate.per_row = 1;
+  rows_gate.per_tile = 0;
+  rows_gate.timeout_ns = a.timeout_ns;
+  rows_gate.timeout = a.timeout;
+  TileGate done_gate = rows_gate;
+  done_gate.counters = a.done1;
+  done_gate.per_row = 0;
+  done_gate.per_tile = static_cast<uint32_t>(
+      kGatedWarpsPerTile * ((2 * a.ffn + kTileN - 1) / kTileN));
+  args.mainloop.gate = rows_gate;
+  args.mainloop.gate2 = done_gate;
+  args.mainloop.split = static_cast<int32_t>(a.num_experts);
+  args.epilogue.ptr_out = ws.ptr_d;
+  args.epilogue.ld_act = a.ffn;
+  args.epilogue.ld_y = a.hidden;
+  args.epilogue.split = static_cast<int32_t>(a.num_experts);
+  args.epilogue.done1 = a.done1;
+  args.epilogue.done2 = a.done2;
+  args.epilogue.tile_base = a.tile_base;
+  args.epilogue.num_done = a.num_counters;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  args.scheduler.raster_order = Kernel::TileScheduler::RasterOrderOptions::AlongM;
+  args.scheduler.comm_units = comm_units;
+  args.scheduler.skip_rounds = skip_rounds;
+  return args;
+}
+
+size_t gemm_workspace(int64_t num_experts, int sm_count) {
+  const grouped::Workspace ws =
+      grouped::carve(reinterpret_cast<void*>(grouped::kWorkspaceAlign), 2 * num_experts);
+  FusedMoeArgs a;
+  a.num_experts = num_experts;
+  a.ffn = 2;
+  a.hidden = 2;
+  return Kernel::get_workspace_size(fused_arguments(ws, a, 0, 0, 0, sm_count));
+}
+
+Status check_args(const FusedMoeArgs& a) {
+  if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("tokens must be >= 0 and top_k in [1, 32], got ", a.tokens, " and ",
+                            a.top_k)};
+  if (a.hidden <= 0 || a.hidden % 64 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("hidden must be a positive multiple of 64, got ", a.hidden)};
+  if (a.ffn <= 0 || a.ffn % 64 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("ffn must be a positive multiple of 64, got ", a.ffn)};
+  if (a.num_experts < 1 || a.num_experts > (1 << 20))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
+  if (a.capacity < a.tokens * a.top_k || a.capacity > (1ll << 31) - 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("capacity must be in [tokens x top_k = ", a.tokens * a.top_k,
+                            ", 2^31), got ", a.capacity)};
+  if (a.num_counters < a.capacity / kTileM + a.num_experts)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("num_counters must be >= capacity / 128 + E = ",
+                            a.capacity / kTileM + a.num_experts, ", got ", a.num_counters)};
+  const void* needed[] = {a.x,   a.topk_weights, a.gemm_row, a.counter, a.row_entry,
+                          a.w1_packed, a.w2,     a.offs,     a.tile_base, a.rows,
+                          a.act, a.y,            a.out,      a.counters,  a.done1,
+                          a.done2, a.error,      a.timeout};
+  for (const void* p : needed)
+    if (p == nullptr)
+      return {StatusCode::kInvalidArgument,
+              "moe_fused_forward_bf16: every pointer of FusedMoeArgs must be a device pointer"};
+  const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, a.y, a.out};
+  for (const void* p : aligned)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      return {StatusCode::kInvalidArgument,
+              "moe_fused_forward_bf16: x, w1_packed, w2, rows, act, y and out must be 16-byte "
+              "aligned"};
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace megakernel
+
+int fused_default_skip_rounds(int64_t capacity, int64_t hidden, int comm_ctas) {
+  // The send reads and writes every row once, at about 60 GB/s per communicating SM; a GEMM-1
+  // tile is 2 x 128 x 256 x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared
+  // by its SMs). The other CTAs take the tiles that fit in the send's time.
+  if (comm_ctas < 1 || capacity <= 0 || hidden <= 0) return 0;
+  const double send_s = 4.0 * static_cast<double>(capacity) * hidden / (comm_ctas * 60e9);
+  const double tile_s = 2.0 * megakernel::kTileM * megakernel::kTileN * hidden / 5e12;
+  return static_cast<int>(std::ceil(send_s / tile_s));
+}
+
+Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capacity,
+                         int64_t* row_entry, cudaStream_t stream) {
+  if (entries < 0 || capacity < 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("entries and capacity must be >= 0, got ", entries, " and ",
+                            capacity)};
+  if (capacity == 0) return Status::Ok();
+  if (row_entry == nullptr || (entries > 0 && gemm_row == nullptr))
+    return {StatusCode::kInvalidArgument, "gemm_row and row_entry must be device pointers"};
+  if (cudaMemsetAsync(row_entry, 0xff, capacity * sizeof(int64_t), stream) != cudaSuccess)
+    return launch_status("fused_row_entries (fill)");
+  if (entries == 0) return Status::Ok();
+  const int blocks = static_cast<int>(std::min<int64_t>((entries + 255) / 256, 1024));
+  megakernel::fused_row_entries_kernel<<<blocks, 256, 0, stream>>>(gemm_row, entries, capacity,
+                                                                   row_entry);
+  return launch_status("fused_row_entries");
+}
+
+size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count) {
+  if (num_experts < 1 || num_experts > (1 << 20) || sm_count < 1) return 0;
+  return grouped::group_arrays_bytes(2 * num_experts) +
+         megakernel::gemm_workspace(num_experts, sm_count);
+}
+
+Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
+                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using megakernel::Kernel;
+  if (Status s = megakernel::check_args(a); !s.ok()) return s;
+  if (!grouped_gemm_device_ok(device))
+    return {StatusCode::kUnsupported,
+            "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)"};
+  int device_sms = 0;
+  if (cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return launch_status("moe_fused_forward_bf16 (device attributes)");
+  const int sm_count = launch.sm_count == 0 ? device_sms : launch.sm_count;
+  if (sm_count < 2 || sm_count > device_sms)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("sm_count must be 0 (all) or in [2, ", device_sms, "], got ",
+                            launch.sm_count)};
+  if (launch.comm_ctas < 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("comm_ctas must be >= 1 (someone sends the rows), got ",
+                            launch.comm_ctas)};
+  if (launch.skip_rounds < -1 || launch.skip_rounds > (1 << 20))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("skip_rounds must be -1 (model) or in [0, 2^20], got ",
+                            launch.skip_rounds)};
+  if (a.tokens == 0) return Status::Ok();
+  const size_t need = fused_moe_workspace_bytes(a.num_experts, sm_count);
+  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the fused MoE kernel");
+      !s.ok())
+    return s;
+
+  const grouped::Workspace ws = grouped::carve(workspace, 2 * a.num_experts);
+  megakernel::fused_problems<<<1, 32, 0, stream>>>(
+      a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
+      static_cast<int>(a.hidden), static_cast<int>(a.ffn),
+      static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
+      static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act),
+      static_cast<grouped::Bf16*>(a.y), ws);
+  if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
+
+  // Units of two CTAs (the cluster).
+  const int comm_units = (std::min(launch.comm_ctas, sm_count) + 1) / 2;
+  const int skip = launch.skip_rounds >= 0
+                       ? launch.skip_rounds
+                       : fused_default_skip_rounds(a.capacity, a.hidden, comm_units * 2);
+  const auto args = megakernel::fused_arguments(ws, a, comm_units, skip, device, sm_count);
+  if (Kernel::can_implement(args) != true)
+    return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};
+  if (Kernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal, "the fused MoE kernel's workspace failed to initialize"};
+  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, ws.gemm);
+  megakernel::Stages st;
+  st.a = a;
+  st.comm_units = comm_units;
+  st.reduce_need = static_cast<uint32_t>(
+      kGatedWarpsPerTile * ((a.hidden + megakernel::kTileN - 1) / megakernel::kTileN));
+
+  const int smem = static_cast<int>(Kernel::SharedStorageSize);
+  if (cudaFuncSetAttribute(megakernel::fused_moe_kernel,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return launch_status("moe_fused_forward_bf16 (shared memory attribute)");
+  cudaLaunchConfig_t config{};
+  config.gridDim = Kernel::get_grid_shape(params);
+  config.blockDim = Kernel::get_block_shape();
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaLaunchKernelEx(&config, megakernel::fused_moe_kernel, params, st) != cudaSuccess)
+    return launch_status("moe_fused_forward_bf16");
+  return launch_status("moe_fused_forward_bf16");
+}
+
+}  // namespace uniep::cuda

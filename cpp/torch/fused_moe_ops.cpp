@@ -1,0 +1,132 @@
+// CUDA implementation of uniep::moe_fused_local (schema in registration.cpp): the MegaKernel's
+// forward at world 1 (include/uniep/cuda/fused_moe.hpp) on torch tensors. Buffers are sized by
+// capacity (tokens x top_k rows); no host sync: the error word and the timeout record are
+// returned for the caller to read once the stream has run.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "torch/runtime_registry.hpp"
+#include "torch/validate.hpp"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/cuda/tile_gate.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+void check_on(const at::Tensor& t, const char* name, at::ScalarType dtype,
+              at::IntArrayRef shape, const at::Tensor& like) {
+  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
+              shape, ", got ", t.scalar_type(), " ", t.sizes());
+  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+              t.device());
+  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
+    const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
+    const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
+    const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
+    double timeout_s) {
+  return translate_errors([&] {
+    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), H = x.size(1);
+    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T,
+                "gemm_row must be [T = ", T, ", K], got ", gemm_row.sizes());
+    const int64_t K = gemm_row.size(1);
+    UNIEP_CHECK(K >= 1 && K <= 32, "top_k must be in [1, 32], got ", K);
+    check_on(gemm_row, "gemm_row", at::kLong, {T, K}, x);
+    check_on(counter, "counter", at::kLong, {T, K}, x);
+    check_on(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
+    UNIEP_CHECK(w1_packed.dim() == 3 && w1_packed.size(1) == H,
+                "w1_packed must be [E, H = ", H, ", 2I], got ", w1_packed.sizes());
+    const int64_t E = w1_packed.size(0), I = w1_packed.size(2) / 2;
+    UNIEP_CHECK(w1_packed.size(2) % 2 == 0, "w1_packed's last dimension (2I) must be even, got ",
+                w1_packed.size(2));
+    check_on(w1_packed, "w1_packed", at::kBFloat16, {E, H, 2 * I}, x);
+    check_on(w2, "w2", at::kBFloat16, {E, I, H}, x);
+    check_on(offs, "offs", at::kInt, {E}, x);
+    check_on(tile_base, "tile_base", at::kInt, {E + 1}, x);
+    UNIEP_CHECK(H % 64 == 0, "hidden (x.size(1)) must be a multiple of 64, got ", H);
+    UNIEP_CHECK(I % 64 == 0, "ffn (w2.size(1)) must be a multiple of 64, got ", I);
+    UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
+                comm_ctas);
+    UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
+                "skip_rounds must be -1 (model) or in [0, 2^20], got ", skip_rounds);
+    UNIEP_CHECK(timeout_s >= 0 && timeout_s <= 3600, "timeout_s must be in [0, 3600], got ",
+                timeout_s);
+    const int device = x.device().index();
+    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                     "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
+
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto opts = x.options();
+    at::Tensor out = at::empty({T, H}, opts);
+    at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
+    at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
+    if (T == 0) return std::make_tuple(out, error, timeout);
+    const int64_t capacity = T * K, num_counters = capacity / cuda::kGatedTileM + E + 1;
+    at::Tensor row_entry = at::empty({capacity}, opts.dtype(at::kLong));
+    at::Tensor rows = at::empty({capacity, H}, opts);
+    at::Tensor act = at::empty({capacity, I}, opts);
+    at::Tensor y = at::empty({capacity, H}, opts);
+    at::Tensor counters = at::zeros({3, num_counters}, opts.dtype(at::kInt));
+    int device_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+    const size_t bytes = cuda::fused_moe_workspace_bytes(E, device_sms);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, opts.dtype(at::kByte));
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+
+    ok_or_throw(cuda::fused_row_entries(gemm_row.data_ptr<int64_t>(), capacity, capacity,
+                                        row_entry.data_ptr<int64_t>(), stream));
+    cuda::FusedMoeArgs a;
+    a.x = x.data_ptr();
+    a.tokens = T;
+    a.hidden = H;
+    a.top_k = K;
+    a.topk_weights = topk_weights.data_ptr<float>();
+    a.gemm_row = gemm_row.data_ptr<int64_t>();
+    a.counter = counter.data_ptr<int64_t>();
+    a.row_entry = row_entry.data_ptr<int64_t>();
+    a.w1_packed = w1_packed.data_ptr();
+    a.w2 = w2.data_ptr();
+    a.num_experts = E;
+    a.ffn = I;
+    a.offs = offs.data_ptr<int32_t>();
+    a.tile_base = tile_base.data_ptr<int32_t>();
+    a.capacity = capacity;
+    a.rows = rows.data_ptr();
+    a.act = act.data_ptr();
+    a.y = y.data_ptr();
+    a.out = out.data_ptr();
+    auto* c = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
+    a.counters = c;
+    a.done1 = c + num_counters;
+    a.done2 = c + 2 * num_counters;
+    a.num_counters = num_counters;
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    a.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
+    a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    cuda::FusedMoeLaunch launch;
+    launch.comm_ctas = static_cast<int>(comm_ctas);
+    launch.skip_rounds = static_cast<int>(skip_rounds);
+    ok_or_throw(cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes,
+                                             stream));
+    return std::make_tuple(out, error, timeout);
+  });
+}
+
+}  // namespace
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("moe_fused_local", &uniep::torch_glue::moe_fused_local_cuda);
+}

@@ -1,0 +1,78 @@
+// The MoE MegaKernel's forward at world 1 (docs/megakernel.md): one persistent launch in which
+// the first CTAs store the dispatch's rows into the GEMM rows (in row order, so the first tiles
+// are released first) and then join the GEMMs; both expert GEMMs run as one grouped GEMM whose
+// tiles wait on tile gates (GEMM 1 on the rows, GEMM 2 on GEMM 1's done counters); and after its
+// tiles every CTA reduces a share of the tokens over k, each token once its rows are written.
+//
+// The bits equal the sequential path's (send_rows, grouped_mm_gated twice, combine_rows): the
+// same tile arithmetic, the same SwiGLU and rounding, the same fp32 reduce in ascending k. Which
+// CTA sends a row or computes a tile, and when, never changes a bit.
+//
+// Plain device pointers; counters are zeroed by the caller. No host sync: the row counts stay on
+// the device, buffers are sized by capacity (tokens x top_k rows).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "uniep/cuda/tile_gate.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+struct FusedMoeArgs {
+  const void* x = nullptr;  // [tokens][hidden] bf16
+  int64_t tokens = 0, hidden = 0, top_k = 0;
+  const float* topk_weights = nullptr;  // [tokens][top_k]
+  // From the sender-side plan (plan_sender_rows_async, world 1): each entry's GEMM row and gate
+  // counter, -1 for unused entries; row_entry is its inverse (fused_row_entries).
+  const int64_t* gemm_row = nullptr;   // [tokens * top_k]
+  const int64_t* counter = nullptr;    // [tokens * top_k]
+  const int64_t* row_entry = nullptr;  // [capacity] entry t * top_k + k of each row, -1 none
+  const void* w1_packed = nullptr;     // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
+  const void* w2 = nullptr;            // [E][ffn][hidden] bf16
+  int64_t num_experts = 0, ffn = 0;
+  const int32_t* offs = nullptr;       // [E] cumulative row ends of the experts
+  const int32_t* tile_base = nullptr;  // [E + 1] gate_tile_base(offs, capacity, 128)
+  int64_t capacity = 0;                // rows of rows, act and y
+  void* rows = nullptr;                // [capacity][hidden] bf16: GEMM 1's A
+  void* act = nullptr;                 // [capacity][ffn] bf16: GEMM 2's A
+  void* y = nullptr;                   // [capacity][hidden] bf16: the experts' outputs
+  void* out = nullptr;                 // [tokens][hidden] bf16
+  // Three counter arrays of num_counters each, zeroed: rows stored per tile, GEMM 1's and GEMM
+  // 2's finished warps per tile.
+  uint32_t* counters = nullptr;
+  uint32_t* done1 = nullptr;
+  uint32_t* done2 = nullptr;
+  int64_t num_counters = 0;
+  unsigned long long* error = nullptr;  // send_rows' error word, zeroed
+  GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
+  uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
+};
+
+// The tuning point of the launch.
+struct FusedMoeLaunch {
+  int comm_ctas = 16;    // CTAs that send before they compute (rounded up to the cluster's 2);
+                         // >= the grid: every CTA sends first
+  int skip_rounds = -1;  // rounds of tiles the other CTAs take first; -1: from a bandwidth model
+  int sm_count = 0;      // 0: every SM of the device
+};
+
+// row_entry[r] = i for every entry i with gemm_row[i] = r < capacity (others -1): the order in
+// which the fused kernel sends rows.
+Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capacity,
+                         int64_t* row_entry, cudaStream_t stream);
+
+size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count);
+
+// The launch (see above); errors of the arguments come back as Status, errors found on the
+// device (a bad row, a wait that timed out) in `error` and `timeout`.
+Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
+                              void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The skip_rounds that skip_rounds = -1 picks (exposed so tools can print it).
+int fused_default_skip_rounds(int64_t capacity, int64_t hidden, int comm_ctas);
+
+}  // namespace uniep::cuda
