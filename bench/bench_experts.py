@@ -315,7 +315,7 @@ def _bench_local(
     the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward within 1.03x
     of that GEMM-only time."""
     from uniep import gate
-    from uniep.megakernel import expert_counts, moe_forward_local
+    from uniep.megakernel import expert_counts, moe_forward_local, trace_phases
 
     experts = prepared.w1.shape[0]
     counts = expert_counts(idx, experts)
@@ -363,8 +363,14 @@ def _bench_local(
         ms = median_time_ms(local, warmup, iters, cuda=True)
         row[f"ms[{key}]"] = ms
         row[f"over_gemm_only[{key}]"] = ms / row["gemm_only_ms"]
-        if kwargs["overlap"] == "fused" and (best is None or ms < row[f"ms[local {best}]"]):
-            best = name
+        if kwargs["overlap"] == "fused":
+            if best is None or ms < row[f"ms[local {best}]"]:
+                best = name
+            # Where the time goes inside the launch: each CTA's send, tiles and reduce.
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
+            local(dict(kwargs, trace=trace))
+            row[f"phases_us[{key}]"] = trace_phases(trace)
     row["fused_bits_equal_sequential"] = fused_equal
     if best is not None:
         row["fused_best_point"] = best

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "torch/runtime_registry.hpp"
@@ -33,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
     const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
-    double timeout_s) {
+    double timeout_s, const std::optional<at::Tensor>& trace) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -81,6 +82,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     at::Tensor counters = at::zeros({3, num_counters}, opts.dtype(at::kInt));
     int device_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+    if (trace.has_value())
+      UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
+                      trace->size(0) >= 4 * device_sms && trace->device() == x.device() &&
+                      trace->is_contiguous(),
+                  "trace must be contiguous int64 with >= 4 x SMs = ", 4 * device_sms,
+                  " entries on ", x.device(), ", got ", trace->scalar_type(), " ",
+                  trace->sizes(), " on ", trace->device());
     const size_t bytes = cuda::fused_moe_workspace_bytes(E, device_sms);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, opts.dtype(at::kByte));
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
@@ -115,6 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
     a.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
     a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    if (trace.has_value())
+      a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);

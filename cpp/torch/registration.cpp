@@ -76,11 +76,13 @@ TORCH_LIBRARY(uniep, m) {
   // persistent launch of the send into GEMM rows (gemm_row / counter from sender_rows), both
   // expert GEMMs (w1_packed: pack_gate_up's layout) and the reduce over k. Returns out [T, H],
   // error [1] int64 (uniep.gate.check_send_error) and timeout [5] int32
-  // (uniep.gate.check_gate_timeout), to be read once the stream has run.
+  // (uniep.gate.check_gate_timeout), to be read once the stream has run. trace (int64, 4 per
+  // SM): each CTA's global-timer stamps at its start, after its send, its GEMMs and its reduce.
   m.def(
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
-      "int skip_rounds, float timeout_s) -> (Tensor out, Tensor error, Tensor timeout)");
+      "int skip_rounds, float timeout_s, Tensor(a!)? trace=None) -> "
+      "(Tensor out, Tensor error, Tensor timeout)");
   m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
   m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

@@ -27,7 +27,7 @@ import torch
 
 from . import gate
 
-__all__ = ["expert_counts", "moe_forward_local"]
+__all__ = ["expert_counts", "moe_forward_local", "trace_phases"]
 
 OVERLAPS = ("sequential", "streams", "fused")
 
@@ -42,6 +42,24 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, bins, torch.ones_like(bins))
     return counts[1:]
+
+
+def trace_phases(trace: torch.Tensor) -> dict[str, float]:
+    """The fused kernel's phases from a ``trace`` that one call filled (zeroed before it): in
+    microseconds after the first CTA started, the last CTA to finish its send, its GEMM tiles and
+    its reduce, and the first to finish its tiles (where the reduce's tail begins)."""
+    stamps = trace.view(-1, 4).cpu()
+    stamps = stamps[stamps[:, 0] > 0].double()
+    if stamps.numel() == 0:
+        return {}
+    start = float(stamps[:, 0].min())
+    us = (stamps - start) / 1e3
+    return {
+        "send_end_us": float(us[:, 1].max()),
+        "first_gemm_end_us": float(us[:, 2].min()),
+        "gemm_end_us": float(us[:, 2].max()),
+        "reduce_end_us": float(us[:, 3].max()),
+    }
 
 
 def _check(
@@ -96,13 +114,16 @@ def moe_forward_local(
     skip_rounds: int = -1,
     timeout_s: float = 10.0,
     check: bool = True,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
     recorded errors (a bad expert id, a gate that timed out) are raised at the end, which waits
     for the stream; without it nothing waits for the host and the caller should not trust
     ``out`` until it has checked them some other way. ``skip_rounds`` (``fused`` only): rounds
-    of tiles the CTAs that do not send take before the senders join (-1: a bandwidth model)."""
+    of tiles the CTAs that do not send take before the senders join (-1: a bandwidth model).
+    ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
+    start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`)."""
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     t, h = x.shape
     if t == 0:  # no rows for the GEMMs: nothing to launch
@@ -117,7 +138,7 @@ def moe_forward_local(
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
-            timeout_s,
+            timeout_s, trace,
         )  # fmt: skip
         if check:
             gate.check_send_error(plan_error, k, "moe_forward_local (plan)")

@@ -17,6 +17,8 @@ namespace uniep::cuda::megakernel {
 // 16-byte pieces a lane keeps in flight: one SM moves a row store only as fast as its loads
 // return, so the send needs many outstanding loads per warp.
 constexpr int kSendUnroll = 8;
+// Expert rows of a token the reduce loads before it adds them.
+constexpr int kReduceChunk = 4;
 
 // Warp `warp` of `warps` stores GEMM rows warp, warp + warps, ... : row r gets x[token of
 // row_entry[r]] and its tile counter 1. Rows go in increasing order, so the first experts'
@@ -99,19 +101,38 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64
         if (lane == k) row = -1;  // its output is garbage; leave it out
     }
     __syncwarp();
-    // Whole-warp trip counts: the shuffles need every lane.
-    for (int64_t base = 0; base < vecs; base += 32) {
-      const int64_t v = base + lane;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < K; ++k) {
-        const int64_t rk = __shfl_sync(0xffffffffu, row, k);
-        const float wk = __shfl_sync(0xffffffffu, w, k);
-        if (rk < 0 || v >= vecs) continue;
-        // y is written by this kernel: coherent loads, after the acquire above.
-        const int4 raw = *reinterpret_cast<const int4*>(y + rk * row_bytes + v * 16);
-        accumulate_bf16x8(acc, raw, wk);
+    // Each lane keeps 2 vectors x kReduceChunk rows in flight: the loads of a chunk are issued
+    // before any of them is added, and the sums still run in ascending k. Whole-warp trip counts:
+    // the shuffles need every lane.
+    for (int64_t base = 0; base < vecs; base += 64) {
+      const int64_t v0 = base + lane, v1 = base + 32 + lane;
+      float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k0 = 0; k0 < K; k0 += kReduceChunk) {
+        int64_t rk[kReduceChunk];
+        float wk[kReduceChunk];
+        int4 raw0[kReduceChunk], raw1[kReduceChunk];
+#pragma unroll
+        for (int j = 0; j < kReduceChunk; ++j) {
+          const int k = k0 + j < K ? k0 + j : 0;
+          rk[j] = __shfl_sync(0xffffffffu, row, k);
+          wk[j] = __shfl_sync(0xffffffffu, w, k);
+          if (k0 + j >= K) rk[j] = -1;
+          // y is written by this kernel: coherent loads, after the acquire above.
+          const int4* src = reinterpret_cast<const int4*>(y + (rk[j] < 0 ? 0 : rk[j]) * row_bytes);
+          if (rk[j] >= 0 && v0 < vecs) raw0[j] = src[v0];
+          if (rk[j] >= 0 && v1 < vecs) raw1[j] = src[v1];
+        }
+#pragma unroll
+        for (int j = 0; j < kReduceChunk; ++j) {
+          if (rk[j] < 0) continue;
+          if (v0 < vecs) accumulate_bf16x8(acc0, raw0[j], wk[j]);
+          if (v1 < vecs) accumulate_bf16x8(acc1, raw1[j], wk[j]);
+        }
       }
-      if (v < vecs) reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
+      auto* dst = reinterpret_cast<int4*>(out + t * row_bytes);
+      if (v0 < vecs) dst[v0] = round_bf16x8(acc0);
+      if (v1 < vecs) dst[v1] = round_bf16x8(acc1);
     }
   }
 }

@@ -48,6 +48,7 @@ struct FusedGemm {
 using Kernel = FusedGemm::Kernel;
 
 constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
+constexpr int kReduceRegisters = 160;
 constexpr int kThreads = static_cast<int>(Kernel::MaxThreadsPerBlock);
 static_assert(kThreads == 128 + kConsumerThreads);
 
@@ -110,6 +111,9 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   const uint64_t units = Kernel::TileScheduler::units_in_grid(params.scheduler);
   const uint64_t per_unit = ctas / units;
   const uint64_t first = fused_first_linear(along_n);
+  unsigned long long* trace =
+      st.a.trace != nullptr ? st.a.trace + 4 * (blockIdx.x + gridDim.x * blockIdx.y) : nullptr;
+  if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
   // 1. The send, by the first comm_units units (all of them when comm_units >= units).
   const uint64_t comm_units = static_cast<uint64_t>(st.comm_units);
   const uint64_t comm_ctas = (comm_units < units ? comm_units : units) * per_unit;
@@ -118,14 +122,27 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
     fused_send_rows(st.a, static_cast<int64_t>(first) * (kThreads / 32) + warp, warps, lane);
   }
   __syncthreads();
+  if (trace != nullptr && threadIdx.x == 0) trace[1] = gate_clock_ns();
   // 2. Both GEMMs.
   Kernel{}(params, smem);
   // 3. The reduce, by the consumer warpgroups: the producer warpgroup has given its registers
   // to them (setmaxnreg) and may not run code that needs more.
   if (threadIdx.x >= 128) {
+    // Down to a budget both paths out of the body share (232 after the consumers' setmaxnreg,
+    // the launch's 168 where the CTA had no tile), so ptxas compiles the reduce for it instead
+    // of the producer's 40.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kReduceRegisters));
+    if (trace != nullptr) {
+      asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
+      if (threadIdx.x == 128) trace[2] = gate_clock_ns();
+    }
     const int64_t per_cta = kConsumerThreads / 32;
     fused_reduce_tokens(st.a, static_cast<int64_t>(first) * per_cta + (warp - 4),
                         static_cast<int64_t>(ctas) * per_cta, lane, st.reduce_need);
+    if (trace != nullptr) {
+      asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
+      if (threadIdx.x == 128) trace[3] = gate_clock_ns();
+    }
   }
 }
 

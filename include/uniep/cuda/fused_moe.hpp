@@ -50,6 +50,9 @@ struct FusedMoeArgs {
   unsigned long long* error = nullptr;  // send_rows' error word, zeroed
   GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
   uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
+  // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns)
+  // at its start, after its send, after its GEMM tiles and after its reduce.
+  unsigned long long* trace = nullptr;
 };
 
 // The tuning point of the launch.
