@@ -5,8 +5,8 @@
 //           swiglu_epilogue.cuh), then each warp adds 1 to done1[tile] of its output tile;
 //   GEMM 2  y = acc rounded once to bf16 (the bits of the TMA store epilogue), then each warp
 //           adds 1 to done2[tile], which the reduce of the tokens waits on.
-// Direct 4-byte stores from the accumulator fragment, no shared memory: the fused kernel keeps
-// all of it for the mainloop's stages.
+// Direct 16-byte stores from the accumulator fragment (lanes trade values by shuffles), no
+// shared memory: the fused kernel keeps all of it for the mainloop's stages.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -101,32 +101,48 @@ class FusedMoeEpilogue {
     auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]);
     const bool first = group < params_.split;
 
-    if (first) {
-      const int64_t ld = params_.ld_act;
+    // Each value pair below is two adjacent bf16 columns of one row; the four lanes of a row
+    // (lanes 4r..4r+3) hold the four pairs of each 8-column block. Four blocks at a time they
+    // trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one 16-byte store
+    // where there were four 4-byte ones, and whole sectors.
+    const int q = static_cast<int>(threadIdx.x % 4);
+    constexpr int kBlocks = kAtom / 4;  // 8-column blocks of the atom
+    static_assert(kBlocks % 8 == 0, "the transposes take the blocks four (pairs) at a time");
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += kAtom) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc); i += kAtom) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < kAtom; ++v) {
-          // v = column + 2 * row half + 4 * column block; gate blocks are the even ones.
-          if ((v / 4) % 2 != 0 || v % 2 != 0) continue;
-          const auto c = crd(i + v);
-          const int m = get<0>(c), n = get<1>(c);
-          if (m >= M || n >= N) continue;
-          const float act0 = swiglu(acc(i + v), acc(i + v + 4));
-          const float act1 = swiglu(acc(i + v + 1), acc(i + v + 5));
-          const int64_t j = (n / 16) * 8 + n % 16;
-          *reinterpret_cast<__nv_bfloat162*>(out + m * ld + j) = __floats2bfloat162_rn(act0, act1);
+      for (int h = 0; h < 2; ++h) {
+        if (first) {
+          // Block pairs (gate 2p, up 2p + 1) give 8 activation columns each.
+          CUTLASS_PRAGMA_UNROLL
+          for (int quad = 0; quad < kBlocks / 8; ++quad) {
+            uint32_t w[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              const int v = 4 * 2 * (4 * quad + j) + 2 * h;
+              w[j] = pack(swiglu(acc(i + v), acc(i + v + 4)), swiglu(acc(i + v + 1), acc(i + v + 5)));
+            }
+            transpose4(w, q);
+            const auto c = crd(i + 4 * 2 * (4 * quad) + 2 * h);
+            const int m = get<0>(c), n = get<1>(c) - 2 * q + 16 * q;  // lane q's gate block
+            if (m < M && n < N)
+              store16(out + m * params_.ld_act + (n / 16) * 8, w);
+          }
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int quad = 0; quad < kBlocks / 4; ++quad) {
+            uint32_t w[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              const int v = 4 * (4 * quad + j) + 2 * h;
+              w[j] = pack(acc(i + v), acc(i + v + 1));
+            }
+            transpose4(w, q);
+            const auto c = crd(i + 4 * (4 * quad) + 2 * h);
+            const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
+            if (m < M && n < N) store16(out + m * params_.ld_y + n, w);
+          }
         }
-      }
-    } else {
-      const int64_t ld = params_.ld_y;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        const auto c = crd(i);
-        const int m = get<0>(c), n = get<1>(c);
-        if (m >= M || n >= N) continue;
-        *reinterpret_cast<__nv_bfloat162*>(out + m * ld + n) =
-            __floats2bfloat162_rn(acc(i), acc(i + 1));
       }
     }
     // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
@@ -143,6 +159,33 @@ class FusedMoeEpilogue {
   }
 
  private:
+  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+
+  // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;
+  // after, w[j] is lane j's pair of block q. Round s sends w[(q + s) % 4] to lane q + s and
+  // receives lane q - s's pair of block q.
+  CUTLASS_DEVICE static void transpose4(uint32_t (&w)[4], int q) {
+    uint32_t out[4] = {0u, 0u, 0u, 0u};
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 4; ++s) {
+      const int send = (q + s) & 3, from = (q - s) & 3;
+      const uint32_t mine = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
+      const uint32_t got = __shfl_sync(0xffffffffu, mine, (threadIdx.x & ~3u) | from);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j)
+        if (j == from) out[j] = got;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) w[j] = out[j];
+  }
+
+  CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
+    *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+
   CUTLASS_DEVICE static float swiglu(float gate, float up) {
     const float g = static_cast<float>(Bf16(gate));
     const float u = static_cast<float>(Bf16(up));

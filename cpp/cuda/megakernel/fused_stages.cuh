@@ -16,40 +16,50 @@ namespace uniep::cuda::megakernel {
 
 // 16-byte pieces a lane keeps in flight: one SM moves a row store only as fast as its loads
 // return, so the send needs many outstanding loads per warp.
-constexpr int kSendUnroll = 8;
+constexpr int kSendUnroll = 16;
+// Rows a warp stores between fences (<= 32: one lane signals each).
+constexpr int kSendBatch = 4;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
 
 // Warp `warp` of `warps` stores GEMM rows warp, warp + warps, ... : row r gets x[token of
 // row_entry[r]] and its tile counter 1. Rows go in increasing order, so the first experts'
-// first tiles are complete first, which is the order the GEMM takes them in.
+// first tiles are complete first, which is the order the GEMM takes them in. A warp stores
+// kSendBatch rows before one fence and their signals: the fence waits for the stores to land, and
+// once per row it would keep the warp idle for a round trip per row.
 __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
                                                 int lane) {
   const int64_t pieces = a.hidden * 2 / 16;
   const auto* x = static_cast<const int4*>(a.x);
   auto* rows = static_cast<int4*>(a.rows);
-  for (int64_t r = warp; r < a.capacity; r += warps) {
-    const int64_t entry = a.row_entry[r];
-    if (entry < 0) continue;
-    const int64_t t = entry / a.top_k, c = a.counter[entry];
-    if (entry >= a.tokens * a.top_k || c < 0 || c >= a.num_counters) {
-      if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
-      continue;
-    }
-    const int4* src = x + t * pieces;
-    int4* dst = rows + r * pieces;
-    for (int64_t base = lane; base < pieces; base += 32 * kSendUnroll) {
-      int4 v[kSendUnroll];
+  for (int64_t r0 = warp; r0 < a.capacity; r0 += warps * kSendBatch) {
+    int64_t signal = -1;  // lane j < kSendBatch: the counter of the batch's j-th row
+    for (int j = 0; j < kSendBatch; ++j) {
+      const int64_t r = r0 + j * warps;
+      if (r >= a.capacity) break;
+      const int64_t entry = a.row_entry[r];
+      if (entry < 0) continue;
+      const int64_t t = entry / a.top_k, c = a.counter[entry];
+      if (entry >= a.tokens * a.top_k || c < 0 || c >= a.num_counters) {
+        if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
+        continue;
+      }
+      const int4* src = x + t * pieces;
+      int4* dst = rows + r * pieces;
+      for (int64_t base = lane; base < pieces; base += 32 * kSendUnroll) {
+        int4 v[kSendUnroll];
 #pragma unroll
-      for (int u = 0; u < kSendUnroll; ++u)
-        if (base + 32 * u < pieces) v[u] = __ldg(src + base + 32 * u);
+        for (int u = 0; u < kSendUnroll; ++u)
+          if (base + 32 * u < pieces) v[u] = __ldg(src + base + 32 * u);
 #pragma unroll
-      for (int u = 0; u < kSendUnroll; ++u)
-        if (base + 32 * u < pieces) dst[base + 32 * u] = v[u];
+        for (int u = 0; u < kSendUnroll; ++u)
+          if (base + 32 * u < pieces) dst[base + 32 * u] = v[u];
+      }
+      if (lane == j) signal = c;
     }
     __threadfence();
     __syncwarp();
-    if (lane == 0) gate_signal(a.counters + c, 1u);
+    if (signal >= 0) gate_signal(a.counters + signal, 1u);
   }
 }
 
