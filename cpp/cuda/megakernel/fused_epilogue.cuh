@@ -148,13 +148,12 @@ class FusedMoeEpilogue {
     // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
     // nothing and has no counter of its own.
     if (m_coord * size<0>(blk_shape_mnk) < M) {
-      __threadfence();
       __syncwarp();
       const int expert = first ? group : group - params_.split;
       const int64_t index = static_cast<int64_t>(params_.tile_base[expert]) + m_coord;
       uint32_t* done = first ? params_.done1 : params_.done2;
       if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
-        gate_signal(done + index, 1u);
+        gate_signal_gpu(done + index, 1u);
     }
   }
 

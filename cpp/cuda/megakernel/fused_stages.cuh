@@ -25,7 +25,7 @@ constexpr int kReduceChunk = 4;
 // Warp `warp` of `warps` stores GEMM rows warp, warp + warps, ... : row r gets x[token of
 // row_entry[r]] and its tile counter 1. Rows go in increasing order, so the first experts'
 // first tiles are complete first, which is the order the GEMM takes them in. A warp stores
-// kSendBatch rows before one fence and their signals: the fence waits for the stores to land, and
+// kSendBatch rows before their signals: each release waits for the warp's stores to land, and
 // once per row it would keep the warp idle for a round trip per row.
 __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
                                                 int lane) {
@@ -57,9 +57,8 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
       }
       if (lane == j) signal = c;
     }
-    __threadfence();
     __syncwarp();
-    if (signal >= 0) gate_signal(a.counters + signal, 1u);
+    if (signal >= 0) gate_signal_gpu(a.counters + signal, 1u);
   }
 }
 

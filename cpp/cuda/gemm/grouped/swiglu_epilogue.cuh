@@ -129,12 +129,12 @@ class SwiGluEpilogue {
     // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
     // nothing and has no done counter: its index would be the next expert's first tile.
     if (params_.done != nullptr && m_coord * size<0>(blk_shape_mnk) < M) {
-      // Every lane's stores are visible before lane 0's release can be observed.
-      __threadfence_system();
+      // The warp barrier orders every lane's stores before lane 0's release (gate_signal_gpu:
+      // the next GEMM runs on this GPU).
       __syncwarp();
       const int64_t index = static_cast<int64_t>(params_.done_base[l_coord]) + m_coord;
       if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
-        megakernel::gate_signal(params_.done + index, 1u);
+        megakernel::gate_signal_gpu(params_.done + index, 1u);
     }
   }
 
