@@ -110,7 +110,7 @@ def moe_forward_local(
     w2: torch.Tensor,
     *,
     overlap: str = "sequential",
-    comm_sms: int = 16,
+    comm_sms: int | None = None,
     skip_rounds: int = -1,
     timeout_s: float = 10.0,
     check: bool = True,
@@ -120,10 +120,15 @@ def moe_forward_local(
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
     recorded errors (a bad expert id, a gate that timed out) are raised at the end, which waits
     for the stream; without it nothing waits for the host and the caller should not trust
-    ``out`` until it has checked them some other way. ``skip_rounds`` (``fused`` only): rounds
-    of tiles the CTAs that do not send take before the senders join (-1: a bandwidth model).
+    ``out`` until it has checked them some other way. ``comm_sms``: the SMs that send (default
+    16 for ``streams``; for ``fused`` every CTA, which measured fastest at world 1 on an H100,
+    bench/results/2026-11-26-h100-session18). ``skip_rounds`` (``fused`` only): rounds of tiles
+    the CTAs that do not send take before the senders join (-1: a bandwidth model).
     ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
     start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`)."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
+    if comm_sms is None:
+        comm_sms = sms if overlap == "fused" else 16
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     t, h = x.shape
     if t == 0:  # no rows for the GEMMs: nothing to launch
@@ -152,7 +157,6 @@ def moe_forward_local(
     rows = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
     act = torch.empty(capacity, two_i // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
 
     def gemms(gemm1_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, t1 = gate.grouped_mm_gated(
