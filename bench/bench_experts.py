@@ -338,7 +338,24 @@ def _bench_local(
         (f"fused c{comm} s{skip}", {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip})
         for comm, skip in FUSED_POINTS
     ]
-    fns: dict[str, Any] = {"gemm_only": gemm_only}
+    # The two gated GEMMs of the sequential path on the same rows, gates open and GEMM 2 waiting
+    # on GEMM 1's done signal: the GEMMs' share of `sequential`, and the price of the signal.
+    ffn2 = prepared.w1.shape[2]
+    zeros = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
+                        device=x.device)  # fmt: skip
+    base = gate.tile_base(offs, rows.shape[0])
+    act = rows.new_empty(rows.shape[0], ffn2 // 2)
+    y = torch.empty_like(rows)
+
+    def gated_gemms() -> torch.Tensor:
+        done = torch.zeros_like(zeros)
+        gate.grouped_mm_gated(rows, prepared.w1, offs, zeros, base, per_row=0, swiglu=True,
+                              done=done, out=act)  # fmt: skip
+        gate.grouped_mm_gated(act, prepared.w2, offs, done, base, per_row=0,
+                              per_tile=gate.done_per_tile(ffn2), out=y)  # fmt: skip
+        return y
+
+    fns: dict[str, Any] = {"gemm_only": gemm_only, "gated_gemms": gated_gemms}
     seq = None
     fused_equal = True
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -371,6 +388,7 @@ def _bench_local(
     # Every variant timed in turn, so clock drift over the run reaches all of them alike.
     ms = interleaved_median_ms(fns, warmup, iters)
     row["gemm_only_ms"] = ms.pop("gemm_only")
+    row["gated_gemms_ms"] = ms.pop("gated_gemms")
     best = None
     for key, t in ms.items():
         row[f"ms[{key}]"] = t

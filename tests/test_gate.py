@@ -70,6 +70,9 @@ def test_check_gate_timeout_names_the_tile() -> None:
         gate.check_gate_timeout(torch.tensor([1, 3, 7, 12, 128], dtype=torch.int32))
     with pytest.raises(ValueError, match="counters holds 4 entries, but expert 2, m-tile 1 needs"):
         gate.check_gate_timeout(torch.tensor([2, 2, 1, 4, 5], dtype=torch.int32))
+    # The fused kernel's reduce: a token's expert output that never came.
+    with pytest.raises(TimeoutError, match="output of token 41, k = 2 never arrived .*3 of 8"):
+        gate.check_gate_timeout(torch.tensor([3, 41, 2, 3, 8], dtype=torch.int32), "fused")
 
 
 def test_fake_kernels_give_the_shapes() -> None:
@@ -85,3 +88,10 @@ def test_fake_kernels_give_the_shapes() -> None:
         )
         assert timeout.shape == (5,)
         assert timeout.dtype == torch.int32
+        idx = torch.empty(300, 4, dtype=torch.int64)
+        w2 = torch.empty(4, 256, 64, dtype=torch.bfloat16)
+        out, error, timeout = torch.ops.uniep.moe_fused_local(
+            x, torch.empty(300, 4), idx, idx, w, w2, offs, counters[:5], 16, -1, 1.0
+        )
+        assert out.shape == (300, 64) and out.dtype == torch.bfloat16
+        assert error.shape == (1,) and timeout.shape == (5,)

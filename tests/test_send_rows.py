@@ -268,6 +268,6 @@ def test_moe_forward_local_refuses_bad_arguments() -> None:
     w1 = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     w2 = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="overlap must be one of"):
-        moe_forward_local(x, idx, w, w1, w2, overlap="fused")
+        moe_forward_local(x, idx, w, w1, w2, overlap="chunked")
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         moe_forward_local(x, idx, w, w1, w2)

@@ -214,3 +214,30 @@ def _grouped_mm_gated_fake(
 ) -> torch.Tensor:
     check_grouped_mm_meta(x, w, offs)
     return x.new_empty((5,), dtype=torch.int32)
+
+
+@torch.library.register_fake("uniep::moe_fused_local")
+def _moe_fused_local_fake(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gemm_row: torch.Tensor,
+    counter: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    tile_base: torch.Tensor,
+    comm_ctas: int,
+    skip_rounds: int,
+    timeout_s: float,
+    trace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        w2.dim() == 3 and w2.shape[2] == x.shape[1],
+        lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",
+    )
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((1,), dtype=torch.int64),
+        x.new_empty((5,), dtype=torch.int32),
+    )
