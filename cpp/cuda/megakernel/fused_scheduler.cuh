@@ -73,14 +73,26 @@ class SkewedGroupScheduler
       : Base(params, response) {
     const bool along_n = params.raster_order_ == Base::RasterOrder::AlongN;
     const uint64_t first = fused_first_linear(along_n);
-    per_unit_ = uint64_t(gridDim.x) * gridDim.y * gridDim.z / units_in_grid(params);
-    units_ = units_in_grid(params);
-    offset_ = first % per_unit_;
-    unit_ = first / per_unit_;
-    comm_ = params.comm_units < 0 ? 0 : uint64_t(params.comm_units);
-    if (comm_ >= units_) comm_ = 0;  // nobody left to take the first rounds: plain order
-    skip_ = comm_ == 0 || params.skip_rounds < 0 ? 0 : uint64_t(params.skip_rounds);
-    step_ = 0;
+    const uint64_t units = units_in_grid(params);
+    const uint64_t per_unit = uint64_t(gridDim.x) * gridDim.y * gridDim.z / units;
+    const uint64_t offset = first % per_unit, unit = first / per_unit;
+    uint64_t comm = params.comm_units < 0 ? 0 : uint64_t(params.comm_units);
+    if (comm >= units) comm = 0;  // nobody left to take the first rounds: plain order
+    const uint64_t skip = comm == 0 || params.skip_rounds < 0 ? 0 : uint64_t(params.skip_rounds);
+    // The walk as two arithmetic runs (few registers: the scheduler warp lives on the producer
+    // warpgroup's 40): the others' first `skip` tiles with the others' stride, then everyone's
+    // round-robin from skip x others on with the whole grid's stride.
+    const uint64_t others = units - comm, early = skip * others;
+    after_ = ((early + unit) * per_unit + offset);
+    stride_ = units * per_unit;
+    if (unit >= comm && skip > 0) {
+      cur_ = (unit - comm) * per_unit + offset;
+      early_stride_ = others * per_unit;
+      early_left_ = static_cast<uint32_t>(skip - 1);
+    } else {
+      cur_ = after_;
+      early_left_ = kNoEarly;
+    }
   }
 
   // The cluster units of the grid (every CTA of a unit walks the same tiles).
@@ -93,14 +105,24 @@ class SkewedGroupScheduler
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return Base::get_current_work_for_linear_idx(linear());
+    return Base::get_current_work_for_linear_idx(cur_);
   }
 
   template <typename Pipeline, typename PipelineState>
   CUTLASS_DEVICE auto advance_to_next_work(Pipeline& pipeline, PipelineState state,
                                            uint32_t advance_count = 1) {
-    step_ += advance_count;
-    const WorkTileInfo work = Base::get_current_work_for_linear_idx(linear());
+    for (uint32_t i = 0; i < advance_count; ++i) {
+      if (early_left_ == kNoEarly) {
+        cur_ += stride_;
+      } else if (early_left_ == 0) {
+        cur_ = after_;
+        early_left_ = kNoEarly;
+      } else {
+        cur_ += early_stride_;
+        --early_left_;
+      }
+    }
+    const WorkTileInfo work = Base::get_current_work_for_linear_idx(cur_);
     pipeline.producer_acquire(state);
     if (cute::elect_one_sync()) {
       this->response_ptr_[state.index()] = work;
@@ -111,19 +133,9 @@ class SkewedGroupScheduler
   }
 
  private:
-  // The unit-level index of this unit's step-th tile, as a CTA-level linear index.
-  CUTLASS_DEVICE uint64_t linear() const {
-    const uint64_t others = units_ - comm_;
-    const uint64_t early = skip_ * others;
-    uint64_t u;
-    if (unit_ >= comm_ && step_ < skip_)
-      u = (unit_ - comm_) + step_ * others;
-    else
-      u = early + unit_ + (unit_ >= comm_ ? step_ - skip_ : step_) * units_;
-    return u * per_unit_ + offset_;
-  }
-
-  uint64_t per_unit_ = 1, units_ = 1, offset_ = 0, unit_ = 0, comm_ = 0, skip_ = 0, step_ = 0;
+  static constexpr uint32_t kNoEarly = 0xffffffffu;
+  uint64_t cur_ = 0, after_ = 0, stride_ = 1, early_stride_ = 0;
+  uint32_t early_left_ = kNoEarly;  // early tiles still to come after the current one
 };
 
 }  // namespace uniep::cuda::megakernel
