@@ -310,6 +310,7 @@ def _bench_local(
     ref: torch.Tensor | None,
     warmup: int,
     iters: int,
+    profile: int = 0,
 ) -> None:
     """The MegaKernel at world 1 (uniep.megakernel.moe_forward_local: no host sync; its
     sequential and streams compositions and the fused persistent kernel at FUSED_POINTS) beside
@@ -400,9 +401,13 @@ def _bench_local(
         row["fused_best_point"] = best[len("local ") :]
         row["ms[local fused]"] = ms[best]
         row["over_gemm_only[local fused]"] = ms[best] / row["gemm_only_ms"]
+    if profile:
+        # Per-kernel GPU time: what runs around the fused launch, against the event time.
+        picks = {k: fns[k] for k in ("gemm_only", "local sequential", best) if k in fns}
+        row["kernels_us_local"] = profile_kernels(picks, profile)
 
 
-def _local_rank(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
+def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list[dict[str, Any]]:
     """The ``local`` part: only the world-1 MegaKernel rows of each load (no EP runtime)."""
     from uniep.prepared import prepare_experts
 
@@ -423,7 +428,10 @@ def _local_rank(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any
         row: dict[str, Any] = {"part": "local", "load": load, "tokens": tokens, "hidden": hidden,
                                "ffn": ffn, "experts": experts, "top_k": top_k}  # fmt: skip
         with torch.no_grad():
-            _bench_local(row, x, idx.cuda(), weights.cuda(), prepared, None, warmup, iters)
+            _bench_local(row, x, idx.cuda(), weights.cuda(), prepared, None, warmup, iters, profile)
+        for variant, kernels_us in row.get("kernels_us_local", {}).items():
+            top = ", ".join(f"{k} {v:.0f}" for k, v in list(kernels_us.items())[:10])
+            print(f"{load} / {variant}: us per call: {top}", flush=True)
         print(
             f"{load}: GEMMs alone {row['gemm_only_ms']:.3f} ms; "
             + ", ".join(
@@ -586,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "kernels":
         pass
     elif args.part == "local":
-        rows += _local_rank(args.warmup, args.iters, loads)
+        rows += _local_rank(args.warmup, args.iters, loads, args.profile)
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
         rows += layers(args.warmup, args.iters, args.profile, loads)
     else:
