@@ -62,6 +62,49 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
   }
 }
 
+// Every CTA sends before it computes (no overlap to feed): warp `warp` of `warps` takes tokens
+// warp, warp + warps, ... and stores each token's row at all of its GEMM rows, reading it once
+// (the row order above reads it once per k). Lane k < top_k holds entry (t, k)'s destination.
+__device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t warp,
+                                                  int64_t warps, int lane) {
+  const int64_t pieces = a.hidden * 2 / 16, K = a.top_k;
+  const auto* x = static_cast<const int4*>(a.x);
+  auto* rows = static_cast<int4*>(a.rows);
+  for (int64_t t = warp; t < a.tokens; t += warps) {
+    int4* dst = nullptr;
+    int64_t signal = -1;
+    if (lane < K) {
+      const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
+      if (r >= 0) {
+        if (r >= a.capacity || c < 0 || c >= a.num_counters) {
+          send_error(a.error, kSendRowOutOfRange, i);
+        } else {
+          dst = rows + r * pieces;
+          signal = c;
+        }
+      }
+    }
+    const int4* src = x + t * pieces;
+    // Whole-warp trip counts: the shuffles need every lane.
+    for (int64_t base = 0; base < pieces; base += 32 * kSendUnroll) {
+      int4 v[kSendUnroll];
+#pragma unroll
+      for (int u = 0; u < kSendUnroll; ++u)
+        if (base + 32 * u + lane < pieces) v[u] = __ldg(src + base + 32 * u + lane);
+      for (int k = 0; k < K; ++k) {
+        auto* to = reinterpret_cast<int4*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
+        if (to == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSendUnroll; ++u)
+          if (base + 32 * u + lane < pieces) to[base + 32 * u + lane] = v[u];
+      }
+    }
+    __syncwarp();
+    if (signal >= 0) gate_signal_gpu(a.counters + signal, 1u);
+  }
+}
+
 // Waits (one lane's loads suffice for the warp after __syncwarp, but every lane acquires so each
 // one's later loads are ordered after it) until tile counter `index` of done2 reaches `need`.
 // False if it timed out (recorded with flag 3).

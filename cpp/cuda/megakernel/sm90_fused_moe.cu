@@ -119,7 +119,11 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   const uint64_t comm_ctas = (comm_units < units ? comm_units : units) * per_unit;
   if (first < comm_ctas) {
     const int64_t warps = static_cast<int64_t>(comm_ctas) * (kThreads / 32);
-    fused_send_rows(st.a, static_cast<int64_t>(first) * (kThreads / 32) + warp, warps, lane);
+    const int64_t mine = static_cast<int64_t>(first) * (kThreads / 32) + warp;
+    if (comm_ctas == ctas)
+      fused_send_tokens(st.a, mine, warps, lane);
+    else
+      fused_send_rows(st.a, mine, warps, lane);
   }
   __syncthreads();
   if (trace != nullptr && threadIdx.x == 0) trace[1] = gate_clock_ns();
