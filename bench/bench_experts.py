@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    interleaved_median_ms,
     median_time_ms,
     profile_kernels,
     sm90_gemm_bench_args,
@@ -386,8 +385,14 @@ def _bench_local(
             trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
             local(dict(kwargs, trace=trace))
             row[f"phases_us[{key}]"] = trace_phases(trace)
-    # Every variant timed in turn, so clock drift over the run reaches all of them alike.
-    ms = interleaved_median_ms(fns, warmup, iters)
+    # Every variant timed in turn (rounds of 5 calls, the host not waiting between calls, as in
+    # a training step), so the GPU's clock drift over the run reaches all of them alike.
+    from uniep.timing import interleaved_medians_ms
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    ms = interleaved_medians_ms(fns, max(1, iters // 5), 5, True, warmup=1)
     row["gemm_only_ms"] = ms.pop("gemm_only")
     row["gated_gemms_ms"] = ms.pop("gated_gemms")
     best = None

@@ -137,35 +137,6 @@ def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool
     return float(statistics.median(time_calls_ms(fn, iters, cuda)))
 
 
-def interleaved_median_ms(
-    fns: dict[str, Callable[[], object]], warmup: int, iters: int
-) -> dict[str, float]:
-    """Median CUDA-event time in milliseconds of each of ``fns`` over ``iters`` rounds, one call
-    of each per round in turn after ``warmup`` rounds. Why in turn: a GPU's clock drifts over
-    seconds (power and heat), and timing one variant after the other made the same kernel 8%
-    apart between two blocks of one run; interleaved, every variant sees the same drift."""
-    import torch
-
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: float(statistics.median(t)) for name, t in times.items()}
-
-
 def add_profile_argument(parser: argparse.ArgumentParser) -> None:
     """``--profile N``: the option of every benchmark that can call :func:`profile_kernels`."""
     parser.add_argument(

@@ -70,7 +70,7 @@ class FusedMoeEpilogue {
   template <class ProblemShape>
   static bool can_implement(const ProblemShape&, const Arguments& a) {
     return a.ptr_out != nullptr && a.ld_act > 0 && a.ld_act % 2 == 0 && a.ld_y > 0 &&
-           a.ld_y % 2 == 0 && a.split > 0 && a.done1 != nullptr && a.done2 != nullptr &&
+           a.ld_y % 2 == 0 && a.split >= 0 && a.done1 != nullptr && a.done2 != nullptr &&
            a.tile_base != nullptr && a.num_done > 0;
   }
 
