@@ -167,14 +167,10 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _bench_layer(
-    group: Any, layer: tuple[str, int, int, int, int, int], warmup: int, iters: int, profile: int
-) -> dict[str, Any]:
-    import uniep
-
-    load, tokens, hidden, ffn, experts, top_k = layer
-    uniep.ep.init_runtime(group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts)
-    name = uniep.distributed.group_name(group)
+def _layer_inputs(layer: tuple[str, int, int, int, int, int]) -> tuple[Any, ...]:
+    """A load's operands on the GPU, the same in every part: (generator, x, w1, w2, topk_idx,
+    topk_weights), the weights scaled so the activations stay O(1)."""
+    _, tokens, hidden, ffn, experts, top_k = layer
     gen = torch.Generator(device="cuda").manual_seed(experts)
     bf16 = torch.bfloat16
     x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
@@ -183,7 +179,19 @@ def _bench_layer(
     w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
     w2.mul_(ffn**-0.5)
     idx, weights = routing(tokens, experts, top_k, seed=experts)
-    idx, weights = idx.cuda(), weights.cuda()
+    return gen, x, w1, w2, idx.cuda(), weights.cuda()
+
+
+def _bench_layer(
+    group: Any, layer: tuple[str, int, int, int, int, int], warmup: int, iters: int, profile: int
+) -> dict[str, Any]:
+    import uniep
+
+    load, tokens, hidden, ffn, experts, top_k = layer
+    uniep.ep.init_runtime(group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts)
+    name = uniep.distributed.group_name(group)
+    gen, x, w1, w2, idx, weights = _layer_inputs(layer)
+    bf16 = torch.bfloat16
     xd = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=bf16)
     w1d, w2d = w1[0].clone(), w2[0].clone()
 
@@ -420,14 +428,7 @@ def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list
     for load, tokens, hidden, ffn, experts, top_k in LAYERS:
         if loads and load not in loads:
             continue
-        gen = torch.Generator(device="cuda").manual_seed(experts)
-        bf16 = torch.bfloat16
-        x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
-        w1 = torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
-        w1.mul_(hidden**-0.5)
-        w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
-        w2.mul_(ffn**-0.5)
-        idx, weights = routing(tokens, experts, top_k, seed=experts)
+        _, x, w1, w2, idx, weights = _layer_inputs((load, tokens, hidden, ffn, experts, top_k))
         prepared = prepare_experts(w1, w2, "bf16_packed")
         del w1
         row: dict[str, Any] = {"part": "local", "load": load, "tokens": tokens, "hidden": hidden,

@@ -10,36 +10,17 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
-#include <cutlass/epilogue/thread/linear_combination.h>
 #include <cute/tensor.hpp>
-#include <cutlass/epilogue/dispatch_policy.hpp>
 
+#include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {
 
-class FusedMoeEpilogue {
+class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
  public:
   using Bf16 = grouped::Bf16;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementC = void;
-  using ElementD = Bf16;
-  using ElementOutput = Bf16;
-  using InternalStrideC = grouped::StrideD;
-  using StrideC = InternalStrideC*;
-  using InternalStrideD = grouped::StrideD;
-  using StrideD = InternalStrideD*;
-  // Named by the device adapter; never applied.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Bf16, 1, float, float>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
 
   struct Arguments {
     Bf16** ptr_out = nullptr;  // per group: row 0 of its output rows (act, then y)
@@ -59,15 +40,6 @@ class FusedMoeEpilogue {
     return args;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(const ProblemShape&, const Arguments&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(const ProblemShape&, const Arguments&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
   static bool can_implement(const ProblemShape&, const Arguments& a) {
     return a.ptr_out != nullptr && a.ld_act > 0 && a.ld_act % 2 == 0 && a.ld_y > 0 &&
            a.ld_y % 2 == 0 && a.split >= 0 && a.done1 != nullptr && a.done2 != nullptr &&
@@ -75,8 +47,6 @@ class FusedMoeEpilogue {
   }
 
   CUTLASS_HOST_DEVICE explicit FusedMoeEpilogue(const Params& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -183,12 +153,6 @@ class FusedMoeEpilogue {
 
   CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
     *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-
-  CUTLASS_DEVICE static float swiglu(float gate, float up) {
-    const float g = static_cast<float>(Bf16(gate));
-    const float u = static_cast<float>(Bf16(up));
-    return g / (1.0f + expf(-g)) * u;
   }
 
   Params params_;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/common/combine_reduce.cuh"
+#include "cuda/common/warp_copy.cuh"
 #include "cuda/megakernel/send_rows.cuh"
 #include "cuda/megakernel/tile_gate.cuh"
 #include "uniep/cuda/fused_moe.hpp"
@@ -44,17 +45,7 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
         if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
         continue;
       }
-      const int4* src = x + t * pieces;
-      int4* dst = rows + r * pieces;
-      for (int64_t base = lane; base < pieces; base += 32 * kSendUnroll) {
-        int4 v[kSendUnroll];
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (base + 32 * u < pieces) v[u] = __ldg(src + base + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (base + 32 * u < pieces) dst[base + 32 * u] = v[u];
-      }
+      warp_copy<kSendUnroll>(rows + r * pieces, x + t * pieces, pieces * 16, lane);
       if (lane == j) signal = c;
     }
     __syncwarp();

@@ -12,42 +12,20 @@
 // Numerics are those of the unfused chain and of the CPU executor: gate and up rounded to bf16
 // (where the chain stored h), silu(g) * u in fp32, rounded once to bf16.
 //
-// The class has the interface of CUTLASS's operator-style ptr-array epilogues
-// (DefaultEpilogueArray) and runs inside the warp-specialized kernels through
-// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter.
+// The interface CUTLASS asks of it is DirectStoreEpilogue's (direct_epilogue.cuh).
 #pragma once
 
 #include <cutlass/cutlass.h>
-#include <cutlass/epilogue/thread/linear_combination.h>
 #include <cute/tensor.hpp>
-#include <cutlass/epilogue/dispatch_policy.hpp>
 
+#include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::grouped {
 
-class SwiGluEpilogue {
+class SwiGluEpilogue : public DirectStoreEpilogue {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementC = void;  // no source operand
-  using ElementD = Bf16;
-  using ElementOutput = Bf16;
-  using InternalStrideC = ::uniep::cuda::grouped::StrideD;
-  using StrideC = InternalStrideC*;
-  using InternalStrideD = ::uniep::cuda::grouped::StrideD;
-  using StrideD = InternalStrideD*;
-  // Named by the device adapter (GemmUniversalAdapter); never applied.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Bf16, 1, float, float>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
-
   struct Arguments {
     Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
     int64_t ld_out = 0;        // elements between rows of out (I)
@@ -67,22 +45,11 @@ class SwiGluEpilogue {
     return args;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(const ProblemShape&, const Arguments&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(const ProblemShape&, const Arguments&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
   static bool can_implement(const ProblemShape&, const Arguments& args) {
     return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
   }
 
   CUTLASS_HOST_DEVICE explicit SwiGluEpilogue(const Params& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -139,12 +106,6 @@ class SwiGluEpilogue {
   }
 
  private:
-  CUTLASS_DEVICE static float swiglu(float gate, float up) {
-    const float g = static_cast<float>(Bf16(gate));
-    const float u = static_cast<float>(Bf16(up));
-    return g / (1.0f + expf(-g)) * u;
-  }
-
   Params params_;
 };
 
