@@ -66,8 +66,9 @@ GOAL_TUNE = 1.03
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 GRAD_TOLERANCE = {"float32": 1e-3, "bfloat16": 6e-2}
 FUSED_NOTE = (
-    "overlap=fused runs the same launches as overlap=sequential on CUDA until the MegaKernel "
-    "lands (README, Tuning strings): these times measure the sequential pipeline again"
+    "overlap=fused runs the same launches as overlap=sequential in moe_forward on CUDA (the "
+    "MegaKernel exists at world 1 only, docs/megakernel.md): these times measure the sequential "
+    "pipeline again"
 )
 CHILD_ENV = {
     "NCCL_NVLS_ENABLE": "0",
