@@ -16,8 +16,9 @@ Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads
 ``overlap="streams"`` runs the send on ``comm_sms`` SMs beside GEMM 1, which waits per tile;
 ``overlap="fused"`` is the MegaKernel (``torch.ops.uniep.moe_fused_local``,
 include/uniep/cuda/fused_moe.hpp): one persistent launch in which the first ``comm_sms`` CTAs
-send the rows in GEMM-row order and then join the GEMMs, both GEMMs run as one grouped GEMM gated
-tile by tile, and every CTA reduces a share of the tokens after its tiles. All three give the
+send the rows (in GEMM-row order, or in token order when every CTA sends) and then join the
+GEMMs, both GEMMs run as one grouped GEMM gated tile by tile, and every CTA reduces a share of
+the tokens after its tiles. All three give the
 same bits: a gate changes when a tile starts, never what it computes.
 """
 
