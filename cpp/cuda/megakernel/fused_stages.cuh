@@ -18,7 +18,7 @@ namespace uniep::cuda::megakernel {
 // 16-byte pieces a lane keeps in flight: one SM moves a row store only as fast as its loads
 // return, so the send needs many outstanding loads per warp.
 constexpr int kSendUnroll = 16;
-// Rows a warp stores between fences (<= 32: one lane signals each).
+// Rows a warp stores between releases (<= 32: one lane signals each).
 constexpr int kSendBatch = 4;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
@@ -40,11 +40,12 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
       if (r >= a.capacity) break;
       const int64_t entry = a.row_entry[r];
       if (entry < 0) continue;
-      const int64_t t = entry / a.top_k, c = a.counter[entry];
-      if (entry >= a.tokens * a.top_k || c < 0 || c >= a.num_counters) {
+      const int64_t c = entry < a.tokens * a.top_k ? a.counter[entry] : -1;
+      if (c < 0 || c >= a.num_counters) {
         if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
         continue;
       }
+      const int64_t t = entry / a.top_k;
       warp_copy<kSendUnroll>(rows + r * pieces, x + t * pieces, pieces * 16, lane);
       if (lane == j) signal = c;
     }
