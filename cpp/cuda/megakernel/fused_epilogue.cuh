@@ -55,19 +55,14 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
                                  const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
                                  ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
-                  "FusedMoeEpilogue expects a WGMMA accumulator fragment");
     constexpr int kAtom = size<0>(FrgLayout{});
     static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
-
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     const auto m_coord = get<0>(blk_coord_mnkl);
-    const auto n_coord = get<1>(blk_coord_mnkl);
     const int group = static_cast<int>(get<3>(blk_coord_mnkl));
-    Tensor coords = make_identity_tensor(make_shape(M, N));
-    Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk), make_coord(m_coord, n_coord));
-    Tensor crd = tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
+    Tensor crd = fragment_coords<FrgLayout>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
+                                            tiled_mma, thread_idx);
     auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]);
     const bool first = group < params_.split;
 
@@ -115,16 +110,9 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
         }
       }
     }
-    // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
-    // nothing and has no counter of its own.
-    if (m_coord * size<0>(blk_shape_mnk) < M) {
-      __syncwarp();
-      const int expert = first ? group : group - params_.split;
-      const int64_t index = static_cast<int64_t>(params_.tile_base[expert]) + m_coord;
-      uint32_t* done = first ? params_.done1 : params_.done2;
-      if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
-        gate_signal_gpu(done + index, 1u);
-    }
+    signal_tile_done(first ? params_.done1 : params_.done2, params_.tile_base,
+                     first ? group : group - params_.split, static_cast<int>(m_coord),
+                     size<0>(blk_shape_mnk), M, params_.num_done);
   }
 
  private:

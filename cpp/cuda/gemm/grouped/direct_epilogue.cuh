@@ -7,9 +7,11 @@
 
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/thread/linear_combination.h>
+#include <cute/tensor.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::grouped {
 
@@ -45,6 +47,41 @@ struct DirectStoreEpilogue {
   }
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  // The (m, n) place within its group's output of each value of this thread's accumulator
+  // fragment, a WGMMA fragment: ((2 columns, 2 row halves, N/8 column blocks), M, N).
+  template <class FrgLayout, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL,
+            class TiledMma>
+  CUTLASS_DEVICE static auto fragment_coords(ProblemShapeMNKL problem_shape_mnkl,
+                                             BlockShapeMNK blk_shape_mnk,
+                                             BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma,
+                                             int thread_idx) {
+    using namespace cute;
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                  "the direct epilogues expect a WGMMA accumulator fragment");
+    Tensor coords = make_identity_tensor(
+        make_shape(static_cast<int>(get<0>(problem_shape_mnkl)),
+                   static_cast<int>(get<1>(problem_shape_mnkl))));
+    Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk),
+                             make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
+    return tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
+  }
+
+  // Once this warp has stored its part of output tile m_tile of `expert` (M rows, tile_m rows a
+  // tile): one lane adds 1 to done[tile_base[expert] + m_tile]. The warp barrier orders every
+  // lane's stores before that lane's release (gate_signal_gpu: the waiter is on this GPU). A tile
+  // past the expert's rows (the scheduler pads each expert to the cluster's M) stored nothing and
+  // has no counter of its own; a counter outside the num_done is not signalled (its waiter then
+  // times out naming it). done null: no signal.
+  CUTLASS_DEVICE static void signal_tile_done(uint32_t* done, const int32_t* tile_base,
+                                              int expert, int m_tile, int tile_m, int M,
+                                              int64_t num_done) {
+    if (done == nullptr || m_tile * tile_m >= M) return;
+    __syncwarp();
+    const int64_t index = static_cast<int64_t>(tile_base[expert]) + m_tile;
+    if (threadIdx.x % 32 == 0 && index >= 0 && index < num_done)
+      megakernel::gate_signal_gpu(done + index, 1u);
+  }
 
   // The chain's numerics and the CPU executor's: gate and up rounded to bf16 (where the chain
   // stored h), silu(g) * u in fp32.

@@ -58,20 +58,14 @@ class SwiGluEpilogue : public DirectStoreEpilogue {
                                  const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
                                  ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    // The WGMMA accumulator fragment: ((2 columns, 2 row halves, N/8 column blocks), M, N).
-    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
-                  "SwiGluEpilogue expects a WGMMA accumulator fragment");
     constexpr int kAtom = size<0>(FrgLayout{});
     static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
-
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     const auto m_coord = get<0>(blk_coord_mnkl);
-    const auto n_coord = get<1>(blk_coord_mnkl);
     const auto l_coord = get<3>(blk_coord_mnkl);
-    Tensor coords = make_identity_tensor(make_shape(M, N));
-    Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk), make_coord(m_coord, n_coord));
-    Tensor crd = tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
+    Tensor crd = fragment_coords<FrgLayout>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
+                                            tiled_mma, thread_idx);
     Bf16* out = params_.ptr_out[l_coord];
     const int64_t ld = params_.ld_out;
 
@@ -93,16 +87,8 @@ class SwiGluEpilogue : public DirectStoreEpilogue {
             pair;
       }
     }
-    // A tile past the expert's rows (the scheduler pads each expert to the cluster's M) stored
-    // nothing and has no done counter: its index would be the next expert's first tile.
-    if (params_.done != nullptr && m_coord * size<0>(blk_shape_mnk) < M) {
-      // The warp barrier orders every lane's stores before lane 0's release (gate_signal_gpu:
-      // the next GEMM runs on this GPU).
-      __syncwarp();
-      const int64_t index = static_cast<int64_t>(params_.done_base[l_coord]) + m_coord;
-      if (threadIdx.x % 32 == 0 && index >= 0 && index < params_.num_done)
-        megakernel::gate_signal_gpu(params_.done + index, 1u);
-    }
+    signal_tile_done(params_.done, params_.done_base, static_cast<int>(l_coord),
+                     static_cast<int>(m_coord), size<0>(blk_shape_mnk), M, params_.num_done);
   }
 
  private:
