@@ -275,8 +275,10 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
                 None,
                 "ms",
                 None,
-                "no MegaKernel yet: overlap=fused runs the sequential launches (its times are in "
-                "the result as fwd_fused / bwd_fused, and measure the same pipeline)",
+                "the MegaKernel runs at one rank only (uniep.megakernel.moe_forward_local, "
+                "issue 22); its EP path is not built, so at EP > 1 overlap=fused runs the "
+                "sequential launches (its times are in the result as fwd_fused / bwd_fused, and "
+                "measure the same pipeline)",
                 fused_ms=ms.get("fwd_fused"),
                 fused_bits_equal_sequential=(r or {}).get("fused_bits_equal_sequential"),
             )
