@@ -3,10 +3,13 @@ overlap=sequential and overlap=fused against NCCL all_to_all_single + torch._gro
 GEMMs alone on each rank, and uniep.tune's pick re-timed against the best point it measured
 (issue 23, part 2).
 
-**overlap=fused is not a MegaKernel yet.** On CUDA every overlap mode runs the same launches
-(README, "Tuning strings"), so the fused rows time the sequential pipeline again. They are timed and
-their output is compared bit for bit with sequential's, and every row says so
-(``fused_is_megakernel: false``, ``fused_note``).
+**moe_forward's overlap=fused is not the MegaKernel yet.** On CUDA every overlap mode of
+moe_forward runs the same launches (README, "Tuning strings"), so the fused rows time the
+sequential pipeline again. They are timed and their output is compared bit for bit with
+sequential's, and every row says so (``fused_is_megakernel: false``, ``fused_note``). The
+MegaKernel across ranks (``uniep.megakernel.moe_forward_ep``, which takes ``pack_gate_up``'s w1)
+is timed beside them as ``fwd_megakernel``, checked against the baseline first, with one traced
+call's phases on rank 0 (``megakernel_phases_us_rank0``) and ``megakernel_over_experts``.
 
 Per shape (one spawn of W ranks per shape: NVSHMEM's heap is sized once per process), every rank:
 - forward: ``moe_forward`` with ``overlap=sequential`` and ``overlap=fused``, and the baseline
@@ -176,6 +179,17 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         raise ValueError(f"{name}: {experts} experts do not split over {world} ranks")
     e_local = experts // world
     group = dist.new_group(list(range(world)))
+    megakernel = cuda and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "uniep::moe_fused_ep", "CUDA"
+    )
+    if megakernel and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        # NVSHMEM sizes its heap when the first runtime starts it: room for both runtimes.
+        from uniep import _C
+        from uniep.megakernel import fused_ep_heap_bytes
+
+        heap = fused_ep_heap_bytes(world, tokens, hidden, ffn, top_k, experts)
+        heap += _C.ep_symmetric_heap_bytes(tokens, hidden, top_k, experts, world)
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap + (1 << 30))
     if cuda:
         uniep.ep.init_runtime(
             group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
@@ -256,6 +270,21 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         mine["fwd_sequential"] = time_ms(lambda: fwd(seq))
         mine["fwd_fused"] = time_ms(lambda: fwd(fused))
         mine["fwd_baseline"] = time_ms(lambda: baseline_moe(x, idx, w, w1, w2, grouped))
+        if megakernel:
+            fwd_mk = _megakernel_forward(group, cfg, x, idx, w, w1, w2)
+            y_mk, phases = fwd_mk(True)
+            mk_diff = _max_over_ranks(
+                [_rel_diff(y_mk, baseline_moe(x, idx, w, w1, w2, grouped))], dev
+            )[0]
+            if not mk_diff <= TOLERANCE[dname]:
+                raise RuntimeError(
+                    f"{name}: the MegaKernel and the baseline disagree: max rel diff "
+                    f"{mk_diff:.2e} > {TOLERANCE[dname]:.0e}"
+                )
+            row["megakernel_max_rel_diff_vs_baseline"] = mk_diff
+            row["megakernel_phases_us_rank0"] = phases if rank == 0 else None
+            del y_mk
+            mine["fwd_megakernel"] = time_ms(lambda: fwd_mk(False))
 
         # The expert GEMMs alone: this rank's received rows, counted from every rank's routing.
         counts = torch.bincount(idx.reshape(-1), minlength=experts)
@@ -311,6 +340,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         # Every rank runs the profiled calls (they are collective); rank 0's numbers are kept.
         profiled: dict[str, Callable[[], object]] = {
             "fwd_sequential": lambda: fwd(seq),
+            **({"fwd_megakernel": lambda: fwd_mk(False)} if megakernel else {}),
             "fwd_baseline": lambda: baseline_moe(x, idx, w, w1, w2, grouped),
             "bwd_sequential": lambda: bwd(seq),
             "fwd_bwd_baseline": base_fwd_bwd,
@@ -326,8 +356,12 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     expert_keys = [k for k in mine if k.startswith("experts_")]
     best_chain = min((mine[k] for k in expert_keys), default=math.nan)
     ratio = mine["fwd_sequential"] / best_chain if expert_keys else math.nan
+    mk_ratio = mine["fwd_megakernel"] / best_chain if "fwd_megakernel" in mine else None
     per_rank: list[Any] = [None] * world
-    dist.all_gather_object(per_rank, {"ms": mine, "forward_over_experts": ratio})
+    dist.all_gather_object(
+        per_rank,
+        {"ms": mine, "forward_over_experts": ratio, "megakernel_over_experts": mk_ratio},
+    )
     keys = sorted(mine)
     slowest = dict(zip(keys, _max_over_ranks([mine[k] for k in keys], dev), strict=True))
     row["ms"] = slowest
@@ -335,6 +369,12 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     ratios = [r["forward_over_experts"] for r in per_rank]
     row.update(forward_goal(ratios))
     row["forward_over_experts_per_rank"] = ratios
+    mk_ratios = [r["megakernel_over_experts"] for r in per_rank]
+    if all(r is not None for r in mk_ratios):
+        row["megakernel_over_experts"] = max(mk_ratios)
+        row["megakernel_over_experts_per_rank"] = mk_ratios
+        row["megakernel_goal_met"] = max(mk_ratios) <= GOAL_FWD_OVER_EXPERTS
+        row["megakernel_over_sequential"] = slowest["fwd_megakernel"] / slowest["fwd_sequential"]
     row["forward_over_baseline"] = slowest["fwd_sequential"] / slowest["fwd_baseline"]
     row["fwd_bwd_over_baseline"] = slowest["fwd_bwd_sequential"] / slowest["fwd_bwd_baseline"]
     row["goal_forward_over_experts"] = GOAL_FWD_OVER_EXPERTS
@@ -346,7 +386,43 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     if cuda:
         _settle(cuda)
         uniep.ep.shutdown(group)
+    if megakernel:
+        from uniep.megakernel import shutdown_fused_ep
+
+        shutdown_fused_ep(group)
     return row if rank == 0 else None
+
+
+def _megakernel_forward(
+    group: dist.ProcessGroup,
+    cfg: dict[str, Any],
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+) -> Callable[[bool], Any]:
+    """The MegaKernel across the ranks (uniep.megakernel.moe_forward_ep) on this shape:
+    ``call(True)`` checks the call's errors and returns (out, rank's phase trace in us),
+    ``call(False)`` is the timed form (no host read)."""
+    from uniep import megakernel
+    from uniep.gemm import pack_gate_up
+
+    _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
+    megakernel.init_fused_ep(
+        group, max_tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=experts
+    )
+    w1p = pack_gate_up(w1)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    def call(checked: bool) -> Any:
+        if not checked:
+            return megakernel.moe_forward_ep(x, idx, w, w1p, w2, group, check=False)
+        trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
+        out = megakernel.moe_forward_ep(x, idx, w, w1p, w2, group, trace=trace)
+        return out, megakernel.trace_phases(trace)
+
+    return call
 
 
 def _tune_and_retime(

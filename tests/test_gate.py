@@ -73,6 +73,9 @@ def test_check_gate_timeout_names_the_tile() -> None:
     # The fused kernel's reduce: a token's expert output that never came.
     with pytest.raises(TimeoutError, match="output of token 41, k = 2 never arrived .*3 of 8"):
         gate.check_gate_timeout(torch.tensor([3, 41, 2, 3, 8], dtype=torch.int32), "fused")
+    # Its count exchange across ranks: rank 2 stayed at call 6 while this rank made call 7.
+    with pytest.raises(TimeoutError, match="rank 2 never joined the count exchange of call 7"):
+        gate.check_gate_timeout(torch.tensor([4, 2, 0, 6, 7], dtype=torch.int32), "fused ep")
 
 
 def test_fake_kernels_give_the_shapes() -> None:

@@ -87,8 +87,8 @@ def test_summary_judges_recorded_gpu_results(tmp_path: Path) -> None:
     assert tp4["status"] == ms.NOT_RUN and "4 GPUs" in tp4["why"]
     moe = goals["dsv3-like forward (overlap=sequential) / expert GEMMs alone, same rank"]
     assert moe["status"] == ms.NOT_RUN and "140" in moe["why"] and "timeout" in moe["why"]
-    fused = goals["mixtral-like fused MegaKernel (overlap=fused) forward"]
-    assert fused["status"] == ms.NOT_RUN and "MegaKernel" in fused["why"]
+    fused = goals[MK_GOAL.format("mixtral-like")]
+    assert fused["status"] == ms.NOT_RUN and "timeout" in fused["why"]
     parm2 = next(g for g in summary["goals"] if g["name"].startswith("2 GPUs"))
     assert parm2["status"] == ms.NOT_RUN and "exit 1" in parm2["why"]
     parm8 = next(g for g in summary["goals"] if g["name"].startswith("8 GPUs"))
@@ -99,8 +99,19 @@ def test_summary_judges_recorded_gpu_results(tmp_path: Path) -> None:
     assert all(g["status"] != ms.NOT_RUN or g.get("why") for g in summary["goals"])
 
 
-def _moe_row(shape: str, fwd_ratio: float, pick_ratio: float) -> dict[str, Any]:
+MK_GOAL = (
+    "{} fused MegaKernel (uniep.megakernel.moe_forward_ep) forward / expert GEMMs alone, same rank"
+)
+
+
+def _moe_row(
+    shape: str, fwd_ratio: float, pick_ratio: float, mk_ratio: float | None = None
+) -> dict[str, Any]:
     row = {"shape": shape, "world_size": 2, "ms": {"fwd_sequential": 8.0, "fwd_fused": 8.0}}
+    if mk_ratio is not None:  # a build with the MegaKernel across ranks
+        row["ms"]["fwd_megakernel"] = 8.0 * mk_ratio / fwd_ratio
+        row["megakernel_over_experts"] = mk_ratio
+        row["megakernel_goal_met"] = mk_ratio <= bench_moe_ep.GOAL_FWD_OVER_EXPERTS
     row.update(bench_moe_ep.forward_goal([fwd_ratio, fwd_ratio - 0.01]))
     retimed = {"a": 1.0, "b": pick_ratio}
     row["tune"] = {"pick": "b", "retimed_ms": retimed}
@@ -113,7 +124,7 @@ def test_summary_of_the_moe_layer_and_parm(tmp_path: Path) -> None:
     work = tmp_path / "work"
     part2 = work / "part2"
     part2.mkdir(parents=True)
-    rows = [_moe_row("dsv3-like", 1.2, 1.01), _moe_row("mixtral-like", 1.05, 1.2)]
+    rows = [_moe_row("dsv3-like", 1.2, 1.01, 1.08), _moe_row("mixtral-like", 1.05, 1.2)]
     (part2 / "bench_moe_ep-x.json").write_text(json.dumps({"rows": rows}))
     _record(work, "part2-moe", "ok", part2, rc=0)
     p4 = work / "p4"
@@ -134,6 +145,11 @@ def test_summary_of_the_moe_layer_and_parm(tmp_path: Path) -> None:
     mix = goals["mixtral-like forward (overlap=sequential) / expert GEMMs alone, same rank"]
     assert mix["status"] == ms.MET
     assert goals["mixtral-like uniep.tune's pick / best re-timed point"]["status"] == ms.MISSED
+    mk = goals[MK_GOAL.format("dsv3-like")]
+    assert mk["status"] == ms.MET and mk["measured"] == pytest.approx(1.08)
+    assert mk["megakernel_ms"] == pytest.approx(7.2) and mk["sequential_ms"] == 8.0
+    no_mk = goals[MK_GOAL.format("mixtral-like")]
+    assert no_mk["status"] == ms.NOT_RUN and "no MegaKernel across ranks" in no_mk["why"]
     parm = goals["2 GPUs (MP 2): the cost model chose the measured-faster schedule"]
     assert parm["status"] == ms.MET and "4 and 8" in parm["why"]
     assert parm["per_layer"][0]["predicted_ms"]["s1"] == pytest.approx(1.0)

@@ -13,6 +13,7 @@
 #include "torch/coll_gemm.hpp"
 #include "torch/coll_registry.hpp"
 #include "torch/ep_registry.hpp"
+#include "torch/fused_ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
 #endif
 #include "uniep/send_rows_error.hpp"
@@ -154,6 +155,21 @@ py::tuple encode_fp8_rows_py(
 }
 
 #ifdef UNIEP_WITH_CUDA_OPS
+uniep::fused::Config fused_config(int64_t world_size, int64_t rank, int64_t max_tokens,
+                                  int64_t hidden, int64_t ffn, int64_t top_k, int64_t num_experts,
+                                  double timeout_s) {
+  uniep::fused::Config c;
+  c.world_size = world_size;
+  c.rank = rank;
+  c.max_tokens = max_tokens;
+  c.hidden = hidden;
+  c.ffn = ffn;
+  c.top_k = top_k;
+  c.num_experts = num_experts;
+  c.timeout_s = timeout_s;
+  return c;
+}
+
 uniep::ep::Config ep_config(int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t num_experts,
                             int64_t world_size, int64_t max_row_bytes, int64_t ll_max_tokens) {
   uniep::ep::Config c;
@@ -426,6 +442,53 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("world_size"), py::arg("max_block_bytes"),
       "Bytes of NVSHMEM symmetric heap a collectives runtime of these parameters allocates.");
+  m.def(
+      "fused_ep_create",
+      [](const std::string& group_name, const py::bytes& unique_id, int64_t world_size,
+         int64_t rank, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
+         int64_t num_experts, double timeout_s) {
+        const uniep::fused::Config c = fused_config(world_size, rank, max_tokens, hidden, ffn,
+                                                    top_k, num_experts, timeout_s);
+        const std::string raw = unique_id;
+        py::gil_scoped_release release;  // collective: other ranks' threads must progress
+        uniep::torch_glue::fused_ep_create(group_name,
+                                           std::vector<uint8_t>(raw.begin(), raw.end()), c);
+      },
+      py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
+      py::arg("max_tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("top_k"),
+      py::arg("num_experts"), py::arg("timeout_s") = 100.0);
+  m.def("fused_ep_exists", &uniep::torch_glue::fused_ep_exists, py::arg("group_name"));
+  m.def("fused_ep_destroy", &uniep::torch_glue::fused_ep_destroy, py::arg("group_name"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "fused_ep_config",
+      [](const std::string& group_name) {
+        const uniep::fused::Config& c = uniep::torch_glue::fused_ep_runtime(group_name).config();
+        py::dict d;
+        d["world_size"] = c.world_size;
+        d["rank"] = c.rank;
+        d["max_tokens"] = c.max_tokens;
+        d["hidden"] = c.hidden;
+        d["ffn"] = c.ffn;
+        d["top_k"] = c.top_k;
+        d["num_experts"] = c.num_experts;
+        d["timeout_s"] = c.timeout_s;
+        d["row_capacity"] = c.row_capacity();
+        return d;
+      },
+      py::arg("group_name"), "The configuration the group's fused MoE runtime was created with.");
+  m.def(
+      "fused_ep_symmetric_heap_bytes",
+      [](int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
+         int64_t num_experts) {
+        const uniep::fused::Config c =
+            fused_config(world_size, 0, max_tokens, hidden, ffn, top_k, num_experts, 100.0);
+        uniep::torch_glue::ok_or_throw(c.validate());
+        return static_cast<int64_t>(uniep::fused::symmetric_heap_bytes(c));
+      },
+      py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("ffn"),
+      py::arg("top_k"), py::arg("num_experts"),
+      "Bytes of NVSHMEM symmetric heap a fused MoE runtime of these parameters allocates.");
 #else
   m.attr("has_ep_runtime") = false;
 #endif

@@ -83,6 +83,14 @@ TORCH_LIBRARY(uniep, m) {
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
       "int skip_rounds, float timeout_s, Tensor(a!)? trace=None) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
+  // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
+  // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64
+  // (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2. Every
+  // rank calls it in the same order. Returns out, error and timeout as moe_fused_local does.
+  m.def(
+      "moe_fused_ep(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
+      "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None) -> "
+      "(Tensor out, Tensor error, Tensor timeout)");
   m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
   m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

@@ -66,7 +66,8 @@ def grouped_mm_gated(
 
 
 def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
-    """Raise ``TimeoutError`` naming the tile if a gated wait gave up, or ``ValueError`` if a
+    """Raise ``TimeoutError`` naming the tile (or, for the fused kernel, the token and k, or
+    the rank missing from the count exchange) if a gated wait gave up, or ``ValueError`` if a
     tile's counter lay past the end of ``counters`` (reads ``timeout``, so it waits for the
     stream that wrote it)."""
     flag, expert, m_tile, have, need = (int(v) for v in timeout.cpu().tolist())
@@ -79,6 +80,11 @@ def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
         raise TimeoutError(
             f"{what}: the expert output of token {expert}, k = {m_tile} never arrived "
             f"(its tile's counter reached {have} of {need})"
+        )
+    if flag == 4:
+        raise TimeoutError(
+            f"{what}: rank {expert} never joined the count exchange of call {need} (its last "
+            f"call was {have}); every rank of the group must make the same calls"
         )
     if flag:
         raise TimeoutError(

@@ -11,6 +11,12 @@ the persistent kernel will run.
 4. GEMM 2, gated on ``done``;
 5. the reduce over k (:func:`uniep.gate.combine_rows`).
 
+Across the ranks of a group, :func:`moe_forward_ep` runs the same kernel on the group's fused
+runtime (:func:`init_fused_ep`; include/uniep/cuda/fused_ep.hpp): a count exchange, the plan, and
+one persistent launch per rank that stores each row straight into its expert's GEMM row on the
+expert's rank, computes the local experts gated tile by tile, and reduces the rank's tokens from
+the expert outputs where they were computed.
+
 Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads a count.
 ``overlap="sequential"`` runs the steps one after the other on the current stream;
 ``overlap="streams"`` runs the send on ``comm_sms`` SMs beside GEMM 1, which waits per tile;
@@ -25,10 +31,19 @@ same bits: a gate changes when a tile starts, never what it computes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from . import gate
+from . import _C, distributed, gate
 
-__all__ = ["expert_counts", "moe_forward_local", "trace_phases"]
+__all__ = [
+    "expert_counts",
+    "fused_ep_heap_bytes",
+    "init_fused_ep",
+    "moe_forward_ep",
+    "moe_forward_local",
+    "shutdown_fused_ep",
+    "trace_phases",
+]
 
 OVERLAPS = ("sequential", "streams", "fused")
 
@@ -192,3 +207,134 @@ def moe_forward_local(
         gate.check_gate_timeout(t2, "moe_forward_local (GEMM 2)")
         gate.check_send_error(combine_error, k, "moe_forward_local (combine)")
     return out
+
+
+def _require_runtime() -> None:
+    if not getattr(_C, "has_ep_runtime", False) or not torch.cuda.is_available():
+        raise RuntimeError(
+            "the fused MoE kernel across ranks needs a CUDA build of torch and a visible GPU "
+            f"(build_info: {_C.build_info()})"
+        )
+
+
+def fused_ep_heap_bytes(
+    world_size: int, max_tokens: int, hidden: int, ffn: int, top_k: int, num_experts: int
+) -> int:
+    """Bytes of NVSHMEM symmetric heap :func:`init_fused_ep` allocates per rank with these
+    sizes (its GEMM rows and outputs hold ``world_size x max_tokens x min(top_k, experts per
+    rank)`` rows, the most any rank can receive). NVSHMEM's heap is sized when the first UniEP
+    runtime starts it: create this runtime first, or set ``NVSHMEM_SYMMETRIC_SIZE`` to the sum
+    of the runtimes' bytes before that."""
+    _require_runtime()
+    return int(
+        _C.fused_ep_symmetric_heap_bytes(world_size, max_tokens, hidden, ffn, top_k, num_experts)
+    )
+
+
+def init_fused_ep(
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_tokens: int,
+    hidden: int,
+    ffn: int,
+    top_k: int,
+    num_experts: int,
+    timeout_s: float | None = None,
+) -> None:
+    """Create the fused MoE runtime of ``group`` on every rank (collective): NVSHMEM from rank
+    0's unique id (shared with the other UniEP runtimes of the same ranks), the symmetric GEMM
+    buffers (:func:`fused_ep_heap_bytes`), and the count exchange's words. Every rank of
+    ``group`` must be on one NVLink domain (at most 8 ranks), with this rank's GPU current.
+    ``timeout_s`` bounds every device wait (default ``UNIEP_TIMEOUT_S`` or 100 s)."""
+    from .ep import _timeout
+
+    _require_runtime()
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("hidden", hidden),
+        ("ffn", ffn),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    name, world, me, uid = distributed._nvshmem_bootstrap(group)
+    _C.fused_ep_create(
+        name, uid, world, me, max_tokens, hidden, ffn, top_k, num_experts, _timeout(timeout_s)
+    )
+
+
+def shutdown_fused_ep(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy the group's fused MoE runtime (collective; a no-op if there is none)."""
+    name = distributed.group_name(group)
+    if getattr(_C, "has_ep_runtime", False) and _C.fused_ep_exists(name):
+        torch.cuda.synchronize()
+        _C.fused_ep_destroy(name)
+
+
+def moe_forward_ep(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    comm_sms: int | None = None,
+    skip_rounds: int = -1,
+    check: bool = True,
+    trace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE forward across the ranks of ``group`` as one persistent kernel per rank:
+    ``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` for this rank's
+    tokens, with ``topk_idx`` global expert ids and this rank's experts' weights (``w1_packed =
+    pack_gate_up(w1)`` ``[E / W, H, 2I]``, ``w2`` ``[E / W, I, H]``; rank r holds experts
+    ``[r E / W, (r + 1) E / W)``). Every rank calls it in the same order (a rank with no tokens
+    too: its experts still compute what the others send). The bits equal
+    :func:`moe_forward_local` on the same tokens with every expert's weights. ``comm_sms``: the
+    CTAs that send before they compute (default every one); ``check`` as in
+    :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
+    never came raise here, which waits for the stream."""
+    _require_runtime()
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
+    if comm_sms is None:
+        comm_sms = sms
+    _check(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
+    name = distributed.group_name(group)
+    if not _C.fused_ep_exists(name):
+        raise RuntimeError(
+            f"group '{name}' has no fused MoE runtime: call uniep.megakernel.init_fused_ep("
+            "group, max_tokens=..., hidden=..., ffn=..., top_k=..., num_experts=...) on every "
+            "rank first"
+        )
+    out, error, timeout = torch.ops.uniep.moe_fused_ep(
+        x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace
+    )
+    if check:
+        gate.check_gate_timeout(timeout, "moe_forward_ep")
+        gate.check_send_error(error, topk_idx.shape[1], "moe_forward_ep")
+    return out
+
+
+@torch.library.register_fake("uniep::moe_fused_ep")
+def _moe_fused_ep_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    comm_ctas: int,
+    skip_rounds: int,
+    trace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
+    )
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((1,), dtype=torch.int64),
+        x.new_empty((5,), dtype=torch.int32),
+    )

@@ -4,7 +4,8 @@
 //   GEMM 1  act = silu(gate) * up from the accumulators (the SwiGLU epilogue's arithmetic,
 //           swiglu_epilogue.cuh), then each warp adds 1 to done1[tile] of its output tile;
 //   GEMM 2  y = acc rounded once to bf16 (the bits of the TMA store epilogue), then each warp
-//           adds 1 to done2[tile], which the reduce of the tokens waits on.
+//           adds 1 to done2[tile], which the reduce of the tokens waits on (on this GPU, or with
+//           peers on theirs: then the signal is released at system scope).
 // Direct 16-byte stores from the accumulator fragment (lanes trade values by shuffles), no
 // shared memory: the fused kernel keeps all of it for the mainloop's stages.
 #pragma once
@@ -31,6 +32,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     uint32_t* done2 = nullptr;
     const int32_t* tile_base = nullptr;
     int64_t num_done = 0;  // entries of each of done1 and done2
+    bool done2_system = false;  // done2 is read by peer GPUs: release at system scope
   };
   using Params = Arguments;
 
@@ -112,7 +114,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     }
     signal_tile_done(first ? params_.done1 : params_.done2, params_.tile_base,
                      first ? group : group - params_.split, static_cast<int>(m_coord),
-                     size<0>(blk_shape_mnk), M, params_.num_done);
+                     size<0>(blk_shape_mnk), M, params_.num_done,
+                     !first && params_.done2_system);
   }
 
  private:

@@ -1,6 +1,7 @@
 // The stages of the fused MoE kernel around its GEMMs (include/uniep/cuda/fused_moe.hpp): the
-// send of the rows by the communication CTAs before they compute, and the reduce of the tokens
-// by every CTA's consumer warps after its tiles.
+// send of the rows by the communication CTAs before they compute (into the GEMM rows of the
+// rows' ranks), and the reduce of the rank's tokens by every CTA's consumer warps after its tiles
+// (reading each expert output on the rank that computed it).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -54,25 +55,28 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
   }
 }
 
-// Every CTA sends before it computes (no overlap to feed): warp `warp` of `warps` takes tokens
-// warp, warp + warps, ... and stores each token's row at all of its GEMM rows, reading it once
-// (the row order above reads it once per k). Lane k < top_k holds entry (t, k)'s destination.
+// Warp `warp` of `warps` takes tokens warp, warp + warps, ... and stores each token's row at all
+// of its GEMM rows, reading it once (the row order above reads it once per k): every CTA's order
+// when every CTA sends (no overlap to feed), and the order with several ranks, whose rows go to
+// the GEMM rows of their experts' ranks. Lane k < top_k holds entry (t, k)'s destination.
 __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t warp,
                                                   int64_t warps, int lane) {
   const int64_t pieces = a.hidden * 2 / 16, K = a.top_k;
+  const bool peers = a.peers.world_size > 1;
   const auto* x = static_cast<const int4*>(a.x);
-  auto* rows = static_cast<int4*>(a.rows);
   for (int64_t t = warp; t < a.tokens; t += warps) {
     int4* dst = nullptr;
-    int64_t signal = -1;
+    uint32_t* signal = nullptr;
     if (lane < K) {
       const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
+      const int64_t d = peers ? a.dest_rank[i] : 0;
       if (r >= 0) {
-        if (r >= a.capacity || c < 0 || c >= a.num_counters) {
+        if (r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
+            d >= a.peers.world_size) {
           send_error(a.error, kSendRowOutOfRange, i);
         } else {
-          dst = rows + r * pieces;
-          signal = c;
+          dst = static_cast<int4*>(peers ? a.peers.rows[d] : a.rows) + r * pieces;
+          signal = (peers ? a.peers.counters[d] : a.counters) + c;
         }
       }
     }
@@ -92,17 +96,24 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
           if (base + 32 * u + lane < pieces) to[base + 32 * u + lane] = v[u];
       }
     }
-    __syncwarp();
-    if (signal >= 0) gate_signal_gpu(a.counters + signal, 1u);
+    if (peers) {
+      // A peer GPU acquires the counter: every lane's stores are ordered before it at system
+      // scope (once per token and lane, which the send can afford; the GEMM epilogue cannot).
+      __threadfence_system();
+      __syncwarp();
+      if (signal != nullptr) gate_signal(signal, 1u);
+    } else {
+      __syncwarp();
+      if (signal != nullptr) gate_signal_gpu(signal, 1u);
+    }
   }
 }
 
 // Waits (one lane's loads suffice for the warp after __syncwarp, but every lane acquires so each
-// one's later loads are ordered after it) until tile counter `index` of done2 reaches `need`.
-// False if it timed out (recorded with flag 3).
-__device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, int64_t index,
+// one's later loads are ordered after it) until `counter` (a done2 tile counter, maybe a peer's)
+// reaches `need`. False if it timed out (recorded with flag 3).
+__device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint32_t* counter,
                                                uint32_t need, int64_t token, int k, int lane) {
-  const uint32_t* counter = a.done2 + index;
   uint32_t have = load_acquire_u32(counter);
   if (have >= need) return true;
   const uint64_t deadline = a.timeout_ns ? gate_clock_ns() + a.timeout_ns : ~0ull;
@@ -113,36 +124,43 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, int64_t in
         gate_report(a.timeout, 3u, static_cast<int>(token), k, have, need);
       return false;
     }
+    if (gate_failed(a.timeout)) return false;
     have = load_acquire_u32(counter);
   }
   return true;
 }
 
 // Warp `warp` of `warps` reduces tokens warp, warp + warps, ...: out[t] = sum over k ascending of
-// w[t, k] * y[gemm_row[t, k]], with the combines' arithmetic (combine_reduce.cuh), each row read
-// once GEMM 2 has signalled its tile complete (`need` warps).
+// w[t, k] * y[gemm_row[t, k]] (y of the entry's rank), with the combines' arithmetic
+// (combine_reduce.cuh), each row read once GEMM 2 has signalled its tile complete (`need` warps).
 __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64_t warp,
                                                     int64_t warps, int lane, uint32_t need) {
   const int64_t K = a.top_k, vecs = a.hidden / 8, row_bytes = a.hidden * 2;
-  const auto* y = static_cast<const uint8_t*>(a.y);
+  const bool peers = a.peers.world_size > 1;
   auto* out = static_cast<uint8_t*>(a.out);
   for (int64_t t = warp; t < a.tokens; t += warps) {
-    int64_t row = -1, index = -1;
+    const uint8_t* row = nullptr;   // lane k: entry (t, k)'s expert output
+    const uint32_t* done = nullptr;  // and its tile's done2 counter
     float w = 0.f;
     if (lane < K) {
-      row = a.gemm_row[t * K + lane];
-      index = a.counter[t * K + lane];
-      w = a.topk_weights[t * K + lane];
-      if (row >= a.capacity || (row >= 0 && (index < 0 || index >= a.num_counters))) {
-        send_error(a.error, kSendRowOutOfRange, t * K + lane);
-        row = -1;
+      const int64_t i = t * K + lane, r = a.gemm_row[i], index = a.counter[i];
+      const int64_t d = peers ? a.dest_rank[i] : 0;
+      w = a.topk_weights[i];
+      if (r >= 0) {
+        if (r >= a.capacity || index < 0 || index >= a.num_counters || d < 0 ||
+            d >= a.peers.world_size) {
+          send_error(a.error, kSendRowOutOfRange, i);
+        } else {
+          row = static_cast<const uint8_t*>(peers ? a.peers.y[d] : a.y) + r * row_bytes;
+          done = (peers ? a.peers.done2[d] : a.done2) + index;
+        }
       }
     }
     for (int k = 0; k < K; ++k) {
-      const int64_t rk = __shfl_sync(0xffffffffu, row, k);
-      const int64_t ik = __shfl_sync(0xffffffffu, index, k);
-      if (rk >= 0 && !fused_wait_row(a, ik, need, t, k, lane))
-        if (lane == k) row = -1;  // its output is garbage; leave it out
+      const auto* dk = reinterpret_cast<const uint32_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(done), k));
+      if (dk != nullptr && !fused_wait_row(a, dk, need, t, k, lane))
+        if (lane == k) row = nullptr;  // its output is garbage; leave it out
     }
     __syncwarp();
     // Each lane keeps 2 vectors x kReduceChunk rows in flight: the loads of a chunk are issued
@@ -153,23 +171,24 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64
       float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int k0 = 0; k0 < K; k0 += kReduceChunk) {
-        int64_t rk[kReduceChunk];
+        const int4* src[kReduceChunk];
         float wk[kReduceChunk];
         int4 raw0[kReduceChunk], raw1[kReduceChunk];
 #pragma unroll
         for (int j = 0; j < kReduceChunk; ++j) {
           const int k = k0 + j < K ? k0 + j : 0;
-          rk[j] = __shfl_sync(0xffffffffu, row, k);
+          src[j] = reinterpret_cast<const int4*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), k));
           wk[j] = __shfl_sync(0xffffffffu, w, k);
-          if (k0 + j >= K) rk[j] = -1;
-          // y is written by this kernel: coherent loads, after the acquire above.
-          const int4* src = reinterpret_cast<const int4*>(y + (rk[j] < 0 ? 0 : rk[j]) * row_bytes);
-          if (rk[j] >= 0 && v0 < vecs) raw0[j] = src[v0];
-          if (rk[j] >= 0 && v1 < vecs) raw1[j] = src[v1];
+          if (k0 + j >= K) src[j] = nullptr;
+          // y is written by this kernel (on this GPU or a peer): coherent loads, after the
+          // acquire above.
+          if (src[j] != nullptr && v0 < vecs) raw0[j] = src[j][v0];
+          if (src[j] != nullptr && v1 < vecs) raw1[j] = src[j][v1];
         }
 #pragma unroll
         for (int j = 0; j < kReduceChunk; ++j) {
-          if (rk[j] < 0) continue;
+          if (src[j] == nullptr) continue;
           if (v0 < vecs) accumulate_bf16x8(acc0, raw0[j], wk[j]);
           if (v1 < vecs) accumulate_bf16x8(acc1, raw1[j], wk[j]);
         }

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   if (first < comm_ctas) {
     const int64_t warps = static_cast<int64_t>(comm_ctas) * (kThreads / 32);
     const int64_t mine = static_cast<int64_t>(first) * (kThreads / 32) + warp;
-    if (comm_ctas == ctas)
+    if (comm_ctas == ctas || st.a.peers.world_size > 1)
       fused_send_tokens(st.a, mine, warps, lane);
     else
       fused_send_rows(st.a, mine, warps, lane);
@@ -186,6 +186,7 @@ typename Kernel::Arguments fused_arguments(const grouped::Workspace& ws, const F
   args.epilogue.done2 = a.done2;
   args.epilogue.tile_base = a.tile_base;
   args.epilogue.num_done = a.num_counters;
+  args.epilogue.done2_system = a.peers.world_size > 1;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = Kernel::TileScheduler::RasterOrderOptions::AlongM;
@@ -218,7 +219,9 @@ Status check_args(const FusedMoeArgs& a) {
   if (a.num_experts < 1 || a.num_experts > (1 << 20))
     return {StatusCode::kInvalidArgument,
             detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
-  if (a.capacity < a.tokens * a.top_k || a.capacity > (1ll << 31) - 1)
+  // With peers the rows are other ranks' too; the runtime sizes them for the most any rank gets.
+  if ((a.peers.world_size == 1 && a.capacity < a.tokens * a.top_k) || a.capacity < 0 ||
+      a.capacity > (1ll << 31) - 1)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("capacity must be in [tokens x top_k = ", a.tokens * a.top_k,
                             ", 2^31), got ", a.capacity)};
@@ -226,14 +229,36 @@ Status check_args(const FusedMoeArgs& a) {
     return {StatusCode::kInvalidArgument,
             detail::str_cat("num_counters must be >= capacity / 128 + E = ",
                             a.capacity / kTileM + a.num_experts, ", got ", a.num_counters)};
-  const void* needed[] = {a.x,   a.topk_weights, a.gemm_row, a.counter, a.row_entry,
-                          a.w1_packed, a.w2,     a.offs,     a.tile_base, a.rows,
-                          a.act, a.y,            a.out,      a.counters,  a.done1,
-                          a.done2, a.error,      a.timeout};
-  for (const void* p : needed)
-    if (p == nullptr)
+  const FusedPeers& p = a.peers;
+  if (p.world_size < 1 || p.world_size > kMaxFusedPeers || p.rank < 0 || p.rank >= p.world_size)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("peers.world_size must be in [1, ", kMaxFusedPeers,
+                            "] and peers.rank in [0, world_size), got ", p.world_size, " and ",
+                            p.rank)};
+  const bool peers = p.world_size > 1;
+  // row_entry (the row-order send at world 1) is checked with the launch.
+  const void* needed[] = {a.x,   a.topk_weights, a.gemm_row, a.counter,   a.w1_packed,
+                          a.w2,  a.offs,         a.tile_base, a.rows,     a.act,
+                          a.y,   a.out,          a.counters, a.done1,     a.done2,
+                          a.error, a.timeout};
+  for (const void* ptr : needed)
+    if (ptr == nullptr)
       return {StatusCode::kInvalidArgument,
               "moe_fused_forward_bf16: every pointer of FusedMoeArgs must be a device pointer"};
+  for (int d = 0; peers && d < p.world_size; ++d)
+    if (p.rows[d] == nullptr || p.counters[d] == nullptr || p.y[d] == nullptr ||
+        p.done2[d] == nullptr)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("moe_fused_forward_bf16: peers.rows, counters, y and done2 of rank ",
+                              d, " must be device pointers (nvshmem_ptr mappings)")};
+  if (peers && a.dest_rank == nullptr)
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_forward_bf16: dest_rank must be a device pointer with peers"};
+  if (peers && (p.rows[p.rank] != a.rows || p.counters[p.rank] != a.counters ||
+                p.y[p.rank] != a.y || p.done2[p.rank] != a.done2))
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_forward_bf16: peers' entries at peers.rank must be rows, counters, y and "
+            "done2 themselves"};
   const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, a.y, a.out};
   for (const void* p : aligned)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
@@ -303,7 +328,12 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
     return {StatusCode::kInvalidArgument,
             detail::str_cat("skip_rounds must be -1 (model) or in [0, 2^20], got ",
                             launch.skip_rounds)};
-  if (a.tokens == 0) return Status::Ok();
+  if (a.peers.world_size == 1 && launch.comm_ctas < sm_count && a.row_entry == nullptr)
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_forward_bf16: row_entry must be a device pointer when fewer CTAs than SMs "
+            "send (they send in GEMM-row order)"};
+  // A rank with no tokens of its own still computes the rows its peers send it.
+  if (a.tokens == 0 && a.peers.world_size == 1) return Status::Ok();
   const size_t need = fused_moe_workspace_bytes(a.num_experts, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the fused MoE kernel");
       !s.ok())

@@ -39,6 +39,12 @@ __device__ __forceinline__ void gate_report(GateTimeout* t, uint32_t flag, int e
   }
 }
 
+// True once any wait of the launch has given up (or the count exchange before it): the waits
+// still spinning give up too, so a failed launch ends after one timeout, not one per tile.
+__device__ __forceinline__ bool gate_failed(const GateTimeout* t) {
+  return t != nullptr && *reinterpret_cast<const volatile uint32_t*>(&t->flag) != 0u;
+}
+
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
 // loaded, or at the deadline after recording the first timeout; a tile with no counter among
 // the gate's is recorded at once and never read. A tile past the expert's rows returns at once:
@@ -65,6 +71,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
       gate_report(g.timeout, 1u, expert, m_tile, have, need);
       return;
     }
+    if (gate_failed(g.timeout)) return;
     have = load_acquire_u32(counter);
   }
 }

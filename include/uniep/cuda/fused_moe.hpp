@@ -1,15 +1,18 @@
-// The MoE MegaKernel's forward at world 1 (docs/megakernel.md): one persistent launch in which
-// the first CTAs store the dispatch's rows into the GEMM rows (in row order, so the first tiles
-// are released first) and then join the GEMMs; both expert GEMMs run as one grouped GEMM whose
-// tiles wait on tile gates (GEMM 1 on the rows, GEMM 2 on GEMM 1's done counters); and after its
-// tiles every CTA reduces a share of the tokens over k, each token once its rows are written.
+// The MoE MegaKernel's forward (docs/megakernel.md): one persistent launch in which the first
+// CTAs store the dispatch's rows into the GEMM rows of their experts' ranks (at world 1 in row
+// order, so the first tiles are released first) and then join the GEMMs; both expert GEMMs run
+// as one grouped GEMM whose tiles wait on tile gates (GEMM 1 on the rows, GEMM 2 on GEMM 1's done
+// counters); and after its tiles every CTA reduces a share of its rank's tokens over k, each
+// token once its expert rows are written, reading them where they were computed. Several ranks
+// run it through the runtime of fused_ep.hpp, which plans the rows and resolves the peers.
 //
 // The bits equal the sequential path's (send_rows, grouped_mm_gated twice, combine_rows): the
 // same tile arithmetic, the same SwiGLU and rounding, the same fp32 reduce in ascending k. Which
 // CTA sends a row or computes a tile, and when, never changes a bit.
 //
 // Plain device pointers; counters are zeroed by the caller. No host sync: the row counts stay on
-// the device, buffers are sized by capacity (tokens x top_k rows).
+// the device, buffers are sized by capacity (at world 1 tokens x top_k rows; with peers what the
+// runtime of fused_ep.hpp sizes for the rows any rank may receive).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,15 +25,32 @@
 
 namespace uniep::cuda {
 
+// Several ranks (fused_ep.hpp): where each rank's rows, row counters, expert outputs and GEMM-2
+// done counters are, as this rank reaches them (nvshmem_ptr mappings, its own for itself). The
+// send stores a row at rows[d] and counts it on counters[d] of its destination d; the reduce
+// reads its token's expert outputs from y[d] once done2[d] says their tile is written. Capacity
+// and counter count are the same on every rank (symmetric buffers).
+constexpr int kMaxFusedPeers = 8;
+struct FusedPeers {
+  int world_size = 1;  // 1: this rank only (the pointers below are not read)
+  int rank = 0;
+  void* rows[kMaxFusedPeers] = {};
+  uint32_t* counters[kMaxFusedPeers] = {};
+  const void* y[kMaxFusedPeers] = {};
+  const uint32_t* done2[kMaxFusedPeers] = {};
+};
+
 struct FusedMoeArgs {
   const void* x = nullptr;  // [tokens][hidden] bf16
   int64_t tokens = 0, hidden = 0, top_k = 0;
   const float* topk_weights = nullptr;  // [tokens][top_k]
-  // From the sender-side plan (plan_sender_rows_async, world 1): each entry's GEMM row and gate
+  // From the sender-side plan (plan_sender_rows_async): each entry's GEMM row and gate
   // counter, -1 for unused entries; row_entry is its inverse (fused_row_entries).
   const int64_t* gemm_row = nullptr;   // [tokens * top_k]
   const int64_t* counter = nullptr;    // [tokens * top_k]
   const int64_t* row_entry = nullptr;  // [capacity] entry t * top_k + k of each row, -1 none
+                                       // (world 1 with fewer senders than CTAs only)
+  const int64_t* dest_rank = nullptr;  // [tokens * top_k] each entry's rank (world > 1 only)
   const void* w1_packed = nullptr;     // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
   const void* w2 = nullptr;            // [E][ffn][hidden] bf16
   int64_t num_experts = 0, ffn = 0;
@@ -50,6 +70,9 @@ struct FusedMoeArgs {
   unsigned long long* error = nullptr;  // send_rows' error word, zeroed
   GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
   uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
+  // The other ranks (world > 1): rows, counters, y and done2 above must be peers' own entries
+  // at peers.rank. Their rows are this rank's GEMMs' (num_experts = its local experts).
+  FusedPeers peers;
   // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns)
   // at its start, after its send, after its GEMM tiles and after its reduce.
   unsigned long long* trace = nullptr;

@@ -31,6 +31,8 @@ namespace uniep::cuda {
 //           have = num_counters, need = the counter's index; nothing was read
 //   flag 3  the fused kernel's reduce (fused_moe.hpp) timed out on a token's expert row:
 //           expert = the token, m_tile = its k, have / need as for flag 1
+//   flag 4  the fused kernel's count exchange across ranks (fused_ep.hpp) timed out: expert =
+//           the rank that never announced the call, have = its last epoch, need = this call's
 struct GateTimeout {
   uint32_t flag = 0;
   int32_t expert = -1;  // the group (local expert) of the tile
@@ -97,6 +99,11 @@ inline Status gate_timeout_status(const GateTimeout& t, const char* what) {
             detail::str_cat(what, ": the expert output of token ", t.expert, ", k = ", t.m_tile,
                             " never arrived (its tile's counter reached ", t.have, " of ", t.need,
                             ")")};
+  if (t.flag == 4)
+    return {StatusCode::kTimeout,
+            detail::str_cat(what, ": rank ", t.expert, " never joined the count exchange of call ",
+                            t.need, " (its last call was ", t.have,
+                            "); every rank of the group must make the same calls")};
   return {StatusCode::kTimeout,
           detail::str_cat(what, ": the rows of expert ", t.expert, ", m-tile ", t.m_tile,
                           " never arrived (its counter reached ", t.have, " of ", t.need, ")")};

@@ -69,18 +69,25 @@ struct DirectStoreEpilogue {
 
   // Once this warp has stored its part of output tile m_tile of `expert` (M rows, tile_m rows a
   // tile): one lane adds 1 to done[tile_base[expert] + m_tile]. The warp barrier orders every
-  // lane's stores before that lane's release (gate_signal_gpu: the waiter is on this GPU). A tile
+  // lane's stores before that lane's release (at GPU scope, or at system scope with `system`
+  // where the waiter may be on a peer GPU). A tile
   // past the expert's rows (the scheduler pads each expert to the cluster's M) stored nothing and
   // has no counter of its own; a counter outside the num_done is not signalled (its waiter then
   // times out naming it). done null: no signal.
   CUTLASS_DEVICE static void signal_tile_done(uint32_t* done, const int32_t* tile_base,
                                               int expert, int m_tile, int tile_m, int M,
-                                              int64_t num_done) {
+                                              int64_t num_done, bool system = false) {
     if (done == nullptr || m_tile * tile_m >= M) return;
     __syncwarp();
     const int64_t index = static_cast<int64_t>(tile_base[expert]) + m_tile;
-    if (threadIdx.x % 32 == 0 && index >= 0 && index < num_done)
-      megakernel::gate_signal_gpu(done + index, 1u);
+    if (threadIdx.x % 32 == 0 && index >= 0 && index < num_done) {
+      // A waiter on another GPU (the fused kernel's reduce with peers) needs the release at
+      // system scope; one lane's, like the GPU-scope one.
+      if (system)
+        megakernel::gate_signal(done + index, 1u);
+      else
+        megakernel::gate_signal_gpu(done + index, 1u);
+    }
   }
 
   // The chain's numerics and the CPU executor's: gate and up rounded to bf16 (where the chain

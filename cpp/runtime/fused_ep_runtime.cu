@@ -1,0 +1,309 @@
+// The fused MoE forward across ranks (uniep/cuda/fused_ep.hpp): one symmetric allocation for the
+// GEMM rows, the expert outputs and the counters the peers touch, local buffers for the rest,
+// and per call the count exchange, the plan and the persistent kernel on the caller's stream.
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/megakernel/fused_exchange.hpp"
+#include "runtime/nvshmem_session.hpp"
+#include "runtime/runtime_support.hpp"
+#include "uniep/cuda/fused_ep.hpp"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/send_rows.hpp"
+#include "uniep/cuda/tile_gate.hpp"
+
+namespace uniep::fused {
+namespace {
+
+constexpr int kTileM = cuda::kGatedTileM;
+
+int64_t counters_of(const Config& c) {
+  return c.row_capacity() / kTileM + c.num_experts / c.world_size + 1;
+}
+
+// Offsets in the symmetric allocation; the same on every rank.
+struct Carve {
+  size_t arrived;   // uint64 [W]: the epoch each rank last announced here
+  size_t counts;    // int64 [2][W][E]: the count matrix of odd and even calls
+  size_t counters;  // uint32 [NC]: rows stored per tile (by every rank's send)
+  size_t done2;     // uint32 [2][NC]: GEMM 2's finished warps per tile, by call parity
+  size_t rows;      // bf16 [C][H]: the GEMM rows
+  size_t y;         // bf16 [C][H]: the expert outputs
+  size_t total;
+};
+
+Carve carve(const Config& c) {
+  const size_t W = c.world_size, E = c.num_experts, C = c.row_capacity(), H = c.hidden,
+               NC = counters_of(c);
+  Carve v{};
+  runtime::HeapCarver heap;
+  v.arrived = heap.take(sizeof(uint64_t) * W);
+  v.counts = heap.take(sizeof(int64_t) * 2 * W * E);
+  v.counters = heap.take(sizeof(uint32_t) * NC);
+  v.done2 = heap.take(sizeof(uint32_t) * 2 * NC);
+  v.rows = heap.take(C * H * 2);
+  v.y = heap.take(C * H * 2);
+  v.total = heap.total();
+  return v;
+}
+
+class RuntimeImpl final : public Runtime {
+ public:
+  explicit RuntimeImpl(const Config& c)
+      : cfg_(c), layout_(carve(c)), capacity_(c.row_capacity()), num_counters_(counters_of(c)) {}
+  ~RuntimeImpl() override {
+    // nvshmem_free is collective: every rank destroys its runtime together
+    // (uniep.megakernel.shutdown_fused_ep), never from a static destructor.
+    cudaDeviceSynchronize();
+    if (sym_) nvshmem_free(sym_);
+    if (local_) cudaFree(local_);
+    if (counted_) runtime::nvshmem_release();
+  }
+
+  Status init(const std::vector<uint8_t>& uid) {
+    bool started = false;
+    if (Status s =
+            runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout_.total, &started);
+        !s.ok())
+      return s;
+    counted_ = true;
+    sym_ = nvshmem_malloc(layout_.total);
+    if (!sym_)
+      return {StatusCode::kCapacityExceeded,
+              detail::str_cat("nvshmem_malloc of ", layout_.total,
+                              " bytes for the fused MoE runtime failed: lower max_tokens or set "
+                              "NVSHMEM_SYMMETRIC_SIZE to at least the sum of the UniEP runtimes' "
+                              "symmetric_heap_bytes before the first one is created")};
+    for (int64_t p = 0; p < cfg_.world_size; ++p) {
+      peer_[p] = static_cast<uint8_t*>(nvshmem_ptr(sym_, static_cast<int>(p)));
+      if (peer_[p] == nullptr)
+        return {StatusCode::kUnsupported,
+                detail::str_cat("the fused MoE kernel needs every rank of the group on this "
+                                "rank's NVLink domain, but rank ",
+                                p, " is not reachable through nvshmem_ptr from rank ", cfg_.rank,
+                                "; use moe_forward (overlap=sequential) across nodes")};
+    }
+    // The words peers add to or wait on must read zero everywhere before any peer may touch them.
+    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.rows));
+
+    const int64_t T = cfg_.max_tokens, K = cfg_.top_k, El = cfg_.num_experts / cfg_.world_size;
+    int device = 0;
+    UNIEP_CUDA_OK(cudaGetDevice(&device));
+    UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+    device_ = device;
+    workspace_bytes_ = cuda::fused_moe_workspace_bytes(El, sm_count_);
+    runtime::HeapCarver local;  // the same alignment for the local buffers
+    const size_t act = local.take(static_cast<size_t>(capacity_) * cfg_.ffn * 2);
+    const size_t done1 = local.take(sizeof(uint32_t) * num_counters_);
+    const size_t plan = local.take(sizeof(int64_t) * 3 * std::max<int64_t>(T * K, 1));
+    const size_t offs = local.take(sizeof(int32_t) * El);
+    const size_t base = local.take(sizeof(int32_t) * (El + 1));
+    const size_t weights = local.take(sizeof(float) * K);
+    const size_t ws = local.take(workspace_bytes_);
+    UNIEP_CUDA_OK(cudaMalloc(&local_, local.total()));
+    auto* l = static_cast<uint8_t*>(local_);
+    act_ = l + act;
+    done1_ = reinterpret_cast<uint32_t*>(l + done1);
+    dest_rank_ = reinterpret_cast<int64_t*>(l + plan);
+    gemm_row_ = dest_rank_ + std::max<int64_t>(T * K, 1);
+    counter_ = gemm_row_ + std::max<int64_t>(T * K, 1);
+    offs_ = reinterpret_cast<int32_t*>(l + offs);
+    tile_base_ = reinterpret_cast<int32_t*>(l + base);
+    no_weights_ = reinterpret_cast<float*>(l + weights);
+    workspace_ = l + ws;
+    UNIEP_CUDA_OK(cudaMemset(no_weights_, 0, sizeof(float) * K));
+    UNIEP_CUDA_OK(cudaDeviceSynchronize());
+    nvshmem_barrier_all();
+    return Status::Ok();
+  }
+
+  const Config& config() const override { return cfg_; }
+  uint64_t epoch() const override { return epoch_; }
+
+  Status forward(const ForwardArgs& f, const cuda::FusedMoeLaunch& launch,
+                 cudaStream_t stream) override {
+    if (f.tokens < 0 || f.tokens > cfg_.max_tokens)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
+                              f.tokens)};
+    if (f.tokens > 0 && (f.x == nullptr || f.topk_idx == nullptr || f.topk_weights == nullptr ||
+                         f.out == nullptr))
+      return {StatusCode::kInvalidArgument,
+              "x, topk_idx, topk_weights and out must be device pointers"};
+    if (f.w1_packed == nullptr || f.w2 == nullptr || f.error == nullptr || f.timeout == nullptr)
+      return {StatusCode::kInvalidArgument,
+              "w1_packed, w2, error and timeout must be device pointers"};
+    // The epoch is the host's: a replayed graph would announce a stale one and wait forever.
+    if (Status s = runtime::refuse_capture(
+            stream, "the fused MoE forward across ranks cannot be captured in a CUDA graph (its "
+                    "count exchange is stamped with a host-side epoch)");
+        !s.ok())
+      return s;
+    const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = E / W, K = cfg_.top_k;
+    const uint64_t epoch = epoch_ + 1;
+    const int parity = static_cast<int>(epoch % 2);
+    auto at = [&](int64_t p, size_t off) { return peer_[p] + off; };
+    auto* mine = static_cast<uint8_t*>(sym_);
+    auto* counters = reinterpret_cast<uint32_t*>(mine + layout_.counters);
+    auto* done2 = reinterpret_cast<uint32_t*>(mine + layout_.done2) + parity * num_counters_;
+    // Zeroed before this rank announces the call: peers only touch them after that.
+    UNIEP_CUDA_OK(cudaMemsetAsync(counters, 0, sizeof(uint32_t) * num_counters_, stream));
+    UNIEP_CUDA_OK(cudaMemsetAsync(done2, 0, sizeof(uint32_t) * num_counters_, stream));
+    UNIEP_CUDA_OK(cudaMemsetAsync(done1_, 0, sizeof(uint32_t) * num_counters_, stream));
+
+    cuda::FusedExchangeArgs x;
+    x.topk_idx = f.topk_idx;
+    x.tokens = f.tokens;
+    x.top_k = K;
+    x.num_experts = E;
+    x.world_size = static_cast<int>(W);
+    x.rank = static_cast<int>(cfg_.rank);
+    x.epoch = epoch;
+    for (int64_t p = 0; p < W; ++p) {
+      x.peer_counts[p] =
+          reinterpret_cast<int64_t*>(at(p, layout_.counts)) + parity * W * E;
+      x.peer_arrived[p] = reinterpret_cast<uint64_t*>(at(p, layout_.arrived));
+    }
+    x.offs = offs_;
+    x.timeout = f.timeout;
+    x.timeout_ns = timeout_ns();
+    if (Status s = cuda::fused_exchange_counts(x, stream); !s.ok()) return s;
+    // From here on every peer waits for this rank's rows: the call is under way.
+    epoch_ = epoch;
+
+    cuda::SenderRowsPlanArgs plan;
+    plan.topk_idx = f.topk_idx;
+    plan.tokens = f.tokens;
+    plan.top_k = K;
+    plan.counts = x.peer_counts[cfg_.rank];
+    plan.counts_ld = E;
+    plan.world_size = W;
+    plan.rank = cfg_.rank;
+    plan.num_experts = E;
+    plan.tile_m = kTileM;
+    plan.dest_rank = dest_rank_;
+    plan.gemm_row = gemm_row_;
+    plan.counter = counter_;
+    plan.error = f.error;
+    if (Status s = cuda::plan_sender_rows_async(plan, stream); !s.ok()) return s;
+    if (Status s = cuda::gate_tile_base(offs_, El, capacity_, kTileM, tile_base_, stream); !s.ok())
+      return s;
+
+    cuda::FusedMoeArgs a;
+    // A rank with no tokens still runs the kernel (its experts get peers' rows); its own
+    // pointers are never read then, but must be valid.
+    const bool none = f.tokens == 0;
+    a.x = none ? mine + layout_.rows : f.x;
+    a.tokens = f.tokens;
+    a.hidden = cfg_.hidden;
+    a.top_k = K;
+    a.topk_weights = none ? no_weights_ : f.topk_weights;
+    a.gemm_row = gemm_row_;
+    a.counter = counter_;
+    a.dest_rank = dest_rank_;
+    a.w1_packed = f.w1_packed;
+    a.w2 = f.w2;
+    a.num_experts = El;
+    a.ffn = cfg_.ffn;
+    a.offs = offs_;
+    a.tile_base = tile_base_;
+    a.capacity = capacity_;
+    a.rows = mine + layout_.rows;
+    a.act = act_;
+    a.y = mine + layout_.y;
+    a.out = none ? mine + layout_.y : f.out;
+    a.counters = counters;
+    a.done1 = done1_;
+    a.done2 = done2;
+    a.num_counters = num_counters_;
+    a.error = f.error;
+    a.timeout = f.timeout;
+    a.timeout_ns = timeout_ns();
+    a.trace = f.trace;
+    a.peers.world_size = static_cast<int>(W);
+    a.peers.rank = static_cast<int>(cfg_.rank);
+    for (int64_t p = 0; p < W; ++p) {
+      a.peers.rows[p] = at(p, layout_.rows);
+      a.peers.counters[p] = reinterpret_cast<uint32_t*>(at(p, layout_.counters));
+      a.peers.y[p] = at(p, layout_.y);
+      a.peers.done2[p] =
+          reinterpret_cast<const uint32_t*>(at(p, layout_.done2)) + parity * num_counters_;
+    }
+    if (W == 1) {
+      // One rank: the kernel's own single-rank path, in token order.
+      a.peers = cuda::FusedPeers{};
+      a.row_entry = nullptr;
+    }
+    cuda::FusedMoeLaunch l = launch;
+    if (W == 1) l.comm_ctas = std::max(l.comm_ctas, sm_count_);  // token order needs no inverse
+    return cuda::moe_fused_forward_bf16(a, l, device_, workspace_, workspace_bytes_, stream);
+  }
+
+ private:
+  uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  Config cfg_;
+  Carve layout_;
+  int64_t capacity_ = 0, num_counters_ = 0;
+  void* sym_ = nullptr;
+  uint8_t* peer_[cuda::kMaxFusedPeers] = {};
+  bool counted_ = false;
+  int device_ = 0, sm_count_ = 0;
+  void* local_ = nullptr;
+  uint8_t* act_ = nullptr;
+  uint32_t* done1_ = nullptr;
+  int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr;
+  int32_t *offs_ = nullptr, *tile_base_ = nullptr;
+  float* no_weights_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace
+
+int64_t Config::row_capacity() const {
+  const int64_t El = world_size > 0 ? num_experts / world_size : 0;
+  return world_size * max_tokens * std::min(top_k, El);
+}
+
+Status Config::validate() const {
+  auto bad = [](const std::string& m) { return Status{StatusCode::kInvalidArgument, m}; };
+  if (world_size < 1 || world_size > cuda::kMaxFusedPeers)
+    return bad(detail::str_cat("world_size must be in [1, ", cuda::kMaxFusedPeers,
+                               "] (one NVLink domain), got ", world_size));
+  if (rank < 0 || rank >= world_size)
+    return bad(detail::str_cat("rank must be in [0, ", world_size, "), got ", rank));
+  if (max_tokens < 1) return bad(detail::str_cat("max_tokens must be >= 1, got ", max_tokens));
+  if (hidden < 64 || hidden % 64 != 0)
+    return bad(detail::str_cat("hidden must be a positive multiple of 64, got ", hidden));
+  if (ffn < 64 || ffn % 64 != 0)
+    return bad(detail::str_cat("ffn must be a positive multiple of 64, got ", ffn));
+  if (top_k < 1 || top_k > 32) return bad(detail::str_cat("top_k must be in [1, 32], got ", top_k));
+  if (num_experts < 1 || num_experts > kMaxExperts || num_experts % world_size != 0)
+    return bad(detail::str_cat("num_experts must be a multiple of world_size (", world_size,
+                               ") in [1, ", kMaxExperts, "], got ", num_experts));
+  if (top_k > num_experts)
+    return bad(detail::str_cat("top_k (", top_k, ") must be at most num_experts (", num_experts,
+                               ")"));
+  if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
+  if (row_capacity() > (int64_t{1} << 31) - 1)
+    return bad(detail::str_cat("world_size x max_tokens x min(top_k, experts per rank) = ",
+                               row_capacity(), " GEMM rows exceed 2^31 - 1: lower max_tokens"));
+  return Status::Ok();
+}
+
+size_t symmetric_heap_bytes(const Config& config) {
+  return carve(config).total;
+}
+
+Status Runtime::create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime) {
+  return runtime::create_runtime<RuntimeImpl>(config, unique_id, runtime);
+}
+
+}  // namespace uniep::fused

@@ -1,0 +1,125 @@
+// CUDA implementation of uniep::moe_fused_ep (schema in registration.cpp): the MegaKernel's
+// forward across the ranks of a group, on the group's fused runtime (uniep/cuda/fused_ep.hpp).
+// No host sync: the error word and the timeout record come back as tensors, read by the caller
+// once the stream has run (uniep.gate.check_send_error / check_gate_timeout).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "torch/fused_ep_registry.hpp"
+#include "torch/runtime_registry.hpp"
+#include "torch/validate.hpp"
+#include "uniep/cuda/fused_ep.hpp"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+RuntimeRegistry<fused::Runtime>& registry() {
+  static auto* r = new RuntimeRegistry<fused::Runtime>(
+      "fused MoE runtime", "call uniep.megakernel.shutdown_fused_ep(group) first to re-create it",
+      "call uniep.megakernel.init_fused_ep(group, ...) on every rank first");
+  return *r;
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef shape, const at::Tensor& like) {
+  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
+              shape, ", got ", t.scalar_type(), " ", t.sizes());
+  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+              t.device());
+  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
+    const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+    const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
+    int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace) {
+  return translate_errors([&] {
+    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
+    fused::Runtime& rt = fused_ep_runtime(std::string(group_name));
+    const fused::Config& c = rt.config();
+    const int64_t T = x.size(0), H = c.hidden, K = c.top_k, El = c.num_experts / c.world_size;
+    UNIEP_CHECK(x.size(1) == H, "x must be [T, hidden = ", H, "] (the runtime's), got ",
+                x.sizes());
+    UNIEP_CHECK(T <= c.max_tokens, "x has ", T, " tokens, more than the runtime's max_tokens ",
+                c.max_tokens, " (re-create it with uniep.megakernel.init_fused_ep)");
+    check_tensor(topk_idx, "topk_idx", at::kLong, {T, K}, x);
+    check_tensor(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
+    check_tensor(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
+    check_tensor(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
+    UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
+                comm_ctas);
+    UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
+                "skip_rounds must be -1 (model) or in [0, 2^20], got ", skip_rounds);
+    const int device = x.device().index();
+    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                     "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    int device_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+    if (trace.has_value())
+      UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
+                      trace->size(0) >= 4 * device_sms && trace->device() == x.device() &&
+                      trace->is_contiguous(),
+                  "trace must be contiguous int64 with >= 4 x SMs = ", 4 * device_sms,
+                  " entries on ", x.device(), ", got ", trace->scalar_type(), " ",
+                  trace->sizes(), " on ", trace->device());
+
+    const auto opts = x.options();
+    at::Tensor out = at::empty({T, H}, opts);
+    at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
+    at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
+    fused::ForwardArgs f;
+    f.x = x.data_ptr();
+    f.topk_idx = topk_idx.data_ptr<int64_t>();
+    f.topk_weights = topk_weights.data_ptr<float>();
+    f.tokens = T;
+    f.w1_packed = w1_packed.data_ptr();
+    f.w2 = w2.data_ptr();
+    f.out = out.data_ptr();
+    f.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    f.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
+    if (trace.has_value())
+      f.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+    cuda::FusedMoeLaunch launch;
+    launch.comm_ctas = static_cast<int>(comm_ctas);
+    launch.skip_rounds = static_cast<int>(skip_rounds);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+    ok_or_throw(rt.forward(f, launch, stream));
+    return std::make_tuple(out, error, timeout);
+  });
+}
+
+}  // namespace
+
+void fused_ep_create(const std::string& group_name, const std::vector<uint8_t>& unique_id,
+                     const fused::Config& config) {
+  registry().create(group_name, unique_id, config);
+}
+
+bool fused_ep_exists(const std::string& group_name) {
+  return registry().exists(group_name);
+}
+
+void fused_ep_destroy(const std::string& group_name) {
+  registry().destroy(group_name);
+}
+
+fused::Runtime& fused_ep_runtime(const std::string& group_name) {
+  return registry().get(group_name);
+}
+
+}  // namespace uniep::torch_glue
+
+TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("moe_fused_ep", &uniep::torch_glue::moe_fused_ep_cuda);
+}

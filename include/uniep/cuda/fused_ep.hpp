@@ -1,0 +1,100 @@
+// The MoE MegaKernel across ranks (docs/megakernel.md): the runtime that runs the fused forward
+// of fused_moe.hpp with expert parallelism, every rank of the group on one NVLink domain.
+//
+// Per call, on the caller's stream and with no host sync:
+//   1. the count exchange: each rank counts its (token, k) entries per global expert and stores
+//      that row into every peer's [W][E] matrix (two, by call parity), then its epoch into each
+//      peer's arrival word; it waits (bounded) for every peer's epoch;
+//   2. the plan (plan_sender_rows_async on that matrix): each entry's destination rank, its GEMM
+//      row there (expert-contiguous, and within an expert by source rank, then token order: a
+//      function of the routing alone) and that row's tile counter there; and this rank's expert
+//      row ranges and tile bases;
+//   3. the persistent kernel: every CTA stores its share of the tokens' rows straight into the
+//      destination ranks' GEMM rows (nvshmem_ptr mappings) and counts them on their tile gates,
+//      the local experts' two GEMMs run gated tile by tile on the rows that arrive, and every CTA
+//      then reduces a share of this rank's tokens, reading each expert output on the rank that
+//      computed it once that rank's GEMM 2 has signalled its tile.
+// The output bits equal the world-1 kernel's on the same tokens with every expert's weights (a
+// row's GEMM arithmetic does not depend on the tile it shares; the reduce is the same ascending-k
+// fp32 sum), whatever the arrival order.
+//
+// Reuse without barriers: a rank's GEMM rows and outputs of call n are read by peers only during
+// their call n, which ends before they join exchange n + 1, which this rank's call n + 1 waits
+// for before anything is sent to it; the done counters peers read come in two sets by parity,
+// each zeroed by its rank before its exchange. Ranks stay at most one call apart.
+//
+// Symmetric memory: 2 x capacity x hidden bf16 (rows and outputs) plus counters, capacity =
+// world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive, so no
+// row is ever dropped. Every device wait is bounded by timeout_s; a timeout is recorded
+// (GateTimeout: flag 4 the count exchange, naming the rank that did not arrive; 1 and 3 the
+// GEMM's rows and the reduce's outputs) and returned, never a hang.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/tile_gate.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::fused {
+
+struct Config {
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  int64_t max_tokens = 0;   // most tokens any rank passes to one call
+  int64_t hidden = 0;       // a multiple of 64
+  int64_t ffn = 0;          // the experts' intermediate size, a multiple of 64
+  int64_t top_k = 0;        // in [1, 32]
+  int64_t num_experts = 0;  // global, a multiple of world_size, at most kMaxExperts
+  double timeout_s = 100.0;
+
+  // Rows of each rank's GEMM buffers: world x max_tokens x min(top_k, experts per rank).
+  int64_t row_capacity() const;
+  Status validate() const;
+};
+
+// The count exchange keeps a block's counts in shared memory.
+constexpr int64_t kMaxExperts = 4096;
+
+// Bytes of NVSHMEM symmetric heap a runtime with this config allocates; set
+// NVSHMEM_SYMMETRIC_SIZE at least this large (plus the other runtimes') before the first UniEP
+// runtime initialises NVSHMEM, or create this one first.
+size_t symmetric_heap_bytes(const Config& config);
+
+// One call's operands: device pointers on this rank.
+struct ForwardArgs {
+  const void* x = nullptr;              // [tokens][hidden] bf16
+  const int64_t* topk_idx = nullptr;    // [tokens][top_k] global expert ids, -1 unused
+  const float* topk_weights = nullptr;  // [tokens][top_k]
+  int64_t tokens = 0;                   // <= max_tokens; 0 is valid (the rank still computes)
+  const void* w1_packed = nullptr;      // [E / W][hidden][2 x ffn] bf16 (pack_gate_up's layout)
+  const void* w2 = nullptr;             // [E / W][ffn][hidden] bf16
+  void* out = nullptr;                  // [tokens][hidden] bf16
+  // Written by the device, zeroed by the caller: a plan, send or reduce error
+  // (send_rows_error.hpp) and the first wait that timed out.
+  unsigned long long* error = nullptr;
+  cuda::GateTimeout* timeout = nullptr;
+  unsigned long long* trace = nullptr;  // optional, as FusedMoeArgs::trace
+};
+
+class Runtime {
+ public:
+  // Collective: every rank creates its runtime with the same config but its rank, from rank 0's
+  // unique id (ep::make_unique_id; NVSHMEM is shared with the other UniEP runtimes).
+  static Status create(const Config& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<Runtime>* runtime);
+  virtual ~Runtime() = default;
+  virtual const Config& config() const = 0;
+  // Enqueues one call on `stream` (every rank calls it, in the same order). Launch: the tuning
+  // point (comm_ctas >= the SM count: every CTA sends).
+  virtual Status forward(const ForwardArgs& args, const cuda::FusedMoeLaunch& launch,
+                         cudaStream_t stream) = 0;
+  virtual uint64_t epoch() const = 0;  // calls made so far
+};
+
+}  // namespace uniep::fused

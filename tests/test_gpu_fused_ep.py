@@ -1,0 +1,149 @@
+"""The MegaKernel across ranks (``uniep.megakernel.moe_forward_ep``, include/uniep/cuda/
+fused_ep.hpp): the count exchange, the plan and one persistent launch per rank that stores rows
+into the experts' ranks' GEMM rows, computes the local experts gated tile by tile, and reduces
+the rank's tokens from the expert outputs where they were computed.
+
+Needs >= 2 Hopper GPUs (marker ``multigpu``; one NCCL process per GPU, up to 4). Checked on
+every rank: the output equals ``moe_forward_local`` on the same tokens with every expert's
+weights bit for bit (at two send budgets and run to run, call after call on one runtime), for
+random routings with unused entries, a routing that sends everything to one rank's experts, a
+rank with no tokens, and top-1; a rank that skips a call makes the others raise a timeout naming
+it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.multigpu
+
+HIDDEN, FFN = 192, 128  # multiples of 64, not of 128
+MAX_TOKENS = 512
+
+
+def _world() -> int:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return 0
+    return min(torch.cuda.device_count(), 4)
+
+
+def _case(kind: str, world: int, experts: int, top_k: int, seed: int):  # noqa: ANN202
+    """Every rank's tokens, routing and weights, and every expert's weights (CPU, same on all)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen)) for _ in range(world)]
+    if kind == "empty_rank":
+        tokens[1] = 0
+    xs, idxs, ws = [], [], []
+    for t in tokens:
+        xs.append(torch.randn(t, HIDDEN, generator=gen).bfloat16())
+        if kind == "one_rank":  # every entry on rank 0's experts
+            idx = torch.randint(0, experts // world, (t, top_k), generator=gen)
+        else:
+            idx = torch.rand(t, experts, generator=gen).topk(top_k, dim=1).indices
+        idx[torch.rand(t, top_k, generator=gen) < 0.15] = -1
+        idxs.append(idx)
+        ws.append(torch.rand(t, top_k, generator=gen))
+    w1 = (torch.randn(experts, HIDDEN, 2 * FFN, generator=gen) / 16).bfloat16()
+    w2 = (torch.randn(experts, FFN, HIDDEN, generator=gen) / 16).bfloat16()
+    return xs, idxs, ws, w1, w2
+
+
+CASES = [  # kind, experts, top_k
+    ("random", 16, 4),
+    ("one_rank", 16, 4),
+    ("empty_rank", 32, 8),
+    ("random", 8, 1),
+]
+
+
+def _worker(rank: int, world: int) -> dict[str, object]:
+    from uniep import megakernel
+    from uniep.gemm import pack_gate_up
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    report: dict[str, object] = {}
+    # One runtime per case, each on a group of its own, all alive to the end: NVSHMEM stays up
+    # (finalising it and starting it again in one process is not supported).
+    groups = []
+    for seed, (kind, experts, top_k) in enumerate(CASES):
+        el = experts // world
+        group = dist.new_group(list(range(world)))
+        groups.append(group)
+        megakernel.init_fused_ep(
+            group, max_tokens=MAX_TOKENS, hidden=HIDDEN, ffn=FFN, top_k=top_k, num_experts=experts
+        )
+        xs, idxs, ws, w1, w2 = _case(kind, world, experts, top_k, seed)
+        x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+        w1p_all, w2_all = pack_gate_up(w1.to(dev)), w2.to(dev)
+        mine = slice(rank * el, (rank + 1) * el)
+        w1p, w2l = w1p_all[mine].contiguous(), w2_all[mine].contiguous()
+        ref = megakernel.moe_forward_local(x, idx, w, w1p_all, w2_all) if x.shape[0] else None
+        outs = [
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),  # run to run, next epoch
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=8),  # fewer senders
+        ]
+        for i, out in enumerate(outs):
+            assert out.shape == x.shape, (kind, i, out.shape)
+            if ref is not None:
+                assert torch.equal(out, ref), (
+                    f"{kind}: call {i} differs from moe_forward_local by "
+                    f"{(out.float() - ref.float()).abs().max().item()}"
+                )
+        report[f"{kind}-{experts}-{top_k}"] = x.shape[0]
+    for group in groups:
+        megakernel.shutdown_fused_ep(group)
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_fused_ep_equals_the_local_kernel_bit_for_bit() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+    assert reports[1]["empty_rank-32-8"] == 0
+
+
+def _skip_worker(rank: int, world: int) -> str:
+    from uniep import megakernel
+    from uniep.gemm import pack_gate_up
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    experts, top_k = 8, 2
+    el = experts // world
+    megakernel.init_fused_ep(
+        max_tokens=64, hidden=HIDDEN, ffn=FFN, top_k=top_k, num_experts=experts, timeout_s=3.0
+    )
+    x = torch.randn(64, HIDDEN, device=dev).bfloat16()
+    idx = torch.randint(0, experts, (64, top_k), device=dev)
+    w = torch.rand(64, top_k, device=dev)
+    w1p = pack_gate_up((torch.randn(el, HIDDEN, 2 * FFN, device=dev) / 16).bfloat16())
+    w2 = (torch.randn(el, FFN, HIDDEN, device=dev) / 16).bfloat16()
+    megakernel.moe_forward_ep(x, idx, w, w1p, w2)  # every rank: call 1
+    message = "no error"
+    if rank != world - 1:  # the last rank skips call 2
+        try:
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2)
+        except TimeoutError as e:
+            message = str(e)
+    dist.barrier()
+    megakernel.shutdown_fused_ep()
+    return message
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_a_rank_that_skips_a_call_is_named() -> None:
+    from uniep.distributed import run_local_ranks
+
+    world = _world()
+    messages = run_local_ranks(_skip_worker, world, backend="nccl", timeout_s=300)
+    for rank, message in enumerate(messages[:-1]):
+        assert f"rank {world - 1} never joined the count exchange of call 2" in message, (
+            rank,
+            message,
+        )
