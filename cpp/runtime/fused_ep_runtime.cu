@@ -31,8 +31,9 @@ struct Carve {
   size_t counts;    // int64 [2][W][E]: the count matrix of odd and even calls
   size_t counters;  // uint32 [NC]: rows stored per tile (by every rank's send)
   size_t done2;     // uint32 [2][NC]: GEMM 2's finished warps per tile, by call parity
+  size_t row_src;   // int64 [C]: each GEMM row's source (rank x slots + t x top_k + k)
   size_t rows;      // bf16 [C][H]: the GEMM rows
-  size_t y;         // bf16 [C][H]: the expert outputs
+  size_t combine;   // bf16 [T x K][H]: this rank's entries' expert outputs, slot t x top_k + k
   size_t total;
 };
 
@@ -45,8 +46,9 @@ Carve carve(const Config& c) {
   v.counts = heap.take(sizeof(int64_t) * 2 * W * E);
   v.counters = heap.take(sizeof(uint32_t) * NC);
   v.done2 = heap.take(sizeof(uint32_t) * 2 * NC);
+  v.row_src = heap.take(sizeof(int64_t) * C);
   v.rows = heap.take(C * H * 2);
-  v.y = heap.take(C * H * 2);
+  v.combine = heap.take(static_cast<size_t>(c.max_tokens) * c.top_k * H * 2);
   v.total = heap.total();
   return v;
 }
@@ -88,7 +90,7 @@ class RuntimeImpl final : public Runtime {
                                 "; use moe_forward (overlap=sequential) across nodes")};
     }
     // The words peers add to or wait on must read zero everywhere before any peer may touch them.
-    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.rows));
+    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.row_src));
 
     const int64_t T = cfg_.max_tokens, K = cfg_.top_k, El = cfg_.num_experts / cfg_.world_size;
     int device = 0;
@@ -103,6 +105,7 @@ class RuntimeImpl final : public Runtime {
     const size_t offs = local.take(sizeof(int32_t) * El);
     const size_t base = local.take(sizeof(int32_t) * (El + 1));
     const size_t weights = local.take(sizeof(float) * K);
+    const size_t table = local.take(sizeof(void*) * cuda::kMaxFusedPeers);
     const size_t ws = local.take(workspace_bytes_);
     UNIEP_CUDA_OK(cudaMalloc(&local_, local.total()));
     auto* l = static_cast<uint8_t*>(local_);
@@ -115,6 +118,10 @@ class RuntimeImpl final : public Runtime {
     tile_base_ = reinterpret_cast<int32_t*>(l + base);
     no_weights_ = reinterpret_cast<float*>(l + weights);
     workspace_ = l + ws;
+    combine_table_ = reinterpret_cast<void**>(l + table);
+    void* combine[cuda::kMaxFusedPeers] = {};
+    for (int64_t p = 0; p < cfg_.world_size; ++p) combine[p] = peer_[p] + layout_.combine;
+    UNIEP_CUDA_OK(cudaMemcpy(combine_table_, combine, sizeof combine, cudaMemcpyHostToDevice));
     UNIEP_CUDA_OK(cudaMemset(no_weights_, 0, sizeof(float) * K));
     UNIEP_CUDA_OK(cudaDeviceSynchronize());
     nvshmem_barrier_all();
@@ -214,8 +221,8 @@ class RuntimeImpl final : public Runtime {
     a.capacity = capacity_;
     a.rows = mine + layout_.rows;
     a.act = act_;
-    a.y = mine + layout_.y;
-    a.out = none ? mine + layout_.y : f.out;
+    a.y = W == 1 ? mine + layout_.combine : nullptr;  // one rank: its slots are y (below)
+    a.out = none ? mine + layout_.rows : f.out;
     a.counters = counters;
     a.done1 = done1_;
     a.done2 = done2;
@@ -226,15 +233,19 @@ class RuntimeImpl final : public Runtime {
     a.trace = f.trace;
     a.peers.world_size = static_cast<int>(W);
     a.peers.rank = static_cast<int>(cfg_.rank);
+    a.peers.slots_per_rank = cfg_.max_tokens * K;
     for (int64_t p = 0; p < W; ++p) {
       a.peers.rows[p] = at(p, layout_.rows);
+      a.peers.row_src[p] = reinterpret_cast<int64_t*>(at(p, layout_.row_src));
       a.peers.counters[p] = reinterpret_cast<uint32_t*>(at(p, layout_.counters));
-      a.peers.y[p] = at(p, layout_.y);
+      a.peers.combine[p] = at(p, layout_.combine);
       a.peers.done2[p] =
           reinterpret_cast<const uint32_t*>(at(p, layout_.done2)) + parity * num_counters_;
     }
+    a.peers.combine_table = combine_table_;
     if (W == 1) {
-      // One rank: the kernel's own single-rank path, in token order.
+      // One rank: the kernel's own single-rank path, in token order, its outputs in y (the
+      // slots' memory: the rows never exceed max_tokens x top_k there).
       a.peers = cuda::FusedPeers{};
       a.row_entry = nullptr;
     }
@@ -259,6 +270,7 @@ class RuntimeImpl final : public Runtime {
   int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr;
   int32_t *offs_ = nullptr, *tile_base_ = nullptr;
   float* no_weights_ = nullptr;
+  void** combine_table_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   uint64_t epoch_ = 0;

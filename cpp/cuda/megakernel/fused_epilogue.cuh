@@ -4,8 +4,9 @@
 //   GEMM 1  act = silu(gate) * up from the accumulators (the SwiGLU epilogue's arithmetic,
 //           swiglu_epilogue.cuh), then each warp adds 1 to done1[tile] of its output tile;
 //   GEMM 2  y = acc rounded once to bf16 (the bits of the TMA store epilogue), then each warp
-//           adds 1 to done2[tile], which the reduce of the tokens waits on (on this GPU, or with
-//           peers on theirs: then the signal is released at system scope).
+//           adds 1 to done2[tile], which the reduce of the tokens waits on. With peers each row
+//           goes straight to its source rank's combine slot (row_src says which), so the outputs
+//           cross the links while GEMM 2 runs, and the signal is released at system scope.
 // Direct 16-byte stores from the accumulator fragment (lanes trade values by shuffles), no
 // shared memory: the fused kernel keeps all of it for the mainloop's stages.
 #pragma once
@@ -33,6 +34,14 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     const int32_t* tile_base = nullptr;
     int64_t num_done = 0;  // entries of each of done1 and done2
     bool done2_system = false;  // done2 is read by peer GPUs: release at system scope
+    // With peers (world > 1): GEMM 2's rows go to their sources' combine slots, not ptr_out.
+    // Row r of local expert e is offs[e - 1] + m (offs[-1] = 0); row_src[r] = source rank x
+    // slots + slot; the slot's row is combine_table[source] + slot x ld_y elements.
+    int world = 1;
+    const int32_t* offs = nullptr;
+    const int64_t* row_src = nullptr;
+    int64_t capacity = 0, slots = 0;
+    void* const* combine_table = nullptr;
   };
   using Params = Arguments;
 
@@ -67,6 +76,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
                                             tiled_mma, thread_idx);
     auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]);
     const bool first = group < params_.split;
+    const bool push = !first && params_.world > 1;
+    RowCache rows;
 
     // Each value pair below is two adjacent bf16 columns of one row; the four lanes of a row
     // (lanes 4r..4r+3) hold the four pairs of each 8-column block. Four blocks at a time they
@@ -107,7 +118,14 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
             transpose4(w, q);
             const auto c = crd(i + 4 * (4 * quad) + 2 * h);
             const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
-            if (m < M && n < N) store16(out + m * params_.ld_y + n, w);
+            if (m < M && n < N) {
+              if (push) {
+                __nv_bfloat16* row = slot_row(group - params_.split, m, rows);
+                if (row != nullptr) store16(row + n, w);
+              } else {
+                store16(out + m * params_.ld_y + n, w);
+              }
+            }
           }
         }
       }
@@ -144,6 +162,42 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
 
   CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
     *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+
+  // The last two rows this thread looked up: a thread's fragment covers two rows of the tile, so
+  // each row's source is read once per tile, not once per store.
+  // Two named entries, not arrays: a runtime index into an array would put it in local memory.
+  struct RowCache {
+    int m0 = -1, m1 = -1;
+    __nv_bfloat16 *at0 = nullptr, *at1 = nullptr;
+    bool second = false;  // which entry the next miss replaces
+  };
+
+  // Row m of local expert e's GEMM 2 in its source's combine slot, or null when the row lies past
+  // the buffers or names no rank (a plan that failed, already reported).
+  CUTLASS_DEVICE __nv_bfloat16* slot_row(int e, int m, RowCache& cache) const {
+    if (m == cache.m0) return cache.at0;
+    if (m == cache.m1) return cache.at1;
+    const int64_t begin = e == 0 ? 0 : params_.offs[e - 1];
+    const int64_t r = begin + m;
+    __nv_bfloat16* at = nullptr;
+    if (r >= 0 && r < params_.capacity) {
+      // Stored by a peer's send during this kernel: from L2, where its stores land, not from a
+      // line an earlier tile may have left in L1.
+      const int64_t src = __ldcg(params_.row_src + r);
+      const int64_t s = src / params_.slots, slot = src - s * params_.slots;
+      if (src >= 0 && s < params_.world)
+        at = static_cast<__nv_bfloat16*>(params_.combine_table[s]) + slot * params_.ld_y;
+    }
+    if (cache.second) {
+      cache.m1 = m;
+      cache.at1 = at;
+    } else {
+      cache.m0 = m;
+      cache.at0 = at;
+    }
+    cache.second = !cache.second;
+    return at;
   }
 
   Params params_;

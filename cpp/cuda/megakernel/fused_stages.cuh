@@ -77,6 +77,8 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
         } else {
           dst = static_cast<int4*>(peers ? a.peers.rows[d] : a.rows) + r * pieces;
           signal = (peers ? a.peers.counters[d] : a.counters) + c;
+          // Where GEMM 2's epilogue on d sends the row's output: this rank's slot (t, k).
+          if (peers) a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
         }
       }
     }
@@ -131,8 +133,9 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint
 }
 
 // Warp `warp` of `warps` reduces tokens warp, warp + warps, ...: out[t] = sum over k ascending of
-// w[t, k] * y[gemm_row[t, k]] (y of the entry's rank), with the combines' arithmetic
-// (combine_reduce.cuh), each row read once GEMM 2 has signalled its tile complete (`need` warps).
+// w[t, k] * y[gemm_row[t, k]], with the combines' arithmetic (combine_reduce.cuh), each row read
+// once GEMM 2 has signalled its tile complete (`need` warps; with peers the tile is on the
+// entry's rank, whose epilogue stored the row in this rank's combine slot t x top_k + k).
 __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64_t warp,
                                                     int64_t warps, int lane, uint32_t need) {
   const int64_t K = a.top_k, vecs = a.hidden / 8, row_bytes = a.hidden * 2;
@@ -151,7 +154,8 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64
             d >= a.peers.world_size) {
           send_error(a.error, kSendRowOutOfRange, i);
         } else {
-          row = static_cast<const uint8_t*>(peers ? a.peers.y[d] : a.y) + r * row_bytes;
+          row = peers ? static_cast<const uint8_t*>(a.peers.combine[a.peers.rank]) + i * row_bytes
+                      : static_cast<const uint8_t*>(a.y) + r * row_bytes;
           done = (peers ? a.peers.done2[d] : a.done2) + index;
         }
       }
@@ -181,8 +185,8 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64
               __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), k));
           wk[j] = __shfl_sync(0xffffffffu, w, k);
           if (k0 + j >= K) src[j] = nullptr;
-          // y is written by this kernel (on this GPU or a peer): coherent loads, after the
-          // acquire above.
+          // Written during this kernel (y here, or a combine slot by a peer GPU's epilogue):
+          // loads after the acquire above, of lines this SM has not read before.
           if (src[j] != nullptr && v0 < vecs) raw0[j] = src[j][v0];
           if (src[j] != nullptr && v1 < vecs) raw1[j] = src[j][v1];
         }

@@ -187,6 +187,12 @@ typename Kernel::Arguments fused_arguments(const grouped::Workspace& ws, const F
   args.epilogue.tile_base = a.tile_base;
   args.epilogue.num_done = a.num_counters;
   args.epilogue.done2_system = a.peers.world_size > 1;
+  args.epilogue.world = a.peers.world_size;
+  args.epilogue.offs = a.offs;
+  args.epilogue.row_src = a.peers.row_src[a.peers.rank];
+  args.epilogue.capacity = a.capacity;
+  args.epilogue.slots = a.peers.slots_per_rank;
+  args.epilogue.combine_table = a.peers.combine_table;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = Kernel::TileScheduler::RasterOrderOptions::AlongM;
@@ -239,27 +245,33 @@ Status check_args(const FusedMoeArgs& a) {
   // row_entry (the row-order send at world 1) is checked with the launch.
   const void* needed[] = {a.x,   a.topk_weights, a.gemm_row, a.counter,   a.w1_packed,
                           a.w2,  a.offs,         a.tile_base, a.rows,     a.act,
-                          a.y,   a.out,          a.counters, a.done1,     a.done2,
-                          a.error, a.timeout};
+                          peers ? a.act : a.y,   a.out,       a.counters, a.done1,
+                          a.done2, a.error, a.timeout};
   for (const void* ptr : needed)
     if (ptr == nullptr)
       return {StatusCode::kInvalidArgument,
               "moe_fused_forward_bf16: every pointer of FusedMoeArgs must be a device pointer"};
   for (int d = 0; peers && d < p.world_size; ++d)
-    if (p.rows[d] == nullptr || p.counters[d] == nullptr || p.y[d] == nullptr ||
-        p.done2[d] == nullptr)
+    if (p.rows[d] == nullptr || p.row_src[d] == nullptr || p.counters[d] == nullptr ||
+        p.combine[d] == nullptr || p.done2[d] == nullptr)
       return {StatusCode::kInvalidArgument,
-              detail::str_cat("moe_fused_forward_bf16: peers.rows, counters, y and done2 of rank ",
+              detail::str_cat("moe_fused_forward_bf16: peers.rows, row_src, counters, combine "
+                              "and done2 of rank ",
                               d, " must be device pointers (nvshmem_ptr mappings)")};
+  if (peers && (p.combine_table == nullptr || p.slots_per_rank < a.tokens * a.top_k))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("moe_fused_forward_bf16: with peers, combine_table must be a device "
+                            "array and slots_per_rank >= tokens x top_k = ",
+                            a.tokens * a.top_k, ", got ", p.slots_per_rank)};
   if (peers && a.dest_rank == nullptr)
     return {StatusCode::kInvalidArgument,
             "moe_fused_forward_bf16: dest_rank must be a device pointer with peers"};
   if (peers && (p.rows[p.rank] != a.rows || p.counters[p.rank] != a.counters ||
-                p.y[p.rank] != a.y || p.done2[p.rank] != a.done2))
+                p.done2[p.rank] != a.done2))
     return {StatusCode::kInvalidArgument,
-            "moe_fused_forward_bf16: peers' entries at peers.rank must be rows, counters, y and "
+            "moe_fused_forward_bf16: peers' entries at peers.rank must be rows, counters and "
             "done2 themselves"};
-  const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, a.y, a.out};
+  const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, peers ? a.act : a.y, a.out};
   for (const void* p : aligned)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
       return {StatusCode::kInvalidArgument,
@@ -345,7 +357,8 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),
       static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
       static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act),
-      static_cast<grouped::Bf16*>(a.y), ws);
+      // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
+      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws);
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
   // Units of two CTAs (the cluster).

@@ -10,22 +10,24 @@
 //      function of the routing alone) and that row's tile counter there; and this rank's expert
 //      row ranges and tile bases;
 //   3. the persistent kernel: every CTA stores its share of the tokens' rows straight into the
-//      destination ranks' GEMM rows (nvshmem_ptr mappings) and counts them on their tile gates,
-//      the local experts' two GEMMs run gated tile by tile on the rows that arrive, and every CTA
-//      then reduces a share of this rank's tokens, reading each expert output on the rank that
-//      computed it once that rank's GEMM 2 has signalled its tile.
+//      destination ranks' GEMM rows (nvshmem_ptr mappings), with each row's source, and counts
+//      them on their tile gates; the local experts' two GEMMs run gated tile by tile on the rows
+//      that arrive, GEMM 2's epilogue storing each output row straight into its source rank's
+//      combine slot (token, k); and every CTA then reduces a share of this rank's tokens from its
+//      own slots, each once the expert's rank has signalled the tile that wrote it.
 // The output bits equal the world-1 kernel's on the same tokens with every expert's weights (a
 // row's GEMM arithmetic does not depend on the tile it shares; the reduce is the same ascending-k
 // fp32 sum), whatever the arrival order.
 //
-// Reuse without barriers: a rank's GEMM rows and outputs of call n are read by peers only during
-// their call n, which ends before they join exchange n + 1, which this rank's call n + 1 waits
-// for before anything is sent to it; the done counters peers read come in two sets by parity,
-// each zeroed by its rank before its exchange. Ranks stay at most one call apart.
+// Reuse without barriers: what peers write into a rank during call n (rows, sources, combine
+// slots, counters) is written before their call n ends, which is before they join exchange
+// n + 1, which this rank waits for before call n + 1 reuses them; the done counters peers read
+// come in two sets by parity, each zeroed by its rank before its exchange. Ranks stay at most
+// one call apart.
 //
-// Symmetric memory: 2 x capacity x hidden bf16 (rows and outputs) plus counters, capacity =
-// world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive, so no
-// row is ever dropped. Every device wait is bounded by timeout_s; a timeout is recorded
+// Symmetric memory: capacity x (hidden bf16 + 8 bytes) of GEMM rows and their sources, capacity
+// = world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive (so
+// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters. Every device wait is bounded by timeout_s; a timeout is recorded
 // (GateTimeout: flag 4 the count exchange, naming the rank that did not arrive; 1 and 3 the
 // GEMM's rows and the reduce's outputs) and returned, never a hang.
 #pragma once

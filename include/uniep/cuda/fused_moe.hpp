@@ -25,19 +25,27 @@
 
 namespace uniep::cuda {
 
-// Several ranks (fused_ep.hpp): where each rank's rows, row counters, expert outputs and GEMM-2
-// done counters are, as this rank reaches them (nvshmem_ptr mappings, its own for itself). The
-// send stores a row at rows[d] and counts it on counters[d] of its destination d; the reduce
-// reads its token's expert outputs from y[d] once done2[d] says their tile is written. Capacity
-// and counter count are the same on every rank (symmetric buffers).
+// Several ranks (fused_ep.hpp): each rank's buffers as this rank reaches them (nvshmem_ptr
+// mappings, its own for itself). The send stores a row at rows[d] of its destination d, the
+// row's source (rank x slots_per_rank + t x top_k + k) at row_src[d], and counts it on
+// counters[d]. GEMM 2's epilogue stores each output row straight into its source's combine slot
+// (t x top_k + k of combine[source]) and signals done2 of its own rank; the reduce waits for
+// done2[d] of each of its token's tiles and reads its own combine slots. So the outputs cross
+// the links while GEMM 2 runs, and the reduce reads local memory. Capacity, counter count and
+// slots are the same on every rank (symmetric buffers).
 constexpr int kMaxFusedPeers = 8;
 struct FusedPeers {
   int world_size = 1;  // 1: this rank only (the pointers below are not read)
   int rank = 0;
+  int64_t slots_per_rank = 0;  // combine slots of each rank: max_tokens x top_k
   void* rows[kMaxFusedPeers] = {};
+  int64_t* row_src[kMaxFusedPeers] = {};  // [capacity] each
   uint32_t* counters[kMaxFusedPeers] = {};
-  const void* y[kMaxFusedPeers] = {};
+  void* combine[kMaxFusedPeers] = {};  // [slots_per_rank][hidden] bf16 each
   const uint32_t* done2[kMaxFusedPeers] = {};
+  // combine[] again as a device array [world_size]: GEMM 2's epilogue indexes it per row, and a
+  // copy of the table in its parameters would go to local memory.
+  void* const* combine_table = nullptr;
 };
 
 struct FusedMoeArgs {
@@ -59,7 +67,8 @@ struct FusedMoeArgs {
   int64_t capacity = 0;                // rows of rows, act and y
   void* rows = nullptr;                // [capacity][hidden] bf16: GEMM 1's A
   void* act = nullptr;                 // [capacity][ffn] bf16: GEMM 2's A
-  void* y = nullptr;                   // [capacity][hidden] bf16: the experts' outputs
+  void* y = nullptr;  // [capacity][hidden] bf16: the experts' outputs (world 1; with peers they
+                      // go to the combine slots and y may be null)
   void* out = nullptr;                 // [tokens][hidden] bf16
   // Three counter arrays of num_counters each, zeroed: rows stored per tile, GEMM 1's and GEMM
   // 2's finished warps per tile.
@@ -70,8 +79,8 @@ struct FusedMoeArgs {
   unsigned long long* error = nullptr;  // send_rows' error word, zeroed
   GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
   uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
-  // The other ranks (world > 1): rows, counters, y and done2 above must be peers' own entries
-  // at peers.rank. Their rows are this rank's GEMMs' (num_experts = its local experts).
+  // The other ranks (world > 1): rows, counters and done2 above must be peers' own entries at
+  // peers.rank. Their rows are this rank's GEMMs' (num_experts = its local experts).
   FusedPeers peers;
   // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns)
   // at its start, after its send, after its GEMM tiles and after its reduce.
