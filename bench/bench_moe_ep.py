@@ -68,6 +68,15 @@ GOAL_FWD_OVER_EXPERTS = 1.10
 GOAL_TUNE = 1.03
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 GRAD_TOLERANCE = {"float32": 1e-3, "bfloat16": 6e-2}
+# The MegaKernel's launch points across ranks: (CTAs that send first, None: every CTA; rounds of
+# tiles the others take first, -1: the bandwidth model).
+MK_POINTS = {
+    "every_cta": (None, -1),
+    "send32": (32, -1),
+    "send32_skip12": (32, 12),
+    "send48_skip8": (48, 8),
+    "send64": (64, -1),
+}
 FUSED_NOTE = (
     "overlap=fused runs the same launches as overlap=sequential in moe_forward on CUDA (the "
     "MegaKernel exists at world 1 only, docs/megakernel.md): these times measure the sequential "
@@ -285,6 +294,24 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
             row["megakernel_phases_us_rank0"] = phases if rank == 0 else None
             del y_mk
             mine["fwd_megakernel"] = time_ms(lambda: fwd_mk(False))
+            # The launch's tuning points (CTAs that send first, rounds the others take first),
+            # interleaved, each rank's medians then the slowest rank's per point.
+            from uniep.timing import interleaved_medians_ms
+
+            fns = {p: (lambda p=p: fwd_mk(False, *MK_POINTS[p])) for p in MK_POINTS}
+            med = interleaved_medians_ms(fns, 3, max(1, iters // 3), cuda, warmup=1,
+                                         before=lambda: _settle(cuda))  # fmt: skip
+            worst = _max_over_ranks([med[p] for p in MK_POINTS], dev)
+            row["megakernel_points_ms"] = dict(zip(MK_POINTS, worst, strict=True))
+            best = min(MK_POINTS, key=lambda p: row["megakernel_points_ms"][p])
+            row["megakernel_best_point"] = best
+            mine["fwd_megakernel_best"] = med[best]
+            # The same launch at world 1 on the rows this rank's experts receive (top-1, no
+            # exchange, local send and reduce): what the GEMMs cost inside the launch here.
+            same = _same_rows_local(cfg, group, idx, x, w1, w2, experts, e_local, rank)
+            mine["fwd_local_fused_same_rows"] = time_ms(lambda: same(False))
+            if rank == 0:
+                row["local_fused_same_rows_phases_us_rank0"] = same(True)
 
         # The expert GEMMs alone: this rank's received rows, counted from every rank's routing.
         counts = torch.bincount(idx.reshape(-1), minlength=experts)
@@ -356,7 +383,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     expert_keys = [k for k in mine if k.startswith("experts_")]
     best_chain = min((mine[k] for k in expert_keys), default=math.nan)
     ratio = mine["fwd_sequential"] / best_chain if expert_keys else math.nan
-    mk_ratio = mine["fwd_megakernel"] / best_chain if "fwd_megakernel" in mine else None
+    mk_ratio = mine["fwd_megakernel_best"] / best_chain if "fwd_megakernel_best" in mine else None
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(
         per_rank,
@@ -374,7 +401,9 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         row["megakernel_over_experts"] = max(mk_ratios)
         row["megakernel_over_experts_per_rank"] = mk_ratios
         row["megakernel_goal_met"] = max(mk_ratios) <= GOAL_FWD_OVER_EXPERTS
-        row["megakernel_over_sequential"] = slowest["fwd_megakernel"] / slowest["fwd_sequential"]
+        row["megakernel_over_sequential"] = (
+            slowest["fwd_megakernel_best"] / slowest["fwd_sequential"]
+        )
     row["forward_over_baseline"] = slowest["fwd_sequential"] / slowest["fwd_baseline"]
     row["fwd_bwd_over_baseline"] = slowest["fwd_bwd_sequential"] / slowest["fwd_bwd_baseline"]
     row["goal_forward_over_experts"] = GOAL_FWD_OVER_EXPERTS
@@ -415,12 +444,52 @@ def _megakernel_forward(
     w1p = pack_gate_up(w1)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
 
-    def call(checked: bool) -> Any:
+    def call(checked: bool, comm_sms: int | None = None, skip_rounds: int = -1) -> Any:
         if not checked:
-            return megakernel.moe_forward_ep(x, idx, w, w1p, w2, group, check=False)
+            return megakernel.moe_forward_ep(
+                x, idx, w, w1p, w2, group, comm_sms=comm_sms, skip_rounds=skip_rounds, check=False
+            )
         trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
         out = megakernel.moe_forward_ep(x, idx, w, w1p, w2, group, trace=trace)
         return out, megakernel.trace_phases(trace)
+
+    return call
+
+
+def _same_rows_local(
+    cfg: dict[str, Any],
+    group: dist.ProcessGroup,
+    idx: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    experts: int,
+    e_local: int,
+    rank: int,
+) -> Callable[[bool], Any]:
+    """moe_forward_local(overlap="fused") at world 1 on as many rows per local expert as this
+    rank's experts receive from every rank (top-1 rows of x, weight 1): ``call(True)`` returns
+    the launch's phases (us), ``call(False)`` is the timed form."""
+    from uniep import megakernel
+    from uniep.gemm import pack_gate_up
+
+    flat = idx.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=experts)
+    dist.all_reduce(counts, group=group)
+    local = counts[rank * e_local : (rank + 1) * e_local]
+    ids = torch.repeat_interleave(torch.arange(e_local, device=x.device), local).unsqueeze(1)
+    rows = x[torch.arange(ids.shape[0], device=x.device) % x.shape[0]].contiguous()
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
+    w1p = pack_gate_up(w1)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    def call(traced: bool) -> Any:
+        if not traced:
+            return megakernel.moe_forward_local(rows, ids, ones, w1p, w2, overlap="fused",
+                                                check=False)  # fmt: skip
+        trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
+        megakernel.moe_forward_local(rows, ids, ones, w1p, w2, overlap="fused", trace=trace)
+        return megakernel.trace_phases(trace)
 
     return call
 

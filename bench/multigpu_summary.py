@@ -277,14 +277,17 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
         out.append(
             goal(
                 part,
-                f"{shape} fused MegaKernel (uniep.megakernel.moe_forward_ep) forward / expert "
-                "GEMMs alone, same rank",
+                f"{shape} fused MegaKernel (uniep.megakernel.moe_forward_ep, best launch point) "
+                "forward / expert GEMMs alone, same rank",
                 f"<= {FWD_OVER_EXPERTS:.2f}x",
                 mk,
                 "x",
                 (r or {}).get("megakernel_goal_met"),
                 mk_why,
                 megakernel_ms=ms.get("fwd_megakernel"),
+                best_point=(r or {}).get("megakernel_best_point"),
+                points_ms=(r or {}).get("megakernel_points_ms"),
+                local_fused_same_rows_ms=ms.get("fwd_local_fused_same_rows"),
                 sequential_ms=ms.get("fwd_sequential"),
                 baseline_forward_ms=ms.get("fwd_baseline"),
                 megakernel_over_sequential=(r or {}).get("megakernel_over_sequential"),

@@ -5,7 +5,8 @@ the rank's tokens from the expert outputs where they were computed.
 
 Needs >= 2 Hopper GPUs (marker ``multigpu``; one NCCL process per GPU, up to 4). Checked on
 every rank: the output equals ``moe_forward_local`` on the same tokens with every expert's
-weights bit for bit (at two send budgets and run to run, call after call on one runtime), for
+weights bit for bit (every CTA sending in token order, or a few in the GEMMs' order; run to
+run, call after call on one runtime), for
 random routings with unused entries, a routing that sends everything to one rank's experts, a
 rank with no tokens, and top-1; a rank that skips a call makes the others raise a timeout naming
 it instead of hanging.
@@ -84,7 +85,9 @@ def _worker(rank: int, world: int) -> dict[str, object]:
         outs = [
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),  # run to run, next epoch
-            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=8),  # fewer senders
+            # Fewer senders than CTAs: the send in the GEMMs' order, overlapping their tiles.
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=8),
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=32, skip_rounds=3),
         ]
         for i, out in enumerate(outs):
             assert out.shape == x.shape, (kind, i, out.shape)

@@ -101,7 +101,7 @@ class RuntimeImpl final : public Runtime {
     runtime::HeapCarver local;  // the same alignment for the local buffers
     const size_t act = local.take(static_cast<size_t>(capacity_) * cfg_.ffn * 2);
     const size_t done1 = local.take(sizeof(uint32_t) * num_counters_);
-    const size_t plan = local.take(sizeof(int64_t) * 3 * std::max<int64_t>(T * K, 1));
+    const size_t plan = local.take(sizeof(int64_t) * 4 * std::max<int64_t>(T * K, 1));
     const size_t offs = local.take(sizeof(int32_t) * El);
     const size_t base = local.take(sizeof(int32_t) * (El + 1));
     const size_t weights = local.take(sizeof(float) * K);
@@ -114,6 +114,7 @@ class RuntimeImpl final : public Runtime {
     dest_rank_ = reinterpret_cast<int64_t*>(l + plan);
     gemm_row_ = dest_rank_ + std::max<int64_t>(T * K, 1);
     counter_ = gemm_row_ + std::max<int64_t>(T * K, 1);
+    send_order_ = counter_ + std::max<int64_t>(T * K, 1);
     offs_ = reinterpret_cast<int32_t*>(l + offs);
     tile_base_ = reinterpret_cast<int32_t*>(l + base);
     no_weights_ = reinterpret_cast<float*>(l + weights);
@@ -196,6 +197,12 @@ class RuntimeImpl final : public Runtime {
     plan.gemm_row = gemm_row_;
     plan.counter = counter_;
     plan.error = f.error;
+    // Fewer senders than CTAs overlap the send with the GEMMs, in the order the GEMMs take rows.
+    const bool ordered = W > 1 && launch.comm_ctas < sm_count_;
+    if (ordered) {
+      UNIEP_CUDA_OK(cudaMemsetAsync(send_order_, 0xff, sizeof(int64_t) * f.tokens * K, stream));
+      plan.send_order = send_order_;
+    }
     if (Status s = cuda::plan_sender_rows_async(plan, stream); !s.ok()) return s;
     if (Status s = cuda::gate_tile_base(offs_, El, capacity_, kTileM, tile_base_, stream); !s.ok())
       return s;
@@ -212,6 +219,7 @@ class RuntimeImpl final : public Runtime {
     a.gemm_row = gemm_row_;
     a.counter = counter_;
     a.dest_rank = dest_rank_;
+    a.send_order = ordered ? send_order_ : nullptr;
     a.w1_packed = f.w1_packed;
     a.w2 = f.w2;
     a.num_experts = El;
@@ -267,7 +275,8 @@ class RuntimeImpl final : public Runtime {
   void* local_ = nullptr;
   uint8_t* act_ = nullptr;
   uint32_t* done1_ = nullptr;
-  int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr;
+  int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr,
+          *send_order_ = nullptr;
   int32_t *offs_ = nullptr, *tile_base_ = nullptr;
   float* no_weights_ = nullptr;
   void** combine_table_ = nullptr;

@@ -111,6 +111,41 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
   }
 }
 
+// With peers and fewer senders than CTAs: warp `warp` of `warps` stores entries
+// send_order[warp], send_order[warp + warps], ...: every rank's first experts first, the order
+// in which each rank's GEMMs take their tiles, so the other CTAs' tiles start while the send
+// goes on. A warp stores kSendBatch rows (reading each token's row once per entry), then one
+// system fence per lane covers them all before their signals.
+__device__ __forceinline__ void fused_send_order(const FusedMoeArgs& a, int64_t warp,
+                                                 int64_t warps, int lane) {
+  const int64_t pieces = a.hidden * 2 / 16, n = a.tokens * a.top_k;
+  const auto* x = static_cast<const int4*>(a.x);
+  for (int64_t j0 = warp; j0 < n; j0 += warps * kSendBatch) {
+    uint32_t* signal = nullptr;  // lane b < kSendBatch: the counter of the batch's b-th row
+    for (int b = 0; b < kSendBatch; ++b) {
+      const int64_t j = j0 + b * warps;
+      if (j >= n) break;
+      const int64_t i = a.send_order[j];
+      if (i < 0 || i >= n) continue;  // past this rank's routed entries
+      const int64_t r = a.gemm_row[i], c = a.counter[i], d = a.dest_rank[i];
+      if (r < 0 || r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
+          d >= a.peers.world_size) {
+        if (lane == 0) send_error(a.error, kSendRowOutOfRange, i);
+        continue;
+      }
+      warp_copy<kSendUnroll>(static_cast<int4*>(a.peers.rows[d]) + r * pieces,
+                             x + (i / a.top_k) * pieces, pieces * 16, lane);
+      if (lane == b) {
+        a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
+        signal = a.peers.counters[d] + c;
+      }
+    }
+    __threadfence_system();
+    __syncwarp();
+    if (signal != nullptr) gate_signal(signal, 1u);
+  }
+}
+
 // Waits (one lane's loads suffice for the warp after __syncwarp, but every lane acquires so each
 // one's later loads are ordered after it) until `counter` (a done2 tile counter, maybe a peer's)
 // reaches `need`. False if it timed out (recorded with flag 3).

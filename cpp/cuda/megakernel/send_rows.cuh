@@ -29,7 +29,7 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int64_t first_row, first_tile, source_row, announced;
+  __shared__ int64_t first_row, first_tile, source_row, announced, order_base;
   const int64_t W = a.world_size, E = a.num_experts, El = E / W, me = a.rank;
   const int64_t dest = g / El, el = g % El, n = a.tokens * a.top_k;
   const int tid = static_cast<int>(threadIdx.x);
@@ -45,11 +45,22 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
   const int64_t rows_sum = Reduce(tmp.reduce).Sum(rows_before);
   __syncthreads();
   const int64_t tiles_sum = Reduce(tmp.reduce).Sum(tiles_before);
+  // Where g's entries start in the send order: this rank's entries of the experts before g in
+  // (index on its rank, rank) order.
+  int64_t order_before = 0;
+  if (a.send_order != nullptr) {
+    for (int64_t h = tid; h < E; h += kThreads)
+      if (h % El < el || (h % El == el && h / El < dest))
+        order_before += a.counts[me * a.counts_ld + h];
+  }
+  __syncthreads();
+  const int64_t order_sum = Reduce(tmp.reduce).Sum(order_before);
   if (tid == 0) {
     int64_t before_me = 0;
     for (int64_t s = 0; s < me; ++s) before_me += a.counts[s * a.counts_ld + g];
     first_row = rows_sum;
     first_tile = tiles_sum;
+    order_base = order_sum;
     source_row = before_me;
     announced = a.counts[me * a.counts_ld + g];
   }
@@ -77,6 +88,7 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
         a.dest_rank[i] = dest;
         a.gemm_row[i] = first_row + in_expert;
         a.counter[i] = first_tile + in_expert / a.tile_m;
+        if (a.send_order != nullptr) a.send_order[order_base + j] = i;
       }
     }
     taken += total;

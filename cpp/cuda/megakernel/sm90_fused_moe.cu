@@ -120,8 +120,10 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   if (first < comm_ctas) {
     const int64_t warps = static_cast<int64_t>(comm_ctas) * (kThreads / 32);
     const int64_t mine = static_cast<int64_t>(first) * (kThreads / 32) + warp;
-    if (comm_ctas == ctas || st.a.peers.world_size > 1)
+    if (comm_ctas == ctas)
       fused_send_tokens(st.a, mine, warps, lane);
+    else if (st.a.peers.world_size > 1)
+      fused_send_order(st.a, mine, warps, lane);
     else
       fused_send_rows(st.a, mine, warps, lane);
   }
@@ -340,10 +342,11 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
     return {StatusCode::kInvalidArgument,
             detail::str_cat("skip_rounds must be -1 (model) or in [0, 2^20], got ",
                             launch.skip_rounds)};
-  if (a.peers.world_size == 1 && launch.comm_ctas < sm_count && a.row_entry == nullptr)
+  if (launch.comm_ctas < sm_count &&
+      (a.peers.world_size == 1 ? a.row_entry : a.send_order) == nullptr)
     return {StatusCode::kInvalidArgument,
-            "moe_fused_forward_bf16: row_entry must be a device pointer when fewer CTAs than SMs "
-            "send (they send in GEMM-row order)"};
+            "moe_fused_forward_bf16: row_entry (world 1) or send_order (with peers) must be a "
+            "device pointer when fewer CTAs than SMs send (they send in GEMM order)"};
   // A rank with no tokens of its own still computes the rows its peers send it.
   if (a.tokens == 0 && a.peers.world_size == 1) return Status::Ok();
   const size_t need = fused_moe_workspace_bytes(a.num_experts, sm_count);
@@ -363,9 +366,11 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
 
   // Units of two CTAs (the cluster).
   const int comm_units = (std::min(launch.comm_ctas, sm_count) + 1) / 2;
+  // The rows this rank sends: with peers, its entries (the capacity is what it may receive).
+  const int64_t sent = a.peers.world_size > 1 ? a.tokens * a.top_k : a.capacity;
   const int skip = launch.skip_rounds >= 0
                        ? launch.skip_rounds
-                       : fused_default_skip_rounds(a.capacity, a.hidden, comm_units * 2);
+                       : fused_default_skip_rounds(sent, a.hidden, comm_units * 2);
   const auto args = megakernel::fused_arguments(ws, a, comm_units, skip, device, sm_count);
   if (Kernel::can_implement(args) != true)
     return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};

@@ -59,6 +59,8 @@ struct FusedMoeArgs {
   const int64_t* row_entry = nullptr;  // [capacity] entry t * top_k + k of each row, -1 none
                                        // (world 1 with fewer senders than CTAs only)
   const int64_t* dest_rank = nullptr;  // [tokens * top_k] each entry's rank (world > 1 only)
+  // [tokens * top_k] the plan's send_order (world > 1 with fewer senders than CTAs only)
+  const int64_t* send_order = nullptr;
   const void* w1_packed = nullptr;     // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
   const void* w2 = nullptr;            // [E][ffn][hidden] bf16
   int64_t num_experts = 0, ffn = 0;

@@ -33,6 +33,11 @@ struct SenderRowsPlanArgs {
   int64_t* gemm_row = nullptr;
   int64_t* counter = nullptr;
   unsigned long long* error = nullptr;  // zeroed by the caller
+  // Optional [tokens * top_k], filled with -1 by the caller: this rank's entries in the order a
+  // send that overlaps the GEMMs stores them, by (expert index on its rank, rank, row), so that
+  // every rank's first experts are complete first; the scheduler takes them first. The rank's
+  // routed entries come first, -1 after them.
+  int64_t* send_order = nullptr;
 };
 Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
 
