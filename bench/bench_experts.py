@@ -58,6 +58,18 @@ LAYERS = [
     ("qwen3-30b-a3b", 4096, 2048, 768, 128, 8),
     ("dsv3-256-experts", 4096, 7168, 2048, 256, 8),
 ]
+# Loads run only when --loads names them: one rank's share at EP4 of the issue-23 layer (64
+# experts of ~512 rows), where the MegaKernel across ranks was measured.
+EXTRA_LAYERS = [("dsv3-ep4-rank", 4096, 7168, 2048, 64, 8)]
+
+
+def selected(loads: list[str]) -> list[tuple[str, int, int, int, int, int]]:
+    """The layers a run covers: LAYERS, or those of LAYERS and EXTRA_LAYERS that --loads names."""
+    if not loads:
+        return LAYERS
+    return [layer for layer in LAYERS + EXTRA_LAYERS if layer[0] in loads]
+
+
 # The engine's compiled configurations, as tuning requests (include/uniep/cuda/grouped_gemm.hpp).
 CONFIGS = [
     "tile_m=128,tile_n=256,tile_k=64",
@@ -146,9 +158,7 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|")
     nan = float("nan")
-    for load, tokens, hidden, ffn, experts, top_k in LAYERS:
-        if loads and load not in loads:
-            continue
+    for load, tokens, hidden, ffn, experts, top_k in selected(loads):
         idx, _ = routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
         for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
@@ -425,9 +435,7 @@ def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list
     from uniep.prepared import prepare_experts
 
     rows = []
-    for load, tokens, hidden, ffn, experts, top_k in LAYERS:
-        if loads and load not in loads:
-            continue
+    for load, tokens, hidden, ffn, experts, top_k in selected(loads):
         _, x, w1, w2, idx, weights = _layer_inputs((load, tokens, hidden, ffn, experts, top_k))
         prepared = prepare_experts(w1, w2, "bf16_packed")
         del w1
@@ -471,9 +479,7 @@ def _layer_rank(
     import torch.distributed as dist
 
     rows = []
-    for layer in LAYERS:
-        if loads and layer[0] not in loads:
-            continue
+    for layer in selected(loads):
         rows.append(_bench_layer(dist.new_group([0]), layer, warmup, iters, profile))
         torch.cuda.empty_cache()
     return rows
@@ -592,9 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     if sm90_kernel_missing("bench_experts", "uniep::grouped_mm"):
         return 0
     loads = [name for name in args.loads.split(",") if name] if args.loads else []
-    unknown = sorted(set(loads) - {layer[0] for layer in LAYERS})
+    known = [layer[0] for layer in LAYERS + EXTRA_LAYERS]
+    unknown = sorted(set(loads) - set(known))
     if unknown:
-        print(f"bench_experts: unknown --loads {unknown}; known: {[la[0] for la in LAYERS]}")
+        print(f"bench_experts: unknown --loads {unknown}; known: {known}")
         return 2
     rows = kernels(args.warmup, args.iters, loads) if args.part in ("kernels", "all") else []
     if args.part == "kernels":

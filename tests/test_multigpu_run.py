@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_experts  # noqa: E402
 import bench_moe_ep  # noqa: E402
 import bench_parm  # noqa: E402
 import bench_ulysses_ag  # noqa: E402
@@ -172,6 +173,15 @@ def test_goal_helpers_of_the_scripts() -> None:
     assert cfg["iters"] == 7 and cfg["warmup"] == 5 and cfg["tune_candidates"] == 4
     with pytest.raises(SystemExit):
         bench_moe_ep.parse_args(["--iters", "0"])
+
+
+def test_extra_loads_run_only_when_named() -> None:
+    assert bench_experts.selected([]) == bench_experts.LAYERS
+    picked = bench_experts.selected(["dsv3-ep4-rank", "qwen3-30b-a3b"])
+    assert [layer[0] for layer in picked] == ["qwen3-30b-a3b", "dsv3-ep4-rank"]
+    # One rank's share of the EP4 layer of part 2: 64 experts, ~512 rows each.
+    _, tokens, _, _, experts, top_k = picked[1]
+    assert (experts, tokens * top_k // experts) == (64, 512)
 
 
 def test_parm_grid_sample_fits_the_layout() -> None:
