@@ -68,10 +68,10 @@ GOAL_FWD_OVER_EXPERTS = 1.10
 GOAL_TUNE = 1.03
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 GRAD_TOLERANCE = {"float32": 1e-3, "bfloat16": 6e-2}
-# The MegaKernel's launch points across ranks: (CTAs that send first, None: every CTA; rounds of
-# tiles the others take first, -1: the bandwidth model).
+# The MegaKernel's launch points across ranks: (CTAs that send first, 10_000: every CTA; rounds
+# of tiles the others take first, -1: the bandwidth model). fwd_megakernel is the default point.
 MK_POINTS = {
-    "every_cta": (None, -1),
+    "every_cta": (10_000, -1),
     "send32": (32, -1),
     "send32_skip12": (32, 12),
     "send48_skip8": (48, 8),

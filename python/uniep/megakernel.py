@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 OVERLAPS = ("sequential", "streams", "fused")
+# CTAs that send first across ranks by default (moe_forward_ep).
+EP_COMM_SMS = 32
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -292,13 +294,17 @@ def moe_forward_ep(
     ``[r E / W, (r + 1) E / W)``). Every rank calls it in the same order (a rank with no tokens
     too: its experts still compute what the others send). The bits equal
     :func:`moe_forward_local` on the same tokens with every expert's weights. ``comm_sms``: the
-    CTAs that send before they compute (default every one); ``check`` as in
+    CTAs that send before they compute, in the order the GEMMs take the rows, while the others
+    start on the tiles (default 32 with several ranks, the best of five points at EP4 on H200s
+    on both of issue 23's layers, bench/results/2026-11-26-session19-x4; every CTA at one rank;
+    >= the SM count: every CTA, in token order); ``skip_rounds``: rounds of tiles the others
+    take first (-1: a model of the send's time over NVLink); ``check`` as in
     :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
     never came raise here, which waits for the stream."""
     _require_runtime()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
-        comm_sms = sms
+        comm_sms = EP_COMM_SMS if distributed.world_size(group) > 1 else sms
     _check(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name):

@@ -285,12 +285,16 @@ Status check_args(const FusedMoeArgs& a) {
 }  // namespace
 }  // namespace megakernel
 
-int fused_default_skip_rounds(int64_t capacity, int64_t hidden, int comm_ctas) {
-  // The send reads and writes every row once, at about 60 GB/s per communicating SM; a GEMM-1
-  // tile is 2 x 128 x 256 x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared
-  // by its SMs). The other CTAs take the tiles that fit in the send's time.
-  if (comm_ctas < 1 || capacity <= 0 || hidden <= 0) return 0;
-  const double send_s = 4.0 * static_cast<double>(capacity) * hidden / (comm_ctas * 60e9);
+int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size) {
+  // The send reads and writes every row once, at about 60 GB/s per communicating SM; with peers
+  // the share of the rows bound elsewhere crosses NVLink, at about 400 GB/s a direction (an
+  // H100's or H200's 450 less the protocol), whichever is slower. A GEMM-1 tile is 2 x 128 x 256
+  // x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared by its SMs). The other
+  // CTAs take the tiles that fit in the send's time.
+  if (comm_ctas < 1 || rows <= 0 || hidden <= 0 || world_size < 1) return 0;
+  double send_s = 4.0 * static_cast<double>(rows) * hidden / (comm_ctas * 60e9);
+  const double remote = static_cast<double>(world_size - 1) / world_size;
+  send_s = std::max(send_s, 2.0 * static_cast<double>(rows) * hidden * remote / 400e9);
   const double tile_s = 2.0 * megakernel::kTileM * megakernel::kTileN * hidden / 5e12;
   return static_cast<int>(std::ceil(send_s / tile_s));
 }
@@ -370,7 +374,8 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   const int64_t sent = a.peers.world_size > 1 ? a.tokens * a.top_k : a.capacity;
   const int skip = launch.skip_rounds >= 0
                        ? launch.skip_rounds
-                       : fused_default_skip_rounds(sent, a.hidden, comm_units * 2);
+                       : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
+                                                   a.peers.world_size);
   const auto args = megakernel::fused_arguments(ws, a, comm_units, skip, device, sm_count);
   if (Kernel::can_implement(args) != true)
     return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};

@@ -109,7 +109,8 @@ size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count);
 Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
                               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// The skip_rounds that skip_rounds = -1 picks (exposed so tools can print it).
-int fused_default_skip_rounds(int64_t capacity, int64_t hidden, int comm_ctas);
+// The skip_rounds that skip_rounds = -1 picks for a send of `rows` rows by comm_ctas CTAs
+// (exposed so tools can print it); with peers part of the rows cross NVLink.
+int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1);
 
 }  // namespace uniep::cuda
