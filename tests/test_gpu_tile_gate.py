@@ -210,6 +210,10 @@ def test_device_sender_rows_equal_the_cpu_plan(world: int, experts: int, top_k: 
             got = gate.sender_rows(routing[rank].cuda(), counts.cuda(), rank, tile_m=tile_m)
             for g, w in zip(got[:3], want[:3], strict=True):
                 assert torch.equal(g.cpu(), w)
+        # The send order of the MegaKernel across ranks, from the same plan kernel.
+        want_order = gate.send_order(routing[rank], counts, rank)
+        assert torch.equal(gate.send_order(routing[rank].cuda(), counts.cuda(), rank).cpu(),
+                           want_order)  # fmt: skip
 
 
 def test_device_send_rows_equal_the_cpu_send() -> None:

@@ -55,6 +55,26 @@ CASES = [
 
 
 @pytest.mark.parametrize("world,experts,top_k,tokens", CASES)
+def test_send_order_puts_every_ranks_first_experts_first(world, experts, top_k, tokens) -> None:
+    routing, counts = _routings(world, experts, top_k, tokens, seed=world + top_k)
+    el = experts // world
+    for rank in range(world):
+        idx = routing[rank].reshape(-1)
+        order = gate.send_order(routing[rank], counts, rank)
+        _, row, _, _ = gate.sender_rows(routing[rank], counts, rank)
+        # Independently: (index on its rank, rank, row) sorted, at the announced counts' places.
+        used = [i for i in range(idx.numel()) if idx[i] >= 0]
+        key = {i: (int(idx[i]) % el, int(idx[i]) // el, int(row.reshape(-1)[i])) for i in used}
+        want = sorted(used, key=key.__getitem__)
+        assert order[: len(want)].tolist() == want
+        assert (order[len(want) :] == -1).all()
+    # Counts that announce more rows than the routing holds leave holes, never run past the end.
+    idx = torch.tensor([[0, 1], [1, -1]])
+    over = torch.tensor([[3, 2]])  # expert 0 announces 3 rows and has 1
+    assert gate.send_order(idx, over, 0).tolist() == [0, -1, -1, 1]
+
+
+@pytest.mark.parametrize("world,experts,top_k,tokens", CASES)
 @pytest.mark.parametrize("tile_m", [16, 128])
 def test_sender_rows_are_the_receivers_rows_and_tiles(
     world: int, experts: int, top_k: int, tokens: list[int], tile_m: int

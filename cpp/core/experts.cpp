@@ -45,6 +45,15 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
       first_tile[r * El + e] = tiles[e];
     }
   }
+  // Where each expert's entries start in the send order: the announced counts of the experts
+  // before it in (index on its rank, rank) order.
+  std::vector<int64_t> order_base(E, 0);
+  for (int64_t el = 0, at = 0; el < El; ++el)
+    for (int64_t r = 0; r < W; ++r) {
+      order_base[r * El + el] = at;
+      at += expert_counts[me * E + r * El + el];
+    }
+  out.send_order.assign(T * K, -1);
   std::vector<int64_t> sent(E, 0);
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t g = topk_idx[i];
@@ -57,6 +66,8 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
       if (out.error == 0) out.error = send_error_word(code, i);
       continue;
     }
+    // Counts that announce more than the routing holds leave holes and may run past the end.
+    if (order_base[g] + sent[g] < T * K) out.send_order[order_base[g] + sent[g]] = i;
     const int64_t row = next[g] + sent[g]++;
     out.dest_rank[i] = g / El;
     out.gemm_row[i] = row;

@@ -64,6 +64,9 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "sender_rows(Tensor topk_idx, Tensor expert_counts, int rank, int tile_m) -> "
       "(Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor error)");
+  // send_order(topk_idx [T, K], expert_counts [W, E], rank) -> [T * K] int64: the plan's order
+  // of this rank's entries for a send that overlaps the GEMMs (uniep::SenderRows::send_order).
+  m.def("send_order(Tensor topk_idx, Tensor expert_counts, int rank) -> Tensor");
   m.def(
       "send_rows(Tensor x, Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor(a!) rows, "
       "Tensor(b!) counters, int sm_count) -> Tensor error");

@@ -48,6 +48,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cuda(
   });
 }
 
+at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
+                           int64_t rank) {
+  return translate_errors([&] {
+    check_sender_rows_args(topk_idx, expert_counts, rank, 1);
+    const c10::cuda::CUDAGuard guard(topk_idx.device());
+    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
+    at::Tensor plan = at::empty({3, T, K}, topk_idx.options());
+    at::Tensor order = at::full({T * K}, -1, topk_idx.options());
+    at::Tensor error = at::zeros({1}, topk_idx.options());
+    cuda::SenderRowsPlanArgs a;
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.tokens = T;
+    a.top_k = K;
+    a.counts = expert_counts.data_ptr<int64_t>();
+    a.counts_ld = expert_counts.size(1);
+    a.world_size = expert_counts.size(0);
+    a.rank = rank;
+    a.num_experts = expert_counts.size(1);
+    a.tile_m = 1;
+    a.dest_rank = plan[0].data_ptr<int64_t>();
+    a.gemm_row = plan[1].data_ptr<int64_t>();
+    a.counter = plan[2].data_ptr<int64_t>();
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    a.send_order = order.data_ptr<int64_t>();
+    ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
+    return order;
+  });
+}
+
 // The world-1 form: the peer table holds this rank's own rows and counters only.
 at::Tensor send_rows_cuda(const at::Tensor& x, const at::Tensor& dest_rank,
                           const at::Tensor& gemm_row, const at::Tensor& counter,
@@ -112,6 +141,7 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cuda(const at::Tensor& y,
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cuda);
+  m.impl("send_order", &uniep::torch_glue::send_order_cuda);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cuda);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cuda);
 }

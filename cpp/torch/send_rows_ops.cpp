@@ -57,6 +57,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cpu(
   });
 }
 
+at::Tensor send_order_cpu(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
+                          int64_t rank) {
+  return translate_errors([&] {
+    check_sender_rows_args(topk_idx, expert_counts, rank, 1);
+    UNIEP_CHECK(topk_idx.device().is_cpu(), "topk_idx must be a CPU tensor here, got ",
+                topk_idx.device());
+    MoeShape shape;
+    shape.tokens = topk_idx.size(0);
+    shape.top_k = topk_idx.size(1);
+    shape.num_experts = expert_counts.size(1);
+    shape.world_size = expert_counts.size(0);
+    shape.rank = rank;
+    shape.hidden = shape.ffn_hidden = 1;
+    const SenderRows plan = plan_sender_rows(topk_idx.data_ptr<int64_t>(),
+                                             expert_counts.data_ptr<int64_t>(), shape, 1);
+    at::Tensor order = at::empty({shape.tokens * shape.top_k}, topk_idx.options());
+    std::memcpy(order.data_ptr<int64_t>(), plan.send_order.data(),
+                sizeof(int64_t) * plan.send_order.size());
+    return order;
+  });
+}
+
 // The world-1 form: the only destination is this rank's own rows and counters.
 at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
                          const at::Tensor& gemm_row, const at::Tensor& counter,
@@ -200,6 +222,7 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
 
 TORCH_LIBRARY_IMPL(uniep, CPU, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
+  m.impl("send_order", &uniep::torch_glue::send_order_cpu);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cpu);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cpu);
 }

@@ -81,6 +81,11 @@ struct SenderRows {
   // expert id >= E, or more rows to an expert than this rank's own count says (the counts are
   // its announcement, so its routing must match them). Failing entries are left unused; 0: none.
   uint64_t error = 0;
+  // [T * K] this rank's entries in the order a send that overlaps the GEMMs stores them: by
+  // (expert index on its rank, rank), each expert's in row order, at the position its announced
+  // count gives it (expert_counts[rank] of the experts before it in that order), -1 elsewhere.
+  // Every rank's first experts are complete first, the order in which the GEMMs take tiles.
+  std::vector<int64_t> send_order;
 };
 
 // expert_counts: [W][E] row-major tokens_per_expert of every rank (all-gathered); each rank's

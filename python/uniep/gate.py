@@ -176,6 +176,24 @@ def _sender_rows_fake(
     )
 
 
+@torch.library.register_fake("uniep::send_order")
+def _send_order_fake(
+    topk_idx: torch.Tensor, expert_counts: torch.Tensor, rank: int
+) -> torch.Tensor:
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
+    )
+    return topk_idx.new_empty((topk_idx.numel(),))
+
+
+def send_order(topk_idx: torch.Tensor, expert_counts: torch.Tensor, rank: int) -> torch.Tensor:
+    """The plan's order of this rank's ``(token, k)`` entries (flat ``t * K + k``) for a send
+    that overlaps the GEMMs (the MegaKernel across ranks with fewer senders than CTAs): by the
+    expert's index on its rank, then its rank, each expert's entries in row order, at positions
+    the announced counts give; -1 elsewhere. Every rank's first experts are complete first."""
+    return torch.ops.uniep.send_order(topk_idx, expert_counts, rank)
+
+
 @torch.library.register_fake("uniep::send_rows")
 def _send_rows_fake(
     x: torch.Tensor,
