@@ -28,15 +28,6 @@ RuntimeRegistry<fused::Runtime>& registry() {
   return *r;
 }
 
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
-                  at::IntArrayRef shape, const at::Tensor& like) {
-  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
-              shape, ", got ", t.scalar_type(), " ", t.sizes());
-  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
-              t.device());
-  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
@@ -52,10 +43,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
                 x.sizes());
     UNIEP_CHECK(T <= c.max_tokens, "x has ", T, " tokens, more than the runtime's max_tokens ",
                 c.max_tokens, " (re-create it with uniep.megakernel.init_fused_ep)");
-    check_tensor(topk_idx, "topk_idx", at::kLong, {T, K}, x);
-    check_tensor(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
-    check_tensor(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
-    check_tensor(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
+    check_exactly(topk_idx, "topk_idx", at::kLong, {T, K}, x);
+    check_exactly(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
+    check_exactly(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
+    check_exactly(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),

@@ -21,15 +21,6 @@
 namespace uniep::torch_glue {
 namespace {
 
-void check_on(const at::Tensor& t, const char* name, at::ScalarType dtype,
-              at::IntArrayRef shape, const at::Tensor& like) {
-  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
-              shape, ", got ", t.scalar_type(), " ", t.sizes());
-  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
-              t.device());
-  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
@@ -44,18 +35,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
                 "gemm_row must be [T = ", T, ", K], got ", gemm_row.sizes());
     const int64_t K = gemm_row.size(1);
     UNIEP_CHECK(K >= 1 && K <= 32, "top_k must be in [1, 32], got ", K);
-    check_on(gemm_row, "gemm_row", at::kLong, {T, K}, x);
-    check_on(counter, "counter", at::kLong, {T, K}, x);
-    check_on(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
+    check_exactly(gemm_row, "gemm_row", at::kLong, {T, K}, x);
+    check_exactly(counter, "counter", at::kLong, {T, K}, x);
+    check_exactly(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
     UNIEP_CHECK(w1_packed.dim() == 3 && w1_packed.size(1) == H,
                 "w1_packed must be [E, H = ", H, ", 2I], got ", w1_packed.sizes());
     const int64_t E = w1_packed.size(0), I = w1_packed.size(2) / 2;
     UNIEP_CHECK(w1_packed.size(2) % 2 == 0, "w1_packed's last dimension (2I) must be even, got ",
                 w1_packed.size(2));
-    check_on(w1_packed, "w1_packed", at::kBFloat16, {E, H, 2 * I}, x);
-    check_on(w2, "w2", at::kBFloat16, {E, I, H}, x);
-    check_on(offs, "offs", at::kInt, {E}, x);
-    check_on(tile_base, "tile_base", at::kInt, {E + 1}, x);
+    check_exactly(w1_packed, "w1_packed", at::kBFloat16, {E, H, 2 * I}, x);
+    check_exactly(w2, "w2", at::kBFloat16, {E, I, H}, x);
+    check_exactly(offs, "offs", at::kInt, {E}, x);
+    check_exactly(tile_base, "tile_base", at::kInt, {E + 1}, x);
     UNIEP_CHECK(H % 64 == 0, "hidden (x.size(1)) must be a multiple of 64, got ", H);
     UNIEP_CHECK(I % 64 == 0, "ffn (w2.size(1)) must be a multiple of 64, got ", I);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",

@@ -19,32 +19,39 @@
 namespace uniep::torch_glue {
 namespace {
 
+// The plan kernel's arguments for this call; outputs [3, T, K] (dest_rank, gemm_row, counter)
+// and error [1] are the caller's.
+cuda::SenderRowsPlanArgs plan_args(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
+                                   int64_t rank, int64_t tile_m, at::Tensor& plan,
+                                   at::Tensor& error) {
+  cuda::SenderRowsPlanArgs a;
+  a.topk_idx = topk_idx.data_ptr<int64_t>();
+  a.tokens = topk_idx.size(0);
+  a.top_k = topk_idx.size(1);
+  a.counts = expert_counts.data_ptr<int64_t>();
+  a.counts_ld = expert_counts.size(1);
+  a.world_size = expert_counts.size(0);
+  a.rank = rank;
+  a.num_experts = expert_counts.size(1);
+  a.tile_m = static_cast<int>(tile_m);
+  a.dest_rank = plan[0].data_ptr<int64_t>();
+  a.gemm_row = plan[1].data_ptr<int64_t>();
+  a.counter = plan[2].data_ptr<int64_t>();
+  a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cuda(
     const at::Tensor& topk_idx, const at::Tensor& expert_counts, int64_t rank, int64_t tile_m) {
   return translate_errors([&] {
     check_sender_rows_args(topk_idx, expert_counts, rank, tile_m);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
-    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
-    at::Tensor dest = at::empty({T, K}, topk_idx.options());
-    at::Tensor row = at::empty({T, K}, topk_idx.options());
-    at::Tensor counter = at::empty({T, K}, topk_idx.options());
+    at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
     at::Tensor error = at::zeros({1}, topk_idx.options());
-    cuda::SenderRowsPlanArgs a;
-    a.topk_idx = topk_idx.data_ptr<int64_t>();
-    a.tokens = T;
-    a.top_k = K;
-    a.counts = expert_counts.data_ptr<int64_t>();
-    a.counts_ld = expert_counts.size(1);
-    a.world_size = expert_counts.size(0);
-    a.rank = rank;
-    a.num_experts = expert_counts.size(1);
-    a.tile_m = static_cast<int>(tile_m);
-    a.dest_rank = dest.data_ptr<int64_t>();
-    a.gemm_row = row.data_ptr<int64_t>();
-    a.counter = counter.data_ptr<int64_t>();
-    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    const cuda::SenderRowsPlanArgs a =
+        plan_args(topk_idx, expert_counts, rank, tile_m, plan, error);
     ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
-    return std::make_tuple(dest, row, counter, error);
+    return std::make_tuple(plan[0], plan[1], plan[2], error);
   });
 }
 
@@ -53,24 +60,10 @@ at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_
   return translate_errors([&] {
     check_sender_rows_args(topk_idx, expert_counts, rank, 1);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
-    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
-    at::Tensor plan = at::empty({3, T, K}, topk_idx.options());
-    at::Tensor order = at::full({T * K}, -1, topk_idx.options());
+    at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
     at::Tensor error = at::zeros({1}, topk_idx.options());
-    cuda::SenderRowsPlanArgs a;
-    a.topk_idx = topk_idx.data_ptr<int64_t>();
-    a.tokens = T;
-    a.top_k = K;
-    a.counts = expert_counts.data_ptr<int64_t>();
-    a.counts_ld = expert_counts.size(1);
-    a.world_size = expert_counts.size(0);
-    a.rank = rank;
-    a.num_experts = expert_counts.size(1);
-    a.tile_m = 1;
-    a.dest_rank = plan[0].data_ptr<int64_t>();
-    a.gemm_row = plan[1].data_ptr<int64_t>();
-    a.counter = plan[2].data_ptr<int64_t>();
-    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    at::Tensor order = at::full({topk_idx.numel()}, -1, topk_idx.options());
+    cuda::SenderRowsPlanArgs a = plan_args(topk_idx, expert_counts, rank, 1, plan, error);
     a.send_order = order.data_ptr<int64_t>();
     ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
     return order;

@@ -57,6 +57,15 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref,
   UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                   at::IntArrayRef shape, const at::Tensor& like) {
+  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
+              shape, ", got ", t.scalar_type(), " ", t.sizes());
+  UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+              t.device());
+  UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
 void check_topk_idx(const at::Tensor& topk_idx) {
   UNIEP_CHECK(topk_idx.dim() == 2, "topk_idx must be a 2-D tensor [T, K], got shape ",
               shape_str(topk_idx));

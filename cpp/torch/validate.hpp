@@ -24,6 +24,10 @@ struct MoeInputs {
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
 
+// t is `dtype` of exactly `shape`, contiguous, on like's device; the messages name `name`.
+void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                   at::IntArrayRef shape, const at::Tensor& like);
+
 void check_topk_idx(const at::Tensor& topk_idx);
 
 // ---- collectives: the checks their CPU and CUDA implementations share ----

@@ -27,9 +27,10 @@
 //
 // Symmetric memory: capacity x (hidden bf16 + 8 bytes) of GEMM rows and their sources, capacity
 // = world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive (so
-// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters. Every device wait is bounded by timeout_s; a timeout is recorded
-// (GateTimeout: flag 4 the count exchange, naming the rank that did not arrive; 1 and 3 the
-// GEMM's rows and the reduce's outputs) and returned, never a hang.
+// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters.
+// Every device wait is bounded by timeout_s; a timeout is recorded (GateTimeout: flag 4 the count
+// exchange, naming the rank that did not arrive; 1 and 3 the GEMM's rows and the reduce's
+// outputs) and returned, never a hang; once one wait has given up, the others of the launch do.
 #pragma once
 
 #include <cuda_runtime_api.h>
