@@ -79,8 +79,8 @@ MK_POINTS = {
 }
 FUSED_NOTE = (
     "overlap=fused runs the same launches as overlap=sequential in moe_forward on CUDA (the "
-    "MegaKernel exists at world 1 only, docs/megakernel.md): these times measure the sequential "
-    "pipeline again"
+    "MegaKernel across ranks is uniep.megakernel.moe_forward_ep, timed here as fwd_megakernel; "
+    "docs/megakernel.md): these times measure the sequential pipeline again"
 )
 CHILD_ENV = {
     "NCCL_NVLS_ENABLE": "0",
