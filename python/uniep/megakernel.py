@@ -300,7 +300,15 @@ def moe_forward_ep(
     >= the SM count: every CTA, in token order); ``skip_rounds``: rounds of tiles the others
     take first (-1: a model of the send's time over NVLink); ``check`` as in
     :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
-    never came raise here, which waits for the stream."""
+    never came raise here, which waits for the stream.
+
+    On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
+    :func:`uniep.gate.sender_rows`, each row sent to its GEMM row on its expert's rank, the
+    experts with the kernel's numerics (fp32 products, h and the activation rounded to bf16), the
+    outputs sent back to their (token, k) slots and summed in ascending k in fp32; within bf16
+    rounding of the GPU's bits (the GEMMs' summation order differs)."""
+    if not x.is_cuda and not w1_packed.is_cuda:
+        return _moe_forward_ep_cpu(x, topk_idx, topk_weights, w1_packed, w2, group)
     _require_runtime()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
@@ -344,3 +352,97 @@ def _moe_fused_ep_fake(
         x.new_empty((1,), dtype=torch.int64),
         x.new_empty((5,), dtype=torch.int32),
     )
+
+
+def _moe_forward_ep_cpu(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    from .gemm import unpack_gate_up
+
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 [T, H], got {x.dtype} of shape {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.dtype != torch.int64:
+        raise ValueError(
+            f"topk_idx must be int64 [T = {t}, K], got {topk_idx.dtype} of shape "
+            f"{tuple(topk_idx.shape)}"
+        )
+    if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be float32 of topk_idx's shape {tuple(topk_idx.shape)}, got "
+            f"{topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
+        )
+    if w1_packed.dim() != 3 or w1_packed.shape[1] != h:
+        raise ValueError(f"w1_packed must be [E / W, H = {h}, 2I], got {tuple(w1_packed.shape)}")
+    el, _, two_i = w1_packed.shape
+    if w2.shape != (el, two_i // 2, h):
+        raise ValueError(
+            f"w2 must be [E / W = {el}, I = {two_i // 2}, H = {h}], got {tuple(w2.shape)}"
+        )
+    pg = distributed._resolve(group)
+    world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+    k = topk_idx.shape[1]
+    experts = el * world
+
+    # The plan: every rank's counts, then where each of this rank's rows goes.
+    counts = expert_counts(topk_idx, experts)
+    matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(world)]
+    if pg is not None:
+        dist.all_gather(matrix, counts, group=pg)
+    matrix = torch.stack(matrix)
+    dest, row, _, error = gate.sender_rows(topk_idx, matrix, rank, check=False)
+    gate.check_send_error(error, k, "moe_forward_ep (plan)")
+
+    # The send: each used entry's row to its GEMM row on its rank, the entry travelling with it.
+    entries = (dest.reshape(-1) >= 0).nonzero().squeeze(1)
+    entries = entries[torch.argsort(dest.reshape(-1)[entries], stable=True)]
+    send = torch.bincount(dest.reshape(-1)[entries], minlength=world)
+    rows_out = x[entries // k].view(torch.uint8)  # bf16 bits: the transport moves bytes
+    meta_out = row.reshape(-1)[entries]
+    if pg is None:
+        rows_in, meta_in, recv = rows_out, meta_out, send
+    else:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=pg)
+        rows_in = rows_out.new_empty(int(recv.sum()), 2 * h)
+        meta_in = meta_out.new_empty(int(recv.sum()))
+        dist.all_to_all_single(rows_in, rows_out, recv.tolist(), send.tolist(), group=pg)
+        dist.all_to_all_single(meta_in, meta_out, recv.tolist(), send.tolist(), group=pg)
+    local = matrix[:, rank * el : (rank + 1) * el].sum(0)
+    gemm_rows = torch.zeros(int(local.sum()), h, dtype=torch.bfloat16)
+    gemm_rows[meta_in] = rows_in.view(torch.bfloat16)
+
+    # The experts, with the fused kernel's numerics.
+    w1 = unpack_gate_up(w1_packed)
+    i = two_i // 2
+    y = torch.empty_like(gemm_rows)
+    ends = local.cumsum(0).tolist()
+    for e in range(el):
+        b, end = (ends[e - 1] if e else 0), ends[e]
+        if end == b:
+            continue
+        hh = (gemm_rows[b:end].float() @ w1[e].float()).bfloat16().float()
+        g, u = hh[:, :i], hh[:, i:]
+        act = (g / (1.0 + torch.exp(-g)) * u).bfloat16()
+        y[b:end] = (act.float() @ w2[e].float()).bfloat16()
+
+    # The outputs back to their slots, in the order their rows came; the reduce in ascending k.
+    back_out = y[meta_in].view(torch.uint8)
+    if pg is None:
+        back_in = back_out
+    else:
+        back_in = back_out.new_empty(rows_out.shape)
+        dist.all_to_all_single(back_in, back_out, send.tolist(), recv.tolist(), group=pg)
+    slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
+    slots[entries] = back_in.view(torch.bfloat16)
+    slots = slots.view(t, k, h).float()
+    used = (dest >= 0).unsqueeze(2)
+    acc = torch.zeros(t, h, dtype=torch.float32)
+    for j in range(k):
+        acc = torch.where(used[:, j], acc + topk_weights[:, j : j + 1] * slots[:, j], acc)
+    return acc.bfloat16()
