@@ -14,8 +14,9 @@ the persistent kernel will run.
 Across the ranks of a group, :func:`moe_forward_ep` runs the same kernel on the group's fused
 runtime (:func:`init_fused_ep`; include/uniep/cuda/fused_ep.hpp): a count exchange, the plan, and
 one persistent launch per rank that stores each row straight into its expert's GEMM row on the
-expert's rank, computes the local experts gated tile by tile, and reduces the rank's tokens from
-the expert outputs where they were computed.
+expert's rank, computes the local experts gated tile by tile (GEMM 2 storing each output in its
+source's (token, k) slot), and reduces the rank's tokens from its own slots. On CPU tensors the
+CPU executor runs the same plan over gloo.
 
 Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads a count.
 ``overlap="sequential"`` runs the steps one after the other on the current stream;
@@ -223,10 +224,11 @@ def fused_ep_heap_bytes(
     world_size: int, max_tokens: int, hidden: int, ffn: int, top_k: int, num_experts: int
 ) -> int:
     """Bytes of NVSHMEM symmetric heap :func:`init_fused_ep` allocates per rank with these
-    sizes (its GEMM rows and outputs hold ``world_size x max_tokens x min(top_k, experts per
-    rank)`` rows, the most any rank can receive). NVSHMEM's heap is sized when the first UniEP
-    runtime starts it: create this runtime first, or set ``NVSHMEM_SYMMETRIC_SIZE`` to the sum
-    of the runtimes' bytes before that."""
+    sizes (its GEMM rows hold ``world_size x max_tokens x min(top_k, experts per rank)`` rows,
+    the most any rank can receive; its combine slots ``max_tokens x top_k``). NVSHMEM's heap is
+    sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the sum of
+    the runtimes' bytes before that (``uniep.ep`` and ``uniep.collectives`` have theirs), or
+    create this runtime first when it is the process's only one."""
     _require_runtime()
     return int(
         _C.fused_ep_symmetric_heap_bytes(world_size, max_tokens, hidden, ffn, top_k, num_experts)

@@ -66,7 +66,7 @@ constexpr int64_t kMaxExperts = 4096;
 
 // Bytes of NVSHMEM symmetric heap a runtime with this config allocates; set
 // NVSHMEM_SYMMETRIC_SIZE at least this large (plus the other runtimes') before the first UniEP
-// runtime initialises NVSHMEM, or create this one first.
+// runtime initialises NVSHMEM, or create this one first when it is the process's only one.
 size_t symmetric_heap_bytes(const Config& config);
 
 // One call's operands: device pointers on this rank.
