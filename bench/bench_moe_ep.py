@@ -308,7 +308,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
             mine["fwd_megakernel_best"] = med[best]
             # The same launch at world 1 on the rows this rank's experts receive (top-1, no
             # exchange, local send and reduce): what the GEMMs cost inside the launch here.
-            same = _same_rows_local(cfg, group, idx, x, w1, w2, experts, e_local, rank)
+            same = _same_rows_local(group, idx, x, w1, w2, experts, e_local, rank)
             mine["fwd_local_fused_same_rows"] = time_ms(lambda: same(False))
             if rank == 0:
                 row["local_fused_same_rows_phases_us_rank0"] = same(True)
@@ -457,7 +457,6 @@ def _megakernel_forward(
 
 
 def _same_rows_local(
-    cfg: dict[str, Any],
     group: dist.ProcessGroup,
     idx: torch.Tensor,
     x: torch.Tensor,
