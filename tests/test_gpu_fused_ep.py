@@ -85,6 +85,8 @@ def _worker(rank: int, world: int) -> dict[str, object]:
         outs = [
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group),  # run to run, next epoch
+            # Every CTA sending first, in token order.
+            megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=10_000),
             # Fewer senders than CTAs: the send in the GEMMs' order, overlapping their tiles.
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=8),
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=32, skip_rounds=3),
