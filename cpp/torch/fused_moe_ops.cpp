@@ -73,13 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     at::Tensor counters = at::zeros({3, num_counters}, opts.dtype(at::kInt));
     int device_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
-    if (trace.has_value())
-      UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
-                      trace->size(0) >= 4 * device_sms && trace->device() == x.device() &&
-                      trace->is_contiguous(),
-                  "trace must be contiguous int64 with >= 4 x SMs = ", 4 * device_sms,
-                  " entries on ", x.device(), ", got ", trace->scalar_type(), " ",
-                  trace->sizes(), " on ", trace->device());
+    check_trace(trace, device_sms, x);
     const size_t bytes = cuda::fused_moe_workspace_bytes(E, device_sms);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, opts.dtype(at::kByte));
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();

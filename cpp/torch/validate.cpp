@@ -66,6 +66,16 @@ void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
   UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
+void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like) {
+  if (!trace.has_value()) return;
+  UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
+                  trace->size(0) >= 4 * sms && trace->device() == like.device() &&
+                  trace->is_contiguous(),
+              "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms, " entries on ",
+              like.device(), ", got ", trace->scalar_type(), " ", trace->sizes(), " on ",
+              trace->device());
+}
+
 void check_topk_idx(const at::Tensor& topk_idx) {
   UNIEP_CHECK(topk_idx.dim() == 2, "topk_idx must be a 2-D tensor [T, K], got shape ",
               shape_str(topk_idx));

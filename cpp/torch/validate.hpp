@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -27,6 +28,10 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, co
 // t is `dtype` of exactly `shape`, contiguous, on like's device; the messages name `name`.
 void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
                    at::IntArrayRef shape, const at::Tensor& like);
+
+// The fused kernels' optional phase trace: contiguous int64 with 4 entries per SM, on like's
+// device.
+void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like);
 
 void check_topk_idx(const at::Tensor& topk_idx);
 

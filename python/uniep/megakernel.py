@@ -94,6 +94,25 @@ def _check(
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     if not x.is_cuda:
         raise ValueError(f"x must be a CUDA tensor (the gated GEMMs run on Hopper), got {x.device}")
+    _check_operands(x, topk_idx, topk_weights, w1_packed, w2)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if overlap == "streams" and not 1 <= comm_sms <= sms - 2:
+        raise ValueError(
+            f"comm_sms must be in [1, {sms - 2}] (GEMM 1 keeps the rest), got {comm_sms}"
+        )
+    if overlap == "fused" and comm_sms < 1:
+        raise ValueError(f"comm_sms must be >= 1 (CTAs that send; >= {sms}: all), got {comm_sms}")
+
+
+def _check_operands(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    experts: str = "E",
+) -> None:
+    """The operands' dtypes and shapes (``experts``: how the messages name the expert count)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 [T, H], got {x.dtype} of shape {tuple(x.shape)}")
     t, h = x.shape
@@ -108,17 +127,14 @@ def _check(
             f"{topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
         )
     if w1_packed.dim() != 3 or w1_packed.shape[1] != h:
-        raise ValueError(f"w1_packed must be [E, H = {h}, 2I], got {tuple(w1_packed.shape)}")
+        raise ValueError(
+            f"w1_packed must be [{experts}, H = {h}, 2I], got {tuple(w1_packed.shape)}"
+        )
     e, _, two_i = w1_packed.shape
     if w2.dim() != 3 or w2.shape != (e, two_i // 2, h):
-        raise ValueError(f"w2 must be [E = {e}, I = {two_i // 2}, H = {h}], got {tuple(w2.shape)}")
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if overlap == "streams" and not 1 <= comm_sms <= sms - 2:
         raise ValueError(
-            f"comm_sms must be in [1, {sms - 2}] (GEMM 1 keeps the rest), got {comm_sms}"
+            f"w2 must be [{experts} = {e}, I = {two_i // 2}, H = {h}], got {tuple(w2.shape)}"
         )
-    if overlap == "fused" and comm_sms < 1:
-        raise ValueError(f"comm_sms must be >= 1 (CTAs that send; >= {sms}: all), got {comm_sms}")
 
 
 def moe_forward_local(
@@ -366,26 +382,9 @@ def _moe_forward_ep_cpu(
 ) -> torch.Tensor:
     from .gemm import unpack_gate_up
 
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16 [T, H], got {x.dtype} of shape {tuple(x.shape)}")
+    _check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
     t, h = x.shape
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.dtype != torch.int64:
-        raise ValueError(
-            f"topk_idx must be int64 [T = {t}, K], got {topk_idx.dtype} of shape "
-            f"{tuple(topk_idx.shape)}"
-        )
-    if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
-        raise ValueError(
-            f"topk_weights must be float32 of topk_idx's shape {tuple(topk_idx.shape)}, got "
-            f"{topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
-        )
-    if w1_packed.dim() != 3 or w1_packed.shape[1] != h:
-        raise ValueError(f"w1_packed must be [E / W, H = {h}, 2I], got {tuple(w1_packed.shape)}")
     el, _, two_i = w1_packed.shape
-    if w2.shape != (el, two_i // 2, h):
-        raise ValueError(
-            f"w2 must be [E / W = {el}, I = {two_i // 2}, H = {h}], got {tuple(w2.shape)}"
-        )
     pg = distributed._resolve(group)
     world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
     k = topk_idx.shape[1]
