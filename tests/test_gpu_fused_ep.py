@@ -3,13 +3,14 @@ fused_ep.hpp): the count exchange, the plan and one persistent launch per rank t
 into the experts' ranks' GEMM rows, computes the local experts gated tile by tile, and reduces
 the rank's tokens from the expert outputs where they were computed.
 
-Needs >= 2 Hopper GPUs (marker ``multigpu``; one NCCL process per GPU, up to 4). Checked on
+Here with one NCCL process per GPU (marker ``multigpu``, >= 2 Hopper GPUs, up to 4);
+tests/test_gpu_on_one_gpu.py runs the same workers with 2 and 4 ranks sharing one GPU over gloo
+(their kernels take turns on it, so the peer paths and waits run, not the speed). Checked on
 every rank: the output equals ``moe_forward_local`` on the same tokens with every expert's
 weights bit for bit (every CTA sending in token order, or a few in the GEMMs' order; run to
-run, call after call on one runtime), for
-random routings with unused entries, a routing that sends everything to one rank's experts, a
-rank with no tokens, and top-1; a rank that skips a call makes the others raise a timeout naming
-it instead of hanging.
+run, call after call on one runtime), for random routings with unused entries, a routing that
+sends everything to one rank's experts, a rank with no tokens, top-1 and top-9; a rank that skips
+a call makes the others raise a timeout naming it instead of hanging.
 """
 
 from __future__ import annotations
@@ -56,15 +57,22 @@ CASES = [  # kind, experts, top_k
     ("one_rank", 16, 4),
     ("empty_rank", 32, 8),
     ("random", 8, 1),
+    ("random", 32, 9),
 ]
 
 
-def _worker(rank: int, world: int) -> dict[str, object]:
+def _device(rank: int) -> torch.device:
+    # One GPU per rank, or every rank on the one GPU (test_gpu_on_one_gpu.py).
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
     from uniep import megakernel
     from uniep.gemm import pack_gate_up
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
+    dev = _device(rank)
     report: dict[str, object] = {}
     # One runtime per case, each on a group of its own, all alive to the end: NVSHMEM stays up
     # (finalising it and starting it again in one process is not supported).
@@ -104,21 +112,26 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     return report
 
 
+def check_fused_ep_reports(reports: list[dict[str, object]], world: int) -> None:
+    assert len(reports) == world
+    assert reports[1]["empty_rank-32-8"] == 0
+    for report in reports:
+        assert sorted(report) == sorted(f"{k}-{e}-{t}" for k, e, t in CASES), report
+
+
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
 def test_fused_ep_equals_the_local_kernel_bit_for_bit() -> None:
     from uniep.distributed import run_local_ranks
 
-    reports = run_local_ranks(_worker, _world(), backend="nccl", timeout_s=600)
-    assert len(reports) == _world()
-    assert reports[1]["empty_rank-32-8"] == 0
+    reports = run_local_ranks(fused_ep_worker, _world(), backend="nccl", timeout_s=600)
+    check_fused_ep_reports(reports, _world())
 
 
-def _skip_worker(rank: int, world: int) -> str:
+def fused_ep_skip_worker(rank: int, world: int) -> str:
     from uniep import megakernel
     from uniep.gemm import pack_gate_up
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
+    dev = _device(rank)
     experts, top_k = 8, 2
     el = experts // world
     megakernel.init_fused_ep(
@@ -146,7 +159,12 @@ def test_a_rank_that_skips_a_call_is_named() -> None:
     from uniep.distributed import run_local_ranks
 
     world = _world()
-    messages = run_local_ranks(_skip_worker, world, backend="nccl", timeout_s=300)
+    messages = run_local_ranks(fused_ep_skip_worker, world, backend="nccl", timeout_s=300)
+    check_skip_messages(messages, world)
+
+
+def check_skip_messages(messages: list[str], world: int) -> None:
+    assert messages[-1] == "no error", messages
     for rank, message in enumerate(messages[:-1]):
         assert f"rank {world - 1} never joined the count exchange of call 2" in message, (
             rank,

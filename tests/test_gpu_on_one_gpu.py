@@ -1,7 +1,8 @@
 """The GPU runtimes on one GPU (marker `gpu`): a group of one rank, and groups of two and four
 ranks that share the GPU.
 
-The workers of test_gpu_ep.py and test_gpu_collectives.py run unchanged. At world size 1 every
+The workers of test_gpu_ep.py, test_gpu_collectives.py and test_gpu_fused_ep.py (the MegaKernel
+across ranks) run unchanged. At world size 1 every
 expert-parallel round runs the whole path (layout, count exchange with itself, own rows,
 copy-out, row lists, combine) against the CPU planner. At world sizes 2 and 4 the processes
 open the same GPU (NVSHMEM's multiple processes per GPU) and join over gloo: then the peer paths
@@ -27,6 +28,12 @@ from test_gpu_ep import (
     _mixed_rounds_worker,
     _timeout_worker,
     _torch_nvshmem_first_worker,
+)
+from test_gpu_fused_ep import (
+    check_fused_ep_reports,
+    check_skip_messages,
+    fused_ep_skip_worker,
+    fused_ep_worker,
 )
 
 pytestmark = [
@@ -90,6 +97,24 @@ def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
     (message, _) = _run(worker, 2, monkeypatch)
     assert "timed out" in message and "rank 1" in message, message
     assert worker is _timeout_worker or what in message, message
+
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_megakernel_ranks_sharing_the_gpu(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each rank's persistent launch waits on rows and outputs the other ranks' launches store:
+    # with the GPU time-sliced between the processes, every wait still ends.
+    check_fused_ep_reports(_run(fused_ep_worker, world, monkeypatch), world)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+def test_megakernel_rank_that_skips_a_call_is_named_on_a_shared_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_skip_messages(_run(fused_ep_skip_worker, 2, monkeypatch), 2)
 
 
 # Set by bench/device_check.sh while an MPS server runs for this GPU.
