@@ -20,8 +20,9 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
 The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepared``'s
-``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue and with fp8 experts (and the
-fp8 dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
+``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue (at the default point, the
+MegaKernel; at ``overlap=sequential``, separate launches) and with fp8 experts (and the fp8
+dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
@@ -272,23 +273,30 @@ def _bench_layer(
 
         progress("moe_forward variants")
         base_ms = row["ms[uniep]"]
-        for fmt, tuning in (("bf16_packed", ""), ("fp8", "dispatch=fp8")):
+        # bf16_packed at the default point runs the MegaKernel; its sequential point the
+        # dispatch, the engine's SwiGLU-epilogue GEMMs and the combine as separate launches.
+        prepared_variants = (
+            ("bf16_packed", "bf16_packed", ""),
+            ("bf16_packed_sequential", "bf16_packed", "overlap=sequential"),
+            ("fp8", "fp8", "dispatch=fp8"),
+        )
+        for name, fmt, tuning in prepared_variants:
             prepared = prepare_experts(w1, w2, fmt)
 
             def prepared_call(p: Any = prepared, t: str = tuning) -> torch.Tensor:
                 return moe_forward_prepared(x, idx, weights, p, group, t)
 
             out = prepared_call().float()
-            row[f"rel_diff[{fmt}]"] = float((out - ref).norm() / ref.norm())
+            row[f"rel_diff[{name}]"] = float((out - ref).norm() / ref.norm())
             ms = median_time_ms(prepared_call, warmup, iters, cuda=True)
-            row[f"ms[{fmt}]"] = ms
-            row[f"over_bf16_layer[{fmt}]"] = ms / base_ms
-            row[f"over_floor[{fmt}]"] = ms / floor
-            if fmt == "bf16_packed":
+            row[f"ms[{name}]"] = ms
+            row[f"over_bf16_layer[{name}]"] = ms / base_ms
+            row[f"over_floor[{name}]"] = ms / floor
+            if name == "bf16_packed":
                 _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
             del prepared, out
             torch.cuda.empty_cache()
-            progress(fmt)
+            progress(name)
         row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
         row["dense_forward_backward_ms"] = median_time_ms(
             dense_forward_backward, warmup, iters, cuda=True

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from . import _C, distributed, gate
 
 __all__ = [
+    "ensure_fused_ep",
     "expert_counts",
     "fused_ep_heap_bytes",
     "init_fused_ep",
@@ -281,6 +282,68 @@ def init_fused_ep(
     name, world, me, uid = distributed._nvshmem_bootstrap(group)
     _C.fused_ep_create(
         name, uid, world, me, max_tokens, hidden, ffn, top_k, num_experts, _timeout(timeout_s)
+    )
+
+
+def ensure_fused_ep(
+    group: dist.ProcessGroup | None = None,
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    top_k: int,
+    num_experts: int,
+) -> None:
+    """The group's fused MoE runtime, sized for this call (collective: every rank calls it in
+    the same call, with its own ``tokens``). The ranks' sizes are exchanged first (one small
+    all-gather over ``group``: a host round trip, bounded by ``UNIEP_TIMEOUT_S``); sizes that
+    differ raise ValueError on every rank, naming the value and both ranks. A runtime with these
+    sizes and room for the largest batch is kept; otherwise it is created, or destroyed and
+    created again, with ``max_tokens = uniep.ep.grown_capacity(...)`` of the largest batch (a
+    power of two, at least 256, never below the old one). NVSHMEM's heap is sized by the first
+    UniEP runtime of the process: a runtime that grows later needs ``NVSHMEM_SYMMETRIC_SIZE``
+    set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
+    from .ep import grown_capacity
+
+    _require_runtime()
+    pg = distributed._resolve(group)
+    name = distributed.group_name(group)
+    mine = [tokens, hidden, ffn, top_k, num_experts]
+    if pg is None:
+        table = [mine]
+    else:
+        from .ep import _all_gather_ints
+
+        table = _all_gather_ints(mine, pg, "the fused MoE runtime's sizes (uniep.megakernel)")
+    for col, what in enumerate(("hidden", "ffn", "top_k", "num_experts"), start=1):
+        for rank, row in enumerate(table):
+            if row[col] != table[0][col]:
+                raise ValueError(
+                    f"{what} must be the same on every rank of the group: rank 0 has "
+                    f"{table[0][col]}, rank {rank} has {row[col]}"
+                )
+    most = max(row[0] for row in table)
+    old = _C.fused_ep_config(name) if _C.fused_ep_exists(name) else None
+    same = old is not None and (old["hidden"], old["ffn"], old["top_k"], old["num_experts"]) == (
+        hidden,
+        ffn,
+        top_k,
+        num_experts,
+    )
+    if same and old["max_tokens"] >= most:
+        return
+    timeout_s = None
+    if old is not None:
+        timeout_s = old["timeout_s"]
+        shutdown_fused_ep(group)
+    init_fused_ep(
+        group,
+        max_tokens=grown_capacity(old["max_tokens"] if same else None, most),
+        hidden=hidden,
+        ffn=ffn,
+        top_k=top_k,
+        num_experts=num_experts,
+        timeout_s=timeout_s,
     )
 
 

@@ -14,6 +14,16 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs
   ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128.
 
+On CUDA, packed bf16 experts at the tuning's ``overlap=fused`` (the default) with bf16 dispatch,
+the per-k combine and the engine's GEMMs run the MegaKernel (``uniep.megakernel``): at world 1
+one persistent launch of the send into GEMM rows, both GEMMs and the reduce
+(``moe_forward_local(overlap="fused")``); across the ranks of one NVLink domain the group's fused
+runtime (created and grown on demand by ``ensure_fused_ep``, whose size exchange is one host
+round trip per call) and ``moe_forward_ep``. Its bits are ``overlap=sequential``'s, which runs
+the dispatch, the engine's GEMMs and the combine as separate launches. ``sms=`` in the tuning
+string sets the CTAs that send first; without it the MegaKernel's measured defaults hold
+(every CTA at world 1, ``EP_COMM_SMS`` across ranks).
+
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
 Forward only (no autograd).
@@ -113,7 +123,9 @@ def moe_forward_prepared(
 ) -> torch.Tensor:
     """The MoE layer of ``uniep.moe_forward`` on prepared experts (forward only).
 
-    CUDA (bf16 x, Hopper): the dispatch, the engine's GEMMs in the prepared format, the combine.
+    CUDA (bf16 x, Hopper): packed bf16 experts at ``overlap=fused`` (the default) run the
+    MegaKernel (module docstring); otherwise the dispatch, the engine's GEMMs in the prepared
+    format and the combine, as separate launches. Both give ``moe_forward``'s bits.
     CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
     """
     if not isinstance(experts, PreparedExperts):
@@ -128,7 +140,64 @@ def moe_forward_prepared(
         w1, w2 = experts.plain(x.dtype)
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
     world = world_size(group)
+    if _runs_fused(experts, params):
+        return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning, params)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
+
+
+def _runs_fused(experts: PreparedExperts, params: _C.TuningParams) -> bool:
+    return (
+        experts.format == "bf16_packed"
+        and params.overlap == "fused"
+        and params.dispatch == "bf16"
+        and params.combine == "per_k"
+        and params.gemm == "uniep"
+    )
+
+
+def _forward_fused(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: PreparedExperts,
+    group: dist.ProcessGroup | None,
+    world: int,
+    tuning: str,
+    params: _C.TuningParams,
+) -> torch.Tensor:
+    from . import megakernel
+    from .ep import _timeout
+
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 on CUDA, got {x.dtype}")
+    if experts.w1.device != x.device:
+        raise ValueError(f"the experts must be on x's device {x.device}, got {experts.w1.device}")
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be [T, H = {experts.hidden}], got {tuple(x.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}"
+        )
+    if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
+    explicit = any(part.split("=")[0].strip() == "sms" for part in tuning.split(","))
+    comm_sms = params.comm_sms if explicit else None
+    if world == 1:
+        return megakernel.moe_forward_local(
+            x, topk_idx, topk_weights, experts.w1, experts.w2, overlap="fused",
+            comm_sms=comm_sms, timeout_s=_timeout(None),
+        )  # fmt: skip
+    megakernel.ensure_fused_ep(
+        group,
+        tokens=x.shape[0],
+        hidden=experts.hidden,
+        ffn=experts.ffn,
+        top_k=topk_idx.shape[1],
+        num_experts=experts.num_experts * world,
+    )
+    return megakernel.moe_forward_ep(
+        x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms
+    )
 
 
 def _forward_cuda(
