@@ -280,23 +280,23 @@ def _bench_layer(
             ("bf16_packed_sequential", "bf16_packed", "overlap=sequential"),
             ("fp8", "fp8", "dispatch=fp8"),
         )
-        for name, fmt, tuning in prepared_variants:
+        for variant, fmt, tuning in prepared_variants:
             prepared = prepare_experts(w1, w2, fmt)
 
             def prepared_call(p: Any = prepared, t: str = tuning) -> torch.Tensor:
                 return moe_forward_prepared(x, idx, weights, p, group, t)
 
             out = prepared_call().float()
-            row[f"rel_diff[{name}]"] = float((out - ref).norm() / ref.norm())
+            row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
             ms = median_time_ms(prepared_call, warmup, iters, cuda=True)
-            row[f"ms[{name}]"] = ms
-            row[f"over_bf16_layer[{name}]"] = ms / base_ms
-            row[f"over_floor[{name}]"] = ms / floor
-            if name == "bf16_packed":
+            row[f"ms[{variant}]"] = ms
+            row[f"over_bf16_layer[{variant}]"] = ms / base_ms
+            row[f"over_floor[{variant}]"] = ms / floor
+            if variant == "bf16_packed":
                 _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
             del prepared, out
             torch.cuda.empty_cache()
-            progress(name)
+            progress(variant)
         row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
         row["dense_forward_backward_ms"] = median_time_ms(
             dense_forward_backward, warmup, iters, cuda=True
