@@ -275,28 +275,46 @@ def _bench_layer(
         base_ms = row["ms[uniep]"]
         # bf16_packed at the default point runs the MegaKernel; its sequential point the
         # dispatch, the engine's SwiGLU-epilogue GEMMs and the combine as separate launches.
-        prepared_variants = (
-            ("bf16_packed", "bf16_packed", ""),
-            ("bf16_packed_sequential", "bf16_packed", "overlap=sequential"),
-            ("fp8", "fp8", "dispatch=fp8"),
-        )
-        for variant, fmt, tuning in prepared_variants:
-            prepared = prepare_experts(w1, w2, fmt)
+        # Those two and the plain layer are timed interleaved (the GPU's clock drifts over a
+        # run), then fp8, then the MegaKernel's own points (_bench_local).
+        from uniep.timing import interleaved_medians_ms
 
-            def prepared_call(p: Any = prepared, t: str = tuning) -> torch.Tensor:
-                return moe_forward_prepared(x, idx, weights, p, group, t)
-
-            out = prepared_call().float()
+        packed = prepare_experts(w1, w2, "bf16_packed")
+        fp8 = prepare_experts(w1, w2, "fp8")
+        prepared_variants = {
+            "bf16_packed": (packed, ""),
+            "bf16_packed_sequential": (packed, "overlap=sequential"),
+            "fp8": (fp8, "dispatch=fp8"),
+        }
+        calls = {
+            variant: (lambda p=p, t=t: moe_forward_prepared(x, idx, weights, p, group, t))
+            for variant, (p, t) in prepared_variants.items()
+        }
+        for variant, call in calls.items():
+            out = call().float()
             row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
-            ms = median_time_ms(prepared_call, warmup, iters, cuda=True)
+            del out
+        side = {"uniep": lambda: layer_call("")} | {
+            v: calls[v] for v in ("bf16_packed", "bf16_packed_sequential")
+        }
+        for fn in side.values():
+            for _ in range(warmup):
+                fn()
+        side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
+        row["ms_interleaved[uniep]"] = side_ms["uniep"]
+        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_sequential")}
+        times["fp8"] = median_time_ms(calls["fp8"], warmup, iters, cuda=True)
+        for variant, ms in times.items():
+            # Against the layer timed beside them (fp8: the layer's own run above).
+            layer_ms = base_ms if variant == "fp8" else side_ms["uniep"]
             row[f"ms[{variant}]"] = ms
-            row[f"over_bf16_layer[{variant}]"] = ms / base_ms
+            row[f"over_bf16_layer[{variant}]"] = ms / layer_ms
             row[f"over_floor[{variant}]"] = ms / floor
-            if variant == "bf16_packed":
-                _bench_local(row, x, idx, weights, prepared, ref, warmup, iters)
-            del prepared, out
-            torch.cuda.empty_cache()
-            progress(variant)
+        progress("prepared")
+        _bench_local(row, x, idx, weights, packed, ref, warmup, iters)
+        del packed, fp8, calls, side
+        torch.cuda.empty_cache()
+        progress("local")
         row["dense_backward_ms"] = median_time_ms(dense_backward, warmup, iters, cuda=True)
         row["dense_forward_backward_ms"] = median_time_ms(
             dense_forward_backward, warmup, iters, cuda=True
