@@ -20,8 +20,8 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
 The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepared``'s
-``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue (at the default point, the
-MegaKernel; at ``overlap=sequential``, separate launches) and with fp8 experts (and the fp8
+``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue (at the default point,
+separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 experts (and the fp8
 dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
@@ -273,8 +273,8 @@ def _bench_layer(
 
         progress("moe_forward variants")
         base_ms = row["ms[uniep]"]
-        # bf16_packed at the default point runs the MegaKernel; its sequential point the
-        # dispatch, the engine's SwiGLU-epilogue GEMMs and the combine as separate launches.
+        # bf16_packed at the default point runs the dispatch, the engine's SwiGLU-epilogue GEMMs
+        # and the combine as separate launches; with overlap=fused named, the MegaKernel.
         # Those two and the plain layer are timed interleaved (the GPU's clock drifts over a
         # run), then fp8, then the MegaKernel's own points (_bench_local).
         from uniep.timing import interleaved_medians_ms
@@ -283,7 +283,7 @@ def _bench_layer(
         fp8 = prepare_experts(w1, w2, "fp8")
         prepared_variants = {
             "bf16_packed": (packed, ""),
-            "bf16_packed_sequential": (packed, "overlap=sequential"),
+            "bf16_packed_fused": (packed, "overlap=fused"),
             "fp8": (fp8, "dispatch=fp8"),
         }
         calls = {
@@ -295,14 +295,14 @@ def _bench_layer(
             row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
             del out
         side = {"uniep": lambda: layer_call("")} | {
-            v: calls[v] for v in ("bf16_packed", "bf16_packed_sequential")
+            v: calls[v] for v in ("bf16_packed", "bf16_packed_fused")
         }
         for fn in side.values():
             for _ in range(warmup):
                 fn()
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
-        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_sequential")}
+        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused")}
         times["fp8"] = median_time_ms(calls["fp8"], warmup, iters, cuda=True)
         for variant, ms in times.items():
             # Against the layer timed beside them (fp8: the layer's own run above).

@@ -1,7 +1,7 @@
 """uniep.prepared on one GPU (marker `gpu`): moe_forward_prepared with packed bf16 experts gives
 moe_forward's own bits (the SwiGLU epilogue uses the one-pass SwiGLU's formula on the same
-GEMM bits) on the MegaKernel (the default point), with a few CTAs sending first, and on the
-separate launches (overlap=sequential), also after a larger batch grew the fused runtime; with
+GEMM bits) on the separate launches (the default) and on the MegaKernel (overlap=fused), also
+with a few CTAs sending first and after a larger batch grew the fused runtime; with
 fp8 experts it stays within the fp8 error of the bf16 layer and close to a float64 layer on the
 same dequantized operands. World 1 (NCCL), and two and four ranks sharing the GPU (gloo)."""
 
@@ -50,21 +50,21 @@ def _worker(rank: int, world: int) -> dict[str, float]:
     out: dict[str, float] = {}
 
     packed = prepare_experts(w1.to(dev), w2.to(dev), "bf16_packed")
-    # The default point runs the MegaKernel (world 1: one launch; ranks: the fused runtime,
-    # created here); overlap=sequential the separate launches. Both give moe_forward's bits.
+    # The default point runs separate launches; overlap=fused named runs the MegaKernel (world 1:
+    # one launch; ranks: the fused runtime, created here). Both give moe_forward's bits.
     got = moe_forward_prepared(xd, idxd, wd, packed)
     out["packed_equal"] = float(torch.equal(got, base))
-    seq = moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=sequential")
-    out["sequential_equal"] = float(torch.equal(seq, base))
-    few = moe_forward_prepared(xd, idxd, wd, packed, tuning="sms=8/0")  # 8 CTAs send first
-    out["few_senders_equal"] = float(torch.equal(few, base))
+    fused = moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=fused")
+    out["fused_equal"] = float(torch.equal(fused, base))
+    few = moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=fused,sms=8/0")
+    out["few_senders_equal"] = float(torch.equal(few, base))  # 8 CTAs send first
     # A larger batch on one rank grows the fused runtime on every rank (same call).
     big = 300 if rank == 0 else x.shape[0]
     gen.manual_seed(200 + rank)
     xb = torch.randn(big, H, generator=gen).bfloat16().to(dev)
     idxb = torch.rand(big, experts, generator=gen).argsort(dim=1)[:, :K].contiguous().to(dev)
     wb = torch.softmax(torch.randn(big, K, generator=gen), dim=1).to(dev)
-    got_big = moe_forward_prepared(xb, idxb, wb, packed)
+    got_big = moe_forward_prepared(xb, idxb, wb, packed, tuning="overlap=fused")
     base_big = uniep.moe_forward(xb, idxb, wb, w1.to(dev), w2.to(dev))
     out["grown_equal"] = float(torch.equal(got_big, base_big))
     if world > 1:
@@ -97,7 +97,7 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = "nccl" if world == 1 else "gloo"
     for report in run_local_ranks(_worker, world, backend=backend, timeout_s=300):
         assert report["packed_equal"] == 1.0, report
-        assert report["sequential_equal"] == 1.0, report
+        assert report["fused_equal"] == 1.0, report
         assert report["few_senders_equal"] == 1.0, report
         assert report["grown_equal"] == 1.0, report
         if world > 1:  # 256 held the first batches; rank 0's 300 tokens grew it to 512

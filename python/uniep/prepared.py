@@ -14,15 +14,17 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs
   ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128.
 
-On CUDA, packed bf16 experts at the tuning's ``overlap=fused`` (the default) with bf16 dispatch,
-the per-k combine and the engine's GEMMs run the MegaKernel (``uniep.megakernel``): at world 1
-one persistent launch of the send into GEMM rows, both GEMMs and the reduce
+On CUDA, packed bf16 experts run the MegaKernel (``uniep.megakernel``) when the tuning string
+names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's GEMMs): at world
+1 one persistent launch of the send into GEMM rows, both GEMMs and the reduce
 (``moe_forward_local(overlap="fused")``); across the ranks of one NVLink domain the group's fused
 runtime (created and grown on demand by ``ensure_fused_ep``, whose size exchange is one host
-round trip per call) and ``moe_forward_ep``. Its bits are ``overlap=sequential``'s, which runs
-the dispatch, the engine's GEMMs and the combine as separate launches. ``sms=`` in the tuning
-string sets the CTAs that send first; without it the MegaKernel's measured defaults hold
-(every CTA at world 1, ``EP_COMM_SMS`` across ranks).
+round trip per call) and ``moe_forward_ep``. ``sms=`` there sets the CTAs that send first;
+without it the MegaKernel's measured defaults hold (every CTA at world 1, ``EP_COMM_SMS`` across
+ranks). Otherwise (the default) the dispatch, the engine's GEMMs and the combine run as separate
+launches: at world 1 on one H200 they were as fast as the MegaKernel on two of issue 19's loads
+and faster on the two with small experts, whose 64-row tiles the MegaKernel lacks
+(bench/results/2026-11-26-session20). Both give the same bits.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -123,9 +125,9 @@ def moe_forward_prepared(
 ) -> torch.Tensor:
     """The MoE layer of ``uniep.moe_forward`` on prepared experts (forward only).
 
-    CUDA (bf16 x, Hopper): packed bf16 experts at ``overlap=fused`` (the default) run the
-    MegaKernel (module docstring); otherwise the dispatch, the engine's GEMMs in the prepared
-    format and the combine, as separate launches. Both give ``moe_forward``'s bits.
+    CUDA (bf16 x, Hopper): packed bf16 experts with ``overlap=fused`` named in ``tuning`` run
+    the MegaKernel (module docstring); otherwise the dispatch, the engine's GEMMs in the
+    prepared format and the combine, as separate launches. Both give ``moe_forward``'s bits.
     CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
     """
     if not isinstance(experts, PreparedExperts):
@@ -140,14 +142,19 @@ def moe_forward_prepared(
         w1, w2 = experts.plain(x.dtype)
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
     world = world_size(group)
-    if _runs_fused(experts, params):
+    if _runs_fused(experts, params, tuning):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning, params)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
 
-def _runs_fused(experts: PreparedExperts, params: _C.TuningParams) -> bool:
+def _named(tuning: str, key: str) -> bool:
+    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
+
+
+def _runs_fused(experts: PreparedExperts, params: _C.TuningParams, tuning: str) -> bool:
     return (
         experts.format == "bf16_packed"
+        and _named(tuning, "overlap")
         and params.overlap == "fused"
         and params.dispatch == "bf16"
         and params.combine == "per_k"
@@ -180,8 +187,7 @@ def _forward_fused(
         )
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
-    explicit = any(part.split("=")[0].strip() == "sms" for part in tuning.split(","))
-    comm_sms = params.comm_sms if explicit else None
+    comm_sms = params.comm_sms if _named(tuning, "sms") else None
     if world == 1:
         return megakernel.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap="fused",
