@@ -342,6 +342,8 @@ def _bench_layer(
 # the others take before they join; -1 = the launch's bandwidth model). 10000 CTAs: every CTA
 # sends its share before it computes.
 FUSED_POINTS = [(16, -1), (8, -1), (32, -1), (16, 0), (16, 4), (16, 16), (10000, 0)]
+# The same with the 64-row (ping-pong) tiles, at the points that were best with 128 rows.
+FUSED_POINTS_64 = [(16, -1), (32, -1), (16, 16), (10000, 0)]
 
 
 def _bench_local(
@@ -379,8 +381,18 @@ def _bench_local(
         ("streams", {"overlap": "streams"}),
     ]
     points += [
-        (f"fused c{comm} s{skip}", {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip})
+        (
+            f"fused c{comm} s{skip}",
+            {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip, "tile_m": 128},
+        )
         for comm, skip in FUSED_POINTS
+    ]
+    points += [
+        (
+            f"fused c{comm} s{skip} m64",
+            {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip, "tile_m": 64},
+        )
+        for comm, skip in FUSED_POINTS_64
     ]
     # The two gated GEMMs of the sequential path on the same rows, gates open and GEMM 2 waiting
     # on GEMM 1's done signal: the GEMMs' share of `sequential`, and the price of the signal.

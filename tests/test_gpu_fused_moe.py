@@ -3,7 +3,8 @@
 the send into GEMM rows, both expert GEMMs and the reduce over k.
 
 Checked: the fused output equals the sequential composition bit for bit at every tuning point
-(how many CTAs send, how many rounds the others take first, every CTA sending) and run to run, on
+(how many CTAs send, how many rounds the others take first, every CTA sending; cooperative
+128-row and ping-pong 64-row tiles) and run to run, on
 top-k 1 to 9, hundreds of experts, skewed routings, empty experts, -1 entries, hidden and FFN
 sizes that are multiples of 64 but not of 128; it is within bf16 rounding of float64; zero tokens
 and all-unused routings give empty and zero outputs; a bad expert id is named; rows that never
@@ -78,10 +79,13 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
     first = moe_forward_local(x, idx, w, w1p, w2, overlap="fused")
     assert torch.equal(first, seq), "fused (default point) against sequential"
     assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), first), "run to run"
-    for comm, skip in POINTS:
-        got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm,
-                                skip_rounds=skip)  # fmt: skip
-        assert torch.equal(got, seq), f"fused with comm_sms={comm}, skip_rounds={skip}"
+    for tile_m in (128, 64):  # cooperative and ping-pong tiles
+        for comm, skip in POINTS:
+            got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm,
+                                    skip_rounds=skip, tile_m=tile_m)  # fmt: skip
+            assert torch.equal(got, seq), (
+                f"fused with tile_m={tile_m}, comm_sms={comm}, skip_rounds={skip}"
+            )
     ref = _reference(x, idx, w, w1, w2)
     err = (first.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < 2e-2, f"relative error {err:.3g} against float64"
@@ -100,26 +104,31 @@ def test_fused_edge_cases() -> None:
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused")
     with pytest.raises(ValueError, match="comm_sms must be >= 1"):
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", comm_sms=0)
+    with pytest.raises(ValueError, match="tile_m must be None or"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_m=32)
+    with pytest.raises(ValueError, match="tile_m must be None or"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, tile_m=64)  # sequential: 128 only
 
 
-def _plan(x, idx, w1p):
+def _plan(x, idx, w1p, tile_m: int = 128):
     e = w1p.shape[0]
     counts = torch.bincount(idx[idx >= 0], minlength=e).view(1, e)
-    _, row, counter, _ = gate.sender_rows(idx, counts, 0)
+    _, row, counter, _ = gate.sender_rows(idx, counts, 0, tile_m=tile_m)
     offs = counts[0].cumsum(0).to(torch.int32)
     return row, counter, offs
 
 
-def test_rows_that_never_come_time_out_naming_the_tile() -> None:
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_rows_that_never_come_time_out_naming_the_tile(tile_m: int) -> None:
     x, idx, w, w1, w2 = _layer(64, 128, 128, 4, 2, seed=3)
     w1p = pack_gate_up(w1)
-    row, counter, offs = _plan(x, idx, w1p)
+    row, counter, offs = _plan(x, idx, w1p, tile_m)
     # Expert 0's rows are in the GEMM's shapes, but no entry sends them.
     mine = idx == 0
     row, counter = row.masked_fill(mine, -1), counter.masked_fill(mine, -1)
-    base = gate.tile_base(offs, idx.numel())
+    base = gate.tile_base(offs, idx.numel(), tile_m)
     _, _, timeout = torch.ops.uniep.moe_fused_local(
-        x, w, row, counter, w1p, w2, offs, base, 16, -1, 0.2
+        x, w, row, counter, w1p, w2, offs, base, 16, -1, 0.2, None, tile_m
     )
     with pytest.raises(TimeoutError, match=r"the rows of expert 0, m-tile 0 never arrived"):
         gate.check_gate_timeout(timeout, "fused")
@@ -156,13 +165,15 @@ def test_bad_arguments_are_named() -> None:
         op(x, w, row, counter, w1p, w2, offs, base, 0, -1, 1.0)
     with pytest.raises(ValueError, match="skip_rounds must be"):
         op(x, w, row, counter, w1p, w2, offs, base, 16, -2, 1.0)
+    with pytest.raises(ValueError, match="tile_m must be 128 or 64"):
+        op(x, w, row, counter, w1p, w2, offs, base, 16, -1, 1.0, None, 96)
     x2, _, _, w1b, w2b = _layer(8, 96, 128, 4, 2, seed=6)
     with pytest.raises(ValueError, match="multiple of 64"):
         op(x2, w, row, counter, pack_gate_up(w1b), w2b, offs, base, 16, -1, 1.0)
 
 
-@pytest.mark.parametrize("comm_sms", [None, 16])
-def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None) -> None:
+@pytest.mark.parametrize(("comm_sms", "tile_m"), [(None, None), (16, 128), (10_000, 64)])
+def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None, tile_m: int | None) -> None:
     """The decode path: nothing in the fused forward waits for the host (check=False), so a CUDA
     graph holds the plan and the launch; replays on new tokens of the same shape give eager's
     bits."""
@@ -170,7 +181,7 @@ def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None) -> None:
 
     x, idx, w, w1, w2 = _layer(128, 256, 128, 16, 8, seed=11)
     w1p = pack_gate_up(w1)
-    kw = {"overlap": "fused", "comm_sms": comm_sms}
+    kw = {"overlap": "fused", "comm_sms": comm_sms, "tile_m": tile_m}
     sx, sidx, sw = x.clone(), idx.clone(), w.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -258,6 +258,7 @@ class RuntimeImpl final : public Runtime {
       a.row_entry = nullptr;
     }
     cuda::FusedMoeLaunch l = launch;
+    l.tile_m = kTileM;  // the plan above counts tiles of kTileM rows
     if (W == 1) l.comm_ctas = std::max(l.comm_ctas, sm_count_);  // token order needs no inverse
     return cuda::moe_fused_forward_bf16(a, l, device_, workspace_, workspace_bytes_, stream);
   }

@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
     const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
-    double timeout_s, const std::optional<at::Tensor>& trace) {
+    double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -55,6 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
                 "skip_rounds must be -1 (model) or in [0, 2^20], got ", skip_rounds);
     UNIEP_CHECK(timeout_s >= 0 && timeout_s <= 3600, "timeout_s must be in [0, 3600], got ",
                 timeout_s);
+    UNIEP_CHECK(tile_m == 128 || tile_m == 64,
+                "tile_m must be 128 or 64 (the rows of the fused kernel's tiles, which the plan's "
+                "counter and tile_base count), got ",
+                tile_m);
     const int device = x.device().index();
     UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
                      "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
@@ -65,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
     at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
     if (T == 0) return std::make_tuple(out, error, timeout);
-    const int64_t capacity = T * K, num_counters = capacity / cuda::kGatedTileM + E + 1;
+    const int64_t capacity = T * K, num_counters = capacity / tile_m + E + 1;
     at::Tensor row_entry = at::empty({capacity}, opts.dtype(at::kLong));
     at::Tensor rows = at::empty({capacity, H}, opts);
     at::Tensor act = at::empty({capacity, I}, opts);
@@ -113,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);
+    launch.tile_m = static_cast<int>(tile_m);
     ok_or_throw(cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes,
                                              stream));
     return std::make_tuple(out, error, timeout);

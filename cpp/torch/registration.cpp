@@ -84,7 +84,7 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
-      "int skip_rounds, float timeout_s, Tensor(a!)? trace=None) -> "
+      "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
   // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64

@@ -254,8 +254,10 @@ def _moe_fused_local_fake(
     skip_rounds: int,
     timeout_s: float,
     trace: torch.Tensor | None = None,
+    tile_m: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")
     torch._check_value(
         w2.dim() == 3 and w2.shape[2] == x.shape[1],
         lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",

@@ -40,6 +40,7 @@ __all__ = [
     "ensure_fused_ep",
     "expert_counts",
     "fused_ep_heap_bytes",
+    "fused_tile_m",
     "init_fused_ep",
     "moe_forward_ep",
     "moe_forward_local",
@@ -48,8 +49,18 @@ __all__ = [
 ]
 
 OVERLAPS = ("sequential", "streams", "fused")
+# The fused kernel's tile heights (include/uniep/cuda/fused_moe.hpp, FusedMoeLaunch::tile_m).
+FUSED_TILE_MS = (128, 64)
 # CTAs that send first across ranks by default (moe_forward_ep).
 EP_COMM_SMS = 32
+
+
+def fused_tile_m(rows: int, num_experts: int) -> int:
+    """The fused kernel's tile height for ``rows`` GEMM rows over ``num_experts`` experts: 64 (the
+    ping-pong tiles) when the experts average at most 256 rows, where 128-row tiles leave much of
+    each expert's last tile empty; else 128. Measured at world 1 on one H200
+    (bench/results/2026-11-26-session20)."""
+    return 64 if rows <= 256 * num_experts else 128
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -151,6 +162,7 @@ def moe_forward_local(
     timeout_s: float = 10.0,
     check: bool = True,
     trace: torch.Tensor | None = None,
+    tile_m: int | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
@@ -161,25 +173,38 @@ def moe_forward_local(
     bench/results/2026-11-26-h100-session18). ``skip_rounds`` (``fused`` only): rounds of tiles
     the CTAs that do not send take before the senders join (-1: a bandwidth model).
     ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
-    start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`)."""
+    start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`).
+    ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
+    (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
+    (:func:`fused_tile_m`). Neither the tile nor any other of these choices changes the bits."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
+    if tile_m is not None and (overlap != "fused" or tile_m not in FUSED_TILE_MS):
+        raise ValueError(
+            f"tile_m must be None or, with overlap='fused', one of {FUSED_TILE_MS}; got {tile_m} "
+            f"with overlap={overlap!r} (the gated GEMMs of the other modes have 128-row tiles)"
+        )
     t, h = x.shape
     if t == 0:  # no rows for the GEMMs: nothing to launch
         return x.new_empty(0, h)
     k = topk_idx.shape[1]
     e, _, two_i = w1_packed.shape
-    counts = expert_counts(topk_idx, e)
-    dest, row, counter, plan_error = gate.sender_rows(topk_idx, counts.view(1, e), 0, check=False)
     capacity = t * k
+    tm = gate.TILE_M
+    if overlap == "fused":
+        tm = tile_m if tile_m is not None else fused_tile_m(capacity, e)
+    counts = expert_counts(topk_idx, e)
+    dest, row, counter, plan_error = gate.sender_rows(
+        topk_idx, counts.view(1, e), 0, check=False, tile_m=tm
+    )
     offs = counts.cumsum(0).to(torch.int32)
-    base = gate.tile_base(offs, capacity)
+    base = gate.tile_base(offs, capacity, tm)
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
-            timeout_s, trace,
+            timeout_s, trace, tm,
         )  # fmt: skip
         if check:
             gate.check_send_error(plan_error, k, "moe_forward_local (plan)")

@@ -1,56 +1,23 @@
-// moe_fused_forward_bf16 (include/uniep/cuda/fused_moe.hpp): the MegaKernel's forward at world 1
-// as one persistent launch. The kernel is CUTLASS's ptr-array cooperative GEMM body (128 x 256 x
-// 64 tiles, clusters of two along M) over 2E groups, GEMM 1 of every expert then GEMM 2 of every
-// expert, wrapped by the send before it (communication CTAs only) and the reduce after it.
-//
-// Why one grouped GEMM for both: the persistent scheduler walks the groups in order, so each CTA
-// finishes its GEMM-1 tiles before it takes a GEMM-2 tile, and a GEMM-2 tile only waits on
-// GEMM-1 tiles, which only wait on the send, which waits on nothing: with every CTA resident the
-// waits cannot close a cycle. Two GEMM bodies in one kernel would need the pipelines' barriers
-// torn down and rebuilt between them; one body needs nothing of the kind.
+// moe_fused_forward_bf16 (include/uniep/cuda/fused_moe.hpp): the MegaKernel's forward as one
+// persistent launch. The kernel itself is in fused_kernel.cuh, instantiated per tile height in
+// sm90_fused_moe_128.cu and sm90_fused_moe_64.cu; here are the argument checks, the problem
+// arrays both GEMMs read, the bandwidth model of skip_rounds and the choice of the tile.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "cuda/gemm/grouped/expert_rows.cuh"
-#include "cuda/gemm/grouped/grouped_kernel.cuh"
+#include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/megakernel/fused_epilogue.cuh"
-#include "cuda/megakernel/fused_scheduler.cuh"
-#include "cuda/megakernel/fused_stages.cuh"
-#include "cuda/megakernel/gated_mainloop.cuh"
+#include "cuda/megakernel/fused_launch.hpp"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
 namespace megakernel {
 namespace {
-
-constexpr int kTileM = kGatedTileM, kTileN = kGatedTileN;
-
-struct FusedGemm {
-  // The SwiGLU configuration's mainloop: built with the stage count of an epilogue that keeps
-  // no shared memory, which FusedMoeEpilogue also keeps none of.
-  using Plain = grouped::Sm90GroupedGemm<kTileM, kTileN, 64, 2, 1, false,
-                                         grouped::GroupedEpilogue::kSwiGlu>;
-  using Mainloop = GatedMainloop<typename Plain::Mainloop, kTileM>;
-  using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<FusedMoeEpilogue>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<FusedProblemShape, Mainloop, Epilogue>;
-  static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
-  static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
-  static_assert(cute::is_same_v<typename Kernel::TileScheduler,
-                                SkewedGroupScheduler<Kernel::TileSchedulerStages>>,
-                "the fused kernel must run the skewed scheduler");
-};
-using Kernel = FusedGemm::Kernel;
-
-constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
-constexpr int kReduceRegisters = 160;
-constexpr int kThreads = static_cast<int>(Kernel::MaxThreadsPerBlock);
-static_assert(kThreads == 128 + kConsumerThreads);
 
 // Groups [0, E): x rows times w1_packed[e] (SwiGLU into act); groups [E, 2E): act rows times
 // w2[e] into y. One warp.
@@ -94,126 +61,12 @@ __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, i
   }
 }
 
-struct Stages {
-  FusedMoeArgs a;
-  int comm_units = 0;  // the first comm_units cluster units send (as the scheduler counts them)
-  uint32_t reduce_need = 0;  // GEMM 2's done arrivals per tile
-};
-
-__global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
-    fused_moe_kernel(const __grid_constant__ typename Kernel::Params params,
-                     const __grid_constant__ Stages st) {
-  extern __shared__ char smem[];
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const bool along_n =
-      params.scheduler.raster_order_ == Kernel::TileScheduler::RasterOrder::AlongN;
-  const uint64_t ctas = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
-  const uint64_t units = Kernel::TileScheduler::units_in_grid(params.scheduler);
-  const uint64_t per_unit = ctas / units;
-  const uint64_t first = fused_first_linear(along_n);
-  unsigned long long* trace =
-      st.a.trace != nullptr ? st.a.trace + 4 * (blockIdx.x + gridDim.x * blockIdx.y) : nullptr;
-  if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
-  // 1. The send, by the first comm_units units (all of them when comm_units >= units).
-  const uint64_t comm_units = static_cast<uint64_t>(st.comm_units);
-  const uint64_t comm_ctas = (comm_units < units ? comm_units : units) * per_unit;
-  if (first < comm_ctas) {
-    const int64_t warps = static_cast<int64_t>(comm_ctas) * (kThreads / 32);
-    const int64_t mine = static_cast<int64_t>(first) * (kThreads / 32) + warp;
-    if (comm_ctas == ctas)
-      fused_send_tokens(st.a, mine, warps, lane);
-    else if (st.a.peers.world_size > 1)
-      fused_send_order(st.a, mine, warps, lane);
-    else
-      fused_send_rows(st.a, mine, warps, lane);
-  }
-  __syncthreads();
-  if (trace != nullptr && threadIdx.x == 0) trace[1] = gate_clock_ns();
-  // 2. Both GEMMs.
-  Kernel{}(params, smem);
-  // 3. The reduce, by the consumer warpgroups: the producer warpgroup has given its registers
-  // to them (setmaxnreg) and may not run code that needs more.
-  if (threadIdx.x >= 128) {
-    // Down to a budget both paths out of the body share (232 after the consumers' setmaxnreg,
-    // the launch's 168 where the CTA had no tile), so ptxas compiles the reduce for it instead
-    // of the producer's 40.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kReduceRegisters));
-    if (trace != nullptr) {
-      asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
-      if (threadIdx.x == 128) trace[2] = gate_clock_ns();
-    }
-    const int64_t per_cta = kConsumerThreads / 32;
-    fused_reduce_tokens(st.a, static_cast<int64_t>(first) * per_cta + (warp - 4),
-                        static_cast<int64_t>(ctas) * per_cta, lane, st.reduce_need);
-    if (trace != nullptr) {
-      asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
-      if (threadIdx.x == 128) trace[3] = gate_clock_ns();
-    }
-  }
-}
-
-typename Kernel::Arguments fused_arguments(const grouped::Workspace& ws, const FusedMoeArgs& a,
-                                           int comm_units, int skip_rounds, int device,
-                                           int sm_count) {
-  typename Kernel::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape.num_groups = static_cast<int>(2 * a.num_experts);
-  args.problem_shape.problem_shapes = ws.shapes;
-  args.problem_shape.host_problem_shapes = nullptr;
-  args.mainloop.ptr_A = ws.ptr_a;
-  args.mainloop.dA = reinterpret_cast<grouped::KMajorA*>(ws.stride_a);
-  args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
-  TileGate rows_gate;
-  rows_gate.counters = a.counters;
-  rows_gate.num_counters = a.num_counters;
-  rows_gate.tile_base = a.tile_base;
-  rows_gate.per_row = 1;
-  rows_gate.per_tile = 0;
-  rows_gate.timeout_ns = a.timeout_ns;
-  rows_gate.timeout = a.timeout;
-  TileGate done_gate = rows_gate;
-  done_gate.counters = a.done1;
-  done_gate.per_row = 0;
-  done_gate.per_tile = static_cast<uint32_t>(
-      kGatedWarpsPerTile * ((2 * a.ffn + kTileN - 1) / kTileN));
-  args.mainloop.gate = rows_gate;
-  args.mainloop.gate2 = done_gate;
-  args.mainloop.split = static_cast<int32_t>(a.num_experts);
-  args.epilogue.ptr_out = ws.ptr_d;
-  args.epilogue.ld_act = a.ffn;
-  args.epilogue.ld_y = a.hidden;
-  args.epilogue.split = static_cast<int32_t>(a.num_experts);
-  args.epilogue.done1 = a.done1;
-  args.epilogue.done2 = a.done2;
-  args.epilogue.tile_base = a.tile_base;
-  args.epilogue.num_done = a.num_counters;
-  args.epilogue.done2_system = a.peers.world_size > 1;
-  args.epilogue.world = a.peers.world_size;
-  args.epilogue.offs = a.offs;
-  args.epilogue.row_src = a.peers.row_src[a.peers.rank];
-  args.epilogue.capacity = a.capacity;
-  args.epilogue.slots = a.peers.slots_per_rank;
-  args.epilogue.combine_table = a.peers.combine_table;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  args.scheduler.raster_order = Kernel::TileScheduler::RasterOrderOptions::AlongM;
-  args.scheduler.comm_units = comm_units;
-  args.scheduler.skip_rounds = skip_rounds;
-  return args;
-}
-
 size_t gemm_workspace(int64_t num_experts, int sm_count) {
-  const grouped::Workspace ws =
-      grouped::carve(reinterpret_cast<void*>(grouped::kWorkspaceAlign), 2 * num_experts);
-  FusedMoeArgs a;
-  a.num_experts = num_experts;
-  a.ffn = 2;
-  a.hidden = 2;
-  return Kernel::get_workspace_size(fused_arguments(ws, a, 0, 0, 0, sm_count));
+  return std::max(fused_gemm_workspace_128(num_experts, sm_count),
+                  fused_gemm_workspace_64(num_experts, sm_count));
 }
 
-Status check_args(const FusedMoeArgs& a) {
+Status check_args(const FusedMoeArgs& a, int tile_m) {
   if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("tokens must be >= 0 and top_k in [1, 32], got ", a.tokens, " and ",
@@ -233,10 +86,10 @@ Status check_args(const FusedMoeArgs& a) {
     return {StatusCode::kInvalidArgument,
             detail::str_cat("capacity must be in [tokens x top_k = ", a.tokens * a.top_k,
                             ", 2^31), got ", a.capacity)};
-  if (a.num_counters < a.capacity / kTileM + a.num_experts)
+  if (a.num_counters < a.capacity / tile_m + a.num_experts)
     return {StatusCode::kInvalidArgument,
-            detail::str_cat("num_counters must be >= capacity / 128 + E = ",
-                            a.capacity / kTileM + a.num_experts, ", got ", a.num_counters)};
+            detail::str_cat("num_counters must be >= capacity / tile_m + E = ",
+                            a.capacity / tile_m + a.num_experts, ", got ", a.num_counters)};
   const FusedPeers& p = a.peers;
   if (p.world_size < 1 || p.world_size > kMaxFusedPeers || p.rank < 0 || p.rank >= p.world_size)
     return {StatusCode::kInvalidArgument,
@@ -285,17 +138,18 @@ Status check_args(const FusedMoeArgs& a) {
 }  // namespace
 }  // namespace megakernel
 
-int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size) {
+int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size,
+                              int tile_m) {
   // The send reads and writes every row once, at about 60 GB/s per communicating SM; with peers
   // the share of the rows bound elsewhere crosses NVLink, at about 400 GB/s a direction (an
-  // H100's or H200's 450 less the protocol), whichever is slower. A GEMM-1 tile is 2 x 128 x 256
-  // x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared by its SMs). The other
-  // CTAs take the tiles that fit in the send's time.
-  if (comm_ctas < 1 || rows <= 0 || hidden <= 0 || world_size < 1) return 0;
+  // H100's or H200's 450 less the protocol), whichever is slower. A GEMM-1 tile is 2 x tile_m x
+  // 256 x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared by its SMs). The
+  // other CTAs take the tiles that fit in the send's time.
+  if (comm_ctas < 1 || rows <= 0 || hidden <= 0 || world_size < 1 || tile_m < 1) return 0;
   double send_s = 4.0 * static_cast<double>(rows) * hidden / (comm_ctas * 60e9);
   const double remote = static_cast<double>(world_size - 1) / world_size;
   send_s = std::max(send_s, 2.0 * static_cast<double>(rows) * hidden * remote / 400e9);
-  const double tile_s = 2.0 * megakernel::kTileM * megakernel::kTileN * hidden / 5e12;
+  const double tile_s = 2.0 * tile_m * kGatedTileN * hidden / 5e12;
   return static_cast<int>(std::ceil(send_s / tile_s));
 }
 
@@ -325,8 +179,12 @@ size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count) {
 
 Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  using megakernel::Kernel;
-  if (Status s = megakernel::check_args(a); !s.ok()) return s;
+  if (launch.tile_m != 128 && launch.tile_m != 64)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("tile_m must be 128 (cooperative 128 x 256 tiles) or 64 (ping-pong "
+                            "64 x 256 tiles), got ",
+                            launch.tile_m)};
+  if (Status s = megakernel::check_args(a, launch.tile_m); !s.ok()) return s;
   if (!grouped_gemm_device_ok(device))
     return {StatusCode::kUnsupported,
             "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)"};
@@ -375,38 +233,10 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   const int skip = launch.skip_rounds >= 0
                        ? launch.skip_rounds
                        : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
-                                                   a.peers.world_size);
-  const auto args = megakernel::fused_arguments(ws, a, comm_units, skip, device, sm_count);
-  if (Kernel::can_implement(args) != true)
-    return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};
-  if (Kernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal, "the fused MoE kernel's workspace failed to initialize"};
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, ws.gemm);
-  megakernel::Stages st;
-  st.a = a;
-  st.comm_units = comm_units;
-  st.reduce_need = static_cast<uint32_t>(
-      kGatedWarpsPerTile * ((a.hidden + megakernel::kTileN - 1) / megakernel::kTileN));
-
-  const int smem = static_cast<int>(Kernel::SharedStorageSize);
-  if (cudaFuncSetAttribute(megakernel::fused_moe_kernel,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    return launch_status("moe_fused_forward_bf16 (shared memory attribute)");
-  cudaLaunchConfig_t config{};
-  config.gridDim = Kernel::get_grid_shape(params);
-  config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  if (cudaLaunchKernelEx(&config, megakernel::fused_moe_kernel, params, st) != cudaSuccess)
-    return launch_status("moe_fused_forward_bf16");
-  return launch_status("moe_fused_forward_bf16");
+                                                   a.peers.world_size, launch.tile_m);
+  return launch.tile_m == 64
+             ? megakernel::fused_launch_64(ws, a, comm_units, skip, device, sm_count, stream)
+             : megakernel::fused_launch_128(ws, a, comm_units, skip, device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda

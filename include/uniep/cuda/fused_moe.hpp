@@ -65,7 +65,7 @@ struct FusedMoeArgs {
   const void* w2 = nullptr;            // [E][ffn][hidden] bf16
   int64_t num_experts = 0, ffn = 0;
   const int32_t* offs = nullptr;       // [E] cumulative row ends of the experts
-  const int32_t* tile_base = nullptr;  // [E + 1] gate_tile_base(offs, capacity, 128)
+  const int32_t* tile_base = nullptr;  // [E + 1] gate_tile_base(offs, capacity, tile_m)
   int64_t capacity = 0;                // rows of rows, act and y
   void* rows = nullptr;                // [capacity][hidden] bf16: GEMM 1's A
   void* act = nullptr;                 // [capacity][ffn] bf16: GEMM 2's A
@@ -95,6 +95,11 @@ struct FusedMoeLaunch {
                          // >= the grid: every CTA sends first
   int skip_rounds = -1;  // rounds of tiles the other CTAs take first; -1: from a bandwidth model
   int sm_count = 0;      // 0: every SM of the device
+  // Output tile rows: 128 (cooperative 128 x 256 tiles, experts of many rows) or 64 (ping-pong
+  // 64 x 256 tiles, experts of a few hundred rows). The plan's counters and tile_base must count
+  // tiles of this height (sender_rows and gate_tile_base with this tile_m), and num_counters be
+  // >= capacity / tile_m + E. It never changes the bits.
+  int tile_m = 128;
 };
 
 // row_entry[r] = i for every entry i with gemm_row[i] = r < capacity (others -1): the order in
@@ -111,6 +116,7 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
 
 // The skip_rounds that skip_rounds = -1 picks for a send of `rows` rows by comm_ctas CTAs
 // (exposed so tools can print it); with peers part of the rows cross NVLink.
-int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1);
+int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1,
+                              int tile_m = 128);
 
 }  // namespace uniep::cuda

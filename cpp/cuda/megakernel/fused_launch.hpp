@@ -1,0 +1,24 @@
+// The fused MoE kernel's instantiations (fused_kernel.cuh), one per tile height, each defined in
+// its own sm90_fused_moe_<tile_m>.cu; sm90_fused_moe.cu checks the arguments and picks one.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda::megakernel {
+
+size_t fused_gemm_workspace_128(int64_t num_experts, int sm_count);
+size_t fused_gemm_workspace_64(int64_t num_experts, int sm_count);
+
+Status fused_launch_128(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                        int skip_rounds, int device, int sm_count, cudaStream_t stream);
+Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                       int skip_rounds, int device, int sm_count, cudaStream_t stream);
+
+}  // namespace uniep::cuda::megakernel

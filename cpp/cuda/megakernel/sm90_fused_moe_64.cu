@@ -1,0 +1,18 @@
+// The fused MoE kernel with ping-pong 64 x 256 x 64 tiles (experts of a few hundred rows):
+// fused_kernel.cuh instantiated once.
+#include "cuda/megakernel/fused_kernel.cuh"
+#include "cuda/megakernel/fused_launch.hpp"
+
+namespace uniep::cuda::megakernel {
+
+size_t fused_gemm_workspace_64(int64_t num_experts, int sm_count) {
+  return fused_gemm_workspace_impl<FusedGemm<64>>(num_experts, sm_count);
+}
+
+Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                       int skip_rounds, int device, int sm_count, cudaStream_t stream) {
+  return fused_launch_impl<FusedGemm<64>>(ws, a, comm_units, skip_rounds, device, sm_count,
+                                          stream);
+}
+
+}  // namespace uniep::cuda::megakernel
