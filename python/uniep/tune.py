@@ -520,10 +520,10 @@ def candidate_points(
     return out
 
 
-def _cuda_auto_tiles(rows: int, experts: int, n: int) -> tuple[int, int, int]:
-    # The engine's own choice for tile keys left at auto (grouped_gemm_select).
-    small = rows <= 128 * experts or n <= 128
-    return CUDA_TILES[0] if not small else CUDA_TILES[4] if n >= 256 else CUDA_TILES[1]
+def _cuda_auto_tiles(rows: int, experts: int, n: int, k: int) -> tuple[int, int, int]:
+    # The engine's own choice for tile keys left at auto (grouped_gemm_select, store epilogue).
+    pingpong = rows <= 128 * experts or n <= 128 or (rows <= 2048 * experts and k <= n)
+    return CUDA_TILES[0] if not pingpong else CUDA_TILES[4] if n >= 256 else CUDA_TILES[1]
 
 
 @dataclass(frozen=True)
@@ -588,7 +588,7 @@ class CostModel:
             if p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:
-                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n)
+                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k)
             tiles = el * math.ceil(m / tm) * math.ceil(n / tn)
             waves = math.ceil(tiles / gemm_sms)
             per_sm_flops = self.peak_flops / self.sm_count

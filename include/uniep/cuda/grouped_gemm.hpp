@@ -96,8 +96,8 @@ struct GroupedGemmTiles {
 
 // The index (into grouped_gemm_configs) of the configuration that runs `p` for the request
 // `want`. With every field 0 the choice follows the problem's shape: experts averaging at most
-// 128 rows (R / E), or n <= 128, take the ping-pong 64-row tiles (64 x 256 when n >= 256), larger
-// ones the cooperative 128 x 256 tiles.
+// 128 rows (R / E), or at most 2048 with the SwiGLU epilogue or k <= n, or n <= 128, take the
+// ping-pong 64-row tiles (64 x 256 when n >= 256); the others the cooperative 128 x 256 tiles.
 // Otherwise the first configuration matching every non-zero field; none matching is
 // kInvalidArgument listing the valid combinations.
 Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index);

@@ -132,10 +132,16 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
     // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and
     // give the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve
     // them better (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128
-    // rows, H100, bench/results/2026-11-25-h100-engine); above that the 128 x 256 cooperative
-    // tiles, which load the fewest bytes per FLOP, match or beat the others.
+    // rows, H100, bench/results/2026-11-25-h100-engine). Up to ~2048 rows the ping-pong tiles
+    // still win where the epilogue is heavy or the mainloop short: with the SwiGLU epilogue
+    // (timed beside the cooperative tiles, 8-12% faster on experts of 256 to 8192 rows) and
+    // when k <= n (the down projection: 7-11% on experts of 512 and 1024 rows), one H200,
+    // bench/results/2026-11-26-session20. Above that, and for the up projection's long k, the
+    // 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
     const bool small = p.rows <= 128 * p.num_experts || p.n <= 128;
-    *index = !small ? 0 : p.n >= 256 ? 4 : 1;
+    const bool pingpong_wins = p.rows <= 2048 * p.num_experts &&
+                               (p.epilogue == GroupedGemmEpilogue::kSwiGlu || p.k <= p.n);
+    *index = !(small || pingpong_wins) ? 0 : p.n >= 256 ? 4 : 1;
     return Status::Ok();
   }
   for (size_t i = 0; i < all.size(); ++i) {
