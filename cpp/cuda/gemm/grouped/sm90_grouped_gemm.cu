@@ -134,10 +134,10 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
     // them better (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128
     // rows, H100, bench/results/2026-11-25-h100-engine). Up to ~2048 rows the ping-pong tiles
     // still win where the epilogue is heavy or the mainloop short: with the SwiGLU epilogue
-    // (timed beside the cooperative tiles, 8-12% faster on experts of 256 to 8192 rows) and
-    // when k <= n (the down projection: 7-11% on experts of 512 and 1024 rows), one H200,
-    // bench/results/2026-11-26-session20. Above that, and for the up projection's long k, the
-    // 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
+    // (with the down projection, 8-12% less time than the cooperative tiles on experts of 256
+    // to 8192 rows) and when k <= n (the down projection alone: 7-11% on experts of 512 and
+    // 1024 rows), one H200, bench/results/2026-11-26-session20. Above that, and for the up
+    // projection's long k, the 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
     const bool small = p.rows <= 128 * p.num_experts || p.n <= 128;
     const bool pingpong_wins = p.rows <= 2048 * p.num_experts &&
                                (p.epilogue == GroupedGemmEpilogue::kSwiGlu || p.k <= p.n);
