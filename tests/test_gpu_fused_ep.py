@@ -10,7 +10,8 @@ every rank: the output equals ``moe_forward_local`` on the same tokens with ever
 weights bit for bit (every CTA sending in token order, or a few in the GEMMs' order; run to
 run, call after call on one runtime), for random routings with unused entries, a routing that
 sends everything to one rank's experts, a rank with no tokens, top-1 and top-9; a rank that skips
-a call makes the others raise a timeout naming it instead of hanging.
+a call makes the others raise a timeout naming it instead of hanging. Both tile heights (128 and
+the 64 the runtime picks for these sizes).
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ def _case(kind: str, world: int, experts: int, top_k: int, seed: int):  # noqa: 
     return xs, idxs, ws, w1, w2
 
 
-CASES = [  # kind, experts, top_k
-    ("random", 16, 4),
-    ("one_rank", 16, 4),
-    ("empty_rank", 32, 8),
-    ("random", 8, 1),
-    ("random", 32, 9),
+CASES = [  # kind, experts, top_k, tile_m (None: the runtime's choice, 64 for these sizes)
+    ("random", 16, 4, 128),
+    ("one_rank", 16, 4, None),
+    ("empty_rank", 32, 8, None),
+    ("random", 8, 1, 128),
+    ("random", 32, 9, None),
 ]
 
 
@@ -69,7 +70,7 @@ def _device(rank: int) -> torch.device:
 
 
 def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
-    from uniep import megakernel
+    from uniep import _C, distributed, megakernel
     from uniep.gemm import pack_gate_up
 
     dev = _device(rank)
@@ -77,13 +78,16 @@ def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
     # One runtime per case, each on a group of its own, all alive to the end: NVSHMEM stays up
     # (finalising it and starting it again in one process is not supported).
     groups = []
-    for seed, (kind, experts, top_k) in enumerate(CASES):
+    for seed, (kind, experts, top_k, tile_m) in enumerate(CASES):
         el = experts // world
         group = dist.new_group(list(range(world)))
         groups.append(group)
         megakernel.init_fused_ep(
-            group, max_tokens=MAX_TOKENS, hidden=HIDDEN, ffn=FFN, top_k=top_k, num_experts=experts
-        )
+            group, max_tokens=MAX_TOKENS, hidden=HIDDEN, ffn=FFN, top_k=top_k,
+            num_experts=experts, tile_m=tile_m,
+        )  # fmt: skip
+        tiles = _C.fused_ep_config(distributed.group_name(group))["tile_m"]
+        assert tiles == (tile_m or 64), (kind, tiles)
         xs, idxs, ws, w1, w2 = _case(kind, world, experts, top_k, seed)
         x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
         w1p_all, w2_all = pack_gate_up(w1.to(dev)), w2.to(dev)
@@ -116,7 +120,7 @@ def check_fused_ep_reports(reports: list[dict[str, object]], world: int) -> None
     assert len(reports) == world
     assert reports[1]["empty_rank-32-8"] == 0
     for report in reports:
-        assert sorted(report) == sorted(f"{k}-{e}-{t}" for k, e, t in CASES), report
+        assert sorted(report) == sorted(f"{k}-{e}-{t}" for k, e, t, _ in CASES), report
 
 
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")

@@ -19,10 +19,8 @@
 namespace uniep::fused {
 namespace {
 
-constexpr int kTileM = cuda::kGatedTileM;
-
 int64_t counters_of(const Config& c) {
-  return c.row_capacity() / kTileM + c.num_experts / c.world_size + 1;
+  return c.row_capacity() / c.tile_m + c.num_experts / c.world_size + 1;
 }
 
 // Offsets in the symmetric allocation; the same on every rank.
@@ -192,7 +190,7 @@ class RuntimeImpl final : public Runtime {
     plan.world_size = W;
     plan.rank = cfg_.rank;
     plan.num_experts = E;
-    plan.tile_m = kTileM;
+    plan.tile_m = cfg_.tile_m;
     plan.dest_rank = dest_rank_;
     plan.gemm_row = gemm_row_;
     plan.counter = counter_;
@@ -204,7 +202,8 @@ class RuntimeImpl final : public Runtime {
       plan.send_order = send_order_;
     }
     if (Status s = cuda::plan_sender_rows_async(plan, stream); !s.ok()) return s;
-    if (Status s = cuda::gate_tile_base(offs_, El, capacity_, kTileM, tile_base_, stream); !s.ok())
+    if (Status s = cuda::gate_tile_base(offs_, El, capacity_, cfg_.tile_m, tile_base_, stream);
+        !s.ok())
       return s;
 
     cuda::FusedMoeArgs a;
@@ -258,7 +257,7 @@ class RuntimeImpl final : public Runtime {
       a.row_entry = nullptr;
     }
     cuda::FusedMoeLaunch l = launch;
-    l.tile_m = kTileM;  // the plan above counts tiles of kTileM rows
+    l.tile_m = cfg_.tile_m;  // the plan above counts tiles of this height
     if (W == 1) l.comm_ctas = std::max(l.comm_ctas, sm_count_);  // token order needs no inverse
     return cuda::moe_fused_forward_bf16(a, l, device_, workspace_, workspace_bytes_, stream);
   }
@@ -313,6 +312,9 @@ Status Config::validate() const {
     return bad(detail::str_cat("top_k (", top_k, ") must be at most num_experts (", num_experts,
                                ")"));
   if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
+  if (tile_m != 128 && tile_m != 64)
+    return bad(detail::str_cat("tile_m must be 128 or 64 (the fused kernel's tile rows), got ",
+                               tile_m));
   if (row_capacity() > (int64_t{1} << 31) - 1)
     return bad(detail::str_cat("world_size x max_tokens x min(top_k, experts per rank) = ",
                                row_capacity(), " GEMM rows exceed 2^31 - 1: lower max_tokens"));

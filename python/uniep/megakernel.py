@@ -264,7 +264,13 @@ def _require_runtime() -> None:
 
 
 def fused_ep_heap_bytes(
-    world_size: int, max_tokens: int, hidden: int, ffn: int, top_k: int, num_experts: int
+    world_size: int,
+    max_tokens: int,
+    hidden: int,
+    ffn: int,
+    top_k: int,
+    num_experts: int,
+    tile_m: int | None = None,
 ) -> int:
     """Bytes of NVSHMEM symmetric heap :func:`init_fused_ep` allocates per rank with these
     sizes (its GEMM rows hold ``world_size x max_tokens x min(top_k, experts per rank)`` rows,
@@ -273,8 +279,12 @@ def fused_ep_heap_bytes(
     the runtimes' bytes before that (``uniep.ep`` and ``uniep.collectives`` have theirs), or
     create this runtime first when it is the process's only one."""
     _require_runtime()
+    if tile_m is None:
+        tile_m = fused_tile_m(world_size * max_tokens * top_k, num_experts)
     return int(
-        _C.fused_ep_symmetric_heap_bytes(world_size, max_tokens, hidden, ffn, top_k, num_experts)
+        _C.fused_ep_symmetric_heap_bytes(
+            world_size, max_tokens, hidden, ffn, top_k, num_experts, tile_m
+        )
     )
 
 
@@ -287,12 +297,15 @@ def init_fused_ep(
     top_k: int,
     num_experts: int,
     timeout_s: float | None = None,
+    tile_m: int | None = None,
 ) -> None:
     """Create the fused MoE runtime of ``group`` on every rank (collective): NVSHMEM from rank
     0's unique id (shared with the other UniEP runtimes of the same ranks), the symmetric GEMM
     buffers (:func:`fused_ep_heap_bytes`), and the count exchange's words. Every rank of
     ``group`` must be on one NVLink domain (at most 8 ranks), with this rank's GPU current.
-    ``timeout_s`` bounds every device wait (default ``UNIEP_TIMEOUT_S`` or 100 s)."""
+    ``timeout_s`` bounds every device wait (default ``UNIEP_TIMEOUT_S`` or 100 s). ``tile_m``:
+    the kernel's tile rows, 128 or 64, the same on every rank (None: :func:`fused_tile_m` of
+    the rows a local expert gets when every rank sends ``max_tokens`` tokens)."""
     from .ep import _timeout
 
     _require_runtime()
@@ -305,9 +318,23 @@ def init_fused_ep(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if tile_m is not None and tile_m not in FUSED_TILE_MS:
+        raise ValueError(f"tile_m must be None or one of {FUSED_TILE_MS}, got {tile_m!r}")
     name, world, me, uid = distributed._nvshmem_bootstrap(group)
+    if tile_m is None:
+        tile_m = fused_tile_m(world * max_tokens * top_k, num_experts)
     _C.fused_ep_create(
-        name, uid, world, me, max_tokens, hidden, ffn, top_k, num_experts, _timeout(timeout_s)
+        name,
+        uid,
+        world,
+        me,
+        max_tokens,
+        hidden,
+        ffn,
+        top_k,
+        num_experts,
+        _timeout(timeout_s),
+        tile_m,
     )
 
 

@@ -55,6 +55,9 @@ struct Config {
   int64_t top_k = 0;        // in [1, 32]
   int64_t num_experts = 0;  // global, a multiple of world_size, at most kMaxExperts
   double timeout_s = 100.0;
+  // The fused kernel's tile rows (cuda::FusedMoeLaunch::tile_m): 128 or 64. Part of the config
+  // because every rank must plan its rows to a peer's tiles of the peer's height.
+  int tile_m = 128;
 
   // Rows of each rank's GEMM buffers: world x max_tokens x min(top_k, experts per rank).
   int64_t row_capacity() const;
