@@ -59,7 +59,7 @@ def fused_tile_m(rows: int, num_experts: int) -> int:
     """The fused kernel's tile height for ``rows`` GEMM rows over ``num_experts`` experts: 64 (the
     ping-pong tiles, one warpgroup's epilogue under the other's mainloop) when the experts
     average at most 2048 rows, else 128. At world 1 on one H200 with every CTA sending, 64-row
-    tiles were 3-14% faster on experts of 128 to 1024 rows and 128-row tiles 10% faster on
+    tiles were 6-15% faster on experts of 128 to 1024 rows and 128-row tiles 10% faster on
     Mixtral's 8192 (bench/results/2026-11-26-session20, 17282dd)."""
     return 64 if rows <= 2048 * num_experts else 128
 
