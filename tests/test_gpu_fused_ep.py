@@ -11,7 +11,8 @@ weights bit for bit (every CTA sending in token order, or a few in the GEMMs' or
 run, call after call on one runtime), for random routings with unused entries, a routing that
 sends everything to one rank's experts, a rank with no tokens, top-1 and top-9; a rank that skips
 a call makes the others raise a timeout naming it instead of hanging. Both tile heights (128 and
-the 64 the runtime picks for these sizes).
+the 64 the runtime picks for these sizes). A call captured in a CUDA graph and replayed on new
+tokens, between eager calls, gives the same bits (the epoch and parity live on the device).
 """
 
 from __future__ import annotations
@@ -116,6 +117,58 @@ def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
     return report
 
 
+def fused_ep_graph_worker(rank: int, world: int) -> int:
+    """Decode steps as a CUDA graph: one captured call replayed on new tokens, an eager call after
+    each replay (the device's epoch carries on across both); every output equals the world-1
+    kernel with every expert's weights."""
+    from uniep import megakernel
+    from uniep.gemm import pack_gate_up
+
+    dev = _device(rank)
+    experts, top_k, tokens = 16, 4, 96
+    el = experts // world
+    megakernel.init_fused_ep(
+        max_tokens=tokens, hidden=HIDDEN, ffn=FFN, top_k=top_k, num_experts=experts
+    )
+    gen = torch.Generator().manual_seed(50)
+    w1p_all = pack_gate_up((torch.randn(experts, HIDDEN, 2 * FFN, generator=gen) / 16).bfloat16())
+    w2_all = (torch.randn(experts, FFN, HIDDEN, generator=gen) / 16).bfloat16()
+    w1p_all, w2_all = w1p_all.to(dev), w2_all.to(dev)
+    mine = slice(rank * el, (rank + 1) * el)
+    w1p, w2l = w1p_all[mine].contiguous(), w2_all[mine].contiguous()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(tokens, HIDDEN, generator=g).bfloat16()
+        idx = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
+        idx[torch.rand(tokens, top_k, generator=g) < 0.1] = -1
+        return x.to(dev), idx.to(dev), torch.rand(tokens, top_k, generator=g).to(dev)
+
+    sx, sidx, sw = batch(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch asks
+        megakernel.moe_forward_ep(sx, sidx, sw, w1p, w2l, check=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = megakernel.moe_forward_ep(sx, sidx, sw, w1p, w2l, check=False)
+    for step in (1, 2, 3):
+        x, idx, w = batch(step)
+        sx.copy_(x)
+        sidx.copy_(idx)
+        sw.copy_(w)
+        graph.replay()
+        ref = megakernel.moe_forward_local(x, idx, w, w1p_all, w2_all)
+        assert torch.equal(out, ref), f"replay {step} differs from the world-1 kernel"
+        eager = megakernel.moe_forward_ep(x, idx, w, w1p, w2l)
+        assert torch.equal(eager, ref), f"the eager call after replay {step} differs"
+    torch.cuda.synchronize()
+    dist.barrier()
+    megakernel.shutdown_fused_ep()
+    return 3
+
+
 def check_fused_ep_reports(reports: list[dict[str, object]], world: int) -> None:
     assert len(reports) == world
     assert reports[1]["empty_rank-32-8"] == 0
@@ -129,6 +182,16 @@ def test_fused_ep_equals_the_local_kernel_bit_for_bit() -> None:
 
     reports = run_local_ranks(fused_ep_worker, _world(), backend="nccl", timeout_s=600)
     check_fused_ep_reports(reports, _world())
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_fused_ep_replays_in_a_cuda_graph() -> None:
+    from uniep.distributed import run_local_ranks
+
+    assert (
+        run_local_ranks(fused_ep_graph_worker, _world(), backend="nccl", timeout_s=300)
+        == [3] * _world()
+    )
 
 
 def fused_ep_skip_worker(rank: int, world: int) -> str:

@@ -32,6 +32,7 @@ from test_gpu_ep import (
 from test_gpu_fused_ep import (
     check_fused_ep_reports,
     check_skip_messages,
+    fused_ep_graph_worker,
     fused_ep_skip_worker,
     fused_ep_worker,
 )
@@ -108,6 +109,13 @@ def test_megakernel_ranks_sharing_the_gpu(world: int, monkeypatch: pytest.Monkey
     # Each rank's persistent launch waits on rows and outputs the other ranks' launches store:
     # with the GPU time-sliced between the processes, every wait still ends.
     check_fused_ep_reports(_run(fused_ep_worker, world, monkeypatch), world)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+def test_megakernel_ranks_sharing_the_gpu_replay_a_cuda_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _run(fused_ep_graph_worker, 2, monkeypatch) == [3, 3]
 
 
 @pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")

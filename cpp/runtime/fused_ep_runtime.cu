@@ -104,6 +104,8 @@ class RuntimeImpl final : public Runtime {
     const size_t base = local.take(sizeof(int32_t) * (El + 1));
     const size_t weights = local.take(sizeof(float) * K);
     const size_t table = local.take(sizeof(void*) * cuda::kMaxFusedPeers);
+    const size_t epoch_word = local.take(sizeof(uint64_t));
+    const size_t counts_now = local.take(sizeof(int64_t) * cfg_.world_size * cfg_.num_experts);
     const size_t ws = local.take(workspace_bytes_);
     UNIEP_CUDA_OK(cudaMalloc(&local_, local.total()));
     auto* l = static_cast<uint8_t*>(local_);
@@ -118,6 +120,9 @@ class RuntimeImpl final : public Runtime {
     no_weights_ = reinterpret_cast<float*>(l + weights);
     workspace_ = l + ws;
     combine_table_ = reinterpret_cast<void**>(l + table);
+    epoch_word_ = reinterpret_cast<uint64_t*>(l + epoch_word);
+    counts_now_ = reinterpret_cast<int64_t*>(l + counts_now);
+    UNIEP_CUDA_OK(cudaMemset(epoch_word_, 0, sizeof(uint64_t)));
     void* combine[cuda::kMaxFusedPeers] = {};
     for (int64_t p = 0; p < cfg_.world_size; ++p) combine[p] = peer_[p] + layout_.combine;
     UNIEP_CUDA_OK(cudaMemcpy(combine_table_, combine, sizeof combine, cudaMemcpyHostToDevice));
@@ -143,23 +148,14 @@ class RuntimeImpl final : public Runtime {
     if (f.w1_packed == nullptr || f.w2 == nullptr || f.error == nullptr || f.timeout == nullptr)
       return {StatusCode::kInvalidArgument,
               "w1_packed, w2, error and timeout must be device pointers"};
-    // The epoch is the host's: a replayed graph would announce a stale one and wait forever.
-    if (Status s = runtime::refuse_capture(
-            stream, "the fused MoE forward across ranks cannot be captured in a CUDA graph (its "
-                    "count exchange is stamped with a host-side epoch)");
-        !s.ok())
-      return s;
+    // The call's epoch and parity live on the device (epoch_word_, advanced by the exchange
+    // kernel), so a CUDA graph of this call replays as a new call each time; nothing below
+    // depends on the parity on the host.
     const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = E / W, K = cfg_.top_k;
-    const uint64_t epoch = epoch_ + 1;
-    const int parity = static_cast<int>(epoch % 2);
     auto at = [&](int64_t p, size_t off) { return peer_[p] + off; };
     auto* mine = static_cast<uint8_t*>(sym_);
     auto* counters = reinterpret_cast<uint32_t*>(mine + layout_.counters);
-    auto* done2 = reinterpret_cast<uint32_t*>(mine + layout_.done2) + parity * num_counters_;
-    // Zeroed before this rank announces the call: peers only touch them after that.
-    UNIEP_CUDA_OK(cudaMemsetAsync(counters, 0, sizeof(uint32_t) * num_counters_, stream));
-    UNIEP_CUDA_OK(cudaMemsetAsync(done2, 0, sizeof(uint32_t) * num_counters_, stream));
-    UNIEP_CUDA_OK(cudaMemsetAsync(done1_, 0, sizeof(uint32_t) * num_counters_, stream));
+    auto* done2 = reinterpret_cast<uint32_t*>(mine + layout_.done2);  // parity 0's set
 
     cuda::FusedExchangeArgs x;
     x.topk_idx = f.topk_idx;
@@ -168,24 +164,30 @@ class RuntimeImpl final : public Runtime {
     x.num_experts = E;
     x.world_size = static_cast<int>(W);
     x.rank = static_cast<int>(cfg_.rank);
-    x.epoch = epoch;
+    x.epoch_word = epoch_word_;
+    x.counts_parity_stride = W * E;
     for (int64_t p = 0; p < W; ++p) {
-      x.peer_counts[p] =
-          reinterpret_cast<int64_t*>(at(p, layout_.counts)) + parity * W * E;
+      x.peer_counts[p] = reinterpret_cast<int64_t*>(at(p, layout_.counts));
       x.peer_arrived[p] = reinterpret_cast<uint64_t*>(at(p, layout_.arrived));
     }
+    // Zeroed by the exchange before this rank announces the call: peers only touch them after.
+    x.zero_always[0] = counters;
+    x.zero_always[1] = done1_;
+    x.zero_by_parity = done2;
+    x.zero_count = num_counters_;
+    x.counts_out = counts_now_;
     x.offs = offs_;
     x.timeout = f.timeout;
     x.timeout_ns = timeout_ns();
     if (Status s = cuda::fused_exchange_counts(x, stream); !s.ok()) return s;
     // From here on every peer waits for this rank's rows: the call is under way.
-    epoch_ = epoch;
+    ++epoch_;
 
     cuda::SenderRowsPlanArgs plan;
     plan.topk_idx = f.topk_idx;
     plan.tokens = f.tokens;
     plan.top_k = K;
-    plan.counts = x.peer_counts[cfg_.rank];
+    plan.counts = counts_now_;
     plan.counts_ld = E;
     plan.world_size = W;
     plan.rank = cfg_.rank;
@@ -233,6 +235,8 @@ class RuntimeImpl final : public Runtime {
     a.counters = counters;
     a.done1 = done1_;
     a.done2 = done2;
+    a.parity_epoch = epoch_word_;
+    a.done2_parity_stride = num_counters_;
     a.num_counters = num_counters_;
     a.error = f.error;
     a.timeout = f.timeout;
@@ -246,8 +250,7 @@ class RuntimeImpl final : public Runtime {
       a.peers.row_src[p] = reinterpret_cast<int64_t*>(at(p, layout_.row_src));
       a.peers.counters[p] = reinterpret_cast<uint32_t*>(at(p, layout_.counters));
       a.peers.combine[p] = at(p, layout_.combine);
-      a.peers.done2[p] =
-          reinterpret_cast<const uint32_t*>(at(p, layout_.done2)) + parity * num_counters_;
+      a.peers.done2[p] = reinterpret_cast<const uint32_t*>(at(p, layout_.done2));
     }
     a.peers.combine_table = combine_table_;
     if (W == 1) {
@@ -282,7 +285,9 @@ class RuntimeImpl final : public Runtime {
   void** combine_table_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  uint64_t epoch_ = 0;
+  uint64_t* epoch_word_ = nullptr;  // the device's count of calls (fused_exchange_counts)
+  int64_t* counts_now_ = nullptr;   // [W][E] this call's count matrix, for the plan
+  uint64_t epoch_ = 0;              // calls enqueued from the host (a graph replay adds none)
 };
 
 }  // namespace

@@ -42,6 +42,10 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     const int64_t* row_src = nullptr;
     int64_t capacity = 0, slots = 0;
     void* const* combine_table = nullptr;
+    // Set: done2 is the parity-0 set and the call signals the (*parity_epoch & 1)-th
+    // (FusedMoeArgs::parity_epoch).
+    const uint64_t* parity_epoch = nullptr;
+    int64_t done2_parity_stride = 0;
   };
   using Params = Arguments;
 
@@ -130,7 +134,10 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
         }
       }
     }
-    signal_tile_done(first ? params_.done1 : params_.done2, params_.tile_base,
+    uint32_t* done2 = params_.done2;
+    if (!first && params_.parity_epoch != nullptr)
+      done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
+    signal_tile_done(first ? params_.done1 : done2, params_.tile_base,
                      first ? group : group - params_.split, static_cast<int>(m_coord),
                      size<0>(blk_shape_mnk), M, params_.num_done,
                      !first && params_.done2_system);

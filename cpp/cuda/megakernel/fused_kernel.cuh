@@ -167,6 +167,8 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.epilogue.capacity = a.capacity;
   args.epilogue.slots = a.peers.slots_per_rank;
   args.epilogue.combine_table = a.peers.combine_table;
+  args.epilogue.parity_epoch = a.parity_epoch;
+  args.epilogue.done2_parity_stride = a.done2_parity_stride;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = G::Kernel::TileScheduler::RasterOrderOptions::AlongM;

@@ -191,7 +191,12 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64
         } else {
           row = peers ? static_cast<const uint8_t*>(a.peers.combine[a.peers.rank]) + i * row_bytes
                       : static_cast<const uint8_t*>(a.y) + r * row_bytes;
-          done = (peers ? a.peers.done2[d] : a.done2) + index;
+          // The call's set of done counters (read here, not held across the loop: registers).
+          const int64_t set = a.parity_epoch != nullptr
+                                  ? static_cast<int64_t>(*a.parity_epoch & 1) *
+                                        a.done2_parity_stride
+                                  : 0;
+          done = (peers ? a.peers.done2[d] : a.done2) + set + index;
         }
       }
     }

@@ -126,6 +126,11 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
     return {StatusCode::kInvalidArgument,
             "moe_fused_forward_bf16: peers' entries at peers.rank must be rows, counters and "
             "done2 themselves"};
+  if (a.parity_epoch != nullptr && a.done2_parity_stride < a.num_counters)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("moe_fused_forward_bf16: with parity_epoch, done2_parity_stride must "
+                            "be >= num_counters = ",
+                            a.num_counters, ", got ", a.done2_parity_stride)};
   const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, peers ? a.act : a.y, a.out};
   for (const void* p : aligned)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)

@@ -25,6 +25,12 @@
 // come in two sets by parity, each zeroed by its rank before its exchange. Ranks stay at most
 // one call apart.
 //
+// The call count (the epoch the exchange announces) and so the parity live on the device: the
+// exchange kernel reads, advances and writes back the rank's epoch word and zeroes the call's
+// counters itself, and the kernels pick the parity's counters on the device. So a call captured
+// in a CUDA graph is a new call at every replay (decode steps), as long as every rank replays
+// its graphs and makes its eager calls in the same order.
+//
 // Symmetric memory: capacity x (hidden bf16 + 8 bytes) of GEMM rows and their sources, capacity
 // = world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive (so
 // no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters.
@@ -100,7 +106,7 @@ class Runtime {
   // point (comm_ctas >= the SM count: every CTA sends).
   virtual Status forward(const ForwardArgs& args, const cuda::FusedMoeLaunch& launch,
                          cudaStream_t stream) = 0;
-  virtual uint64_t epoch() const = 0;  // calls made so far
+  virtual uint64_t epoch() const = 0;  // calls enqueued from the host (graph replays add none)
 };
 
 }  // namespace uniep::fused

@@ -84,6 +84,11 @@ struct FusedMoeArgs {
   // The other ranks (world > 1): rows, counters and done2 above must be peers' own entries at
   // peers.rank. Their rows are this rank's GEMMs' (num_experts = its local experts).
   FusedPeers peers;
+  // A call whose parity only the device knows (fused_ep.hpp, so that a CUDA graph of it can be
+  // replayed): when set, done2 and peers.done2 are the parity-0 counters, and the call uses the
+  // set (*parity_epoch & 1) x done2_parity_stride counters further.
+  const uint64_t* parity_epoch = nullptr;
+  int64_t done2_parity_stride = 0;
   // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns)
   // at its start, after its send, after its GEMM tiles and after its reduce.
   unsigned long long* trace = nullptr;
