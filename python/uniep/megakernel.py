@@ -353,7 +353,8 @@ def ensure_fused_ep(
     differ raise ValueError on every rank, naming the value and both ranks. A runtime with these
     sizes and room for the largest batch is kept; otherwise it is created, or destroyed and
     created again, with ``max_tokens = uniep.ep.grown_capacity(...)`` of the largest batch (a
-    power of two, at least 256, never below the old one). NVSHMEM's heap is sized by the first
+    power of two, at least 256, never below the old one; a runtime that only grows keeps its
+    timeout and tile height). NVSHMEM's heap is sized by the first
     UniEP runtime of the process: a runtime that grows later needs ``NVSHMEM_SYMMETRIC_SIZE``
     set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
     from .ep import grown_capacity
@@ -385,9 +386,11 @@ def ensure_fused_ep(
     )
     if same and old["max_tokens"] >= most:
         return
-    timeout_s = None
+    timeout_s = tile_m = None
     if old is not None:
         timeout_s = old["timeout_s"]
+        if same:  # a runtime that only grows keeps its tile height (maybe the caller's)
+            tile_m = old["tile_m"]
         shutdown_fused_ep(group)
     init_fused_ep(
         group,
@@ -397,6 +400,7 @@ def ensure_fused_ep(
         top_k=top_k,
         num_experts=num_experts,
         timeout_s=timeout_s,
+        tile_m=tile_m,
     )
 
 
