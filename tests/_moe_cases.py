@@ -110,6 +110,37 @@ def rank_slice(g: dict[str, torch.Tensor], case: Any, rank: int) -> dict[str, to
     return {k: v.clone().contiguous() for k, v in local.items()}
 
 
+def bf16_layer(
+    gen: torch.Generator,
+    tokens: list[int],
+    hidden: int,
+    ffn: int,
+    experts: int,
+    top_k: int,
+    *,
+    unused: float,
+    scale: float,
+    route_below: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The MegaKernel tests' layer, drawn from ``gen`` in a fixed order: each rank's bf16
+    tokens, routing (``top_k`` distinct experts, or any ids below ``route_below``; about
+    ``unused`` of the slots -1) and fp32 weights, then every expert's bf16 ``w1`` and ``w2``
+    (standard normal over ``scale``)."""
+    xs, idxs, ws = [], [], []
+    for t in tokens:
+        xs.append(torch.randn(t, hidden, generator=gen).bfloat16())
+        if route_below is not None:
+            idx = torch.randint(0, route_below, (t, top_k), generator=gen)
+        else:
+            idx = torch.rand(t, experts, generator=gen).topk(top_k, dim=1).indices
+        idx[torch.rand(t, top_k, generator=gen) < unused] = -1
+        idxs.append(idx)
+        ws.append(torch.rand(t, top_k, generator=gen))
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen) / scale).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen) / scale).bfloat16()
+    return xs, idxs, ws, w1, w2
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """Norm-wise relative error in float64; 0 only when both are exactly zero."""
     diff = (y.double() - ref.double()).norm().item()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _moe_cases import bf16_layer
 
 pytestmark = pytest.mark.multigpu
 
@@ -39,19 +40,11 @@ def _case(kind: str, world: int, experts: int, top_k: int, seed: int):  # noqa: 
     tokens = [int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen)) for _ in range(world)]
     if kind == "empty_rank":
         tokens[1] = 0
-    xs, idxs, ws = [], [], []
-    for t in tokens:
-        xs.append(torch.randn(t, HIDDEN, generator=gen).bfloat16())
-        if kind == "one_rank":  # every entry on rank 0's experts
-            idx = torch.randint(0, experts // world, (t, top_k), generator=gen)
-        else:
-            idx = torch.rand(t, experts, generator=gen).topk(top_k, dim=1).indices
-        idx[torch.rand(t, top_k, generator=gen) < 0.15] = -1
-        idxs.append(idx)
-        ws.append(torch.rand(t, top_k, generator=gen))
-    w1 = (torch.randn(experts, HIDDEN, 2 * FFN, generator=gen) / 16).bfloat16()
-    w2 = (torch.randn(experts, FFN, HIDDEN, generator=gen) / 16).bfloat16()
-    return xs, idxs, ws, w1, w2
+    # "one_rank": every entry on rank 0's experts.
+    below = experts // world if kind == "one_rank" else None
+    return bf16_layer(
+        gen, tokens, HIDDEN, FFN, experts, top_k, unused=0.15, scale=16, route_below=below
+    )
 
 
 CASES = [  # kind, experts, top_k, tile_m (None: the runtime's choice, 64 for these sizes)

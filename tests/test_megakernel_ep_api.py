@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _moe_cases import bf16_layer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from uniep import megakernel
 from uniep.distributed import run_local_ranks
@@ -47,16 +48,7 @@ def _layer(world: int, experts: int, top_k: int, seed: int):  # noqa: ANN202
     tokens = [int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(world)]
     if world > 1:
         tokens[1] = 0  # a rank with no tokens still computes what the others send it
-    xs, idxs, ws = [], [], []
-    for t in tokens:
-        xs.append(torch.randn(t, HIDDEN, generator=gen).bfloat16())
-        idx = torch.rand(t, experts, generator=gen).topk(top_k, dim=1).indices
-        idx[torch.rand(t, top_k, generator=gen) < 0.2] = -1
-        idxs.append(idx)
-        ws.append(torch.rand(t, top_k, generator=gen))
-    w1 = (torch.randn(experts, HIDDEN, 2 * FFN, generator=gen) / 8).bfloat16()
-    w2 = (torch.randn(experts, FFN, HIDDEN, generator=gen) / 8).bfloat16()
-    return xs, idxs, ws, w1, w2
+    return bf16_layer(gen, tokens, HIDDEN, FFN, experts, top_k, unused=0.2, scale=8)
 
 
 def _rank(rank: int, world: int, experts: int, top_k: int) -> float:
