@@ -141,10 +141,25 @@ def moe_forward_prepared(
     if x.device.type != "cuda":
         w1, w2 = experts.plain(x.dtype)
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    _check_cuda_operands(x, topk_idx, experts)
     world = world_size(group)
     if _runs_fused(experts, params, tuning):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning, params)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
+
+
+def _check_cuda_operands(x: torch.Tensor, topk_idx: torch.Tensor, experts: PreparedExperts) -> None:
+    """What both CUDA paths need of the tokens before they run (the ops check the rest)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 on CUDA, got {x.dtype}")
+    if experts.w1.device != x.device:
+        raise ValueError(f"the experts must be on x's device {x.device}, got {experts.w1.device}")
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be [T, H = {experts.hidden}], got {tuple(x.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}"
+        )
 
 
 def _named(tuning: str, key: str) -> bool:
@@ -175,16 +190,6 @@ def _forward_fused(
     from . import megakernel
     from .ep import _timeout
 
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16 on CUDA, got {x.dtype}")
-    if experts.w1.device != x.device:
-        raise ValueError(f"the experts must be on x's device {x.device}, got {experts.w1.device}")
-    if x.dim() != 2 or x.shape[1] != experts.hidden:
-        raise ValueError(f"x must be [T, H = {experts.hidden}], got {tuple(x.shape)}")
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}"
-        )
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
     comm_sms = params.comm_sms if _named(tuning, "sms") else None
@@ -217,12 +222,6 @@ def _forward_cuda(
 ) -> torch.Tensor:
     from .ep import ensure_runtime
 
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16 on CUDA, got {x.dtype}")
-    if experts.w1.device != x.device:
-        raise ValueError(f"the experts must be on x's device {x.device}, got {experts.w1.device}")
-    if x.shape[1] != experts.hidden:
-        raise ValueError(f"x must be [T, H = {experts.hidden}], got {tuple(x.shape)}")
     ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts.num_experts * world)
     ops = torch.ops.uniep
     recv_x, scales, _, _, _, per_expert, row_slot, row_target, epoch = ops.ep_dispatch(
