@@ -241,10 +241,11 @@ def sm90_gemm_bench_args(
     profile: bool = False,
     parts: tuple[str, ...] = (),
     trace: bool = False,
+    tune: bool = False,
 ) -> argparse.Namespace:
     """The arguments of the single-GPU GEMM benchmarks (bench_gemm, bench_experts); ``profile``
     adds ``--profile N`` (:func:`add_profile_argument`), ``parts`` a ``--part`` choice among them
-    (default all)."""
+    (default all), ``tune`` ``--tune-candidates N``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
     parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
@@ -257,6 +258,10 @@ def sm90_gemm_bench_args(
     if parts:
         parser.add_argument("--part", choices=[*parts, "all"], default="all")
         parser.add_argument("--loads", default="", help="comma-separated load names (default all)")
+    if tune:
+        parser.add_argument(
+            "--tune-candidates", type=int, default=8, help="points uniep.tune measures (best N)"
+        )
     return parser.parse_args(argv)
 
 

@@ -1,13 +1,15 @@
 """uniep.prepared on one GPU (marker `gpu`): moe_forward_prepared with packed bf16 experts gives
-moe_forward's own bits (the SwiGLU epilogue uses the one-pass SwiGLU's formula on the same
-GEMM bits) on the separate launches (the default) and on the MegaKernel (overlap=fused), also
-with a few CTAs sending first and after a larger batch grew the fused runtime; with
-fp8 experts it stays within the fp8 error of the bf16 layer and close to a float64 layer on the
-same dequantized operands. World 1 (NCCL), and two and four ranks sharing the GPU (gloo)."""
+moe_forward's own bits (the SwiGLU epilogue uses the one-pass SwiGLU's formula on the same GEMM
+bits) on the separate launches (the default) and on the MegaKernel (overlap=fused), also with a few
+CTAs sending first, with the launch keys of the tuning string (tile height, skip rounds) and the
+point cached by uniep.tune for an empty string, and after a larger batch grew the fused runtime;
+with fp8 experts it stays within the fp8 error of the bf16 layer and close to a float64 layer on
+the same dequantized operands. World 1 (NCCL), and two and four ranks sharing the GPU (gloo)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ T, H, FFN, E_LOCAL, K = 96, 256, 256, 3, 3
 
 def _worker(rank: int, world: int) -> dict[str, float]:
     import uniep
+    from uniep import megakernel, tune
     from uniep.gemm import (
         dequantize_expert_weights,
         dequantize_rows,
@@ -58,6 +61,43 @@ def _worker(rank: int, world: int) -> dict[str, float]:
     out["fused_equal"] = float(torch.equal(fused, base))
     few = moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=fused,sms=8/0")
     out["few_senders_equal"] = float(torch.equal(few, base))  # 8 CTAs send first
+    # The launch keys of the tuning string reach the kernel: the other tile height (across
+    # ranks the runtime is created again with it) and rounds of tiles taken before the senders.
+    auto_tile = megakernel.fused_tile_m(x.shape[0] * K * world, experts)
+    other = 128 if auto_tile == 64 else 64
+    keys = f"overlap=fused,sms=16,skip_rounds=2,tile_m={other}"
+    calls: list[dict] = []
+    real_local = megakernel.moe_forward_local
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return real_local(*args, **kwargs)
+
+    megakernel.moe_forward_local = spy
+    try:
+        retiled = moe_forward_prepared(xd, idxd, wd, packed, tuning=keys)
+        # An empty tuning string takes the point uniep.tune cached for this shape and format.
+        cache = os.path.join(tempfile.mkdtemp(), "tune.json")
+        os.environ["UNIEP_TUNE_CACHE"] = cache
+        tune.store(
+            keys, tokens=x.shape[0], hidden=H, ffn=FFN, experts=experts, top_k=K,
+            dtype=torch.bfloat16, world_size=world, device=dev, weights="bf16_packed",
+        )  # fmt: skip
+        cached = moe_forward_prepared(xd, idxd, wd, packed)
+        del os.environ["UNIEP_TUNE_CACHE"]
+    finally:
+        megakernel.moe_forward_local = real_local
+    out["retiled_equal"] = float(torch.equal(retiled, base))
+    out["cached_equal"] = float(torch.equal(cached, base))
+    if world == 1:
+        want = {"comm_sms": 16, "skip_rounds": 2, "tile_m": other}
+        seen = [{key: c.get(key) for key in want} for c in calls]
+        out["keys_reached"] = float(seen == [want, want])
+    else:
+        from uniep import _C, distributed
+
+        cfg = _C.fused_ep_config(distributed.group_name(None))
+        out["keys_reached"] = float(not calls and cfg["tile_m"] == other)
     # A larger batch on one rank grows the fused runtime on every rank (same call).
     big = 300 if rank == 0 else x.shape[0]
     gen.manual_seed(200 + rank)
@@ -99,6 +139,8 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["packed_equal"] == 1.0, report
         assert report["fused_equal"] == 1.0, report
         assert report["few_senders_equal"] == 1.0, report
+        assert report["retiled_equal"] == report["cached_equal"] == 1.0, report
+        assert report["keys_reached"] == 1.0, report
         assert report["grown_equal"] == 1.0, report
         if world > 1:  # 256 held the first batches; rank 0's 300 tokens grew it to 512
             assert report["fused_max_tokens"] == 512, report

@@ -1,6 +1,7 @@
 """uniep.tune on one GPU (marker `gpu`): the issue's acceptance, "uniep.tune picks a point within
 3% of the best it measured", on a small bf16 shape, with CUDA-event timing and the engine's
-compiled tile shapes as candidates.
+compiled tile shapes as candidates; on plain weights (moe_forward) and on packed experts
+(moe_forward_prepared: the separate launches and the MegaKernel's points).
 
 Run: pytest -q tests/test_gpu_tune.py
 """
@@ -23,23 +24,40 @@ pytestmark = [
 SHAPE = {"tokens": 8192, "hidden": 4096, "ffn": 2048, "experts": 8, "top_k": 2}
 
 
-def _worker(rank: int, world: int, cache: str) -> dict:
+def _worker(rank: int, world: int, cache: str, weights: str) -> dict:
     from uniep import tune
 
     os.environ["UNIEP_TUNE_CACHE"] = cache
     result = tune.tune(
-        **SHAPE, dtype=torch.bfloat16, device="cuda", candidates=6, warmup=3, iters=20
+        **SHAPE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        candidates=6,
+        warmup=3,
+        iters=20,
+        weights=weights,
     )
     # Re-time every point the tuner measured, interleaved over rounds, on the same inputs.
     shape = tune.MoeShape(**SHAPE, world=world, dtype="bfloat16")
     x, idx, w, w1, w2 = tune._inputs(shape, torch.device("cuda", rank), rank, 1)
     import uniep
+    from uniep.prepared import moe_forward_prepared, prepare_experts
     from uniep.timing import interleaved_medians_ms
 
     points = [c.tuning for c in result.candidates if math.isfinite(c.measured_ms)]
-    fns = {p: lambda p=p: uniep.moe_forward(x, idx, w, w1, w2, tuning=p) for p in points}
+    if weights == "plain":
+        fns = {p: lambda p=p: uniep.moe_forward(x, idx, w, w1, w2, tuning=p) for p in points}
+    else:
+        packed = prepare_experts(w1, w2, weights)
+        fns = {p: lambda p=p: moe_forward_prepared(x, idx, w, packed, None, p) for p in points}
     with torch.no_grad():
         again = interleaved_medians_ms(fns, 3, 10, True, warmup=2)
+        # An empty tuning string runs the cached winner: the same bits as every point's.
+        bits_equal = all(torch.equal(fns[p](), fns[points[0]]()) for p in points)
+        if weights != "plain":
+            bits_equal = bits_equal and torch.equal(
+                moe_forward_prepared(x, idx, w, packed, None, ""), fns[points[0]]()
+            )
     return {
         "tuning": result.tuning,
         "default": result.default,
@@ -48,13 +66,15 @@ def _worker(rank: int, world: int, cache: str) -> dict:
         "again": again,
         "bits_identical": result.bits_identical,
         "cache_path": result.cache_path,
-        "lookup": tune.lookup(**SHAPE, dtype=torch.bfloat16, device="cuda"),
+        "lookup": tune.lookup(**SHAPE, dtype=torch.bfloat16, device="cuda", weights=weights),
+        "bits_equal": bits_equal,
         "device_name": result.device_name,
         "table": result.table(),
     }
 
 
-def test_tune_picks_a_point_within_3_percent_of_the_best(tmp_path: object) -> None:
+@pytest.mark.parametrize("weights", ["plain", "bf16_packed"])
+def test_tune_picks_a_point_within_3_percent_of_the_best(tmp_path: object, weights: str) -> None:
     import uniep
     from uniep import tune
     from uniep.distributed import run_local_ranks
@@ -62,7 +82,7 @@ def test_tune_picks_a_point_within_3_percent_of_the_best(tmp_path: object) -> No
     if not uniep.ep.available():
         pytest.skip("this build has no GPU runtime (CUDA torch ops)")
     cache = os.path.join(str(tmp_path), "tune.json")
-    (res,) = run_local_ranks(_worker, 1, (cache,), backend="nccl", timeout_s=300)
+    (res,) = run_local_ranks(_worker, 1, (cache, weights), backend="nccl", timeout_s=300)
     print(res["table"])
     measured = [ms for ms in res["measured"].values() if math.isfinite(ms)]
     assert len(measured) >= 2
@@ -71,9 +91,15 @@ def test_tune_picks_a_point_within_3_percent_of_the_best(tmp_path: object) -> No
     # Re-timed independently: the winner is still within 3% of the best point.
     again = res["again"]
     assert again[res["tuning"]] <= 1.03 * min(again.values()), (again, res["tuning"])
-    assert res["bits_identical"]
+    assert res["bits_identical"] and res["bits_equal"]
     params = uniep.TuningParams.parse(res["tuning"])
     assert (params.dispatch, params.combine, params.gemm) == ("bf16", "per_k", "uniep")
-    assert (params.tile_m, params.tile_n, params.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
+    if params.overlap == "fused" and weights != "plain":
+        assert params.tile_m in (64, 128), res["tuning"]
+    else:
+        assert (params.tile_m, params.tile_n, params.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
+    if weights != "plain":  # both paths were measured: the separate launches and the MegaKernel
+        modes = {uniep.TuningParams.parse(t).overlap for t in res["measured"]}
+        assert modes == {"sequential", "fused"}, res["table"]
     assert res["cache_path"] == cache and res["lookup"] == res["tuning"]
     assert res["device_name"] == torch.cuda.get_device_name(0)

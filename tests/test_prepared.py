@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import uniep
-from uniep.prepared import moe_forward_prepared, prepare_experts
+from uniep.prepared import fused_launch, moe_forward_prepared, prepare_experts
 
 T, H, FFN, E, K = 24, 256, 128, 4, 2
 
@@ -66,3 +66,17 @@ def test_named_errors() -> None:
         moe_forward_prepared(x, idx, weights, experts)
     with pytest.raises(TypeError, match="experts must be a PreparedExperts"):
         moe_forward_prepared(x, idx, weights, (w1, w2))  # type: ignore[arg-type]
+
+
+def test_fused_launch_keys() -> None:
+    assert fused_launch("overlap=fused") == (None, -1, None)
+    assert fused_launch("overlap=fused,sms=16/0,skip_rounds=2,tile_m=64") == (16, 2, 64)
+    assert fused_launch("tile_m=128,tile_n=256,tile_k=64,stages=auto") == (None, -1, 128)
+    for bad, key in (
+        ("tile_m=32", "tile_m must be one of auto, 128, 64, got 32"),
+        ("tile_n=128", "tile_n must be one of auto, 256, got 128"),
+        ("tile_k=128", "tile_k must be one of auto, 64, got 128"),
+        ("stages=4", "stages must be one of auto, got 4"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            fused_launch("overlap=fused," + bad)

@@ -206,6 +206,56 @@ def test_candidates_keep_numerics_and_compiled_tiles() -> None:
     assert all(math.isfinite(s) and s > 0 for s in times) and len(set(times)) > 1
 
 
+def test_packed_candidates_hold_both_paths() -> None:
+    shape = tune.MoeShape(4096, 7168, 2048, 32, 8, 1, "bfloat16")
+    points = tune.candidate_points(shape, "cuda", sm_count=132, weights="bf16_packed")
+    params = [uniep.TuningParams.parse(t) for t in points]
+    # The default is what an empty tuning string runs on packed experts: the separate launches.
+    assert params[0].overlap == "sequential" and len(set(points)) == len(points)
+    fused = [p for p in params if p.overlap == "fused"]
+    assert {p.tile_m for p in fused} == {64, 128}
+    assert {(p.comm_sms, p.skip_rounds) for p in fused} >= {(132, -1), (16, 16), (32, -1)}
+    assert all((p.tile_n, p.tile_k, p.stages) == (0, 0, 0) for p in fused)
+    separate = [p for p in params if p.overlap == "sequential"]
+    assert len(separate) == len(tune.candidate_points(shape, "cuda", sm_count=132))
+    # The MegaKernel takes only bf16 dispatch, the per-k combine and the engine's GEMMs.
+    for numerics in ("combine=rank_partials", "dispatch=fp8", "gemm=torch"):
+        others = tune.candidate_points(shape, "cuda", numerics, 132, "bf16_packed")
+        assert all(uniep.TuningParams.parse(t).overlap == "sequential" for t in others)
+    with pytest.raises(ValueError, match="weights='bf16_packed' is tuned on cuda only"):
+        tune.candidate_points(shape, "cpu", weights="bf16_packed")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        tune.candidate_points(shape, "cuda", weights="fp8")
+    model = tune.CostModel(
+        "cuda", peak_flops=1e15, mem_bw=3e12, sm_count=132, weights="bf16_packed"
+    )
+    times = {t: model.seconds(shape, t) for t in points}
+    assert all(math.isfinite(s) and s > 0 for s in times.values())
+    # Every CTA sending first exposes the whole send; 16 senders hide most of it.
+    every = next(t for t in points if "sms=132/0" in t and "tile_m=64" in t)
+    few = every.replace("sms=132/0", "sms=16/0")
+    assert times[every] > times[few]
+    with pytest.raises(ValueError, match="needs device cuda and dtype bfloat16"):
+        tune.tune(**SHAPE, device="cpu", cache=False, weights="bf16_packed")
+
+
+def test_packed_entries_have_their_own_key(tmp_path: Path) -> None:
+    path = tmp_path / "tune.json"
+    plain = tune.cache_key(device_name="d", world_size=1, **SHAPE)
+    packed = tune.cache_key(device_name="d", world_size=1, **SHAPE, weights="bf16_packed")
+    assert "weights=" not in plain and "|weights=bf16_packed|" in packed
+    assert packed.endswith("|" + tune.normalize_numerics(""))
+    fused = "overlap=fused,sms=16,skip_rounds=2,tile_m=64"
+    tune.store(fused, **SHAPE, path=path, weights="bf16_packed")
+    assert tune.lookup(**SHAPE, path=path) is None
+    assert tune.lookup(**SHAPE, path=path, weights="bf16_packed") == _full(fused)
+    tune.store(POINT, **SHAPE, path=path)
+    assert tune.lookup(**SHAPE, path=path) == _full(POINT)
+    assert tune.lookup(**SHAPE, path=path, weights="bf16_packed") == _full(fused)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        tune.lookup(**SHAPE, path=path, weights="packed")
+
+
 def test_tune_keeps_numerics_and_winner_bits_equal_default(tmp_path: Path) -> None:
     path = tmp_path / "tune.json"
     seen: list[str] = []
@@ -395,3 +445,5 @@ def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         main([*args[:7], "--experts", "3", "--top-k", "2", "--world-size", "2"])
     with pytest.raises(SystemExit):
         main([*args, "--dispatch", "fp9"])
+    with pytest.raises(SystemExit, match="--weights bf16_packed tunes moe_forward_prepared"):
+        main([*args, "--weights", "bf16_packed"])

@@ -105,6 +105,21 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
     assert p != _C.TuningParams.parse("tile_n=256")  # gemm is part of the point
 
 
+def test_skip_rounds_is_auto_unless_given() -> None:
+    d = _C.TuningParams()
+    assert d.skip_rounds == -1 and "stages=auto,skip_rounds=auto,overlap=" in d.to_string()
+    p = _C.TuningParams.parse("skip_rounds=3,overlap=fused")
+    assert p.skip_rounds == 3 and _C.TuningParams.parse(p.to_string()) == p
+    assert p != _C.TuningParams.parse("overlap=fused")  # skip_rounds is part of the point
+    assert _C.TuningParams.parse("skip_rounds=auto").skip_rounds == -1
+    for bad in ("skip_rounds=-1", "skip_rounds=x", "skip_rounds="):
+        with pytest.raises(ValueError, match="skip_rounds"):
+            _C.TuningParams.parse(bad)
+    d.skip_rounds = -2
+    with pytest.raises(ValueError, match=r"skip_rounds must be auto \(-1\) or in \[0, 2\^20\]"):
+        d.validate()
+
+
 @pytest.mark.parametrize(
     "text,match",
     [

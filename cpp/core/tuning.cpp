@@ -55,7 +55,8 @@ const char* gemm_engine_name(GemmEngine engine) {
 namespace {
 
 constexpr const char* kKeys =
-    "sms, token_tile, tile_m, tile_n, tile_k, stages, overlap, dispatch, combine, gemm";
+    "sms, token_tile, tile_m, tile_n, tile_k, stages, skip_rounds, overlap, dispatch, combine, "
+    "gemm";
 
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
@@ -98,6 +99,7 @@ std::string TuningParams::to_string() const {
   return detail::str_cat(
       "sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile, ",tile_m=", auto_int(tile_m),
       ",tile_n=", auto_int(tile_n), ",tile_k=", auto_int(tile_k), ",stages=", auto_int(stages),
+      ",skip_rounds=", skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
       ",overlap=", overlap_mode_name(overlap), ",dispatch=", dispatch_precision_name(dispatch),
       ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm));
 }
@@ -142,6 +144,14 @@ TuningParams TuningParams::parse(const std::string& text) {
       p.tile_k = parse_auto_int(key, value);
     } else if (key == "stages") {
       p.stages = parse_auto_int(key, value);
+    } else if (key == "skip_rounds") {
+      if (value == "auto") {
+        p.skip_rounds = -1;
+      } else {
+        p.skip_rounds = parse_int(key, value);
+        UNIEP_CHECK(p.skip_rounds >= 0,
+                    "tuning: skip_rounds must be auto or an integer >= 0, got '", value, "'");
+      }
     } else if (key == "overlap") {
       if (value == "sequential")
         p.overlap = OverlapMode::kSequential;
@@ -197,11 +207,14 @@ void TuningParams::validate() const {
   UNIEP_CHECK(tile_ok(tile_k), "tuning: tile_k must be auto or a power of two in [16, 256], got ",
               tile_k);
   UNIEP_CHECK(stages >= 0 && stages <= 8, "tuning: stages must be auto or in [1, 8], got ", stages);
+  UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
+              "tuning: skip_rounds must be auto (-1) or in [0, 2^20], got ", skip_rounds);
 }
 
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
+         skip_rounds == o.skip_rounds &&
          overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm;
 }
 

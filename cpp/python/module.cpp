@@ -245,6 +245,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tile_n", &TuningParams::tile_n)
       .def_readwrite("tile_k", &TuningParams::tile_k)
       .def_readwrite("stages", &TuningParams::stages)
+      .def_readwrite("skip_rounds", &TuningParams::skip_rounds)
       .def_property(
           "overlap",
           [](const TuningParams& p) { return std::string(overlap_mode_name(p.overlap)); },

@@ -28,7 +28,7 @@ const char* gemm_engine_name(GemmEngine engine);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
-// ("auto") unless given: on CUDA they pick one of the expert GEMM engine's compiled
+// ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM engine's compiled
 // configurations (a combination that none has is an error listing them); the CPU executor
 // blocks its loops by them (128, 128, 64 when auto). None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire) and `combine` (where the sum over k is split),
@@ -42,6 +42,9 @@ struct TuningParams {
   int tile_n = 0;       // GEMM tile cols (0: auto)
   int tile_k = 0;       // GEMM k-step (0: auto)
   int stages = 0;       // GEMM mainloop pipeline depth (0: auto)
+  // The MegaKernel only (overlap=fused on prepared experts): rounds of GEMM tiles the CTAs that
+  // do not send take before the senders join (-1: "auto", the launch's bandwidth model).
+  int skip_rounds = -1;
   OverlapMode overlap = OverlapMode::kFused;
   DispatchPrecision dispatch = DispatchPrecision::kBf16;
   CombineReduction combine = CombineReduction::kPerChoice;

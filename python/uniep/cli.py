@@ -508,6 +508,7 @@ def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
         device=cfg["device"],
         path=cfg["cache"],
         progress=_ProgressBar() if rank == 0 else None,
+        weights=cfg["weights"],
     )
 
 
@@ -553,12 +554,18 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         "budget": args.budget,
         "device": device,
         "cache": args.cache,
+        "weights": args.weights,
     }
+    if args.weights != "plain" and (device != "cuda" or dtype != "bfloat16"):
+        raise SystemExit(
+            f"uniep tune: --weights {args.weights} tunes moe_forward_prepared on CUDA: it needs "
+            f"--device cuda and --dtype bfloat16, got {device} and {dtype}"
+        )
     target = args.cache or str(tune.cache_path())
     print(
         f"uniep tune: {args.world_size} rank(s) on {device}, {dtype}, tokens/rank={args.tokens} "
         f"hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k}, "
-        f"{cfg['numerics']}",
+        f"{cfg['numerics']}, weights {args.weights}",
         file=sys.stderr,
         flush=True,
     )
@@ -677,6 +684,13 @@ def _parser() -> argparse.ArgumentParser:
         "--combine", choices=["per_k", "rank_partials"], default=None, help="kept as given"
     )
     tune_p.add_argument("--gemm", choices=["uniep", "torch"], default=None, help="kept as given")
+    tune_p.add_argument(
+        "--weights",
+        choices=["plain", "bf16_packed"],
+        default="plain",
+        help="plain: moe_forward; bf16_packed: moe_forward_prepared on packed experts (the "
+        "separate launches and the MegaKernel), cached under its own key",
+    )
     tune_p.add_argument("--timeout", type=_positive_seconds, default=600.0)
     tune_p.set_defaults(func=_cmd_tune)
 

@@ -346,6 +346,7 @@ def ensure_fused_ep(
     ffn: int,
     top_k: int,
     num_experts: int,
+    tile_m: int | None = None,
 ) -> None:
     """The group's fused MoE runtime, sized for this call (collective: every rank calls it in
     the same call, with its own ``tokens``). The ranks' sizes are exchanged first (one small
@@ -354,22 +355,27 @@ def ensure_fused_ep(
     sizes and room for the largest batch is kept; otherwise it is created, or destroyed and
     created again, with ``max_tokens = uniep.ep.grown_capacity(...)`` of the largest batch (a
     power of two, at least 256, never below the old one; a runtime that only grows keeps its
-    timeout and tile height). NVSHMEM's heap is sized by the first
+    timeout and tile height). ``tile_m`` (128 or 64, the same on every rank): the kernel's tile
+    height; a runtime of another height is created again; None keeps the runtime's, or picks
+    :func:`fused_tile_m`'s for a new one. NVSHMEM's heap is sized by the first
     UniEP runtime of the process: a runtime that grows later needs ``NVSHMEM_SYMMETRIC_SIZE``
     set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
     from .ep import grown_capacity
 
     _require_runtime()
+    if tile_m is not None and tile_m not in FUSED_TILE_MS:
+        raise ValueError(f"tile_m must be None or one of {FUSED_TILE_MS}, got {tile_m!r}")
     pg = distributed._resolve(group)
     name = distributed.group_name(group)
-    mine = [tokens, hidden, ffn, top_k, num_experts]
+    mine = [tokens, hidden, ffn, top_k, num_experts, tile_m or 0]
     if pg is None:
         table = [mine]
     else:
         from .ep import _all_gather_ints
 
         table = _all_gather_ints(mine, pg, "the fused MoE runtime's sizes (uniep.megakernel)")
-    for col, what in enumerate(("hidden", "ffn", "top_k", "num_experts"), start=1):
+    what_cols = ("hidden", "ffn", "top_k", "num_experts", "tile_m (0: auto)")
+    for col, what in enumerate(what_cols, start=1):
         for rank, row in enumerate(table):
             if row[col] != table[0][col]:
                 raise ValueError(
@@ -384,12 +390,13 @@ def ensure_fused_ep(
         top_k,
         num_experts,
     )
-    if same and old["max_tokens"] >= most:
+    retile = tile_m is not None and old is not None and old["tile_m"] != tile_m
+    if same and old["max_tokens"] >= most and not retile:
         return
-    timeout_s = tile_m = None
+    timeout_s = None
     if old is not None:
         timeout_s = old["timeout_s"]
-        if same:  # a runtime that only grows keeps its tile height (maybe the caller's)
+        if same and tile_m is None:  # a runtime that only grows keeps its tile height
             tile_m = old["tile_m"]
         shutdown_fused_ep(group)
     init_fused_ep(

@@ -19,12 +19,15 @@ names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's 
 1 one persistent launch of the send into GEMM rows, both GEMMs and the reduce
 (``moe_forward_local(overlap="fused")``); across the ranks of one NVLink domain the group's fused
 runtime (created and grown on demand by ``ensure_fused_ep``, whose size exchange is one host
-round trip per call) and ``moe_forward_ep``. ``sms=`` there sets the CTAs that send first;
-without it the MegaKernel's measured defaults hold (every CTA at world 1, ``EP_COMM_SMS`` across
-ranks). Otherwise (the default) the dispatch, the engine's GEMMs and the combine run as separate
-launches: at world 1 on one H200 they were as fast as the MegaKernel on two of issue 19's loads
-and faster on the two with small experts, whose 64-row tiles the MegaKernel lacks
-(bench/results/2026-11-26-session20). Both give the same bits.
+round trip per call) and ``moe_forward_ep``. The launch's keys there (:func:`fused_launch`):
+``sms=`` the CTAs that send first (without it the measured defaults: every CTA at world 1,
+``EP_COMM_SMS`` across ranks), ``skip_rounds=`` the rounds of tiles the others take first, and
+``tile_m=`` 64 or 128, the kernel's tile height (auto: ``fused_tile_m``). Otherwise the
+dispatch, the engine's GEMMs and the combine run as separate launches: at world 1 on one H200
+they were about as fast as the MegaKernel's best point on issue 19's loads
+(bench/results/2026-11-26-session20). Both give the same bits. An empty tuning string takes the
+point ``uniep.tune(..., weights="bf16_packed")`` cached for the call's shape (which may be
+either), else the separate launches.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -47,7 +50,13 @@ from .gemm import (
     unpack_gate_up,
 )
 
-__all__ = ["FORMATS", "PreparedExperts", "moe_forward_prepared", "prepare_experts"]
+__all__ = [
+    "FORMATS",
+    "PreparedExperts",
+    "fused_launch",
+    "moe_forward_prepared",
+    "prepare_experts",
+]
 
 FORMATS = ("bf16_packed", "fp8")
 
@@ -143,8 +152,15 @@ def moe_forward_prepared(
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
     _check_cuda_operands(x, topk_idx, experts)
     world = world_size(group)
+    if tuning == "" and experts.format == "bf16_packed":
+        from . import tune
+
+        tuning = tune.tuning_for_call(
+            x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
+        )
+        params = _C.TuningParams.parse(tuning)
     if _runs_fused(experts, params, tuning):
-        return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning, params)
+        return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
 
@@ -177,6 +193,31 @@ def _runs_fused(experts: PreparedExperts, params: _C.TuningParams, tuning: str) 
     )
 
 
+def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
+    """The MegaKernel's launch keys of ``tuning``: ``(comm_sms, skip_rounds, tile_m)``, where
+    ``comm_sms`` is None unless ``sms`` is named (the kernel's defaults then), ``skip_rounds`` -1
+    for auto (the launch's bandwidth model) and ``tile_m`` None for auto (``fused_tile_m``).
+
+    Raises:
+        ValueError: a tile key the kernel was not built with (it has ``tile_m`` 64 or 128,
+            ``tile_n`` 256, ``tile_k`` 64 and its own pipeline depth), naming the key.
+    """
+    from .megakernel import FUSED_TILE_MS
+
+    p = _C.TuningParams.parse(tuning)
+    built = {"tile_m": (0, *FUSED_TILE_MS), "tile_n": (0, 256), "tile_k": (0, 64), "stages": (0,)}
+    for key, allowed in built.items():
+        value = getattr(p, key)
+        if value not in allowed:
+            shown = ", ".join("auto" if v == 0 else str(v) for v in allowed)
+            raise ValueError(
+                f"tuning: with overlap=fused (the MegaKernel) {key} must be one of {shown}, got "
+                f"{value}"
+            )
+    comm_sms = p.comm_sms if _named(tuning, "sms") else None
+    return comm_sms, p.skip_rounds, p.tile_m or None
+
+
 def _forward_fused(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -185,18 +226,17 @@ def _forward_fused(
     group: dist.ProcessGroup | None,
     world: int,
     tuning: str,
-    params: _C.TuningParams,
 ) -> torch.Tensor:
     from . import megakernel
     from .ep import _timeout
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
-    comm_sms = params.comm_sms if _named(tuning, "sms") else None
+    comm_sms, skip_rounds, tile_m = fused_launch(tuning)
     if world == 1:
         return megakernel.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap="fused",
-            comm_sms=comm_sms, timeout_s=_timeout(None),
+            comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
         )  # fmt: skip
     megakernel.ensure_fused_ep(
         group,
@@ -205,10 +245,12 @@ def _forward_fused(
         ffn=experts.ffn,
         top_k=topk_idx.shape[1],
         num_experts=experts.num_experts * world,
+        tile_m=tile_m,
     )
     return megakernel.moe_forward_ep(
-        x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms
-    )
+        x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
+        skip_rounds=skip_rounds,
+    )  # fmt: skip
 
 
 def _forward_cuda(

@@ -6,18 +6,23 @@ expert GEMMs; docs/tune.md), calibrated by a short measurement of the real op, t
 few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape (CUDA events on a
 GPU, the wall clock on CPU). With a process group every rank times every candidate in the same
 order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast.
+``weights="bf16_packed"`` tunes ``uniep.prepared.moe_forward_prepared`` on packed experts
+instead, whose space holds both the separate launches (``overlap=sequential``) and the MegaKernel
+(``overlap=fused`` with its ``sms``, ``skip_rounds`` and ``tile_m``); its winners are cached
+under their own keys.
 
 Only schedule keys are searched (``sms``, ``token_tile``, ``tile_m``, ``tile_n``, ``tile_k``,
-``stages``, ``overlap``): they never change the output bits. The numerics keys (``dispatch``,
-``combine``) and the GEMM engine (``gemm``) are the caller's choice, kept as given; the winner's
-output is compared bit for bit with the default point's on the tuning inputs, and a winner whose
-bits differ is refused (a warning, and the default is kept).
+``stages``, ``skip_rounds``, ``overlap``): they never change the output bits. The numerics keys
+(``dispatch``, ``combine``) and the GEMM engine (``gemm``) are the caller's choice, kept as given;
+the winner's output is compared bit for bit with the default point's on the tuning inputs, and a
+winner whose bits differ is refused (a warning, and the default is kept).
 
 Winners are cached in a JSON file (``cache_path()``: ``UNIEP_TUNE_CACHE``, else
 ``$XDG_CACHE_HOME/uniep/tune.json``, else ``~/.cache/uniep/tune.json``) under a key holding the
-device name, world size, shape, dtype, numerics keys, UniEP version and the cache schema, so that
-another GPU or world size never reuses an entry. ``uniep.moe_forward`` and the ``uniep.nn``
-modules use a cached point when their tuning string is ``""``. A corrupt, unreadable or foreign
+device name, world size, shape, dtype, weight format, numerics keys, UniEP version and the cache
+schema, so that another GPU or world size never reuses an entry. ``uniep.moe_forward``, the
+``uniep.nn`` modules and ``moe_forward_prepared`` use a cached point when their tuning string is
+``""``. A corrupt, unreadable or foreign
 cache file is reported with a warning and ignored.
 """
 
@@ -54,6 +59,7 @@ __all__ = [
     "CostModel",
     "MoeShape",
     "TuneResult",
+    "WEIGHTS",
     "cache_key",
     "cache_path",
     "candidate_points",
@@ -66,7 +72,19 @@ __all__ = [
 SCHEMA = 1
 _KIND = "uniep-tune-cache"
 NUMERICS_KEYS = ("dispatch", "combine", "gemm")
-SCHEDULE_KEYS = ("sms", "token_tile", "tile_m", "tile_n", "tile_k", "stages", "overlap")
+SCHEDULE_KEYS = (
+    "sms",
+    "token_tile",
+    "tile_m",
+    "tile_n",
+    "tile_k",
+    "stages",
+    "skip_rounds",
+    "overlap",
+)
+# What tune() times: moe_forward on the weights as training holds them, or moe_forward_prepared on
+# packed bf16 experts (the separate launches and the MegaKernel).
+WEIGHTS = ("plain", "bf16_packed")
 # The expert GEMM engine's compiled (tile_m, tile_n, tile_k), in its registry order
 # (cpp/cuda/gemm/grouped): the only tile keys a CUDA candidate may name.
 CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
@@ -74,6 +92,11 @@ CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (6
 CPU_TILES = (16, 32, 64, 128, 256)
 _CUDA_SMS = (8, 16, 24, 32)
 _CUDA_TOKEN_TILES = (32, 64, 128)
+# The MegaKernel's points on packed experts, per tile height: (CTAs that send first, rounds of
+# tiles the others take first; -1 = auto). 0 CTAs stands for every CTA (the SM count). The set
+# holds the best points of bench_experts' world-1 sweeps (bench/results/2026-11-26-session20).
+_FUSED_TILE_MS = (64, 128)
+_FUSED_POINTS = ((0, -1), (8, -1), (16, -1), (32, -1), (16, 0), (16, 16))
 # SMs of communication warps that saturate a GPU's links (a model assumption, docs/tune.md).
 _SATURATING_COMM_SMS = 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -177,9 +200,12 @@ def cache_key(
     top_k: int,
     dtype: torch.dtype | str,
     numerics: str = "",
+    weights: str = "plain",
 ) -> str:
-    """The cache key of one shape: every field that may change the best point, the numerics keys,
-    the UniEP version and the cache schema (``tokens``: per rank, ``x.shape[0]``)."""
+    """The cache key of one shape: every field that may change the best point, the weight format
+    (a ``weights=`` field unless ``"plain"``), the numerics keys, the UniEP version and the cache
+    schema (``tokens``: per rank, ``x.shape[0]``)."""
+    _check_weights(weights)
     return "|".join(
         (
             f"schema={SCHEMA}",
@@ -192,9 +218,15 @@ def cache_key(
             f"experts={experts}",
             f"top_k={top_k}",
             f"dtype={_dtype_name(dtype)}",
+            *(() if weights == "plain" else (f"weights={weights}",)),
             normalize_numerics(numerics),
         )
     )
+
+
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
 
 
 # ---- the cache file ----
@@ -293,10 +325,12 @@ def lookup(
     numerics: str = "",
     device_name: str | None = None,
     path: str | os.PathLike | None = None,
+    weights: str = "plain",
 ) -> str | None:
     """The cached tuning string for this shape, or None.
 
-    ``device_name`` (default: ``device_name(device)``) and ``world_size`` are part of the key;
+    ``device_name`` (default: ``device_name(device)``), ``world_size`` and ``weights`` are part
+    of the key;
     ``path`` defaults to ``cache_path()``. Never raises for the file's content: a corrupt,
     unreadable or foreign file warns and reads as empty, a bad entry warns and is skipped.
     """
@@ -310,6 +344,7 @@ def lookup(
         top_k=top_k,
         dtype=dtype,
         numerics=numerics,
+        weights=weights,
     )
     return _load(Path(path) if path is not None else cache_path()).get(key)
 
@@ -329,6 +364,7 @@ def store(
     device_name: str | None = None,
     path: str | os.PathLike | None = None,
     info: dict[str, Any] | None = None,
+    weights: str = "plain",
 ) -> Path:
     """Cache ``tuning`` for this shape (the key as in ``lookup``) and return the file's path.
 
@@ -358,6 +394,7 @@ def store(
         top_k=top_k,
         dtype=dtype,
         numerics=numerics,
+        weights=weights,
     )
     target = Path(path) if path is not None else cache_path()
     entries = dict(_read_raw(target))
@@ -398,9 +435,11 @@ def tuning_for_call(
     ffn: int,
     experts: int,
     world_size: int,
+    weights: str = "plain",
 ) -> str:
-    """What ``moe_forward`` runs with for an empty tuning string: the cached point for this call's
-    shape (``tokens = x.shape[0]``, default numerics), else ``""`` (the built-in default).
+    """What ``moe_forward`` (``moe_forward_prepared`` with ``weights``) runs with for an empty
+    tuning string: the cached point for this call's shape (``tokens = x.shape[0]``, default
+    numerics), else ``""`` (the built-in default).
 
     Not under ``torch.compile`` (a file read is no graph op: compiled code runs the default).
     Every rank must see the same cache file: a rank that finds another point than its peers
@@ -419,6 +458,7 @@ def tuning_for_call(
         dtype=x.dtype,
         world_size=world_size,
         device=x.device,
+        weights=weights,
     )
     return hit or ""
 
@@ -475,8 +515,18 @@ class MoeShape:
         return self.world * (1.0 - miss)
 
 
+def fused_allowed(numerics: str) -> bool:
+    """Whether the MegaKernel runs these numerics (bf16 dispatch, per-k combine, UniEP's GEMMs)."""
+    p = _C.TuningParams.parse(normalize_numerics(numerics))
+    return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
+
+
 def candidate_points(
-    shape: MoeShape, device: str, numerics: str = "", sm_count: int = 132
+    shape: MoeShape,
+    device: str,
+    numerics: str = "",
+    sm_count: int = 132,
+    weights: str = "plain",
 ) -> list[str]:
     """Every schedule point the tuner considers for ``shape`` on ``device`` ("cpu" or "cuda"),
     as full tuning strings with ``numerics`` kept; the default point first.
@@ -486,8 +536,19 @@ def candidate_points(
     CPU); ``sms`` and ``token_tile`` do not change the CPU executor. CUDA: the engine's compiled
     tile shapes and auto, ``sms`` in 8/16/24/32 (below the device's SMs), ``token_tile``
     32/64/128 and every overlap mode.
+
+    ``weights="bf16_packed"`` (CUDA only): ``moe_forward_prepared``'s two paths. The separate
+    launches (``overlap=sequential``, the default point: what an empty tuning string runs without
+    a cache entry) over the same ``sms``, ``token_tile`` and tiles, and, when ``fused_allowed``,
+    the MegaKernel (``overlap=fused``) at ``tile_m`` 64 and 128 and the ``(sms, skip_rounds)``
+    pairs of ``_FUSED_POINTS`` (``sms`` = the SM count: every CTA sends first).
     """
+    _check_weights(weights)
+    if weights != "plain" and device != "cuda":
+        raise ValueError(f"weights={weights!r} is tuned on cuda only, got device {device!r}")
     base = _C.TuningParams.parse(normalize_numerics(numerics))
+    if weights != "plain":
+        base.overlap = "sequential"
     out = [base.to_string()]
     seen = set(out)
 
@@ -515,6 +576,11 @@ def candidate_points(
             for tt in _CUDA_TOKEN_TILES:
                 for tm, tn, tk in tiles:
                     add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
+        if weights != "plain" and fused_allowed(numerics):
+            for tm in _FUSED_TILE_MS:
+                for comm, skip in _FUSED_POINTS:
+                    if comm < sm_count:
+                        add(overlap="fused", comm_sms=comm or sm_count, skip_rounds=skip, tile_m=tm)
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return out
@@ -537,6 +603,12 @@ class CostModel:
     CUDA per output tile, wave-quantised over the SMs left to the GEMM. ``sequential`` adds the
     two, the overlapped modes hide the smaller behind the larger but for one token tile's worth.
     ``scale`` maps the model onto the measured time of the default point.
+
+    ``weights="bf16_packed"`` (``moe_forward_prepared``): ``sequential`` is the separate launches,
+    the GEMMs plus the local copies (the row gather and the combine's read of the rows) plus the
+    communication; ``fused`` is the MegaKernel, GEMMs on every SM with its own tiles (``tile_m``
+    x 256 x 64), plus the share of the send its senders spend (all of it when every CTA sends
+    first; the rest runs under the other CTAs' tiles) and the reduce's read of the rows.
     """
 
     device: str
@@ -547,6 +619,7 @@ class CostModel:
     tile_cost: float = 0.0
     sm_count: int = 1
     scale: float = 1.0
+    weights: str = "plain"
 
     def comm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
         w = shape.world
@@ -564,6 +637,27 @@ class CostModel:
         if self.device == "cuda":
             beta /= min(1.0, p.comm_sms / _SATURATING_COMM_SMS)
         return 3 * (w - 1) * self.alpha + (dispatch_bytes + combine_bytes) * beta
+
+    def _rows_seconds(self, shape: MoeShape) -> float:
+        # Reading or writing one bf16 row per (token, k): the unit of the local copies.
+        return shape.tokens * shape.top_k * shape.hidden * shape.elem_bytes / self.mem_bw
+
+    def packed_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
+        """The unscaled time of ``moe_forward_prepared`` on packed experts at ``p``."""
+        comm = self.comm_seconds(shape, p)
+        rows = self._rows_seconds(shape)
+        if p.overlap != "fused":
+            return self.gemm_seconds(shape, p) + comm + 4 * rows  # gather: 2, combine: 2
+        fused = _C.TuningParams.parse(p.to_string())
+        if fused.tile_m == 0:
+            el = shape.local_experts
+            fused.tile_m = 64 if shape.tokens * shape.top_k <= 2048 * el else 128
+        fused.tile_n, fused.tile_k = 256, 64
+        fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
+        senders = min(p.comm_sms, self.sm_count)
+        send_rate = min(1.0, senders / _SATURATING_COMM_SMS)
+        send = max(2 * rows, comm) / send_rate
+        return self.gemm_seconds(shape, fused) + send * senders / self.sm_count + 2 * rows
 
     def gemm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
         h, i, eb = shape.hidden, shape.ffn, shape.elem_bytes
@@ -599,6 +693,8 @@ class CostModel:
 
     def seconds(self, shape: MoeShape, tuning: str) -> float:
         p = _C.TuningParams.parse(tuning)
+        if self.weights != "plain":
+            return self.scale * self.packed_seconds(shape, p)
         comm = self.comm_seconds(shape, p)
         gemm = self.gemm_seconds(shape, p)
         if p.overlap == "sequential" or self.device == "cpu":
@@ -720,6 +816,7 @@ class TuneResult:
     calibration: dict[str, float] = field(default_factory=dict)
     bits_identical: bool = True
     cache_path: str | None = None
+    weights: str = "plain"
 
     def table(self) -> str:
         """The measured candidates as a Markdown table (schedule keys, predicted and measured ms,
@@ -765,6 +862,7 @@ def _calibrate(
     probe: str | None,
     warmup: int,
     iters: int,
+    weights: str = "plain",
 ) -> CostModel:
     """Fit the cost model's constants with a few short measurements (slowest rank's, so that every
     rank ranks the candidates alike): a matmul (peak flops), a copy (memory bandwidth), two
@@ -807,6 +905,7 @@ def _calibrate(
         alpha=alpha,
         beta=beta,
         sm_count=sm_count,
+        weights=weights,
     )
     if probe is not None:
         # Two measurements, two unknowns (scale s, cost per loop start c):
@@ -844,17 +943,19 @@ def tune(
     cache: bool = True,
     path: str | os.PathLike | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    weights: str = "plain",
 ) -> TuneResult:
     """Find the fastest schedule for one MoE shape and cache it; collective over ``group``.
 
     Every rank of ``group`` (default: as ``uniep.moe_forward``) must call it with the same
     arguments. It ranks every candidate schedule (``uniep.tune.candidate_points``) with a cost model
-    calibrated by a short measurement, then times the best ``candidates`` of them and the default
-    point with ``torch.ops.uniep.moe_forward`` on random routing: ``warmup`` untimed calls, then
-    ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the wall
-    clock on CPU). A candidate's time is the slowest rank's; rank 0's choice is broadcast. The
-    winner's output must equal the default point's bit for bit on the tuning inputs, else a
-    warning and the default.
+    calibrated by a short measurement, then times the best ``candidates`` of them, the default point
+    (and on packed experts the model's best point of each path) with ``torch.ops.uniep.moe_forward``
+    (``moe_forward_prepared`` with ``weights="bf16_packed"``) on random routing: ``warmup`` untimed
+    calls, then ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the
+    wall clock on CPU). A candidate's time is the slowest rank's; rank 0's choice is broadcast. The
+    winner's output must equal the default point's bit for bit on the tuning inputs, else a warning
+    and the default.
 
     Args:
         group: the process group the experts are split over.
@@ -871,6 +972,9 @@ def tune(
             failed write warns.
         path: the cache file instead of ``cache_path()``.
         progress: ``progress(done, total, what)`` after each measurement.
+        weights: ``"plain"`` (``moe_forward``) or ``"bf16_packed"`` (``moe_forward_prepared`` on
+            ``prepare_experts(w1, w2, "bf16_packed")``: the separate launches and the MegaKernel;
+            CUDA and bfloat16 only); cached under its own key.
 
     Returns:
         A ``TuneResult``.
@@ -896,32 +1000,51 @@ def tune(
         raise ValueError(f"top_k ({top_k}) must be <= experts ({experts})")
     dtype_name = _dtype_name(dtype)
     numerics = normalize_numerics(numerics)
+    _check_weights(weights)
     dev = _resolve_device(device)
+    if weights != "plain" and (dev.type != "cuda" or dtype_name != "bfloat16"):
+        raise ValueError(
+            f"weights={weights!r} tunes moe_forward_prepared's CUDA paths: it needs device cuda "
+            f"and dtype bfloat16, got {dev.type} and {dtype_name}"
+        )
     grp = _Group(group)
     if experts % grp.world != 0:
         raise ValueError(f"experts ({experts}) must be divisible by the world size ({grp.world})")
     shape = MoeShape(tokens, hidden, ffn, experts, top_k, grp.world, dtype_name)
     # Different arguments on different ranks would pair up different candidates' calls.
-    mine = json.dumps([shape.__dict__, numerics, candidates, warmup, iters, budget_s, dev.type])
+    mine = json.dumps(
+        [shape.__dict__, numerics, candidates, warmup, iters, budget_s, dev.type, weights]
+    )
     theirs = grp.rank0_text(mine, "arguments")
     if grp.max([float(theirs != mine)], "arguments")[0]:
         raise ValueError(
             "uniep.tune: the ranks were given different arguments (shape, dtype, numerics, "
-            f"candidates, warmup, iters, budget_s or device); rank 0: {theirs}, rank "
+            f"candidates, warmup, iters, budget_s, device or weights); rank 0: {theirs}, rank "
             f"{grp.rank}: {mine}"
         )
 
     from . import ops
 
-    x, idx, weights, w1, w2 = _inputs(shape, dev, grp.rank, seed)
+    x, idx, topk_weights, w1, w2 = _inputs(shape, dev, grp.rank, seed)
     cuda = dev.type == "cuda"
+    if weights == "plain":
 
-    @torch.no_grad()
-    def run(tuning: str) -> torch.Tensor:
-        return ops.moe_forward(x, idx, weights, w1, w2, group, tuning=tuning)
+        @torch.no_grad()
+        def run(tuning: str) -> torch.Tensor:
+            return ops.moe_forward(x, idx, topk_weights, w1, w2, group, tuning=tuning)
+
+    else:
+        from .prepared import moe_forward_prepared, prepare_experts
+
+        experts = prepare_experts(w1, w2, weights)
+        del w1, w2
+
+        @torch.no_grad()
+        def run(tuning: str) -> torch.Tensor:
+            return moe_forward_prepared(x, idx, topk_weights, experts, group, tuning)
 
     sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 132
-    points = candidate_points(shape, dev.type, numerics, sm_count)
+    points = candidate_points(shape, dev.type, numerics, sm_count, weights)
     default = points[0]
     probe = None
     if not cuda:
@@ -929,11 +1052,19 @@ def tune(
         probe.tile_n = CPU_TILES[0]
         probe = probe.to_string()
     run(default)  # the GPU runtime's creation and first-call costs stay out of the calibration
-    model = _calibrate(shape, dev, grp, run, default, probe, min(warmup, 1), max(3, iters // 2))
+    model = _calibrate(
+        shape, dev, grp, run, default, probe, min(warmup, 1), max(3, iters // 2), weights
+    )
     ranked = sorted(points, key=lambda t: (model.seconds(shape, t), t))
     chosen = ranked[:candidates]
-    if default not in chosen:
-        chosen.append(default)
+    # The default, and on packed experts each path's best point (the separate launches, the
+    # MegaKernel): the model ranks points within a path better than the paths against each other.
+    firsts: dict[str, str] = {}
+    for t in ranked if weights != "plain" else ():
+        firsts.setdefault(_C.TuningParams.parse(t).overlap, t)
+    for t in (default, *firsts.values()):
+        if t not in chosen:
+            chosen.append(t)
     # Every rank measures rank 0's list in rank 0's order.
     chosen = json.loads(grp.rank0_text(json.dumps(chosen), "candidates"))
     rows = [Candidate(t, model.seconds(shape, t) * 1e3) for t in chosen]
@@ -1009,6 +1140,7 @@ def tune(
             top_k=top_k,
             dtype=dtype_name,
             numerics=numerics,
+            weights=weights,
         ),
         device_name=name,
         world_size=grp.world,
@@ -1016,8 +1148,11 @@ def tune(
         best_ms=winner_ms,
         considered=len(points),
         candidates=measured,
-        calibration={k: float(v) for k, v in model.__dict__.items() if k != "device"},
+        calibration={
+            k: float(v) for k, v in model.__dict__.items() if k not in ("device", "weights")
+        },
         bits_identical=bits_ok,
+        weights=weights,
     )
     if cache:
         try:
@@ -1034,6 +1169,7 @@ def tune(
                     device_name=name,
                     numerics=numerics,
                     path=path,
+                    weights=weights,
                     info={
                         "measured_ms": winner_ms,
                         "default_ms": default_row.measured_ms,
