@@ -2,9 +2,10 @@
 moe_forward's own bits (the SwiGLU epilogue uses the one-pass SwiGLU's formula on the same GEMM
 bits) on the separate launches (the default) and on the MegaKernel (overlap=fused), also with a few
 CTAs sending first, with the launch keys of the tuning string (tile height, skip rounds) and the
-point cached by uniep.tune for an empty string, and after a larger batch grew the fused runtime;
-with fp8 experts it stays within the fp8 error of the bf16 layer and close to a float64 layer on
-the same dequantized operands. World 1 (NCCL), and two and four ranks sharing the GPU (gloo)."""
+point cached by uniep.tune for an empty string, its errors raised later without a wait, and after a
+larger batch grew the fused runtime; with fp8 experts it stays within the fp8 error of the bf16
+layer and close to a float64 layer on the same dequantized operands. World 1 (NCCL), and two and
+four ranks sharing the GPU (gloo)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,25 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         del os.environ["UNIEP_TUNE_CACHE"]
     finally:
         megakernel.moe_forward_local = real_local
+    if world == 1:
+        # The MegaKernel's errors are checked without waiting: a bad expert id is raised by
+        # check_errors(), or by the next call once the stream has passed the failed one.
+        bad = idxd.clone()
+        bad[5, 1] = experts + 3
+        raised = []
+        for surface in ("check_errors", "next call"):
+            moe_forward_prepared(xd, bad, wd, packed, tuning="overlap=fused")
+            try:
+                if surface == "check_errors":
+                    megakernel.check_errors()
+                else:
+                    torch.cuda.synchronize()
+                    moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=fused")
+            except ValueError as e:
+                raised.append("moe_forward_local (plan)" in str(e))
+        megakernel.check_errors()  # nothing left pending
+        after = moe_forward_prepared(xd, idxd, wd, packed, tuning="overlap=fused")
+        out["deferred_raised"] = float(raised == [True, True] and torch.equal(after, base))
     out["retiled_equal"] = float(torch.equal(retiled, base))
     out["cached_equal"] = float(torch.equal(cached, base))
     if world == 1:
@@ -141,6 +161,8 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["few_senders_equal"] == 1.0, report
         assert report["retiled_equal"] == report["cached_equal"] == 1.0, report
         assert report["keys_reached"] == 1.0, report
+        if world == 1:
+            assert report["deferred_raised"] == 1.0, report
         assert report["grown_equal"] == 1.0, report
         if world > 1:  # 256 held the first batches; rank 0's 300 tokens grew it to 512
             assert report["fused_max_tokens"] == 512, report

@@ -31,12 +31,16 @@ same bits: a gate changes when a tile starts, never what it computes.
 
 from __future__ import annotations
 
+import atexit
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from . import _C, distributed, gate
 
 __all__ = [
+    "check_errors",
     "ensure_fused_ep",
     "expert_counts",
     "fused_ep_heap_bytes",
@@ -53,6 +57,80 @@ OVERLAPS = ("sequential", "streams", "fused")
 FUSED_TILE_MS = (128, 64)
 # CTAs that send first across ranks by default (moe_forward_ep).
 EP_COMM_SMS = 32
+
+
+# Error words of calls made with check="deferred", oldest first: each call's event and its
+# (kind, pinned host copy, what, top_k) entries, read once the event has passed.
+_PENDING: list[tuple[torch.cuda.Event, list[tuple[str, torch.Tensor, str, int]]]] = []
+_AT_EXIT: list[bool] = []
+
+
+def _raise_from(entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
+    for kind, word, what, top_k in entries:
+        if kind == "send":
+            gate.check_send_error(word, top_k, what)
+        else:
+            gate.check_gate_timeout(word, what)
+
+
+def check_errors(wait: bool = True) -> None:
+    """Raise the error of the oldest earlier call made with ``check="deferred"`` that recorded
+    one (``ValueError`` for a bad expert id, ``TimeoutError`` for rows or a rank that never came,
+    as ``check=True`` would have raised it then), and forget the calls checked. ``wait``: wait for
+    the calls still on their streams; without it only the ones finished are checked (no wait).
+    Every deferred call runs ``check_errors(wait=False)`` first, so an error surfaces at the
+    latest one call after its own once its stream has reached it, or here."""
+    while _PENDING:
+        event, entries = _PENDING[0]
+        if not wait and not event.query():
+            return
+        event.synchronize()
+        _PENDING.pop(0)
+        _raise_from(entries)
+
+
+def _check_at_exit() -> None:
+    try:
+        check_errors()
+    except (ValueError, TimeoutError, RuntimeError) as e:
+        warnings.warn(
+            f"uniep.megakernel: a call made with check='deferred' failed and was never checked: "
+            f"{e}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+def _finish(check: bool | str, entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
+    """The end of a call: raise its errors now (``True``, waits for the stream), record them for
+    :func:`check_errors` (``"deferred"``), or leave them (``False``)."""
+    if check is True:
+        _raise_from(entries)
+    elif check == "deferred":
+        host = []
+        for kind, word, what, top_k in entries:
+            copy = torch.empty(word.shape, dtype=word.dtype, pin_memory=True)
+            copy.copy_(word, non_blocking=True)
+            host.append((kind, copy, what, top_k))
+        event = torch.cuda.Event()
+        event.record()
+        _PENDING.append((event, host))
+        if not _AT_EXIT:
+            _AT_EXIT.append(True)
+            atexit.register(_check_at_exit)
+
+
+def _begin(check: bool | str) -> None:
+    """The start of a call: validate ``check`` and raise what earlier deferred calls recorded."""
+    if check not in (True, False, "deferred"):
+        raise ValueError(f"check must be True, False or 'deferred', got {check!r}")
+    if check == "deferred":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "check='deferred' copies the call's error words to the host after it, which a "
+                "CUDA graph cannot hold: capture with check=False"
+            )
+        check_errors(wait=False)
 
 
 def fused_tile_m(rows: int, num_experts: int) -> int:
@@ -161,15 +239,17 @@ def moe_forward_local(
     comm_sms: int | None = None,
     skip_rounds: int = -1,
     timeout_s: float = 10.0,
-    check: bool = True,
+    check: bool | str = True,
     trace: torch.Tensor | None = None,
     tile_m: int | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
     recorded errors (a bad expert id, a gate that timed out) are raised at the end, which waits
-    for the stream; without it nothing waits for the host and the caller should not trust
-    ``out`` until it has checked them some other way. ``comm_sms``: the SMs that send (default
+    for the stream; with ``check="deferred"`` they are copied to the host behind the call and
+    raised by a later call or :func:`check_errors` (nothing waits); with ``False`` nothing
+    checks them, and the caller should not trust ``out`` until it has checked them some other
+    way. ``comm_sms``: the SMs that send (default
     16 for ``streams``; for ``fused`` every CTA, which measured fastest at world 1 on an H100,
     bench/results/2026-11-26-h100-session18). ``skip_rounds`` (``fused`` only): rounds of tiles
     the CTAs that do not send take before the senders join (-1: a bandwidth model).
@@ -182,6 +262,7 @@ def moe_forward_local(
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
+    _begin(check)
     if tile_m is not None and (overlap != "fused" or tile_m not in FUSED_TILE_MS):
         raise ValueError(
             f"tile_m must be None or, with overlap='fused', one of {FUSED_TILE_MS}; got {tile_m} "
@@ -207,10 +288,14 @@ def moe_forward_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
             timeout_s, trace, tm,
         )  # fmt: skip
-        if check:
-            gate.check_send_error(plan_error, k, "moe_forward_local (plan)")
-            gate.check_send_error(send_error, k, "moe_forward_local (fused)")
-            gate.check_gate_timeout(t1, "moe_forward_local (fused)")
+        _finish(
+            check,
+            [
+                ("send", plan_error, "moe_forward_local (plan)", k),
+                ("send", send_error, "moe_forward_local (fused)", k),
+                ("gate", t1, "moe_forward_local (fused)", k),
+            ],
+        )
         return out
 
     # Every expert's tiles, whatever the routing: at most capacity / TILE_M + E.
@@ -246,12 +331,16 @@ def moe_forward_local(
         for tensor in (rows, act, y, counters, done, offs, base):
             tensor.record_stream(side)
     out, combine_error = gate.combine_rows(y, row, topk_weights, check=False)
-    if check:
-        gate.check_send_error(plan_error, k, "moe_forward_local (plan)")
-        gate.check_send_error(send_error, k, "moe_forward_local (send)")
-        gate.check_gate_timeout(t1, "moe_forward_local (GEMM 1)")
-        gate.check_gate_timeout(t2, "moe_forward_local (GEMM 2)")
-        gate.check_send_error(combine_error, k, "moe_forward_local (combine)")
+    _finish(
+        check,
+        [
+            ("send", plan_error, "moe_forward_local (plan)", k),
+            ("send", send_error, "moe_forward_local (send)", k),
+            ("gate", t1, "moe_forward_local (GEMM 1)", k),
+            ("gate", t2, "moe_forward_local (GEMM 2)", k),
+            ("send", combine_error, "moe_forward_local (combine)", k),
+        ],
+    )
     return out
 
 
@@ -429,7 +518,7 @@ def moe_forward_ep(
     *,
     comm_sms: int | None = None,
     skip_rounds: int = -1,
-    check: bool = True,
+    check: bool | str = True,
     trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE forward across the ranks of ``group`` as one persistent kernel per rank:
@@ -459,6 +548,7 @@ def moe_forward_ep(
     if comm_sms is None:
         comm_sms = EP_COMM_SMS if distributed.world_size(group) > 1 else sms
     _check(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
+    _begin(check)
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name):
         raise RuntimeError(
@@ -469,9 +559,8 @@ def moe_forward_ep(
     out, error, timeout = torch.ops.uniep.moe_fused_ep(
         x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace
     )
-    if check:
-        gate.check_gate_timeout(timeout, "moe_forward_ep")
-        gate.check_send_error(error, topk_idx.shape[1], "moe_forward_ep")
+    k = topk_idx.shape[1]
+    _finish(check, [("gate", timeout, "moe_forward_ep", k), ("send", error, "moe_forward_ep", k)])
     return out
 
 

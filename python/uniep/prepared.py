@@ -27,7 +27,11 @@ dispatch, the engine's GEMMs and the combine run as separate launches: at world 
 they were about as fast as the MegaKernel's best point on issue 19's loads
 (bench/results/2026-11-26-session20). Both give the same bits. An empty tuning string takes the
 point ``uniep.tune(..., weights="bf16_packed")`` cached for the call's shape (which may be
-either), else the separate launches.
+either), else the separate launches. The MegaKernel's errors (a bad expert id, a rank or rows
+that never came) are checked without waiting for the stream: they are raised by the next
+MegaKernel call once its stream has passed the failed one, or by
+``uniep.megakernel.check_errors()`` (``check="deferred"``), while the separate launches raise
+them in the call itself.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -237,6 +241,7 @@ def _forward_fused(
         return megakernel.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap="fused",
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
+            check="deferred",
         )  # fmt: skip
     megakernel.ensure_fused_ep(
         group,
@@ -249,7 +254,7 @@ def _forward_fused(
     )
     return megakernel.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
-        skip_rounds=skip_rounds,
+        skip_rounds=skip_rounds, check="deferred",
     )  # fmt: skip
 
 
