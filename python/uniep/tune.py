@@ -1036,12 +1036,12 @@ def tune(
     else:
         from .prepared import moe_forward_prepared, prepare_experts
 
-        experts = prepare_experts(w1, w2, weights)
+        packed = prepare_experts(w1, w2, weights)
         del w1, w2
 
         @torch.no_grad()
         def run(tuning: str) -> torch.Tensor:
-            return moe_forward_prepared(x, idx, topk_weights, experts, group, tuning)
+            return moe_forward_prepared(x, idx, topk_weights, packed, group, tuning)
 
     sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 132
     points = candidate_points(shape, dev.type, numerics, sm_count, weights)
