@@ -27,10 +27,10 @@ recomputes the experts' forward) against the dense chain's backward alone and wi
 
 The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_packed")`` over
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
-``--tune-candidates`` best points and the default measured; then every point it measured re-timed
-on the load's inputs, interleaved with the engine's two GEMMs alone on the same rows: issue 22's
-goals, the tuner's pick within 1.03x of the best re-timed point and the MegaKernel within 1.03x of
-the GEMMs alone.
+``--tune-candidates`` best points and the default measured; then every point it measured re-timed on
+the load's inputs, interleaved with the engine's two GEMMs alone on the same rows (the fastest of
+its automatic tiles and the MegaKernel's two tiles forced): issue 22's goals, the tuner's pick
+within 1.03x of the best re-timed point and the MegaKernel within 1.03x of the GEMMs alone.
 
 Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
 ``--profile N`` adds each layer's per-kernel GPU time (torch profiler, N calls) for the dense chain
@@ -541,10 +541,10 @@ def _tune_rank(
     """The ``tune`` part, on one rank: :func:`_tune_load` per load."""
     import torch.distributed as dist
 
-    group = dist.new_group([0])
     out = []
     for layer in selected(loads):
-        out.append(_tune_load(group, layer, warmup, iters, candidates))
+        # A group per load: the EP runtime a group creates keeps its top_k and sizes.
+        out.append(_tune_load(dist.new_group([0]), layer, warmup, iters, candidates))
         torch.cuda.empty_cache()
     return out
 
@@ -572,13 +572,20 @@ def _tune_load(
     del w1, w2
     points = [c.tuning for c in result.candidates if c.measured_ms < float("inf")]
     fns = {p: (lambda p=p: moe_forward_prepared(x, idx, weights, packed, group, p)) for p in points}
-    fns["gemms alone"] = _gemms_alone(x, idx, packed)[2]
+    # The engine's GEMMs alone with its automatic tiles and with each of the two tiles the
+    # MegaKernel has forced: the reference is the fastest of the three.
+    gemm_only = _gemms_alone(x, idx, packed)[2]
+    gemm_tiles = {"auto": "", "128x256": "tile_m=128,tile_n=256,tile_k=64"}
+    gemm_tiles["64x256"] = "tile_m=64,tile_n=256,tile_k=64"
+    for name, tiles in gemm_tiles.items():
+        fns[f"gemms alone {name}"] = lambda t=tiles: gemm_only(t)
     with torch.no_grad():
         first = fns[points[0]]()
         same = all(torch.equal(fns[p](), first) for p in points[1:])
         del first
         again = interleaved_medians_ms(fns, 3, max(3, iters // 3), True, warmup=warmup)
-    gemm_ms = again.pop("gemms alone")
+    gemm_each = {name: again.pop(f"gemms alone {name}") for name in gemm_tiles}
+    gemm_ms = min(gemm_each.values())
     best = min(again, key=again.__getitem__)
     fused = [again[p] for p in again if "overlap=fused" in p]
     pick = again[result.tuning]
@@ -587,7 +594,8 @@ def _tune_load(
         "experts": experts, "top_k": top_k, "pick": result.tuning, "default": result.default,
         "considered": result.considered, "table": result.table(),
         "tuner_ms": {c.tuning: c.measured_ms for c in result.candidates},
-        "retimed_ms": again, "gemm_only_ms": gemm_ms, "bits_equal_across_points": same,
+        "retimed_ms": again, "gemm_only_ms": gemm_ms, "gemm_only_ms_by_tiles": gemm_each,
+        "bits_equal_across_points": same,
         "best_retimed": best, "pick_over_best": pick / again[best],
         "pick_over_gemm_only": pick / gemm_ms,
         "best_fused_over_gemm_only": min(fused) / gemm_ms if fused else None,

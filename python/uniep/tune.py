@@ -654,10 +654,12 @@ class CostModel:
             fused.tile_m = 64 if shape.tokens * shape.top_k <= 2048 * el else 128
         fused.tile_n, fused.tile_k = 256, 64
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
+        # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were
+        # slower on every load, as the other CTAs' tiles wait at their gates for the rows
+        # (bench/results/2026-11-26-session21), so none of it is modelled as hidden.
         senders = min(p.comm_sms, self.sm_count)
-        send_rate = min(1.0, senders / _SATURATING_COMM_SMS)
-        send = max(2 * rows, comm) / send_rate
-        return self.gemm_seconds(shape, fused) + send * senders / self.sm_count + 2 * rows
+        send = max(2 * rows, comm) / min(1.0, senders / _SATURATING_COMM_SMS)
+        return self.gemm_seconds(shape, fused) + send + 2 * rows
 
     def gemm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
         h, i, eb = shape.hidden, shape.ffn, shape.elem_bytes
@@ -1057,12 +1059,18 @@ def tune(
     )
     ranked = sorted(points, key=lambda t: (model.seconds(shape, t), t))
     chosen = ranked[:candidates]
-    # The default, and on packed experts each path's best point (the separate launches, the
-    # MegaKernel): the model ranks points within a path better than the paths against each other.
-    firsts: dict[str, str] = {}
-    for t in ranked if weights != "plain" else ():
-        firsts.setdefault(_C.TuningParams.parse(t).overlap, t)
-    for t in (default, *firsts.values()):
+    # The default, and on packed experts the separate launches' best point and the MegaKernel's
+    # default launch (every CTA sends) at each tile height: the model ranks points within a
+    # path and tile better than the paths and tiles against each other.
+    musts = [default]
+    if weights != "plain":
+        musts += [next((t for t in ranked if "overlap=sequential" in t), default)]
+        musts += [
+            t
+            for t in points
+            if f"sms={sm_count}/0," in t and "skip_rounds=auto" in t and "overlap=fused" in t
+        ]
+    for t in musts:
         if t not in chosen:
             chosen.append(t)
     # Every rank measures rank 0's list in rank 0's order.
