@@ -239,6 +239,28 @@ def test_packed_candidates_hold_both_paths() -> None:
         tune.tune(**SHAPE, device="cpu", cache=False, weights="bf16_packed")
 
 
+def test_auto_tiles_follow_the_devices_pingpong_rows() -> None:
+    from uniep.gemm import pingpong_rows
+
+    if not torch.cuda.is_available():
+        assert pingpong_rows() == 2048  # no device to read: the H200 rule
+    # 1024 rows per expert (DeepSeek-V3 EP8 rank): the down projection (k <= n) takes the 64-row
+    # ping-pong tiles on an H200, the cooperative 128-row ones on an H100.
+    assert tune._cuda_auto_tiles(32 * 1024, 32, 7168, 2048, 2048) == tune.CUDA_TILES[4]
+    assert tune._cuda_auto_tiles(32 * 1024, 32, 7168, 2048, 256) == tune.CUDA_TILES[0]
+    assert tune._cuda_auto_tiles(32 * 256, 32, 7168, 2048, 256) == tune.CUDA_TILES[4]
+    shape = tune.MoeShape(4096, 7168, 2048, 32, 8, 1, "bfloat16")
+    fused = "overlap=fused,sms=132,tile_m=auto"
+    h200, h100 = (
+        tune.CostModel("cuda", 1e15, 3e12, sm_count=132, weights="bf16_packed", pingpong_rows=r)
+        for r in (2048, 256)
+    )
+    as_64 = fused.replace("auto", "64")
+    as_128 = fused.replace("auto", "128")
+    assert h200.seconds(shape, fused) == h200.seconds(shape, as_64)
+    assert h100.seconds(shape, fused) == h100.seconds(shape, as_128)
+
+
 def test_packed_entries_have_their_own_key(tmp_path: Path) -> None:
     path = tmp_path / "tune.json"
     plain = tune.cache_key(device_name="d", world_size=1, **SHAPE)

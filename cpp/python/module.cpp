@@ -15,6 +15,7 @@
 #include "torch/ep_registry.hpp"
 #include "torch/fused_ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
 #endif
 #include "uniep/send_rows_error.hpp"
 #include "uniep/plan.hpp"
@@ -306,6 +307,13 @@ PYBIND11_MODULE(_C, m) {
   });
 #ifdef UNIEP_WITH_CUDA_OPS
   m.attr("has_ep_runtime") = true;
+  m.def(
+      "grouped_gemm_pingpong_rows",
+      [](int device) { return uniep::cuda::grouped_gemm_pingpong_rows(device); },
+      py::arg("device") = -1,
+      "Rows per expert up to which the expert GEMM engine's automatic choice takes the 64-row "
+      "ping-pong tiles for the SwiGLU GEMM and for k <= n on this device (by its memory "
+      "bandwidth).");
   m.def("ep_unique_id", [] {
     const std::vector<uint8_t> id = uniep::torch_glue::ep_unique_id();
     return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());

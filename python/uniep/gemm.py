@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
 from .ops import check_grouped_mm_meta
 
 __all__ = [
+    "pingpong_rows",
     "dequantize_expert_weights",
     "dequantize_rows",
     "grouped_mm_dgrad",
@@ -31,6 +33,19 @@ __all__ = [
 ]
 
 _BLOCK = 8
+
+
+def pingpong_rows(device: torch.device | int | None = None) -> int:
+    """Rows per expert up to which the engine's automatic tile choice takes the 64-row ping-pong
+    tiles for the SwiGLU GEMM and for k <= n on ``device`` (default: the current CUDA device):
+    2048 where the memory moves at least 4 TB/s (H200), 256 below (H100), by the device's peak
+    bandwidth (``include/uniep/cuda/grouped_gemm.hpp``, ``grouped_gemm_pingpong_rows``). 2048
+    without a CUDA build or device. The MegaKernel's automatic tile height follows it too."""
+    if not torch.cuda.is_available() or not hasattr(_C, "grouped_gemm_pingpong_rows"):
+        return 2048
+    if isinstance(device, torch.device):
+        device = device.index if device.type == "cuda" else None
+    return int(_C.grouped_gemm_pingpong_rows(-1 if device is None else device))
 
 
 def _check_packable(w: torch.Tensor, name: str) -> tuple[int, int, int]:

@@ -133,13 +133,18 @@ def _begin(check: bool | str) -> None:
         check_errors(wait=False)
 
 
-def fused_tile_m(rows: int, num_experts: int) -> int:
-    """The fused kernel's tile height for ``rows`` GEMM rows over ``num_experts`` experts: 64 (the
-    ping-pong tiles, one warpgroup's epilogue under the other's mainloop) when the experts
-    average at most 2048 rows, else 128. At world 1 on one H200 with every CTA sending, 64-row
-    tiles were 6-15% faster on experts of 128 to 1024 rows and 128-row tiles 10% faster on
-    Mixtral's 8192 (bench/results/2026-11-26-session20, 17282dd)."""
-    return 64 if rows <= 2048 * num_experts else 128
+def fused_tile_m(rows: int, num_experts: int, device: torch.device | int | None = None) -> int:
+    """The fused kernel's tile height for ``rows`` GEMM rows over ``num_experts`` experts on
+    ``device`` (default: the current one): 64 (the ping-pong tiles, one warpgroup's epilogue
+    under the other's mainloop) when the experts average at most
+    :func:`uniep.gemm.pingpong_rows` rows (2048 on an H200, 256 on an H100), else 128. At world
+    1 on one H200 with every CTA sending, 64-row tiles were 6-15% faster on experts of 128 to
+    1024 rows and 128-row tiles 10% faster on Mixtral's 8192 (bench/results/2026-11-26-session20,
+    17282dd); on one H100 the 128-row tiles were 5-12% faster on experts of 512 and 1024 rows
+    and the 64-row ones 13% on 256 (bench/results/2026-11-26-session21)."""
+    from .gemm import pingpong_rows
+
+    return 64 if rows <= pingpong_rows(device) * num_experts else 128
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -276,7 +281,7 @@ def moe_forward_local(
     capacity = t * k
     tm = gate.TILE_M
     if overlap == "fused":
-        tm = tile_m if tile_m is not None else fused_tile_m(capacity, e)
+        tm = tile_m if tile_m is not None else fused_tile_m(capacity, e, x.device)
     counts = expert_counts(topk_idx, e)
     dest, row, counter, plan_error = gate.sender_rows(
         topk_idx, counts.view(1, e), 0, check=False, tile_m=tm

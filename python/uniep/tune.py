@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, distributed
+from .gemm import pingpong_rows
 from .timing import time_calls_ms
 
 __all__ = [
@@ -586,9 +587,12 @@ def candidate_points(
     return out
 
 
-def _cuda_auto_tiles(rows: int, experts: int, n: int, k: int) -> tuple[int, int, int]:
-    # The engine's own choice for tile keys left at auto (grouped_gemm_select, store epilogue).
-    pingpong = rows <= 128 * experts or n <= 128 or (rows <= 2048 * experts and k <= n)
+def _cuda_auto_tiles(
+    rows: int, experts: int, n: int, k: int, pingpong_rows: int = 2048
+) -> tuple[int, int, int]:
+    # The engine's own choice for tile keys left at auto (grouped_gemm_select, store epilogue;
+    # pingpong_rows: uniep.gemm.pingpong_rows of the device).
+    pingpong = rows <= 128 * experts or n <= 128 or (rows <= pingpong_rows * experts and k <= n)
     return CUDA_TILES[0] if not pingpong else CUDA_TILES[4] if n >= 256 else CUDA_TILES[1]
 
 
@@ -620,6 +624,7 @@ class CostModel:
     sm_count: int = 1
     scale: float = 1.0
     weights: str = "plain"
+    pingpong_rows: int = 2048  # uniep.gemm.pingpong_rows of the device
 
     def comm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
         w = shape.world
@@ -651,7 +656,7 @@ class CostModel:
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
-            fused.tile_m = 64 if shape.tokens * shape.top_k <= 2048 * el else 128
+            fused.tile_m = 64 if shape.tokens * shape.top_k <= self.pingpong_rows * el else 128
         fused.tile_n, fused.tile_k = 256, 64
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
         # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were
@@ -684,7 +689,7 @@ class CostModel:
             if p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:
-                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k)
+                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k, self.pingpong_rows)
             tiles = el * math.ceil(m / tm) * math.ceil(n / tn)
             waves = math.ceil(tiles / gemm_sms)
             per_sm_flops = self.peak_flops / self.sm_count
@@ -908,6 +913,7 @@ def _calibrate(
         beta=beta,
         sm_count=sm_count,
         weights=weights,
+        pingpong_rows=pingpong_rows(dev) if cuda else 2048,
     )
     if probe is not None:
         # Two measurements, two unknowns (scale s, cost per loop start c):

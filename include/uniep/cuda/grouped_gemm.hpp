@@ -94,13 +94,21 @@ struct GroupedGemmTiles {
   int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
 };
 
+// Rows per expert up to which the automatic choice takes the 64-row ping-pong tiles for the SwiGLU
+// GEMM and for k <= n on `device` (-1: the current device): 2048 where the memory moves at least
+// 4 TB/s (H200), 256 below that (H100), whose 64-row tiles, which load twice the weight bytes
+// per FLOP, lost 20-30% against the 128-row ones on experts of 512 and 1024 rows
+// (bench/results/2026-11-26-session21). 2048 when the bandwidth cannot be read.
+int64_t grouped_gemm_pingpong_rows(int device = -1);
+
 // The index (into grouped_gemm_configs) of the configuration that runs `p` for the request
 // `want`. With every field 0 the choice follows the problem's shape: experts averaging at most
-// 128 rows (R / E), or at most 2048 with the SwiGLU epilogue or k <= n, or n <= 128, take the
-// ping-pong 64-row tiles (64 x 256 when n >= 256); the others the cooperative 128 x 256 tiles.
-// Otherwise the first configuration matching every non-zero field; none matching is
-// kInvalidArgument listing the valid combinations.
-Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index);
+// 128 rows (R / E), or at most grouped_gemm_pingpong_rows(device) with the SwiGLU epilogue or
+// k <= n, or n <= 128, take the ping-pong 64-row tiles (64 x 256 when n >= 256); the others the
+// cooperative 128 x 256 tiles. Otherwise the first configuration matching every non-zero field;
+// none matching is kInvalidArgument listing the valid combinations.
+Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
+                           int device = -1);
 
 // Bytes of device workspace grouped_gemm_bf16 needs for `num_experts` groups on a grid of
 // `sm_count` SMs, whatever the configuration (per-expert shapes, pointers and strides, and

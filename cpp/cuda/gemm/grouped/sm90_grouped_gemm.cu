@@ -7,6 +7,8 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "cuda/gemm/gemm.hpp"
@@ -126,20 +128,42 @@ const GroupedGemmConfig* grouped_gemm_configs(int* count) {
   return configs.data();
 }
 
-Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index) {
+int64_t grouped_gemm_pingpong_rows(int device) {
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return 2048;
+  // Peak bandwidth = 2 (double data rate) x memory clock x bus width; read once per device.
+  static std::mutex mutex;
+  static std::map<int, int64_t> rows;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = rows.find(device);
+  if (it != rows.end()) return it->second;
+  int clock_khz = 0, bus_bits = 0;
+  const bool known =
+      cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess &&
+      clock_khz > 0 && bus_bits > 0;
+  if (!known) cudaGetLastError();  // leave no sticky error behind for the caller
+  const double bytes_per_s = 2.0 * clock_khz * 1e3 * bus_bits / 8.0;
+  return rows[device] = !known || bytes_per_s >= 4e12 ? 2048 : 256;
+}
+
+Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
+                           int device) {
   const auto& all = entries();
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
     // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and
     // give the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve
     // them better (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128
-    // rows, H100, bench/results/2026-11-25-h100-engine). Up to ~2048 rows the ping-pong tiles
-    // still win where the epilogue is heavy or the mainloop short: with the SwiGLU epilogue
-    // (with the down projection, 8-12% less time than the cooperative tiles on experts of 256
-    // to 8192 rows) and when k <= n (the down projection alone: 7-11% on experts of 512 and
-    // 1024 rows), one H200, bench/results/2026-11-26-session20. Above that, and for the up
-    // projection's long k, the 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
+    // rows, H100, bench/results/2026-11-25-h100-engine). Further up the ping-pong tiles still
+    // win where the epilogue is heavy or the mainloop short, with the SwiGLU epilogue and when
+    // k <= n, as long as the memory keeps up with their extra weight loads: on one H200 up to
+    // 2048 rows (with the down projection, 8-12% less time than the cooperative tiles on
+    // experts of 256 to 8192 rows; the down projection alone 7-11% on 512 and 1024 rows,
+    // bench/results/2026-11-26-session20), on one H100 up to 256 (20-30% more time at 512 and
+    // 1024 rows, bench/results/2026-11-26-session21): grouped_gemm_pingpong_rows. Above that,
+    // and for the up projection's long k, the 128 x 256 cooperative tiles, which load the
+    // fewest bytes per FLOP.
     const bool small = p.rows <= 128 * p.num_experts || p.n <= 128;
-    const bool pingpong_wins = p.rows <= 2048 * p.num_experts &&
+    const bool pingpong_wins = p.rows <= grouped_gemm_pingpong_rows(device) * p.num_experts &&
                                (p.epilogue == GroupedGemmEpilogue::kSwiGlu || p.k <= p.n);
     *index = !(small || pingpong_wins) ? 0 : p.n >= 256 ? 4 : 1;
     return Status::Ok();
@@ -180,7 +204,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   const grouped::GroupedEntry* entry = nullptr;
   if (p.kind == GroupedGemmKind::kForward) {
     int index = 0;
-    if (Status s = grouped_gemm_select(p, tiles, &index); !s.ok()) return s;
+    if (Status s = grouped_gemm_select(p, tiles, &index, device); !s.ok()) return s;
     entry = entries()[index];
   } else if (p.kind == GroupedGemmKind::kDgrad) {
     const bool small = p.rows <= 128 * p.num_experts;
