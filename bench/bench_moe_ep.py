@@ -412,6 +412,29 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         row["tune"] = _tune_and_retime(group, cfg, dtype, dev, fwd, tune_mod)
         row.update(tune_goal(row["tune"]["pick"], row["tune"]["retimed_ms"]))
         row["goal_tune"] = GOAL_TUNE
+        if megakernel and dtype == torch.bfloat16:
+            # The same search over packed experts: moe_forward_prepared's separate launches and
+            # the MegaKernel's points (sms, skip_rounds, tile_m) in one space.
+            from uniep.prepared import moe_forward_prepared, prepare_experts
+
+            packed = prepare_experts(w1, w2, "bf16_packed")
+
+            def fwd_packed(t: str) -> torch.Tensor:
+                return moe_forward_prepared(x, idx, w, packed, group, t)
+
+            row["tune_packed"] = _tune_and_retime(
+                group, cfg, dtype, dev, fwd_packed, tune_mod, weights="bf16_packed"
+            )
+            packed_goal = tune_goal(row["tune_packed"]["pick"], row["tune_packed"]["retimed_ms"])
+            row["packed_pick_over_best"] = packed_goal["pick_over_best"]
+            row["packed_tune_goal_met"] = packed_goal["tune_goal_met"]
+            pick_ms = row["tune_packed"]["retimed_ms"].get(row["tune_packed"]["pick"])
+            if pick_ms is not None and math.isfinite(best_chain):
+                # Over the slowest rank's expert GEMMs alone (the fastest chain on each rank).
+                chains = [min(v for k, v in r["ms"].items() if k.startswith("experts_"))
+                          for r in per_rank]  # fmt: skip
+                row["packed_pick_over_experts"] = pick_ms / max(chains)
+            del packed
     if cuda:
         _settle(cuda)
         uniep.ep.shutdown(group)
@@ -500,8 +523,10 @@ def _tune_and_retime(
     dev: torch.device,
     fwd: Callable[[str], torch.Tensor],
     tune_mod: Any,
+    weights: str = "plain",
 ) -> dict[str, Any]:
-    """uniep.tune's pick, and every point it measured re-timed in interleaved rounds."""
+    """uniep.tune's pick, and every point it measured re-timed in interleaved rounds
+    (``weights="bf16_packed"``: the tuner on packed experts, ``fwd`` moe_forward_prepared)."""
     from uniep.timing import interleaved_medians_ms
 
     _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
@@ -519,6 +544,7 @@ def _tune_and_retime(
         iters=cfg["tune_iters"],
         device=dev.type,
         cache=False,
+        weights=weights,
     )
     points = [c.tuning for c in result.candidates if math.isfinite(c.measured_ms)]
     per_round = max(1, cfg["tune_iters"] // 3)

@@ -35,9 +35,10 @@
 #                                                 10 of 12 took 90 s on H200x2
 #   part 1 dispatch (EP2)          30   90   25  2 shapes, one spawn each (~8 s); 3 SM budgets x
 #                                                 7 variants x (10 warm-up + 50) calls of <= 2 ms
-#   part 2 MoE layer (EP2)         70  140   40  2 shapes, one spawn each; 9 variants x (3 + 15)
+#   part 2 MoE layer (EP2)         90  180   40  2 shapes, one spawn each; 9 variants x (3 + 15)
 #                                                 calls of 5-40 ms; tuner 5 points x (2 + 9) calls,
-#                                                 re-timed 3 rounds x 3 calls
+#                                                 re-timed 3 rounds x 3 calls, twice (plain
+#                                                 weights, packed experts with the MegaKernel)
 #   part 3 TP overlap (TP2)        25   50   25  one spawn per TP size; 3 shapes x 2 kinds x 10
 #                                                 variants x (5 + 30) calls of <= 2 ms; DP RS
 #   part 3 Ulysses + DP AG (W2)    15   35   15  one spawn per size; 2 shapes x 2 ways x 3
@@ -46,7 +47,7 @@
 #                                                 calls, a GEMM x 12 sizes) and 8 grid layers x 3
 #                                                 schedules x (1 + 5) fwd+bwd calls; simulator ~3 s
 #   summary + bundle (reserved)     5   20    -
-#   total                        ~460 <= 560
+#   total                        ~480 <= 560
 # On 4 GPUs part 3 runs TP2 and TP4 (caps per TP size) and part 4 runs at 4 GPUs; on 8 GPUs part 4
 # runs at 4 and 8. Trim with --iters N (every timed-iteration count), --warmup N, --parts, or
 # --skip-tests / --skip-build (a warm machine whose build is current); or the MGPU_* variables
@@ -337,8 +338,8 @@ if want 2; then
   if ((!built)); then skip_step part2-moe "$not_built" 40
   elif ((gpus < 2)); then skip_step part2-moe "$too_few" 40
   else
-    budget_for 140 40
-    run_step part2-moe "$T" 70 "$WORK/part2" python3 bench/bench_moe_ep.py \
+    budget_for 180 40
+    run_step part2-moe "$T" 90 "$WORK/part2" python3 bench/bench_moe_ep.py \
       --world-size "$ep" --iters "$MOE_ITERS" --warmup "$MOE_WARMUP" \
       --tune-candidates "$TUNE_CANDIDATES" --tune-iters "$TUNE_ITERS" \
       --profile "$PROFILE_ITERS" --timeout $(((T - 10) / 2)) --out-dir "$WORK/part2"

@@ -267,6 +267,21 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
                 pick=tune.get("pick"),
             )
         )
+        packed = (r or {}).get("tune_packed") or {}
+        out.append(
+            goal(
+                part,
+                f"{shape} uniep.tune's pick on packed experts (separate launches and the "
+                "MegaKernel) / best re-timed point",
+                f"<= {TUNE_WITHIN:.2f}x",
+                (r or {}).get("packed_pick_over_best"),
+                "x",
+                (r or {}).get("packed_tune_goal_met"),
+                why if r is None or packed else "no packed-experts tuner in this run",
+                pick=packed.get("pick"),
+                pick_over_experts=(r or {}).get("packed_pick_over_experts"),
+            )
+        )
         mk = (r or {}).get("megakernel_over_experts")
         mk_why = why
         if r is not None and mk is None:
