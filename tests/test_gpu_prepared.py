@@ -54,6 +54,15 @@ def _worker(rank: int, world: int) -> dict[str, float]:
     out: dict[str, float] = {}
 
     packed = prepare_experts(w1.to(dev), w2.to(dev), "bf16_packed")
+    # Count the size agreements (host round trips) the prepared MegaKernel path makes.
+    agreements: list[int] = []
+    real_ensure = megakernel.ensure_fused_ep
+
+    def counting_ensure(*args: object, **kwargs: object) -> None:
+        agreements.append(1)
+        real_ensure(*args, **kwargs)
+
+    megakernel.ensure_fused_ep = counting_ensure
     # The default point runs separate launches; overlap=fused named runs the MegaKernel (world 1:
     # one launch; ranks: the fused runtime, created here). Both give moe_forward's bits.
     got = moe_forward_prepared(xd, idxd, wd, packed)
@@ -118,8 +127,16 @@ def _worker(rank: int, world: int) -> dict[str, float]:
 
         cfg = _C.fused_ep_config(distributed.group_name(None))
         out["keys_reached"] = float(not calls and cfg["tile_m"] == other)
-    # A larger batch on one rank grows the fused runtime on every rank (same call).
+    megakernel.ensure_fused_ep = real_ensure
+    # Across ranks: one agreement to create the runtime and one to re-tile it, none for the
+    # calls that fit it.
+    out["agreements"] = float(len(agreements))
+    # A larger batch on one rank: ensure_fused_ep on every rank grows the runtime for it first
+    # (the prepared path agrees sizes only when the runtime lacks room on this rank).
     big = 300 if rank == 0 else x.shape[0]
+    if world > 1:
+        megakernel.ensure_fused_ep(None, tokens=big, hidden=H, ffn=FFN, top_k=K,
+                                   num_experts=experts)  # fmt: skip
     gen.manual_seed(200 + rank)
     xb = torch.randn(big, H, generator=gen).bfloat16().to(dev)
     idxb = torch.rand(big, experts, generator=gen).argsort(dim=1)[:, :K].contiguous().to(dev)
@@ -166,6 +183,7 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["grown_equal"] == 1.0, report
         if world > 1:  # 256 held the first batches; rank 0's 300 tokens grew it to 512
             assert report["fused_max_tokens"] == 512, report
+        assert report["agreements"] == (0.0 if world == 1 else 2.0), report
         # The GPU path also quantizes the activation for the second GEMM (the CPU path keeps it
         # in bf16): within the fp8 error of random operands over two GEMMs.
         assert report["fp8_vs_bf16"] <= 1e-1, report

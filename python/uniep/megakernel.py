@@ -43,6 +43,7 @@ __all__ = [
     "check_errors",
     "ensure_fused_ep",
     "expert_counts",
+    "fused_ep_fits",
     "fused_ep_heap_bytes",
     "fused_tile_m",
     "init_fused_ep",
@@ -502,6 +503,34 @@ def ensure_fused_ep(
         num_experts=num_experts,
         timeout_s=timeout_s,
         tile_m=tile_m,
+    )
+
+
+def fused_ep_fits(
+    group: dist.ProcessGroup | None = None,
+    *,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    top_k: int,
+    num_experts: int,
+    tile_m: int | None = None,
+) -> bool:
+    """Whether the group's fused runtime exists with these sizes, room for ``tokens`` and the
+    tile height ``tile_m`` (None: any), judged on this rank alone (no communication). A caller
+    that calls :func:`ensure_fused_ep` only when this is False saves its host round trip on
+    every other call; every rank must then reach the same answer, so a batch larger than the
+    runtime holds must come on every rank in the same call (or :func:`ensure_fused_ep` be called
+    on every rank first, with each rank's largest batch); a rank that grows alone leaves the
+    others waiting for it until the timeout, which names it."""
+    name = distributed.group_name(group)
+    if not (getattr(_C, "has_ep_runtime", False) and _C.fused_ep_exists(name)):
+        return False
+    c = _C.fused_ep_config(name)
+    return (
+        (c["hidden"], c["ffn"], c["top_k"], c["num_experts"]) == (hidden, ffn, top_k, num_experts)
+        and tokens <= c["max_tokens"]
+        and (tile_m is None or c["tile_m"] == tile_m)
     )
 
 

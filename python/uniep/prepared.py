@@ -19,7 +19,9 @@ names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's 
 1 one persistent launch of the send into GEMM rows, both GEMMs and the reduce
 (``moe_forward_local(overlap="fused")``); across the ranks of one NVLink domain the group's fused
 runtime (created and grown on demand by ``ensure_fused_ep``, whose size exchange is one host
-round trip per call) and ``moe_forward_ep``. The launch's keys there (:func:`fused_launch`):
+round trip, made only when the runtime must be created, grown or re-tiled: a batch larger than it
+holds must come on every rank in the same call, or ``ensure_fused_ep`` be called on every rank
+first) and ``moe_forward_ep``. The launch's keys there (:func:`fused_launch`):
 ``sms=`` the CTAs that send first (without it the measured defaults: every CTA at world 1,
 ``EP_COMM_SMS`` across ranks), ``skip_rounds=`` the rounds of tiles the others take first, and
 ``tile_m=`` 64 or 128, the kernel's tile height (auto: ``fused_tile_m``). Otherwise the
@@ -243,15 +245,18 @@ def _forward_fused(
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
             check="deferred",
         )  # fmt: skip
-    megakernel.ensure_fused_ep(
-        group,
-        tokens=x.shape[0],
-        hidden=experts.hidden,
-        ffn=experts.ffn,
-        top_k=topk_idx.shape[1],
-        num_experts=experts.num_experts * world,
-        tile_m=tile_m,
-    )
+    sizes = {
+        "tokens": x.shape[0],
+        "hidden": experts.hidden,
+        "ffn": experts.ffn,
+        "top_k": topk_idx.shape[1],
+        "num_experts": experts.num_experts * world,
+        "tile_m": tile_m,
+    }
+    # The size agreement is a host round trip (it drains the stream before the launch): only
+    # when the runtime must be created, grown or re-tiled.
+    if not megakernel.fused_ep_fits(group, **sizes):
+        megakernel.ensure_fused_ep(group, **sizes)
     return megakernel.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
         skip_rounds=skip_rounds, check="deferred",
