@@ -114,7 +114,7 @@ def _finish(check: bool | str, entries: list[tuple[str, torch.Tensor, str, int]]
             copy.copy_(word, non_blocking=True)
             host.append((kind, copy, what, top_k))
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(entries[0][1].device))  # the call's stream
         _PENDING.append((event, host))
         if not _AT_EXIT:
             _AT_EXIT.append(True)

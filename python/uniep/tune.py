@@ -22,8 +22,7 @@ Winners are cached in a JSON file (``cache_path()``: ``UNIEP_TUNE_CACHE``, else
 device name, world size, shape, dtype, weight format, numerics keys, UniEP version and the cache
 schema, so that another GPU or world size never reuses an entry. ``uniep.moe_forward``, the
 ``uniep.nn`` modules and ``moe_forward_prepared`` use a cached point when their tuning string is
-``""``. A corrupt, unreadable or foreign
-cache file is reported with a warning and ignored.
+``""``. A corrupt, unreadable or foreign cache file is reported with a warning and ignored.
 """
 
 from __future__ import annotations
