@@ -478,16 +478,11 @@ def ensure_fused_ep(
                     f"{table[0][col]}, rank {rank} has {row[col]}"
                 )
     most = max(row[0] for row in table)
-    old = _C.fused_ep_config(name) if _C.fused_ep_exists(name) else None
-    same = old is not None and (old["hidden"], old["ffn"], old["top_k"], old["num_experts"]) == (
-        hidden,
-        ffn,
-        top_k,
-        num_experts,
-    )
-    retile = tile_m is not None and old is not None and old["tile_m"] != tile_m
-    if same and old["max_tokens"] >= most and not retile:
+    sizes = {"hidden": hidden, "ffn": ffn, "top_k": top_k, "num_experts": num_experts}
+    if fused_ep_fits(group, tokens=most, tile_m=tile_m, **sizes):
         return
+    old = _C.fused_ep_config(name) if _C.fused_ep_exists(name) else None
+    same = old is not None and all(old[key] == value for key, value in sizes.items())
     timeout_s = None
     if old is not None:
         timeout_s = old["timeout_s"]
@@ -497,12 +492,9 @@ def ensure_fused_ep(
     init_fused_ep(
         group,
         max_tokens=grown_capacity(old["max_tokens"] if same else None, most),
-        hidden=hidden,
-        ffn=ffn,
-        top_k=top_k,
-        num_experts=num_experts,
         timeout_s=timeout_s,
         tile_m=tile_m,
+        **sizes,
     )
 
 

@@ -92,10 +92,10 @@ CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (6
 CPU_TILES = (16, 32, 64, 128, 256)
 _CUDA_SMS = (8, 16, 24, 32)
 _CUDA_TOKEN_TILES = (32, 64, 128)
-# The MegaKernel's points on packed experts, per tile height: (CTAs that send first, rounds of
-# tiles the others take first; -1 = auto). 0 CTAs stands for every CTA (the SM count). The set
-# holds the best points of bench_experts' world-1 sweeps (bench/results/2026-11-26-session20).
-_FUSED_TILE_MS = (64, 128)
+# The MegaKernel's points on packed experts, at each of its tile heights: (CTAs that send first,
+# rounds of tiles the others take first; -1 = auto). 0 CTAs stands for every CTA (the SM count).
+# The set holds the best points of bench_experts' world-1 sweeps
+# (bench/results/2026-11-26-session20).
 _FUSED_POINTS = ((0, -1), (8, -1), (16, -1), (32, -1), (16, 0), (16, 16))
 # SMs of communication warps that saturate a GPU's links (a model assumption, docs/tune.md).
 _SATURATING_COMM_SMS = 20
@@ -577,7 +577,9 @@ def candidate_points(
                 for tm, tn, tk in tiles:
                     add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
         if weights != "plain" and fused_allowed(numerics):
-            for tm in _FUSED_TILE_MS:
+            from .megakernel import FUSED_TILE_MS
+
+            for tm in FUSED_TILE_MS:
                 for comm, skip in _FUSED_POINTS:
                     if comm < sm_count:
                         add(overlap="fused", comm_sms=comm or sm_count, skip_rounds=skip, tile_m=tm)
