@@ -185,6 +185,36 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def fp8_format_floor(
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """The MoE layer in fp32 on the fp8 path's quantized operands: each row quantized 1x128 (the
+    fp8 dispatch), each weight 128x128 (``prepare_experts(..., "fp8")``) and the SwiGLU activation
+    1x128 (the second GEMM's input), every product and sum exact in fp32. Its distance from the
+    bf16 layer is the error of the format alone, whatever the kernels do."""
+    from uniep.gemm import (
+        dequantize_expert_weights,
+        dequantize_rows,
+        quantize_expert_weights,
+        quantize_rows,
+    )
+
+    ffn = w2.shape[1]
+    xq = dequantize_rows(*quantize_rows(x))
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+    for e in range(w1.shape[0]):
+        tokens, slot = (idx == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        w1e = dequantize_expert_weights(*quantize_expert_weights(w1[e : e + 1]))[0]
+        w2e = dequantize_expert_weights(*quantize_expert_weights(w2[e : e + 1]))[0]
+        h = xq[tokens] @ w1e
+        act = F.silu(h[:, :ffn]) * h[:, ffn:]
+        y = dequantize_rows(*quantize_rows(act)) @ w2e
+        out.index_add_(0, tokens, y * weights[tokens, slot].float().unsqueeze(1))
+    return out
+
+
 def _layer_inputs(layer: tuple[str, int, int, int, int, int]) -> tuple[Any, ...]:
     """A load's operands on the GPU, the same in every part: (generator, x, w1, w2, topk_idx,
     topk_weights), the weights scaled so the activations stay O(1)."""
@@ -301,6 +331,14 @@ def _bench_layer(
             out = call().float()
             row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
             del out
+        # What e4m3 itself costs on these operands: the same quantizations (rows 1x128, weights
+        # 128x128, the activation 1x128) with every product and sum exact in fp32.
+        emulated = fp8_format_floor(x, idx, weights, w1, w2)
+        row["rel_diff[fp8 format floor]"] = float((emulated - ref).norm() / ref.norm())
+        row["fp8_error_over_format_floor"] = (
+            row["rel_diff[fp8]"] / row["rel_diff[fp8 format floor]"]
+        )
+        del emulated
         side = {"uniep": lambda: layer_call("")} | {
             v: calls[v] for v in ("bf16_packed", "bf16_packed_fused")
         }
@@ -677,6 +715,14 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
             f"| {r['load']} | {r['dense_backward_ms']:.3f} | {r['dense_forward_backward_ms']:.3f} "
             f"| {r[f'backward_ms[{u}]']:.3f} ({r[f'backward_over_dense_fwd_bwd[{u}]']:.2f}x) "
             f"| {r[f'backward_ms[{t}]']:.3f} |"
+        )
+    print()
+    print("| layer | fp8 / bf16 layer | fp8 rel. error | e4m3 format floor | error / floor |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['load']} | {r['over_bf16_layer[fp8]']:.3f} | {r['rel_diff[fp8]']:.4f} "
+            f"| {r['rel_diff[fp8 format floor]']:.4f} | {r['fp8_error_over_format_floor']:.3f} |"
         )
     for r in rows:
         for variant, kernels_us in r.get("kernels_us", {}).items():
