@@ -151,6 +151,14 @@ def bench_kernel(
         row["fp8_ms"] = median_time_ms(lambda: fp8(xq, xs, wq, ws, offs), warmup, iters, True)
         row["fp8_tflops"] = tflops(rows, k, n, row["fp8_ms"])
         row["fp8_over_uniep"] = row["fp8_ms"] / row["uniep_ms"]
+        same = True
+        for c in FP8_CONFIGS:
+            same &= torch.equal(fp8(xq, xs, wq, ws, offs, c).float(), got)
+            row[f"fp8_ms[{c}]"] = median_time_ms(
+                lambda c=c: fp8(xq, xs, wq, ws, offs, c), warmup, iters, True
+            )
+        row["fp8_bits_same_every_config"] = same
+        row["fp8_best_config"] = min(FP8_CONFIGS, key=lambda c: row[f"fp8_ms[{c}]"])
         del xq, xs, wq, ws, got
     row["torch_tflops"] = tflops(rows, k, n, row["torch_ms"])
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
@@ -158,13 +166,23 @@ def bench_kernel(
     return row
 
 
+# The fp8 grouped GEMM's compiled tiles, by the tuning key that picks each.
+FP8_CONFIGS = ["tile_m=128", "tile_m=64"]
+
+
 def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     rows = []
     print(
         "| grouped GEMM | E | R | K | N | rows/expert | torch ms | uniep ms (auto) | best config "
-        "ms | uniep/torch | bits same across configs | fp8 ms (x uniep) |"
+        "ms | uniep/torch | bits same across configs | fp8 ms (x uniep) | "
+        + " | ".join(f"fp8 {c} ms" for c in FP8_CONFIGS)
+        + " | fp8 bits same |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|")
+    print(
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"
+        + "---:|" * len(FP8_CONFIGS)
+        + "---|"
+    )
     nan = float("nan")
     for load, tokens, hidden, ffn, experts, top_k in selected(loads):
         idx, _ = routing(tokens, experts, top_k, seed=experts)
@@ -178,7 +196,9 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                 f"| {r['load']} | {r['E']} | {r['R']} | {k} | {n} | {counts_text} "
                 f"| {r['torch_ms']:.3f} | {r['uniep_ms']:.3f} | {best:.3f} ({r['best_config']}) "
                 f"| {r['uniep_over_torch']:.3f} | {r['bits_same_every_config']} "
-                f"| {r.get('fp8_ms', nan):.3f} ({r.get('fp8_over_uniep', nan):.2f}x) |",
+                f"| {r.get('fp8_ms', nan):.3f} ({r.get('fp8_over_uniep', nan):.2f}x) | "
+                + " | ".join(f"{r.get(f'fp8_ms[{c}]', nan):.3f}" for c in FP8_CONFIGS)
+                + f" | {r.get('fp8_bits_same_every_config')} |",
                 flush=True,
             )
             torch.cuda.empty_cache()
@@ -322,6 +342,7 @@ def _bench_layer(
             "bf16_packed": (packed, ""),
             "bf16_packed_fused": (packed, "overlap=fused"),
             "fp8": (fp8, "dispatch=fp8"),
+            "fp8 m64": (fp8, "dispatch=fp8,tile_m=64"),
         }
         calls = {
             variant: (lambda p=p, t=t: moe_forward_prepared(x, idx, weights, p, group, t))
@@ -348,10 +369,11 @@ def _bench_layer(
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
         times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused")}
-        times["fp8"] = median_time_ms(calls["fp8"], warmup, iters, cuda=True)
+        for variant in ("fp8", "fp8 m64"):
+            times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
         for variant, ms in times.items():
             # Against the layer timed beside them (fp8: the layer's own run above).
-            layer_ms = base_ms if variant == "fp8" else side_ms["uniep"]
+            layer_ms = base_ms if variant.startswith("fp8") else side_ms["uniep"]
             row[f"ms[{variant}]"] = ms
             row[f"over_bf16_layer[{variant}]"] = ms / layer_ms
             row[f"over_floor[{variant}]"] = ms / floor
@@ -717,11 +739,15 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
             f"| {r[f'backward_ms[{t}]']:.3f} |"
         )
     print()
-    print("| layer | fp8 / bf16 layer | fp8 rel. error | e4m3 format floor | error / floor |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| layer | fp8 / bf16 layer | fp8 tile_m=64 / bf16 layer | fp8 rel. error "
+        "| e4m3 format floor | error / floor |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['load']} | {r['over_bf16_layer[fp8]']:.3f} | {r['rel_diff[fp8]']:.4f} "
+            f"| {r['load']} | {r['over_bf16_layer[fp8]']:.3f} "
+            f"| {r['over_bf16_layer[fp8 m64]']:.3f} | {r['rel_diff[fp8]']:.4f} "
             f"| {r['rel_diff[fp8 format floor]']:.4f} | {r['fp8_error_over_format_floor']:.3f} |"
         )
     for r in rows:

@@ -369,6 +369,9 @@ def test_fp8_grouped_gemm(name: str) -> None:
     rel = float((out.double() - ref).norm() / ref.norm())
     assert rel <= 5e-2, rel
     assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs), out)
+    # Every compiled tile walks k in the same 128-deep blocks: the same bits.
+    for tuning in ("tile_m=128", "tile_m=64", "tile_m=64,tile_n=128,tile_k=128"):
+        assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs, tuning), out), tuning
 
 
 def test_fp8_named_errors() -> None:
@@ -384,6 +387,14 @@ def test_fp8_named_errors() -> None:
         op(xq, xs, wq.transpose(1, 2).contiguous(), ws, offs)
     with pytest.raises(ValueError, match=r"x_scales must be \[R, K / 128\]"):
         op(xq, xs[:, :1].contiguous(), wq, ws, offs)
+    # A tile the fp8 kernels lack is named with the compiled ones, also for a call of no rows.
+    for rows in (x.shape[0], 0):
+        with pytest.raises(
+            ValueError,
+            match=r"no fp8 grouped GEMM configuration has tile_m=0,"
+            r"tile_n=256.*tile_m=128,tile_n=128,tile_k=128",
+        ):
+            op(xq[:rows], xs[:rows], wq, ws, offs.clamp(max=rows), "tile_n=256")
     # Not test_schema: its mutation check compares fp8 tensors with allclose, which torch does
     # not implement for float8_e4m3fn.
     torch.library.opcheck(

@@ -233,8 +233,10 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
 }
 
 at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
-                               const at::Tensor& w_scales, const at::Tensor& offs) {
+                               const at::Tensor& w_scales, const at::Tensor& offs,
+                               c10::string_view tuning) {
   return translate_errors([&] {
+    const TuningParams params = TuningParams::parse(std::string(tuning));
     UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
     UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
     UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
@@ -269,22 +271,29 @@ at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, 
     for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
       UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
                   t->strides());
+    cuda::GroupedGemmTiles tiles;
+    tiles.tile_m = params.tile_m;
+    tiles.tile_n = params.tile_n;
+    tiles.tile_k = params.tile_k;
+    tiles.stages = params.stages;
     const c10::cuda::CUDAGuard guard(x.device());
     at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
+    cuda::GroupedGemmFp8Problem p;
+    p.num_experts = e;
+    p.rows = rows;
+    int index = 0;  // a tile request no configuration has is an error, rows or none
+    ok_or_throw(cuda::grouped_gemm_fp8_select(p, tiles, &index));
     if (rows == 0) return out;
     const int device = x.device().index();
     UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
                      "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
                      "sm_90a)");
-    cuda::GroupedGemmFp8Problem p;
     p.x = x.data_ptr();
     p.x_scales = x_scales.data_ptr<float>();
     p.w = w.data_ptr();
     p.w_scales = w_scales.data_ptr<float>();
     p.offs = offs.data_ptr<int32_t>();
     p.out = out.data_ptr();
-    p.num_experts = e;
-    p.rows = rows;
     p.k = k;
     p.n = n;
     ok_or_throw(cuda::grouped_gemm_fp8_supports(p));
@@ -292,7 +301,7 @@ at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, 
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     const size_t bytes = cuda::grouped_gemm_fp8_workspace_bytes(e, rows, k, sm_count);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-    ok_or_throw(cuda::grouped_gemm_fp8(p, device, sm_count, workspace.data_ptr(), bytes,
+    ok_or_throw(cuda::grouped_gemm_fp8(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
                                        at::cuda::getCurrentCUDAStream(device).stream()));
     return out;
   });

@@ -30,10 +30,10 @@ TORCH_LIBRARY(uniep, m) {
   m.def("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str tuning=\"\") -> Tensor");
   // The forward in fp8 (CUDA only): x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3
   // (K-major) with w_scales [E, K / 128, N / 128] -> bf16 [R, N] (uniep.gemm.quantize_rows,
-  // quantize_expert_weights).
+  // quantize_expert_weights); the tuning string's tile keys pick among the fp8 configurations.
   m.def(
-      "grouped_mm_fp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor offs) -> "
-      "Tensor");
+      "grouped_mm_fp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor offs, "
+      "str tuning=\"\") -> Tensor");
   // The activation between the fp8 GEMMs: h [R, 2I] bf16 -> SwiGLU rounded to bf16, quantized
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.

@@ -241,11 +241,14 @@ def grouped_mm_fp8(
     w: torch.Tensor,
     w_scales: torch.Tensor,
     offs: torch.Tensor,
+    tuning: str = "",
 ) -> torch.Tensor:
     """``x[rows of e] @ w[e]`` in fp8 -> bf16 [R, N] (CUDA, Hopper): x and x_scales from
     :func:`quantize_rows` (or the fp8 dispatch), w and w_scales from
-    :func:`quantize_expert_weights`; each 128-deep k-block's product scaled and summed in fp32."""
-    return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs)
+    :func:`quantize_expert_weights`; each 128-deep k-block's product scaled and summed in fp32.
+    ``tuning``'s tile keys pick the configuration (``tile_m=128``: cooperative 128 x 128 x 128,
+    ``tile_m=64``: ping-pong 64 x 128 x 128; the bits are the same), else the automatic one."""
+    return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs, tuning)
 
 
 @torch.library.register_fake("uniep::grouped_mm_fp8")
@@ -255,6 +258,7 @@ def _grouped_mm_fp8_fake(
     w: torch.Tensor,
     w_scales: torch.Tensor,
     offs: torch.Tensor,
+    tuning: str = "",
 ) -> torch.Tensor:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got {tuple(x.shape)}")
     torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, N, K], got {tuple(w.shape)}")

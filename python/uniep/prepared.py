@@ -12,7 +12,8 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   (``uniep.gemm.quantize_expert_weights``); the tokens travel in the fp8 dispatch's format (1 x 128
   scales) and feed the fp8 grouped GEMM as they arrive; the activation is quantized the same way
   for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs
-  ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128.
+  ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128. The tuning's
+  tile keys pick both fp8 GEMMs' tile (``uniep.gemm.grouped_mm_fp8``).
 
 On CUDA, packed bf16 experts run the MegaKernel (``uniep.megakernel``) when the tuning string
 names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's GEMMs): at world
@@ -286,7 +287,7 @@ def _forward_cuda(
         y = ops.grouped_mm(act, experts.w2, offs, tuning)
     else:
         row_scales = scales.index_select(0, row_slot)
-        h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs)
+        h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
         act_q, act_s = ops.swiglu_fp8(h)
-        y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs)
+        y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs, tuning)
     return ops.ep_combine(y.contiguous(), row_target, topk_idx, topk_weights, name, epoch, tuning)

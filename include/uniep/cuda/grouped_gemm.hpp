@@ -149,7 +149,23 @@ Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p);
 // for the kernel, CUTLASS's descriptors); 0 for arguments it refuses.
 size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64_t k, int sm_count);
 
-// Enqueues the fp8 grouped GEMM on `stream` (no host sync; offs read on the device).
+// The fp8 configurations compiled in (a 128 x 128 tile, 128 deep, cooperative; 64 x 128,
+// ping-pong), in the order grouped_gemm_fp8_select prefers them; `count` receives their number.
+// The bits of the result are the same for every configuration.
+const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count);
+
+// The index (into grouped_gemm_fp8_configs) of the configuration that runs `p` for the request
+// `want`: with every field 0, the 64-row tiles for experts averaging at most 128 rows, else the
+// 128-row ones; otherwise the first configuration matching every non-zero field, none matching
+// being kInvalidArgument listing the valid combinations.
+Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
+                               int* index);
+
+// Enqueues the fp8 grouped GEMM of the configuration grouped_gemm_fp8_select picks for `tiles`
+// on `stream` (no host sync; offs read on the device). Without `tiles`: the automatic choice.
+Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& tiles, int device,
+                        int sm_count, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
 Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream);
 

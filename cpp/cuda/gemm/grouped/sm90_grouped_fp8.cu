@@ -1,92 +1,48 @@
-// The fp8 grouped GEMM (include/uniep/cuda/grouped_gemm.hpp, grouped_gemm_fp8): e4m3 rows with a
-// scale per 1 x 128 block (the format the fp8 dispatch sends) times e4m3 expert weights with a
-// scale per 128 x 128 block, fp32 accumulation, bf16 out.
+// The fp8 grouped GEMM's entry points (include/uniep/cuda/grouped_gemm.hpp, grouped_gemm_fp8):
+// e4m3 rows with a scale per 1 x 128 block (the format the fp8 dispatch sends) times e4m3 expert
+// weights with a scale per 128 x 128 block, fp32 accumulation, bf16 out; argument checks, the
+// choice among the compiled tiles (fp8_kernel.cuh), the problem kernels and the launch.
 //
-// CUTLASS's blockwise-scaled ptr-array kernel applies the scales on the fp32 side: each 128-deep
-// k-block's WGMMA partial sum is multiplied by its A and B scales and added into the fp32
-// accumulator (promoted every k-block, so fp8's 2^-4 relative step never compounds over K).
 // Hopper's fp8 WGMMA reads both operands K-major: the weights are stored [E, n, k] (the transpose
 // of the bf16 [E, k, n]), and the kernel reads A's scales M-major, so a small kernel reorders the
-// rows' scales expert by expert first. Bits: one k-block order, no split-K, whatever the grid.
+// rows' scales expert by expert first. Bits: one k-block order, no split-K, whatever the grid or
+// the tile.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
-
-#include <cutlass/cutlass.h>
-#include <cutlass/float8.h>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/kernel_hardware_info.h>
-#include <cute/tensor.hpp>
-#include <cutlass/detail/blockwise_scale_layout.hpp>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/group_array_problem_shape.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <string>
 
 #include "cuda/gemm/grouped/expert_rows.cuh"
-#include "cuda/gemm/grouped/grouped_types.hpp"
-#include "cuda/gemm/grouped/grouped_workspace.hpp"
-#include "uniep/cuda/grouped_gemm.hpp"
+#include "cuda/gemm/grouped/fp8_kernel.cuh"
 
 namespace uniep::cuda {
 namespace {
 
+using grouped_fp8::Arrays;
+using grouped_fp8::Fp8;
+using grouped_fp8::kBlock;
 using grouped::Bf16;
-using Fp8 = cutlass::float_e4m3_t;
-constexpr int kBlock = 128;                  // scale block (k, and n for the weights)
-constexpr int kFp8Align = 16 / sizeof(Fp8);  // TMA moves 16-byte rows
 
-struct Fp8Gemm {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
-      grouped::kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
-      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
-      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Align, float, TileShape,
-      ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  static_assert(cute::is_same_v<StrideA, grouped::KMajorA>);
-  static_assert(cute::is_same_v<StrideB, grouped::KMajorB>);
-};
-
-// The fp8 call's own arrays, after the bf16 kinds' (grouped_workspace.hpp): per group the scale
-// pointers and layouts, then the rows' scales reordered M-major per expert.
-struct Fp8Arrays {
-  const float** ptr_sfa = nullptr;
-  const float** ptr_sfb = nullptr;
-  Fp8Gemm::LayoutSFA* layout_sfa = nullptr;
-  Fp8Gemm::LayoutSFB* layout_sfb = nullptr;
-  float* sfa = nullptr;  // [rows * k / 128]
-  void* gemm = nullptr;
-};
+// In preference order: grouped_gemm_fp8_select takes the first match of a partial request.
+const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
+  static const std::array<const grouped_fp8::Entry*, 2> all = {
+      &grouped_fp8::entry_coop_128x128x128(), &grouped_fp8::entry_pingpong_64x128x128()};
+  return all;
+}
 
 size_t fp8_arrays_bytes(int64_t num_experts, int64_t rows, int64_t k) {
   const size_t e = static_cast<size_t>(num_experts);
   return 2 * grouped::round_up(e * sizeof(void*)) +
-         grouped::round_up(e * sizeof(Fp8Gemm::LayoutSFA)) +
-         grouped::round_up(e * sizeof(Fp8Gemm::LayoutSFB)) +
+         grouped::round_up(e * sizeof(grouped_fp8::LayoutSFA)) +
+         grouped::round_up(e * sizeof(grouped_fp8::LayoutSFB)) +
          grouped::round_up(static_cast<size_t>(rows) * static_cast<size_t>(k / kBlock) *
                            sizeof(float));
 }
 
-Fp8Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
+Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
   const size_t e = static_cast<size_t>(num_experts);
   char* p = static_cast<char*>(base);
   auto take = [&p](size_t bytes) {
@@ -94,11 +50,11 @@ Fp8Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
     p += grouped::round_up(bytes);
     return at;
   };
-  Fp8Arrays a;
+  Arrays a;
   a.ptr_sfa = reinterpret_cast<const float**>(take(e * sizeof(void*)));
   a.ptr_sfb = reinterpret_cast<const float**>(take(e * sizeof(void*)));
-  a.layout_sfa = reinterpret_cast<Fp8Gemm::LayoutSFA*>(take(e * sizeof(Fp8Gemm::LayoutSFA)));
-  a.layout_sfb = reinterpret_cast<Fp8Gemm::LayoutSFB*>(take(e * sizeof(Fp8Gemm::LayoutSFB)));
+  a.layout_sfa = reinterpret_cast<grouped_fp8::LayoutSFA*>(take(e * sizeof(grouped_fp8::LayoutSFA)));
+  a.layout_sfb = reinterpret_cast<grouped_fp8::LayoutSFB*>(take(e * sizeof(grouped_fp8::LayoutSFB)));
   a.sfa = reinterpret_cast<float*>(
       take(static_cast<size_t>(rows) * static_cast<size_t>(k / kBlock) * sizeof(float)));
   a.gemm = p;
@@ -112,7 +68,7 @@ Fp8Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
 __global__ void __launch_bounds__(32)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
                        const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out,
-                       grouped::Workspace ws, Fp8Arrays fa) {
+                       grouped::Workspace ws, Arrays fa) {
   const int lane = static_cast<int>(threadIdx.x);
   const int kb = k / kBlock, nb = n / kBlock;
   int carry = 0;
@@ -132,8 +88,8 @@ __global__ void __launch_bounds__(32)
     ws.stride_d[e] = grouped::StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
     fa.ptr_sfa[e] = fa.sfa + b * kb;
     fa.ptr_sfb[e] = w_scales + ee * kb * nb;
-    fa.layout_sfa[e] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-    fa.layout_sfb[e] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    fa.layout_sfa[e] = grouped_fp8::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+    fa.layout_sfb[e] = grouped_fp8::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
   }
 }
 
@@ -155,23 +111,6 @@ __global__ void reorder_row_scales(const grouped::Shape* __restrict__ shapes, in
     const int64_t r = i % m, c = i / m;
     sfa[begin * kb + c * m + r] = x_scales[(begin + r) * kb + c];
   }
-}
-
-Fp8Gemm::Gemm::Arguments fp8_arguments(const grouped::Workspace& ws, const Fp8Arrays& fa,
-                                       int64_t num_experts, int device, int sm_count) {
-  Fp8Gemm::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
-  args.mainloop.ptr_A = reinterpret_cast<const Fp8**>(ws.ptr_a);
-  args.mainloop.dA = reinterpret_cast<Fp8Gemm::StrideA*>(ws.stride_a);
-  args.mainloop.ptr_B = reinterpret_cast<const Fp8**>(ws.ptr_b);
-  args.mainloop.dB = reinterpret_cast<Fp8Gemm::StrideB*>(ws.stride_b);
-  args.mainloop.ptr_SFA = fa.ptr_sfa;
-  args.mainloop.layout_SFA = fa.layout_sfa;
-  args.mainloop.ptr_SFB = fa.ptr_sfb;
-  args.mainloop.layout_SFB = fa.layout_sfb;
-  grouped::set_store_epilogue(args, ws, device, sm_count);
-  return args;
 }
 
 bool aligned16(const void* p) {
@@ -208,6 +147,47 @@ Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p) {
   return Status::Ok();
 }
 
+const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count) {
+  static const std::array<GroupedGemmConfig, 2> configs = [] {
+    std::array<GroupedGemmConfig, 2> c;
+    for (size_t i = 0; i < c.size(); ++i) c[i] = fp8_entries()[i]->config;
+    return c;
+  }();
+  if (count != nullptr) *count = static_cast<int>(configs.size());
+  return configs.data();
+}
+
+Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
+                               int* index) {
+  const auto& all = fp8_entries();
+  if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
+    // Experts averaging 128 rows or fewer leave most of a 128-row tile empty: the 64-row tiles.
+    *index = p.rows <= 128 * p.num_experts ? 1 : 0;
+    return Status::Ok();
+  }
+  auto matches = [&want](const GroupedGemmConfig& c) {
+    return (want.tile_m == 0 || want.tile_m == c.tile_m) &&
+           (want.tile_n == 0 || want.tile_n == c.tile_n) &&
+           (want.tile_k == 0 || want.tile_k == c.tile_k) &&
+           (want.stages == 0 || want.stages == c.stages);
+  };
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (matches(all[i]->config)) {
+      *index = static_cast<int>(i);
+      return Status::Ok();
+    }
+  }
+  std::string valid;
+  for (const auto* e : all)
+    valid += detail::str_cat("\n  tile_m=", e->config.tile_m, ",tile_n=", e->config.tile_n,
+                             ",tile_k=", e->config.tile_k, ",stages=", e->config.stages, " (",
+                             e->config.pingpong ? "ping-pong" : "cooperative", ")");
+  return {StatusCode::kInvalidArgument,
+          detail::str_cat("no fp8 grouped GEMM configuration has tile_m=", want.tile_m,
+                          ",tile_n=", want.tile_n, ",tile_k=", want.tile_k, ",stages=", want.stages,
+                          " (0: any); the compiled ones are:", valid)};
+}
+
 size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64_t k,
                                         int sm_count) {
   if (num_experts < 1 || rows < 0 || k < kBlock || sm_count < 1) return 0;
@@ -215,16 +195,27 @@ size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64
   const size_t fp8 = fp8_arrays_bytes(num_experts, rows, k);
   void* base = reinterpret_cast<void*>(grouped::kWorkspaceAlign);
   const grouped::Workspace ws = grouped::carve(base, num_experts);
-  const Fp8Arrays fa = carve_fp8(base, num_experts, rows, k);
-  return head + fp8 +
-         Fp8Gemm::Gemm::get_workspace_size(fp8_arguments(ws, fa, num_experts, 0, sm_count));
+  const Arrays fa = carve_fp8(base, num_experts, rows, k);
+  size_t gemm = 0;
+  for (const auto* e : fp8_entries())
+    gemm = std::max(gemm, e->gemm_workspace_bytes(ws, fa, num_experts, sm_count));
+  return head + fp8 + gemm;
 }
 
 Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream) {
+  return grouped_gemm_fp8(p, GroupedGemmTiles{}, device, sm_count, workspace, workspace_bytes,
+                          stream);
+}
+
+Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& tiles, int device,
+                        int sm_count, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
   if (Status s = grouped_gemm_fp8_supports(p); !s.ok()) return s;
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
+  int index = 0;
+  if (Status s = grouped_gemm_fp8_select(p, tiles, &index); !s.ok()) return s;
   if (p.rows == 0) return Status::Ok();
   const size_t need = grouped_gemm_fp8_workspace_bytes(p.num_experts, p.rows, p.k, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the fp8 grouped GEMM");
@@ -233,7 +224,7 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   void* after = static_cast<char*>(workspace) + grouped::group_arrays_bytes(p.num_experts);
-  Fp8Arrays fa = carve_fp8(after, p.num_experts, p.rows, p.k);
+  Arrays fa = carve_fp8(after, p.num_experts, p.rows, p.k);
   const int experts = static_cast<int>(p.num_experts);
   build_fp8_problems<<<1, 32, 0, stream>>>(
       p.offs, experts, static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
@@ -246,18 +237,8 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernels failed to launch: ",
                             cudaGetErrorString(e))};
-
-  const Fp8Gemm::Gemm::Arguments args = fp8_arguments(ws, fa, p.num_experts, device, sm_count);
-  Fp8Gemm::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, "the fp8 grouped GEMM cannot implement these operands"};
-  cutlass::Status s = gemm.initialize(args, fa.gemm, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the fp8 grouped GEMM failed to launch: ", cutlassGetStatusString(s),
-                            " (", cudaGetErrorString(cudaGetLastError()), ")")};
-  return Status::Ok();
+  return fp8_entries()[static_cast<size_t>(index)]->run(ws, fa, p.num_experts, device, sm_count,
+                                                        stream);
 }
 
 }  // namespace uniep::cuda

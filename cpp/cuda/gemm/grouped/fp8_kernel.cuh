@@ -1,0 +1,157 @@
+// The fp8 grouped GEMM's CUTLASS kernels (include/uniep/cuda/grouped_gemm.hpp,
+// grouped_gemm_fp8), one instantiation per compiled tile in its own sm90_grouped_fp8_<name>.cu,
+// and what the dispatcher (sm90_grouped_fp8.cu) needs of them.
+//
+// CUTLASS's blockwise-scaled ptr-array kernels apply the scales on the fp32 side: each 128-deep
+// k-block's WGMMA partial sum is multiplied by its A and B scales and added into the fp32
+// accumulator (promoted every k-block, so fp8's 2^-4 relative step never compounds over K). That
+// keeps a second accumulator live beside the first, so a warpgroup's tile stays at 64 x 128:
+// 64 x 256 would need 256 accumulator registers a thread. Every tile walks k in the same 128-deep
+// blocks in the same order, so the bits do not depend on the configuration.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include <cutlass/cutlass.h>
+#include <cutlass/float8.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/kernel_hardware_info.h>
+#include <cute/tensor.hpp>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+
+namespace uniep::cuda::grouped_fp8 {
+
+using grouped::Bf16;
+using Fp8 = cutlass::float_e4m3_t;
+constexpr int kBlock = 128;                  // scale block (k, and n for the weights)
+constexpr int kFp8Align = 16 / sizeof(Fp8);  // TMA moves 16-byte rows
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+// The fp8 call's own arrays, after the bf16 kinds' (grouped_workspace.hpp): per group the scale
+// pointers and layouts, then the rows' scales reordered M-major per expert.
+struct Arrays {
+  const float** ptr_sfa = nullptr;
+  const float** ptr_sfb = nullptr;
+  LayoutSFA* layout_sfa = nullptr;
+  LayoutSFB* layout_sfb = nullptr;
+  float* sfa = nullptr;  // [rows * k / 128]
+  void* gemm = nullptr;
+};
+
+template <int TileM, int ClusterM, int ClusterN, bool PingPong>
+struct Gemm {
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using EpilogueSchedule =
+      cute::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using KernelSchedule = cute::conditional_t<
+      PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
+      grouped::kAlign, EpilogueSchedule>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
+      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Align, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  static_assert(cute::is_same_v<StrideA, grouped::KMajorA>);
+  static_assert(cute::is_same_v<StrideB, grouped::KMajorB>);
+  static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+};
+
+template <class G>
+typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arrays& fa,
+                                        int64_t num_experts, int device, int sm_count) {
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const Fp8**>(ws.ptr_a);
+  args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
+  args.mainloop.ptr_B = reinterpret_cast<const Fp8**>(ws.ptr_b);
+  args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
+  args.mainloop.ptr_SFA = fa.ptr_sfa;
+  args.mainloop.layout_SFA = fa.layout_sfa;
+  args.mainloop.ptr_SFB = fa.ptr_sfb;
+  args.mainloop.layout_SFB = fa.layout_sfb;
+  grouped::set_store_epilogue(args, ws, device, sm_count);
+  return args;
+}
+
+// One compiled configuration: its description and two entry points, as grouped_configs.hpp's
+// GroupedEntry for the bf16 kernels.
+struct Entry {
+  GroupedGemmConfig config;
+  // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.
+  size_t (*gemm_workspace_bytes)(const grouped::Workspace& ws, const Arrays& fa,
+                                 int64_t num_experts, int sm_count);
+  // Runs the kernel over the problems build_fp8_problems wrote into ws and fa.
+  Status (*run)(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
+                int sm_count, cudaStream_t stream);
+};
+
+template <class G>
+size_t gemm_workspace_bytes(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
+                            int sm_count) {
+  return G::Device::get_workspace_size(arguments<G>(ws, fa, num_experts, 0, sm_count));
+}
+
+template <class G>
+Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
+           int sm_count, cudaStream_t stream) {
+  const typename G::Device::Arguments args = arguments<G>(ws, fa, num_experts, device, sm_count);
+  typename G::Device gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return {StatusCode::kUnsupported, "the fp8 grouped GEMM cannot implement these operands"};
+  cutlass::Status s = gemm.initialize(args, fa.gemm, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("the fp8 grouped GEMM failed to launch: ", cutlassGetStatusString(s),
+                            " (", cudaGetErrorString(cudaGetLastError()), ")")};
+  return Status::Ok();
+}
+
+template <int TileM, int ClusterM, int ClusterN, bool PingPong>
+Entry make_entry(const char* name) {
+  using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
+  Entry e;
+  e.config.name = name;
+  e.config.tile_m = TileM;
+  e.config.tile_n = kBlock;
+  e.config.tile_k = kBlock;
+  e.config.stages = G::kStages;
+  e.config.cluster_m = ClusterM;
+  e.config.cluster_n = ClusterN;
+  e.config.pingpong = PingPong;
+  e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
+  e.run = &run<G>;
+  return e;
+}
+
+const Entry& entry_coop_128x128x128();
+const Entry& entry_pingpong_64x128x128();
+
+}  // namespace uniep::cuda::grouped_fp8
