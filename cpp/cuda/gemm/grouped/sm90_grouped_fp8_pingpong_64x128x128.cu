@@ -1,5 +1,6 @@
-// The fp8 ping-pong 64 x 128 tile: each warpgroup has its own tile, so one's scale promotion and
-// epilogue run while the other's WGMMAs do, and experts of few rows waste half as much of a tile.
+// The fp8 ping-pong 64 x 128 tile: each warpgroup has its own tile, one's scale promotion and
+// epilogue running while the other's WGMMAs do. Only on request (tile_m=64): on one H100 it was
+// slower than the cooperative tile on every product measured (sm90_grouped_fp8.cu).
 #include "cuda/gemm/grouped/fp8_kernel.cuh"
 
 namespace uniep::cuda::grouped_fp8 {
