@@ -50,6 +50,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    ShapeClock,
+    add_budget_argument,
     add_profile_argument,
     add_trace_arguments,
     median_time_ms,
@@ -492,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (>= 30)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (>= 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
+    add_budget_argument(parser)
     add_profile_argument(parser)
     add_trace_arguments(parser)
     args = parser.parse_args(argv)
@@ -530,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failed = False
     print("\n".join(HEADER), flush=True)
-    for shape in shapes:
+    clock = ShapeClock(args.timeout, args.budget, floor_s=15.0)
+    for i, shape in enumerate(shapes):
         name, experts = shape[0], shape[4]
         if experts % world != 0:
             new = [{"shape": name, "world_size": world, "skipped": f"{experts} experts % {world}"}]
@@ -544,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                 "trace_dir": args.trace_dir,
             }
             try:
+                timeout_s = clock.timeout(len(shapes) - 1 - i)
                 new = run_local_ranks(
-                    _bench_rank, world, (cfg,), backend="nccl", timeout_s=args.timeout
+                    _bench_rank, world, (cfg,), backend="nccl", timeout_s=timeout_s
                 )[0]
             except RuntimeError as exc:
                 # Keep the other shapes' numbers; the run still fails below.

@@ -59,7 +59,14 @@ from bench_moe import (  # noqa: E402
     baseline_moe,
     route_rows,
 )
-from common import add_profile_argument, median_time_ms, profile_kernels, write_result  # noqa: E402
+from common import (  # noqa: E402
+    ShapeClock,
+    add_budget_argument,
+    add_profile_argument,
+    median_time_ms,
+    profile_kernels,
+    write_result,
+)
 
 # (name, tokens per rank, hidden, ffn, experts in total, top_k): the issue's two layers.
 GPU_SHAPES = [("dsv3-like", 4096, 7168, 2048, 256, 8), ("mixtral-like", 4096, 4096, 14336, 8, 2)]
@@ -622,6 +629,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tune-iters", type=int, default=None, help="tuner calls per point")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per shape")
+    add_budget_argument(parser)
     add_profile_argument(parser)
     args = parser.parse_args(argv)
     for name in ("iters", "tune_iters"):
@@ -670,14 +678,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     # One runtime per spawn; room for the largest shape's buffers in NVSHMEM's heap.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
-    for shape in shapes:
+    # On 4 H100s the DeepSeek-V3-like spawn took ~60 s and the Mixtral-like one ~45 s.
+    clock = ShapeClock(args.timeout, args.budget, floor_s=45.0)
+    for i, shape in enumerate(shapes):
         try:
             out = uniep.distributed.run_local_ranks(
                 _bench_shape,
                 world,
                 ({**cfg, "shape": shape},),
                 backend="nccl" if cuda else "gloo",
-                timeout_s=args.timeout,
+                timeout_s=clock.timeout(len(shapes) - 1 - i),
             )
             rows.append(out[0])
         except RuntimeError as exc:  # keep the other shapes' numbers; the run still fails

@@ -15,6 +15,7 @@ import re
 import socket
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,37 @@ def median_time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool
     for _ in range(warmup):
         fn()
     return float(statistics.median(time_calls_ms(fn, iters, cuda)))
+
+
+class ShapeClock:
+    """Spawn timeouts for a benchmark's shapes, run one after another: ``timeout_s`` each, or,
+    with ``budget_s`` (seconds for all of them together), what is left of the budget less
+    ``floor_s`` for each shape still to come. A shape that finishes early leaves its time to
+    the next, so shapes of unequal cost share one budget without a fixed split; a shape that
+    runs long cannot take the later shapes' floors."""
+
+    def __init__(self, timeout_s: float, budget_s: float | None, floor_s: float) -> None:
+        if budget_s is not None and budget_s <= 0:
+            raise ValueError(f"budget_s must be > 0 seconds, got {budget_s}")
+        self.timeout_s, self.floor_s = timeout_s, floor_s
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+
+    def timeout(self, shapes_after: int) -> float:
+        """The timeout of the next shape's spawn, ``shapes_after`` shapes coming after it."""
+        if self.deadline is None:
+            return self.timeout_s
+        left = self.deadline - time.monotonic() - self.floor_s * shapes_after
+        return max(1.0, min(self.timeout_s, left))
+
+
+def add_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all shapes together: each gets what is left, less a floor for each "
+        "shape after it (at most --timeout); default: --timeout per shape",
+    )
 
 
 def add_profile_argument(parser: argparse.ArgumentParser) -> None:

@@ -33,9 +33,9 @@
 #   build                         130  240   60  pip install --no-build-isolation (16 jobs)
 #   multigpu tests                130  200   30  pytest -m multigpu (test_gpu_ep, _collectives);
 #                                                 10 of 12 took 90 s on H200x2
-#   part 1 dispatch (EP2)          30   90   25  2 shapes, one spawn each (~8 s); 3 SM budgets x
+#   part 1 dispatch (EP2)          30   90   40  2 shapes, one spawn each (~8 s); 3 SM budgets x
 #                                                 7 variants x (10 warm-up + 50) calls of <= 2 ms
-#   part 2 MoE layer (EP2)         90  180  120  2 shapes, one spawn each; 9 variants x (3 + 15)
+#   part 2 MoE layer (EP2)         90  180  100  2 shapes, one spawn each; 9 variants x (3 + 15)
 #                                                 calls of 5-40 ms; tuner 5 points x (2 + 9) calls,
 #                                                 re-timed 3 rounds x 3 calls, twice (plain
 #                                                 weights, packed experts with the MegaKernel)
@@ -48,6 +48,12 @@
 #                                                 schedules x (1 + 5) fwd+bwd calls; simulator ~3 s
 #   summary + bundle (reserved)     5   20    -
 #   total                        ~480 <= 580
+# Parts 1 and 2 pass their step's seconds as one --budget for their shapes (bench/common.py
+# ShapeClock): a shape may use what the earlier ones left, less a floor per later shape, instead
+# of a fixed half each. On 4 H100s (bench/results/2026-11-26-session22) the build took 112 s,
+# the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like ~60 s, Mixtral-like ~45 s), part 3
+# 59 s and part 4 46 s: ~540 s with the summary, inside 580 with little to spare; halves of part
+# 2's step (44 and 55 s) had cut its DeepSeek-V3-like shape short twice there.
 # On 4 GPUs part 3 runs TP2 and TP4 (caps per TP size) and part 4 runs at 4 GPUs; on 8 GPUs part 4
 # runs at 4 and 8. Trim with --iters N (every timed-iteration count), --warmup N, --parts, or
 # --skip-tests / --skip-build (a warm machine whose build is current); or the MGPU_* variables
@@ -178,8 +184,8 @@ pending_min=0
 plan() { pending_min=$((pending_min + $1)); }
 ((skip_build)) || plan 60
 ((skip_tests)) || plan 30
-want 1 && plan 25
-want 2 && plan 120  # two spawns: 103 s together on 4 H100s, and 44 s each was too few
+want 1 && plan 40
+want 2 && plan 100
 want 3 && plan $((25 * ${#tps[@]} + 15 * ${#tps[@]}))
 want 4 && plan $((35 * ${#parm_worlds[@]}))
 
@@ -323,26 +329,26 @@ fi
 
 # ---- part 1: dispatch / combine, DeepSeek-V3 and low-latency shapes, EP=min(4, GPUs) ----
 if want 1; then
-  if ((!built)); then skip_step part1-dispatch "$not_built" 25
-  elif ((gpus < 2)); then skip_step part1-dispatch "$too_few" 25
+  if ((!built)); then skip_step part1-dispatch "$not_built" 40
+  elif ((gpus < 2)); then skip_step part1-dispatch "$too_few" 40
   else
-    budget_for 90 25
+    budget_for 90 40
     run_step part1-dispatch "$T" 30 "$WORK/part1" python3 bench/bench_dispatch.py \
       --world-size "$ep" --iters "$DISPATCH_ITERS" --warmup "$DISPATCH_WARMUP" \
-      --profile "$PROFILE_ITERS" --timeout $(((T - 10) / 2)) --out-dir "$WORK/part1"
+      --profile "$PROFILE_ITERS" --timeout "$T" --budget $((T - 10)) --out-dir "$WORK/part1"
   fi
 fi
 
 # ---- part 2: the MoE layer, forward and backward, expert GEMMs alone, the tuner ----
 if want 2; then
-  if ((!built)); then skip_step part2-moe "$not_built" 120
-  elif ((gpus < 2)); then skip_step part2-moe "$too_few" 120
+  if ((!built)); then skip_step part2-moe "$not_built" 100
+  elif ((gpus < 2)); then skip_step part2-moe "$too_few" 100
   else
-    budget_for 180 120
+    budget_for 180 100
     run_step part2-moe "$T" 90 "$WORK/part2" python3 bench/bench_moe_ep.py \
       --world-size "$ep" --iters "$MOE_ITERS" --warmup "$MOE_WARMUP" \
       --tune-candidates "$TUNE_CANDIDATES" --tune-iters "$TUNE_ITERS" \
-      --profile "$PROFILE_ITERS" --timeout $(((T - 10) / 2)) --out-dir "$WORK/part2"
+      --profile "$PROFILE_ITERS" --timeout "$T" --budget $((T - 10)) --out-dir "$WORK/part2"
   fi
 fi
 

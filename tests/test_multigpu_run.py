@@ -276,3 +276,22 @@ def test_summary_counts_combines_run_on_the_budget(tmp_path: Path) -> None:
     assert partials["status"] == ms.MISSED
     assert partials["measured"] == pytest.approx(154.18, abs=0.01)
     assert partials["nccl_GBps"] > 0 and "EP2" in partials["why"]
+
+
+def test_shape_clock_shares_one_budget_between_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
+    # Without a budget, every shape gets --timeout.
+    assert common.ShapeClock(90.0, None, floor_s=45.0).timeout(1) == 90.0
+    clock = common.ShapeClock(300.0, 116.0, floor_s=45.0)
+    # The first of two shapes may use all but the second's floor...
+    assert clock.timeout(1) == pytest.approx(71.0)
+    # ...and the second what the first left, the whole rest when it finished early.
+    now[0] += 60.0
+    assert clock.timeout(0) == pytest.approx(56.0)
+    # Never more than --timeout, never less than one second.
+    assert common.ShapeClock(30.0, 116.0, floor_s=45.0).timeout(1) == 30.0
+    now[0] += 500.0
+    assert clock.timeout(0) == 1.0
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        common.ShapeClock(90.0, 0.0, floor_s=45.0)
