@@ -138,14 +138,8 @@ template <int TileM, int ClusterM, int ClusterN, bool PingPong>
 Entry make_entry(const char* name) {
   using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
   Entry e;
-  e.config.name = name;
-  e.config.tile_m = TileM;
-  e.config.tile_n = kBlock;
-  e.config.tile_k = kBlock;
-  e.config.stages = G::kStages;
-  e.config.cluster_m = ClusterM;
-  e.config.cluster_n = ClusterN;
-  e.config.pingpong = PingPong;
+  e.config =
+      GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
   e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
   e.run = &run<G>;
   return e;

@@ -67,14 +67,8 @@ GroupedEntry make_entry(const char* name) {
   using G = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
                             GroupedEpilogue::kStore, Kind>;
   GroupedEntry e;
-  e.config.name = name;
-  e.config.tile_m = TileM;
-  e.config.tile_n = TileN;
-  e.config.tile_k = TileK;
-  e.config.stages = G::kStages;
-  e.config.cluster_m = ClusterM;
-  e.config.cluster_n = ClusterN;
-  e.config.pingpong = PingPong;
+  e.config =
+      GroupedGemmConfig{name, TileM, TileN, TileK, G::kStages, ClusterM, ClusterN, PingPong};
   e.run = &grouped_gemm_run<G>;
   if constexpr (Kind == GroupedKind::kForward) {
     using GSwiGlu = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
