@@ -678,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     # One runtime per spawn; room for the largest shape's buffers in NVSHMEM's heap.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
-    # On 4 H100s the DeepSeek-V3-like spawn took ~60 s and the Mixtral-like one ~45 s.
+    # On 4 H100s the two spawns took 103 s together; 55 s was too short for the DeepSeek-V3-like
+    # one, so the Mixtral-like one took under 48 s.
     clock = ShapeClock(args.timeout, args.budget, floor_s=45.0)
     for i, shape in enumerate(shapes):
         try:

@@ -51,9 +51,9 @@
 # Parts 1 and 2 pass their step's seconds as one --budget for their shapes (bench/common.py
 # ShapeClock): a shape may use what the earlier ones left, less a floor per later shape, instead
 # of a fixed half each. On 4 H100s (bench/results/2026-11-26-session22) the build took 112 s,
-# the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like ~60 s, Mixtral-like ~45 s), part 3
-# 59 s and part 4 46 s: ~540 s with the summary, inside 580 with little to spare; halves of part
-# 2's step (44 and 55 s) had cut its DeepSeek-V3-like shape short twice there.
+# the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like over 55 s, Mixtral-like under
+# 48 s), part 3 59 s and part 4 46 s: ~540 s with the summary, inside 580 with little to spare;
+# halves of part 2's step (44 and 55 s) had cut its DeepSeek-V3-like shape short twice there.
 # On 4 GPUs part 3 runs TP2 and TP4 (caps per TP size) and part 4 runs at 4 GPUs; on 8 GPUs part 4
 # runs at 4 and 8. Trim with --iters N (every timed-iteration count), --warmup N, --parts, or
 # --skip-tests / --skip-build (a warm machine whose build is current); or the MGPU_* variables
