@@ -214,7 +214,7 @@ def fp8_format_floor(
 ) -> torch.Tensor:
     """The MoE layer in fp32 on the fp8 path's quantized operands: each row quantized 1x128 (the
     fp8 dispatch), each weight 128x128 (``prepare_experts(..., "fp8")``) and the SwiGLU activation
-    1x128 (the second GEMM's input), every product and sum exact in fp32. Its distance from the
+    1x128 (the second GEMM's input), every product and sum in fp32 (no further rounding). Its distance from the
     bf16 layer is the error of the format alone, whatever the kernels do."""
     from uniep.gemm import (
         dequantize_expert_weights,
@@ -357,7 +357,7 @@ def _bench_layer(
             row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
             del out
         # What e4m3 itself costs on these operands: the same quantizations (rows 1x128, weights
-        # 128x128, the activation 1x128) with every product and sum exact in fp32.
+        # 128x128, the activation 1x128) with every product and sum in fp32.
         emulated = fp8_format_floor(x, idx, weights, w1, w2)
         row["rel_diff[fp8 format floor]"] = float((emulated - ref).norm() / ref.norm())
         row["fp8_error_over_format_floor"] = (
