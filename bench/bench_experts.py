@@ -214,8 +214,8 @@ def fp8_format_floor(
 ) -> torch.Tensor:
     """The MoE layer in fp32 on the fp8 path's quantized operands: each row quantized 1x128 (the
     fp8 dispatch), each weight 128x128 (``prepare_experts(..., "fp8")``) and the SwiGLU activation
-    1x128 (the second GEMM's input), every product and sum in fp32 (no further rounding). Its distance from the
-    bf16 layer is the error of the format alone, whatever the kernels do."""
+    1x128 (the second GEMM's input), every product and sum in fp32. Its distance from the bf16
+    layer is the error of the format alone, whatever the kernels do."""
     from uniep.gemm import (
         dequantize_expert_weights,
         dequantize_rows,
