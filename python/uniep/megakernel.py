@@ -134,7 +134,12 @@ def _begin(check: bool | str) -> None:
         check_errors(wait=False)
 
 
-def fused_tile_m(rows: int, num_experts: int, device: torch.device | int | None = None) -> int:
+def fused_tile_m(
+    rows: int,
+    num_experts: int,
+    device: torch.device | int | None = None,
+    pingpong_rows: int | None = None,
+) -> int:
     """The fused kernel's tile height for ``rows`` GEMM rows over ``num_experts`` experts on
     ``device`` (default: the current one): 64 (the ping-pong tiles, one warpgroup's epilogue
     under the other's mainloop) when the experts average at most
@@ -142,10 +147,14 @@ def fused_tile_m(rows: int, num_experts: int, device: torch.device | int | None 
     1 on one H200 with every CTA sending, 64-row tiles were 6-15% faster on experts of 128 to
     1024 rows and 128-row tiles 10% faster on Mixtral's 8192 (bench/results/2026-11-26-session20,
     17282dd); on one H100 the 128-row tiles were 5-12% faster on experts of 512 and 1024 rows
-    and the 64-row ones 13% on 256 (bench/results/2026-11-26-session21)."""
-    from .gemm import pingpong_rows
+    and the 64-row ones 13% on 256 (bench/results/2026-11-26-session21). ``pingpong_rows``
+    given: that limit instead of ``device``'s (the tuner's cost model prices a device by its
+    calibrated limit)."""
+    if pingpong_rows is None:
+        from .gemm import pingpong_rows as device_rows
 
-    return 64 if rows <= pingpong_rows(device) * num_experts else 128
+        pingpong_rows = device_rows(device)
+    return 64 if rows <= pingpong_rows * num_experts else 128
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

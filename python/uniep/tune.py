@@ -657,7 +657,11 @@ class CostModel:
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
-            fused.tile_m = 64 if shape.tokens * shape.top_k <= self.pingpong_rows * el else 128
+            from .megakernel import fused_tile_m
+
+            fused.tile_m = fused_tile_m(
+                shape.tokens * shape.top_k, el, pingpong_rows=self.pingpong_rows
+            )
         fused.tile_n, fused.tile_k = 256, 64
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
         # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were
