@@ -106,11 +106,12 @@ def grid_layers(world: int, mp_size: int, count: int, seed: int = 0) -> list[dic
 
 
 def measure_table(measured: list[dict]) -> list[str]:
-    """Predicted against measured ms per schedule, the choice, the measured best, the regret."""
+    """Predicted against measured ms per schedule, the choice, the measured best, the regret,
+    and the SAA chunk counts the layers ran (s1/s2: the model's; the baseline has no pair)."""
     lines = [
         "| layer | baseline pred / meas ms | s1 pred / meas | s2 pred / meas | chosen | "
-        "measured best | chose the faster | regret |",
-        "|---|---:|---:|---:|---|---|---|---:|",
+        "measured best | chose the faster | regret | SAA chunks s1/s2 |",
+        "|---|---:|---:|---:|---|---|---|---:|---|",
     ]
     for r in measured:
         name = (
@@ -121,9 +122,11 @@ def measure_table(measured: list[dict]) -> list[str]:
             f"{r['predicted'][s] * 1e3:.2f} / {r['measured'][s] * 1e3:.2f}"
             for s in ("baseline", "s1", "s2")
         )
+        chunks = r.get("saa_chunks", {})
         lines.append(
             f"| {name} | {cells} | {r['chosen']} | {r['measured_best']} | "
-            f"{'yes' if r['right'] else 'no'} | {r['regret']:.1%} |"
+            f"{'yes' if r['right'] else 'no'} | {r['regret']:.1%} | "
+            f"{chunks.get('s1', '-')}/{chunks.get('s2', '-')} |"
         )
     return lines
 
@@ -221,7 +224,7 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
             device=args.device,
         )
     else:
-        fn_args = (args.mp_size, layers, iters, args.device)
+        fn_args = (args.mp_size, layers, iters, args.device, model)
         per_rank = _spawn(measure_rank, args, fn_args, args.timeout)
         measured = measure_rows(layers, per_rank, args.world_size, args.mp_size, model, "cuda")
     backend = profile_result["backend"]

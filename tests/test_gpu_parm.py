@@ -78,6 +78,7 @@ def _run_layer(
         schedule=schedule,
         overflow="drop",
         dtype=dtype,
+        chunks=case["chunks"],
     ).to(device)
     layer.load_full(t["gate"].float(), t["w1"].to(dtype), t["w2"].to(dtype))
     x = t["x"][g].to(dtype).to(device).requires_grad_()
@@ -100,36 +101,30 @@ def _compare_worker(rank: int, world: int, cases: list[dict[str, Any]] | None = 
     cases = cases if cases is not None else CASES[world]
     groups: dict[int, tuple[Any, Any]] = {}
     report = []
-    try:
-        for case in cases:
-            N = case["N"]
-            if N not in groups:
-                groups[N] = new_groups(N) if world > 1 else (None, None)
-            mp, ep = groups[N]
-            pc.set_saa_chunks(case["chunks"])
-            t = case_tensors(dict(case, world=world))
-            g = rank // N
-            for dtype in (torch.bfloat16, torch.float32):
-                for schedule in SCHEDULES:
-                    on_gpu, drop_gpu = _run_layer(case, t, mp, ep, g, schedule, dtype, dev)
-                    on_cpu, drop_cpu = _run_layer(
-                        case, t, mp, ep, g, schedule, dtype, torch.device("cpu")
-                    )
-                    worst, what = 0.0, ""
-                    names = ("y", "l_aux", "dx", "dgate", "dw1", "dw2")
-                    for name, a, b in zip(names, on_gpu, on_cpu, strict=True):
-                        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape)
-                        scale = b.double().abs().max().clamp_min(1e-30)
-                        err = float((a.double() - b.double()).abs().max() / scale)
-                        if err > worst or not what:
-                            worst, what = err, name
-                    report.append(
-                        (case["name"], str(dtype), schedule, worst, what, drop_gpu, drop_cpu)
-                    )
-        if world > 1:
-            pc.shutdown()
-    finally:
-        pc.set_saa_chunks(4)
+    for case in cases:
+        N = case["N"]
+        if N not in groups:
+            groups[N] = new_groups(N) if world > 1 else (None, None)
+        mp, ep = groups[N]
+        t = case_tensors(dict(case, world=world))
+        g = rank // N
+        for dtype in (torch.bfloat16, torch.float32):
+            for schedule in SCHEDULES:
+                on_gpu, drop_gpu = _run_layer(case, t, mp, ep, g, schedule, dtype, dev)
+                on_cpu, drop_cpu = _run_layer(
+                    case, t, mp, ep, g, schedule, dtype, torch.device("cpu")
+                )
+                worst, what = 0.0, ""
+                names = ("y", "l_aux", "dx", "dgate", "dw1", "dw2")
+                for name, a, b in zip(names, on_gpu, on_cpu, strict=True):
+                    assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape)
+                    scale = b.double().abs().max().clamp_min(1e-30)
+                    err = float((a.double() - b.double()).abs().max() / scale)
+                    if err > worst or not what:
+                        worst, what = err, name
+                report.append((case["name"], str(dtype), schedule, worst, what, drop_gpu, drop_cpu))
+    if world > 1:
+        pc.shutdown()
     return report
 
 

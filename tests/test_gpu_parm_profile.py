@@ -70,7 +70,7 @@ def test_profile_fits_the_mp_collectives_and_measures_layers() -> None:
     model = cost_model_from_profile(result)
     rows = measure_layers(WORLD, 2, LAYERS, iters=2, model=model, timeout_s=240, device="cuda")
     assert len(rows) == len(LAYERS)
-    keys = {"measured", "predicted", "chosen", "measured_best", "right", "regret"}
+    keys = {"measured", "predicted", "chosen", "measured_best", "right", "regret", "saa_chunks"}
     for cfg, row in zip(LAYERS, rows, strict=True):
         assert set(row) == set(cfg) | keys
         assert {k: row[k] for k in cfg} == cfg

@@ -133,6 +133,10 @@ def test_measure_rows_same_format_on_both_devices() -> None:
             assert row["measured_best"] == best and row["right"] == (row["chosen"] == best)
             want = row["measured"][row["chosen"]] / row["measured"][best] - 1
             assert row["regret"] == pytest.approx(want) and row["regret"] >= 0
+            # What the layers ran with: the model's SAA chunk counts, 1 for the baseline.
+            plans = {sch: parm.saa_chunk_plan(p.shape, sch, model) for sch in parm.SCHEDULES}
+            assert row["saa_chunks"] == {sch: max(v) for sch, v in plans.items()}
+            assert row["saa_chunks"]["baseline"] == 1
     summary = bench_parm.choice_row(rows["cuda"], "uniep-cuda", 4, 2)
     assert summary["kind"] == "choice" and summary["layers"] == 2 and summary["goal"] == 0.95
     assert summary["right"] == sum(r["right"] for r in rows["cuda"])

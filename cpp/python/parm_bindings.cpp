@@ -3,7 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "uniep/parm.hpp"
 #include "uniep/status.hpp"
@@ -183,7 +186,30 @@ void bind_parm(py::module& parent) {
       .def_readwrite("gemm", &CostModel::gemm)
       .def_readwrite("mem_beta", &CostModel::mem_beta)
       .def_readwrite("max_chunks", &CostModel::max_chunks)
-      .def("compute_seconds", &CostModel::compute_seconds, py::arg("flops"), py::arg("mem_bytes"));
+      .def("compute_seconds", &CostModel::compute_seconds, py::arg("flops"), py::arg("mem_bytes"))
+      // Picklable so that a fitted model reaches spawned ranks (uniep.parm_profile).
+      .def(py::pickle(
+          [](const CostModel& cm) {
+            py::list comm;
+            for (const auto& links : cm.comm)
+              for (const AlphaBeta& ab : links) comm.append(py::make_tuple(ab.alpha, ab.beta));
+            return py::make_tuple(comm, py::make_tuple(cm.gemm.alpha, cm.gemm.beta), cm.mem_beta,
+                                  cm.max_chunks);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 4) throw std::invalid_argument("CostModel: not a pickled CostModel");
+            const auto comm = t[0].cast<std::vector<std::pair<double, double>>>();
+            if (comm.size() != kNumCollectives * 2)
+              throw std::invalid_argument("CostModel: not a pickled CostModel");
+            CostModel cm;
+            for (size_t i = 0; i < comm.size(); ++i)
+              cm.comm[i / 2][i % 2] = AlphaBeta{comm[i].first, comm[i].second};
+            const auto gemm = t[1].cast<std::pair<double, double>>();
+            cm.gemm = AlphaBeta{gemm.first, gemm.second};
+            cm.mem_beta = t[2].cast<double>();
+            cm.max_chunks = t[3].cast<int64_t>();
+            return cm;
+          }));
   m.def("cost_model_from_cluster", &cost_model_from_cluster, py::arg("spec"), py::arg("layout"));
 
   py::class_<Pricing>(m, "Pricing")

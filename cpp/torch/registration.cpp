@@ -132,14 +132,16 @@ TORCH_LIBRARY(uniep, m) {
   // Parm (MP+EP+ESP, include/uniep/parm.hpp): one MoE layer under one schedule ("baseline", "s1",
   // "s2"). Besides y and l_aux it returns what the backward needs: the expert input and the
   // combine input of this rank, and stats = [top-1 counts of the MP group (E), dropped pairs,
-  // largest (slice, expert) demand, slice capacity] (float64). CPU: uniep/parm_ops.py.
+  // largest (slice, expert) demand, slice capacity] (float64). chunks: the plan's SAA chunk
+  // counts, one per step of the forward list then of the backward list (Pricing::chunks of
+  // each); [] leaves every pair to the executor's default. CPU: uniep/parm_ops.py.
   m.def(
       "parm_moe_forward(Tensor x, Tensor gate, Tensor w1, Tensor w2, str mp_group, "
-      "str ep_group, int top_k, float capacity_factor, str schedule, str overflow=\"error\") -> "
-      "(Tensor y, Tensor l_aux, Tensor exp_in, Tensor comb, Tensor stats)");
+      "str ep_group, int top_k, float capacity_factor, str schedule, str overflow=\"error\", "
+      "int[] chunks=[]) -> (Tensor y, Tensor l_aux, Tensor exp_in, Tensor comb, Tensor stats)");
   m.def(
       "parm_moe_backward(Tensor grad_y, Tensor grad_l_aux, Tensor x, Tensor gate, Tensor w1, "
       "Tensor w2, Tensor exp_in, Tensor comb, Tensor stats, str mp_group, str ep_group, "
-      "int top_k, float capacity_factor, str schedule) -> "
+      "int top_k, float capacity_factor, str schedule, int[] chunks=[]) -> "
       "(Tensor grad_x, Tensor grad_gate, Tensor grad_w1, Tensor grad_w2)");
 }

@@ -39,6 +39,7 @@ __all__ = [
     "new_groups",
     "plan",
     "rank_layout",
+    "saa_chunk_plan",
 ]
 
 SCHEDULES = ("baseline", "s1", "s2")
@@ -133,6 +134,23 @@ class ParmPlan:
         return _C.parm.build_steps(self.shape, schedule or self.schedule, pass_)
 
 
+def saa_chunk_plan(
+    shape: Any, schedule: str, model: Any = None, chunks: int | str = "auto"
+) -> list[int]:
+    """The ``chunks`` argument of ``torch.ops.uniep.parm_moe_forward`` for ``schedule`` on
+    ``shape``: one count per step of its forward list, then of its backward list; 1 off the SAA
+    pairs. "auto": the counts ``model`` priced the pairs at (``Pricing.chunks``); an int: that
+    count on every pair."""
+    out: list[int] = []
+    for pass_ in ("forward", "backward"):
+        steps = _C.parm.build_steps(shape, schedule, pass_)
+        if chunks == "auto":
+            out += [int(c) for c in _C.parm.price(steps, model).chunks]
+        else:
+            out += [chunks if s.overlap_with >= 0 else 1 for s in steps.steps]
+    return out
+
+
 def _dtype_bytes(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
 
@@ -208,6 +226,11 @@ class ParmMoELayer(nn.Module):
         overflow: "error" (default: every rank raises CapacityError) or "drop" (pairs beyond
             capacity contribute nothing; counted in ``last_stats['dropped']``).
         cluster / gpus_per_node / model: what "auto" prices (see ``plan``).
+        chunks: how many chunks each SAA pair is pipelined in: "auto" (default) the count the
+            cost model priced the pair at (``uniep._C.parm.price(steps, model).chunks``, from
+            ``model`` or ``cluster``, whether the schedule is "auto" or named), so the layer
+            runs what was priced; an int >= 1: that count for every pair. All give the same
+            result.
 
     Parameters: ``gate`` [M, E] float32 (replicated; under S1 its gradient is summed over the MP
     group by the backward step list), ``w1`` [E_loc, M, H/N], ``w2`` [E_loc, H/N, M]: this rank's
@@ -215,7 +238,8 @@ class ParmMoELayer(nn.Module):
     every rank, the shards of all ranks together are one full layer's weights (``load_full``).
 
     forward(x [..., M]) -> y [..., M]; ``self.l_aux`` is GShard's load-balancing loss of the MP
-    group's tokens (differentiable), ``self.last_schedule`` and ``self.last_stats`` say what ran.
+    group's tokens (differentiable), ``self.last_schedule``, ``self.last_chunks`` (the SAA chunk
+    counts per step, forward list then backward list) and ``self.last_stats`` say what ran.
     """
 
     def __init__(
@@ -233,8 +257,13 @@ class ParmMoELayer(nn.Module):
         cluster: Any = "h100-ib",
         gpus_per_node: int | None = None,
         model: Any = None,
+        chunks: int | str = "auto",
     ) -> None:
         super().__init__()
+        if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)):
+            raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
+        if chunks != "auto" and chunks < 1:
+            raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
         if schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")
         if overflow not in ("error", "drop"):
@@ -273,6 +302,7 @@ class ParmMoELayer(nn.Module):
         )
         self.capacity_factor, self.schedule, self.overflow = capacity_factor, schedule, overflow
         self.cluster, self.gpus_per_node, self.model = cluster, gpus_per_node or N, model
+        self.chunks = chunks
         E_loc, Hn = num_experts // G, ffn_hidden // N
         self.gate = nn.Parameter(torch.empty(hidden, num_experts, dtype=torch.float32))
         self.w1 = nn.Parameter(torch.empty(E_loc, hidden, Hn, dtype=dtype))
@@ -280,8 +310,9 @@ class ParmMoELayer(nn.Module):
         self.reset_parameters()
         self.l_aux: torch.Tensor | None = None
         self.last_schedule: str | None = None
+        self.last_chunks: list[int] = []
         self.last_stats: dict[str, int] = {}
-        self._plans: dict[int, str] = {}
+        self._plans: dict[int, tuple[str, list[int]]] = {}
         self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
 
     def reset_parameters(self) -> None:
@@ -319,16 +350,20 @@ class ParmMoELayer(nn.Module):
             dtype_bytes=_dtype_bytes(self.w1.dtype),
         )
 
-    def _plan(self, tokens: int) -> str:
+    def _cost_model(self) -> Any:
+        gr = self.groups
+        return self.model or cost_model(
+            gr.mp_size * gr.ep_size, gr.mp_size, self.cluster, self.gpus_per_node
+        )
+
+    def _plan(self, tokens: int) -> tuple[str, list[int]]:
+        """(schedule, SAA chunk counts of its forward then backward list) for ``tokens``."""
         if tokens not in self._plans:
-            name = self.schedule
+            shape, name = self._shape(tokens), self.schedule
+            model = self._cost_model() if "auto" in (name, self.chunks) else None
             if name == "auto":
-                gr = self.groups
-                model = self.model or cost_model(
-                    gr.mp_size * gr.ep_size, gr.mp_size, self.cluster, self.gpus_per_node
-                )
-                name = _C.parm.choose(self._shape(tokens), model)[0]
-            self._plans[tokens] = name
+                name = _C.parm.choose(shape, model)[0]
+            self._plans[tokens] = (name, saa_chunk_plan(shape, name, model, self.chunks))
         return self._plans[tokens]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +377,7 @@ class ParmMoELayer(nn.Module):
                 f".to()), got {x.device}"
             )
         flat = x.reshape(-1, self.hidden).contiguous()
-        name = self._plan(flat.shape[0])
+        name, chunks = self._plan(flat.shape[0])
         gr = self.groups
         y, self.l_aux, _, _, stats = torch.ops.uniep.parm_moe_forward(
             flat,
@@ -355,6 +390,7 @@ class ParmMoELayer(nn.Module):
             float(self.capacity_factor),
             name,
             self.overflow,
+            chunks,
         )
         E = self.num_experts
         self.last_stats = {
@@ -362,5 +398,5 @@ class ParmMoELayer(nn.Module):
             "max_demand": int(stats[E + 1]),
             "slice_capacity": int(stats[E + 2]),
         }
-        self.last_schedule = name
+        self.last_schedule, self.last_chunks = name, chunks
         return y.reshape(x.shape)

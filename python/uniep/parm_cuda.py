@@ -28,11 +28,13 @@ moved are P/N (all-gather, reduce-scatter) or P/G (all-to-all) times what a sub-
 would move. A runtime with a PE table for sub-groups is left for later (docs/parm.md, §5).
 
 **The SAA pairs are pipelined.** An EP all-to-all followed by the MP all-gather of what arrived
-(the S1/S2 dispatch, and S2's combine) is cut into chunks of the capacity dimension
-(``set_saa_chunks``, default 4): chunk i's all-to-all is issued on the caller's stream, its
-all-gather on a second stream after an event, so chunk i's all-gather runs beside chunk i+1's
-all-to-all. The two halves use two carrier groups, i.e. two collectives runtimes with their own
-slots and streams, so neither waits for the other's previous call. The values are those of the
+(the S1/S2 dispatch, and S2's combine) is cut into chunks of the capacity dimension: as many as
+the plan gives the pair (the ops' ``chunks``, which ``ParmMoELayer`` takes from the cost model
+that priced the schedule, ``uniep._C.parm.price(...).chunks``), else ``set_saa_chunks``'s count
+(default 4). Chunk i's all-to-all is issued on the caller's stream, its all-gather on a second
+stream after an event, so chunk i's all-gather runs beside chunk i+1's all-to-all. The two
+halves use two carrier groups, i.e. two collectives runtimes with their own slots and streams,
+so neither waits for the other's previous call. The values are those of the
 unpipelined steps (``parm_exec.chunk_pipeline``; tests/test_parm_backends.py checks it on CPU).
 
 The same backend also runs on CPU tensors, over UniEP's CPU collectives and the carrier groups
@@ -189,7 +191,8 @@ class CudaBackend:
         groups: this rank's MP and EP groups.
         lanes: where an SAA pair's halves run; None: ``CudaLanes`` for CUDA tensors, one lane
             (``SerialLanes``) for CPU tensors.
-        chunks: chunks per SAA pair (None: ``saa_chunks()``).
+        chunks: chunks per SAA pair where the step list's plan gives none (None:
+            ``saa_chunks()``).
         block_bytes: the carriers' slot size in bytes, for callers that run no layer
             (``uniep.parm_profile``); None: ``layer_block_bytes(shape)``.
     """
@@ -322,11 +325,12 @@ class CudaBackend:
         first: Callable[[torch.Tensor], torch.Tensor],
         second: Callable[[torch.Tensor], torch.Tensor],
         t: torch.Tensor,
+        chunks: int | None = None,
     ) -> torch.Tensor:
         lanes = self.lanes
         if lanes is None:
             lanes = CudaLanes(t.device) if t.is_cuda else SerialLanes()
-        return chunk_pipeline(first, second, t, self.chunks, lanes)
+        return chunk_pipeline(first, second, t, self.chunks if chunks is None else chunks, lanes)
 
     def end_pass(self) -> None:
         # A device wait that timed out (a peer that never called) raises here, naming the peer;

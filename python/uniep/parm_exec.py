@@ -29,7 +29,7 @@ top-1 counts (for the load-balancing loss).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -112,8 +112,10 @@ class ParmBackend(Protocol):
         first: Callable[[torch.Tensor], torch.Tensor],
         second: Callable[[torch.Tensor], torch.Tensor],
         t: torch.Tensor,
+        chunks: int | None = None,
     ) -> torch.Tensor:
-        """``second(first(t))``, possibly in chunks of dim ``CHUNK_DIM`` (an SAA pair)."""
+        """``second(first(t))``, possibly in chunks of dim ``CHUNK_DIM`` (an SAA pair):
+        ``chunks`` of them when given (the plan's count), else the backend's default."""
         ...
 
     def end_pass(self) -> None:
@@ -170,6 +172,35 @@ def chunk_pipeline(
     return outs[0] if n == 1 else torch.cat(outs, dim=CHUNK_DIM)
 
 
+def check_chunks(chunks: Sequence[int] | None, steps: Any, name: str = "chunks") -> list[int]:
+    """``chunks`` as the plan gives it (``uniep._C.parm.price(steps, model).chunks``): one count
+    per step of ``steps``, 1 off the SAA pairs, the two members of a pair equal. None or empty
+    means no plan (the backend's default for every pair); returns [] then.
+
+    Raises:
+        ValueError: a wrong length, a count below 1, or a pair whose members differ.
+    """
+    if not chunks:
+        return []
+    lst = list(steps.steps)
+    got = list(chunks)
+    if len(got) != len(lst):
+        raise ValueError(
+            f"{name}: expected one chunk count per step of the {steps.schedule} "
+            f"{steps.pass_} list ({len(lst)}), got {len(got)}"
+        )
+    for i, (c, step) in enumerate(zip(got, lst, strict=True)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"{name}: step {i} ({step.op}): expected an int >= 1, got {c!r}")
+        j = step.overlap_with
+        if 0 <= j < len(lst) and got[j] != c:
+            raise ValueError(
+                f"{name}: the SAA pair of steps {min(i, j)} and {max(i, j)} must have one chunk "
+                f"count, got {got[min(i, j)]} and {got[max(i, j)]}"
+            )
+    return got
+
+
 def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """parts[0] + parts[1] + ..., in that order (bits independent of a backend's order)."""
     out = parts[0].clone()
@@ -203,7 +234,8 @@ class ParmExecutor:
     # ---- walking a step list ----
     @staticmethod
     def _walk(steps: Any):
-        """(step, SAA partner or None) in list order; a pair's second member is not repeated."""
+        """(index, step, SAA partner or None) in list order; a pair's second member is not
+        repeated."""
         lst = list(steps.steps)
         i = 0
         while i < len(lst):
@@ -214,14 +246,17 @@ class ParmExecutor:
                         f"steps: an SAA pair must be two adjacent steps, the second reading the "
                         f"first's output; step {i} ({step.op}) pairs with step {step.overlap_with}"
                     )
-                yield step, lst[i + 1]
+                yield i, step, lst[i + 1]
                 i += 2
             else:
-                yield step, None
+                yield i, step, None
                 i += 1
 
-    def _pair(self, first_op: str, second_op: str, t: torch.Tensor) -> torch.Tensor:
-        """An SAA pair (an EP all-to-all, then an MP all-gather of what arrived) on ``t``."""
+    def _pair(
+        self, first_op: str, second_op: str, t: torch.Tensor, chunks: int | None
+    ) -> torch.Tensor:
+        """An SAA pair (an EP all-to-all, then an MP all-gather of what arrived) on ``t``, in
+        ``chunks`` pieces (None: the backend's default)."""
 
         def first(chunk: torch.Tensor) -> torch.Tensor:
             return self._move(first_op, chunk)
@@ -229,13 +264,13 @@ class ParmExecutor:
         if second_op == "mp_all_gather_capacity":
             # Gathered as [E, N, rows, M] so that the rows stay at CHUNK_DIM; the capacity
             # layout [E, N*rows, M] (MP rank n's rows at [n*rows, (n+1)*rows)) once whole.
-            out = self.be.pipelined(first, self._gather_capacity, t)
+            out = self.be.pipelined(first, self._gather_capacity, t, chunks)
             return out.reshape(out.shape[0], -1, out.shape[-1])
 
         def second(chunk: torch.Tensor) -> torch.Tensor:
             return self._move(second_op, chunk)
 
-        return self.be.pipelined(first, second, t)
+        return self.be.pipelined(first, second, t, chunks)
 
     # ---- routing ----
     def _slices(self, tokens: int, split: bool, device: torch.device) -> torch.Tensor:
@@ -281,16 +316,25 @@ class ParmExecutor:
 
     # ---- forward ----
     def forward(
-        self, x: torch.Tensor, wg: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, steps: Any
+        self,
+        x: torch.Tensor,
+        wg: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        steps: Any,
+        chunks: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardState]:
-        """(y, l_aux, what the backward needs)."""
+        """(y, l_aux, what the backward needs). ``chunks``: the SAA pairs' chunk counts, one per
+        step (``check_chunks``); None: the backend's default."""
         st = ForwardState()
         env: dict[str, torch.Tensor] = {"x": x}
         split = self._begin(steps)
-        for step, partner in self._walk(steps):
+        plan = check_chunks(chunks, steps)
+        for i, step, partner in self._walk(steps):
             op = step.op
             if partner is not None:
-                env[partner.output] = self._pair(op, partner.op, env[step.input])
+                n = plan[i] if plan else None
+                env[partner.output] = self._pair(op, partner.op, env[step.input], n)
             elif op == "gate":
                 st.route = self._route(env[step.input], wg, split)
                 self._top1_total = st.route.top1
@@ -427,15 +471,18 @@ class ParmExecutor:
         w1: torch.Tensor,
         w2: torch.Tensor,
         steps: Any,
+        chunks: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dx, d gate, d w1, d w2) from the backward step list."""
+        """(dx, d gate, d w1, d w2) from the backward step list; ``chunks`` as in ``forward``."""
         env: dict[str, torch.Tensor] = {"dy": dy.contiguous()}
         r = st.route
         grads: dict[str, torch.Tensor] = {}
-        for step, partner in self._walk(steps):
+        plan = check_chunks(chunks, steps)
+        for i, step, partner in self._walk(steps):
             op, g = step.op, env.get(step.input)
             if partner is not None:
-                env[partner.output] = self._pair(op, partner.op, g)
+                n = plan[i] if plan else None
+                env[partner.output] = self._pair(op, partner.op, g, n)
             elif op == "iorder_bwd":
                 env[step.output], env["d_w"] = self._iorder_bwd(g, st.saved["comb"], r)
             elif op == "expert_bwd":

@@ -3,12 +3,16 @@ step-list interpreter of uniep.parm_exec over uniep.parm_cpu's gloo backend or u
 backend on UniEP's collectives), fake kernels and autograd. Schemas: cpp/torch/registration.cpp.
 
     parm_moe_forward(x [S, M], gate [M, E] float32, w1 [E_loc, M, H/N], w2 [E_loc, H/N, M],
-                     mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error")
+                     mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error",
+                     chunks=[])
         -> y [S, M], l_aux [] float32, exp_in, comb, stats [E + 3] float64
     exp_in  [G, E_loc, N*c, M] (baseline) or [N, G, E_loc, c, M] (s1, s2): this rank's expert input
     comb    [E, N*c, M] (baseline, s2) or [E, c, M] (s1): this rank's combine input
     stats   top-1 counts of the MP group's tokens (E), dropped pairs, largest (slice, expert)
             demand, slice capacity c
+    chunks  the plan's SAA chunk counts: ``price(forward list).chunks`` followed by
+            ``price(backward list).chunks`` (one per step, ``parm_exec.check_chunks``); []
+            leaves every pair to the executor's default. The values do not depend on it.
 
 Group arguments are ``ProcessGroup.group_name``; "" is a group of one rank. The backward
 recomputes the local compute steps from (x, gate, exp_in, comb) and runs the backward step list.
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from . import _C
 from .parm_cpu import CpuExecutor, Groups
-from .parm_exec import ParmExecutor
+from .parm_exec import ParmExecutor, check_chunks
 
 SCHEDULES = ("baseline", "s1", "s2")
 _CUDA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -141,17 +145,53 @@ def _on_device(x: torch.Tensor) -> Any:
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def split_chunks(chunks: Any, fwd: Any, bwd: Any) -> tuple[list[int], list[int]]:
+    """The ops' ``chunks`` as (forward counts, backward counts), each checked against its list
+    (both empty for [])."""
+    got = list(chunks)
+    if not got:
+        return [], []
+    n_fwd, n_bwd = len(fwd.steps), len(bwd.steps)
+    if len(got) != n_fwd + n_bwd:
+        raise ValueError(
+            f"chunks: expected one count per step of the {fwd.schedule} forward list "
+            f"({n_fwd}) and of its backward list ({n_bwd}), {n_fwd + n_bwd} in all, got {len(got)}"
+        )
+    return (
+        check_chunks(got[:n_fwd], fwd, "chunks (forward part)"),
+        check_chunks(got[n_fwd:], bwd, "chunks (backward part)"),
+    )
+
+
+def _lists(shape: Any, schedule: str) -> tuple[Any, Any]:
+    return (
+        _C.parm.build_steps(shape, schedule, "forward"),
+        _C.parm.build_steps(shape, schedule, "backward"),
+    )
+
+
 def _forward_kernel(
-    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error"
+    x,
+    gate,
+    w1,
+    w2,
+    mp_group,
+    ep_group,
+    top_k,
+    capacity_factor,
+    schedule,
+    overflow="error",
+    chunks=(),
 ):
     if overflow not in ("error", "drop"):
         raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
     ex, shape = _executor(
         x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
     )
-    fwd = _C.parm.build_steps(shape, schedule, "forward")
+    fwd, bwd = _lists(shape, schedule)
+    fwd_chunks, _ = split_chunks(chunks, fwd, bwd)
     with _on_device(x):
-        y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd)
+        y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd, fwd_chunks)
     s = st.stats
     tail = torch.tensor([s["dropped"], s["max_demand"], s["slice_capacity"]], dtype=torch.float64)
     stats = torch.cat([st.saved["top1_total"].double(), tail.to(x.device)])
@@ -173,16 +213,17 @@ def _backward_kernel(
     top_k,
     capacity_factor,
     schedule,
+    chunks=(),
 ):
     ex, shape = _executor(
         x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, "drop"
     )
     E = int(gate.shape[1])
-    fwd = _C.parm.build_steps(shape, schedule, "forward")
-    bwd = _C.parm.build_steps(shape, schedule, "backward")
+    fwd, bwd = _lists(shape, schedule)
+    _, bwd_chunks = split_chunks(chunks, fwd, bwd)
     with _on_device(x):
         st = ex.rebuild(x.contiguous(), gate, exp_in, comb, stats[:E].clone(), fwd)
-        return ex.backward(st, grad_y, grad_l_aux, gate, w1, w2, bwd)
+        return ex.backward(st, grad_y, grad_l_aux, gate, w1, w2, bwd, bwd_chunks)
 
 
 # One Python implementation per op for both keys: the executor picks its backend from x's
@@ -203,7 +244,17 @@ def _saved_shapes(x, gate, w1, mp_group, ep_group, top_k, capacity_factor, sched
 
 @torch.library.register_fake("uniep::parm_moe_forward")
 def _forward_fake(
-    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error"
+    x,
+    gate,
+    w1,
+    w2,
+    mp_group,
+    ep_group,
+    top_k,
+    capacity_factor,
+    schedule,
+    overflow="error",
+    chunks=(),
 ):
     N, G = _sizes(mp_group, ep_group)
     _check(x, gate, w1, w2, schedule, N, G)
@@ -233,6 +284,7 @@ def _backward_fake(
     top_k,
     capacity_factor,
     schedule,
+    chunks=(),
 ):
     N, G = _sizes(mp_group, ep_group)
     _check(x, gate, w1, w2, schedule, N, G)
@@ -246,10 +298,11 @@ def _backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, *_ = inputs
+    x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, *rest = inputs
     _, _, exp_in, comb, stats = output
     ctx.save_for_backward(x, gate, w1, w2, exp_in, comb, stats)
-    ctx.args = (mp_group, ep_group, top_k, capacity_factor, schedule)
+    chunks = list(rest[1]) if len(rest) > 1 else []
+    ctx.args = (mp_group, ep_group, top_k, capacity_factor, schedule, chunks)
     ctx.mark_non_differentiable(exp_in, comb, stats)
 
 
@@ -259,7 +312,7 @@ def _backward(ctx: Any, grad_y: torch.Tensor, grad_l_aux: torch.Tensor, *_: Any)
     gx, gg, g1, g2 = torch.ops.uniep.parm_moe_backward(
         grad_y.contiguous(), grad_l_aux, x, gate, w1, w2, exp_in, comb, stats, *ctx.args
     )
-    return gx, gg, g1, g2, None, None, None, None, None, None
+    return gx, gg, g1, g2, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("uniep::parm_moe_forward", _backward, setup_context=_setup_context)

@@ -353,7 +353,9 @@ def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
     return model
 
 
-def _new_layer(mp: Any, ep: Any, cfg: dict, schedule: str, dtype: torch.dtype) -> Any:
+def _new_layer(
+    mp: Any, ep: Any, cfg: dict, schedule: str, dtype: torch.dtype, model: Any = None
+) -> Any:
     from .parm import ParmMoELayer
 
     torch.manual_seed(0)
@@ -368,6 +370,7 @@ def _new_layer(mp: Any, ep: Any, cfg: dict, schedule: str, dtype: torch.dtype) -
         schedule=schedule,
         overflow="drop",
         dtype=dtype,
+        model=model,
     )
 
 
@@ -377,19 +380,27 @@ def _layer_input(cfg: dict) -> torch.Tensor:
 
 
 def measure_rank(
-    rank: int, world: int, mp_size: int, layers: list[dict], iters: int, device: str = "cpu"
+    rank: int,
+    world: int,
+    mp_size: int,
+    layers: list[dict],
+    iters: int,
+    device: str = "cpu",
+    model: Any = None,
 ) -> list:
-    """Median seconds of ParmMoELayer forward+backward per layer config and schedule."""
+    """Median seconds of ParmMoELayer forward+backward per layer config and schedule. ``model``
+    prices the layers' SAA chunk counts (``ParmMoELayer``'s ``chunks="auto"``), so each layer
+    runs what the model priced; None: the h100-ib preset."""
     from .parm import SCHEDULES, ParmMoELayer
 
     if device == "cuda":
-        return _measure_rank_cuda(rank, world, mp_size, layers, iters)
+        return _measure_rank_cuda(rank, world, mp_size, layers, iters, model)
     mp, ep = new_groups(mp_size)
     out = []
     for cfg in layers:
         times = {}
         for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.float32)
+            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, model)
             x = _layer_input(cfg)
 
             def step(layer: ParmMoELayer = layer, x: torch.Tensor = x) -> None:
@@ -407,7 +418,7 @@ def _cuda_step(layer: Any, x: torch.Tensor) -> None:
 
 
 def _measure_rank_cuda(
-    rank: int, world: int, mp_size: int, layers: list[dict], iters: int
+    rank: int, world: int, mp_size: int, layers: list[dict], iters: int, model: Any
 ) -> list[dict[str, float]]:
     from . import parm_cuda
     from .parm import SCHEDULES, plan
@@ -427,7 +438,7 @@ def _measure_rank_cuda(
         cfg = layers[i]
         steps = {}
         for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16).to(dev)
+            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, model).to(dev)
             x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
             steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
         out[i] = _time_interleaved(steps, iters, cuda=True)
@@ -454,7 +465,8 @@ def measure_layers(
     ``device="cuda"``: bf16 on ``world`` ranks sharing one GPU (the CUDA executor; ranks and
     caveats as in ``profile``), the three schedules' calls taking turns, each call between
     ``torch.cuda.synchronize()`` calls. ``model`` is the ``CostModel`` that chooses (e.g.
-    ``cost_model_from_profile`` of a profile on the same device); None: the h100-ib preset.
+    ``cost_model_from_profile`` of a profile on the same device) and prices the SAA chunk counts
+    the layers run with; None: the h100-ib preset.
 
     ``layers``: dicts of ``tokens, hidden, ffn_hidden, num_experts, top_k, capacity_factor``.
 
@@ -463,7 +475,8 @@ def measure_layers(
         RuntimeError: ``device="cuda"`` cannot run here, or a rank failed.
     """
     check_device(device)
-    per_rank = _run(measure_rank, world, (mp_size, layers, iters, device), device, timeout_s)
+    fn_args = (mp_size, layers, iters, device, model)
+    per_rank = _run(measure_rank, world, fn_args, device, timeout_s)
     return measure_rows(layers, per_rank, world, mp_size, model, device)
 
 
@@ -477,9 +490,11 @@ def measure_rows(
 ) -> list[dict[str, Any]]:
     """``measure_layers``' rows from every rank's ``measure_rank`` output: per layer its config
     and ``measured`` / ``predicted`` seconds per schedule, ``chosen`` (the cost model's pick,
-    priced in the device's dtype: float32 on CPU, bf16 on CUDA), ``measured_best``, ``right``
-    and ``regret`` (the chosen schedule's measured time over the best's, minus 1)."""
-    from .parm import plan
+    priced in the device's dtype: float32 on CPU, bf16 on CUDA), ``measured_best``, ``right``,
+    ``regret`` (the chosen schedule's measured time over the best's, minus 1) and ``saa_chunks``
+    (per schedule, the largest SAA chunk count the model priced, which the layers ran; 1: no
+    pair was pipelined)."""
+    from .parm import cost_model, plan, saa_chunk_plan
 
     check_device(device, need_cuda=False)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -487,6 +502,8 @@ def measure_rows(
     for i, cfg in enumerate(layers):
         measured = {s: max(r[i][s] for r in per_rank) for s in per_rank[0][i]}
         p = plan(world, mp_size, dtype=dtype, gpus_per_node=mp_size, model=model, **cfg)
+        priced = model or cost_model(world, mp_size, "h100-ib", mp_size)
+        chunks = {s: max(saa_chunk_plan(p.shape, s, priced)) for s in measured}
         best = min(measured, key=measured.get)
         rows.append(
             dict(
@@ -497,6 +514,7 @@ def measure_rows(
                 measured_best=best,
                 right=p.schedule == best,
                 regret=measured[p.schedule] / measured[best] - 1,
+                saa_chunks=chunks,
             )
         )
     return rows
