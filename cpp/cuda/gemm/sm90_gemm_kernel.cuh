@@ -12,6 +12,7 @@
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/gemm.hpp"
 
 namespace uniep::cuda {
@@ -91,16 +92,7 @@ struct Sm90Bf16Gemm {
       return {StatusCode::kInvalidArgument,
               detail::str_cat("the sm90 GEMM needs ", need, " bytes of workspace, got ",
                               workspace_bytes)};
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-      return {StatusCode::kUnsupported, "the sm90 GEMM cannot implement these operands"};
-    cutlass::Status s = gemm.initialize(args, workspace, stream);
-    if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-    if (s != cutlass::Status::kSuccess)
-      return {StatusCode::kInternal,
-              detail::str_cat("the sm90 GEMM failed to launch: ", cutlassGetStatusString(s), " (",
-                              cudaGetErrorString(cudaGetLastError()), ")")};
-    return Status::Ok();
+    return launch_cutlass<Gemm>(args, workspace, stream, "the sm90 GEMM");
   }
 };
 

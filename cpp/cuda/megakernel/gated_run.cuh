@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/megakernel/gated_mainloop.cuh"
@@ -68,16 +69,8 @@ Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const T
                       const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
                       cudaStream_t stream) {
   const auto args = gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out);
-  typename GatedGemm<Epi>::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, "the gated grouped GEMM cannot implement these operands"};
-  cutlass::Status s = gemm.initialize(args, ws.gemm, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the gated grouped GEMM failed to launch: ", cutlassGetStatusString(s),
-                            " (", cudaGetErrorString(cudaGetLastError()), ")")};
-  return Status::Ok();
+  return launch_cutlass<typename GatedGemm<Epi>::Gemm>(args, ws.gemm, stream,
+                                                     "the gated grouped GEMM");
 }
 
 // One per epilogue, each defined in its own translation unit.

@@ -25,6 +25,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -122,16 +123,7 @@ template <class G>
 Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
            int sm_count, cudaStream_t stream) {
   const typename G::Device::Arguments args = arguments<G>(ws, fa, num_experts, device, sm_count);
-  typename G::Device gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, "the fp8 grouped GEMM cannot implement these operands"};
-  cutlass::Status s = gemm.initialize(args, fa.gemm, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the fp8 grouped GEMM failed to launch: ", cutlassGetStatusString(s),
-                            " (", cudaGetErrorString(cudaGetLastError()), ")")};
-  return Status::Ok();
+  return launch_cutlass<typename G::Device>(args, fa.gemm, stream, "the fp8 grouped GEMM");
 }
 
 template <int TileM, int ClusterM, int ClusterN, bool PingPong>

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/grouped/grouped_configs.hpp"
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "uniep/status.hpp"
@@ -49,16 +50,7 @@ Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out
                         int sm_count, cudaStream_t stream) {
   const typename G::Gemm::Arguments args =
       grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out);
-  typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, "the grouped GEMM cannot implement these operands"};
-  cutlass::Status s = gemm.initialize(args, ws.gemm, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the grouped GEMM failed to launch: ", cutlassGetStatusString(s), " (",
-                            cudaGetErrorString(cudaGetLastError()), ")")};
-  return Status::Ok();
+  return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
 }
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
