@@ -222,11 +222,14 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
             model=model,
             timeout_s=args.timeout,
             device=args.device,
+            chunks=args.saa_chunks,
         )
     else:
-        fn_args = (args.mp_size, layers, iters, args.device, model)
+        fn_args = (args.mp_size, layers, iters, args.device, model, args.saa_chunks)
         per_rank = _spawn(measure_rank, args, fn_args, args.timeout)
-        measured = measure_rows(layers, per_rank, args.world_size, args.mp_size, model, "cuda")
+        measured = measure_rows(
+            layers, per_rank, args.world_size, args.mp_size, model, "cuda", args.saa_chunks
+        )
     backend = profile_result["backend"]
     print()
     print("\n".join(measure_table(measured)))
@@ -303,6 +306,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure K layers of the simulator's grid at this layout (default: the fixed set)",
     )
     parser.add_argument("--iters", type=int, default=None, help="timed calls per size / layer")
+    parser.add_argument(
+        "--saa-chunks",
+        default="auto",
+        help="chunks per SAA pair in the measured layers: auto (the fitted model's) or an int",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per spawn")
     parser.add_argument("--no-simulate", action="store_true", help="skip the simulator grids")
     args = parser.parse_args(argv)
@@ -316,6 +324,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--mp-size {args.mp_size} must divide --world-size {args.world_size}")
     if args.grid_sample < 0 or args.iters is not None and args.iters < 1:
         parser.error("--grid-sample must be >= 0 and --iters >= 1")
+    if args.saa_chunks != "auto":
+        if not args.saa_chunks.isdigit() or int(args.saa_chunks) < 1:
+            parser.error(f"--saa-chunks must be auto or an int >= 1, got {args.saa_chunks!r}")
+        args.saa_chunks = int(args.saa_chunks)
     return args
 
 

@@ -210,6 +210,14 @@ def test_parm_one_rank_per_gpu_arguments() -> None:
     assert bench_parm.per_gpu_problem(bench_parm.parse_args([])) is None
 
 
+def test_parm_saa_chunks_argument() -> None:
+    assert bench_parm.parse_args([]).saa_chunks == "auto"
+    assert bench_parm.parse_args(["--saa-chunks", "4"]).saa_chunks == 4
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            bench_parm.parse_args(["--saa-chunks", bad])
+
+
 def _dry_run(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "MGPU_WORK": str(tmp_path / "work")}
     env["UNIEP_DEVICE_KIND"] = "nvidia-h100-x2"

@@ -133,10 +133,14 @@ def test_measure_rows_same_format_on_both_devices() -> None:
             assert row["measured_best"] == best and row["right"] == (row["chosen"] == best)
             want = row["measured"][row["chosen"]] / row["measured"][best] - 1
             assert row["regret"] == pytest.approx(want) and row["regret"] >= 0
-            # What the layers ran with: the model's SAA chunk counts, 1 for the baseline.
+            # What the layers ran with: on CUDA the model's SAA chunk counts (1 for the
+            # baseline); the gloo executor never cuts a pair.
             plans = {sch: parm.saa_chunk_plan(p.shape, sch, model) for sch in parm.SCHEDULES}
-            assert row["saa_chunks"] == {sch: max(v) for sch, v in plans.items()}
-            assert row["saa_chunks"]["baseline"] == 1
+            want = {sch: max(v) if device == "cuda" else 1 for sch, v in plans.items()}
+            assert row["saa_chunks"] == want and row["saa_chunks"]["baseline"] == 1
+    # A fixed count is what ran on the SAA pairs; the baseline has none.
+    fixed = pp.measure_rows(LAYERS, per_rank, 4, 2, model, "cuda", 3)
+    assert [r["saa_chunks"] for r in fixed] == [{"baseline": 1, "s1": 3, "s2": 3}] * 2
     summary = bench_parm.choice_row(rows["cuda"], "uniep-cuda", 4, 2)
     assert summary["kind"] == "choice" and summary["layers"] == 2 and summary["goal"] == 0.95
     assert summary["right"] == sum(r["right"] for r in rows["cuda"])

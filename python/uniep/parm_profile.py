@@ -354,7 +354,13 @@ def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
 
 
 def _new_layer(
-    mp: Any, ep: Any, cfg: dict, schedule: str, dtype: torch.dtype, model: Any = None
+    mp: Any,
+    ep: Any,
+    cfg: dict,
+    schedule: str,
+    dtype: torch.dtype,
+    model: Any = None,
+    chunks: int | str = "auto",
 ) -> Any:
     from .parm import ParmMoELayer
 
@@ -371,6 +377,7 @@ def _new_layer(
         overflow="drop",
         dtype=dtype,
         model=model,
+        chunks=chunks,
     )
 
 
@@ -387,20 +394,21 @@ def measure_rank(
     iters: int,
     device: str = "cpu",
     model: Any = None,
+    chunks: int | str = "auto",
 ) -> list:
-    """Median seconds of ParmMoELayer forward+backward per layer config and schedule. ``model``
-    prices the layers' SAA chunk counts (``ParmMoELayer``'s ``chunks="auto"``), so each layer
-    runs what the model priced; None: the h100-ib preset."""
+    """Median seconds of ParmMoELayer forward+backward per layer config and schedule. With
+    ``chunks="auto"`` ``model`` prices the layers' SAA chunk counts, so each layer runs what the
+    model priced (None: the h100-ib preset); an int runs every pair in that many."""
     from .parm import SCHEDULES, ParmMoELayer
 
     if device == "cuda":
-        return _measure_rank_cuda(rank, world, mp_size, layers, iters, model)
+        return _measure_rank_cuda(rank, world, mp_size, layers, iters, model, chunks)
     mp, ep = new_groups(mp_size)
     out = []
     for cfg in layers:
         times = {}
         for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, model)
+            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, model, chunks)
             x = _layer_input(cfg)
 
             def step(layer: ParmMoELayer = layer, x: torch.Tensor = x) -> None:
@@ -418,7 +426,13 @@ def _cuda_step(layer: Any, x: torch.Tensor) -> None:
 
 
 def _measure_rank_cuda(
-    rank: int, world: int, mp_size: int, layers: list[dict], iters: int, model: Any
+    rank: int,
+    world: int,
+    mp_size: int,
+    layers: list[dict],
+    iters: int,
+    model: Any,
+    chunks: int | str,
 ) -> list[dict[str, float]]:
     from . import parm_cuda
     from .parm import SCHEDULES, plan
@@ -438,7 +452,7 @@ def _measure_rank_cuda(
         cfg = layers[i]
         steps = {}
         for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, model).to(dev)
+            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, model, chunks).to(dev)
             x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
             steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
         out[i] = _time_interleaved(steps, iters, cuda=True)
@@ -454,6 +468,7 @@ def measure_layers(
     model: Any = None,
     timeout_s: float = 600.0,
     device: str = "cpu",
+    chunks: int | str = "auto",
 ) -> list[dict[str, Any]]:
     """Measure every schedule of every layer and set beside it the cost model's prediction: per
     layer the measured and predicted seconds, the predicted choice, the measured best, and the
@@ -466,7 +481,8 @@ def measure_layers(
     caveats as in ``profile``), the three schedules' calls taking turns, each call between
     ``torch.cuda.synchronize()`` calls. ``model`` is the ``CostModel`` that chooses (e.g.
     ``cost_model_from_profile`` of a profile on the same device) and prices the SAA chunk counts
-    the layers run with; None: the h100-ib preset.
+    the layers run with (``chunks="auto"``; an int runs every pair in that many); None: the
+    h100-ib preset.
 
     ``layers``: dicts of ``tokens, hidden, ffn_hidden, num_experts, top_k, capacity_factor``.
 
@@ -475,9 +491,9 @@ def measure_layers(
         RuntimeError: ``device="cuda"`` cannot run here, or a rank failed.
     """
     check_device(device)
-    fn_args = (mp_size, layers, iters, device, model)
+    fn_args = (mp_size, layers, iters, device, model, chunks)
     per_rank = _run(measure_rank, world, fn_args, device, timeout_s)
-    return measure_rows(layers, per_rank, world, mp_size, model, device)
+    return measure_rows(layers, per_rank, world, mp_size, model, device, chunks)
 
 
 def measure_rows(
@@ -487,13 +503,15 @@ def measure_rows(
     mp_size: int,
     model: Any = None,
     device: str = "cpu",
+    chunks: int | str = "auto",
 ) -> list[dict[str, Any]]:
     """``measure_layers``' rows from every rank's ``measure_rank`` output: per layer its config
     and ``measured`` / ``predicted`` seconds per schedule, ``chosen`` (the cost model's pick,
     priced in the device's dtype: float32 on CPU, bf16 on CUDA), ``measured_best``, ``right``,
     ``regret`` (the chosen schedule's measured time over the best's, minus 1) and ``saa_chunks``
-    (per schedule, the largest SAA chunk count the model priced, which the layers ran; 1: no
-    pair was pipelined)."""
+    (per schedule, the largest SAA chunk count the layers ran with: on CUDA the model's with
+    ``chunks="auto"``, else ``chunks``; 1: no pair was pipelined, as always on the CPU, whose
+    gloo executor runs every pair whole)."""
     from .parm import cost_model, plan, saa_chunk_plan
 
     check_device(device, need_cuda=False)
@@ -503,7 +521,10 @@ def measure_rows(
         measured = {s: max(r[i][s] for r in per_rank) for s in per_rank[0][i]}
         p = plan(world, mp_size, dtype=dtype, gpus_per_node=mp_size, model=model, **cfg)
         priced = model or cost_model(world, mp_size, "h100-ib", mp_size)
-        chunks = {s: max(saa_chunk_plan(p.shape, s, priced)) for s in measured}
+        ran = {
+            s: max(saa_chunk_plan(p.shape, s, priced, chunks)) if device == "cuda" else 1
+            for s in measured
+        }
         best = min(measured, key=measured.get)
         rows.append(
             dict(
@@ -514,7 +535,7 @@ def measure_rows(
                 measured_best=best,
                 right=p.schedule == best,
                 regret=measured[p.schedule] / measured[best] - 1,
-                saa_chunks=chunks,
+                saa_chunks=ran,
             )
         )
     return rows
