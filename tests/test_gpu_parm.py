@@ -189,3 +189,46 @@ def test_ops_pass_opcheck_on_cuda(schedule: str) -> None:
         schedule,
     )
     torch.library.opcheck(torch.ops.uniep.parm_moe_backward.default, back)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_only_the_routing_agreement_waits_for_the_device(schedule: str) -> None:
+    """One rank on CUDA: the forward reads the device once (the routing's overflow counts, for
+    the agreement that lets every rank raise together), the backward never, so the host keeps
+    enqueueing while the GPU works. Any other synchronizing call is named by file and line."""
+    import warnings
+
+    from uniep.parm import ParmMoELayer
+
+    torch.manual_seed(4)
+    dev = _device(0)
+    layer = ParmMoELayer(
+        None,
+        None,
+        64,
+        128,
+        8,
+        2,
+        capacity_factor=1.0,
+        schedule=schedule,
+        overflow="drop",
+        dtype=torch.bfloat16,
+        chunks=2,
+    ).to(dev)
+    x = torch.randn(96, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for timed in (False, True):  # the first pass warms the caches (allocator, pinned memory)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                y = layer(x)
+                forward = [f"{w.filename}:{w.lineno}" for w in seen]
+                (y.float().sum() + layer.l_aux).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        backward = [f"{w.filename}:{w.lineno}" for w in seen][len(forward) :]
+        if timed:
+            assert len(forward) == 1 and "parm_exec.py" in forward[0], forward
+            assert backward == [], backward
+    assert layer.last_stats["slice_capacity"] > 0

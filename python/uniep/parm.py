@@ -311,7 +311,8 @@ class ParmMoELayer(nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.last_schedule: str | None = None
         self.last_chunks: list[int] = []
-        self.last_stats: dict[str, int] = {}
+        self._stats: torch.Tensor | None = None
+        self._last_stats: dict[str, int] | None = None
         self._plans: dict[int, tuple[str, list[int]]] = {}
         self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
 
@@ -392,11 +393,24 @@ class ParmMoELayer(nn.Module):
             self.overflow,
             chunks,
         )
-        E = self.num_experts
-        self.last_stats = {
-            "dropped": int(stats[E]),
-            "max_demand": int(stats[E + 1]),
-            "slice_capacity": int(stats[E + 2]),
-        }
+        # Read on the host when asked (last_stats): reading them here would wait for the
+        # forward's kernels before the layer returns.
+        self._stats, self._last_stats = stats, None
         self.last_schedule, self.last_chunks = name, chunks
         return y.reshape(x.shape)
+
+    @property
+    def last_stats(self) -> dict[str, int]:
+        """The last forward's ``dropped`` pairs, ``max_demand`` and ``slice_capacity`` (empty
+        before the first). The first read after a forward waits for that forward's kernels."""
+        if self._last_stats is None:
+            if self._stats is None:
+                return {}
+            E = self.num_experts
+            dropped, demand, capacity = (int(v) for v in self._stats[E : E + 3].tolist())
+            self._last_stats = {
+                "dropped": dropped,
+                "max_demand": demand,
+                "slice_capacity": capacity,
+            }
+        return self._last_stats

@@ -69,6 +69,8 @@ _saa_chunks = 4
 # calls: "a2a" the EP all-to-alls, "gather" the MP all-gathers and reduce-scatters.
 _carriers: dict[tuple[int, str], dist.ProcessGroup] = {}
 _side_streams: dict[int, Any] = {}
+# (ranks, device) -> those ranks as an index tensor on the device (CudaBackend._index).
+_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 _MIN_BLOCK_BYTES = 1 << 20
 
 
@@ -104,6 +106,7 @@ def shutdown() -> None:
     for group in _carriers.values():
         collectives.shutdown_cuda(group)
     _carriers.clear()
+    _indices.clear()
 
 
 def _reserve_heap(world: int, block_bytes: int) -> None:
@@ -272,8 +275,16 @@ class CudaBackend:
         if ranks == list(range(self.world)):
             return blocks
         out = blocks.new_zeros(self.world, blocks.shape[1])
-        out[torch.tensor(ranks, device=t.device)] = blocks
+        out[self._index(ranks, t.device)] = blocks
         return out
+
+    def _index(self, ranks: list[int], device: torch.device) -> torch.Tensor:
+        """``ranks`` as an index tensor on ``device``, made once: a host list copied to the GPU
+        per call would be a blocking copy that waits for the stream."""
+        key = (tuple(ranks), device)
+        if key not in _indices:
+            _indices[key] = torch.tensor(ranks, device=device)
+        return _indices[key]
 
     # ---- the ParmBackend primitives ----
     def mp_all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -290,7 +301,7 @@ class CudaBackend:
         # Ulysses with scatter dim 0 and gather dim 1 on [P, block]: block p goes to rank p and
         # the result's p-th block of columns came from rank p.
         recv = torch.ops.uniep.all_to_all_ulysses(send, 0, 1, name)
-        got = recv.view(self.world, -1)[torch.tensor(self.ep_ranks, device=t.device)]
+        got = recv.view(self.world, -1)[self._index(self.ep_ranks, t.device)]
         return got.view(t.shape)
 
     def mp_reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,10 @@ class Routing:
     slot: torch.Tensor  # [s, k] int64 row in the [E, rows, M] buffer
     kept: torch.Tensor  # [s, k] bool
     top1: torch.Tensor  # [E] float64: tokens whose first choice is e (before capacity)
-    dropped: int  # pairs of this rank's tokens that found no slot
-    max_demand: int  # the largest (slice, expert) count: the capacity that would drop nothing
+    # [2] int64 on the routing's device: pairs of this rank's tokens that found no slot, and
+    # the largest (slice, expert) count (the capacity that would drop nothing). Read on the
+    # host once, by the routing agreement: a read waits for the device.
+    overflow: torch.Tensor
 
 
 @dataclass
@@ -201,6 +203,13 @@ def check_chunks(chunks: Sequence[int] | None, steps: Any, name: str = "chunks")
     return got
 
 
+def _count(ids: torch.Tensor, bins: int) -> torch.Tensor:
+    """bincount(ids, minlength=bins) for ids < bins, without bincount's read of the largest id
+    on the host (on CUDA a wait for the device)."""
+    out = torch.zeros(bins, dtype=torch.long, device=ids.device)
+    return out.scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """parts[0] + parts[1] + ..., in that order (bits independent of a backend's order)."""
     out = parts[0].clone()
@@ -277,8 +286,15 @@ class ParmExecutor:
         """The slice of each routed token: this rank's under S1, else the MP group's N slices."""
         if split:
             return torch.full((tokens,), self.g.mp_index, dtype=torch.long, device=device)
-        sizes = torch.tensor([self.shape.slice_tokens(m) for m in range(self.N)], device=device)
-        return torch.repeat_interleave(torch.arange(self.N, device=device), sizes)
+        # Built on the device from host ints: a host tensor copied over would wait for the
+        # stream (a blocking copy), and the host would stop enqueueing until the device drains.
+        out = torch.empty(tokens, dtype=torch.long, device=device)
+        start = 0
+        for m in range(self.N):
+            n = self.shape.slice_tokens(m)
+            out[start : start + n] = m
+            start += n
+        return out
 
     def _route(self, x: torch.Tensor, wg: torch.Tensor, split: bool) -> Routing:
         """Gate + slot assignment. Under S1 the slot is the position in this rank's slice (the
@@ -291,7 +307,7 @@ class ParmExecutor:
         # Choice-major order inside each (slice, expert): all first choices, then all second...
         key = slices.repeat(k) * E + idx.t().reshape(-1)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=self.N * E)
+        counts = _count(key, self.N * E)
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(key)
         pos[order] = torch.arange(key.numel(), device=dev) - starts[key[order]]
@@ -304,15 +320,24 @@ class ParmExecutor:
             weights=weights,
             slot=pos + (0 if split else slices[:, None] * c),
             kept=kept,
-            top1=torch.bincount(idx[:, 0], minlength=E).double(),
-            dropped=int((~kept).sum()),
-            max_demand=int(counts.max()) if s else 0,
+            top1=_count(idx[:, 0], E).double(),
+            overflow=torch.stack([(~kept).sum(), counts.max()]) if s else key.new_zeros(2),
         )
 
-    def _flat(self, r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token, choice, row of [E * rows]) of every kept pair, token-major."""
-        tok, j = r.kept.nonzero(as_tuple=True)
-        return tok, j, r.idx[tok, j] * self._rows + r.slot[tok, j]
+    def _pairs(self, r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every (token, choice) pair, token-major ([s * k]): its row of the [E * rows] buffer,
+        with the dropped pairs at one sink row E * rows past the end; that row with the dropped
+        pairs at row 0 instead (to read from the buffer itself); and whether it was kept
+        ([s * k, 1]). All pairs rather than the kept ones: selecting them (nonzero) would read
+        their count on the host, which waits for the device."""
+        kept = r.kept.reshape(-1, 1)
+        row = (r.idx * self._rows + r.slot).reshape(-1)
+        return torch.where(kept[:, 0], row, self.E * self._rows), row * kept[:, 0], kept
+
+    def _per_pair(self, t: torch.Tensor) -> torch.Tensor:
+        """[s, M] -> [s * k, M]: each token's row once per choice, token-major."""
+        k = self.k
+        return t[:, None, :].expand(t.shape[0], k, t.shape[1]).reshape(-1, t.shape[1])
 
     # ---- forward ----
     def forward(
@@ -389,8 +414,8 @@ class ParmExecutor:
     def _agree(self, st: ForwardState, S: int, counts_drops: bool) -> None:
         """Every rank learns every rank's token count and overflow, so all raise or none does.
         Ranks that route the same tokens (baseline, S2) count drops on MP rank 0 only."""
-        r = st.route
-        mine = torch.tensor([S, r.dropped if counts_drops else 0, r.max_demand], dtype=torch.long)
+        dropped_here, demand_here = st.route.overflow.tolist()
+        mine = torch.tensor([S, dropped_here if counts_drops else 0, demand_here], dtype=torch.long)
         rows = self.be.world_all_gather_ints(mine)
         sizes = rows[:, 0]
         if not bool((sizes == sizes[0]).all()):
@@ -409,9 +434,11 @@ class ParmExecutor:
             )
 
     def _order(self, xin: torch.Tensor, r: Routing) -> torch.Tensor:
-        tok, _, flat = self._flat(r)
-        out = xin.new_zeros(self.E * self._rows, xin.shape[1]).index_copy(0, flat, xin[tok])
-        return out.view(self.E, self._rows, xin.shape[1])
+        sink, _, _ = self._pairs(r)
+        M = xin.shape[1]
+        # Kept pairs have distinct rows; the dropped ones all land on the sink row, cut off.
+        out = xin.new_zeros(self.E * self._rows + 1, M).index_copy(0, sink, self._per_pair(xin))
+        return out[:-1].view(self.E, self._rows, M)
 
     def _expert(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """inp [..., E_loc, r, M] -> the partial outputs of this rank's shards, same shape."""
@@ -420,11 +447,12 @@ class ParmExecutor:
         return out.reshape(inp.movedim(-3, 0).shape).movedim(0, -3)
 
     def _iorder(self, comb: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
-        tok, j, flat = self._flat(r)
+        _, row, kept = self._pairs(r)
         M = comb.shape[-1]
-        vals = comb.reshape(-1, M)[flat].float() * r.weights[tok, j][:, None]
-        y = torch.zeros(r.idx.shape[0], M, dtype=torch.float32, device=comb.device)
-        return y.index_add(0, tok, vals).to(dtype)
+        vals = comb.reshape(-1, M)[row].float() * r.weights.reshape(-1, 1)
+        # A dropped pair adds an exact zero (where, not a product: nothing from its row leaks).
+        vals = torch.where(kept, vals, 0.0)
+        return vals.view(-1, self.k, M).sum(1).to(dtype)
 
     # ---- data movement (the same handlers serve both passes) ----
     def _gather_capacity(self, t: torch.Tensor) -> torch.Tensor:
@@ -490,8 +518,9 @@ class ParmExecutor:
                     g, st.saved["exp_in"], w1, w2
                 )
             elif op == "order_bwd":
-                tok, _, flat = self._flat(r)
-                d = torch.zeros_like(r.x_in).index_add(0, tok, g.reshape(-1, g.shape[-1])[flat])
+                _, row, kept = self._pairs(r)
+                M = g.shape[-1]
+                d = torch.where(kept, g.reshape(-1, M)[row], 0).view(-1, self.k, M).sum(1)
                 env[step.output] = env[step.output] + d if step.output in env else d
             elif op == "gate_bwd":
                 d_x, env["d_wg"] = self._gate_bwd(g, dlaux, st, wg, dy.shape[0])
@@ -502,14 +531,14 @@ class ParmExecutor:
         return env["dx"], env["d_wg"], grads["w1"], grads["w2"]
 
     def _iorder_bwd(self, dy: torch.Tensor, comb: torch.Tensor, r: Routing):
-        tok, j, flat = self._flat(r)
+        sink, row, kept = self._pairs(r)
         M = comb.shape[-1]
-        d_vals = dy.float()[tok]
-        d_comb = torch.zeros(comb.numel() // M, M, dtype=comb.dtype, device=comb.device)
-        d_comb.index_add_(0, flat, (d_vals * r.weights[tok, j][:, None]).to(comb.dtype))
-        d_w = torch.zeros_like(r.weights)
-        d_w[tok, j] = (d_vals * comb.reshape(-1, M)[flat].float()).sum(-1)
-        return d_comb.view(comb.shape), d_w
+        d_vals = self._per_pair(dy.float())
+        d_comb = torch.zeros(comb.numel() // M + 1, M, dtype=comb.dtype, device=comb.device)
+        d_comb.index_copy_(0, sink, (d_vals * r.weights.reshape(-1, 1)).to(comb.dtype))
+        d_w = (d_vals * comb.reshape(-1, M)[row].float()).sum(-1, keepdim=True)
+        d_w = torch.where(kept, d_w, 0.0).view_as(r.weights)
+        return d_comb[:-1].view(comb.shape), d_w
 
     def _expert_bwd(
         self, d_out: torch.Tensor, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor

@@ -194,7 +194,10 @@ def _forward_kernel(
         y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd, fwd_chunks)
     s = st.stats
     tail = torch.tensor([s["dropped"], s["max_demand"], s["slice_capacity"]], dtype=torch.float64)
-    stats = torch.cat([st.saved["top1_total"].double(), tail.to(x.device)])
+    if x.is_cuda:
+        # Pinned and non-blocking: a blocking copy would wait here for the whole forward.
+        tail = tail.pin_memory().to(x.device, non_blocking=True)
+    stats = torch.cat([st.saved["top1_total"].double(), tail])
     return y, laux, st.saved["exp_in"], st.saved["comb"], stats
 
 
