@@ -152,6 +152,21 @@ def _profile(args: argparse.Namespace, sizes: list[int], iters: int) -> dict:
     return fit_profile(per_rank, args.world_size, args.mp_size, iters, args.device)
 
 
+def step_row(result: dict, world_size: int, mp_size: int) -> dict:
+    """The kind=step_fit row: the cost model's per-step cost from the calibration layer."""
+    fit = result["step_alpha"]
+    return dict(
+        kind="step_fit",
+        alpha_s=fit["seconds"],
+        steps=fit["steps"],
+        calibration_measured_s=fit["measured"],
+        world_size=world_size,
+        mp_size=mp_size,
+        backend=result["backend"],
+        device=result["device_name"],
+    )
+
+
 def fit_rows(result: dict, world_size: int, mp_size: int) -> list[dict]:
     """One kind=fit row per (collective, link) of a profile, and one for the GEMM."""
     fits = [
@@ -372,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['beta']:>12.3e}{row['r2']:>8.4f}"
         )
         rows.append(dict(row, placement=_placement(args)))
+    if result.get("step_alpha"):
+        step = step_row(result, args.world_size, args.mp_size)
+        print(
+            f"per step (the calibration layer beyond its price): {step['alpha_s'] * 1e6:.1f} us "
+            f"over {step['steps']} steps"
+        )
+        rows.append(dict(step, placement=_placement(args)))
 
     print(f"\n{'simulate':<12}{'layers':>7}{'auto geomean':>14}{'min':>7}{'max':>7}  chosen")
     panels = []

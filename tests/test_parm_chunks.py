@@ -198,17 +198,13 @@ def test_cost_model_pickles() -> None:
     """A fitted model reaches spawned ranks by pickle (uniep.parm_profile.measure_layers)."""
     m = _model(3e-4)
     m.gemm = _C.parm.AlphaBeta(2e-5, 1e-15)
-    m.mem_beta, m.max_chunks = 1e-12, 8
+    m.mem_beta, m.max_chunks, m.step_alpha = 1e-12, 8, 2e-4
     back = pickle.loads(pickle.dumps(m))
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
         for link in ("intra", "inter"):
             got, want = back.get(kind, link), m.get(kind, link)
             assert (got.alpha, got.beta) == (want.alpha, want.beta)
-    assert (back.gemm.alpha, back.gemm.beta, back.mem_beta, back.max_chunks) == (
-        2e-5,
-        1e-15,
-        1e-12,
-        8,
-    )
+    got = (back.gemm.alpha, back.gemm.beta, back.mem_beta, back.max_chunks, back.step_alpha)
+    assert got == (2e-5, 1e-15, 1e-12, 8, 2e-4)
     shape = _shape()
     assert parm.saa_chunk_plan(shape, "s2", back) == parm.saa_chunk_plan(shape, "s2", m)

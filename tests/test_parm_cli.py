@@ -55,6 +55,10 @@ def test_profile_fits_and_feeds_the_simulator(tmp_path: Path) -> None:
     assert (
         model.get("all_gather", "intra").beta == prof["coefficients"]["all_gather"]["intra"]["beta"]
     )
+    # The calibration layer ran every schedule; what it took beyond its price, per step.
+    assert set(prof["step_alpha"]["measured"]) == set(parm.SCHEDULES)
+    assert prof["step_alpha"]["seconds"] >= 0.0
+    assert model.step_alpha == prof["step_alpha"]["seconds"]
     # Any fit prices a plan (CPU loopback coefficients say little about a real cluster).
     plan = parm.plan(4, 2, 1024, 256, 512, 4, 2, gpus_per_node=2, model=model)
     assert plan.schedule in parm.SCHEDULES

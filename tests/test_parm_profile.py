@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
-from uniep import parm
+from uniep import _C, parm
 from uniep import parm_profile as pp
 from uniep.cli import main
 
@@ -198,3 +198,42 @@ def test_cuda_profile_calls_on_cpu_carriers() -> None:
                 "all_to_all": ([(2, e // 2)], [1.0]),
             }[kind]
             assert (shapes, values) == want, (kind, n)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_step_alpha_is_what_the_calibration_layer_took_beyond_its_price(device: str) -> None:
+    base = pp.fit_profile(_per_rank(device), 4, 2, 3, device)
+    model = pp.cost_model_from_profile(base)
+    assert model.step_alpha == 0.0  # no calibration in the profile: nothing priced per step
+    model.max_chunks = 1
+    cuda = device == "cuda"
+    shape = _C.parm.ParmShape(
+        world_size=4,
+        mp_size=2,
+        gpus_per_node=2,
+        num_experts=4,
+        dtype_bytes=2 if cuda else 4,
+        **pp.CALIBRATION_LAYER,
+    )
+    per_step = 3e-4
+    measured = {}
+    for schedule in parm.SCHEDULES:
+        t = 0.0
+        for pass_ in ("forward", "backward"):
+            lst = _C.parm.build_steps(shape, schedule, pass_)
+            t += _C.parm.price(lst, model).seconds + per_step * len(lst.steps)
+        measured[schedule] = t
+    per_rank = _per_rank(device)
+    for r, out in enumerate(per_rank):  # rank 3 the slowest, as for the collectives
+        out["calibration"] = {s: t * (1 if r == 3 else 0.9) for s, t in measured.items()}
+    result = pp.fit_profile(per_rank, 4, 2, 3, device)
+    fit = result["step_alpha"]
+    assert fit["seconds"] == pytest.approx(per_step) and fit["measured"] == measured
+    fitted = pp.cost_model_from_profile(result)
+    assert fitted.step_alpha == pytest.approx(per_step)
+    # Every step of a list is priced step_alpha more, an SAA pair as its two steps.
+    lst = _C.parm.build_steps(shape, "s2", "forward")
+    more = _C.parm.price(lst, fitted).seconds - _C.parm.price(lst, model).seconds
+    assert more == pytest.approx(per_step * len(lst.steps), rel=1e-9)
+    # Nothing left beyond the price: 0, never negative.
+    assert pp.fit_step_alpha(base, {s: 0.0 for s in parm.SCHEDULES})["seconds"] == 0.0

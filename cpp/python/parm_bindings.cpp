@@ -186,6 +186,7 @@ void bind_parm(py::module& parent) {
       .def_readwrite("gemm", &CostModel::gemm)
       .def_readwrite("mem_beta", &CostModel::mem_beta)
       .def_readwrite("max_chunks", &CostModel::max_chunks)
+      .def_readwrite("step_alpha", &CostModel::step_alpha)
       .def("compute_seconds", &CostModel::compute_seconds, py::arg("flops"), py::arg("mem_bytes"))
       // Picklable so that a fitted model reaches spawned ranks (uniep.parm_profile).
       .def(py::pickle(
@@ -194,10 +195,10 @@ void bind_parm(py::module& parent) {
             for (const auto& links : cm.comm)
               for (const AlphaBeta& ab : links) comm.append(py::make_tuple(ab.alpha, ab.beta));
             return py::make_tuple(comm, py::make_tuple(cm.gemm.alpha, cm.gemm.beta), cm.mem_beta,
-                                  cm.max_chunks);
+                                  cm.max_chunks, cm.step_alpha);
           },
           [](const py::tuple& t) {
-            if (t.size() != 4) throw std::invalid_argument("CostModel: not a pickled CostModel");
+            if (t.size() != 5) throw std::invalid_argument("CostModel: not a pickled CostModel");
             const auto comm = t[0].cast<std::vector<std::pair<double, double>>>();
             if (comm.size() != kNumCollectives * 2)
               throw std::invalid_argument("CostModel: not a pickled CostModel");
@@ -208,6 +209,7 @@ void bind_parm(py::module& parent) {
             cm.gemm = AlphaBeta{gemm.first, gemm.second};
             cm.mem_beta = t[2].cast<double>();
             cm.max_chunks = t[3].cast<int64_t>();
+            cm.step_alpha = t[4].cast<double>();
             return cm;
           }));
   m.def("cost_model_from_cluster", &cost_model_from_cluster, py::arg("spec"), py::arg("layout"));

@@ -58,6 +58,11 @@ GEMM_SIZES = [(64 * i, 256, 256) for i in range(1, 13)]  # (m, k, n)
 # 2048 x 1024 bf16 is 4 MiB), where a copy within HBM is not all launch and wait overhead.
 CUDA_SIZES = [4 * 2**20 * i for i in range(1, 17)]
 CUDA_GEMM_SIZES = [(1024 * i, 2048, 2048) for i in range(1, 13)]  # (m, k, n), bf16
+# The calibration layer (num_experts = the world size, so that every EP size divides it): small
+# enough that its transfers and GEMMs are a small part of its time. What its schedules take
+# beyond the cost model's price of those is what each step costs the executor (the host's work
+# and launches), fitted as the model's step_alpha.
+CALIBRATION_LAYER = dict(tokens=256, hidden=256, ffn_hidden=512, top_k=1, capacity_factor=1.2)
 # What the CUDA executor calls for the MP and EP collectives (parm_cuda.CudaBackend).
 _CUDA_OPS = ("all_gather", "reduce_scatter", "all_to_all_ulysses")
 
@@ -235,7 +240,28 @@ def profile_rank(
             t = _time(lambda a=a, b=b: a @ b, iters, sync=False)
             out["gemm"].append((2.0 * m * k * n, t))
     dist.barrier()
+    out["calibration"] = _calibration(world, mp, ep, iters, None)
     return out
+
+
+def _calibration(
+    world: int, mp: Any, ep: Any, iters: int, dev: torch.device | None
+) -> dict[str, float]:
+    """Median seconds of one forward + backward of ``CALIBRATION_LAYER`` per schedule, its SAA
+    pairs unpipelined (the executor's calls one per step), on ``dev`` (None: the CPU)."""
+    from .parm import SCHEDULES
+
+    cfg = dict(CALIBRATION_LAYER, num_experts=world)
+    steps = {}
+    for schedule in SCHEDULES:
+        if dev is None:
+            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, chunks=1)
+            x = _layer_input(cfg).requires_grad_()
+        else:
+            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, chunks=1).to(dev)
+            x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
+        steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
+    return _time_interleaved(steps, iters, cuda=dev is not None)
 
 
 def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], iters: int) -> dict:
@@ -270,6 +296,7 @@ def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], it
             t = _time(lambda a=a, b=b: a @ b, iters, sync=False, cuda=True)
             out["gemm"].append((2.0 * m * k * n, t))
     dist.barrier()
+    out["calibration"] = _calibration(world, mp, ep, iters, dev)
     parm_cuda.shutdown()
     return out
 
@@ -338,7 +365,40 @@ def fit_profile(
     gemm = per_rank[0]["gemm"]
     fit = fit_alpha_beta([f for f, _ in gemm], [t for _, t in gemm])
     result["gemm"] = {"alpha": fit.alpha, "beta": fit.beta, "r2": fit.r2, "samples": gemm}
+    if "calibration" in per_rank[0]:
+        # Each schedule as slow as its slowest rank, as for the collectives.
+        calib = [r["calibration"] for r in per_rank]
+        measured = {s: max(c[s] for c in calib) for s in calib[0]}
+        result["step_alpha"] = fit_step_alpha(result, measured)
     return result
+
+
+def fit_step_alpha(result: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+    """The cost model's ``step_alpha`` from the calibration layer's ``measured`` seconds per
+    schedule (forward + backward): what they took beyond the price of the profile's own
+    coefficients, per step, over the three schedules together (0 if nothing is left)."""
+    from .parm import _dtype_bytes
+
+    world, mp_size = result["world_size"], result["mp_size"]
+    cuda = result["device"] == "cuda"
+    shape = _C.parm.ParmShape(
+        world_size=world,
+        mp_size=mp_size,
+        gpus_per_node=mp_size,
+        num_experts=world,
+        dtype_bytes=_dtype_bytes(torch.bfloat16 if cuda else torch.float32),
+        **CALIBRATION_LAYER,
+    )
+    model = cost_model_from_profile(dict(result, step_alpha=None))
+    model.max_chunks = 1  # the calibration ran its SAA pairs whole
+    residual, steps = 0.0, 0
+    for schedule, seconds in measured.items():
+        for pass_ in ("forward", "backward"):
+            lst = _C.parm.build_steps(shape, schedule, pass_)
+            seconds -= _C.parm.price(lst, model).seconds
+            steps += len(lst.steps)
+        residual += seconds
+    return {"seconds": max(0.0, residual / steps), "measured": measured, "steps": steps}
 
 
 def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
@@ -350,6 +410,8 @@ def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
             model.set(kind, link, _C.parm.AlphaBeta(c["alpha"], c["beta"]))
     if "gemm" in result:
         model.gemm = _C.parm.AlphaBeta(result["gemm"]["alpha"], result["gemm"]["beta"])
+    if result.get("step_alpha"):
+        model.step_alpha = result["step_alpha"]["seconds"]
     return model
 
 

@@ -125,6 +125,7 @@ Pricing price(const StepList& list, const CostModel& model) {
     } else {
       t = model.compute_seconds(s.flops, s.mem_bytes);
     }
+    t += model.step_alpha * (s.overlap_with >= 0 ? 2 : 1);
     p.step_seconds[i] = t;
     p.seconds += t;
   }
