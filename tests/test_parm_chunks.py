@@ -15,19 +15,12 @@ from uniep.parm_exec import Groups, SerialLanes, check_chunks
 from uniep.parm_ops import split_chunks
 
 
-def _shape(N: int = 2, G: int = 2, tokens: int = 4096, hidden: int = 1024) -> Any:
-    return _C.parm.ParmShape(
-        world_size=N * G,
-        mp_size=N,
-        gpus_per_node=N,
-        tokens=tokens,
-        hidden=hidden,
-        ffn_hidden=2048,
-        num_experts=8,
-        top_k=2,
-        capacity_factor=1.2,
-        dtype_bytes=2,
-    )
+def _shape(N: int = 2, G: int = 2, **fields: Any) -> Any:
+    """A ``ParmShape`` of N x G ranks; ``fields`` replace the defaults."""
+    layer = dict(tokens=4096, hidden=1024, ffn_hidden=2048, num_experts=8, top_k=2)
+    layer.update(capacity_factor=1.2, dtype_bytes=2)
+    layer.update(fields)
+    return _C.parm.ParmShape(world_size=N * G, mp_size=N, gpus_per_node=N, **layer)
 
 
 def _pairs(steps: Any) -> list[int]:
@@ -128,10 +121,9 @@ def test_executor_cuts_each_pair_as_planned() -> None:
 
     torch.manual_seed(0)
     S, M, H, E, k = 40, 8, 12, 4, 2
-    shape = _C.parm.ParmShape(
-        world_size=1,
-        mp_size=1,
-        gpus_per_node=1,
+    shape = _shape(
+        1,
+        1,
         tokens=S,
         hidden=M,
         ffn_hidden=H,
