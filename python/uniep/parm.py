@@ -260,9 +260,8 @@ class ParmMoELayer(nn.Module):
         chunks: int | str = "auto",
     ) -> None:
         super().__init__()
-        if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)):
-            raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
-        if chunks != "auto" and chunks < 1:
+        count = isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1
+        if chunks != "auto" and not count:
             raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
         if schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")

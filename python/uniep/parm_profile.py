@@ -249,19 +249,9 @@ def _calibration(
 ) -> dict[str, float]:
     """Median seconds of one forward + backward of ``CALIBRATION_LAYER`` per schedule, its SAA
     pairs unpipelined (the executor's calls one per step), on ``dev`` (None: the CPU)."""
-    from .parm import SCHEDULES
-
     cfg = dict(CALIBRATION_LAYER, num_experts=world)
-    steps = {}
-    for schedule in SCHEDULES:
-        if dev is None:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, chunks=1)
-            x = _layer_input(cfg).requires_grad_()
-        else:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, chunks=1).to(dev)
-            x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
-        steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
-    return _time_interleaved(steps, iters, cuda=dev is not None)
+    calls = _schedule_calls(mp, ep, cfg, dev, chunks=1)
+    return _time_interleaved(calls, iters, cuda=dev is not None)
 
 
 def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], iters: int) -> dict:
@@ -377,18 +367,12 @@ def fit_step_alpha(result: dict[str, Any], measured: dict[str, float]) -> dict[s
     """The cost model's ``step_alpha`` from the calibration layer's ``measured`` seconds per
     schedule (forward + backward): what they took beyond the price of the profile's own
     coefficients, per step, over the three schedules together (0 if nothing is left)."""
-    from .parm import _dtype_bytes
+    from .parm import plan
 
     world, mp_size = result["world_size"], result["mp_size"]
-    cuda = result["device"] == "cuda"
-    shape = _C.parm.ParmShape(
-        world_size=world,
-        mp_size=mp_size,
-        gpus_per_node=mp_size,
-        num_experts=world,
-        dtype_bytes=_dtype_bytes(torch.bfloat16 if cuda else torch.float32),
-        **CALIBRATION_LAYER,
-    )
+    dtype = torch.bfloat16 if result["device"] == "cuda" else torch.float32
+    cfg = dict(CALIBRATION_LAYER, num_experts=world)
+    shape = plan(world, mp_size, dtype=dtype, gpus_per_node=mp_size, **cfg).shape
     model = cost_model_from_profile(dict(result, step_alpha=None))
     model.max_chunks = 1  # the calibration ran its SAA pairs whole
     residual, steps = 0.0, 0
@@ -461,30 +445,43 @@ def measure_rank(
     """Median seconds of ParmMoELayer forward+backward per layer config and schedule. With
     ``chunks="auto"`` ``model`` prices the layers' SAA chunk counts, so each layer runs what the
     model priced (None: the h100-ib preset); an int runs every pair in that many."""
-    from .parm import SCHEDULES, ParmMoELayer
-
     if device == "cuda":
         return _measure_rank_cuda(rank, world, mp_size, layers, iters, model, chunks)
     mp, ep = new_groups(mp_size)
     out = []
     for cfg in layers:
-        times = {}
-        for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.float32, model, chunks)
-            x = _layer_input(cfg)
-
-            def step(layer: ParmMoELayer = layer, x: torch.Tensor = x) -> None:
-                y = layer(x.requires_grad_())
-                (y.sum() + layer.l_aux).backward()
-
-            times[schedule] = _time(step, iters)
-        out.append(times)
+        calls = _schedule_calls(mp, ep, cfg, None, model, chunks)
+        out.append({schedule: _time(call, iters) for schedule, call in calls.items()})
     return out
 
 
-def _cuda_step(layer: Any, x: torch.Tensor) -> None:
+def _fwd_bwd(layer: Any, x: torch.Tensor) -> None:
     y = layer(x)
     (y.float().sum() + layer.l_aux).backward()
+
+
+def _schedule_calls(
+    mp: Any,
+    ep: Any,
+    cfg: dict,
+    dev: torch.device | None,
+    model: Any = None,
+    chunks: int | str = "auto",
+) -> dict[str, Callable[[], None]]:
+    """Per schedule, one forward + backward of the layer ``cfg`` on ``dev`` (bf16), or on the
+    CPU (float32) when ``dev`` is None, with ``model`` and ``chunks`` as in ``ParmMoELayer``."""
+    from .parm import SCHEDULES
+
+    dtype = torch.float32 if dev is None else torch.bfloat16
+    calls = {}
+    for schedule in SCHEDULES:
+        layer = _new_layer(mp, ep, cfg, schedule, dtype, model, chunks)
+        x = _layer_input(cfg).to(dtype)
+        if dev is not None:
+            layer, x = layer.to(dev), x.to(dev)
+        x.requires_grad_()
+        calls[schedule] = lambda layer=layer, x=x: _fwd_bwd(layer, x)
+    return calls
 
 
 def _measure_rank_cuda(
@@ -497,7 +494,7 @@ def _measure_rank_cuda(
     chunks: int | str,
 ) -> list[dict[str, float]]:
     from . import parm_cuda
-    from .parm import SCHEDULES, plan
+    from .parm import plan
 
     dev = _rank_device(rank)
     mp, ep = new_groups(mp_size)
@@ -511,13 +508,8 @@ def _measure_rank_cuda(
     # The layer with the largest carrier blocks first: the carriers' runtimes are created for it
     # (and NVSHMEM's heap, which is sized when the first one starts) and never grow.
     for i in sorted(range(len(layers)), key=lambda i: -blocks[i]):
-        cfg = layers[i]
-        steps = {}
-        for schedule in SCHEDULES:
-            layer = _new_layer(mp, ep, cfg, schedule, torch.bfloat16, model, chunks).to(dev)
-            x = _layer_input(cfg).to(dev, torch.bfloat16).requires_grad_()
-            steps[schedule] = lambda layer=layer, x=x: _cuda_step(layer, x)
-        out[i] = _time_interleaved(steps, iters, cuda=True)
+        calls = _schedule_calls(mp, ep, layers[i], dev, model, chunks)
+        out[i] = _time_interleaved(calls, iters, cuda=True)
     parm_cuda.shutdown()
     return out
 
