@@ -444,36 +444,45 @@ def test_swiglu_fp8_one_pass() -> None:
         swiglu_fp8(h[:, :512])
 
 
-def test_backward_elementwise_ops_match_the_torch_chain() -> None:
-    # moe_backward's one-pass steps against the torch chain they replace (fp32, op by op).
+def test_backward_elementwise_op_matches_the_torch_chain() -> None:
+    # moe_backward's one-pass step against the torch chain it replaces (fp32, op by op).
     ops = torch.ops.uniep
     gen = torch.Generator(device="cuda").manual_seed(41)
-    rows, ffn, hidden = 777, 384, 520
+    rows, ffn, hidden = 777, 392, 520  # ffn a multiple of 8 but not of 32 x 8: a ragged lane
     h = (torch.randn(rows, 2 * ffn, generator=gen, device="cuda") * 3).bfloat16()
     grad_act = torch.randn(rows, ffn, generator=gen, device="cuda").bfloat16()
-    act, grad_h = ops.swiglu_backward(h, grad_act)
+    w = torch.rand(rows, generator=gen, device="cuda")
+    w[5] = 0.0  # a zero routing weight: zero gradients, its dot still computed
+    act_w, grad_h, dots = ops.swiglu_backward(h, grad_act, w)
     g, u, ga = h[:, :ffn].float(), h[:, ffn:].float(), grad_act.float()
     sig = torch.sigmoid(g)
-    ref_act = (g * sig * u).bfloat16()
-    ref_grad = torch.cat([ga * u * sig * (1 + g * (1 - sig)), ga * g * sig], dim=1).bfloat16()
-    for got, ref in ((act, ref_act), (grad_h, ref_grad)):
+    act = (g * sig * u).bfloat16().float()
+    gw = ga * w.unsqueeze(1)
+    ref_act_w = (act * w.unsqueeze(1)).bfloat16()
+    ref_grad = torch.cat([gw * u * sig * (1 + g * (1 - sig)), gw * g * sig], dim=1).bfloat16()
+    for got, ref in ((act_w, ref_act_w), (grad_h, ref_grad)):
         assert got.view(torch.int16).eq(ref.view(torch.int16)).float().mean() >= 0.999
         torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=1e-5)
-    again = ops.swiglu_backward(h, grad_act)
-    assert torch.equal(again[0], act) and torch.equal(again[1], grad_h)
-
-    x = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
-    w = torch.rand(rows, generator=gen, device="cuda")
-    assert torch.equal(ops.scale_rows(x, w), (x.float() * w.unsqueeze(1)).bfloat16())
-    y = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
-    dots = ops.row_dots(x, y)
-    exact = (x.double() * y.double()).sum(1)
+    assert not grad_h[5].float().any() and not act_w[5].float().any()
+    exact = (act.double() * ga.double()).sum(1)
     torch.testing.assert_close(dots.double(), exact, rtol=1e-5, atol=1e-3)
-    assert torch.equal(ops.row_dots(x, y), dots)
-    assert ops.row_dots(x[:0], y[:0]).shape == (0,)
+    assert dots[5] != 0
+
+    # The dot is the routing weight's gradient: <act, grad_out w2^T> = <grad_out, act w2>.
+    w2 = (torch.randn(ffn, hidden, generator=gen, device="cuda") / ffn**0.5).bfloat16()
+    go = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
+    _, _, via_act = ops.swiglu_backward(h, (go.float() @ w2.float().t()).bfloat16(), w)
+    via_y = (go.double() * (act.double() @ w2.double())).sum(1)
+    torch.testing.assert_close(via_act.double(), via_y, rtol=2e-2, atol=0.1)
+
+    again = ops.swiglu_backward(h, grad_act, w)
+    for a, b in zip(again, (act_w, grad_h, dots), strict=True):
+        assert torch.equal(a, b)
+    empty = ops.swiglu_backward(h[:0], grad_act[:0], w[:0])
+    assert [tuple(t.shape) for t in empty] == [(0, ffn), (0, 2 * ffn), (0,)]
     with pytest.raises(ValueError, match=r"h must be \[R, 2I\] for grad_act"):
-        ops.swiglu_backward(h[:, :256].contiguous(), grad_act)
-    with pytest.raises(ValueError, match="w must be \\[R\\]"):
-        ops.scale_rows(x, w[:-1])
-    with pytest.raises(ValueError, match="a and b must have one shape"):
-        ops.row_dots(x, y[:-1])
+        ops.swiglu_backward(h[:, :256].contiguous(), grad_act, w)
+    with pytest.raises(ValueError, match=r"w must be \[R\]"):
+        ops.swiglu_backward(h, grad_act, w[:-1])
+    with pytest.raises(ValueError, match="w must be contiguous float32"):
+        ops.swiglu_backward(h, grad_act, w.double())

@@ -342,8 +342,9 @@ cudaStream_t stream_of(const at::Tensor& t) {
   return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
-std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& h,
-                                                        const at::Tensor& grad_act) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& h,
+                                                                    const at::Tensor& grad_act,
+                                                                    const at::Tensor& w) {
   return translate_errors([&] {
     check_bf16_rows(h, "h");
     check_bf16_rows(grad_act, "grad_act");
@@ -352,43 +353,19 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& h,
                 "h must be [R, 2I] for grad_act [R, I] = ", grad_act.sizes(), ", got ", h.sizes());
     UNIEP_CHECK(grad_act.device() == h.device(), "grad_act must be on h's device ", h.device(),
                 ", got ", grad_act.device());
-    const c10::cuda::CUDAGuard guard(h.device());
-    at::Tensor act = at::empty({rows, ffn}, h.options());
-    at::Tensor grad_h = at::empty_like(h);
-    ok_or_throw(cuda::swiglu_backward_bf16(h.data_ptr(), grad_act.data_ptr(), rows, ffn,
-                                           act.data_ptr(), grad_h.data_ptr(), stream_of(h)));
-    return std::make_tuple(act, grad_h);
-  });
-}
-
-at::Tensor scale_rows_cuda(const at::Tensor& x, const at::Tensor& w) {
-  return translate_errors([&] {
-    check_bf16_rows(x, "x");
-    UNIEP_CHECK(w.dim() == 1 && w.size(0) == x.size(0), "w must be [R] = [", x.size(0),
-                "], got shape ", w.sizes());
-    UNIEP_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.device() == x.device(),
-                "w must be contiguous float32 on x's device ", x.device(), ", got ",
+    UNIEP_CHECK(w.dim() == 1 && w.size(0) == rows, "w must be [R] = [", rows, "], got shape ",
+                w.sizes());
+    UNIEP_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.device() == h.device(),
+                "w must be contiguous float32 on h's device ", h.device(), ", got ",
                 w.scalar_type(), " on ", w.device());
-    const c10::cuda::CUDAGuard guard(x.device());
-    at::Tensor out = at::empty_like(x);
-    ok_or_throw(cuda::scale_rows_bf16(x.data_ptr(), w.data_ptr<float>(), x.size(0), x.size(1),
-                                      out.data_ptr(), stream_of(x)));
-    return out;
-  });
-}
-
-at::Tensor row_dots_cuda(const at::Tensor& a, const at::Tensor& b) {
-  return translate_errors([&] {
-    check_bf16_rows(a, "a");
-    check_bf16_rows(b, "b");
-    UNIEP_CHECK(a.sizes() == b.sizes() && a.device() == b.device(),
-                "a and b must have one shape on one device, got ", a.sizes(), " on ", a.device(),
-                " and ", b.sizes(), " on ", b.device());
-    const c10::cuda::CUDAGuard guard(a.device());
-    at::Tensor dots = at::empty({a.size(0)}, a.options().dtype(at::kFloat));
-    ok_or_throw(cuda::row_dots_bf16(a.data_ptr(), b.data_ptr(), a.size(0), a.size(1),
-                                    dots.data_ptr<float>(), stream_of(a)));
-    return dots;
+    const c10::cuda::CUDAGuard guard(h.device());
+    at::Tensor act_w = at::empty({rows, ffn}, h.options());
+    at::Tensor grad_h = at::empty_like(h);
+    at::Tensor dots = at::empty({rows}, h.options().dtype(at::kFloat));
+    ok_or_throw(cuda::swiglu_backward_bf16(h.data_ptr(), grad_act.data_ptr(), w.data_ptr<float>(),
+                                           rows, ffn, act_w.data_ptr(), grad_h.data_ptr(),
+                                           dots.data_ptr<float>(), stream_of(h)));
+    return std::make_tuple(act_w, grad_h, dots);
   });
 }
 
@@ -416,7 +393,5 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
   m.impl("swiglu_backward", &uniep::torch_glue::swiglu_backward_cuda);
-  m.impl("scale_rows", &uniep::torch_glue::scale_rows_cuda);
-  m.impl("row_dots", &uniep::torch_glue::row_dots_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

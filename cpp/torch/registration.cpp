@@ -94,9 +94,11 @@ TORCH_LIBRARY(uniep, m) {
       "moe_fused_ep(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
       "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
-  m.def("swiglu_backward(Tensor h, Tensor grad_act) -> (Tensor act, Tensor grad_h)");
-  m.def("scale_rows(Tensor x, Tensor w) -> Tensor");
-  m.def("row_dots(Tensor a, Tensor b) -> Tensor");
+  // The experts' backward between its grouped GEMMs (CUDA only;
+  // include/uniep/cuda/grouped_gemm.hpp's swiglu_backward_bf16): h [R, 2I] bf16, grad_act [R, I]
+  // bf16 (before the routing weight), w [R] fp32 -> act * w, grad_h, dots [R] fp32.
+  m.def("swiglu_backward(Tensor h, Tensor grad_act, Tensor w) -> (Tensor act_w, Tensor grad_h, "
+        "Tensor dots)");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

@@ -541,21 +541,22 @@ def _experts_backward_engine(
     offs: torch.Tensor,
     tuning: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' gradients on the expert GEMM engine: the forward recomputed as moe_forward
-    ran it (SwiGLU rounded once), then two data-gradient and two weight-gradient grouped GEMMs
-    (weight gradients summed over each expert's rows in ascending order)."""
+    """The experts' gradients on the expert GEMM engine: GEMM 1 recomputed as moe_forward ran
+    it, then two data-gradient and two weight-gradient grouped GEMMs (weight gradients summed
+    over each expert's rows in ascending order).
+
+    The first data gradient takes grad_out's rows before the routing weight, so the weight's
+    gradient is <act, grad_out w2^T> (= <grad_out, y>): y = act w2 is never recomputed, and the
+    weight is applied once, in fp32, by the element-wise pass."""
     ops = torch.ops.uniep
     h = ops.grouped_mm(rows, w1, offs, tuning)
-    grad_y = ops.scale_rows(go_rows, w_row)
-    grad_act = ops.grouped_mm_dgrad(grad_y, w2, offs, tuning)
-    # One pass: act = silu(g) * u (rounded once) and grad_h = [d/dg, d/du] (torch's fp32
-    # arithmetic, op by op), instead of a dozen fp32 kernels over [R, 2I].
-    act, grad_h = ops.swiglu_backward(h, grad_act)
-    y = ops.grouped_mm(act, w2, offs, tuning)
+    grad_act = ops.grouped_mm_dgrad(go_rows, w2, offs, tuning)
+    # One pass: act * w (w2's gradient operand), grad_h = [d/dg, d/du] and the dots, with
+    # torch's fp32 arithmetic op by op, instead of a dozen fp32 kernels over [R, 2I] and [R, H].
+    act_w, grad_h, dots = ops.swiglu_backward(h, grad_act, w_row)
     grad_rows = ops.grouped_mm_dgrad(grad_h, w1, offs, tuning)
     grad_w1 = ops.grouped_mm_wgrad(rows, grad_h, offs, tuning)
-    grad_w2 = ops.grouped_mm_wgrad(act, grad_y, offs, tuning)
-    dots = ops.row_dots(go_rows, y)
+    grad_w2 = ops.grouped_mm_wgrad(act_w, go_rows, offs, tuning)
     return grad_rows, grad_w1, grad_w2, dots
 
 

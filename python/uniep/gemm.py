@@ -313,23 +313,20 @@ def _swiglu_fp8_cpu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 torch.library.impl("uniep::swiglu_fp8", "CPU")(_swiglu_fp8_cpu)
 
 
-# Fake kernels of the backward's element-wise ops (CUDA only; uniep/ep.py's moe_backward).
+# Fake kernel of the backward's element-wise op (CUDA only; uniep/ep.py's moe_backward).
 @torch.library.register_fake("uniep::swiglu_backward")
-def _swiglu_backward_fake(h: torch.Tensor, grad_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _swiglu_backward_fake(
+    h: torch.Tensor, grad_act: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     torch._check_value(
         h.dim() == 2 and grad_act.dim() == 2 and h.shape[1] == 2 * grad_act.shape[1],
         lambda: (
             f"h must be [R, 2I] for grad_act [R, I] = {tuple(grad_act.shape)}, got {tuple(h.shape)}"
         ),
     )
-    return h.new_empty(grad_act.shape), torch.empty_like(h)
-
-
-@torch.library.register_fake("uniep::scale_rows")
-def _scale_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("uniep::row_dots")
-def _row_dots_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty((a.shape[0],), dtype=torch.float32)
+    torch._check_value(
+        w.dim() == 1 and w.shape[0] == h.shape[0],
+        lambda: f"w must be [R] = [{h.shape[0]}], got shape {tuple(w.shape)}",
+    )
+    dots = h.new_empty((h.shape[0],), dtype=torch.float32)
+    return h.new_empty(grad_act.shape), torch.empty_like(h), dots

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
-from . import _C, distributed
+from . import _C, distributed, fused_forward
 
 __all__ = ["moe_forward"]
 
@@ -330,7 +330,12 @@ def moe_forward(
             x.shape[0]``, this device and world size), else the defaults; every rank must see
             the same cache file (a rank that picks another point fails the call on every rank,
             naming the tuning key). It never changes the output bits, except ``dispatch=fp8``
-            and ``combine=rank_partials``, which a cached point never changes.
+            and ``combine=rank_partials``, which a cached point never changes. On CUDA,
+            ``overlap=fused`` named (with bf16 dispatch, the per-k combine and UniEP's GEMMs)
+            runs the MegaKernel on a packed copy of ``w1`` kept while ``w1`` is unchanged
+            (``uniep.fused_forward``: one more ``w1`` of memory, packed again after each
+            in-place update); other numerics, and calls under ``torch.compile``, run the
+            separate launches. Same bits either way.
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
@@ -363,6 +368,11 @@ def moe_forward(
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
         topk_weights = topk_weights.float()
+    if x.is_cuda and not torch.compiler.is_compiling() and fused_forward.runs_fused(tuning):
+        # The MegaKernel, on a packed copy of w1 kept while w1 is unchanged (uniep.fused_forward).
+        return fused_forward.moe_forward_fused(
+            x, topk_idx, topk_weights, w1, w2, group, name, tuning
+        )
     if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
         # CUDA tensors run on the group's GPU runtime: created here on first use (collective).
         from . import ep

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from . import _C
 from .distributed import group_name, world_size
+from .fused_forward import names_key, runs_fused
 from .gemm import (
     dequantize_expert_weights,
     pack_gate_up,
@@ -166,7 +167,7 @@ def moe_forward_prepared(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
         params = _C.TuningParams.parse(tuning)
-    if _runs_fused(experts, params, tuning):
+    if experts.format == "bf16_packed" and runs_fused(tuning):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
@@ -183,21 +184,6 @@ def _check_cuda_operands(x: torch.Tensor, topk_idx: torch.Tensor, experts: Prepa
         raise ValueError(
             f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}"
         )
-
-
-def _named(tuning: str, key: str) -> bool:
-    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
-
-
-def _runs_fused(experts: PreparedExperts, params: _C.TuningParams, tuning: str) -> bool:
-    return (
-        experts.format == "bf16_packed"
-        and _named(tuning, "overlap")
-        and params.overlap == "fused"
-        and params.dispatch == "bf16"
-        and params.combine == "per_k"
-        and params.gemm == "uniep"
-    )
 
 
 def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
@@ -221,7 +207,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
                 f"tuning: with overlap=fused (the MegaKernel) {key} must be one of {shown}, got "
                 f"{value}"
             )
-    comm_sms = p.comm_sms if _named(tuning, "sms") else None
+    comm_sms = p.comm_sms if names_key(tuning, "sms") else None
     return comm_sms, p.skip_rounds, p.tile_m or None
 
 

@@ -192,19 +192,18 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
 // counts[e], int32, no host sync.
 Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cudaStream_t stream);
 
-// The experts' backward between its grouped GEMMs, each one pass over bf16 rows with torch's
-// fp32 arithmetic (each operation rounded on its own). Row lengths multiples of 8, pointers
-// 16-byte aligned, contiguous rows.
-//   swiglu_backward_bf16: from h [rows, 2 ffn] (gate, up) and grad_act [rows, ffn]:
-//     sig = 1 / (1 + exp(-g)), act = g sig u, grad_h = [grad_act u sig (1 + g (1 - sig)),
-//     grad_act g sig] ([rows, 2 ffn]).
-//   scale_rows_bf16: out[r] = x[r] * w[r] (w fp32 [rows]).
-//   row_dots_bf16: dots[r] = sum_c a[r, c] b[r, c] in fp32, in a fixed order.
-Status swiglu_backward_bf16(const void* h, const void* grad_act, int64_t rows, int64_t ffn,
-                            void* act, void* grad_h, cudaStream_t stream);
-Status scale_rows_bf16(const void* x, const float* w, int64_t rows, int64_t cols, void* out,
-                       cudaStream_t stream);
-Status row_dots_bf16(const void* a, const void* b, int64_t rows, int64_t cols, float* dots,
-                     cudaStream_t stream);
+// The experts' backward between its grouped GEMMs: one pass over bf16 rows with torch's fp32
+// arithmetic (each operation rounded on its own). ffn a multiple of 8, pointers 16-byte aligned,
+// contiguous rows. From h [rows, 2 ffn] (gate g, up u), grad_act [rows, ffn] (the gradient of
+// the expert's activation before the routing weight: grad_out rows times w2 transposed) and w
+// [rows] fp32 (each row's routing weight):
+//   sig = 1 / (1 + exp(-g)), act = bf16(g sig u), ga = grad_act w,
+//   grad_h = [ga u sig (1 + g (1 - sig)), ga g sig]   ([rows, 2 ffn] bf16),
+//   act_w = act w                                     ([rows, ffn] bf16, w2's weight gradient
+//                                                      operand),
+//   dots = sum_c act grad_act in fp32, fixed order    ([rows], the routing weight's gradient).
+Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w, int64_t rows,
+                            int64_t ffn, void* act_w, void* grad_h, float* dots,
+                            cudaStream_t stream);
 
 }  // namespace uniep::cuda

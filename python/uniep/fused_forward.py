@@ -1,0 +1,157 @@
+"""``uniep.moe_forward`` on the MegaKernel: what ``overlap=fused`` runs on CUDA.
+
+The MegaKernel's first GEMM applies SwiGLU in its epilogue, so it reads w1 with gate and up
+interleaved (``uniep.gemm.pack_gate_up``), not the ``[E, H, 2I]`` gate-then-up layout
+``moe_forward`` takes. This module keeps one packed copy per ``w1`` tensor and packs again only
+when ``w1`` changed: its version counter (every in-place write through autograd's view of the
+tensor, an optimizer step included) or its storage moved. Writes that bypass the version counter
+(``w1.data.copy_(...)``, or through another process) are not seen: call :func:`clear_packed`
+after them. The copy costs one more ``w1`` of GPU memory; an inference server with fixed weights
+should prepare them once instead (``uniep.prepared``).
+
+The bits are those of the separate launches (``overlap=sequential``). The backward is
+``moe_backward``'s, on the plain weights, as for every other tuning point.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["clear_packed", "moe_forward_fused", "packed_gate_up", "runs_fused"]
+
+# id(w1) -> (a weak reference to w1, its version, its data pointer, the packed copy). The weak
+# reference's callback drops the entry when w1 dies, so a later tensor with the same id never
+# meets a stale copy.
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
+    """``pack_gate_up(w1)``, made once per ``w1`` and kept while ``w1`` is unchanged (module
+    docstring). Detached: the gradient goes to ``w1`` through ``moe_backward``."""
+    from .gemm import pack_gate_up
+
+    key = id(w1)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w1 and hit[1] == w1._version and hit[2] == w1.data_ptr():
+        return hit[3]
+    packed = pack_gate_up(w1.detach())
+    ref = weakref.ref(w1, lambda _ref, k=key: _PACKED.pop(k, None))
+    _PACKED[key] = (ref, w1._version, w1.data_ptr(), packed)
+    return packed
+
+
+def clear_packed() -> None:
+    """Drops every packed copy (after writes the version counter does not see)."""
+    _PACKED.clear()
+
+
+def names_key(tuning: str, key: str) -> bool:
+    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
+
+
+def runs_fused(tuning: str) -> bool:
+    """Whether ``tuning`` asks for the MegaKernel and it can serve its numerics: ``overlap=fused``
+    named, with bf16 dispatch, the per-k combine and UniEP's GEMMs (the kernel has no fp8 rows,
+    no expert-side weighting and no torch GEMMs; other numerics run the separate launches)."""
+    p = _C.TuningParams.parse(tuning)
+    return (
+        names_key(tuning, "overlap")
+        and p.overlap == "fused"
+        and p.dispatch == "bf16"
+        and p.combine == "per_k"
+        and p.gemm == "uniep"
+    )
+
+
+def _forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    tuning: str,
+) -> torch.Tensor:
+    from .distributed import world_size
+    from .prepared import PreparedExperts, _forward_fused
+
+    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise ValueError(
+            f"w1 and w2 must be bfloat16 like x for overlap=fused, got {w1.dtype} and {w2.dtype}"
+        )
+    if (
+        w1.dim() != 3
+        or w2.dim() != 3
+        or tuple(w2.shape)
+        != (
+            w1.shape[0],
+            w1.shape[2] // 2,
+            w1.shape[1],
+        )
+    ):
+        raise ValueError(
+            f"w1 must be [E, H, 2I] and w2 [E, I, H], got {tuple(w1.shape)} and {tuple(w2.shape)}"
+        )
+    experts = PreparedExperts("bf16_packed", packed_gate_up(w1), w2.detach().contiguous())
+    return _forward_fused(x, topk_idx, topk_weights, experts, group, world_size(group), tuning)
+
+
+class _FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        name: str,
+        tuning: str,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
+        ctx.name, ctx.tuning = name, tuning
+        return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
+        # Every rank enters moe_backward (a local expert's gradient needs the other ranks' rows).
+        grads = torch.ops.uniep.moe_backward(
+            grad_out.contiguous(), x, topk_idx, topk_weights, w1, w2, ctx.name, ctx.tuning
+        )
+        needs = ctx.needs_input_grad
+        return (
+            grads[0] if needs[0] else None,
+            None,
+            grads[1] if needs[2] else None,
+            grads[2] if needs[3] else None,
+            grads[3] if needs[4] else None,
+            None,
+            None,
+            None,
+        )
+
+
+def moe_forward_fused(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    name: str,
+    tuning: str,
+) -> torch.Tensor:
+    """``moe_forward`` on the MegaKernel (CUDA, ``runs_fused(tuning)``), differentiable as
+    ``moe_forward`` is."""
+    args = (x, topk_idx, topk_weights, w1, w2)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w1, w2, group, name, tuning)
+    return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning)

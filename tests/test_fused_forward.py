@@ -1,0 +1,63 @@
+"""uniep.fused_forward on the CPU: the packed copy of w1 that moe_forward's overlap=fused path
+keeps (made once, made again after an in-place write, dropped with its tensor) and which tuning
+strings take the MegaKernel."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from uniep import fused_forward
+from uniep.gemm import pack_gate_up
+
+
+def test_the_packed_copy_is_kept_until_w1_changes() -> None:
+    w1 = torch.randn(2, 16, 32).bfloat16()
+    first = fused_forward.packed_gate_up(w1)
+    assert torch.equal(first, pack_gate_up(w1))
+    assert fused_forward.packed_gate_up(w1) is first
+    w1.mul_(2)  # an in-place write (an optimizer step) bumps the version: packed again
+    second = fused_forward.packed_gate_up(w1)
+    assert second is not first and torch.equal(second, pack_gate_up(w1))
+    other = w1.clone()  # equal values, another tensor: its own copy
+    assert fused_forward.packed_gate_up(other) is not second
+    fused_forward.clear_packed()
+    assert fused_forward.packed_gate_up(w1) is not second
+
+
+def test_the_copy_goes_with_its_tensor() -> None:
+    fused_forward.clear_packed()
+    w1 = torch.randn(1, 8, 16).bfloat16()
+    fused_forward.packed_gate_up(w1)
+    assert len(fused_forward._PACKED) == 1
+    del w1
+    gc.collect()
+    assert not fused_forward._PACKED
+
+
+def test_a_parameter_is_packed_detached() -> None:
+    w1 = torch.nn.Parameter(torch.randn(1, 8, 16).bfloat16())
+    packed = fused_forward.packed_gate_up(w1)
+    assert not packed.requires_grad and torch.equal(packed, pack_gate_up(w1.detach()))
+
+
+@pytest.mark.parametrize(
+    ("tuning", "fused"),
+    [
+        ("overlap=fused", True),
+        ("overlap=fused,sms=16,tile_m=64", True),
+        ("", False),
+        ("overlap=sequential", False),
+        ("overlap=fused,dispatch=fp8", False),
+        ("overlap=fused,combine=rank_partials", False),
+        ("overlap=fused,gemm=torch", False),
+    ],
+)
+def test_which_tuning_runs_the_megakernel(tuning: str, fused: bool) -> None:
+    assert fused_forward.runs_fused(tuning) is fused
+
+
+def test_a_bad_tuning_string_names_the_key() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        fused_forward.runs_fused("overlap=sometimes")

@@ -1,0 +1,108 @@
+"""uniep.moe_forward with overlap=fused on one GPU (marker `gpu`): the MegaKernel runs (world 1:
+moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that uniep.fused_forward keeps,
+with the separate launches' bits, packed once, packed again after an in-place update, and with the
+separate launches' gradients. World 1 (NCCL) and two ranks sharing the GPU (gloo)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs a compute capability 9.0 GPU",
+    ),
+]
+
+T, H, FFN, E_LOCAL, K = 80, 256, 128, 3, 4
+
+
+def _worker(rank: int, world: int) -> dict[str, float]:
+    import uniep
+    from uniep import fused_forward, megakernel
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts = E_LOCAL * world
+    gen = torch.Generator().manual_seed(11)
+    w1_all = torch.randn(experts, H, 2 * FFN, generator=gen) * H**-0.5
+    w2_all = torch.randn(experts, FFN, H, generator=gen) * FFN**-0.5
+    gen.manual_seed(300 + rank)
+    x = torch.randn(T - 5 * rank, H, generator=gen).bfloat16().to(dev)
+    idx = torch.rand(x.shape[0], experts, generator=gen).argsort(dim=1)[:, :K]
+    idx[3, 1] = -1  # an unused slot
+    idx = idx.contiguous().to(dev)
+    w = torch.softmax(torch.randn(x.shape[0], K, generator=gen), dim=1).to(dev)
+    mine = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    w1 = w1_all[mine].bfloat16().to(dev)
+    w2 = w2_all[mine].bfloat16().to(dev)
+
+    calls: list[str] = []
+    real = {name: getattr(megakernel, name) for name in ("moe_forward_local", "moe_forward_ep")}
+
+    def spy(name: str):  # noqa: ANN202
+        def run(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(name)
+            return real[name](*args, **kwargs)
+
+        return run
+
+    for name in real:
+        setattr(megakernel, name, spy(name))
+    out: dict[str, float] = {}
+    try:
+        base = uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=sequential")
+        fused = uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=fused")
+        packed = fused_forward.packed_gate_up(w1)
+        again = uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=fused,sms=8")
+        out["ran_kernel"] = float(len(calls) == 2 and len(set(calls)) == 1)
+        out["kernel"] = 1.0 if calls and calls[0] == "moe_forward_local" else 2.0
+        out["fused_equal"] = float(torch.equal(fused, base) and torch.equal(again, base))
+        out["packed_once"] = float(fused_forward.packed_gate_up(w1) is packed)
+        # An in-place update (an optimizer step): the next call packs w1 again.
+        w1.mul_(0.75)
+        updated = uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=fused")
+        base_updated = uniep.moe_forward(x, idx, w, w1, w2)
+        out["repacked_equal"] = float(
+            torch.equal(updated, base_updated) and not torch.equal(updated, base)
+        )
+        out["repacked"] = float(fused_forward.packed_gate_up(w1) is not packed)
+
+        # Gradients: moe_backward's, whichever forward ran.
+        grads = []
+        for tuning in ("overlap=sequential", "overlap=fused"):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w1, w2)]
+            xg, wg, w1g, w2g = leaves
+            y = uniep.moe_forward(xg, idx, wg, w1g, w2g, tuning=tuning)
+            (y.float() * torch.linspace(-1, 1, H, device=dev)).sum().backward()
+            grads.append([y.detach(), *(t.grad for t in leaves)])
+        out["grads_equal"] = float(
+            all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+        )
+        out["calls"] = float(len(calls))
+    finally:
+        for name, fn in real.items():
+            setattr(megakernel, name, fn)
+    megakernel.check_errors()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_forward_runs_the_megakernel(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from uniep.distributed import run_local_ranks
+
+    if world > 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    backend = "nccl" if world == 1 else "gloo"
+    for report in run_local_ranks(_worker, world, backend=backend, timeout_s=300):
+        assert report["ran_kernel"] == 1.0, report
+        assert report["kernel"] == (1.0 if world == 1 else 2.0), report
+        assert report["fused_equal"] == 1.0, report
+        assert report["packed_once"] == 1.0, report
+        assert report["repacked_equal"] == report["repacked"] == 1.0, report
+        assert report["grads_equal"] == 1.0, report
+        assert report["calls"] == 4.0, report  # two forwards, the update's, the gradients'
