@@ -18,7 +18,7 @@ pytestmark = [
     ),
 ]
 
-T, H, FFN, E_LOCAL, K = 80, 256, 128, 3, 4
+T, H, FFN, E_LOCAL, K = 80, 256, 128, 5, 4
 
 
 def _worker(rank: int, world: int) -> dict[str, float]:
