@@ -3,13 +3,14 @@ overlap=sequential and overlap=fused against NCCL all_to_all_single + torch._gro
 GEMMs alone on each rank, and uniep.tune's pick re-timed against the best point it measured
 (issue 23, part 2).
 
-**moe_forward's overlap=fused is not the MegaKernel yet.** On CUDA every overlap mode of
-moe_forward runs the same launches (README, "Tuning strings"), so the fused rows time the
-sequential pipeline again. They are timed and their output is compared bit for bit with
-sequential's, and every row says so (``fused_is_megakernel: false``, ``fused_note``). The
-MegaKernel across ranks (``uniep.megakernel.moe_forward_ep``, which takes ``pack_gate_up``'s w1)
-is timed beside them as ``fwd_megakernel``, checked against the baseline first, with one traced
-call's phases on rank 0 (``megakernel_phases_us_rank0``) and ``megakernel_over_experts``.
+**The fused rows.** ``uniep.moe_forward`` with ``overlap=fused`` runs the MegaKernel on CUDA in
+bf16 (on a packed copy of w1 that ``uniep.fused_forward`` keeps; the op
+``torch.ops.uniep.moe_forward`` runs the separate launches in every overlap mode), so the fused
+rows time it through ``moe_forward``, output compared bit for bit with sequential's; each row says
+which ran (``fused_is_megakernel``, ``fused_note``). The MegaKernel across ranks called directly
+(``uniep.megakernel.moe_forward_ep``) is timed beside them as ``fwd_megakernel``, checked against
+the baseline first, with one traced call's phases on rank 0 (``megakernel_phases_us_rank0``),
+its launch points and ``megakernel_over_experts``.
 
 Per shape (one spawn of W ranks per shape: NVSHMEM's heap is sized once per process), every rank:
 - forward: ``moe_forward`` with ``overlap=sequential`` and ``overlap=fused``, and the baseline
@@ -85,9 +86,8 @@ MK_POINTS = {
     "send64": (64, -1),
 }
 FUSED_NOTE = (
-    "overlap=fused runs the same launches as overlap=sequential in moe_forward on CUDA (the "
-    "MegaKernel across ranks is uniep.megakernel.moe_forward_ep, timed here as fwd_megakernel; "
-    "docs/megakernel.md): these times measure the sequential pipeline again"
+    "fwd_fused: uniep.moe_forward with overlap=fused, the MegaKernel (moe_forward_ep on a packed "
+    "copy of w1 kept per tensor) in bf16 on CUDA, else the separate launches"
 )
 CHILD_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -223,7 +223,11 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     w2.mul_(ffn**-0.5)
     go = torch.randn(tokens, hidden, generator=gen, device=dev, dtype=dtype)
 
+    seq, fused = "overlap=sequential", "overlap=fused"
+
     def fwd(tuning: str) -> torch.Tensor:
+        if tuning == fused:  # the MegaKernel through moe_forward (the op runs the launches)
+            return uniep.moe_forward(x, idx, w, w1, w2, group, tuning)
         return torch.ops.uniep.moe_forward(x, idx, w, w1, w2, gname, tuning)
 
     def bwd(tuning: str) -> tuple[torch.Tensor, ...]:
@@ -259,10 +263,9 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         "device": dev.type,
         "warmup": warmup,
         "iters": iters,
-        "fused_is_megakernel": False,
+        "fused_is_megakernel": cuda and dtype == torch.bfloat16,
         "fused_note": FUSED_NOTE,
     }
-    seq, fused = "overlap=sequential", "overlap=fused"
     mine: dict[str, float] = {}
     with torch.no_grad():
         try:

@@ -433,11 +433,15 @@ def _rows_to_slots(
 ) -> torch.Tensor:
     """One fp32 value per grouped-GEMM row (``values`` [R]) back to slot (token, k) of the row's
     source rank: [T, K] float32 on each source, 0 where ``topk_idx`` is -1."""
+    grad_w = torch.zeros(topk_idx.numel(), dtype=torch.float32, device=topk_idx.device)
+    if int(_C.ep_config(group_name)["world_size"]) == 1:
+        # Every row's source is this rank: no exchange, no sort, no count read back.
+        grad_w[row_target] = values
+        return grad_w.view_as(topk_idx).masked_fill(topk_idx < 0, 0.0)
     per_rank = int(_C.ep_config(group_name)["max_tokens"]) * topk_idx.shape[1]
     slots, got, _ = _send_to_ranks(
         row_target // per_rank, row_target % per_rank, values, group_name
     )
-    grad_w = torch.zeros(topk_idx.numel(), dtype=torch.float32, device=topk_idx.device)
     grad_w[slots] = got
     return grad_w.view_as(topk_idx).masked_fill(topk_idx < 0, 0.0)
 
