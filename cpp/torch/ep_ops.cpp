@@ -1,6 +1,7 @@
 // CUDA implementations of the expert-parallel ops over the NVSHMEM runtime: ep_dispatch,
-// ep_dispatch_cached, ep_combine, and moe_forward = dispatch + grouped-GEMM experts (the expert
-// GEMM engine, or torch._grouped_mm with tuning gemm=torch) + combine.
+// ep_dispatch_cached, ep_combine, moe_forward = dispatch + grouped-GEMM experts (the expert
+// GEMM engine, or torch._grouped_mm with tuning gemm=torch) + combine, and the engine's part of
+// moe_backward.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -391,6 +392,32 @@ void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   });
 }
 
+// The experts' rows of a dispatch run without copy_rows: gathered in the plan's row order
+// straight from the runtime's symmetric buffer (fp8 rows dequantized as the CPU executor does:
+// fp32 product of the e4m3 value and its block scale, rounded once to bf16).
+at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Runtime& rt,
+                         const TuningParams& params, cudaStream_t stream) {
+  const ep::Config& cfg = rt.config();
+  const int64_t N = d.counts.num_recv, H = cfg.hidden, R = d.row_slot.size(0);
+  if (params.dispatch == DispatchPrecision::kFp8E4M3) {
+    const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
+    const at::Tensor bytes = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
+                                           x.options().dtype(at::kByte))
+                                 .index_select(0, d.row_slot);
+    const at::Tensor q = bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn);
+    const at::Tensor scales = bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat);
+    return (q.to(at::kFloat).view({R, blocks, 128}) * scales.unsqueeze(2))
+        .view({R, H})
+        .to(at::kBFloat16);
+  }
+  // One launch from the receive slots (index_select on the strided view cost ~0.1 ms of host
+  // time while the GPU, drained by the count sync, waited for work).
+  at::Tensor xs = at::empty({R, H}, x.options().dtype(at::kBFloat16));
+  ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N,
+                                     d.row_slot.data_ptr<int64_t>(), R, H, xs.data_ptr(), stream));
+  return xs;
+}
+
 at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weights, const at::Tensor& w1,
                             const at::Tensor& w2, c10::string_view group_name,
@@ -411,28 +438,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     if (R == 0) {
       y = at::empty({0, H}, x.options());
     } else {
-      // The received rows stay in the symmetric buffer: gather the GEMM rows straight from it.
-      at::Tensor xs;
-      if (params.dispatch == DispatchPrecision::kFp8E4M3) {
-        // Dequantised as the CPU executor does it: fp32 product of e4m3 value and block scale,
-        // rounded once to bf16.
-        const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
-        const at::Tensor bytes = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
-                                               x.options().dtype(at::kByte))
-                                     .index_select(0, d.row_slot);
-        const at::Tensor q = bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn);
-        const at::Tensor scales = bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat);
-        xs = (q.to(at::kFloat).view({R, blocks, 128}) * scales.unsqueeze(2))
-                 .view({R, H})
-                 .to(at::kBFloat16);
-      } else {
-        // One launch from the receive slots (index_select on the strided view cost ~0.1 ms of
-        // host time while the GPU, drained by the count sync, waited for work).
-        xs = at::empty({R, H}, x.options());
-        ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N,
-                                           d.row_slot.data_ptr<int64_t>(), R, H, xs.data_ptr(),
-                                           stream));
-      }
+      const at::Tensor xs = gathered_rows(x, d, rt, params, stream);
       at::Tensor offs = at::empty({d.tokens_per_expert.size(0)}, x.options().dtype(at::kInt));
       ok_or_throw(cuda::expert_offsets(d.tokens_per_expert.data_ptr<int64_t>(), offs.size(0),
                                        offs.data_ptr<int32_t>(), stream));
@@ -452,6 +458,82 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
       y = grouped(act, w2).contiguous();
     }
     return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params, stream);
+  });
+}
+
+// moe_backward's dispatches, expert GEMMs and combine on the engine (tuning gemm=uniep), one
+// op so that nothing but the dispatch's count read waits between the launches (composed in
+// Python, the host's op overhead left the GPU idle for ~20% of a small layer's backward). The
+// forward's rows are dispatched again (same routing: same slots and rows) and gathered from the
+// symmetric buffer before grad_out rides on that plan into the same buffer (the cached round's
+// barrier keeps the peers' rows out until this rank has passed the gather). Returns grad_x (the
+// combine of the rows' input gradients with unit weights), each row's <act, grad_out w2^T>
+// (the routing weight's gradient, by row: uniep/ep.py takes it back to the slot), the rows'
+// combine targets, and the weights' gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_engine_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
+    c10::string_view group_name, c10::string_view tuning) {
+  return translate_errors([&] {
+    const CheckedMoeCall c = check_moe_call(CallKind::kMoeBackward, &grad_out, x, topk_idx,
+                                            topk_weights, w1, w2, group_name, tuning);
+    const TuningParams& params = c.params;
+    UNIEP_CHECK(params.gemm == GemmEngine::kUniep,
+                "moe_backward_engine runs the expert GEMM engine (tuning gemm=uniep), got "
+                "gemm=torch (uniep/ep.py composes that path)");
+    ep::Runtime& rt = *c.runtime;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+    const int64_t K = rt.config().top_k, H = rt.config().hidden, I = c.in.shape.ffn_hidden;
+    const Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
+    const int64_t R = d.row_slot.size(0);
+    const at::Tensor rows = gathered_rows(x, d, rt, params, stream);
+    // Each row's routing weight, from the received (token, k) weights.
+    const at::Tensor w_row = d.recv_topk_weights.view(-1).index_select(
+        0, d.row_slot * K + d.row_target.remainder(K));
+
+    // grad_out travels in bf16 whatever the forward's precision, summed with unit weights.
+    TuningParams grad_params = params;
+    grad_params.dispatch = DispatchPrecision::kBf16;
+    grad_params.combine = CombineReduction::kPerChoice;
+    const at::Tensor go = grad_out.contiguous();
+    ep::DispatchCounts counts;
+    ok_or_throw(rt.begin_cached_dispatch(static_cast<uint64_t>(d.epoch),
+                                         dispatch_input(go, topk_idx, topk_weights, grad_params,
+                                                        false),
+                                         stream, &counts));
+    ok_or_throw(rt.end_dispatch(ep::DispatchOutput{}, stream));
+    const int64_t back_epoch = static_cast<int64_t>(rt.epoch());
+    const at::Tensor go_rows = gathered_rows(go, d, rt, grad_params, stream);
+
+    at::Tensor grad_rows, dots, grad_w1, grad_w2;
+    if (R == 0) {
+      grad_rows = at::empty({0, H}, x.options());
+      dots = at::empty({0}, x.options().dtype(at::kFloat));
+      grad_w1 = at::zeros_like(w1);
+      grad_w2 = at::zeros_like(w2);
+    } else {
+      at::Tensor offs = at::empty({d.tokens_per_expert.size(0)}, x.options().dtype(at::kInt));
+      ok_or_throw(cuda::expert_offsets(d.tokens_per_expert.data_ptr<int64_t>(), offs.size(0),
+                                       offs.data_ptr<int32_t>(), stream));
+      // GEMM 1 recomputed; grad_out's rows before the weight through w2^T, so the weight's
+      // gradient is <act, that> and y = act w2 is never recomputed (docs/expert_gemm.md).
+      const at::Tensor h = engine_grouped_mm(rows, w1, offs, params);
+      const at::Tensor grad_act = engine_grouped_mm_dgrad(go_rows, w2, offs, params);
+      const at::Tensor act_w = at::empty({R, I}, x.options());
+      const at::Tensor grad_h = at::empty_like(h);
+      dots = at::empty({R}, x.options().dtype(at::kFloat));
+      ok_or_throw(cuda::swiglu_backward_bf16(h.data_ptr(), grad_act.data_ptr(),
+                                             w_row.data_ptr<float>(), R, I, act_w.data_ptr(),
+                                             grad_h.data_ptr(), dots.data_ptr<float>(), stream));
+      grad_rows = engine_grouped_mm_dgrad(grad_h, w1, offs, params);
+      grad_w1 = engine_grouped_mm_wgrad(rows, grad_h, offs, params);
+      grad_w2 = engine_grouped_mm_wgrad(act_w, go_rows, offs, params);
+    }
+    const at::Tensor ones = at::ones_like(topk_weights);
+    at::Tensor grad_x = run_combine(grad_rows.contiguous(), d.row_target, topk_idx, ones, rt,
+                                    back_epoch, grad_params, stream);
+    return std::make_tuple(grad_x, dots, d.row_target, grad_w1, grad_w2);
   });
 }
 
@@ -527,4 +609,5 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("ep_combine", &uniep::torch_glue::ep_combine_cuda);
   m.impl("moe_forward", &uniep::torch_glue::moe_forward_cuda);
   m.impl("moe_backward_checks", &uniep::torch_glue::moe_backward_checks_cuda);
+  m.impl("moe_backward_engine", &uniep::torch_glue::moe_backward_engine_cuda);
 }

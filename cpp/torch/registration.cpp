@@ -14,6 +14,12 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "moe_backward_checks(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, "
       "Tensor w1, Tensor w2, str group_name, str tuning=\"\") -> ()");
+  // moe_backward's engine part on CUDA (tuning gemm=uniep; its checks included): grad_x, each
+  // expert row's routing-weight gradient and combine target, and the weights' gradients.
+  m.def(
+      "moe_backward_engine(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor w1, Tensor w2, str group_name, str tuning=\"\") -> (Tensor grad_x, "
+      "Tensor row_dots, Tensor row_target, Tensor grad_w1, Tensor grad_w2)");
   // torch._grouped_mm's bf16 case on UniEP's Hopper grouped GEMM (CUDA only): x [R, K],
   // w [E, K, N], offs [E] int32 cumulative row ends -> [R, N]; expert e multiplies rows
   // [offs[e-1], offs[e]) of x by w[e]. offs stays on the device (no host sync). tuning's

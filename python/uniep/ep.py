@@ -460,12 +460,25 @@ def _moe_backward_cuda(
     """Gradients of moe_forward on GPUs, built from the runtime's pieces.
 
     The forward rows are dispatched again (same routing, so the same slots and rows), and
-    grad_out on that dispatch's plan (``ep_dispatch_cached``); the expert math is
-    differentiated locally on the expert GEMM engine (data- and weight-gradient grouped GEMMs;
-    torch._grouped_mm's autograd with tuning gemm=torch); grad_x comes home through a combine with
-    unit weights (sum over k, ascending, fp32); the per-(token, k) dot products for
-    grad_topk_weights go back over the group's NCCL all_to_all.
+    grad_out on that dispatch's plan (a cached dispatch); the expert math is differentiated
+    locally on the expert GEMM engine (data- and weight-gradient grouped GEMMs, one C++ op,
+    ``moe_backward_engine``; torch._grouped_mm's autograd with tuning gemm=torch, composed here);
+    grad_x comes home through a combine with unit weights (sum over k, ascending, fp32); the
+    per-(token, k) dot products for grad_topk_weights go back over the group's NCCL all_to_all
+    (at world 1 straight to their slots).
     """
+    try:
+        engine = _C.TuningParams.parse(tuning).gemm == "uniep"
+    except ValueError:
+        engine = True  # moe_backward_engine's agreed checks raise it on every rank
+    if engine:
+        # One C++ op from the checks to the combine (cpp/torch/ep_ops.cpp); only the routing
+        # weights' gradients come back to their slots here.
+        grad_x, dots, row_target, grad_w1, grad_w2 = torch.ops.uniep.moe_backward_engine(
+            grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
+        )
+        grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
+        return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
     # Every check first, agreed with the peers (a bad argument on one rank raises on all).
     torch.ops.uniep.moe_backward_checks(
         grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
@@ -491,16 +504,9 @@ def _moe_backward_cuda(
         grad_out.contiguous(), topk_idx, topk_weights, group_name, plan_epoch, grad_text
     )
     go_rows = recv_go.index_select(0, row_slot)
-
-    if params.gemm == "uniep" and rows.shape[0] > 0:
-        grad_rows, grad_w1, grad_w2, dots = _experts_backward_engine(
-            rows, go_rows, w_row, w1, w2, offs, text
-        )
-    else:
-        grad_rows, grad_w1, grad_w2, dots = _experts_backward_torch(
-            rows, go_rows, w_row, w1, w2, offs, ffn
-        )
-
+    grad_rows, grad_w1, grad_w2, dots = _experts_backward_torch(
+        rows, go_rows, w_row, w1, w2, offs, ffn
+    )
     ones = torch.ones_like(topk_weights)
     grad_x = torch.ops.uniep.ep_combine(
         grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
@@ -533,34 +539,6 @@ def _experts_backward_torch(
             grad_rows, grad_w1, grad_w2 = xs, torch.zeros_like(w1), torch.zeros_like(w2)
             dots = torch.zeros(0, dtype=torch.float32, device=rows.device)
 
-    return grad_rows, grad_w1, grad_w2, dots
-
-
-def _experts_backward_engine(
-    rows: torch.Tensor,
-    go_rows: torch.Tensor,
-    w_row: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    offs: torch.Tensor,
-    tuning: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' gradients on the expert GEMM engine: GEMM 1 recomputed as moe_forward ran
-    it, then two data-gradient and two weight-gradient grouped GEMMs (weight gradients summed
-    over each expert's rows in ascending order).
-
-    The first data gradient takes grad_out's rows before the routing weight, so the weight's
-    gradient is <act, grad_out w2^T> (= <grad_out, y>): y = act w2 is never recomputed, and the
-    weight is applied once, in fp32, by the element-wise pass."""
-    ops = torch.ops.uniep
-    h = ops.grouped_mm(rows, w1, offs, tuning)
-    grad_act = ops.grouped_mm_dgrad(go_rows, w2, offs, tuning)
-    # One pass: act * w (w2's gradient operand), grad_h = [d/dg, d/du] and the dots, with
-    # torch's fp32 arithmetic op by op, instead of a dozen fp32 kernels over [R, 2I] and [R, H].
-    act_w, grad_h, dots = ops.swiglu_backward(h, grad_act, w_row)
-    grad_rows = ops.grouped_mm_dgrad(grad_h, w1, offs, tuning)
-    grad_w1 = ops.grouped_mm_wgrad(rows, grad_h, offs, tuning)
-    grad_w2 = ops.grouped_mm_wgrad(act_w, go_rows, offs, tuning)
     return grad_rows, grad_w1, grad_w2, dots
 
 
@@ -627,6 +605,19 @@ def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, tuni
 # requiring grad. The forward's plan and combine buffers are gone by the time backward runs
 # (each dispatch is combined once, before the next), so the backward dispatches again with the
 # saved routing: the planner is deterministic, so the new plan has the forward's slots and rows.
+
+
+@torch.library.register_fake("uniep::moe_backward_engine")
+def _moe_backward_engine_fake(grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning=""):  # noqa: ANN001, ANN202
+    # R, the rows this rank's experts receive, is data-dependent.
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (
+        torch.empty_like(x),
+        x.new_empty((rows,), dtype=torch.float32),
+        x.new_empty((rows,), dtype=torch.int64),
+        torch.empty_like(w1),
+        torch.empty_like(w2),
+    )
 
 
 def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
