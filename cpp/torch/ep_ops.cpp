@@ -465,8 +465,8 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
 // op so that nothing but the dispatch's count read waits between the launches (composed in
 // Python, the host's op overhead left the GPU idle for ~20% of a small layer's backward). The
 // forward's rows are dispatched again (same routing: same slots and rows) and gathered from the
-// symmetric buffer before grad_out rides on that plan into the same buffer (the cached round's
-// barrier keeps the peers' rows out until this rank has passed the gather). Returns grad_x (the
+// symmetric buffer before grad_out rides on that plan (the cached round's barrier keeps the
+// peers' rows out of the buffer until this rank has passed the gather). Returns grad_x (the
 // combine of the rows' input gradients with unit weights), each row's <act, grad_out w2^T>
 // (the routing weight's gradient, by row: uniep/ep.py takes it back to the slot), the rows'
 // combine targets, and the weights' gradients.
@@ -502,9 +502,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
                                          dispatch_input(go, topk_idx, topk_weights, grad_params,
                                                         false),
                                          stream, &counts));
-    ok_or_throw(rt.end_dispatch(ep::DispatchOutput{}, stream));
+    // A cached round writes its rows out (the runtime keeps its buffer for rows a caller reads).
+    const at::Tensor recv_go = at::empty({counts.num_recv, H}, go.options());
+    ep::DispatchOutput go_out;
+    go_out.recv_x = recv_go.data_ptr();
+    ok_or_throw(rt.end_dispatch(go_out, stream));
     const int64_t back_epoch = static_cast<int64_t>(rt.epoch());
-    const at::Tensor go_rows = gathered_rows(go, d, rt, grad_params, stream);
+    const at::Tensor go_rows = recv_go.index_select(0, d.row_slot);
 
     at::Tensor grad_rows, dots, grad_w1, grad_w2;
     if (R == 0) {
