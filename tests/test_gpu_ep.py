@@ -189,18 +189,22 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         err = (gpu[0].cpu().float() - cpu.float()).norm() / cpu.float().norm().clamp_min(1e-6)
         assert err <= 1e-2, (kind, float(err))
         report[kind] = float(err)
-        # Backward on GPU against the CPU executor's (same inputs, bf16 tolerance).
+        # Backward on GPU against the CPU executor's (same inputs, bf16 tolerance): the engine's
+        # C++ op (also after an fp8 forward dispatch, and with the rank_partials combine named)
+        # and the torch._grouped_mm path composed in Python.
         grad_out = torch.randn(idx.shape[0], HIDDEN, generator=gen).to(torch.bfloat16)
-        g_gpu = torch.ops.uniep.moe_backward(
-            grad_out.to(dev), x, idx, w, w1.to(dev), w2.to(dev), name, ""
-        )
-        g_cpu = torch.ops.uniep.moe_backward(
-            grad_out, xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, ""
-        )
-        for label, a, b in zip(("x", "topk_weights", "w1", "w2"), g_gpu, g_cpu, strict=True):
-            assert a.shape == b.shape and a.dtype == b.dtype, (kind, label)
-            gerr = (a.cpu().double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
-            assert gerr <= 2e-2, (kind, label, float(gerr))
+        for tuning in ("", "dispatch=fp8", "combine=rank_partials", "gemm=torch"):
+            g_gpu = torch.ops.uniep.moe_backward(
+                grad_out.to(dev), x, idx, w, w1.to(dev), w2.to(dev), name, tuning
+            )
+            g_cpu = torch.ops.uniep.moe_backward(
+                grad_out, xs[rank], idxs[rank], ws[rank], w1, w2, cpu_group.group_name, tuning
+            )
+            labels = ("x", "topk_weights", "w1", "w2")
+            for label, a, b in zip(labels, g_gpu, g_cpu, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype, (kind, tuning, label)
+                gerr = (a.cpu().double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
+                assert gerr <= 2e-2, (kind, tuning, label, float(gerr))
 
         # fp8 dispatch inside moe_forward: the same dequantisation as the CPU executor's.
         gpu8 = torch.ops.uniep.moe_forward(
