@@ -471,8 +471,9 @@ def _megakernel_forward(
     from uniep.gemm import pack_gate_up
 
     _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
-    megakernel.init_fused_ep(
-        group, max_tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=experts
+    # moe_forward's fused rows may have created the group's fused runtime already.
+    megakernel.ensure_fused_ep(
+        group, tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=experts
     )
     w1p = pack_gate_up(w1)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count

@@ -183,9 +183,13 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   out.row_target = d.row_target.data_ptr<int64_t>();
   ok_or_throw(rt.end_dispatch(out, stream));
   // Device-to-device from the runtime's plan: no pageable host copy on the critical path.
+  // Without copy_rows the caller (moe_forward, moe_backward) reads the counts in stream order
+  // before any later dispatch can rewrite them: a view, not a copy (the copy's driver call
+  // cost the host ~25 us while the GPU, drained by the count read, waited).
   const int64_t El = static_cast<int64_t>(d.counts.rows_per_expert.size());
   d.tokens_per_expert =
-      at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64).clone();
+      at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64);
+  if (copy_rows) d.tokens_per_expert = d.tokens_per_expert.clone();
   return d;
 }
 
