@@ -52,6 +52,23 @@ def test_fake_outputs_carry_the_backward() -> None:
     assert isinstance(epoch, int)
 
 
+def test_fake_of_the_engine_backward() -> None:
+    # moe_backward_engine's rows (and so its per-row outputs) depend on the routing.
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.empty(8, 256, dtype=torch.bfloat16))
+        idx = mode.from_tensor(torch.empty(8, 4, dtype=torch.long))
+        w = mode.from_tensor(torch.empty(8, 4))
+        w1 = mode.from_tensor(torch.empty(3, 256, 128, dtype=torch.bfloat16))
+        w2 = mode.from_tensor(torch.empty(3, 64, 256, dtype=torch.bfloat16))
+        gx, dots, target, gw1, gw2 = torch.ops.uniep.moe_backward_engine(
+            x, x, idx, w, w1, w2, "", ""
+        )
+    assert tuple(gx.shape) == (8, 256) and gx.dtype == torch.bfloat16
+    assert dots.dtype == torch.float32 and target.dtype == torch.int64
+    assert str(dots.shape[0]) == str(target.shape[0]) and not isinstance(dots.shape[0], int)
+    assert tuple(gw1.shape) == (3, 256, 128) and tuple(gw2.shape) == (3, 64, 256)
+
+
 @pytest.mark.skipif(uniep.ep.available(), reason="this build and machine have the GPU runtime")
 def test_dispatch_requiring_grad_on_cpu_is_not_implemented() -> None:
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
