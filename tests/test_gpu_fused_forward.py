@@ -1,7 +1,8 @@
 """uniep.moe_forward with overlap=fused on one GPU (marker `gpu`): the MegaKernel runs (world 1:
 moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that uniep.fused_forward keeps,
 with the separate launches' bits, packed once, packed again after an in-place update, and with the
-separate launches' gradients. World 1 (NCCL) and two ranks sharing the GPU (gloo)."""
+separate launches' gradients; a CUDA-graph capture of it is refused by name. World 1 (NCCL) and
+two ranks sharing the GPU (gloo)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,14 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         for name, fn in real.items():
             setattr(megakernel, name, fn)
     megakernel.check_errors()
+    # Under CUDA-graph capture the call is refused before any launch, naming what captures.
+    refused = ""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=fused")
+    except RuntimeError as e:
+        refused = str(e)
+    out["capture_refused"] = float("cannot be captured" in refused and "check=False" in refused)
     return out
 
 
@@ -106,3 +115,4 @@ def test_moe_forward_runs_the_megakernel(world: int, monkeypatch: pytest.MonkeyP
         assert report["repacked_equal"] == report["repacked"] == 1.0, report
         assert report["grads_equal"] == 1.0, report
         assert report["calls"] == 4.0, report  # two forwards, the update's, the gradients'
+        assert report["capture_refused"] == 1.0, report

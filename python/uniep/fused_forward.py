@@ -10,7 +10,9 @@ after them. The copy costs one more ``w1`` of GPU memory; an inference server wi
 should prepare them once instead (``uniep.prepared``).
 
 The bits are those of the separate launches (``overlap=sequential``). The backward is
-``moe_backward``'s, on the plain weights, as for every other tuning point.
+``moe_backward``'s, on the plain weights, as for every other tuning point. Not capturable in a
+CUDA graph (the MegaKernel's errors are checked after the call); the MegaKernel's own entry
+points are, with ``check=False``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
     docstring). Detached: the gradient goes to ``w1`` through ``moe_backward``."""
     from .gemm import pack_gate_up
 
+    if w1.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A graph must pack at each replay: a kept copy would go stale when w1 is updated.
+        return pack_gate_up(w1.detach())
     key = id(w1)
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is w1 and hit[1] == w1._version and hit[2] == w1.data_ptr():
@@ -81,6 +86,13 @@ def _forward(
     from .distributed import world_size
     from .prepared import PreparedExperts, _forward_fused
 
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "moe_forward with overlap=fused cannot be captured in a CUDA graph: it checks the "
+            "MegaKernel's errors after the call, which a graph cannot hold; capture "
+            "uniep.megakernel.moe_forward_local (world 1) or moe_forward_ep (across ranks) with "
+            "check=False instead"
+        )
     if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
         raise ValueError(
             f"w1 and w2 must be bfloat16 like x for overlap=fused, got {w1.dtype} and {w2.dtype}"
