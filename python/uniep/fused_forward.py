@@ -128,27 +128,15 @@ class _FusedMoE(torch.autograd.Function):
         tuning: str,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
-        ctx.name, ctx.tuning = name, tuning
+        ctx.group_name, ctx.tuning = name, tuning
         return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
-        # Every rank enters moe_backward (a local expert's gradient needs the other ranks' rows).
-        grads = torch.ops.uniep.moe_backward(
-            grad_out.contiguous(), x, topk_idx, topk_weights, w1, w2, ctx.name, ctx.tuning
-        )
-        needs = ctx.needs_input_grad
-        return (
-            grads[0] if needs[0] else None,
-            None,
-            grads[1] if needs[2] else None,
-            grads[2] if needs[3] else None,
-            grads[3] if needs[4] else None,
-            None,
-            None,
-            None,
-        )
+        from .ops import _backward
+
+        # moe_forward's own backward (its inputs have no group: one None more for it here).
+        return (*_backward(ctx, grad_out)[:5], None, None, None)
 
 
 def moe_forward_fused(
