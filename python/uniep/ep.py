@@ -600,13 +600,6 @@ def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, tuni
     return y.new_empty((topk_idx.shape[0], y.shape[1]))
 
 
-# Autograd of the raw ops. Each backward is itself collective (a dispatch, a combine, an
-# all_to_all): every rank of the group must run it, in the same order, with the same inputs
-# requiring grad. The forward's plan and combine buffers are gone by the time backward runs
-# (each dispatch is combined once, before the next), so the backward dispatches again with the
-# saved routing: the planner is deterministic, so the new plan has the forward's slots and rows.
-
-
 @torch.library.register_fake("uniep::moe_backward_engine")
 def _moe_backward_engine_fake(grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning=""):  # noqa: ANN001, ANN202
     # R, the rows this rank's experts receive, is data-dependent.
@@ -618,6 +611,13 @@ def _moe_backward_engine_fake(grad_out, x, topk_idx, topk_weights, w1, w2, group
         torch.empty_like(w1),
         torch.empty_like(w2),
     )
+
+
+# Autograd of the raw ops. Each backward is itself collective (a dispatch, a combine, an
+# all_to_all): every rank of the group must run it, in the same order, with the same inputs
+# requiring grad. The forward's plan and combine buffers are gone by the time backward runs
+# (each dispatch is combined once, before the next), so the backward dispatches again with the
+# saved routing: the planner is deterministic, so the new plan has the forward's slots and rows.
 
 
 def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
