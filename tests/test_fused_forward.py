@@ -61,3 +61,18 @@ def test_which_tuning_runs_the_megakernel(tuning: str, fused: bool) -> None:
 def test_a_bad_tuning_string_names_the_key() -> None:
     with pytest.raises(ValueError, match="overlap"):
         fused_forward.runs_fused("overlap=sometimes")
+
+
+def test_bad_operands_are_named_before_the_packing() -> None:
+    fused_forward.clear_packed()
+    x = torch.randn(4, 16).bfloat16()
+    idx = torch.zeros(4, 2, dtype=torch.long)
+    w = torch.ones(4, 2)
+    w1, w2 = torch.randn(2, 16, 32).bfloat16(), torch.randn(2, 16, 16).bfloat16()
+    with pytest.raises(ValueError, match=r"w2 must be \[E_local = 2, I = 16, H = 16\]"):
+        fused_forward._forward(x, idx, w, w1, w2[:, :8], None, "overlap=fused")
+    with pytest.raises(ValueError, match=r"w1 must be \[E_local, H = 16, 2I\]"):
+        fused_forward._forward(x, idx, w, w1[:, :8], w2, None, "overlap=fused")
+    with pytest.raises(ValueError, match="w1 and w2 must be bfloat16"):
+        fused_forward._forward(x, idx, w, w1.float(), w2, None, "overlap=fused")
+    assert not fused_forward._PACKED  # nothing was packed for a call that failed its checks

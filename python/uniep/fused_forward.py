@@ -84,6 +84,7 @@ def _forward(
     tuning: str,
 ) -> torch.Tensor:
     from .distributed import world_size
+    from .megakernel import _check_operands
     from .prepared import PreparedExperts, _forward_fused
 
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -97,19 +98,8 @@ def _forward(
         raise ValueError(
             f"w1 and w2 must be bfloat16 like x for overlap=fused, got {w1.dtype} and {w2.dtype}"
         )
-    if (
-        w1.dim() != 3
-        or w2.dim() != 3
-        or tuple(w2.shape)
-        != (
-            w1.shape[0],
-            w1.shape[2] // 2,
-            w1.shape[1],
-        )
-    ):
-        raise ValueError(
-            f"w1 must be [E, H, 2I] and w2 [E, I, H], got {tuple(w1.shape)} and {tuple(w2.shape)}"
-        )
+    # The MegaKernel's own operand checks, before the packing (w1 has the packed shape).
+    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
     experts = PreparedExperts("bf16_packed", packed_gate_up(w1), w2.detach().contiguous())
     return _forward_fused(x, topk_idx, topk_weights, experts, group, world_size(group), tuning)
 

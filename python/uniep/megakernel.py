@@ -217,8 +217,10 @@ def _check_operands(
     w1_packed: torch.Tensor,
     w2: torch.Tensor,
     experts: str = "E",
+    w1_name: str = "w1_packed",
 ) -> None:
-    """The operands' dtypes and shapes (``experts``: how the messages name the expert count)."""
+    """The operands' dtypes and shapes (``experts``: how the messages name the expert count;
+    ``w1_name``: the first weight's, which has the packed layout's shape either way)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 [T, H], got {x.dtype} of shape {tuple(x.shape)}")
     t, h = x.shape
@@ -234,7 +236,7 @@ def _check_operands(
         )
     if w1_packed.dim() != 3 or w1_packed.shape[1] != h:
         raise ValueError(
-            f"w1_packed must be [{experts}, H = {h}, 2I], got {tuple(w1_packed.shape)}"
+            f"{w1_name} must be [{experts}, H = {h}, 2I], got {tuple(w1_packed.shape)}"
         )
     e, _, two_i = w1_packed.shape
     if w2.dim() != 3 or w2.shape != (e, two_i // 2, h):
