@@ -144,6 +144,22 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     head_sharded = uc.all_to_all_ulysses(q, 1, 0)
     assert torch.equal(head_sharded, torch.cat(received, 0))
     assert torch.equal(uc.all_to_all_ulysses(head_sharded, 0, 1), q)
+    # The blocks move by 2-D copies between the caller's tensors and the slots: a leading batch
+    # dim makes both sides strided (the own block goes through the own slot), float32 rows of
+    # 20 bytes are not 16-byte multiples, and a transposed x is made contiguous first.
+    for x, sd, gd in (
+        (torch.randn(3, 5, 2 * world, 6, generator=gen, device=dev), 2, 1),
+        (torch.randn(3, 2 * world, 5, 6, generator=gen, device=dev), 1, 2),
+        (torch.randn(world * 2, 5, generator=gen, device=dev), 0, 1),
+        (torch.randn(7, world * 3, generator=gen, device=dev).t(), 0, 1),
+        (torch.randn(4, world, 5, generator=gen, device=dev, dtype=torch.float64), 1, 2),
+    ):
+        got = uc.all_to_all_ulysses(x, sd, gd)
+        parts = _gather_all(x.contiguous(), world)
+        want = torch.cat([p.tensor_split(world, sd)[rank] for p in parts], gd)
+        assert torch.equal(got, want), ("all_to_all_ulysses", tuple(x.shape), sd, gd)
+        back = uc.all_to_all_ulysses(got, gd, sd)
+        assert torch.equal(back, x), ("all_to_all_ulysses round trip", tuple(x.shape), sd, gd)
 
     # Autograd through the CUDA ops: AG-GEMM's backward is a GEMM-RS (and the reverse).
     a = torch.randn(32, 48, generator=gen, device=dev, dtype=torch.float64, requires_grad=True)

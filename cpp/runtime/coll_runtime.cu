@@ -1,7 +1,8 @@
 // The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
 // arrival words and two sets of push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
-// computations on the caller's stream and the runtime's three.
+// computations on the caller's stream and the runtime's own (communication, wait, local copy,
+// and one push lane per peer).
 #include <cuda.h>  // types of the driver's stream write, fetched at run time (no -lcuda)
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -70,6 +71,34 @@ cudaError_t copy_async(void* dst, const void* src, size_t bytes, cudaStream_t st
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
 }
 
+// `height` rows of `width` bytes, one pitch apart on each side: the copy engine's 2-D copy, or
+// the copy above where both sides are contiguous.
+cudaError_t copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                    size_t height, cudaStream_t stream) {
+  if (width == 0 || height == 0) return cudaSuccess;
+  if (dpitch == width && spitch == width) return copy_async(dst, src, width * height, stream);
+  return cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+                           stream);
+}
+
+// One side of an all-to-all block: rows of row_bytes one pitch apart, blocks one stride apart.
+// The contiguous layout is `chunks` rows of block_bytes / chunks per block, so that a chunk is a
+// run of whole rows either way.
+struct BlockRows {
+  int64_t rows, row_bytes, pitch, stride;
+  static BlockRows of(const StridedBlocks& b, int64_t block_bytes, int64_t chunks) {
+    if (b.rows == 0) {
+      const int64_t w = block_bytes / chunks;
+      return {chunks, w, w, block_bytes};
+    }
+    return {b.rows, b.row_bytes, b.pitch, b.block_stride};
+  }
+  // Chunk j of block p: its first row and its row count.
+  const uint8_t* at(const uint8_t* base, int64_t p, int64_t j, int64_t chunks) const {
+    return base + p * stride + j * (rows / chunks) * pitch;
+  }
+};
+
 using StreamWriteValue64 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 // The driver's stream write (no SM needed, so it is not queued behind a GEMM's blocks as a
@@ -95,11 +124,17 @@ class RuntimeImpl final : public Runtime {
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamSynchronize(st);
+    for (cudaStream_t st : lane_)
+      if (st) cudaStreamSynchronize(st);
     if (sym_) nvshmem_free(sym_);
     for (cudaEvent_t& e : events_)
       if (e) cudaEventDestroy(e);
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamDestroy(st);
+    for (cudaStream_t st : lane_)
+      if (st) cudaStreamDestroy(st);
+    for (cudaEvent_t e : lane_events_)
+      if (e) cudaEventDestroy(e);
     if (err_host_) cudaFreeHost(err_host_);
     if (counted_) runtime::nvshmem_release();
   }
@@ -145,6 +180,15 @@ class RuntimeImpl final : public Runtime {
     // the pushes.
     for (cudaStream_t* st : {&comm_, &wait_, &copy_})
       UNIEP_CUDA_OK(cudaStreamCreateWithPriority(st, cudaStreamNonBlocking, greatest));
+    // One push lane per peer: copies on one stream run one after another, so with a single
+    // communication stream a rank fed its W-1 peers in turn, one NVLink copy at a time; on
+    // their own streams the copies to different peers can run together.
+    for (int64_t p = 0; p < cfg_.world_size; ++p) {
+      if (p == cfg_.rank) continue;
+      UNIEP_CUDA_OK(cudaStreamCreateWithPriority(&lane_[p], cudaStreamNonBlocking, greatest));
+      UNIEP_CUDA_OK(cudaEventCreateWithFlags(&lane_events_[p], cudaEventDisableTiming));
+    }
+    UNIEP_CUDA_OK(cudaEventCreateWithFlags(&lane_events_[cfg_.rank], cudaEventDisableTiming));
     write_value_ = stream_write_value64();
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -183,6 +227,7 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
+    UNIEP_CUDA_OK(fan_out());
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
     UNIEP_CUDA_OK(copy_async(gathered + r * m * rb, a, m * rb, copy_));
@@ -263,14 +308,15 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
+    UNIEP_CUDA_OK(fan_out());
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     Status status = Status::Ok();
-    // Pushes go on the communication stream as soon as their partial exists (the input rows
-    // exist from the start); they are enqueued before any wait for arrivals, so no host call
-    // of the copy path can end up queued behind a wait that needs a peer's push.
+    // Pushes go on their peer's lane as soon as their partial exists (the input rows exist
+    // from the start); they are enqueued before any wait for arrivals, so no host call of the
+    // copy path can end up queued behind a wait that needs a peer's push.
     auto enqueue_sends = [&](const ChunkStep& st) -> Status {
       for (const Transfer& t : st.sends) {
-        if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
+        if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(lane_[t.peer], chunk_event(t.chunk), 0));
         const int64_t j = plan.chunk_part(t.chunk);
         if (Status s =
                 push(t.peer, push_slot(r) + j * part, partial(t.chunk), part, arrived_word(r, j));
@@ -369,39 +415,54 @@ class RuntimeImpl final : public Runtime {
                                  ") must be >= 0 and divisible by chunks (", c.chunks, ")"));
     if (Status s = check_block(c.block_bytes, "block_bytes"); !s.ok()) return s;
     if (!c.send || !c.recv) return bad("send and recv must be device pointers, got null");
+    if (Status s = check_strided(c.send_blocks, c, "send_blocks"); !s.ok()) return s;
+    if (Status s = check_strided(c.recv_blocks, c, "recv_blocks"); !s.ok()) return s;
     CollectiveSchedule plan;
     if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
     if (Status s = begin(kind, stream); !s.ok()) return s;
 
-    const int64_t W = cfg_.world_size, r = cfg_.rank, B = c.block_bytes, part = B / c.chunks;
+    const int64_t r = cfg_.rank, B = c.block_bytes, part = B / c.chunks;
     const auto* send = static_cast<const uint8_t*>(c.send);
     auto* recv = static_cast<uint8_t*>(c.recv);
+    const BlockRows from = BlockRows::of(c.send_blocks, B, c.chunks);
+    const BlockRows into = BlockRows::of(c.recv_blocks, B, c.chunks);
+    const int64_t send_rows = from.rows / c.chunks, recv_rows = into.rows / c.chunks;
 
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
+    UNIEP_CUDA_OK(fan_out());
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.sends) {
         const int64_t dst = plan.chunk_dst(t.chunk), j = plan.chunk_part(t.chunk);
-        if (Status s = push(t.peer, push_slot(r) + j * part, send + dst * B + j * part, part,
-                            arrived_word(r, j));
+        if (Status s = push_rows(t.peer, push_slot(r) + j * part, from.at(send, dst, j, c.chunks),
+                                 from.pitch, from.row_bytes, send_rows, arrived_word(r, j));
             !s.ok())
           return s;
       }
     }
-    // Placement in plan order: the own block first, then each arrival once its signal is seen.
+    // Placement in plan order: the own block first (straight from send, no slot), then each
+    // arrival once its signal is seen, from its slot into the caller's recv.
     for (const ChunkStep& st : plan.steps) {
       const int64_t src = plan.chunk_src(st.compute), j = plan.chunk_part(st.compute);
-      const uint8_t* from = send + r * B + j * part;
-      if (src != r) {
-        cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W),
-                               static_cast<int>(r), static_cast<int>(src), epoch_, timeout_ns(),
-                               err_dev_, op_code(kind), wait_);
-        UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
-        UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
-        from = sym() + push_slot(src) + j * part;
+      uint8_t* to = const_cast<uint8_t*>(into.at(recv, src, j, c.chunks));
+      if (src == r) {
+        if (Status s = copy_own(to, into, from.at(send, r, j, c.chunks), from, j, part); !s.ok())
+          return s;
+        continue;
       }
-      UNIEP_CUDA_OK(copy_async(recv + src * B + j * part, from, part, stream));
+      cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks,
+                             static_cast<int>(cfg_.world_size), static_cast<int>(r),
+                             static_cast<int>(src), epoch_, timeout_ns(), err_dev_,
+                             op_code(kind), wait_);
+      UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
+      const uint8_t* slot = sym() + push_slot(src) + j * part;
+      UNIEP_CUDA_OK(copy_2d(to, static_cast<size_t>(into.pitch), slot,
+                            static_cast<size_t>(into.row_bytes),
+                            static_cast<size_t>(into.row_bytes), static_cast<size_t>(recv_rows),
+                            stream));
     }
     return finish(stream, Status::Ok());
   }
@@ -409,6 +470,8 @@ class RuntimeImpl final : public Runtime {
   Status check_device_errors(bool synchronize) override {
     if (synchronize) {
       UNIEP_CUDA_OK(cudaStreamSynchronize(comm_));
+      for (cudaStream_t st : lane_)
+        if (st) UNIEP_CUDA_OK(cudaStreamSynchronize(st));
       UNIEP_CUDA_OK(cudaDeviceSynchronize());
     }
     return take_device_error();
@@ -423,6 +486,46 @@ class RuntimeImpl final : public Runtime {
     if (rows < 1 || rows % chunks != 0)
       return bad(detail::str_cat(name, " (", rows, ") must be >= 1 and divisible by chunks (",
                                  chunks, ")"));
+    return Status::Ok();
+  }
+
+  // A strided side of an all-to-all: its rows hold block_bytes and split into whole chunks,
+  // and its blocks do not overlap their rows.
+  static Status check_strided(const StridedBlocks& b, const AllToAllCall& c, const char* name) {
+    if (b.rows == 0) return Status::Ok();
+    if (b.rows < 0 || b.row_bytes < 0 || b.rows * b.row_bytes != c.block_bytes)
+      return bad(detail::str_cat(name, ": rows (", b.rows, ") * row_bytes (", b.row_bytes,
+                                 ") must equal block_bytes (", c.block_bytes, ")"));
+    if (b.rows % c.chunks != 0)
+      return bad(detail::str_cat(name, ": rows (", b.rows, ") must be divisible by chunks (",
+                                 c.chunks, ")"));
+    if (b.block_stride < b.row_bytes || b.pitch < b.row_bytes)
+      return bad(detail::str_cat(name, ": block_stride (", b.block_stride, ") and pitch (",
+                                 b.pitch, ") must be >= row_bytes (", b.row_bytes, ")"));
+    return Status::Ok();
+  }
+
+  // The own block's chunk j from send to recv on the local copy stream (beside the pushes): one
+  // 2-D copy where either side is contiguous, else through its packed form in this rank's own
+  // slot, which no peer writes (two strided sides, e.g. a leading batch dim, differ in rows).
+  Status copy_own(uint8_t* to, const BlockRows& into, const uint8_t* from, const BlockRows& src,
+                  int64_t j, int64_t part) {
+    if (part == 0) return Status::Ok();
+    const auto u = [](int64_t v) { return static_cast<size_t>(v); };
+    const int64_t rows_from = part / src.row_bytes, rows_to = part / into.row_bytes;
+    if (into.pitch == into.row_bytes) {
+      UNIEP_CUDA_OK(copy_2d(to, u(src.row_bytes), from, u(src.pitch), u(src.row_bytes),
+                            u(rows_from), copy_));
+    } else if (src.pitch == src.row_bytes) {
+      UNIEP_CUDA_OK(copy_2d(to, u(into.pitch), from, u(into.row_bytes), u(into.row_bytes),
+                            u(rows_to), copy_));
+    } else {
+      uint8_t* staged = sym() + push_slot(cfg_.rank) + j * part;
+      UNIEP_CUDA_OK(copy_2d(staged, u(src.row_bytes), from, u(src.pitch), u(src.row_bytes),
+                            u(rows_from), copy_));
+      UNIEP_CUDA_OK(copy_2d(to, u(into.pitch), staged, u(into.row_bytes), u(into.row_bytes),
+                            u(rows_to), copy_));
+    }
     return Status::Ok();
   }
 
@@ -482,12 +585,18 @@ class RuntimeImpl final : public Runtime {
     return Status::Ok();
   }
 
-  // The caller's stream joins the communication stream, so everything the call wrote (and read
-  // from the caller's tensors) is ordered before whatever the caller enqueues next.
+  // The caller's stream joins the communication stream (which joins the lanes and the local
+  // copies), so everything the call wrote (and read from the caller's tensors) is ordered
+  // before whatever the caller enqueues next.
   Status finish(cudaStream_t stream, Status status) {
     UNIEP_CUDA_OK(cudaGetLastError());
     UNIEP_CUDA_OK(cudaEventRecord(copied_event(), copy_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, copied_event(), 0));
+    for (int64_t p = 0; p < cfg_.world_size; ++p) {
+      if (p == cfg_.rank) continue;
+      UNIEP_CUDA_OK(cudaEventRecord(lane_events_[p], lane_[p]));
+      UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, lane_events_[p], 0));
+    }
     UNIEP_CUDA_OK(cudaEventRecord(end_event(), comm_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, end_event(), 0));
     UNIEP_CUDA_OK(cudaEventRecord(done_event(), stream));
@@ -497,8 +606,26 @@ class RuntimeImpl final : public Runtime {
   // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
   // stream, then sets this rank's arrival word `word` there to the current epoch.
   Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
-    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), comm_));
-    return signal(peer, word, comm_);
+    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), lane_[peer]));
+    return signal(peer, word, lane_[peer]);
+  }
+
+  // The push of `rows` rows of `width` bytes, one `pitch` apart at src, packed at `at`.
+  Status push_rows(int64_t peer, size_t at, const void* src, int64_t pitch, int64_t width,
+                   int64_t rows, size_t word) {
+    const auto w = static_cast<size_t>(width);
+    UNIEP_CUDA_OK(copy_2d(peer_[peer] + at, w, src, static_cast<size_t>(pitch), w,
+                          static_cast<size_t>(rows), lane_[peer]));
+    return signal(peer, word, lane_[peer]);
+  }
+
+  // Every push lane starts after the communication stream's waits (the call's start, the
+  // previous call's done_event: see Carve); the own lane slot holds that fan-out's event.
+  cudaError_t fan_out() {
+    cudaError_t e = cudaEventRecord(lane_events_[cfg_.rank], comm_);
+    for (int64_t p = 0; p < cfg_.world_size && e == cudaSuccess; ++p)
+      if (p != cfg_.rank) e = cudaStreamWaitEvent(lane_[p], lane_events_[cfg_.rank], 0);
+    return e;
   }
 
   // Sets this rank's arrival word `word` on `peer` to the current epoch after the stream's
@@ -566,6 +693,8 @@ class RuntimeImpl final : public Runtime {
   uint8_t* peer_[kMaxRanks] = {};
   static constexpr int kFixedEvents = 5;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
+  cudaStream_t lane_[kMaxRanks] = {};        // the pushes to peer p (none for this rank)
+  cudaEvent_t lane_events_[kMaxRanks] = {};  // lane p's end of a call; [rank]: the fan-out
   StreamWriteValue64 write_value_ = nullptr;
   cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;

@@ -363,14 +363,19 @@ at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int
     const OpScope scope(x, group_name);
     const int64_t W = scope.rt.config().world_size;
     const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
-    at::Tensor send = ulysses_send_blocks(x, dims, W);
-    at::Tensor recv = at::empty_like(send);
+    const at::Tensor xc = x.contiguous();
+    const UlyssesLayout layout = ulysses_tensor_layout(xc, dims, W);
+    at::Tensor out = at::empty(layout.out_shape, x.options());
+    // The blocks go from x's slices straight into the peers' slots and from the slots straight
+    // into the output's slices (2-D copies): no pack or unpack copy around the exchange.
     coll::AllToAllCall c;
-    c.send = send.data_ptr();
-    c.recv = recv.data_ptr();
-    c.block_bytes = send.numel() / W * send.element_size();
+    c.send = xc.data_ptr();
+    c.recv = out.data_ptr();
+    c.block_bytes = layout.block_bytes;
+    c.send_blocks = layout.send;
+    c.recv_blocks = layout.recv;
     ok_or_throw(scope.rt.all_to_all(c, at::cuda::getCurrentCUDAStream().stream()));
-    return ulysses_output(recv, dims);
+    return out;
   });
 }
 

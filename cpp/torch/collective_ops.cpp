@@ -195,23 +195,28 @@ at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int6
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;
     AllToAllArgs args;
-    at::Tensor send, recv;
-    UlyssesDims dims;
+    at::Tensor xc, send, recv, out;
+    UlyssesLayout layout;
     checked(kind, call, [&] {
       check_ulysses_input(x, Executor::kCpu);
-      dims = ulysses_dims(x, scatter_dim, gather_dim, W);
-      send = ulysses_send_blocks(x, dims, W);
+      const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
+      xc = x.contiguous();
+      layout = ulysses_tensor_layout(xc, dims, W);
+      send = at::empty({W, layout.block_bytes}, x.options().dtype(at::kByte));
       recv = at::empty_like(send);
+      out = at::empty(layout.out_shape, x.options());
+      pack_blocks(layout.send, W, xc.data_ptr(), send.data_ptr());
       args.send = send.data_ptr();
       args.recv = recv.data_ptr();
       args.dtype = to_dtype(x, "x");
-      args.block_bytes = send.numel() / W * send.element_size();
+      args.block_bytes = layout.block_bytes;
       args.shape = x.sizes().vec();
       args.scatter_dim = dims.scatter;
       args.gather_dim = dims.gather;
     });
     cpu_all_to_all(args, *call.transport);
-    return ulysses_output(recv, dims);
+    unpack_blocks(layout.recv, W, recv.data_ptr(), out.data_ptr());
+    return out;
   });
 }
 

@@ -1,8 +1,6 @@
 #include "torch/validate.hpp"
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <vector>
@@ -245,12 +243,10 @@ UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gathe
   return d;
 }
 
-at::Tensor ulysses_send_blocks(const at::Tensor& x, const UlyssesDims& dims, int64_t world_size) {
-  return at::stack(x.tensor_split(world_size, dims.scatter), 0).contiguous();
-}
-
-at::Tensor ulysses_output(const at::Tensor& recv, const UlyssesDims& dims) {
-  return at::cat(recv.unbind(0), dims.gather);
+UlyssesLayout ulysses_tensor_layout(const at::Tensor& x, const UlyssesDims& dims,
+                                    int64_t world_size) {
+  return ulysses_layout(x.sizes().vec(), dims.scatter, dims.gather, world_size,
+                        x.element_size());
 }
 
 }  // namespace uniep::torch_glue

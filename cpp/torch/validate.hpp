@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "uniep/collectives.hpp"
 #include "uniep/cpu_executor.hpp"
 #include "uniep/shape.hpp"
 #include "uniep/status.hpp"
@@ -76,12 +77,11 @@ struct UlyssesDims {
 UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                          int64_t world_size);
 
-// [W, block...]: block p of x's scatter dim is what rank p receives from here. Both executors
-// use this layout, so their results are the same bits.
-at::Tensor ulysses_send_blocks(const at::Tensor& x, const UlyssesDims& dims, int64_t world_size);
-
-// The received [W, block...] blocks, concatenated along the gather dim in rank order.
-at::Tensor ulysses_output(const at::Tensor& recv, const UlyssesDims& dims);
+// Where the blocks lie in x (made contiguous by the caller) and the output (uniep::
+// ulysses_layout): both executors move them with this geometry, so their results are the same
+// bits.
+UlyssesLayout ulysses_tensor_layout(const at::Tensor& x, const UlyssesDims& dims,
+                                    int64_t world_size);
 
 // moe_forward / moe_backward's arguments. The CPU executor reads w1 / w2 through their strides
 // and bfloat16 topk_weights (promoted to fp32 as it reads them); the CUDA executor needs both

@@ -253,6 +253,36 @@ struct AllToAllArgs {
 };
 void cpu_all_to_all(const AllToAllArgs& args, PeerTransport& transport);
 
+// W equal blocks of a contiguous tensor, each a run of `rows` rows of `row_bytes`, row i of
+// block p at base + p * block_stride + i * pitch. Packed, a block is its rows back to back
+// (block_bytes = rows * row_bytes): the C-order bytes of that slice of the tensor.
+struct StridedBlocks {
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  int64_t pitch = 0;
+  int64_t block_stride = 0;
+};
+
+// Where the blocks of all_to_all_ulysses lie: block p of x (shape, contiguous) is its p-th slice
+// along scatter_dim, sent to rank p; the block from rank s is the s-th slice of the output along
+// gather_dim. Executors move the blocks straight between the caller's tensors and the transfer
+// (the CUDA executor's copies are 2-D), with no pack or unpack copy around the exchange.
+struct UlyssesLayout {
+  int64_t block_bytes = 0;
+  StridedBlocks send;  // in x
+  StridedBlocks recv;  // in the output
+  std::vector<int64_t> out_shape;
+};
+// Throws kInvalidArgument naming the argument: dims out of range or equal, or
+// shape[scatter_dim] not divisible by world_size.
+UlyssesLayout ulysses_layout(const std::vector<int64_t>& shape, int64_t scatter_dim,
+                             int64_t gather_dim, int64_t world_size, int64_t element_bytes);
+// packed [W][block_bytes] <-> the W strided blocks of a tensor (host memory).
+void pack_blocks(const StridedBlocks& blocks, int64_t world_size, const void* tensor,
+                 void* packed);
+void unpack_blocks(const StridedBlocks& blocks, int64_t world_size, const void* packed,
+                   void* tensor);
+
 // Each cpu_* call first exchanges its parameters (the shape and dims above included) and this
 // rank's verdict on them, so that a mismatch (or a bad argument on one rank) fails every rank
 // with the same message, naming the field and rank 0's value against the first rank that differs,

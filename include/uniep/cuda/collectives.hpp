@@ -2,10 +2,11 @@
 // and the CPU executor). It runs the same per-rank schedule on one node whose GPUs all reach each
 // other over NVLink (nvshmem_ptr):
 //  - transfers are copy-engine copies (through the peer mapping, with the driver's hint to
-//    overlap compute) on the runtime's communication stream, so they take no SM from the GEMMs
-//    they overlap; the signal after each is the driver's stream write where the device has one
-//    (else a one-thread kernel). The runtime's streams have the highest priority, so its small
-//    kernels (waits, folds) go before a GEMM's blocks that have not started yet;
+//    overlap compute) on one push stream per peer (so the copies to different peers can run
+//    together); they take no SM from the GEMMs they overlap. The signal after each is the
+//    driver's stream write where the device has one (else a one-thread kernel). The runtime's
+//    streams have the highest priority, so its small kernels (waits, folds) go before a GEMM's
+//    blocks that have not started yet;
 //  - every kind PUSHES: a shard, partial or block is copied from the caller's tensor into the
 //    destination's symmetric slot (all-gather kinds: at once, in the schedule's send order;
 //    reduce-scatter kinds: as soon as each partial is computed), followed by a signal the
@@ -37,6 +38,7 @@
 #include <memory>
 #include <vector>
 
+#include "uniep/collectives.hpp"  // StridedBlocks
 #include "uniep/cpu_executor.hpp"  // DType
 #include "uniep/status.hpp"
 
@@ -98,12 +100,17 @@ struct ReduceScatterCall {
 };
 
 // The all-to-all: send [W][block_bytes] (block p to rank p) -> recv [W][block_bytes] (block s
-// from rank s).
+// from rank s), or strided blocks where send_blocks / recv_blocks have rows > 0 (the Ulysses
+// layouts, uniep::ulysses_layout): block p of send is then send_blocks' p-th run of rows, moved
+// by 2-D copies with no pack or unpack. Chunk j of a block is its j-th run of rows / chunks rows
+// (or bytes, contiguous), so chunks divides both sides' rows.
 struct AllToAllCall {
   const void* send = nullptr;
   void* recv = nullptr;
-  int64_t block_bytes = 0;  // multiple of 16 * chunks
+  int64_t block_bytes = 0;  // divisible by chunks
   int64_t chunks = 1;
+  StridedBlocks send_blocks{};  // rows 0: contiguous
+  StridedBlocks recv_blocks{};
 };
 
 class Runtime {
