@@ -1,8 +1,7 @@
 // The collectives runtime (uniep/cuda/collectives.hpp): one symmetric allocation holding the
 // arrival words and two sets of push slots, and the host
 // side that walks a rank's schedule (uniep/collectives.hpp) and enqueues its copies, waits and
-// computations on the caller's stream and the runtime's own (communication, wait, local copy,
-// and one push lane per peer).
+// computations on the caller's stream and the runtime's three.
 #include <cuda.h>  // types of the driver's stream write, fetched at run time (no -lcuda)
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -93,7 +92,7 @@ struct BlockRows {
     }
     return {b.rows, b.row_bytes, b.pitch, b.block_stride};
   }
-  // Chunk j of block p: its first row and its row count.
+  // The first row of chunk j of block p (each chunk is rows / chunks rows).
   const uint8_t* at(const uint8_t* base, int64_t p, int64_t j, int64_t chunks) const {
     return base + p * stride + j * (rows / chunks) * pitch;
   }
@@ -124,17 +123,11 @@ class RuntimeImpl final : public Runtime {
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamSynchronize(st);
-    for (cudaStream_t st : lane_)
-      if (st) cudaStreamSynchronize(st);
     if (sym_) nvshmem_free(sym_);
     for (cudaEvent_t& e : events_)
       if (e) cudaEventDestroy(e);
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamDestroy(st);
-    for (cudaStream_t st : lane_)
-      if (st) cudaStreamDestroy(st);
-    for (cudaEvent_t e : lane_events_)
-      if (e) cudaEventDestroy(e);
     if (err_host_) cudaFreeHost(err_host_);
     if (counted_) runtime::nvshmem_release();
   }
@@ -180,15 +173,10 @@ class RuntimeImpl final : public Runtime {
     // the pushes.
     for (cudaStream_t* st : {&comm_, &wait_, &copy_})
       UNIEP_CUDA_OK(cudaStreamCreateWithPriority(st, cudaStreamNonBlocking, greatest));
-    // One push lane per peer: copies on one stream run one after another, so with a single
-    // communication stream a rank fed its W-1 peers in turn, one NVLink copy at a time; on
-    // their own streams the copies to different peers can run together.
-    for (int64_t p = 0; p < cfg_.world_size; ++p) {
-      if (p == cfg_.rank) continue;
-      UNIEP_CUDA_OK(cudaStreamCreateWithPriority(&lane_[p], cudaStreamNonBlocking, greatest));
-      UNIEP_CUDA_OK(cudaEventCreateWithFlags(&lane_events_[p], cudaEventDisableTiming));
-    }
-    UNIEP_CUDA_OK(cudaEventCreateWithFlags(&lane_events_[cfg_.rank], cudaEventDisableTiming));
+    // All pushes share the one communication stream, in the schedule's send order. One stream
+    // per peer (the copies to different peers at once) was slower on four H200s: a plain
+    // all-gather of 512 MiB took 1.93 ms instead of 1.40, and the first chunk an AG+GEMM needs
+    // arrived later (bench/results/2026-11-26-session25).
     write_value_ = stream_write_value64();
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -227,7 +215,6 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
-    UNIEP_CUDA_OK(fan_out());
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
     UNIEP_CUDA_OK(copy_async(gathered + r * m * rb, a, m * rb, copy_));
@@ -308,15 +295,14 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
-    UNIEP_CUDA_OK(fan_out());
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
     Status status = Status::Ok();
-    // Pushes go on their peer's lane as soon as their partial exists (the input rows exist
-    // from the start); they are enqueued before any wait for arrivals, so no host call of the
-    // copy path can end up queued behind a wait that needs a peer's push.
+    // Pushes go on the communication stream as soon as their partial exists (the input rows
+    // exist from the start); they are enqueued before any wait for arrivals, so no host call
+    // of the copy path can end up queued behind a wait that needs a peer's push.
     auto enqueue_sends = [&](const ChunkStep& st) -> Status {
       for (const Transfer& t : st.sends) {
-        if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(lane_[t.peer], chunk_event(t.chunk), 0));
+        if (gemm) UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, chunk_event(t.chunk), 0));
         const int64_t j = plan.chunk_part(t.chunk);
         if (Status s =
                 push(t.peer, push_slot(r) + j * part, partial(t.chunk), part, arrived_word(r, j));
@@ -431,7 +417,6 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaEventRecord(start_event(), stream));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
-    UNIEP_CUDA_OK(fan_out());
     UNIEP_CUDA_OK(cudaStreamWaitEvent(copy_, start_event(), 0));
     for (const ChunkStep& st : plan.steps) {
       for (const Transfer& t : st.sends) {
@@ -470,8 +455,6 @@ class RuntimeImpl final : public Runtime {
   Status check_device_errors(bool synchronize) override {
     if (synchronize) {
       UNIEP_CUDA_OK(cudaStreamSynchronize(comm_));
-      for (cudaStream_t st : lane_)
-        if (st) UNIEP_CUDA_OK(cudaStreamSynchronize(st));
       UNIEP_CUDA_OK(cudaDeviceSynchronize());
     }
     return take_device_error();
@@ -585,18 +568,12 @@ class RuntimeImpl final : public Runtime {
     return Status::Ok();
   }
 
-  // The caller's stream joins the communication stream (which joins the lanes and the local
-  // copies), so everything the call wrote (and read from the caller's tensors) is ordered
-  // before whatever the caller enqueues next.
+  // The caller's stream joins the communication stream, so everything the call wrote (and read
+  // from the caller's tensors) is ordered before whatever the caller enqueues next.
   Status finish(cudaStream_t stream, Status status) {
     UNIEP_CUDA_OK(cudaGetLastError());
     UNIEP_CUDA_OK(cudaEventRecord(copied_event(), copy_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, copied_event(), 0));
-    for (int64_t p = 0; p < cfg_.world_size; ++p) {
-      if (p == cfg_.rank) continue;
-      UNIEP_CUDA_OK(cudaEventRecord(lane_events_[p], lane_[p]));
-      UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, lane_events_[p], 0));
-    }
     UNIEP_CUDA_OK(cudaEventRecord(end_event(), comm_));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, end_event(), 0));
     UNIEP_CUDA_OK(cudaEventRecord(done_event(), stream));
@@ -606,8 +583,8 @@ class RuntimeImpl final : public Runtime {
   // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
   // stream, then sets this rank's arrival word `word` there to the current epoch.
   Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
-    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), lane_[peer]));
-    return signal(peer, word, lane_[peer]);
+    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), comm_));
+    return signal(peer, word, comm_);
   }
 
   // The push of `rows` rows of `width` bytes, one `pitch` apart at src, packed at `at`.
@@ -615,17 +592,8 @@ class RuntimeImpl final : public Runtime {
                    int64_t rows, size_t word) {
     const auto w = static_cast<size_t>(width);
     UNIEP_CUDA_OK(copy_2d(peer_[peer] + at, w, src, static_cast<size_t>(pitch), w,
-                          static_cast<size_t>(rows), lane_[peer]));
-    return signal(peer, word, lane_[peer]);
-  }
-
-  // Every push lane starts after the communication stream's waits (the call's start, the
-  // previous call's done_event: see Carve); the own lane slot holds that fan-out's event.
-  cudaError_t fan_out() {
-    cudaError_t e = cudaEventRecord(lane_events_[cfg_.rank], comm_);
-    for (int64_t p = 0; p < cfg_.world_size && e == cudaSuccess; ++p)
-      if (p != cfg_.rank) e = cudaStreamWaitEvent(lane_[p], lane_events_[cfg_.rank], 0);
-    return e;
+                          static_cast<size_t>(rows), comm_));
+    return signal(peer, word, comm_);
   }
 
   // Sets this rank's arrival word `word` on `peer` to the current epoch after the stream's
@@ -693,8 +661,6 @@ class RuntimeImpl final : public Runtime {
   uint8_t* peer_[kMaxRanks] = {};
   static constexpr int kFixedEvents = 5;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
-  cudaStream_t lane_[kMaxRanks] = {};        // the pushes to peer p (none for this rank)
-  cudaEvent_t lane_events_[kMaxRanks] = {};  // lane p's end of a call; [rank]: the fan-out
   StreamWriteValue64 write_value_ = nullptr;
   cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;

@@ -2,11 +2,10 @@
 // and the CPU executor). It runs the same per-rank schedule on one node whose GPUs all reach each
 // other over NVLink (nvshmem_ptr):
 //  - transfers are copy-engine copies (through the peer mapping, with the driver's hint to
-//    overlap compute) on one push stream per peer (so the copies to different peers can run
-//    together); they take no SM from the GEMMs they overlap. The signal after each is the
-//    driver's stream write where the device has one (else a one-thread kernel). The runtime's
-//    streams have the highest priority, so its small kernels (waits, folds) go before a GEMM's
-//    blocks that have not started yet;
+//    overlap compute) on the runtime's communication stream, so they take no SM from the GEMMs
+//    they overlap; the signal after each is the driver's stream write where the device has one
+//    (else a one-thread kernel). The runtime's streams have the highest priority, so its small
+//    kernels (waits, folds) go before a GEMM's blocks that have not started yet;
 //  - every kind PUSHES: a shard, partial or block is copied from the caller's tensor into the
 //    destination's symmetric slot (all-gather kinds: at once, in the schedule's send order;
 //    reduce-scatter kinds: as soon as each partial is computed), followed by a signal the
