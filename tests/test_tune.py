@@ -189,15 +189,17 @@ def test_candidates_keep_numerics_and_compiled_tiles() -> None:
     numerics = "dispatch=fp8,combine=rank_partials,gemm=torch"
     for device in ("cpu", "cuda"):
         points = tune.candidate_points(shape, device, numerics)
-        assert points[0] == _full(numerics) and len(set(points)) == len(points) > 1
+        # On CUDA the default point is the separate launches, what an empty string runs.
+        default = numerics + (",overlap=sequential" if device == "cuda" else "")
+        assert points[0] == _full(default) and len(set(points)) == len(points) > 1
         for text in points:
             p = uniep.TuningParams.parse(text)
             assert (p.dispatch, p.combine, p.gemm) == ("fp8", "rank_partials", "torch")
             if device == "cuda":
                 assert (p.tile_m, p.tile_n, p.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
                 assert p.stages == 0
-                # Every overlap mode runs the same launches on CUDA today: not searched.
-                assert p.overlap == uniep.TuningParams.parse("").overlap
+                # The MegaKernel takes none of these numerics: the separate launches only.
+                assert p.overlap == "sequential"
     model = tune.CostModel(
         "cuda", peak_flops=1e15, mem_bw=3e12, alpha=2e-6, beta=1e-11, sm_count=132
     )
@@ -217,7 +219,10 @@ def test_packed_candidates_hold_both_paths() -> None:
     assert {(p.comm_sms, p.skip_rounds) for p in fused} >= {(132, -1), (16, 16), (32, -1)}
     assert all((p.tile_n, p.tile_k, p.stages) == (0, 0, 0) for p in fused)
     separate = [p for p in params if p.overlap == "sequential"]
-    assert len(separate) == len(tune.candidate_points(shape, "cuda", sm_count=132))
+    assert len(separate) == len(params) - len(fused) > len(fused)
+    # Plain weights search the same two paths (moe_forward runs the MegaKernel on a packed copy
+    # of w1 for overlap=fused): the default is the separate launches there too.
+    assert tune.candidate_points(shape, "cuda", sm_count=132) == points
     # The MegaKernel takes only bf16 dispatch, the per-k combine and the engine's GEMMs.
     for numerics in ("combine=rank_partials", "dispatch=fp8", "gemm=torch"):
         others = tune.candidate_points(shape, "cuda", numerics, 132, "bf16_packed")
@@ -235,6 +240,13 @@ def test_packed_candidates_hold_both_paths() -> None:
     every = next(t for t in points if "sms=132/0" in t and "tile_m=64" in t)
     few = every.replace("sms=132/0", "sms=8/0")
     assert times[every] < times[few]
+    # Plain weights price the same MegaKernel, and their separate launches one SwiGLU pass more:
+    # the first GEMM's [R, 2I] output read and [R, I] written, at the same tiles.
+    plain = tune.CostModel("cuda", peak_flops=1e15, mem_bw=3e12, sm_count=132)
+    assert plain.seconds(shape, every) == times[every]
+    tiled = next(t for t in points if "tile_m=128,tile_n=256,tile_k=64" in t)
+    swiglu_pass = 3 * shape.tokens * shape.top_k * shape.ffn * 2 / 3e12
+    assert plain.seconds(shape, tiled) - times[tiled] == pytest.approx(swiglu_pass)
     with pytest.raises(ValueError, match="needs device cuda and dtype bfloat16"):
         tune.tune(**SHAPE, device="cpu", cache=False, weights="bf16_packed")
 
@@ -249,6 +261,17 @@ def test_auto_tiles_follow_the_devices_pingpong_rows() -> None:
     assert tune._cuda_auto_tiles(32 * 1024, 32, 7168, 2048, 2048) == tune.CUDA_TILES[4]
     assert tune._cuda_auto_tiles(32 * 1024, 32, 7168, 2048, 256) == tune.CUDA_TILES[0]
     assert tune._cuda_auto_tiles(32 * 256, 32, 7168, 2048, 256) == tune.CUDA_TILES[4]
+    # The up projection (k = 7168 > n = 4096): cooperative tiles with the store epilogue (plain
+    # weights' separate SwiGLU pass), ping-pong ones with the SwiGLU epilogue (packed experts)
+    # up to the device's rows.
+    assert tune._cuda_auto_tiles(32 * 1024, 32, 4096, 7168, 2048) == tune.CUDA_TILES[0]
+    assert tune._cuda_auto_tiles(32 * 1024, 32, 4096, 7168, 2048, True) == tune.CUDA_TILES[4]
+    assert tune._cuda_auto_tiles(32 * 1024, 32, 4096, 7168, 256, True) == tune.CUDA_TILES[0]
+    # Experts of at most 128 rows and outputs of at most 128 columns take the 64-row tiles.
+    assert tune._cuda_auto_tiles(32 * 128, 32, 4096, 7168, 256) == tune.CUDA_TILES[4]
+    assert tune._cuda_auto_tiles(32 * 4096, 32, 128, 7168, 256) == tune.CUDA_TILES[1]
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+        tune._cuda_auto_tiles(64, 0, 128, 128)
     shape = tune.MoeShape(4096, 7168, 2048, 32, 8, 1, "bfloat16")
     fused = "overlap=fused,sms=132,tile_m=auto"
     h200, h100 = (

@@ -218,4 +218,27 @@ bool TuningParams::operator==(const TuningParams& o) const {
          overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm;
 }
 
+int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
+                             int64_t pingpong_rows) {
+  UNIEP_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+  UNIEP_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
+  UNIEP_CHECK(n >= 0 && k >= 0, "n and k must be >= 0, got n=", n, ", k=", k);
+  UNIEP_CHECK(pingpong_rows >= 1, "pingpong_rows must be >= 1, got ", pingpong_rows);
+  // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and give
+  // the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve them better
+  // (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128 rows, H100,
+  // bench/results/2026-11-25-h100-engine). Further up the ping-pong tiles still win where the
+  // epilogue is heavy or the mainloop short, with the SwiGLU epilogue and when k <= n, as long as
+  // the memory keeps up with their extra weight loads: on one H200 up to 2048 rows (with the
+  // down projection, 8-12% less time than the cooperative tiles on experts of 256 to 8192 rows;
+  // the down projection alone 7-11% on 512 and 1024 rows, bench/results/2026-11-26-session20),
+  // on one H100 up to 256 (20-30% more time at 512 and 1024 rows,
+  // bench/results/2026-11-26-session21): pingpong_rows. Above that, and for the up projection's
+  // long k, the 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
+  const bool small = rows <= 128 * num_experts || n <= 128;
+  const bool pingpong_wins = rows <= pingpong_rows * num_experts && (swiglu || k <= n);
+  if (!(small || pingpong_wins)) return 0;
+  return n >= 256 ? 4 : 1;
+}
+
 }  // namespace uniep

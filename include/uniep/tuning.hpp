@@ -64,4 +64,15 @@ struct TuningParams {
   bool operator!=(const TuningParams& o) const { return !(*this == o); }
 };
 
+// The expert GEMM engine's automatic configuration (uniep/cuda/grouped_gemm.hpp's
+// grouped_gemm_select with every tile field 0) from the problem's shape alone, so that the tuner's
+// cost model (uniep.tune) prices the tiles the engine runs, on every build: the index into the
+// engine's compiled configurations, 0 (cooperative 128 x 256 x 64), 1 (ping-pong 64 x 128 x 128)
+// or 4 (ping-pong 64 x 256 x 64). rows: R of the grouped problem over num_experts experts;
+// swiglu: the gate/up GEMM with the SwiGLU epilogue; pingpong_rows: the device's
+// grouped_gemm_pingpong_rows. Throws kInvalidArgument on num_experts or pingpong_rows below 1, or
+// a negative rows, n or k.
+int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
+                             int64_t pingpong_rows);
+
 }  // namespace uniep

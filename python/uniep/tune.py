@@ -515,7 +515,7 @@ class MoeShape:
         return self.world * (1.0 - miss)
 
 
-def fused_allowed(numerics: str) -> bool:
+def fused_allowed(numerics: str | _C.TuningParams) -> bool:
     """Whether the MegaKernel runs these numerics (bf16 dispatch, per-k combine, UniEP's GEMMs)."""
     p = _C.TuningParams.parse(normalize_numerics(numerics))
     return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
@@ -533,21 +533,24 @@ def candidate_points(
 
     CPU: ``tile_m`` (rows per work tile), ``tile_n`` and ``tile_k`` (loop blocking) over the powers
     of two 16..256 and ``overlap`` sequential or fused (chunked orders the tiles as fused does on
-    CPU); ``sms`` and ``token_tile`` do not change the CPU executor. CUDA: the engine's compiled
-    tile shapes and auto, ``sms`` in 8/16/24/32 (below the device's SMs), ``token_tile``
-    32/64/128 and every overlap mode.
+    CPU); ``sms`` and ``token_tile`` do not change the CPU executor.
 
-    ``weights="bf16_packed"`` (CUDA only): ``moe_forward_prepared``'s two paths. The separate
-    launches (``overlap=sequential``, the default point: what an empty tuning string runs without
-    a cache entry) over the same ``sms``, ``token_tile`` and tiles, and, when ``fused_allowed``,
-    the MegaKernel (``overlap=fused``) at ``tile_m`` 64 and 128 and the ``(sms, skip_rounds)``
-    pairs of ``_FUSED_POINTS`` (``sms`` = the SM count: every CTA sends first).
+    CUDA, plain weights (``moe_forward``) and ``weights="bf16_packed"`` (``moe_forward_prepared``)
+    alike, both paths: the separate launches (``overlap=sequential``, the default point: what an
+    empty tuning string runs without a cache entry) over the engine's compiled tile shapes and
+    auto, ``sms`` in 8/16/24/32 (below the device's SMs) and ``token_tile`` 32/64/128; and, when
+    ``fused_allowed``, the MegaKernel (``overlap=fused``; on plain weights it runs on a packed
+    copy of ``w1``, ``uniep.fused_forward``) at ``tile_m`` 64 and 128 and the
+    ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the SM count: every CTA sends
+    first).
     """
     _check_weights(weights)
     if weights != "plain" and device != "cuda":
         raise ValueError(f"weights={weights!r} is tuned on cuda only, got device {device!r}")
     base = _C.TuningParams.parse(normalize_numerics(numerics))
-    if weights != "plain":
+    if device == "cuda":
+        # A full tuning string names its overlap, and overlap=fused runs the MegaKernel: the
+        # default point must be the separate launches that an empty string runs.
         base.overlap = "sequential"
     out = [base.to_string()]
     seen = set(out)
@@ -576,7 +579,7 @@ def candidate_points(
             for tt in _CUDA_TOKEN_TILES:
                 for tm, tn, tk in tiles:
                     add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
-        if weights != "plain" and fused_allowed(numerics):
+        if fused_allowed(numerics):
             from .megakernel import FUSED_TILE_MS
 
             for tm in FUSED_TILE_MS:
@@ -589,12 +592,17 @@ def candidate_points(
 
 
 def _cuda_auto_tiles(
-    rows: int, experts: int, n: int, k: int, pingpong_rows: int = 2048
+    rows: int, experts: int, n: int, k: int, pingpong_rows: int = 2048, swiglu: bool = False
 ) -> tuple[int, int, int]:
-    # The engine's own choice for tile keys left at auto (grouped_gemm_select, store epilogue;
-    # pingpong_rows: uniep.gemm.pingpong_rows of the device).
-    pingpong = rows <= 128 * experts or n <= 128 or (rows <= pingpong_rows * experts and k <= n)
-    return CUDA_TILES[0] if not pingpong else CUDA_TILES[4] if n >= 256 else CUDA_TILES[1]
+    # The engine's own choice for tile keys left at auto: the rule grouped_gemm_select runs
+    # (uniep/tuning.hpp); pingpong_rows: uniep.gemm.pingpong_rows of the device.
+    return CUDA_TILES[_C.grouped_gemm_auto_config(rows, experts, n, k, swiglu, pingpong_rows)]
+
+
+def _runs_megakernel(p: _C.TuningParams) -> bool:
+    # What uniep.moe_forward and moe_forward_prepared run on CUDA for a full tuning string
+    # (uniep.fused_forward.runs_fused): the MegaKernel for overlap=fused with its numerics.
+    return p.overlap == "fused" and fused_allowed(p)
 
 
 @dataclass(frozen=True)
@@ -605,15 +613,17 @@ class CostModel:
     uniform routing; on CUDA the bandwidth falls with fewer than 20 communication SMs);
     ``gemm`` is a roofline (``max(flops / peak_flops, bytes / mem_bw)``): on CPU over the whole
     GEMM plus ``tile_cost`` per start of the executor's innermost loop (``tile_n`` columns), on
-    CUDA per output tile, wave-quantised over the SMs left to the GEMM. ``sequential`` adds the
-    two, the overlapped modes hide the smaller behind the larger but for one token tile's worth.
-    ``scale`` maps the model onto the measured time of the default point.
+    CUDA per output tile, wave-quantised over the SMs left to the GEMM. On CPU the executor's
+    phases add up in every overlap mode. ``scale`` maps the model onto the measured time of the
+    default point.
 
-    ``weights="bf16_packed"`` (``moe_forward_prepared``): ``sequential`` is the separate launches,
-    the GEMMs plus the local copies (the row gather and the combine's read of the rows) plus the
-    communication; ``fused`` is the MegaKernel, GEMMs on every SM with its own tiles (``tile_m``
-    x 256 x 64), plus the share of the send its senders spend (all of it when every CTA sends
-    first; the rest runs under the other CTAs' tiles) and the reduce's read of the rows.
+    On CUDA, for plain weights (``moe_forward``) and ``weights="bf16_packed"``
+    (``moe_forward_prepared``) alike: ``sequential`` is the separate launches, the GEMMs plus the
+    local copies (the row gather and the combine's read of the rows; plain weights also the
+    SwiGLU pass over the first GEMM's output) plus the communication; ``fused`` is the
+    MegaKernel, GEMMs on every SM with its own tiles (``tile_m`` x 256 x 64), plus the share of
+    the send its senders spend (all of it when every CTA sends first; the rest runs under the
+    other CTAs' tiles) and the reduce's read of the rows.
     """
 
     device: str
@@ -648,12 +658,18 @@ class CostModel:
         # Reading or writing one bf16 row per (token, k): the unit of the local copies.
         return shape.tokens * shape.top_k * shape.hidden * shape.elem_bytes / self.mem_bw
 
-    def packed_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
-        """The unscaled time of ``moe_forward_prepared`` on packed experts at ``p``."""
+    def cuda_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
+        """The unscaled time of ``moe_forward_prepared`` (``moe_forward`` with plain weights) on
+        CUDA at ``p``."""
         comm = self.comm_seconds(shape, p)
         rows = self._rows_seconds(shape)
-        if p.overlap != "fused":
-            return self.gemm_seconds(shape, p) + comm + 4 * rows  # gather: 2, combine: 2
+        if not _runs_megakernel(p):
+            plain = self.weights == "plain"
+            # Plain weights: the first GEMM writes [rows, 2I] and a SwiGLU pass reads it and
+            # writes [rows, I]; packed ones fold the SwiGLU into that GEMM's epilogue.
+            swiglu = 3 * rows * shape.ffn / shape.hidden if plain else 0.0
+            gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not plain)
+            return gemm + comm + 4 * rows + swiglu  # gather: 2, combine: 2
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
@@ -671,7 +687,9 @@ class CostModel:
         send = max(2 * rows, comm) / min(1.0, senders / _SATURATING_COMM_SMS)
         return self.gemm_seconds(shape, fused) + send + 2 * rows
 
-    def gemm_seconds(self, shape: MoeShape, p: _C.TuningParams) -> float:
+    def gemm_seconds(
+        self, shape: MoeShape, p: _C.TuningParams, swiglu_epilogue: bool = False
+    ) -> float:
         h, i, eb = shape.hidden, shape.ffn, shape.elem_bytes
         rows = shape.tokens * shape.top_k  # expected rows per rank under uniform routing
         # The two expert GEMMs as (N, K): [rows, H] x [H, 2I], then [rows, I] x [I, H].
@@ -690,11 +708,12 @@ class CostModel:
         gemm_sms = self.sm_count - (p.comm_sms if p.overlap == "fused" else 0)
         gemm_sms = max(1, gemm_sms)
         total = 0.0
-        for n, k in gemms:
+        for index, (n, k) in enumerate(gemms):
             if p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:
-                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k, self.pingpong_rows)
+                swiglu = swiglu_epilogue and index == 0
+                tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k, self.pingpong_rows, swiglu)
             tiles = el * math.ceil(m / tm) * math.ceil(n / tn)
             waves = math.ceil(tiles / gemm_sms)
             per_sm_flops = self.peak_flops / self.sm_count
@@ -705,17 +724,10 @@ class CostModel:
 
     def seconds(self, shape: MoeShape, tuning: str) -> float:
         p = _C.TuningParams.parse(tuning)
-        if self.weights != "plain":
-            return self.scale * self.packed_seconds(shape, p)
-        comm = self.comm_seconds(shape, p)
-        gemm = self.gemm_seconds(shape, p)
-        if p.overlap == "sequential" or self.device == "cpu":
-            # The CPU executor runs its phases one after another whatever the overlap mode.
-            raw = comm + gemm
-        else:
-            chunks = max(1, math.ceil(shape.tokens / p.token_tile))
-            raw = max(comm, gemm) + min(comm, gemm) / chunks
-        return self.scale * raw
+        if self.device == "cuda" or self.weights != "plain":
+            return self.scale * self.cuda_seconds(shape, p)
+        # The CPU executor runs its phases one after another whatever the overlap mode.
+        return self.scale * (self.comm_seconds(shape, p) + self.gemm_seconds(shape, p))
 
 
 # ---- measurement ----
@@ -1070,11 +1082,11 @@ def tune(
     )
     ranked = sorted(points, key=lambda t: (model.seconds(shape, t), t))
     chosen = ranked[:candidates]
-    # The default, and on packed experts the separate launches' best point and the MegaKernel's
-    # default launch (every CTA sends) at each tile height: the model ranks points within a
-    # path and tile better than the paths and tiles against each other.
+    # The default, and on CUDA the separate launches' best point and the MegaKernel's default
+    # launch (every CTA sends) at each tile height: the model ranks points within a path and
+    # tile better than the paths and tiles against each other.
     musts = [default]
-    if weights != "plain":
+    if cuda:
         musts += [next((t for t in ranked if "overlap=sequential" in t), default)]
         musts += [
             t

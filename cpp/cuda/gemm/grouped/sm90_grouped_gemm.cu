@@ -15,6 +15,7 @@
 #include "cuda/gemm/grouped/grouped_configs.hpp"
 #include "cuda/gemm/grouped/grouped_problems.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/tuning.hpp"
 
 namespace uniep::cuda {
 namespace {
@@ -150,22 +151,15 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
                            int device) {
   const auto& all = entries();
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
-    // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and
-    // give the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve
-    // them better (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128
-    // rows, H100, bench/results/2026-11-25-h100-engine). Further up the ping-pong tiles still
-    // win where the epilogue is heavy or the mainloop short, with the SwiGLU epilogue and when
-    // k <= n, as long as the memory keeps up with their extra weight loads: on one H200 up to
-    // 2048 rows (with the down projection, 8-12% less time than the cooperative tiles on
-    // experts of 256 to 8192 rows; the down projection alone 7-11% on 512 and 1024 rows,
-    // bench/results/2026-11-26-session20), on one H100 up to 256 (20-30% more time at 512 and
-    // 1024 rows, bench/results/2026-11-26-session21): grouped_gemm_pingpong_rows. Above that,
-    // and for the up projection's long k, the 128 x 256 cooperative tiles, which load the
-    // fewest bytes per FLOP.
-    const bool small = p.rows <= 128 * p.num_experts || p.n <= 128;
-    const bool pingpong_wins = p.rows <= grouped_gemm_pingpong_rows(device) * p.num_experts &&
-                               (p.epilogue == GroupedGemmEpilogue::kSwiGlu || p.k <= p.n);
-    *index = !(small || pingpong_wins) ? 0 : p.n >= 256 ? 4 : 1;
+    // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
+    // model reads it too.
+    try {
+      *index = grouped_gemm_auto_config(p.rows, p.num_experts, p.n, p.k,
+                                        p.epilogue == GroupedGemmEpilogue::kSwiGlu,
+                                        grouped_gemm_pingpong_rows(device));
+    } catch (const Error& e) {
+      return {e.code(), e.what()};
+    }
     return Status::Ok();
   }
   for (size_t i = 0; i < all.size(); ++i) {
