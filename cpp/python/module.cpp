@@ -288,13 +288,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rank", &MoeShape::rank)
       .def("validate", &MoeShape::validate)
       .def("__repr__", &MoeShape::to_string);
-  // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
   m.def("grouped_gemm_auto_config", &uniep::grouped_gemm_auto_config, py::arg("rows"),
         py::arg("num_experts"), py::arg("n"), py::arg("k"), py::arg("swiglu"),
         py::arg("pingpong_rows"),
         "The expert GEMM engine's automatic configuration for a grouped problem's shape: the "
         "index into its compiled configurations (uniep.tune.CUDA_TILES), as grouped_gemm_select "
         "picks it on CUDA.");
+  // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
   m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
   m.attr("MAX_WORLD_SIZE") = uniep::kMaxWorldSize;
 
