@@ -362,7 +362,7 @@ at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int
     check_ulysses_input(x, Executor::kCuda);
     const OpScope scope(x, group_name);
     const int64_t W = scope.rt.config().world_size;
-    const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
+    const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim);
     const at::Tensor xc = x.contiguous();
     const UlyssesLayout layout = ulysses_tensor_layout(xc, dims, W);
     at::Tensor out = at::empty(layout.out_shape, x.options());

@@ -199,7 +199,7 @@ at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int6
     UlyssesLayout layout;
     checked(kind, call, [&] {
       check_ulysses_input(x, Executor::kCpu);
-      const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim, W);
+      const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim);
       xc = x.contiguous();
       layout = ulysses_tensor_layout(xc, dims, W);
       send = at::empty({W, layout.block_bytes}, x.options().dtype(at::kByte));

@@ -231,15 +231,10 @@ void check_ulysses_input(const at::Tensor& x, Executor executor) {
   check_executor_device(x, "x", executor);
 }
 
-UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
-                         int64_t world_size) {
+UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim) {
   UlyssesDims d;
   d.scatter = normalize_dim(scatter_dim, x.dim(), "scatter_dim");
   d.gather = normalize_dim(gather_dim, x.dim(), "gather_dim");
-  UNIEP_CHECK(d.scatter != d.gather, "scatter_dim and gather_dim must differ, both are dimension ",
-              d.scatter);
-  UNIEP_CHECK(x.size(d.scatter) % world_size == 0, "x.size(scatter_dim = ", d.scatter, ") (",
-              x.size(d.scatter), ") must be divisible by the world size ", world_size);
   return d;
 }
 

@@ -73,9 +73,9 @@ struct UlyssesDims {
   int64_t gather = 0;
 };
 
-// The dims normalised to [0, x.dim()); they must differ and the scatter dim must split evenly.
-UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
-                         int64_t world_size);
+// The dims normalised to [0, x.dim()) (negative ones count from the end); ulysses_layout checks
+// that they differ and that the scatter dim splits evenly.
+UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim);
 
 // Where the blocks lie in x (made contiguous by the caller) and the output (uniep::
 // ulysses_layout): both executors move them with this geometry, so their results are the same

@@ -43,8 +43,8 @@ UlyssesLayout ulysses_layout(const std::vector<int64_t>& shape, int64_t scatter_
               "), got ", scatter_dim);
   UNIEP_CHECK(gather_dim >= 0 && gather_dim < dims, "gather_dim must be in [0, ", dims, "), got ",
               gather_dim);
-  UNIEP_CHECK(scatter_dim != gather_dim, "scatter_dim and gather_dim must differ, both are ",
-              scatter_dim);
+  UNIEP_CHECK(scatter_dim != gather_dim,
+              "scatter_dim and gather_dim must differ, both are dimension ", scatter_dim);
   UNIEP_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
   UNIEP_CHECK(element_bytes >= 1, "element_bytes must be >= 1, got ", element_bytes);
   for (int64_t d = 0; d < dims; ++d)
