@@ -60,18 +60,17 @@ def names_key(tuning: str, key: str) -> bool:
     return any(part.split("=")[0].strip() == key for part in tuning.split(","))
 
 
+def megakernel_numerics(p: _C.TuningParams) -> bool:
+    """Whether the MegaKernel serves ``p``'s numerics: bf16 dispatch, the per-k combine and
+    UniEP's GEMMs (the kernel has no fp8 rows, no expert-side weighting and no torch GEMMs)."""
+    return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
+
+
 def runs_fused(tuning: str) -> bool:
     """Whether ``tuning`` asks for the MegaKernel and it can serve its numerics: ``overlap=fused``
-    named, with bf16 dispatch, the per-k combine and UniEP's GEMMs (the kernel has no fp8 rows,
-    no expert-side weighting and no torch GEMMs; other numerics run the separate launches)."""
+    named, with ``megakernel_numerics`` (other numerics run the separate launches)."""
     p = _C.TuningParams.parse(tuning)
-    return (
-        names_key(tuning, "overlap")
-        and p.overlap == "fused"
-        and p.dispatch == "bf16"
-        and p.combine == "per_k"
-        and p.gemm == "uniep"
-    )
+    return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
 
 
 def _forward(

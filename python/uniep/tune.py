@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, distributed
+from .fused_forward import megakernel_numerics
 from .gemm import pingpong_rows
 from .timing import time_calls_ms
 
@@ -517,8 +518,7 @@ class MoeShape:
 
 def fused_allowed(numerics: str | _C.TuningParams) -> bool:
     """Whether the MegaKernel runs these numerics (bf16 dispatch, per-k combine, UniEP's GEMMs)."""
-    p = _C.TuningParams.parse(normalize_numerics(numerics))
-    return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
+    return megakernel_numerics(_C.TuningParams.parse(normalize_numerics(numerics)))
 
 
 def candidate_points(
@@ -602,7 +602,7 @@ def _cuda_auto_tiles(
 def _runs_megakernel(p: _C.TuningParams) -> bool:
     # What uniep.moe_forward and moe_forward_prepared run on CUDA for a full tuning string
     # (uniep.fused_forward.runs_fused): the MegaKernel for overlap=fused with its numerics.
-    return p.overlap == "fused" and fused_allowed(p)
+    return p.overlap == "fused" and megakernel_numerics(p)
 
 
 @dataclass(frozen=True)
