@@ -489,3 +489,53 @@ def test_backward_elementwise_op_matches_the_torch_chain() -> None:
         ops.swiglu_backward(h, grad_act, w[:-1])
     with pytest.raises(ValueError, match="w must be contiguous float32"):
         ops.swiglu_backward(h, grad_act, w.double())
+
+
+def test_dgrad_swiglu_epilogue_matches_the_two_step_path() -> None:
+    # grad_act through w2^T with SwiGLU's backward in the GEMM's epilogue against the data
+    # gradient GEMM followed by the one-pass op: the same act_w and grad_h bits, the routing
+    # weight's gradient summed in another (fixed) order.
+    ops = torch.ops.uniep
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    hidden, ffn = 576, 392  # hidden a multiple of 64, not 128; ffn ends in a partial chunk
+    counts = [0, 1, 300, 129, 0, 77, 513]
+    rows, experts = sum(counts), len(counts)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    go = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device="cuda") / hidden**0.5).bfloat16()
+    h = (torch.randn(rows, 2 * ffn, generator=gen, device="cuda") * 3).bfloat16()
+    w = torch.rand(rows, generator=gen, device="cuda")
+    w[3] = 0.0
+    act_w, grad_h, dots = ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w)
+    grad_act = ops.grouped_mm_dgrad(go, w2, offs)
+    ref_act_w, ref_grad_h, ref_dots = ops.swiglu_backward(h, grad_act, w)
+    assert torch.equal(act_w, ref_act_w)
+    assert torch.equal(grad_h, ref_grad_h)
+    assert not grad_h[3].float().any() and not act_w[3].float().any()
+    torch.testing.assert_close(dots, ref_dots, rtol=1e-4, atol=1e-3)
+    g, u = h[:, :ffn].double(), h[:, ffn:].double()
+    act = (g * torch.sigmoid(g) * u).bfloat16().double()
+    exact = (act * grad_act.double()).sum(1)
+    torch.testing.assert_close(dots.double(), exact, rtol=1e-4, atol=1e-3)
+
+    again = ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w)
+    for a, b in zip(again, (act_w, grad_h, dots), strict=True):
+        assert torch.equal(a, b)
+    # The same rows behind empty experts: at most 128 rows an expert on average, so the 64-row
+    # ping-pong tiles run instead of the 128-row cooperative ones; the bits stay.
+    extra = 2
+    w2_more = torch.cat([w2, torch.zeros(extra, ffn, hidden, device="cuda").bfloat16()])
+    offs_more = torch.cat([offs, offs[-1:].repeat(extra)])
+    assert rows <= 128 * (experts + extra) and rows > 128 * experts
+    other = ops.grouped_mm_dgrad_swiglu(go, w2_more, offs_more, h, w)
+    for a, b in zip(other, (act_w, grad_h, dots), strict=True):
+        assert torch.equal(a, b)
+
+    empty = ops.grouped_mm_dgrad_swiglu(go[:0], w2, torch.zeros_like(offs), h[:0], w[:0])
+    assert [tuple(t.shape) for t in empty] == [(0, ffn), (0, 2 * ffn), (0,)]
+    with pytest.raises(ValueError, match=r"h must be \[R, 2I\]"):
+        ops.grouped_mm_dgrad_swiglu(go, w2, offs, h[:, :256].contiguous(), w)
+    with pytest.raises(ValueError, match=r"w must be \[R\]"):
+        ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w[:-1])
+    with pytest.raises(ValueError, match="w must be contiguous float32"):
+        ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w.double())
