@@ -25,6 +25,11 @@ separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 ex
 dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
+The backward part (only when asked, ``--part backward``): the backward's first data gradient
+through w2 with SwiGLU's backward as two launches (``grouped_mm_dgrad`` then ``swiglu_backward``)
+and as one (``grouped_mm_dgrad_swiglu``, the op in the GEMM's epilogue), timed interleaved on each
+layer's rows; then ``moe_backward`` against the dense chain's forward + backward.
+
 The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_packed")`` over
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
 ``--tune-candidates`` best points and the default measured; then every point it measured re-timed on
@@ -42,6 +47,7 @@ and moe_forward with each GEMM engine.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -207,6 +213,134 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
             )
             torch.cuda.empty_cache()
     return rows
+
+
+def bench_backward_step(
+    load: str, counts: torch.Tensor, hidden: int, ffn: int, warmup: int, iters: int
+) -> dict[str, Any]:
+    """The backward's first data gradient and SwiGLU's backward: the GEMM then the one-pass op,
+    against the GEMM with the op in its epilogue (uniep::grouped_mm_dgrad_swiglu), interleaved."""
+    from uniep.timing import interleaved_medians_ms
+
+    experts, rows = counts.numel(), int(counts.sum())
+    gen = torch.Generator(device="cuda").manual_seed(experts + hidden + ffn)
+    bf16 = torch.bfloat16
+    go = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=bf16)
+    w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
+    w2.mul_(hidden**-0.5)
+    h = torch.randn(rows, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
+    w = torch.rand(rows, generator=gen, device="cuda")
+    offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
+    ops = torch.ops.uniep
+
+    def two_step() -> tuple[torch.Tensor, ...]:
+        return ops.swiglu_backward(h, ops.grouped_mm_dgrad(go, w2, offs), w)
+
+    def fused() -> tuple[torch.Tensor, ...]:
+        return ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w)
+
+    a, b = two_step(), fused()
+    row: dict[str, Any] = {
+        "part": "backward_step",
+        "load": load,
+        "E": experts,
+        "R": rows,
+        "hidden": hidden,
+        "ffn": ffn,
+        "act_w_grad_h_bits_equal": bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])),
+        "dots_max_rel_diff": float(((a[2] - b[2]).abs() / a[2].abs().clamp_min(1e-6)).max()),
+    }
+    fns = {
+        "dgrad_alone": lambda: ops.grouped_mm_dgrad(go, w2, offs),
+        "dgrad_then_swiglu_backward": two_step,
+        "dgrad_swiglu_epilogue": fused,
+    }
+    ms = interleaved_medians_ms(fns, max(1, iters // 5), 5, True, warmup=warmup)
+    for name, t in ms.items():
+        row[f"ms[{name}]"] = t
+    row["epilogue_over_two_step"] = ms["dgrad_swiglu_epilogue"] / ms["dgrad_then_swiglu_backward"]
+    return row
+
+
+def _backward_rank(
+    rank: int, world: int, warmup: int, iters: int, loads: list[str]
+) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+    import uniep
+
+    rows = []
+    for layer in selected(loads):
+        load, tokens, hidden, ffn, experts, top_k = layer
+        group = dist.new_group([0])
+        uniep.ep.init_runtime(
+            group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
+        )
+        name = uniep.distributed.group_name(group)
+        gen, x, w1, w2, idx, weights = _layer_inputs(layer)
+        go = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+        xd = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=x.dtype)
+        leaves = [t.detach().requires_grad_(True) for t in (xd, w1[0].clone(), w2[0].clone())]
+        go_d = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=x.dtype)
+
+        def dense_forward_backward(
+            leaves: list[torch.Tensor] = leaves, go_d: torch.Tensor = go_d, ffn: int = ffn
+        ) -> tuple[torch.Tensor, ...]:
+            with torch.enable_grad():
+                h = leaves[0] @ leaves[1]
+                out = (F.silu(h[:, :ffn]) * h[:, ffn:]) @ leaves[2]
+                return torch.autograd.grad(out, leaves, go_d)
+
+        backward = functools.partial(
+            torch.ops.uniep.moe_backward, go, x, idx, weights, w1, w2, name, ""
+        )
+
+        row: dict[str, Any] = {"part": "backward", "load": load, "tokens": tokens}
+        row["dense_forward_backward_ms"] = median_time_ms(
+            dense_forward_backward, warmup, iters, cuda=True
+        )
+        row["backward_ms[uniep]"] = median_time_ms(backward, warmup, iters, cuda=True)
+        row["backward_over_dense_fwd_bwd[uniep]"] = (
+            row["backward_ms[uniep]"] / row["dense_forward_backward_ms"]
+        )
+        rows.append(row)
+        del x, w1, w2, leaves, go_d
+        torch.cuda.empty_cache()
+    return rows
+
+
+def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
+    import uniep
+
+    rows = []
+    print(
+        "| data gradient + SwiGLU backward | E | R | dgrad ms | dgrad + op ms | epilogue ms "
+        "| epilogue / two steps | act_w, grad_h bits equal |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for load, tokens, hidden, ffn, experts, top_k in selected(loads):
+        idx, _ = routing(tokens, experts, top_k, seed=experts)
+        counts = torch.bincount(idx.flatten(), minlength=experts)
+        r = bench_backward_step(load, counts, hidden, ffn, warmup, iters)
+        rows.append(r)
+        print(
+            f"| {load} | {r['E']} | {r['R']} | {r['ms[dgrad_alone]']:.3f} "
+            f"| {r['ms[dgrad_then_swiglu_backward]']:.3f} | {r['ms[dgrad_swiglu_epilogue]']:.3f} "
+            f"| {r['epilogue_over_two_step']:.3f} | {r['act_w_grad_h_bits_equal']} |",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
+    full = uniep.distributed.run_local_ranks(
+        _backward_rank, 1, (warmup, iters, loads), backend="nccl", timeout_s=900
+    )[0]
+    print("| layer | dense fwd+bwd ms | moe_backward ms | ratio (goal 1.15) |")
+    print("|---|---:|---:|---:|")
+    for r in full:
+        print(
+            f"| {r['load']} | {r['dense_forward_backward_ms']:.3f} | {r['backward_ms[uniep]']:.3f} "
+            f"| {r['backward_over_dense_fwd_bwd[uniep]']:.3f} |"
+        )
+    return rows + full
 
 
 def fp8_format_floor(
@@ -826,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         __doc__.splitlines()[0],
         argv,
         profile=True,
-        parts=("kernels", "layers", "local", "tune"),
+        parts=("kernels", "layers", "local", "tune", "backward"),
         trace=True,
         tune=True,
     )
@@ -849,6 +983,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += _local_rank(args.warmup, args.iters, loads, args.profile)
     elif args.part == "tune":
         rows += tune_part(args.warmup, args.iters, loads, args.tune_candidates)
+    elif args.part == "backward":
+        rows += backward_part(args.warmup, args.iters, loads)
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
         rows += layers(args.warmup, args.iters, args.profile, loads)
     else:
