@@ -236,8 +236,8 @@ def bench_backward_step(
     def two_step() -> tuple[torch.Tensor, ...]:
         return ops.swiglu_backward(h, ops.grouped_mm_dgrad(go, w2, offs), w)
 
-    def fused() -> tuple[torch.Tensor, ...]:
-        return ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w)
+    def fused(tuning: str = "") -> tuple[torch.Tensor, ...]:
+        return ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w, tuning)
 
     a, b = two_step(), fused()
     row: dict[str, Any] = {
@@ -248,12 +248,18 @@ def bench_backward_step(
         "hidden": hidden,
         "ffn": ffn,
         "act_w_grad_h_bits_equal": bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])),
+        "bits_equal_both_tiles": all(
+            all(torch.equal(x, y) for x, y in zip(fused(t), b, strict=True))
+            for t in ("tile_m=64", "tile_m=128")
+        ),
         "dots_max_rel_diff": float(((a[2] - b[2]).abs() / a[2].abs().clamp_min(1e-6)).max()),
     }
     fns = {
         "dgrad_alone": lambda: ops.grouped_mm_dgrad(go, w2, offs),
         "dgrad_then_swiglu_backward": two_step,
         "dgrad_swiglu_epilogue": fused,
+        "dgrad_swiglu_epilogue[tile_m=64]": lambda: fused("tile_m=64"),
+        "dgrad_swiglu_epilogue[tile_m=128]": lambda: fused("tile_m=128"),
     }
     ms = interleaved_medians_ms(fns, max(1, iters // 5), 5, True, warmup=warmup)
     for name, t in ms.items():
@@ -314,9 +320,9 @@ def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, A
     rows = []
     print(
         "| data gradient + SwiGLU backward | E | R | dgrad ms | dgrad + op ms | epilogue ms "
-        "| epilogue / two steps | act_w, grad_h bits equal |"
+        "| epilogue / two steps | tile_m=64 ms | tile_m=128 ms | act_w, grad_h bits equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for load, tokens, hidden, ffn, experts, top_k in selected(loads):
         idx, _ = routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
@@ -325,7 +331,10 @@ def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, A
         print(
             f"| {load} | {r['E']} | {r['R']} | {r['ms[dgrad_alone]']:.3f} "
             f"| {r['ms[dgrad_then_swiglu_backward]']:.3f} | {r['ms[dgrad_swiglu_epilogue]']:.3f} "
-            f"| {r['epilogue_over_two_step']:.3f} | {r['act_w_grad_h_bits_equal']} |",
+            f"| {r['epilogue_over_two_step']:.3f} "
+            f"| {r['ms[dgrad_swiglu_epilogue[tile_m=64]]']:.3f} "
+            f"| {r['ms[dgrad_swiglu_epilogue[tile_m=128]]']:.3f} "
+            f"| {r['act_w_grad_h_bits_equal'] and r['bits_equal_both_tiles']} |",
             flush=True,
         )
         torch.cuda.empty_cache()

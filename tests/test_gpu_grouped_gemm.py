@@ -530,6 +530,10 @@ def test_dgrad_swiglu_epilogue_matches_the_two_step_path() -> None:
     other = ops.grouped_mm_dgrad_swiglu(go, w2_more, offs_more, h, w)
     for a, b in zip(other, (act_w, grad_h, dots), strict=True):
         assert torch.equal(a, b)
+    for tiles in ("tile_m=64", "tile_m=128"):
+        forced = ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w, tiles)
+        for a, b in zip(forced, (act_w, grad_h, dots), strict=True):
+            assert torch.equal(a, b)
 
     empty = ops.grouped_mm_dgrad_swiglu(go[:0], w2, torch.zeros_like(offs), h[:0], w[:0])
     assert [tuple(t.shape) for t in empty] == [(0, ffn), (0, 2 * ffn), (0,)]
@@ -539,3 +543,5 @@ def test_dgrad_swiglu_epilogue_matches_the_two_step_path() -> None:
         ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w[:-1])
     with pytest.raises(ValueError, match="w must be contiguous float32"):
         ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w.double())
+    with pytest.raises(ValueError, match="tile_m must be 0 .by shape., 64 or 128, got 32"):
+        ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w, "tile_m=32")

@@ -529,8 +529,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
       // SwiGLU's backward runs in the data gradient's epilogue: grad_act never reaches memory.
       const at::Tensor h = engine_grouped_mm(rows, w1, offs, params);
       at::Tensor act_w, grad_h;
-      std::tie(act_w, grad_h, dots) =
-          engine_grouped_mm_dgrad_swiglu(go_rows, w2, offs, h, w_row.contiguous());
+      // The backward's tiles follow the shape (the tuning's tile keys are the forward's).
+      std::tie(act_w, grad_h, dots) = engine_grouped_mm_dgrad_swiglu(
+          go_rows, w2, offs, h, w_row.contiguous(), TuningParams{});
       grad_rows = engine_grouped_mm_dgrad(grad_h, w1, offs, params);
       grad_w1 = engine_grouped_mm_wgrad(rows, grad_h, offs, params);
       grad_w2 = engine_grouped_mm_wgrad(act_w, go_rows, offs, params);

@@ -199,7 +199,7 @@ at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> engine_grouped_mm_dgrad_swiglu(
     const at::Tensor& grad_rows, const at::Tensor& w2, const at::Tensor& offs, const at::Tensor& h,
-    const at::Tensor& w) {
+    const at::Tensor& w, const TuningParams& tuning) {
   check_backward_args(grad_rows, "grad_rows", w2, "w2", offs, false);
   const int64_t rows = grad_rows.size(0), ffn = w2.size(1);
   UNIEP_CHECK(h.dim() == 2 && h.size(0) == rows && h.size(1) == 2 * ffn,
@@ -235,6 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> engine_grouped_mm_dgrad_swiglu(
   p.rows = rows;
   p.hidden = grad_rows.size(1);
   p.ffn = ffn;
+  p.tile_m = tuning.tile_m;
   const int device = grad_rows.device().index();
   UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
                    "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
@@ -434,9 +435,11 @@ at::Tensor grouped_mm_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_mm_dgrad_swiglu_cuda(
     const at::Tensor& grad_rows, const at::Tensor& w2, const at::Tensor& offs, const at::Tensor& h,
-    const at::Tensor& w) {
-  return translate_errors(
-      [&] { return engine_grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w); });
+    const at::Tensor& w, c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w,
+                                          TuningParams::parse(std::string(tuning)));
+  });
 }
 
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offs,

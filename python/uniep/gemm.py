@@ -125,6 +125,7 @@ def grouped_mm_dgrad_swiglu(
     offs: torch.Tensor,
     h: torch.Tensor,
     w: torch.Tensor,
+    tuning: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts' first data gradient with SwiGLU's backward in the GEMM's epilogue (CUDA,
     bf16, Hopper): ``grad_act = grouped_mm_dgrad(grad_rows, w2, offs)`` never reaches memory.
@@ -133,8 +134,9 @@ def grouped_mm_dgrad_swiglu(
     Returns ``act * w`` [R, I], grad_h [R, 2I] (the bits of ``torch.ops.uniep.swiglu_backward``
     on the same grad_act) and the routing weight's gradient by row, ``<act, grad_act>`` [R] fp32,
     summed per 128 columns and then over them in ascending order (the same bits for every tile
-    configuration)."""
-    return torch.ops.uniep.grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w)
+    configuration). ``tuning``'s ``tile_m`` (64 or 128) forces a tile height, by shape
+    otherwise."""
+    return torch.ops.uniep.grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w, tuning)
 
 
 def grouped_mm_wgrad(
@@ -187,7 +189,12 @@ def _grouped_mm_dgrad_fake(
 
 @torch.library.register_fake("uniep::grouped_mm_dgrad_swiglu")
 def _grouped_mm_dgrad_swiglu_fake(
-    grad_rows: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, h: torch.Tensor, w: torch.Tensor
+    grad_rows: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    tuning: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backward_meta(grad_rows, w2, offs, wgrad=False)
     rows, ffn = grad_rows.shape[0], w2.shape[1]

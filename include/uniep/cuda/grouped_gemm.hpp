@@ -226,12 +226,16 @@ struct GroupedSwiGluBackwardProblem {
   float* dot_parts = nullptr;       // [rows, swiglu_backward_dot_parts(ffn)] fp32 out
   int64_t num_experts = 0, rows = 0;  // as GroupedGemmProblem
   int64_t hidden = 0, ffn = 0;        // multiples of 8
+  // The tile height: 0 chooses by shape as kDgrad does (64-row ping-pong tiles for experts
+  // averaging at most 128 rows, else 128-row cooperative ones); 64 or 128 forces one. The bits
+  // are the same at both.
+  int tile_m = 0;
 };
 // Partial dots per row for an FFN width: ceil(ffn / 128).
 int64_t swiglu_backward_dot_parts(int64_t ffn);
 // OK when the kernel takes the problem (the grouped GEMM's rules for k = hidden and n = ffn,
-// 16-byte aligned h, act_w and grad_h, non-null w and dot_parts); else kInvalidArgument /
-// kUnsupported naming the argument.
+// 16-byte aligned h, act_w and grad_h, non-null w and dot_parts, tile_m 0, 64 or 128); else
+// kInvalidArgument / kUnsupported naming the argument.
 Status grouped_gemm_swiglu_backward_supports(const GroupedSwiGluBackwardProblem& p);
 // Enqueues the problem kernel and the GEMM (the data-gradient kind's configuration for the
 // shape) on `stream`; workspace as grouped_gemm_bf16's (grouped_gemm_workspace_bytes). Returns

@@ -273,6 +273,8 @@ Status grouped_gemm_swiglu_backward_supports(const GroupedSwiGluBackwardProblem&
     return unsupported("ffn must be a positive multiple of ", kAlign,
                        " with 2 ffn below 2^31, got ", p.ffn);
   if (p.offs == nullptr) return bad("offs must not be null");
+  if (p.tile_m != 0 && p.tile_m != 64 && p.tile_m != 128)
+    return bad("tile_m must be 0 (by shape), 64 or 128, got ", p.tile_m);
   if (p.w2 == nullptr || !aligned(p.w2))
     return unsupported("w2 must be 16-byte aligned (non-null)");
   if (p.rows == 0) return Status::Ok();
@@ -298,7 +300,7 @@ Status grouped_gemm_swiglu_backward_bf16(const GroupedSwiGluBackwardProblem& p, 
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
   if (p.rows == 0) return Status::Ok();
   // The data-gradient kind's rule (grouped_gemm_bf16): 64-row tiles for small experts.
-  const bool small = p.rows <= 128 * p.num_experts;
+  const bool small = p.tile_m == 0 ? p.rows <= 128 * p.num_experts : p.tile_m == 64;
   const grouped::GroupedEntry* entry = backward_entries(GroupedGemmKind::kDgrad)[small ? 1 : 0];
   const size_t need = grouped_gemm_workspace_bytes(p.num_experts, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the grouped GEMM");
