@@ -95,10 +95,23 @@ class SwiGluBackwardEpilogue : public DirectStoreEpilogue {
         auto* ar = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]) + int64_t(m) * ffn;
         CUTLASS_PRAGMA_UNROLL
         for (int chunk = 0; chunk < kBlocks / kChunkBlocks; ++chunk) {
+          constexpr int kQuads = kChunkBlocks / 4;
+          // The chunk's h first, every load in flight at once (read-only path): issued one
+          // block at a time, behind the stores of the block before, each waited a round trip.
+          int cols[kQuads];
+          uint4 g8[kQuads], u8[kQuads];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kQuads; ++j) {
+            const int quad = chunk * kQuads + j;
+            cols[j] = get<1>(crd(i + 4 * (4 * quad) + 2 * half)) - 2 * q + 8 * q;
+            const bool ok = row_ok && cols[j] < N;
+            g8[j] = ok ? __ldg(reinterpret_cast<const uint4*>(hr + cols[j])) : uint4{};
+            u8[j] = ok ? __ldg(reinterpret_cast<const uint4*>(hr + ffn + cols[j])) : uint4{};
+          }
           float dot = 0.0f;
           CUTLASS_PRAGMA_UNROLL
-          for (int quad = chunk * kChunkBlocks / 4; quad < (chunk + 1) * kChunkBlocks / 4;
-               ++quad) {
+          for (int j = 0; j < kQuads; ++j) {
+            const int quad = chunk * kQuads + j;
             // grad_act rounded to bf16 (the bits a stored grad_act has), then the four lanes of
             // the row trade pairs so that lane q holds all 8 columns of block 4 quad + q.
             uint32_t ga[4];
@@ -108,12 +121,10 @@ class SwiGluBackwardEpilogue : public DirectStoreEpilogue {
               ga[t] = pack(acc(i + v), acc(i + v + 1));
             }
             transpose4(ga, q);
-            const int n = get<1>(crd(i + 4 * (4 * quad) + 2 * half)) - 2 * q + 8 * q;
+            const int n = cols[j];
             if (!row_ok || n >= N) continue;
-            const uint4 g8 = *reinterpret_cast<const uint4*>(hr + n);
-            const uint4 u8 = *reinterpret_cast<const uint4*>(hr + ffn + n);
-            const auto* gv = reinterpret_cast<const __nv_bfloat162*>(&g8);
-            const auto* uv = reinterpret_cast<const __nv_bfloat162*>(&u8);
+            const auto* gv = reinterpret_cast<const __nv_bfloat162*>(&g8[j]);
+            const auto* uv = reinterpret_cast<const __nv_bfloat162*>(&u8[j]);
             uint32_t act_w[4], grad_g[4], grad_u[4];
             CUTLASS_PRAGMA_UNROLL
             for (int t = 0; t < 4; ++t) {
