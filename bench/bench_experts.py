@@ -25,10 +25,8 @@ separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 ex
 dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
-The backward part (only when asked, ``--part backward``): the backward's first data gradient
-through w2 with SwiGLU's backward as two launches (``grouped_mm_dgrad`` then ``swiglu_backward``)
-and as one (``grouped_mm_dgrad_swiglu``, the op in the GEMM's epilogue), timed interleaved on each
-layer's rows; then ``moe_backward`` against the dense chain's forward + backward.
+The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
+dense chain's forward + backward (the layers part times it too, after everything else).
 
 The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_packed")`` over
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
@@ -215,59 +213,6 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_backward_step(
-    load: str, counts: torch.Tensor, hidden: int, ffn: int, warmup: int, iters: int
-) -> dict[str, Any]:
-    """The backward's first data gradient and SwiGLU's backward: the GEMM then the one-pass op,
-    against the GEMM with the op in its epilogue (uniep::grouped_mm_dgrad_swiglu), interleaved."""
-    from uniep.timing import interleaved_medians_ms
-
-    experts, rows = counts.numel(), int(counts.sum())
-    gen = torch.Generator(device="cuda").manual_seed(experts + hidden + ffn)
-    bf16 = torch.bfloat16
-    go = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=bf16)
-    w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
-    w2.mul_(hidden**-0.5)
-    h = torch.randn(rows, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
-    w = torch.rand(rows, generator=gen, device="cuda")
-    offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
-    ops = torch.ops.uniep
-
-    def two_step() -> tuple[torch.Tensor, ...]:
-        return ops.swiglu_backward(h, ops.grouped_mm_dgrad(go, w2, offs), w)
-
-    def fused(tuning: str = "") -> tuple[torch.Tensor, ...]:
-        return ops.grouped_mm_dgrad_swiglu(go, w2, offs, h, w, tuning)
-
-    a, b = two_step(), fused()
-    row: dict[str, Any] = {
-        "part": "backward_step",
-        "load": load,
-        "E": experts,
-        "R": rows,
-        "hidden": hidden,
-        "ffn": ffn,
-        "act_w_grad_h_bits_equal": bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])),
-        "bits_equal_both_tiles": all(
-            all(torch.equal(x, y) for x, y in zip(fused(t), b, strict=True))
-            for t in ("tile_m=64", "tile_m=128")
-        ),
-        "dots_max_rel_diff": float(((a[2] - b[2]).abs() / a[2].abs().clamp_min(1e-6)).max()),
-    }
-    fns = {
-        "dgrad_alone": lambda: ops.grouped_mm_dgrad(go, w2, offs),
-        "dgrad_then_swiglu_backward": two_step,
-        "dgrad_swiglu_epilogue": fused,
-        "dgrad_swiglu_epilogue[tile_m=64]": lambda: fused("tile_m=64"),
-        "dgrad_swiglu_epilogue[tile_m=128]": lambda: fused("tile_m=128"),
-    }
-    ms = interleaved_medians_ms(fns, max(1, iters // 5), 5, True, warmup=warmup)
-    for name, t in ms.items():
-        row[f"ms[{name}]"] = t
-    row["epilogue_over_two_step"] = ms["dgrad_swiglu_epilogue"] / ms["dgrad_then_swiglu_backward"]
-    return row
-
-
 def _backward_rank(
     rank: int, world: int, warmup: int, iters: int, loads: list[str]
 ) -> list[dict[str, Any]]:
@@ -317,27 +262,6 @@ def _backward_rank(
 def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     import uniep
 
-    rows = []
-    print(
-        "| data gradient + SwiGLU backward | E | R | dgrad ms | dgrad + op ms | epilogue ms "
-        "| epilogue / two steps | tile_m=64 ms | tile_m=128 ms | act_w, grad_h bits equal |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for load, tokens, hidden, ffn, experts, top_k in selected(loads):
-        idx, _ = routing(tokens, experts, top_k, seed=experts)
-        counts = torch.bincount(idx.flatten(), minlength=experts)
-        r = bench_backward_step(load, counts, hidden, ffn, warmup, iters)
-        rows.append(r)
-        print(
-            f"| {load} | {r['E']} | {r['R']} | {r['ms[dgrad_alone]']:.3f} "
-            f"| {r['ms[dgrad_then_swiglu_backward]']:.3f} | {r['ms[dgrad_swiglu_epilogue]']:.3f} "
-            f"| {r['epilogue_over_two_step']:.3f} "
-            f"| {r['ms[dgrad_swiglu_epilogue[tile_m=64]]']:.3f} "
-            f"| {r['ms[dgrad_swiglu_epilogue[tile_m=128]]']:.3f} "
-            f"| {r['act_w_grad_h_bits_equal'] and r['bits_equal_both_tiles']} |",
-            flush=True,
-        )
-        torch.cuda.empty_cache()
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
     full = uniep.distributed.run_local_ranks(
         _backward_rank, 1, (warmup, iters, loads), backend="nccl", timeout_s=900
@@ -349,7 +273,7 @@ def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, A
             f"| {r['load']} | {r['dense_forward_backward_ms']:.3f} | {r['backward_ms[uniep]']:.3f} "
             f"| {r['backward_over_dense_fwd_bwd[uniep]']:.3f} |"
         )
-    return rows + full
+    return full
 
 
 def fp8_format_floor(

@@ -488,7 +488,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     ep::Runtime& rt = *c.runtime;
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-    const int64_t K = rt.config().top_k, H = rt.config().hidden;
+    const int64_t K = rt.config().top_k, H = rt.config().hidden, I = c.in.shape.ffn_hidden;
     const Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
     const int64_t R = d.row_slot.size(0);
     const at::Tensor rows = gathered_rows(x, d, rt, params, stream);
@@ -526,12 +526,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
                                        offs.data_ptr<int32_t>(), stream));
       // GEMM 1 recomputed; grad_out's rows before the weight through w2^T, so the weight's
       // gradient is <act, that> and y = act w2 is never recomputed (docs/expert_gemm.md).
-      // SwiGLU's backward runs in the data gradient's epilogue: grad_act never reaches memory.
       const at::Tensor h = engine_grouped_mm(rows, w1, offs, params);
-      at::Tensor act_w, grad_h;
-      // The backward's tiles follow the shape (the tuning's tile keys are the forward's).
-      std::tie(act_w, grad_h, dots) = engine_grouped_mm_dgrad_swiglu(
-          go_rows, w2, offs, h, w_row.contiguous(), TuningParams{});
+      const at::Tensor grad_act = engine_grouped_mm_dgrad(go_rows, w2, offs, params);
+      const at::Tensor act_w = at::empty({R, I}, x.options());
+      const at::Tensor grad_h = at::empty_like(h);
+      dots = at::empty({R}, x.options().dtype(at::kFloat));
+      ok_or_throw(cuda::swiglu_backward_bf16(h.data_ptr(), grad_act.data_ptr(),
+                                             w_row.data_ptr<float>(), R, I, act_w.data_ptr(),
+                                             grad_h.data_ptr(), dots.data_ptr<float>(), stream));
       grad_rows = engine_grouped_mm_dgrad(grad_h, w1, offs, params);
       grad_w1 = engine_grouped_mm_wgrad(rows, grad_h, offs, params);
       grad_w2 = engine_grouped_mm_wgrad(act_w, go_rows, offs, params);

@@ -4,8 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <tuple>
-
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/tuning.hpp"
 
@@ -44,14 +42,5 @@ at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
                                    const at::Tensor& offs, const TuningParams& tuning);
 at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
                                    const at::Tensor& offs, const TuningParams& tuning);
-
-// The experts' first data gradient with SwiGLU's backward in its epilogue
-// (grouped_gemm_swiglu_backward_bf16): grad_rows [R, H] (grad_out's rows before the routing
-// weight), w2 [E, I, H], h [R, 2I] (the forward's first product), w [R] fp32 (each row's routing
-// weight) -> act_w [R, I], grad_h [R, 2I], dots [R] fp32 (the routing weight's gradient by row).
-// tuning's tile_m (0: by shape, 64 or 128) picks the tile height.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> engine_grouped_mm_dgrad_swiglu(
-    const at::Tensor& grad_rows, const at::Tensor& w2, const at::Tensor& offs, const at::Tensor& h,
-    const at::Tensor& w, const TuningParams& tuning);
 
 }  // namespace uniep::torch_glue

@@ -197,63 +197,6 @@ at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> engine_grouped_mm_dgrad_swiglu(
-    const at::Tensor& grad_rows, const at::Tensor& w2, const at::Tensor& offs, const at::Tensor& h,
-    const at::Tensor& w, const TuningParams& tuning) {
-  check_backward_args(grad_rows, "grad_rows", w2, "w2", offs, false);
-  const int64_t rows = grad_rows.size(0), ffn = w2.size(1);
-  UNIEP_CHECK(h.dim() == 2 && h.size(0) == rows && h.size(1) == 2 * ffn,
-              "h must be [R, 2I] = [", rows, ", ", 2 * ffn, "] (I = w2.size(1)), got shape ",
-              h.sizes());
-  UNIEP_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() &&
-                  h.device() == grad_rows.device(),
-              "h must be contiguous bfloat16 on grad_rows's device ", grad_rows.device(),
-              ", got ", h.scalar_type(), " on ", h.device(), " with strides ", h.strides());
-  UNIEP_CHECK(w.dim() == 1 && w.size(0) == rows, "w must be [R] = [", rows, "], got shape ",
-              w.sizes());
-  UNIEP_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() &&
-                  w.device() == grad_rows.device(),
-              "w must be contiguous float32 on grad_rows's device ", grad_rows.device(),
-              ", got ", w.scalar_type(), " on ", w.device());
-  const c10::cuda::CUDAGuard guard(grad_rows.device());
-  at::Tensor act_w = at::empty({rows, ffn}, grad_rows.options());
-  at::Tensor grad_h = at::empty({rows, 2 * ffn}, grad_rows.options());
-  at::Tensor dots = at::empty({rows}, grad_rows.options().dtype(at::kFloat));
-  if (rows == 0) return std::make_tuple(act_w, grad_h, dots);
-  const int64_t parts = cuda::swiglu_backward_dot_parts(ffn);
-  at::Tensor dot_parts = at::empty({rows, parts}, dots.options());
-  cuda::GroupedSwiGluBackwardProblem p;
-  p.grad_rows = grad_rows.data_ptr();
-  p.w2 = w2.data_ptr();
-  p.h = h.data_ptr();
-  p.w = w.data_ptr<float>();
-  p.offs = offs.data_ptr<int32_t>();
-  p.act_w = act_w.data_ptr();
-  p.grad_h = grad_h.data_ptr();
-  p.dot_parts = dot_parts.data_ptr<float>();
-  p.num_experts = w2.size(0);
-  p.rows = rows;
-  p.hidden = grad_rows.size(1);
-  p.ffn = ffn;
-  p.tile_m = tuning.tile_m;
-  const int device = grad_rows.device().index();
-  UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
-                   "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
-                   "sm_90a)");
-  ok_or_throw(cuda::grouped_gemm_swiglu_backward_supports(p));
-  int sm_count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const size_t bytes = cuda::grouped_gemm_workspace_bytes(p.num_experts, sm_count);
-  at::Tensor workspace =
-      at::empty({static_cast<int64_t>(bytes)}, grad_rows.options().dtype(at::kByte));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-  ok_or_throw(cuda::grouped_gemm_swiglu_backward_bf16(p, device, sm_count, workspace.data_ptr(),
-                                                      bytes, stream));
-  ok_or_throw(cuda::sum_row_parts(dot_parts.data_ptr<float>(), rows, parts,
-                                  dots.data_ptr<float>(), stream));
-  return std::make_tuple(act_w, grad_h, dots);
-}
-
 at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
                                    const at::Tensor& offs, const TuningParams& tuning) {
   check_backward_args(x, "x", dy, "dy", offs, true);
@@ -433,15 +376,6 @@ at::Tensor grouped_mm_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w, cons
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_mm_dgrad_swiglu_cuda(
-    const at::Tensor& grad_rows, const at::Tensor& w2, const at::Tensor& offs, const at::Tensor& h,
-    const at::Tensor& w, c10::string_view tuning) {
-  return translate_errors([&] {
-    return engine_grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w,
-                                          TuningParams::parse(std::string(tuning)));
-  });
-}
-
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offs,
                                  c10::string_view tuning) {
   return translate_errors([&] {
@@ -460,5 +394,4 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
   m.impl("swiglu_backward", &uniep::torch_glue::swiglu_backward_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
-  m.impl("grouped_mm_dgrad_swiglu", &uniep::torch_glue::grouped_mm_dgrad_swiglu_cuda);
 }

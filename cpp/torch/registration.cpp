@@ -105,14 +105,6 @@ TORCH_LIBRARY(uniep, m) {
   // bf16 (before the routing weight), w [R] fp32 -> act * w, grad_h, dots [R] fp32.
   m.def("swiglu_backward(Tensor h, Tensor grad_act, Tensor w) -> (Tensor act_w, Tensor grad_h, "
         "Tensor dots)");
-  // The data gradient through w2 with swiglu_backward in its epilogue (CUDA only;
-  // include/uniep/cuda/grouped_gemm.hpp's grouped_gemm_swiglu_backward_bf16): grad_rows [R, H]
-  // bf16 (before the routing weight), w2 [E, I, H], offs [E] int32, h [R, 2I], w [R] fp32 ->
-  // act * w, grad_h, dots [R] fp32; act_w and grad_h are swiglu_backward's bits. tuning's
-  // tile_m (64 or 128) forces a tile height; the bits are the same.
-  m.def(
-      "grouped_mm_dgrad_swiglu(Tensor grad_rows, Tensor w2, Tensor offs, Tensor h, Tensor w, "
-      "str tuning=\"\") -> (Tensor act_w, Tensor grad_h, Tensor dots)");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");

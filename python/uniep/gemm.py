@@ -22,7 +22,6 @@ __all__ = [
     "dequantize_expert_weights",
     "dequantize_rows",
     "grouped_mm_dgrad",
-    "grouped_mm_dgrad_swiglu",
     "grouped_mm_fp8",
     "grouped_mm_swiglu",
     "grouped_mm_wgrad",
@@ -119,26 +118,6 @@ def grouped_mm_dgrad(
     return torch.ops.uniep.grouped_mm_dgrad(dy, w, offs, tuning)
 
 
-def grouped_mm_dgrad_swiglu(
-    grad_rows: torch.Tensor,
-    w2: torch.Tensor,
-    offs: torch.Tensor,
-    h: torch.Tensor,
-    w: torch.Tensor,
-    tuning: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' first data gradient with SwiGLU's backward in the GEMM's epilogue (CUDA,
-    bf16, Hopper): ``grad_act = grouped_mm_dgrad(grad_rows, w2, offs)`` never reaches memory.
-    grad_rows [R, H] are grad_out's rows before the routing weight, w2 [E, I, H], h [R, 2I] the
-    forward's first product (gate columns, then up), w [R] fp32 each row's routing weight.
-    Returns ``act * w`` [R, I], grad_h [R, 2I] (the bits of ``torch.ops.uniep.swiglu_backward``
-    on the same grad_act) and the routing weight's gradient by row, ``<act, grad_act>`` [R] fp32,
-    summed per 128 columns and then over them in ascending order (the same bits for every tile
-    configuration). ``tuning``'s ``tile_m`` (64 or 128) forces a tile height, by shape
-    otherwise."""
-    return torch.ops.uniep.grouped_mm_dgrad_swiglu(grad_rows, w2, offs, h, w, tuning)
-
-
 def grouped_mm_wgrad(
     x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tuning: str = ""
 ) -> torch.Tensor:
@@ -185,29 +164,6 @@ def _grouped_mm_dgrad_fake(
 ) -> torch.Tensor:
     _check_backward_meta(dy, w, offs, wgrad=False)
     return dy.new_empty((dy.shape[0], w.shape[1]))
-
-
-@torch.library.register_fake("uniep::grouped_mm_dgrad_swiglu")
-def _grouped_mm_dgrad_swiglu_fake(
-    grad_rows: torch.Tensor,
-    w2: torch.Tensor,
-    offs: torch.Tensor,
-    h: torch.Tensor,
-    w: torch.Tensor,
-    tuning: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_backward_meta(grad_rows, w2, offs, wgrad=False)
-    rows, ffn = grad_rows.shape[0], w2.shape[1]
-    torch._check_value(
-        h.dim() == 2 and h.shape[0] == rows and h.shape[1] == 2 * ffn,
-        lambda: f"h must be [R, 2I] = [{rows}, {2 * ffn}] (I = w2.size(1)), got {tuple(h.shape)}",
-    )
-    torch._check_value(
-        w.dim() == 1 and w.shape[0] == rows,
-        lambda: f"w must be [R] = [{rows}], got shape {tuple(w.shape)}",
-    )
-    act_w = grad_rows.new_empty((rows, ffn))
-    return act_w, grad_rows.new_empty((rows, 2 * ffn)), w.new_empty((rows,))
 
 
 @torch.library.register_fake("uniep::grouped_mm_wgrad")

@@ -144,6 +144,33 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   }
 
  private:
+  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+
+  // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;
+  // after, w[j] is lane j's pair of block q. Round s sends w[(q + s) % 4] to lane q + s and
+  // receives lane q - s's pair of block q.
+  CUTLASS_DEVICE static void transpose4(uint32_t (&w)[4], int q) {
+    uint32_t out[4] = {0u, 0u, 0u, 0u};
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 4; ++s) {
+      const int send = (q + s) & 3, from = (q - s) & 3;
+      const uint32_t mine = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
+      const uint32_t got = __shfl_sync(0xffffffffu, mine, (threadIdx.x & ~3u) | from);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j)
+        if (j == from) out[j] = got;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) w[j] = out[j];
+  }
+
+  CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
+    *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+
   // The last two rows this thread looked up: a thread's fragment covers two rows of the tile, so
   // each row's source is read once per tile, not once per store.
   // Two named entries, not arrays: a runtime index into an array would put it in local memory.

@@ -206,45 +206,4 @@ Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w,
                             int64_t ffn, void* act_w, void* grad_h, float* dots,
                             cudaStream_t stream);
 
-// The experts' first data gradient with swiglu_backward_bf16 in its epilogue: one grouped GEMM
-// grad_act = grad_rows[rows of e] w2[e]^T (kDgrad's product) whose fp32 accumulators, rounded to
-// bf16 as a stored grad_act would be, go straight through swiglu_backward_bf16's arithmetic, so
-// grad_act never reaches memory and no element-wise pass follows. act_w and grad_h are
-// swiglu_backward_bf16's bits for the same h, grad_act and w. The routing weight's gradient
-// comes as partial dots, one per 128 columns of act (dot_parts[r][c] = the sum over columns
-// [128c, 128c + 128) of act * grad_act, in an order fixed by the columns alone, not by the
-// tile); sum_row_parts adds a row's parts in ascending c. Rows at or past offs[E - 1] are not
-// written.
-struct GroupedSwiGluBackwardProblem {
-  const void* grad_rows = nullptr;  // [rows, hidden] bf16: grad_out's rows (before the weight)
-  const void* w2 = nullptr;         // [E, ffn, hidden] bf16: the forward's second weight
-  const void* h = nullptr;          // [rows, 2 ffn] bf16: gate columns [0, ffn), up [ffn, 2 ffn)
-  const float* w = nullptr;         // [rows] fp32: each row's routing weight
-  const int32_t* offs = nullptr;    // [num_experts] int32, cumulative row ends (device memory)
-  void* act_w = nullptr;            // [rows, ffn] bf16 out
-  void* grad_h = nullptr;           // [rows, 2 ffn] bf16 out
-  float* dot_parts = nullptr;       // [rows, swiglu_backward_dot_parts(ffn)] fp32 out
-  int64_t num_experts = 0, rows = 0;  // as GroupedGemmProblem
-  int64_t hidden = 0, ffn = 0;        // multiples of 8
-  // The tile height: 0 chooses by shape as kDgrad does (64-row ping-pong tiles for experts
-  // averaging at most 128 rows, else 128-row cooperative ones); 64 or 128 forces one. The bits
-  // are the same at both.
-  int tile_m = 0;
-};
-// Partial dots per row for an FFN width: ceil(ffn / 128).
-int64_t swiglu_backward_dot_parts(int64_t ffn);
-// OK when the kernel takes the problem (the grouped GEMM's rules for k = hidden and n = ffn,
-// 16-byte aligned h, act_w and grad_h, non-null w and dot_parts, tile_m 0, 64 or 128); else
-// kInvalidArgument / kUnsupported naming the argument.
-Status grouped_gemm_swiglu_backward_supports(const GroupedSwiGluBackwardProblem& p);
-// Enqueues the problem kernel and the GEMM (the data-gradient kind's configuration for the
-// shape) on `stream`; workspace as grouped_gemm_bf16's (grouped_gemm_workspace_bytes). Returns
-// without launching anything when rows = 0.
-Status grouped_gemm_swiglu_backward_bf16(const GroupedSwiGluBackwardProblem& p, int device,
-                                         int sm_count, void* workspace, size_t workspace_bytes,
-                                         cudaStream_t stream);
-// dots[r] = parts[r][0] + parts[r][1] + ... + parts[r][parts_per_row - 1], fp32, in that order.
-Status sum_row_parts(const float* parts, int64_t rows, int64_t parts_per_row, float* dots,
-                     cudaStream_t stream);
-
 }  // namespace uniep::cuda

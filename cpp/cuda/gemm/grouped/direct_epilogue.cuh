@@ -5,8 +5,6 @@
 // and the SwiGLU arithmetic they apply alike.
 #pragma once
 
-#include <cuda_bf16.h>
-
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/thread/linear_combination.h>
 #include <cute/tensor.hpp>
@@ -90,34 +88,6 @@ struct DirectStoreEpilogue {
       else
         megakernel::gate_signal_gpu(done + index, 1u);
     }
-  }
-
-  // Two fp32 values rounded to bf16 (nearest even), packed low then high.
-  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
-
-  // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;
-  // after, w[j] is lane j's pair of block q. Round s sends w[(q + s) % 4] to lane q + s and
-  // receives lane q - s's pair of block q.
-  CUTLASS_DEVICE static void transpose4(uint32_t (&w)[4], int q) {
-    uint32_t out[4] = {0u, 0u, 0u, 0u};
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < 4; ++s) {
-      const int send = (q + s) & 3, from = (q - s) & 3;
-      const uint32_t mine = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
-      const uint32_t got = __shfl_sync(0xffffffffu, mine, (threadIdx.x & ~3u) | from);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 4; ++j)
-        if (j == from) out[j] = got;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < 4; ++j) w[j] = out[j];
-  }
-
-  CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
-    *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 
   // The chain's numerics and the CPU executor's: gate and up rounded to bf16 (where the chain

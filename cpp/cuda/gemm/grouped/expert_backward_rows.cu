@@ -11,7 +11,6 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/gemm/grouped/swiglu_backward_math.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda {
@@ -36,8 +35,10 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[kVec])
 }
 
 // One warp per row; each lane takes 8 columns at a time in ascending order, then a fixed
-// butterfly sums the lanes' dots, so the bits never vary run to run. The element's arithmetic is
-// swiglu_backward_values (swiglu_backward_math.cuh); dot += act * grad_act.
+// butterfly sums the lanes' dots, so the bits never vary run to run. With ga = grad_act * w:
+//   sig = 1 / (1 + exp(-g)); act = g * sig * u (rounded to bf16, as the forward's)
+//   grad_g = ga * u * sig * (1 + g * (1 - sig)); grad_u = ga * g * sig
+//   act_w = act * w; dot += act * grad_act
 // grad_act is the gradient before the routing weight, so the weight's gradient <grad_y, y> is
 // <act, grad_act> (y = act w2, grad_act = grad_y w2^T): no second pass over y's [R, H] rows.
 __global__ void swiglu_backward_kernel(const __nv_bfloat16* __restrict__ h,
@@ -55,18 +56,20 @@ __global__ void swiglu_backward_kernel(const __nv_bfloat16* __restrict__ h,
     __nv_bfloat16* gr = grad_h + r * 2 * ffn;
     float acc = 0.0f;
     for (int64_t c = lane * kVec; c < ffn; c += 32 * kVec) {
-      float g[kVec], u[kVec], ga[kVec], aw[kVec], gg[kVec], gu[kVec];
+      float g[kVec], u[kVec], ga[kVec], a[kVec], aw[kVec], gg[kVec], gu[kVec];
       load8(hr + c, g);
       load8(hr + ffn + c, u);
       load8(grad_act + r * ffn + c, ga);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const grouped::SwiGluBackwardValues b =
-            grouped::swiglu_backward_values(g[j], u[j], ga[j], wr);
-        acc = __fadd_rn(acc, __fmul_rn(b.act, ga[j]));
-        aw[j] = b.act_w;
-        gg[j] = b.grad_g;
-        gu[j] = b.grad_u;
+        const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[j])));
+        a[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(g[j], sig), u[j])));
+        acc = __fadd_rn(acc, __fmul_rn(a[j], ga[j]));
+        aw[j] = __fmul_rn(a[j], wr);
+        const float gw = __fmul_rn(ga[j], wr);
+        const float dsilu = __fadd_rn(1.0f, __fmul_rn(g[j], __fsub_rn(1.0f, sig)));
+        gg[j] = __fmul_rn(__fmul_rn(__fmul_rn(gw, u[j]), sig), dsilu);
+        gu[j] = __fmul_rn(__fmul_rn(gw, g[j]), sig);
       }
       store8(act_w + r * ffn + c, aw);
       store8(gr + c, gg);
@@ -75,19 +78,6 @@ __global__ void swiglu_backward_kernel(const __nv_bfloat16* __restrict__ h,
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, m));
     if (lane == 0) dots[r] = acc;
-  }
-}
-
-// dots[r] = parts[r][0] + parts[r][1] + ... in ascending order, fp32: the data-gradient GEMM's
-// per-128-column partial dots (swiglu_backward_epilogue.cuh) summed in one fixed order.
-__global__ void sum_row_parts_kernel(const float* __restrict__ parts, int64_t rows,
-                                     int64_t per_row, float* __restrict__ dots) {
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float* p = parts + r * per_row;
-    float acc = 0.0f;
-    for (int64_t c = 0; c < per_row; ++c) acc = __fadd_rn(acc, p[c]);
-    dots[r] = acc;
   }
 }
 
@@ -125,20 +115,6 @@ Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w,
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(grad_act), w, rows,
       ffn, static_cast<__nv_bfloat16*>(act_w), static_cast<__nv_bfloat16*>(grad_h), dots);
   return launch_status("swiglu_backward_bf16");
-}
-
-Status sum_row_parts(const float* parts, int64_t rows, int64_t parts_per_row, float* dots,
-                     cudaStream_t stream) {
-  if (rows < 0 || parts_per_row < 1)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("sum_row_parts: rows must be >= 0 and parts_per_row >= 1, got ", rows,
-                            " and ", parts_per_row)};
-  if (rows == 0) return Status::Ok();
-  if (parts == nullptr || dots == nullptr)
-    return {StatusCode::kInvalidArgument, "sum_row_parts: parts and dots must not be null"};
-  sum_row_parts_kernel<<<static_cast<unsigned>(grid_for(rows)), kThreads, 0, stream>>>(
-      parts, rows, parts_per_row, dots);
-  return launch_status("sum_row_parts");
 }
 
 }  // namespace uniep::cuda

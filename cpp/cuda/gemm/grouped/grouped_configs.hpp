@@ -13,17 +13,6 @@
 
 namespace uniep::cuda::grouped {
 
-// The SwiGLU-backward epilogue's operands (swiglu_backward_epilogue.cuh) beside the problem
-// arrays: the problem kernel's D is act_w.
-struct SwiGluBackwardArgs {
-  void* act_w = nullptr;  // [R, I]
-  const void* h = nullptr;  // [R, 2I]
-  void* grad_h = nullptr;   // [R, 2I]
-  const float* w = nullptr;  // [R]
-  float* dot_parts = nullptr;  // [R, chunks]
-  int64_t ffn = 0, chunks = 0;
-};
-
 struct GroupedEntry {
   GroupedGemmConfig config;
   // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.
@@ -35,9 +24,6 @@ struct GroupedEntry {
                 cudaStream_t stream);
   Status (*run_swiglu)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
                        int sm_count, cudaStream_t stream);  // null but for the forward kind
-  Status (*run_swiglu_backward)(const Workspace& ws, int64_t num_experts,
-                                const SwiGluBackwardArgs& a, int device, int sm_count,
-                                cudaStream_t stream);  // null but for the data-gradient kind
 };
 
 const GroupedEntry& entry_coop_128x256x64();

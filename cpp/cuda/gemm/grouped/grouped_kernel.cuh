@@ -26,24 +26,19 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
-#include "cuda/gemm/grouped/swiglu_backward_epilogue.cuh"
 #include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 
 namespace uniep::cuda::grouped {
 
 // What the epilogue does with the fp32 accumulators: store them (rounded to bf16) through TMA,
-// apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh), or
-// apply SwiGLU's backward to the data gradient (swiglu_backward_epilogue.cuh).
-enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluBackward };
+// or apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh).
+enum class GroupedEpilogue { kStore, kSwiGlu };
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedEpilogue Epi, GroupedKind Kind = GroupedKind::kForward>
 struct Sm90GroupedGemm {
-  static_assert(Epi == GroupedEpilogue::kStore ||
-                    (Epi == GroupedEpilogue::kSwiGlu && Kind == GroupedKind::kForward) ||
-                    (Epi == GroupedEpilogue::kSwiGluBackward && Kind == GroupedKind::kDgrad),
-                "the SwiGLU epilogue belongs to the forward's first GEMM, its backward to the "
-                "data gradient through w2");
+  static_assert(Epi == GroupedEpilogue::kStore || Kind == GroupedKind::kForward,
+                "the SwiGLU epilogue belongs to the forward's first GEMM");
   using LayoutA = typename KindLayouts<Kind>::LayoutA;
   using LayoutB = typename KindLayouts<Kind>::LayoutB;
   using StrideA = typename KindLayouts<Kind>::StrideA;
@@ -61,12 +56,10 @@ struct Sm90GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajorArray, kAlign,
       Bf16, RowMajorArray, kAlign, EpilogueSchedule>::CollectiveOp;
-  template <class Direct>
-  using Adapted = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Direct>;
   using Epilogue = cute::conditional_t<
-      Epi == GroupedEpilogue::kSwiGlu, Adapted<SwiGluEpilogue>,
-      cute::conditional_t<Epi == GroupedEpilogue::kSwiGluBackward,
-                          Adapted<SwiGluBackwardEpilogue>, StoreEpilogue>>;
+      Epi == GroupedEpilogue::kSwiGlu,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogue>,
+      StoreEpilogue>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA, kAlign, Bf16, LayoutB,

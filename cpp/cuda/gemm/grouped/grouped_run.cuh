@@ -32,12 +32,6 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
     args.epilogue.ld_out = ld_out;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-  } else if constexpr (G::kEpilogue == GroupedEpilogue::kSwiGluBackward) {
-    // The other operands are the call's (grouped_gemm_run_swiglu_backward).
-    args.epilogue.ptr_out = ws.ptr_d;
-    args.epilogue.ffn = ld_out;
-    args.hw_info.device_id = device;
-    args.hw_info.sm_count = sm_count;
   } else {
     set_store_epilogue(args, ws, device, sm_count);
   }
@@ -59,22 +53,6 @@ Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out
   return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
 }
 
-template <class G>
-Status grouped_gemm_run_swiglu_backward(const Workspace& ws, int64_t num_experts,
-                                        const SwiGluBackwardArgs& a, int device, int sm_count,
-                                        cudaStream_t stream) {
-  typename G::Gemm::Arguments args =
-      grouped_arguments<G>(ws, num_experts, device, sm_count, a.ffn);
-  args.epilogue.act_w = static_cast<const Bf16*>(a.act_w);
-  args.epilogue.h = static_cast<const Bf16*>(a.h);
-  args.epilogue.grad_h = static_cast<Bf16*>(a.grad_h);
-  args.epilogue.w = a.w;
-  args.epilogue.dot_parts = a.dot_parts;
-  args.epilogue.chunks = a.chunks;
-  return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream,
-                                          "the grouped GEMM (SwiGLU-backward epilogue)");
-}
-
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedKind Kind = GroupedKind::kForward>
 GroupedEntry make_entry(const char* name) {
@@ -92,20 +70,9 @@ GroupedEntry make_entry(const char* name) {
                       grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count));
     };
     e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
-    e.run_swiglu_backward = nullptr;
-  } else if constexpr (Kind == GroupedKind::kDgrad) {
-    using GBackward = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
-                                      GroupedEpilogue::kSwiGluBackward, Kind>;
-    e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
-      return std::max(grouped_gemm_workspace<G>(num_experts, sm_count),
-                      grouped_gemm_workspace<GBackward>(num_experts, sm_count));
-    };
-    e.run_swiglu = nullptr;
-    e.run_swiglu_backward = &grouped_gemm_run_swiglu_backward<GBackward>;
   } else {
     e.gemm_workspace_bytes = &grouped_gemm_workspace<G>;
     e.run_swiglu = nullptr;
-    e.run_swiglu_backward = nullptr;
   }
   return e;
 }

@@ -10,12 +10,10 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "cuda/gemm/gemm.hpp"
 #include "cuda/gemm/grouped/grouped_configs.hpp"
 #include "cuda/gemm/grouped/grouped_problems.cuh"
-#include "cuda/gemm/grouped/swiglu_backward_epilogue.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/tuning.hpp"
 
@@ -248,83 +246,6 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
 
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
-}
-
-int64_t swiglu_backward_dot_parts(int64_t ffn) {
-  return ffn < 1 ? 0 : (ffn + grouped::kDotChunk - 1) / grouped::kDotChunk;
-}
-
-Status grouped_gemm_swiglu_backward_supports(const GroupedSwiGluBackwardProblem& p) {
-  auto bad = [](auto&&... what) {
-    return Status{StatusCode::kInvalidArgument,
-                  detail::str_cat("grouped_gemm_swiglu_backward: ", what...)};
-  };
-  auto unsupported = [](auto&&... what) {
-    return Status{StatusCode::kUnsupported,
-                  detail::str_cat("grouped_gemm_swiglu_backward: ", what...)};
-  };
-  if (p.num_experts < 1 || p.num_experts > kMaxExtent)
-    return bad("num_experts must be in [1, 2^31), got ", p.num_experts);
-  if (p.rows < 0 || p.rows > kMaxExtent) return bad("rows must be in [0, 2^31), got ", p.rows);
-  if (p.hidden < 1 || p.hidden > kMaxExtent || p.hidden % kAlign != 0)
-    return unsupported("hidden must be a positive multiple of ", kAlign,
-                       " below 2^31 (the GEMM's TMA moves 16-byte rows), got ", p.hidden);
-  if (p.ffn < 1 || 2 * p.ffn > kMaxExtent || p.ffn % kAlign != 0)
-    return unsupported("ffn must be a positive multiple of ", kAlign,
-                       " with 2 ffn below 2^31, got ", p.ffn);
-  if (p.offs == nullptr) return bad("offs must not be null");
-  if (p.tile_m != 0 && p.tile_m != 64 && p.tile_m != 128)
-    return bad("tile_m must be 0 (by shape), 64 or 128, got ", p.tile_m);
-  if (p.w2 == nullptr || !aligned(p.w2))
-    return unsupported("w2 must be 16-byte aligned (non-null)");
-  if (p.rows == 0) return Status::Ok();
-  const std::pair<const void*, const char*> rows[] = {
-      {p.grad_rows, "grad_rows"}, {p.h, "h"}, {p.act_w, "act_w"}, {p.grad_h, "grad_h"}};
-  for (const auto& [ptr, name] : rows)
-    if (ptr == nullptr || !aligned(ptr))
-      return unsupported(name, " must be 16-byte aligned (non-null)");
-  if (p.w == nullptr) return bad("w must not be null");
-  if (p.dot_parts == nullptr) return bad("dot_parts must not be null");
-  return Status::Ok();
-}
-
-Status grouped_gemm_swiglu_backward_bf16(const GroupedSwiGluBackwardProblem& p, int device,
-                                         int sm_count, void* workspace, size_t workspace_bytes,
-                                         cudaStream_t stream) {
-  if (Status s = grouped_gemm_swiglu_backward_supports(p); !s.ok()) return s;
-  static const bool strides_ok = strides_are_one_int64();
-  if (!strides_ok)
-    return {StatusCode::kInternal,
-            "the grouped GEMM's stride slots do not match CuTe's stride layout in this build"};
-  if (sm_count < 1)
-    return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
-  if (p.rows == 0) return Status::Ok();
-  // The data-gradient kind's rule (grouped_gemm_bf16): 64-row tiles for small experts.
-  const bool small = p.tile_m == 0 ? p.rows <= 128 * p.num_experts : p.tile_m == 64;
-  const grouped::GroupedEntry* entry = backward_entries(GroupedGemmKind::kDgrad)[small ? 1 : 0];
-  const size_t need = grouped_gemm_workspace_bytes(p.num_experts, sm_count);
-  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the grouped GEMM");
-      !s.ok())
-    return s;
-  const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
-  const int n = static_cast<int>(p.ffn);
-  grouped::build_grouped_problems<grouped::GroupedKind::kDgrad><<<1, 32, 0, stream>>>(
-      p.offs, static_cast<int>(p.num_experts), static_cast<int>(p.rows),
-      static_cast<int>(p.hidden), n, n, static_cast<const grouped::Bf16*>(p.grad_rows),
-      static_cast<const grouped::Bf16*>(p.w2), static_cast<grouped::Bf16*>(p.act_w), ws);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return {StatusCode::kInternal,
-            detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
-                            cudaGetErrorString(e))};
-  grouped::SwiGluBackwardArgs a;
-  a.act_w = p.act_w;
-  a.h = p.h;
-  a.grad_h = p.grad_h;
-  a.w = p.w;
-  a.dot_parts = p.dot_parts;
-  a.ffn = p.ffn;
-  a.chunks = swiglu_backward_dot_parts(p.ffn);
-  return entry->run_swiglu_backward(ws, p.num_experts, a, device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda
