@@ -22,8 +22,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -146,12 +144,7 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   rows_gate.per_tile = 0;
   rows_gate.timeout_ns = a.timeout_ns;
   rows_gate.timeout = a.timeout;
-  // Rows from peers (world > 1) come through NVLink mappings; GEMM 1's done signals are this
-  // GPU's own.
-  const bool force_system = std::getenv("UNIEP_EXPERIMENT_GATE_SYSTEM") != nullptr;
-  rows_gate.system = a.peers.world_size > 1 || force_system;
   TileGate done_gate = rows_gate;
-  done_gate.system = force_system;
   done_gate.counters = a.done1;
   done_gate.per_row = 0;
   done_gate.per_tile =

@@ -15,13 +15,6 @@ __device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
   return v;
 }
 
-// GPU scope: enough when every writer runs on this GPU, and cheaper for a gate read once a tile.
-__device__ __forceinline__ uint32_t load_acquire_gpu_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ uint64_t gate_clock_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -69,10 +62,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
     return;
   }
   const uint32_t* counter = g.counters + index;
-  auto acquire = [&] {
-    return g.system ? load_acquire_u32(counter) : load_acquire_gpu_u32(counter);
-  };
-  uint32_t have = acquire();
+  uint32_t have = load_acquire_u32(counter);
   if (have >= need) return;
   const uint64_t deadline = g.timeout_ns ? gate_clock_ns() + g.timeout_ns : ~0ull;
   while (have < need) {
@@ -82,7 +72,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
       return;
     }
     if (gate_failed(g.timeout)) return;
-    have = acquire();
+    have = load_acquire_u32(counter);
   }
 }
 

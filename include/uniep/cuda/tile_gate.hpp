@@ -48,9 +48,6 @@ struct TileGate {
   uint32_t per_row = 0, per_tile = 0;  // what one tile needs, as above
   uint64_t timeout_ns = 0;             // 0: wait forever (tests of the gate only)
   GateTimeout* timeout = nullptr;      // where a timed-out wait is recorded; required with counters
-  // Whether the rows may be written from another GPU (through an NVLink mapping): the wait then
-  // acquires at system scope; false, at GPU scope (every writer on this GPU, whichever process).
-  bool system = true;
 };
 
 // tile_base[e] = sum over e' < e of ceil(M_e' / tile_m) for the row ranges in offs (cumulative
