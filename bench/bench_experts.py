@@ -600,9 +600,9 @@ def _bench_local(
         fns[key] = local
         if kwargs["overlap"] == "fused":
             # Where the time goes inside the launch: each CTA's send, tiles and reduce.
-            trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
+            trace = torch.zeros(6 * sms, dtype=torch.int64, device=x.device)
             local(dict(kwargs, trace=trace))
-            row[f"phases_us[{key}]"] = trace_phases(trace)
+            row[f"phases_us[{key}]"] = trace_phases(trace, sms)
     # Every variant timed in turn (rounds of 5 calls, the host not waiting between calls, as in
     # a training step), so the GPU's clock drift over the run reaches all of them alike.
     from uniep.timing import interleaved_medians_ms

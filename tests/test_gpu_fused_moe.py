@@ -200,3 +200,36 @@ def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None, tile_m: int | N
         torch.cuda.synchronize()
         eager = moe_forward_local(x2, idx2, wts2, w1p, w2, **kw)
         assert torch.equal(out, eager), f"replay with seed {seed} differs from eager"
+
+
+@pytest.mark.parametrize("comm_sms", [2, None])
+def test_trace_records_phases_and_gate_waits(comm_sms: int | None) -> None:
+    # The trace is a diagnostic: it must not change the bits, and with 6 entries per SM it also
+    # gives each CTA's producer's waits at the two gates.
+    from uniep.megakernel import moe_forward_local, trace_phases
+
+    x, idx, w, w1, w2 = _layer(1024, 256, 256, 8, 4, seed=11)
+    w1p = pack_gate_up(w1)
+    plain = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm_sms)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for entries in (4 * sms, 6 * sms):
+        trace = torch.zeros(entries, dtype=torch.int64, device="cuda")
+        got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm_sms,
+                                trace=trace)  # fmt: skip
+        assert torch.equal(got, plain)
+        phases = trace_phases(trace, sms)
+        assert 0 <= phases["send_end_us"] <= phases["gemm_end_us"] <= phases["reduce_end_us"]
+        waits = [k for k in phases if "gate_wait" in k]
+        if entries == 6 * sms:
+            assert sorted(waits) == sorted(
+                f"{g}_gate_wait_{s}_us" for g in ("rows", "done") for s in ("mean", "max")
+            )
+            assert all(0 <= phases[k] <= phases["reduce_end_us"] for k in waits)
+            # Two CTAs send the rows while the others wait at GEMM 1's gates.
+            if comm_sms == 2:
+                assert phases["rows_gate_wait_max_us"] > 0
+        else:
+            assert waits == []
+    short = torch.zeros(4 * sms - 1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match=r"trace must be contiguous int64 with >= 4 x SMs"):
+        moe_forward_local(x, idx, w, w1p, w2, overlap="fused", trace=short)

@@ -242,6 +242,7 @@ class RuntimeImpl final : public Runtime {
     a.timeout = f.timeout;
     a.timeout_ns = timeout_ns();
     a.trace = f.trace;
+    a.gate_wait_ns = f.gate_wait_ns;
     a.peers.world_size = static_cast<int>(W);
     a.peers.rank = static_cast<int>(cfg_.rank);
     a.peers.slots_per_rank = cfg_.max_tokens * K;

@@ -73,8 +73,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     f.out = out.data_ptr();
     f.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
     f.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
-    if (trace.has_value())
+    if (trace.has_value()) {
       f.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+      if (trace->size(0) >= 6 * device_sms) f.gate_wait_ns = f.trace + 4 * device_sms;
+    }
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);

@@ -112,8 +112,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
     a.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
     a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-    if (trace.has_value())
+    if (trace.has_value()) {
       a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+      if (trace->size(0) >= 6 * device_sms) a.gate_wait_ns = a.trace + 4 * device_sms;
+    }
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);

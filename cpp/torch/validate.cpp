@@ -69,7 +69,8 @@ void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::
   UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
                   trace->size(0) >= 4 * sms && trace->device() == like.device() &&
                   trace->is_contiguous(),
-              "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms, " entries on ",
+              "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms,
+              " entries (6 x SMs: also the gates' waits) on ",
               like.device(), ", got ", trace->scalar_type(), " ", trace->sizes(), " on ",
               trace->device());
 }

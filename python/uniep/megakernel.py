@@ -169,22 +169,36 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts[1:]
 
 
-def trace_phases(trace: torch.Tensor) -> dict[str, float]:
+def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float]:
     """The fused kernel's phases from a ``trace`` that one call filled (zeroed before it): in
     microseconds after the first CTA started, the last CTA to finish its send, its GEMM tiles and
-    its reduce, and the first to finish its tiles (where the reduce's tail begins)."""
+    its reduce, and the first to finish its tiles (where the reduce's tail begins). With ``sms``
+    (the device's SM count) and a trace of at least 6 x ``sms`` entries, also the time the CTAs'
+    producers waited at the gates: at GEMM 1's (its rows not yet sent) and at GEMM 2's (GEMM 1's
+    tiles of its rows not yet done), the mean and the largest over the CTAs."""
+    waits = None
+    if sms is not None and trace.numel() >= 6 * sms:
+        waits = trace[4 * sms : 6 * sms].view(-1, 2).cpu().double() / 1e3
+        trace = trace[: 4 * sms]
     stamps = trace.view(-1, 4).cpu()
-    stamps = stamps[stamps[:, 0] > 0].double()
+    ran = stamps[:, 0] > 0
+    stamps = stamps[ran].double()
     if stamps.numel() == 0:
         return {}
     start = float(stamps[:, 0].min())
     us = (stamps - start) / 1e3
-    return {
+    out = {
         "send_end_us": float(us[:, 1].max()),
         "first_gemm_end_us": float(us[:, 2].min()),
         "gemm_end_us": float(us[:, 2].max()),
         "reduce_end_us": float(us[:, 3].max()),
     }
+    if waits is not None:
+        waits = waits[ran]
+        for i, gate_name in enumerate(("rows", "done")):
+            out[f"{gate_name}_gate_wait_mean_us"] = float(waits[:, i].mean())
+            out[f"{gate_name}_gate_wait_max_us"] = float(waits[:, i].max())
+    return out
 
 
 def _check(
@@ -271,7 +285,9 @@ def moe_forward_local(
     bench/results/2026-11-26-h100-session18). ``skip_rounds`` (``fused`` only): rounds of tiles
     the CTAs that do not send take before the senders join (-1: a bandwidth model).
     ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
-    start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`).
+    start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`);
+    with 6 per SM, then 2 per SM: the ns each CTA's producer waited at the gates of GEMM 1 and
+    of GEMM 2.
     ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
     (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
     (:func:`fused_tile_m`). Neither the tile nor any other of these choices changes the bits."""

@@ -144,7 +144,10 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   rows_gate.per_tile = 0;
   rows_gate.timeout_ns = a.timeout_ns;
   rows_gate.timeout = a.timeout;
+  rows_gate.waited_ns = a.gate_wait_ns;
+  rows_gate.waited_stride = 2;
   TileGate done_gate = rows_gate;
+  done_gate.waited_ns = a.gate_wait_ns != nullptr ? a.gate_wait_ns + 1 : nullptr;
   done_gate.counters = a.done1;
   done_gate.per_row = 0;
   done_gate.per_tile =

@@ -64,15 +64,21 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
   const uint32_t* counter = g.counters + index;
   uint32_t have = load_acquire_u32(counter);
   if (have >= need) return;
-  const uint64_t deadline = g.timeout_ns ? gate_clock_ns() + g.timeout_ns : ~0ull;
+  const uint64_t start = gate_clock_ns();
+  const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
   while (have < need) {
     __nanosleep(64);
     if (gate_clock_ns() > deadline) {
       gate_report(g.timeout, 1u, expert, m_tile, have, need);
-      return;
+      break;
     }
-    if (gate_failed(g.timeout)) return;
+    if (gate_failed(g.timeout)) break;
     have = load_acquire_u32(counter);
+  }
+  if (g.waited_ns != nullptr) {
+    const uint64_t cta = blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y;
+    atomicAdd(g.waited_ns + g.waited_stride * cta,
+              static_cast<unsigned long long>(gate_clock_ns() - start));
   }
 }
 

@@ -92,6 +92,7 @@ struct ForwardArgs {
   unsigned long long* error = nullptr;
   cuda::GateTimeout* timeout = nullptr;
   unsigned long long* trace = nullptr;  // optional, as FusedMoeArgs::trace
+  unsigned long long* gate_wait_ns = nullptr;  // optional, as FusedMoeArgs::gate_wait_ns
 };
 
 class Runtime {

@@ -92,6 +92,10 @@ struct FusedMoeArgs {
   // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns)
   // at its start, after its send, after its GEMM tiles and after its reduce.
   unsigned long long* trace = nullptr;
+  // Optional (null: none), for tuning: per CTA c, gate_wait_ns[2c] += the ns its producer spent
+  // waiting at the rows' gates (GEMM 1) and gate_wait_ns[2c + 1] at GEMM 1's done gates (GEMM 2).
+  // Zeroed by the caller.
+  unsigned long long* gate_wait_ns = nullptr;
 };
 
 // The tuning point of the launch.

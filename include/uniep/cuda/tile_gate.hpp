@@ -48,6 +48,10 @@ struct TileGate {
   uint32_t per_row = 0, per_tile = 0;  // what one tile needs, as above
   uint64_t timeout_ns = 0;             // 0: wait forever (tests of the gate only)
   GateTimeout* timeout = nullptr;      // where a timed-out wait is recorded; required with counters
+  // Optional (null: none), for tuning: the ns each CTA waited, added at
+  // waited_ns[waited_stride x (CTA's linear index)].
+  unsigned long long* waited_ns = nullptr;
+  int waited_stride = 1;
 };
 
 // tile_base[e] = sum over e' < e of ceil(M_e' / tile_m) for the row ranges in offs (cumulative
