@@ -34,7 +34,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     const int32_t* tile_base = nullptr;
     int64_t num_done = 0;  // entries of each of done1 and done2
     bool done2_system = false;  // done2 is read by peer GPUs: release at system scope
-    bool relaxed_signals = false;  // EXPERIMENT
     // With peers (world > 1): GEMM 2's rows go to their sources' combine slots, not ptr_out.
     // Row r of local expert e is offs[e - 1] + m (offs[-1] = 0); row_src[r] = source rank x
     // slots + slot; the slot's row is combine_table[source] + slot x ld_y elements.
@@ -141,7 +140,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     signal_tile_done(first ? params_.done1 : done2, params_.tile_base,
                      first ? group : group - params_.split, static_cast<int>(m_coord),
                      size<0>(blk_shape_mnk), M, params_.num_done,
-                     !first && params_.done2_system, params_.relaxed_signals);
+                     !first && params_.done2_system);
   }
 
  private:

@@ -22,8 +22,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -166,7 +164,6 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.epilogue.tile_base = a.tile_base;
   args.epilogue.num_done = a.num_counters;
   args.epilogue.done2_system = a.peers.world_size > 1;
-  args.epilogue.relaxed_signals = std::getenv("UNIEP_EXPERIMENT_RELAXED_SIGNALS") != nullptr;
   args.epilogue.world = a.peers.world_size;
   args.epilogue.offs = a.offs;
   args.epilogue.row_src = a.peers.row_src[a.peers.rank];

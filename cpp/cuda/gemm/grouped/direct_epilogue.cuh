@@ -76,18 +76,14 @@ struct DirectStoreEpilogue {
   // times out naming it). done null: no signal.
   CUTLASS_DEVICE static void signal_tile_done(uint32_t* done, const int32_t* tile_base,
                                               int expert, int m_tile, int tile_m, int M,
-                                              int64_t num_done, bool system = false,
-                                              bool relaxed = false) {
+                                              int64_t num_done, bool system = false) {
     if (done == nullptr || m_tile * tile_m >= M) return;
     __syncwarp();
     const int64_t index = static_cast<int64_t>(tile_base[expert]) + m_tile;
     if (threadIdx.x % 32 == 0 && index >= 0 && index < num_done) {
       // A waiter on another GPU (the fused kernel's reduce with peers) needs the release at
       // system scope; one lane's, like the GPU-scope one.
-      if (relaxed)  // EXPERIMENT (timing only, not ordered)
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(done + index), "r"(1u)
-                     : "memory");
-      else if (system)
+      if (system)
         megakernel::gate_signal(done + index, 1u);
       else
         megakernel::gate_signal_gpu(done + index, 1u);
