@@ -393,7 +393,7 @@ void LocalPeerTransport::exchange(const std::vector<PeerSend>& sends,
 }
 
 void fail_collective_call(CollectiveKind kind, const Error& error, PeerTransport& transport) {
-  agree({kind, PeerOrder::kDirect, 1, DType::kFloat32, 0, 0}, error.what(), transport);
+  agree({kind, PeerOrder::kDirect, 1, DType::kFloat32, 0, 0, {}}, error.what(), transport);
   throw error;  // agree() throws first when the error is kInvalidArgument
 }
 
