@@ -213,6 +213,22 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _dense_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ffn: int) -> torch.Tensor:
+    """The experts' FLOPs with no routing: x [R, H] through one [H, 2I] matmul, SwiGLU and one
+    [I, H] matmul (cuBLAS)."""
+    h = x @ w1
+    return (F.silu(h[:, :ffn]) * h[:, ffn:]) @ w2
+
+
+def _dense_forward_backward(
+    leaves: list[torch.Tensor], go: torch.Tensor, ffn: int
+) -> tuple[torch.Tensor, ...]:
+    """The dense chain's forward and backward: the like-for-like FLOPs of moe_backward, which
+    recomputes the experts' forward."""
+    with torch.enable_grad():
+        return torch.autograd.grad(_dense_chain(*leaves, ffn), leaves, go)
+
+
 def _backward_rank(
     rank: int, world: int, warmup: int, iters: int, loads: list[str]
 ) -> list[dict[str, Any]]:
@@ -233,14 +249,7 @@ def _backward_rank(
         leaves = [t.detach().requires_grad_(True) for t in (xd, w1[0].clone(), w2[0].clone())]
         go_d = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=x.dtype)
 
-        def dense_forward_backward(
-            leaves: list[torch.Tensor] = leaves, go_d: torch.Tensor = go_d, ffn: int = ffn
-        ) -> tuple[torch.Tensor, ...]:
-            with torch.enable_grad():
-                h = leaves[0] @ leaves[1]
-                out = (F.silu(h[:, :ffn]) * h[:, ffn:]) @ leaves[2]
-                return torch.autograd.grad(out, leaves, go_d)
-
+        dense_forward_backward = functools.partial(_dense_forward_backward, leaves, go_d, ffn)
         backward = functools.partial(
             torch.ops.uniep.moe_backward, go, x, idx, weights, w1, w2, name, ""
         )
@@ -334,9 +343,7 @@ def _bench_layer(
     xd = torch.randn(tokens * top_k, hidden, generator=gen, device="cuda", dtype=bf16)
     w1d, w2d = w1[0].clone(), w2[0].clone()
 
-    def dense() -> torch.Tensor:
-        h = xd @ w1d
-        return (F.silu(h[:, :ffn]) * h[:, ffn:]) @ w2d
+    dense = functools.partial(_dense_chain, xd, w1d, w2d, ffn)
 
     def weight_read() -> torch.Tensor:
         return w1.sum(dtype=torch.float32) + w2.sum(dtype=torch.float32)
@@ -353,18 +360,13 @@ def _bench_layer(
     # recomputes the experts' forward, so the second is its like-for-like FLOP count.
     leaves = [t.detach().requires_grad_(True) for t in (xd, w1d, w2d)]
     with torch.enable_grad():
-        h_d = leaves[0] @ leaves[1]
-        out_d = (F.silu(h_d[:, :ffn]) * h_d[:, ffn:]) @ leaves[2]
+        out_d = _dense_chain(*leaves, ffn)
     go_d = torch.randn_like(out_d)
 
     def dense_backward() -> tuple[torch.Tensor, ...]:
         return torch.autograd.grad(out_d, leaves, go_d, retain_graph=True)
 
-    def dense_forward_backward() -> tuple[torch.Tensor, ...]:
-        with torch.enable_grad():
-            h = leaves[0] @ leaves[1]
-            out = (F.silu(h[:, :ffn]) * h[:, ffn:]) @ leaves[2]
-            return torch.autograd.grad(out, leaves, go_d)
+    dense_forward_backward = functools.partial(_dense_forward_backward, leaves, go_d, ffn)
 
     row: dict[str, Any] = {
         "part": "layer",
