@@ -262,8 +262,27 @@ def _backward_rank(
         row["backward_over_dense_fwd_bwd[uniep]"] = (
             row["backward_ms[uniep]"] / row["dense_forward_backward_ms"]
         )
+        # The MegaKernel's backward at world 1 (uniep.fused_backward), w2's transposed copy kept
+        # as moe_forward(overlap=fused) keeps it; its bits against moe_backward's.
+        w2t = uniep.fused_forward.transposed_w2(w2)
+        engine = backward()
+        for mode in ("sequential", "fused"):
+            local = functools.partial(
+                uniep.fused_backward.moe_backward_local, go, x, idx, weights, w1, w2,
+                overlap=mode, w2t=w2t, check=False,
+            )  # fmt: skip
+            got = local()
+            uniep.megakernel.check_errors()
+            row[f"backward_equal_engine[local_{mode}]"] = all(
+                torch.equal(a, b.to(a.dtype)) for a, b in zip(got, engine, strict=True)
+            )
+            ms = median_time_ms(local, warmup, iters, cuda=True)
+            row[f"backward_ms[local_{mode}]"] = ms
+            row[f"backward_over_dense_fwd_bwd[local_{mode}]"] = (
+                ms / row["dense_forward_backward_ms"]
+            )
         rows.append(row)
-        del x, w1, w2, leaves, go_d
+        del x, w1, w2, w2t, leaves, go_d
         torch.cuda.empty_cache()
     return rows
 
@@ -275,12 +294,18 @@ def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, A
     full = uniep.distributed.run_local_ranks(
         _backward_rank, 1, (warmup, iters, loads), backend="nccl", timeout_s=900
     )[0]
-    print("| layer | dense fwd+bwd ms | moe_backward ms | ratio (goal 1.15) |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| layer | dense fwd+bwd ms | moe_backward ms | ratio (goal 1.15) | local sequential ms "
+        "| local fused ms | fused ratio | fused bits = engine |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in full:
         print(
             f"| {r['load']} | {r['dense_forward_backward_ms']:.3f} | {r['backward_ms[uniep]']:.3f} "
-            f"| {r['backward_over_dense_fwd_bwd[uniep]']:.3f} |"
+            f"| {r['backward_over_dense_fwd_bwd[uniep]']:.3f} "
+            f"| {r['backward_ms[local_sequential]']:.3f} | {r['backward_ms[local_fused]']:.3f} "
+            f"| {r['backward_over_dense_fwd_bwd[local_fused]']:.3f} "
+            f"| {r['backward_equal_engine[local_fused]']} |"
         )
     return full
 

@@ -1,6 +1,7 @@
-// CUDA implementation of uniep::moe_fused_local (schema in registration.cpp): the MegaKernel's
-// forward at world 1 (include/uniep/cuda/fused_moe.hpp) on torch tensors. Buffers are sized by
-// capacity (tokens x top_k rows); no host sync: the error word and the timeout record are
+// CUDA implementations of uniep::moe_fused_local and moe_fused_backward_local (schemas in
+// registration.cpp): the MegaKernel's forward (include/uniep/cuda/fused_moe.hpp) and its
+// backward's first launch (fused_moe_backward.hpp) at world 1 on torch tensors. Buffers are sized
+// by capacity (tokens x top_k rows); no host sync: the error word and the timeout record are
 // returned for the caller to read once the stream has run.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +16,7 @@
 #include "torch/runtime_registry.hpp"
 #include "torch/validate.hpp"
 #include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/fused_moe_backward.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -126,9 +128,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& gemm_row, const at::Tensor& counter,
+                              const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& offs,
+                              const at::Tensor& tile_base, double timeout_s) {
+  return translate_errors([&] {
+    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), H = x.size(1);
+    check_exactly(grad_out, "grad_out", at::kBFloat16, {T, H}, x);
+    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T,
+                "gemm_row must be [T = ", T, ", K], got ", gemm_row.sizes());
+    const int64_t K = gemm_row.size(1);
+    UNIEP_CHECK(K >= 1 && K <= 32, "top_k must be in [1, 32], got ", K);
+    check_exactly(gemm_row, "gemm_row", at::kLong, {T, K}, x);
+    check_exactly(counter, "counter", at::kLong, {T, K}, x);
+    UNIEP_CHECK(w1.dim() == 3 && w1.size(1) == H && w1.size(2) % 2 == 0,
+                "w1 must be [E, H = ", H, ", 2I], got ", w1.sizes());
+    const int64_t E = w1.size(0), I = w1.size(2) / 2;
+    check_exactly(w1, "w1", at::kBFloat16, {E, H, 2 * I}, x);
+    check_exactly(w2t, "w2t (w2 transposed)", at::kBFloat16, {E, H, I}, x);
+    check_exactly(offs, "offs", at::kInt, {E}, x);
+    check_exactly(tile_base, "tile_base", at::kInt, {E + 1}, x);
+    UNIEP_CHECK(H % 64 == 0, "hidden (x.size(1)) must be a multiple of 64, got ", H);
+    UNIEP_CHECK(I % 64 == 0, "ffn (w2t.size(2)) must be a multiple of 64, got ", I);
+    UNIEP_CHECK(timeout_s >= 0 && timeout_s <= 3600, "timeout_s must be in [0, 3600], got ",
+                timeout_s);
+    const int device = x.device().index();
+    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                     "the fused MoE backward needs a compute capability 9.0 GPU (built for "
+                     "sm_90a)");
+
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto opts = x.options();
+    const int64_t capacity = T * K, num_counters = capacity / cuda::kGatedTileM + E + 1;
+    at::Tensor rows_x = at::empty({capacity, H}, opts);
+    at::Tensor rows_go = at::empty({capacity, H}, opts);
+    at::Tensor h = at::empty({capacity, 2 * I}, opts);
+    at::Tensor grad_act = at::empty({capacity, I}, opts);
+    at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
+    at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
+    if (T == 0) return std::make_tuple(rows_x, rows_go, h, grad_act, error, timeout);
+    at::Tensor counters = at::zeros({num_counters}, opts.dtype(at::kInt));
+    int device_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+    const size_t bytes = cuda::fused_moe_backward_workspace_bytes(E, device_sms);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, opts.dtype(at::kByte));
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+
+    cuda::FusedBackwardArgs a;
+    a.x = x.data_ptr();
+    a.grad_out = grad_out.data_ptr();
+    a.tokens = T;
+    a.hidden = H;
+    a.top_k = K;
+    a.gemm_row = gemm_row.data_ptr<int64_t>();
+    a.counter = counter.data_ptr<int64_t>();
+    a.w1 = w1.data_ptr();
+    a.w2t = w2t.data_ptr();
+    a.num_experts = E;
+    a.ffn = I;
+    a.offs = offs.data_ptr<int32_t>();
+    a.tile_base = tile_base.data_ptr<int32_t>();
+    a.capacity = capacity;
+    a.rows_x = rows_x.data_ptr();
+    a.rows_go = rows_go.data_ptr();
+    a.h = h.data_ptr();
+    a.grad_act = grad_act.data_ptr();
+    a.counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
+    a.num_counters = num_counters;
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    a.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
+    a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    ok_or_throw(cuda::moe_fused_backward_rows_bf16(a, device_sms, device, workspace.data_ptr(),
+                                                   bytes, stream));
+    return std::make_tuple(rows_x, rows_go, h, grad_act, error, timeout);
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("moe_fused_local", &uniep::torch_glue::moe_fused_local_cuda);
+  m.impl("moe_fused_backward_local", &uniep::torch_glue::moe_fused_backward_local_cuda);
 }

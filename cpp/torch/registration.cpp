@@ -92,6 +92,16 @@ TORCH_LIBRARY(uniep, m) {
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
       "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
+  // The MegaKernel backward's first launch at world 1 (CUDA only;
+  // include/uniep/cuda/fused_moe_backward.hpp): the send of x's and grad_out's rows into GEMM rows
+  // (the forward's plan at 128-row tiles) and h = rows_x w1, grad_act = rows_go w2t as one gated
+  // grouped GEMM (w1 [E, H, 2I], w2t [E, H, I] = w2 transposed). Returns rows_x, rows_go [T K, H],
+  // h [T K, 2I], grad_act [T K, I] (rows past offs[-1] unwritten), error [1] int64 and
+  // timeout [5] int32, to be read once the stream has run.
+  m.def(
+      "moe_fused_backward_local(Tensor grad_out, Tensor x, Tensor gemm_row, Tensor counter, "
+      "Tensor w1, Tensor w2t, Tensor offs, Tensor tile_base, float timeout_s) -> "
+      "(Tensor rows_x, Tensor rows_go, Tensor h, Tensor grad_act, Tensor error, Tensor timeout)");
   // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
   // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64
   // (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2. Every

@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     collectives,
     distributed,
     ep,
+    fused_backward,
     gate,
     gemm,
     integrations,

@@ -9,7 +9,9 @@ tensor, an optimizer step included) or its storage moved. Writes that bypass the
 after them. The copy costs one more ``w1`` of GPU memory; an inference server with fixed weights
 should prepare them once instead (``uniep.prepared``).
 
-The bits are those of the separate launches (``overlap=sequential``). The backward is
+The bits are those of the separate launches (``overlap=sequential``). At world 1 the backward
+is the fused one (``uniep.fused_backward``: one persistent launch sends x's and grad_out's rows
+and runs the GEMMs on them; it reads w2 transposed, kept like the packed w1); across ranks it is
 ``moe_backward``'s, on the plain weights, as for every other tuning point. Not capturable in a
 CUDA graph (the MegaKernel's errors are checked after the call); the MegaKernel's own entry
 points are, with ``check=False``.
@@ -18,6 +20,7 @@ points are, with ``check=False``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,12 +28,36 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["clear_packed", "moe_forward_fused", "packed_gate_up", "runs_fused"]
+__all__ = [
+    "clear_packed",
+    "moe_forward_fused",
+    "packed_gate_up",
+    "runs_fused",
+    "transposed_w2",
+]
 
-# id(w1) -> (a weak reference to w1, its version, its data pointer, the packed copy). The weak
-# reference's callback drops the entry when w1 dies, so a later tensor with the same id never
+# (id(w), what) -> (a weak reference to w, its version, its data pointer, the kept copy). The
+# weak reference's callback drops the entry when w dies, so a later tensor with the same id never
 # meets a stale copy.
-_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+_PACKED: dict[tuple[int, str], tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _kept_copy(
+    w: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``make(w.detach())``, made once per ``w`` and kept while ``w`` is unchanged (module
+    docstring); made at every call while a CUDA graph is being captured (a kept copy would go
+    stale when ``w`` is updated between replays)."""
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return make(w.detach())
+    key = (id(w), what)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
+        return hit[3]
+    kept = make(w.detach())
+    ref = weakref.ref(w, lambda _ref, k=key: _PACKED.pop(k, None))
+    _PACKED[key] = (ref, w._version, w.data_ptr(), kept)
+    return kept
 
 
 def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
@@ -38,17 +65,13 @@ def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
     docstring). Detached: the gradient goes to ``w1`` through ``moe_backward``."""
     from .gemm import pack_gate_up
 
-    if w1.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A graph must pack at each replay: a kept copy would go stale when w1 is updated.
-        return pack_gate_up(w1.detach())
-    key = id(w1)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is w1 and hit[1] == w1._version and hit[2] == w1.data_ptr():
-        return hit[3]
-    packed = pack_gate_up(w1.detach())
-    ref = weakref.ref(w1, lambda _ref, k=key: _PACKED.pop(k, None))
-    _PACKED[key] = (ref, w1._version, w1.data_ptr(), packed)
-    return packed
+    return _kept_copy(w1, "packed_gate_up", pack_gate_up)
+
+
+def transposed_w2(w2: torch.Tensor) -> torch.Tensor:
+    """``w2.transpose(1, 2)`` contiguous (``[E, H, I]``), kept as :func:`packed_gate_up` keeps its
+    copy: the fused backward's first GEMMs read it (``uniep.fused_backward``)."""
+    return _kept_copy(w2, "transposed_w2", lambda w: w.transpose(1, 2).contiguous())
 
 
 def clear_packed() -> None:
@@ -116,16 +139,46 @@ class _FusedMoE(torch.autograd.Function):
         name: str,
         tuning: str,
     ) -> torch.Tensor:
+        from .distributed import world_size
+
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
-        ctx.group_name, ctx.tuning = name, tuning
+        ctx.group_name, ctx.tuning, ctx.world = name, tuning, world_size(group)
         return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
         from .ops import _backward
 
+        if ctx.world == 1 and grad_out.dtype == torch.bfloat16:
+            return _backward_local(ctx, grad_out)
         # moe_forward's own backward (its inputs have no group: one None more for it here).
         return (*_backward(ctx, grad_out)[:5], None, None, None)
+
+
+def _backward_local(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    """The fused backward at world 1 (``uniep.fused_backward``): the send of x's and grad_out's
+    rows and the GEMMs on them in one persistent launch, the forward's errors checked as the
+    forward checks them (deferred)."""
+    from .ep import _timeout
+    from .fused_backward import moe_backward_local
+
+    x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
+    weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
+    grad_x, grad_w, grad_w1, grad_w2 = moe_backward_local(
+        grad_out.contiguous(), x, topk_idx, weights, w1.detach(), w2.detach(),
+        overlap="fused", timeout_s=_timeout(None), check="deferred",
+    )  # fmt: skip
+    needs = ctx.needs_input_grad
+    return (
+        grad_x if needs[0] else None,
+        None,
+        grad_w.to(topk_weights.dtype) if needs[2] else None,
+        grad_w1 if needs[3] else None,
+        grad_w2 if needs[4] else None,
+        None,
+        None,
+        None,
+    )
 
 
 def moe_forward_fused(

@@ -55,6 +55,27 @@ __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t w
   }
 }
 
+// The whole warp stores one token's row (`pieces` 16-byte pieces at src, read once) at the
+// destinations lanes 0 .. K - 1 hold in `dst` (null: none).
+__device__ __forceinline__ void store_token_row(const int4* src, int4* dst, int64_t pieces, int K,
+                                                int lane) {
+  // Whole-warp trip counts: the shuffles need every lane.
+  for (int64_t base = 0; base < pieces; base += 32 * kSendUnroll) {
+    int4 v[kSendUnroll];
+#pragma unroll
+    for (int u = 0; u < kSendUnroll; ++u)
+      if (base + 32 * u + lane < pieces) v[u] = __ldg(src + base + 32 * u + lane);
+    for (int k = 0; k < K; ++k) {
+      auto* to = reinterpret_cast<int4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
+      if (to == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kSendUnroll; ++u)
+        if (base + 32 * u + lane < pieces) to[base + 32 * u + lane] = v[u];
+    }
+  }
+}
+
 // Warp `warp` of `warps` takes tokens warp, warp + warps, ... and stores each token's row at all
 // of its GEMM rows, reading it once (the row order above reads it once per k): every CTA's order
 // when every CTA sends (no overlap to feed), and the order with several ranks, whose rows go to
@@ -82,22 +103,7 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
         }
       }
     }
-    const int4* src = x + t * pieces;
-    // Whole-warp trip counts: the shuffles need every lane.
-    for (int64_t base = 0; base < pieces; base += 32 * kSendUnroll) {
-      int4 v[kSendUnroll];
-#pragma unroll
-      for (int u = 0; u < kSendUnroll; ++u)
-        if (base + 32 * u + lane < pieces) v[u] = __ldg(src + base + 32 * u + lane);
-      for (int k = 0; k < K; ++k) {
-        auto* to = reinterpret_cast<int4*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
-        if (to == nullptr) continue;
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (base + 32 * u + lane < pieces) to[base + 32 * u + lane] = v[u];
-      }
-    }
+    store_token_row(x + t * pieces, dst, pieces, static_cast<int>(K), lane);
     if (peers) {
       // A peer GPU acquires the counter: every lane's stores are ordered before it at system
       // scope (once per token and lane, which the send can afford; the GEMM epilogue cannot).

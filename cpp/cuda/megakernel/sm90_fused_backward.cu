@@ -1,0 +1,226 @@
+// moe_fused_backward_rows_bf16 (include/uniep/cuda/fused_moe_backward.hpp): the send of x's and
+// grad_out's rows and the two GEMMs that need only those rows, as one persistent launch. The
+// GEMM body is the gated GEMM's own (gated_run.cuh, the store epilogue) over 2E groups, so the
+// bits are the sequential path's.
+//
+// Every CTA sends first (world 1 measured fastest so for the forward, and there is no other rank
+// to wait for), then takes tiles: a tile waits only on rows, which every CTA stores before it
+// takes any tile, and the persistent grid is resident, so the waits cannot close a cycle.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/gemm/grouped/expert_rows.cuh"
+#include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/fused_stages.cuh"
+#include "cuda/megakernel/gated_run.cuh"
+#include "uniep/cuda/fused_moe_backward.hpp"
+
+namespace uniep::cuda {
+namespace megakernel {
+namespace {
+
+using BackwardGemm = GatedGemm<grouped::GroupedEpilogue::kStore>;
+using BackwardKernel = typename BackwardGemm::Kernel;
+
+// Groups [0, E): x rows times w1[e] into h; groups [E, 2E): grad_out rows times w2t[e] into
+// grad_act. One warp.
+__global__ void __launch_bounds__(32)
+    backward_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden,
+                      int ffn, const grouped::Bf16* rows_x, const grouped::Bf16* rows_go,
+                      const grouped::Bf16* w1, const grouped::Bf16* w2t, grouped::Bf16* h,
+                      grouped::Bf16* grad_act, grouped::Workspace ws) {
+  const int lane = static_cast<int>(threadIdx.x);
+  int carry = 0;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    const grouped::ExpertRows r =
+        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
+    if (e >= num_experts) continue;
+    const int m = r.end - r.begin, e2 = e + num_experts;
+    const int64_t b = r.begin, ee = e, hh = hidden, f = ffn;
+    ws.shapes[e] = grouped::Shape{m, 2 * ffn, hidden};
+    ws.ptr_a[e] = rows_x + b * hh;
+    ws.ptr_b[e] = w1 + ee * hh * 2 * f;
+    ws.ptr_d[e] = h + b * 2 * f;
+    ws.stride_a[e] = hh;
+    ws.stride_b[e] = 2 * f;
+    ws.stride_d[e] = grouped::StrideD{2 * f, cute::_1{}, cute::_0{}};
+    ws.shapes[e2] = grouped::Shape{m, ffn, hidden};
+    ws.ptr_a[e2] = rows_go + b * hh;
+    ws.ptr_b[e2] = w2t + ee * hh * f;
+    ws.ptr_d[e2] = grad_act + b * f;
+    ws.stride_a[e2] = hh;
+    ws.stride_b[e2] = f;
+    ws.stride_d[e2] = grouped::StrideD{f, cute::_1{}, cute::_0{}};
+  }
+}
+
+// Warp `warp` of `warps` takes tokens warp, warp + warps, ...: each token's x row and grad_out
+// row go to all of its GEMM rows (each read once), then each row is counted once on its tile.
+__device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a, int64_t warp,
+                                                     int64_t warps, int lane) {
+  const int64_t pieces = a.hidden * 2 / 16, K = a.top_k;
+  const auto* x = static_cast<const int4*>(a.x);
+  const auto* go = static_cast<const int4*>(a.grad_out);
+  for (int64_t t = warp; t < a.tokens; t += warps) {
+    int4* dst_x = nullptr;
+    int4* dst_go = nullptr;
+    uint32_t* signal = nullptr;
+    if (lane < K) {
+      const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
+      if (r >= 0) {
+        if (r >= a.capacity || c < 0 || c >= a.num_counters) {
+          send_error(a.error, kSendRowOutOfRange, i);
+        } else {
+          dst_x = static_cast<int4*>(a.rows_x) + r * pieces;
+          dst_go = static_cast<int4*>(a.rows_go) + r * pieces;
+          signal = a.counters + c;
+        }
+      }
+    }
+    store_token_row(x + t * pieces, dst_x, pieces, static_cast<int>(K), lane);
+    store_token_row(go + t * pieces, dst_go, pieces, static_cast<int>(K), lane);
+    __syncwarp();
+    if (signal != nullptr) gate_signal_gpu(signal, 1u);
+  }
+}
+
+__global__ void __launch_bounds__(BackwardKernel::MaxThreadsPerBlock,
+                                  BackwardKernel::MinBlocksPerMultiprocessor)
+    fused_backward_kernel(const __grid_constant__ typename BackwardKernel::Params params,
+                          const __grid_constant__ FusedBackwardArgs a) {
+  extern __shared__ char smem[];
+  constexpr int kWarps = static_cast<int>(BackwardKernel::MaxThreadsPerBlock) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t ctas = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t cta = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+  backward_send_tokens(a, cta * kWarps + warp, ctas * kWarps, lane);
+  __syncthreads();
+  BackwardKernel{}(params, smem);
+}
+
+Status check_args(const FusedBackwardArgs& a) {
+  if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("tokens must be >= 0 and top_k in [1, 32], got ", a.tokens, " and ",
+                            a.top_k)};
+  if (a.hidden <= 0 || a.hidden % 64 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("hidden must be a positive multiple of 64, got ", a.hidden)};
+  if (a.ffn <= 0 || a.ffn % 64 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("ffn must be a positive multiple of 64, got ", a.ffn)};
+  if (a.num_experts < 1 || a.num_experts > (1 << 20))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
+  if (a.capacity < a.tokens * a.top_k || a.capacity > (1ll << 31) - 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("capacity must be in [tokens x top_k = ", a.tokens * a.top_k,
+                            ", 2^31), got ", a.capacity)};
+  if (a.num_counters < a.capacity / kGatedTileM + a.num_experts)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("num_counters must be >= capacity / ", kGatedTileM, " + E = ",
+                            a.capacity / kGatedTileM + a.num_experts, ", got ", a.num_counters)};
+  const void* needed[] = {a.x,       a.grad_out, a.gemm_row, a.counter,  a.w1,
+                          a.w2t,     a.offs,     a.tile_base, a.rows_x,  a.rows_go,
+                          a.h,       a.grad_act, a.counters, a.error,    a.timeout};
+  for (const void* p : needed)
+    if (p == nullptr)
+      return {StatusCode::kInvalidArgument,
+              "moe_fused_backward_rows_bf16: every pointer of FusedBackwardArgs must be a device "
+              "pointer"};
+  const void* aligned[] = {a.x, a.grad_out, a.w1, a.w2t, a.rows_x, a.rows_go, a.h, a.grad_act};
+  for (const void* p : aligned)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      return {StatusCode::kInvalidArgument,
+              "moe_fused_backward_rows_bf16: x, grad_out, w1, w2t, rows_x, rows_go, h and "
+              "grad_act must be 16-byte aligned"};
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace megakernel
+
+size_t fused_moe_backward_workspace_bytes(int64_t num_experts, int sm_count) {
+  if (num_experts < 1 || num_experts > (1 << 20) || sm_count < 1) return 0;
+  return grouped::group_arrays_bytes(2 * num_experts) +
+         megakernel::gated_gemm_workspace<grouped::GroupedEpilogue::kStore>(2 * num_experts,
+                                                                            sm_count);
+}
+
+Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, int device,
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using megakernel::BackwardGemm;
+  using megakernel::BackwardKernel;
+  if (Status s = megakernel::check_args(a); !s.ok()) return s;
+  if (!grouped_gemm_device_ok(device))
+    return {StatusCode::kUnsupported,
+            "the fused MoE backward needs a compute capability 9.0 GPU (built for sm_90a)"};
+  int device_sms = 0;
+  if (cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return launch_status("moe_fused_backward_rows_bf16 (device attributes)");
+  if (sm_count == 0) sm_count = device_sms;
+  if (sm_count < 2 || sm_count > device_sms)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("sm_count must be 0 (all) or in [2, ", device_sms, "], got ",
+                            sm_count)};
+  if (a.tokens == 0) return Status::Ok();
+  const size_t need = fused_moe_backward_workspace_bytes(a.num_experts, sm_count);
+  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need,
+                                          "the fused MoE backward");
+      !s.ok())
+    return s;
+
+  const grouped::Workspace ws = grouped::carve(workspace, 2 * a.num_experts);
+  megakernel::backward_problems<<<1, 32, 0, stream>>>(
+      a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
+      static_cast<int>(a.hidden), static_cast<int>(a.ffn),
+      static_cast<const grouped::Bf16*>(a.rows_x), static_cast<const grouped::Bf16*>(a.rows_go),
+      static_cast<const grouped::Bf16*>(a.w1), static_cast<const grouped::Bf16*>(a.w2t),
+      static_cast<grouped::Bf16*>(a.h), static_cast<grouped::Bf16*>(a.grad_act), ws);
+  if (Status s = launch_status("the fused MoE backward's problem kernel"); !s.ok()) return s;
+
+  TileGate gate;
+  gate.counters = a.counters;
+  gate.num_counters = a.num_counters;
+  gate.tile_base = a.tile_base;
+  gate.per_row = 1;
+  gate.per_tile = 0;
+  gate.timeout_ns = a.timeout_ns;
+  gate.timeout = a.timeout;
+  auto args = megakernel::gated_arguments<grouped::GroupedEpilogue::kStore>(
+      ws, 2 * a.num_experts, gate, GatedSignal{}, device, sm_count, 0);
+  // Both halves wait on the same rows: group E + e is expert e's too.
+  args.mainloop.gate2 = gate;
+  args.mainloop.split = static_cast<int32_t>(a.num_experts);
+  if (BackwardKernel::can_implement(args) != true)
+    return {StatusCode::kUnsupported, "the fused MoE backward cannot implement these operands"};
+  if (BackwardKernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal, "the fused MoE backward's workspace failed to initialize"};
+  const typename BackwardKernel::Params params =
+      BackwardKernel::to_underlying_arguments(args, ws.gemm);
+
+  const int smem = static_cast<int>(BackwardKernel::SharedStorageSize);
+  if (cudaFuncSetAttribute(megakernel::fused_backward_kernel,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return launch_status("moe_fused_backward_rows_bf16 (shared memory attribute)");
+  cudaLaunchConfig_t config{};
+  config.gridDim = BackwardKernel::get_grid_shape(params);
+  config.blockDim = BackwardKernel::get_block_shape();
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaLaunchKernelEx(&config, megakernel::fused_backward_kernel, params, a) != cudaSuccess)
+    return launch_status("moe_fused_backward_rows_bf16");
+  return launch_status("moe_fused_backward_rows_bf16");
+}
+
+}  // namespace uniep::cuda
