@@ -26,7 +26,10 @@ dispatch), the latter against the bf16 layer's time and output; and ``moe_backwa
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
-dense chain's forward + backward (the layers part times it too, after everything else).
+dense chain's forward + backward (the layers part times it too, after everything else), beside
+the MegaKernel's backward at world 1 (``uniep.fused_backward.moe_backward_local``, sequential and
+fused, with whether its bits equal ``moe_backward``'s); ``--profile N`` adds each one's GPU time
+per kernel.
 
 The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_packed")`` over
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
@@ -230,7 +233,7 @@ def _dense_forward_backward(
 
 
 def _backward_rank(
-    rank: int, world: int, warmup: int, iters: int, loads: list[str]
+    rank: int, world: int, warmup: int, iters: int, loads: list[str], profile: int = 0
 ) -> list[dict[str, Any]]:
     import torch.distributed as dist
     import uniep
@@ -266,6 +269,7 @@ def _backward_rank(
         # as moe_forward(overlap=fused) keeps it; its bits against moe_backward's.
         w2t = uniep.fused_forward.transposed_w2(w2)
         engine = backward()
+        fns: dict[str, Any] = {}
         for mode in ("sequential", "fused"):
             local = functools.partial(
                 uniep.fused_backward.moe_backward_local, go, x, idx, weights, w1, w2,
@@ -281,18 +285,26 @@ def _backward_rank(
             row[f"backward_over_dense_fwd_bwd[local_{mode}]"] = (
                 ms / row["dense_forward_backward_ms"]
             )
+            fns[f"local {mode}"] = local
+        if profile:
+            # Where each backward's time goes, kernel by kernel, against the dense chain's.
+            fns["dense forward+backward"] = dense_forward_backward
+            fns["moe_backward"] = backward
+            row["kernels_us"] = profile_kernels(fns, profile)
         rows.append(row)
         del x, w1, w2, w2t, leaves, go_d
         torch.cuda.empty_cache()
     return rows
 
 
-def backward_part(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
+def backward_part(
+    warmup: int, iters: int, loads: list[str], profile: int = 0
+) -> list[dict[str, Any]]:
     import uniep
 
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
     full = uniep.distributed.run_local_ranks(
-        _backward_rank, 1, (warmup, iters, loads), backend="nccl", timeout_s=900
+        _backward_rank, 1, (warmup, iters, loads, profile), backend="nccl", timeout_s=900
     )[0]
     print(
         "| layer | dense fwd+bwd ms | moe_backward ms | ratio (goal 1.15) | local sequential ms "
@@ -944,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.part == "tune":
         rows += tune_part(args.warmup, args.iters, loads, args.tune_candidates)
     elif args.part == "backward":
-        rows += backward_part(args.warmup, args.iters, loads)
+        rows += backward_part(args.warmup, args.iters, loads, args.profile)
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):
         rows += layers(args.warmup, args.iters, args.profile, loads)
     else:
