@@ -286,6 +286,13 @@ def _backward_rank(
                 ms / row["dense_forward_backward_ms"]
             )
             fns[f"local {mode}"] = local
+        # Where the fused launch's time goes: each CTA's send and tiles.
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
+        uniep.fused_backward.moe_backward_local(
+            go, x, idx, weights, w1, w2, w2t=w2t, check=False, trace=trace
+        )
+        row["phases_us[local fused]"] = uniep.megakernel.trace_phases(trace)
         if profile:
             # Where each backward's time goes, kernel by kernel, against the dense chain's.
             fns["dense forward+backward"] = dense_forward_backward

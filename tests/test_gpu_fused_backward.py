@@ -156,3 +156,19 @@ def test_bad_arguments_are_named() -> None:
         op(go, x, row, counter[:, :1], w1, w2t, offs, base, 1.0)
     with pytest.raises(ValueError, match="timeout_s must be"):
         op(go, x, row, counter, w1, w2t, offs, base, -1.0)
+
+
+def test_trace_records_the_send_and_the_tiles() -> None:
+    from uniep.fused_backward import moe_backward_local
+    from uniep.megakernel import trace_phases
+
+    go, x, idx, w, w1, w2 = _layer(1000, 256, 128, 16, 4, seed=7)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.zeros(4 * sms, dtype=torch.int64, device="cuda")
+    traced = moe_backward_local(go, x, idx, w, w1, w2, trace=trace)
+    for a, b in zip(traced, moe_backward_local(go, x, idx, w, w1, w2), strict=True):
+        assert torch.equal(a, b), "the trace changes no bit"
+    phases = trace_phases(trace)
+    assert 0 < phases["send_end_us"] <= phases["gemm_end_us"] == phases["reduce_end_us"], phases
+    with pytest.raises(ValueError, match="trace is for overlap='fused' only"):
+        moe_backward_local(go, x, idx, w, w1, w2, overlap="sequential", trace=trace)

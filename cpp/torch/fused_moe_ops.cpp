@@ -132,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& gemm_row, const at::Tensor& counter,
                               const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& offs,
-                              const at::Tensor& tile_base, double timeout_s) {
+                              const at::Tensor& tile_base, double timeout_s,
+                              const std::optional<at::Tensor>& trace) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -202,6 +203,10 @@ moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
     a.timeout = reinterpret_cast<cuda::GateTimeout*>(timeout.data_ptr<int32_t>());
     a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    if (trace.has_value()) {
+      check_trace(trace, device_sms, x);
+      a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+    }
     ok_or_throw(cuda::moe_fused_backward_rows_bf16(a, device_sms, device, workspace.data_ptr(),
                                                    bytes, stream));
     return std::make_tuple(rows_x, rows_go, h, grad_act, error, timeout);

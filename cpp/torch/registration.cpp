@@ -97,10 +97,12 @@ TORCH_LIBRARY(uniep, m) {
   // (the forward's plan at 128-row tiles) and h = rows_x w1, grad_act = rows_go w2t as one gated
   // grouped GEMM (w1 [E, H, 2I], w2t [E, H, I] = w2 transposed). Returns rows_x, rows_go [T K, H],
   // h [T K, 2I], grad_act [T K, I] (rows past offs[-1] unwritten), error [1] int64 and
-  // timeout [5] int32, to be read once the stream has run.
+  // timeout [5] int32, to be read once the stream has run. trace (int64, 4 per SM): each CTA's
+  // global-timer stamps at its start, after its send and after its GEMM tiles.
   m.def(
       "moe_fused_backward_local(Tensor grad_out, Tensor x, Tensor gemm_row, Tensor counter, "
-      "Tensor w1, Tensor w2t, Tensor offs, Tensor tile_base, float timeout_s) -> "
+      "Tensor w1, Tensor w2t, Tensor offs, Tensor tile_base, float timeout_s, "
+      "Tensor(a!)? trace=None) -> "
       "(Tensor rows_x, Tensor rows_go, Tensor h, Tensor grad_act, Tensor error, Tensor timeout)");
   // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
   // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64

@@ -72,6 +72,7 @@ def moe_backward_local(
     timeout_s: float = 10.0,
     check: bool | str = True,
     w2t: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_topk_weights, grad_w1, grad_w2)`` of ``moe_forward(x, topk_idx,
     topk_weights, w1, w2)`` at world 1 (every expert on this GPU; ``w1`` ``[E, H, 2I]`` gate
@@ -79,6 +80,9 @@ def moe_backward_local(
     module docstring's steps. ``grad_topk_weights`` is float32, 0 where ``topk_idx`` is -1.
     ``comm_sms``: the SMs that send with ``overlap="streams"`` (default 16). ``w2t``: ``w2``
     transposed and contiguous, when the caller keeps one (default: made once per ``w2`` version).
+    ``trace`` (``fused`` only; int64, 4 per SM, zeroed): each CTA's global-timer stamps in ns at
+    its start, after its send and after its GEMM tiles, then the last again (the forward's
+    reduce stamp: :func:`uniep.megakernel.trace_phases` reads it).
     ``check`` as for :func:`uniep.megakernel.moe_forward_local` (a bad expert id, a gate that
     timed out). Every GEMM accumulates in fp32 in one fixed order, so the bits do not depend on
     ``overlap`` or on when a tile started."""
@@ -90,6 +94,8 @@ def moe_backward_local(
     if w2t is None:
         w2t = transposed_w2(w2)
     _check_w2t(w2t, w2)
+    if trace is not None and overlap != "fused":
+        raise ValueError(f"trace is for overlap='fused' only, got overlap={overlap!r}")
     _begin(check)
     grad_out = grad_out.contiguous()
     t, h = x.shape
@@ -113,7 +119,7 @@ def moe_backward_local(
     errors = [("send", plan_error, "moe_backward_local (plan)", k)]
     if overlap == "fused":
         rows_x, rows_go, hh, grad_act, send_error, t1 = torch.ops.uniep.moe_fused_backward_local(
-            grad_out, x, row, counter, w1, w2t, offs, base, timeout_s
+            grad_out, x, row, counter, w1, w2t, offs, base, timeout_s, trace
         )
         errors += [("send", send_error, what, k), ("gate", t1, what, k)]
     else:
@@ -181,6 +187,7 @@ def _moe_fused_backward_local_fake(
     offs: torch.Tensor,
     tile_base: torch.Tensor,
     timeout_s: float,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
     torch._check_value(

@@ -49,6 +49,10 @@ struct FusedBackwardArgs {
   unsigned long long* error = nullptr;  // send_rows' error word, zeroed
   GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
   uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
+  // Optional (null: none), for tuning: per CTA c, trace[4c .. 4c + 3] = the global timer (ns) at
+  // its start, after its send and after its GEMM tiles, twice (the forward's reduce stamp; this
+  // launch has no reduce).
+  unsigned long long* trace = nullptr;
 };
 
 size_t fused_moe_backward_workspace_bytes(int64_t num_experts, int sm_count);
