@@ -258,18 +258,14 @@ def _backward_rank(
         )
 
         row: dict[str, Any] = {"part": "backward", "load": load, "tokens": tokens}
-        row["dense_forward_backward_ms"] = median_time_ms(
-            dense_forward_backward, warmup, iters, cuda=True
-        )
-        row["backward_ms[uniep]"] = median_time_ms(backward, warmup, iters, cuda=True)
-        row["backward_over_dense_fwd_bwd[uniep]"] = (
-            row["backward_ms[uniep]"] / row["dense_forward_backward_ms"]
-        )
         # The MegaKernel's backward at world 1 (uniep.fused_backward), w2's transposed copy kept
         # as moe_forward(overlap=fused) keeps it; its bits against moe_backward's.
         w2t = uniep.fused_forward.transposed_w2(w2)
         engine = backward()
-        fns: dict[str, Any] = {}
+        fns: dict[str, Any] = {
+            "dense forward+backward": dense_forward_backward,
+            "moe_backward": backward,
+        }
         for mode in ("sequential", "fused"):
             local = functools.partial(
                 uniep.fused_backward.moe_backward_local, go, x, idx, weights, w1, w2,
@@ -280,12 +276,20 @@ def _backward_rank(
             row[f"backward_equal_engine[local_{mode}]"] = all(
                 torch.equal(a, b.to(a.dtype)) for a, b in zip(got, engine, strict=True)
             )
-            ms = median_time_ms(local, warmup, iters, cuda=True)
-            row[f"backward_ms[local_{mode}]"] = ms
-            row[f"backward_over_dense_fwd_bwd[local_{mode}]"] = (
-                ms / row["dense_forward_backward_ms"]
-            )
             fns[f"local {mode}"] = local
+        # Every variant timed in turn (rounds of 5 calls), so the clock's drift over the run
+        # (a long layer heats the GPU) reaches all of them alike.
+        from uniep.timing import interleaved_medians_ms
+
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        ms = interleaved_medians_ms(fns, max(1, iters // 5), 5, True, warmup=1)
+        dense = row["dense_forward_backward_ms"] = ms["dense forward+backward"]
+        for key, impl in (("moe_backward", "uniep"), ("local sequential", "local_sequential"),
+                          ("local fused", "local_fused")):  # fmt: skip
+            row[f"backward_ms[{impl}]"] = ms[key]
+            row[f"backward_over_dense_fwd_bwd[{impl}]"] = ms[key] / dense
         # Where the fused launch's time goes: each CTA's send and tiles.
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
@@ -295,8 +299,6 @@ def _backward_rank(
         row["phases_us[local fused]"] = uniep.megakernel.trace_phases(trace)
         if profile:
             # Where each backward's time goes, kernel by kernel, against the dense chain's.
-            fns["dense forward+backward"] = dense_forward_backward
-            fns["moe_backward"] = backward
             row["kernels_us"] = profile_kernels(fns, profile)
         rows.append(row)
         del x, w1, w2, w2t, leaves, go_d
