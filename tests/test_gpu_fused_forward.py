@@ -2,7 +2,8 @@
 moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that uniep.fused_forward keeps,
 with the separate launches' bits, packed once, packed again after an in-place update, and with the
 separate launches' gradients; a CUDA-graph capture of it is refused by name. World 1 (NCCL) and
-two ranks sharing the GPU (gloo)."""
+two ranks sharing the GPU (gloo). ``torch.ops.uniep.moe_backward`` with overlap=fused (at world 1
+the fused backward) gives overlap=sequential's bits."""
 
 from __future__ import annotations
 
@@ -83,6 +84,17 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         out["grads_equal"] = float(
             all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
         )
+        # The op with overlap=fused (at world 1 the fused backward, else the engine's): the bits
+        # of overlap=sequential.
+        go = torch.randn(x.shape, generator=gen).bfloat16().to(dev)
+        name = uniep.distributed.group_name(None)
+        op = [
+            torch.ops.uniep.moe_backward(go, x, idx, w, w1, w2, name, f"overlap={mode}")
+            for mode in ("sequential", "fused")
+        ]
+        out["op_fused_equal"] = float(
+            all(torch.equal(a, b) for a, b in zip(op[0], op[1], strict=True))
+        )
         out["calls"] = float(len(calls))
     finally:
         for name, fn in real.items():
@@ -114,5 +126,6 @@ def test_moe_forward_runs_the_megakernel(world: int, monkeypatch: pytest.MonkeyP
         assert report["packed_once"] == 1.0, report
         assert report["repacked_equal"] == report["repacked"] == 1.0, report
         assert report["grads_equal"] == 1.0, report
+        assert report["op_fused_equal"] == 1.0, report
         assert report["calls"] == 4.0, report  # two forwards, the update's, the gradients'
         assert report["capture_refused"] == 1.0, report

@@ -465,12 +465,27 @@ def _moe_backward_cuda(
     ``moe_backward_engine``; torch._grouped_mm's autograd with tuning gemm=torch, composed here);
     grad_x comes home through a combine with unit weights (sum over k, ascending, fp32); the
     per-(token, k) dot products for grad_topk_weights go back over the group's NCCL all_to_all
-    (at world 1 straight to their slots).
+    (at world 1 straight to their slots). At world 1 with ``overlap=fused`` named (bf16, the
+    MegaKernel's numerics) it runs the fused backward instead (``uniep.fused_backward``), whose
+    bits are the same.
     """
     try:
         engine = _C.TuningParams.parse(tuning).gemm == "uniep"
     except ValueError:
         engine = True  # moe_backward_engine's agreed checks raise it on every rank
+    if engine and _fused_at_world_1(grad_out, x, w1, w2, group_name, tuning):
+        # overlap=fused at one rank: the MegaKernel's backward (uniep.fused_backward), the same
+        # bits, after the same checks.
+        from .fused_backward import moe_backward_local
+
+        torch.ops.uniep.moe_backward_checks(
+            grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
+        )
+        grad_x, grad_w, grad_w1, grad_w2 = moe_backward_local(
+            grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2,
+            overlap="fused", timeout_s=_timeout(None),
+        )  # fmt: skip
+        return grad_x, grad_w.to(topk_weights.dtype), grad_w1, grad_w2
     if engine:
         # One C++ op from the checks to the combine (cpp/torch/ep_ops.cpp); only the routing
         # weights' gradients come back to their slots here.
@@ -513,6 +528,30 @@ def _moe_backward_cuda(
     )
     grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
+
+
+def _fused_at_world_1(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    tuning: str,
+) -> bool:
+    """Whether moe_backward runs the world-1 fused backward: ``overlap=fused`` named with the
+    MegaKernel's numerics (``uniep.fused_forward.runs_fused``), bfloat16 operands, one rank."""
+    from .fused_forward import runs_fused
+
+    try:
+        fused = runs_fused(tuning)
+    except ValueError:
+        return False  # the engine's checks name the bad tuning string
+    if not fused or any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
+        return False
+    if not group_name:  # "": torch.distributed not initialised, a world of one rank
+        return True
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.get_world_size(group) == 1
 
 
 def _experts_backward_torch(
