@@ -489,3 +489,20 @@ def test_backward_elementwise_op_matches_the_torch_chain() -> None:
         ops.swiglu_backward(h, grad_act, w[:-1])
     with pytest.raises(ValueError, match="w must be contiguous float32"):
         ops.swiglu_backward(h, grad_act, w.double())
+
+
+def test_wgrad_bits_do_not_depend_on_its_tile() -> None:
+    """The weight gradient takes ping-pong 64 x 256 tiles for experts of 512 rows or more (by
+    x's rows, the most offs may describe) and cooperative 128 x 256 ones below: rows padded past
+    offs[-1], which no expert reads, switch the tile and must change no bit."""
+    from uniep.gemm import grouped_mm_wgrad
+
+    counts, k, n = [100, 0, 37, 300], 256, 384  # 437 rows over 4 experts: cooperative tiles
+    x, _, offs = _operands(counts, k, n, seed=23)
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    dy = torch.randn(x.shape[0], n, generator=gen, device="cuda").bfloat16()
+    coop = grouped_mm_wgrad(x, dy, offs)
+    pad = 512 * len(counts) - x.shape[0]
+    x_pad = torch.cat([x, torch.randn(pad, k, generator=gen, device="cuda").bfloat16()])
+    dy_pad = torch.cat([dy, torch.randn(pad, n, generator=gen, device="cuda").bfloat16()])
+    assert torch.equal(grouped_mm_wgrad(x_pad, dy_pad, offs), coop)

@@ -36,5 +36,6 @@ const GroupedEntry& entry_dgrad_coop_128x256x64();
 const GroupedEntry& entry_dgrad_pingpong_64x256x64();
 const GroupedEntry& entry_wgrad_coop_128x256x64();
 const GroupedEntry& entry_wgrad_coop_128x128x64();
+const GroupedEntry& entry_wgrad_pingpong_64x256x64();
 
 }  // namespace uniep::cuda::grouped

@@ -37,14 +37,27 @@ const std::array<const grouped::GroupedEntry*, 5>& entries() {
   return all;
 }
 
-// The backward kinds' configurations: [0] for large experts, [1] for small ones (kDgrad) or
-// narrow outputs (kWgrad).
-const std::array<const grouped::GroupedEntry*, 2>& backward_entries(GroupedGemmKind kind) {
-  static const std::array<const grouped::GroupedEntry*, 2> dgrad = {
+// The backward kinds' configurations. kDgrad: [0] for large experts, [1] for small ones. kWgrad:
+// [0] by default, [1] for narrow outputs, [2] for experts of many rows (wgrad_entry).
+const std::array<const grouped::GroupedEntry*, 2>& dgrad_entries() {
+  static const std::array<const grouped::GroupedEntry*, 2> all = {
       &grouped::entry_dgrad_coop_128x256x64(), &grouped::entry_dgrad_pingpong_64x256x64()};
-  static const std::array<const grouped::GroupedEntry*, 2> wgrad = {
-      &grouped::entry_wgrad_coop_128x256x64(), &grouped::entry_wgrad_coop_128x128x64()};
-  return kind == GroupedGemmKind::kDgrad ? dgrad : wgrad;
+  return all;
+}
+const std::array<const grouped::GroupedEntry*, 3>& wgrad_entries() {
+  static const std::array<const grouped::GroupedEntry*, 3> all = {
+      &grouped::entry_wgrad_coop_128x256x64(), &grouped::entry_wgrad_coop_128x128x64(),
+      &grouped::entry_wgrad_pingpong_64x256x64()};
+  return all;
+}
+
+// The weight gradient's K is each expert's rows. With experts of 512 rows or more the ping-pong
+// tiles (one warpgroup's epilogue under the other's mainloop) won: 8-9% on DeepSeek-V3's EP8
+// rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
+// lost 2-4% (one H200, bench/results/2026-11-27-session27/diag_wgrad-h200.json).
+const grouped::GroupedEntry* wgrad_entry(const GroupedGemmProblem& p) {
+  if (p.n <= 128) return wgrad_entries()[1];
+  return wgrad_entries()[p.rows >= 512 * p.num_experts ? 2 : 0];
 }
 
 // The problem kernel writes each stride's one dynamic value into an 8-byte slot that the grouped
@@ -179,9 +192,10 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
 size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
   if (num_experts < 1 || num_experts > kMaxExtent || sm_count < 1) return 0;
   size_t gemm = 0;
-  for (const auto kind : {GroupedGemmKind::kDgrad, GroupedGemmKind::kWgrad})
-    for (const auto* e : backward_entries(kind))
-      gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
+  for (const auto* e : dgrad_entries())
+    gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
+  for (const auto* e : wgrad_entries())
+    gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   for (const auto* e : entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   return grouped::group_arrays_bytes(num_experts) + gemm;
@@ -202,9 +216,9 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     entry = entries()[index];
   } else if (p.kind == GroupedGemmKind::kDgrad) {
     const bool small = p.rows <= 128 * p.num_experts;
-    entry = backward_entries(p.kind)[small ? 1 : 0];
+    entry = dgrad_entries()[small ? 1 : 0];
   } else {
-    entry = backward_entries(p.kind)[p.n <= 128 ? 1 : 0];
+    entry = wgrad_entry(p);
   }
   if (sm_count < 1)
     return {StatusCode::kInvalidArgument, detail::str_cat("sm_count must be >= 1, got ", sm_count)};
