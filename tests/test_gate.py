@@ -98,3 +98,30 @@ def test_fake_kernels_give_the_shapes() -> None:
         )
         assert out.shape == (300, 64) and out.dtype == torch.bfloat16
         assert error.shape == (1,) and timeout.shape == (5,)
+
+
+def test_fused_backward_fake_kernel_gives_the_shapes() -> None:
+    with FakeTensorMode():
+        x = torch.empty(300, 64, dtype=torch.bfloat16)
+        idx = torch.empty(300, 4, dtype=torch.int64)
+        w1 = torch.empty(4, 64, 512, dtype=torch.bfloat16)
+        w2t = torch.empty(4, 64, 256, dtype=torch.bfloat16)
+        offs = torch.empty(4, dtype=torch.int32)
+        base = torch.empty(5, dtype=torch.int32)
+        rows_x, rows_go, h, grad_act, error, timeout = torch.ops.uniep.moe_fused_backward_local(
+            x, x, idx, idx, w1, w2t, offs, base, 1.0
+        )
+        assert rows_x.shape == rows_go.shape == (1200, 64)
+        assert h.shape == (1200, 512) and grad_act.shape == (1200, 256)
+        assert error.shape == (1,) and timeout.shape == (5,) and timeout.dtype == torch.int32
+
+
+def test_fused_backward_needs_cuda_tensors() -> None:
+    from uniep.fused_backward import moe_backward_local
+
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    idx = torch.zeros(8, 2, dtype=torch.int64)
+    w1 = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        moe_backward_local(x, x, idx, torch.zeros(8, 2), w1, w2)
