@@ -1,6 +1,6 @@
 """uniep.fused_forward on the CPU: the packed copy of w1 that moe_forward's overlap=fused path
-keeps (made once, made again after an in-place write, dropped with its tensor) and which tuning
-strings take the MegaKernel."""
+keeps (made once, made again after an in-place write, dropped with its tensor), the transposed
+copy of w2 its backward keeps the same way, and which tuning strings take the MegaKernel."""
 
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def test_a_parameter_is_packed_detached() -> None:
     w1 = torch.nn.Parameter(torch.randn(1, 8, 16).bfloat16())
     packed = fused_forward.packed_gate_up(w1)
     assert not packed.requires_grad and torch.equal(packed, pack_gate_up(w1.detach()))
+
+
+def test_the_transposed_w2_is_kept_beside_the_packed_w1() -> None:
+    """The fused backward's copy of w2 (transposed): kept per tensor like the packed w1, under
+    its own key, so both copies of one tensor coexist; a detached view is another tensor (the
+    autograd backward keys it by the saved w2 itself for that reason)."""
+    fused_forward.clear_packed()
+    w2 = torch.nn.Parameter(torch.randn(2, 16, 32).bfloat16())
+    w2t = fused_forward.transposed_w2(w2)
+    assert w2t.shape == (2, 32, 16) and w2t.is_contiguous() and not w2t.requires_grad
+    assert torch.equal(w2t, w2.detach().transpose(1, 2))
+    assert fused_forward.transposed_w2(w2) is w2t
+    fused_forward.packed_gate_up(w2)  # the same tensor under the other key
+    assert len(fused_forward._PACKED) == 2 and fused_forward.transposed_w2(w2) is w2t
+    assert fused_forward.transposed_w2(w2.detach()) is not w2t
+    with torch.no_grad():
+        w2.mul_(0.5)  # an optimizer step: transposed again
+    assert fused_forward.transposed_w2(w2) is not w2t
 
 
 @pytest.mark.parametrize(

@@ -164,9 +164,12 @@ def _backward_local(ctx: Any, grad_out: torch.Tensor) -> tuple:
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
+    # Keyed by the saved w2 itself (the caller's tensor), so the copy is kept across steps; a
+    # detached view is a new tensor at every call and would be transposed again each time.
+    w2t = transposed_w2(w2)
     grad_x, grad_w, grad_w1, grad_w2 = moe_backward_local(
         grad_out.contiguous(), x, topk_idx, weights, w1.detach(), w2.detach(),
-        overlap="fused", timeout_s=_timeout(None), check="deferred",
+        overlap="fused", timeout_s=_timeout(None), check="deferred", w2t=w2t,
     )  # fmt: skip
     needs = ctx.needs_input_grad
     return (
