@@ -120,18 +120,22 @@ def test_edge_cases() -> None:
         moe_backward_local(go, x, idx, w, w1, w2, overlap="chunked")
 
 
+def _plan(idx: torch.Tensor, experts: int):
+    """The op's plan operands for idx: (gemm_row, counter, offs, tile_base) at 128-row tiles."""
+    counts = torch.bincount(idx[idx >= 0], minlength=experts).view(1, experts)
+    _, row, counter, _ = gate.sender_rows(idx, counts, 0)
+    offs = counts[0].cumsum(0).to(torch.int32)
+    return row, counter, offs, gate.tile_base(offs, idx.numel())
+
+
 def test_rows_that_never_come_time_out_naming_the_tile() -> None:
     from uniep.fused_forward import transposed_w2
 
     go, x, idx, w, w1, w2 = _layer(64, 128, 128, 4, 2, seed=3)
-    e = w1.shape[0]
-    counts = torch.bincount(idx[idx >= 0], minlength=e).view(1, e)
-    _, row, counter, _ = gate.sender_rows(idx, counts, 0)
-    offs = counts[0].cumsum(0).to(torch.int32)
+    row, counter, offs, base = _plan(idx, w1.shape[0])
     # Expert 0's rows are in the GEMM's shapes, but no entry sends them.
     mine = idx == 0
     row, counter = row.masked_fill(mine, -1), counter.masked_fill(mine, -1)
-    base = gate.tile_base(offs, idx.numel())
     *_, timeout = torch.ops.uniep.moe_fused_backward_local(
         go, x, row, counter, w1, transposed_w2(w2), offs, base, 0.2
     )
@@ -141,11 +145,7 @@ def test_rows_that_never_come_time_out_naming_the_tile() -> None:
 
 def test_bad_arguments_are_named() -> None:
     go, x, idx, w, w1, w2 = _layer(8, 128, 64, 4, 2, seed=5)
-    e = w1.shape[0]
-    counts = torch.bincount(idx[idx >= 0], minlength=e).view(1, e)
-    _, row, counter, _ = gate.sender_rows(idx, counts, 0)
-    offs = counts[0].cumsum(0).to(torch.int32)
-    base = gate.tile_base(offs, idx.numel())
+    row, counter, offs, base = _plan(idx, w1.shape[0])
     w2t = w2.transpose(1, 2).contiguous()
     op = torch.ops.uniep.moe_fused_backward_local
     with pytest.raises(ValueError, match=r"w2t \(w2 transposed\) must be"):
@@ -207,11 +207,7 @@ def test_opcheck() -> None:
     from uniep.fused_forward import transposed_w2
 
     go, x, idx, w, w1, w2 = _layer(40, 128, 64, 4, 2, seed=9)
-    e = w1.shape[0]
-    counts = torch.bincount(idx[idx >= 0], minlength=e).view(1, e)
-    _, row, counter, _ = gate.sender_rows(idx, counts, 0)
-    offs = counts[0].cumsum(0).to(torch.int32)
-    base = gate.tile_base(offs, idx.numel())
+    row, counter, offs, base = _plan(idx, w1.shape[0])
     args = (go, x, row, counter, w1, transposed_w2(w2), offs, base, 5.0)
     # The rows past offs[-1] of the outputs are never written (torch.empty): compare only the
     # schema, the fake kernel and the dispatch, not values across two runs.
