@@ -13,9 +13,19 @@ sends everything to one rank's experts, a rank with no tokens, top-1 and top-9; 
 a call makes the others raise a timeout naming it instead of hanging. Both tile heights (128 and
 the 64 the runtime picks for these sizes). A call captured in a CUDA graph and replayed on new
 tokens, between eager calls, gives the same bits (the epoch and parity live on the device).
+
+The fused backward across ranks (``uniep.fused_backward.moe_backward_ep``, on a runtime made with
+``backward=True``): on every rank its gradients equal ``moe_backward_local`` on every rank's
+tokens together with every expert's weights bit for bit (slices of grad_x, grad_topk_weights
+and the rank's experts' weight gradients), run to run and with forward calls between, on
+random routings with unused entries, a rank with no tokens, every entry on one rank's experts
+and top-9; through autograd (``uniep.moe_forward(..., tuning="overlap=fused")``) too; a rank
+that skips a backward makes the others raise a timeout naming it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -233,3 +243,123 @@ def check_skip_messages(messages: list[str], world: int) -> None:
             rank,
             message,
         )
+
+
+BACKWARD_CASES = [  # kind, experts, top_k, tile_m of the runtime (the backward's tiles are 128)
+    ("random", 16, 4, 128),
+    ("empty_rank", 32, 8, None),
+    ("one_rank", 16, 4, 64),
+    ("random", 32, 9, 64),
+]
+
+
+def _check_grads(
+    got: tuple[torch.Tensor, ...], what: str, *, want: tuple[torch.Tensor, ...], case: str
+) -> None:
+    names = ("grad_x", "grad_w", "grad_w1", "grad_w2")
+    for name, a, b in zip(names, got, want, strict=True):
+        assert a.shape == b.shape, f"{case}: {what}: {name} is {tuple(a.shape)}, not {b.shape}"
+        assert torch.equal(a, b), (
+            f"{case}: {what}: {name} differs from moe_backward_local by "
+            f"{(a.float() - b.float()).abs().max().item()}"
+        )
+
+
+def fused_ep_backward_worker(rank: int, world: int) -> dict[str, object]:
+    import uniep
+    from uniep import megakernel
+    from uniep.fused_backward import moe_backward_ep, moe_backward_local
+    from uniep.gemm import pack_gate_up
+
+    dev = _device(rank)
+    report: dict[str, object] = {}
+    groups = []
+    for seed, (kind, experts, top_k, tile_m) in enumerate(BACKWARD_CASES):
+        el = experts // world
+        group = dist.new_group(list(range(world)))
+        groups.append(group)
+        megakernel.init_fused_ep(
+            group, max_tokens=MAX_TOKENS, hidden=HIDDEN, ffn=FFN, top_k=top_k,
+            num_experts=experts, tile_m=tile_m, backward=True,
+        )  # fmt: skip
+        xs, idxs, ws, w1, w2 = _case(kind, world, experts, top_k, seed + 20)
+        gos = [
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(900 + r)).bfloat16()
+            for r, x in enumerate(xs)
+        ]
+        x, idx, w, go = (t[rank].to(dev) for t in (xs, idxs, ws, gos))
+        w1d, w2d = w1.to(dev), w2.to(dev)
+        mine = slice(rank * el, (rank + 1) * el)
+        w1l, w2l = w1d[mine].contiguous(), w2d[mine].contiguous()
+        start = sum(t.shape[0] for t in xs[:rank])
+        rows = slice(start, start + x.shape[0])
+        every = [torch.cat(t).to(dev) for t in (gos, xs, idxs, ws)]
+        ref = moe_backward_local(*every, w1d, w2d, overlap="fused")
+        want = (ref[0][rows], ref[1][rows], ref[2][mine], ref[3][mine])
+
+        check = functools.partial(_check_grads, want=want, case=kind)
+        check(moe_backward_ep(go, x, idx, w, w1l, w2l, group), "call 1")
+        check(moe_backward_ep(go, x, idx, w, w1l, w2l, group), "call 2 (run to run)")
+        out = megakernel.moe_forward_ep(x, idx, w, pack_gate_up(w1l), w2l, group)
+        if x.shape[0]:
+            fwd = megakernel.moe_forward_local(x, idx, w, pack_gate_up(w1d), w2d)
+            assert torch.equal(out, fwd), f"{kind}: the forward between the backwards differs"
+        check(moe_backward_ep(go, x, idx, w, w1l, w2l, group), "call 4 (after a forward)")
+        if kind == "random" and top_k == 4:
+            # Autograd: moe_forward with overlap=fused across ranks, then its fused backward.
+            leaves = [t.clone().requires_grad_(True) for t in (x, w, w1l, w2l)]
+            y = uniep.moe_forward(
+                leaves[0], idx, leaves[1], leaves[2], leaves[3], group, tuning="overlap=fused"
+            )
+            y.backward(go)
+            check(tuple(t.grad for t in leaves), "autograd")
+            report["autograd"] = True
+        report[f"{kind}-{experts}-{top_k}"] = x.shape[0]
+    for group in groups:
+        megakernel.shutdown_fused_ep(group)
+    return report
+
+
+def check_fused_ep_backward_reports(reports: list[dict[str, object]], world: int) -> None:
+    assert len(reports) == world
+    assert reports[1]["empty_rank-32-8"] == 0
+    for report in reports:
+        assert report.pop("autograd") is True, report
+        assert sorted(report) == sorted(f"{k}-{e}-{t}" for k, e, t, _ in BACKWARD_CASES), report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_fused_ep_backward_equals_the_local_backward_bit_for_bit() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(fused_ep_backward_worker, _world(), backend="nccl", timeout_s=600)
+    check_fused_ep_backward_reports(reports, _world())
+
+
+def fused_ep_backward_skip_worker(rank: int, world: int) -> str:
+    from uniep import megakernel
+    from uniep.fused_backward import moe_backward_ep
+
+    dev = _device(rank)
+    experts, top_k = 8, 2
+    el = experts // world
+    megakernel.init_fused_ep(
+        max_tokens=64, hidden=HIDDEN, ffn=FFN, top_k=top_k, num_experts=experts, timeout_s=3.0,
+        backward=True,
+    )  # fmt: skip
+    x = torch.randn(64, HIDDEN, device=dev).bfloat16()
+    go = torch.randn(64, HIDDEN, device=dev).bfloat16()
+    idx = torch.randint(0, experts, (64, top_k), device=dev)
+    w = torch.rand(64, top_k, device=dev)
+    w1 = (torch.randn(el, HIDDEN, 2 * FFN, device=dev) / 16).bfloat16()
+    w2 = (torch.randn(el, FFN, HIDDEN, device=dev) / 16).bfloat16()
+    moe_backward_ep(go, x, idx, w, w1, w2)  # every rank: call 1
+    message = "no error"
+    if rank != world - 1:  # the last rank skips call 2
+        try:
+            moe_backward_ep(go, x, idx, w, w1, w2)
+        except TimeoutError as e:
+            message = str(e)
+    dist.barrier()
+    megakernel.shutdown_fused_ep()
+    return message

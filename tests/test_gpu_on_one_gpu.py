@@ -30,8 +30,11 @@ from test_gpu_ep import (
     _torch_nvshmem_first_worker,
 )
 from test_gpu_fused_ep import (
+    check_fused_ep_backward_reports,
     check_fused_ep_reports,
     check_skip_messages,
+    fused_ep_backward_skip_worker,
+    fused_ep_backward_worker,
     fused_ep_graph_worker,
     fused_ep_skip_worker,
     fused_ep_worker,
@@ -123,6 +126,21 @@ def test_megakernel_rank_that_skips_a_call_is_named_on_a_shared_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     check_skip_messages(_run(fused_ep_skip_worker, 2, monkeypatch), 2)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_megakernel_backward_ranks_sharing_the_gpu(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_fused_ep_backward_reports(_run(fused_ep_backward_worker, world, monkeypatch), world)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+def test_megakernel_backward_rank_that_skips_a_call_is_named_on_a_shared_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_skip_messages(_run(fused_ep_backward_skip_worker, 2, monkeypatch), 2)
 
 
 # Set by bench/device_check.sh while an MPS server runs for this GPU.

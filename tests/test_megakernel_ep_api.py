@@ -1,17 +1,21 @@
-"""The MegaKernel across ranks without a GPU: its op's fake kernel gives the output shapes
-(torch.compile traces it); the CUDA-only entry points refuse with errors that name what is
-missing; and on CPU tensors ``moe_forward_ep`` runs the same plan on the CPU executor (counts
-all-gathered, sender rows, rows to their experts' ranks, outputs back to their slots) over gloo
-ranks, within bf16 rounding of a float64 reference, with a rank of no tokens and unused entries."""
+"""The MegaKernel across ranks without a GPU: its ops' fake kernels give the output shapes
+(torch.compile traces them); the CUDA-only entry points refuse with errors that name what is
+missing; and on CPU tensors ``moe_forward_ep`` and ``moe_backward_ep`` run the same plan on the
+CPU executor (counts all-gathered, sender rows, rows to their experts' ranks, outputs or
+gradients back to their slots) over gloo ranks, within bf16 rounding of a float64 reference, with
+a rank of no tokens and unused entries; the backward's gradients across ranks equal its world-1
+run on every rank's tokens together bit for bit (an expert's rows come in the same order)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _moe_cases import bf16_layer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from uniep import megakernel
 from uniep.distributed import run_local_ranks
+from uniep.fused_backward import moe_backward_ep
 from uniep.gemm import pack_gate_up
 from uniep.reference import moe_reference
 
@@ -32,6 +36,24 @@ def test_fake_kernel_gives_the_shapes() -> None:
         assert error.shape == (1,) and timeout.shape == (5,) and timeout.dtype == torch.int32
         with pytest.raises(ValueError, match="topk_idx must be \\[T = 300, K\\]"):
             torch.ops.uniep.moe_fused_ep(x, idx[:10], w, w1p, w2, "", 132, -1)
+
+
+def test_backward_fake_kernel_gives_the_shapes() -> None:
+    with FakeTensorMode():
+        x = torch.empty(300, 192, dtype=torch.bfloat16)
+        idx = torch.empty(300, 4, dtype=torch.int64)
+        w = torch.empty(300, 4, dtype=torch.float32)
+        w1 = torch.empty(4, 192, 256, dtype=torch.bfloat16)
+        w2t = torch.empty(4, 192, 128, dtype=torch.bfloat16)
+        gx, gw, gw1, gw2, error, timeout = torch.ops.uniep.moe_fused_ep_backward(
+            x, x, idx, w, w1, w2t, ""
+        )
+        assert gx.shape == (300, 192) and gx.dtype == torch.bfloat16
+        assert gw.shape == (300, 4) and gw.dtype == torch.float32
+        assert gw1.shape == (4, 192, 256) and gw2.shape == (4, 128, 192)
+        assert error.shape == (1,) and timeout.shape == (5,)
+        with pytest.raises(ValueError, match="topk_idx must be \\[T = 300, K\\]"):
+            torch.ops.uniep.moe_fused_ep_backward(x, x, idx[:10], w, w1, w2t, "")
 
 
 @needs_no_cuda
@@ -84,3 +106,72 @@ def test_cpu_executor_names_a_bad_expert() -> None:
         megakernel.moe_forward_ep(x, idx, w, w1p, w2)
     with pytest.raises(ValueError, match="w2 must be \\[E / W = 2"):
         megakernel.moe_forward_ep(x, idx, w, w1p, w2[:, :16])
+
+
+def _grad_out(rank: int, tokens: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7000 + rank)
+    return torch.randn(tokens, HIDDEN, generator=gen).bfloat16()
+
+
+def _rank_backward(rank: int, world: int, experts: int, top_k: int) -> dict[str, float]:
+    xs, idxs, ws, w1, w2 = _layer(world, experts, top_k, seed=world * 100 + top_k + 1)
+    el = experts // world
+    mine = slice(rank * el, (rank + 1) * el)
+    gos = [_grad_out(r, x.shape[0]) for r, x in enumerate(xs)]
+    got = moe_backward_ep(
+        gos[rank], xs[rank], idxs[rank], ws[rank], w1[mine].contiguous(), w2[mine].contiguous()
+    )
+    gx, gw, gw1, gw2 = got
+    assert gx.shape == xs[rank].shape and gx.dtype == torch.bfloat16
+    assert gw.shape == idxs[rank].shape and gw.dtype == torch.float32
+    assert bool((gw[idxs[rank] < 0] == 0).all())
+    # The world-1 run on every rank's tokens together (a group of this rank alone): the same bits.
+    x, idx, w, go = torch.cat(xs), torch.cat(idxs), torch.cat(ws), torch.cat(gos)
+    one = got
+    if world > 1:
+        alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank
+        one = moe_backward_ep(go, x, idx, w, w1, w2, alone)
+    start = sum(t.shape[0] for t in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[0])
+    assert torch.equal(gx, one[0][rows]) and torch.equal(gw, one[1][rows])
+    assert torch.equal(gw1, one[2][mine]) and torch.equal(gw2, one[3][mine])
+    # Against float64 autograd of the whole layer.
+    leaves = [t.double().requires_grad_(True) for t in (x, w, w1, w2)]
+    ref = moe_reference(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    ref.backward(go.double())
+    rx, rw, rw1, rw2 = (t.grad for t in leaves)
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        scale = float(b.abs().max())
+        return float((a.double() - b).abs().max()) / scale if scale > 0 else float(a.abs().max())
+
+    return {
+        "x": err(gx, rx[rows]) if gx.numel() else 0.0,
+        "w": err(gw, rw[rows]) if gw.numel() else 0.0,
+        "w1": err(gw1, rw1[mine]),
+        "w2": err(gw2, rw2[mine]),
+    }
+
+
+@pytest.mark.parametrize("world,experts,top_k", [(1, 4, 2), (2, 8, 3), (4, 8, 2)])
+def test_cpu_backward_runs_the_plan_across_ranks(world: int, experts: int, top_k: int) -> None:
+    if world == 1:
+        reports = [_rank_backward(0, 1, experts, top_k)]
+    else:
+        reports = run_local_ranks(_rank_backward, world, (experts, top_k), timeout_s=120)
+    for report in reports:
+        assert max(report.values()) < 3e-2, reports
+
+
+def test_cpu_backward_names_bad_operands() -> None:
+    x = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [5, -1], [1, 0]])  # expert 5 of 2
+    w = torch.ones(3, 2)
+    w1 = torch.zeros(2, HIDDEN, 2 * FFN, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, FFN, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(plan\): entry \(token 1, k 0\) holds an expert id"):
+        moe_backward_ep(x, x, idx, w, w1, w2)
+    with pytest.raises(ValueError, match="grad_out must be torch.bfloat16 \\[T, H\\]"):
+        moe_backward_ep(x[:2], x, idx, w, w1, w2)
+    with pytest.raises(ValueError, match="w2 must be \\[E / W = 2"):
+        moe_backward_ep(x, x, idx, w, w1, w2[:, :16])

@@ -158,9 +158,10 @@ py::tuple encode_fp8_rows_py(
 #ifdef UNIEP_WITH_CUDA_OPS
 uniep::fused::Config fused_config(int64_t world_size, int64_t rank, int64_t max_tokens,
                                   int64_t hidden, int64_t ffn, int64_t top_k, int64_t num_experts,
-                                  double timeout_s, int64_t tile_m) {
+                                  double timeout_s, int64_t tile_m, bool backward) {
   uniep::fused::Config c;
   c.tile_m = static_cast<int>(tile_m);
+  c.backward = backward;
   c.world_size = world_size;
   c.rank = rank;
   c.max_tokens = max_tokens;
@@ -462,9 +463,10 @@ PYBIND11_MODULE(_C, m) {
       "fused_ep_create",
       [](const std::string& group_name, const py::bytes& unique_id, int64_t world_size,
          int64_t rank, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
-         int64_t num_experts, double timeout_s, int64_t tile_m) {
+         int64_t num_experts, double timeout_s, int64_t tile_m, bool backward) {
         const uniep::fused::Config c = fused_config(world_size, rank, max_tokens, hidden, ffn,
-                                                    top_k, num_experts, timeout_s, tile_m);
+                                                    top_k, num_experts, timeout_s, tile_m,
+                                                    backward);
         const std::string raw = unique_id;
         py::gil_scoped_release release;  // collective: other ranks' threads must progress
         uniep::torch_glue::fused_ep_create(group_name,
@@ -472,7 +474,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
       py::arg("max_tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("top_k"),
-      py::arg("num_experts"), py::arg("timeout_s") = 100.0, py::arg("tile_m") = 128);
+      py::arg("num_experts"), py::arg("timeout_s") = 100.0, py::arg("tile_m") = 128,
+      py::arg("backward") = false);
   m.def("fused_ep_exists", &uniep::torch_glue::fused_ep_exists, py::arg("group_name"));
   m.def("fused_ep_destroy", &uniep::torch_glue::fused_ep_destroy, py::arg("group_name"),
         py::call_guard<py::gil_scoped_release>());
@@ -490,6 +493,7 @@ PYBIND11_MODULE(_C, m) {
         d["num_experts"] = c.num_experts;
         d["timeout_s"] = c.timeout_s;
         d["tile_m"] = c.tile_m;
+        d["backward"] = c.backward;
         d["row_capacity"] = c.row_capacity();
         return d;
       },
@@ -497,14 +501,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "fused_ep_symmetric_heap_bytes",
       [](int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
-         int64_t num_experts, int64_t tile_m) {
+         int64_t num_experts, int64_t tile_m, bool backward) {
         const uniep::fused::Config c = fused_config(world_size, 0, max_tokens, hidden, ffn,
-                                                    top_k, num_experts, 100.0, tile_m);
+                                                    top_k, num_experts, 100.0, tile_m, backward);
         uniep::torch_glue::ok_or_throw(c.validate());
         return static_cast<int64_t>(uniep::fused::symmetric_heap_bytes(c));
       },
       py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("ffn"),
       py::arg("top_k"), py::arg("num_experts"), py::arg("tile_m") = 128,
+      py::arg("backward") = false,
       "Bytes of NVSHMEM symmetric heap a fused MoE runtime of these parameters allocates.");
 #else
   m.attr("has_ep_runtime") = false;

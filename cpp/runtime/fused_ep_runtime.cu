@@ -13,6 +13,7 @@
 #include "runtime/runtime_support.hpp"
 #include "uniep/cuda/fused_ep.hpp"
 #include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/fused_moe_backward.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -29,9 +30,15 @@ struct Carve {
   size_t counts;    // int64 [2][W][E]: the count matrix of odd and even calls
   size_t counters;  // uint32 [NC]: rows stored per tile (by every rank's send)
   size_t done2;     // uint32 [2][NC]: GEMM 2's finished warps per tile, by call parity
+  size_t flags;     // uint32 [T x K]: the backward's return, the epoch each slot last got
   size_t row_src;   // int64 [C]: each GEMM row's source (rank x slots + t x top_k + k)
   size_t rows;      // bf16 [C][H]: the GEMM rows
   size_t combine;   // bf16 [T x K][H]: this rank's entries' expert outputs, slot t x top_k + k
+                    // (in a backward call: its entries' input gradients)
+  // With Config::backward (else empty):
+  size_t rows_go;   // bf16 [C][H]: grad_out's GEMM rows
+  size_t row_w;     // fp32 [C]: each GEMM row's routing weight
+  size_t dots;      // fp32 [T x K]: each slot's <act, grad_act>
   size_t total;
 };
 
@@ -44,9 +51,15 @@ Carve carve(const Config& c) {
   v.counts = heap.take(sizeof(int64_t) * 2 * W * E);
   v.counters = heap.take(sizeof(uint32_t) * NC);
   v.done2 = heap.take(sizeof(uint32_t) * 2 * NC);
+  const size_t slots = static_cast<size_t>(c.max_tokens) * c.top_k;
+  const size_t B = c.backward ? 1 : 0;
+  v.flags = heap.take(sizeof(uint32_t) * slots * B);
   v.row_src = heap.take(sizeof(int64_t) * C);
   v.rows = heap.take(C * H * 2);
-  v.combine = heap.take(static_cast<size_t>(c.max_tokens) * c.top_k * H * 2);
+  v.combine = heap.take(slots * H * 2);
+  v.rows_go = heap.take(C * H * 2 * B);
+  v.row_w = heap.take(sizeof(float) * C * B);
+  v.dots = heap.take(sizeof(float) * slots * B);
   v.total = heap.total();
   return v;
 }
@@ -96,6 +109,9 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     device_ = device;
     workspace_bytes_ = cuda::fused_moe_workspace_bytes(El, sm_count_);
+    if (cfg_.backward)
+      workspace_bytes_ =
+          std::max(workspace_bytes_, cuda::fused_moe_backward_workspace_bytes(El, sm_count_));
     runtime::HeapCarver local;  // the same alignment for the local buffers
     const size_t act = local.take(static_cast<size_t>(capacity_) * cfg_.ffn * 2);
     const size_t done1 = local.take(sizeof(uint32_t) * num_counters_);
@@ -148,63 +164,15 @@ class RuntimeImpl final : public Runtime {
     if (f.w1_packed == nullptr || f.w2 == nullptr || f.error == nullptr || f.timeout == nullptr)
       return {StatusCode::kInvalidArgument,
               "w1_packed, w2, error and timeout must be device pointers"};
-    // The call's epoch and parity live on the device (epoch_word_, advanced by the exchange
-    // kernel), so a CUDA graph of this call replays as a new call each time; nothing below
-    // depends on the parity on the host.
-    const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = E / W, K = cfg_.top_k;
+    const int64_t W = cfg_.world_size, El = cfg_.num_experts / W, K = cfg_.top_k;
     auto at = [&](int64_t p, size_t off) { return peer_[p] + off; };
     auto* mine = static_cast<uint8_t*>(sym_);
     auto* counters = reinterpret_cast<uint32_t*>(mine + layout_.counters);
     auto* done2 = reinterpret_cast<uint32_t*>(mine + layout_.done2);  // parity 0's set
-
-    cuda::FusedExchangeArgs x;
-    x.topk_idx = f.topk_idx;
-    x.tokens = f.tokens;
-    x.top_k = K;
-    x.num_experts = E;
-    x.world_size = static_cast<int>(W);
-    x.rank = static_cast<int>(cfg_.rank);
-    x.epoch_word = epoch_word_;
-    x.counts_parity_stride = W * E;
-    for (int64_t p = 0; p < W; ++p) {
-      x.peer_counts[p] = reinterpret_cast<int64_t*>(at(p, layout_.counts));
-      x.peer_arrived[p] = reinterpret_cast<uint64_t*>(at(p, layout_.arrived));
-    }
-    // Zeroed by the exchange before this rank announces the call: peers only touch them after.
-    x.zero_always[0] = counters;
-    x.zero_always[1] = done1_;
-    x.zero_by_parity = done2;
-    x.zero_count = num_counters_;
-    x.counts_out = counts_now_;
-    x.offs = offs_;
-    x.timeout = f.timeout;
-    x.timeout_ns = timeout_ns();
-    if (Status s = cuda::fused_exchange_counts(x, stream); !s.ok()) return s;
-    // From here on every peer waits for this rank's rows: the call is under way.
-    ++epoch_;
-
-    cuda::SenderRowsPlanArgs plan;
-    plan.topk_idx = f.topk_idx;
-    plan.tokens = f.tokens;
-    plan.top_k = K;
-    plan.counts = counts_now_;
-    plan.counts_ld = E;
-    plan.world_size = W;
-    plan.rank = cfg_.rank;
-    plan.num_experts = E;
-    plan.tile_m = cfg_.tile_m;
-    plan.dest_rank = dest_rank_;
-    plan.gemm_row = gemm_row_;
-    plan.counter = counter_;
-    plan.error = f.error;
     // Fewer senders than CTAs overlap the send with the GEMMs, in the order the GEMMs take rows.
     const bool ordered = W > 1 && launch.comm_ctas < sm_count_;
-    if (ordered) {
-      UNIEP_CUDA_OK(cudaMemsetAsync(send_order_, 0xff, sizeof(int64_t) * f.tokens * K, stream));
-      plan.send_order = send_order_;
-    }
-    if (Status s = cuda::plan_sender_rows_async(plan, stream); !s.ok()) return s;
-    if (Status s = cuda::gate_tile_base(offs_, El, capacity_, cfg_.tile_m, tile_base_, stream);
+    if (Status s = begin_call(f.topk_idx, f.tokens, cfg_.tile_m, ordered, f.error, f.timeout,
+                              stream);
         !s.ok())
       return s;
 
@@ -266,8 +234,178 @@ class RuntimeImpl final : public Runtime {
     return cuda::moe_fused_forward_bf16(a, l, device_, workspace_, workspace_bytes_, stream);
   }
 
+  Status backward_rows(const BackwardArgs& b, BackwardRows* rows, cudaStream_t stream) override {
+    if (!cfg_.backward)
+      return {StatusCode::kInvalidArgument,
+              "this fused MoE runtime was created without the backward's buffers: create it "
+              "with backward=True (uniep.megakernel.init_fused_ep)"};
+    if (b.tokens < 0 || b.tokens > cfg_.max_tokens)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
+                              b.tokens)};
+    if (b.tokens > 0 && (b.x == nullptr || b.grad_out == nullptr || b.topk_idx == nullptr ||
+                         b.topk_weights == nullptr))
+      return {StatusCode::kInvalidArgument,
+              "x, grad_out, topk_idx and topk_weights must be device pointers"};
+    if (b.w1 == nullptr || b.w2t == nullptr || b.h == nullptr || b.grad_act == nullptr ||
+        b.error == nullptr || b.timeout == nullptr || rows == nullptr)
+      return {StatusCode::kInvalidArgument,
+              "w1, w2t, h, grad_act, error, timeout and rows must be device pointers"};
+    const int64_t W = cfg_.world_size, El = cfg_.num_experts / W, K = cfg_.top_k;
+    // The gated GEMM's tiles (kGatedTileM rows): at most the counters the forward's height needs.
+    if (Status s = begin_call(b.topk_idx, b.tokens, cuda::kGatedTileM, false, b.error, b.timeout,
+                              stream);
+        !s.ok())
+      return s;
+    auto* mine = static_cast<uint8_t*>(sym_);
+    const bool none = b.tokens == 0;  // its own pointers are never read, but must be valid
+    cuda::FusedBackwardArgs a;
+    a.x = none ? mine + layout_.rows : b.x;
+    a.grad_out = none ? mine + layout_.rows : b.grad_out;
+    a.tokens = b.tokens;
+    a.hidden = cfg_.hidden;
+    a.top_k = K;
+    a.gemm_row = gemm_row_;
+    a.counter = counter_;
+    a.w1 = b.w1;
+    a.w2t = b.w2t;
+    a.num_experts = El;
+    a.ffn = cfg_.ffn;
+    a.offs = offs_;
+    a.tile_base = tile_base_;
+    a.capacity = capacity_;
+    a.rows_x = mine + layout_.rows;
+    a.rows_go = mine + layout_.rows_go;
+    a.h = b.h;
+    a.grad_act = b.grad_act;
+    a.counters = reinterpret_cast<uint32_t*>(mine + layout_.counters);
+    a.num_counters = num_counters_;
+    a.error = b.error;
+    a.timeout = b.timeout;
+    a.timeout_ns = timeout_ns();
+    a.trace = b.trace;
+    a.dest_rank = dest_rank_;
+    a.topk_weights = none ? no_weights_ : b.topk_weights;
+    a.peers.world_size = static_cast<int>(W);
+    a.peers.rank = static_cast<int>(cfg_.rank);
+    a.peers.slots_per_rank = cfg_.max_tokens * K;
+    for (int64_t p = 0; p < W; ++p) {
+      a.peers.rows_x[p] = peer_[p] + layout_.rows;
+      a.peers.rows_go[p] = peer_[p] + layout_.rows_go;
+      a.peers.row_src[p] = reinterpret_cast<int64_t*>(peer_[p] + layout_.row_src);
+      a.peers.row_w[p] = reinterpret_cast<float*>(peer_[p] + layout_.row_w);
+      a.peers.counters[p] = reinterpret_cast<uint32_t*>(peer_[p] + layout_.counters);
+    }
+    // At one rank too: the send then writes the sources and weights the return reads.
+    if (Status s = cuda::moe_fused_backward_rows_bf16(a, sm_count_, device_, workspace_,
+                                                      workspace_bytes_, stream);
+        !s.ok())
+      return s;
+    rows->rows_x = mine + layout_.rows;
+    rows->rows_go = mine + layout_.rows_go;
+    rows->row_w = reinterpret_cast<const float*>(mine + layout_.row_w);
+    rows->offs = offs_;
+    rows->capacity = capacity_;
+    return Status::Ok();
+  }
+
+  Status backward_return(const ReturnArgs& r, cudaStream_t stream) override {
+    if (!cfg_.backward)
+      return {StatusCode::kInvalidArgument,
+              "this fused MoE runtime was created without the backward's buffers"};
+    if (r.tokens < 0 || r.tokens > cfg_.max_tokens)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
+                              r.tokens)};
+    const int64_t W = cfg_.world_size, El = cfg_.num_experts / W;
+    auto* mine = static_cast<uint8_t*>(sym_);
+    cuda::FusedReturnArgs a;
+    a.grad_rows = r.grad_rows;
+    a.dots = r.dots;
+    a.row_src = reinterpret_cast<const int64_t*>(mine + layout_.row_src);
+    a.rows_end = offs_ + (El - 1);
+    a.capacity = capacity_;
+    a.hidden = cfg_.hidden;
+    a.gemm_row = gemm_row_;
+    a.tokens = r.tokens;
+    a.top_k = cfg_.top_k;
+    a.grad_x = r.grad_x;
+    a.grad_w = r.grad_w;
+    a.world_size = static_cast<int>(W);
+    a.rank = static_cast<int>(cfg_.rank);
+    a.slots_per_rank = cfg_.max_tokens * cfg_.top_k;
+    for (int64_t p = 0; p < W; ++p) {
+      a.slots[p] = peer_[p] + layout_.combine;
+      a.slot_dots[p] = reinterpret_cast<float*>(peer_[p] + layout_.dots);
+      a.slot_flag[p] = reinterpret_cast<uint32_t*>(peer_[p] + layout_.flags);
+    }
+    a.epoch_word = epoch_word_;
+    a.error = r.error;
+    a.timeout = r.timeout;
+    a.timeout_ns = timeout_ns();
+    return cuda::moe_fused_backward_return_bf16(a, sm_count_, stream);
+  }
+
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  // The count exchange, this call's plan (tiles of tile_m rows; with `ordered` also the send
+  // order) and the local experts' tile bases: the start of every call, forward or backward.
+  Status begin_call(const int64_t* topk_idx, int64_t tokens, int tile_m, bool ordered,
+                    unsigned long long* error, cuda::GateTimeout* timeout, cudaStream_t stream) {
+    // The call's epoch and parity live on the device (epoch_word_, advanced by the exchange
+    // kernel), so a CUDA graph of this call replays as a new call each time; nothing below
+    // depends on the parity on the host.
+    const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = E / W, K = cfg_.top_k;
+    auto* mine = static_cast<uint8_t*>(sym_);
+    cuda::FusedExchangeArgs x;
+    x.topk_idx = topk_idx;
+    x.tokens = tokens;
+    x.top_k = K;
+    x.num_experts = E;
+    x.world_size = static_cast<int>(W);
+    x.rank = static_cast<int>(cfg_.rank);
+    x.epoch_word = epoch_word_;
+    x.counts_parity_stride = W * E;
+    for (int64_t p = 0; p < W; ++p) {
+      x.peer_counts[p] = reinterpret_cast<int64_t*>(peer_[p] + layout_.counts);
+      x.peer_arrived[p] = reinterpret_cast<uint64_t*>(peer_[p] + layout_.arrived);
+    }
+    // Zeroed by the exchange before this rank announces the call: peers only touch them after.
+    x.zero_always[0] = reinterpret_cast<uint32_t*>(mine + layout_.counters);
+    x.zero_always[1] = done1_;
+    x.zero_by_parity = reinterpret_cast<uint32_t*>(mine + layout_.done2);
+    x.zero_count = num_counters_;
+    x.counts_out = counts_now_;
+    x.offs = offs_;
+    x.timeout = timeout;
+    x.timeout_ns = timeout_ns();
+    if (Status s = cuda::fused_exchange_counts(x, stream); !s.ok()) return s;
+    // From here on every peer waits for this rank's rows: the call is under way.
+    ++epoch_;
+
+    cuda::SenderRowsPlanArgs plan;
+    plan.topk_idx = topk_idx;
+    plan.tokens = tokens;
+    plan.top_k = K;
+    plan.counts = counts_now_;
+    plan.counts_ld = E;
+    plan.world_size = W;
+    plan.rank = cfg_.rank;
+    plan.num_experts = E;
+    plan.tile_m = tile_m;
+    plan.dest_rank = dest_rank_;
+    plan.gemm_row = gemm_row_;
+    plan.counter = counter_;
+    plan.error = error;
+    if (ordered) {
+      UNIEP_CUDA_OK(cudaMemsetAsync(send_order_, 0xff, sizeof(int64_t) * tokens * K, stream));
+      plan.send_order = send_order_;
+    }
+    if (Status s = cuda::plan_sender_rows_async(plan, stream); !s.ok()) return s;
+    return cuda::gate_tile_base(offs_, El, capacity_, tile_m, tile_base_, stream);
+  }
+
 
   Config cfg_;
   Carve layout_;

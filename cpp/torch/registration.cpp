@@ -112,6 +112,16 @@ TORCH_LIBRARY(uniep, m) {
       "moe_fused_ep(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
       "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
+  // Its backward on the same routing (CUDA only; fused_ep.hpp's backward_rows and
+  // backward_return, on a runtime created with backward=True): grad_out [T, H] bf16, the
+  // forward's x, topk_idx and topk_weights, this rank's experts' w1 [E / W, H, 2I] (gate, then
+  // up) and w2t [E / W, H, I] (w2 transposed). Returns grad_x [T, H], grad_topk_weights [T, K]
+  // fp32, grad_w1, grad_w2, error and timeout (read once the stream has run).
+  m.def(
+      "moe_fused_ep_backward(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor w1, Tensor w2t, str group_name, Tensor(a!)? trace=None) -> "
+      "(Tensor grad_x, Tensor grad_w, Tensor grad_w1, Tensor grad_w2, Tensor error, "
+      "Tensor timeout)");
   // The experts' backward between its grouped GEMMs (CUDA only;
   // include/uniep/cuda/grouped_gemm.hpp's swiglu_backward_bf16): h [R, 2I] bf16, grad_act [R, I]
   // bf16 (before the routing weight), w [R] fp32 -> act * w, grad_h, dots [R] fp32.

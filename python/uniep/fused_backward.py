@@ -18,18 +18,30 @@ current stream), ``"streams"`` (the sends on ``comm_sms`` SMs beside the GEMMs, 
 tile) or ``"fused"`` (one persistent launch, ``torch.ops.uniep.moe_fused_backward_local``:
 every CTA sends, then all of them take the GEMMs' tiles). Steps 3 and 4 are the same launches in
 every mode, so all three give the same bits.
+
+Across the ranks of a group, :func:`moe_backward_ep` runs the same steps on the group's fused
+runtime (``uniep.megakernel.init_fused_ep(..., backward=True)``; include/uniep/cuda/fused_ep.hpp):
+the count exchange and the plan, one persistent launch per rank that stores the rank's x and
+grad_out rows into their experts' ranks' GEMM rows (with each row's source slot and routing
+weight) and runs the local experts' h and grad_act gated on the rows that arrive, the
+element-wise pass and ``grad_rows = grad_h w1^T`` over the rank's rows, the rows' gradients and
+dots back into their sources' slots with the reduce over k on each source, then the weight
+gradients. The bits equal :func:`moe_backward_local` on every rank's tokens together with every
+expert's weights (a row's arithmetic does not depend on where it sits, an expert's rows are in
+the same order, the reduce is the same ascending-k fp32 sum).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from . import gate
+from . import _C, distributed, gate
 from .fused_forward import transposed_w2
 from .gemm import grouped_mm_dgrad, grouped_mm_wgrad
-from .megakernel import _begin, _check, _finish, expert_counts
+from .megakernel import _begin, _check, _check_operands, _finish, expert_counts
 
-__all__ = ["moe_backward_local"]
+__all__ = ["moe_backward_ep", "moe_backward_local"]
 
 
 def _check_grad_out(grad_out: torch.Tensor, x: torch.Tensor) -> None:
@@ -174,6 +186,209 @@ def moe_backward_local(
     errors.append(("send", combine_error, "moe_backward_local (combine)", k))
     _finish(check, errors)
     return grad_x, grad_w, grad_w1, grad_w2
+
+
+def moe_backward_ep(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    check: bool | str = True,
+    w2t: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_topk_weights, grad_w1, grad_w2)`` of the MoE forward across the ranks of
+    ``group`` (:func:`uniep.megakernel.moe_forward_ep`'s, or ``moe_forward``'s with
+    ``overlap=fused``) for this rank's tokens and this rank's experts' weights (``w1``
+    ``[E / W, H, 2I]`` gate columns then up, ``w2`` ``[E / W, I, H]``), on the group's fused
+    runtime, which must hold the backward's buffers (``init_fused_ep(..., backward=True)`` or
+    ``ensure_fused_ep(..., backward=True)``); the module docstring's steps. Every rank calls it
+    in the same order as its other calls on that runtime (a rank with no tokens too: its experts
+    still compute the others' rows). ``grad_topk_weights`` is float32, 0 where ``topk_idx`` is
+    -1. ``w2t``: ``w2`` transposed and contiguous (default: made once per ``w2`` version).
+    ``trace`` (int64, 4 per SM, zeroed): the first launch's stamps, as for
+    :func:`moe_backward_local`. ``check`` as for :func:`uniep.megakernel.moe_forward_ep`: a bad
+    expert id, an exchange a rank never joined, rows or gradients that never came raise here.
+    At one rank it is :func:`moe_backward_local` (``overlap="fused"``).
+
+    On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
+    :func:`uniep.gate.sender_rows`, each entry's x and grad_out rows and weight to its GEMM row
+    on its expert's rank, the experts' backward with the kernels' roundings (h, grad_act,
+    grad_h, the rows' gradients and the weights' gradients rounded to bf16), the rows' gradients
+    and dots back to their (token, k) slots and the sum over k ascending in fp32; within bf16
+    rounding of the GPU's bits (the GEMMs' summation order differs)."""
+    if not x.is_cuda and not w1.is_cuda:
+        return _moe_backward_ep_cpu(grad_out, x, topk_idx, topk_weights, w1, w2, group)
+    from .ep import _timeout
+    from .megakernel import _require_runtime
+
+    if distributed.world_size(group) == 1:
+        return moe_backward_local(
+            grad_out, x, topk_idx, topk_weights, w1, w2, overlap="fused",
+            timeout_s=_timeout(None), check=check, w2t=w2t, trace=trace,
+        )  # fmt: skip
+    _require_runtime()
+    if not x.is_cuda:
+        raise ValueError(f"x must be a CUDA tensor like w1, got {x.device}")
+    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
+    _check_grad_out(grad_out, x)
+    if w2t is None:
+        w2t = transposed_w2(w2)
+    _check_w2t(w2t, w2)
+    _begin(check)
+    name = distributed.group_name(group)
+    if not _C.fused_ep_exists(name) or not _C.fused_ep_config(name)["backward"]:
+        raise RuntimeError(
+            f"group '{name}' has no fused MoE runtime with the backward's buffers: call "
+            "uniep.megakernel.init_fused_ep(group, ..., backward=True) (or ensure_fused_ep(..., "
+            "backward=True)) on every rank first"
+        )
+    grad_x, grad_w, grad_w1, grad_w2, error, timeout = torch.ops.uniep.moe_fused_ep_backward(
+        grad_out.contiguous(), x.contiguous(), topk_idx, topk_weights, w1.contiguous(), w2t,
+        name, trace,
+    )  # fmt: skip
+    k = topk_idx.shape[1]
+    _finish(check, [("gate", timeout, "moe_backward_ep", k), ("send", error, "moe_backward_ep", k)])
+    return grad_x, grad_w, grad_w1, grad_w2
+
+
+def _moe_backward_ep_cpu(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_backward_ep's CPU executor (its docstring): the plan of the GPU path, the rows over
+    the group's all_to_all, the kernels' arithmetic in float32 with their bf16 roundings."""
+    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
+    _check_grad_out(grad_out, x)
+    t, h = x.shape
+    el, _, two_i = w1.shape
+    i = two_i // 2
+    pg = distributed._resolve(group)
+    world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+    k = topk_idx.shape[1]
+
+    def exchange(out: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if pg is None:
+            return out
+        got = out.new_empty(sum(recv), *out.shape[1:])
+        dist.all_to_all_single(got, out, recv, send, group=pg)
+        return got
+
+    # The plan: every rank's counts, then where each of this rank's rows goes.
+    counts = expert_counts(topk_idx, el * world)
+    matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(world)]
+    if pg is not None:
+        dist.all_gather(matrix, counts, group=pg)
+    matrix = torch.stack(matrix)
+    dest, row, _, error = gate.sender_rows(topk_idx, matrix, rank, check=False)
+    gate.check_send_error(error, k, "moe_backward_ep (plan)")
+
+    # The send: each used entry's x row, grad_out row and weight to its GEMM row on its rank.
+    entries = (dest.reshape(-1) >= 0).nonzero().squeeze(1)
+    entries = entries[torch.argsort(dest.reshape(-1)[entries], stable=True)]
+    send = torch.bincount(dest.reshape(-1)[entries], minlength=world)
+    recv = send.clone()
+    if pg is not None:
+        dist.all_to_all_single(recv, send, group=pg)
+    send_l, recv_l = send.tolist(), recv.tolist()
+    payload = torch.cat(
+        [
+            x[entries // k].view(torch.uint8),  # bf16 bits: the transport moves bytes
+            grad_out.contiguous()[entries // k].view(torch.uint8),
+            topk_weights.float().reshape(-1)[entries].unsqueeze(1).view(torch.uint8),
+        ],
+        dim=1,
+    )
+    got = exchange(payload, send_l, recv_l)
+    meta = exchange(row.reshape(-1)[entries], send_l, recv_l)
+    rows = int(matrix[:, rank * el : (rank + 1) * el].sum())
+    rows_x = torch.zeros(rows, h, dtype=torch.bfloat16)
+    rows_go = torch.zeros(rows, h, dtype=torch.bfloat16)
+    w_row = torch.zeros(rows, dtype=torch.float32)
+    rows_x[meta] = got[:, : 2 * h].contiguous().view(torch.bfloat16)
+    rows_go[meta] = got[:, 2 * h : 4 * h].contiguous().view(torch.bfloat16)
+    w_row[meta] = got[:, 4 * h :].contiguous().view(torch.float32).squeeze(1)
+
+    # The experts' backward with the kernels' roundings.
+    local = matrix[:, rank * el : (rank + 1) * el].sum(0)
+    grad_rows = torch.zeros(rows, h, dtype=torch.bfloat16)
+    dots = torch.zeros(rows, dtype=torch.float32)
+    grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    ends = local.cumsum(0).tolist()
+    for e in range(el):
+        b, end = (ends[e - 1] if e else 0), ends[e]
+        if end == b:
+            continue
+        xr, gr, wr = rows_x[b:end].float(), rows_go[b:end].float(), w_row[b:end].unsqueeze(1)
+        hh = (xr @ w1[e].float()).bfloat16().float()
+        ga = (gr @ w2[e].float().t()).bfloat16().float()
+        g, u = hh[:, :i], hh[:, i:]
+        sig = 1.0 / (1.0 + torch.exp(-g))
+        act = (g * sig * u).bfloat16().float()
+        dots[b:end] = (act * ga).sum(1)
+        gw = ga * wr
+        grad_h = torch.cat([gw * u * sig * (1.0 + g * (1.0 - sig)), gw * g * sig], 1).bfloat16()
+        act_w = (act * wr).bfloat16()
+        grad_rows[b:end] = (grad_h.float() @ w1[e].float().t()).bfloat16()
+        grad_w1[e] = (xr.t() @ grad_h.float()).to(w1.dtype)
+        grad_w2[e] = (act_w.float().t() @ gr).to(w2.dtype)
+
+    # The rows' gradients and dots back to their slots, in the order their rows came.
+    back = torch.cat(
+        [grad_rows[meta].view(torch.uint8), dots[meta].unsqueeze(1).view(torch.uint8)], 1
+    )
+    back_in = exchange(back, recv_l, send_l)
+    slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
+    slot_dots = torch.zeros(t * k, dtype=torch.float32)
+    slots[entries] = back_in[:, : 2 * h].contiguous().view(torch.bfloat16)
+    slot_dots[entries] = back_in[:, 2 * h :].contiguous().view(torch.float32).squeeze(1)
+    slots = slots.view(t, k, h).float()
+    used = dest >= 0
+    acc = torch.zeros(t, h, dtype=torch.float32)
+    for j in range(k):
+        acc = torch.where(used[:, j : j + 1], acc + slots[:, j], acc)
+    grad_w = torch.where(used, slot_dots.view(t, k), 0.0)
+    return acc.bfloat16(), grad_w, grad_w1, grad_w2
+
+
+@torch.library.register_fake("uniep::moe_fused_ep_backward")
+def _moe_fused_ep_backward_fake(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2t: torch.Tensor,
+    group_name: str,
+    trace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
+    )
+    torch._check_value(
+        w1.dim() == 3 and w2t.dim() == 3,
+        lambda: f"w1 and w2t must be 3-D, got {tuple(w1.shape)} and {tuple(w2t.shape)}",
+    )
+    e, h, i = w2t.shape
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(topk_idx.shape, dtype=torch.float32),
+        w1.new_empty(w1.shape),
+        w2t.new_empty((e, i, h)),
+        x.new_empty((1,), dtype=torch.int64),
+        x.new_empty((5,), dtype=torch.int32),
+    )
 
 
 @torch.library.register_fake("uniep::moe_fused_backward_local")

@@ -9,10 +9,12 @@ tensor, an optimizer step included) or its storage moved. Writes that bypass the
 after them. The copy costs one more ``w1`` of GPU memory; an inference server with fixed weights
 should prepare them once instead (``uniep.prepared``).
 
-The bits are those of the separate launches (``overlap=sequential``). At world 1 the backward
-is the fused one (``uniep.fused_backward``: one persistent launch sends x's and grad_out's rows
-and runs the GEMMs on them; it reads w2 transposed, kept like the packed w1); across ranks it is
-``moe_backward``'s, on the plain weights, as for every other tuning point. Not capturable in a
+The bits are those of the separate launches (``overlap=sequential``). The backward is the fused
+one (``uniep.fused_backward``: one persistent launch sends x's and grad_out's rows, across ranks
+to their experts' ranks, and runs the GEMMs on them; it reads w2 transposed, kept like the
+packed w1); across ranks the forward then creates the group's fused runtime with the backward's
+buffers. A bf16 forward's float32 or float64 ``grad_out`` runs ``moe_backward``'s separate
+launches instead (the fused backward takes bf16 gradients). Not capturable in a
 CUDA graph (the MegaKernel's errors are checked after the call); the MegaKernel's own entry
 points are, with ``check=False``.
 """
@@ -104,6 +106,7 @@ def _forward(
     w2: torch.Tensor,
     group: dist.ProcessGroup | None,
     tuning: str,
+    backward: bool = False,
 ) -> torch.Tensor:
     from .distributed import world_size
     from .megakernel import _check_operands
@@ -123,7 +126,9 @@ def _forward(
     # The MegaKernel's own operand checks, before the packing (w1 has the packed shape).
     _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
     experts = PreparedExperts("bf16_packed", packed_gate_up(w1), w2.detach().contiguous())
-    return _forward_fused(x, topk_idx, topk_weights, experts, group, world_size(group), tuning)
+    return _forward_fused(
+        x, topk_idx, topk_weights, experts, group, world_size(group), tuning, backward=backward
+    )
 
 
 class _FusedMoE(torch.autograd.Function):
@@ -142,35 +147,53 @@ class _FusedMoE(torch.autograd.Function):
         from .distributed import world_size
 
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
-        ctx.group_name, ctx.tuning, ctx.world = name, tuning, world_size(group)
-        return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning)
+        ctx.group, ctx.group_name, ctx.tuning, ctx.world = group, name, tuning, world_size(group)
+        return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning, backward=True)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
         from .ops import _backward
 
-        if ctx.world == 1 and grad_out.dtype == torch.bfloat16:
-            return _backward_local(ctx, grad_out)
+        if grad_out.dtype == torch.bfloat16:
+            return _backward_fused(ctx, grad_out)
         # moe_forward's own backward (its inputs have no group: one None more for it here).
         return (*_backward(ctx, grad_out)[:5], None, None, None)
 
 
-def _backward_local(ctx: Any, grad_out: torch.Tensor) -> tuple:
-    """The fused backward at world 1 (``uniep.fused_backward``): the send of x's and grad_out's
-    rows and the GEMMs on them in one persistent launch, the forward's errors checked as the
-    forward checks them (deferred)."""
+def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    """The fused backward (``uniep.fused_backward``): at one rank ``moe_backward_local``, across
+    ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
+    checks them (deferred)."""
     from .ep import _timeout
-    from .fused_backward import moe_backward_local
+    from .fused_backward import moe_backward_ep, moe_backward_local
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
     # Keyed by the saved w2 itself (the caller's tensor), so the copy is kept across steps; a
     # detached view is a new tensor at every call and would be transposed again each time.
     w2t = transposed_w2(w2)
-    grad_x, grad_w, grad_w1, grad_w2 = moe_backward_local(
-        grad_out.contiguous(), x, topk_idx, weights, w1.detach(), w2.detach(),
-        overlap="fused", timeout_s=_timeout(None), check="deferred", w2t=w2t,
-    )  # fmt: skip
+    operands = (grad_out.contiguous(), x, topk_idx, weights, w1.detach(), w2.detach())
+    if ctx.world == 1:
+        grads = moe_backward_local(
+            *operands, overlap="fused", timeout_s=_timeout(None), check="deferred", w2t=w2t
+        )
+    else:
+        from .megakernel import ensure_fused_ep, fused_ep_fits
+
+        sizes = {
+            "tokens": x.shape[0],
+            "hidden": x.shape[1],
+            "ffn": w2.shape[1],
+            "top_k": topk_idx.shape[1],
+            "num_experts": w1.shape[0] * ctx.world,
+            "backward": True,
+        }
+        # The forward made the runtime with these buffers; only a runtime replaced since (by a
+        # call of other sizes) needs the collective again, on every rank alike.
+        if not fused_ep_fits(ctx.group, **sizes):
+            ensure_fused_ep(ctx.group, **sizes)
+        grads = moe_backward_ep(*operands, ctx.group, check="deferred", w2t=w2t)
+    grad_x, grad_w, grad_w1, grad_w2 = grads
     needs = ctx.needs_input_grad
     return (
         grad_x if needs[0] else None,

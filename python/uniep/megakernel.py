@@ -393,19 +393,21 @@ def fused_ep_heap_bytes(
     top_k: int,
     num_experts: int,
     tile_m: int | None = None,
+    backward: bool = False,
 ) -> int:
     """Bytes of NVSHMEM symmetric heap :func:`init_fused_ep` allocates per rank with these
     sizes (its GEMM rows hold ``world_size x max_tokens x min(top_k, experts per rank)`` rows,
-    the most any rank can receive; its combine slots ``max_tokens x top_k``). NVSHMEM's heap is
-    sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the sum of
-    the runtimes' bytes before that (``uniep.ep`` and ``uniep.collectives`` have theirs), or
-    create this runtime first when it is the process's only one."""
+    the most any rank can receive; its combine slots ``max_tokens x top_k``; ``backward``: as
+    many rows again for grad_out's, a weight per row and a dot and a flag per slot). NVSHMEM's
+    heap is sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the
+    sum of the runtimes' bytes before that (``uniep.ep`` and ``uniep.collectives`` have theirs),
+    or create this runtime first when it is the process's only one."""
     _require_runtime()
     if tile_m is None:
         tile_m = fused_tile_m(world_size * max_tokens * top_k, num_experts)
     return int(
         _C.fused_ep_symmetric_heap_bytes(
-            world_size, max_tokens, hidden, ffn, top_k, num_experts, tile_m
+            world_size, max_tokens, hidden, ffn, top_k, num_experts, tile_m, backward
         )
     )
 
@@ -420,6 +422,7 @@ def init_fused_ep(
     num_experts: int,
     timeout_s: float | None = None,
     tile_m: int | None = None,
+    backward: bool = False,
 ) -> None:
     """Create the fused MoE runtime of ``group`` on every rank (collective): NVSHMEM from rank
     0's unique id (shared with the other UniEP runtimes of the same ranks), the symmetric GEMM
@@ -427,7 +430,9 @@ def init_fused_ep(
     ``group`` must be on one NVLink domain (at most 8 ranks), with this rank's GPU current.
     ``timeout_s`` bounds every device wait (default ``UNIEP_TIMEOUT_S`` or 100 s). ``tile_m``:
     the kernel's tile rows, 128 or 64, the same on every rank (None: :func:`fused_tile_m` of
-    the rows a local expert gets when every rank sends ``max_tokens`` tokens)."""
+    the rows a local expert gets when every rank sends ``max_tokens`` tokens). ``backward``: also
+    the buffers of the fused backward (:func:`uniep.fused_backward.moe_backward_ep`), the same on
+    every rank."""
     from .ep import _timeout
 
     _require_runtime()
@@ -457,6 +462,7 @@ def init_fused_ep(
         num_experts,
         _timeout(timeout_s),
         tile_m,
+        bool(backward),
     )
 
 
@@ -469,6 +475,7 @@ def ensure_fused_ep(
     top_k: int,
     num_experts: int,
     tile_m: int | None = None,
+    backward: bool = False,
 ) -> None:
     """The group's fused MoE runtime, sized for this call (collective: every rank calls it in
     the same call, with its own ``tokens``). The ranks' sizes are exchanged first (one small
@@ -479,7 +486,9 @@ def ensure_fused_ep(
     power of two, at least 256, never below the old one; a runtime that only grows keeps its
     timeout and tile height). ``tile_m`` (128 or 64, the same on every rank): the kernel's tile
     height; a runtime of another height is created again; None keeps the runtime's, or picks
-    :func:`fused_tile_m`'s for a new one. NVSHMEM's heap is sized by the first
+    :func:`fused_tile_m`'s for a new one. ``backward``: with the fused backward's buffers (on any
+    rank that asks: a runtime is created again to add them, and keeps them once it has them).
+    NVSHMEM's heap is sized by the first
     UniEP runtime of the process: a runtime that grows later needs ``NVSHMEM_SYMMETRIC_SIZE``
     set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
     from .ep import grown_capacity
@@ -489,7 +498,7 @@ def ensure_fused_ep(
         raise ValueError(f"tile_m must be None or one of {FUSED_TILE_MS}, got {tile_m!r}")
     pg = distributed._resolve(group)
     name = distributed.group_name(group)
-    mine = [tokens, hidden, ffn, top_k, num_experts, tile_m or 0]
+    mine = [tokens, hidden, ffn, top_k, num_experts, tile_m or 0, int(bool(backward))]
     if pg is None:
         table = [mine]
     else:
@@ -505,8 +514,9 @@ def ensure_fused_ep(
                     f"{table[0][col]}, rank {rank} has {row[col]}"
                 )
     most = max(row[0] for row in table)
+    backward = any(row[6] for row in table)
     sizes = {"hidden": hidden, "ffn": ffn, "top_k": top_k, "num_experts": num_experts}
-    if fused_ep_fits(group, tokens=most, tile_m=tile_m, **sizes):
+    if fused_ep_fits(group, tokens=most, tile_m=tile_m, backward=backward, **sizes):
         return
     old = _C.fused_ep_config(name) if _C.fused_ep_exists(name) else None
     same = old is not None and all(old[key] == value for key, value in sizes.items())
@@ -515,12 +525,14 @@ def ensure_fused_ep(
         timeout_s = old["timeout_s"]
         if same and tile_m is None:  # a runtime that only grows keeps its tile height
             tile_m = old["tile_m"]
+        backward = backward or bool(old["backward"])
         shutdown_fused_ep(group)
     init_fused_ep(
         group,
         max_tokens=grown_capacity(old["max_tokens"] if same else None, most),
         timeout_s=timeout_s,
         tile_m=tile_m,
+        backward=backward,
         **sizes,
     )
 
@@ -534,14 +546,16 @@ def fused_ep_fits(
     top_k: int,
     num_experts: int,
     tile_m: int | None = None,
+    backward: bool = False,
 ) -> bool:
-    """Whether the group's fused runtime exists with these sizes, room for ``tokens`` and the
-    tile height ``tile_m`` (None: any), judged on this rank alone (no communication). A caller
-    that calls :func:`ensure_fused_ep` only when this is False saves its host round trip on
-    every other call; every rank must then reach the same answer, so a batch larger than the
-    runtime holds must come on every rank in the same call (or :func:`ensure_fused_ep` be called
-    on every rank first, with each rank's largest batch); a rank that grows alone leaves the
-    others waiting for it until the timeout, which names it."""
+    """Whether the group's fused runtime exists with these sizes, room for ``tokens``, the
+    tile height ``tile_m`` (None: any) and, with ``backward``, the backward's buffers, judged
+    on this rank alone (no communication). A caller that calls :func:`ensure_fused_ep` only
+    when this is False saves its host round trip on every other call; every rank must then
+    reach the same answer, so a batch larger than the runtime holds must come on every rank in
+    the same call (or :func:`ensure_fused_ep` be called on every rank first, with each rank's
+    largest batch); a rank that grows alone leaves the others waiting for it until the timeout,
+    which names it."""
     name = distributed.group_name(group)
     if not (getattr(_C, "has_ep_runtime", False) and _C.fused_ep_exists(name)):
         return False
@@ -550,6 +564,7 @@ def fused_ep_fits(
         (c["hidden"], c["ffn"], c["top_k"], c["num_experts"]) == (hidden, ffn, top_k, num_experts)
         and tokens <= c["max_tokens"]
         and (tile_m is None or c["tile_m"] == tile_m)
+        and (not backward or bool(c["backward"]))
     )
 
 

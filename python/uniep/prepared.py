@@ -219,7 +219,10 @@ def _forward_fused(
     group: dist.ProcessGroup | None,
     world: int,
     tuning: str,
+    backward: bool = False,
 ) -> torch.Tensor:
+    """The MegaKernel's forward (``backward``: across ranks, on a runtime that also holds the
+    fused backward's buffers, for autograd)."""
     from . import megakernel
     from .ep import _timeout
 
@@ -239,6 +242,7 @@ def _forward_fused(
         "top_k": topk_idx.shape[1],
         "num_experts": experts.num_experts * world,
         "tile_m": tile_m,
+        "backward": backward,
     }
     # The size agreement is a host round trip (it drains the stream before the launch): only
     # when the runtime must be created, grown or re-tiled.

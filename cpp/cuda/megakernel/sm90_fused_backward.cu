@@ -59,9 +59,12 @@ __global__ void __launch_bounds__(32)
 
 // Warp `warp` of `warps` takes tokens warp, warp + warps, ...: each token's x row and grad_out
 // row go to all of its GEMM rows (each read once), then each row is counted once on its tile.
+// With peers the rows go to their experts' ranks, each with its source slot and routing weight
+// (what the element-wise pass and the return need there), published at system scope.
 __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a, int64_t warp,
                                                      int64_t warps, int lane) {
   const int64_t pieces = a.hidden * 2 / 16, K = a.top_k;
+  const bool peers = a.peers.row_src[0] != nullptr;
   const auto* x = static_cast<const int4*>(a.x);
   const auto* go = static_cast<const int4*>(a.grad_out);
   for (int64_t t = warp; t < a.tokens; t += warps) {
@@ -70,9 +73,17 @@ __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a,
     uint32_t* signal = nullptr;
     if (lane < K) {
       const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
+      const int64_t d = peers ? a.dest_rank[i] : 0;
       if (r >= 0) {
-        if (r >= a.capacity || c < 0 || c >= a.num_counters) {
+        if (r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
+            d >= a.peers.world_size) {
           send_error(a.error, kSendRowOutOfRange, i);
+        } else if (peers) {
+          dst_x = static_cast<int4*>(a.peers.rows_x[d]) + r * pieces;
+          dst_go = static_cast<int4*>(a.peers.rows_go[d]) + r * pieces;
+          signal = a.peers.counters[d] + c;
+          a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
+          a.peers.row_w[d][r] = a.topk_weights[i];
         } else {
           dst_x = static_cast<int4*>(a.rows_x) + r * pieces;
           dst_go = static_cast<int4*>(a.rows_go) + r * pieces;
@@ -82,8 +93,16 @@ __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a,
     }
     store_token_row(x + t * pieces, dst_x, pieces, static_cast<int>(K), lane);
     store_token_row(go + t * pieces, dst_go, pieces, static_cast<int>(K), lane);
-    __syncwarp();
-    if (signal != nullptr) gate_signal_gpu(signal, 1u);
+    if (peers) {
+      // A peer GPU acquires the counter: every lane's stores before it at system scope (as the
+      // forward's send, once per token and lane).
+      __threadfence_system();
+      __syncwarp();
+      if (signal != nullptr) gate_signal(signal, 1u);
+    } else {
+      __syncwarp();
+      if (signal != nullptr) gate_signal_gpu(signal, 1u);
+    }
   }
 }
 
@@ -139,6 +158,27 @@ Status check_args(const FusedBackwardArgs& a) {
       return {StatusCode::kInvalidArgument,
               "moe_fused_backward_rows_bf16: every pointer of FusedBackwardArgs must be a device "
               "pointer"};
+  if (a.peers.row_src[0] != nullptr) {
+    if (a.peers.world_size < 1 || a.peers.world_size > kMaxFusedPeers || a.peers.rank < 0 ||
+        a.peers.rank >= a.peers.world_size || a.peers.slots_per_rank < a.tokens * a.top_k)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("peers: world_size must be in [1, ", kMaxFusedPeers,
+                              "], rank in [0, world_size) and slots_per_rank >= tokens x top_k, "
+                              "got ",
+                              a.peers.world_size, ", ", a.peers.rank, " and ",
+                              a.peers.slots_per_rank)};
+    if (a.tokens > 0 && (a.dest_rank == nullptr || a.topk_weights == nullptr))
+      return {StatusCode::kInvalidArgument,
+              "moe_fused_backward_rows_bf16: with peers, dest_rank and topk_weights must be "
+              "device pointers"};
+    for (int p = 0; p < a.peers.world_size; ++p)
+      if (a.peers.rows_x[p] == nullptr || a.peers.rows_go[p] == nullptr ||
+          a.peers.row_src[p] == nullptr || a.peers.row_w[p] == nullptr ||
+          a.peers.counters[p] == nullptr)
+        return {StatusCode::kInvalidArgument,
+                detail::str_cat("moe_fused_backward_rows_bf16: peers' buffers of rank ", p,
+                                " must be device pointers")};
+  }
   const void* aligned[] = {a.x, a.grad_out, a.w1, a.w2t, a.rows_x, a.rows_go, a.h, a.grad_act};
   for (const void* p : aligned)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
@@ -174,7 +214,8 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
     return {StatusCode::kInvalidArgument,
             detail::str_cat("sm_count must be 0 (all) or in [2, ", device_sms, "], got ",
                             sm_count)};
-  if (a.tokens == 0) return Status::Ok();
+  // A rank with no tokens still computes its peers' rows.
+  if (a.tokens == 0 && a.peers.row_src[0] == nullptr) return Status::Ok();
   const size_t need = fused_moe_backward_workspace_bytes(a.num_experts, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need,
                                           "the fused MoE backward");

@@ -64,6 +64,10 @@ struct Config {
   // The fused kernel's tile rows (cuda::FusedMoeLaunch::tile_m): 128 or 64. Part of the config
   // because every rank must plan its rows to a peer's tiles of the peer's height.
   int tile_m = 128;
+  // Whether the runtime also holds the fused backward's buffers (Runtime::backward_rows): a
+  // second row buffer for grad_out's rows, each row's routing weight, and the return's dots and
+  // flags per slot; about one more row buffer of symmetric heap.
+  bool backward = false;
 
   // Rows of each rank's GEMM buffers: world x max_tokens x min(top_k, experts per rank).
   int64_t row_capacity() const;
@@ -95,6 +99,48 @@ struct ForwardArgs {
   unsigned long long* gate_wait_ns = nullptr;  // optional, as FusedMoeArgs::gate_wait_ns
 };
 
+// The fused backward's first step (docs/megakernel.md, "The fused backward"): the same count
+// exchange and plan as a forward call (a call of its own, with the forward's routing), then one
+// persistent launch per rank (moe_fused_backward_rows_bf16 with peers) that stores this rank's
+// x and grad_out rows into their experts' ranks' GEMM rows, with each row's source slot and
+// routing weight, and runs this rank's h = rows_x w1 and grad_act = rows_go w2t gated on them.
+struct BackwardArgs {
+  const void* x = nullptr;              // [tokens][hidden] bf16, the forward's input
+  const void* grad_out = nullptr;       // [tokens][hidden] bf16
+  const int64_t* topk_idx = nullptr;    // [tokens][top_k], the forward's
+  const float* topk_weights = nullptr;  // [tokens][top_k]
+  int64_t tokens = 0;                   // <= max_tokens; 0 is valid (the rank still computes)
+  const void* w1 = nullptr;   // [E / W][hidden][2 x ffn] bf16, gate columns then up (not packed)
+  const void* w2t = nullptr;  // [E / W][hidden][ffn] bf16: w2 transposed
+  void* h = nullptr;          // [row_capacity][2 x ffn] bf16, written (rows in use only)
+  void* grad_act = nullptr;   // [row_capacity][ffn] bf16, written (rows in use only)
+  unsigned long long* error = nullptr;  // zeroed by the caller, as ForwardArgs::error
+  cuda::GateTimeout* timeout = nullptr;  // zeroed by the caller
+  unsigned long long* trace = nullptr;   // optional, as cuda::FusedBackwardArgs::trace
+};
+
+// This rank's rows of the call, in the runtime's buffers, valid until its next call: the
+// element-wise pass, grad_rows = grad_h w1^T and the weight gradients run on them.
+struct BackwardRows {
+  const void* rows_x = nullptr;   // [capacity][hidden] bf16
+  const void* rows_go = nullptr;  // [capacity][hidden] bf16
+  const float* row_w = nullptr;   // [capacity] each row's routing weight
+  const int32_t* offs = nullptr;  // [E / W] cumulative row ends of the local experts
+  int64_t capacity = 0;           // row_capacity()
+};
+
+// The last step: each row's input gradient and <act, grad_act> back to its source slot (t, k),
+// and this rank's reduce over k with unit weights (moe_fused_backward_return_bf16).
+struct ReturnArgs {
+  const void* grad_rows = nullptr;  // [row_capacity][hidden] bf16: grad_h w1^T of the rows
+  const float* dots = nullptr;      // [row_capacity]
+  int64_t tokens = 0;               // as in the call's BackwardArgs
+  void* grad_x = nullptr;           // [tokens][hidden] bf16
+  float* grad_w = nullptr;          // [tokens][top_k], 0 for unused entries
+  unsigned long long* error = nullptr;
+  cuda::GateTimeout* timeout = nullptr;  // flag 3: a slot that never came back
+};
+
 class Runtime {
  public:
   // Collective: every rank creates its runtime with the same config but its rank, from rank 0's
@@ -107,6 +153,14 @@ class Runtime {
   // point (comm_ctas >= the SM count: every CTA sends).
   virtual Status forward(const ForwardArgs& args, const cuda::FusedMoeLaunch& launch,
                          cudaStream_t stream) = 0;
+  // The backward of a forward call on the same routing: backward_rows, then on the same stream
+  // the caller's element-wise pass and data-gradient GEMM over `rows`, then backward_return
+  // (one call of the group, which every rank makes in the same order; the weight gradients may
+  // follow the return but must run before this rank's next call, which reuses the rows).
+  // kInvalidArgument on a runtime created without Config::backward.
+  virtual Status backward_rows(const BackwardArgs& args, BackwardRows* rows,
+                               cudaStream_t stream) = 0;
+  virtual Status backward_return(const ReturnArgs& args, cudaStream_t stream) = 0;
   virtual uint64_t epoch() const = 0;  // calls enqueued from the host (graph replays add none)
 };
 

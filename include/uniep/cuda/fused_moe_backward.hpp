@@ -12,8 +12,14 @@
 // The bits are those of the sequential path (send_rows twice, grouped_mm_gated twice): the same
 // GEMM body, and a row's GEMM never depends on which CTA stored it or when.
 //
+// Several ranks (include/uniep/cuda/fused_ep.hpp, Runtime::backward_rows): with `peers`, each
+// entry's rows go to the GEMM rows of its expert's rank (dest_rank, the forward's plan), with the
+// row's source slot and routing weight beside them, counted on that rank's tile gate at system
+// scope; the GEMMs run on this rank's rows, which the peers' launches store. The rows' gradients
+// then go back to their sources with moe_fused_backward_return_bf16 (below).
+//
 // Plain device pointers; the counters are zeroed by the caller. No host sync: buffers are sized
-// by capacity (tokens x top_k rows), the row counts stay on the device.
+// by capacity (tokens x top_k rows at world 1), the row counts stay on the device.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,10 +27,25 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::cuda {
+
+// Each rank's backward buffers as this rank reaches them (nvshmem_ptr mappings, its own for
+// itself); the same capacity, counters and slots on every rank (symmetric buffers). Null
+// row_src[0]: no peer table (the world-1 launch, whose rows need no sources).
+struct FusedBackwardPeers {
+  int world_size = 1;
+  int rank = 0;
+  int64_t slots_per_rank = 0;  // max_tokens x top_k: a row's source is rank x this + t x K + k
+  void* rows_x[kMaxFusedPeers] = {};       // [capacity][hidden] bf16
+  void* rows_go[kMaxFusedPeers] = {};      // [capacity][hidden] bf16
+  int64_t* row_src[kMaxFusedPeers] = {};   // [capacity]
+  float* row_w[kMaxFusedPeers] = {};       // [capacity] each row's routing weight
+  uint32_t* counters[kMaxFusedPeers] = {};  // the tile gates' counters
+};
 
 struct FusedBackwardArgs {
   const void* x = nullptr;         // [tokens][hidden] bf16
@@ -53,6 +74,12 @@ struct FusedBackwardArgs {
   // its start, after its send and after its GEMM tiles, twice (the forward's reduce stamp; this
   // launch has no reduce).
   unsigned long long* trace = nullptr;
+  // With a peer table (any world size): rows_x, rows_go and counters above must be its entries
+  // at peers.rank, and the plan's dest_rank and the routing weights are read too. A rank with no
+  // tokens still runs (its experts compute the peers' rows).
+  FusedBackwardPeers peers;
+  const int64_t* dest_rank = nullptr;   // [tokens * top_k] (world > 1 only)
+  const float* topk_weights = nullptr;  // [tokens * top_k] (world > 1 only)
 };
 
 size_t fused_moe_backward_workspace_bytes(int64_t num_experts, int sm_count);
@@ -61,5 +88,41 @@ size_t fused_moe_backward_workspace_bytes(int64_t num_experts, int sm_count);
 // Status; errors found on the device (a bad row, a wait that timed out) in `error` and `timeout`.
 Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, int device,
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The rows' gradients back to their sources across ranks, and each source's reduce: every row r
+// < rows_end of this rank stores grad_rows[r] into slot (t, k) of its source rank's grad slots
+// and dots[r] beside it (row_src[r] = rank x slots_per_rank + t x top_k + k), then publishes
+// the slot's flag = this call's epoch at system scope; then (a second launch, so no CTA waits
+// before every push of this rank is out) each of this rank's tokens waits for the flags of its
+// used entries (gemm_row >= 0), bounded, and sums its slots over k in ascending order in fp32
+// with unit weights (the combines' arithmetic: combine_reduce.cuh) into grad_x, and copies the
+// dots into grad_w (0 for unused entries). The bits are those of a combine with unit weights of
+// the same rows.
+struct FusedReturnArgs {
+  // This rank's expert rows.
+  const void* grad_rows = nullptr;  // [capacity][hidden] bf16
+  const float* dots = nullptr;      // [capacity]
+  const int64_t* row_src = nullptr;  // [capacity] (this rank's, as the send wrote it)
+  const int32_t* rows_end = nullptr;  // device word: the rows in use (offs[E - 1])
+  int64_t capacity = 0, hidden = 0;
+  // This rank's tokens.
+  const int64_t* gemm_row = nullptr;  // [tokens * top_k] the plan: -1 for unused entries
+  int64_t tokens = 0, top_k = 0;
+  void* grad_x = nullptr;  // [tokens][hidden] bf16
+  float* grad_w = nullptr;  // [tokens * top_k]
+  // Every rank's slots (nvshmem_ptr mappings; slots_per_rank each).
+  int world_size = 1, rank = 0;
+  int64_t slots_per_rank = 0;
+  void* slots[kMaxFusedPeers] = {};          // [slots_per_rank][hidden] bf16
+  float* slot_dots[kMaxFusedPeers] = {};     // [slots_per_rank]
+  uint32_t* slot_flag[kMaxFusedPeers] = {};  // [slots_per_rank], never zeroed: epochs only grow
+  const uint64_t* epoch_word = nullptr;      // this call's epoch (the runtime's device word)
+  unsigned long long* error = nullptr;       // send_rows' error word (a bad row source)
+  GateTimeout* timeout = nullptr;            // flag 3: a token's slot never came
+  uint64_t timeout_ns = 0;
+};
+
+Status moe_fused_backward_return_bf16(const FusedReturnArgs& a, int sm_count,
+                                      cudaStream_t stream);
 
 }  // namespace uniep::cuda

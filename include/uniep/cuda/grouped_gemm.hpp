@@ -202,8 +202,11 @@ Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cud
 //   act_w = act w                                     ([rows, ffn] bf16, w2's weight gradient
 //                                                      operand),
 //   dots = sum_c act grad_act in fp32, fixed order    ([rows], the routing weight's gradient).
+// live_rows (optional device word): only rows below min(*live_rows, rows) are computed, for
+// buffers sized for the most rows a call may have (the fused backward across ranks).
 Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w, int64_t rows,
                             int64_t ffn, void* act_w, void* grad_h, float* dots,
-                            cudaStream_t stream);
+                            cudaStream_t stream,
+                            const int32_t* live_rows = nullptr);
 
 }  // namespace uniep::cuda

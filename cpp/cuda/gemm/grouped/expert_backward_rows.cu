@@ -46,8 +46,10 @@ __global__ void swiglu_backward_kernel(const __nv_bfloat16* __restrict__ h,
                                        const float* __restrict__ w, int64_t rows, int64_t ffn,
                                        __nv_bfloat16* __restrict__ act_w,
                                        __nv_bfloat16* __restrict__ grad_h,
-                                       float* __restrict__ dots) {
+                                       float* __restrict__ dots,
+                                       const int32_t* __restrict__ live_rows) {
   const int lane = threadIdx.x % 32;
+  if (live_rows != nullptr) rows = min(rows, static_cast<int64_t>(max(*live_rows, 0)));
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
        r += warps) {
@@ -103,7 +105,7 @@ int64_t grid_for(int64_t work) {
 
 Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w, int64_t rows,
                             int64_t ffn, void* act_w, void* grad_h, float* dots,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const int32_t* live_rows) {
   if (Status s = check_rows("swiglu_backward_bf16", rows, ffn); !s.ok()) return s;
   if (rows == 0) return Status::Ok();
   if (!aligned16(h) || !aligned16(grad_act) || !aligned16(act_w) || !aligned16(grad_h))
@@ -113,7 +115,7 @@ Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w,
     return {StatusCode::kInvalidArgument, "swiglu_backward_bf16: w and dots must not be null"};
   swiglu_backward_kernel<<<static_cast<unsigned>(grid_for(rows * 32)), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(grad_act), w, rows,
-      ffn, static_cast<__nv_bfloat16*>(act_w), static_cast<__nv_bfloat16*>(grad_h), dots);
+      ffn, static_cast<__nv_bfloat16*>(act_w), static_cast<__nv_bfloat16*>(grad_h), dots, live_rows);
   return launch_status("swiglu_backward_bf16");
 }
 
