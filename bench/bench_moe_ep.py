@@ -10,7 +10,10 @@ rows time it through ``moe_forward``, output compared bit for bit with sequentia
 which ran (``fused_is_megakernel``, ``fused_note``). The MegaKernel across ranks called directly
 (``uniep.megakernel.moe_forward_ep``) is timed beside them as ``fwd_megakernel``, checked against
 the baseline first, with one traced call's phases on rank 0 (``megakernel_phases_us_rank0``),
-its launch points and ``megakernel_over_experts``.
+its launch points and ``megakernel_over_experts``. ``moe_backward`` with ``overlap=fused`` runs
+the MegaKernel's backward across ranks (``uniep.fused_backward.moe_backward_ep``) in bf16 on
+CUDA: ``bwd_fused`` times it, ``fused_backward_bits_equal_sequential`` compares its gradients
+with ``overlap=sequential``'s once.
 
 Per shape (one spawn of W ranks per shape: NVSHMEM's heap is sized once per process), every rank:
 - forward: ``moe_forward`` with ``overlap=sequential`` and ``overlap=fused``, and the baseline
@@ -203,7 +206,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         from uniep import _C
         from uniep.megakernel import fused_ep_heap_bytes
 
-        heap = fused_ep_heap_bytes(world, tokens, hidden, ffn, top_k, experts)
+        heap = fused_ep_heap_bytes(world, tokens, hidden, ffn, top_k, experts, backward=True)
         heap += _C.ep_symmetric_heap_bytes(tokens, hidden, top_k, experts, world)
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap + (1 << 30))
     if cuda:
@@ -351,6 +354,14 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     # backward here makes the baseline's backward per-expert matmuls (agreed over the ranks).
     with torch.no_grad():
         ours_grads = bwd(seq)
+        # overlap=fused: the MegaKernel's backward across ranks in bf16 on CUDA (its own
+        # runtime, made with the backward's buffers on first use), else the launches again.
+        fused_grads = bwd(fused)
+        same = all(torch.equal(a, b) for a, b in zip(ours_grads, fused_grads, strict=True))
+        row["fused_backward_bits_equal_sequential"] = (
+            _max_over_ranks([float(not same)], dev)[0] == 0.0
+        )
+        del fused_grads
     try:
         base_grads = base_fwd_bwd()
         failed = 0.0

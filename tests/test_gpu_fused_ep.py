@@ -19,8 +19,10 @@ The fused backward across ranks (``uniep.fused_backward.moe_backward_ep``, on a 
 tokens together with every expert's weights bit for bit (slices of grad_x, grad_topk_weights
 and the rank's experts' weight gradients), run to run and with forward calls between, on
 random routings with unused entries, a rank with no tokens, every entry on one rank's experts
-and top-9; through autograd (``uniep.moe_forward(..., tuning="overlap=fused")``) too; a rank
-that skips a backward makes the others raise a timeout naming it.
+and top-9; through autograd (``uniep.moe_forward(..., tuning="overlap=fused")``) too; the op
+``moe_backward`` with ``overlap=fused`` equals its ``overlap=sequential`` (the EP runtime's
+separate launches) bit for bit; a rank that skips a backward makes the others raise a timeout
+naming it.
 """
 
 from __future__ import annotations
@@ -336,6 +338,44 @@ def test_fused_ep_backward_equals_the_local_backward_bit_for_bit() -> None:
     check_fused_ep_backward_reports(reports, _world())
 
 
+def fused_ep_backward_op_worker(rank: int, world: int) -> int:
+    """``torch.ops.uniep.moe_backward`` with ``overlap=fused`` across ranks (the fused runtime made
+    on first use, with the backward's buffers) against ``overlap=sequential`` (the separate
+    launches on the group's EP runtime): the same bits, call after call."""
+    import uniep
+
+    dev = _device(rank)
+    experts, top_k = 16, 4
+    el = experts // world
+    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=top_k, num_experts=experts)
+    xs, idxs, ws, w1, w2 = _case("random", world, experts, top_k, 40)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).bfloat16().to(dev)
+    mine = slice(rank * el, (rank + 1) * el)
+    w1l, w2l = w1[mine].contiguous().to(dev), w2[mine].contiguous().to(dev)
+    name = uniep.distributed.group_name(None)
+    seq = torch.ops.uniep.moe_backward(go, x, idx, w, w1l, w2l, name, "overlap=sequential")
+    for call in range(2):
+        fused = torch.ops.uniep.moe_backward(go, x, idx, w, w1l, w2l, name, "overlap=fused")
+        _check_grads(fused, f"call {call}", want=seq, case="overlap=fused vs sequential")
+    torch.cuda.synchronize()
+    dist.barrier()
+    from uniep import megakernel
+
+    megakernel.shutdown_fused_ep()
+    uniep.ep.shutdown()
+    return 2
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_fused_ep_backward_op_equals_sequential() -> None:
+    from uniep.distributed import run_local_ranks
+
+    world = _world()
+    reports = run_local_ranks(fused_ep_backward_op_worker, world, backend="nccl", timeout_s=300)
+    assert reports == [2] * world
+
+
 def fused_ep_backward_skip_worker(rank: int, world: int) -> str:
     from uniep import megakernel
     from uniep.fused_backward import moe_backward_ep
@@ -363,3 +403,12 @@ def fused_ep_backward_skip_worker(rank: int, world: int) -> str:
     dist.barrier()
     megakernel.shutdown_fused_ep()
     return message
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 Hopper GPUs")
+def test_a_rank_that_skips_a_backward_is_named() -> None:
+    from uniep.distributed import run_local_ranks
+
+    world = _world()
+    messages = run_local_ranks(fused_ep_backward_skip_worker, world, backend="nccl", timeout_s=300)
+    check_skip_messages(messages, world)

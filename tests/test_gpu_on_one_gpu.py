@@ -33,6 +33,7 @@ from test_gpu_fused_ep import (
     check_fused_ep_backward_reports,
     check_fused_ep_reports,
     check_skip_messages,
+    fused_ep_backward_op_worker,
     fused_ep_backward_skip_worker,
     fused_ep_backward_worker,
     fused_ep_graph_worker,
@@ -134,6 +135,13 @@ def test_megakernel_backward_ranks_sharing_the_gpu(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check_fused_ep_backward_reports(_run(fused_ep_backward_worker, world, monkeypatch), world)
+
+
+@pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")
+def test_megakernel_backward_op_fused_equals_sequential_on_a_shared_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _run(fused_ep_backward_op_worker, 2, monkeypatch) == [2, 2]
 
 
 @pytest.mark.skipif(not hopper, reason="the MegaKernel needs a compute capability 9.0 GPU")

@@ -149,7 +149,8 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     b.grad_act = grad_act.data_ptr();
     b.error = error_word;
     b.timeout = timeout_rec;
-    if (trace.has_value()) b.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+    if (trace.has_value())
+      b.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
     fused::BackwardRows rows;
     ok_or_throw(rt.backward_rows(b, &rows, stream));
 

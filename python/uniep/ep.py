@@ -465,26 +465,44 @@ def _moe_backward_cuda(
     ``moe_backward_engine``; torch._grouped_mm's autograd with tuning gemm=torch, composed here);
     grad_x comes home through a combine with unit weights (sum over k, ascending, fp32); the
     per-(token, k) dot products for grad_topk_weights go back over the group's NCCL all_to_all
-    (at world 1 straight to their slots). At world 1 with ``overlap=fused`` named (bf16, the
-    MegaKernel's numerics) it runs the fused backward instead (``uniep.fused_backward``), whose
-    bits are the same.
+    (at world 1 straight to their slots). With ``overlap=fused`` named (bf16, the MegaKernel's
+    numerics) it runs the fused backward instead (``uniep.fused_backward``: at one rank
+    ``moe_backward_local``, across ranks ``moe_backward_ep`` on the group's fused runtime, which
+    it creates with the backward's buffers on first use, collectively), whose bits are the same.
     """
     try:
         engine = _C.TuningParams.parse(tuning).gemm == "uniep"
     except ValueError:
         engine = True  # moe_backward_engine's agreed checks raise it on every rank
-    if engine and _fused_at_world_1(grad_out, x, w1, w2, group_name, tuning):
-        # overlap=fused at one rank: the MegaKernel's backward (uniep.fused_backward), the same
-        # bits, after the same checks.
-        from .fused_backward import moe_backward_local
+    world = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else 0
+    if world:
+        # overlap=fused: the MegaKernel's backward (uniep.fused_backward), the same bits, after
+        # the same checks; across ranks on the group's fused runtime, made (collectively, as
+        # this call is) with the backward's buffers when it lacks them.
+        from .fused_backward import moe_backward_ep, moe_backward_local
 
         torch.ops.uniep.moe_backward_checks(
             grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
         )
-        grad_x, grad_w, grad_w1, grad_w2 = moe_backward_local(
-            grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2,
-            overlap="fused", timeout_s=_timeout(None),
-        )  # fmt: skip
+        operands = (grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2)
+        if world == 1:
+            grads = moe_backward_local(*operands, overlap="fused", timeout_s=_timeout(None))
+        else:
+            from .megakernel import ensure_fused_ep, fused_ep_fits
+
+            group = dist.distributed_c10d._resolve_process_group(group_name)
+            sizes = {
+                "tokens": x.shape[0],
+                "hidden": x.shape[1],
+                "ffn": w2.shape[1],
+                "top_k": topk_idx.shape[1],
+                "num_experts": w1.shape[0] * world,
+                "backward": True,
+            }
+            if not fused_ep_fits(group, **sizes):
+                ensure_fused_ep(group, **sizes)
+            grads = moe_backward_ep(*operands, group)
+        grad_x, grad_w, grad_w1, grad_w2 = grads
         return grad_x, grad_w.to(topk_weights.dtype), grad_w1, grad_w2
     if engine:
         # One C++ op from the checks to the combine (cpp/torch/ep_ops.cpp); only the routing
@@ -530,28 +548,29 @@ def _moe_backward_cuda(
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
 
 
-def _fused_at_world_1(
+def _fused_world(
     grad_out: torch.Tensor,
     x: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
     group_name: str,
     tuning: str,
-) -> bool:
-    """Whether moe_backward runs the world-1 fused backward: ``overlap=fused`` named with the
-    MegaKernel's numerics (``uniep.fused_forward.runs_fused``), bfloat16 operands, one rank."""
+) -> int:
+    """The group's world size when moe_backward runs the fused backward (``overlap=fused`` named
+    with the MegaKernel's numerics, ``uniep.fused_forward.runs_fused``, and bfloat16 operands),
+    else 0."""
     from .fused_forward import runs_fused
 
     try:
         fused = runs_fused(tuning)
     except ValueError:
-        return False  # the engine's checks name the bad tuning string
+        return 0  # the engine's checks name the bad tuning string
     if not fused or any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
-        return False
+        return 0
     if not group_name:  # "": torch.distributed not initialised, a world of one rank
-        return True
+        return 1
     group = dist.distributed_c10d._resolve_process_group(group_name)
-    return dist.get_world_size(group) == 1
+    return dist.get_world_size(group)
 
 
 def _experts_backward_torch(

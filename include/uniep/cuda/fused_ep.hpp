@@ -31,9 +31,17 @@
 // in a CUDA graph is a new call at every replay (decode steps), as long as every rank replays
 // its graphs and makes its eager calls in the same order.
 //
+// The backward (backward_rows, then the caller's element-wise pass and data-gradient GEMM, then
+// backward_return) is a call of the same kind: its own exchange and plan, the rows of x and
+// grad_out sent to the experts' ranks inside one launch that runs h and grad_act gated on them,
+// and the rows' gradients stored back into their sources' slots, each flagged with the call's
+// epoch, before each source reduces its tokens (docs/megakernel.md, "The fused backward").
+//
 // Symmetric memory: capacity x (hidden bf16 + 8 bytes) of GEMM rows and their sources, capacity
 // = world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive (so
-// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters.
+// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters;
+// with Config::backward also capacity x (hidden bf16 + 4 bytes) for grad_out's rows and the rows'
+// weights, and 8 bytes per slot for the dots and flags.
 // Every device wait is bounded by timeout_s; a timeout is recorded (GateTimeout: flag 4 the count
 // exchange, naming the rank that did not arrive; 1 and 3 the GEMM's rows and the reduce's
 // outputs) and returned, never a hang; once one wait has given up, the others of the launch do.

@@ -115,7 +115,8 @@ Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w,
     return {StatusCode::kInvalidArgument, "swiglu_backward_bf16: w and dots must not be null"};
   swiglu_backward_kernel<<<static_cast<unsigned>(grid_for(rows * 32)), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(grad_act), w, rows,
-      ffn, static_cast<__nv_bfloat16*>(act_w), static_cast<__nv_bfloat16*>(grad_h), dots, live_rows);
+      ffn, static_cast<__nv_bfloat16*>(act_w), static_cast<__nv_bfloat16*>(grad_h), dots,
+      live_rows);
   return launch_status("swiglu_backward_bf16");
 }
 
