@@ -76,6 +76,24 @@ def test_which_tuning_runs_the_megakernel(tuning: str, fused: bool) -> None:
     assert fused_forward.runs_fused(tuning) is fused
 
 
+@pytest.mark.parametrize(
+    ("tuning", "world", "mode"),
+    [
+        ("overlap=fused", 1, "fused"),
+        ("overlap=fused", 4, "fused"),
+        ("overlap=chunked", 1, "streams"),
+        ("overlap=chunked,sms=12", 1, "streams"),
+        ("overlap=chunked", 2, None),  # across ranks: the separate launches
+        ("overlap=chunked,dispatch=fp8", 1, None),
+        ("overlap=chunked,gemm=torch", 1, None),
+        ("overlap=sequential", 1, None),
+        ("", 1, None),
+    ],
+)
+def test_which_pieces_run_each_overlap(tuning: str, world: int, mode: str | None) -> None:
+    assert fused_forward.megakernel_overlap(tuning, world) == mode
+
+
 def test_a_bad_tuning_string_names_the_key() -> None:
     with pytest.raises(ValueError, match="overlap"):
         fused_forward.runs_fused("overlap=sometimes")

@@ -2,8 +2,10 @@
 moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that uniep.fused_forward keeps,
 with the separate launches' bits, packed once, packed again after an in-place update, and with the
 separate launches' gradients; a CUDA-graph capture of it is refused by name. World 1 (NCCL) and
-two ranks sharing the GPU (gloo). ``torch.ops.uniep.moe_backward`` with overlap=fused (at world 1
-the fused backward) gives overlap=sequential's bits."""
+two ranks sharing the GPU (gloo). ``torch.ops.uniep.moe_backward`` with overlap=fused (the fused
+backward) gives overlap=sequential's bits. ``overlap=chunked`` at one rank runs the MegaKernel's
+pieces on streams (``moe_forward_local(overlap="streams")``, and its backward the same way),
+across ranks the separate launches: the same bits and gradients either way."""
 
 from __future__ import annotations
 
@@ -72,17 +74,26 @@ def _worker(rank: int, world: int) -> dict[str, float]:
             torch.equal(updated, base_updated) and not torch.equal(updated, base)
         )
         out["repacked"] = float(fused_forward.packed_gate_up(w1) is not packed)
+        # overlap=chunked: at one rank the MegaKernel's pieces on streams, else the launches.
+        before = len(calls)
+        chunked = uniep.moe_forward(x, idx, w, w1, w2, tuning="overlap=chunked,sms=12")
+        out["chunked_equal"] = float(torch.equal(chunked, base_updated))
+        out["chunked_calls"] = float(len(calls) - before)
 
         # Gradients: moe_backward's, whichever forward ran.
         grads = []
-        for tuning in ("overlap=sequential", "overlap=fused"):
+        for tuning in ("overlap=sequential", "overlap=fused", "overlap=chunked"):
             leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w1, w2)]
             xg, wg, w1g, w2g = leaves
             y = uniep.moe_forward(xg, idx, wg, w1g, w2g, tuning=tuning)
             (y.float() * torch.linspace(-1, 1, H, device=dev)).sum().backward()
             grads.append([y.detach(), *(t.grad for t in leaves)])
         out["grads_equal"] = float(
-            all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+            all(
+                torch.equal(a, b)
+                for other in grads[1:]
+                for a, b in zip(grads[0], other, strict=True)
+            )
         )
         # The op with overlap=fused (at world 1 the fused backward, else the engine's): the bits
         # of overlap=sequential.
@@ -90,10 +101,10 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         name = uniep.distributed.group_name(None)
         op = [
             torch.ops.uniep.moe_backward(go, x, idx, w, w1, w2, name, f"overlap={mode}")
-            for mode in ("sequential", "fused")
+            for mode in ("sequential", "fused", "chunked")
         ]
         out["op_fused_equal"] = float(
-            all(torch.equal(a, b) for a, b in zip(op[0], op[1], strict=True))
+            all(torch.equal(a, b) for other in op[1:] for a, b in zip(op[0], other, strict=True))
         )
         out["calls"] = float(len(calls))
     finally:
@@ -127,5 +138,9 @@ def test_moe_forward_runs_the_megakernel(world: int, monkeypatch: pytest.MonkeyP
         assert report["repacked_equal"] == report["repacked"] == 1.0, report
         assert report["grads_equal"] == 1.0, report
         assert report["op_fused_equal"] == 1.0, report
-        assert report["calls"] == 4.0, report  # two forwards, the update's, the gradients'
+        assert report["chunked_equal"] == 1.0, report
+        # At one rank overlap=chunked runs moe_forward_local (streams); across ranks the launches.
+        assert report["chunked_calls"] == (1.0 if world == 1 else 0.0), report
+        # Two forwards, the update's, the gradients' (and overlap=chunked's two at one rank).
+        assert report["calls"] == (6.0 if world == 1 else 4.0), report
         assert report["capture_refused"] == 1.0, report

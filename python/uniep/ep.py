@@ -468,13 +468,14 @@ def _moe_backward_cuda(
     (at world 1 straight to their slots). With ``overlap=fused`` named (bf16, the MegaKernel's
     numerics) it runs the fused backward instead (``uniep.fused_backward``: at one rank
     ``moe_backward_local``, across ranks ``moe_backward_ep`` on the group's fused runtime, which
-    it creates with the backward's buffers on first use, collectively), whose bits are the same.
+    it creates with the backward's buffers on first use, collectively), and with
+    ``overlap=chunked`` at one rank ``moe_backward_local(overlap="streams")``; the same bits.
     """
     try:
         engine = _C.TuningParams.parse(tuning).gemm == "uniep"
     except ValueError:
         engine = True  # moe_backward_engine's agreed checks raise it on every rank
-    world = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else 0
+    world, overlap = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else (0, "")
     if world:
         # overlap=fused: the MegaKernel's backward (uniep.fused_backward), the same bits, after
         # the same checks; across ranks on the group's fused runtime, made (collectively, as
@@ -486,7 +487,7 @@ def _moe_backward_cuda(
         )
         operands = (grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2)
         if world == 1:
-            grads = moe_backward_local(*operands, overlap="fused", timeout_s=_timeout(None))
+            grads = moe_backward_local(*operands, overlap=overlap, timeout_s=_timeout(None))
         else:
             from .megakernel import ensure_fused_ep, fused_ep_fits
 
@@ -555,22 +556,22 @@ def _fused_world(
     w2: torch.Tensor,
     group_name: str,
     tuning: str,
-) -> int:
-    """The group's world size when moe_backward runs the fused backward (``overlap=fused`` named
-    with the MegaKernel's numerics, ``uniep.fused_forward.runs_fused``, and bfloat16 operands),
-    else 0."""
-    from .fused_forward import runs_fused
+) -> tuple[int, str]:
+    """(the group's world size, the mode) when moe_backward runs the MegaKernel's backward
+    (``uniep.fused_forward.megakernel_overlap``: ``overlap=fused``, or ``overlap=chunked`` at one
+    rank, with the MegaKernel's numerics, and bfloat16 operands), else (0, "")."""
+    from .fused_forward import megakernel_overlap
 
+    if any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
+        return 0, ""
+    world = 1
+    if group_name:  # "": torch.distributed not initialised, a world of one rank
+        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
     try:
-        fused = runs_fused(tuning)
+        overlap = megakernel_overlap(tuning, world)
     except ValueError:
-        return 0  # the engine's checks name the bad tuning string
-    if not fused or any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
-        return 0
-    if not group_name:  # "": torch.distributed not initialised, a world of one rank
-        return 1
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    return dist.get_world_size(group)
+        return 0, ""  # the engine's checks name the bad tuning string
+    return (world, overlap) if overlap else (0, "")
 
 
 def _experts_backward_torch(

@@ -33,6 +33,7 @@ from . import _C
 __all__ = [
     "clear_packed",
     "moe_forward_fused",
+    "megakernel_overlap",
     "packed_gate_up",
     "runs_fused",
     "transposed_w2",
@@ -98,6 +99,20 @@ def runs_fused(tuning: str) -> bool:
     return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
 
 
+def megakernel_overlap(tuning: str, world: int) -> str | None:
+    """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
+    :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
+    rank with the same numerics (the send of the rows on ``sms`` SMs of their own, beside the gated
+    GEMMs, which take each tile as its rows land: ``uniep.megakernel.moe_forward_local(overlap=
+    "streams")``, and the backward's first step the same way); None otherwise: the separate
+    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built)."""
+    if runs_fused(tuning):
+        return "fused"
+    p = _C.TuningParams.parse(tuning)
+    chunked = names_key(tuning, "overlap") and p.overlap == "chunked"
+    return "streams" if chunked and world == 1 and megakernel_numerics(p) else None
+
+
 def _forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -114,8 +129,9 @@ def _forward(
 
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "moe_forward with overlap=fused cannot be captured in a CUDA graph: it checks the "
-            "MegaKernel's errors after the call, which a graph cannot hold; capture "
+            "moe_forward with overlap=fused (or chunked at one rank) cannot be captured in a "
+            "CUDA graph: it checks the MegaKernel's errors after the call, which a graph cannot "
+            "hold; capture "
             "uniep.megakernel.moe_forward_local (world 1) or moe_forward_ep (across ranks) with "
             "check=False instead"
         )
@@ -174,8 +190,9 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
     w2t = transposed_w2(w2)
     operands = (grad_out.contiguous(), x, topk_idx, weights, w1.detach(), w2.detach())
     if ctx.world == 1:
+        overlap = megakernel_overlap(ctx.tuning, 1) or "fused"
         grads = moe_backward_local(
-            *operands, overlap="fused", timeout_s=_timeout(None), check="deferred", w2t=w2t
+            *operands, overlap=overlap, timeout_s=_timeout(None), check="deferred", w2t=w2t
         )
     else:
         from .megakernel import ensure_fused_ep, fused_ep_fits
@@ -217,8 +234,8 @@ def moe_forward_fused(
     name: str,
     tuning: str,
 ) -> torch.Tensor:
-    """``moe_forward`` on the MegaKernel (CUDA, ``runs_fused(tuning)``), differentiable as
-    ``moe_forward`` is."""
+    """``moe_forward`` on the MegaKernel's pieces (CUDA, ``megakernel_overlap(tuning, world)``
+    not None), differentiable as ``moe_forward`` is."""
     args = (x, topk_idx, topk_weights, w1, w2)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args):
         return _FusedMoE.apply(x, topk_idx, topk_weights, w1, w2, group, name, tuning)

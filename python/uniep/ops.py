@@ -332,10 +332,11 @@ def moe_forward(
             naming the tuning key). It never changes the output bits, except ``dispatch=fp8``
             and ``combine=rank_partials``, which a cached point never changes. On CUDA,
             ``overlap=fused`` named (with bf16 dispatch, the per-k combine and UniEP's GEMMs)
-            runs the MegaKernel on a packed copy of ``w1`` kept while ``w1`` is unchanged
-            (``uniep.fused_forward``: one more ``w1`` of memory, packed again after each
-            in-place update); other numerics, and calls under ``torch.compile``, run the
-            separate launches. Same bits either way.
+            runs the MegaKernel, and ``overlap=chunked`` at one rank its pieces on streams (the
+            rows' send beside the gated GEMMs), on a packed copy of ``w1`` kept while ``w1`` is
+            unchanged (``uniep.fused_forward``: one more ``w1`` of memory, packed again after
+            each in-place update); other numerics, ``overlap=chunked`` across ranks and calls
+            under ``torch.compile`` run the separate launches. Same bits either way.
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
@@ -368,8 +369,13 @@ def moe_forward(
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
         topk_weights = topk_weights.float()
-    if x.is_cuda and not torch.compiler.is_compiling() and fused_forward.runs_fused(tuning):
-        # The MegaKernel, on a packed copy of w1 kept while w1 is unchanged (uniep.fused_forward).
+    if (
+        x.is_cuda
+        and not torch.compiler.is_compiling()
+        and fused_forward.megakernel_overlap(tuning, distributed.world_size(group))
+    ):
+        # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed copy
+        # of w1 kept while w1 is unchanged (uniep.fused_forward).
         return fused_forward.moe_forward_fused(
             x, topk_idx, topk_weights, w1, w2, group, name, tuning
         )

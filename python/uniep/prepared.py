@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from . import _C
 from .distributed import group_name, world_size
-from .fused_forward import names_key, runs_fused
+from .fused_forward import megakernel_overlap, names_key
 from .gemm import (
     dequantize_expert_weights,
     pack_gate_up,
@@ -167,7 +167,7 @@ def moe_forward_prepared(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
         params = _C.TuningParams.parse(tuning)
-    if experts.format == "bf16_packed" and runs_fused(tuning):
+    if experts.format == "bf16_packed" and megakernel_overlap(tuning, world):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
@@ -230,8 +230,17 @@ def _forward_fused(
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
     comm_sms, skip_rounds, tile_m = fused_launch(tuning)
     if world == 1:
+        overlap = megakernel_overlap(tuning, 1) or "fused"
+        if overlap == "streams":
+            # The gated GEMMs' one tile (128 rows); the send's SMs are the launch's only key.
+            if tile_m not in (None, 128):
+                raise ValueError(
+                    f"tuning: with overlap=chunked (the send beside the gated GEMMs, whose tiles "
+                    f"are 128 rows) tile_m must be auto or 128, got {tile_m}"
+                )
+            tile_m, skip_rounds = None, -1
         return megakernel.moe_forward_local(
-            x, topk_idx, topk_weights, experts.w1, experts.w2, overlap="fused",
+            x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
             check="deferred",
         )  # fmt: skip
