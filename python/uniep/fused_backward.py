@@ -161,16 +161,20 @@ def moe_backward_local(
             send_errors = sends(sms)
             waits = gemms(sms)
         else:
-            # The GEMMs take their SMs first and wait per tile; the sends get the ones left.
+            # The sends on comm_sms SMs of a side stream, enqueued first (a GEMM queued ahead of
+            # them in a hardware queue two streams share would wait forever: see
+            # uniep.megakernel.moe_forward_local), the GEMMs on the other SMs, waiting per tile.
             main = torch.cuda.current_stream(x.device)
             side = torch.cuda.Stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                waits = gemms((sms - comm_sms) // 2 * 2)
-            send_errors = sends(comm_sms)
+                send_errors = sends(comm_sms)
+            waits = gemms((sms - comm_sms) // 2 * 2)
             main.wait_stream(side)
-            for tensor in (rows_x, rows_go, hh, grad_act, counters, offs, base, w1, w2t):
+            for tensor in (x, grad_out, dest, row, counter, rows_x, rows_go, counters):
                 tensor.record_stream(side)
+            for tensor in send_errors:
+                tensor.record_stream(main)  # made on the side stream, read on this one
         errors += [("send", s, what, k) for s in send_errors]
         errors += [("gate", w, what, k) for w in waits]
 

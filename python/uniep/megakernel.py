@@ -353,16 +353,20 @@ def moe_forward_local(
         send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=sms)
         t1, t2 = gemms(sms)
     else:
-        # GEMM 1 takes its SMs first and waits per tile; the send gets the ones it leaves.
+        # The send on comm_sms SMs of a side stream, GEMM 1 on the others, waiting per tile. The
+        # send is enqueued first: two streams may share one hardware queue (torch's pool has more
+        # streams than CUDA_DEVICE_MAX_CONNECTIONS), where a GEMM enqueued ahead of the send would
+        # wait for rows the send, queued behind it, never stores.
         main = torch.cuda.current_stream(x.device)
         side = torch.cuda.Stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            t1, t2 = gemms((sms - comm_sms) // 2 * 2)
-        send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=comm_sms)
+            send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=comm_sms)
+        t1, t2 = gemms((sms - comm_sms) // 2 * 2)
         main.wait_stream(side)
-        for tensor in (rows, act, y, counters, done, offs, base):
+        for tensor in (x, dest, row, counter, rows, counters):
             tensor.record_stream(side)
+        send_error.record_stream(main)  # made on the side stream, read on this one
     out, combine_error = gate.combine_rows(y, row, topk_weights, check=False)
     _finish(
         check,
