@@ -31,36 +31,59 @@ RuntimeRegistry<fused::Runtime>& registry() {
   return *r;
 }
 
+// What both directions check of a call on the group's fused runtime, before anything runs: x
+// contiguous bf16 on a Hopper GPU with the runtime's hidden size and at most its max_tokens, the
+// routing's shapes, the trace against the device's SM count.
+struct FusedCall {
+  fused::Runtime* rt = nullptr;
+  int64_t tokens = 0;
+  int device = 0;
+  int sms = 0;
+};
+
+FusedCall check_fused_call(const at::Tensor& x, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weights, c10::string_view group_name,
+                           const std::optional<at::Tensor>& trace) {
+  UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
+  FusedCall call;
+  call.rt = &fused_ep_runtime(std::string(group_name));
+  const fused::Config& c = call.rt->config();
+  call.tokens = x.size(0);
+  UNIEP_CHECK(x.size(1) == c.hidden, "x must be [T, hidden = ", c.hidden,
+              "] (the runtime's), got ", x.sizes());
+  UNIEP_CHECK(call.tokens <= c.max_tokens, "x has ", call.tokens,
+              " tokens, more than the runtime's max_tokens ", c.max_tokens,
+              " (re-create it with uniep.megakernel.init_fused_ep)");
+  check_exactly(topk_idx, "topk_idx", at::kLong, {call.tokens, c.top_k}, x);
+  check_exactly(topk_weights, "topk_weights", at::kFloat, {call.tokens, c.top_k}, x);
+  call.device = x.device().index();
+  UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(call.device), StatusCode::kUnsupported,
+                   "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&call.sms, cudaDevAttrMultiProcessorCount, call.device));
+  check_trace(trace, call.sms, x);
+  return call;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
     int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace) {
   return translate_errors([&] {
-    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
-    UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
-    fused::Runtime& rt = fused_ep_runtime(std::string(group_name));
+    const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
+    fused::Runtime& rt = *call.rt;
     const fused::Config& c = rt.config();
-    const int64_t T = x.size(0), H = c.hidden, K = c.top_k, El = c.num_experts / c.world_size;
-    UNIEP_CHECK(x.size(1) == H, "x must be [T, hidden = ", H, "] (the runtime's), got ",
-                x.sizes());
-    UNIEP_CHECK(T <= c.max_tokens, "x has ", T, " tokens, more than the runtime's max_tokens ",
-                c.max_tokens, " (re-create it with uniep.megakernel.init_fused_ep)");
-    check_exactly(topk_idx, "topk_idx", at::kLong, {T, K}, x);
-    check_exactly(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
+    const int64_t T = call.tokens, H = c.hidden, El = c.num_experts / c.world_size;
     check_exactly(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
     check_exactly(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
                 "skip_rounds must be -1 (model) or in [0, 2^20], got ", skip_rounds);
-    const int device = x.device().index();
-    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
-                     "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
+    const int device = call.device, device_sms = call.sms;
     const c10::cuda::CUDAGuard guard(x.device());
-    int device_sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
-    check_trace(trace, device_sms, x);
 
     const auto opts = x.options();
     at::Tensor out = at::empty({T, H}, opts);
@@ -102,32 +125,19 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                            const at::Tensor& w1, const at::Tensor& w2t,
                            c10::string_view group_name, const std::optional<at::Tensor>& trace) {
   return translate_errors([&] {
-    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
-    UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
-    fused::Runtime& rt = fused_ep_runtime(std::string(group_name));
+    const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
+    fused::Runtime& rt = *call.rt;
     const fused::Config& c = rt.config();
-    const int64_t T = x.size(0), H = c.hidden, K = c.top_k, I = c.ffn,
+    const int64_t T = call.tokens, H = c.hidden, K = c.top_k, I = c.ffn,
                   El = c.num_experts / c.world_size, C = c.row_capacity();
-    UNIEP_CHECK(x.size(1) == H, "x must be [T, hidden = ", H, "] (the runtime's), got ",
-                x.sizes());
-    UNIEP_CHECK(T <= c.max_tokens, "x has ", T, " tokens, more than the runtime's max_tokens ",
-                c.max_tokens, " (re-create it with uniep.megakernel.init_fused_ep)");
     UNIEP_CHECK(c.backward, "group '", std::string(group_name),
                 "'s fused MoE runtime has no backward buffers: re-create it with "
                 "uniep.megakernel.init_fused_ep(..., backward=True)");
     check_exactly(grad_out, "grad_out", at::kBFloat16, {T, H}, x);
-    check_exactly(topk_idx, "topk_idx", at::kLong, {T, K}, x);
-    check_exactly(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
     check_exactly(w1, "w1", at::kBFloat16, {El, H, 2 * I}, x);
     check_exactly(w2t, "w2t", at::kBFloat16, {El, H, I}, x);
-    const int device = x.device().index();
-    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
-                     "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
+    const int device = call.device;
     const c10::cuda::CUDAGuard guard(x.device());
-    int device_sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
-    check_trace(trace, device_sms, x);
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
 
     const auto opts = x.options();

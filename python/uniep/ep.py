@@ -480,7 +480,7 @@ def _moe_backward_cuda(
         # overlap=fused: the MegaKernel's backward (uniep.fused_backward), the same bits, after
         # the same checks; across ranks on the group's fused runtime, made (collectively, as
         # this call is) with the backward's buffers when it lacks them.
-        from .fused_backward import moe_backward_ep, moe_backward_local
+        from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 
         torch.ops.uniep.moe_backward_checks(
             grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
@@ -489,19 +489,8 @@ def _moe_backward_cuda(
         if world == 1:
             grads = moe_backward_local(*operands, overlap=overlap, timeout_s=_timeout(None))
         else:
-            from .megakernel import ensure_fused_ep, fused_ep_fits
-
             group = dist.distributed_c10d._resolve_process_group(group_name)
-            sizes = {
-                "tokens": x.shape[0],
-                "hidden": x.shape[1],
-                "ffn": w2.shape[1],
-                "top_k": topk_idx.shape[1],
-                "num_experts": w1.shape[0] * world,
-                "backward": True,
-            }
-            if not fused_ep_fits(group, **sizes):
-                ensure_fused_ep(group, **sizes)
+            ensure_backward_runtime(group, x, topk_idx, w1, w2)
             grads = moe_backward_ep(*operands, group)
         grad_x, grad_w, grad_w1, grad_w2 = grads
         return grad_x, grad_w.to(topk_weights.dtype), grad_w1, grad_w2

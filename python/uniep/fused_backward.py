@@ -39,9 +39,9 @@ import torch.distributed as dist
 from . import _C, distributed, gate
 from .fused_forward import transposed_w2
 from .gemm import grouped_mm_dgrad, grouped_mm_wgrad
-from .megakernel import _begin, _check, _check_operands, _finish, expert_counts
+from .megakernel import CpuPlan, _begin, _check, _check_operands, _finish, expert_counts
 
-__all__ = ["moe_backward_ep", "moe_backward_local"]
+__all__ = ["ensure_backward_runtime", "moe_backward_ep", "moe_backward_local"]
 
 
 def _check_grad_out(grad_out: torch.Tensor, x: torch.Tensor) -> None:
@@ -260,6 +260,31 @@ def moe_backward_ep(
     return grad_x, grad_w, grad_w1, grad_w2
 
 
+def ensure_backward_runtime(
+    group: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """The group's fused runtime with the backward's buffers and room for this call's tokens
+    (``uniep.megakernel.ensure_fused_ep``, collective, only when this rank's runtime does not fit
+    already: every rank of a call reaches the same answer when they all pass the sizes the
+    forward had)."""
+    from .megakernel import ensure_fused_ep, fused_ep_fits
+
+    sizes = {
+        "tokens": x.shape[0],
+        "hidden": x.shape[1],
+        "ffn": w2.shape[1],
+        "top_k": topk_idx.shape[1],
+        "num_experts": w1.shape[0] * distributed.world_size(group),
+        "backward": True,
+    }
+    if not fused_ep_fits(group, **sizes):
+        ensure_fused_ep(group, **sizes)
+
+
 def _moe_backward_ep_cpu(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -276,45 +301,23 @@ def _moe_backward_ep_cpu(
     t, h = x.shape
     el, _, two_i = w1.shape
     i = two_i // 2
-    pg = distributed._resolve(group)
-    world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
     k = topk_idx.shape[1]
-
-    def exchange(out: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        if pg is None:
-            return out
-        got = out.new_empty(sum(recv), *out.shape[1:])
-        dist.all_to_all_single(got, out, recv, send, group=pg)
-        return got
-
-    # The plan: every rank's counts, then where each of this rank's rows goes.
-    counts = expert_counts(topk_idx, el * world)
-    matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(world)]
-    if pg is not None:
-        dist.all_gather(matrix, counts, group=pg)
-    matrix = torch.stack(matrix)
-    dest, row, _, error = gate.sender_rows(topk_idx, matrix, rank, check=False)
-    gate.check_send_error(error, k, "moe_backward_ep (plan)")
+    plan = CpuPlan(topk_idx, el, group, "moe_backward_ep")
 
     # The send: each used entry's x row, grad_out row and weight to its GEMM row on its rank.
-    entries = (dest.reshape(-1) >= 0).nonzero().squeeze(1)
-    entries = entries[torch.argsort(dest.reshape(-1)[entries], stable=True)]
-    send = torch.bincount(dest.reshape(-1)[entries], minlength=world)
-    recv = send.clone()
-    if pg is not None:
-        dist.all_to_all_single(recv, send, group=pg)
-    send_l, recv_l = send.tolist(), recv.tolist()
+    tokens = plan.entries // k
     payload = torch.cat(
         [
-            x[entries // k].view(torch.uint8),  # bf16 bits: the transport moves bytes
-            grad_out.contiguous()[entries // k].view(torch.uint8),
-            topk_weights.float().reshape(-1)[entries].unsqueeze(1).view(torch.uint8),
+            x[tokens].view(torch.uint8),  # bf16 bits: the transport moves bytes
+            grad_out.contiguous()[tokens].view(torch.uint8),
+            topk_weights.float().reshape(-1)[plan.entries].unsqueeze(1).view(torch.uint8),
         ],
         dim=1,
     )
-    got = exchange(payload, send_l, recv_l)
-    meta = exchange(row.reshape(-1)[entries], send_l, recv_l)
-    rows = int(matrix[:, rank * el : (rank + 1) * el].sum())
+    got = plan.to_experts(payload)
+    meta = plan.to_experts(plan.row.reshape(-1)[plan.entries])
+    local = plan.local
+    rows = int(local.sum())
     rows_x = torch.zeros(rows, h, dtype=torch.bfloat16)
     rows_go = torch.zeros(rows, h, dtype=torch.bfloat16)
     w_row = torch.zeros(rows, dtype=torch.float32)
@@ -323,7 +326,6 @@ def _moe_backward_ep_cpu(
     w_row[meta] = got[:, 4 * h :].contiguous().view(torch.float32).squeeze(1)
 
     # The experts' backward with the kernels' roundings.
-    local = matrix[:, rank * el : (rank + 1) * el].sum(0)
     grad_rows = torch.zeros(rows, h, dtype=torch.bfloat16)
     dots = torch.zeros(rows, dtype=torch.float32)
     grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
@@ -350,18 +352,27 @@ def _moe_backward_ep_cpu(
     back = torch.cat(
         [grad_rows[meta].view(torch.uint8), dots[meta].unsqueeze(1).view(torch.uint8)], 1
     )
-    back_in = exchange(back, recv_l, send_l)
+    back_in = plan.to_sources(back)
     slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
     slot_dots = torch.zeros(t * k, dtype=torch.float32)
-    slots[entries] = back_in[:, : 2 * h].contiguous().view(torch.bfloat16)
-    slot_dots[entries] = back_in[:, 2 * h :].contiguous().view(torch.float32).squeeze(1)
+    slots[plan.entries] = back_in[:, : 2 * h].contiguous().view(torch.bfloat16)
+    slot_dots[plan.entries] = back_in[:, 2 * h :].contiguous().view(torch.float32).squeeze(1)
     slots = slots.view(t, k, h).float()
-    used = dest >= 0
+    used = plan.dest >= 0
     acc = torch.zeros(t, h, dtype=torch.float32)
     for j in range(k):
         acc = torch.where(used[:, j : j + 1], acc + slots[:, j], acc)
     grad_w = torch.where(used, slot_dots.view(t, k), 0.0)
     return acc.bfloat16(), grad_w, grad_w1, grad_w2
+
+
+def _check_fake_rows(x: torch.Tensor, per_token: torch.Tensor, name: str) -> None:
+    """The fake kernels' shape checks: x [T, H] and a [T, K] tensor beside it."""
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        per_token.dim() == 2 and per_token.shape[0] == x.shape[0],
+        lambda: f"{name} must be [T = {x.shape[0]}, K], got shape {tuple(per_token.shape)}",
+    )
 
 
 @torch.library.register_fake("uniep::moe_fused_ep_backward")
@@ -375,11 +386,7 @@ def _moe_fused_ep_backward_fake(
     group_name: str,
     trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    torch._check_value(
-        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
-        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
-    )
+    _check_fake_rows(x, topk_idx, "topk_idx")
     torch._check_value(
         w1.dim() == 3 and w2t.dim() == 3,
         lambda: f"w1 and w2t must be 3-D, got {tuple(w1.shape)} and {tuple(w2t.shape)}",
@@ -408,11 +415,7 @@ def _moe_fused_backward_local_fake(
     timeout_s: float,
     trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    torch._check_value(
-        gemm_row.dim() == 2 and gemm_row.shape[0] == x.shape[0],
-        lambda: f"gemm_row must be [T = {x.shape[0]}, K], got shape {tuple(gemm_row.shape)}",
-    )
+    _check_fake_rows(x, gemm_row, "gemm_row")
     torch._check_value(
         w1.dim() == 3 and w1.shape[1] == x.shape[1],
         lambda: f"w1 must be [E, H = {x.shape[1]}, 2I], got shape {tuple(w1.shape)}",

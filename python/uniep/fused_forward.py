@@ -181,7 +181,7 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
     ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
     checks them (deferred)."""
     from .ep import _timeout
-    from .fused_backward import moe_backward_ep, moe_backward_local
+    from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
@@ -195,20 +195,9 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
             *operands, overlap=overlap, timeout_s=_timeout(None), check="deferred", w2t=w2t
         )
     else:
-        from .megakernel import ensure_fused_ep, fused_ep_fits
-
-        sizes = {
-            "tokens": x.shape[0],
-            "hidden": x.shape[1],
-            "ffn": w2.shape[1],
-            "top_k": topk_idx.shape[1],
-            "num_experts": w1.shape[0] * ctx.world,
-            "backward": True,
-        }
         # The forward made the runtime with these buffers; only a runtime replaced since (by a
         # call of other sizes) needs the collective again, on every rank alike.
-        if not fused_ep_fits(ctx.group, **sizes):
-            ensure_fused_ep(ctx.group, **sizes)
+        ensure_backward_runtime(ctx.group, x, topk_idx, w1, w2)
         grads = moe_backward_ep(*operands, ctx.group, check="deferred", w2t=w2t)
     grad_x, grad_w, grad_w1, grad_w2 = grads
     needs = ctx.needs_input_grad

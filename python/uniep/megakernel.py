@@ -660,6 +660,60 @@ def _moe_fused_ep_fake(
     )
 
 
+class CpuPlan:
+    """The CPU executor's plan of one call across ranks (:func:`moe_forward_ep` and
+    ``uniep.fused_backward.moe_backward_ep`` on CPU tensors): the counts all-gathered,
+    :func:`uniep.gate.sender_rows`, and the used entries in the order they travel (by
+    destination rank, then entry), with what each rank sends and receives."""
+
+    def __init__(
+        self, topk_idx: torch.Tensor, experts_per_rank: int, group: dist.ProcessGroup | None,
+        what: str,
+    ) -> None:  # fmt: skip
+        self.pg = distributed._resolve(group)
+        pg = self.pg
+        self.world, self.rank = (
+            (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+        )
+        self.top_k = topk_idx.shape[1]
+        el = experts_per_rank
+        counts = expert_counts(topk_idx, el * self.world)
+        matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(self.world)]
+        if pg is not None:
+            dist.all_gather(matrix, counts, group=pg)
+        matrix = torch.stack(matrix)
+        self.dest, self.row, _, error = gate.sender_rows(topk_idx, matrix, self.rank, check=False)
+        gate.check_send_error(error, self.top_k, f"{what} (plan)")
+        # This rank's experts' rows per expert, in GEMM-row order.
+        self.local = matrix[:, self.rank * el : (self.rank + 1) * el].sum(0)
+        dest = self.dest.reshape(-1)
+        entries = (dest >= 0).nonzero().squeeze(1)
+        self.entries = entries[torch.argsort(dest[entries], stable=True)]
+        self.send = torch.bincount(dest[self.entries], minlength=self.world).tolist()
+        self.recv = self.send
+        if pg is not None:
+            recv = torch.empty(self.world, dtype=torch.int64)
+            dist.all_to_all_single(recv, torch.tensor(self.send), group=pg)
+            self.recv = recv.tolist()
+
+    def to_experts(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (a row per entry in :attr:`entries`' order) to the experts' ranks: what this
+        rank receives, grouped by sender in rank order."""
+        return self._exchange(out, self.send, self.recv)
+
+    def to_sources(self, back: torch.Tensor) -> torch.Tensor:
+        """Rows in the order :meth:`to_experts` received them, back to their senders: this rank's
+        rows in :attr:`entries`' order."""
+        return self._exchange(back, self.recv, self.send)
+
+    def _exchange(self, out: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self.pg is None:
+            return out
+        got = out.new_empty(sum(recv), *out.shape[1:])
+        dist.all_to_all_single(got, out, recv, send, group=self.pg)
+        return got
+
+
 def _moe_forward_ep_cpu(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -673,36 +727,13 @@ def _moe_forward_ep_cpu(
     _check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
     t, h = x.shape
     el, _, two_i = w1_packed.shape
-    pg = distributed._resolve(group)
-    world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
     k = topk_idx.shape[1]
-    experts = el * world
-
-    # The plan: every rank's counts, then where each of this rank's rows goes.
-    counts = expert_counts(topk_idx, experts)
-    matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(world)]
-    if pg is not None:
-        dist.all_gather(matrix, counts, group=pg)
-    matrix = torch.stack(matrix)
-    dest, row, _, error = gate.sender_rows(topk_idx, matrix, rank, check=False)
-    gate.check_send_error(error, k, "moe_forward_ep (plan)")
+    plan = CpuPlan(topk_idx, el, group, "moe_forward_ep")
 
     # The send: each used entry's row to its GEMM row on its rank, the entry travelling with it.
-    entries = (dest.reshape(-1) >= 0).nonzero().squeeze(1)
-    entries = entries[torch.argsort(dest.reshape(-1)[entries], stable=True)]
-    send = torch.bincount(dest.reshape(-1)[entries], minlength=world)
-    rows_out = x[entries // k].view(torch.uint8)  # bf16 bits: the transport moves bytes
-    meta_out = row.reshape(-1)[entries]
-    if pg is None:
-        rows_in, meta_in, recv = rows_out, meta_out, send
-    else:
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=pg)
-        rows_in = rows_out.new_empty(int(recv.sum()), 2 * h)
-        meta_in = meta_out.new_empty(int(recv.sum()))
-        dist.all_to_all_single(rows_in, rows_out, recv.tolist(), send.tolist(), group=pg)
-        dist.all_to_all_single(meta_in, meta_out, recv.tolist(), send.tolist(), group=pg)
-    local = matrix[:, rank * el : (rank + 1) * el].sum(0)
+    rows_in = plan.to_experts(x[plan.entries // k].view(torch.uint8))  # bytes: the transport's
+    meta_in = plan.to_experts(plan.row.reshape(-1)[plan.entries])
+    local = plan.local
     gemm_rows = torch.zeros(int(local.sum()), h, dtype=torch.bfloat16)
     gemm_rows[meta_in] = rows_in.view(torch.bfloat16)
 
@@ -721,12 +752,8 @@ def _moe_forward_ep_cpu(
         y[b:end] = (act.float() @ w2[e].float()).bfloat16()
 
     # The outputs back to their slots, in the order their rows came; the reduce in ascending k.
-    back_out = y[meta_in].view(torch.uint8)
-    if pg is None:
-        back_in = back_out
-    else:
-        back_in = back_out.new_empty(rows_out.shape)
-        dist.all_to_all_single(back_in, back_out, send.tolist(), recv.tolist(), group=pg)
+    back_in = plan.to_sources(y[meta_in].view(torch.uint8))
+    entries, dest = plan.entries, plan.dest
     slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
     slots[entries] = back_in.view(torch.bfloat16)
     slots = slots.view(t, k, h).float()

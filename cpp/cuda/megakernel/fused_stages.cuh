@@ -76,6 +76,21 @@ __device__ __forceinline__ void store_token_row(const int4* src, int4* dst, int6
   }
 }
 
+// After a warp stored a token's rows: each lane's counter (null: none) counts its row once every
+// lane's stores are visible to whoever acquires it. With peers a peer GPU acquires it: a system
+// fence per lane (once per token and lane, which a send can afford; a GEMM epilogue cannot), then
+// a release at system scope; on one GPU the warp barrier and a release at GPU scope.
+__device__ __forceinline__ void publish_token_rows(uint32_t* signal, bool peers) {
+  if (peers) {
+    __threadfence_system();
+    __syncwarp();
+    if (signal != nullptr) gate_signal(signal, 1u);
+  } else {
+    __syncwarp();
+    if (signal != nullptr) gate_signal_gpu(signal, 1u);
+  }
+}
+
 // Warp `warp` of `warps` takes tokens warp, warp + warps, ... and stores each token's row at all
 // of its GEMM rows, reading it once (the row order above reads it once per k): every CTA's order
 // when every CTA sends (no overlap to feed), and the order with several ranks, whose rows go to
@@ -104,16 +119,7 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
       }
     }
     store_token_row(x + t * pieces, dst, pieces, static_cast<int>(K), lane);
-    if (peers) {
-      // A peer GPU acquires the counter: every lane's stores are ordered before it at system
-      // scope (once per token and lane, which the send can afford; the GEMM epilogue cannot).
-      __threadfence_system();
-      __syncwarp();
-      if (signal != nullptr) gate_signal(signal, 1u);
-    } else {
-      __syncwarp();
-      if (signal != nullptr) gate_signal_gpu(signal, 1u);
-    }
+    publish_token_rows(signal, peers);
   }
 }
 

@@ -93,16 +93,7 @@ __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a,
     }
     store_token_row(x + t * pieces, dst_x, pieces, static_cast<int>(K), lane);
     store_token_row(go + t * pieces, dst_go, pieces, static_cast<int>(K), lane);
-    if (peers) {
-      // A peer GPU acquires the counter: every lane's stores before it at system scope (as the
-      // forward's send, once per token and lane).
-      __threadfence_system();
-      __syncwarp();
-      if (signal != nullptr) gate_signal(signal, 1u);
-    } else {
-      __syncwarp();
-      if (signal != nullptr) gate_signal_gpu(signal, 1u);
-    }
+    publish_token_rows(signal, peers);
   }
 }
 
