@@ -153,7 +153,7 @@ def _rank_backward(rank: int, world: int, experts: int, top_k: int) -> dict[str,
     }
 
 
-@pytest.mark.parametrize("world,experts,top_k", [(1, 4, 2), (2, 8, 3), (4, 8, 2)])
+@pytest.mark.parametrize("world,experts,top_k", [(1, 4, 2), (2, 8, 3), (4, 8, 2), (2, 16, 9)])
 def test_cpu_backward_runs_the_plan_across_ranks(world: int, experts: int, top_k: int) -> None:
     if world == 1:
         reports = [_rank_backward(0, 1, experts, top_k)]
