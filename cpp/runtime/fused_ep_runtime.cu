@@ -406,7 +406,6 @@ class RuntimeImpl final : public Runtime {
     return cuda::gate_tile_base(offs_, El, capacity_, tile_m, tile_base_, stream);
   }
 
-
   Config cfg_;
   Carve layout_;
   int64_t capacity_ = 0, num_counters_ = 0;
