@@ -311,6 +311,25 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
                 fused_bits_equal_sequential=(r or {}).get("fused_bits_equal_sequential"),
             )
         )
+        # The fused backward across ranks (issue 22): no speed goal of its own; its gradients
+        # must equal overlap=sequential's, and its time beside sequential's is reported.
+        bwd_bits = (r or {}).get("fused_backward_bits_equal_sequential")
+        seq_bwd, fused_bwd = ms.get("bwd_sequential"), ms.get("bwd_fused")
+        ratio = fused_bwd / seq_bwd if fused_bwd and seq_bwd else None
+        out.append(
+            goal(
+                part,
+                f"{shape} fused backward across ranks (moe_backward overlap=fused): gradients "
+                "equal overlap=sequential's bit for bit; measured: its time / sequential's",
+                "bits equal",
+                ratio if bwd_bits is not None else None,
+                "x",
+                bool(bwd_bits),
+                why if r is None or bwd_bits is not None else "no fused-backward check in this run",
+                bwd_fused_ms=fused_bwd,
+                bwd_sequential_ms=seq_bwd,
+            )
+        )
     return out
 
 
