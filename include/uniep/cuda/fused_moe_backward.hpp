@@ -78,8 +78,8 @@ struct FusedBackwardArgs {
   // at peers.rank, and the plan's dest_rank and the routing weights are read too. A rank with no
   // tokens still runs (its experts compute the peers' rows).
   FusedBackwardPeers peers;
-  const int64_t* dest_rank = nullptr;   // [tokens * top_k] (world > 1 only)
-  const float* topk_weights = nullptr;  // [tokens * top_k] (world > 1 only)
+  const int64_t* dest_rank = nullptr;   // [tokens * top_k] (with a peer table only)
+  const float* topk_weights = nullptr;  // [tokens * top_k] (with a peer table only)
 };
 
 size_t fused_moe_backward_workspace_bytes(int64_t num_experts, int sm_count);
