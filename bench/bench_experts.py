@@ -22,7 +22,9 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
 The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepared``'s
 ``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue (at the default point,
 separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 experts (and the fp8
-dispatch), the latter against the bf16 layer's time and output; and ``moe_backward`` (which
+dispatch), the latter against the bf16 layer's time and output, beside ``moe_forward`` with
+``dispatch=fp8`` (the same fp8 experts on the e4m3 copy of the weights it keeps: the same bits
+expected); and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
@@ -467,10 +469,16 @@ def _bench_layer(
             variant: (lambda p=p, t=t: moe_forward_prepared(x, idx, weights, p, group, t))
             for variant, (p, t) in prepared_variants.items()
         }
+        # The plain layer with dispatch=fp8: fp8 experts on the e4m3 copy of w1 and w2 it keeps
+        # (made by the first call, outside the timing).
+        calls["fp8 moe_forward"] = lambda: layer_call("dispatch=fp8")
         for variant, call in calls.items():
             out = call().float()
             row[f"rel_diff[{variant}]"] = float((out - ref).norm() / ref.norm())
             del out
+        row["fp8_moe_forward_equals_prepared"] = bool(
+            torch.equal(calls["fp8 moe_forward"](), calls["fp8"]())
+        )
         # What e4m3 itself costs on these operands: the same quantizations (rows 1x128, weights
         # 128x128, the activation 1x128) with every product and sum in fp32.
         emulated = fp8_format_floor(x, idx, weights, w1, w2)
@@ -488,7 +496,7 @@ def _bench_layer(
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
         times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused")}
-        for variant in ("fp8", "fp8 m64"):
+        for variant in ("fp8", "fp8 m64", "fp8 moe_forward"):
             times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
         for variant, ms in times.items():
             # Against the layer timed beside them (fp8: the layer's own run above).
@@ -859,14 +867,16 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
         )
     print()
     print(
-        "| layer | fp8 / bf16 layer | fp8 tile_m=64 / bf16 layer | fp8 rel. error "
-        "| e4m3 format floor | error / floor |"
+        "| layer | fp8 / bf16 layer | fp8 tile_m=64 / bf16 layer | moe_forward dispatch=fp8 "
+        "/ bf16 layer (same bits) | fp8 rel. error | e4m3 format floor | error / floor |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['load']} | {r['over_bf16_layer[fp8]']:.3f} "
-            f"| {r['over_bf16_layer[fp8 m64]']:.3f} | {r['rel_diff[fp8]']:.4f} "
+            f"| {r['over_bf16_layer[fp8 m64]']:.3f} "
+            f"| {r['over_bf16_layer[fp8 moe_forward]']:.3f} "
+            f"({r['fp8_moe_forward_equals_prepared']}) | {r['rel_diff[fp8]']:.4f} "
             f"| {r['rel_diff[fp8 format floor]']:.4f} | {r['fp8_error_over_format_floor']:.3f} |"
         )
     for r in rows:

@@ -4,8 +4,10 @@ bits) on the separate launches (the default) and on the MegaKernel (overlap=fuse
 CTAs sending first, with the launch keys of the tuning string (tile height, skip rounds) and the
 point cached by uniep.tune for an empty string, its errors raised later without a wait, and after a
 larger batch grew the fused runtime; with fp8 experts it stays within the fp8 error of the bf16
-layer and close to a float64 layer on the same dequantized operands. World 1 (NCCL), and two and
-four ranks sharing the GPU (gloo)."""
+layer and close to a float64 layer on the same dequantized operands, and moe_forward with
+dispatch=fp8 gives its bits on the e4m3 copy of the weights it keeps (a new one after an in-place
+update), within tolerance of the CPU executor. World 1 (NCCL), and two and four ranks sharing the
+GPU (gloo)."""
 
 from __future__ import annotations
 
@@ -161,6 +163,27 @@ def _worker(rank: int, world: int) -> dict[str, float]:
     w2r = dequantize_expert_weights(*quantize_expert_weights(w2_all.bfloat16()))
     ref8 = moe_reference(xr, idx, w, w1r, w2r)
     out["fp8_vs_ref"] = float((got8.cpu().double() - ref8).norm() / ref8.norm())
+
+    # moe_forward with dispatch=fp8 runs the same fp8 experts on an e4m3 copy of w1 and w2 it
+    # keeps: the prepared path's bits, the kept copy's too, and a new one after an update.
+    w1d, w2d = w1.to(dev), w2.to(dev)
+    plain8 = uniep.moe_forward(xd, idxd, wd, w1d, w2d, tuning="dispatch=fp8")
+    out["plain_fp8_equal"] = float(torch.equal(plain8.float(), got8))
+    again = uniep.moe_forward(xd, idxd, wd, w1d, w2d, tuning="dispatch=fp8")
+    out["plain_fp8_again"] = float(torch.equal(again, plain8))
+    with torch.no_grad():
+        w1d.mul_(2)
+    doubled = uniep.moe_forward(xd, idxd, wd, w1d, w2d, tuning="dispatch=fp8")
+    fresh = moe_forward_prepared(
+        xd, idxd, wd, prepare_experts(w1d, w2d, "fp8"), tuning="dispatch=fp8"
+    )
+    out["updated_equal"] = float(torch.equal(doubled, fresh) and not torch.equal(doubled, plain8))
+    if world > 1:
+        # The CPU executor over the gloo group, the reference of every GPU path.
+        from uniep.distributed import group_name
+
+        cpu8 = torch.ops.uniep.moe_forward(x, idx, w, w1, w2, group_name(None), "dispatch=fp8")
+        out["fp8_vs_cpu"] = float((plain8.cpu().float() - cpu8.float()).norm() / cpu8.norm())
     return out
 
 
@@ -184,7 +207,11 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         if world > 1:  # 256 held the first batches; rank 0's 300 tokens grew it to 512
             assert report["fused_max_tokens"] == 512, report
         assert report["agreements"] == (0.0 if world == 1 else 2.0), report
-        # The GPU path also quantizes the activation for the second GEMM (the CPU path keeps it
-        # in bf16): within the fp8 error of random operands over two GEMMs.
+        # The GPU path also quantizes the activation for the second GEMM (the float64 reference
+        # keeps it exact): within the fp8 error of random operands over two GEMMs.
         assert report["fp8_vs_bf16"] <= 1e-1, report
         assert report["fp8_vs_ref"] <= 6e-2, report
+        assert report["plain_fp8_equal"] == report["plain_fp8_again"] == 1.0, report
+        assert report["updated_equal"] == 1.0, report
+        if world > 1:  # a GEMM's one-ulp difference in h can move the activation's e4m3 step
+            assert report["fp8_vs_cpu"] <= 2e-2, report

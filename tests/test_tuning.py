@@ -98,7 +98,7 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
     assert (d.tile_m, d.tile_n, d.tile_k, d.stages) == (0, 0, 0, 0)
     assert d.gemm == "uniep"
     assert "tile_m=auto,tile_n=auto,tile_k=auto,stages=auto" in d.to_string()
-    assert d.to_string().endswith(",gemm=uniep")
+    assert d.to_string().endswith(",gemm=uniep,experts=auto")
     p = _C.TuningParams.parse("tile_m=auto,tile_n=256,stages=auto,gemm=torch")
     assert (p.tile_m, p.tile_n, p.stages, p.gemm) == (0, 256, 0, "torch")
     assert _C.TuningParams.parse(p.to_string()) == p

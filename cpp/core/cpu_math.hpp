@@ -46,6 +46,22 @@ Acc sigmoid(Acc g) {
   return Acc(1) / (Acc(1) + std::exp(-g));
 }
 
+// Rounds values to e4m3 with one fp32 scale per block, as the fp8 dispatch (cpu_wire.hpp) and
+// uniep.gemm quantize: scale = amax / 448 (1 for an all-zero block), each value times the
+// reciprocal rounded to the nearest e4m3, and left dequantized (the e4m3 value times the scale):
+// what an fp8 GEMM multiplies. `at(i)` gives the i-th value of the block.
+template <typename Acc, typename At>
+void fp8_round_block(int64_t count, At at) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(float(at(i))));
+  const float scale = amax > 0.0f ? amax / numeric::kE4m3Max : 1.0f;
+  const float inv = amax > 0.0f ? numeric::kE4m3Max / amax : 1.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    Acc& v = at(i);
+    v = Acc(numeric::e4m3_to_float(numeric::float_to_e4m3(float(v) * inv)) * scale);
+  }
+}
+
 // Local expert weights widened once to the accumulation type, read through their strides (this
 // copy is the one the executor makes anyway, so strided weights cost nothing more).
 template <typename S>
@@ -73,26 +89,59 @@ struct ExpertWeights {
   }
   const Acc* up(int64_t e) const { return &w1[e * H * 2 * I]; }
   const Acc* down(int64_t e) const { return &w2[e * I * H]; }
+
+  // fp8 experts: each [rows, cols] matrix rounded in 128 x 128 blocks (rows and cols multiples
+  // of 128: check_expert_precision), as uniep.gemm.quantize_expert_weights does on CUDA.
+  void round_to_fp8_blocks() {
+    round_blocks(w1.data(), w1.size() / (H * 2 * I), H, 2 * I);
+    round_blocks(w2.data(), w2.size() / (I * H), I, H);
+  }
+  static void round_blocks(Acc* w, int64_t experts, int64_t rows, int64_t cols) {
+    constexpr int64_t B = numeric::kFp8BlockCols;
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t r0 = 0; r0 < rows; r0 += B)
+        for (int64_t c0 = 0; c0 < cols; c0 += B) {
+          Acc* block = w + (e * rows + r0) * cols + c0;
+          fp8_round_block<Acc>(B * B, [&](int64_t i) -> Acc& {
+            return block[(i / B) * cols + i % B];
+          });
+        }
+  }
 };
 
 // The forward of one row, rounding where a GPU grouped GEMM writes its output in storage type:
-// h = x W1 (rounded), act = silu(gate) * up (rounded), y = act W2 (rounded).
+// h = x W1 (rounded), act = silu(gate) * up (rounded), y = act W2 (rounded). With fp8 experts
+// (the weights already rounded: ExpertWeights::round_to_fp8_blocks) act is also rounded to e4m3
+// in 1 x 128 blocks before the second product, as the fp8 path's SwiGLU pass quantizes it.
 template <typename S>
 struct RowForward {
   using St = numeric::Storage<S>;
   using Acc = typename St::Acc;
   std::vector<Acc> x, h, act, y;
 
-  RowForward(int64_t H, int64_t I) : x(H), h(2 * I), act(I), y(H) {}
+  bool fp8_act = false;
+
+  RowForward(int64_t H, int64_t I, bool fp8 = false) : x(H), h(2 * I), act(I), y(H), fp8_act(fp8) {}
 
   void run(const S* xrow, const ExpertWeights<S>& w, int64_t e, int64_t tile_n, int64_t tile_k) {
+    for (int64_t i = 0; i < w.H; ++i) x[i] = St::load(xrow[i]);
+    run_loaded(w, e, tile_n, tile_k);
+  }
+
+  // The same on the row already in `x` (fp8 experts load it unrounded: the e4m3 value times its
+  // block scale, as the fp8 GEMM multiplies it).
+  void run_loaded(const ExpertWeights<S>& w, int64_t e, int64_t tile_n, int64_t tile_k) {
     const int64_t H = w.H, I = w.I;
-    for (int64_t i = 0; i < H; ++i) x[i] = St::load(xrow[i]);
     vec_mat(x.data(), H, w.up(e), 2 * I, tile_n, tile_k, h.data());
     for (auto& v : h) v = St::load(St::store(v));
     for (int64_t i = 0; i < I; ++i) {
       const Acc g = h[i];
       act[i] = St::load(St::store(g * sigmoid(g) * h[I + i]));
+    }
+    if (fp8_act) {
+      for (int64_t c0 = 0; c0 < I; c0 += numeric::kFp8BlockCols)
+        fp8_round_block<Acc>(std::min<int64_t>(numeric::kFp8BlockCols, I - c0),
+                             [&](int64_t i) -> Acc& { return act[c0 + i]; });
     }
     vec_mat(act.data(), I, w.down(e), H, tile_n, tile_k, y.data());
     for (auto& v : y) v = St::load(St::store(v));

@@ -205,14 +205,22 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
       },
       tr);
 
-  const ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
-                           sh.experts_per_rank(), H, I, a.w1_strides, a.w2_strides);
+  ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
+                     sh.experts_per_rank(), H, I, a.w1_strides, a.w2_strides);
+  const bool fp8 = a.tuning.fp8_experts();
+  if (fp8) w.round_to_fp8_blocks();
   std::vector<S> y(r.experts.num_rows() * H);
-  cpu::RowForward<S> f(H, I);
+  cpu::RowForward<S> f(H, I, fp8);
   for (const WorkTile& tile : r.tiles) {
     for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
-      f.run(&r.x[r.experts.row_slot[row] * H], w, tile.expert, a.tuning.tile_n_or_default(),
-            a.tuning.tile_k_or_default());
+      const int64_t slot = r.experts.row_slot[row];
+      const int64_t tn = a.tuning.tile_n_or_default(), tk = a.tuning.tile_k_or_default();
+      if (fp8) {
+        cpu::decode_fp8_row(&r.raw[slot * r.record_bytes], H, f.x.data());
+        f.run_loaded(w, tile.expert, tn, tk);
+      } else {
+        f.run(&r.x[slot * H], w, tile.expert, tn, tk);
+      }
       for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
     }
   }
@@ -369,6 +377,7 @@ void check_args(const MoeForwardArgs& a) {
 
 void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport) {
   check_args(args);
+  check_expert_precision(args.tuning, args.shape.hidden, args.shape.ffn_hidden);
   switch (args.dtype) {
     case DType::kFloat32:
       return forward_impl<float>(args, transport);

@@ -61,4 +61,16 @@ void decode_row(const uint8_t* in, int64_t H, DispatchPrecision p, S* row) {
   }
 }
 
+// An fp8 record's row as the fp8 experts read it: each e4m3 value times its block scale, one
+// fp32 product, not rounded to the storage type.
+template <typename Acc>
+void decode_fp8_row(const uint8_t* in, int64_t H, Acc* row) {
+  for (int64_t b = 0; b < fp8_blocks(H); ++b) {
+    float scale;
+    std::memcpy(&scale, in + H + b * sizeof(float), sizeof scale);
+    const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
+    for (int64_t c = c0; c < c1; ++c) row[c] = Acc(numeric::e4m3_to_float(in[c]) * scale);
+  }
+}
+
 }  // namespace uniep::cpu

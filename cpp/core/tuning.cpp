@@ -52,11 +52,23 @@ const char* gemm_engine_name(GemmEngine engine) {
   return "?";
 }
 
+const char* expert_precision_name(ExpertPrecision precision) {
+  switch (precision) {
+    case ExpertPrecision::kAuto:
+      return "auto";
+    case ExpertPrecision::kBf16:
+      return "bf16";
+    case ExpertPrecision::kFp8:
+      return "fp8";
+  }
+  return "?";
+}
+
 namespace {
 
 constexpr const char* kKeys =
     "sms, token_tile, tile_m, tile_n, tile_k, stages, skip_rounds, overlap, dispatch, combine, "
-    "gemm";
+    "gemm, experts";
 
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
@@ -101,7 +113,8 @@ std::string TuningParams::to_string() const {
       ",tile_n=", auto_int(tile_n), ",tile_k=", auto_int(tile_k), ",stages=", auto_int(stages),
       ",skip_rounds=", skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
       ",overlap=", overlap_mode_name(overlap), ",dispatch=", dispatch_precision_name(dispatch),
-      ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm));
+      ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm),
+      ",experts=", expert_precision_name(experts));
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
@@ -183,6 +196,15 @@ TuningParams TuningParams::parse(const std::string& text) {
         p.gemm = GemmEngine::kTorch;
       else
         UNIEP_CHECK(false, "tuning: gemm must be uniep or torch, got '", value, "'");
+    } else if (key == "experts") {
+      if (value == "auto")
+        p.experts = ExpertPrecision::kAuto;
+      else if (value == "bf16")
+        p.experts = ExpertPrecision::kBf16;
+      else if (value == "fp8")
+        p.experts = ExpertPrecision::kFp8;
+      else
+        UNIEP_CHECK(false, "tuning: experts must be auto, bf16 or fp8, got '", value, "'");
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
@@ -209,13 +231,28 @@ void TuningParams::validate() const {
   UNIEP_CHECK(stages >= 0 && stages <= 8, "tuning: stages must be auto or in [1, 8], got ", stages);
   UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
               "tuning: skip_rounds must be auto (-1) or in [0, 2^20], got ", skip_rounds);
+  UNIEP_CHECK(experts != ExpertPrecision::kFp8 || dispatch == DispatchPrecision::kFp8E4M3,
+              "tuning: experts=fp8 needs dispatch=fp8 (the fp8 GEMMs read the rows in the fp8 "
+              "dispatch's format), got dispatch=", dispatch_precision_name(dispatch));
+}
+
+void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t ffn) {
+  if (!tuning.fp8_experts()) return;
+  constexpr int64_t kBlock = 128;
+  UNIEP_CHECK(hidden % kBlock == 0 && ffn % kBlock == 0, "tuning dispatch=fp8",
+              tuning.experts == ExpertPrecision::kFp8 ? ",experts=fp8" : "",
+              " runs the experts in fp8 with one weight scale per 128 x 128 block: hidden "
+              "(x.size(1)) and the expert FFN size (w2.size(1)) must be multiples of 128, got "
+              "hidden=",
+              hidden, ", ffn=", ffn, "; add experts=bf16 for bf16 expert GEMMs on the fp8 rows");
 }
 
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
          skip_rounds == o.skip_rounds &&
-         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm;
+         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm &&
+         experts == o.experts;
 }
 
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,

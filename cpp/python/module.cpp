@@ -13,6 +13,7 @@
 #include "torch/coll_gemm.hpp"
 #include "torch/coll_registry.hpp"
 #include "torch/ep_registry.hpp"
+#include "torch/fp8_experts.hpp"
 #include "torch/fused_ep_registry.hpp"
 #include "torch/runtime_registry.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -271,6 +272,14 @@ PYBIND11_MODULE(_C, m) {
           [](TuningParams& p, const std::string& v) {
             p.gemm = TuningParams::parse("gemm=" + v).gemm;
           })
+      .def_property(
+          "experts",
+          [](const TuningParams& p) { return std::string(expert_precision_name(p.experts)); },
+          [](TuningParams& p, const std::string& v) {
+            // experts=fp8 parses only beside dispatch=fp8; validate() checks the pair.
+            p.experts = TuningParams::parse("dispatch=fp8,experts=" + v).experts;
+          })
+      .def_property_readonly("fp8_experts", &TuningParams::fp8_experts)
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
       .def("__hash__",
            [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })
@@ -511,8 +520,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("top_k"), py::arg("num_experts"), py::arg("tile_m") = 128,
       py::arg("backward") = false,
       "Bytes of NVSHMEM symmetric heap a fused MoE runtime of these parameters allocates.");
+  m.def("clear_fp8_experts", &uniep::torch_glue::clear_fp8_experts,
+        "Drops the e4m3 copies of expert weights that moe_forward keeps for fp8 experts "
+        "(tuning dispatch=fp8): after writes their version counters do not see.");
 #else
   m.attr("has_ep_runtime") = false;
+  m.def("clear_fp8_experts", [] {}, "No fp8 expert copies are kept without CUDA ops.");
 #endif
   bind_collectives(m);
   bind_parm(m);

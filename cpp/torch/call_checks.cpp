@@ -19,6 +19,9 @@ std::string describe_combine(int64_t v) {
 std::string describe_gemm(int64_t v) {
   return gemm_engine_name(static_cast<GemmEngine>(v));
 }
+std::string describe_fp8_experts(int64_t v) {
+  return v != 0 ? "fp8" : "bf16";
+}
 }  // namespace
 
 CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device device,
@@ -58,7 +61,9 @@ CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, cons
            {"tuning overlap", static_cast<int64_t>(tuning.overlap), describe_overlap},
            {"tuning dispatch", static_cast<int64_t>(tuning.dispatch), describe_dispatch},
            {"tuning combine", static_cast<int64_t>(tuning.combine), describe_combine},
-           {"tuning gemm", static_cast<int64_t>(tuning.gemm), describe_gemm}}};
+           {"tuning gemm", static_cast<int64_t>(tuning.gemm), describe_gemm},
+           // Resolved: experts=auto and experts=fp8 beside dispatch=fp8 are one numerics.
+           {"tuning experts (fp8 GEMMs)", tuning.fp8_experts() ? 1 : 0, describe_fp8_experts}}};
 }
 
 }  // namespace uniep::torch_glue

@@ -18,6 +18,7 @@
 
 #include "torch/call_checks.hpp"
 #include "torch/ep_registry.hpp"
+#include "torch/fp8_experts.hpp"
 #include "torch/grouped_gemm.hpp"
 #include "torch/process_group.hpp"
 #include "torch/runtime_registry.hpp"
@@ -317,6 +318,13 @@ CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::
     UNIEP_CHECK_CODE(x.scalar_type() == at::kBFloat16, StatusCode::kUnsupported,
                      "the CUDA executor takes bfloat16 x (its expert GEMMs are bf16), got ",
                      x.scalar_type());
+    if (kind == CallKind::kMoeForward) {
+      // The backward differentiates the bf16 layer (TuningParams::experts): no fp8 GEMM there.
+      check_expert_precision(c.params, c.in.shape.hidden, c.in.shape.ffn_hidden);
+      UNIEP_CHECK(!c.params.fp8_experts() || c.params.gemm == GemmEngine::kUniep,
+                  "tuning gemm=torch has no fp8 expert GEMM, and dispatch=fp8 runs the experts "
+                  "in fp8: add experts=bf16 (bf16 GEMMs on the fp8 rows) or drop gemm=torch");
+    }
     if (c.params.gemm == GemmEngine::kUniep) {
       // The engine's TMA moves 16-byte rows of every operand; torch._grouped_mm takes any size.
       UNIEP_CHECK_CODE(c.in.shape.ffn_hidden % 8 == 0, StatusCode::kUnsupported,
@@ -399,17 +407,27 @@ void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
 // The experts' rows of a dispatch run without copy_rows: gathered in the plan's row order
 // straight from the runtime's symmetric buffer (fp8 rows dequantized as the CPU executor does:
 // fp32 product of the e4m3 value and its block scale, rounded once to bf16).
+// The fp8 rows of a dispatch run without copy_rows as the fp8 GEMM takes them: e4m3 [R, H] and
+// their 1 x 128 block scales [R, H / 128], gathered in the plan's row order.
+std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const Dispatched& d,
+                                                    const ep::Runtime& rt) {
+  const ep::Config& cfg = rt.config();
+  const int64_t N = d.counts.num_recv, H = cfg.hidden;
+  const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
+  const at::Tensor bytes = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
+                                         x.options().dtype(at::kByte))
+                               .index_select(0, d.row_slot);
+  return {bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn),
+          bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat)};
+}
+
 at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Runtime& rt,
                          const TuningParams& params, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();
   const int64_t N = d.counts.num_recv, H = cfg.hidden, R = d.row_slot.size(0);
   if (params.dispatch == DispatchPrecision::kFp8E4M3) {
-    const int64_t cap = cfg.row_bytes_capacity(), blocks = H / 128;
-    const at::Tensor bytes = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
-                                           x.options().dtype(at::kByte))
-                                 .index_select(0, d.row_slot);
-    const at::Tensor q = bytes.narrow(1, 0, H).contiguous().view(at::kFloat8_e4m3fn);
-    const at::Tensor scales = bytes.narrow(1, H, blocks * 4).contiguous().view(at::kFloat);
+    const int64_t blocks = H / 128;
+    const auto [q, scales] = gathered_fp8_rows(x, d, rt);
     return (q.to(at::kFloat).view({R, blocks, 128}) * scales.unsqueeze(2))
         .view({R, H})
         .to(at::kBFloat16);
@@ -420,6 +438,14 @@ at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Run
   ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N,
                                      d.row_slot.data_ptr<int64_t>(), R, H, xs.data_ptr(), stream));
   return xs;
+}
+
+// The grouped GEMMs' offs: each local expert's cumulative row end, int32 on the device.
+at::Tensor expert_offs(const Dispatched& d, const at::Tensor& x, cudaStream_t stream) {
+  at::Tensor offs = at::empty({d.tokens_per_expert.size(0)}, x.options().dtype(at::kInt));
+  ok_or_throw(cuda::expert_offsets(d.tokens_per_expert.data_ptr<int64_t>(), offs.size(0),
+                                   offs.data_ptr<int32_t>(), stream));
+  return offs;
 }
 
 at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -441,11 +467,13 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     at::Tensor y;
     if (R == 0) {
       y = at::empty({0, H}, x.options());
+    } else if (params.fp8_experts()) {
+      // The rows stay in the dispatch's e4m3 for the first fp8 GEMM (torch/fp8_experts.hpp).
+      const auto [rows, row_scales] = gathered_fp8_rows(x, d, rt);
+      y = fp8_experts_forward(rows, row_scales, expert_offs(d, x, stream), w1, w2, params);
     } else {
       const at::Tensor xs = gathered_rows(x, d, rt, params, stream);
-      at::Tensor offs = at::empty({d.tokens_per_expert.size(0)}, x.options().dtype(at::kInt));
-      ok_or_throw(cuda::expert_offsets(d.tokens_per_expert.data_ptr<int64_t>(), offs.size(0),
-                                       offs.data_ptr<int32_t>(), stream));
+      const at::Tensor offs = expert_offs(d, x, stream);
       auto grouped = [&](const at::Tensor& a, const at::Tensor& w) {
         return params.gemm == GemmEngine::kUniep ? engine_grouped_mm(a, w, offs, params)
                                                  : at::_grouped_mm(a, w, offs);
@@ -521,9 +549,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
       grad_w1 = at::zeros_like(w1);
       grad_w2 = at::zeros_like(w2);
     } else {
-      at::Tensor offs = at::empty({d.tokens_per_expert.size(0)}, x.options().dtype(at::kInt));
-      ok_or_throw(cuda::expert_offsets(d.tokens_per_expert.data_ptr<int64_t>(), offs.size(0),
-                                       offs.data_ptr<int32_t>(), stream));
+      const at::Tensor offs = expert_offs(d, x, stream);
       // GEMM 1 recomputed; grad_out's rows before the weight through w2^T, so the weight's
       // gradient is <act, that> and y = act w2 is never recomputed (docs/expert_gemm.md).
       const at::Tensor h = engine_grouped_mm(rows, w1, offs, params);

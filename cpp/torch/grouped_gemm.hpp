@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/tuning.hpp"
 
@@ -42,5 +44,15 @@ at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
                                    const at::Tensor& offs, const TuningParams& tuning);
 at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
                                    const at::Tensor& offs, const TuningParams& tuning);
+
+// The fp8 grouped GEMM: x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3 (K-major)
+// with w_scales [E, K / 128, N / 128] -> [R, N] bf16; tuning's tile keys pick the configuration.
+at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
+                                 const at::Tensor& w, const at::Tensor& w_scales,
+                                 const at::Tensor& offs, const TuningParams& tuning);
+
+// h [R, 2I] bf16 (gate, then up) -> silu(gate) * up rounded to bf16 and quantized in 1 x 128
+// blocks: (e4m3 [R, I], fp32 scales [R, I / 128]).
+std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h);
 
 }  // namespace uniep::torch_glue

@@ -232,100 +232,108 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
   });
 }
 
+at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
+                                 const at::Tensor& w, const at::Tensor& w_scales,
+                                 const at::Tensor& offs, const TuningParams& params) {
+  UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
+  UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
+  UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
+  UNIEP_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "x must be float8_e4m3fn, got ",
+              x.scalar_type());
+  UNIEP_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "w must be float8_e4m3fn, got ",
+              w.scalar_type());
+  UNIEP_CHECK(x_scales.scalar_type() == at::kFloat && w_scales.scalar_type() == at::kFloat,
+              "x_scales and w_scales must be float32, got ", x_scales.scalar_type(), " and ",
+              w_scales.scalar_type());
+  UNIEP_CHECK(offs.scalar_type() == at::kInt, "offs must be int32, got ", offs.scalar_type());
+  for (const at::Tensor* t : {&x_scales, &w, &w_scales, &offs})
+    UNIEP_CHECK(t->device() == x.device(), "every operand must be on x's device ", x.device(),
+                ", got ", t->device());
+  UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  const int64_t rows = x.size(0), k = x.size(1), e = w.size(0), n = w.size(1);
+  UNIEP_CHECK(w.size(2) == k, "w must be [E, N, K] with K = x.size(1) = ", k, ", got shape ",
+              w.sizes());
+  UNIEP_CHECK(offs.size(0) == e, "offs must have E = w.size(0) = ", e, " entries, got ",
+              offs.size(0));
+  UNIEP_CHECK_CODE(k % 128 == 0 && n % 128 == 0, StatusCode::kUnsupported,
+                   "K and N must be multiples of 128 (one scale per 128 x 128 weight block), "
+                   "got K = ",
+                   k, ", N = ", n);
+  UNIEP_CHECK(x_scales.dim() == 2 && x_scales.size(0) == rows && x_scales.size(1) == k / 128,
+              "x_scales must be [R, K / 128] = [", rows, ", ", k / 128, "], got shape ",
+              x_scales.sizes());
+  UNIEP_CHECK(w_scales.dim() == 3 && w_scales.size(0) == e && w_scales.size(1) == k / 128 &&
+                  w_scales.size(2) == n / 128,
+              "w_scales must be [E, K / 128, N / 128] = [", e, ", ", k / 128, ", ", n / 128,
+              "], got shape ", w_scales.sizes());
+  for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
+    UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
+                t->strides());
+  cuda::GroupedGemmTiles tiles;
+  tiles.tile_m = params.tile_m;
+  tiles.tile_n = params.tile_n;
+  tiles.tile_k = params.tile_k;
+  tiles.stages = params.stages;
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
+  cuda::GroupedGemmFp8Problem p;
+  p.num_experts = e;
+  p.rows = rows;
+  int index = 0;  // a tile request no configuration has is an error, rows or none
+  ok_or_throw(cuda::grouped_gemm_fp8_select(p, tiles, &index));
+  if (rows == 0) return out;
+  const int device = x.device().index();
+  UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                   "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
+                   "sm_90a)");
+  p.x = x.data_ptr();
+  p.x_scales = x_scales.data_ptr<float>();
+  p.w = w.data_ptr();
+  p.w_scales = w_scales.data_ptr<float>();
+  p.offs = offs.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.k = k;
+  p.n = n;
+  ok_or_throw(cuda::grouped_gemm_fp8_supports(p));
+  int sm_count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  const size_t bytes = cuda::grouped_gemm_fp8_workspace_bytes(e, rows, k, sm_count);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+  ok_or_throw(cuda::grouped_gemm_fp8(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
+                                     at::cuda::getCurrentCUDAStream(device).stream()));
+  return out;
+}
+
 at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
                                const at::Tensor& w_scales, const at::Tensor& offs,
                                c10::string_view tuning) {
   return translate_errors([&] {
-    const TuningParams params = TuningParams::parse(std::string(tuning));
-    UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
-    UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
-    UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
-    UNIEP_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "x must be float8_e4m3fn, got ",
-                x.scalar_type());
-    UNIEP_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "w must be float8_e4m3fn, got ",
-                w.scalar_type());
-    UNIEP_CHECK(x_scales.scalar_type() == at::kFloat && w_scales.scalar_type() == at::kFloat,
-                "x_scales and w_scales must be float32, got ", x_scales.scalar_type(), " and ",
-                w_scales.scalar_type());
-    UNIEP_CHECK(offs.scalar_type() == at::kInt, "offs must be int32, got ", offs.scalar_type());
-    for (const at::Tensor* t : {&x_scales, &w, &w_scales, &offs})
-      UNIEP_CHECK(t->device() == x.device(), "every operand must be on x's device ", x.device(),
-                  ", got ", t->device());
-    UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
-    const int64_t rows = x.size(0), k = x.size(1), e = w.size(0), n = w.size(1);
-    UNIEP_CHECK(w.size(2) == k, "w must be [E, N, K] with K = x.size(1) = ", k, ", got shape ",
-                w.sizes());
-    UNIEP_CHECK(offs.size(0) == e, "offs must have E = w.size(0) = ", e, " entries, got ",
-                offs.size(0));
-    UNIEP_CHECK_CODE(k % 128 == 0 && n % 128 == 0, StatusCode::kUnsupported,
-                     "K and N must be multiples of 128 (one scale per 128 x 128 weight block), "
-                     "got K = ",
-                     k, ", N = ", n);
-    UNIEP_CHECK(x_scales.dim() == 2 && x_scales.size(0) == rows && x_scales.size(1) == k / 128,
-                "x_scales must be [R, K / 128] = [", rows, ", ", k / 128, "], got shape ",
-                x_scales.sizes());
-    UNIEP_CHECK(w_scales.dim() == 3 && w_scales.size(0) == e && w_scales.size(1) == k / 128 &&
-                    w_scales.size(2) == n / 128,
-                "w_scales must be [E, K / 128, N / 128] = [", e, ", ", k / 128, ", ", n / 128,
-                "], got shape ", w_scales.sizes());
-    for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
-      UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
-                  t->strides());
-    cuda::GroupedGemmTiles tiles;
-    tiles.tile_m = params.tile_m;
-    tiles.tile_n = params.tile_n;
-    tiles.tile_k = params.tile_k;
-    tiles.stages = params.stages;
-    const c10::cuda::CUDAGuard guard(x.device());
-    at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
-    cuda::GroupedGemmFp8Problem p;
-    p.num_experts = e;
-    p.rows = rows;
-    int index = 0;  // a tile request no configuration has is an error, rows or none
-    ok_or_throw(cuda::grouped_gemm_fp8_select(p, tiles, &index));
-    if (rows == 0) return out;
-    const int device = x.device().index();
-    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
-                     "the grouped GEMM needs a compute capability 9.0 GPU (it is built for "
-                     "sm_90a)");
-    p.x = x.data_ptr();
-    p.x_scales = x_scales.data_ptr<float>();
-    p.w = w.data_ptr();
-    p.w_scales = w_scales.data_ptr<float>();
-    p.offs = offs.data_ptr<int32_t>();
-    p.out = out.data_ptr();
-    p.k = k;
-    p.n = n;
-    ok_or_throw(cuda::grouped_gemm_fp8_supports(p));
-    int sm_count = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-    const size_t bytes = cuda::grouped_gemm_fp8_workspace_bytes(e, rows, k, sm_count);
-    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-    ok_or_throw(cuda::grouped_gemm_fp8(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
-                                       at::cuda::getCurrentCUDAStream(device).stream()));
-    return out;
+    return engine_grouped_mm_fp8(x, x_scales, w, w_scales, offs,
+                                 TuningParams::parse(std::string(tuning)));
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
+  UNIEP_CHECK(h.dim() == 2, "h must be 2-D [R, 2I], got shape ", h.sizes());
+  UNIEP_CHECK(h.scalar_type() == at::kBFloat16, "h must be bfloat16, got ", h.scalar_type());
+  UNIEP_CHECK(h.is_cuda(), "h must be a CUDA tensor, got ", h.device());
+  UNIEP_CHECK(h.is_contiguous(), "h must be contiguous, got strides ", h.strides());
+  const int64_t rows = h.size(0), ffn = h.size(1) / 2;
+  // A shape error like the CPU kernel's (uniep/gemm.py), so both raise ValueError.
+  UNIEP_CHECK(
+      h.size(1) % 256 == 0,
+      "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got shape ",
+      h.sizes());
+  const c10::cuda::CUDAGuard guard(h.device());
+  at::Tensor act = at::empty({rows, ffn}, h.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scales = at::empty({rows, ffn / 128}, h.options().dtype(at::kFloat));
+  ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
+                               at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+  return std::make_tuple(act, scales);
+}
+
 std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
-  return translate_errors([&] {
-    UNIEP_CHECK(h.dim() == 2, "h must be 2-D [R, 2I], got shape ", h.sizes());
-    UNIEP_CHECK(h.scalar_type() == at::kBFloat16, "h must be bfloat16, got ", h.scalar_type());
-    UNIEP_CHECK(h.is_cuda(), "h must be a CUDA tensor, got ", h.device());
-    UNIEP_CHECK(h.is_contiguous(), "h must be contiguous, got strides ", h.strides());
-    const int64_t rows = h.size(0), ffn = h.size(1) / 2;
-    // A shape error like the CPU kernel's (uniep/gemm.py), so both raise ValueError.
-    UNIEP_CHECK(
-        h.size(1) % 256 == 0,
-        "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got shape ",
-        h.sizes());
-    const c10::cuda::CUDAGuard guard(h.device());
-    at::Tensor act = at::empty({rows, ffn}, h.options().dtype(at::kFloat8_e4m3fn));
-    at::Tensor scales = at::empty({rows, ffn / 128}, h.options().dtype(at::kFloat));
-    ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
-                                 at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
-    return std::make_tuple(act, scales);
-  });
+  return translate_errors([&] { return engine_swiglu_fp8(h); });
 }
 
 // The bf16 CUDA rows the backward's element-wise kernels take: 2-D, contiguous, on one device.

@@ -20,20 +20,29 @@ enum class CombineReduction { kPerChoice, kRankPartials };
 // Which grouped GEMM runs the experts on CUDA: UniEP's own expert GEMM engine, or
 // torch._grouped_mm (kept for comparison). The CPU executor ignores it.
 enum class GemmEngine { kUniep, kTorch };
+// The expert GEMMs' operands. kBf16: bf16 GEMMs (fp8 rows of dispatch=fp8 are decoded to bf16
+// first). kFp8: e4m3 GEMMs with fp32 accumulation: the rows as the fp8 dispatch sends them (one
+// scale per 1x128 block), the weights quantized from the bf16 ones with one scale per 128 x 128
+// block, and the SwiGLU activation (rounded to bf16) quantized like a row for the second GEMM.
+// Needs dispatch=fp8 and hidden and the expert FFN size multiples of 128. kAuto (the default):
+// kFp8 with dispatch=fp8, else kBf16. The backward differentiates the bf16 layer at the rows
+// the experts received (a straight-through estimate of the weights' and activation's rounding).
+enum class ExpertPrecision { kAuto, kBf16, kFp8 };
 
 const char* overlap_mode_name(OverlapMode mode);
 const char* dispatch_precision_name(DispatchPrecision precision);
 const char* combine_reduction_name(CombineReduction reduction);
 const char* gemm_engine_name(GemmEngine engine);
+const char* expert_precision_name(ExpertPrecision precision);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
 // ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM engine's compiled
 // configurations (a combination that none has is an error listing them); the CPU executor
 // blocks its loops by them (128, 128, 64 when auto). None of these changes the output bits except
-// `dispatch` (fp8 quantises what crosses the wire) and `combine` (where the sum over k is split),
-// which are numerics choices, not schedules: a tuner must not change them, and the bits are
-// identical across every other point of the space for each choice.
+// `dispatch` (fp8 quantises what crosses the wire), `experts` (fp8 expert GEMMs) and `combine`
+// (where the sum over k is split), which are numerics choices, not schedules: a tuner must not
+// change them, and the bits are identical across every other point of the space for each choice.
 struct TuningParams {
   int comm_sms = 24;    // SMs given to dispatch/combine roles
   int total_sms = 0;    // 0: all SMs of the device
@@ -49,6 +58,12 @@ struct TuningParams {
   DispatchPrecision dispatch = DispatchPrecision::kBf16;
   CombineReduction combine = CombineReduction::kPerChoice;
   GemmEngine gemm = GemmEngine::kUniep;
+  ExpertPrecision experts = ExpertPrecision::kAuto;
+  // Whether the experts run in fp8 (ExpertPrecision, kAuto resolved).
+  bool fp8_experts() const {
+    return experts == ExpertPrecision::kFp8 ||
+           (experts == ExpertPrecision::kAuto && dispatch == DispatchPrecision::kFp8E4M3);
+  }
 
   // The tile sizes with auto resolved, for the CPU executor's loops and the plan's row tiles.
   int tile_m_or_default() const { return tile_m != 0 ? tile_m : 128; }
@@ -72,6 +87,11 @@ struct TuningParams {
 // swiglu: the gate/up GEMM with the SwiGLU epilogue; pingpong_rows: the device's
 // grouped_gemm_pingpong_rows. Throws kInvalidArgument on num_experts or pingpong_rows below 1, or
 // a negative rows, n or k.
+// The shape rule of fp8 experts (TuningParams::fp8_experts), the same for every executor: hidden
+// and ffn multiples of 128 (whole weight blocks). Throws kInvalidArgument naming both and the way
+// back to bf16 experts; does nothing for bf16 experts.
+void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t ffn);
+
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
                              int64_t pingpong_rows);
 

@@ -78,8 +78,10 @@ def transposed_w2(w2: torch.Tensor) -> torch.Tensor:
 
 
 def clear_packed() -> None:
-    """Drops every packed copy (after writes the version counter does not see)."""
+    """Drops every packed copy (after writes the version counter does not see), and the e4m3
+    copies ``moe_forward`` keeps for fp8 experts (``dispatch=fp8``)."""
     _PACKED.clear()
+    _C.clear_fp8_experts()
 
 
 def names_key(tuning: str, key: str) -> bool:

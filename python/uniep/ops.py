@@ -329,8 +329,16 @@ def moe_forward(
             ``""`` uses the point ``uniep.tune`` cached for this call's shape (``tokens =
             x.shape[0]``, this device and world size), else the defaults; every rank must see
             the same cache file (a rank that picks another point fails the call on every rank,
-            naming the tuning key). It never changes the output bits, except ``dispatch=fp8``
-            and ``combine=rank_partials``, which a cached point never changes. On CUDA,
+            naming the tuning key). It never changes the output bits, except ``dispatch=fp8``,
+            ``experts`` and ``combine=rank_partials``, which a cached point never changes.
+            ``dispatch=fp8`` sends the tokens in e4m3 (one scale per 1 x 128 block) and, with
+            ``experts=auto`` (the default), runs the experts in fp8 too: w1 and w2 quantized in
+            128 x 128 blocks (on CUDA one e4m3 copy kept while they are unchanged: half their
+            memory; ``uniep.fused_forward.clear_packed`` drops it), the SwiGLU activation
+            quantized like a token row; hidden and I multiples of 128. ``experts=bf16`` keeps
+            bf16 expert GEMMs on the fp8 rows. The gradient is the bf16 layer's at the rows the
+            experts received (the weights' and activation's rounding passed straight through).
+            On CUDA,
             ``overlap=fused`` named (with bf16 dispatch, the per-k combine and UniEP's GEMMs)
             runs the MegaKernel, and ``overlap=chunked`` at one rank its pieces on streams (the
             rows' send beside the gated GEMMs), on a packed copy of ``w1`` kept while ``w1`` is

@@ -1,7 +1,8 @@
 """MoE inference on expert weights prepared once for the expert GEMM engine.
 
 ``moe_forward`` takes the weights as training holds them (bf16 ``w1 [E, H, 2I]`` gate then up,
-``w2 [E, I, H]``), so its SwiGLU runs between the GEMMs and its fp8 dispatch feeds bf16 GEMMs. A
+``w2 [E, I, H]``), so its SwiGLU runs between the GEMMs, and with ``dispatch=fp8`` it keeps an
+e4m3 copy of the weights made on the first call (and again after each change of the weights). A
 server's weights do not change: :func:`prepare_experts` lays them out once in one of the engine's
 formats, and :func:`moe_forward_prepared` runs the layer on them.
 
@@ -154,6 +155,13 @@ def moe_forward_prepared(
         raise ValueError(
             "fp8 experts take the tokens in the fp8 dispatch's format: add dispatch=fp8 to tuning"
         )
+    if experts.format == "fp8" and not params.fp8_experts:
+        raise ValueError("fp8 experts run fp8 GEMMs: tuning experts=bf16 contradicts them")
+    if experts.format == "bf16_packed" and params.fp8_experts:
+        raise ValueError(
+            "bf16_packed experts run bf16 GEMMs, and dispatch=fp8 runs the experts in fp8: add "
+            "experts=bf16 to tuning (bf16 GEMMs on the fp8 rows) or prepare the experts as fp8"
+        )
     name = group_name(group)
     if x.device.type != "cuda":
         w1, w2 = experts.plain(x.dtype)
@@ -282,6 +290,10 @@ def _forward_cuda(
     offs = per_expert.cumsum(0).to(torch.int32)
     rows = recv_x.index_select(0, row_slot)
     if experts.format == "bf16_packed":
+        if rows.dtype == torch.float8_e4m3fn:  # dispatch=fp8,experts=bf16
+            from .ep import _dequantize_fp8
+
+            rows = _dequantize_fp8(rows, scales.index_select(0, row_slot))
         act = ops.grouped_mm_swiglu(rows, experts.w1, offs, tuning)
         y = ops.grouped_mm(act, experts.w2, offs, tuning)
     else:

@@ -13,7 +13,8 @@ under their own keys.
 
 Only schedule keys are searched (``sms``, ``token_tile``, ``tile_m``, ``tile_n``, ``tile_k``,
 ``stages``, ``skip_rounds``, ``overlap``): they never change the output bits. The numerics keys
-(``dispatch``, ``combine``) and the GEMM engine (``gemm``) are the caller's choice, kept as given;
+(``dispatch``, ``combine``, ``experts``) and the GEMM engine (``gemm``) are the caller's choice,
+kept as given;
 the winner's output is compared bit for bit with the default point's on the tuning inputs, and a
 winner whose bits differ is refused (a warning, and the default is kept).
 
@@ -72,7 +73,7 @@ __all__ = [
 
 SCHEMA = 1
 _KIND = "uniep-tune-cache"
-NUMERICS_KEYS = ("dispatch", "combine", "gemm")
+NUMERICS_KEYS = ("dispatch", "combine", "gemm", "experts")
 SCHEDULE_KEYS = (
     "sms",
     "token_tile",
@@ -125,11 +126,13 @@ def _positive(name: str, value: object) -> int:
 
 
 def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
-    """``numerics`` (``dispatch``, ``combine``, ``gemm`` keys; the rest keep their defaults) in the
-    canonical form ``"dispatch=bf16,combine=per_k,gemm=uniep"``.
+    """``numerics`` (``dispatch``, ``combine``, ``gemm``, ``experts`` keys; the rest keep their
+    defaults) in the canonical form ``"dispatch=bf16,combine=per_k,gemm=uniep"``, with
+    ``",experts=bf16"`` after it only where it differs from ``experts=auto`` (bf16 experts on the
+    fp8 dispatch's rows): one spelling per numerics.
 
     Raises:
-        ValueError: a key other than these three (the tuner chooses the schedule keys), or a bad
+        ValueError: a key other than these four (the tuner chooses the schedule keys), or a bad
             value (naming the key).
     """
     if isinstance(numerics, _C.TuningParams):
@@ -145,7 +148,8 @@ def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
         p = _C.TuningParams.parse(numerics) if numerics.strip() else _C.TuningParams()
     else:
         raise ValueError(f"numerics must be a str, got {type(numerics).__name__}")
-    return f"dispatch={p.dispatch},combine={p.combine},gemm={p.gemm}"
+    text = f"dispatch={p.dispatch},combine={p.combine},gemm={p.gemm}"
+    return text if p.fp8_experts == (p.dispatch == "fp8") else text + ",experts=bf16"
 
 
 def _numerics_of(tuning: str) -> str:
@@ -987,7 +991,8 @@ def tune(
         tokens: tokens per rank (``x.shape[0]`` of the calls to tune for).
         hidden, ffn, experts, top_k: ``H``, ``I`` (per expert), ``E`` in total, ``K``.
         dtype: float32, bfloat16 or float64 (the CUDA executor takes bfloat16).
-        numerics: ``dispatch``, ``combine``, ``gemm`` keys, kept as given (e.g. ``"dispatch=fp8"``).
+        numerics: ``dispatch``, ``combine``, ``gemm``, ``experts`` keys, kept as given (e.g.
+            ``"dispatch=fp8"``).
         candidates: how many of the model's best points to measure (plus the default).
         warmup, iters: calls per candidate, untimed and timed.
         budget_s: stop measuring new candidates after this many seconds (all ranks agree).
