@@ -217,21 +217,6 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
   return out;
 }
 
-namespace {
-
-at::Tensor grouped_mm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           c10::string_view tuning) {
-  return translate_errors(
-      [&] { return engine_grouped_mm(x, w, offs, TuningParams::parse(std::string(tuning))); });
-}
-
-at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packed,
-                                  const at::Tensor& offs, c10::string_view tuning) {
-  return translate_errors([&] {
-    return engine_grouped_mm_swiglu(x, w_packed, offs, TuningParams::parse(std::string(tuning)));
-  });
-}
-
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
                                  const at::Tensor& offs, const TuningParams& params) {
@@ -304,15 +289,6 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
   return out;
 }
 
-at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
-                               const at::Tensor& w_scales, const at::Tensor& offs,
-                               c10::string_view tuning) {
-  return translate_errors([&] {
-    return engine_grouped_mm_fp8(x, x_scales, w, w_scales, offs,
-                                 TuningParams::parse(std::string(tuning)));
-  });
-}
-
 std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
   UNIEP_CHECK(h.dim() == 2, "h must be 2-D [R, 2I], got shape ", h.sizes());
   UNIEP_CHECK(h.scalar_type() == at::kBFloat16, "h must be bfloat16, got ", h.scalar_type());
@@ -330,6 +306,30 @@ std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
   ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
                                at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
   return std::make_tuple(act, scales);
+}
+
+namespace {
+
+at::Tensor grouped_mm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                           c10::string_view tuning) {
+  return translate_errors(
+      [&] { return engine_grouped_mm(x, w, offs, TuningParams::parse(std::string(tuning))); });
+}
+
+at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packed,
+                                  const at::Tensor& offs, c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_swiglu(x, w_packed, offs, TuningParams::parse(std::string(tuning)));
+  });
+}
+
+at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                               const at::Tensor& w_scales, const at::Tensor& offs,
+                               c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_fp8(x, x_scales, w, w_scales, offs,
+                                 TuningParams::parse(std::string(tuning)));
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
