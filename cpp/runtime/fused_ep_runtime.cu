@@ -153,10 +153,7 @@ class RuntimeImpl final : public Runtime {
 
   Status forward(const ForwardArgs& f, const cuda::FusedMoeLaunch& launch,
                  cudaStream_t stream) override {
-    if (f.tokens < 0 || f.tokens > cfg_.max_tokens)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
-                              f.tokens)};
+    if (Status s = check_tokens(f.tokens); !s.ok()) return s;
     if (f.tokens > 0 && (f.x == nullptr || f.topk_idx == nullptr || f.topk_weights == nullptr ||
                          f.out == nullptr))
       return {StatusCode::kInvalidArgument,
@@ -239,10 +236,7 @@ class RuntimeImpl final : public Runtime {
       return {StatusCode::kInvalidArgument,
               "this fused MoE runtime was created without the backward's buffers: create it "
               "with backward=True (uniep.megakernel.init_fused_ep)"};
-    if (b.tokens < 0 || b.tokens > cfg_.max_tokens)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
-                              b.tokens)};
+    if (Status s = check_tokens(b.tokens); !s.ok()) return s;
     if (b.tokens > 0 && (b.x == nullptr || b.grad_out == nullptr || b.topk_idx == nullptr ||
                          b.topk_weights == nullptr))
       return {StatusCode::kInvalidArgument,
@@ -313,10 +307,7 @@ class RuntimeImpl final : public Runtime {
     if (!cfg_.backward)
       return {StatusCode::kInvalidArgument,
               "this fused MoE runtime was created without the backward's buffers"};
-    if (r.tokens < 0 || r.tokens > cfg_.max_tokens)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
-                              r.tokens)};
+    if (Status s = check_tokens(r.tokens); !s.ok()) return s;
     const int64_t W = cfg_.world_size, El = cfg_.num_experts / W;
     auto* mine = static_cast<uint8_t*>(sym_);
     cuda::FusedReturnArgs a;
@@ -348,6 +339,14 @@ class RuntimeImpl final : public Runtime {
 
  private:
   uint64_t timeout_ns() const { return static_cast<uint64_t>(cfg_.timeout_s * 1e9); }
+
+  // Every call's token count: the buffers hold max_tokens of them.
+  Status check_tokens(int64_t tokens) const {
+    if (tokens >= 0 && tokens <= cfg_.max_tokens) return Status::Ok();
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
+                            tokens)};
+  }
 
   // The count exchange, this call's plan (tiles of tile_m rows; with `ordered` also the send
   // order) and the local experts' tile bases: the start of every call, forward or backward.

@@ -177,7 +177,11 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                            act_w.data_ptr(), grad_h.data_ptr(),
                                            dots.data_ptr<float>(), stream, rows.offs + El - 1));
     const TuningParams auto_tiles;
-    const at::Tensor grad_rows = engine_grouped_mm_dgrad(grad_h, w1, offs, auto_tiles);
+    // The buffers hold the most rows a rank can receive; the tiles are chosen for the rows a
+    // rank receives on average (every rank's T x K over the W ranks, with balanced batches).
+    const int64_t expected_rows = T * K;
+    const at::Tensor grad_rows =
+        engine_grouped_mm_dgrad(grad_h, w1, offs, auto_tiles, expected_rows);
 
     at::Tensor grad_x = at::empty({T, H}, opts);
     at::Tensor grad_w = at::empty({T, K}, opts.dtype(at::kFloat));
@@ -191,8 +195,8 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     r.timeout = timeout_rec;
     ok_or_throw(rt.backward_return(r, stream));
     // After the return (the peers wait for it, not for these); before this rank's next call.
-    at::Tensor grad_w1 = engine_grouped_mm_wgrad(rows_x, grad_h, offs, auto_tiles);
-    at::Tensor grad_w2 = engine_grouped_mm_wgrad(act_w, rows_go, offs, auto_tiles);
+    at::Tensor grad_w1 = engine_grouped_mm_wgrad(rows_x, grad_h, offs, auto_tiles, expected_rows);
+    at::Tensor grad_w2 = engine_grouped_mm_wgrad(act_w, rows_go, offs, auto_tiles, expected_rows);
     return std::make_tuple(grad_x, grad_w, grad_w1, grad_w2, error, timeout);
   });
 }

@@ -39,11 +39,14 @@ at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_pac
 
 // The backward's products: dy [R, N] w[e]^T -> [R, K] for w [E, K, N] (the input's gradient),
 // and x[rows of e]^T dy[rows of e] -> [E, K, N] (the weight's gradient; zeros for an expert with
-// no rows), summed over the rows in ascending order.
+// no rows), summed over the rows in ascending order. shape_rows: the rows offs is expected to
+// describe where R is a capacity (GroupedGemmProblem::shape_rows; 0: R).
 at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
-                                   const at::Tensor& offs, const TuningParams& tuning);
+                                   const at::Tensor& offs, const TuningParams& tuning,
+                                   int64_t shape_rows = 0);
 at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
-                                   const at::Tensor& offs, const TuningParams& tuning);
+                                   const at::Tensor& offs, const TuningParams& tuning,
+                                   int64_t shape_rows = 0);
 
 // The fp8 grouped GEMM: x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3 (K-major)
 // with w_scales [E, K / 128, N / 128] -> [R, N] bf16; tuning's tile keys pick the configuration.

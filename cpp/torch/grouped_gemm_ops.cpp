@@ -177,7 +177,8 @@ at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_pac
 }
 
 at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
-                                   const at::Tensor& offs, const TuningParams& tuning) {
+                                   const at::Tensor& offs, const TuningParams& tuning,
+                                   int64_t shape_rows) {
   check_backward_args(dy, "dy", w, "w", offs, false);
   const c10::cuda::CUDAGuard guard(dy.device());
   const int64_t rows = dy.size(0), k = w.size(1), n = w.size(2);
@@ -193,12 +194,14 @@ at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
   p.rows = rows;
   p.k = n;  // the GEMM's K: dy's columns
   p.n = k;  // the GEMM's N: the forward input's columns
+  p.shape_rows = shape_rows;
   launch(p, dy, tuning);
   return out;
 }
 
 at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
-                                   const at::Tensor& offs, const TuningParams& tuning) {
+                                   const at::Tensor& offs, const TuningParams& tuning,
+                                   int64_t shape_rows) {
   check_backward_args(x, "x", dy, "dy", offs, true);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t experts = offs.size(0), k = x.size(1), n = dy.size(1);
@@ -213,6 +216,7 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
   p.rows = x.size(0);
   p.k = k;
   p.n = n;
+  p.shape_rows = shape_rows;
   launch(p, x, tuning);
   return out;
 }

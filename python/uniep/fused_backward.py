@@ -39,7 +39,15 @@ import torch.distributed as dist
 from . import _C, distributed, gate
 from .fused_forward import transposed_w2
 from .gemm import grouped_mm_dgrad, grouped_mm_wgrad
-from .megakernel import CpuPlan, _begin, _check, _check_operands, _finish, expert_counts
+from .megakernel import (
+    CpuPlan,
+    _begin,
+    _check,
+    _check_operands,
+    _finish,
+    expert_counts,
+    sends_beside_gemms,
+)
 
 __all__ = ["ensure_backward_runtime", "moe_backward_ep", "moe_backward_local"]
 
@@ -158,23 +166,12 @@ def moe_backward_local(
             ]
 
         if overlap == "sequential":
-            send_errors = sends(sms)
-            waits = gemms(sms)
+            send_errors, waits = sends(sms), gemms(sms)
         else:
-            # The sends on comm_sms SMs of a side stream, enqueued first (a GEMM queued ahead of
-            # them in a hardware queue two streams share would wait forever: see
-            # uniep.megakernel.moe_forward_local), the GEMMs on the other SMs, waiting per tile.
-            main = torch.cuda.current_stream(x.device)
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                send_errors = sends(comm_sms)
-            waits = gemms((sms - comm_sms) // 2 * 2)
-            main.wait_stream(side)
-            for tensor in (x, grad_out, dest, row, counter, rows_x, rows_go, counters):
-                tensor.record_stream(side)
-            for tensor in send_errors:
-                tensor.record_stream(main)  # made on the side stream, read on this one
+            # The sends on comm_sms SMs of a side stream, the GEMMs on the others, waiting per
+            # tile (the queue-order rule: uniep.megakernel.sends_beside_gemms).
+            uses = (x, grad_out, dest, row, counter, rows_x, rows_go, counters)
+            send_errors, waits = sends_beside_gemms(x.device, sends, gemms, sms, comm_sms, uses)
         errors += [("send", s, what, k) for s in send_errors]
         errors += [("gate", w, what, k) for w in waits]
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ __all__ = [
     "init_fused_ep",
     "moe_forward_ep",
     "moe_forward_local",
+    "sends_beside_gemms",
     "shutdown_fused_ep",
     "trace_phases",
 ]
@@ -338,7 +340,7 @@ def moe_forward_local(
     act = torch.empty(capacity, two_i // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
 
-    def gemms(gemm1_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gemms(gemm1_sms: int) -> list[torch.Tensor]:
         _, t1 = gate.grouped_mm_gated(
             rows, w1_packed, offs, counters, base, swiglu=True, done=done,
             timeout_s=timeout_s, sm_count=gemm1_sms, out=act,
@@ -347,26 +349,16 @@ def moe_forward_local(
             act, w2, offs, done, base, per_row=0, per_tile=gate.done_per_tile(two_i),
             timeout_s=timeout_s, sm_count=sms, out=y,
         )  # fmt: skip
-        return t1, t2
+        return [t1, t2]
+
+    def send(send_sms: int) -> list[torch.Tensor]:
+        return [gate.send_rows(x, dest, row, counter, rows, counters, sm_count=send_sms)]
 
     if overlap == "sequential":
-        send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=sms)
-        t1, t2 = gemms(sms)
+        (send_error,), (t1, t2) = send(sms), gemms(sms)
     else:
-        # The send on comm_sms SMs of a side stream, GEMM 1 on the others, waiting per tile. The
-        # send is enqueued first: two streams may share one hardware queue (torch's pool has more
-        # streams than CUDA_DEVICE_MAX_CONNECTIONS), where a GEMM enqueued ahead of the send would
-        # wait for rows the send, queued behind it, never stores.
-        main = torch.cuda.current_stream(x.device)
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            send_error = gate.send_rows(x, dest, row, counter, rows, counters, sm_count=comm_sms)
-        t1, t2 = gemms((sms - comm_sms) // 2 * 2)
-        main.wait_stream(side)
-        for tensor in (x, dest, row, counter, rows, counters):
-            tensor.record_stream(side)
-        send_error.record_stream(main)  # made on the side stream, read on this one
+        uses = (x, dest, row, counter, rows, counters)
+        (send_error,), (t1, t2) = sends_beside_gemms(x.device, send, gemms, sms, comm_sms, uses)
     out, combine_error = gate.combine_rows(y, row, topk_weights, check=False)
     _finish(
         check,
@@ -379,6 +371,34 @@ def moe_forward_local(
         ],
     )
     return out
+
+
+def sends_beside_gemms(
+    device: torch.device,
+    send: Callable[[int], list[torch.Tensor]],
+    gemms: Callable[[int], list[torch.Tensor]],
+    sms: int,
+    comm_sms: int,
+    uses: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The streams mode: ``send(comm_sms)`` on a side stream, then ``gemms(n)`` on the current
+    stream with the other SMs (``n`` even), which waits for the side stream after them; returns
+    both calls' results (error words). The send is enqueued first: two streams may share one
+    hardware queue (torch's pool has more streams than ``CUDA_DEVICE_MAX_CONNECTIONS``), where a
+    GEMM enqueued ahead of the send would wait for rows the send, queued behind it, never
+    stores. ``uses``: the tensors the send reads or writes, kept for the side stream."""
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        sent = send(comm_sms)
+    waited = gemms((sms - comm_sms) // 2 * 2)
+    main.wait_stream(side)
+    for tensor in uses:
+        tensor.record_stream(side)
+    for tensor in sent:
+        tensor.record_stream(main)  # made on the side stream, read on this one
+    return sent, waited
 
 
 def _require_runtime() -> None:

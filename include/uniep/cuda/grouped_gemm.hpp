@@ -59,6 +59,10 @@ struct GroupedGemmProblem {
   int64_t k = 0, n = 0;
   GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::kStore;  // kSwiGlu: out is [R, n / 2]
   GroupedGemmKind kind = GroupedGemmKind::kForward;            // kSwiGlu needs kForward
+  // The rows the automatic configuration is chosen for (0: rows). Where rows is a capacity and
+  // offs describes fewer (a fused runtime's receive buffer), the expected count keeps the shape
+  // rules from pricing empty capacity. Never changes the bits.
+  int64_t shape_rows = 0;
 };
 
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).

@@ -51,13 +51,18 @@ const std::array<const grouped::GroupedEntry*, 3>& wgrad_entries() {
   return all;
 }
 
+// The rows the shape rules price: the expected count where the caller gave one.
+int64_t rule_rows(const GroupedGemmProblem& p) {
+  return p.shape_rows > 0 ? std::min(p.shape_rows, p.rows) : p.rows;
+}
+
 // The weight gradient's K is each expert's rows. With experts of 512 rows or more the ping-pong
 // tiles (one warpgroup's epilogue under the other's mainloop) won: 8-9% on DeepSeek-V3's EP8
 // rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
 // lost 2-4% (one H200, bench/results/2026-11-27-session27/diag_wgrad-h200.json).
 const grouped::GroupedEntry* wgrad_entry(const GroupedGemmProblem& p) {
   if (p.n <= 128) return wgrad_entries()[1];
-  return wgrad_entries()[p.rows >= 512 * p.num_experts ? 2 : 0];
+  return wgrad_entries()[rule_rows(p) >= 512 * p.num_experts ? 2 : 0];
 }
 
 // The problem kernel writes each stride's one dynamic value into an 8-byte slot that the grouped
@@ -167,7 +172,7 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
     // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
     // model reads it too.
     try {
-      *index = grouped_gemm_auto_config(p.rows, p.num_experts, p.n, p.k,
+      *index = grouped_gemm_auto_config(rule_rows(p), p.num_experts, p.n, p.k,
                                         p.epilogue == GroupedGemmEpilogue::kSwiGlu,
                                         grouped_gemm_pingpong_rows(device));
     } catch (const Error& e) {
@@ -215,7 +220,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     if (Status s = grouped_gemm_select(p, tiles, &index, device); !s.ok()) return s;
     entry = entries()[index];
   } else if (p.kind == GroupedGemmKind::kDgrad) {
-    const bool small = p.rows <= 128 * p.num_experts;
+    const bool small = rule_rows(p) <= 128 * p.num_experts;
     entry = dgrad_entries()[small ? 1 : 0];
   } else {
     entry = wgrad_entry(p);
