@@ -186,7 +186,8 @@ def test_bad_entry_is_skipped_with_a_warning(tmp_path: Path, entry: object, prob
 
 def test_candidates_keep_numerics_and_compiled_tiles() -> None:
     shape = tune.MoeShape(64, 128, 256, 8, 2, 1, "bfloat16")
-    numerics = "dispatch=fp8,combine=rank_partials,gemm=torch"
+    # gemm=torch has no fp8 GEMM: bf16 experts on the fp8 rows.
+    numerics = "dispatch=fp8,combine=rank_partials,gemm=torch,experts=bf16"
     for device in ("cpu", "cuda"):
         points = tune.candidate_points(shape, device, numerics)
         # On CUDA the default point is the separate launches, what an empty string runs.
@@ -195,6 +196,7 @@ def test_candidates_keep_numerics_and_compiled_tiles() -> None:
         for text in points:
             p = uniep.TuningParams.parse(text)
             assert (p.dispatch, p.combine, p.gemm) == ("fp8", "rank_partials", "torch")
+            assert p.experts == "bf16"
             if device == "cuda":
                 assert (p.tile_m, p.tile_n, p.tile_k) in {(0, 0, 0), *tune.CUDA_TILES}
                 assert p.stages == 0
@@ -206,6 +208,27 @@ def test_candidates_keep_numerics_and_compiled_tiles() -> None:
     shape2 = tune.MoeShape(4096, 4096, 2048, 64, 8, 8, "bfloat16")
     times = [model.seconds(shape2, t) for t in tune.candidate_points(shape2, "cuda")]
     assert all(math.isfinite(s) and s > 0 for s in times) and len(set(times)) > 1
+
+
+def test_fp8_experts_are_tuned_over_the_fp8_tiles_and_priced_at_the_fp8_rate() -> None:
+    shape = tune.MoeShape(4096, 7168, 2048, 32, 8, 1, "bfloat16")
+    assert tune.normalize_numerics("dispatch=fp8") == "dispatch=fp8,combine=per_k,gemm=uniep"
+    assert tune.normalize_numerics("dispatch=fp8,experts=fp8") == tune.normalize_numerics(
+        "dispatch=fp8"
+    )
+    wire_only = tune.normalize_numerics("dispatch=fp8,experts=bf16")
+    assert wire_only.endswith(",experts=bf16") and wire_only != tune.normalize_numerics(
+        "dispatch=fp8"
+    )
+    points = tune.candidate_points(shape, "cuda", "dispatch=fp8", sm_count=132)
+    params = [uniep.TuningParams.parse(t) for t in points]
+    assert all(p.fp8_experts for p in params)
+    assert {(p.tile_m, p.tile_n, p.tile_k) for p in params} == {(0, 0, 0), *tune.CUDA_FP8_TILES}
+    assert all(p.overlap == "sequential" for p in params)  # no fp8 MegaKernel
+    model = tune.CostModel("cuda", peak_flops=1e15, mem_bw=4.8e12, sm_count=132)
+    fp8 = model.seconds(shape, points[0])
+    bf16 = model.seconds(shape, tune.candidate_points(shape, "cuda", wire_only)[0])
+    assert 0.4 < fp8 / bf16 < 0.75, (fp8, bf16)
 
 
 def test_packed_candidates_hold_both_paths() -> None:

@@ -338,12 +338,20 @@ CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::
       UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(x.device().index()), StatusCode::kUnsupported,
                        "the expert GEMM engine needs a compute capability 9.0 GPU (it is built "
                        "for sm_90a); tuning gemm=torch runs torch._grouped_mm instead");
-      // A tile request that no compiled configuration has is an error on every rank alike.
-      cuda::GroupedGemmProblem probe;
-      probe.num_experts = 1;
+      // A tile request that no compiled configuration has is an error on every rank alike (fp8
+      // experts pick among the fp8 GEMM's).
+      const cuda::GroupedGemmTiles want{c.params.tile_m, c.params.tile_n, c.params.tile_k,
+                                        c.params.stages};
       int index = 0;
-      ok_or_throw(cuda::grouped_gemm_select(
-          probe, {c.params.tile_m, c.params.tile_n, c.params.tile_k, c.params.stages}, &index));
+      if (kind == CallKind::kMoeForward && c.params.fp8_experts()) {
+        cuda::GroupedGemmFp8Problem probe;
+        probe.num_experts = 1;
+        ok_or_throw(cuda::grouped_gemm_fp8_select(probe, want, &index));
+      } else {
+        cuda::GroupedGemmProblem probe;
+        probe.num_experts = 1;
+        ok_or_throw(cuda::grouped_gemm_select(probe, want, &index));
+      }
     }
     UNIEP_CHECK(c.in.shape.num_experts == cfg.num_experts && c.in.shape.hidden == cfg.hidden &&
                     c.in.shape.top_k == cfg.top_k,

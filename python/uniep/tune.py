@@ -54,6 +54,7 @@ from .gemm import pingpong_rows
 from .timing import time_calls_ms
 
 __all__ = [
+    "CUDA_FP8_TILES",
     "CUDA_TILES",
     "NUMERICS_KEYS",
     "SCHEDULE_KEYS",
@@ -90,6 +91,8 @@ WEIGHTS = ("plain", "bf16_packed")
 # The expert GEMM engine's compiled (tile_m, tile_n, tile_k), in its registry order
 # (cpp/cuda/gemm/grouped): the only tile keys a CUDA candidate may name.
 CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
+# The fp8 grouped GEMM's (experts=fp8, dispatch=fp8's default), the automatic one first.
+CUDA_FP8_TILES = ((128, 128, 128), (64, 128, 128))
 # The CPU executor blocks its loops by any power of two in [16, 256].
 CPU_TILES = (16, 32, 64, 128, 256)
 _CUDA_SMS = (8, 16, 24, 32)
@@ -541,12 +544,12 @@ def candidate_points(
 
     CUDA, plain weights (``moe_forward``) and ``weights="bf16_packed"`` (``moe_forward_prepared``)
     alike, both paths: the separate launches (``overlap=sequential``, the default point: what an
-    empty tuning string runs without a cache entry) over the engine's compiled tile shapes and
-    auto, ``sms`` in 8/16/24/32 (below the device's SMs) and ``token_tile`` 32/64/128; and, when
-    ``fused_allowed``, the MegaKernel (``overlap=fused``; on plain weights it runs on a packed
-    copy of ``w1``, ``uniep.fused_forward``) at ``tile_m`` 64 and 128 and the
-    ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the SM count: every CTA sends
-    first).
+    empty tuning string runs without a cache entry) over the engine's compiled tile shapes (the
+    fp8 GEMM's with fp8 experts) and auto, ``sms`` in 8/16/24/32 (below the device's SMs) and
+    ``token_tile`` 32/64/128; and, when ``fused_allowed``, the MegaKernel (``overlap=fused``; on
+    plain weights it runs on a packed copy of ``w1``, ``uniep.fused_forward``) at ``tile_m`` 64
+    and 128 and the ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the SM count:
+    every CTA sends first).
     """
     _check_weights(weights)
     if weights != "plain" and device != "cuda":
@@ -576,7 +579,8 @@ def candidate_points(
                     for tk in CPU_TILES:
                         add(tile_m=tm, tile_n=tn, tile_k=tk, overlap=overlap)
     elif device == "cuda":
-        tiles: list[tuple[int, int, int]] = [(0, 0, 0), *CUDA_TILES]
+        compiled = CUDA_FP8_TILES if base.fp8_experts else CUDA_TILES
+        tiles: list[tuple[int, int, int]] = [(0, 0, 0), *compiled]
         for sms in _CUDA_SMS:
             if sms >= sm_count:
                 continue
@@ -670,10 +674,12 @@ class CostModel:
         if not _runs_megakernel(p):
             plain = self.weights == "plain"
             # Plain weights: the first GEMM writes [rows, 2I] and a SwiGLU pass reads it and
-            # writes [rows, I]; packed ones fold the SwiGLU into that GEMM's epilogue.
-            swiglu = 3 * rows * shape.ffn / shape.hidden if plain else 0.0
+            # writes [rows, I]; packed ones fold the SwiGLU into that GEMM's epilogue. fp8
+            # experts gather e4m3 rows (half a bf16 row each way) and write an e4m3 activation.
+            gather = rows if p.fp8_experts else 2 * rows
+            swiglu = (2.5 if p.fp8_experts else 3.0) * rows * shape.ffn / shape.hidden
             gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not plain)
-            return gemm + comm + 4 * rows + swiglu  # gather: 2, combine: 2
+            return gemm + comm + gather + 2 * rows + (swiglu if plain else 0.0)
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
@@ -711,16 +717,21 @@ class CostModel:
         m = rows / el  # rows per local expert
         gemm_sms = self.sm_count - (p.comm_sms if p.overlap == "fused" else 0)
         gemm_sms = max(1, gemm_sms)
+        # fp8 experts: e4m3 operands at twice the bf16 tensor-core rate (peak_flops is bf16's).
+        fp8 = p.fp8_experts and not _runs_megakernel(p)
+        rate, eb = (2.0, 1) if fp8 else (1.0, eb)
         total = 0.0
         for index, (n, k) in enumerate(gemms):
-            if p.tile_m or p.tile_n or p.tile_k:
+            if fp8:
+                tm, tn, tk = (p.tile_m or 128, 128, 128)
+            elif p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:
                 swiglu = swiglu_epilogue and index == 0
                 tm, tn, tk = _cuda_auto_tiles(int(rows), el, n, k, self.pingpong_rows, swiglu)
             tiles = el * math.ceil(m / tm) * math.ceil(n / tn)
             waves = math.ceil(tiles / gemm_sms)
-            per_sm_flops = self.peak_flops / self.sm_count
+            per_sm_flops = rate * self.peak_flops / self.sm_count
             per_sm_bw = self.mem_bw / self.sm_count
             tile_s = max(2.0 * tm * tn * k / per_sm_flops, (tm + tn) * k * eb / per_sm_bw)
             total += waves * (tile_s + self.tile_cost * math.ceil(k / tk))
