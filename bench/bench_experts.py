@@ -528,6 +528,7 @@ def _bench_layer(
             fns["fp8 prepared"] = lambda: moe_forward_prepared(
                 x, idx, weights, prepared8, group, "dispatch=fp8"
             )
+            fns["fp8 moe_forward"] = lambda: layer_call("dispatch=fp8")
             row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
     return row
 

@@ -178,6 +178,15 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         xd, idxd, wd, prepare_experts(w1d, w2d, "fp8"), tuning="dispatch=fp8"
     )
     out["updated_equal"] = float(torch.equal(doubled, fresh) and not torch.equal(doubled, plain8))
+    # The tile keys pick among the fp8 GEMM's configurations: the same bits; a bf16-only tile
+    # is refused naming them.
+    tiled = uniep.moe_forward(xd, idxd, wd, w1d, w2d, tuning="dispatch=fp8,tile_m=64")
+    out["fp8_tile_equal"] = float(torch.equal(tiled, doubled))
+    try:
+        uniep.moe_forward(xd, idxd, wd, w1d, w2d, tuning="dispatch=fp8,tile_n=256")
+        out["fp8_bad_tile_named"] = 0.0
+    except ValueError as e:
+        out["fp8_bad_tile_named"] = float("tile_m=128,tile_n=128,tile_k=128" in str(e))
     if world > 1:
         # The CPU executor over the gloo group, the reference of every GPU path.
         from uniep.distributed import group_name
@@ -213,5 +222,6 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["fp8_vs_ref"] <= 6e-2, report
         assert report["plain_fp8_equal"] == report["plain_fp8_again"] == 1.0, report
         assert report["updated_equal"] == 1.0, report
+        assert report["fp8_tile_equal"] == report["fp8_bad_tile_named"] == 1.0, report
         if world > 1:  # a GEMM's one-ulp difference in h can move the activation's e4m3 step
             assert report["fp8_vs_cpu"] <= 2e-2, report
