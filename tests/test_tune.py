@@ -87,7 +87,7 @@ def test_keys_isolate_device_world_size_and_numerics(tmp_path: Path) -> None:
     assert tune.lookup(**SHAPE, world_size=2, numerics="combine=rank_partials", path=path) is None
     key = tune.cache_key(device_name="d", world_size=2, **SHAPE)
     for field in (
-        "schema=1",
+        f"schema={tune.SCHEMA}",
         "device=d",
         "world=2",
         "tokens=8",
@@ -111,7 +111,9 @@ def test_store_refuses_a_point_that_changes_numerics(tmp_path: Path) -> None:
 _GOOD_ENTRY = {"tuning": _full(POINT)}
 
 
-def _cache_text(entries: object, kind: str = "uniep-tune-cache", schema: object = 1) -> str:
+def _cache_text(
+    entries: object, kind: str = "uniep-tune-cache", schema: object = tune.SCHEMA
+) -> str:
     return json.dumps({"kind": kind, "schema": schema, "entries": entries})
 
 

@@ -72,7 +72,9 @@ __all__ = [
     "tune",
 ]
 
-SCHEMA = 1
+# 2: dispatch=fp8 runs fp8 experts (tuning key experts); a schema-1 entry for it named the tiles
+# of bf16 expert GEMMs.
+SCHEMA = 2
 _KIND = "uniep-tune-cache"
 NUMERICS_KEYS = ("dispatch", "combine", "gemm", "experts")
 SCHEDULE_KEYS = (
