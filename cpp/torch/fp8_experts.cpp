@@ -4,8 +4,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
 #include <c10/util/intrusive_ptr.h>
+#include <cuda_runtime_api.h>
 
 #include <map>
 #include <mutex>
@@ -22,7 +22,8 @@ constexpr double kE4m3Max = 448.0;
 
 // What a kept copy was made from: a tensor that may die (the weak reference then expires) or
 // change in place (its version moves), or whose storage may be swapped (its data pointer moves).
-// Inference tensors have no version counter: their copies last until clear_fp8_experts.
+// Inference tensors have no version counter: an in-place update of one is not seen, and
+// clear_fp8_experts drops the copies.
 struct Source {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   int64_t version = -1;
