@@ -79,7 +79,8 @@ struct ExpertWeights {
   static void widen(const S* src, int64_t experts, int64_t rows, int64_t cols,
                     const WeightStrides& s, Acc* dst) {
     if (s.contiguous()) {
-      for (int64_t i = 0; i < experts * rows * cols; ++i) dst[i] = numeric::Storage<S>::load(src[i]);
+      for (int64_t i = 0; i < experts * rows * cols; ++i)
+        dst[i] = numeric::Storage<S>::load(src[i]);
       return;
     }
     for (int64_t e = 0; e < experts; ++e)

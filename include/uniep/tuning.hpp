@@ -37,8 +37,9 @@ const char* expert_precision_name(ExpertPrecision precision);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
-// ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM engine's compiled
-// configurations (a combination that none has is an error listing them); the CPU executor
+// ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM
+// engine's compiled configurations (a combination that none has is an error listing them; fp8
+// experts pick among the fp8 GEMM's); the CPU executor
 // blocks its loops by them (128, 128, 64 when auto). None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire), `experts` (fp8 expert GEMMs) and `combine`
 // (where the sum over k is split), which are numerics choices, not schedules: a tuner must not
