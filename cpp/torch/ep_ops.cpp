@@ -412,9 +412,6 @@ void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   });
 }
 
-// The experts' rows of a dispatch run without copy_rows: gathered in the plan's row order
-// straight from the runtime's symmetric buffer (fp8 rows dequantized as the CPU executor does:
-// fp32 product of the e4m3 value and its block scale, rounded once to bf16).
 // The fp8 rows of a dispatch run without copy_rows as the fp8 GEMM takes them: e4m3 [R, H] and
 // their 1 x 128 block scales [R, H / 128], gathered in the plan's row order.
 std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const Dispatched& d,
@@ -436,6 +433,9 @@ std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const D
   return {q, scales};
 }
 
+// The experts' rows of a dispatch run without copy_rows: gathered in the plan's row order
+// straight from the runtime's symmetric buffer (fp8 rows dequantized as the CPU executor does
+// for bf16 experts: fp32 product of the e4m3 value and its block scale, rounded once to bf16).
 at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Runtime& rt,
                          const TuningParams& params, cudaStream_t stream) {
   const ep::Config& cfg = rt.config();

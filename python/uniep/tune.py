@@ -14,9 +14,8 @@ under their own keys.
 Only schedule keys are searched (``sms``, ``token_tile``, ``tile_m``, ``tile_n``, ``tile_k``,
 ``stages``, ``skip_rounds``, ``overlap``): they never change the output bits. The numerics keys
 (``dispatch``, ``combine``, ``experts``) and the GEMM engine (``gemm``) are the caller's choice,
-kept as given;
-the winner's output is compared bit for bit with the default point's on the tuning inputs, and a
-winner whose bits differ is refused (a warning, and the default is kept).
+kept as given; the winner's output is compared bit for bit with the default point's on the
+tuning inputs, and a winner whose bits differ is refused (a warning, and the default is kept).
 
 Winners are cached in a JSON file (``cache_path()``: ``UNIEP_TUNE_CACHE``, else
 ``$XDG_CACHE_HOME/uniep/tune.json``, else ``~/.cache/uniep/tune.json``) under a key holding the
