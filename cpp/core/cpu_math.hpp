@@ -46,19 +46,17 @@ Acc sigmoid(Acc g) {
   return Acc(1) / (Acc(1) + std::exp(-g));
 }
 
-// Rounds values to e4m3 with one fp32 scale per block, as the fp8 dispatch (cpu_wire.hpp) and
-// uniep.gemm quantize: scale = amax / 448 (1 for an all-zero block), each value times the
-// reciprocal rounded to the nearest e4m3, and left dequantized (the e4m3 value times the scale):
-// what an fp8 GEMM multiplies. `at(i)` gives the i-th value of the block.
+// Rounds values to e4m3 with one fp32 scale per block (numeric::fp8_block_scale), as the fp8
+// dispatch (cpu_wire.hpp) and uniep.gemm quantize, and leaves them dequantized (the e4m3 value
+// times the scale): what an fp8 GEMM multiplies. `at(i)` gives the i-th value of the block.
 template <typename Acc, typename At>
 void fp8_round_block(int64_t count, At at) {
   float amax = 0.0f;
   for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(float(at(i))));
-  const float scale = amax > 0.0f ? amax / numeric::kE4m3Max : 1.0f;
-  const float inv = amax > 0.0f ? numeric::kE4m3Max / amax : 1.0f;
+  const numeric::Fp8BlockScale s = numeric::fp8_block_scale(amax);
   for (int64_t i = 0; i < count; ++i) {
     Acc& v = at(i);
-    v = Acc(numeric::e4m3_to_float(numeric::float_to_e4m3(float(v) * inv)) * scale);
+    v = Acc(numeric::e4m3_to_float(numeric::float_to_e4m3(float(v) * s.inv)) * s.scale);
   }
 }
 

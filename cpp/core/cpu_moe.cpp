@@ -78,9 +78,11 @@ struct Received {
   int64_t record_bytes = 0, extra_offset = 0;
 };
 
+// decode_rows false: the rows stay in `raw` only (fp8 experts decode them unrounded themselves).
 template <typename S>
 Received<S> dispatch(const MoeForwardArgs& a, Pass pass, int64_t extra_bytes,
-                     const std::function<void(int64_t, uint8_t*)>& fill_extra, Transport& tr) {
+                     const std::function<void(int64_t, uint8_t*)>& fill_extra, Transport& tr,
+                     bool decode_rows = true) {
   const MoeShape& sh = a.shape;
   const int64_t H = sh.hidden, K = sh.top_k;
   const DispatchPrecision prec = a.tuning.dispatch;
@@ -103,10 +105,10 @@ Received<S> dispatch(const MoeForwardArgs& a, Pass pass, int64_t extra_bytes,
   const int64_t N = r.plan.slots.num_recv();
   r.src_token.resize(N);
   r.topk.resize(N * K);
-  r.x.resize(N * H);
+  if (decode_rows) r.x.resize(N * H);
   for (int64_t s = 0; s < N; ++s) {
     const uint8_t* rec = &r.raw[s * r.record_bytes];
-    cpu::decode_row(rec, H, prec, &r.x[s * H]);
+    if (decode_rows) cpu::decode_row(rec, H, prec, &r.x[s * H]);
     std::memcpy(&r.src_token[s], rec + row_bytes, sizeof(int64_t));
     std::memcpy(&r.topk[s * K], rec + row_bytes + sizeof(int64_t), K * sizeof(int64_t));
   }
@@ -195,6 +197,7 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
   const int64_t T = sh.tokens, H = sh.hidden, I = sh.ffn_hidden, K = sh.top_k;
   // With rank partials the expert side applies the routing weights: they travel with the token.
   const bool partials = a.tuning.combine == CombineReduction::kRankPartials;
+  const bool fp8 = a.tuning.fp8_experts();
   Received<S> r = dispatch<S>(
       a, Pass::kForward, partials ? cpu::align8(K * int64_t(sizeof(Acc))) : 0,
       [&](int64_t t, uint8_t* p) {
@@ -203,11 +206,10 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
           std::memcpy(p + k * sizeof(Acc), &wk, sizeof(Acc));
         }
       },
-      tr);
+      tr, /*decode_rows=*/!fp8);
 
   ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
                      sh.experts_per_rank(), H, I, a.w1_strides, a.w2_strides);
-  const bool fp8 = a.tuning.fp8_experts();
   if (fp8) w.round_to_fp8_blocks();
   std::vector<S> y(r.experts.num_rows() * H);
   cpu::RowForward<S> f(H, I, fp8);

@@ -34,16 +34,26 @@ void encode_row(const S* row, int64_t H, DispatchPrecision p, uint8_t* out) {
     const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
     float amax = 0.0f;
     for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(float(St::load(row[c]))));
-    // An all-zero block keeps scale 1 so decoding never divides by zero. Values are multiplied
-    // by the reciprocal (one division per block, as the GPU kernel does it).
-    const float scale = amax > 0.0f ? amax / numeric::kE4m3Max : 1.0f;
-    const float inv = amax > 0.0f ? numeric::kE4m3Max / amax : 1.0f;
-    std::memcpy(&scales[b], &scale, sizeof scale);
+    const numeric::Fp8BlockScale s = numeric::fp8_block_scale(amax);
+    std::memcpy(&scales[b], &s.scale, sizeof s.scale);
     for (int64_t c = c0; c < c1; ++c)
-      out[c] = numeric::float_to_e4m3(float(St::load(row[c])) * inv);
+      out[c] = numeric::float_to_e4m3(float(St::load(row[c])) * s.inv);
   }
 }
 
+// Each value of an fp8 record's row, `sink(column, value)`: the e4m3 value times its block
+// scale, one fp32 product.
+template <typename Sink>
+void for_each_fp8_value(const uint8_t* in, int64_t H, Sink sink) {
+  for (int64_t b = 0; b < fp8_blocks(H); ++b) {
+    float scale;
+    std::memcpy(&scale, in + H + b * sizeof(float), sizeof scale);
+    const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
+    for (int64_t c = c0; c < c1; ++c) sink(c, numeric::e4m3_to_float(in[c]) * scale);
+  }
+}
+
+// A record's row in the storage type (fp8 values rounded once to S).
 template <typename S>
 void decode_row(const uint8_t* in, int64_t H, DispatchPrecision p, S* row) {
   using St = numeric::Storage<S>;
@@ -52,25 +62,13 @@ void decode_row(const uint8_t* in, int64_t H, DispatchPrecision p, S* row) {
     std::memcpy(row, in, H * sizeof(S));
     return;
   }
-  for (int64_t b = 0; b < fp8_blocks(H); ++b) {
-    float scale;
-    std::memcpy(&scale, in + H + b * sizeof(float), sizeof scale);
-    const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
-    for (int64_t c = c0; c < c1; ++c)
-      row[c] = St::store(Acc(numeric::e4m3_to_float(in[c]) * scale));
-  }
+  for_each_fp8_value(in, H, [&](int64_t c, float v) { row[c] = St::store(Acc(v)); });
 }
 
-// An fp8 record's row as the fp8 experts read it: each e4m3 value times its block scale, one
-// fp32 product, not rounded to the storage type.
+// An fp8 record's row as the fp8 experts read it: not rounded to the storage type.
 template <typename Acc>
 void decode_fp8_row(const uint8_t* in, int64_t H, Acc* row) {
-  for (int64_t b = 0; b < fp8_blocks(H); ++b) {
-    float scale;
-    std::memcpy(&scale, in + H + b * sizeof(float), sizeof scale);
-    const int64_t c0 = b * numeric::kFp8BlockCols, c1 = std::min(H, c0 + numeric::kFp8BlockCols);
-    for (int64_t c = c0; c < c1; ++c) row[c] = Acc(numeric::e4m3_to_float(in[c]) * scale);
-  }
+  for_each_fp8_value(in, H, [&](int64_t c, float v) { row[c] = Acc(v); });
 }
 
 }  // namespace uniep::cpu

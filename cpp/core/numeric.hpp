@@ -34,6 +34,17 @@ uint8_t float_to_e4m3(float f);
 constexpr float kE4m3Max = 448.0f;
 constexpr int64_t kFp8BlockCols = 128;  // one scale per 1x128 block of a row
 
+// A block's fp32 scale (amax / 448) and the reciprocal its values are multiplied by before the
+// e4m3 rounding (one division each, as the GPU kernels do it); an all-zero block keeps scale 1
+// so decoding never divides by zero.
+struct Fp8BlockScale {
+  float scale, inv;
+};
+inline Fp8BlockScale fp8_block_scale(float amax) {
+  if (amax > 0.0f) return {amax / kE4m3Max, kE4m3Max / amax};
+  return {1.0f, 1.0f};
+}
+
 // Storage traits: the accumulation type and the rounding on store for each storage type.
 template <typename S>
 struct Storage;

@@ -39,8 +39,8 @@ const char* expert_precision_name(ExpertPrecision precision);
 // and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
 // ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM
 // engine's compiled configurations (a combination that none has is an error listing them; fp8
-// experts pick among the fp8 GEMM's); the CPU executor
-// blocks its loops by them (128, 128, 64 when auto). None of these changes the output bits except
+// experts pick among the fp8 GEMM's); the CPU executor blocks its loops by them (128, 128, 64
+// when auto). None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire), `experts` (fp8 expert GEMMs) and `combine`
 // (where the sum over k is split), which are numerics choices, not schedules: a tuner must not
 // change them, and the bits are identical across every other point of the space for each choice.
@@ -80,6 +80,11 @@ struct TuningParams {
   bool operator!=(const TuningParams& o) const { return !(*this == o); }
 };
 
+// The shape rule of fp8 experts (TuningParams::fp8_experts), the same for every executor: hidden
+// and ffn multiples of 128 (whole weight blocks). Throws kInvalidArgument naming both and the way
+// back to bf16 experts; does nothing for bf16 experts.
+void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t ffn);
+
 // The expert GEMM engine's automatic configuration (uniep/cuda/grouped_gemm.hpp's
 // grouped_gemm_select with every tile field 0) from the problem's shape alone, so that the tuner's
 // cost model (uniep.tune) prices the tiles the engine runs, on every build: the index into the
@@ -88,11 +93,6 @@ struct TuningParams {
 // swiglu: the gate/up GEMM with the SwiGLU epilogue; pingpong_rows: the device's
 // grouped_gemm_pingpong_rows. Throws kInvalidArgument on num_experts or pingpong_rows below 1, or
 // a negative rows, n or k.
-// The shape rule of fp8 experts (TuningParams::fp8_experts), the same for every executor: hidden
-// and ffn multiples of 128 (whole weight blocks). Throws kInvalidArgument naming both and the way
-// back to bf16 experts; does nothing for bf16 experts.
-void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t ffn);
-
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
                              int64_t pingpong_rows);
 
