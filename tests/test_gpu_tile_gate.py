@@ -201,9 +201,16 @@ def _gathered(x: torch.Tensor, dest: torch.Tensor, row: torch.Tensor, total: int
     return out
 
 
-@pytest.mark.parametrize("world,experts,top_k", [(1, 8, 2), (2, 16, 9), (4, 256, 8), (8, 64, 4)])
-def test_device_sender_rows_equal_the_cpu_plan(world: int, experts: int, top_k: int) -> None:
-    routing, counts = _routing(world, experts, top_k, [700] * (world - 1) + [3], seed=world)
+# The last case walks 40,000 entries: three chunks of the plan kernel's block scan (16,384
+# entries each), the last one partial.
+@pytest.mark.parametrize(
+    "world,experts,top_k,tokens",
+    [(1, 8, 2, 700), (2, 16, 9, 700), (4, 256, 8, 700), (8, 64, 4, 700), (2, 128, 8, 5000)],
+)
+def test_device_sender_rows_equal_the_cpu_plan(
+    world: int, experts: int, top_k: int, tokens: int
+) -> None:
+    routing, counts = _routing(world, experts, top_k, [tokens] * (world - 1) + [3], seed=world)
     for rank in range(world):
         for tile_m in (16, 128):
             want = gate.sender_rows(routing[rank], counts, rank, tile_m=tile_m)

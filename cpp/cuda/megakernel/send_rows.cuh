@@ -21,6 +21,8 @@ __device__ __forceinline__ void send_error(unsigned long long* error, uint64_t c
 // Block `g` (global expert g) of a plan. The block walks all of this rank's entries in
 // (token, k) order, so the i-th entry routed to g gets the i-th row of (g, this rank) on g's
 // rank: the order plan_sender_rows (cpp/core/experts.cpp) and the receiver's plan use.
+constexpr int kPlanPerThread = 16;  // entries a thread holds per block scan (bits of a word)
+
 template <int kThreads>
 __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
@@ -66,20 +68,30 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
   }
   __syncthreads();
 
+  // Each thread takes kPlanPerThread consecutive entries per block scan, so a chunk of the walk
+  // is one scan over kThreads x kPlanPerThread entries with all their loads in flight: with one
+  // entry a thread, the 32 scans of a 32,768-entry rank took 32 us on an H200 (Qwen3-like
+  // load), on the critical path of every MegaKernel call.
   int64_t taken = 0;
-  for (int64_t base = 0; base < n; base += kThreads) {
-    const int64_t i = base + tid;
-    const int64_t id = i < n ? a.topk_idx[i] : -1;
-    // Entries routed nowhere (or nowhere valid) are block 0's to mark.
-    if (g == 0 && i < n && (id < 0 || id >= E)) {
-      a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
-      if (id >= E) send_error(a.error, kSendBadExpert, i);
+  constexpr int64_t kChunk = int64_t{kThreads} * kPlanPerThread;
+  for (int64_t base = 0; base < n; base += kChunk) {
+    const int64_t first = base + int64_t{tid} * kPlanPerThread;
+    uint32_t mine = 0;  // bit j: entry first + j is routed to g
+#pragma unroll
+    for (int j = 0; j < kPlanPerThread; ++j) {
+      const int64_t i = first + j;
+      const int64_t id = i < n ? a.topk_idx[i] : -1;
+      // Entries routed nowhere (or nowhere valid) are block 0's to mark.
+      if (g == 0 && i < n && (id < 0 || id >= E)) {
+        a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
+        if (id >= E) send_error(a.error, kSendBadExpert, i);
+      }
+      if (id == g) mine |= 1u << j;
     }
-    const int mine = id == g ? 1 : 0;
     int before = 0, total = 0;
-    Scan(tmp.scan).ExclusiveSum(mine, before, total);
-    if (mine) {
-      const int64_t j = taken + before;
+    Scan(tmp.scan).ExclusiveSum(__popc(mine), before, total);
+    for (int64_t j = taken + before; mine != 0; mine &= mine - 1, ++j) {
+      const int64_t i = first + (__ffs(mine) - 1);
       if (j >= announced) {
         a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
         send_error(a.error, kSendOverCount, i);
