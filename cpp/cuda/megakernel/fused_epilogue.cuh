@@ -7,8 +7,14 @@
 //           adds 1 to done2[tile], which the reduce of the tokens waits on. With peers each row
 //           goes straight to its source rank's combine slot (row_src says which), so the outputs
 //           cross the links while GEMM 2 runs, and the signal is released at system scope.
-// Direct 16-byte stores from the accumulator fragment (lanes trade values by shuffles), no
-// shared memory: the fused kernel keeps all of it for the mainloop's stages.
+// Direct stores from the accumulator fragment, no shared memory: the fused kernel keeps all of it
+// for the mainloop's stages. GEMM 2's lanes trade values by shuffles and store 16 bytes each;
+// GEMM 1 stores 4 bytes (one gate/up pair) a time, as the engine's SwiGLU epilogue does. With
+// GEMM 1 also on 16-byte stores, its tiles read 1.48 GB from DRAM on the Qwen3-like load where
+// the engine's SwiGLU kernel reads 0.94 GB for the same tiles, and took 537 against 417 us (one
+// H200, ncu, GEMM 1 launched alone through this kernel); with 4-byte stores 0.95 GB and 429 us,
+// and the whole forward went from 1.48x to 1.37x the two GEMMs alone. Why the wider stores cost
+// reads is not established; the measurement is in bench/results/2026-11-27-session30.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -84,31 +90,28 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     RowCache rows;
 
     // Each value pair below is two adjacent bf16 columns of one row; the four lanes of a row
-    // (lanes 4r..4r+3) hold the four pairs of each 8-column block. Four blocks at a time they
-    // trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one 16-byte store
-    // where there were four 4-byte ones, and whole sectors.
+    // (lanes 4r..4r+3) hold the four pairs of each 8-column block. In GEMM 2, four blocks at a
+    // time they trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one
+    // 16-byte store where there were four 4-byte ones, and whole sectors.
     const int q = static_cast<int>(threadIdx.x % 4);
     constexpr int kBlocks = kAtom / 4;  // 8-column blocks of the atom
-    static_assert(kBlocks % 8 == 0, "the transposes take the blocks four (pairs) at a time");
+    static_assert(kBlocks % 4 == 0, "the transposes take the blocks four at a time");
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i += kAtom) {
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < 2; ++h) {
         if (first) {
-          // Block pairs (gate 2p, up 2p + 1) give 8 activation columns each.
+          // Block pairs (gate 2p, up 2p + 1): one 4-byte store per pair of columns, two
+          // activation columns (see the file comment for why not 16 bytes).
           CUTLASS_PRAGMA_UNROLL
-          for (int quad = 0; quad < kBlocks / 8; ++quad) {
-            uint32_t w[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              const int v = 4 * 2 * (4 * quad + j) + 2 * h;
-              w[j] = pack(swiglu(acc(i + v), acc(i + v + 4)), swiglu(acc(i + v + 1), acc(i + v + 5)));
-            }
-            transpose4(w, q);
-            const auto c = crd(i + 4 * 2 * (4 * quad) + 2 * h);
-            const int m = get<0>(c), n = get<1>(c) - 2 * q + 16 * q;  // lane q's gate block
-            if (m < M && n < N)
-              store16(out + m * params_.ld_act + (n / 16) * 8, w);
+          for (int v = 2 * h; v < kAtom; v += 4) {
+            if ((v / 4) % 2 != 0) continue;
+            const auto c = crd(i + v);
+            const int m = get<0>(c), n = get<1>(c);
+            if (m >= M || n >= N) continue;
+            const uint32_t w = pack(swiglu(acc(i + v), acc(i + v + 4)),
+                                    swiglu(acc(i + v + 1), acc(i + v + 5)));
+            *reinterpret_cast<uint32_t*>(out + m * params_.ld_act + (n / 16) * 8 + n % 16) = w;
           }
         } else {
           CUTLASS_PRAGMA_UNROLL

@@ -21,7 +21,7 @@ __device__ __forceinline__ void send_error(unsigned long long* error, uint64_t c
 // Block `g` (global expert g) of a plan. The block walks all of this rank's entries in
 // (token, k) order, so the i-th entry routed to g gets the i-th row of (g, this rank) on g's
 // rank: the order plan_sender_rows (cpp/core/experts.cpp) and the receiver's plan use.
-constexpr int kPlanPerThread = 16;  // entries a thread holds per block scan (bits of a word)
+constexpr int kPlanPerThread = 16;  // entries a lane holds per block scan (bits of a word)
 
 template <int kThreads>
 __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
@@ -68,18 +68,22 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
   }
   __syncthreads();
 
-  // Each thread takes kPlanPerThread consecutive entries per block scan, so a chunk of the walk
-  // is one scan over kThreads x kPlanPerThread entries with all their loads in flight: with one
-  // entry a thread, the 32 scans of a 32,768-entry rank took 32 us on an H200 (Qwen3-like
-  // load), on the critical path of every MegaKernel call.
+  // A chunk of the walk is kThreads x kPlanPerThread entries and one block scan: warp w takes
+  // entries [w x 32 x kPlanPerThread, (w + 1) x 32 x kPlanPerThread) of the chunk, lane l the
+  // ones at l, l + 32, ... (coalesced loads, all in flight), and the warp orders its matches by
+  // ballots. With one entry a thread and a scan each, a 32,768-entry rank took 32 scans and
+  // 32 us on an H200 (Qwen3-like load), on the critical path of every MegaKernel call; with 16
+  // consecutive entries a thread (uncoalesced loads) 24 us; this way 16 us.
+  const int lane = tid % 32;
+  const uint32_t below = (1u << lane) - 1u;  // the lanes before this one
   int64_t taken = 0;
   constexpr int64_t kChunk = int64_t{kThreads} * kPlanPerThread;
   for (int64_t base = 0; base < n; base += kChunk) {
-    const int64_t first = base + int64_t{tid} * kPlanPerThread;
-    uint32_t mine = 0;  // bit j: entry first + j is routed to g
+    const int64_t first = base + int64_t{tid / 32} * 32 * kPlanPerThread + lane;
+    uint32_t mine = 0;  // bit j: entry first + 32 j is routed to g
 #pragma unroll
     for (int j = 0; j < kPlanPerThread; ++j) {
-      const int64_t i = first + j;
+      const int64_t i = first + 32 * j;
       const int64_t id = i < n ? a.topk_idx[i] : -1;
       // Entries routed nowhere (or nowhere valid) are block 0's to mark.
       if (g == 0 && i < n && (id < 0 || id >= E)) {
@@ -88,21 +92,29 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
       }
       if (id == g) mine |= 1u << j;
     }
+    // The warps' matches in warp order: lane 0's exclusive sum is the warp's first match.
     int before = 0, total = 0;
     Scan(tmp.scan).ExclusiveSum(__popc(mine), before, total);
-    for (int64_t j = taken + before; mine != 0; mine &= mine - 1, ++j) {
-      const int64_t i = first + (__ffs(mine) - 1);
-      if (j >= announced) {
-        a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
-        send_error(a.error, kSendOverCount, i);
-      } else {
-        const int64_t in_expert = source_row + j;
-        a.dest_rank[i] = dest;
-        a.gemm_row[i] = first_row + in_expert;
-        a.counter[i] = first_tile + in_expert / a.tile_m;
-        // Counts that announce more than the routing holds leave holes and may run past the end.
-        if (a.send_order != nullptr && order_base + j < n) a.send_order[order_base + j] = i;
+    int64_t next = taken + __shfl_sync(0xffffffffu, before, 0);
+#pragma unroll
+    for (int j = 0; j < kPlanPerThread; ++j) {
+      const uint32_t hits = __ballot_sync(0xffffffffu, (mine >> j) & 1u);
+      if ((mine >> j) & 1u) {
+        const int64_t i = first + 32 * j, k = next + __popc(hits & below);
+        if (k >= announced) {
+          a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
+          send_error(a.error, kSendOverCount, i);
+        } else {
+          const int64_t in_expert = source_row + k;
+          a.dest_rank[i] = dest;
+          a.gemm_row[i] = first_row + in_expert;
+          a.counter[i] = first_tile + in_expert / a.tile_m;
+          // Counts that announce more than the routing holds leave holes and may run past the
+          // end.
+          if (a.send_order != nullptr && order_base + k < n) a.send_order[order_base + k] = i;
+        }
       }
+      next += __popc(hits);
     }
     taken += total;
     __syncthreads();  // the scan's storage is reused by the next chunk
