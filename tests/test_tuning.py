@@ -136,6 +136,27 @@ def test_auto_and_gemm_errors(text: str, match: str) -> None:
         _C.TuningParams.parse(text)
 
 
+# Every enum key names its listed spellings in full; the fp8_e4m3 alias parses but is not listed.
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("overlap=ring", "tuning: overlap must be sequential, chunked or fused, got 'ring'"),
+        ("dispatch=fp16", "tuning: dispatch must be bf16 or fp8, got 'fp16'"),
+        ("combine=sum", "tuning: combine must be per_k or rank_partials, got 'sum'"),
+        ("experts=int8", "tuning: experts must be auto, bf16 or fp8, got 'int8'"),
+    ],
+)
+def test_enum_key_errors_list_the_spellings(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        _C.TuningParams.parse(text)
+    assert str(err.value) == message
+
+
+def test_fp8_e4m3_is_an_alias_of_fp8() -> None:
+    assert _C.TuningParams.parse("dispatch=fp8_e4m3") == _C.TuningParams.parse("dispatch=fp8")
+    assert _C.TuningParams.parse("dispatch=fp8_e4m3").dispatch == "fp8"
+
+
 def test_sms_total_may_equal_the_communication_sms() -> None:
     # A call that only communicates (a dispatch and its combine) kept to 24 SMs in all.
     p = _C.TuningParams.parse("sms=24/24")

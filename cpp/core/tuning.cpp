@@ -101,6 +101,50 @@ int parse_auto_int(const std::string& key, const std::string& value) {
   return v;
 }
 
+// One spelling of an enum key's value; `listed` is false for an alias the error leaves out.
+template <class E>
+struct Spelling {
+  const char* text;
+  E value;
+  bool listed = true;
+};
+
+constexpr Spelling<OverlapMode> kOverlapSpellings[] = {
+    {"sequential", OverlapMode::kSequential},
+    {"chunked", OverlapMode::kChunked},
+    {"fused", OverlapMode::kFused}};
+constexpr Spelling<DispatchPrecision> kDispatchSpellings[] = {
+    {"bf16", DispatchPrecision::kBf16},
+    {"fp8", DispatchPrecision::kFp8E4M3},
+    {"fp8_e4m3", DispatchPrecision::kFp8E4M3, false}};
+constexpr Spelling<CombineReduction> kCombineSpellings[] = {
+    {"per_k", CombineReduction::kPerChoice}, {"rank_partials", CombineReduction::kRankPartials}};
+constexpr Spelling<GemmEngine> kGemmSpellings[] = {{"uniep", GemmEngine::kUniep},
+                                                   {"torch", GemmEngine::kTorch}};
+constexpr Spelling<ExpertPrecision> kExpertSpellings[] = {{"auto", ExpertPrecision::kAuto},
+                                                          {"bf16", ExpertPrecision::kBf16},
+                                                          {"fp8", ExpertPrecision::kFp8}};
+
+// An enum key's value from its spellings, or an error naming the key and the listed spellings
+// ("a, b or c").
+template <class E, size_t N>
+E parse_choice(const std::string& key, const std::string& value,
+               const Spelling<E> (&spellings)[N]) {
+  for (const auto& s : spellings)
+    if (value == s.text) return s.value;
+  size_t left = 0;
+  for (const auto& s : spellings) left += s.listed ? 1 : 0;
+  std::string listed;
+  for (const auto& s : spellings) {
+    if (!s.listed) continue;
+    listed += s.text;
+    --left;
+    listed += left > 1 ? ", " : left == 1 ? " or " : "";
+  }
+  throw Error(StatusCode::kInvalidArgument,
+              detail::str_cat("tuning: ", key, " must be ", listed, ", got '", value, "'"));
+}
+
 std::string auto_int(int v) {
   return v == 0 ? std::string("auto") : std::to_string(v);
 }
@@ -166,45 +210,15 @@ TuningParams TuningParams::parse(const std::string& text) {
                     "tuning: skip_rounds must be auto or an integer >= 0, got '", value, "'");
       }
     } else if (key == "overlap") {
-      if (value == "sequential")
-        p.overlap = OverlapMode::kSequential;
-      else if (value == "chunked")
-        p.overlap = OverlapMode::kChunked;
-      else if (value == "fused")
-        p.overlap = OverlapMode::kFused;
-      else
-        UNIEP_CHECK(false, "tuning: overlap must be sequential, chunked or fused, got '", value,
-                    "'");
+      p.overlap = parse_choice(key, value, kOverlapSpellings);
     } else if (key == "dispatch") {
-      if (value == "bf16")
-        p.dispatch = DispatchPrecision::kBf16;
-      else if (value == "fp8" || value == "fp8_e4m3")
-        p.dispatch = DispatchPrecision::kFp8E4M3;
-      else
-        UNIEP_CHECK(false, "tuning: dispatch must be bf16 or fp8, got '", value, "'");
+      p.dispatch = parse_choice(key, value, kDispatchSpellings);
     } else if (key == "combine") {
-      if (value == "per_k")
-        p.combine = CombineReduction::kPerChoice;
-      else if (value == "rank_partials")
-        p.combine = CombineReduction::kRankPartials;
-      else
-        UNIEP_CHECK(false, "tuning: combine must be per_k or rank_partials, got '", value, "'");
+      p.combine = parse_choice(key, value, kCombineSpellings);
     } else if (key == "gemm") {
-      if (value == "uniep")
-        p.gemm = GemmEngine::kUniep;
-      else if (value == "torch")
-        p.gemm = GemmEngine::kTorch;
-      else
-        UNIEP_CHECK(false, "tuning: gemm must be uniep or torch, got '", value, "'");
+      p.gemm = parse_choice(key, value, kGemmSpellings);
     } else if (key == "experts") {
-      if (value == "auto")
-        p.experts = ExpertPrecision::kAuto;
-      else if (value == "bf16")
-        p.experts = ExpertPrecision::kBf16;
-      else if (value == "fp8")
-        p.experts = ExpertPrecision::kFp8;
-      else
-        UNIEP_CHECK(false, "tuning: experts must be auto, bf16 or fp8, got '", value, "'");
+      p.experts = parse_choice(key, value, kExpertSpellings);
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
