@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "torch/grouped_gemm.hpp"
 #include "uniep/status.hpp"
@@ -53,8 +54,9 @@ std::map<std::pair<const void*, const void*>, Kept>& kept() {
   return k;
 }
 
-Kept quantize_both(const at::Tensor& w1, const at::Tensor& w2) {
-  Kept k{Source::of(w1), Source::of(w2), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+// s1 and s2: what the copy is made from (Source::of(w1), Source::of(w2)).
+Kept quantize_both(const at::Tensor& w1, const at::Tensor& w2, Source s1, Source s2) {
+  Kept k{std::move(s1), std::move(s2), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   std::tie(k.q1, k.s1) = quantize_expert_weights(w1);
   std::tie(k.q2, k.s2) = quantize_expert_weights(w2);
   return k;
@@ -65,7 +67,8 @@ Kept kept_for(const at::Tensor& w1, const at::Tensor& w2) {
   C10_CUDA_CHECK(cudaStreamIsCapturing(
       c10::cuda::getCurrentCUDAStream(w1.device().index()).stream(), &capture));
   if (capture != cudaStreamCaptureStatusNone)
-    return quantize_both(w1, w2);  // a kept copy would go stale between replays
+    // A kept copy would go stale between replays.
+    return quantize_both(w1, w2, Source::of(w1), Source::of(w2));
   const auto key = std::make_pair(static_cast<const void*>(w1.unsafeGetTensorImpl()),
                                   static_cast<const void*>(w2.unsafeGetTensorImpl()));
   const Source s1 = Source::of(w1), s2 = Source::of(w2);
@@ -76,7 +79,7 @@ Kept kept_for(const at::Tensor& w1, const at::Tensor& w2) {
   // Copies of weights that died go with this miss, so the map holds live weights only.
   for (auto i = all.begin(); i != all.end();)
     i = i->second.w1.impl.expired() || i->second.w2.impl.expired() ? all.erase(i) : std::next(i);
-  return all.insert_or_assign(key, quantize_both(w1, w2)).first->second;
+  return all.insert_or_assign(key, quantize_both(w1, w2, s1, s2)).first->second;
 }
 
 }  // namespace
