@@ -10,58 +10,60 @@
 
 namespace uniep {
 
-const char* overlap_mode_name(OverlapMode mode) {
-  switch (mode) {
-    case OverlapMode::kSequential:
-      return "sequential";
-    case OverlapMode::kChunked:
-      return "chunked";
-    case OverlapMode::kFused:
-      return "fused";
-  }
+namespace {
+
+// One spelling of an enum key's value; `listed` is false for an alias the error leaves out.
+template <class E>
+struct Spelling {
+  const char* text;
+  E value;
+  bool listed = true;
+};
+
+constexpr Spelling<OverlapMode> kOverlapSpellings[] = {
+    {"sequential", OverlapMode::kSequential},
+    {"chunked", OverlapMode::kChunked},
+    {"fused", OverlapMode::kFused}};
+constexpr Spelling<DispatchPrecision> kDispatchSpellings[] = {
+    {"bf16", DispatchPrecision::kBf16},
+    {"fp8", DispatchPrecision::kFp8E4M3},
+    {"fp8_e4m3", DispatchPrecision::kFp8E4M3, false}};
+constexpr Spelling<CombineReduction> kCombineSpellings[] = {
+    {"per_k", CombineReduction::kPerChoice}, {"rank_partials", CombineReduction::kRankPartials}};
+constexpr Spelling<GemmEngine> kGemmSpellings[] = {{"uniep", GemmEngine::kUniep},
+                                                   {"torch", GemmEngine::kTorch}};
+constexpr Spelling<ExpertPrecision> kExpertSpellings[] = {{"auto", ExpertPrecision::kAuto},
+                                                          {"bf16", ExpertPrecision::kBf16},
+                                                          {"fp8", ExpertPrecision::kFp8}};
+
+// The value's first listed spelling: the name the string form prints and parse reads back.
+template <class E, size_t N>
+const char* name_of(E value, const Spelling<E> (&spellings)[N]) {
+  for (const auto& s : spellings)
+    if (s.listed && s.value == value) return s.text;
   return "?";
+}
+
+}  // namespace
+
+const char* overlap_mode_name(OverlapMode mode) {
+  return name_of(mode, kOverlapSpellings);
 }
 
 const char* dispatch_precision_name(DispatchPrecision precision) {
-  switch (precision) {
-    case DispatchPrecision::kBf16:
-      return "bf16";
-    case DispatchPrecision::kFp8E4M3:
-      return "fp8";
-  }
-  return "?";
+  return name_of(precision, kDispatchSpellings);
 }
 
 const char* combine_reduction_name(CombineReduction reduction) {
-  switch (reduction) {
-    case CombineReduction::kPerChoice:
-      return "per_k";
-    case CombineReduction::kRankPartials:
-      return "rank_partials";
-  }
-  return "?";
+  return name_of(reduction, kCombineSpellings);
 }
 
 const char* gemm_engine_name(GemmEngine engine) {
-  switch (engine) {
-    case GemmEngine::kUniep:
-      return "uniep";
-    case GemmEngine::kTorch:
-      return "torch";
-  }
-  return "?";
+  return name_of(engine, kGemmSpellings);
 }
 
 const char* expert_precision_name(ExpertPrecision precision) {
-  switch (precision) {
-    case ExpertPrecision::kAuto:
-      return "auto";
-    case ExpertPrecision::kBf16:
-      return "bf16";
-    case ExpertPrecision::kFp8:
-      return "fp8";
-  }
-  return "?";
+  return name_of(precision, kExpertSpellings);
 }
 
 namespace {
@@ -100,30 +102,6 @@ int parse_auto_int(const std::string& key, const std::string& value) {
   UNIEP_CHECK(v != 0, "tuning: ", key, " must be auto or a positive integer, got 0");
   return v;
 }
-
-// One spelling of an enum key's value; `listed` is false for an alias the error leaves out.
-template <class E>
-struct Spelling {
-  const char* text;
-  E value;
-  bool listed = true;
-};
-
-constexpr Spelling<OverlapMode> kOverlapSpellings[] = {
-    {"sequential", OverlapMode::kSequential},
-    {"chunked", OverlapMode::kChunked},
-    {"fused", OverlapMode::kFused}};
-constexpr Spelling<DispatchPrecision> kDispatchSpellings[] = {
-    {"bf16", DispatchPrecision::kBf16},
-    {"fp8", DispatchPrecision::kFp8E4M3},
-    {"fp8_e4m3", DispatchPrecision::kFp8E4M3, false}};
-constexpr Spelling<CombineReduction> kCombineSpellings[] = {
-    {"per_k", CombineReduction::kPerChoice}, {"rank_partials", CombineReduction::kRankPartials}};
-constexpr Spelling<GemmEngine> kGemmSpellings[] = {{"uniep", GemmEngine::kUniep},
-                                                   {"torch", GemmEngine::kTorch}};
-constexpr Spelling<ExpertPrecision> kExpertSpellings[] = {{"auto", ExpertPrecision::kAuto},
-                                                          {"bf16", ExpertPrecision::kBf16},
-                                                          {"fp8", ExpertPrecision::kFp8}};
 
 // An enum key's value from its spellings, or an error naming the key and the listed spellings
 // ("a, b or c").
