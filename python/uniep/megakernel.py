@@ -24,8 +24,8 @@ Buffers are sized by capacity (``tokens x top_k`` rows), so the host never reads
 ``overlap="fused"`` is the MegaKernel (``torch.ops.uniep.moe_fused_local``,
 include/uniep/cuda/fused_moe.hpp): one persistent launch in which the first ``comm_sms`` CTAs
 send the rows (in GEMM-row order, or in token order when every CTA sends) and then join the
-GEMMs, both GEMMs run as one grouped GEMM gated tile by tile, and every CTA reduces a share of
-the tokens after its tiles. All three give the
+GEMMs, both GEMMs run as one grouped GEMM gated tile by tile, and after its tiles each CTA's
+warps take the tokens in turn and reduce them. All three give the
 same bits: a gate changes when a tile starts, never what it computes.
 """
 

@@ -65,6 +65,9 @@ struct FusedStages {
   FusedMoeArgs a;
   int comm_units = 0;  // the first comm_units cluster units send (as the scheduler counts them)
   uint32_t reduce_need = 0;  // GEMM 2's done arrivals per tile
+  // The reduce's next token, zeroed by fused_problems before each launch: warps take tokens in
+  // turn as they leave the GEMM body (fused_reduce_tokens).
+  uint32_t* reduce_ticket = nullptr;
 };
 
 template <class G>
@@ -113,9 +116,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
       asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
       if (threadIdx.x == 128) trace[2] = gate_clock_ns();
     }
-    const int64_t per_cta = kConsumerThreads / 32;
-    fused_reduce_tokens(st.a, static_cast<int64_t>(first) * per_cta + (warp - 4),
-                        static_cast<int64_t>(ctas) * per_cta, lane, st.reduce_need);
+    fused_reduce_tokens(st.a, st.reduce_ticket, lane, st.reduce_need);
     if (trace != nullptr) {
       asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
       if (threadIdx.x == 128) trace[3] = gate_clock_ns();
@@ -196,7 +197,8 @@ size_t fused_gemm_workspace_impl(int64_t num_experts, int sm_count) {
 // cluster units sending, the others taking skip_rounds rounds first.
 template <class G>
 Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                         int skip_rounds, int device, int sm_count, cudaStream_t stream) {
+                         int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                         cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   const auto args = fused_arguments<G>(ws, a, comm_units, skip_rounds, device, sm_count);
   if (Kernel::can_implement(args) != true)
@@ -207,6 +209,7 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
   FusedStages st;
   st.a = a;
   st.comm_units = comm_units;
+  st.reduce_ticket = reduce_ticket;
   st.reduce_need =
       static_cast<uint32_t>(G::kWarpsPerTile * ((a.hidden + G::kTileN - 1) / G::kTileN));
 

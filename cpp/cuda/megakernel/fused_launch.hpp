@@ -17,8 +17,10 @@ size_t fused_gemm_workspace_128(int64_t num_experts, int sm_count);
 size_t fused_gemm_workspace_64(int64_t num_experts, int sm_count);
 
 Status fused_launch_128(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                        int skip_rounds, int device, int sm_count, cudaStream_t stream);
+                        int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                        cudaStream_t stream);
 Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                       int skip_rounds, int device, int sm_count, cudaStream_t stream);
+                       int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                       cudaStream_t stream);
 
 }  // namespace uniep::cuda::megakernel

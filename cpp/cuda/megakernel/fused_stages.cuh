@@ -179,16 +179,25 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint
   return true;
 }
 
-// Warp `warp` of `warps` reduces tokens warp, warp + warps, ...: out[t] = sum over k ascending of
-// w[t, k] * y[gemm_row[t, k]], with the combines' arithmetic (combine_reduce.cuh), each row read
-// once GEMM 2 has signalled its tile complete (`need` warps; with peers the tile is on the
-// entry's rank, whose epilogue stored the row in this rank's combine slot t x top_k + k).
-__device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, int64_t warp,
-                                                    int64_t warps, int lane, uint32_t need) {
+// Each warp takes tokens by ticket (`ticket` counts the tokens handed out, zeroed before the
+// launch) and reduces each: out[t] = sum over k ascending of w[t, k] * y[gemm_row[t, k]], with
+// the combines' arithmetic (combine_reduce.cuh), each row read once GEMM 2 has signalled its
+// tile complete (`need` warps; with peers the tile is on the entry's rank, whose epilogue stored
+// the row in this rank's combine slot t x top_k + k). Tickets and not a fixed share per warp:
+// the CTAs leave the GEMM body 50-200 us apart (the static round-robin gives some a tile more),
+// and with fixed shares the last to leave still had its whole share to do (one H200: the CTAs'
+// reduces ended 775-809 us into the Qwen3-like call, 795-805 with tickets). Which warp reduces
+// a token never changes its bits.
+__device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, uint32_t* ticket,
+                                                    int lane, uint32_t need) {
   const int64_t K = a.top_k, vecs = a.hidden / 8, row_bytes = a.hidden * 2;
   const bool peers = a.peers.world_size > 1;
   auto* out = static_cast<uint8_t*>(a.out);
-  for (int64_t t = warp; t < a.tokens; t += warps) {
+  for (;;) {
+    uint32_t taken = 0;
+    if (lane == 0) taken = atomicAdd(ticket, 1u);
+    const int64_t t = __shfl_sync(0xffffffffu, taken, 0);
+    if (t >= a.tokens) break;
     const uint8_t* row = nullptr;   // lane k: entry (t, k)'s expert output
     const uint32_t* done = nullptr;  // and its tile's done2 counter
     float w = 0.f;

@@ -25,8 +25,9 @@ __global__ void __launch_bounds__(32)
     fused_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden,
                    int ffn, const grouped::Bf16* x_rows, const grouped::Bf16* w1,
                    const grouped::Bf16* w2, grouped::Bf16* act, grouped::Bf16* y,
-                   grouped::Workspace ws) {
+                   grouped::Workspace ws, uint32_t* reduce_ticket) {
   const int lane = static_cast<int>(threadIdx.x);
+  if (lane == 0) *reduce_ticket = 0;
   int carry = 0;
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
@@ -176,10 +177,12 @@ Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capac
   return launch_status("fused_row_entries");
 }
 
+// The problem arrays, the GEMM body's workspace, and last the reduce's ticket (its own 256 bytes).
 size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count) {
   if (num_experts < 1 || num_experts > (1 << 20) || sm_count < 1) return 0;
   return grouped::group_arrays_bytes(2 * num_experts) +
-         megakernel::gemm_workspace(num_experts, sm_count);
+         grouped::round_up(megakernel::gemm_workspace(num_experts, sm_count)) +
+         grouped::kWorkspaceAlign;
 }
 
 Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
@@ -222,13 +225,15 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
     return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, 2 * a.num_experts);
+  auto* reduce_ticket =
+      reinterpret_cast<uint32_t*>(static_cast<char*>(workspace) + need - grouped::kWorkspaceAlign);
   megakernel::fused_problems<<<1, 32, 0, stream>>>(
       a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),
       static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
       static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act),
       // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
-      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws);
+      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, reduce_ticket);
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
   // Units of two CTAs (the cluster).
@@ -240,8 +245,10 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
                        : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
                                                    a.peers.world_size, launch.tile_m);
   return launch.tile_m == 64
-             ? megakernel::fused_launch_64(ws, a, comm_units, skip, device, sm_count, stream)
-             : megakernel::fused_launch_128(ws, a, comm_units, skip, device, sm_count, stream);
+             ? megakernel::fused_launch_64(ws, a, comm_units, skip, reduce_ticket, device, sm_count,
+                                           stream)
+             : megakernel::fused_launch_128(ws, a, comm_units, skip, reduce_ticket, device,
+                                            sm_count, stream);
 }
 
 }  // namespace uniep::cuda

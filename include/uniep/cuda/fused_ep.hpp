@@ -13,8 +13,8 @@
 //      destination ranks' GEMM rows (nvshmem_ptr mappings), with each row's source, and counts
 //      them on their tile gates; the local experts' two GEMMs run gated tile by tile on the rows
 //      that arrive, GEMM 2's epilogue storing each output row straight into its source rank's
-//      combine slot (token, k); and every CTA then reduces a share of this rank's tokens from its
-//      own slots, each once the expert's rank has signalled the tile that wrote it.
+//      combine slot (token, k); and every CTA's warps then take this rank's tokens in turn and
+//      reduce each from its own slots once the expert's rank has signalled the tile that wrote it.
 // The output bits equal the world-1 kernel's on the same tokens with every expert's weights (a
 // row's GEMM arithmetic does not depend on the tile it shares; the reduce is the same ascending-k
 // fp32 sum), whatever the arrival order.

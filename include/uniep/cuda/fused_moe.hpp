@@ -2,8 +2,8 @@
 // CTAs store the dispatch's rows into the GEMM rows of their experts' ranks (at world 1 in row
 // order, so the first tiles are released first) and then join the GEMMs; both expert GEMMs run
 // as one grouped GEMM whose tiles wait on tile gates (GEMM 1 on the rows, GEMM 2 on GEMM 1's done
-// counters); and after its tiles every CTA reduces a share of its rank's tokens over k, each
-// token once its expert rows are written, reading them where they were computed. Several ranks
+// counters); and after its tiles each CTA's warps take the rank's tokens in turn, reducing each
+// over k once its expert rows are written, reading them where they were computed. Several ranks
 // run it through the runtime of fused_ep.hpp, which plans the rows and resolves the peers.
 //
 // The bits equal the sequential path's (send_rows, grouped_mm_gated twice, combine_rows): the
