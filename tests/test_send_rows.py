@@ -291,3 +291,33 @@ def test_moe_forward_local_refuses_bad_arguments() -> None:
         moe_forward_local(x, idx, w, w1, w2, overlap="chunked")
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         moe_forward_local(x, idx, w, w1, w2)
+
+
+def test_trace_phases_reads_each_ctas_stamps() -> None:
+    from uniep.megakernel import trace_phases
+
+    # Three CTAs that ran and one that did not (zeros); stamps in ns from an arbitrary origin.
+    t0 = 1_000_000
+    stamps = [
+        [t0, t0 + 40_000, t0 + 700_000, t0 + 760_000],
+        [t0 + 300, t0 + 45_000, t0 + 720_000, t0 + 765_000],
+        [t0 + 100, t0 + 30_000, t0 + 750_000, t0 + 770_000],
+        [0, 0, 0, 0],
+    ]
+    waits = [[1_000, 0], [3_000, 2_000], [2_000, 4_000], [9_999_999, 9_999_999]]
+    trace = torch.tensor(stamps, dtype=torch.int64).view(-1)
+    phases = trace_phases(trace)
+    assert phases["send_end_us"] == pytest.approx(45.0)
+    assert phases["first_gemm_end_us"] == pytest.approx(700.0)
+    assert phases["median_gemm_end_us"] == pytest.approx(720.0)
+    assert phases["gemm_end_us"] == pytest.approx(750.0)
+    assert phases["reduce_end_us"] == pytest.approx(770.0)
+    assert "rows_gate_wait_mean_us" not in phases
+    full = torch.cat([trace, torch.tensor(waits, dtype=torch.int64).view(-1)])
+    phases = trace_phases(full, sms=4)
+    # The CTA that did not run is left out of the waits too.
+    assert phases["rows_gate_wait_mean_us"] == pytest.approx(2.0)
+    assert phases["rows_gate_wait_max_us"] == pytest.approx(3.0)
+    assert phases["done_gate_wait_mean_us"] == pytest.approx(2.0)
+    assert phases["done_gate_wait_max_us"] == pytest.approx(4.0)
+    assert trace_phases(torch.zeros(16, dtype=torch.int64)) == {}

@@ -174,7 +174,8 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float]:
     """The fused kernel's phases from a ``trace`` that one call filled (zeroed before it): in
     microseconds after the first CTA started, the last CTA to finish its send, its GEMM tiles and
-    its reduce, and the first to finish its tiles (where the reduce's tail begins). With ``sms``
+    its reduce, the first to finish its tiles (where the reduce's tail begins) and the median CTA
+    (how unevenly the tiles fell: the static round-robin left CTAs up to 200 us apart). With ``sms``
     (the device's SM count) and a trace of at least 6 x ``sms`` entries, also the time the CTAs'
     producers waited at the gates: at GEMM 1's (its rows not yet sent) and at GEMM 2's (GEMM 1's
     tiles of its rows not yet done), the mean and the largest over the CTAs."""
@@ -192,6 +193,7 @@ def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float
     out = {
         "send_end_us": float(us[:, 1].max()),
         "first_gemm_end_us": float(us[:, 2].min()),
+        "median_gemm_end_us": float(torch.quantile(us[:, 2], 0.5)),
         "gemm_end_us": float(us[:, 2].max()),
         "reduce_end_us": float(us[:, 3].max()),
     }
