@@ -116,7 +116,13 @@ def tflops(rows: int, k: int, n: int, ms: float) -> float:
 
 
 def bench_kernel(
-    load: str, counts: torch.Tensor, k: int, n: int, warmup: int, iters: int
+    load: str,
+    counts: torch.Tensor,
+    k: int,
+    n: int,
+    warmup: int,
+    iters: int,
+    swiglu: bool = False,
 ) -> dict[str, Any]:
     experts, rows = counts.numel(), int(counts.sum())
     gen = torch.Generator(device="cuda").manual_seed(experts + k + n)
@@ -176,7 +182,33 @@ def bench_kernel(
     row["torch_tflops"] = tflops(rows, k, n, row["torch_ms"])
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
     row["uniep_over_torch"] = row["uniep_ms"] / row["torch_ms"]
+    if swiglu and n % 128 == 0:
+        row.update(_bench_swiglu(x, w, offs, warmup, iters))
     return row
+
+
+def _bench_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, warmup: int, iters: int
+) -> dict[str, Any]:
+    """The up projection with SwiGLU in its epilogue, w1 packed (a copy made beforehand) against
+    w1 as stored (no copy), interleaved beside the plain GEMM: the same bits expected."""
+    from uniep.gemm import grouped_mm_swiglu, grouped_mm_swiglu_plain, pack_gate_up
+    from uniep.timing import interleaved_medians_ms
+
+    packed = pack_gate_up(w1)
+    fns = {
+        "gemm": lambda: torch.ops.uniep.grouped_mm(x, w1, offs),
+        "packed": lambda: grouped_mm_swiglu(x, packed, offs),
+        "plain": lambda: grouped_mm_swiglu_plain(x, w1, offs),
+    }
+    ms = interleaved_medians_ms(fns, max(1, iters // 4), 4, True, warmup=warmup)
+    return {
+        "swiglu_bits_plain_eq_packed": bool(torch.equal(fns["plain"](), fns["packed"]())),
+        "swiglu_packed_ms": ms["packed"],
+        "swiglu_plain_ms": ms["plain"],
+        "swiglu_gemm_ms": ms["gemm"],
+        "swiglu_plain_over_packed": ms["plain"] / ms["packed"],
+    }
 
 
 # The fp8 grouped GEMM's compiled tiles, by the tuning key that picks each.
@@ -201,7 +233,7 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
         idx, _ = routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
         for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
-            r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters)
+            r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters, part == "up")
             rows.append({"part": "kernel", **r})
             best = r[f"uniep_ms[{r['best_config']}]"]
             counts_text = f"{r['rows_min']}-{r['rows_max']}"
@@ -214,6 +246,15 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                 + f" | {r.get('fp8_bits_same_every_config')} |",
                 flush=True,
             )
+            if "swiglu_plain_ms" in r:
+                print(
+                    f"|   {r['load']} with SwiGLU: w1 packed {r['swiglu_packed_ms']:.3f} ms, as "
+                    f"stored {r['swiglu_plain_ms']:.3f} ms "
+                    f"({r['swiglu_plain_over_packed']:.3f}x), plain GEMM "
+                    f"{r['swiglu_gemm_ms']:.3f} ms; same bits: "
+                    f"{r['swiglu_bits_plain_eq_packed']} |",
+                    flush=True,
+                )
             torch.cuda.empty_cache()
     return rows
 

@@ -29,6 +29,38 @@ def test_products_pair_up() -> None:
         assert torch.equal(hp[:, c], h[:, j]) and torch.equal(hp[:, c + 8], h[:, 24 + j])
 
 
+def test_plain_w1_read_in_blocks_of_64_pairs_gate_and_up() -> None:
+    # What the SwiGLU epilogue on w1 as stored relies on (cpp/cuda/gemm/grouped/
+    # gate_up_mainloop.cuh): B's TMA views w1 with N = (64, 2, I / 64) : (1, I, 64), so tile
+    # column p = c + 64 g + 128 j is w1's column g I + 64 j + c, gate column p (p % 128 < 64)
+    # pairs with p + 64, and its activation column is (p // 128) * 64 + p % 64.
+    e, h, i = 2, 16, 192
+    w1 = torch.randn(e, h, 2 * i, dtype=torch.float64)
+    view = w1.as_strided((e, h, i // 64, 2, 64), (h * 2 * i, 2 * i, 64, i, 1)).reshape(e, h, 2 * i)
+    x = torch.randn(5, h, dtype=torch.float64)
+    hv, hw = x @ view[1], x @ w1[1]
+    for p in range(2 * i):
+        if p % 128 >= 64:
+            continue
+        j = (p // 128) * 64 + p % 64
+        assert torch.equal(hv[:, p], hw[:, j]) and torch.equal(hv[:, p + 64], hw[:, i + j])
+
+
+def test_plain_swiglu_fake_shapes_and_errors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(10, 64, dtype=torch.bfloat16)
+        w1 = torch.empty(3, 64, 384, dtype=torch.bfloat16)
+        offs = torch.empty(3, dtype=torch.int32)
+        act = torch.ops.uniep.grouped_mm_swiglu_plain(x, w1, offs)
+        assert act.shape == (10, 192) and act.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match=r"I = w1.size\(2\) / 2 a multiple of 64.*320"):
+            torch.ops.uniep.grouped_mm_swiglu_plain(x, w1[:, :, :320], offs)
+        with pytest.raises(ValueError, match=r"w must be \[E, K, N\] with K = x.size\(1\)"):
+            torch.ops.uniep.grouped_mm_swiglu_plain(x, w1[:, :32], offs)
+
+
 def test_named_errors() -> None:
     with pytest.raises(ValueError, match=r"w1 must be 3-D \[E, H, 2I\]"):
         pack_gate_up(torch.zeros(4, 16))

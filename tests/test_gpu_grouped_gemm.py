@@ -234,6 +234,7 @@ SWIGLU_CASES = {
     "k-multiple-of-64": ([100, 200, 64, 1], 192, 320),
     "many-experts": (_random_counts(300, 40, 15, empty_every=7), 256, 128),
     "dsv3-like": (_random_counts(32, 600, 16), 2048, 1024),
+    "ffn-multiple-of-64-not-128": ([5, 300, 0, 77, 1], 256, 384),
 }
 
 
@@ -259,6 +260,49 @@ def test_swiglu_epilogue(name: str) -> None:
     for tuning in CONFIGS:
         assert torch.equal(grouped_mm_swiglu(x, pack_gate_up(w1), offs, tuning), act), tuning
     assert torch.equal(grouped_mm_swiglu(x, pack_gate_up(w1), offs), act)
+    if i % 64 == 0:
+        _check_plain_gate_up(x, w1, offs, act)
+
+
+def _check_plain_gate_up(
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, act: torch.Tensor
+) -> None:
+    """w1 as stored gives the packed layout's bits, in every configuration whose tile holds
+    whole 64-column (gate, up) pairs of the FFN size; the others are a named error."""
+    from uniep.gemm import grouped_mm_swiglu_plain
+
+    i = w1.shape[2] // 2
+    poison = torch.full_like(act, float("nan"))
+    del poison
+    assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs), act)
+    for tuning in CONFIGS:
+        tile_n = int(tuning.split("tile_n=")[1].split(",")[0])
+        if i % (tile_n // 2) == 0:
+            assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs, tuning), act), tuning
+        else:
+            with pytest.raises(NotImplementedError, match=rf"multiple of tile_n / 2.*{tile_n}"):
+                grouped_mm_swiglu_plain(x, w1, offs, tuning)
+
+
+def test_swiglu_plain_w1_runs_to_run_and_errors() -> None:
+    from uniep.gemm import grouped_mm_swiglu_plain, pack_gate_up
+
+    counts = _random_counts(64, 300, 21, empty_every=9)
+    x, w1, offs = _operands(counts, 512, 768, seed=22)
+    act = grouped_mm_swiglu_plain(x, w1, offs)
+    assert torch.equal(act, torch.ops.uniep.grouped_mm_swiglu(x, pack_gate_up(w1), offs))
+    assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs), act)
+    # The experts are read from one tensor by index: a slice of experts reads its own.
+    lo = int(offs[31])
+    sub = grouped_mm_swiglu_plain(x[lo:], w1[32:].contiguous(), offs[32:] - lo)
+    assert torch.equal(sub[: int(offs[-1]) - lo], act[lo : int(offs[-1])])
+    with pytest.raises(NotImplementedError, match=r"I = w1.size\(2\) / 2 a multiple of 64.*320"):
+        grouped_mm_swiglu_plain(x[:, :128].contiguous(), w1[:, :128, :320].contiguous(), offs)
+    with pytest.raises(ValueError, match="w1 must be contiguous"):
+        grouped_mm_swiglu_plain(x, w1.transpose(1, 2).contiguous().transpose(1, 2), offs)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        grouped_mm_swiglu_plain(x.float(), w1, offs)
+    torch.library.opcheck(torch.ops.uniep.grouped_mm_swiglu_plain, (x[:40], w1, offs.clamp(max=40)))
 
 
 def test_swiglu_named_errors() -> None:

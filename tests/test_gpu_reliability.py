@@ -147,7 +147,13 @@ GPU_CASES: list[tuple[str, Callable[[dict[str, torch.Tensor]], object], str]] = 
         "bfloat16",
     ),
     ("bad-tuning", lambda a: _fwd(a, "stages=0"), "stages"),
-    ("tuning-differs", lambda a: _fwd(a, "dispatch=fp8"), "tuning dispatch differs"),
+    # bf16 experts on the fp8 rows: the bad rank's own checks pass (fp8 experts would need
+    # hidden and ffn multiples of 128), so the call's agreement is what refuses it.
+    (
+        "tuning-differs",
+        lambda a: _fwd(a, "dispatch=fp8,experts=bf16"),
+        "tuning (dispatch|experts) differs",
+    ),
     ("sms-too-many", lambda a: _fwd(a, "sms=100000"), "sms"),
     ("x-non-contiguous", lambda a: _fwd({**a, "x": a["x"].t().contiguous().t()}), "contiguous"),
     # More tokens than the runtime holds is no longer an error: every rank grows it together

@@ -265,13 +265,23 @@ def test_packed_candidates_hold_both_paths() -> None:
     every = next(t for t in points if "sms=132/0" in t and "tile_m=64" in t)
     few = every.replace("sms=132/0", "sms=8/0")
     assert times[every] < times[few]
-    # Plain weights price the same MegaKernel, and their separate launches one SwiGLU pass more:
-    # the first GEMM's [R, 2I] output read and [R, I] written, at the same tiles.
+    # Plain weights price the same MegaKernel, and their separate launches as packed ones where
+    # the SwiGLU epilogue reads w1 as stored (an FFN size that is a multiple of tile_n / 2)...
     plain = tune.CostModel("cuda", peak_flops=1e15, mem_bw=3e12, sm_count=132)
     assert plain.seconds(shape, every) == times[every]
     tiled = next(t for t in points if "tile_m=128,tile_n=256,tile_k=64" in t)
-    swiglu_pass = 3 * shape.tokens * shape.top_k * shape.ffn * 2 / 3e12
-    assert plain.seconds(shape, tiled) - times[tiled] == pytest.approx(swiglu_pass)
+    assert plain.seconds(shape, tiled) == times[tiled]
+    # ... and one SwiGLU pass more where it does not (2112 = 33 x 64 is no multiple of 256 / 2):
+    # the first GEMM's [R, 2I] output read and [R, I] written, at the same tiles.
+    odd = tune.MoeShape(4096, 7168, 2112, 32, 8, 1, "bfloat16")
+    swiglu_pass = 3 * odd.tokens * odd.top_k * odd.ffn * 2 / 3e12
+    packed_odd = model.seconds(odd, tiled)
+    assert plain.seconds(odd, tiled) - packed_odd == pytest.approx(swiglu_pass)
+    assert plain.seconds(odd, tiled.replace("tile_n=256", "tile_n=128")) == pytest.approx(
+        model.seconds(odd, tiled.replace("tile_n=256", "tile_n=128"))
+    )
+    assert tune.plain_swiglu_epilogue(2112, uniep.TuningParams.parse(""))
+    assert not tune.plain_swiglu_epilogue(2040, uniep.TuningParams.parse(""))
     with pytest.raises(ValueError, match="needs device cuda and dtype bfloat16"):
         tune.tune(**SHAPE, device="cpu", cache=False, weights="bf16_packed")
 

@@ -493,13 +493,18 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
         return params.gemm == GemmEngine::kUniep ? engine_grouped_mm(a, w, offs, params)
                                                  : at::_grouped_mm(a, w, offs);
       };
-      const at::Tensor h = grouped(xs, w1);
       at::Tensor act;
-      if (params.gemm == GemmEngine::kUniep) {
-        // One pass over h, silu(g) * u rounded once (the SwiGLU epilogue's formula).
+      if (params.gemm == GemmEngine::kUniep && plain_gate_up_ok(w1, params)) {
+        // SwiGLU in the first GEMM's epilogue, w1 read as stored: h never reaches memory.
+        act = engine_grouped_mm_swiglu_plain(xs, w1, offs, params);
+      } else if (params.gemm == GemmEngine::kUniep) {
+        // One pass over h, silu(g) * u rounded once (the SwiGLU epilogue's formula, the bits
+        // of the branch above).
+        const at::Tensor h = grouped(xs, w1);
         act = at::empty({R, I}, h.options());
         ok_or_throw(cuda::swiglu_bf16(h.data_ptr(), R, I, act.data_ptr(), stream));
       } else {
+        const at::Tensor h = grouped(xs, w1);
         act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
       }
       y = grouped(act, w2).contiguous();

@@ -18,6 +18,11 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
 
 // The SwiGLU epilogue's width check: w [E, K, 2I] with 2I a multiple of 16.
 void check_swiglu_width(const at::Tensor& w);
+// w1 [E, K, 2I] for the SwiGLU epilogue on w1 as stored: contiguous, I a multiple of 64.
+void check_plain_gate_up(const at::Tensor& w1);
+// Whether engine_grouped_mm_swiglu_plain takes w1 under tuning: check_plain_gate_up's
+// conditions, and an explicit tile_n whose half divides I.
+bool plain_gate_up_ok(const at::Tensor& w1, const TuningParams& tuning);
 
 // The forward problem x [R, K] w [E, K, N] -> out (offs's experts), for the engine's entry points;
 // the tensors are checked already.
@@ -36,6 +41,10 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 // act [R, I] = silu(gate) * up.
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning);
+// The same activation, bit for bit, from w1 as stored (gate columns [0, I), then up; kSwiGluPlain):
+// no packed copy of w1. I must be a multiple of 64 (check_plain_gate_up).
+at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor& w1,
+                                          const at::Tensor& offs, const TuningParams& tuning);
 
 // The backward's products: dy [R, N] w[e]^T -> [R, K] for w [E, K, N] (the input's gradient),
 // and x[rows of e]^T dy[rows of e] -> [E, K, N] (the weight's gradient; zeros for an expert with

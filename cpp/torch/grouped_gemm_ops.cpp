@@ -61,6 +61,25 @@ void check_swiglu_width(const at::Tensor& w) {
                    w.size(2));
 }
 
+void check_plain_gate_up(const at::Tensor& w1) {
+  UNIEP_CHECK(w1.is_contiguous(),
+              "w1 must be contiguous [E, K, 2I] for the SwiGLU epilogue on w1 as stored (its "
+              "loads read gate and up column blocks of a row-major w1), got strides ",
+              w1.strides());
+  UNIEP_CHECK_CODE(w1.size(2) % 128 == 0, StatusCode::kUnsupported,
+                   "w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64 for the SwiGLU "
+                   "epilogue on w1 as stored (its loads read gate and up in blocks of 64 "
+                   "columns), got 2I = ",
+                   w1.size(2));
+}
+
+bool plain_gate_up_ok(const at::Tensor& w1, const TuningParams& tuning) {
+  if (w1.dim() != 3 || !w1.is_contiguous() || w1.size(2) % 128 != 0) return false;
+  // An explicit tile_n must divide into whole 64-column (gate, up) pairs of the FFN size; the
+  // automatic choice finds one (cuda::grouped_gemm_select).
+  return tuning.tile_n == 0 || (w1.size(2) / 2) % (tuning.tile_n / 2) == 0;
+}
+
 cuda::GroupedGemmProblem forward_problem(const at::Tensor& x, const at::Tensor& w,
                                          const at::Tensor& offs, const at::Tensor& out,
                                          cuda::GroupedGemmEpilogue epilogue) {
@@ -145,8 +164,9 @@ void launch(cuda::GroupedGemmProblem& p, const at::Tensor& like, const TuningPar
 at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                       const TuningParams& tuning, cuda::GroupedGemmEpilogue epilogue) {
   check_grouped_mm_args(x, w, offs);
-  const bool swiglu = epilogue == cuda::GroupedGemmEpilogue::kSwiGlu;
-  if (swiglu) check_swiglu_width(w);
+  const bool swiglu = epilogue != cuda::GroupedGemmEpilogue::kStore;
+  if (epilogue == cuda::GroupedGemmEpilogue::kSwiGlu) check_swiglu_width(w);
+  if (epilogue == cuda::GroupedGemmEpilogue::kSwiGluPlain) check_plain_gate_up(w);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(2);
   // Rows past offs[E - 1] are not written, as with torch._grouped_mm.
@@ -174,6 +194,11 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning) {
   return run_engine(x, w_packed, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGlu);
+}
+
+at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor& w1,
+                                          const at::Tensor& offs, const TuningParams& tuning) {
+  return run_engine(x, w1, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGluPlain);
 }
 
 at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
@@ -327,6 +352,13 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
   });
 }
 
+at::Tensor grouped_mm_swiglu_plain_cuda(const at::Tensor& x, const at::Tensor& w1,
+                                        const at::Tensor& offs, c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_swiglu_plain(x, w1, offs, TuningParams::parse(std::string(tuning)));
+  });
+}
+
 at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
                                const at::Tensor& w_scales, const at::Tensor& offs,
                                c10::string_view tuning) {
@@ -401,6 +433,7 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, cons
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm", &uniep::torch_glue::grouped_mm_cuda);
   m.impl("grouped_mm_swiglu", &uniep::torch_glue::grouped_mm_swiglu_cuda);
+  m.impl("grouped_mm_swiglu_plain", &uniep::torch_glue::grouped_mm_swiglu_plain_cuda);
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);

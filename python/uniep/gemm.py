@@ -24,6 +24,7 @@ __all__ = [
     "grouped_mm_dgrad",
     "grouped_mm_fp8",
     "grouped_mm_swiglu",
+    "grouped_mm_swiglu_plain",
     "grouped_mm_wgrad",
     "pack_gate_up",
     "quantize_expert_weights",
@@ -108,6 +109,32 @@ def _grouped_mm_swiglu_fake(
         ),
     )
     return x.new_empty((x.shape[0], w_packed.shape[2] // 2))
+
+
+def grouped_mm_swiglu_plain(
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    """:func:`grouped_mm_swiglu`'s activation, bit for bit, from ``w1 [E, H, 2I]`` as stored (gate
+    columns ``[:, :, :I]``, then up): no packed copy, so nothing to redo when w1 changes (CUDA,
+    bf16, Hopper). The kernel's loads read w1 as if packed in blocks of 64 columns, so w1 must be
+    contiguous and I a multiple of 64 (and of ``tile_n / 2`` when tuning names ``tile_n``; the
+    automatic choice takes a 128-wide tile where I is not a multiple of 128)."""
+    return torch.ops.uniep.grouped_mm_swiglu_plain(x, w1, offs, tuning)
+
+
+@torch.library.register_fake("uniep::grouped_mm_swiglu_plain")
+def _grouped_mm_swiglu_plain_fake(
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    check_grouped_mm_meta(x, w1, offs)
+    torch._check_value(
+        w1.shape[2] % 128 == 0,
+        lambda: (
+            f"w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64, got 2I = "
+            f"{w1.shape[2]}"
+        ),
+    )
+    return x.new_empty((x.shape[0], w1.shape[2] // 2))
 
 
 def grouped_mm_dgrad(

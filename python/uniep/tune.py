@@ -600,6 +600,14 @@ def candidate_points(
     return out
 
 
+def plain_swiglu_epilogue(ffn: int, p: _C.TuningParams) -> bool:
+    """Whether ``moe_forward`` runs the SwiGLU in the first expert GEMM's epilogue on w1 as
+    stored (``uniep.gemm.grouped_mm_swiglu_plain``) at ``p``: the FFN size a multiple of 64, and
+    of ``tile_n / 2`` where ``p`` names ``tile_n`` (cpp/torch/grouped_gemm_ops.cpp,
+    ``plain_gate_up_ok``; a contiguous w1 is assumed)."""
+    return ffn % 64 == 0 and (p.tile_n == 0 or ffn % (p.tile_n // 2) == 0)
+
+
 def _cuda_auto_tiles(
     rows: int, experts: int, n: int, k: int, pingpong_rows: int = 2048, swiglu: bool = False
 ) -> tuple[int, int, int]:
@@ -628,8 +636,9 @@ class CostModel:
 
     On CUDA, for plain weights (``moe_forward``) and ``weights="bf16_packed"``
     (``moe_forward_prepared``) alike: ``sequential`` is the separate launches, the GEMMs plus the
-    local copies (the row gather and the combine's read of the rows; plain weights also the
-    SwiGLU pass over the first GEMM's output) plus the communication; ``fused`` is the
+    local copies (the row gather and the combine's read of the rows; plain weights whose FFN
+    size the SwiGLU epilogue on w1 as stored does not take also the SwiGLU pass over the first
+    GEMM's output) plus the communication; ``fused`` is the
     MegaKernel, GEMMs on every SM with its own tiles (``tile_m`` x 256 x 64), plus the share of
     the send its senders spend (all of it when every CTA sends first; the rest runs under the
     other CTAs' tiles) and the reduce's read of the rows.
@@ -673,14 +682,18 @@ class CostModel:
         comm = self.comm_seconds(shape, p)
         rows = self._rows_seconds(shape)
         if not _runs_megakernel(p):
-            plain = self.weights == "plain"
-            # Plain weights: the first GEMM writes [rows, 2I] and a SwiGLU pass reads it and
-            # writes [rows, I]; packed ones fold the SwiGLU into that GEMM's epilogue. fp8
+            # Plain weights run the SwiGLU in the first GEMM's epilogue, reading w1 as stored,
+            # where the FFN size allows it (plain_swiglu_epilogue), as packed ones always do.
+            # Else the first GEMM writes [rows, 2I] and a SwiGLU pass reads it and writes
+            # [rows, I]; fp8 experts always take that pass (it quantizes the activation). fp8
             # experts gather e4m3 rows (half a bf16 row each way) and write an e4m3 activation.
             gather = rows if p.fp8_experts else 2 * rows
             swiglu = (2.5 if p.fp8_experts else 3.0) * rows * shape.ffn / shape.hidden
-            gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not plain)
-            return gemm + comm + gather + 2 * rows + (swiglu if plain else 0.0)
+            separate_pass = self.weights == "plain" and (
+                p.fp8_experts or not plain_swiglu_epilogue(shape.ffn, p)
+            )
+            gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not separate_pass)
+            return gemm + comm + gather + 2 * rows + (swiglu if separate_pass else 0.0)
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts

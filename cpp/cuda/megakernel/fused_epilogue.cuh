@@ -98,40 +98,31 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     static_assert(kBlocks % 4 == 0, "the transposes take the blocks four at a time");
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i += kAtom) {
+      if (first) {
+        // One 4-byte store per pair of activation columns (see the file comment for why not
+        // 16 bytes).
+        store_swiglu<8, kAtom>(acc, crd, i, M, N, out, params_.ld_act);
+        continue;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < 2; ++h) {
-        if (first) {
-          // Block pairs (gate 2p, up 2p + 1): one 4-byte store per pair of columns, two
-          // activation columns (see the file comment for why not 16 bytes).
+        CUTLASS_PRAGMA_UNROLL
+        for (int quad = 0; quad < kBlocks / 4; ++quad) {
+          uint32_t w[4];
           CUTLASS_PRAGMA_UNROLL
-          for (int v = 2 * h; v < kAtom; v += 4) {
-            if ((v / 4) % 2 != 0) continue;
-            const auto c = crd(i + v);
-            const int m = get<0>(c), n = get<1>(c);
-            if (m >= M || n >= N) continue;
-            const uint32_t w = pack(swiglu(acc(i + v), acc(i + v + 4)),
-                                    swiglu(acc(i + v + 1), acc(i + v + 5)));
-            *reinterpret_cast<uint32_t*>(out + m * params_.ld_act + (n / 16) * 8 + n % 16) = w;
+          for (int j = 0; j < 4; ++j) {
+            const int v = 4 * (4 * quad + j) + 2 * h;
+            w[j] = pack(acc(i + v), acc(i + v + 1));
           }
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int quad = 0; quad < kBlocks / 4; ++quad) {
-            uint32_t w[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              const int v = 4 * (4 * quad + j) + 2 * h;
-              w[j] = pack(acc(i + v), acc(i + v + 1));
-            }
-            transpose4(w, q);
-            const auto c = crd(i + 4 * (4 * quad) + 2 * h);
-            const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
-            if (m < M && n < N) {
-              if (push) {
-                __nv_bfloat16* row = slot_row(group - params_.split, m, rows);
-                if (row != nullptr) store16(row + n, w);
-              } else {
-                store16(out + m * params_.ld_y + n, w);
-              }
+          transpose4(w, q);
+          const auto c = crd(i + 4 * (4 * quad) + 2 * h);
+          const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
+          if (m < M && n < N) {
+            if (push) {
+              __nv_bfloat16* row = slot_row(group - params_.split, m, rows);
+              if (row != nullptr) store16(row + n, w);
+            } else {
+              store16(out + m * params_.ld_y + n, w);
             }
           }
         }
@@ -147,11 +138,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   }
 
  private:
-  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
-
   // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;
   // after, w[j] is lane j's pair of block q. Round s sends w[(q + s) % 4] to lane q + s and
   // receives lane q - s's pair of block q.

@@ -33,7 +33,12 @@ namespace uniep::cuda {
 //            out [R, I] = silu(g) * u with g and u the product's columns rounded to bf16, the
 //            activation computed in fp32 and rounded once (the numerics of storing h, then
 //            applying SwiGLU). The [R, 2I] product never reaches memory.
-enum class GroupedGemmEpilogue { kStore, kSwiGlu };
+//   kSwiGluPlain  kSwiGlu's product and bits with w as the model stores it: gate columns
+//            [0, I), up columns [I, 2I) (no packed copy; the kernel's loads read it as if packed
+//            in blocks of 64). I = n / 2 must be a multiple of 64, and of tile_n / 2 for the
+//            configuration that runs (the automatic choice takes a 128-wide tile where I is not a
+//            multiple of 128).
+enum class GroupedGemmEpilogue { kStore, kSwiGlu, kSwiGluPlain };
 
 // Which product, over each expert's rows [offs[e-1], offs[e]):
 //   kForward  out[rows] = x[rows] w[e]:      x [R, k], w [E, k, n], out [R, n]
@@ -57,8 +62,9 @@ struct GroupedGemmProblem {
   int64_t num_experts = 0;  // E >= 1
   int64_t rows = 0;         // R: the most rows offs may describe (offs values are clamped to it)
   int64_t k = 0, n = 0;
-  GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::kStore;  // kSwiGlu: out is [R, n / 2]
-  GroupedGemmKind kind = GroupedGemmKind::kForward;            // kSwiGlu needs kForward
+  // kSwiGlu, kSwiGluPlain: out is [R, n / 2], and the kind must be kForward.
+  GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::kStore;
+  GroupedGemmKind kind = GroupedGemmKind::kForward;
   // The rows the automatic configuration is chosen for (0: rows). Where rows is a capacity and
   // offs describes fewer (a fused runtime's receive buffer), the expected count keeps the shape
   // rules from pricing empty capacity. Never changes the bits.
@@ -70,8 +76,8 @@ bool grouped_gemm_device_ok(int device);
 
 // OK when the kernel takes this problem; else kInvalidArgument naming the argument and what it
 // needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
-// bytes; kSwiGlu: n a multiple of 16, kForward only), 16-byte aligned x, w and out, a non-null
-// offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written, with zeros).
+// bytes; kSwiGlu: n a multiple of 16, kSwiGluPlain: of 128, both kForward only), 16-byte aligned
+// x, w and out, a non-null offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written, with zeros).
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives
@@ -109,8 +115,11 @@ int64_t grouped_gemm_pingpong_rows(int device = -1);
 // `want`. With every field 0 the choice follows the problem's shape: experts averaging at most
 // 128 rows (R / E), or at most grouped_gemm_pingpong_rows(device) with the SwiGLU epilogue or
 // k <= n, or n <= 128, take the ping-pong 64-row tiles (64 x 256 when n >= 256); the others the
-// cooperative 128 x 256 tiles. Otherwise the first configuration matching every non-zero field;
-// none matching is kInvalidArgument listing the valid combinations.
+// cooperative 128 x 256 tiles; with kSwiGluPlain and n / 2 not a multiple of 128, the 128-wide
+// tile of the same height instead (64 x 128 x 128 or the cooperative 128 x 128). Otherwise the
+// first configuration matching every non-zero field; none matching is kInvalidArgument listing
+// the valid combinations, and kSwiGluPlain with a tile_n / 2 that does not divide n / 2 is
+// kUnsupported naming both.
 Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
                            int device = -1);
 

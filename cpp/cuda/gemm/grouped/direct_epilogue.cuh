@@ -97,6 +97,41 @@ struct DirectStoreEpilogue {
     const float u = static_cast<float>(Bf16(up));
     return g / (1.0f + expf(-g)) * u;
   }
+
+  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+
+  // The SwiGLU of the (gate, up) column pairs among this thread's fragment values [i, i + kAtom)
+  // (one WGMMA atom across the tile's N), into out [M, ld] at the activation's columns: two
+  // adjacent activation columns a 4-byte store, no shared memory, no shuffle. kPair is the width
+  // of the gate and up column blocks as the tile holds them, alternating: 8 for pack_gate_up's
+  // layout, 64 for w1 as stored, read through PlainGateUpMainloop. A fragment holds two
+  // adjacent columns of every 8-column block, 4 values a block, so the up value of a gate value
+  // sits kPair / 2 values on. With 16-byte stores instead the fused kernel's GEMM 1 read 1.5x
+  // the DRAM bytes and ran slower (fused_epilogue.cuh).
+  template <int kPair, int kAtom, class Acc, class Crd>
+  CUTLASS_DEVICE static void store_swiglu(const Acc& acc, const Crd& crd, int i, int M, int N,
+                                          __nv_bfloat16* out, int64_t ld) {
+    static_assert(kPair == 8 || kPair == 64, "gate/up blocks of 8 or 64 columns");
+    static_assert(kAtom % kPair == 0, "an atom must hold whole (gate, up) block pairs");
+    constexpr int kUp = kPair / 2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {  // the fragment's two row halves
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 2 * h; v < kAtom; v += 4) {
+        if ((v / 4) / (kPair / 8) % 2 != 0) continue;  // an up block
+        const auto c = crd(i + v);
+        const int m = cute::get<0>(c), n = cute::get<1>(c);
+        if (m >= M || n >= N) continue;
+        const uint32_t w = pack(swiglu(acc(i + v), acc(i + v + kUp)),
+                                swiglu(acc(i + v + 1), acc(i + v + 1 + kUp)));
+        const int64_t j = (n / (2 * kPair)) * kPair + n % kPair;
+        *reinterpret_cast<uint32_t*>(out + m * ld + j) = w;
+      }
+    }
+  }
 };
 
 }  // namespace uniep::cuda::grouped

@@ -13,6 +13,12 @@
 
 namespace uniep::cuda::grouped {
 
+// kSwiGluPlain's weight: w1 [E, k, n] as stored (gate columns [0, n / 2), then up).
+struct PlainW1 {
+  const Bf16* w1 = nullptr;
+  int64_t k = 0, n = 0;
+};
+
 struct GroupedEntry {
   GroupedGemmConfig config;
   // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.
@@ -24,6 +30,10 @@ struct GroupedEntry {
                 cudaStream_t stream);
   Status (*run_swiglu)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
                        int sm_count, cudaStream_t stream);  // null but for the forward kind
+  // run_swiglu's SwiGLU with w1 as stored (PlainGateUpMainloop): n / 2 must be a multiple of
+  // tile_n / 2. Null but for the forward kind.
+  Status (*run_swiglu_plain)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
+                             int sm_count, cudaStream_t stream, const PlainW1& plain);
 };
 
 const GroupedEntry& entry_coop_128x256x64();

@@ -25,20 +25,24 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "cuda/gemm/grouped/gate_up_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 
 namespace uniep::cuda::grouped {
 
 // What the epilogue does with the fp32 accumulators: store them (rounded to bf16) through TMA,
-// or apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh).
-enum class GroupedEpilogue { kStore, kSwiGlu };
+// or apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh), with
+// w1 packed by pack_gate_up (kSwiGlu) or as stored, gate columns then up (kSwiGluPlain: B read
+// through PlainGateUpMainloop, gate_up_mainloop.cuh).
+enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluPlain };
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedEpilogue Epi, GroupedKind Kind = GroupedKind::kForward>
 struct Sm90GroupedGemm {
   static_assert(Epi == GroupedEpilogue::kStore || Kind == GroupedKind::kForward,
                 "the SwiGLU epilogue belongs to the forward's first GEMM");
+  static constexpr bool kPlain = Epi == GroupedEpilogue::kSwiGluPlain;
   using LayoutA = typename KindLayouts<Kind>::LayoutA;
   using LayoutB = typename KindLayouts<Kind>::LayoutB;
   using StrideA = typename KindLayouts<Kind>::StrideA;
@@ -57,16 +61,18 @@ struct Sm90GroupedGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajorArray, kAlign,
       Bf16, RowMajorArray, kAlign, EpilogueSchedule>::CollectiveOp;
   using Epilogue = cute::conditional_t<
-      Epi == GroupedEpilogue::kSwiGlu,
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogue>,
-      StoreEpilogue>;
+      Epi == GroupedEpilogue::kStore, StoreEpilogue,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+          SwiGluEpilogue<kPlain ? 64 : 8>>>;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA, kAlign, Bf16, LayoutB,
       kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
+  using Mainloop =
+      cute::conditional_t<kPlain, PlainGateUpMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

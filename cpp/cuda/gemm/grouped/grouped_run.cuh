@@ -15,10 +15,12 @@
 namespace uniep::cuda::grouped {
 
 // The shapes, pointers and strides are device arrays (no host copy of the shapes:
-// host_problem_shapes stays null, and the persistent grid is then simply sm_count CTAs).
+// host_problem_shapes stays null, and the persistent grid is then simply sm_count CTAs). `plain`:
+// kSwiGluPlain's w1 as stored, all E experts (PlainGateUpMainloop's own TMA reads it).
 template <class G>
 typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_experts, int device,
-                                              int sm_count, int64_t ld_out) {
+                                              int sm_count, int64_t ld_out,
+                                              const PlainW1& plain = {}) {
   typename G::Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
@@ -27,13 +29,19 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
   args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
   args.mainloop.ptr_B = ws.ptr_b;
   args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
-  if constexpr (G::kEpilogue == GroupedEpilogue::kSwiGlu) {
+  if constexpr (G::kEpilogue == GroupedEpilogue::kStore) {
+    set_store_epilogue(args, ws, device, sm_count);
+  } else {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-  } else {
-    set_store_epilogue(args, ws, device, sm_count);
+  }
+  if constexpr (G::kPlain) {
+    args.mainloop.w1 = plain.w1;
+    args.mainloop.ffn = static_cast<int32_t>(plain.n / 2);
+    args.mainloop.hidden = static_cast<int32_t>(plain.k);
+    args.mainloop.experts = static_cast<int32_t>(num_experts);
   }
   return args;
 }
@@ -53,6 +61,15 @@ Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out
   return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
 }
 
+template <class G>
+Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t ld_out,
+                              int device, int sm_count, cudaStream_t stream,
+                              const PlainW1& plain) {
+  const typename G::Gemm::Arguments args =
+      grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out, plain);
+  return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
+}
+
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedKind Kind = GroupedKind::kForward>
 GroupedEntry make_entry(const char* name) {
@@ -65,14 +82,19 @@ GroupedEntry make_entry(const char* name) {
   if constexpr (Kind == GroupedKind::kForward) {
     using GSwiGlu = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
                                     GroupedEpilogue::kSwiGlu, Kind>;
+    using GPlain = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
+                                   GroupedEpilogue::kSwiGluPlain, Kind>;
     e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
-      return std::max(grouped_gemm_workspace<G>(num_experts, sm_count),
-                      grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count));
+      return std::max({grouped_gemm_workspace<G>(num_experts, sm_count),
+                       grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count),
+                       grouped_gemm_workspace<GPlain>(num_experts, sm_count)});
     };
     e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
+    e.run_swiglu_plain = &grouped_gemm_run_plain<GPlain>;
   } else {
     e.gemm_workspace_bytes = &grouped_gemm_workspace<G>;
     e.run_swiglu = nullptr;
+    e.run_swiglu_plain = nullptr;
   }
   return e;
 }

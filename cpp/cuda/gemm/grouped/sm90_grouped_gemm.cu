@@ -119,12 +119,18 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
         "n (2 x the FFN size) must be a multiple of 16 for the SwiGLU epilogue "
         "(gate and up interleave in blocks of 8), got ",
         p.n);
-  if (p.epilogue != GroupedGemmEpilogue::kStore && p.epilogue != GroupedGemmEpilogue::kSwiGlu)
-    return bad("epilogue must be kStore or kSwiGlu");
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain && p.n % 128 != 0)
+    return unsupported(
+        "n (2 x the FFN size) must be a multiple of 128 for the SwiGLU epilogue on w1 as stored "
+        "(its loads read gate and up in blocks of 64 columns), got ",
+        p.n);
+  if (p.epilogue != GroupedGemmEpilogue::kStore && p.epilogue != GroupedGemmEpilogue::kSwiGlu &&
+      p.epilogue != GroupedGemmEpilogue::kSwiGluPlain)
+    return bad("epilogue must be kStore, kSwiGlu or kSwiGluPlain");
   if (p.kind != GroupedGemmKind::kForward && p.kind != GroupedGemmKind::kDgrad &&
       p.kind != GroupedGemmKind::kWgrad)
     return bad("kind must be kForward, kDgrad or kWgrad");
-  if (p.epilogue == GroupedGemmEpilogue::kSwiGlu && p.kind != GroupedGemmKind::kForward)
+  if (p.epilogue != GroupedGemmEpilogue::kStore && p.kind != GroupedGemmKind::kForward)
     return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
   const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
@@ -168,20 +174,34 @@ int64_t grouped_gemm_pingpong_rows(int device) {
 Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
                            int device) {
   const auto& all = entries();
+  const bool plain = p.epilogue == GroupedGemmEpilogue::kSwiGluPlain;
+  // PlainGateUpMainloop's tiles hold whole 64-column (gate, up) block pairs of one 64-column
+  // group of gate columns each: tile_n / 2 must divide the FFN size n / 2.
+  auto plain_fits = [&p](const GroupedGemmConfig& c) { return (p.n / 2) % (c.tile_n / 2) == 0; };
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
     // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
     // model reads it too.
     try {
       *index = grouped_gemm_auto_config(rule_rows(p), p.num_experts, p.n, p.k,
-                                        p.epilogue == GroupedGemmEpilogue::kSwiGlu,
+                                        p.epilogue != GroupedGemmEpilogue::kStore,
                                         grouped_gemm_pingpong_rows(device));
     } catch (const Error& e) {
       return {e.code(), e.what()};
+    }
+    if (plain && !plain_fits(all[*index]->config)) {
+      // The 128-wide tile of the same height (entries(): 0 and 4 are 256 wide).
+      *index = all[*index]->config.tile_m == 64 ? 1 : 2;
     }
     return Status::Ok();
   }
   for (size_t i = 0; i < all.size(); ++i) {
     if (matches(all[i]->config, want)) {
+      if (plain && !plain_fits(all[i]->config))
+        return {StatusCode::kUnsupported,
+                detail::str_cat("the SwiGLU epilogue on w1 as stored needs the FFN size (n / 2 = ",
+                                p.n / 2, ") to be a multiple of tile_n / 2; configuration ",
+                                describe(all[i]->config), " has tile_n=", all[i]->config.tile_n,
+                                " (tile_n=128 takes FFN sizes that are multiples of 64)")};
       *index = static_cast<int>(i);
       return Status::Ok();
     }
@@ -234,7 +254,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
-  const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  const bool swiglu = p.epilogue != GroupedGemmEpilogue::kStore;
   const int64_t out_n = swiglu ? p.n / 2 : p.n;
   const int rows = static_cast<int>(p.rows), k = static_cast<int>(p.k), n = static_cast<int>(p.n);
   const auto* x = static_cast<const grouped::Bf16*>(p.x);
@@ -263,6 +283,9 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
+    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
+                                   grouped::PlainW1{w, p.k, p.n});
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
 }

@@ -1,16 +1,20 @@
 // The grouped GEMM's SwiGLU epilogue: out[m, j] = silu(gate[m, j]) * up[m, j] straight from the
 // fp32 accumulators of the first expert GEMM, so the [R, 2I] product never reaches memory.
 //
-// Why this layout of w1: the pair (gate j, up j) must sit in one thread's accumulators. A WGMMA
-// accumulator gives each thread two adjacent columns in every block of 8 (c, c + 1, then c + 8,
-// c + 9, ...), so w1's columns are interleaved in blocks of 8: columns [16b, 16b + 8) hold gate
-// j = 8b..8b+7 and [16b + 8, 16b + 16) hold up for the same j (pack_gate_up in
-// include/uniep/cuda/grouped_gemm.hpp describes it). Column c of a gate block pairs with column
-// c + 8, the value four places on in the thread's fragment, and every thread writes act for two
-// adjacent columns (one 4-byte store); no shared memory, no shuffle.
+// Why a layout of w1's columns: the pair (gate j, up j) must sit in one thread's accumulators.
+// A WGMMA accumulator gives each thread two adjacent columns in every block of 8 across the
+// tile, so any layout that alternates gate and up in blocks of 8 columns or a multiple of 8 puts
+// each pair in one thread. kPair is that block width:
+//   8   w1 packed by pack_gate_up (include/uniep/cuda/grouped_gemm.hpp): columns [16b, 16b + 8)
+//       hold gate j = 8b..8b+7 and [16b + 8, 16b + 16) up for the same j;
+//   64  w1 as stored (gate columns, then up), read by PlainGateUpMainloop as if packed in blocks
+//       of 64 (gate_up_mainloop.cuh), with no copy of w1.
+// Every thread writes act for two adjacent columns with one 4-byte store
+// (DirectStoreEpilogue::store_swiglu).
 //
 // Numerics are those of the unfused chain and of the CPU executor: gate and up rounded to bf16
-// (where the chain stored h), silu(g) * u in fp32, rounded once to bf16.
+// (where the chain stored h), silu(g) * u in fp32, rounded once to bf16; the same bits for
+// either layout, since each accumulator is the same fp32 sum over K.
 //
 // The interface CUTLASS asks of it is DirectStoreEpilogue's (direct_epilogue.cuh).
 #pragma once
@@ -24,6 +28,7 @@
 
 namespace uniep::cuda::grouped {
 
+template <int kPair = 8>
 class SwiGluEpilogue : public DirectStoreEpilogue {
  public:
   struct Arguments {
@@ -59,34 +64,16 @@ class SwiGluEpilogue : public DirectStoreEpilogue {
                                  ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     constexpr int kAtom = size<0>(FrgLayout{});
-    static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     const auto m_coord = get<0>(blk_coord_mnkl);
     const auto l_coord = get<3>(blk_coord_mnkl);
     Tensor crd = fragment_coords<FrgLayout>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
                                             tiled_mma, thread_idx);
-    Bf16* out = params_.ptr_out[l_coord];
-    const int64_t ld = params_.ld_out;
-
+    auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[l_coord]);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc); i += kAtom) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < kAtom; ++v) {
-        // v = column + 2 * row half + 4 * column block; gate blocks are the even ones.
-        if ((v / 4) % 2 != 0 || v % 2 != 0) continue;
-        const auto c = crd(i + v);
-        const int m = get<0>(c), n = get<1>(c);
-        if (m >= M || n >= N) continue;
-        const float act0 = swiglu(acc(i + v), acc(i + v + 4));
-        const float act1 = swiglu(acc(i + v + 1), acc(i + v + 5));
-        // n is in a gate block [16b, 16b + 8): its act column is 8b + n % 16.
-        const int64_t j = (n / 16) * 8 + n % 16;
-        __nv_bfloat162 pair = __floats2bfloat162_rn(act0, act1);
-        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + m * ld + j) =
-            pair;
-      }
-    }
+    for (int i = 0; i < size(acc); i += kAtom)
+      store_swiglu<kPair, kAtom>(acc, crd, i, M, N, out, params_.ld_out);
     signal_tile_done(params_.done, params_.done_base, static_cast<int>(l_coord),
                      static_cast<int>(m_coord), size<0>(blk_shape_mnk), M, params_.num_done);
   }
