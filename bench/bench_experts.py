@@ -528,15 +528,23 @@ def _bench_layer(
             row["rel_diff[fp8]"] / row["rel_diff[fp8 format floor]"]
         )
         del emulated
+        # uniep.moe_forward with overlap=fused on the plain weights: the MegaKernel reading w1 as
+        # stored where the FFN size allows it (no packed copy to remake after a weight update).
+        calls["moe_forward fused"] = lambda: uniep.moe_forward(
+            x, idx, weights, w1, w2, group, tuning="overlap=fused"
+        )
+        row["fused_moe_forward_equals_layer"] = bool(
+            torch.equal(calls["moe_forward fused"](), layer_call(""))
+        )
         side = {"uniep": lambda: layer_call("")} | {
-            v: calls[v] for v in ("bf16_packed", "bf16_packed_fused")
+            v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
         }
         for fn in side.values():
             for _ in range(warmup):
                 fn()
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
-        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused")}
+        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")}
         for variant in ("fp8", "fp8 m64", "fp8 moe_forward"):
             times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
         for variant, ms in times.items():
@@ -895,6 +903,21 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
     for r in rows:
         cells = " | ".join(f"{r[f'ms[{n}]']:.3f} ({r[f'over_floor[{n}]']:.2f}x)" for n in names)
         print(f"| {r['load']} | {r['dense_ms']:.3f} | {r['weight_read_ms']:.3f} | {cells} |")
+    print()
+    print(
+        "| layer | uniep ms, interleaved (x floor) | moe_forward overlap=fused ms (x floor) | "
+        "same bits | prepared bf16_packed ms | prepared overlap=fused ms |"
+    )
+    print("|---|---:|---:|---|---:|---:|")
+    for r in rows:
+        floor = max(r["dense_ms"], r["weight_read_ms"])
+        fused = r["ms[moe_forward fused]"]
+        print(
+            f"| {r['load']} | {r['ms_interleaved[uniep]']:.3f} "
+            f"({r['ms_interleaved[uniep]'] / floor:.2f}x) | {fused:.3f} ({fused / floor:.2f}x) "
+            f"| {r['fused_moe_forward_equals_layer']} | {r['ms[bf16_packed]']:.3f} "
+            f"| {r['ms[bf16_packed_fused]']:.3f} |"
+        )
     print()
     print(
         "| layer | dense bwd ms | dense fwd+bwd ms | moe_backward uniep ms (x fwd+bwd) | torch ms |"

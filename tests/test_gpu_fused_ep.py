@@ -111,6 +111,10 @@ def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
             # Fewer senders than CTAs: the send in the GEMMs' order, overlapping their tiles.
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=8),
             megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, comm_sms=32, skip_rounds=3),
+            # w1 as stored (no packed copy): GEMM 1 reads its 64-column gate/up blocks.
+            megakernel.moe_forward_ep(
+                x, idx, w, w1.to(dev)[mine].contiguous(), w2l, group, w1_as_stored=True
+            ),
         ]
         for i, out in enumerate(outs):
             assert out.shape == x.shape, (kind, i, out.shape)

@@ -86,9 +86,28 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
             assert torch.equal(got, seq), (
                 f"fused with tile_m={tile_m}, comm_sms={comm}, skip_rounds={skip}"
             )
+    if ffn % 128 == 0:
+        # w1 as stored (no packed copy): GEMM 1 reads it in 64-column gate/up blocks, same bits.
+        for tile_m in (128, 64):
+            for comm, skip in POINTS[:2]:
+                got = moe_forward_local(
+                    x, idx, w, w1, w2, overlap="fused", comm_sms=comm, skip_rounds=skip,
+                    tile_m=tile_m, w1_as_stored=True,
+                )  # fmt: skip
+                assert torch.equal(got, seq), f"w1 as stored, tile_m={tile_m}, comm_sms={comm}"
     ref = _reference(x, idx, w, w1, w2)
     err = (first.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < 2e-2, f"relative error {err:.3g} against float64"
+
+
+def test_w1_as_stored_errors() -> None:
+    from uniep.megakernel import moe_forward_local
+
+    x, idx, w, w1, w2 = _layer(64, 128, 192, 4, 2, 5)
+    with pytest.raises(NotImplementedError, match=r"w1_as_stored needs ffn .* multiple of 128"):
+        moe_forward_local(x, idx, w, w1, w2, overlap="fused", w1_as_stored=True)
+    with pytest.raises(ValueError, match="w1_as_stored needs overlap='fused'"):
+        moe_forward_local(x, idx, w, w1, w2, overlap="streams", w1_as_stored=True)
 
 
 def test_fused_edge_cases() -> None:

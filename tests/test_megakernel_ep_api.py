@@ -81,6 +81,12 @@ def _rank(rank: int, world: int, experts: int, top_k: int) -> float:
         xs[rank], idxs[rank], ws[rank], pack_gate_up(w1)[mine].contiguous(), w2[mine].contiguous()
     )
     assert out.shape == xs[rank].shape and out.dtype == torch.bfloat16
+    # w1 as stored: the same plan and arithmetic, the packing skipped.
+    stored = megakernel.moe_forward_ep(
+        xs[rank], idxs[rank], ws[rank], w1[mine].contiguous(), w2[mine].contiguous(),
+        w1_as_stored=True,
+    )  # fmt: skip
+    assert torch.equal(stored, out)
     if xs[rank].shape[0] == 0:
         return 0.0
     ref = moe_reference(xs[rank], idxs[rank], ws[rank], w1, w2)

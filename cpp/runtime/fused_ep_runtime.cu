@@ -187,6 +187,7 @@ class RuntimeImpl final : public Runtime {
     a.dest_rank = dest_rank_;
     a.send_order = ordered ? send_order_ : nullptr;
     a.w1_packed = f.w1_packed;
+    a.w1_as_stored = f.w1_as_stored;
     a.w2 = f.w2;
     a.num_experts = El;
     a.ffn = cfg_.ffn;

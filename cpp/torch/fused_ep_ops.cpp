@@ -70,7 +70,8 @@ FusedCall check_fused_call(const at::Tensor& x, const at::Tensor& topk_idx,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
-    int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace) {
+    int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace,
+    bool w1_as_stored) {
   return translate_errors([&] {
     const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
     fused::Runtime& rt = *call.rt;
@@ -78,6 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const int64_t T = call.tokens, H = c.hidden, El = c.num_experts / c.world_size;
     check_exactly(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
     check_exactly(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
+    if (w1_as_stored) check_w1_as_stored(c.ffn);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
@@ -95,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     f.topk_weights = topk_weights.data_ptr<float>();
     f.tokens = T;
     f.w1_packed = w1_packed.data_ptr();
+    f.w1_as_stored = w1_as_stored;
     f.w2 = w2.data_ptr();
     f.out = out.data_ptr();
     f.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());

@@ -27,7 +27,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
     const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
-    double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m) {
+    double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m, bool w1_as_stored) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -51,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     check_exactly(tile_base, "tile_base", at::kInt, {E + 1}, x);
     UNIEP_CHECK(H % 64 == 0, "hidden (x.size(1)) must be a multiple of 64, got ", H);
     UNIEP_CHECK(I % 64 == 0, "ffn (w2.size(1)) must be a multiple of 64, got ", I);
+    if (w1_as_stored) check_w1_as_stored(I);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
@@ -96,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     a.counter = counter.data_ptr<int64_t>();
     a.row_entry = row_entry.data_ptr<int64_t>();
     a.w1_packed = w1_packed.data_ptr();
+    a.w1_as_stored = w1_as_stored;
     a.w2 = w2.data_ptr();
     a.num_experts = E;
     a.ffn = I;

@@ -86,14 +86,16 @@ TORCH_LIBRARY(uniep, m) {
       "(Tensor out, Tensor error)");
   // The MegaKernel's forward at world 1 (CUDA only; include/uniep/cuda/fused_moe.hpp): one
   // persistent launch of the send into GEMM rows (gemm_row / counter from sender_rows), both
-  // expert GEMMs (w1_packed: pack_gate_up's layout) and the reduce over k. Returns out [T, H],
+  // expert GEMMs (w1_packed: pack_gate_up's layout, or w1 as stored, gate columns then up,
+  // with w1_as_stored: ffn a multiple of 128) and the reduce over k. Returns out [T, H],
   // error [1] int64 (uniep.gate.check_send_error) and timeout [5] int32
   // (uniep.gate.check_gate_timeout), to be read once the stream has run. trace (int64, 4 per
   // SM): each CTA's global-timer stamps at its start, after its send, its GEMMs and its reduce.
   m.def(
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
-      "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128) -> "
+      "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128, "
+      "bool w1_as_stored=False) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // The MegaKernel backward's first launch at world 1 (CUDA only;
   // include/uniep/cuda/fused_moe_backward.hpp): the send of x's and grad_out's rows into GEMM rows
@@ -109,11 +111,13 @@ TORCH_LIBRARY(uniep, m) {
       "(Tensor rows_x, Tensor rows_go, Tensor h, Tensor grad_act, Tensor error, Tensor timeout)");
   // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
   // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64
-  // (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2. Every
+  // (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2
+  // (w1_as_stored as moe_fused_local's). Every
   // rank calls it in the same order. Returns out, error and timeout as moe_fused_local does.
   m.def(
       "moe_fused_ep(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
-      "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None) -> "
+      "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None, "
+      "bool w1_as_stored=False) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // Its backward on the same routing (CUDA only; fused_ep.hpp's backward_rows and
   // backward_return, on a runtime created with backward=True): grad_out [T, H] bf16, the

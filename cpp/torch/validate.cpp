@@ -64,6 +64,14 @@ void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
   UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
+void check_w1_as_stored(int64_t ffn) {
+  UNIEP_CHECK_CODE(ffn % 128 == 0, StatusCode::kUnsupported,
+                   "w1_as_stored needs ffn (w2.size(1)) to be a multiple of 128 (each 256-wide "
+                   "tile of the fused kernel's first GEMM reads 128 gate and 128 up columns), "
+                   "got ",
+                   ffn, "; pass w1 in uniep.gemm.pack_gate_up's layout instead");
+}
+
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like) {
   if (!trace.has_value()) return;
   UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&

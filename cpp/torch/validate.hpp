@@ -34,6 +34,10 @@ void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
 // device.
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like);
 
+// The fused kernels' w1 as stored (w1_as_stored): ffn a multiple of 128, each 256-wide tile of
+// GEMM 1 reading 128 gate and 128 up columns (kUnsupported otherwise, naming pack_gate_up).
+void check_w1_as_stored(int64_t ffn);
+
 void check_topk_idx(const at::Tensor& topk_idx);
 
 // ---- collectives: the checks their CPU and CUDA implementations share ----

@@ -143,10 +143,17 @@ def _forward(
         )
     # The MegaKernel's own operand checks, before the packing (w1 has the packed shape).
     _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
-    experts = PreparedExperts("bf16_packed", packed_gate_up(w1), w2.detach().contiguous())
+    world = world_size(group)
+    # The persistent kernel reads w1 as stored where the FFN size allows it (a multiple of 128):
+    # no packed copy, so nothing to redo after an optimizer step. Else, and for overlap=chunked
+    # (the gated GEMMs), a packed copy kept per w1 version.
+    as_stored = megakernel_overlap(tuning, world) == "fused" and w1.shape[2] % 256 == 0
+    w1_used = w1.detach().contiguous() if as_stored else packed_gate_up(w1)
+    experts = PreparedExperts("bf16_packed", w1_used, w2.detach().contiguous())
     return _forward_fused(
-        x, topk_idx, topk_weights, experts, group, world_size(group), tuning, backward=backward
-    )
+        x, topk_idx, topk_weights, experts, group, world, tuning, backward=backward,
+        w1_as_stored=as_stored,
+    )  # fmt: skip
 
 
 class _FusedMoE(torch.autograd.Function):

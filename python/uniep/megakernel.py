@@ -277,6 +277,7 @@ def moe_forward_local(
     check: bool | str = True,
     trace: torch.Tensor | None = None,
     tile_m: int | None = None,
+    w1_as_stored: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
@@ -294,10 +295,17 @@ def moe_forward_local(
     of GEMM 2.
     ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
     (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
-    (:func:`fused_tile_m`). Neither the tile nor any other of these choices changes the bits."""
+    (:func:`fused_tile_m`). ``w1_as_stored`` (``fused`` only): ``w1_packed`` is w1 as the model
+    stores it (gate columns, then up), read without a packed copy; the FFN size must then be a
+    multiple of 128. Neither the tile nor any other of these choices changes the bits."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
+    if w1_as_stored and overlap != "fused":
+        raise ValueError(
+            f"w1_as_stored needs overlap='fused' (the gated GEMMs of {overlap!r} read "
+            "pack_gate_up's layout), got overlap=" + repr(overlap)
+        )
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     _begin(check)
     if tile_m is not None and (overlap != "fused" or tile_m not in FUSED_TILE_MS):
@@ -323,7 +331,7 @@ def moe_forward_local(
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
-            timeout_s, trace, tm,
+            timeout_s, trace, tm, w1_as_stored,
         )  # fmt: skip
         _finish(
             check,
@@ -614,6 +622,7 @@ def moe_forward_ep(
     skip_rounds: int = -1,
     check: bool | str = True,
     trace: torch.Tensor | None = None,
+    w1_as_stored: bool = False,
 ) -> torch.Tensor:
     """The MoE forward across the ranks of ``group`` as one persistent kernel per rank:
     ``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` for this rank's
@@ -628,7 +637,8 @@ def moe_forward_ep(
     >= the SM count: every CTA, in token order); ``skip_rounds``: rounds of tiles the others
     take first (-1: a model of the send's time over NVLink); ``check`` as in
     :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
-    never came raise here, which waits for the stream.
+    never came raise here, which waits for the stream. ``w1_as_stored``: ``w1_packed`` is w1 as
+    stored (gate columns, then up), read without a packed copy (the FFN size a multiple of 128).
 
     On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
     :func:`uniep.gate.sender_rows`, each row sent to its GEMM row on its expert's rank, the
@@ -636,7 +646,7 @@ def moe_forward_ep(
     outputs sent back to their (token, k) slots and summed in ascending k in fp32; within bf16
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1_packed.is_cuda:
-        return _moe_forward_ep_cpu(x, topk_idx, topk_weights, w1_packed, w2, group)
+        return _moe_forward_ep_cpu(x, topk_idx, topk_weights, w1_packed, w2, group, w1_as_stored)
     _require_runtime()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
@@ -651,7 +661,7 @@ def moe_forward_ep(
             "rank first"
         )
     out, error, timeout = torch.ops.uniep.moe_fused_ep(
-        x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace
+        x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace, w1_as_stored
     )
     k = topk_idx.shape[1]
     _finish(check, [("gate", timeout, "moe_forward_ep", k), ("send", error, "moe_forward_ep", k)])
@@ -669,6 +679,7 @@ def _moe_fused_ep_fake(
     comm_ctas: int,
     skip_rounds: int,
     trace: torch.Tensor | None = None,
+    w1_as_stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
     torch._check_value(
@@ -743,6 +754,7 @@ def _moe_forward_ep_cpu(
     w1_packed: torch.Tensor,
     w2: torch.Tensor,
     group: dist.ProcessGroup | None,
+    w1_as_stored: bool = False,
 ) -> torch.Tensor:
     from .gemm import unpack_gate_up
 
@@ -760,7 +772,7 @@ def _moe_forward_ep_cpu(
     gemm_rows[meta_in] = rows_in.view(torch.bfloat16)
 
     # The experts, with the fused kernel's numerics.
-    w1 = unpack_gate_up(w1_packed)
+    w1 = w1_packed if w1_as_stored else unpack_gate_up(w1_packed)
     i = two_i // 2
     y = torch.empty_like(gemm_rows)
     ends = local.cumsum(0).tolist()

@@ -228,9 +228,12 @@ def _forward_fused(
     world: int,
     tuning: str,
     backward: bool = False,
+    w1_as_stored: bool = False,
 ) -> torch.Tensor:
     """The MegaKernel's forward (``backward``: across ranks, on a runtime that also holds the
-    fused backward's buffers, for autograd)."""
+    fused backward's buffers, for autograd). ``w1_as_stored``: ``experts.w1`` is w1 as stored
+    (gate columns, then up), for the persistent kernel only (not ``overlap=chunked``'s gated
+    GEMMs)."""
     from . import megakernel
     from .ep import _timeout
 
@@ -250,7 +253,7 @@ def _forward_fused(
         return megakernel.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
-            check="deferred",
+            check="deferred", w1_as_stored=w1_as_stored,
         )  # fmt: skip
     sizes = {
         "tokens": x.shape[0],
@@ -267,7 +270,7 @@ def _forward_fused(
         megakernel.ensure_fused_ep(group, **sizes)
     return megakernel.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
-        skip_rounds=skip_rounds, check="deferred",
+        skip_rounds=skip_rounds, check="deferred", w1_as_stored=w1_as_stored,
     )  # fmt: skip
 
 

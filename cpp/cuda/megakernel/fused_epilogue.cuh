@@ -26,6 +26,9 @@
 
 namespace uniep::cuda::megakernel {
 
+// kPair: GEMM 1's gate/up column blocks, 8 with w1 packed (pack_gate_up), 64 with w1 as stored
+// read through PlainGateUpMainloop (swiglu_epilogue.cuh says why both pair up in one thread).
+template <int kPair = 8>
 class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
  public:
   using Bf16 = grouped::Bf16;
@@ -101,7 +104,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
       if (first) {
         // One 4-byte store per pair of activation columns (see the file comment for why not
         // 16 bytes).
-        store_swiglu<8, kAtom>(acc, crd, i, M, N, out, params_.ld_act);
+        store_swiglu<kPair, kAtom>(acc, crd, i, M, N, out, params_.ld_act);
         continue;
       }
       CUTLASS_PRAGMA_UNROLL

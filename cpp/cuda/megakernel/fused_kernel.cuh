@@ -34,20 +34,24 @@
 
 namespace uniep::cuda::megakernel {
 
-template <int TileM>
+// W1AsStored: GEMM 1 reads w1 as the model stores it (gate columns, then up) through
+// PlainGateUpMainloop instead of pack_gate_up's copy; the same bits.
+template <int TileM, bool W1AsStored = false>
 struct FusedGemm {
   static_assert(TileM == 128 || TileM == 64, "the fused kernel's tiles are 128 or 64 rows");
   static constexpr int kTileM = TileM, kTileN = kGatedTileN;
   static constexpr bool kPingPong = TileM == 64;
+  static constexpr bool kW1AsStored = W1AsStored;
   // Warps that write (and signal) one output tile: both consumer warpgroups, or one.
   static constexpr int kWarpsPerTile = kPingPong ? 4 : 8;
   // The SwiGLU configuration's mainloop: built with the stage count of an epilogue that keeps
   // no shared memory, which FusedMoeEpilogue also keeps none of.
   using Plain = grouped::Sm90GroupedGemm<TileM, kTileN, 64, 2, 1, kPingPong,
-                                         grouped::GroupedEpilogue::kSwiGlu>;
+                                         W1AsStored ? grouped::GroupedEpilogue::kSwiGluPlain
+                                                    : grouped::GroupedEpilogue::kSwiGlu>;
   using Mainloop = GatedMainloop<typename Plain::Mainloop, TileM>;
-  using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<FusedMoeEpilogue>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      FusedMoeEpilogue<W1AsStored ? 64 : 8>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<FusedProblemShape, Mainloop, Epilogue>;
   static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
   static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
@@ -156,6 +160,14 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.mainloop.gate = rows_gate;
   args.mainloop.gate2 = done_gate;
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
+  if constexpr (G::kW1AsStored) {
+    // GEMM 1's groups [0, E) read w1 through the mainloop's own TMA; GEMM 2's their pointers.
+    args.mainloop.w1 = a.w1_packed;
+    args.mainloop.ffn = static_cast<int32_t>(a.ffn);
+    args.mainloop.hidden = static_cast<int32_t>(a.hidden);
+    args.mainloop.experts = static_cast<int32_t>(a.num_experts);
+    args.mainloop.plain_groups = static_cast<int32_t>(a.num_experts);
+  }
   args.epilogue.ptr_out = ws.ptr_d;
   args.epilogue.ld_act = a.ffn;
   args.epilogue.ld_y = a.hidden;

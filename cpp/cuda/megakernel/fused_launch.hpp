@@ -23,4 +23,15 @@ Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int 
                        int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
                        cudaStream_t stream);
 
+// The same with GEMM 1 reading w1 as stored (FusedMoeArgs::w1_as_stored), in
+// sm90_fused_moe_<tile_m>_stored.cu.
+size_t fused_gemm_workspace_128_stored(int64_t num_experts, int sm_count);
+size_t fused_gemm_workspace_64_stored(int64_t num_experts, int sm_count);
+Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a,
+                               int comm_units, int skip_rounds, uint32_t* reduce_ticket,
+                               int device, int sm_count, cudaStream_t stream);
+Status fused_launch_64_stored(const grouped::Workspace& ws, const FusedMoeArgs& a,
+                              int comm_units, int skip_rounds, uint32_t* reduce_ticket,
+                              int device, int sm_count, cudaStream_t stream);
+
 }  // namespace uniep::cuda::megakernel

@@ -63,8 +63,10 @@ __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, i
 }
 
 size_t gemm_workspace(int64_t num_experts, int sm_count) {
-  return std::max(fused_gemm_workspace_128(num_experts, sm_count),
-                  fused_gemm_workspace_64(num_experts, sm_count));
+  return std::max({fused_gemm_workspace_128(num_experts, sm_count),
+                   fused_gemm_workspace_64(num_experts, sm_count),
+                   fused_gemm_workspace_128_stored(num_experts, sm_count),
+                   fused_gemm_workspace_64_stored(num_experts, sm_count)});
 }
 
 Status check_args(const FusedMoeArgs& a, int tile_m) {
@@ -78,6 +80,12 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
   if (a.ffn <= 0 || a.ffn % 64 != 0)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("ffn must be a positive multiple of 64, got ", a.ffn)};
+  if (a.w1_as_stored && a.ffn % (kGatedTileN / 2) != 0)
+    return {StatusCode::kUnsupported,
+            detail::str_cat("ffn must be a multiple of ", kGatedTileN / 2,
+                            " with w1_as_stored (each 256-wide tile of GEMM 1 reads 128 gate and "
+                            "128 up columns of w1 as stored); got ",
+                            a.ffn, ": pass pack_gate_up's layout instead")};
   if (a.num_experts < 1 || a.num_experts > (1 << 20))
     return {StatusCode::kInvalidArgument,
             detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
@@ -244,6 +252,13 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
                        ? launch.skip_rounds
                        : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
                                                    a.peers.world_size, launch.tile_m);
+  if (a.w1_as_stored)
+    return launch.tile_m == 64 ? megakernel::fused_launch_64_stored(ws, a, comm_units, skip,
+                                                                    reduce_ticket, device,
+                                                                    sm_count, stream)
+                               : megakernel::fused_launch_128_stored(ws, a, comm_units, skip,
+                                                                     reduce_ticket, device,
+                                                                     sm_count, stream);
   return launch.tile_m == 64
              ? megakernel::fused_launch_64(ws, a, comm_units, skip, reduce_ticket, device, sm_count,
                                            stream)

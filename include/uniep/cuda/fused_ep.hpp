@@ -97,6 +97,7 @@ struct ForwardArgs {
   const float* topk_weights = nullptr;  // [tokens][top_k]
   int64_t tokens = 0;                   // <= max_tokens; 0 is valid (the rank still computes)
   const void* w1_packed = nullptr;      // [E / W][hidden][2 x ffn] bf16 (pack_gate_up's layout)
+  bool w1_as_stored = false;  // w1_packed is w1 as stored instead (FusedMoeArgs::w1_as_stored)
   const void* w2 = nullptr;             // [E / W][ffn][hidden] bf16
   void* out = nullptr;                  // [tokens][hidden] bf16
   // Written by the device, zeroed by the caller: a plan, send or reduce error

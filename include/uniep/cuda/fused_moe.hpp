@@ -62,6 +62,10 @@ struct FusedMoeArgs {
   // [tokens * top_k] the plan's send_order (world > 1 with fewer senders than CTAs only)
   const int64_t* send_order = nullptr;
   const void* w1_packed = nullptr;     // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
+  // Set: w1_packed holds w1 as the model stores it instead (gate columns [0, ffn), then up),
+  // read without a packed copy (the grouped GEMM's kSwiGluPlain); ffn must then be a multiple
+  // of 128. The same bits either way.
+  bool w1_as_stored = false;
   const void* w2 = nullptr;            // [E][ffn][hidden] bf16
   int64_t num_experts = 0, ffn = 0;
   const int32_t* offs = nullptr;       // [E] cumulative row ends of the experts

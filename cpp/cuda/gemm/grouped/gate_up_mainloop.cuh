@@ -69,11 +69,14 @@ struct PlainGateUpMainloop : Base {
     const void* w1 = nullptr;  // [E, K, 2I] bf16, gate then up columns
     int32_t ffn = 0;           // I: a multiple of tile_n / 2
     int32_t hidden = 0;        // K
-    int32_t experts = 0;       // E: the groups
+    int32_t experts = 0;       // E: the groups that read w1
+    // Groups at or past it load B as the base does, from their own pointers (the fused MoE
+    // kernel's GEMM 2 groups, which follow its E GEMM 1 groups).
+    int32_t plain_groups = INT32_MAX;
   };
   struct Params : Base::Params {
     TmaB tma_w1;
-    int32_t ffn = 0, hidden = 0, experts = 0;
+    int32_t ffn = 0, hidden = 0, experts = 0, plain_groups = INT32_MAX;
   };
 
   template <class ProblemShape>
@@ -87,6 +90,7 @@ struct PlainGateUpMainloop : Base {
     p.ffn = args.ffn;
     p.hidden = args.hidden;
     p.experts = args.experts;
+    p.plain_groups = args.plain_groups;
     return p;
   }
 
@@ -115,9 +119,14 @@ struct PlainGateUpMainloop : Base {
                            const cute::tuple<TensorA, TensorB>& load_inputs,
                            const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps,
                            const BlockCoord& blk_coord, KTileIterator k_tile_iter,
-                           int k_tile_count, int, uint32_t block_rank_in_cluster,
+                           int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
                            typename Base::TensorStorage& shared_tensors) {
     using namespace cute;
+    if (group_ >= params.plain_groups) {
+      Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
+                 k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+      return;
+    }
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
                             typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
