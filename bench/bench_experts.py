@@ -12,7 +12,9 @@ row counts are uneven and fill no whole tile):
 
 Part 1, kernels: each layer's up projection (K = H -> N = 2I) and down projection (K = I -> N = H)
 as a grouped GEMM over the layer's R = T * top-k routed rows: torch._grouped_mm, the engine's
-automatic choice, and every compiled configuration; whether all of them give the same bits.
+automatic choice, and every compiled configuration; whether all of them give the same bits. The
+up projection also with SwiGLU in its epilogue, w1 packed (``pack_gate_up``) against w1 as stored
+(``grouped_mm_swiglu_plain``), interleaved beside the plain GEMM, with whether their bits agree.
 
 Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: dispatch to itself, experts,
 combine) with the engine (default) and with ``gemm=torch``, each with both combines, beside
@@ -24,7 +26,8 @@ The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepar
 separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 experts (and the fp8
 dispatch), the latter against the bf16 layer's time and output, beside ``moe_forward`` with
 ``dispatch=fp8`` (the same fp8 experts on the e4m3 copy of the weights it keeps: the same bits
-expected); and ``moe_backward`` (which
+expected); ``uniep.moe_forward`` with ``overlap=fused`` on the plain weights (the MegaKernel
+reading w1 as stored), interleaved with the default layer; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the

@@ -87,7 +87,11 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
                 f"fused with tile_m={tile_m}, comm_sms={comm}, skip_rounds={skip}"
             )
     if ffn % 128 == 0:
-        # w1 as stored (no packed copy): GEMM 1 reads it in 64-column gate/up blocks, same bits.
+        # w1 as stored (no packed copy): GEMM 1 reads it in 64-column gate/up blocks, same bits,
+        # in the separate launches, on streams and in the persistent kernel.
+        for overlap in ("sequential", "streams"):
+            got = moe_forward_local(x, idx, w, w1, w2, overlap=overlap, w1_as_stored=True)
+            assert torch.equal(got, seq), f"w1 as stored, overlap={overlap}"
         for tile_m in (128, 64):
             for comm, skip in POINTS[:2]:
                 got = moe_forward_local(
@@ -104,10 +108,17 @@ def test_w1_as_stored_errors() -> None:
     from uniep.megakernel import moe_forward_local
 
     x, idx, w, w1, w2 = _layer(64, 128, 192, 4, 2, 5)
-    with pytest.raises(NotImplementedError, match=r"w1_as_stored needs ffn .* multiple of 128"):
-        moe_forward_local(x, idx, w, w1, w2, overlap="fused", w1_as_stored=True)
-    with pytest.raises(ValueError, match="w1_as_stored needs overlap='fused'"):
-        moe_forward_local(x, idx, w, w1, w2, overlap="streams", w1_as_stored=True)
+    for overlap in ("fused", "sequential"):
+        with pytest.raises(NotImplementedError, match=r"w1_as_stored needs ffn .* of 128"):
+            moe_forward_local(x, idx, w, w1, w2, overlap=overlap, w1_as_stored=True)
+    rows = torch.zeros(8, 128, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([8, 8, 8, 8], dtype=torch.int32, device="cuda")
+    zeros = torch.zeros(16, dtype=torch.int32, device="cuda")
+    base = gate.tile_base(offs, 8, gate.TILE_M)
+    with pytest.raises(ValueError, match="pass swiglu=True with it"):
+        gate.grouped_mm_gated(
+            rows, w2[:, :128].contiguous(), offs, zeros, base, per_row=0, w1_as_stored=True
+        )
 
 
 def test_fused_edge_cases() -> None:

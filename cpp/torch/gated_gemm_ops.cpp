@@ -50,7 +50,7 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
                                  const at::Tensor& counters, const at::Tensor& tile_base,
                                  int64_t per_row, int64_t per_tile, double timeout_s, bool swiglu,
                                  const std::optional<at::Tensor>& done, int64_t sm_count,
-                                 const at::Tensor& out) {
+                                 const at::Tensor& out, bool w1_as_stored) {
   return translate_errors([&] {
     check_grouped_mm_args(x, w, offs);
     UNIEP_CHECK(w.is_contiguous(), "w must be contiguous (row-major [E, K, N]), got strides ",
@@ -64,7 +64,10 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
                 per_tile);
     UNIEP_CHECK(timeout_s >= 0 && timeout_s <= 3600, "timeout_s must be in [0, 3600], got ",
                 timeout_s);
-    if (swiglu) check_swiglu_width(w);
+    UNIEP_CHECK(!w1_as_stored || swiglu,
+                "w1_as_stored describes the SwiGLU GEMM's w1: pass swiglu=True with it");
+    if (swiglu && !w1_as_stored) check_swiglu_width(w);
+    if (w1_as_stored) check_w1_as_stored(w.size(2) / 2);
     UNIEP_CHECK(!done.has_value() || swiglu,
                 "done is the SwiGLU epilogue's signal: pass swiglu=True with it");
     if (done.has_value()) check_int_vector(*done, "done", at::kInt, x);
@@ -85,9 +88,11 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
                 ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
     at::Tensor timeout = at::zeros({5}, x.options().dtype(at::kInt));
     if (rows == 0) return timeout;
-    const cuda::GroupedGemmProblem p = forward_problem(
-        x, w, offs, out,
-        swiglu ? cuda::GroupedGemmEpilogue::kSwiGlu : cuda::GroupedGemmEpilogue::kStore);
+    const cuda::GroupedGemmProblem p =
+        forward_problem(x, w, offs, out,
+                        w1_as_stored ? cuda::GroupedGemmEpilogue::kSwiGluPlain
+                        : swiglu     ? cuda::GroupedGemmEpilogue::kSwiGlu
+                                     : cuda::GroupedGemmEpilogue::kStore);
     cuda::TileGate gate;
     gate.counters = reinterpret_cast<const uint32_t*>(counters.data_ptr<int32_t>());
     gate.num_counters = counters.size(0);

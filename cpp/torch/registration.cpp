@@ -57,12 +57,13 @@ TORCH_LIBRARY(uniep, m) {
   // counters[tile_base[e] + i] >= per_row * rows_in_tile + per_tile; with `done`, each finished
   // tile's warps add 1 to done[tile_base[e] + i]. Writes `out` ([R, N], or [R, N / 2] with
   // swiglu) and returns timeout [5] int32: flag, expert, m_tile, have, need of the first wait
-  // that passed timeout_s (uniep.gate.check_gate_timeout).
+  // that passed timeout_s (uniep.gate.check_gate_timeout). w1_as_stored (with swiglu): w is w1
+  // as stored (gate columns, then up; the FFN size a multiple of 128), not pack_gate_up's.
   m.def("gate_tile_base(Tensor offs, int rows, int tile_m) -> Tensor");
   m.def(
       "grouped_mm_gated(Tensor x, Tensor w, Tensor offs, Tensor counters, Tensor tile_base, "
       "int per_row, int per_tile, float timeout_s, bool swiglu, Tensor(a!)? done, "
-      "int sm_count, Tensor(b!) out) -> Tensor timeout");
+      "int sm_count, Tensor(b!) out, bool w1_as_stored=False) -> Tensor timeout");
   // The MegaKernel's dispatch on its own (include/uniep/cuda/send_rows.hpp; CPU and CUDA):
   // sender_rows(topk_idx [T, K], expert_counts [W, E], rank, tile_m) -> dest_rank, gemm_row,
   // counter ([T, K] int64: each entry's rank, grouped-GEMM row there and tile gate counter

@@ -144,10 +144,10 @@ def _forward(
     # The MegaKernel's own operand checks, before the packing (w1 has the packed shape).
     _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
     world = world_size(group)
-    # The persistent kernel reads w1 as stored where the FFN size allows it (a multiple of 128):
-    # no packed copy, so nothing to redo after an optimizer step. Else, and for overlap=chunked
-    # (the gated GEMMs), a packed copy kept per w1 version.
-    as_stored = megakernel_overlap(tuning, world) == "fused" and w1.shape[2] % 256 == 0
+    # The MegaKernel's GEMMs read w1 as stored where the FFN size allows it (a multiple of 128):
+    # no packed copy, so nothing to redo after an optimizer step. Else a packed copy kept per w1
+    # version.
+    as_stored = w1.shape[2] % 256 == 0
     w1_used = w1.detach().contiguous() if as_stored else packed_gate_up(w1)
     experts = PreparedExperts("bf16_packed", w1_used, w2.detach().contiguous())
     return _forward_fused(

@@ -47,8 +47,10 @@ def grouped_mm_gated(
     done: torch.Tensor | None = None,
     sm_count: int | None = None,
     out: torch.Tensor | None = None,
+    w1_as_stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grouped_mm(x, w, offs)`` (or ``grouped_mm_swiglu`` with ``swiglu``) with each tile waiting
+    """``grouped_mm(x, w, offs)`` (or ``grouped_mm_swiglu`` with ``swiglu``; with
+    ``w1_as_stored`` too, ``grouped_mm_swiglu_plain`` on w as stored) with each tile waiting
     at the gate first, written into ``out`` (a new tensor if None). Returns ``(out, timeout)``;
     pass ``timeout`` to :func:`check_gate_timeout` once the stream has run. ``sm_count``
     (default: all SMs) bounds the persistent grid: work that releases the gate from another
@@ -60,8 +62,9 @@ def grouped_mm_gated(
     if out is None:
         out = x.new_empty((x.shape[0], w.shape[2] // 2 if swiglu else w.shape[2]))
     timeout = torch.ops.uniep.grouped_mm_gated(
-        x, w, offs, counters, base, per_row, per_tile, timeout_s, swiglu, done, sm_count, out
-    )
+        x, w, offs, counters, base, per_row, per_tile, timeout_s, swiglu, done, sm_count, out,
+        w1_as_stored,
+    )  # fmt: skip
     return out, timeout
 
 
@@ -235,6 +238,7 @@ def _grouped_mm_gated_fake(
     done: torch.Tensor | None,
     sm_count: int,
     out: torch.Tensor,
+    w1_as_stored: bool = False,
 ) -> torch.Tensor:
     check_grouped_mm_meta(x, w, offs)
     return x.new_empty((5,), dtype=torch.int32)

@@ -295,17 +295,12 @@ def moe_forward_local(
     of GEMM 2.
     ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
     (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
-    (:func:`fused_tile_m`). ``w1_as_stored`` (``fused`` only): ``w1_packed`` is w1 as the model
-    stores it (gate columns, then up), read without a packed copy; the FFN size must then be a
-    multiple of 128. Neither the tile nor any other of these choices changes the bits."""
+    (:func:`fused_tile_m`). ``w1_as_stored``: ``w1_packed`` is w1 as the model stores it (gate
+    columns, then up), read without a packed copy; the FFN size must then be a multiple of 128.
+    Neither the tile nor any other of these choices changes the bits."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
-    if w1_as_stored and overlap != "fused":
-        raise ValueError(
-            f"w1_as_stored needs overlap='fused' (the gated GEMMs of {overlap!r} read "
-            "pack_gate_up's layout), got overlap=" + repr(overlap)
-        )
     _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
     _begin(check)
     if tile_m is not None and (overlap != "fused" or tile_m not in FUSED_TILE_MS):
@@ -353,7 +348,7 @@ def moe_forward_local(
     def gemms(gemm1_sms: int) -> list[torch.Tensor]:
         _, t1 = gate.grouped_mm_gated(
             rows, w1_packed, offs, counters, base, swiglu=True, done=done,
-            timeout_s=timeout_s, sm_count=gemm1_sms, out=act,
+            timeout_s=timeout_s, sm_count=gemm1_sms, out=act, w1_as_stored=w1_as_stored,
         )  # fmt: skip
         _, t2 = gate.grouped_mm_gated(
             act, w2, offs, done, base, per_row=0, per_tile=gate.done_per_tile(two_i),

@@ -232,8 +232,7 @@ def _forward_fused(
 ) -> torch.Tensor:
     """The MegaKernel's forward (``backward``: across ranks, on a runtime that also holds the
     fused backward's buffers, for autograd). ``w1_as_stored``: ``experts.w1`` is w1 as stored
-    (gate columns, then up), for the persistent kernel only (not ``overlap=chunked``'s gated
-    GEMMs)."""
+    (gate columns, then up)."""
     from . import megakernel
     from .ep import _timeout
 

@@ -14,8 +14,9 @@ namespace uniep::cuda {
 size_t grouped_gemm_gated_workspace_bytes(int64_t num_experts, int sm_count) {
   if (num_experts < 1 || num_experts > (1ll << 31) - 1 || sm_count < 1) return 0;
   return grouped::group_arrays_bytes(num_experts) +
-         std::max(megakernel::gated_store_workspace(num_experts, sm_count),
-                  megakernel::gated_swiglu_workspace(num_experts, sm_count));
+         std::max({megakernel::gated_store_workspace(num_experts, sm_count),
+                   megakernel::gated_swiglu_workspace(num_experts, sm_count),
+                   megakernel::gated_swiglu_plain_workspace(num_experts, sm_count)});
 }
 
 Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate,
@@ -25,7 +26,14 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
   if (p.kind != GroupedGemmKind::kForward)
     return {StatusCode::kInvalidArgument,
             "the gated grouped GEMM runs the forward (kForward) only"};
-  const bool swiglu = p.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  const bool swiglu = p.epilogue != GroupedGemmEpilogue::kStore;
+  const bool plain = p.epilogue == GroupedGemmEpilogue::kSwiGluPlain;
+  if (plain && (p.n / 2) % (kGatedTileN / 2) != 0)
+    return {StatusCode::kUnsupported,
+            detail::str_cat("the gated GEMM's SwiGLU epilogue on w1 as stored needs the FFN size "
+                            "(n / 2) to be a multiple of ",
+                            kGatedTileN / 2, " (its tiles are ", kGatedTileN,
+                            " columns wide), got ", p.n / 2)};
   if (gate.counters != nullptr && (gate.tile_base == nullptr || gate.timeout == nullptr))
     return {StatusCode::kInvalidArgument,
             "gate: with counters, tile_base (gate_tile_base) and timeout must be device pointers"};
@@ -35,7 +43,8 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
                             gate.num_counters)};
   if (signal.done != nullptr && !swiglu)
     return {StatusCode::kInvalidArgument,
-            "signal: the done signal belongs to the SwiGLU epilogue (epilogue kSwiGlu)"};
+            "signal: the done signal belongs to the SwiGLU epilogue (epilogue kSwiGlu or "
+            "kSwiGluPlain)"};
   if (signal.done != nullptr && (signal.done_base == nullptr || signal.num_done < 1))
     return {StatusCode::kInvalidArgument,
             "signal: done needs done_base (gate_tile_base) and num_done >= 1"};
@@ -58,6 +67,10 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
       static_cast<int>(p.n), static_cast<int>(out_n), static_cast<const grouped::Bf16*>(p.x),
       static_cast<const grouped::Bf16*>(p.w), static_cast<grouped::Bf16*>(p.out), ws);
   if (Status s = launch_status("the gated GEMM's problem kernel"); !s.ok()) return s;
+  if (plain)
+    return megakernel::gated_swiglu_plain_run(
+        ws, p.num_experts, gate, signal, out_n, device, sm_count, stream,
+        grouped::PlainW1{static_cast<const grouped::Bf16*>(p.w), p.k, p.n});
   return swiglu ? megakernel::gated_swiglu_run(ws, p.num_experts, gate, signal, out_n, device,
                                                sm_count, stream)
                 : megakernel::gated_store_run(ws, p.num_experts, gate, device, sm_count, stream);

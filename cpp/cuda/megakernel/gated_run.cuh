@@ -1,11 +1,13 @@
 // The gated grouped GEMM (include/uniep/cuda/tile_gate.hpp): the engine's cooperative
-// 128 x 256 x 64 configuration with GatedMainloop in place of CUTLASS's mainloop. Included by
-// sm90_gated_store.cu and sm90_gated_swiglu.cu, one epilogue each.
+// 128 x 256 x 64 configuration with GatedMainloop in place of CUTLASS's mainloop (around the
+// engine's PlainGateUpMainloop for kSwiGluPlain). Included by sm90_gated_store.cu,
+// sm90_gated_swiglu.cu and sm90_gated_swiglu_plain.cu, one epilogue each.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "cuda/gemm/cutlass_launch.cuh"
+#include "cuda/gemm/grouped/grouped_configs.hpp"
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/megakernel/gated_mainloop.cuh"
@@ -32,7 +34,8 @@ template <grouped::GroupedEpilogue Epi>
 typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspace& ws,
                                                          int64_t num_experts, const TileGate& gate,
                                                          const GatedSignal& signal, int device,
-                                                         int sm_count, int64_t ld_out) {
+                                                         int sm_count, int64_t ld_out,
+                                                         const grouped::PlainW1& plain = {}) {
   using G = GatedGemm<Epi>;
   typename G::Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -42,7 +45,13 @@ typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspac
   args.mainloop.ptr_B = ws.ptr_b;
   args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
   args.mainloop.gate = gate;
-  if constexpr (Epi == grouped::GroupedEpilogue::kSwiGlu) {
+  if constexpr (Epi == grouped::GroupedEpilogue::kSwiGluPlain) {
+    args.mainloop.w1 = plain.w1;
+    args.mainloop.ffn = static_cast<int32_t>(plain.n / 2);
+    args.mainloop.hidden = static_cast<int32_t>(plain.k);
+    args.mainloop.experts = static_cast<int32_t>(num_experts);
+  }
+  if constexpr (Epi != grouped::GroupedEpilogue::kStore) {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
     args.epilogue.done = signal.done;
@@ -67,8 +76,9 @@ size_t gated_gemm_workspace(int64_t num_experts, int sm_count) {
 template <grouped::GroupedEpilogue Epi>
 Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                       const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
-                      cudaStream_t stream) {
-  const auto args = gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out);
+                      cudaStream_t stream, const grouped::PlainW1& plain = {}) {
+  const auto args =
+      gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out, plain);
   return launch_cutlass<typename GatedGemm<Epi>::Gemm>(args, ws.gemm, stream,
                                                      "the gated grouped GEMM");
 }
@@ -81,5 +91,10 @@ size_t gated_swiglu_workspace(int64_t num_experts, int sm_count);
 Status gated_swiglu_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                         const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
                         cudaStream_t stream);
+size_t gated_swiglu_plain_workspace(int64_t num_experts, int sm_count);
+Status gated_swiglu_plain_run(const grouped::Workspace& ws, int64_t num_experts,
+                              const TileGate& gate, const GatedSignal& signal, int64_t ld_out,
+                              int device, int sm_count, cudaStream_t stream,
+                              const grouped::PlainW1& plain);
 
 }  // namespace uniep::cuda::megakernel
