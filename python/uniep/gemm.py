@@ -97,18 +97,23 @@ def grouped_mm_swiglu(
     return torch.ops.uniep.grouped_mm_swiglu(x, w1_packed, offs, tuning)
 
 
+def _swiglu_meta(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, multiple: int, message: str
+) -> torch.Tensor:
+    """The SwiGLU GEMMs' fake: the grouped GEMM's checks, w's width a multiple of ``multiple``
+    (``message`` names it), and the [R, I] activation."""
+    check_grouped_mm_meta(x, w, offs)
+    torch._check_value(w.shape[2] % multiple == 0, lambda: f"{message}, got {w.shape[2]}")
+    return x.new_empty((x.shape[0], w.shape[2] // 2))
+
+
 @torch.library.register_fake("uniep::grouped_mm_swiglu")
 def _grouped_mm_swiglu_fake(
     x: torch.Tensor, w_packed: torch.Tensor, offs: torch.Tensor, tuning: str = ""
 ) -> torch.Tensor:
-    check_grouped_mm_meta(x, w_packed, offs)
-    torch._check_value(
-        w_packed.shape[2] % 16 == 0,
-        lambda: (
-            f"w must be [E, K, 2I] with 2I = w.size(2) a multiple of 16, got {w_packed.shape[2]}"
-        ),
+    return _swiglu_meta(
+        x, w_packed, offs, 16, "w must be [E, K, 2I] with 2I = w.size(2) a multiple of 16"
     )
-    return x.new_empty((x.shape[0], w_packed.shape[2] // 2))
 
 
 def grouped_mm_swiglu_plain(
@@ -126,15 +131,9 @@ def grouped_mm_swiglu_plain(
 def _grouped_mm_swiglu_plain_fake(
     x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, tuning: str = ""
 ) -> torch.Tensor:
-    check_grouped_mm_meta(x, w1, offs)
-    torch._check_value(
-        w1.shape[2] % 128 == 0,
-        lambda: (
-            f"w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64, got 2I = "
-            f"{w1.shape[2]}"
-        ),
+    return _swiglu_meta(
+        x, w1, offs, 128, "w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64 (2I)"
     )
-    return x.new_empty((x.shape[0], w1.shape[2] // 2))
 
 
 def grouped_mm_dgrad(
