@@ -275,6 +275,9 @@ def _check_plain_gate_up(
     poison = torch.full_like(act, float("nan"))
     del poison
     assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs), act)
+    # A partial request takes the first matching configuration whose tile fits.
+    for tuning in ("tile_m=128", "tile_m=64", "tile_k=64"):
+        assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs, tuning), act), tuning
     for tuning in CONFIGS:
         tile_n = int(tuning.split("tile_n=")[1].split(",")[0])
         if i % (tile_n // 2) == 0:

@@ -76,8 +76,9 @@ bool grouped_gemm_device_ok(int device);
 
 // OK when the kernel takes this problem; else kInvalidArgument naming the argument and what it
 // needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
-// bytes; kSwiGlu: n a multiple of 16, kSwiGluPlain: of 128, both kForward only), 16-byte aligned
-// x, w and out, a non-null offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written, with zeros).
+// bytes; kSwiGlu: n a multiple of 16, kSwiGluPlain: of 128, both kForward only), 16-byte aligned x,
+// w and out, a non-null offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written,
+// with zeros).
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives
@@ -117,9 +118,9 @@ int64_t grouped_gemm_pingpong_rows(int device = -1);
 // k <= n, or n <= 128, take the ping-pong 64-row tiles (64 x 256 when n >= 256); the others the
 // cooperative 128 x 256 tiles; with kSwiGluPlain and n / 2 not a multiple of 128, the 128-wide
 // tile of the same height instead (64 x 128 x 128 or the cooperative 128 x 128). Otherwise the
-// first configuration matching every non-zero field; none matching is kInvalidArgument listing
-// the valid combinations, and kSwiGluPlain with a tile_n / 2 that does not divide n / 2 is
-// kUnsupported naming both.
+// first configuration matching every non-zero field (with kSwiGluPlain, the first whose tile_n / 2
+// divides n / 2); none matching is kInvalidArgument listing the valid combinations, and matches
+// that all have a tile too wide for kSwiGluPlain are kUnsupported naming one.
 Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
                            int device = -1);
 

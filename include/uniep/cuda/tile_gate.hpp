@@ -81,12 +81,12 @@ constexpr int kGatedWarpsPerTile = 8;  // two consumer warpgroups share a tile
 // sm_count < 1.
 size_t grouped_gemm_gated_workspace_bytes(int64_t num_experts, int sm_count);
 
-// grouped_gemm_bf16's forward (kind kForward, epilogue kStore, kSwiGlu or kSwiGluPlain, the
-// same checks and the same bits; kSwiGluPlain needs the FFN size n / 2 to be a multiple of
-// kGatedTileN / 2) with the producer waiting at `gate` before each tile's loads (gate.counters
-// null: no wait), and for the SwiGLU epilogues the done signal. The grid is persistent: a gate released by
-// work on the same device needs that work to have SMs of its own (sm_count below the device's),
-// or to run inside the same kernel, as the MegaKernel's dispatch does.
+// grouped_gemm_bf16's forward (kind kForward, epilogue kStore, kSwiGlu or kSwiGluPlain, the same
+// checks and the same bits; kSwiGluPlain needs the FFN size n / 2 to be a multiple of kGatedTileN /
+// 2) with the producer waiting at `gate` before each tile's loads (gate.counters null: no wait),
+// and for the SwiGLU epilogues the done signal. The grid is persistent: a gate released by work on
+// the same device needs that work to have SMs of its own (sm_count below the device's), or to run
+// inside the same kernel, as the MegaKernel's dispatch does.
 Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate,
                                const GatedSignal& signal, int device, int sm_count,
                                void* workspace, size_t workspace_bytes, cudaStream_t stream);

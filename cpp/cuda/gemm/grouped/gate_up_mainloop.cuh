@@ -16,12 +16,13 @@
 // How: CUTLASS's ptr-array mainloop builds B's TMA from a flat (N, K) shape of dynamic sizes and
 // rewrites its descriptor per group; CuTe's TMA needs the sub-mode sizes 64 and 2 static. So this
 // wrapper keeps a TMA of its own in Params over all E experts at once (the group index is the
-// expert: the problem kernel gives group e expert e's weight) and hides the base's load() to
-// issue B from it. The kernel hands load() a batch coordinate of 0 (its groups have their own
+// expert: the problem kernel gives group e expert e's weight) and hides the base's load() to issue
+// B from it. The kernel hands load() a batch coordinate of 0 (its groups have their own
 // descriptors), so the wrapper takes the group from tensormaps_perform_update, which the producer
-// calls for its first group and at every change of group, as GatedMainloop does. A, the pipeline, the consumers and the tile scheduler are the base's. The
-// base still swaps its own B descriptor per group (harmless: ptr_B stays valid, and it is never
-// read).
+// calls for its first group and at every change of group, as GatedMainloop does. A, the pipeline,
+// the consumers and the tile scheduler are the base's. The base still swaps its own B descriptor
+// per group: harmless, ptr_B stays valid, and the groups below plain_groups never read it, while
+// those at or past it (the fused MoE kernel's GEMM 2) load B through it as the base does.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -37,15 +38,12 @@ struct PlainGateUpMainloop : Base {
   using ClusterShapeMNK = typename Base::DispatchPolicy::ClusterShape;
   using ElementB = typename Base::InternalElementB;
   static constexpr int kTileN = cute::size<1>(TileShape{});
-  // A tile holds whole (gate, up) block pairs: tile_n / 128 of them.
+  // A tile holds whole (gate, up) pairs of 64-column blocks: tile_n / 128 of them.
   static_assert(kTileN % 128 == 0, "a tile must cover whole 64-column gate/up block pairs");
-  static constexpr int kBlocksPerTile = kTileN / 128;
 
   // ((c, g, j), k, e) -> element of w1 [E, K, 2I].
-  using GmemShape =
-      cute::Shape<cute::Shape<cute::_64, cute::_2, int32_t>, int32_t, int32_t>;
-  using GmemStride =
-      cute::Stride<cute::Stride<cute::_1, int64_t, cute::_64>, int64_t, int64_t>;
+  using GmemShape = cute::Shape<cute::Shape<cute::_64, cute::_2, int32_t>, int32_t, int32_t>;
+  using GmemStride = cute::Stride<cute::Stride<cute::_1, int64_t, cute::_64>, int64_t, int64_t>;
 
   static auto gmem_layout(int32_t ffn, int32_t hidden, int32_t experts) {
     using namespace cute;

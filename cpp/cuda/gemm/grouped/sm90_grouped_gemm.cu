@@ -194,18 +194,23 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
     }
     return Status::Ok();
   }
+  // The first match; with kSwiGluPlain the first whose tile_n fits the FFN size.
+  const GroupedGemmConfig* unfit = nullptr;
   for (size_t i = 0; i < all.size(); ++i) {
-    if (matches(all[i]->config, want)) {
-      if (plain && !plain_fits(all[i]->config))
-        return {StatusCode::kUnsupported,
-                detail::str_cat("the SwiGLU epilogue on w1 as stored needs the FFN size (n / 2 = ",
-                                p.n / 2, ") to be a multiple of tile_n / 2; configuration ",
-                                describe(all[i]->config), " has tile_n=", all[i]->config.tile_n,
-                                " (tile_n=128 takes FFN sizes that are multiples of 64)")};
-      *index = static_cast<int>(i);
-      return Status::Ok();
+    if (!matches(all[i]->config, want)) continue;
+    if (plain && !plain_fits(all[i]->config)) {
+      if (unfit == nullptr) unfit = &all[i]->config;
+      continue;
     }
+    *index = static_cast<int>(i);
+    return Status::Ok();
   }
+  if (unfit != nullptr)
+    return {StatusCode::kUnsupported,
+            detail::str_cat("the SwiGLU epilogue on w1 as stored needs the FFN size (n / 2 = ",
+                            p.n / 2, ") to be a multiple of tile_n / 2; configuration ",
+                            describe(*unfit), " has tile_n=", unfit->tile_n,
+                            " (tile_n=128 takes FFN sizes that are multiples of 64)")};
   std::string valid;
   for (const auto* e : all) valid += detail::str_cat("\n  ", describe(e->config));
   return {StatusCode::kInvalidArgument,
