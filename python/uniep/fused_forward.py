@@ -149,6 +149,7 @@ def _forward(
     # version.
     as_stored = w1.shape[2] % 256 == 0
     w1_used = w1.detach().contiguous() if as_stored else packed_gate_up(w1)
+    # (The format gives _forward_fused the shapes only; w1_as_stored says which layout w1 has.)
     experts = PreparedExperts("bf16_packed", w1_used, w2.detach().contiguous())
     return _forward_fused(
         x, topk_idx, topk_weights, experts, group, world, tuning, backward=backward,
