@@ -175,8 +175,8 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
                            int device) {
   const auto& all = entries();
   const bool plain = p.epilogue == GroupedGemmEpilogue::kSwiGluPlain;
-  // PlainGateUpMainloop's tiles hold whole 64-column (gate, up) block pairs of one 64-column
-  // group of gate columns each: tile_n / 2 must divide the FFN size n / 2.
+  // PlainGateUpMainloop's tiles hold whole (gate, up) pairs of 64-column blocks, tile_n / 128 of
+  // them: tile_n / 2 must divide the FFN size n / 2.
   auto plain_fits = [&p](const GroupedGemmConfig& c) { return (p.n / 2) % (c.tile_n / 2) == 0; };
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
     // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
