@@ -45,12 +45,8 @@ typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspac
   args.mainloop.ptr_B = ws.ptr_b;
   args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
   args.mainloop.gate = gate;
-  if constexpr (Epi == grouped::GroupedEpilogue::kSwiGluPlain) {
-    args.mainloop.w1 = plain.w1;
-    args.mainloop.ffn = static_cast<int32_t>(plain.n / 2);
-    args.mainloop.hidden = static_cast<int32_t>(plain.k);
-    args.mainloop.experts = static_cast<int32_t>(num_experts);
-  }
+  if constexpr (Epi == grouped::GroupedEpilogue::kSwiGluPlain)
+    G::Mainloop::set_w1(args.mainloop, plain, num_experts);
   if constexpr (Epi != grouped::GroupedEpilogue::kStore) {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;

@@ -13,12 +13,6 @@
 
 namespace uniep::cuda::grouped {
 
-// kSwiGluPlain's weight: w1 [E, k, n] as stored (gate columns [0, n / 2), then up).
-struct PlainW1 {
-  const Bf16* w1 = nullptr;
-  int64_t k = 0, n = 0;
-};
-
 struct GroupedEntry {
   GroupedGemmConfig config;
   // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.

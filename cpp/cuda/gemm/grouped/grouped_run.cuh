@@ -37,12 +37,7 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
   }
-  if constexpr (G::kPlain) {
-    args.mainloop.w1 = plain.w1;
-    args.mainloop.ffn = static_cast<int32_t>(plain.n / 2);
-    args.mainloop.hidden = static_cast<int32_t>(plain.k);
-    args.mainloop.experts = static_cast<int32_t>(num_experts);
-  }
+  if constexpr (G::kPlain) G::Mainloop::set_w1(args.mainloop, plain, num_experts);
   return args;
 }
 
@@ -53,14 +48,7 @@ size_t grouped_gemm_workspace(int64_t num_experts, int sm_count) {
   return G::Gemm::get_workspace_size(grouped_arguments<G>(ws, num_experts, 0, sm_count, 2));
 }
 
-template <class G>
-Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
-                        int sm_count, cudaStream_t stream) {
-  const typename G::Gemm::Arguments args =
-      grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out);
-  return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
-}
-
+// The launch; `plain` is kSwiGluPlain's w1 (and gathered rows), ignored by the others.
 template <class G>
 Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t ld_out,
                               int device, int sm_count, cudaStream_t stream,
@@ -68,6 +56,12 @@ Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t 
   const typename G::Gemm::Arguments args =
       grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out, plain);
   return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
+}
+
+template <class G>
+Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
+                        int sm_count, cudaStream_t stream) {
+  return grouped_gemm_run_plain<G>(ws, num_experts, ld_out, device, sm_count, stream, PlainW1{});
 }
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,

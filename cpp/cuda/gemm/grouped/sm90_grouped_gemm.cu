@@ -133,6 +133,18 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.kind != GroupedGemmKind::kForward)
     return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
+  if (p.row_slot != nullptr) {
+    if (p.epilogue != GroupedGemmEpilogue::kSwiGluPlain)
+      return unsupported(
+          "row_slot (rows gathered by the kernel) needs the SwiGLU epilogue on w1 as stored "
+          "(kSwiGluPlain); gather the rows first (gather_rows_bf16) for the other epilogues");
+    if (p.x_rows < 1 || p.x_rows > kMaxExtent)
+      return bad("x_rows (the rows row_slot indexes) must be in [1, 2^31), got ", p.x_rows);
+    if (p.x_stride != 0 && (p.x_stride < p.k || p.x_stride % kAlign != 0))
+      return unsupported("x_stride must be 0 (k) or a multiple of ", kAlign, " of at least k = ",
+                         p.k, " (the kernel's row copies move 16-byte aligned rows), got ",
+                         p.x_stride);
+  }
   const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
   if ((!wgrad || p.rows > 0) && (p.w == nullptr || !aligned(p.w)))
     return unsupported("w must be 16-byte aligned (non-null)");
@@ -288,9 +300,21 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
-  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
-    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
-                                   grouped::PlainW1{w, p.k, p.n});
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain) {
+    grouped::PlainW1 plain;
+    plain.w1 = w;
+    plain.k = p.k;
+    plain.n = p.n;
+    if (p.row_slot != nullptr) {
+      plain.gather.row_slot = p.row_slot;
+      plain.gather.offs = p.offs;
+      plain.gather.x = p.x;
+      plain.gather.x_rows = p.x_rows;
+      plain.gather.x_stride = p.x_stride == 0 ? p.k : p.x_stride;
+      plain.gather.rows = p.rows;
+    }
+    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream, plain);
+  }
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
 }
