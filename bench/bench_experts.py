@@ -14,9 +14,7 @@ Part 1, kernels: each layer's up projection (K = H -> N = 2I) and down projectio
 as a grouped GEMM over the layer's R = T * top-k routed rows: torch._grouped_mm, the engine's
 automatic choice, and every compiled configuration; whether all of them give the same bits. The
 up projection also with SwiGLU in its epilogue, w1 packed (``pack_gate_up``) against w1 as stored
-(``grouped_mm_swiglu_plain``), interleaved beside the plain GEMM, with whether their bits agree;
-and w1 as stored on rows read from receive-slot-like storage, gathered first against copied row
-by row by the GEMM itself (``row_slot``, what ``moe_forward`` runs).
+(``grouped_mm_swiglu_plain``), interleaved beside the plain GEMM, with whether their bits agree.
 
 Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: dispatch to itself, experts,
 combine) with the engine (default) and with ``gemm=torch``, each with both combines, beside
@@ -128,7 +126,6 @@ def bench_kernel(
     warmup: int,
     iters: int,
     swiglu: bool = False,
-    top_k: int = 1,
 ) -> dict[str, Any]:
     experts, rows = counts.numel(), int(counts.sum())
     gen = torch.Generator(device="cuda").manual_seed(experts + k + n)
@@ -189,53 +186,31 @@ def bench_kernel(
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
     row["uniep_over_torch"] = row["uniep_ms"] / row["torch_ms"]
     if swiglu and n % 128 == 0:
-        del x, ours, theirs
-        row.update(_bench_swiglu(w, offs, top_k, warmup, iters))
+        row.update(_bench_swiglu(x, w, offs, warmup, iters))
     return row
 
 
 def _bench_swiglu(
-    w1: torch.Tensor, offs: torch.Tensor, top_k: int, warmup: int, iters: int
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, warmup: int, iters: int
 ) -> dict[str, Any]:
     """The up projection with SwiGLU in its epilogue, w1 packed (a copy made beforehand) against
-    w1 as stored (no copy), interleaved beside the plain GEMM: the same bits expected. Its rows
-    come from receive-slot-like storage (R / top_k slots of padded rows, each read by about
-    top_k GEMM rows, as after a dispatch): gathered first (index_select, then the GEMM on the
-    contiguous rows, as moe_forward did) against the kernel copying each row from its slot
-    (``row_slot``, what moe_forward does now)."""
+    w1 as stored (no copy), interleaved beside the plain GEMM: the same bits expected."""
     from uniep.gemm import grouped_mm_swiglu, grouped_mm_swiglu_plain, pack_gate_up
     from uniep.timing import interleaved_medians_ms
 
-    rows, k = int(offs[-1]), w1.shape[1]
-    n_slots = max(1, rows // top_k)
-    gen = torch.Generator(device="cuda").manual_seed(rows + k)
-    store = torch.randn(n_slots, k + 64, generator=gen, device="cuda", dtype=torch.bfloat16)
-    slots = store[:, :k]
-    row_slot = torch.randint(0, n_slots, (rows,), generator=gen, device="cuda")
-    x = slots.index_select(0, row_slot)
     packed = pack_gate_up(w1)
     fns = {
         "gemm": lambda: torch.ops.uniep.grouped_mm(x, w1, offs),
         "packed": lambda: grouped_mm_swiglu(x, packed, offs),
         "plain": lambda: grouped_mm_swiglu_plain(x, w1, offs),
-        "gather_then_plain": lambda: grouped_mm_swiglu_plain(
-            slots.index_select(0, row_slot), w1, offs
-        ),
-        "gathered": lambda: grouped_mm_swiglu_plain(slots, w1, offs, row_slot=row_slot),
     }
     ms = interleaved_medians_ms(fns, max(1, iters // 4), 4, True, warmup=warmup)
-    plain = fns["plain"]()
     return {
-        "swiglu_bits_plain_eq_packed": bool(torch.equal(plain, fns["packed"]())),
-        "swiglu_bits_gathered_eq_plain": bool(torch.equal(fns["gathered"](), plain)),
+        "swiglu_bits_plain_eq_packed": bool(torch.equal(fns["plain"](), fns["packed"]())),
         "swiglu_packed_ms": ms["packed"],
         "swiglu_plain_ms": ms["plain"],
         "swiglu_gemm_ms": ms["gemm"],
         "swiglu_plain_over_packed": ms["plain"] / ms["packed"],
-        "swiglu_gather_then_plain_ms": ms["gather_then_plain"],
-        "swiglu_gathered_ms": ms["gathered"],
-        "swiglu_gathered_over_plain": ms["gathered"] / ms["plain"],
-        "swiglu_gathered_over_gather_then_plain": ms["gathered"] / ms["gather_then_plain"],
     }
 
 
@@ -261,7 +236,7 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
         idx, _ = routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
         for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
-            r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters, part == "up", top_k)
+            r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters, part == "up")
             rows.append({"part": "kernel", **r})
             best = r[f"uniep_ms[{r['best_config']}]"]
             counts_text = f"{r['rows_min']}-{r['rows_max']}"
@@ -281,14 +256,6 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                     f"({r['swiglu_plain_over_packed']:.3f}x), plain GEMM "
                     f"{r['swiglu_gemm_ms']:.3f} ms; same bits: "
                     f"{r['swiglu_bits_plain_eq_packed']} |",
-                    flush=True,
-                )
-                print(
-                    f"|   {r['load']} rows from slots: gathered by the GEMM "
-                    f"{r['swiglu_gathered_ms']:.3f} ms ({r['swiglu_gathered_over_plain']:.3f}x "
-                    f"the GEMM on contiguous rows), index_select + GEMM "
-                    f"{r['swiglu_gather_then_plain_ms']:.3f} ms; same bits: "
-                    f"{r['swiglu_bits_gathered_eq_plain']} |",
                     flush=True,
                 )
             torch.cuda.empty_cache()

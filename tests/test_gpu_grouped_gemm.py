@@ -278,69 +278,13 @@ def _check_plain_gate_up(
     # A partial request takes the first matching configuration whose tile fits.
     for tuning in ("tile_m=128", "tile_m=64", "tile_k=64"):
         assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs, tuning), act), tuning
-    slots, row_slot = _slots_of(x, seed=x.shape[0])
-    assert torch.equal(grouped_mm_swiglu_plain(slots, w1, offs, row_slot=row_slot), act)
     for tuning in CONFIGS:
         tile_n = int(tuning.split("tile_n=")[1].split(",")[0])
         if i % (tile_n // 2) == 0:
             assert torch.equal(grouped_mm_swiglu_plain(x, w1, offs, tuning), act), tuning
-            # The kernel's own row copies (every cluster shape: A multicast along N in the
-            # 128 x 128 tiles) give the bits of the rows gathered first.
-            got = grouped_mm_swiglu_plain(slots, w1, offs, tuning, row_slot)
-            assert torch.equal(got, act), tuning
         else:
             with pytest.raises(NotImplementedError, match=rf"multiple of tile_n / 2.*{tile_n}"):
                 grouped_mm_swiglu_plain(x, w1, offs, tuning)
-
-
-def _slots_of(x: torch.Tensor, seed: int, spare: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's rows scattered into a receive-slot-like buffer: more slots than rows (the spare ones
-    random), rows 40 elements longer than x's with NaN in the tail (never read), and row_slot
-    [R] int64 with slots[row_slot] == x."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r, k = x.shape
-    store = torch.randn(r + spare, k + 40, generator=gen, device="cuda").to(x.dtype)
-    store[:, k:] = float("nan")
-    row_slot = torch.randperm(r + spare, generator=gen, device="cuda")[:r]
-    store[row_slot, :k] = x
-    return store[:, :k], row_slot
-
-
-def test_swiglu_plain_gathered_rows() -> None:
-    """row_slot: duplicate slots (a token routed to two local experts), slots outside x (zeros),
-    a K that is no multiple of 64 (the last copy's columns past K are zeros, not the NaN tail),
-    R = 0, and the named errors."""
-    from uniep.gemm import grouped_mm_swiglu_plain
-
-    counts = _random_counts(40, 200, 31, empty_every=7)
-    _, w1, offs = _operands(counts, 200, 256, seed=32)
-    rows = sum(counts)
-    gen = torch.Generator(device="cuda").manual_seed(33)
-    store = torch.randn(300, 240, generator=gen, device="cuda").bfloat16()
-    store[:, 200:] = float("nan")
-    slots = store[:, :200]
-    row_slot = torch.randint(0, 300, (rows,), generator=gen, device="cuda")
-    row_slot[::11] = -1
-    row_slot[5::13] = 300
-    outside = (row_slot < 0) | (row_slot >= 300)
-    gathered = slots.index_select(0, row_slot.clamp(0, 299))
-    gathered[outside] = 0
-    want = grouped_mm_swiglu_plain(gathered.contiguous(), w1, offs)
-    for tuning in ("", *CONFIGS[:3]):
-        got = grouped_mm_swiglu_plain(slots, w1, offs, tuning, row_slot)
-        assert torch.equal(got, want), tuning
-    assert not got[outside].any()
-    empty = grouped_mm_swiglu_plain(slots, w1, torch.zeros_like(offs), "", row_slot[:0])
-    assert empty.shape == (0, 128)
-    with pytest.raises(ValueError, match="row_slot must be int64"):
-        grouped_mm_swiglu_plain(slots, w1, offs, "", row_slot.int())
-    with pytest.raises(NotImplementedError, match="row stride must be a multiple of 8"):
-        grouped_mm_swiglu_plain(store[:, :204].contiguous()[:, :200], w1, offs, "", row_slot)
-    with pytest.raises(ValueError, match="x's rows must be contiguous"):
-        grouped_mm_swiglu_plain(store.t().contiguous()[:200].t(), w1, offs, "", row_slot)
-    torch.library.opcheck(
-        torch.ops.uniep.grouped_mm_swiglu_plain, (slots, w1, offs.clamp(max=40), "", row_slot[:40])
-    )
 
 
 def test_swiglu_plain_w1_runs_to_run_and_errors() -> None:

@@ -486,17 +486,6 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
       // The rows stay in the dispatch's e4m3 for the first fp8 GEMM (torch/fp8_experts.hpp).
       const auto [rows, row_scales] = gathered_fp8_rows(x, d, rt, stream);
       y = fp8_experts_forward(rows, row_scales, expert_offs(d, x, stream), w1, w2, params);
-    } else if (params.gemm == GemmEngine::kUniep && plain_gate_up_ok(w1, params) &&
-               params.dispatch == DispatchPrecision::kBf16) {
-      // The first GEMM reads its rows from the receive slots through the plan's row list (no
-      // gather pass) and applies SwiGLU in its epilogue on w1 as stored: neither the gathered
-      // rows nor h [R, 2I] reach memory.
-      const at::Tensor slots =
-          at::from_blob(const_cast<void*>(rt.received_rows()), {N, H},
-                        {cfg.row_bytes_capacity() / 2, 1}, x.options().dtype(at::kBFloat16));
-      const at::Tensor offs = expert_offs(d, x, stream);
-      const at::Tensor act = engine_grouped_mm_swiglu_plain(slots, w1, offs, params, d.row_slot);
-      y = engine_grouped_mm(act, w2, offs, params);
     } else {
       const at::Tensor xs = gathered_rows(x, d, rt, params, stream);
       const at::Tensor offs = expert_offs(d, x, stream);
@@ -506,7 +495,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
       };
       at::Tensor act;
       if (params.gemm == GemmEngine::kUniep && plain_gate_up_ok(w1, params)) {
-        // SwiGLU in the first GEMM's epilogue, w1 read as stored (fp8 rows dequantized first).
+        // SwiGLU in the first GEMM's epilogue, w1 read as stored: h never reaches memory.
         act = engine_grouped_mm_swiglu_plain(xs, w1, offs, params);
       } else if (params.gemm == GemmEngine::kUniep) {
         // One pass over h, silu(g) * u rounded once (the SwiGLU epilogue's formula, the bits

@@ -13,10 +13,8 @@ namespace uniep::torch_glue {
 
 // The operand checks of uniep::grouped_mm (x [R, K], w [E, K, N] or the transpose of a contiguous
 // [E, N, K], offs [E] int32, bf16 on one CUDA device, K and N multiples of 8); throws naming the
-// argument. x_rows_only: x's rows are read one by one (row_slot), so x need only have contiguous
-// rows a multiple of 8 elements apart.
-void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           bool x_rows_only = false);
+// argument.
+void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs);
 
 // The SwiGLU epilogue's width check: w [E, K, 2I] with 2I a multiple of 16.
 void check_swiglu_width(const at::Tensor& w);
@@ -44,14 +42,9 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning);
 // The same activation, bit for bit, from w1 as stored (gate columns [0, I), then up; kSwiGluPlain):
-// no packed copy of w1. I must be a multiple of 64 (check_plain_gate_up). With row_slot [R]
-// int64 defined, GEMM row r reads x's row row_slot[r] (x [X, K] with unit column stride and a
-// row stride that is a multiple of 8, such as a view of a dispatch's receive slots; a slot
-// outside [0, X) reads zeros) and the result has R rows: x.index_select(0, row_slot)'s
-// activation without that copy.
+// no packed copy of w1. I must be a multiple of 64 (check_plain_gate_up).
 at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor& w1,
-                                          const at::Tensor& offs, const TuningParams& tuning,
-                                          const at::Tensor& row_slot = {});
+                                          const at::Tensor& offs, const TuningParams& tuning);
 
 // The backward's products: dy [R, N] w[e]^T -> [R, K] for w [E, K, N] (the input's gradient),
 // and x[rows of e]^T dy[rows of e] -> [E, K, N] (the weight's gradient; zeros for an expert with

@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include <optional>
 #include <tuple>
 
 #include "torch/grouped_gemm.hpp"
@@ -21,8 +20,7 @@ namespace {
 constexpr int64_t kAlign = 8;  // bf16 elements in the 16 bytes a TMA row needs
 }  // namespace
 
-void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           bool x_rows_only) {
+void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
   UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
   UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, K, N], got shape ", w.sizes());
   UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
@@ -41,19 +39,8 @@ void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& w, const at::T
               ", got shape ", w.sizes());
   // A copy of a transposed w would cost more than the GEMM; a w whose [E, N, K] transpose is
   // contiguous (the layout of HF's gate_up_proj) runs as it is, read K-major (engine_grouped_mm).
-  if (x_rows_only) {
-    // Rows read one by one (row_slot): each row contiguous, 16-byte aligned rows apart.
-    UNIEP_CHECK(x.stride(1) == 1 || x.size(1) <= 1,
-                "x's rows must be contiguous (x.stride(1) == 1), got strides ", x.strides());
-    UNIEP_CHECK_CODE(x.stride(0) % kAlign == 0 && x.stride(0) >= x.size(1),
-                     StatusCode::kUnsupported, "x's row stride must be a multiple of ", kAlign,
-                     " of at least K = ", x.size(1),
-                     " when row_slot is given (the kernel copies 16-byte aligned rows), got ",
-                     x.stride(0));
-  } else {
-    UNIEP_CHECK(x.is_contiguous(), "x must be contiguous (row-major [R, K]), got strides ",
-                x.strides());
-  }
+  UNIEP_CHECK(x.is_contiguous(), "x must be contiguous (row-major [R, K]), got strides ",
+              x.strides());
   UNIEP_CHECK(w.is_contiguous() || w.transpose(1, 2).is_contiguous(),
               "w must be contiguous (row-major [E, K, N]) or the transpose of a contiguous "
               "[E, N, K], got strides ",
@@ -210,34 +197,8 @@ at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_pac
 }
 
 at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor& w1,
-                                          const at::Tensor& offs, const TuningParams& tuning,
-                                          const at::Tensor& row_slot) {
-  if (!row_slot.defined())
-    return run_engine(x, w1, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGluPlain);
-  // Rows gathered by the kernel: x is the slots' storage, read in place.
-  check_grouped_mm_args(x, w1, offs, /*x_rows_only=*/true);
-  check_plain_gate_up(w1);
-  UNIEP_CHECK(row_slot.dim() == 1 && row_slot.scalar_type() == at::kLong,
-              "row_slot must be int64 [R], got ", row_slot.scalar_type(), " of shape ",
-              row_slot.sizes());
-  UNIEP_CHECK(row_slot.device() == x.device() && row_slot.is_contiguous(),
-              "row_slot must be contiguous on x's device ", x.device(), ", got ",
-              row_slot.device());
-  UNIEP_CHECK(x.size(0) >= 1, "x must hold at least one row when row_slot is given, got shape ",
-              x.sizes());
-  const int64_t rows = row_slot.size(0), k = x.size(1), n = w1.size(2);
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({rows, n / 2}, x.options());
-  if (rows == 0 || n == 0) return out;
-  if (k == 0) return out.zero_();
-  cuda::GroupedGemmProblem p = forward_problem(x, w1, offs, out,
-                                               cuda::GroupedGemmEpilogue::kSwiGluPlain);
-  p.rows = rows;
-  p.row_slot = row_slot.data_ptr<int64_t>();
-  p.x_rows = x.size(0);
-  p.x_stride = x.stride(0);
-  launch(p, x, tuning);
-  return out;
+                                          const at::Tensor& offs, const TuningParams& tuning) {
+  return run_engine(x, w1, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGluPlain);
 }
 
 at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
@@ -392,11 +353,9 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
 }
 
 at::Tensor grouped_mm_swiglu_plain_cuda(const at::Tensor& x, const at::Tensor& w1,
-                                        const at::Tensor& offs, c10::string_view tuning,
-                                        const std::optional<at::Tensor>& row_slot) {
+                                        const at::Tensor& offs, c10::string_view tuning) {
   return translate_errors([&] {
-    return engine_grouped_mm_swiglu_plain(x, w1, offs, TuningParams::parse(std::string(tuning)),
-                                          row_slot.value_or(at::Tensor()));
+    return engine_grouped_mm_swiglu_plain(x, w1, offs, TuningParams::parse(std::string(tuning)));
   });
 }
 

@@ -30,12 +30,8 @@ TORCH_LIBRARY(uniep, m) {
   // gate and up interleaved in blocks of 8 columns (uniep.gemm.pack_gate_up) -> act [R, I].
   m.def("grouped_mm_swiglu(Tensor x, Tensor w_packed, Tensor offs, str tuning=\"\") -> Tensor");
   // The same activation, bit for bit, from w1 [E, K, 2I] as stored (gate columns, then up; I a
-  // multiple of 64), with no packed copy (CUDA only). With row_slot [R] int64, GEMM row r is
-  // x's row row_slot[r] (x [X, K], any row stride that is a multiple of 8; a slot outside
-  // [0, X) reads zeros): the rows of x[row_slot] without that gather -> [R, I].
-  m.def(
-      "grouped_mm_swiglu_plain(Tensor x, Tensor w1, Tensor offs, str tuning=\"\", "
-      "Tensor? row_slot=None) -> Tensor");
+  // multiple of 64), with no packed copy (CUDA only).
+  m.def("grouped_mm_swiglu_plain(Tensor x, Tensor w1, Tensor offs, str tuning=\"\") -> Tensor");
   // The backward's grouped products (CUDA only): dgrad dy [R, N] x w[e]^T for w [E, K, N] ->
   // [R, K]; wgrad x[rows of e]^T x dy[rows of e] for x [R, K], dy [R, N] -> [E, K, N] (E =
   // offs.size(0); zeros for an expert with no rows), summed over rows in ascending order.

@@ -117,43 +117,23 @@ def _grouped_mm_swiglu_fake(
 
 
 def grouped_mm_swiglu_plain(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    offs: torch.Tensor,
-    tuning: str = "",
-    row_slot: torch.Tensor | None = None,
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, tuning: str = ""
 ) -> torch.Tensor:
     """:func:`grouped_mm_swiglu`'s activation, bit for bit, from ``w1 [E, H, 2I]`` as stored (gate
     columns ``[:, :, :I]``, then up): no packed copy, so nothing to redo when w1 changes (CUDA,
     bf16, Hopper). The kernel's loads read w1 as if packed in blocks of 64 columns, so w1 must be
     contiguous and I a multiple of 64 (and of ``tile_n / 2`` when tuning names ``tile_n``; the
-    automatic choice takes a 128-wide tile where I is not a multiple of 128).
-
-    ``row_slot`` (int64 [R]): GEMM row r is ``x``'s row ``row_slot[r]``, read in place by the
-    kernel, so the result is that of ``x.index_select(0, row_slot)`` without the copy. ``x`` may
-    then be any [X, H] view with contiguous rows a multiple of 8 elements apart (a dispatch's
-    receive slots); a slot outside ``[0, X)`` reads zeros."""
-    return torch.ops.uniep.grouped_mm_swiglu_plain(x, w1, offs, tuning, row_slot)
+    automatic choice takes a 128-wide tile where I is not a multiple of 128)."""
+    return torch.ops.uniep.grouped_mm_swiglu_plain(x, w1, offs, tuning)
 
 
 @torch.library.register_fake("uniep::grouped_mm_swiglu_plain")
 def _grouped_mm_swiglu_plain_fake(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    offs: torch.Tensor,
-    tuning: str = "",
-    row_slot: torch.Tensor | None = None,
+    x: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor, tuning: str = ""
 ) -> torch.Tensor:
-    act = _swiglu_meta(
+    return _swiglu_meta(
         x, w1, offs, 128, "w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64 (2I)"
     )
-    if row_slot is None:
-        return act
-    torch._check_value(
-        row_slot.dim() == 1 and row_slot.dtype == torch.int64,
-        lambda: f"row_slot must be int64 [R], got {row_slot.dtype} {tuple(row_slot.shape)}",
-    )
-    return x.new_empty((row_slot.shape[0], w1.shape[2] // 2))
 
 
 def grouped_mm_dgrad(

@@ -162,11 +162,9 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
   if constexpr (G::kW1AsStored) {
     // GEMM 1's groups [0, E) read w1 through the mainloop's own TMA; GEMM 2's their pointers.
-    grouped::PlainW1 plain;
-    plain.w1 = static_cast<const grouped::Bf16*>(a.w1_packed);
-    plain.k = a.hidden;
-    plain.n = 2 * a.ffn;
-    G::Mainloop::set_w1(args.mainloop, plain, a.num_experts, a.num_experts);
+    const grouped::PlainW1 w1{static_cast<const grouped::Bf16*>(a.w1_packed), a.hidden,
+                              2 * a.ffn};
+    G::Mainloop::set_w1(args.mainloop, w1, a.num_experts, a.num_experts);
   }
   args.epilogue.ptr_out = ws.ptr_d;
   args.epilogue.ld_act = a.ffn;

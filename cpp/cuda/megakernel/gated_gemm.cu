@@ -67,14 +67,10 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
       static_cast<int>(p.n), static_cast<int>(out_n), static_cast<const grouped::Bf16*>(p.x),
       static_cast<const grouped::Bf16*>(p.w), static_cast<grouped::Bf16*>(p.out), ws);
   if (Status s = launch_status("the gated GEMM's problem kernel"); !s.ok()) return s;
-  if (plain) {
-    grouped::PlainW1 w1;
-    w1.w1 = static_cast<const grouped::Bf16*>(p.w);
-    w1.k = p.k;
-    w1.n = p.n;
-    return megakernel::gated_swiglu_plain_run(ws, p.num_experts, gate, signal, out_n, device,
-                                              sm_count, stream, w1);
-  }
+  if (plain)
+    return megakernel::gated_swiglu_plain_run(
+        ws, p.num_experts, gate, signal, out_n, device, sm_count, stream,
+        grouped::PlainW1{static_cast<const grouped::Bf16*>(p.w), p.k, p.n});
   return swiglu ? megakernel::gated_swiglu_run(ws, p.num_experts, gate, signal, out_n, device,
                                                sm_count, stream)
                 : megakernel::gated_store_run(ws, p.num_experts, gate, device, sm_count, stream);

@@ -69,15 +69,6 @@ struct GroupedGemmProblem {
   // offs describes fewer (a fused runtime's receive buffer), the expected count keeps the shape
   // rules from pricing empty capacity. Never changes the bits.
   int64_t shape_rows = 0;
-  // Gathered rows (kSwiGluPlain only): with row_slot non-null, GEMM row r reads row row_slot[r]
-  // ([rows] int64, device memory) of x, which then holds x_rows rows of k bf16 with x_stride
-  // elements between rows (0: k; a multiple of 8), such as a dispatch's receive slots. The rows
-  // are the same bits as those of x gathered first (gather_rows_bf16), without that pass: the
-  // kernel loads each row through a tensor copy of its own. A row_slot value outside
-  // [0, x_rows), like a row past offs[E - 1], reads zeros and is never an access outside x.
-  const int64_t* row_slot = nullptr;
-  int64_t x_rows = 0;
-  int64_t x_stride = 0;
 };
 
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
@@ -87,8 +78,7 @@ bool grouped_gemm_device_ok(int device);
 // needs: E >= 1, 0 <= R < 2^31, k and n positive multiples of 8 below 2^31 (TMA moves rows of 16
 // bytes; kSwiGlu: n a multiple of 16, kSwiGluPlain: of 128, both kForward only), 16-byte aligned x,
 // w and out, a non-null offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written,
-// with zeros). With row_slot: kSwiGluPlain, 1 <= x_rows < 2^31, x_stride 0 or a multiple of 8 at
-// least k.
+// with zeros).
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives

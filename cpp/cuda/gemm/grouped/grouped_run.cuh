@@ -48,7 +48,7 @@ size_t grouped_gemm_workspace(int64_t num_experts, int sm_count) {
   return G::Gemm::get_workspace_size(grouped_arguments<G>(ws, num_experts, 0, sm_count, 2));
 }
 
-// The launch; `plain` is kSwiGluPlain's w1 (and gathered rows), ignored by the others.
+// The launch; `plain` is kSwiGluPlain's w1, ignored by the other epilogues.
 template <class G>
 Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t ld_out,
                               int device, int sm_count, cudaStream_t stream,

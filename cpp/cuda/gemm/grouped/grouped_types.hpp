@@ -37,21 +37,10 @@ static_assert(sizeof(KMajorA) == 8 && sizeof(MMajorA) == 8 && sizeof(NMajorB) ==
 //   kWgrad    out[e] = x[rows of e]^T dy[rows of e]   (x^T M-major, dy N-major; K = the rows)
 enum class GroupedKind { kForward, kDgrad, kWgrad };
 
-// kSwiGluPlain's gathered rows (GroupedGemmProblem::row_slot): GEMM row r of expert e is x's
-// row row_slot[r], x [x_rows, k] with x_stride elements between rows; offs gives each expert's
-// first GEMM row, rows the length of row_slot. Null row_slot: A is the problem's x rows.
-struct GatheredRows {
-  const int64_t* row_slot = nullptr;
-  const int32_t* offs = nullptr;
-  const void* x = nullptr;
-  int64_t x_rows = 0, x_stride = 0, rows = 0;
-};
-
 // kSwiGluPlain's weight: w1 [E, k, n] as stored (gate columns [0, n / 2), then up).
 struct PlainW1 {
   const Bf16* w1 = nullptr;
   int64_t k = 0, n = 0;
-  GatheredRows gather;
 };
 
 template <GroupedKind Kind>

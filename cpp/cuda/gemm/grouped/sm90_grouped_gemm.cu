@@ -133,18 +133,6 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.kind != GroupedGemmKind::kForward)
     return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
-  if (p.row_slot != nullptr) {
-    if (p.epilogue != GroupedGemmEpilogue::kSwiGluPlain)
-      return unsupported(
-          "row_slot (rows gathered by the kernel) needs the SwiGLU epilogue on w1 as stored "
-          "(kSwiGluPlain); gather the rows first (gather_rows_bf16) for the other epilogues");
-    if (p.x_rows < 1 || p.x_rows > kMaxExtent)
-      return bad("x_rows (the rows row_slot indexes) must be in [1, 2^31), got ", p.x_rows);
-    if (p.x_stride != 0 && (p.x_stride < p.k || p.x_stride % kAlign != 0))
-      return unsupported("x_stride must be 0 (k) or a multiple of ", kAlign, " of at least k = ",
-                         p.k, " (the kernel's row copies move 16-byte aligned rows), got ",
-                         p.x_stride);
-  }
   const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
   if ((!wgrad || p.rows > 0) && (p.w == nullptr || !aligned(p.w)))
     return unsupported("w must be 16-byte aligned (non-null)");
@@ -201,8 +189,18 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
       return {e.code(), e.what()};
     }
     if (plain && !plain_fits(all[*index]->config)) {
-      // The 128-wide tile of the same height (entries(): 0 and 4 are 256 wide).
-      *index = all[*index]->config.tile_m == 64 ? 1 : 2;
+      // The first configuration of the same height whose tile fits (a 128-wide one: I is a
+      // multiple of 64).
+      const int tile_m = all[*index]->config.tile_m;
+      for (size_t i = 0; i < all.size(); ++i) {
+        if (all[i]->config.tile_m == tile_m && plain_fits(all[i]->config)) {
+          *index = static_cast<int>(i);
+          return Status::Ok();
+        }
+      }
+      return {StatusCode::kInternal,
+              detail::str_cat("no compiled configuration of tile_m=", tile_m,
+                              " fits the SwiGLU epilogue on w1 as stored with FFN size ", p.n / 2)};
     }
     return Status::Ok();
   }
@@ -300,21 +298,9 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
-  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain) {
-    grouped::PlainW1 plain;
-    plain.w1 = w;
-    plain.k = p.k;
-    plain.n = p.n;
-    if (p.row_slot != nullptr) {
-      plain.gather.row_slot = p.row_slot;
-      plain.gather.offs = p.offs;
-      plain.gather.x = p.x;
-      plain.gather.x_rows = p.x_rows;
-      plain.gather.x_stride = p.x_stride == 0 ? p.k : p.x_stride;
-      plain.gather.rows = p.rows;
-    }
-    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream, plain);
-  }
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
+    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
+                                   grouped::PlainW1{w, p.k, p.n});
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
 }
