@@ -187,40 +187,7 @@ def bench_kernel(
     row["uniep_over_torch"] = row["uniep_ms"] / row["torch_ms"]
     if swiglu and n % 128 == 0:
         row.update(_bench_swiglu(x, w, offs, warmup, iters))
-    row.update(_bench_odd_tiles(x, w, offs, warmup, iters, swiglu and n % 128 == 0))
     return row
-
-
-def _bench_odd_tiles(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, warmup: int, iters: int, swiglu: bool
-) -> dict[str, Any]:
-    """The automatic configuration with each expert's odd m-tile beside a tile of padding (one
-    launch, odd_tiles=pad) against the odd tiles in a second launch on single-CTA clusters
-    (odd_tiles=split), interleaved, for the plain GEMM and (up projection) the SwiGLU GEMM on w1
-    as stored. The same bits expected."""
-    from uniep.gemm import grouped_mm_swiglu_plain
-    from uniep.timing import interleaved_medians_ms
-
-    fns = {
-        f"gemm {v}": (lambda v=v: torch.ops.uniep.grouped_mm(x, w, offs, f"odd_tiles={v}"))
-        for v in ("pad", "split")
-    }
-    if swiglu:
-        fns |= {
-            f"swiglu {v}": (lambda v=v: grouped_mm_swiglu_plain(x, w, offs, f"odd_tiles={v}"))
-            for v in ("pad", "split")
-        }
-    out: dict[str, Any] = {}
-    for what in ("gemm", "swiglu") if swiglu else ("gemm",):
-        out[f"odd_tiles_bits_equal[{what}]"] = bool(
-            torch.equal(fns[f"{what} pad"](), fns[f"{what} split"]())
-        )
-    ms = interleaved_medians_ms(fns, max(1, iters // 4), 4, True, warmup=warmup)
-    for name, t in ms.items():
-        out[f"odd_tiles_ms[{name}]"] = t
-    for what in ("gemm", "swiglu") if swiglu else ("gemm",):
-        out[f"odd_tiles_split_over_pad[{what}]"] = ms[f"{what} split"] / ms[f"{what} pad"]
-    return out
 
 
 def _bench_swiglu(
@@ -280,21 +247,6 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                 f"| {r.get('fp8_ms', nan):.3f} ({r.get('fp8_over_uniep', nan):.2f}x) | "
                 + " | ".join(f"{r.get(f'fp8_ms[{c}]', nan):.3f}" for c in FP8_CONFIGS)
                 + f" | {r.get('fp8_bits_same_every_config')} |",
-                flush=True,
-            )
-            print(
-                f"|   {r['load']} odd tiles split / pad: GEMM "
-                f"{r['odd_tiles_split_over_pad[gemm]']:.3f} "
-                f"({r['odd_tiles_ms[gemm split]']:.3f} / {r['odd_tiles_ms[gemm pad]']:.3f} ms)"
-                + (
-                    f", SwiGLU {r['odd_tiles_split_over_pad[swiglu]']:.3f} "
-                    f"({r['odd_tiles_ms[swiglu split]']:.3f} / "
-                    f"{r['odd_tiles_ms[swiglu pad]']:.3f} ms)"
-                    if "odd_tiles_split_over_pad[swiglu]" in r
-                    else ""
-                )
-                + f"; same bits: {all(v for k, v in r.items() if k.startswith('odd_tiles_bits'))}"
-                " |",
                 flush=True,
             )
             if "swiglu_plain_ms" in r:
@@ -587,34 +539,15 @@ def _bench_layer(
         row["fused_moe_forward_equals_layer"] = bool(
             torch.equal(calls["moe_forward fused"](), layer_call(""))
         )
-        # The default layer (odd_tiles=auto: split) beside its GEMMs' odd tiles padded.
-        calls["uniep odd_tiles=pad"] = lambda: layer_call("odd_tiles=pad")
-        row["odd_tiles_pad_equals_layer"] = bool(
-            torch.equal(calls["uniep odd_tiles=pad"](), layer_call(""))
-        )
         side = {"uniep": lambda: layer_call("")} | {
-            v: calls[v]
-            for v in (
-                "bf16_packed",
-                "bf16_packed_fused",
-                "moe_forward fused",
-                "uniep odd_tiles=pad",
-            )
+            v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
         }
         for fn in side.values():
             for _ in range(warmup):
                 fn()
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
-        times = {
-            v: side_ms[v]
-            for v in (
-                "bf16_packed",
-                "bf16_packed_fused",
-                "moe_forward fused",
-                "uniep odd_tiles=pad",
-            )
-        }
+        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")}
         for variant in ("fp8", "fp8 m64", "fp8 moe_forward"):
             times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
         for variant, ms in times.items():
@@ -976,10 +909,9 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
     print()
     print(
         "| layer | uniep ms, interleaved (x floor) | moe_forward overlap=fused ms (x floor) | "
-        "same bits | prepared bf16_packed ms | prepared overlap=fused ms | "
-        "uniep odd_tiles=pad ms (x floor), same bits |"
+        "same bits | prepared bf16_packed ms | prepared overlap=fused ms |"
     )
-    print("|---|---:|---:|---|---:|---:|---:|")
+    print("|---|---:|---:|---|---:|---:|")
     for r in rows:
         floor = max(r["dense_ms"], r["weight_read_ms"])
         fused = r["ms[moe_forward fused]"]
@@ -987,9 +919,7 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
             f"| {r['load']} | {r['ms_interleaved[uniep]']:.3f} "
             f"({r['ms_interleaved[uniep]'] / floor:.2f}x) | {fused:.3f} ({fused / floor:.2f}x) "
             f"| {r['fused_moe_forward_equals_layer']} | {r['ms[bf16_packed]']:.3f} "
-            f"| {r['ms[bf16_packed_fused]']:.3f} "
-            f"| {r['ms[uniep odd_tiles=pad]']:.3f} ({r['ms[uniep odd_tiles=pad]'] / floor:.2f}x), "
-            f"{r['odd_tiles_pad_equals_layer']} |"
+            f"| {r['ms[bf16_packed_fused]']:.3f} |"
         )
     print()
     print(

@@ -189,49 +189,7 @@ CONFIGS = [
     "tile_m=128,tile_n=128,tile_k=64",
     "tile_m=256,tile_n=128,tile_k=64",
     "tile_m=64,tile_n=256,tile_k=64",
-    # The two above run each expert's odd m-tile in a second launch by default (odd_tiles=split);
-    # here beside a tile of padding in one launch.
-    "tile_m=128,tile_n=256,tile_k=64,odd_tiles=pad",
-    "tile_m=64,tile_n=256,tile_k=64,odd_tiles=pad",
 ]
-
-
-@pytest.mark.parametrize("tile_m", [64, 128])
-def test_odd_tiles_split_and_padded_agree(tile_m: int) -> None:
-    """Every count around the tile pairs' edges: experts whose last m-tile is odd (run by the
-    single-CTA launch with odd_tiles=split), even, alone (one tile: the whole expert in the second
-    launch) or empty. Same bits as the padded launch, the float64 truth within bf16 error, for
-    the plain GEMM and the SwiGLU epilogue on w1 as stored; and the same bits as a CUDA graph's
-    replay with the counts changed (the split is made on the device)."""
-    from uniep.gemm import grouped_mm_swiglu_plain
-
-    t = tile_m
-    counts = [1, t, t + 1, 2 * t - 1, 2 * t, 2 * t + 1, 3 * t - 1, 3 * t, 0, 3 * t + 1, 4 * t + 5]
-    x, w, offs = _operands(counts, 256, 512, seed=t)
-    tiles = f"tile_m={t},tile_n=256,tile_k=64"
-    split = torch.ops.uniep.grouped_mm(x, w, offs, tiles + ",odd_tiles=split")
-    _assert_bf16_close(split, _reference(x, w, offs))
-    assert torch.equal(torch.ops.uniep.grouped_mm(x, w, offs, tiles + ",odd_tiles=pad"), split)
-    assert torch.equal(torch.ops.uniep.grouped_mm(x, w, offs, tiles), split)  # auto: split
-    act = grouped_mm_swiglu_plain(x, w, offs, tiles)
-    assert torch.equal(grouped_mm_swiglu_plain(x, w, offs, tiles + ",odd_tiles=pad"), act)
-    h = split.float()
-    chain = (torch.nn.functional.silu(h[:, :256]) * h[:, 256:]).bfloat16()
-    torch.testing.assert_close(act.float(), chain.float(), rtol=8e-3, atol=1e-3)
-
-    # Captured with these counts, replayed with others: the odd tiles follow the new counts.
-    other = [2 * t + 1, 0, 1, t + 3, 3 * t, 2 * t, t, 1, 5, 4 * t, t - 1]
-    other_offs = torch.tensor(other, device="cuda").cumsum(0).to(torch.int32)
-    static_offs = offs.clone()
-    graph = torch.cuda.CUDAGraph()
-    torch.ops.uniep.grouped_mm(x, w, static_offs, tiles)  # warm-up outside the capture
-    with torch.cuda.graph(graph):
-        captured = torch.ops.uniep.grouped_mm(x, w, static_offs, tiles)
-    static_offs.copy_(other_offs)
-    graph.replay()
-    end = int(other_offs[-1])
-    want = torch.ops.uniep.grouped_mm(x, w, other_offs, tiles + ",odd_tiles=pad")
-    assert torch.equal(captured[:end], want[:end])
 
 
 @pytest.mark.parametrize(

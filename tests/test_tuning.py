@@ -98,25 +98,11 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
     assert (d.tile_m, d.tile_n, d.tile_k, d.stages) == (0, 0, 0, 0)
     assert d.gemm == "uniep"
     assert "tile_m=auto,tile_n=auto,tile_k=auto,stages=auto" in d.to_string()
-    assert d.to_string().endswith(",gemm=uniep,experts=auto,odd_tiles=auto")
+    assert d.to_string().endswith(",gemm=uniep,experts=auto")
     p = _C.TuningParams.parse("tile_m=auto,tile_n=256,stages=auto,gemm=torch")
     assert (p.tile_m, p.tile_n, p.stages, p.gemm) == (0, 256, 0, "torch")
     assert _C.TuningParams.parse(p.to_string()) == p
     assert p != _C.TuningParams.parse("tile_n=256")  # gemm is part of the point
-
-
-def test_odd_tiles_key() -> None:
-    d = _C.TuningParams()
-    assert d.odd_tiles == "auto"
-    for v in ("pad", "split", "auto"):
-        p = _C.TuningParams.parse(f"odd_tiles={v}")
-        assert p.odd_tiles == v
-        assert _C.TuningParams.parse(p.to_string()) == p
-    assert _C.TuningParams.parse("odd_tiles=pad") != _C.TuningParams.parse("odd_tiles=split")
-    d.odd_tiles = "pad"
-    assert "odd_tiles=pad" in d.to_string()
-    with pytest.raises(ValueError, match="odd_tiles must be auto, pad or split, got 'odd'"):
-        _C.TuningParams.parse("odd_tiles=odd")
 
 
 def test_skip_rounds_is_auto_unless_given() -> None:

@@ -35,8 +35,6 @@ constexpr Spelling<GemmEngine> kGemmSpellings[] = {{"uniep", GemmEngine::kUniep}
 constexpr Spelling<ExpertPrecision> kExpertSpellings[] = {{"auto", ExpertPrecision::kAuto},
                                                           {"bf16", ExpertPrecision::kBf16},
                                                           {"fp8", ExpertPrecision::kFp8}};
-constexpr Spelling<OddTiles> kOddTilesSpellings[] = {
-    {"auto", OddTiles::kAuto}, {"pad", OddTiles::kPad}, {"split", OddTiles::kSplit}};
 
 // The value's first listed spelling: the name the string form prints and parse reads back.
 template <class E, size_t N>
@@ -68,15 +66,11 @@ const char* expert_precision_name(ExpertPrecision precision) {
   return name_of(precision, kExpertSpellings);
 }
 
-const char* odd_tiles_name(OddTiles odd_tiles) {
-  return name_of(odd_tiles, kOddTilesSpellings);
-}
-
 namespace {
 
 constexpr const char* kKeys =
     "sms, token_tile, tile_m, tile_n, tile_k, stages, skip_rounds, overlap, dispatch, combine, "
-    "gemm, experts, odd_tiles";
+    "gemm, experts";
 
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
@@ -142,7 +136,7 @@ std::string TuningParams::to_string() const {
       ",skip_rounds=", skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
       ",overlap=", overlap_mode_name(overlap), ",dispatch=", dispatch_precision_name(dispatch),
       ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm),
-      ",experts=", expert_precision_name(experts), ",odd_tiles=", odd_tiles_name(odd_tiles));
+      ",experts=", expert_precision_name(experts));
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
@@ -203,8 +197,6 @@ TuningParams TuningParams::parse(const std::string& text) {
       p.gemm = parse_choice(key, value, kGemmSpellings);
     } else if (key == "experts") {
       p.experts = parse_choice(key, value, kExpertSpellings);
-    } else if (key == "odd_tiles") {
-      p.odd_tiles = parse_choice(key, value, kOddTilesSpellings);
     } else {
       UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
     }
@@ -252,7 +244,7 @@ bool TuningParams::operator==(const TuningParams& o) const {
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
          skip_rounds == o.skip_rounds &&
          overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm &&
-         experts == o.experts && odd_tiles == o.odd_tiles;
+         experts == o.experts;
 }
 
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,

@@ -279,12 +279,6 @@ PYBIND11_MODULE(_C, m) {
             // experts=fp8 parses only beside dispatch=fp8; validate() checks the pair.
             p.experts = TuningParams::parse("dispatch=fp8,experts=" + v).experts;
           })
-      .def_property(
-          "odd_tiles",
-          [](const TuningParams& p) { return std::string(odd_tiles_name(p.odd_tiles)); },
-          [](TuningParams& p, const std::string& v) {
-            p.odd_tiles = TuningParams::parse("odd_tiles=" + v).odd_tiles;
-          })
       .def_property_readonly("fp8_experts", &TuningParams::fp8_experts)
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
       .def("__hash__",

@@ -157,7 +157,6 @@ void launch(cuda::GroupedGemmProblem& p, const at::Tensor& like, const TuningPar
   tiles.tile_n = tuning.tile_n;
   tiles.tile_k = tuning.tile_k;
   tiles.stages = tuning.stages;
-  tiles.odd_tiles = tuning.odd_tiles;
   ok_or_throw(cuda::grouped_gemm_bf16(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
                                       at::cuda::getCurrentCUDAStream(device).stream()));
 }

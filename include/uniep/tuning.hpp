@@ -29,21 +29,11 @@ enum class GemmEngine { kUniep, kTorch };
 // the experts received (a straight-through estimate of the weights' and activation's rounding).
 enum class ExpertPrecision { kAuto, kBf16, kFp8 };
 
-// How the expert GEMM engine runs an expert's odd last m-tile under a configuration on clusters
-// of two CTAs along M, whose scheduler gives every expert an even number of m-tiles.
-//   kSplit  the tile pairs in one launch, each expert's odd last tile in a second launch of the
-//           same tile on single-CTA clusters (no tile of padding is computed);
-//   kPad    one launch, the odd tile beside a tile of padding (CUTLASS's rounding);
-//   kAuto   kSplit (the default).
-// Which launch computes a row never changes its bits.
-enum class OddTiles { kAuto, kPad, kSplit };
-
 const char* overlap_mode_name(OverlapMode mode);
 const char* dispatch_precision_name(DispatchPrecision precision);
 const char* combine_reduction_name(CombineReduction reduction);
 const char* gemm_engine_name(GemmEngine engine);
 const char* expert_precision_name(ExpertPrecision precision);
-const char* odd_tiles_name(OddTiles odd_tiles);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
 // and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
@@ -70,7 +60,6 @@ struct TuningParams {
   CombineReduction combine = CombineReduction::kPerChoice;
   GemmEngine gemm = GemmEngine::kUniep;
   ExpertPrecision experts = ExpertPrecision::kAuto;
-  OddTiles odd_tiles = OddTiles::kAuto;  // the expert GEMM engine's odd m-tiles (CUDA only)
   // Whether the experts run in fp8 (ExpertPrecision, kAuto resolved).
   bool fp8_experts() const {
     return experts == ExpertPrecision::kFp8 ||

@@ -22,7 +22,6 @@
 #include <cstdint>
 
 #include "uniep/status.hpp"
-#include "uniep/tuning.hpp"
 
 namespace uniep::cuda {
 
@@ -101,13 +100,9 @@ struct GroupedGemmConfig {
 // match; `count` receives their number.
 const GroupedGemmConfig* grouped_gemm_configs(int* count);
 
-// What a caller asks of the configuration; 0 leaves that field to the selection. odd_tiles
-// (uniep/tuning.hpp): with a configuration on clusters of two CTAs along M that has a single-CTA
-// companion (coop_128x256x64, pingpong_64x256x64; kForward only), kAuto and kSplit run each
-// expert's odd last m-tile in a second launch instead of beside a tile of padding.
+// What a caller asks of the configuration; 0 leaves that field to the selection.
 struct GroupedGemmTiles {
   int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
-  OddTiles odd_tiles = OddTiles::kAuto;
 };
 
 // Rows per expert up to which the automatic choice takes the 64-row ping-pong tiles for the SwiGLU

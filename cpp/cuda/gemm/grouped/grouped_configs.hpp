@@ -35,10 +35,6 @@ const GroupedEntry& entry_coop_128x128x64();
 const GroupedEntry& entry_coop_256x128x64();
 const GroupedEntry& entry_pingpong_64x128x128();
 const GroupedEntry& entry_pingpong_64x256x64();
-// The odd-tile companions of coop_128x256x64 and pingpong_64x256x64: the same tiles on single-CTA
-// clusters, for each expert's odd last m-tile (grouped_problems.cuh's pair_rows).
-const GroupedEntry& entry_coop_128x256x64_c1();
-const GroupedEntry& entry_pingpong_64x256x64_c1();
 // The backward's products (GroupedGemmKind kDgrad, kWgrad), chosen by shape only.
 const GroupedEntry& entry_dgrad_coop_128x256x64();
 const GroupedEntry& entry_dgrad_pingpong_64x256x64();

@@ -25,43 +25,11 @@ namespace uniep::cuda::grouped {
 //             rows gets no tiles (M = 0) and zero_empty_wgrad clears its out[e].
 // out_n: the columns of out (n, or n / 2 for the SwiGLU epilogue). One warp walks the experts
 // (expert_rows_step).
-//
-// pair_rows > 0 (kForward and kDgrad only) splits each expert's rows for a kernel on clusters of
-// two CTAs along M and one on single CTAs: CUTLASS's group scheduler rounds every expert's m-tiles
-// up to the cluster's two, so an expert with an odd number of pair_rows-row tiles would compute a
-// whole tile of padding. `ws` gets the rows of the whole tile pairs (all of them when the count
-// is even), `odd` the last tile's rows when it is odd (M = 0 otherwise). Which kernel computes a
-// row does not change its bits (one fp32 sum over K in ascending order either way).
-template <GroupedKind Kind>
-__device__ void write_grouped_problem(const Workspace& ws, int e, int64_t begin, int m, int k,
-                                      int n, int out_n, const Bf16* x, const Bf16* w, Bf16* out) {
-  const int64_t b = begin, ee = e;
-  if constexpr (Kind == GroupedKind::kWgrad) {
-    ws.shapes[e] = Shape{m > 0 ? k : 0, n, m};
-    ws.ptr_a[e] = x + b * k;
-    ws.ptr_b[e] = w + b * n;
-    ws.ptr_d[e] = out + ee * k * n;
-    ws.stride_a[e] = k;  // x^T: M (the columns of x) contiguous, K (its rows) k apart
-    ws.stride_b[e] = n;  // dy: N contiguous, K (its rows) n apart
-    ws.stride_d[e] = StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
-  } else {
-    ws.shapes[e] = Shape{m, n, k};
-    ws.ptr_a[e] = x + b * k;
-    ws.ptr_b[e] = w + ee * k * n;
-    ws.ptr_d[e] = out + b * out_n;
-    ws.stride_a[e] = k;  // x rows: K contiguous, M k apart
-    // kForward: w[e] [k, n], N contiguous, K n apart; kDgrad: w[e] [n, k], K contiguous, N
-    // k apart.
-    ws.stride_b[e] = Kind == GroupedKind::kForward ? n : k;
-    ws.stride_d[e] = StrideD{static_cast<int64_t>(out_n), cute::_1{}, cute::_0{}};
-  }
-}
-
 template <GroupedKind Kind>
 __global__ void __launch_bounds__(32)
     build_grouped_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k,
                            int n, int out_n, const Bf16* x, const Bf16* w, Bf16* out,
-                           Workspace ws, int pair_rows = 0, Workspace odd = {}) {
+                           Workspace ws) {
   const int lane = static_cast<int>(threadIdx.x);
   int carry = 0;  // end of the last expert of the previous chunk
   for (int base = 0; base < num_experts; base += 32) {
@@ -69,14 +37,26 @@ __global__ void __launch_bounds__(32)
     const ExpertRows r = expert_rows_step(offs, e, num_experts, rows, lane, carry);
     if (e >= num_experts) continue;
     const int m = r.end - r.begin;
-    if (Kind == GroupedKind::kWgrad || pair_rows <= 0) {
-      write_grouped_problem<Kind>(ws, e, r.begin, m, k, n, out_n, x, w, out);
-      continue;
+    const int64_t b = r.begin, ee = e;
+    if constexpr (Kind == GroupedKind::kWgrad) {
+      ws.shapes[e] = Shape{m > 0 ? k : 0, n, m};
+      ws.ptr_a[e] = x + b * k;
+      ws.ptr_b[e] = w + b * n;
+      ws.ptr_d[e] = out + ee * k * n;
+      ws.stride_a[e] = k;  // x^T: M (the columns of x) contiguous, K (its rows) k apart
+      ws.stride_b[e] = n;  // dy: N contiguous, K (its rows) n apart
+      ws.stride_d[e] = StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
+    } else {
+      ws.shapes[e] = Shape{m, n, k};
+      ws.ptr_a[e] = x + b * k;
+      ws.ptr_b[e] = w + ee * k * n;
+      ws.ptr_d[e] = out + b * out_n;
+      ws.stride_a[e] = k;  // x rows: K contiguous, M k apart
+      // kForward: w[e] [k, n], N contiguous, K n apart; kDgrad: w[e] [n, k], K contiguous, N
+      // k apart.
+      ws.stride_b[e] = Kind == GroupedKind::kForward ? n : k;
+      ws.stride_d[e] = StrideD{static_cast<int64_t>(out_n), cute::_1{}, cute::_0{}};
     }
-    const int tiles = (m + pair_rows - 1) / pair_rows;
-    const int paired = min(m, tiles / 2 * 2 * pair_rows);
-    write_grouped_problem<Kind>(ws, e, r.begin, paired, k, n, out_n, x, w, out);
-    write_grouped_problem<Kind>(odd, e, r.begin + paired, m - paired, k, n, out_n, x, w, out);
   }
 }
 

@@ -37,14 +37,6 @@ const std::array<const grouped::GroupedEntry*, 5>& entries() {
   return all;
 }
 
-// The single-CTA companion that runs an entry's odd m-tiles (grouped_problems.cuh's pair_rows),
-// or null where none is compiled or the entry's clusters do not pair tiles along M.
-const grouped::GroupedEntry* odd_tile_entry(const grouped::GroupedEntry* e) {
-  if (e == &grouped::entry_coop_128x256x64()) return &grouped::entry_coop_128x256x64_c1();
-  if (e == &grouped::entry_pingpong_64x256x64()) return &grouped::entry_pingpong_64x256x64_c1();
-  return nullptr;
-}
-
 // The backward kinds' configurations. kDgrad: [0] for large experts, [1] for small ones. kWgrad:
 // [0] by default, [1] for narrow outputs, [2] for experts of many rows (wgrad_entry).
 const std::array<const grouped::GroupedEntry*, 2>& dgrad_entries() {
@@ -244,13 +236,9 @@ size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   for (const auto* e : wgrad_entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
-  for (const auto* e : entries()) {
+  for (const auto* e : entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
-    if (const auto* odd = odd_tile_entry(e))
-      gemm = std::max(gemm, odd->gemm_workspace_bytes(num_experts, sm_count));
-  }
-  // Two sets of per-expert arrays: the tile pairs' problems and the odd tiles'.
-  return 2 * grouped::group_arrays_bytes(num_experts) + gemm;
+  return grouped::group_arrays_bytes(num_experts) + gemm;
 }
 
 Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& tiles, int device,
@@ -280,19 +268,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
       !s.ok())
     return s;
 
-  grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
-  // The odd tiles' problems follow the pairs'; the two launches run one after the other on
-  // `stream`, so they share CUTLASS's workspace.
-  const grouped::GroupedEntry* odd_entry =
-      p.kind == GroupedGemmKind::kForward && tiles.odd_tiles != OddTiles::kPad
-          ? odd_tile_entry(entry)
-          : nullptr;
-  grouped::Workspace odd{};
-  if (odd_entry != nullptr) {
-    odd = grouped::carve(ws.gemm, p.num_experts);
-    ws.gemm = odd.gemm;
-  }
-  const int pair_rows = odd_entry != nullptr ? entry->config.tile_m : 0;
+  const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   const bool swiglu = p.epilogue != GroupedGemmEpilogue::kStore;
   const int64_t out_n = swiglu ? p.n / 2 : p.n;
   const int rows = static_cast<int>(p.rows), k = static_cast<int>(p.k), n = static_cast<int>(p.n);
@@ -303,7 +279,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   switch (p.kind) {
     case GroupedGemmKind::kForward:
       grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
-          p.offs, experts, rows, k, n, static_cast<int>(out_n), x, w, out, ws, pair_rows, odd);
+          p.offs, experts, rows, k, n, static_cast<int>(out_n), x, w, out, ws);
       break;
     case GroupedGemmKind::kDgrad:
       grouped::build_grouped_problems<grouped::GroupedKind::kDgrad>
@@ -322,14 +298,11 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
             detail::str_cat("the grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
 
-  auto run = [&](const grouped::GroupedEntry* e, const grouped::Workspace& on) {
-    if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
-      return e->run_swiglu_plain(on, p.num_experts, out_n, device, sm_count, stream,
-                                 grouped::PlainW1{w, p.k, p.n});
-    return (swiglu ? e->run_swiglu : e->run)(on, p.num_experts, out_n, device, sm_count, stream);
-  };
-  if (Status s = run(entry, ws); !s.ok() || odd_entry == nullptr) return s;
-  return run(odd_entry, odd);
+  if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
+    return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
+                                   grouped::PlainW1{w, p.k, p.n});
+  return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
+                                                   stream);
 }
 
 }  // namespace uniep::cuda
