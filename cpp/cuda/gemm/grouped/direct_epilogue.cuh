@@ -10,6 +10,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
 
+#include "cuda/common/swiglu_math.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
@@ -91,11 +92,10 @@ struct DirectStoreEpilogue {
   }
 
   // The chain's numerics and the CPU executor's: gate and up rounded to bf16 (where the chain
-  // stored h), silu(g) * u in fp32.
+  // stored h), silu(g) * u in fp32 (silu_mul: swiglu_math.cuh says why its exp and reciprocal
+  // are the approximate ones).
   CUTLASS_DEVICE static float swiglu(float gate, float up) {
-    const float g = static_cast<float>(Bf16(gate));
-    const float u = static_cast<float>(Bf16(up));
-    return g / (1.0f + expf(-g)) * u;
+    return silu_mul(static_cast<float>(Bf16(gate)), static_cast<float>(Bf16(up)));
   }
 
   CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/common/fp8_block.cuh"
+#include "cuda/common/swiglu_math.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
@@ -19,7 +20,7 @@ constexpr int kVec = 8;  // bf16 values per 16-byte load
 
 // The SwiGLU epilogue's formula, so packed and unpacked w1 give the same activation.
 __device__ __forceinline__ float swiglu(float g, float u) {
-  return g / (1.0f + expf(-g)) * u;
+  return silu_mul(g, u);
 }
 
 // One thread per 8 activation columns of one row: two 16-byte loads (gate and up), one store.
