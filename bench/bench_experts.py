@@ -539,8 +539,10 @@ def _bench_layer(
         row["fused_moe_forward_equals_layer"] = bool(
             torch.equal(calls["moe_forward fused"](), layer_call(""))
         )
-        # The dense chain among them too: its ratio to the layer from one clock.
-        side = {"dense": dense, "uniep": lambda: layer_call("")} | {
+        # The dense chain among them too: its ratio to the layer from one clock; and the engine's
+        # two GEMMs alone on rows gathered beforehand (what the layer adds around them).
+        _, _, gemm_only = _gemms_alone(x, idx, packed)
+        side = {"dense": dense, "gemm_only": gemm_only, "uniep": lambda: layer_call("")} | {
             v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
         }
         for fn in side.values():
@@ -549,10 +551,13 @@ def _bench_layer(
         side_ms = interleaved_medians_ms(side, max(1, iters // 5), 5, True, warmup=1)
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
         row["dense_ms_interleaved"] = side_ms["dense"]
+        row["gemm_only_ms_interleaved"] = side_ms["gemm_only"]
         for v in ("uniep", "bf16_packed", "bf16_packed_fused", "moe_forward fused"):
             # max(dense, weight read) with the dense chain from the same rounds.
             floor_i = max(side_ms["dense"], row["weight_read_ms"])
             row[f"over_floor_interleaved[{v}]"] = side_ms[v] / floor_i
+            row[f"over_gemm_only_interleaved[{v}]"] = side_ms[v] / side_ms["gemm_only"]
+        del gemm_only
         times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")}
         for variant in ("fp8", "fp8 m64", "fp8 moe_forward"):
             times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
@@ -587,6 +592,7 @@ def _bench_layer(
                 x, idx, weights, prepared8, group, "dispatch=fp8"
             )
             fns["fp8 moe_forward"] = lambda: layer_call("dispatch=fp8")
+            fns["moe_forward fused"] = lambda: layer_call("overlap=fused")
             row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
     return row
 
@@ -914,17 +920,21 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
         print(f"| {r['load']} | {r['dense_ms']:.3f} | {r['weight_read_ms']:.3f} | {cells} |")
     print()
     print(
-        "| layer | dense ms, interleaved | uniep ms, interleaved (x floor) | moe_forward "
-        "overlap=fused ms (x floor) | same bits | prepared bf16_packed ms | prepared "
-        "overlap=fused ms |"
+        "| layer | dense ms, interleaved | GEMMs alone ms | uniep ms, interleaved (x floor, x "
+        "GEMMs) | moe_forward overlap=fused ms (x floor, x GEMMs) | same bits | prepared "
+        "bf16_packed ms | prepared overlap=fused ms |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         fused = r["ms[moe_forward fused]"]
+        u, f = "uniep", "moe_forward fused"
         print(
-            f"| {r['load']} | {r['dense_ms_interleaved']:.3f} | {r['ms_interleaved[uniep]']:.3f} "
-            f"({r['over_floor_interleaved[uniep]']:.3f}x) | {fused:.3f} "
-            f"({r['over_floor_interleaved[moe_forward fused]']:.3f}x) "
+            f"| {r['load']} | {r['dense_ms_interleaved']:.3f} "
+            f"| {r['gemm_only_ms_interleaved']:.3f} "
+            f"| {r['ms_interleaved[uniep]']:.3f} ({r[f'over_floor_interleaved[{u}]']:.3f}x, "
+            f"{r[f'over_gemm_only_interleaved[{u}]']:.3f}x) | {fused:.3f} "
+            f"({r[f'over_floor_interleaved[{f}]']:.3f}x, "
+            f"{r[f'over_gemm_only_interleaved[{f}]']:.3f}x) "
             f"| {r['fused_moe_forward_equals_layer']} | {r['ms[bf16_packed]']:.3f} "
             f"| {r['ms[bf16_packed_fused]']:.3f} |"
         )
