@@ -412,6 +412,26 @@ void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   });
 }
 
+// dst[r] = the received row of slot row_slot[r], cols bf16 each (the fp8 rows as bf16 pairs):
+// each slot's row read once and stored to its rows (at most top-k of them).
+void gather_received_rows(const ep::Runtime& rt, const Dispatched& d, int64_t cols, void* dst,
+                          const at::Tensor& like, cudaStream_t stream) {
+  const ep::Config& cfg = rt.config();
+  const int64_t N = d.counts.num_recv, R = d.row_slot.size(0);
+  const auto* row_slot = d.row_slot.data_ptr<int64_t>();
+  if (cfg.top_k > 32 || N == 0 || R == 0) {
+    ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N, row_slot,
+                                       R, cols, dst, stream));
+    return;
+  }
+  const int per_slot = static_cast<int>(cfg.top_k);
+  const size_t bytes = cuda::gather_rows_workspace_bytes(N, per_slot);
+  // The caching allocator's blocks are 512-byte aligned, more than the 16 the lists need.
+  const at::Tensor ws = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N, row_slot, R,
+                                     cols, per_slot, ws.data_ptr(), bytes, dst, stream));
+}
+
 // The fp8 rows of a dispatch run without copy_rows as the fp8 GEMM takes them: e4m3 [R, H] and
 // their 1 x 128 block scales [R, H / 128], gathered in the plan's row order.
 std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const Dispatched& d,
@@ -423,8 +443,7 @@ std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const D
   // records and then narrowing them moved each byte three times (0.4 ms of a DeepSeek-V3 EP8
   // rank's layer on an H200).
   at::Tensor q = at::empty({R, H}, x.options().dtype(at::kFloat8_e4m3fn));
-  ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cap, N, d.row_slot.data_ptr<int64_t>(), R,
-                                     H / 2, q.data_ptr(), stream));
+  gather_received_rows(rt, d, H / 2, q.data_ptr(), x, stream);
   const at::Tensor scales = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
                                           x.options().dtype(at::kByte))
                                 .narrow(1, H, blocks * 4)
@@ -438,8 +457,7 @@ std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const D
 // for bf16 experts: fp32 product of the e4m3 value and its block scale, rounded once to bf16).
 at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Runtime& rt,
                          const TuningParams& params, cudaStream_t stream) {
-  const ep::Config& cfg = rt.config();
-  const int64_t N = d.counts.num_recv, H = cfg.hidden, R = d.row_slot.size(0);
+  const int64_t H = rt.config().hidden, R = d.row_slot.size(0);
   if (params.dispatch == DispatchPrecision::kFp8E4M3) {
     const int64_t blocks = H / 128;
     const auto [q, scales] = gathered_fp8_rows(x, d, rt, stream);
@@ -447,11 +465,10 @@ at::Tensor gathered_rows(const at::Tensor& x, const Dispatched& d, const ep::Run
         .view({R, H})
         .to(at::kBFloat16);
   }
-  // One launch from the receive slots (index_select on the strided view cost ~0.1 ms of host
+  // Straight from the receive slots (index_select on the strided view cost ~0.1 ms of host
   // time while the GPU, drained by the count sync, waited for work).
   at::Tensor xs = at::empty({R, H}, x.options().dtype(at::kBFloat16));
-  ok_or_throw(cuda::gather_rows_bf16(rt.received_rows(), cfg.row_bytes_capacity(), N,
-                                     d.row_slot.data_ptr<int64_t>(), R, H, xs.data_ptr(), stream));
+  gather_received_rows(rt, d, H, xs.data_ptr(), x, stream);
   return xs;
 }
 
@@ -477,7 +494,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
-    const int64_t N = d.counts.num_recv, H = cfg.hidden, I = in.shape.ffn_hidden;
+    const int64_t H = cfg.hidden, I = in.shape.ffn_hidden;
     const int64_t R = d.row_slot.size(0);
     at::Tensor y;
     if (R == 0) {

@@ -202,6 +202,17 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
                         const int64_t* row_slot, int64_t rows, int64_t cols, void* dst,
                         cudaStream_t stream);
 
+// gather_rows_bf16 reading each slot once: the rows are listed by the slot they read (at most
+// per_slot of them, per_slot <= 32: a dispatch's top-k), then one warp per slot loads its row
+// and stores it to each of them. Every source row crosses DRAM once instead of once per row
+// that reads it; the bits are gather_rows_bf16's (a copy). A row past per_slot of its slot (not
+// a plan the dispatch makes) is still copied, by a thread of its own. The workspace
+// (gather_rows_workspace_bytes, 16-byte aligned) must stay untouched until the copy has run.
+size_t gather_rows_workspace_bytes(int64_t slots, int per_slot);
+Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
+                        const int64_t* row_slot, int64_t rows, int64_t cols, int per_slot,
+                        void* workspace, size_t workspace_bytes, void* dst, cudaStream_t stream);
+
 // The grouped GEMM's offs from per-expert row counts on the device: offs[e] = counts[0] + ... +
 // counts[e], int32, no host sync.
 Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cudaStream_t stream);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cuda/common/warp_copy.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -30,6 +31,64 @@ __global__ void gather_rows_kernel(const uint8_t* __restrict__ src, int64_t src_
     const int64_t s = row_slot[r];
     if (s < 0 || s >= slots) continue;
     warp_copy<4>(dst + r * row_bytes, src + s * src_stride, row_bytes, lane);
+  }
+}
+
+// Lists each slot's rows: inv[s * per_slot + j] for j < min(count[s], per_slot), in no fixed
+// order (which warp lane stores a row does not change what lands there). A row past per_slot
+// is copied here by its own thread.
+__global__ void list_slot_rows_kernel(const int64_t* __restrict__ row_slot, int64_t rows,
+                                      int64_t slots, int per_slot, int32_t* __restrict__ count,
+                                      int32_t* __restrict__ inv, const uint8_t* __restrict__ src,
+                                      int64_t src_stride, int64_t row_bytes,
+                                      uint8_t* __restrict__ dst) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t s = row_slot[r];
+    if (s < 0 || s >= slots) continue;
+    const int j = atomicAdd(count + s, 1);
+    if (j < per_slot) {
+      inv[s * per_slot + j] = static_cast<int32_t>(r);
+      continue;
+    }
+    const int4* from = reinterpret_cast<const int4*>(src + s * src_stride);
+    int4* to = reinterpret_cast<int4*>(dst + r * row_bytes);
+    for (int64_t i = 0; i < row_bytes / 16; ++i) to[i] = from[i];
+  }
+}
+
+// One warp per slot: each 16-byte piece of the slot's row is loaded once and stored to every
+// row listed for the slot.
+__global__ void copy_slot_rows_kernel(const uint8_t* __restrict__ src, int64_t src_stride,
+                                      int64_t slots, int per_slot,
+                                      const int32_t* __restrict__ count,
+                                      const int32_t* __restrict__ inv, int64_t row_bytes,
+                                      uint8_t* __restrict__ dst) {
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t n = row_bytes / 16;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; s < slots;
+       s += warps) {
+    const int listed = min(count[s], per_slot);
+    if (listed == 0) continue;
+    const int mine = lane < listed ? inv[s * per_slot + lane] : -1;
+    const int4* from = reinterpret_cast<const int4*>(src + s * src_stride);
+    // The whole warp takes every step (the shuffles below need all lanes).
+    for (int64_t base = 0; base < n; base += 32 * kUnroll) {
+      const int64_t i = base + lane;
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + 32 * u < n) v[u] = load_streaming(from + i + 32 * u);
+      for (int j = 0; j < listed; ++j) {
+        const int64_t r = __shfl_sync(0xffffffffu, mine, j);
+        int4* to = reinterpret_cast<int4*>(dst + r * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + 32 * u < n) to[i + 32 * u] = v[u];
+      }
+    }
   }
 }
 
@@ -68,6 +127,58 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
   const int64_t blocks = std::min<int64_t>((rows + kWarps - 1) / kWarps, 132 * 8);
   gather_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(src), src_stride_bytes, slots, row_slot, rows, cols * 2,
+      static_cast<uint8_t*>(dst));
+  return launch_status("gather_rows_bf16");
+}
+
+size_t gather_rows_workspace_bytes(int64_t slots, int per_slot) {
+  if (slots < 1 || per_slot < 1) return 0;
+  // count [slots] then inv [slots * per_slot], int32; inv 16-byte aligned.
+  const size_t count = (static_cast<size_t>(slots) * 4 + 15) / 16 * 16;
+  return count + static_cast<size_t>(slots) * static_cast<size_t>(per_slot) * 4;
+}
+
+Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
+                        const int64_t* row_slot, int64_t rows, int64_t cols, int per_slot,
+                        void* workspace, size_t workspace_bytes, void* dst, cudaStream_t stream) {
+  if (per_slot < 1 || per_slot > 32)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("gather_rows_bf16: per_slot must be in [1, 32], got ", per_slot)};
+  if (rows > std::numeric_limits<int32_t>::max())
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("gather_rows_bf16: rows must be below 2^31, got ", rows)};
+  // The same argument checks as the one-pass gather (and nothing to do without rows).
+  if (rows <= 0 || slots <= 0)
+    return gather_rows_bf16(src, src_stride_bytes, slots, row_slot, rows, cols, dst, stream);
+  if (Status s = gather_rows_bf16(src, src_stride_bytes, slots, row_slot, 0, cols, dst, stream);
+      !s.ok())
+    return s;
+  if (src == nullptr || row_slot == nullptr || dst == nullptr ||
+      reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
+    return {StatusCode::kUnsupported,
+            "gather_rows_bf16: src and dst must be 16-byte aligned (non-null)"};
+  const size_t need = gather_rows_workspace_bytes(slots, per_slot);
+  if (workspace == nullptr || workspace_bytes < need ||
+      reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("gather_rows_bf16: needs ", need,
+                            " bytes of 16-byte aligned workspace, got ", workspace_bytes)};
+  auto* count = static_cast<int32_t*>(workspace);
+  auto* inv = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
+                                         (static_cast<size_t>(slots) * 4 + 15) / 16 * 16);
+  if (cudaError_t e = cudaMemsetAsync(count, 0, static_cast<size_t>(slots) * 4, stream);
+      e != cudaSuccess)
+    return {StatusCode::kInternal,
+            detail::str_cat("gather_rows_bf16: clearing the slot counts failed: ",
+                            cudaGetErrorString(e))};
+  const int64_t list_blocks = std::min<int64_t>((rows + kThreads - 1) / kThreads, 132 * 8);
+  list_slot_rows_kernel<<<static_cast<unsigned>(list_blocks), kThreads, 0, stream>>>(
+      row_slot, rows, slots, per_slot, count, inv, static_cast<const uint8_t*>(src),
+      src_stride_bytes, cols * 2, static_cast<uint8_t*>(dst));
+  if (Status s = launch_status("gather_rows_bf16 (listing)"); !s.ok()) return s;
+  const int64_t blocks = std::min<int64_t>((slots + kWarps - 1) / kWarps, 132 * 8);
+  copy_slot_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(src), src_stride_bytes, slots, per_slot, count, inv, cols * 2,
       static_cast<uint8_t*>(dst));
   return launch_status("gather_rows_bf16");
 }
