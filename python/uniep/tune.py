@@ -636,9 +636,9 @@ class CostModel:
 
     On CUDA, for plain weights (``moe_forward``) and ``weights="bf16_packed"``
     (``moe_forward_prepared``) alike: ``sequential`` is the separate launches, the GEMMs plus the
-    local copies (the row gather and the combine's read of the rows; plain weights whose FFN
-    size the SwiGLU epilogue on w1 as stored does not take also the SwiGLU pass over the first
-    GEMM's output) plus the communication; ``fused`` is the
+    local copies (the row gather, which reads each received row once, and the combine's read of
+    the rows; plain weights whose FFN size the SwiGLU epilogue on w1 as stored does not take also
+    the SwiGLU pass over the first GEMM's output) plus the communication; ``fused`` is the
     MegaKernel, GEMMs on every SM with its own tiles (``tile_m`` x 256 x 64), plus the share of
     the send its senders spend (all of it when every CTA sends first; the rest runs under the
     other CTAs' tiles) and the reduce's read of the rows.
@@ -685,9 +685,11 @@ class CostModel:
             # Plain weights run the SwiGLU in the first GEMM's epilogue, reading w1 as stored,
             # where the FFN size allows it (plain_swiglu_epilogue), as packed ones always do.
             # Else the first GEMM writes [rows, 2I] and a SwiGLU pass reads it and writes
-            # [rows, I]; fp8 experts always take that pass (it quantizes the activation). fp8
+            # [rows, I]; fp8 experts always take that pass (it quantizes the activation). The
+            # gather reads each received row once and writes one row per (token, k); fp8
             # experts gather e4m3 rows (half a bf16 row each way) and write an e4m3 activation.
-            gather = rows if p.fp8_experts else 2 * rows
+            received = rows * shape.ranks_per_token() / shape.top_k
+            gather = (rows + received) * (0.5 if p.fp8_experts else 1.0)
             swiglu = (2.5 if p.fp8_experts else 3.0) * rows * shape.ffn / shape.hidden
             separate_pass = self.weights == "plain" and (
                 p.fp8_experts or not plain_swiglu_epilogue(shape.ffn, p)
