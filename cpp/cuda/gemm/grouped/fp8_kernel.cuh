@@ -139,8 +139,5 @@ Entry make_entry(const char* name) {
 
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
-// Experiments on other clusters, picked only through UNIEP_X_CLUSTER (sm90_grouped_fp8.cu).
-const Entry& entry_x_coop_128x128x128_c2x2();
-const Entry& entry_x_coop_128x128x128_c2x1();
 
 }  // namespace uniep::cuda::grouped_fp8

@@ -41,8 +41,5 @@ const GroupedEntry& entry_dgrad_pingpong_64x256x64();
 const GroupedEntry& entry_wgrad_coop_128x256x64();
 const GroupedEntry& entry_wgrad_coop_128x128x64();
 const GroupedEntry& entry_wgrad_pingpong_64x256x64();
-// Experiments on 2 x 2 clusters, picked only through UNIEP_X_CLUSTER (sm90_grouped_gemm.cu).
-const GroupedEntry& entry_x_coop_128x256x64_c2x2();
-const GroupedEntry& entry_x_pingpong_64x256x64_c2x2();
 
 }  // namespace uniep::cuda::grouped

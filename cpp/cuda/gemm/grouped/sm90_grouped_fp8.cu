@@ -11,8 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -36,23 +34,6 @@ const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
   static const std::array<const grouped_fp8::Entry*, 2> all = {
       &grouped_fp8::entry_coop_128x128x128(), &grouped_fp8::entry_pingpong_64x128x128()};
   return all;
-}
-
-// Experiment: UNIEP_X_CLUSTER="MxN" swaps the cooperative tile for its build on M x N clusters,
-// where there is one (read at every call).
-const grouped_fp8::Entry* x_cluster(const grouped_fp8::Entry* chosen) {
-  static const std::array<const grouped_fp8::Entry*, 2> x = {
-      &grouped_fp8::entry_x_coop_128x128x128_c2x2(), &grouped_fp8::entry_x_coop_128x128x128_c2x1()};
-  const char* v = std::getenv("UNIEP_X_CLUSTER");
-  int cm = 0, cn = 0;
-  if (v == nullptr || std::sscanf(v, "%dx%d", &cm, &cn) != 2) return chosen;
-  for (const auto* e : x) {
-    const GroupedGemmConfig& c = e->config;
-    if (c.tile_m == chosen->config.tile_m && c.pingpong == chosen->config.pingpong &&
-        c.cluster_m == cm && c.cluster_n == cn)
-      return e;
-  }
-  return chosen;
 }
 
 size_t fp8_arrays_bytes(int64_t num_experts, int64_t rows, int64_t k) {
@@ -225,9 +206,6 @@ size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64
   size_t gemm = 0;
   for (const auto* e : fp8_entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(ws, fa, num_experts, sm_count));
-  for (const auto* e : {&grouped_fp8::entry_x_coop_128x128x128_c2x2(),
-                        &grouped_fp8::entry_x_coop_128x128x128_c2x1()})
-    gemm = std::max(gemm, e->gemm_workspace_bytes(ws, fa, num_experts, sm_count));
   return head + fp8 + gemm;
 }
 
@@ -266,8 +244,8 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernels failed to launch: ",
                             cudaGetErrorString(e))};
-  return x_cluster(fp8_entries()[static_cast<size_t>(index)])
-      ->run(ws, fa, p.num_experts, device, sm_count, stream);
+  return fp8_entries()[static_cast<size_t>(index)]->run(ws, fa, p.num_experts, device, sm_count,
+                                                        stream);
 }
 
 }  // namespace uniep::cuda

@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -51,25 +49,6 @@ const std::array<const grouped::GroupedEntry*, 3>& wgrad_entries() {
       &grouped::entry_wgrad_coop_128x256x64(), &grouped::entry_wgrad_coop_128x128x64(),
       &grouped::entry_wgrad_pingpong_64x256x64()};
   return all;
-}
-
-// Experiment: UNIEP_X_CLUSTER="MxN" swaps the chosen forward configuration for the compiled one
-// of the same tile and schedule on M x N clusters, where there is one (read at every call, so a
-// benchmark can switch it between calls).
-const grouped::GroupedEntry* x_cluster(const grouped::GroupedEntry* chosen) {
-  static const std::array<const grouped::GroupedEntry*, 2> x = {
-      &grouped::entry_x_coop_128x256x64_c2x2(), &grouped::entry_x_pingpong_64x256x64_c2x2()};
-  const char* v = std::getenv("UNIEP_X_CLUSTER");
-  int cm = 0, cn = 0;
-  if (v == nullptr || std::sscanf(v, "%dx%d", &cm, &cn) != 2) return chosen;
-  for (const auto* e : x) {
-    const GroupedGemmConfig& c = e->config;
-    if (c.tile_m == chosen->config.tile_m && c.tile_n == chosen->config.tile_n &&
-        c.tile_k == chosen->config.tile_k && c.pingpong == chosen->config.pingpong &&
-        c.cluster_m == cm && c.cluster_n == cn)
-      return e;
-  }
-  return chosen;
 }
 
 // The rows the shape rules price: the expected count where the caller gave one.
@@ -259,9 +238,6 @@ size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   for (const auto* e : entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
-  for (const auto* e : {&grouped::entry_x_coop_128x256x64_c2x2(),
-                        &grouped::entry_x_pingpong_64x256x64_c2x2()})
-    gemm = std::max(gemm, e->gemm_workspace_bytes(num_experts, sm_count));
   return grouped::group_arrays_bytes(num_experts) + gemm;
 }
 
@@ -277,7 +253,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   if (p.kind == GroupedGemmKind::kForward) {
     int index = 0;
     if (Status s = grouped_gemm_select(p, tiles, &index, device); !s.ok()) return s;
-    entry = x_cluster(entries()[index]);
+    entry = entries()[index];
   } else if (p.kind == GroupedGemmKind::kDgrad) {
     const bool small = rule_rows(p) <= 128 * p.num_experts;
     entry = dgrad_entries()[small ? 1 : 0];
