@@ -102,11 +102,9 @@ __global__ void expert_offsets_kernel(const int64_t* __restrict__ counts, int64_
   }
 }
 
-}  // namespace
-
-Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
-                        const int64_t* row_slot, int64_t rows, int64_t cols, void* dst,
-                        cudaStream_t stream) {
+// Both gathers' argument checks; the pointers are checked only where there are rows to move.
+Status check_gather_args(const void* src, int64_t src_stride_bytes, int64_t slots,
+                         const int64_t* row_slot, int64_t rows, int64_t cols, const void* dst) {
   if (rows < 0 || slots < 0)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("gather_rows_bf16: rows and slots must be >= 0, got ", rows, " and ",
@@ -124,6 +122,17 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
       reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
     return {StatusCode::kUnsupported,
             "gather_rows_bf16: src and dst must be 16-byte aligned (non-null)"};
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots,
+                        const int64_t* row_slot, int64_t rows, int64_t cols, void* dst,
+                        cudaStream_t stream) {
+  if (Status s = check_gather_args(src, src_stride_bytes, slots, row_slot, rows, cols, dst);
+      !s.ok() || rows == 0)
+    return s;
   const int64_t blocks = std::min<int64_t>((rows + kWarps - 1) / kWarps, 132 * 8);
   gather_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(src), src_stride_bytes, slots, row_slot, rows, cols * 2,
@@ -147,16 +156,11 @@ Status gather_rows_bf16(const void* src, int64_t src_stride_bytes, int64_t slots
   if (rows > std::numeric_limits<int32_t>::max())
     return {StatusCode::kInvalidArgument,
             detail::str_cat("gather_rows_bf16: rows must be below 2^31, got ", rows)};
-  // The same argument checks as the one-pass gather (and nothing to do without rows).
-  if (rows <= 0 || slots <= 0)
-    return gather_rows_bf16(src, src_stride_bytes, slots, row_slot, rows, cols, dst, stream);
-  if (Status s = gather_rows_bf16(src, src_stride_bytes, slots, row_slot, 0, cols, dst, stream);
-      !s.ok())
+  if (Status s = check_gather_args(src, src_stride_bytes, slots, row_slot, rows, cols, dst);
+      !s.ok() || rows == 0)
     return s;
-  if (src == nullptr || row_slot == nullptr || dst == nullptr ||
-      reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
-    return {StatusCode::kUnsupported,
-            "gather_rows_bf16: src and dst must be 16-byte aligned (non-null)"};
+  // Rows but no slots: every row_slot entry is out of range, and nothing is copied.
+  if (slots == 0) return Status::Ok();
   const size_t need = gather_rows_workspace_bytes(slots, per_slot);
   if (workspace == nullptr || workspace_bytes < need ||
       reinterpret_cast<uintptr_t>(workspace) % 16 != 0)

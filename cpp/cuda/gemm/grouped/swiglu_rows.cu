@@ -1,7 +1,9 @@
 // swiglu_bf16 and swiglu_fp8 (include/uniep/cuda/grouped_gemm.hpp): the activation between the
 // two expert GEMMs when w1 is not packed for the SwiGLU epilogue, in one pass over h instead of
 // torch's silu and multiply kernels (which also round silu(g) to bf16 before the product); the
-// fp8 one also quantizes it for the second fp8 GEMM in the same pass.
+// fp8 one also quantizes it for the second fp8 GEMM in the same pass. Both compute silu_mul
+// (common/swiglu_math.cuh), the SwiGLU epilogue's formula, so packed and unpacked w1 give the
+// same activation.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -17,11 +19,6 @@ namespace uniep::cuda {
 namespace {
 
 constexpr int kVec = 8;  // bf16 values per 16-byte load
-
-// The SwiGLU epilogue's formula, so packed and unpacked w1 give the same activation.
-__device__ __forceinline__ float swiglu(float g, float u) {
-  return silu_mul(g, u);
-}
 
 // One thread per 8 activation columns of one row: two 16-byte loads (gate and up), one store.
 __global__ void swiglu_rows_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
@@ -40,7 +37,7 @@ __global__ void swiglu_rows_kernel(const __nv_bfloat16* __restrict__ h, int64_t 
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
       const float2 gf = __bfloat1622float2(g[i]), uf = __bfloat1622float2(u[i]);
-      o[i] = __floats2bfloat162_rn(swiglu(gf.x, uf.x), swiglu(gf.y, uf.y));
+      o[i] = __floats2bfloat162_rn(silu_mul(gf.x, uf.x), silu_mul(gf.y, uf.y));
     }
     *reinterpret_cast<uint4*>(act + r * ffn + c) = out;
   }
@@ -77,7 +74,7 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
 #pragma unroll
       for (int j = 0; j < kFp8Cols; ++j) {
         a[j] = __bfloat162float(
-            __float2bfloat16_rn(swiglu(__bfloat162float(g[j]), __bfloat162float(u[j]))));
+            __float2bfloat16_rn(silu_mul(__bfloat162float(g[j]), __bfloat162float(u[j]))));
         amax = fmaxf(amax, fabsf(a[j]));
       }
     }
