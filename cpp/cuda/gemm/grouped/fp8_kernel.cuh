@@ -26,6 +26,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/gemm/cutlass_launch.cuh"
+#include "cuda/gemm/grouped/fp8_pipelined_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -51,7 +52,9 @@ struct Arrays {
   void* gemm = nullptr;
 };
 
-template <int TileM, int ClusterM, int ClusterN, bool PingPong>
+// Pipelined: the mainloop that promotes k-block t - 1 while k-block t's WGMMAs run
+// (fp8_pipelined_mainloop.cuh); the same bits.
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool Pipelined = false>
 struct Gemm {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -66,7 +69,7 @@ struct Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
       cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
       grouped::kAlign, EpilogueSchedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
       cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Align, float, TileShape,
@@ -74,6 +77,8 @@ struct Gemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  using Mainloop =
+      cute::conditional_t<Pipelined, PipelinedScaleMainloop<BuiltMainloop>, BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -126,9 +131,9 @@ Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, 
   return launch_cutlass<typename G::Device>(args, fa.gemm, stream, "the fp8 grouped GEMM");
 }
 
-template <int TileM, int ClusterM, int ClusterN, bool PingPong>
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool Pipelined = false>
 Entry make_entry(const char* name) {
-  using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
+  using G = Gemm<TileM, ClusterM, ClusterN, PingPong, Pipelined>;
   Entry e;
   e.config =
       GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
@@ -139,5 +144,8 @@ Entry make_entry(const char* name) {
 
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
+// Experiment: the cooperative tile on the pipelined mainloop, picked only through
+// UNIEP_X_FP8_PIPE=1 (sm90_grouped_fp8.cu).
+const Entry& entry_x_coop_128x128x128_pipelined();
 
 }  // namespace uniep::cuda::grouped_fp8
