@@ -4,10 +4,11 @@
 //
 // CUTLASS's blockwise-scaled ptr-array kernels apply the scales on the fp32 side: each 128-deep
 // k-block's WGMMA partial sum is multiplied by its A and B scales and added into the fp32
-// accumulator (promoted every k-block, so fp8's 2^-4 relative step never compounds over K). That
-// keeps a second accumulator live beside the first, so a warpgroup's tile stays at 64 x 128:
-// 64 x 256 would need 256 accumulator registers a thread. Every tile walks k in the same 128-deep
-// blocks in the same order, so the bits do not depend on the configuration.
+// accumulator (promoted every k-block, so fp8's 2^-4 relative step never compounds over K). Our
+// mainloop (fp8_pipelined_mainloop.cuh) keeps two partial sums live beside the accumulator, so
+// that one k-block's promotion runs under the next one's WGMMAs, and a warpgroup's tile stays at
+// 64 x 128: 192 accumulator registers a thread (64 x 256 would need 384). Every tile walks k in
+// the same 128-deep blocks in the same order, so the bits do not depend on the configuration.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,9 +53,7 @@ struct Arrays {
   void* gemm = nullptr;
 };
 
-// Pipelined: the mainloop that promotes k-block t - 1 while k-block t's WGMMAs run
-// (fp8_pipelined_mainloop.cuh); the same bits.
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool Pipelined = false>
+template <int TileM, int ClusterM, int ClusterN, bool PingPong>
 struct Gemm {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -77,8 +76,8 @@ struct Gemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using Mainloop =
-      cute::conditional_t<Pipelined, PipelinedScaleMainloop<BuiltMainloop>, BuiltMainloop>;
+  // CUTLASS's collective with the promotion taken off the WGMMAs' path.
+  using Mainloop = PipelinedScaleMainloop<BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -131,9 +130,9 @@ Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, 
   return launch_cutlass<typename G::Device>(args, fa.gemm, stream, "the fp8 grouped GEMM");
 }
 
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool Pipelined = false>
+template <int TileM, int ClusterM, int ClusterN, bool PingPong>
 Entry make_entry(const char* name) {
-  using G = Gemm<TileM, ClusterM, ClusterN, PingPong, Pipelined>;
+  using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
   Entry e;
   e.config =
       GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
@@ -144,8 +143,5 @@ Entry make_entry(const char* name) {
 
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
-// Experiment: the cooperative tile on the pipelined mainloop, picked only through
-// UNIEP_X_FP8_PIPE=1 (sm90_grouped_fp8.cu).
-const Entry& entry_x_coop_128x128x128_pipelined();
 
 }  // namespace uniep::cuda::grouped_fp8

@@ -6,7 +6,7 @@
 // k-block. Each warpgroup's tensor-core work therefore stops at every 128-deep k-block for the
 // WGMMA tail and the promotion. On one H100 that kernel ran the layer's products at 860-1050
 // TFLOP/s where cuBLAS's per-tensor fp8 GEMM of the same shape ran at 1260-1450
-// (bench/results/2026-11-28-session35).
+// (bench/results/2026-11-28-session35/x-fp8-reference-h100.json).
 //
 // How: two temporary accumulators. The WGMMAs of k-block t go into one while the other still
 // holds k-block t - 1; after issuing t, warpgroup_wait<1> waits for t - 1 only, whose stage is
@@ -14,6 +14,11 @@
 // same order (the scales multiplied first, then accum += partial * scale, k-block by k-block),
 // and every partial sum is the same WGMMA chain from zero, so the bits are the base's. The
 // accumulator is cleared first (the base's first promotion adds into it as well).
+//
+// Measured against the base on one H100, interleaved, same bits (x-fp8-pipelined-h100.json):
+// 0.90-0.93x the time on DeepSeek-V3's and Mixtral's products (1064-1108 TFLOP/s, cuBLAS's
+// 1x128 / 128x128 blockwise GEMM ran at 1091-1176 on one matrix of the same FLOPs), 0.96-0.98x
+// on the Qwen3-like load's small experts.
 //
 // Costs one more accumulator of registers: 64 x 128 per warpgroup is 64 floats a thread, so 192
 // with the two temporaries, inside the cooperative consumers' 232. Only the layout this engine
@@ -53,23 +58,24 @@ struct PipelinedScaleMainloop : Base {
     // partitioning them like C gives each thread the scales of its accumulators.
     Tensor sSFA = make_tensor(
         make_smem_ptr(shared_tensors.smem_SFA.data()),
-        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
-                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
-                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
-                                make_stride(stride<1>(SmemLayoutSFA{}),
-                                            stride<2>(SmemLayoutSFA{})))));
+        make_layout(
+            make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
+                       make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+            make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                        make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
     Tensor sSFB = make_tensor(
         make_smem_ptr(shared_tensors.smem_SFB.data()),
-        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
-                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
-                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
-                                make_stride(stride<1>(SmemLayoutSFB{}),
-                                            stride<2>(SmemLayoutSFB{})))));
+        make_layout(
+            make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
+                       make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+            make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                        make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
 
     constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     const Layout warp_group_thread_layout =
         make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int warp_group_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    const int warp_group_idx =
+        __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
     Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);
