@@ -386,6 +386,10 @@ FP8_CASES = {
     "odd-rows": ([3, 127, 129, 255, 1, 77], 512, 384),
     "many-experts": (_random_counts(260, 30, 23, empty_every=5), 256, 128),
     "dsv3-like": (_random_counts(32, 600, 24), 2048, 1024),
+    # Odd k-block counts, one included: the mainloop promotes k-block t - 1 while t runs, in
+    # pairs of partial sums, and ends on either of the pair.
+    "one-k-block": ([70, 0, 129], 128, 256),
+    "three-k-blocks": ([5, 200, 0, 64], 384, 256),
 }
 
 
