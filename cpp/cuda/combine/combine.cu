@@ -25,32 +25,44 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32;
   unsigned long long* sent = block_send_counts(W);
 
+  // A warp takes 32 rows at a time: each lane records its row if the row stays on this rank
+  // (one atomic, no copy: at world 1 every row), then the whole warp copies the others to their
+  // peers one by one. With a warp per row the kernel took 24 us a call on DeepSeek-V3's EP8-rank
+  // load at world 1 (32768 own rows, one H100, bench/results/2026-11-28-session34).
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t r = warp; r < a.rows; r += num_warps) {
-    const int64_t target = a.row_target[r];
+  for (int64_t base = warp * 32; base < a.rows; base += num_warps * 32) {
+    const int64_t r = base + lane;
+    const int64_t target = r < a.rows ? a.row_target[r] : -1;
     const int pe = static_cast<int>(target / per_rank);
-    if (pe == me && self.row_of_slot != nullptr) {
-      if (lane == 0) {
-        const int64_t slot = target % per_rank;
-        const auto old = atomicExch(
-            reinterpret_cast<unsigned long long*>(self.row_of_slot + slot),
-            static_cast<unsigned long long>(self.epoch) << 32 | static_cast<uint32_t>(r));
-        // Two rows for one slot: the plan is broken (the copy path would keep the later one).
-        if (old >> 32 == self.epoch)
-          report_error(a.err, WaitOp::kCombineTarget, static_cast<int>(me), r, target);
-        atomicAdd(&sent[pe], 1ull);
+    const bool own = r < a.rows && pe == me && self.row_of_slot != nullptr;
+    if (own) {
+      const int64_t slot = target % per_rank;
+      const auto old =
+          atomicExch(reinterpret_cast<unsigned long long*>(self.row_of_slot + slot),
+                     static_cast<unsigned long long>(self.epoch) << 32 | static_cast<uint32_t>(r));
+      // Two rows for one slot: the plan is broken (the copy path would keep the later one).
+      if (old >> 32 == self.epoch)
+        report_error(a.err, WaitOp::kCombineTarget, static_cast<int>(me), r, target);
+    }
+    const unsigned own_lanes = __ballot_sync(0xffffffffu, own);
+    if (lane == 0 && own_lanes != 0)
+      atomicAdd(&sent[me], static_cast<unsigned long long>(__popc(own_lanes)));
+    for (unsigned peers = __ballot_sync(0xffffffffu, r < a.rows && !own); peers != 0;
+         peers &= peers - 1) {
+      const int j = __ffs(peers) - 1;
+      const int64_t row = base + j;
+      const int64_t row_target = __shfl_sync(0xffffffffu, target, j);
+      const int row_pe = static_cast<int>(row_target / per_rank);
+      uint8_t* slot = sym.combine + (row_target % per_rank) * row_bytes;
+      auto* peer_slot = static_cast<uint8_t*>(nvshmem_ptr(slot, row_pe));
+      if (peer_slot != nullptr) {
+        warp_copy<8>(peer_slot, a.y + row * row_bytes, row_bytes, lane);
+      } else {
+        nvshmemx_putmem_nbi_warp(slot, a.y + row * row_bytes, row_bytes, row_pe);
       }
-      continue;
+      if (lane == 0) atomicAdd(&sent[row_pe], 1ull);
     }
-    uint8_t* slot = sym.combine + (target % per_rank) * row_bytes;
-    auto* peer_slot = static_cast<uint8_t*>(nvshmem_ptr(slot, pe));
-    if (peer_slot != nullptr) {
-      warp_copy<8>(peer_slot, a.y + r * row_bytes, row_bytes, lane);
-    } else {
-      nvshmemx_putmem_nbi_warp(slot, a.y + r * row_bytes, row_bytes, pe);
-    }
-    if (lane == 0) atomicAdd(&sent[pe], 1ull);
   }
   // Waited for here, so the reduction kernel that follows on the stream sees every row.
   const auto owed = [&](int64_t s) { return a.plan.rows_back[s]; };

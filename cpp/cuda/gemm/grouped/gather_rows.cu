@@ -92,13 +92,23 @@ __global__ void copy_slot_rows_kernel(const uint8_t* __restrict__ src, int64_t s
   }
 }
 
-// offs[e] = counts[0] + ... + counts[e] as int32, one thread (a few hundred experts at most).
+// offs[e] = counts[0] + ... + counts[e] as int32, one warp: 32 experts a step, a shuffle scan
+// and a running carry (integer sums, so the order does not matter). One thread walking 128
+// experts took 10 us a call on an H100 (bench/results/2026-11-28-session34).
 __global__ void expert_offsets_kernel(const int64_t* __restrict__ counts, int64_t experts,
                                       int32_t* __restrict__ offs) {
-  int64_t sum = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    sum += counts[e];
-    offs[e] = static_cast<int32_t>(sum);
+  const int lane = threadIdx.x;
+  int64_t carry = 0;
+  for (int64_t base = 0; base < experts; base += 32) {
+    const int64_t e = base + lane;
+    int64_t sum = e < experts ? counts[e] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int64_t below = __shfl_up_sync(0xffffffffu, sum, d);
+      if (lane >= d) sum += below;
+    }
+    if (e < experts) offs[e] = static_cast<int32_t>(carry + sum);
+    carry += __shfl_sync(0xffffffffu, sum, 31);
   }
 }
 
@@ -194,7 +204,7 @@ Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cud
   if (experts == 0) return Status::Ok();
   if (counts == nullptr || offs == nullptr)
     return {StatusCode::kInvalidArgument, "expert_offsets: counts and offs must be non-null"};
-  expert_offsets_kernel<<<1, 1, 0, stream>>>(counts, experts, offs);
+  expert_offsets_kernel<<<1, 32, 0, stream>>>(counts, experts, offs);
   return launch_status("expert_offsets");
 }
 
