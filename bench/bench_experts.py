@@ -16,6 +16,10 @@ automatic choice, and every compiled configuration; whether all of them give the
 up projection also with SwiGLU in its epilogue, w1 packed (``pack_gate_up``) against w1 as stored
 (``grouped_mm_swiglu_plain``), interleaved beside the plain GEMM, with whether their bits agree.
 
+Where k and n are multiples of 128, the fp8 engine too (``grouped_mm_fp8``: each compiled tile,
+interleaved) beside cuBLAS's fp8 GEMM on one dense matrix of the same FLOPs (per-tensor scales,
+and the engine's 1 x 128 / 128 x 128 block scales where torch's ``_scaled_mm`` takes them).
+
 Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: dispatch to itself, experts,
 combine) with the engine (default) and with ``gemm=torch``, each with both combines, beside
   - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
@@ -174,6 +178,8 @@ def bench_kernel(
         from uniep.timing import interleaved_medians_ms
 
         fns = {c: (lambda c=c: fp8(xq, xs, wq, ws, offs, c)) for c in ["", *FP8_CONFIGS]}
+        refs, refused = _cublas_fp8_references(x, w[0], k, n)
+        fns.update(refs)
         fp8_ms = interleaved_medians_ms(fns, max(1, iters // 4), 4, True, warmup=warmup)
         row["fp8_ms"] = fp8_ms[""]
         row["fp8_tflops"] = tflops(rows, k, n, row["fp8_ms"])
@@ -181,6 +187,11 @@ def bench_kernel(
         for c in FP8_CONFIGS:
             row[f"fp8_ms[{c}]"] = fp8_ms[c]
         row["fp8_best_config"] = min(FP8_CONFIGS, key=lambda c: row[f"fp8_ms[{c}]"])
+        for name in refs:
+            row[f"{name}_ms"] = fp8_ms[name]
+            row[f"{name}_tflops"] = tflops(rows, k, n, fp8_ms[name])
+        if refused:
+            row["cublas_fp8_blockwise_refused"] = refused
         del xq, xs, wq, ws, got
     row["torch_tflops"] = tflops(rows, k, n, row["torch_ms"])
     row["uniep_tflops"] = tflops(rows, k, n, row["uniep_ms"])
@@ -188,6 +199,38 @@ def bench_kernel(
     if swiglu and n % 128 == 0:
         row.update(_bench_swiglu(x, w, offs, warmup, iters))
     return row
+
+
+def _cublas_fp8_references(
+    x: torch.Tensor, w: torch.Tensor, k: int, n: int
+) -> tuple[dict[str, Any], str]:
+    """cuBLAS's fp8 GEMM (``torch._scaled_mm``) on one dense [R, k] x [k, n] matrix of the
+    grouped product's FLOPs, as what this GPU reaches in fp8: per-tensor scales, and the engine's
+    own format (1 x 128 row scales, 128 x 128 weight blocks) where torch takes it. Returns the
+    calls by name and, where torch refused the blockwise one, its message."""
+    a8 = x.to(torch.float8_e4m3fn)
+    b8 = w.t().contiguous().to(torch.float8_e4m3fn)  # [n, k]: b8.t() is [k, n] column-major
+    one = torch.ones((), device=x.device)
+    refs: dict[str, Any] = {
+        "cublas_fp8_per_tensor": lambda: torch._scaled_mm(
+            a8, b8.t(), one, one, out_dtype=torch.bfloat16
+        )
+    }
+    # Scale layouts torch asks for: A's (R, k / 128) outer-dim-major, B's (k / 128, n / 128)
+    # with its transpose's rows padded to a multiple of 4 scales.
+    sa = (torch.rand(k // 128, x.shape[0], device=x.device) + 0.5).t()
+    padded = (k // 128 + 3) // 4 * 4
+    sb = (torch.rand(n // 128, padded, device=x.device) + 0.5)[:, : k // 128].t()
+
+    def blockwise() -> torch.Tensor:
+        return torch._scaled_mm(a8, b8.t(), sa, sb, out_dtype=torch.bfloat16)
+
+    try:
+        blockwise()
+    except RuntimeError as e:
+        return refs, str(e).splitlines()[0][:200]
+    refs["cublas_fp8_blockwise"] = blockwise
+    return refs, ""
 
 
 def _bench_swiglu(
@@ -249,6 +292,14 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                 + f" | {r.get('fp8_bits_same_every_config')} |",
                 flush=True,
             )
+            if "cublas_fp8_per_tensor_tflops" in r:
+                blockwise = r.get("cublas_fp8_blockwise_tflops", nan)
+                print(
+                    f"|   {r['load']} fp8 TFLOP/s: ours {r['fp8_tflops']:.0f}, cuBLAS on one "
+                    f"dense matrix: 1x128 / 128x128 blocks {blockwise:.0f}, per-tensor "
+                    f"{r['cublas_fp8_per_tensor_tflops']:.0f} |",
+                    flush=True,
+                )
             if "swiglu_plain_ms" in r:
                 print(
                     f"|   {r['load']} with SwiGLU: w1 packed {r['swiglu_packed_ms']:.3f} ms, as "
