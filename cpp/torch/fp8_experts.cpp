@@ -40,6 +40,7 @@ struct Source {
   }
 };
 
+// q1 and s1 packed for the first GEMM's SwiGLU epilogue (pack_gate_up_fp8).
 struct Kept {
   Source w1, w2;
   at::Tensor q1, s1, q2, s2;
@@ -57,7 +58,8 @@ std::map<std::pair<const void*, const void*>, Kept>& kept() {
 // s1 and s2: what the copy is made from (Source::of(w1), Source::of(w2)).
 Kept quantize_both(const at::Tensor& w1, const at::Tensor& w2, Source s1, Source s2) {
   Kept k{std::move(s1), std::move(s2), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  std::tie(k.q1, k.s1) = quantize_expert_weights(w1);
+  const auto [q1, q1_scales] = quantize_expert_weights(w1);
+  std::tie(k.q1, k.s1) = pack_gate_up_fp8(q1, q1_scales);
   std::tie(k.q2, k.s2) = quantize_expert_weights(w2);
   return k;
 }
@@ -112,9 +114,12 @@ at::Tensor fp8_experts_forward(const at::Tensor& rows, const at::Tensor& row_sca
                                const at::Tensor& offs, const at::Tensor& w1, const at::Tensor& w2,
                                const TuningParams& tuning) {
   const Kept k = kept_for(w1, w2);
-  const at::Tensor h = engine_grouped_mm_fp8(rows, row_scales, k.q1, k.s1, offs, tuning);
-  const auto [act, act_scales] = engine_swiglu_fp8(h);
-  return engine_grouped_mm_fp8(act, act_scales, k.q2, k.s2, offs, tuning);
+  // SwiGLU in the first GEMM's epilogue, then one pass quantizing [R, I] instead of SwiGLU and
+  // quantization over [R, 2I]: the same bits as that chain, which uniep.prepared's fp8 experts
+  // run.
+  const at::Tensor act = engine_grouped_mm_fp8(rows, row_scales, k.q1, k.s1, offs, tuning, true);
+  const auto [act_q, act_scales] = engine_quantize_fp8(act);
+  return engine_grouped_mm_fp8(act_q, act_scales, k.q2, k.s2, offs, tuning);
 }
 
 void clear_fp8_experts() {

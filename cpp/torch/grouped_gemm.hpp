@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <utility>
 
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/tuning.hpp"
@@ -59,9 +60,22 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
 
 // The fp8 grouped GEMM: x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3 (K-major)
 // with w_scales [E, K / 128, N / 128] -> [R, N] bf16; tuning's tile keys pick the configuration.
+// swiglu: the first expert GEMM with SwiGLU in its epilogue on w1 packed by pack_gate_up_fp8,
+// w_scales [E, K / 128, N / 64] -> the activation [R, N / 2] bf16
+// (cuda::GroupedGemmFp8Problem::swiglu).
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
-                                 const at::Tensor& offs, const TuningParams& tuning);
+                                 const at::Tensor& offs, const TuningParams& tuning,
+                                 bool swiglu = false);
+
+// The quantized w1 [E, 2I, K] e4m3 and its scales [E, K / 128, 2I / 128] (quantize_expert_weights)
+// packed for the SwiGLU epilogue: rows in blocks of 64 (gate, up) and a scale per 64 rows, as
+// cuda::GroupedGemmFp8Problem::swiglu reads them. I must be a multiple of 64.
+std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1);
+
+// a [R, C] bf16 -> (e4m3 [R, C], fp32 scales [R, C / 128]): swiglu_fp8's encoding of an
+// activation already computed.
+std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a);
 
 // h [R, 2I] bf16 (gate, then up) -> silu(gate) * up rounded to bf16 and quantized in 1 x 128
 // blocks: (e4m3 [R, I], fp32 scales [R, I / 128]).

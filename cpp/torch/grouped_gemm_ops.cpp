@@ -9,6 +9,8 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "torch/grouped_gemm.hpp"
 #include "torch/runtime_registry.hpp"
@@ -248,7 +250,8 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
 
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
-                                 const at::Tensor& offs, const TuningParams& params) {
+                                 const at::Tensor& offs, const TuningParams& params,
+                                 bool swiglu) {
   UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
   UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
   UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
@@ -276,10 +279,11 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
   UNIEP_CHECK(x_scales.dim() == 2 && x_scales.size(0) == rows && x_scales.size(1) == k / 128,
               "x_scales must be [R, K / 128] = [", rows, ", ", k / 128, "], got shape ",
               x_scales.sizes());
+  const int64_t n_block = swiglu ? 64 : 128;  // packed w1: a scale per 64 rows
   UNIEP_CHECK(w_scales.dim() == 3 && w_scales.size(0) == e && w_scales.size(1) == k / 128 &&
-                  w_scales.size(2) == n / 128,
-              "w_scales must be [E, K / 128, N / 128] = [", e, ", ", k / 128, ", ", n / 128,
-              "], got shape ", w_scales.sizes());
+                  w_scales.size(2) == n / n_block,
+              "w_scales must be [E, K / 128, N / ", n_block, "] = [", e, ", ", k / 128, ", ",
+              n / n_block, "], got shape ", w_scales.sizes());
   for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
     UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
                 t->strides());
@@ -289,10 +293,11 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
   tiles.tile_k = params.tile_k;
   tiles.stages = params.stages;
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
+  at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options().dtype(at::kBFloat16));
   cuda::GroupedGemmFp8Problem p;
   p.num_experts = e;
   p.rows = rows;
+  p.swiglu = swiglu;
   int index = 0;  // a tile request no configuration has is an error, rows or none
   ok_or_throw(cuda::grouped_gemm_fp8_select(p, tiles, &index));
   if (rows == 0) return out;
@@ -335,6 +340,43 @@ std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
   ok_or_throw(cuda::swiglu_fp8(h.data_ptr(), rows, ffn, act.data_ptr(), scales.data_ptr<float>(),
                                at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
   return std::make_tuple(act, scales);
+}
+
+std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1) {
+  UNIEP_CHECK(q1.dim() == 3 && s1.dim() == 3,
+              "q1 must be [E, 2I, K] and s1 [E, K / 128, 2I / 128], "
+              "got shapes ",
+              q1.sizes(), " and ", s1.sizes());
+  const int64_t e = q1.size(0), n = q1.size(1), k = q1.size(2), ffn = n / 2;
+  UNIEP_CHECK(n % 128 == 0 && k % 128 == 0 && s1.size(0) == e && s1.size(1) == k / 128 &&
+                  s1.size(2) == n / 128,
+              "q1 [E, 2I, K] needs I a multiple of 64 and K of 128, with s1 [E, K / 128, 2I / "
+              "128], got shapes ",
+              q1.sizes(), " and ", s1.sizes());
+  // Packed row c + 64 g + 128 j is row g I + 64 j + c: (E, g, j, c, K) -> (E, j, g, c, K).
+  at::Tensor q = q1.view({e, 2, ffn / 64, 64, k}).permute({0, 2, 1, 3, 4}).reshape({e, n, k});
+  // Packed 64-row group 2 j + g came from the 128-row block (g I + 64 j) / 128.
+  std::vector<int64_t> from(static_cast<size_t>(n / 64));
+  for (int64_t j = 0; j < ffn / 64; ++j)
+    for (int64_t g = 0; g < 2; ++g) from[static_cast<size_t>(2 * j + g)] = (g * ffn + 64 * j) / 128;
+  const at::Tensor index =
+      at::tensor(from, at::TensorOptions().dtype(at::kLong)).to(s1.device());
+  return {q.contiguous(), s1.index_select(2, index).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a) {
+  UNIEP_CHECK(a.dim() == 2, "a must be 2-D [R, C], got shape ", a.sizes());
+  UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16, got ", a.scalar_type());
+  UNIEP_CHECK(a.is_cuda() && a.is_contiguous(), "a must be a contiguous CUDA tensor");
+  UNIEP_CHECK(a.size(1) % 128 == 0, "a must have a multiple of 128 columns, got shape ",
+              a.sizes());
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor q = at::empty(a.sizes(), a.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scales = at::empty({a.size(0), a.size(1) / 128}, a.options().dtype(at::kFloat));
+  ok_or_throw(cuda::quantize_fp8(a.data_ptr(), a.size(0), a.size(1), q.data_ptr(),
+                                 scales.data_ptr<float>(),
+                                 at::cuda::getCurrentCUDAStream(a.device().index()).stream()));
+  return std::make_tuple(q, scales);
 }
 
 namespace {

@@ -148,11 +148,19 @@ struct GroupedGemmFp8Problem {
   const void* x = nullptr;            // [rows, k] e4m3
   const float* x_scales = nullptr;    // [rows, k / 128]
   const void* w = nullptr;            // [num_experts, n, k] e4m3
-  const float* w_scales = nullptr;    // [num_experts, k / 128, n / 128]
+  const float* w_scales = nullptr;    // [num_experts, k / 128, n / 128] (swiglu: n / 64)
   const int32_t* offs = nullptr;      // [num_experts] int32, cumulative row ends (device memory)
-  void* out = nullptr;                // [rows, n] bf16
+  void* out = nullptr;                // [rows, n] bf16 (swiglu: [rows, n / 2])
   int64_t num_experts = 0, rows = 0;  // as GroupedGemmProblem
   int64_t k = 0, n = 0;               // multiples of 128
+  // The first expert GEMM with SwiGLU in its epilogue (GroupedGemmEpilogue::kSwiGlu's numerics):
+  // out [rows, n / 2] = silu(g) * u, g and u the product's gate and up columns rounded to bf16.
+  // w holds w1 [E, 2I, K] with its rows (output columns) packed in blocks of 64: packed row
+  // c + 64 g + 128 j (c < 64, g = 0 gate or 1 up) is w1's row g I + 64 j + c; w_scales holds
+  // one scale per 64 packed rows, [E, k / 128, n / 64]: the scale of the 128 x 128 block of the
+  // unpacked w1 those rows came from. The products, and so the bits, are those of the unpacked
+  // w1 with its [E, k / 128, n / 128] scales. Every fp8 configuration has this kernel too.
+  bool swiglu = false;
 };
 
 // OK when the fp8 kernel takes the problem: k and n positive multiples of 128, 16-byte aligned
@@ -194,6 +202,13 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
 // encoding of the bf16 activation). ffn % 128 == 0; h and act 16-byte aligned.
 Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
                   cudaStream_t stream);
+
+// swiglu_fp8's encoding of an activation already computed (the SwiGLU epilogue's output,
+// GroupedGemmFp8Problem::swiglu): a [rows, cols] bf16 -> q [rows, cols] e4m3 and scales
+// [rows, cols / 128]; the same bits as swiglu_fp8 from the h that activation came from.
+// cols % 128 == 0; a and q 16-byte aligned.
+Status quantize_fp8(const void* a, int64_t rows, int64_t cols, void* q, float* scales,
+                    cudaStream_t stream);
 
 // The first GEMM's input from a dispatch's receive slots: dst[r] = src[row_slot[r]] for rows of
 // cols bf16 (slot s at src + s * src_stride_bytes; a slot outside [0, slots) leaves its row

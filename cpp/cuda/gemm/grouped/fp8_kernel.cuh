@@ -30,6 +30,7 @@
 #include "cuda/gemm/grouped/fp8_pipelined_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
+#include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::cuda::grouped_fp8 {
@@ -41,6 +42,15 @@ constexpr int kFp8Align = 16 / sizeof(Fp8);  // TMA moves 16-byte rows
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+// The first GEMM with SwiGLU in its epilogue reads w1 packed in blocks of 64 columns (gate, up;
+// grouped_gemm_fp8's GroupedGemmFp8Problem::swiglu) with one weight scale per 64 columns: each
+// the scale of the 128 x 128 block the 64 columns came from, so the products are the unpacked
+// weight's.
+constexpr int kHalfBlock = kBlock / 2;
+using ScaleConfig64 = cutlass::detail::Sm90BlockwiseScaleConfig<1, kHalfBlock, kBlock>;
+using LayoutSFB64 = decltype(ScaleConfig64::deduce_layoutSFB());
+static_assert(sizeof(LayoutSFB64) == sizeof(LayoutSFB),
+              "one array of per-group B-scale layouts serves both kinds");
 
 // The fp8 call's own arrays, after the bf16 kinds' (grouped_workspace.hpp): per group the scale
 // pointers and layouts, then the rows' scales reordered M-major per expert.
@@ -48,13 +58,21 @@ struct Arrays {
   const float** ptr_sfa = nullptr;
   const float** ptr_sfb = nullptr;
   LayoutSFA* layout_sfa = nullptr;
-  LayoutSFB* layout_sfb = nullptr;
-  float* sfa = nullptr;  // [rows * k / 128]
+  LayoutSFB* layout_sfb = nullptr;  // read as LayoutSFB64 by the SwiGLU kernel (layout_sfb64)
+  float* sfa = nullptr;             // [rows * k / 128]
   void* gemm = nullptr;
+
+  CUTLASS_HOST_DEVICE LayoutSFB64* layout_sfb64() const {
+    return reinterpret_cast<LayoutSFB64*>(layout_sfb);
+  }
 };
 
-template <int TileM, int ClusterM, int ClusterN, bool PingPong>
+// SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
+// 64 columns; otherwise D = the product, stored through TMA.
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
 struct Gemm {
+  static constexpr bool kSwiGlu = SwiGlu;
+  using LayoutB = cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using EpilogueSchedule =
@@ -63,15 +81,20 @@ struct Gemm {
   using KernelSchedule = cute::conditional_t<
       PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
       cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
       grouped::kAlign, EpilogueSchedule>::CollectiveOp;
+  using Epilogue = cute::conditional_t<
+      SwiGlu,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+          grouped::SwiGluEpilogue<64>>,
+      StoreEpilogue>;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
-      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Align, float, TileShape,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutB*>, kFp8Align, float, TileShape,
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
@@ -87,9 +110,11 @@ struct Gemm {
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
 };
 
+// ld_out: the SwiGLU kernel's elements between rows of out (I); unused by the store.
 template <class G>
 typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arrays& fa,
-                                        int64_t num_experts, int device, int sm_count) {
+                                        int64_t num_experts, int device, int sm_count,
+                                        int64_t ld_out = 0) {
   typename G::Device::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
@@ -100,8 +125,16 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
   args.mainloop.ptr_SFA = fa.ptr_sfa;
   args.mainloop.layout_SFA = fa.layout_sfa;
   args.mainloop.ptr_SFB = fa.ptr_sfb;
-  args.mainloop.layout_SFB = fa.layout_sfb;
-  grouped::set_store_epilogue(args, ws, device, sm_count);
+  if constexpr (G::kSwiGlu) {
+    args.mainloop.layout_SFB = fa.layout_sfb64();
+    args.epilogue.ptr_out = ws.ptr_d;
+    args.epilogue.ld_out = ld_out;
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+  } else {
+    args.mainloop.layout_SFB = fa.layout_sfb;
+    grouped::set_store_epilogue(args, ws, device, sm_count);
+  }
   return args;
 }
 
@@ -115,6 +148,9 @@ struct Entry {
   // Runs the kernel over the problems build_fp8_problems wrote into ws and fa.
   Status (*run)(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
                 int sm_count, cudaStream_t stream);
+  // The same with the SwiGLU epilogue (w1 packed, out [R, n / 2] with ld_out = n / 2).
+  Status (*run_swiglu)(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
+                       int64_t ld_out, int device, int sm_count, cudaStream_t stream);
 };
 
 template <class G>
@@ -130,14 +166,31 @@ Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, 
   return launch_cutlass<typename G::Device>(args, fa.gemm, stream, "the fp8 grouped GEMM");
 }
 
+template <class G>
+Status run_swiglu(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
+                  int64_t ld_out, int device, int sm_count, cudaStream_t stream) {
+  const typename G::Device::Arguments args =
+      arguments<G>(ws, fa, num_experts, device, sm_count, ld_out);
+  return launch_cutlass<typename G::Device>(args, fa.gemm, stream,
+                                            "the fp8 grouped GEMM with SwiGLU");
+}
+
+// Every configuration is compiled both ways: the plain product (run) and with the SwiGLU
+// epilogue (run_swiglu).
 template <int TileM, int ClusterM, int ClusterN, bool PingPong>
 Entry make_entry(const char* name) {
   using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
+  using GS = Gemm<TileM, ClusterM, ClusterN, PingPong, true>;
   Entry e;
   e.config =
       GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
-  e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
+  e.gemm_workspace_bytes = [](const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
+                              int sm_count) {
+    return std::max(gemm_workspace_bytes<G>(ws, fa, num_experts, sm_count),
+                    gemm_workspace_bytes<GS>(ws, fa, num_experts, sm_count));
+  };
   e.run = &run<G>;
+  e.run_swiglu = &run_swiglu<GS>;
   return e;
 }
 

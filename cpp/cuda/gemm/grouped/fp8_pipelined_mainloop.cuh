@@ -21,8 +21,8 @@
 // on the Qwen3-like load's small experts.
 //
 // Costs one more accumulator of registers: 64 x 128 per warpgroup is 64 floats a thread, so 192
-// with the two temporaries, inside the cooperative consumers' 232. Only the layout this engine
-// uses: per-row A scales (several per tile along M), one B scale per tile along N.
+// with the two temporaries, inside the cooperative consumers' 232. Only the layouts this engine
+// uses: per-row A scales, and one B scale per tile along N or one per 64 columns.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -32,8 +32,8 @@ namespace uniep::cuda::grouped_fp8 {
 
 template <class Base>
 struct PipelinedScaleMainloop : Base {
-  static_assert(Base::ScaleMsPerTile > 1 && Base::ScaleNsPerTile == 1,
-                "written for per-row A scales and one B scale per tile along N");
+  static_assert(Base::ScaleMsPerTile > 1,
+                "written for per-row A scales (one B scale per tile along N, or several)");
   static_assert(Base::ScalePromotionInterval == 4,
                 "written for one promotion per k-block (the scale block is the k-tile)");
 
@@ -115,16 +115,27 @@ struct PipelinedScaleMainloop : Base {
       warpgroup_fence_operand(part);
       ++smem_pipe_read;
     };
-    // accum += part * (row scale * B scale), the base's order of operations.
+    // accum += part * (row scale * B scale): the scales' product first, then one fused
+    // multiply-add, the base's order of operations. With several B scales along N (w1 packed for
+    // the SwiGLU epilogue, a scale per 64 columns) the product is formed per element; it is the
+    // same product, so the bits are those of one scale per tile.
     auto promote = [&](auto& part, auto& sfa, auto& sfb) {
-      const Scale scale_b = sfb(_0{});
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(filter_zeros(sfa)); ++i)
-        filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * scale_b;
       warpgroup_fence_operand(part);
       warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i);
+      if constexpr (Base::ScaleNsPerTile == 1) {
+        const Scale scale_b = sfb(_0{});
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(filter_zeros(sfa)); ++i)
+          filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * scale_b;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) {
+          const Scale scale = sfa(i) * sfb(i);
+          accum(i) += part(i) * scale;
+        }
+      }
       warpgroup_fence_operand(accum);
     };
     // After issuing k-block t: wait for t - 1 only, free its stage, promote it.

@@ -68,12 +68,14 @@ Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
 // operands:
 // per expert the shapes, the K-major x rows and w[e] [n, k], the bf16 out rows, and the scales'
 // pointers and layouts (A's scales: this expert's block of the reordered sfa).
+// swiglu: out rows of n / 2 and B scales per 64 columns (GroupedGemmFp8Problem::swiglu).
 __global__ void __launch_bounds__(32)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
-                       const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out,
+                       const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
                        grouped::Workspace ws, Arrays fa) {
   const int lane = static_cast<int>(threadIdx.x);
-  const int kb = k / kBlock, nb = n / kBlock;
+  const int kb = k / kBlock, nb = swiglu ? n / grouped_fp8::kHalfBlock : n / kBlock;
+  const int64_t out_n = swiglu ? n / 2 : n;
   int carry = 0;
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
@@ -85,14 +87,18 @@ __global__ void __launch_bounds__(32)
     ws.shapes[e] = grouped::Shape{m, n, k};
     ws.ptr_a[e] = reinterpret_cast<const Bf16*>(x + b * k);
     ws.ptr_b[e] = reinterpret_cast<const Bf16*>(w + ee * n * k);
-    ws.ptr_d[e] = out + b * n;
+    ws.ptr_d[e] = out + b * out_n;
     ws.stride_a[e] = k;
     ws.stride_b[e] = k;
-    ws.stride_d[e] = grouped::StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
+    ws.stride_d[e] = grouped::StrideD{out_n, cute::_1{}, cute::_0{}};
     fa.ptr_sfa[e] = fa.sfa + b * kb;
     fa.ptr_sfb[e] = w_scales + ee * kb * nb;
     fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-    fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    if (swiglu)
+      fa.layout_sfb64()[e] =
+          grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    else
+      fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
   }
 }
 
@@ -236,7 +242,7 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
   build_fp8_problems<<<1, 32, 0, stream>>>(
       p.offs, experts, static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
       static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
-      static_cast<Bf16*>(p.out), ws, fa);
+      static_cast<Bf16*>(p.out), p.swiglu, ws, fa);
   const dim3 reorder_grid(experts, std::max(1, std::min(1024, 8 * sm_count / experts)));
   reorder_row_scales<<<reorder_grid, 256, 0, stream>>>(ws.shapes, experts, p.x_scales,
                                                        static_cast<int>(p.k / kBlock), fa.sfa);
@@ -244,8 +250,10 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernels failed to launch: ",
                             cudaGetErrorString(e))};
-  return fp8_entries()[static_cast<size_t>(index)]->run(ws, fa, p.num_experts, device, sm_count,
-                                                        stream);
+  const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
+  if (p.swiglu)
+    return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
+  return entry.run(ws, fa, p.num_experts, device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda

@@ -51,6 +51,9 @@ constexpr int kFp8Lanes = kFp8Block / kFp8Cols;
 // (common/fp8_block.cuh; uniep.gemm.quantize_rows on the CPU). ffn % 128 == 0,
 // so a warp's 32 lanes cover whole scale blocks; every lane runs every step (the shuffles name
 // the whole warp), those past the end with zeros and no stores.
+// kSwiGlu false: h is the activation itself, [rows, ffn] bf16 (the SwiGLU epilogue's output),
+// encoded the same way (quantize_fp8).
+template <bool kSwiGlu>
 __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
                                   uint8_t* __restrict__ act, float* __restrict__ scales) {
   const int64_t lanes_per_row = ffn / kFp8Cols, total = rows * lanes_per_row;
@@ -63,7 +66,7 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
     const int64_t r = in ? v / lanes_per_row : 0, c = in ? (v % lanes_per_row) * kFp8Cols : 0;
     float a[kFp8Cols];
     float amax = 0.0f;
-    if (in) {
+    if (in && kSwiGlu) {
       uint4 g4[2], u4[2];
       g4[0] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + c);
       g4[1] = *reinterpret_cast<const uint4*>(h + r * 2 * ffn + c + 8);
@@ -75,6 +78,16 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
       for (int j = 0; j < kFp8Cols; ++j) {
         a[j] = __bfloat162float(
             __float2bfloat16_rn(silu_mul(__bfloat162float(g[j]), __bfloat162float(u[j]))));
+        amax = fmaxf(amax, fabsf(a[j]));
+      }
+    } else if (in) {
+      uint4 a4[2];
+      a4[0] = *reinterpret_cast<const uint4*>(h + r * ffn + c);
+      a4[1] = *reinterpret_cast<const uint4*>(h + r * ffn + c + 8);
+      const auto* v = reinterpret_cast<const __nv_bfloat16*>(a4);
+#pragma unroll
+      for (int j = 0; j < kFp8Cols; ++j) {
+        a[j] = __bfloat162float(v[j]);
         amax = fmaxf(amax, fabsf(a[j]));
       }
     }
@@ -108,25 +121,43 @@ Status swiglu_bf16(const void* h, int64_t rows, int64_t ffn, void* act, cudaStre
   return launch_status("swiglu_bf16");
 }
 
-Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
-                  cudaStream_t stream) {
+namespace {
+
+template <bool kSwiGlu>
+Status launch_fp8_rows(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
+                       cudaStream_t stream, const char* name) {
   if (rows < 0)
-    return {StatusCode::kInvalidArgument, detail::str_cat("rows must be >= 0, got ", rows)};
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(name, ": rows must be >= 0, got ", rows)};
   if (ffn < 1 || ffn % kFp8Block != 0)
     return {StatusCode::kUnsupported,
-            detail::str_cat("ffn must be a positive multiple of ", kFp8Block,
-                            " (one scale per 128 columns), got ", ffn)};
+            detail::str_cat(name, ": the activation's columns must be a positive multiple of ",
+                            kFp8Block, " (one scale per 128 columns), got ", ffn)};
   if (rows == 0) return Status::Ok();
   if (h == nullptr || act == nullptr || scales == nullptr ||
       reinterpret_cast<uintptr_t>(h) % 16 != 0 || reinterpret_cast<uintptr_t>(act) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(scales) % 4 != 0)
-    return {StatusCode::kUnsupported, "h and act must be 16-byte aligned, scales 4 (non-null)"};
+    return {StatusCode::kUnsupported,
+            detail::str_cat(name, ": the input and the e4m3 output must be 16-byte aligned, the "
+                                  "scales 4 (non-null)")};
   const int64_t total = rows * (ffn / kFp8Cols);
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
-  swiglu_fp8_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  swiglu_fp8_kernel<kSwiGlu><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales);
-  return launch_status("swiglu_fp8");
+  return launch_status(name);
+}
+
+}  // namespace
+
+Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
+                  cudaStream_t stream) {
+  return launch_fp8_rows<true>(h, rows, ffn, act, scales, stream, "swiglu_fp8");
+}
+
+Status quantize_fp8(const void* a, int64_t rows, int64_t cols, void* q, float* scales,
+                    cudaStream_t stream) {
+  return launch_fp8_rows<false>(a, rows, cols, q, scales, stream, "quantize_fp8");
 }
 
 }  // namespace uniep::cuda
