@@ -30,7 +30,6 @@
 #include "cuda/gemm/grouped/fp8_pipelined_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
-#include "cuda/gemm/grouped/store_direct_epilogue.cuh"
 #include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 #include "uniep/cuda/grouped_gemm.hpp"
 
@@ -69,13 +68,10 @@ struct Arrays {
 };
 
 // SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
-// 64 columns; otherwise D = the product, stored through TMA (Direct: from the registers,
-// StoreDirectEpilogue).
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false,
-          bool Direct = false>
+// 64 columns; otherwise D = the product, stored through TMA.
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
 struct Gemm {
   static constexpr bool kSwiGlu = SwiGlu;
-  static constexpr bool kDirect = Direct && !SwiGlu;
   using LayoutB = cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -94,10 +90,7 @@ struct Gemm {
       SwiGlu,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
           grouped::SwiGluEpilogue<64>>,
-      cute::conditional_t<kDirect,
-                          cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                              grouped::StoreDirectEpilogue>,
-                          StoreEpilogue>>;
+      StoreEpilogue>;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
@@ -136,11 +129,6 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
     args.mainloop.layout_SFB = fa.layout_sfb64();
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
-    args.hw_info.device_id = device;
-    args.hw_info.sm_count = sm_count;
-  } else if constexpr (G::kDirect) {
-    args.mainloop.layout_SFB = fa.layout_sfb;
-    args.epilogue.ptr_out = ws.ptr_d;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
   } else {
@@ -206,21 +194,7 @@ Entry make_entry(const char* name) {
   return e;
 }
 
-// Experiment: the plain product through StoreDirectEpilogue (run only; run_swiglu is null).
-template <int TileM, int ClusterM, int ClusterN, bool PingPong>
-Entry make_x_direct_entry(const char* name) {
-  using G = Gemm<TileM, ClusterM, ClusterN, PingPong, false, true>;
-  Entry e;
-  e.config =
-      GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
-  e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
-  e.run = &run<G>;
-  e.run_swiglu = nullptr;
-  return e;
-}
-
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
-const Entry& entry_x_coop_128x128x128_direct();
 
 }  // namespace uniep::cuda::grouped_fp8
