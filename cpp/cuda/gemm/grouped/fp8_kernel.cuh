@@ -69,9 +69,7 @@ struct Arrays {
 
 // SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
 // 64 columns; otherwise D = the product, stored through TMA.
-// Staged (experiment): the SwiGLU epilogue's rows through shared memory and bulk copies.
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false,
-          bool Staged = false>
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
 struct Gemm {
   static constexpr bool kSwiGlu = SwiGlu;
   using LayoutB = cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>;
@@ -91,17 +89,15 @@ struct Gemm {
   using Epilogue = cute::conditional_t<
       SwiGlu,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-          grouped::SwiGluEpilogue<64, Staged>>,
+          grouped::SwiGluEpilogue<64>>,
       StoreEpilogue>;
-  // The operator-style adapter also reserves the epilogue's storage as its tensor-map storage.
-  static constexpr int kEpilogueSmem =
-      static_cast<int>((Staged ? 2 : 1) * sizeof(typename Epilogue::SharedStorage));
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
       cute::tuple<cutlass::layout::ColumnMajor*, LayoutB*>, kFp8Align, float, TileShape,
       ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
   // CUTLASS's collective with the promotion taken off the WGMMAs' path.
   using Mainloop = PipelinedScaleMainloop<BuiltMainloop>;
@@ -198,21 +194,7 @@ Entry make_entry(const char* name) {
   return e;
 }
 
-// Experiment: the SwiGLU kernel with staged rows (run_swiglu only; run is null).
-template <int TileM, int ClusterM, int ClusterN, bool PingPong>
-Entry make_x_staged_entry(const char* name) {
-  using GS = Gemm<TileM, ClusterM, ClusterN, PingPong, true, true>;
-  Entry e;
-  e.config =
-      GroupedGemmConfig{name, TileM, kBlock, kBlock, GS::kStages, ClusterM, ClusterN, PingPong};
-  e.gemm_workspace_bytes = &gemm_workspace_bytes<GS>;
-  e.run = nullptr;
-  e.run_swiglu = &run_swiglu<GS>;
-  return e;
-}
-
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
-const Entry& entry_x_coop_128x128x128_staged();
 
 }  // namespace uniep::cuda::grouped_fp8

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -35,14 +34,6 @@ const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
   static const std::array<const grouped_fp8::Entry*, 2> all = {
       &grouped_fp8::entry_coop_128x128x128(), &grouped_fp8::entry_pingpong_64x128x128()};
   return all;
-}
-
-// Experiment: UNIEP_X_FP8_STAGED=1 swaps the cooperative tile's SwiGLU kernel for the one whose
-// epilogue stages rows in shared memory (read at every call, so a benchmark can switch it).
-const grouped_fp8::Entry* x_staged(const grouped_fp8::Entry* chosen) {
-  const char* v = std::getenv("UNIEP_X_FP8_STAGED");
-  if (v == nullptr || v[0] != '1' || chosen != fp8_entries()[0]) return chosen;
-  return &grouped_fp8::entry_x_coop_128x128x128_staged();
 }
 
 size_t fp8_arrays_bytes(int64_t num_experts, int64_t rows, int64_t k) {
@@ -221,8 +212,6 @@ size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64
   size_t gemm = 0;
   for (const auto* e : fp8_entries())
     gemm = std::max(gemm, e->gemm_workspace_bytes(ws, fa, num_experts, sm_count));
-  gemm = std::max(gemm, grouped_fp8::entry_x_coop_128x128x128_staged().gemm_workspace_bytes(
-                            ws, fa, num_experts, sm_count));
   return head + fp8 + gemm;
 }
 
@@ -263,8 +252,7 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
                             cudaGetErrorString(e))};
   const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
   if (p.swiglu)
-    return x_staged(&entry)->run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count,
-                                        stream);
+    return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
   return entry.run(ws, fa, p.num_experts, device, sm_count, stream);
 }
 
