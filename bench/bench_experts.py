@@ -396,7 +396,7 @@ def _backward_rank(
         row["phases_us[local fused]"] = uniep.megakernel.trace_phases(trace)
         if profile:
             # Where each backward's time goes, kernel by kernel, against the dense chain's.
-            row["kernels_us"] = profile_kernels(fns, profile)
+            row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
         rows.append(row)
         del x, w1, w2, w2t, leaves, go_d
         torch.cuda.empty_cache()

@@ -11,6 +11,7 @@
 //     equal experts among the lanes with __match_any_sync; a per-expert cursor in shared memory
 //     carries the rank from one group of 32 to the next.
 // Every row index is a function of the metadata alone, so the lists are identical run to run.
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/ep_kernels.hpp"
@@ -215,6 +216,30 @@ void launch_expert_rows_place(const ExpertRowsArgs& a, cudaStream_t stream) {
 void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream) {
   launch_expert_rows_count(a, stream);
   launch_expert_rows_place(a, stream);
+}
+
+namespace {
+
+__global__ void row_weights_kernel(const float* __restrict__ slot_weights,
+                                   const int64_t* __restrict__ row_slot,
+                                   const int64_t* __restrict__ row_target, int64_t rows,
+                                   int64_t top_k, float* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += stride)
+    out[r] = slot_weights[row_slot[r] * top_k + row_target[r] % top_k];
+}
+
+}  // namespace
+
+void launch_row_weights(const float* slot_weights, const int64_t* row_slot,
+                        const int64_t* row_target, int64_t rows, int64_t top_k, float* out,
+                        cudaStream_t stream) {
+  if (rows <= 0) return;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((rows + kThreads - 1) / kThreads, 4096);
+  row_weights_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      slot_weights, row_slot, row_target, rows, top_k, out);
 }
 
 }  // namespace uniep::cuda

@@ -39,4 +39,11 @@ void launch_expert_rows(const ExpertRowsArgs& a, cudaStream_t stream);
 void launch_expert_rows_count(const ExpertRowsArgs& a, cudaStream_t stream);
 void launch_expert_rows_place(const ExpertRowsArgs& a, cudaStream_t stream);
 
+// Each GEMM row's routing weight: out[r] = slot_weights[row_slot[r] * top_k + k], k the choice
+// row_target[r] names (row_target % top_k, ExpertRowsArgs). One launch where torch took four
+// ops (and their host time) on the backward's path; nothing for zero rows.
+void launch_row_weights(const float* slot_weights, const int64_t* row_slot,
+                        const int64_t* row_target, int64_t rows, int64_t top_k, float* out,
+                        cudaStream_t stream);
+
 }  // namespace uniep::cuda
