@@ -599,7 +599,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     go_out.recv_x = recv_go.data_ptr();
     ok_or_throw(rt.end_dispatch(go_out, stream));
     const int64_t back_epoch = static_cast<int64_t>(rt.epoch());
-    // Each slot's grad_out row read once (index_select: ~50 us more host time on the path).
+    // Each slot's grad_out row read once (index_select: ~50 us more host time on the path). The
+    // gather reads d's slots from recv_go, so the cached round must have received as many.
+    UNIEP_CHECK_CODE(counts.num_recv == d.counts.num_recv, StatusCode::kInternal,
+                     "moe_backward: grad_out's cached round received ", counts.num_recv,
+                     " rows where the forward's plan has ", d.counts.num_recv);
     const at::Tensor go_rows = at::empty({R, H}, go.options());
     gather_slot_rows(recv_go.data_ptr(), H * recv_go.element_size(), rt, d, H, go_rows.data_ptr(),
                      go, stream);
