@@ -50,6 +50,27 @@ def _half_sms() -> int:
 COUNTS = [300, 0, 1, 128, 129, 0, 517, 64]
 
 
+# 9,000 experts take two passes of the kernel's shared-memory counts (8,192 experts each);
+# 70,000 entries several trips of its loads; the skewed case sends almost every entry to one
+# expert (the warp merges equal ids into one atomic).
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,skew", [(0, 4, 16, False), (700, 9, 256, False),
+                                  (10000, 7, 9000, False), (8750, 8, 128, True)],
+)  # fmt: skip
+def test_device_expert_tiles_equal_the_cpu_plan(
+    tokens: int, top_k: int, experts: int, skew: bool
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    idx = torch.randint(-1, experts + 1, (tokens, top_k), generator=gen)
+    if skew:
+        idx[torch.rand(idx.shape, generator=gen) < 0.9] = 5
+    for tile_m in (1, 64, 128):
+        want = gate.expert_tiles(idx, experts, tile_m)
+        got = gate.expert_tiles(idx.cuda(), experts, tile_m)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+
+
 def test_device_tile_base_equals_the_cpu_plan() -> None:
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)

@@ -279,6 +279,45 @@ def test_expert_counts_skip_unused_and_bad_ids() -> None:
     assert expert_counts(torch.empty(0, 2, dtype=torch.int64), 3).tolist() == [0, 0, 0]
 
 
+def _expert_tiles_reference(idx: torch.Tensor, experts: int, tile_m: int):
+    flat = idx.reshape(-1)
+    valid = flat[(flat >= 0) & (flat < experts)]
+    counts = torch.bincount(valid, minlength=experts)
+    tiles = (counts + tile_m - 1) // tile_m
+    base = torch.cat([torch.zeros(1, dtype=torch.int64), tiles.cumsum(0)])
+    return counts, counts.cumsum(0).to(torch.int32), base.to(torch.int32)
+
+
+@pytest.mark.parametrize("experts,tile_m", [(1, 1), (5, 3), (128, 64), (300, 128)])
+def test_expert_tiles_are_the_counts_their_sums_and_the_tile_bases(
+    experts: int, tile_m: int
+) -> None:
+    gen = torch.Generator().manual_seed(experts)
+    idx = torch.randint(-1, experts + 2, (333, 7), generator=gen)  # unused and bad ids too
+    counts, offs, base = gate.expert_tiles(idx, experts, tile_m)
+    for got, want in zip((counts, offs, base), _expert_tiles_reference(idx, experts, tile_m),
+                         strict=True):  # fmt: skip
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    # The same row ends and tile counters as the gate's own plan over T x K rows.
+    assert torch.equal(base, gate.tile_base(offs, idx.numel(), tile_m))
+    empty = gate.expert_tiles(torch.empty(0, 3, dtype=torch.int64), experts, tile_m)
+    assert [t.tolist() for t in empty] == [[0] * experts, [0] * experts, [0] * (experts + 1)]
+
+
+def test_expert_tiles_refuses_bad_arguments() -> None:
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_experts must be in"):
+        gate.expert_tiles(idx, 0)
+    with pytest.raises(ValueError, match="tile_m must be in"):
+        gate.expert_tiles(idx, 4, 0)
+    with pytest.raises(ValueError, match="topk_idx must be int64"):
+        gate.expert_tiles(idx.int(), 4)
+    with pytest.raises(ValueError, match="topk_idx must be 2-D"):
+        gate.expert_tiles(idx.reshape(-1), 4)
+    with pytest.raises(ValueError, match="1 to 32 columns"):
+        gate.expert_tiles(torch.zeros(1, 33, dtype=torch.int64), 4)
+
+
 def test_moe_forward_local_refuses_bad_arguments() -> None:
     from uniep.megakernel import moe_forward_local
 

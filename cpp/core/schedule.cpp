@@ -45,4 +45,23 @@ std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, in
   return base;
 }
 
+ExpertTiles expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_experts,
+                         int64_t tile_m) {
+  UNIEP_CHECK(num_experts >= 1 && num_experts <= (int64_t{1} << 30),
+              "num_experts must be in [1, 2^30], got ", num_experts);
+  UNIEP_CHECK(entries >= 0 && entries < (int64_t{1} << 31),
+              "topk_idx must have fewer than 2^31 entries (offs are int32), got ", entries);
+  UNIEP_CHECK(entries == 0 || topk_idx != nullptr, "topk_idx must not be null");
+  ExpertTiles out;
+  out.counts.assign(static_cast<size_t>(num_experts), 0);
+  for (int64_t i = 0; i < entries; ++i)
+    if (topk_idx[i] >= 0 && topk_idx[i] < num_experts) ++out.counts[topk_idx[i]];
+  out.offs.resize(out.counts.size());
+  int64_t end = 0;
+  for (size_t e = 0; e < out.counts.size(); ++e)
+    out.offs[e] = static_cast<int32_t>(end += out.counts[e]);
+  out.tile_base = gate_tile_base(out.offs.data(), num_experts, entries, tile_m);
+  return out;
+}
+
 }  // namespace uniep

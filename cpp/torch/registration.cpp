@@ -74,6 +74,13 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "sender_rows(Tensor topk_idx, Tensor expert_counts, int rank, int tile_m) -> "
       "(Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor error)");
+  // expert_tiles(topk_idx [T, K], num_experts, tile_m) -> counts [E] int64 (entries routed to
+  // each expert; ids < 0 or >= E count nowhere), offs [E] int32 (their inclusive sums, the
+  // grouped GEMM's row ends) and tile_base [E + 1] int32 (gate_tile_base(offs, T * K, tile_m)):
+  // the local MegaKernel's plan before sender_rows, in one launch on CUDA (uniep::expert_tiles).
+  m.def(
+      "expert_tiles(Tensor topk_idx, int num_experts, int tile_m) -> "
+      "(Tensor counts, Tensor offs, Tensor tile_base)");
   // send_order(topk_idx [T, K], expert_counts [W, E], rank) -> [T * K] int64: the plan's order
   // of this rank's entries for a send that overlaps the GEMMs (uniep::SenderRows::send_order).
   m.def("send_order(Tensor topk_idx, Tensor expert_counts, int rank) -> Tensor");

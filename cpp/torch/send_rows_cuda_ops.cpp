@@ -15,6 +15,7 @@
 #include "torch/send_rows_ops.hpp"
 #include "torch/validate.hpp"
 #include "uniep/cuda/send_rows.hpp"
+#include "uniep/cuda/tile_gate.hpp"
 
 namespace uniep::torch_glue {
 namespace {
@@ -67,6 +68,23 @@ at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_
     a.send_order = order.data_ptr<int64_t>();
     ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
     return order;
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tensor& topk_idx,
+                                                                 int64_t num_experts,
+                                                                 int64_t tile_m) {
+  return translate_errors([&] {
+    check_expert_tiles_args(topk_idx, num_experts, tile_m);
+    const c10::cuda::CUDAGuard guard(topk_idx.device());
+    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
+    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
+    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    ok_or_throw(cuda::expert_tiles(topk_idx.data_ptr<int64_t>(), topk_idx.numel(), num_experts,
+                                   static_cast<int>(tile_m), counts.data_ptr<int64_t>(),
+                                   offs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
+                                   at::cuda::getCurrentCUDAStream().stream()));
+    return std::make_tuple(counts, offs, base);
   });
 }
 
@@ -135,6 +153,7 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cuda(const at::Tensor& y,
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cuda);
   m.impl("send_order", &uniep::torch_glue::send_order_cuda);
+  m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cuda);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cuda);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cuda);
 }

@@ -79,6 +79,25 @@ at::Tensor send_order_cpu(const at::Tensor& topk_idx, const at::Tensor& expert_c
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cpu(const at::Tensor& topk_idx,
+                                                                int64_t num_experts,
+                                                                int64_t tile_m) {
+  return translate_errors([&] {
+    check_expert_tiles_args(topk_idx, num_experts, tile_m);
+    UNIEP_CHECK(topk_idx.device().is_cpu(), "topk_idx must be a CPU tensor here, got ",
+                topk_idx.device());
+    const ExpertTiles plan =
+        expert_tiles(topk_idx.data_ptr<int64_t>(), topk_idx.numel(), num_experts, tile_m);
+    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
+    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
+    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    std::copy(plan.counts.begin(), plan.counts.end(), counts.data_ptr<int64_t>());
+    std::copy(plan.offs.begin(), plan.offs.end(), offs.data_ptr<int32_t>());
+    std::copy(plan.tile_base.begin(), plan.tile_base.end(), base.data_ptr<int32_t>());
+    return std::make_tuple(counts, offs, base);
+  });
+}
+
 // The world-1 form: the only destination is this rank's own rows and counters.
 at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
                          const at::Tensor& gemm_row, const at::Tensor& counter,
@@ -185,6 +204,18 @@ void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert
                 "expert_counts must be non-negative row counts");
 }
 
+void check_expert_tiles_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
+  check_int64_matrix(topk_idx, "topk_idx");
+  UNIEP_CHECK(topk_idx.size(1) >= 1 && topk_idx.size(1) <= 32,
+              "topk_idx must have 1 to 32 columns (top-k), got ", topk_idx.size(1));
+  UNIEP_CHECK(topk_idx.numel() < (int64_t{1} << 31),
+              "topk_idx must have fewer than 2^31 entries (offs are int32), got ",
+              topk_idx.numel());
+  UNIEP_CHECK(num_experts >= 1 && num_experts <= (int64_t{1} << 30),
+              "num_experts must be in [1, 2^30], got ", num_experts);
+  UNIEP_CHECK(tile_m >= 1 && tile_m <= (1 << 20), "tile_m must be in [1, 2^20], got ", tile_m);
+}
+
 void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
                           const at::Tensor& gemm_row, const at::Tensor& counter,
                           const at::Tensor& rows, const at::Tensor& counters) {
@@ -223,6 +254,7 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
 TORCH_LIBRARY_IMPL(uniep, CPU, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
   m.impl("send_order", &uniep::torch_glue::send_order_cpu);
+  m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cpu);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cpu);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cpu);
 }

@@ -14,6 +14,10 @@ namespace uniep::torch_glue {
 void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert_counts,
                             int64_t rank, int64_t tile_m);
 
+// topk_idx [T, K] int64 contiguous (K in [1, 32], T x K < 2^31), num_experts in [1, 2^30],
+// tile_m in [1, 2^20]: uniep::expert_tiles.
+void check_expert_tiles_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m);
+
 // x [T, H] contiguous (rows of H * element size bytes, a multiple of 16); dest_rank, gemm_row,
 // counter [T, K] int64; rows [C, H'] of x's dtype, H' >= H, contiguous; counters [N] int32;
 // all on x's device.

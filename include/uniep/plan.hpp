@@ -115,4 +115,16 @@ std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
 std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows,
                                     int64_t tile_m);
 
+// The plan a MegaKernel call on one rank needs before its send, from the routing alone:
+// counts[e] = the entries of topk_idx equal to e (ids < 0 or >= num_experts count nowhere),
+// offs[e] = counts[0] + ... + counts[e] (the grouped GEMM's row ends, int32) and tile_base =
+// gate_tile_base(offs, entries, tile_m). The CUDA executor computes the same in one launch
+// (include/uniep/cuda/tile_gate.hpp).
+struct ExpertTiles {
+  std::vector<int64_t> counts;
+  std::vector<int32_t> offs, tile_base;
+};
+ExpertTiles expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_experts,
+                         int64_t tile_m);
+
 }  // namespace uniep

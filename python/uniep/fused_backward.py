@@ -45,7 +45,6 @@ from .megakernel import (
     _check,
     _check_operands,
     _finish,
-    expert_counts,
     sends_beside_gemms,
 )
 
@@ -129,12 +128,10 @@ def moe_backward_local(
             torch.zeros_like(w2),
         )
     capacity = t * k
-    counts = expert_counts(topk_idx, e)
+    counts, offs, base = gate.expert_tiles(topk_idx, e, gate.TILE_M)
     dest, row, counter, plan_error = gate.sender_rows(
         topk_idx, counts.view(1, e), 0, check=False, tile_m=gate.TILE_M
     )
-    offs = counts.cumsum(0).to(torch.int32)
-    base = gate.tile_base(offs, capacity, gate.TILE_M)
     what = f"moe_backward_local ({overlap})"
     errors = [("send", plan_error, "moe_backward_local (plan)", k)]
     if overlap == "fused":

@@ -96,6 +96,18 @@ def check_gate_timeout(timeout: torch.Tensor, what: str = "gated GEMM") -> None:
         )
 
 
+def expert_tiles(
+    topk_idx: torch.Tensor, num_experts: int, tile_m: int = TILE_M
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan a MegaKernel call on one rank needs before its send, from the routing alone:
+    ``(counts, offs, tile_base)``. ``counts`` ``[E]`` int64: the entries of ``topk_idx`` (``[T,
+    K]`` int64) routed to each expert, where negative ids and ids >= ``num_experts`` count
+    nowhere (:func:`sender_rows` reports the latter). ``offs`` ``[E]`` int32: their inclusive
+    sums, the grouped GEMM's row ends. ``tile_base`` ``[E + 1]`` int32: :func:`tile_base` of
+    ``offs`` over ``T x K`` rows. On CUDA this is one launch with no host sync."""
+    return torch.ops.uniep.expert_tiles(topk_idx, num_experts, tile_m)
+
+
 def sender_rows(
     topk_idx: torch.Tensor,
     expert_counts: torch.Tensor,
@@ -216,6 +228,18 @@ def _combine_rows_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     torch._check_value(y.dim() == 2, lambda: f"y must be 2-D, got shape {tuple(y.shape)}")
     return y.new_empty((gemm_row.shape[0], y.shape[1])), gemm_row.new_empty((1,))
+
+
+@torch.library.register_fake("uniep::expert_tiles")
+def _expert_tiles_fake(
+    topk_idx: torch.Tensor, num_experts: int, tile_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
+    )
+    torch._check_value(num_experts >= 1, lambda: f"num_experts must be >= 1, got {num_experts}")
+    offs = topk_idx.new_empty((num_experts,), dtype=torch.int32)
+    return topk_idx.new_empty((num_experts,)), offs, offs.new_empty((num_experts + 1,))
 
 
 @torch.library.register_fake("uniep::gate_tile_base")

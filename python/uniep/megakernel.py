@@ -2,7 +2,8 @@
 one rank's experts on its own tokens with no host sync anywhere, from the same device functions
 the persistent kernel will run.
 
-1. the counts per expert, on the device (``expert_counts``);
+1. the counts per expert, their row ends and the tiles' gate counters, on the device in one
+   launch (:func:`uniep.gate.expert_tiles`);
 2. the dispatch (:func:`uniep.gate.sender_rows`, :func:`uniep.gate.send_rows`): every
    ``(token, k)`` row stored at its grouped-GEMM row, expert-contiguous, each row counted on its
    tile gate;
@@ -163,12 +164,7 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[num_experts]`` int64: the entries of ``topk_idx`` routed to each expert, on its device
     without a host sync. Negative entries count nowhere; ids >= ``num_experts`` count nowhere
     either (:func:`uniep.gate.sender_rows` reports them)."""
-    idx = topk_idx.reshape(-1)
-    valid = (idx >= 0) & (idx < num_experts)
-    bins = torch.where(valid, idx + 1, torch.zeros_like(idx))
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
-    counts.scatter_add_(0, bins, torch.ones_like(bins))
-    return counts[1:]
+    return gate.expert_tiles(topk_idx.reshape(-1, 1).contiguous(), num_experts)[0]
 
 
 def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float]:
@@ -317,12 +313,10 @@ def moe_forward_local(
     tm = gate.TILE_M
     if overlap == "fused":
         tm = tile_m if tile_m is not None else fused_tile_m(capacity, e, x.device)
-    counts = expert_counts(topk_idx, e)
+    counts, offs, base = gate.expert_tiles(topk_idx, e, tm)
     dest, row, counter, plan_error = gate.sender_rows(
         topk_idx, counts.view(1, e), 0, check=False, tile_m=tm
     )
-    offs = counts.cumsum(0).to(torch.int32)
-    base = gate.tile_base(offs, capacity, tm)
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
