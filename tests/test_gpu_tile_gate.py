@@ -50,9 +50,9 @@ def _half_sms() -> int:
 COUNTS = [300, 0, 1, 128, 129, 0, 517, 64]
 
 
-# 9,000 experts take two passes of the kernel's shared-memory counts (8,192 experts each);
-# 70,000 entries several trips of its loads; the skewed case sends almost every entry to one
-# expert (the warp merges equal ids into one atomic).
+# 9,000 experts are counted in global memory (the kernel's shared-memory counts hold 8,192);
+# 70,000 entries are 35 blocks of 2,048 and a last one that finishes the plan; the skewed case
+# sends almost every entry to one expert (every atomic on one address).
 @pytest.mark.parametrize(
     "tokens,top_k,experts,skew", [(0, 4, 16, False), (700, 9, 256, False),
                                   (10000, 7, 9000, False), (8750, 8, 128, True)],

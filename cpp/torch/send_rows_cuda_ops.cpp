@@ -80,10 +80,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tenso
     at::Tensor counts = at::empty({num_experts}, topk_idx.options());
     at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
     at::Tensor base = at::empty({num_experts + 1}, offs.options());
-    ok_or_throw(cuda::expert_tiles(topk_idx.data_ptr<int64_t>(), topk_idx.numel(), num_experts,
-                                   static_cast<int>(tile_m), counts.data_ptr<int64_t>(),
-                                   offs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
-                                   at::cuda::getCurrentCUDAStream().stream()));
+    const size_t bytes = cuda::expert_tiles_workspace_bytes(num_experts);
+    at::Tensor workspace =
+        at::empty({static_cast<int64_t>(bytes)}, topk_idx.options().dtype(at::kByte));
+    ok_or_throw(cuda::expert_tiles(
+        topk_idx.data_ptr<int64_t>(), topk_idx.numel(), num_experts, static_cast<int>(tile_m),
+        counts.data_ptr<int64_t>(), offs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
+        workspace.data_ptr(), bytes, at::cuda::getCurrentCUDAStream().stream()));
     return std::make_tuple(counts, offs, base);
   });
 }

@@ -60,12 +60,16 @@ struct TileGate {
 Status gate_tile_base(const int32_t* offs, int64_t num_experts, int64_t rows, int tile_m,
                       int32_t* tile_base, cudaStream_t stream);
 
-// uniep::expert_tiles (include/uniep/plan.hpp) on the device in one launch, no host sync:
-// counts [E] int64, offs [E] int32 and tile_base [E + 1] int32 from topk_idx's `entries` int64
-// ids. It replaces the count (a scatter-add), its prefix sum and gate_tile_base, whose launches
-// sat before every local MegaKernel call. One block; entries < 2^31, tile_m in [1, 2^20].
+// uniep::expert_tiles (include/uniep/plan.hpp) on the device, no host sync: counts [E] int64,
+// offs [E] int32 and tile_base [E + 1] int32 from topk_idx's `entries` int64 ids, in one memset
+// of the workspace and one launch. It replaces the count (a scatter-add), its prefix sum and
+// gate_tile_base, whose ten launches sat before every local MegaKernel call. entries < 2^31,
+// tile_m in [1, 2^20]; the workspace (device memory, any contents) of at least
+// expert_tiles_workspace_bytes(num_experts) is the call's until the stream has run it.
+size_t expert_tiles_workspace_bytes(int64_t num_experts);
 Status expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_experts, int tile_m,
-                    int64_t* counts, int32_t* offs, int32_t* tile_base, cudaStream_t stream);
+                    int64_t* counts, int32_t* offs, int32_t* tile_base, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream);
 
 // What a gated GEMM with the SwiGLU epilogue tells the next GEMM: once a warp has written its part
 // of output tile (expert e, m-tile i) it adds 1 to done[done_base[e] + i]. A tile is complete at
