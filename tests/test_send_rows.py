@@ -302,6 +302,8 @@ def test_expert_tiles_are_the_counts_their_sums_and_the_tile_bases(
     assert torch.equal(base, gate.tile_base(offs, idx.numel(), tile_m))
     empty = gate.expert_tiles(torch.empty(0, 3, dtype=torch.int64), experts, tile_m)
     assert [t.tolist() for t in empty] == [[0] * experts, [0] * experts, [0] * (experts + 1)]
+    # The fake kernel (torch.compile, meta tensors) agrees with the op's shapes and dtypes.
+    torch.library.opcheck(torch.ops.uniep.expert_tiles.default, (idx, experts, tile_m))
 
 
 def test_expert_tiles_refuses_bad_arguments() -> None:
