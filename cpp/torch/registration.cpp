@@ -77,7 +77,7 @@ TORCH_LIBRARY(uniep, m) {
   // expert_tiles(topk_idx [T, K], num_experts, tile_m) -> counts [E] int64 (entries routed to
   // each expert; ids < 0 or >= E count nowhere), offs [E] int32 (their inclusive sums, the
   // grouped GEMM's row ends) and tile_base [E + 1] int32 (gate_tile_base(offs, T * K, tile_m)):
-  // the local MegaKernel's plan before sender_rows, in one launch on CUDA (uniep::expert_tiles).
+  // the local MegaKernel's plan before sender_rows; on CUDA a memset and one launch.
   m.def(
       "expert_tiles(Tensor topk_idx, int num_experts, int tile_m) -> "
       "(Tensor counts, Tensor offs, Tensor tile_base)");

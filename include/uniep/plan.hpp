@@ -118,8 +118,8 @@ std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, in
 // The plan a MegaKernel call on one rank needs before its send, from the routing alone:
 // counts[e] = the entries of topk_idx equal to e (ids < 0 or >= num_experts count nowhere),
 // offs[e] = counts[0] + ... + counts[e] (the grouped GEMM's row ends, int32) and tile_base =
-// gate_tile_base(offs, entries, tile_m). The CUDA executor computes the same in one launch
-// (include/uniep/cuda/tile_gate.hpp).
+// gate_tile_base(offs, entries, tile_m). The CUDA executor computes the same in a memset and
+// one launch (include/uniep/cuda/tile_gate.hpp).
 struct ExpertTiles {
   std::vector<int64_t> counts;
   std::vector<int32_t> offs, tile_base;
