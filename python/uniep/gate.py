@@ -176,13 +176,18 @@ def check_send_error(error: torch.Tensor, top_k: int, what: str = "send_rows") -
         raise ValueError(message)
 
 
+def _check_topk_idx_2d(topk_idx: torch.Tensor) -> None:
+    """The fake kernels' shape check of ``topk_idx``: ``[T, K]``."""
+    torch._check_value(
+        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
+    )
+
+
 @torch.library.register_fake("uniep::sender_rows")
 def _sender_rows_fake(
     topk_idx: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check_value(
-        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
-    )
+    _check_topk_idx_2d(topk_idx)
     return (
         torch.empty_like(topk_idx),
         torch.empty_like(topk_idx),
@@ -195,9 +200,7 @@ def _sender_rows_fake(
 def _send_order_fake(
     topk_idx: torch.Tensor, expert_counts: torch.Tensor, rank: int
 ) -> torch.Tensor:
-    torch._check_value(
-        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
-    )
+    _check_topk_idx_2d(topk_idx)
     return topk_idx.new_empty((topk_idx.numel(),))
 
 
@@ -234,9 +237,7 @@ def _combine_rows_fake(
 def _expert_tiles_fake(
     topk_idx: torch.Tensor, num_experts: int, tile_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check_value(
-        topk_idx.dim() == 2, lambda: f"topk_idx must be 2-D, got shape {tuple(topk_idx.shape)}"
-    )
+    _check_topk_idx_2d(topk_idx)
     torch._check_value(num_experts >= 1, lambda: f"num_experts must be >= 1, got {num_experts}")
     offs = topk_idx.new_empty((num_experts,), dtype=torch.int32)
     return topk_idx.new_empty((num_experts,)), offs, offs.new_empty((num_experts + 1,))
