@@ -71,6 +71,34 @@ def test_device_expert_tiles_equal_the_cpu_plan(
             assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
 
 
+# The counting sort (up to 1,024 experts): one and many blocks of 2,048 entries, a partial last
+# warp, the skewed routing; 2,000 experts take the counts and the cross-rank plan kernel.
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,skew", [(0, 4, 16, False), (5, 3, 7, False), (700, 9, 256, False),
+                                  (10001, 7, 1024, False), (8750, 8, 128, True),
+                                  (3000, 8, 2000, False)],
+)  # fmt: skip
+def test_device_local_plan_equals_the_cpu_plan(
+    tokens: int, top_k: int, experts: int, skew: bool
+) -> None:
+    gen = torch.Generator().manual_seed(tokens + experts)
+    idx = torch.randint(-1, experts, (tokens, top_k), generator=gen)
+    if skew:
+        idx[torch.rand(idx.shape, generator=gen) < 0.9] = 5
+    for tile_m in (1, 64, 128):
+        want = gate.local_plan(idx, experts, tile_m)
+        got = gate.local_plan(idx.cuda(), experts, tile_m)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+    if tokens > 0:  # an id past the experts is reported, naming the entry, as on CPU
+        bad = idx.clone()
+        bad[tokens // 2, top_k - 1] = experts
+        error = gate.local_plan(bad.cuda(), experts, 64)[-1]
+        assert error.item() == gate.local_plan(bad, experts, 64)[-1].item() != 0
+        with pytest.raises(ValueError, match=rf"\(token {tokens // 2}, k {top_k - 1}\)"):
+            gate.check_send_error(error, top_k, "local_plan")
+
+
 def test_device_tile_base_equals_the_cpu_plan() -> None:
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)

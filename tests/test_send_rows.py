@@ -306,6 +306,20 @@ def test_expert_tiles_are_the_counts_their_sums_and_the_tile_bases(
     torch.library.opcheck(torch.ops.uniep.expert_tiles.default, (idx, experts, tile_m))
 
 
+def test_local_plan_is_expert_tiles_then_sender_rows() -> None:
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 12, (500, 4), generator=gen)  # ids 10 and 11 are bad
+    got = gate.local_plan(idx, 10, 64)
+    counts, offs, base = gate.expert_tiles(idx, 10, 64)
+    want = (counts, offs, base, *gate.sender_rows(idx, counts.view(1, 10), 0, tile_m=64,
+                                                  check=False))  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="expert id >= num_experts"):
+        gate.check_send_error(got[-1], 4, "local_plan")
+    torch.library.opcheck(torch.ops.uniep.local_plan.default, (idx, 10, 64))
+
+
 def test_expert_tiles_refuses_bad_arguments() -> None:
     idx = torch.zeros(4, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="num_experts must be in"):

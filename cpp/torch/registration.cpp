@@ -81,6 +81,13 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "expert_tiles(Tensor topk_idx, int num_experts, int tile_m) -> "
       "(Tensor counts, Tensor offs, Tensor tile_base)");
+  // local_plan(topk_idx [T, K], num_experts, tile_m) -> expert_tiles' three outputs, then
+  // sender_rows(topk_idx, counts [1, E], 0, tile_m)'s four: the whole plan of a world-1 call
+  // (on CUDA a memset and two launches up to 1,024 experts; uniep/cuda/send_rows.hpp).
+  m.def(
+      "local_plan(Tensor topk_idx, int num_experts, int tile_m) -> "
+      "(Tensor counts, Tensor offs, Tensor tile_base, Tensor dest_rank, Tensor gemm_row, "
+      "Tensor counter, Tensor error)");
   // send_order(topk_idx [T, K], expert_counts [W, E], rank) -> [T * K] int64: the plan's order
   // of this rank's entries for a send that overlaps the GEMMs (uniep::SenderRows::send_order).
   m.def("send_order(Tensor topk_idx, Tensor expert_counts, int rank) -> Tensor");

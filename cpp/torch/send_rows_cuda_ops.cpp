@@ -91,6 +91,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tenso
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+local_plan_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
+  return translate_errors([&] {
+    check_expert_tiles_args(topk_idx, num_experts, tile_m);
+    const c10::cuda::CUDAGuard guard(topk_idx.device());
+    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
+    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
+    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
+    at::Tensor error = at::zeros({1}, topk_idx.options());
+    cuda::LocalPlanArgs a;
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.tokens = topk_idx.size(0);
+    a.top_k = topk_idx.size(1);
+    a.num_experts = num_experts;
+    a.tile_m = static_cast<int>(tile_m);
+    a.counts = counts.data_ptr<int64_t>();
+    a.offs = offs.data_ptr<int32_t>();
+    a.tile_base = base.data_ptr<int32_t>();
+    a.dest_rank = plan[0].data_ptr<int64_t>();
+    a.gemm_row = plan[1].data_ptr<int64_t>();
+    a.counter = plan[2].data_ptr<int64_t>();
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    const size_t bytes = cuda::local_plan_workspace_bytes(topk_idx.numel(), num_experts);
+    at::Tensor workspace =
+        at::empty({static_cast<int64_t>(bytes)}, topk_idx.options().dtype(at::kByte));
+    ok_or_throw(cuda::plan_local_rows_async(a, workspace.data_ptr(), bytes,
+                                            at::cuda::getCurrentCUDAStream().stream()));
+    return std::make_tuple(counts, offs, base, plan[0], plan[1], plan[2], error);
+  });
+}
+
 // The world-1 form: the peer table holds this rank's own rows and counters only.
 at::Tensor send_rows_cuda(const at::Tensor& x, const at::Tensor& dest_rank,
                           const at::Tensor& gemm_row, const at::Tensor& counter,
@@ -157,6 +189,7 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cuda);
   m.impl("send_order", &uniep::torch_glue::send_order_cuda);
   m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cuda);
+  m.impl("local_plan", &uniep::torch_glue::local_plan_cuda);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cuda);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cuda);
 }

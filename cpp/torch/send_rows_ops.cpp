@@ -98,6 +98,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cpu(const at::Tensor
   });
 }
 
+using LocalPlan =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+LocalPlan local_plan_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
+  auto [counts, offs, base] = expert_tiles_cpu(topk_idx, num_experts, tile_m);
+  auto [dest, row, counter, error] =
+      sender_rows_cpu(topk_idx, counts.view({1, num_experts}), 0, tile_m);
+  return std::make_tuple(counts, offs, base, dest, row, counter, error);
+}
+
 // The world-1 form: the only destination is this rank's own rows and counters.
 at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
                          const at::Tensor& gemm_row, const at::Tensor& counter,
@@ -255,6 +265,7 @@ TORCH_LIBRARY_IMPL(uniep, CPU, m) {
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
   m.impl("send_order", &uniep::torch_glue::send_order_cpu);
   m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cpu);
+  m.impl("local_plan", &uniep::torch_glue::local_plan_cpu);
   m.impl("send_rows", &uniep::torch_glue::send_rows_cpu);
   m.impl("combine_rows", &uniep::torch_glue::combine_rows_cpu);
 }

@@ -128,10 +128,7 @@ def moe_backward_local(
             torch.zeros_like(w2),
         )
     capacity = t * k
-    counts, offs, base = gate.expert_tiles(topk_idx, e, gate.TILE_M)
-    dest, row, counter, plan_error = gate.sender_rows(
-        topk_idx, counts.view(1, e), 0, check=False, tile_m=gate.TILE_M
-    )
+    _, offs, base, dest, row, counter, plan_error = gate.local_plan(topk_idx, e, gate.TILE_M)
     what = f"moe_backward_local ({overlap})"
     errors = [("send", plan_error, "moe_backward_local (plan)", k)]
     if overlap == "fused":

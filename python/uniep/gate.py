@@ -108,6 +108,17 @@ def expert_tiles(
     return torch.ops.uniep.expert_tiles(topk_idx, num_experts, tile_m)
 
 
+def local_plan(
+    topk_idx: torch.Tensor, num_experts: int, tile_m: int = TILE_M
+) -> tuple[torch.Tensor, ...]:
+    """The whole plan of a world-1 MegaKernel call: :func:`expert_tiles`'s ``(counts, offs,
+    tile_base)``, then :func:`sender_rows`'s ``(dest_rank, gemm_row, counter, error)`` for
+    rank 0 of one, with the same values. On CUDA, up to 1,024 experts, a memset and two
+    launches (a counting sort, where :func:`sender_rows` has every expert's block walk every
+    id). Nothing waits for the host; read ``error`` later with :func:`check_send_error`."""
+    return torch.ops.uniep.local_plan(topk_idx, num_experts, tile_m)
+
+
 def sender_rows(
     topk_idx: torch.Tensor,
     expert_counts: torch.Tensor,
@@ -241,6 +252,22 @@ def _expert_tiles_fake(
     torch._check_value(num_experts >= 1, lambda: f"num_experts must be >= 1, got {num_experts}")
     offs = topk_idx.new_empty((num_experts,), dtype=torch.int32)
     return topk_idx.new_empty((num_experts,)), offs, offs.new_empty((num_experts + 1,))
+
+
+@torch.library.register_fake("uniep::local_plan")
+def _local_plan_fake(
+    topk_idx: torch.Tensor, num_experts: int, tile_m: int
+) -> tuple[torch.Tensor, ...]:
+    counts, offs, base = _expert_tiles_fake(topk_idx, num_experts, tile_m)
+    return (
+        counts,
+        offs,
+        base,
+        torch.empty_like(topk_idx),
+        torch.empty_like(topk_idx),
+        torch.empty_like(topk_idx),
+        topk_idx.new_empty((1,)),
+    )
 
 
 @torch.library.register_fake("uniep::gate_tile_base")

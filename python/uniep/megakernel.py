@@ -313,10 +313,7 @@ def moe_forward_local(
     tm = gate.TILE_M
     if overlap == "fused":
         tm = tile_m if tile_m is not None else fused_tile_m(capacity, e, x.device)
-    counts, offs, base = gate.expert_tiles(topk_idx, e, tm)
-    dest, row, counter, plan_error = gate.sender_rows(
-        topk_idx, counts.view(1, e), 0, check=False, tile_m=tm
-    )
+    _, offs, base, dest, row, counter, plan_error = gate.local_plan(topk_idx, e, tm)
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,

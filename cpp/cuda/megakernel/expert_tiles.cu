@@ -6,7 +6,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/gemm/grouped/launch_status.hpp"
+#include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
+#include "uniep/send_rows_error.hpp"
 
 namespace uniep::cuda {
 namespace {
@@ -25,7 +27,7 @@ __global__ void __launch_bounds__(kThreads)
     expert_tiles_kernel(const int64_t* __restrict__ ids, int64_t n, int num_experts, int tile_m,
                         int* __restrict__ sums, unsigned* __restrict__ ticket,
                         int64_t* __restrict__ counts, int32_t* __restrict__ offs,
-                        int32_t* __restrict__ tile_base) {
+                        int32_t* __restrict__ tile_base, int* __restrict__ block_rows) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int hist[kSharedExperts];
   __shared__ typename Scan::TempStorage scan;
@@ -48,8 +50,11 @@ __global__ void __launch_bounds__(kThreads)
     if (id[j] >= 0 && id[j] < num_experts) atomicAdd(shared ? &hist[id[j]] : &sums[id[j]], 1);
   if (shared) {
     __syncthreads();
-    for (int e = tid; e < num_experts; e += kThreads)
+    int* mine = block_rows != nullptr ? block_rows + int64_t{blockIdx.x} * num_experts : nullptr;
+    for (int e = tid; e < num_experts; e += kThreads) {
       if (hist[e] != 0) atomicAdd(&sums[e], hist[e]);
+      if (mine != nullptr) mine[e] = hist[e];
+    }
   }
   // The classic last-block pattern: every block's sums are visible before its ticket.
   __threadfence();
@@ -77,6 +82,114 @@ __global__ void __launch_bounds__(kThreads)
     tiles_before += t_total;
   }
   if (tid == 0) tile_base[num_experts] = tiles_before;
+  if (block_rows == nullptr) return;
+  // The local plan's block bases: block_rows[b][e] becomes the GEMM row of the first of block
+  // b's entries routed to e (the rows of e's entries in the blocks before it, after e's start).
+  // The offs and counts this block wrote above are visible to its threads after the barrier.
+  __syncthreads();
+  for (int e = tid; e < num_experts; e += kThreads) {
+    int row = offs[e] - static_cast<int>(counts[e]);
+    for (unsigned b = 0; b < gridDim.x; ++b) {
+      int* cell = block_rows + int64_t{b} * num_experts + e;
+      const int c = __ldcg(cell);
+      *cell = row;
+      row += c;
+    }
+  }
+}
+
+// Block b's entries of the local plan: each warp walks 256 consecutive entries in (token, k)
+// order, ranking equal ids by __match_any_sync, after a first walk that counts them per warp;
+// so the i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp)
+// gives it. The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
+constexpr int kLocalExperts = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kWarpEntries = kBlockEntries / kWarps;
+
+__global__ void __launch_bounds__(kThreads)
+    local_rows_kernel(const int64_t* __restrict__ ids, int64_t n, int num_experts, int tile_m,
+                      const int64_t* __restrict__ counts, const int32_t* __restrict__ offs,
+                      const int32_t* __restrict__ tile_base, const int* __restrict__ block_rows,
+                      int64_t* __restrict__ dest_rank, int64_t* __restrict__ gemm_row,
+                      int64_t* __restrict__ counter, unsigned long long* __restrict__ error) {
+  __shared__ int table[kWarps][kLocalExperts];
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const uint32_t below = (1u << lane) - 1u;
+  const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
+  auto key_of = [&](int64_t i, int64_t& id) {
+    id = i < n ? ids[i] : -1;
+    return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+  };
+  for (int e = tid; e < num_experts; e += kThreads)
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
+  __syncthreads();
+  // Pass 1: each warp's entries per expert (one leader per id and step: no atomics).
+  for (int s = 0; s < kWarpEntries / 32; ++s) {
+    int64_t id = -1;
+    const int key = key_of(seg + s * 32 + lane, id);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] += __popc(peers);
+  }
+  __syncthreads();
+  // Each warp's first row per expert: the block's base, then the warps before it.
+  const int* base = block_rows + int64_t{blockIdx.x} * num_experts;
+  for (int e = tid; e < num_experts; e += kThreads) {
+    int row = base[e];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = table[w][e];
+      table[w][e] = row;
+      row += c;
+    }
+  }
+  __syncthreads();
+  // Pass 2: the rows, in entry order.
+  for (int s = 0; s < kWarpEntries / 32; ++s) {
+    const int64_t i = seg + s * 32 + lane;
+    int64_t id = -1;
+    const int key = key_of(i, id);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    const int first = key >= 0 ? table[warp][key] : 0;
+    __syncwarp();
+    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] = first + __popc(peers);
+    __syncwarp();
+    if (i >= n) continue;
+    if (key < 0) {
+      dest_rank[i] = gemm_row[i] = counter[i] = -1;
+      if (id >= num_experts)
+        atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
+      continue;
+    }
+    const int row = first + __popc(peers & below);
+    const int start = offs[key] - static_cast<int>(counts[key]);
+    dest_rank[i] = 0;
+    gemm_row[i] = row;
+    counter[i] = tile_base[key] + (row - start) / tile_m;
+  }
+}
+
+// The argument checks expert_tiles and plan_local_rows_async share; `what` names the call.
+Status check_expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_experts, int tile_m,
+                          const void* counts, const void* offs, const void* tile_base,
+                          const void* workspace, const char* what) {
+  if (num_experts < 1 || num_experts > (1 << 30))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(what, ": num_experts must be in [1, 2^30], got ", num_experts)};
+  if (entries < 0 || entries > (1ll << 31) - 1)
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat(what, ": entries must be in [0, 2^31) (offs are int32), got ", entries)};
+  if (tile_m < 1 || tile_m > (1 << 20))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(what, ": tile_m must be in [1, 2^20], got ", tile_m)};
+  if ((entries > 0 && topk_idx == nullptr) || counts == nullptr || offs == nullptr ||
+      tile_base == nullptr || workspace == nullptr)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(what,
+                            ": topk_idx, counts, offs, tile_base and workspace must be "
+                            "device pointers")};
+  return Status::Ok();
 }
 
 }  // namespace
@@ -88,21 +201,10 @@ size_t expert_tiles_workspace_bytes(int64_t num_experts) {
 Status expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_experts, int tile_m,
                     int64_t* counts, int32_t* offs, int32_t* tile_base, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream) {
-  if (num_experts < 1 || num_experts > (1 << 30))
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("expert_tiles: num_experts must be in [1, 2^30], got ", num_experts)};
-  if (entries < 0 || entries > (1ll << 31) - 1)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("expert_tiles: entries must be in [0, 2^31) (offs are int32), got ",
-                            entries)};
-  if (tile_m < 1 || tile_m > (1 << 20))
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("expert_tiles: tile_m must be in [1, 2^20], got ", tile_m)};
-  if ((entries > 0 && topk_idx == nullptr) || counts == nullptr || offs == nullptr ||
-      tile_base == nullptr || workspace == nullptr)
-    return {StatusCode::kInvalidArgument,
-            "expert_tiles: topk_idx, counts, offs, tile_base and workspace must be device "
-            "pointers"};
+  if (Status st = check_expert_tiles(topk_idx, entries, num_experts, tile_m, counts, offs,
+                                     tile_base, workspace, "expert_tiles");
+      !st.ok())
+    return st;
   const size_t need = expert_tiles_workspace_bytes(num_experts);
   if (workspace_bytes < need)
     return {StatusCode::kInvalidArgument,
@@ -115,8 +217,75 @@ Status expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_expert
   const int64_t blocks = std::max<int64_t>(1, (entries + kBlockEntries - 1) / kBlockEntries);
   expert_tiles_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       topk_idx, entries, static_cast<int>(num_experts), tile_m, sums,
-      reinterpret_cast<unsigned*>(sums + num_experts), counts, offs, tile_base);
+      reinterpret_cast<unsigned*>(sums + num_experts), counts, offs, tile_base, nullptr);
   return launch_status("expert_tiles");
+}
+
+size_t local_plan_workspace_bytes(int64_t entries, int64_t num_experts) {
+  if (num_experts < 1 || entries < 0) return 0;
+  const int64_t blocks = std::max<int64_t>(1, (entries + kBlockEntries - 1) / kBlockEntries);
+  size_t bytes = expert_tiles_workspace_bytes(num_experts);
+  if (num_experts <= kLocalExperts)
+    bytes += static_cast<size_t>(blocks * num_experts) * sizeof(int);
+  return bytes;
+}
+
+Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  const int64_t entries = a.tokens * a.top_k;
+  if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("plan_local_rows_async: tokens must be >= 0 and top_k in [1, 32], got ",
+                            a.tokens, " and ", a.top_k)};
+  if (a.dest_rank == nullptr || a.gemm_row == nullptr || a.counter == nullptr || a.error == nullptr)
+    return {StatusCode::kInvalidArgument,
+            "plan_local_rows_async: dest_rank, gemm_row, counter and error must be device "
+            "pointers"};
+  const size_t need = local_plan_workspace_bytes(entries, a.num_experts);
+  if (workspace_bytes < need)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("plan_local_rows_async: workspace_bytes must be >= ", need, ", got ",
+                            workspace_bytes)};
+  const int64_t E = a.num_experts;
+  if (E > kLocalExperts) {
+    // Past the per-warp table: the counts, then the cross-rank plan kernel at world 1.
+    Status st = expert_tiles(a.topk_idx, entries, E, a.tile_m, a.counts, a.offs, a.tile_base,
+                             workspace, workspace_bytes, stream);
+    if (!st.ok()) return st;
+    SenderRowsPlanArgs p;
+    p.topk_idx = a.topk_idx;
+    p.tokens = a.tokens;
+    p.top_k = a.top_k;
+    p.counts = a.counts;
+    p.counts_ld = E;
+    p.num_experts = E;
+    p.tile_m = a.tile_m;
+    p.dest_rank = a.dest_rank;
+    p.gemm_row = a.gemm_row;
+    p.counter = a.counter;
+    p.error = a.error;
+    return plan_sender_rows_async(p, stream);
+  }
+  if (Status st = check_expert_tiles(a.topk_idx, entries, E, a.tile_m, a.counts, a.offs,
+                                     a.tile_base, workspace, "plan_local_rows_async");
+      !st.ok())
+    return st;
+  auto* sums = static_cast<int*>(workspace);
+  const size_t zeroed = expert_tiles_workspace_bytes(E);
+  if (const cudaError_t e = cudaMemsetAsync(sums, 0, zeroed, stream); e != cudaSuccess)
+    return {StatusCode::kInternal, detail::str_cat("plan_local_rows_async: zeroing the workspace "
+                                                   "failed: ",
+                                                   cudaGetErrorString(e))};
+  int* block_rows = sums + E + 1;
+  const int64_t blocks = std::max<int64_t>(1, (entries + kBlockEntries - 1) / kBlockEntries);
+  expert_tiles_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      a.topk_idx, entries, static_cast<int>(E), a.tile_m, sums,
+      reinterpret_cast<unsigned*>(sums + E), a.counts, a.offs, a.tile_base, block_rows);
+  if (Status st = launch_status("plan_local_rows_async (counts)"); !st.ok()) return st;
+  local_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      a.topk_idx, entries, static_cast<int>(E), a.tile_m, a.counts, a.offs, a.tile_base, block_rows,
+      a.dest_rank, a.gemm_row, a.counter, a.error);
+  return launch_status("plan_local_rows_async (rows)");
 }
 
 }  // namespace uniep::cuda

@@ -41,6 +41,30 @@ struct SenderRowsPlanArgs {
 };
 Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
 
+// The whole plan of a call at world 1 (every expert on this GPU), no host sync: expert_tiles'
+// counts [E] int64, offs [E] int32 and tile_base [E + 1] int32 (uniep/cuda/tile_gate.hpp), and
+// plan_sender_rows_async's dest_rank, gemm_row and counter (rank 0, those counts), with the same
+// values. Up to 1,024 experts it is a memset and two launches: the counts, then each block's
+// entries ranked by a counting sort; past that the counts and the plan kernel above, whose
+// blocks each walk every id. `error` is zeroed by the caller; a failing entry (an id >= E) is
+// recorded as by plan_sender_rows_async.
+struct LocalPlanArgs {
+  const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, negative: unused
+  int64_t tokens = 0, top_k = 0, num_experts = 0;
+  int tile_m = 128;
+  int64_t* counts = nullptr;
+  int32_t* offs = nullptr;
+  int32_t* tile_base = nullptr;
+  int64_t* dest_rank = nullptr;  // [tokens * top_k], -1 for unused entries
+  int64_t* gemm_row = nullptr;
+  int64_t* counter = nullptr;
+  unsigned long long* error = nullptr;
+};
+// Device memory the call uses until the stream has run it (any contents).
+size_t local_plan_workspace_bytes(int64_t entries, int64_t num_experts);
+Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream);
+
 // The destinations a send may write: row r of rank d at rows[d] + r * row_stride, its gate
 // counters at counters[d]. The same capacities on every rank (symmetric buffers).
 constexpr int kMaxRowPeers = 64;
