@@ -73,7 +73,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
     if (T == 0) return std::make_tuple(out, error, timeout);
     const int64_t capacity = T * K, num_counters = capacity / tile_m + E + 1;
-    at::Tensor row_entry = at::empty({capacity}, opts.dtype(at::kLong));
     at::Tensor rows = at::empty({capacity, H}, opts);
     at::Tensor act = at::empty({capacity, I}, opts);
     at::Tensor y = at::empty({capacity, H}, opts);
@@ -85,8 +84,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, opts.dtype(at::kByte));
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
 
-    ok_or_throw(cuda::fused_row_entries(gemm_row.data_ptr<int64_t>(), capacity, capacity,
-                                        row_entry.data_ptr<int64_t>(), stream));
+    // The row inverse feeds only the row-order send of fewer senders than SMs (every CTA
+    // sending goes token by token): two launches saved at the default point.
+    at::Tensor row_entry;
+    if (comm_ctas < device_sms) {
+      row_entry = at::empty({capacity}, opts.dtype(at::kLong));
+      ok_or_throw(cuda::fused_row_entries(gemm_row.data_ptr<int64_t>(), capacity, capacity,
+                                          row_entry.data_ptr<int64_t>(), stream));
+    }
     cuda::FusedMoeArgs a;
     a.x = x.data_ptr();
     a.tokens = T;
@@ -95,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     a.topk_weights = topk_weights.data_ptr<float>();
     a.gemm_row = gemm_row.data_ptr<int64_t>();
     a.counter = counter.data_ptr<int64_t>();
-    a.row_entry = row_entry.data_ptr<int64_t>();
+    a.row_entry = row_entry.defined() ? row_entry.data_ptr<int64_t>() : nullptr;
     a.w1_packed = w1_packed.data_ptr();
     a.w1_as_stored = w1_as_stored;
     a.w2 = w2.data_ptr();

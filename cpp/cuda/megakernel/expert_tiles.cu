@@ -237,10 +237,12 @@ Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t wor
     return {StatusCode::kInvalidArgument,
             detail::str_cat("plan_local_rows_async: tokens must be >= 0 and top_k in [1, 32], got ",
                             a.tokens, " and ", a.top_k)};
-  if (a.dest_rank == nullptr || a.gemm_row == nullptr || a.counter == nullptr || a.error == nullptr)
+  // Zero tokens give empty per-entry arrays, which torch hands over as null.
+  if (a.error == nullptr ||
+      (entries > 0 && (a.dest_rank == nullptr || a.gemm_row == nullptr || a.counter == nullptr)))
     return {StatusCode::kInvalidArgument,
-            "plan_local_rows_async: dest_rank, gemm_row, counter and error must be device "
-            "pointers"};
+            "plan_local_rows_async: dest_rank, gemm_row and counter (when tokens > 0) and error "
+            "must be device pointers"};
   const size_t need = local_plan_workspace_bytes(entries, a.num_experts);
   if (workspace_bytes < need)
     return {StatusCode::kInvalidArgument,
