@@ -34,6 +34,38 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
   }
 }
 
+// Up to 32 rows of `pieces` 16-byte pieces each, copied as one flat run: lane j < n holds row
+// j's source and destination. One warp's share of a send is bound by the bytes it keeps in
+// flight, and rows copied one at a time leave most of the unroll idle on short rows (a 4 KB row
+// fills half of 16 x 512 bytes) and pay a round trip per row.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_rows(const int4* src, int4* dst, int n, int pieces,
+                                               int lane) {
+  const int total = n * pieces;
+  for (int base = 0; base < total; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+    const int j0 = (base + lane) / pieces, p0 = base + lane - j0 * pieces;
+    int j = j0, p = p0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      // Every lane shuffles (the source lane varies by lane); only pieces in range load.
+      const auto* s = reinterpret_cast<const int4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), j < 32 ? j : 31));
+      if (j < n) v[u] = load_streaming(s + p);
+      for (p += 32; p >= pieces; p -= pieces) ++j;
+    }
+    j = j0;
+    p = p0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      auto* d = reinterpret_cast<int4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), j < 32 ? j : 31));
+      if (j < n) d[p] = v[u];
+      for (p += 32; p >= pieces; p -= pieces) ++j;
+    }
+  }
+}
+
 // Rows split into `segments` pieces (16-byte aligned) so that several warps share a row: a
 // decode batch has a few rows per block, and one warp per row leaves the row's reads (scattered
 // in a large buffer, so HBM and TLB latency) in a chain of round trips.

@@ -20,36 +20,66 @@ namespace uniep::cuda::megakernel {
 // return, so the send needs many outstanding loads per warp.
 constexpr int kSendUnroll = 16;
 // Rows a warp stores between releases (<= 32: one lane signals each).
-constexpr int kSendBatch = 4;
+constexpr int kSendBatch = 8;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
+
+// The batch's rows packed into lanes 0 .. popc(valid) - 1 for warp_copy_rows: lane j <
+// kSendBatch holds its row's source and destination (null where the row is not sent).
+__device__ __forceinline__ int pack_batch_rows(const int4*& src, int4*& dst, int lane) {
+  const unsigned valid = __ballot_sync(0xffffffffu, src != nullptr);
+  const int4* s = nullptr;
+  int4* d = nullptr;
+#pragma unroll
+  for (int b = 0; b < kSendBatch; ++b) {
+    const auto* sb = reinterpret_cast<const int4*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), b));
+    auto* db = reinterpret_cast<int4*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), b));
+    if ((valid >> b & 1u) && lane == __popc(valid & ((1u << b) - 1u))) {
+      s = sb;
+      d = db;
+    }
+  }
+  src = s;
+  dst = d;
+  return __popc(valid);
+}
 
 // Warp `warp` of `warps` stores GEMM rows warp, warp + warps, ... : row r gets x[token of
 // row_entry[r]] and its tile counter 1. Rows go in increasing order, so the first experts'
 // first tiles are complete first, which is the order the GEMM takes them in. A warp stores
-// kSendBatch rows before their signals: each release waits for the warp's stores to land, and
-// once per row it would keep the warp idle for a round trip per row.
+// kSendBatch rows before their signals (each release waits for the warp's stores to land: once
+// per row it would keep the warp idle for a round trip per row), with the batch's indices
+// loaded by its lanes at once and its rows copied as one run (warp_copy_rows): row by row, a
+// sending SM had moved ~8-12 GB/s on an H200 (bench/results/2026-11-28-session37), the
+// round trips of each row's index loads and copy in a chain.
 __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
                                                 int lane) {
-  const int64_t pieces = a.hidden * 2 / 16;
+  const int pieces = static_cast<int>(a.hidden * 2 / 16);
   const auto* x = static_cast<const int4*>(a.x);
   auto* rows = static_cast<int4*>(a.rows);
   for (int64_t r0 = warp; r0 < a.capacity; r0 += warps * kSendBatch) {
+    const int4* src = nullptr;
+    int4* dst = nullptr;
     int64_t signal = -1;  // lane j < kSendBatch: the counter of the batch's j-th row
-    for (int j = 0; j < kSendBatch; ++j) {
-      const int64_t r = r0 + j * warps;
-      if (r >= a.capacity) break;
+    const int64_t r = r0 + lane * warps;
+    if (lane < kSendBatch && r < a.capacity) {
       const int64_t entry = a.row_entry[r];
-      if (entry < 0) continue;
-      const int64_t c = entry < a.tokens * a.top_k ? a.counter[entry] : -1;
-      if (c < 0 || c >= a.num_counters) {
-        if (lane == 0) send_error(a.error, kSendRowOutOfRange, entry);
-        continue;
+      if (entry >= 0) {
+        const int64_t c = entry < a.tokens * a.top_k ? a.counter[entry] : -1;
+        if (c < 0 || c >= a.num_counters) {
+          send_error(a.error, kSendRowOutOfRange, entry);
+        } else {
+          src = x + (entry / a.top_k) * pieces;
+          dst = rows + r * pieces;
+          signal = c;
+        }
       }
-      const int64_t t = entry / a.top_k;
-      warp_copy<kSendUnroll>(rows + r * pieces, x + t * pieces, pieces * 16, lane);
-      if (lane == j) signal = c;
     }
+    const int n = pack_batch_rows(src, dst, lane);
+    if (n == 0) continue;
+    warp_copy_rows<kSendUnroll>(src, dst, n, pieces, lane);
     __syncwarp();
     if (signal >= 0) gate_signal_gpu(a.counters + signal, 1u);
   }
@@ -126,32 +156,37 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
 // With peers and fewer senders than CTAs: warp `warp` of `warps` stores entries
 // send_order[warp], send_order[warp + warps], ...: every rank's first experts first, the order
 // in which each rank's GEMMs take their tiles, so the other CTAs' tiles start while the send
-// goes on. A warp stores kSendBatch rows (reading each token's row once per entry), then one
-// system fence per lane covers them all before their signals.
+// goes on. As in fused_send_rows, a warp's lanes load the batch's indices at once and its rows
+// go as one run (reading each token's row once per entry); then one system fence per lane
+// covers them all before their signals.
 __device__ __forceinline__ void fused_send_order(const FusedMoeArgs& a, int64_t warp,
                                                  int64_t warps, int lane) {
-  const int64_t pieces = a.hidden * 2 / 16, n = a.tokens * a.top_k;
+  const int pieces = static_cast<int>(a.hidden * 2 / 16);
+  const int64_t n = a.tokens * a.top_k;
   const auto* x = static_cast<const int4*>(a.x);
   for (int64_t j0 = warp; j0 < n; j0 += warps * kSendBatch) {
+    const int4* src = nullptr;
+    int4* dst = nullptr;
     uint32_t* signal = nullptr;  // lane b < kSendBatch: the counter of the batch's b-th row
-    for (int b = 0; b < kSendBatch; ++b) {
-      const int64_t j = j0 + b * warps;
-      if (j >= n) break;
+    const int64_t j = j0 + lane * warps;
+    if (lane < kSendBatch && j < n) {
       const int64_t i = a.send_order[j];
-      if (i < 0 || i >= n) continue;  // past this rank's routed entries
-      const int64_t r = a.gemm_row[i], c = a.counter[i], d = a.dest_rank[i];
-      if (r < 0 || r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
-          d >= a.peers.world_size) {
-        if (lane == 0) send_error(a.error, kSendRowOutOfRange, i);
-        continue;
-      }
-      warp_copy<kSendUnroll>(static_cast<int4*>(a.peers.rows[d]) + r * pieces,
-                             x + (i / a.top_k) * pieces, pieces * 16, lane);
-      if (lane == b) {
-        a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
-        signal = a.peers.counters[d] + c;
+      if (i >= 0 && i < n) {  // else past this rank's routed entries
+        const int64_t r = a.gemm_row[i], c = a.counter[i], d = a.dest_rank[i];
+        if (r < 0 || r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
+            d >= a.peers.world_size) {
+          send_error(a.error, kSendRowOutOfRange, i);
+        } else {
+          src = x + (i / a.top_k) * pieces;
+          dst = static_cast<int4*>(a.peers.rows[d]) + r * pieces;
+          a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
+          signal = a.peers.counters[d] + c;
+        }
       }
     }
+    const int rows = pack_batch_rows(src, dst, lane);
+    if (rows == 0) continue;
+    warp_copy_rows<kSendUnroll>(src, dst, rows, pieces, lane);
     __threadfence_system();
     __syncwarp();
     if (signal != nullptr) gate_signal(signal, 1u);
