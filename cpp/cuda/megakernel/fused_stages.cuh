@@ -19,8 +19,11 @@ namespace uniep::cuda::megakernel {
 // 16-byte pieces a lane keeps in flight: one SM moves a row store only as fast as its loads
 // return, so the send needs many outstanding loads per warp.
 constexpr int kSendUnroll = 16;
+// The same for the batched row copies of fewer senders than SMs, whose share of the send is
+// bound by the bytes each SM keeps in flight (32 x 512 bytes a warp).
+constexpr int kBatchUnroll = 32;
 // Rows a warp stores between releases (<= 32: one lane signals each).
-constexpr int kSendBatch = 8;
+constexpr int kSendBatch = 16;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
 
@@ -57,29 +60,39 @@ __device__ __forceinline__ int pack_batch_rows(const int4*& src, int4*& dst, int
 __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
                                                 int lane) {
   const int pieces = static_cast<int>(a.hidden * 2 / 16);
+  const int64_t n = a.tokens * a.top_k, stride = warps * kSendBatch;
   const auto* x = static_cast<const int4*>(a.x);
   auto* rows = static_cast<int4*>(a.rows);
-  for (int64_t r0 = warp; r0 < a.capacity; r0 += warps * kSendBatch) {
+  // Lane j < kSendBatch: the entry of the batch's j-th row and its counter, fetched a batch
+  // ahead (the next batch's entries during this batch's copy, their counters during its
+  // release) so that the index loads' round trips do not stall the copy.
+  auto entry_of = [&](int64_t r0) {
+    const int64_t r = r0 + lane * warps;
+    return lane < kSendBatch && r < a.capacity ? a.row_entry[r] : int64_t{-1};
+  };
+  auto counter_of = [&](int64_t entry) {
+    return entry >= 0 ? (entry < n ? a.counter[entry] : int64_t{-1}) : int64_t{0};
+  };
+  int64_t entry = entry_of(warp);
+  int64_t c = counter_of(entry);
+  for (int64_t r0 = warp; r0 < a.capacity; r0 += stride) {
     const int4* src = nullptr;
     int4* dst = nullptr;
     int64_t signal = -1;  // lane j < kSendBatch: the counter of the batch's j-th row
-    const int64_t r = r0 + lane * warps;
-    if (lane < kSendBatch && r < a.capacity) {
-      const int64_t entry = a.row_entry[r];
-      if (entry >= 0) {
-        const int64_t c = entry < a.tokens * a.top_k ? a.counter[entry] : -1;
-        if (c < 0 || c >= a.num_counters) {
-          send_error(a.error, kSendRowOutOfRange, entry);
-        } else {
-          src = x + (entry / a.top_k) * pieces;
-          dst = rows + r * pieces;
-          signal = c;
-        }
+    if (entry >= 0) {
+      if (c < 0 || c >= a.num_counters) {
+        send_error(a.error, kSendRowOutOfRange, entry);
+      } else {
+        src = x + (entry / a.top_k) * pieces;
+        dst = rows + (r0 + lane * warps) * pieces;
+        signal = c;
       }
     }
-    const int n = pack_batch_rows(src, dst, lane);
-    if (n == 0) continue;
-    warp_copy_rows<kSendUnroll>(src, dst, n, pieces, lane);
+    const int64_t next = entry_of(r0 + stride);
+    const int count = pack_batch_rows(src, dst, lane);
+    if (count > 0) warp_copy_rows<kBatchUnroll>(src, dst, count, pieces, lane);
+    entry = next;
+    c = counter_of(next);
     __syncwarp();
     if (signal >= 0) gate_signal_gpu(a.counters + signal, 1u);
   }
@@ -162,31 +175,49 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
 __device__ __forceinline__ void fused_send_order(const FusedMoeArgs& a, int64_t warp,
                                                  int64_t warps, int lane) {
   const int pieces = static_cast<int>(a.hidden * 2 / 16);
-  const int64_t n = a.tokens * a.top_k;
+  const int64_t n = a.tokens * a.top_k, stride = warps * kSendBatch;
   const auto* x = static_cast<const int4*>(a.x);
-  for (int64_t j0 = warp; j0 < n; j0 += warps * kSendBatch) {
+  // Lane b < kSendBatch: the batch's b-th entry (-1: none; past this rank's routed entries)
+  // and its row, counter and rank, fetched a batch ahead as in fused_send_rows.
+  auto entry_of = [&](int64_t j0) {
+    const int64_t j = j0 + lane * warps;
+    const int64_t i = lane < kSendBatch && j < n ? a.send_order[j] : int64_t{-1};
+    return i >= 0 && i < n ? i : int64_t{-1};
+  };
+  struct Dest {
+    int64_t r = -1, c = -1, d = -1;
+  };
+  auto dest_of = [&](int64_t i) {
+    Dest t;
+    if (i >= 0) {
+      t.r = a.gemm_row[i];
+      t.c = a.counter[i];
+      t.d = a.dest_rank[i];
+    }
+    return t;
+  };
+  int64_t i = entry_of(warp);
+  Dest t = dest_of(i);
+  for (int64_t j0 = warp; j0 < n; j0 += stride) {
     const int4* src = nullptr;
     int4* dst = nullptr;
     uint32_t* signal = nullptr;  // lane b < kSendBatch: the counter of the batch's b-th row
-    const int64_t j = j0 + lane * warps;
-    if (lane < kSendBatch && j < n) {
-      const int64_t i = a.send_order[j];
-      if (i >= 0 && i < n) {  // else past this rank's routed entries
-        const int64_t r = a.gemm_row[i], c = a.counter[i], d = a.dest_rank[i];
-        if (r < 0 || r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
-            d >= a.peers.world_size) {
-          send_error(a.error, kSendRowOutOfRange, i);
-        } else {
-          src = x + (i / a.top_k) * pieces;
-          dst = static_cast<int4*>(a.peers.rows[d]) + r * pieces;
-          a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
-          signal = a.peers.counters[d] + c;
-        }
+    if (i >= 0) {
+      if (t.r < 0 || t.r >= a.capacity || t.c < 0 || t.c >= a.num_counters || t.d < 0 ||
+          t.d >= a.peers.world_size) {
+        send_error(a.error, kSendRowOutOfRange, i);
+      } else {
+        src = x + (i / a.top_k) * pieces;
+        dst = static_cast<int4*>(a.peers.rows[t.d]) + t.r * pieces;
+        a.peers.row_src[t.d][t.r] = a.peers.rank * a.peers.slots_per_rank + i;
+        signal = a.peers.counters[t.d] + t.c;
       }
     }
-    const int rows = pack_batch_rows(src, dst, lane);
-    if (rows == 0) continue;
-    warp_copy_rows<kSendUnroll>(src, dst, rows, pieces, lane);
+    const int64_t next = entry_of(j0 + stride);
+    const int count = pack_batch_rows(src, dst, lane);
+    if (count > 0) warp_copy_rows<kBatchUnroll>(src, dst, count, pieces, lane);
+    i = next;
+    t = dest_of(next);
     __threadfence_system();
     __syncwarp();
     if (signal != nullptr) gate_signal(signal, 1u);
