@@ -527,3 +527,14 @@ def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         main([*args, "--dispatch", "fp9"])
     with pytest.raises(SystemExit, match="--weights bf16_packed tunes moe_forward_prepared"):
         main([*args, "--weights", "bf16_packed"])
+
+
+def test_runoff_points_are_the_close_calls_fastest_first() -> None:
+    inf = math.inf
+    assert tune.runoff_points([5.31, 5.61, 5.52, inf, 5.33]) == [0, 4, 2]
+    assert tune.runoff_points([1.0, 1.2, 1.3]) == []  # nothing within 5%: nothing to settle
+    assert tune.runoff_points([inf, inf]) == [] and tune.runoff_points([]) == []
+    assert tune.runoff_points([1.0] * 6) == [0, 1, 2, 3]  # at most four
+    assert tune.runoff_points([2.0, 1.0, 1.1], margin=1.2, most=2) == [1, 2]
+    with pytest.raises(ValueError, match="margin must be >= 1 and most >= 2"):
+        tune.runoff_points([1.0, 1.0], most=1)
