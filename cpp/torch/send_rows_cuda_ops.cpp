@@ -71,15 +71,22 @@ at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_
   });
 }
 
+// The counts [E] int64, row ends [E] int32 and tile bases [E + 1] int32 that expert_tiles and
+// local_plan fill.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tensor& topk_idx,
+                                                                  int64_t num_experts) {
+  at::Tensor counts = at::empty({num_experts}, topk_idx.options());
+  at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
+  return std::make_tuple(counts, offs, at::empty({num_experts + 1}, offs.options()));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tensor& topk_idx,
                                                                  int64_t num_experts,
                                                                  int64_t tile_m) {
   return translate_errors([&] {
     check_expert_tiles_args(topk_idx, num_experts, tile_m);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
-    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
-    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
-    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    auto [counts, offs, base] = empty_expert_tiles(topk_idx, num_experts);
     const size_t bytes = cuda::expert_tiles_workspace_bytes(num_experts);
     at::Tensor workspace =
         at::empty({static_cast<int64_t>(bytes)}, topk_idx.options().dtype(at::kByte));
@@ -96,9 +103,7 @@ local_plan_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m)
   return translate_errors([&] {
     check_expert_tiles_args(topk_idx, num_experts, tile_m);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
-    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
-    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
-    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    auto [counts, offs, base] = empty_expert_tiles(topk_idx, num_experts);
     at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
     at::Tensor error = at::zeros({1}, topk_idx.options());
     cuda::LocalPlanArgs a;
