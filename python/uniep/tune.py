@@ -1032,9 +1032,9 @@ def tune(
     (``moe_forward_prepared`` with ``weights="bf16_packed"``) on random routing: ``warmup`` untimed
     calls, then ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the
     wall clock on CPU); on a GPU the points within 5% of the best (``runoff_points``, at most 4)
-    are timed again in as many rounds, their medians then over every sample. A candidate's time is the slowest rank's; rank 0's choice is broadcast. The
-    winner's output must equal the default point's bit for bit on the tuning inputs, else a warning
-    and the default.
+    are timed again in as many rounds, their medians then over every sample. A candidate's time
+    is the slowest rank's; rank 0's choice is broadcast. The winner's output must equal the
+    default point's bit for bit on the tuning inputs, else a warning and the default.
 
     Args:
         group: the process group the experts are split over.
