@@ -318,6 +318,10 @@ def test_local_plan_is_expert_tiles_then_sender_rows() -> None:
     with pytest.raises(ValueError, match="expert id >= num_experts"):
         gate.check_send_error(got[-1], 4, "local_plan")
     torch.library.opcheck(torch.ops.uniep.local_plan.default, (idx, 10, 64))
+    with pytest.raises(ValueError, match="num_experts must be in"):
+        gate.local_plan(idx, 0, 64)
+    with pytest.raises(ValueError, match="tile_m must be in"):
+        gate.local_plan(idx, 10, 0)
 
 
 def test_expert_tiles_refuses_bad_arguments() -> None:
