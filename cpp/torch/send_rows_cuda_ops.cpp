@@ -71,15 +71,6 @@ at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_
   });
 }
 
-// The counts [E] int64, row ends [E] int32 and tile bases [E + 1] int32 that expert_tiles and
-// local_plan fill.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tensor& topk_idx,
-                                                                  int64_t num_experts) {
-  at::Tensor counts = at::empty({num_experts}, topk_idx.options());
-  at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
-  return std::make_tuple(counts, offs, at::empty({num_experts + 1}, offs.options()));
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tensor& topk_idx,
                                                                  int64_t num_experts,
                                                                  int64_t tile_m) {

@@ -88,9 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cpu(const at::Tensor
                 topk_idx.device());
     const ExpertTiles plan =
         expert_tiles(topk_idx.data_ptr<int64_t>(), topk_idx.numel(), num_experts, tile_m);
-    at::Tensor counts = at::empty({num_experts}, topk_idx.options());
-    at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
-    at::Tensor base = at::empty({num_experts + 1}, offs.options());
+    auto [counts, offs, base] = empty_expert_tiles(topk_idx, num_experts);
     std::copy(plan.counts.begin(), plan.counts.end(), counts.data_ptr<int64_t>());
     std::copy(plan.offs.begin(), plan.offs.end(), offs.data_ptr<int32_t>());
     std::copy(plan.tile_base.begin(), plan.tile_base.end(), base.data_ptr<int32_t>());
@@ -224,6 +222,13 @@ void check_expert_tiles_args(const at::Tensor& topk_idx, int64_t num_experts, in
   UNIEP_CHECK(num_experts >= 1 && num_experts <= (int64_t{1} << 30),
               "num_experts must be in [1, 2^30], got ", num_experts);
   UNIEP_CHECK(tile_m >= 1 && tile_m <= (1 << 20), "tile_m must be in [1, 2^20], got ", tile_m);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tensor& topk_idx,
+                                                                  int64_t num_experts) {
+  at::Tensor counts = at::empty({num_experts}, topk_idx.options());
+  at::Tensor offs = at::empty({num_experts}, topk_idx.options().dtype(at::kInt));
+  return std::make_tuple(counts, offs, at::empty({num_experts + 1}, offs.options()));
 }
 
 void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 
 namespace uniep::torch_glue {
 
@@ -17,6 +18,11 @@ void check_sender_rows_args(const at::Tensor& topk_idx, const at::Tensor& expert
 // topk_idx [T, K] int64 contiguous (K in [1, 32], T x K < 2^31), num_experts in [1, 2^30],
 // tile_m in [1, 2^20]: uniep::expert_tiles.
 void check_expert_tiles_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m);
+
+// The outputs expert_tiles and local_plan fill, on topk_idx's device: counts [E] int64, row ends
+// [E] int32 and tile bases [E + 1] int32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tensor& topk_idx,
+                                                                  int64_t num_experts);
 
 // x [T, H] contiguous (rows of H * element size bytes, a multiple of 16); dest_rank, gemm_row,
 // counter [T, K] int64; rows [C, H'] of x's dtype, H' >= H, contiguous; counters [N] int32;
