@@ -10,6 +10,8 @@ gives the chain's bits; a tile whose rows never come raises a timeout naming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
@@ -50,6 +52,18 @@ def _half_sms() -> int:
 COUNTS = [300, 0, 1, 128, 129, 0, 517, 64]
 
 
+def _assert_cuda_equals_cpu(
+    plan: Callable[..., tuple[torch.Tensor, ...]], idx: torch.Tensor, experts: int
+) -> None:
+    """Every output of ``plan(idx, experts, tile_m)`` on CUDA equals the CPU op's, dtype and all,
+    at the tile heights 1, 64 and 128."""
+    for tile_m in (1, 64, 128):
+        want = plan(idx, experts, tile_m)
+        got = plan(idx.cuda(), experts, tile_m)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+
+
 # 9,000 experts are counted in global memory (the kernel's shared-memory counts hold 8,192);
 # 70,000 entries are 35 blocks of 2,048 and a last one that finishes the plan; the skewed case
 # sends almost every entry to one expert (every atomic on one address).
@@ -64,11 +78,7 @@ def test_device_expert_tiles_equal_the_cpu_plan(
     idx = torch.randint(-1, experts + 1, (tokens, top_k), generator=gen)
     if skew:
         idx[torch.rand(idx.shape, generator=gen) < 0.9] = 5
-    for tile_m in (1, 64, 128):
-        want = gate.expert_tiles(idx, experts, tile_m)
-        got = gate.expert_tiles(idx.cuda(), experts, tile_m)
-        for g, w in zip(got, want, strict=True):
-            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+    _assert_cuda_equals_cpu(gate.expert_tiles, idx, experts)
 
 
 # The counting sort (up to 1,024 experts): one and many blocks of 2,048 entries, a partial last
@@ -85,11 +95,7 @@ def test_device_local_plan_equals_the_cpu_plan(
     idx = torch.randint(-1, experts, (tokens, top_k), generator=gen)
     if skew:
         idx[torch.rand(idx.shape, generator=gen) < 0.9] = 5
-    for tile_m in (1, 64, 128):
-        want = gate.local_plan(idx, experts, tile_m)
-        got = gate.local_plan(idx.cuda(), experts, tile_m)
-        for g, w in zip(got, want, strict=True):
-            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+    _assert_cuda_equals_cpu(gate.local_plan, idx, experts)
     if tokens > 0:  # an id past the experts is reported, naming the entry, as on CPU
         bad = idx.clone()
         bad[tokens // 2, top_k - 1] = experts

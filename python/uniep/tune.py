@@ -1189,21 +1189,20 @@ def tune(
         for s, row in zip(samples, rows, strict=True)
     ]
     medians = grp.max(medians, "measurements")
-    if cuda and not out_of_time:
-        # The close calls again, in as many interleaved rounds, their medians over every sample.
-        again = runoff_points(medians)
+    # The close calls again, in as many interleaved rounds, their medians over every sample.
+    again = runoff_points(medians) if cuda and not out_of_time else []
+    if again:
         total += rounds * len(again)
-        for r in range(rounds if again else 0):
+        for r in range(rounds):
             for n in again:
                 samples[n] += _times_ms(lambda t=rows[n].tuning: run(t), 0, per_round[r], cuda)
                 done += 1
                 if progress is not None and grp.rank == 0:
                     progress(done, total, _label(rows[n].tuning, default))
-        if again:
-            medians = grp.max(
-                [statistics.median(s) if n in again else medians[n] for n, s in enumerate(samples)],
-                "runoff",
-            )
+        medians = grp.max(
+            [statistics.median(s) if n in again else medians[n] for n, s in enumerate(samples)],
+            "runoff",
+        )
     for row, ms in zip(rows, medians, strict=True):
         row.measured_ms = ms
     measured = [row for n, row in enumerate(rows) if samples[n] or row.error]
