@@ -805,7 +805,7 @@ def _bench_local(
     if profile:
         # Per-kernel GPU time: what runs around the fused launch, against the event time.
         picks = {k: fns[k] for k in ("gemm_only", "local sequential", best) if k in fns}
-        row["kernels_us_local"] = profile_kernels(picks, profile)
+        row["kernels_us_local"] = profile_kernels(picks, profile, trace=_trace_paths(row["load"]))
 
 
 def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list[dict[str, Any]]:

@@ -19,12 +19,20 @@
 
 #include <cutlass/cutlass.h>
 #include <cute/tensor.hpp>
+#include <cutlass/epilogue/collective/detail.hpp>
 
 #include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {
+
+// A consumer warp's slot among num_held (CTA x 8 warps), or -1 past them.
+CUTLASS_DEVICE int64_t held_slot(int64_t num_held) {
+  const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * blockIdx.y;
+  const int64_t slot = cta * 8 + (static_cast<int>(threadIdx.x) / 32 - 4);
+  return slot >= 0 && slot < num_held ? slot : -1;
+}
 
 // kPair: GEMM 1's gate/up column blocks, 8 with w1 packed (pack_gate_up), 64 with w1 as stored
 // read through PlainGateUpMainloop (swiglu_epilogue.cuh says why both pair up in one thread).
@@ -55,6 +63,11 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     // (FusedMoeArgs::parity_epoch).
     const uint64_t* parity_epoch = nullptr;
     int64_t done2_parity_stride = 0;
+    // Per (CTA, consumer warp), num_held of them: where store_tail leaves the warp's held-back
+    // GEMM-2 signal for the kernel to give after the GEMM body (fused_moe_kernel). Null: the
+    // signal is given in store_tail.
+    uint32_t** held = nullptr;
+    int64_t num_held = 0;
   };
   using Params = Arguments;
 
@@ -91,6 +104,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     const bool first = group < params_.split;
     const bool push = !first && params_.world > 1;
     RowCache rows;
+    // The last tile's stores were issued a whole mainloop ago: its release no longer waits.
+    signal_pending();
 
     // Each value pair below is two adjacent bf16 columns of one row; the four lanes of a row
     // (lanes 4r..4r+3) hold the four pairs of each 8-column block. In GEMM 2, four blocks at a
@@ -131,13 +146,41 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
         }
       }
     }
+    const int tile_m = size<0>(blk_shape_mnk);
+    if (first) {
+      signal_tile_done(params_.done1, params_.tile_base, group, static_cast<int>(m_coord), tile_m,
+                       M, params_.num_done);
+      return;
+    }
     uint32_t* done2 = params_.done2;
-    if (!first && params_.parity_epoch != nullptr)
+    if (params_.parity_epoch != nullptr)
       done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
-    signal_tile_done(first ? params_.done1 : done2, params_.tile_base,
-                     first ? group : group - params_.split, static_cast<int>(m_coord),
-                     size<0>(blk_shape_mnk), M, params_.num_done,
-                     !first && params_.done2_system);
+    pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split,
+                                 static_cast<int>(m_coord), tile_m, M, params_.num_done);
+  }
+
+  // Called by store_tail: after every tile in the ping-pong body, once after the last in the
+  // cooperative one. The signal stays held (the next tile's epilogue gives it); the slot says
+  // which one the kernel gives after the body if no tile follows.
+  CUTLASS_DEVICE void hand_over_pending() {
+    const int64_t slot = held_slot(params_.num_held);
+    if (params_.held == nullptr || slot < 0) {
+      signal_pending();
+    } else if (threadIdx.x % 32 == 0) {
+      params_.held[slot] = pending_;
+    }
+  }
+
+  CUTLASS_DEVICE void signal_pending() {
+    if (pending_ == nullptr) return;
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) {
+      if (params_.done2_system)
+        gate_signal(pending_, 1u);
+      else
+        gate_signal_gpu(pending_, 1u);
+    }
+    pending_ = nullptr;
   }
 
  private:
@@ -200,6 +243,43 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   }
 
   Params params_;
+  // This warp's GEMM-2 tile signal, given at its next tile's epilogue or at the end of the body
+  // instead of right after the stores. A release waits until the warp's earlier stores are
+  // performed, so right after 16-byte stores of a whole tile it held the warp about as long as
+  // the stores took, once per tile. Only GEMM 2's: nothing in the GEMM body waits on them (the
+  // reduce after it does), so the delay cannot close a cycle of waits. GEMM 1's signals release
+  // GEMM-2 tiles, which may already be waiting on them: those go out at once.
+  uint32_t* pending_ = nullptr;
 };
+
+// CUTLASS's adapter for an epilogue without a pipeline of its own, whose store_tail also hands
+// the held-back GEMM-2 signal over (FusedMoeEpilogue::hand_over_pending).
+template <class Op>
+struct FusedEpilogueAdapter
+    : cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op>;
+  using Base::Base;
+
+  template <class... Args>
+  CUTLASS_DEVICE auto store_tail(Args... args) {
+    this->hand_over_pending();
+    return Base::store_tail(args...);
+  }
+};
+
+// Lane 0 of each consumer warp after the GEMM body: gives the signal its warp still holds
+// (FusedMoeEpilogue::held), which the reduce waits on.
+CUTLASS_DEVICE void give_held_signal(uint32_t** held, int64_t num_held, bool system) {
+  const int64_t slot = held_slot(num_held);
+  if (held == nullptr || slot < 0) return;
+  __syncwarp();
+  if (threadIdx.x % 32 != 0) return;
+  uint32_t* counter = held[slot];
+  if (counter == nullptr) return;
+  if (system)
+    gate_signal(counter, 1u);
+  else
+    gate_signal_gpu(counter, 1u);
+}
 
 }  // namespace uniep::cuda::megakernel

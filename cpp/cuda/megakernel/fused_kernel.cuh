@@ -26,6 +26,7 @@
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/fused_epilogue.cuh"
+#include "cuda/megakernel/fused_launch.hpp"
 #include "cuda/megakernel/fused_scheduler.cuh"
 #include "cuda/megakernel/fused_stages.cuh"
 #include "cuda/megakernel/gated_mainloop.cuh"
@@ -50,8 +51,7 @@ struct FusedGemm {
                                          W1AsStored ? grouped::GroupedEpilogue::kSwiGluPlain
                                                     : grouped::GroupedEpilogue::kSwiGlu>;
   using Mainloop = GatedMainloop<typename Plain::Mainloop, TileM>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      FusedMoeEpilogue<W1AsStored ? 64 : 8>>;
+  using Epilogue = FusedEpilogueAdapter<FusedMoeEpilogue<W1AsStored ? 64 : 8>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<FusedProblemShape, Mainloop, Epilogue>;
   static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
   static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
     // the launch's 168 where the CTA had no tile), so ptxas compiles the reduce for it instead
     // of the producer's 40.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kReduceRegisters));
+    give_held_signal(params.epilogue.held, params.epilogue.num_held, params.epilogue.done2_system);
     if (trace != nullptr) {
       asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
       if (threadIdx.x == 128) trace[2] = gate_clock_ns();
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
 template <class G>
 typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, const FusedMoeArgs& a,
                                               int comm_units, int skip_rounds, int device,
-                                              int sm_count) {
+                                              int sm_count, const FusedScratch& scratch = {}) {
   typename G::Kernel::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape.num_groups = static_cast<int>(2 * a.num_experts);
@@ -183,6 +184,8 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.epilogue.combine_table = a.peers.combine_table;
   args.epilogue.parity_epoch = a.parity_epoch;
   args.epilogue.done2_parity_stride = a.done2_parity_stride;
+  args.epilogue.held = scratch.held;
+  args.epilogue.num_held = scratch.num_held;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = G::Kernel::TileScheduler::RasterOrderOptions::AlongM;
@@ -207,10 +210,10 @@ size_t fused_gemm_workspace_impl(int64_t num_experts, int sm_count) {
 // cluster units sending, the others taking skip_rounds rounds first.
 template <class G>
 Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                         int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                         int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
                          cudaStream_t stream) {
   using Kernel = typename G::Kernel;
-  const auto args = fused_arguments<G>(ws, a, comm_units, skip_rounds, device, sm_count);
+  const auto args = fused_arguments<G>(ws, a, comm_units, skip_rounds, device, sm_count, scratch);
   if (Kernel::can_implement(args) != true)
     return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};
   if (Kernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
@@ -219,7 +222,7 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
   FusedStages st;
   st.a = a;
   st.comm_units = comm_units;
-  st.reduce_ticket = reduce_ticket;
+  st.reduce_ticket = scratch.reduce_ticket;
   st.reduce_need =
       static_cast<uint32_t>(G::kWarpsPerTile * ((a.hidden + G::kTileN - 1) / G::kTileN));
 

@@ -13,25 +13,40 @@
 
 namespace uniep::cuda::megakernel {
 
+// The launch's own scratch in the workspace, after the GEMM body's (sm90_fused_moe.cu carves it).
+struct FusedScratch {
+  // The reduce's next token, zeroed by fused_problems before each launch.
+  uint32_t* reduce_ticket = nullptr;
+  // Per (CTA, consumer warp): the GEMM-2 signal a warp still holds when its tiles are done
+  // (FusedMoeEpilogue::held), num_held of them.
+  uint32_t** held = nullptr;
+  int64_t num_held = 0;
+};
+
+// Bytes of FusedScratch::held for sm_count CTAs.
+inline size_t fused_held_bytes(int sm_count) {
+  return grouped::round_up(static_cast<size_t>(sm_count) * 8 * sizeof(uint32_t*));
+}
+
 size_t fused_gemm_workspace_128(int64_t num_experts, int sm_count);
 size_t fused_gemm_workspace_64(int64_t num_experts, int sm_count);
 
 Status fused_launch_128(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                        int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                        int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
                         cudaStream_t stream);
 Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                       int skip_rounds, uint32_t* reduce_ticket, int device, int sm_count,
+                       int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
                        cudaStream_t stream);
 
 // The same with GEMM 1 reading w1 as stored (FusedMoeArgs::w1_as_stored), in
 // sm90_fused_moe_<tile_m>_stored.cu.
 size_t fused_gemm_workspace_128_stored(int64_t num_experts, int sm_count);
 size_t fused_gemm_workspace_64_stored(int64_t num_experts, int sm_count);
-Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a,
-                               int comm_units, int skip_rounds, uint32_t* reduce_ticket,
-                               int device, int sm_count, cudaStream_t stream);
-Status fused_launch_64_stored(const grouped::Workspace& ws, const FusedMoeArgs& a,
-                              int comm_units, int skip_rounds, uint32_t* reduce_ticket,
-                              int device, int sm_count, cudaStream_t stream);
+Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                               int skip_rounds, const FusedScratch& scratch, int device,
+                               int sm_count, cudaStream_t stream);
+Status fused_launch_64_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                              int skip_rounds, const FusedScratch& scratch, int device,
+                              int sm_count, cudaStream_t stream);
 
 }  // namespace uniep::cuda::megakernel

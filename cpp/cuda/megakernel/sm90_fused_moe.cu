@@ -20,14 +20,17 @@ namespace megakernel {
 namespace {
 
 // Groups [0, E): x rows times w1_packed[e] (SwiGLU into act); groups [E, 2E): act rows times
-// w2[e] into y. One warp.
+// w2[e] into y. One warp, which also readies the launch's scratch (FusedScratch).
 __global__ void __launch_bounds__(32)
-    fused_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden,
-                   int ffn, const grouped::Bf16* x_rows, const grouped::Bf16* w1,
-                   const grouped::Bf16* w2, grouped::Bf16* act, grouped::Bf16* y,
-                   grouped::Workspace ws, uint32_t* reduce_ticket) {
+    fused_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden, int ffn,
+                   const grouped::Bf16* x_rows, const grouped::Bf16* w1, const grouped::Bf16* w2,
+                   grouped::Bf16* act, grouped::Bf16* y, grouped::Workspace ws,
+                   FusedScratch scratch) {
   const int lane = static_cast<int>(threadIdx.x);
-  if (lane == 0) *reduce_ticket = 0;
+  if (lane == 0) *scratch.reduce_ticket = 0;
+  // Each consumer warp's held GEMM-2 signal starts empty: a CTA without tiles never writes its
+  // slots. Here, not in the kernel, where the index stayed live across the GEMM body and spilled.
+  for (int64_t i = lane; i < scratch.num_held; i += 32) scratch.held[i] = nullptr;
   int carry = 0;
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
@@ -190,7 +193,7 @@ size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count) {
   if (num_experts < 1 || num_experts > (1 << 20) || sm_count < 1) return 0;
   return grouped::group_arrays_bytes(2 * num_experts) +
          grouped::round_up(megakernel::gemm_workspace(num_experts, sm_count)) +
-         grouped::kWorkspaceAlign;
+         megakernel::fused_held_bytes(sm_count) + grouped::kWorkspaceAlign;
 }
 
 Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
@@ -233,15 +236,19 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
     return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, 2 * a.num_experts);
-  auto* reduce_ticket =
-      reinterpret_cast<uint32_t*>(static_cast<char*>(workspace) + need - grouped::kWorkspaceAlign);
+  // The workspace's end: the held signals' slots, then the reduce's ticket.
+  megakernel::FusedScratch scratch;
+  char* end = static_cast<char*>(workspace) + need - grouped::kWorkspaceAlign;
+  scratch.reduce_ticket = reinterpret_cast<uint32_t*>(end);
+  scratch.held = reinterpret_cast<uint32_t**>(end - megakernel::fused_held_bytes(sm_count));
+  scratch.num_held = static_cast<int64_t>(sm_count) * 8;
   megakernel::fused_problems<<<1, 32, 0, stream>>>(
       a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),
       static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
       static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act),
       // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
-      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, reduce_ticket);
+      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, scratch);
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
   // Units of two CTAs (the cluster).
@@ -253,17 +260,14 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
                        : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
                                                    a.peers.world_size, launch.tile_m);
   if (a.w1_as_stored)
-    return launch.tile_m == 64 ? megakernel::fused_launch_64_stored(ws, a, comm_units, skip,
-                                                                    reduce_ticket, device,
-                                                                    sm_count, stream)
-                               : megakernel::fused_launch_128_stored(ws, a, comm_units, skip,
-                                                                     reduce_ticket, device,
-                                                                     sm_count, stream);
-  return launch.tile_m == 64
-             ? megakernel::fused_launch_64(ws, a, comm_units, skip, reduce_ticket, device, sm_count,
-                                           stream)
-             : megakernel::fused_launch_128(ws, a, comm_units, skip, reduce_ticket, device,
-                                            sm_count, stream);
+    return launch.tile_m == 64 ? megakernel::fused_launch_64_stored(
+                                     ws, a, comm_units, skip, scratch, device, sm_count, stream)
+                               : megakernel::fused_launch_128_stored(
+                                     ws, a, comm_units, skip, scratch, device, sm_count, stream);
+  return launch.tile_m == 64 ? megakernel::fused_launch_64(ws, a, comm_units, skip, scratch, device,
+                                                           sm_count, stream)
+                             : megakernel::fused_launch_128(ws, a, comm_units, skip, scratch,
+                                                            device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda

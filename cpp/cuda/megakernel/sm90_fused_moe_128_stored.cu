@@ -10,11 +10,11 @@ size_t fused_gemm_workspace_128_stored(int64_t num_experts, int sm_count) {
   return fused_gemm_workspace_impl<FusedGemm<128, true>>(num_experts, sm_count);
 }
 
-Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a,
-                               int comm_units, int skip_rounds, uint32_t* reduce_ticket,
-                               int device, int sm_count, cudaStream_t stream) {
-  return fused_launch_impl<FusedGemm<128, true>>(ws, a, comm_units, skip_rounds, reduce_ticket,
-                                                 device, sm_count, stream);
+Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                               int skip_rounds, const FusedScratch& scratch, int device,
+                               int sm_count, cudaStream_t stream) {
+  return fused_launch_impl<FusedGemm<128, true>>(ws, a, comm_units, skip_rounds, scratch, device,
+                                                 sm_count, stream);
 }
 
 }  // namespace uniep::cuda::megakernel

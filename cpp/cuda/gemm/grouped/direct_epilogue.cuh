@@ -80,15 +80,24 @@ struct DirectStoreEpilogue {
                                               int64_t num_done, bool system = false) {
     if (done == nullptr || m_tile * tile_m >= M) return;
     __syncwarp();
-    const int64_t index = static_cast<int64_t>(tile_base[expert]) + m_tile;
-    if (threadIdx.x % 32 == 0 && index >= 0 && index < num_done) {
+    uint32_t* counter = tile_done_counter(done, tile_base, expert, m_tile, tile_m, M, num_done);
+    if (threadIdx.x % 32 == 0 && counter != nullptr) {
       // A waiter on another GPU (the fused kernel's reduce with peers) needs the release at
       // system scope; one lane's, like the GPU-scope one.
       if (system)
-        megakernel::gate_signal(done + index, 1u);
+        megakernel::gate_signal(counter, 1u);
       else
-        megakernel::gate_signal_gpu(done + index, 1u);
+        megakernel::gate_signal_gpu(counter, 1u);
     }
+  }
+
+  // The counter signal_tile_done adds to, or null where it signals nothing.
+  CUTLASS_DEVICE static uint32_t* tile_done_counter(uint32_t* done, const int32_t* tile_base,
+                                                    int expert, int m_tile, int tile_m, int M,
+                                                    int64_t num_done) {
+    if (done == nullptr || m_tile * tile_m >= M) return nullptr;
+    const int64_t index = static_cast<int64_t>(tile_base[expert]) + m_tile;
+    return index >= 0 && index < num_done ? done + index : nullptr;
   }
 
   // The chain's numerics and the CPU executor's: gate and up rounded to bf16 (where the chain
