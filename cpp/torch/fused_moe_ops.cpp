@@ -23,18 +23,6 @@
 namespace uniep::torch_glue {
 namespace {
 
-// The launch's error word (int64 [1]), timeout record (int32 [5]) and `arrays` counter arrays
-// (int32 [arrays, num_counters]), zeroed by one fill: views of one int64 buffer, the error word
-// first. Three fills before each fused launch had been three launches on the GPU's path.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> zeroed_flags(const at::TensorOptions& opts,
-                                                            int64_t arrays, int64_t num_counters) {
-  const int64_t words = 5 + arrays * num_counters;
-  const at::Tensor flags = at::zeros({1 + (words + 1) / 2}, opts.dtype(at::kLong));
-  const at::Tensor words32 = flags.narrow(0, 1, flags.size(0) - 1).view(at::kInt);
-  return std::make_tuple(flags.narrow(0, 0, 1), words32.narrow(0, 0, 5),
-                         words32.narrow(0, 5, arrays * num_counters).view({arrays, num_counters}));
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
@@ -81,12 +69,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const c10::cuda::CUDAGuard guard(x.device());
     const auto opts = x.options();
     at::Tensor out = at::empty({T, H}, opts);
-    const int64_t capacity = T * K, num_counters = capacity / tile_m + E + 1;
-    auto [error, timeout, counters] = zeroed_flags(opts, 3, num_counters);
+    at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
+    at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
     if (T == 0) return std::make_tuple(out, error, timeout);
+    const int64_t capacity = T * K, num_counters = capacity / tile_m + E + 1;
     at::Tensor rows = at::empty({capacity, H}, opts);
     at::Tensor act = at::empty({capacity, I}, opts);
     at::Tensor y = at::empty({capacity, H}, opts);
+    at::Tensor counters = at::zeros({3, num_counters}, opts.dtype(at::kInt));
     int device_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
     check_trace(trace, device_sms, x);
@@ -186,9 +176,10 @@ moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     at::Tensor rows_go = at::empty({capacity, H}, opts);
     at::Tensor h = at::empty({capacity, 2 * I}, opts);
     at::Tensor grad_act = at::empty({capacity, I}, opts);
-    auto [error, timeout, counters2d] = zeroed_flags(opts, 1, num_counters);
+    at::Tensor error = at::zeros({1}, opts.dtype(at::kLong));
+    at::Tensor timeout = at::zeros({5}, opts.dtype(at::kInt));
     if (T == 0) return std::make_tuple(rows_x, rows_go, h, grad_act, error, timeout);
-    at::Tensor counters = counters2d[0];
+    at::Tensor counters = at::zeros({num_counters}, opts.dtype(at::kInt));
     int device_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
     const size_t bytes = cuda::fused_moe_backward_workspace_bytes(E, device_sms);

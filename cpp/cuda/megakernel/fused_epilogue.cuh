@@ -157,6 +157,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
       done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
     pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split,
                                  static_cast<int>(m_coord), tile_m, M, params_.num_done);
+    if (params_.held == nullptr) signal_pending();
   }
 
   // Called by store_tail: after every tile in the ping-pong body, once after the last in the
