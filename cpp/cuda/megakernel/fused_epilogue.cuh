@@ -157,7 +157,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
       done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
     pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split,
                                  static_cast<int>(m_coord), tile_m, M, params_.num_done);
-    if (params_.held == nullptr) signal_pending();
+    signal_pending(params_.held == nullptr);
   }
 
   // Called by store_tail: after every tile in the ping-pong body, once after the last in the
@@ -165,17 +165,19 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   // which one the kernel gives after the body if no tile follows.
   CUTLASS_DEVICE void hand_over_pending() {
     const int64_t slot = held_slot(params_.num_held);
-    if (params_.held == nullptr || slot < 0) {
-      signal_pending();
-    } else if (threadIdx.x % 32 == 0) {
-      params_.held[slot] = pending_;
-    }
+    const bool keep = params_.held != nullptr && slot >= 0;
+    if (keep && threadIdx.x % 32 == 0) params_.held[slot] = pending_;
+    signal_pending(!keep);
   }
 
-  CUTLASS_DEVICE void signal_pending() {
-    if (pending_ == nullptr) return;
+  // Gives the held signal when `now`. The warp barrier is outside any branch: the compiler
+  // cannot prove a value loaded from memory (tile_base, hence pending_) or the warp's slot uniform
+  // across the warp, and a __syncwarp under such a branch made it treat the shuffles after it as
+  // possibly divergent (some ninety collective fix-ups more in the kernel, and a slower forward).
+  CUTLASS_DEVICE void signal_pending(bool now = true) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) {
+    if (!now) return;
+    if (threadIdx.x % 32 == 0 && pending_ != nullptr) {
       if (params_.done2_system)
         gate_signal(pending_, 1u);
       else
@@ -272,9 +274,8 @@ struct FusedEpilogueAdapter
 // (FusedMoeEpilogue::held), which the reduce waits on.
 CUTLASS_DEVICE void give_held_signal(uint32_t** held, int64_t num_held, bool system) {
   const int64_t slot = held_slot(num_held);
-  if (held == nullptr || slot < 0) return;
   __syncwarp();
-  if (threadIdx.x % 32 != 0) return;
+  if (held == nullptr || slot < 0 || threadIdx.x % 32 != 0) return;
   uint32_t* counter = held[slot];
   if (counter == nullptr) return;
   if (system)
