@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 #include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
@@ -243,10 +242,6 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   scratch.reduce_ticket = reinterpret_cast<uint32_t*>(end);
   scratch.held = reinterpret_cast<uint32_t**>(end - megakernel::fused_held_bytes(sm_count));
   scratch.num_held = static_cast<int64_t>(sm_count) * 8;
-  if (std::getenv("UNIEP_X_NO_HOLD") != nullptr) {  // EXPERIMENT, not kept
-    scratch.held = nullptr;
-    scratch.num_held = 0;
-  }
   megakernel::fused_problems<<<1, 32, 0, stream>>>(
       a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),
