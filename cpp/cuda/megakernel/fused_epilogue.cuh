@@ -68,8 +68,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     // signal is given in store_tail.
     uint32_t** held = nullptr;
     int64_t num_held = 0;
-    // GEMM-1 tiles a CTA's warp may be ahead of its next tile (see operator()).
-    int64_t hold_margin = 0;
   };
   using Params = Arguments;
 
@@ -150,18 +148,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     }
     const int tile_m = size<0>(blk_shape_mnk);
     if (first) {
-      pending_ = tile_done_counter(params_.done1, params_.tile_base, group,
-                                   static_cast<int>(m_coord), tile_m, M, params_.num_done);
-      pending_system_ = false;
-      // GEMM 1's signal is held only while the warp's next tile is surely a GEMM-1 tile: the
-      // tiles of the experts after this one are all ahead of it in the scheduler's order, and a
-      // CTA's next tile is at most a grid's tiles further (hold_margin: two tiles per CTA in the
-      // ping-pong body, whose warpgroups take a CTA's tiles alternately). A GEMM-2 tile next
-      // could be waiting, through its gate, on a signal some other warp holds the same way.
-      const int64_t n_tiles = (N + size<1>(blk_shape_mnk) - 1) / size<1>(blk_shape_mnk);
-      const int64_t later =
-          static_cast<int64_t>(params_.tile_base[params_.split]) - params_.tile_base[group + 1];
-      signal_pending(params_.held == nullptr || later * n_tiles <= params_.hold_margin);
+      signal_tile_done(params_.done1, params_.tile_base, group, static_cast<int>(m_coord), tile_m,
+                       M, params_.num_done);
       return;
     }
     uint32_t* done2 = params_.done2;
@@ -169,7 +157,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
       done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
     pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split,
                                  static_cast<int>(m_coord), tile_m, M, params_.num_done);
-    pending_system_ = params_.done2_system;
     signal_pending(params_.held == nullptr);
   }
 
@@ -191,7 +178,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     __syncwarp();
     if (!now) return;
     if (threadIdx.x % 32 == 0 && pending_ != nullptr) {
-      if (pending_system_)
+      if (params_.done2_system)
         gate_signal(pending_, 1u);
       else
         gate_signal_gpu(pending_, 1u);
@@ -264,9 +251,10 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   // performed, so right after 16-byte stores of a whole tile it held the warp about as long as
   // the stores took, once per tile. Only GEMM 2's: nothing in the GEMM body waits on them (the
   // reduce after it does), so the delay cannot close a cycle of waits. GEMM 1's signals release
-  // GEMM-2 tiles, which may already be waiting on them: those go out at once.
+  // GEMM-2 tiles, which may already be waiting on them: those go out at once. (Holding them while
+  // the warp's next tile was surely a GEMM-1 tile measured the same, within the run-to-run
+  // spread; bench/results/2026-11-28-session39.)
   uint32_t* pending_ = nullptr;
-  bool pending_system_ = false;  // a done2 signal read by peer GPUs: released at system scope
 };
 
 // CUTLASS's adapter for an epilogue without a pipeline of its own, whose store_tail also hands

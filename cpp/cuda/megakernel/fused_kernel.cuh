@@ -22,8 +22,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -188,10 +186,6 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.epilogue.done2_parity_stride = a.done2_parity_stride;
   args.epilogue.held = scratch.held;
   args.epilogue.num_held = scratch.num_held;
-  // The grid is at most sm_count CTAs; a ping-pong warpgroup's next tile is its CTA's second.
-  args.epilogue.hold_margin = static_cast<int64_t>(sm_count) * (G::kPingPong ? 2 : 1);
-  if (std::getenv("UNIEP_X_NO_HOLD1") != nullptr)  // EXPERIMENT, not kept
-    args.epilogue.hold_margin = int64_t{1} << 60;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = G::Kernel::TileScheduler::RasterOrderOptions::AlongM;
