@@ -4,9 +4,10 @@
 //   GEMM 1  act = silu(gate) * up from the accumulators (the SwiGLU epilogue's arithmetic,
 //           swiglu_epilogue.cuh), then each warp adds 1 to done1[tile] of its output tile;
 //   GEMM 2  y = acc rounded once to bf16 (the bits of the TMA store epilogue), then each warp
-//           adds 1 to done2[tile], which the reduce of the tokens waits on. With peers each row
-//           goes straight to its source rank's combine slot (row_src says which), so the outputs
-//           cross the links while GEMM 2 runs, and the signal is released at system scope.
+//           adds 1 to done2[tile], which the reduce of the tokens waits on (at the warp's next
+//           tile or after the GEMM body: see pending_). With peers each row goes straight to
+//           its source rank's combine slot (row_src says which), so the outputs cross the links
+//           while GEMM 2 runs, and the signal is released at system scope.
 // Direct stores from the accumulator fragment, no shared memory: the fused kernel keeps all of it
 // for the mainloop's stages. GEMM 2's lanes trade values by shuffles and store 16 bytes each;
 // GEMM 1 stores 4 bytes (one gate/up pair) a time, as the engine's SwiGLU epilogue does. With
@@ -64,8 +65,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
     const uint64_t* parity_epoch = nullptr;
     int64_t done2_parity_stride = 0;
     // Per (CTA, consumer warp), num_held of them: where store_tail leaves the warp's held-back
-    // GEMM-2 signal for the kernel to give after the GEMM body (fused_moe_kernel). Null: the
-    // signal is given in store_tail.
+    // GEMM-2 signal for the kernel to give after the GEMM body (fused_moe_kernel). Null: each
+    // signal is given right after its tile's stores.
     uint32_t** held = nullptr;
     int64_t num_held = 0;
   };
