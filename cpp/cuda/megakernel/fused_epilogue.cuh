@@ -24,14 +24,16 @@
 
 #include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/megakernel/fused_launch.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {
 
-// A consumer warp's slot among num_held (CTA x 8 warps), or -1 past them.
+// A consumer warp's slot among num_held (kFusedConsumerWarps per CTA), or -1 past them.
 CUTLASS_DEVICE int64_t held_slot(int64_t num_held) {
   const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * blockIdx.y;
-  const int64_t slot = cta * 8 + (static_cast<int>(threadIdx.x) / 32 - 4);
+  const int64_t slot =
+      cta * kFusedConsumerWarps + (static_cast<int>(threadIdx.x) / 32 - kFusedProducerWarps);
   return slot >= 0 && slot < num_held ? slot : -1;
 }
 
@@ -178,12 +180,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   CUTLASS_DEVICE void signal_pending(bool now = true) {
     __syncwarp();
     if (!now) return;
-    if (threadIdx.x % 32 == 0 && pending_ != nullptr) {
-      if (params_.done2_system)
-        gate_signal(pending_, 1u);
-      else
-        gate_signal_gpu(pending_, 1u);
-    }
+    if (threadIdx.x % 32 == 0 && pending_ != nullptr)
+      gate_signal_at(pending_, 1u, params_.done2_system);
     pending_ = nullptr;
   }
 
@@ -279,12 +277,7 @@ CUTLASS_DEVICE void give_held_signal(uint32_t** held, int64_t num_held, bool sys
   const int64_t slot = held_slot(num_held);
   __syncwarp();
   if (held == nullptr || slot < 0 || threadIdx.x % 32 != 0) return;
-  uint32_t* counter = held[slot];
-  if (counter == nullptr) return;
-  if (system)
-    gate_signal(counter, 1u);
-  else
-    gate_signal_gpu(counter, 1u);
+  if (uint32_t* counter = held[slot]; counter != nullptr) gate_signal_at(counter, 1u, system);
 }
 
 }  // namespace uniep::cuda::megakernel

@@ -59,10 +59,11 @@ struct FusedGemm {
                                 SkewedGroupScheduler<Kernel::TileSchedulerStages>>,
                 "the fused kernel must run the skewed scheduler");
   static constexpr int kThreads = static_cast<int>(Kernel::MaxThreadsPerBlock);
-  static_assert(kThreads == 384, "a producer warpgroup and two consumer warpgroups");
+  static_assert(kThreads == 32 * (kFusedProducerWarps + kFusedConsumerWarps),
+                "a producer warpgroup and two consumer warpgroups");
 };
 
-constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
+constexpr int kConsumerThreads = 32 * kFusedConsumerWarps;  // the two consumer warpgroups
 constexpr int kReduceRegisters = 160;
 
 struct FusedStages {

@@ -13,6 +13,10 @@
 
 namespace uniep::cuda::megakernel {
 
+// The fused kernel's CTA: a producer warpgroup, then two consumer warpgroups.
+constexpr int kFusedProducerWarps = 4;
+constexpr int kFusedConsumerWarps = 8;
+
 // The launch's own scratch in the workspace, after the GEMM body's (sm90_fused_moe.cu carves it).
 struct FusedScratch {
   // The reduce's next token, zeroed by fused_problems before each launch.
@@ -25,7 +29,7 @@ struct FusedScratch {
 
 // Bytes of FusedScratch::held for sm_count CTAs.
 inline size_t fused_held_bytes(int sm_count) {
-  return grouped::round_up(static_cast<size_t>(sm_count) * 8 * sizeof(uint32_t*));
+  return grouped::round_up(static_cast<size_t>(sm_count) * kFusedConsumerWarps * sizeof(uint32_t*));
 }
 
 size_t fused_gemm_workspace_128(int64_t num_experts, int sm_count);

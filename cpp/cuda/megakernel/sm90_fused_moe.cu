@@ -241,7 +241,7 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   char* end = static_cast<char*>(workspace) + need - grouped::kWorkspaceAlign;
   scratch.reduce_ticket = reinterpret_cast<uint32_t*>(end);
   scratch.held = reinterpret_cast<uint32_t**>(end - megakernel::fused_held_bytes(sm_count));
-  scratch.num_held = static_cast<int64_t>(sm_count) * 8;
+  scratch.num_held = static_cast<int64_t>(sm_count) * megakernel::kFusedConsumerWarps;
   megakernel::fused_problems<<<1, 32, 0, stream>>>(
       a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),

@@ -99,4 +99,12 @@ __device__ __forceinline__ void gate_signal_gpu(uint32_t* counter, uint32_t add)
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(add) : "memory");
 }
 
+// gate_signal where the waiter may be on a peer GPU (`system`), else gate_signal_gpu.
+__device__ __forceinline__ void gate_signal_at(uint32_t* counter, uint32_t add, bool system) {
+  if (system)
+    gate_signal(counter, add);
+  else
+    gate_signal_gpu(counter, add);
+}
+
 }  // namespace uniep::cuda::megakernel

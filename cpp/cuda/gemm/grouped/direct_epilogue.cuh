@@ -81,14 +81,10 @@ struct DirectStoreEpilogue {
     if (done == nullptr || m_tile * tile_m >= M) return;
     __syncwarp();
     uint32_t* counter = tile_done_counter(done, tile_base, expert, m_tile, tile_m, M, num_done);
-    if (threadIdx.x % 32 == 0 && counter != nullptr) {
-      // A waiter on another GPU (the fused kernel's reduce with peers) needs the release at
-      // system scope; one lane's, like the GPU-scope one.
-      if (system)
-        megakernel::gate_signal(counter, 1u);
-      else
-        megakernel::gate_signal_gpu(counter, 1u);
-    }
+    // A waiter on another GPU (the fused kernel's reduce with peers) needs the release at
+    // system scope; one lane's, like the GPU-scope one.
+    if (threadIdx.x % 32 == 0 && counter != nullptr)
+      megakernel::gate_signal_at(counter, 1u, system);
   }
 
   // The counter signal_tile_done adds to, or null where it signals nothing.
