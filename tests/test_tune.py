@@ -391,6 +391,41 @@ def test_tune_refuses_a_winner_whose_bits_differ(monkeypatch: pytest.MonkeyPatch
     assert result.cache_path is None
 
 
+def test_settle_calls() -> None:
+    assert tune.settle_calls(0.0, [1.0, 2.0]) == [0, 0]
+    # About settle_s of calls at the estimate, at least one, none for a failed point.
+    assert tune.settle_calls(0.01, [1.0, 0.5, 30.0, math.inf]) == [10, 20, 1, 0]
+    assert tune.settle_calls(600.0, [1e-9]) == [100_000]
+
+
+def test_settle_runs_each_candidate_back_to_back_before_its_timed_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collections import Counter
+
+    from uniep import ops
+
+    real = ops.moe_forward
+    calls: Counter[str] = Counter()
+
+    def counting(x, topk_idx, topk_weights, w1, w2, group=None, tuning=""):  # noqa: ANN001, ANN202
+        calls[tuning] += 1
+        return real(x, topk_idx, topk_weights, w1, w2, group, tuning)
+
+    monkeypatch.setattr(ops, "moe_forward", counting)
+    plain = tune.tune(**SHAPE, device="cpu", cache=False, **QUICK)
+    plain_calls = dict(calls)
+    calls.clear()
+    settled = tune.tune(**SHAPE, device="cpu", cache=False, settle_s=0.002, **QUICK)
+    assert [c.tuning for c in settled.candidates] == [c.tuning for c in plain.candidates]
+    for c in settled.candidates:
+        # Two rounds (QUICK's 2 calls), each with at least one untimed call first.
+        assert calls[c.tuning] >= plain_calls[c.tuning] + 2, (c.tuning, calls, plain_calls)
+    for bad in (-1.0, math.nan, math.inf, 601.0, True, "1"):
+        with pytest.raises(ValueError, match="settle_s must be a number of seconds in"):
+            tune.tune(**SHAPE, device="cpu", cache=False, settle_s=bad, **QUICK)
+
+
 def test_budget_stops_measuring_but_keeps_the_default() -> None:
     result = tune.tune(**SHAPE, device="cpu", cache=False, budget_s=1e-9, **QUICK)
     assert [c.tuning for c in result.candidates] == [result.default] == [result.tuning]
@@ -527,6 +562,10 @@ def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         main([*args, "--dispatch", "fp9"])
     with pytest.raises(SystemExit, match="--weights bf16_packed tunes moe_forward_prepared"):
         main([*args, "--weights", "bf16_packed"])
+    for bad in ("-1", "nan", "700", "soon"):
+        with pytest.raises(SystemExit):
+            main([*args, "--settle-s", bad])
+    assert main([*args, "--settle-s", "0.001"]) == 0
 
 
 def test_runoff_points_are_the_close_calls_fastest_first() -> None:

@@ -366,6 +366,19 @@ def _seed(text: str) -> int:
     return value
 
 
+def _settle_seconds(text: str) -> float:
+    """argparse type of --settle-s: a number of seconds in [0, 600]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds in [0, 600], got {text!r}"
+        ) from None
+    if not (math.isfinite(value) and 0 <= value <= 600):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0, 600], got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     """argparse type of a timeout: a finite number of seconds > 0 (0 would stop every rank at
     once, and nan or inf would never stop a hung one)."""
@@ -509,6 +522,7 @@ def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
         path=cfg["cache"],
         progress=_ProgressBar() if rank == 0 else None,
         weights=cfg["weights"],
+        settle_s=cfg["settle_s"],
     )
 
 
@@ -555,6 +569,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         "device": device,
         "cache": args.cache,
         "weights": args.weights,
+        "settle_s": args.settle_s,
     }
     if args.weights != "plain" and (device != "cuda" or dtype != "bfloat16"):
         raise SystemExit(
@@ -690,6 +705,14 @@ def _parser() -> argparse.ArgumentParser:
         default="plain",
         help="plain: moe_forward; bf16_packed: moe_forward_prepared on packed experts (the "
         "separate launches and the MegaKernel), cached under its own key",
+    )
+    tune_p.add_argument(
+        "--settle-s",
+        dest="settle_s",
+        type=_settle_seconds,
+        default=0.0,
+        help="seconds each candidate runs back to back before its timed calls, so that it is "
+        "timed at the clock a GPU at its power limit settles at (training); 0: short rounds",
     )
     tune_p.add_argument("--timeout", type=_positive_seconds, default=600.0)
     tune_p.set_defaults(func=_cmd_tune)

@@ -772,6 +772,32 @@ def _times_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> 
     return time_calls_ms(fn, iters, cuda)
 
 
+def settle_calls(settle_s: float, est_ms: Sequence[float], grp: _Group | None = None) -> list[int]:
+    """The untimed calls that take about ``settle_s`` seconds for candidates of ``est_ms`` ms a
+    call (at least 1 when settling, at most 100,000; 0 for a candidate with no finite estimate,
+    one that failed), the largest over ``grp``'s ranks so that every rank makes the same calls."""
+    if settle_s <= 0:
+        return [0] * len(est_ms)
+    counts = [
+        float(min(100_000, max(1, math.ceil(settle_s * 1e3 / max(ms, 1e-3)))))
+        if math.isfinite(ms)
+        else 0.0
+        for ms in est_ms
+    ]
+    if grp is not None:
+        counts = grp.max(counts, "settle")
+    return [int(c) for c in counts]
+
+
+def _settle(fn: Callable[[], object], calls: int, cuda: bool) -> None:
+    """``calls`` untimed calls back to back; on a GPU the host waits every 16 calls, so that the
+    launch queue does not fill and the GPU runs them without gaps."""
+    for n in range(calls):
+        fn()
+        if cuda and n % 16 == 15:
+            torch.cuda.synchronize()
+
+
 class _Group:
     """The few collectives the tuner needs, bounded like UniEP's own (``UNIEP_TIMEOUT_S``)."""
 
@@ -1022,6 +1048,7 @@ def tune(
     path: str | os.PathLike | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     weights: str = "plain",
+    settle_s: float = 0.0,
 ) -> TuneResult:
     """Find the fastest schedule for one MoE shape and cache it; collective over ``group``.
 
@@ -1055,6 +1082,18 @@ def tune(
         weights: ``"plain"`` (``moe_forward``) or ``"bf16_packed"`` (``moe_forward_prepared`` on
             ``prepare_experts(w1, w2, "bf16_packed")``: the separate launches and the MegaKernel;
             CUDA and bfloat16 only); cached under its own key.
+        settle_s: about how many seconds each candidate runs back to back, untimed, before its
+            timed calls in every round (a call count from its predicted time in the first
+            round, from its measured median after; the same on every rank), so that it is timed
+            at the clock it settles at. A GPU at its power limit (a training step of GEMMs; on
+            an H200 nvidia-smi then reports the "SW power cap" throttle) runs at the clock the
+            limit allows for what it runs, so a call's time follows the energy of all it does,
+            and overlapping communication with the GEMMs saves little: on one H200 the
+            MegaKernel at world 1 was 1.00x the GEMMs alone in interleaved rounds of a few
+            calls and 1.11x run back to back on DeepSeek-V3's EP8 rank, where the separate
+            launches were 1.11x and 1.08x (``bench/results/2026-11-28-session40``). 0 (the
+            default): no settling, short interleaved rounds. The winner is cached under the same
+            key either way.
 
     Returns:
         A ``TuneResult``.
@@ -1074,6 +1113,10 @@ def tune(
         _positive(name, value)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(settle_s, bool) or not (
+        isinstance(settle_s, (int, float)) and math.isfinite(settle_s) and 0 <= settle_s <= 600
+    ):
+        raise ValueError(f"settle_s must be a number of seconds in [0, 600], got {settle_s!r}")
     if budget_s is not None and not (isinstance(budget_s, (int, float)) and budget_s > 0):
         raise ValueError(f"budget_s must be a number of seconds > 0 or None, got {budget_s!r}")
     if top_k > experts:
@@ -1093,13 +1136,15 @@ def tune(
     shape = MoeShape(tokens, hidden, ffn, experts, top_k, grp.world, dtype_name)
     # Different arguments on different ranks would pair up different candidates' calls.
     mine = json.dumps(
-        [shape.__dict__, numerics, candidates, warmup, iters, budget_s, dev.type, weights]
-    )
+        [shape.__dict__, numerics, candidates, warmup, iters, budget_s, dev.type, weights,
+         settle_s]
+    )  # fmt: skip
     theirs = grp.rank0_text(mine, "arguments")
     if grp.max([float(theirs != mine)], "arguments")[0]:
         raise ValueError(
             "uniep.tune: the ranks were given different arguments (shape, dtype, numerics, "
-            f"candidates, warmup, iters, budget_s, device or weights); rank 0: {theirs}, rank "
+            f"candidates, warmup, iters, budget_s, device, weights or settle_s); rank 0: {theirs}, "
+            f"rank "
             f"{grp.rank}: {mine}"
         )
 
@@ -1167,11 +1212,20 @@ def tune(
     # The default first: a budget that runs out still leaves the reference measured.
     order = sorted(range(len(rows)), key=lambda n: rows[n].tuning != default)
     for r in range(rounds):
+        settle = settle_calls(
+            settle_s,
+            [
+                statistics.median(s) if s else row.predicted_ms
+                for s, row in zip(samples, rows, strict=True)
+            ],
+            grp,
+        )
         for n in order:
             row = rows[n]
             skip = row.error or ((out_of_time or r > 0) and not samples[n])
             if not skip:
                 try:
+                    _settle(lambda t=row.tuning: run(t), settle[n], cuda)
                     samples[n] += _times_ms(
                         lambda t=row.tuning: run(t), warmup if r == 0 else 0, per_round[r], cuda
                     )
@@ -1193,8 +1247,10 @@ def tune(
     again = runoff_points(medians) if cuda and not out_of_time else []
     if again:
         total += rounds * len(again)
+        settle = settle_calls(settle_s, medians, grp)
         for r in range(rounds):
             for n in again:
+                _settle(lambda t=rows[n].tuning: run(t), settle[n], cuda)
                 samples[n] += _times_ms(lambda t=rows[n].tuning: run(t), 0, per_round[r], cuda)
                 done += 1
                 if progress is not None and grp.rank == 0:
