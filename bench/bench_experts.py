@@ -827,7 +827,9 @@ def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list
         print(
             f"{load}: GEMMs alone {row['gemm_only_ms']:.3f} ms; "
             + ", ".join(
-                f"{k[9:-1]} {v:.3f}x" for k, v in row.items() if k.startswith("over_gemm_only[")
+                f"{k[len('over_gemm_only[') : -1]} {v:.3f}x"
+                for k, v in row.items()
+                if k.startswith("over_gemm_only[")
             ),
             flush=True,
         )
