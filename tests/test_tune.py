@@ -493,7 +493,8 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     import warnings
 
     os.environ["UNIEP_TUNE_CACHE"] = os.path.join(folder, f"rank{rank}.json")
-    result = tune.tune(**SHAPE, device="cpu", **QUICK)
+    # Settling too: every rank must make the same untimed calls (each is a collective).
+    result = tune.tune(**SHAPE, device="cpu", settle_s=0.002, **QUICK)
     out = {
         "tuning": result.tuning,
         "measured": [c.measured_ms for c in result.candidates],
