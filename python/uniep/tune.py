@@ -1143,9 +1143,8 @@ def tune(
     if grp.max([float(theirs != mine)], "arguments")[0]:
         raise ValueError(
             "uniep.tune: the ranks were given different arguments (shape, dtype, numerics, "
-            f"candidates, warmup, iters, budget_s, device, weights or settle_s); rank 0: {theirs}, "
-            f"rank "
-            f"{grp.rank}: {mine}"
+            "candidates, warmup, iters, budget_s, device, weights or settle_s); "
+            f"rank 0: {theirs}, rank {grp.rank}: {mine}"
         )
 
     from . import ops
