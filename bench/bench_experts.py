@@ -46,6 +46,8 @@ The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_pac
 the load's inputs, interleaved with the engine's two GEMMs alone on the same rows (the fastest of
 its automatic tiles and the MegaKernel's two tiles forced): issue 22's goals, the tuner's pick
 within 1.03x of the best re-timed point and the MegaKernel within 1.03x of the GEMMs alone.
+With ``--settle-s S`` the tuner settles each point first (``uniep.tune(settle_s=S)``) and the
+re-timing runs each function back to back for about S seconds first: the GPU at its power limit.
 
 Device time is the median of CUDA events over many calls after warm-up; TFLOP/s count 2 * R * K * N.
 ``--profile N`` adds each layer's per-kernel GPU time (torch profiler, N calls) for the dense chain
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -844,26 +847,29 @@ GOAL_TUNE = 1.03
 
 
 def _tune_rank(
-    rank: int, world: int, warmup: int, iters: int, loads: list[str], candidates: int
-) -> list[dict[str, Any]]:
+    rank: int, world: int, warmup: int, iters: int, loads: list[str], candidates: int,
+    settle_s: float = 0.0,
+) -> list[dict[str, Any]]:  # fmt: skip
     """The ``tune`` part, on one rank: :func:`_tune_load` per load."""
     import torch.distributed as dist
 
     out = []
     for layer in selected(loads):
         # A group per load: the EP runtime a group creates keeps its top_k and sizes.
-        out.append(_tune_load(dist.new_group([0]), layer, warmup, iters, candidates))
+        out.append(_tune_load(dist.new_group([0]), layer, warmup, iters, candidates, settle_s))
         torch.cuda.empty_cache()
     return out
 
 
 def _tune_load(
     group: Any, layer: tuple[str, int, int, int, int, int], warmup: int, iters: int,
-    candidates: int,
+    candidates: int, settle_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """``uniep.tune(weights="bf16_packed")`` (cache off) over moe_forward_prepared's two paths,
     then every point it measured re-timed on the load's own inputs, interleaved with the
-    engine's GEMMs alone on the same rows."""
+    engine's GEMMs alone on the same rows. With ``settle_s`` the tuner settles each candidate
+    (``uniep.tune(settle_s=)``) and each re-timed function first runs back to back for about
+    as long (a call count from the tuner's median time)."""
     from uniep import tune
     from uniep.prepared import moe_forward_prepared, prepare_experts
     from uniep.timing import interleaved_medians_ms
@@ -872,7 +878,7 @@ def _tune_load(
     result = tune.tune(
         group, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
         dtype=torch.bfloat16, device="cuda", candidates=candidates, warmup=warmup, iters=iters,
-        cache=False, weights="bf16_packed",
+        cache=False, weights="bf16_packed", settle_s=settle_s,
     )  # fmt: skip
     torch.cuda.empty_cache()
     _, x, w1, w2, idx, weights = _layer_inputs(layer)
@@ -891,7 +897,9 @@ def _tune_load(
         first = fns[points[0]]()
         same = all(torch.equal(fns[p](), first) for p in points[1:])
         del first
-        again = interleaved_medians_ms(fns, 3, max(3, iters // 3), True, warmup=warmup)
+        finite = [c.measured_ms for c in result.candidates if c.measured_ms < float("inf")]
+        settle = tune.settle_calls(settle_s, [statistics.median(finite)])[0]
+        again = interleaved_medians_ms(fns, 3, max(3, iters // 3), True, warmup=max(warmup, settle))
     gemm_each = {name: again.pop(f"gemms alone {name}") for name in gemm_tiles}
     gemm_ms = min(gemm_each.values())
     best = min(again, key=again.__getitem__)
@@ -907,7 +915,7 @@ def _tune_load(
         "best_retimed": best, "pick_over_best": pick / again[best],
         "pick_over_gemm_only": pick / gemm_ms,
         "best_fused_over_gemm_only": min(fused) / gemm_ms if fused else None,
-        "goal_tune": GOAL_TUNE, "goal_fused": 1.03,
+        "goal_tune": GOAL_TUNE, "goal_fused": 1.03, "settle_s": settle_s,
     }  # fmt: skip
     row["tune_goal_met"] = row["pick_over_best"] <= GOAL_TUNE
     print(result.table(), flush=True)
@@ -920,12 +928,18 @@ def _tune_load(
     return row
 
 
-def tune_part(warmup: int, iters: int, loads: list[str], candidates: int) -> list[dict[str, Any]]:
+def tune_part(
+    warmup: int, iters: int, loads: list[str], candidates: int, settle_s: float = 0.0
+) -> list[dict[str, Any]]:
     import uniep
 
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(12 << 30))
     return uniep.distributed.run_local_ranks(
-        _tune_rank, 1, (warmup, iters, loads, candidates), backend="nccl", timeout_s=1800
+        _tune_rank,
+        1,
+        (warmup, iters, loads, candidates, settle_s),
+        backend="nccl",
+        timeout_s=1800,
     )[0]
 
 
@@ -1114,7 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.part == "local":
         rows += _local_rank(args.warmup, args.iters, loads, args.profile)
     elif args.part == "tune":
-        rows += tune_part(args.warmup, args.iters, loads, args.tune_candidates)
+        rows += tune_part(args.warmup, args.iters, loads, args.tune_candidates, args.settle_s)
     elif args.part == "backward":
         rows += backward_part(args.warmup, args.iters, loads, args.profile)
     elif torch._C._dispatch_has_kernel_for_dispatch_key("uniep::moe_forward", "CUDA"):

@@ -294,6 +294,12 @@ def sm90_gemm_bench_args(
         parser.add_argument(
             "--tune-candidates", type=int, default=8, help="points uniep.tune measures (best N)"
         )
+        parser.add_argument(
+            "--settle-s",
+            type=float,
+            default=0.0,
+            help="uniep.tune(settle_s=): seconds each point runs back to back before it is timed",
+        )
     return parser.parse_args(argv)
 
 
