@@ -684,6 +684,30 @@ def _gemms_alone(x: torch.Tensor, idx: torch.Tensor, prepared: Any) -> tuple[Any
     return rows, offs, gemm_only
 
 
+def _gated_gemms(rows: torch.Tensor, offs: torch.Tensor, prepared: Any) -> Any:
+    """The two gated GEMMs of the sequential path on ``rows`` (gathered beforehand, per-expert
+    ends ``offs``), gates open and GEMM 2 waiting on GEMM 1's done signal: the GEMMs' share of
+    ``sequential``, and the price of the signal. The call returns GEMM 2's output."""
+    from uniep import gate
+
+    experts, ffn2 = prepared.w1.shape[0], prepared.w1.shape[2]
+    zeros = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
+                        device=rows.device)  # fmt: skip
+    base = gate.tile_base(offs, rows.shape[0])
+    act = rows.new_empty(rows.shape[0], ffn2 // 2)
+    y = torch.empty_like(rows)
+
+    def gated_gemms() -> torch.Tensor:
+        done = torch.zeros_like(zeros)
+        gate.grouped_mm_gated(rows, prepared.w1, offs, zeros, base, per_row=0, swiglu=True,
+                              done=done, out=act)  # fmt: skip
+        gate.grouped_mm_gated(act, prepared.w2, offs, done, base, per_row=0,
+                              per_tile=gate.done_per_tile(ffn2), out=y)  # fmt: skip
+        return y
+
+    return gated_gemms
+
+
 def _bench_local(
     row: dict[str, Any],
     x: torch.Tensor,
@@ -699,10 +723,8 @@ def _bench_local(
     sequential and streams compositions and the fused persistent kernel at FUSED_POINTS) beside
     the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward within 1.03x
     of that GEMM-only time."""
-    from uniep import gate
     from uniep.megakernel import moe_forward_local, trace_phases
 
-    experts = prepared.w1.shape[0]
     rows, offs, gemm_only = _gemms_alone(x, idx, prepared)
 
     # The engine's 64 x 256 ping-pong tiles forced (its automatic choice may be the 128-row
@@ -732,25 +754,10 @@ def _bench_local(
     ]
     # The two gated GEMMs of the sequential path on the same rows, gates open and GEMM 2 waiting
     # on GEMM 1's done signal: the GEMMs' share of `sequential`, and the price of the signal.
-    ffn2 = prepared.w1.shape[2]
-    zeros = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
-                        device=x.device)  # fmt: skip
-    base = gate.tile_base(offs, rows.shape[0])
-    act = rows.new_empty(rows.shape[0], ffn2 // 2)
-    y = torch.empty_like(rows)
-
-    def gated_gemms() -> torch.Tensor:
-        done = torch.zeros_like(zeros)
-        gate.grouped_mm_gated(rows, prepared.w1, offs, zeros, base, per_row=0, swiglu=True,
-                              done=done, out=act)  # fmt: skip
-        gate.grouped_mm_gated(act, prepared.w2, offs, done, base, per_row=0,
-                              per_tile=gate.done_per_tile(ffn2), out=y)  # fmt: skip
-        return y
-
     fns: dict[str, Any] = {
         "gemm_only": gemm_only,
         "gemm_only_m64": gemm_only_m64,
-        "gated_gemms": gated_gemms,
+        "gated_gemms": _gated_gemms(rows, offs, prepared),
     }
     seq = None
     fused_equal = True

@@ -125,23 +125,15 @@ def _variants(
     _, x, w1, w2, idx, weights = be._layer_inputs(load)
     prepared = prepare_experts(w1, w2, "bf16_packed")
     del w1
-    experts, ffn2 = prepared.w1.shape[0], prepared.w1.shape[2]
+    experts = prepared.w1.shape[0]
     rows, offs, gemm_only = be._gemms_alone(x, idx, prepared)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _, _, base, dest, grow, counter, _ = gate.local_plan(idx, experts, gate.TILE_M)
-    ncount = rows.shape[0] // gate.TILE_M + experts + 1
-    counters = torch.zeros(ncount, dtype=torch.int32, device=x.device)
-    open_gates = torch.zeros_like(counters)
+    _, _, _, dest, grow, counter, _ = gate.local_plan(idx, experts, gate.TILE_M)
+    counters = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
+                           device=x.device)  # fmt: skip
     sent = torch.empty_like(rows)
-    act = rows.new_empty(rows.shape[0], ffn2 // 2)
-    y = torch.empty_like(rows)
-
-    def gated_gemms() -> None:
-        done = torch.zeros_like(open_gates)
-        gate.grouped_mm_gated(rows, prepared.w1, offs, open_gates, base, per_row=0, swiglu=True,
-                              done=done, out=act)  # fmt: skip
-        gate.grouped_mm_gated(act, prepared.w2, offs, done, base, per_row=0,
-                              per_tile=gate.done_per_tile(ffn2), out=y)  # fmt: skip
+    gated_gemms = be._gated_gemms(rows, offs, prepared)
+    y = gated_gemms()  # the combine's rows
 
     def send_only() -> None:
         counters.zero_()
