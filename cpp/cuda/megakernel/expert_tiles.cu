@@ -27,12 +27,16 @@ __global__ void __launch_bounds__(kThreads)
     expert_tiles_kernel(const int64_t* __restrict__ ids, int64_t n, int num_experts, int tile_m,
                         int* __restrict__ sums, unsigned* __restrict__ ticket,
                         int64_t* __restrict__ counts, int32_t* __restrict__ offs,
-                        int32_t* __restrict__ tile_base, int* __restrict__ block_rows) {
+                        int32_t* __restrict__ tile_base, int* __restrict__ block_rows,
+                        unsigned long long* __restrict__ zero_error) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int hist[kSharedExperts];
   __shared__ typename Scan::TempStorage scan;
   __shared__ bool last;
   const int tid = static_cast<int>(threadIdx.x);
+  // The local plan's error word, which only the launch after this one writes: zeroed here
+  // rather than by a fill of its own (one launch fewer before the MegaKernel).
+  if (zero_error != nullptr && blockIdx.x == 0 && tid == 0) *zero_error = 0;
   const bool shared = num_experts <= kSharedExperts;
   if (shared) {
     for (int e = tid; e < num_experts; e += kThreads) hist[e] = 0;
@@ -217,7 +221,7 @@ Status expert_tiles(const int64_t* topk_idx, int64_t entries, int64_t num_expert
   const int64_t blocks = std::max<int64_t>(1, (entries + kBlockEntries - 1) / kBlockEntries);
   expert_tiles_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       topk_idx, entries, static_cast<int>(num_experts), tile_m, sums,
-      reinterpret_cast<unsigned*>(sums + num_experts), counts, offs, tile_base, nullptr);
+      reinterpret_cast<unsigned*>(sums + num_experts), counts, offs, tile_base, nullptr, nullptr);
   return launch_status("expert_tiles");
 }
 
@@ -251,6 +255,11 @@ Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t wor
   const int64_t E = a.num_experts;
   if (E > kLocalExperts) {
     // Past the per-warp table: the counts, then the cross-rank plan kernel at world 1.
+    if (const cudaError_t e = cudaMemsetAsync(a.error, 0, sizeof(*a.error), stream);
+        e != cudaSuccess)
+      return {
+          StatusCode::kInternal,
+          detail::str_cat("plan_local_rows_async: zeroing error failed: ", cudaGetErrorString(e))};
     Status st = expert_tiles(a.topk_idx, entries, E, a.tile_m, a.counts, a.offs, a.tile_base,
                              workspace, workspace_bytes, stream);
     if (!st.ok()) return st;
@@ -282,7 +291,7 @@ Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t wor
   const int64_t blocks = std::max<int64_t>(1, (entries + kBlockEntries - 1) / kBlockEntries);
   expert_tiles_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       a.topk_idx, entries, static_cast<int>(E), a.tile_m, sums,
-      reinterpret_cast<unsigned*>(sums + E), a.counts, a.offs, a.tile_base, block_rows);
+      reinterpret_cast<unsigned*>(sums + E), a.counts, a.offs, a.tile_base, block_rows, a.error);
   if (Status st = launch_status("plan_local_rows_async (counts)"); !st.ok()) return st;
   local_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       a.topk_idx, entries, static_cast<int>(E), a.tile_m, a.counts, a.offs, a.tile_base, block_rows,

@@ -19,15 +19,39 @@ namespace uniep::cuda {
 namespace megakernel {
 namespace {
 
+// What fused_problems zeroes besides the scratch (FusedMoeArgs::zero_state): the three counter
+// arrays, the error word and the timeout record; null pointers when the caller zeroed them.
+struct FusedZeroState {
+  uint32_t* counters[3] = {};
+  int64_t num_counters = 0;
+  unsigned long long* error = nullptr;
+  GateTimeout* timeout = nullptr;
+};
+
+constexpr int kProblemThreads = 256;
+
 // Groups [0, E): x rows times w1_packed[e] (SwiGLU into act); groups [E, 2E): act rows times
-// w2[e] into y. One warp, which also readies the launch's scratch (FusedScratch).
-__global__ void __launch_bounds__(32)
+// w2[e] into y. Block 0's first warp writes them and readies the launch's scratch
+// (FusedScratch); every thread of the grid zeroes `zero`'s state.
+__global__ void __launch_bounds__(kProblemThreads)
     fused_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int hidden, int ffn,
                    const grouped::Bf16* x_rows, const grouped::Bf16* w1, const grouped::Bf16* w2,
                    grouped::Bf16* act, grouped::Bf16* y, grouped::Workspace ws,
-                   FusedScratch scratch) {
+                   FusedScratch scratch, FusedZeroState zero) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kProblemThreads;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kProblemThreads) + threadIdx.x;
+       i < zero.num_counters; i += stride) {
+#pragma unroll
+    for (uint32_t* c : zero.counters)
+      if (c != nullptr) c[i] = 0;
+  }
+  if (blockIdx.x != 0 || threadIdx.x >= 32) return;
   const int lane = static_cast<int>(threadIdx.x);
-  if (lane == 0) *scratch.reduce_ticket = 0;
+  if (lane == 0) {
+    *scratch.reduce_ticket = 0;
+    if (zero.error != nullptr) *zero.error = 0;
+    if (zero.timeout != nullptr) *zero.timeout = GateTimeout{0u, 0, 0, 0u, 0u};  // as a memset
+  }
   // Each consumer warp's held GEMM-2 signal starts empty: a CTA without tiles never writes its
   // slots. Here, not in the kernel, where the index stayed live across the GEMM body and spilled.
   for (int64_t i = lane; i < scratch.num_held; i += 32) scratch.held[i] = nullptr;
@@ -228,8 +252,18 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
     return {StatusCode::kInvalidArgument,
             "moe_fused_forward_bf16: row_entry (world 1) or send_order (with peers) must be a "
             "device pointer when fewer CTAs than SMs send (they send in GEMM order)"};
+  if (a.zero_state && a.peers.world_size > 1)
+    return {StatusCode::kInvalidArgument,
+            "zero_state is for world 1 only: across ranks peers store into the counters before "
+            "this rank's call, so the caller zeroes them"};
   // A rank with no tokens of its own still computes the rows its peers send it.
-  if (a.tokens == 0 && a.peers.world_size == 1) return Status::Ok();
+  if (a.tokens == 0 && a.peers.world_size == 1) {
+    if (!a.zero_state) return Status::Ok();
+    if (cudaMemsetAsync(a.error, 0, sizeof(*a.error), stream) != cudaSuccess ||
+        cudaMemsetAsync(a.timeout, 0, sizeof(*a.timeout), stream) != cudaSuccess)
+      return launch_status("moe_fused_forward_bf16 (zeroing error and timeout)");
+    return Status::Ok();
+  }
   const size_t need = fused_moe_workspace_bytes(a.num_experts, sm_count);
   if (Status s = grouped::check_workspace(workspace, workspace_bytes, need, "the fused MoE kernel");
       !s.ok())
@@ -242,13 +276,27 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   scratch.reduce_ticket = reinterpret_cast<uint32_t*>(end);
   scratch.held = reinterpret_cast<uint32_t**>(end - megakernel::fused_held_bytes(sm_count));
   scratch.num_held = static_cast<int64_t>(sm_count) * megakernel::kFusedConsumerWarps;
-  megakernel::fused_problems<<<1, 32, 0, stream>>>(
+  megakernel::FusedZeroState zero;
+  int problem_blocks = 1;
+  if (a.zero_state) {
+    zero.counters[0] = a.counters;
+    zero.counters[1] = a.done1;
+    zero.counters[2] = a.done2;
+    zero.num_counters = a.num_counters;
+    zero.error = a.error;
+    zero.timeout = a.timeout;
+    // A block per 8 stores a thread: a few blocks at the loads measured (hundreds of counters).
+    const int64_t per_block = int64_t{megakernel::kProblemThreads} * 8;
+    problem_blocks = static_cast<int>(std::min<int64_t>(
+        sm_count, std::max<int64_t>(1, (a.num_counters + per_block - 1) / per_block)));
+  }
+  megakernel::fused_problems<<<problem_blocks, megakernel::kProblemThreads, 0, stream>>>(
       a.offs, static_cast<int>(a.num_experts), static_cast<int>(a.capacity),
       static_cast<int>(a.hidden), static_cast<int>(a.ffn),
       static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
       static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act),
       // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
-      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, scratch);
+      static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, scratch, zero);
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
   // Units of two CTAs (the cluster).

@@ -85,6 +85,11 @@ struct FusedMoeArgs {
   unsigned long long* error = nullptr;  // send_rows' error word, zeroed
   GateTimeout* timeout = nullptr;       // the first failed wait, zeroed
   uint64_t timeout_ns = 0;              // 0: wait forever (tests only)
+  // World 1 only: the call zeroes counters, done1, done2, error and timeout itself (any
+  // contents before), in the launch that readies its problem arrays: three fills fewer ahead
+  // of the kernel. Across ranks peers store into the counters before this rank's call, so the
+  // caller zeroes them (fused_ep.hpp does).
+  bool zero_state = false;
   // The other ranks (world > 1): rows, counters and done2 above must be peers' own entries at
   // peers.rank. Their rows are this rank's GEMMs' (num_experts = its local experts).
   FusedPeers peers;

@@ -46,8 +46,8 @@ Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
 // plan_sender_rows_async's dest_rank, gemm_row and counter (rank 0, those counts), with the same
 // values. Up to 1,024 experts it is a memset and two launches: the counts, then each block's
 // entries ranked by a counting sort; past that the counts and the plan kernel above, whose
-// blocks each walk every id. `error` is zeroed by the caller; a failing entry (an id >= E) is
-// recorded as by plan_sender_rows_async.
+// blocks each walk every id. `error` is zeroed by the call (not by the caller, as
+// plan_sender_rows_async's); a failing entry (an id >= E) is recorded as by plan_sender_rows_async.
 struct LocalPlanArgs {
   const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, negative: unused
   int64_t tokens = 0, top_k = 0, num_experts = 0;
