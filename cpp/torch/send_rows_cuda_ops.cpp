@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sender_rows_cuda(
     check_sender_rows_args(topk_idx, expert_counts, rank, tile_m);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
     at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
-    at::Tensor error = at::empty({1}, topk_idx.options());  // zeroed by the call
+    at::Tensor error = at::zeros({1}, topk_idx.options());
     const cuda::SenderRowsPlanArgs a =
         plan_args(topk_idx, expert_counts, rank, tile_m, plan, error);
     ok_or_throw(cuda::plan_sender_rows_async(a, at::cuda::getCurrentCUDAStream().stream()));
@@ -62,7 +62,7 @@ at::Tensor send_order_cuda(const at::Tensor& topk_idx, const at::Tensor& expert_
     check_sender_rows_args(topk_idx, expert_counts, rank, 1);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
     at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
-    at::Tensor error = at::empty({1}, topk_idx.options());  // zeroed by the call
+    at::Tensor error = at::zeros({1}, topk_idx.options());
     at::Tensor order = at::full({topk_idx.numel()}, -1, topk_idx.options());
     cuda::SenderRowsPlanArgs a = plan_args(topk_idx, expert_counts, rank, 1, plan, error);
     a.send_order = order.data_ptr<int64_t>();
