@@ -595,7 +595,7 @@ def _bench_layer(
         )
         # The dense chain among them too: its ratio to the layer from one clock; and the engine's
         # two GEMMs alone on rows gathered beforehand (what the layer adds around them).
-        _, _, gemm_only = _gemms_alone(x, idx, packed)
+        gemm_only = _gemms_alone(x, idx, packed)[3]
         side = {"dense": dense, "gemm_only": gemm_only, "uniep": lambda: layer_call("")} | {
             v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
         }
@@ -664,8 +664,9 @@ FUSED_POINTS_64 = [(16, -1), (32, -1), (16, 16), (10000, 0)]
 
 def _gemms_alone(x: torch.Tensor, idx: torch.Tensor, prepared: Any) -> tuple[Any, ...]:
     """The routed rows gathered beforehand in the kernel's row order, their per-expert offsets,
-    and ``gemm_only(tiles="")``: the engine's two GEMMs alone on them (SwiGLU epilogue, then the
-    down projection), the reference of issue 22's 1.03x goal."""
+    each entry's row (``[T, K]``, -1: unused) and ``gemm_only(tiles="")``: the engine's two GEMMs
+    alone on them (SwiGLU epilogue, then the down projection), the reference of issue 22's 1.03x
+    goal."""
     from uniep import gate
     from uniep.megakernel import expert_counts
 
@@ -681,7 +682,20 @@ def _gemms_alone(x: torch.Tensor, idx: torch.Tensor, prepared: Any) -> tuple[Any
         act = torch.ops.uniep.grouped_mm_swiglu(rows, prepared.w1, offs, tiles)
         return torch.ops.uniep.grouped_mm(act, prepared.w2, offs, tiles)
 
-    return rows, offs, gemm_only
+    return rows, offs, grow, gemm_only
+
+
+def _gemms_combine(gemm_only: Any, grow: torch.Tensor, weights: torch.Tensor) -> Any:
+    """The engine's two GEMMs, then the combine of their output rows: the least any world-1
+    forward does with a free plan and dispatch. A token's k rows come from k experts' tiles spread
+    over all of GEMM 2, so summing them reads them back from memory after GEMM 2 wrote them,
+    fused or not: at the power cap this pair's time, not the GEMMs' alone, is the floor."""
+    from uniep import gate
+
+    def gemms_combine() -> torch.Tensor:
+        return gate.combine_rows(gemm_only(), grow, weights, check=False)[0]
+
+    return gemms_combine
 
 
 def _gated_gemms(rows: torch.Tensor, offs: torch.Tensor, prepared: Any) -> Any:
@@ -725,7 +739,7 @@ def _bench_local(
     of that GEMM-only time."""
     from uniep.megakernel import moe_forward_local, trace_phases
 
-    rows, offs, gemm_only = _gemms_alone(x, idx, prepared)
+    rows, offs, grow, gemm_only = _gemms_alone(x, idx, prepared)
 
     # The engine's 64 x 256 ping-pong tiles forced (its automatic choice may be the 128-row
     # ones): the fused kernel has both, so its ratio is also given over the faster GEMMs.
@@ -758,6 +772,7 @@ def _bench_local(
         "gemm_only": gemm_only,
         "gemm_only_m64": gemm_only_m64,
         "gated_gemms": _gated_gemms(rows, offs, prepared),
+        "gemms_combine": _gemms_combine(gemm_only, grow, weights),
     }
     seq = None
     fused_equal = True
@@ -799,6 +814,8 @@ def _bench_local(
     row["gemm_only_ms"] = ms.pop("gemm_only")
     row["gemm_only_m64_ms"] = ms.pop("gemm_only_m64")
     row["gated_gemms_ms"] = ms.pop("gated_gemms")
+    row["gemms_combine_ms"] = ms.pop("gemms_combine")
+    row["gemms_combine_over_gemm_only"] = row["gemms_combine_ms"] / row["gemm_only_ms"]
     fastest_gemms = min(row["gemm_only_ms"], row["gemm_only_m64_ms"])
     best = None
     for key, t in ms.items():
@@ -836,6 +853,7 @@ def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list
             print(f"{load} / {variant}: us per call: {top}", flush=True)
         print(
             f"{load}: GEMMs alone {row['gemm_only_ms']:.3f} ms; "
+            f"GEMMs then combine {row['gemms_combine_over_gemm_only']:.3f}x; "
             + ", ".join(
                 f"{k[len('over_gemm_only[') : -1]} {v:.3f}x"
                 for k, v in row.items()
@@ -895,7 +913,7 @@ def _tune_load(
     fns = {p: (lambda p=p: moe_forward_prepared(x, idx, weights, packed, group, p)) for p in points}
     # The engine's GEMMs alone with its automatic tiles and with each of the two tiles the
     # MegaKernel has forced: the reference is the fastest of the three.
-    gemm_only = _gemms_alone(x, idx, packed)[2]
+    gemm_only = _gemms_alone(x, idx, packed)[3]
     gemm_tiles = {"auto": "", "128x256": "tile_m=128,tile_n=256,tile_k=64"}
     gemm_tiles["64x256"] = "tile_m=64,tile_n=256,tile_k=64"
     for name, tiles in gemm_tiles.items():

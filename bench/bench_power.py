@@ -17,7 +17,8 @@ energy of everything it does, overlapped or not. This script measures that energ
 Variants (``uniep.megakernel.moe_forward_local`` and the launches it is made of, on the layer of
 ``bench_experts``' loads): the engine's two GEMMs alone on rows gathered beforehand (issue 22's
 reference), the two gated GEMMs of the sequential path, the plan, the send (the row gather) and
-the combine alone, the sequential composition, and the fused MegaKernel at its default point.
+the combine alone, the GEMMs then the combine (the floor of any design with a free plan and
+dispatch), the sequential composition, and the fused MegaKernel at its default point.
 
     python bench/bench_power.py --loads qwen3-30b-a3b [--seconds 2] [--out-dir DIR]
 """
@@ -126,7 +127,7 @@ def _variants(
     prepared = prepare_experts(w1, w2, "bf16_packed")
     del w1
     experts = prepared.w1.shape[0]
-    rows, offs, gemm_only = be._gemms_alone(x, idx, prepared)
+    rows, offs, grow_alone, gemm_only = be._gemms_alone(x, idx, prepared)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     _, _, _, dest, grow, counter, _ = gate.local_plan(idx, experts, gate.TILE_M)
     counters = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
@@ -150,6 +151,7 @@ def _variants(
         "plan": lambda: gate.local_plan(idx, experts, 64),
         "send": send_only,
         "combine": lambda: gate.combine_rows(y, grow, weights, check=False),
+        "gemms_combine": be._gemms_combine(gemm_only, grow_alone, weights),
         "sequential": forward("sequential"),
         "fused": forward("fused"),
         "fused_traced": forward("fused", trace=trace),
