@@ -923,7 +923,7 @@ def _tune_load(
         same = all(torch.equal(fns[p](), first) for p in points[1:])
         del first
         finite = [c.measured_ms for c in result.candidates if c.measured_ms < float("inf")]
-        settle = tune.settle_calls(settle_s, [statistics.median(finite)])[0]
+        settle = tune.settle_calls(settle_s, [statistics.median(finite)])[0] if finite else 0
         again = interleaved_medians_ms(fns, 3, max(3, iters // 3), True, warmup=max(warmup, settle))
     gemm_each = {name: again.pop(f"gemms alone {name}") for name in gemm_tiles}
     gemm_ms = min(gemm_each.values())

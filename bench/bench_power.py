@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import sm90_kernel_missing, write_result  # noqa: E402
+from common import profile_kernels, sm90_kernel_missing, write_result  # noqa: E402
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -159,20 +159,6 @@ def _variants(
     return fns, (trace, sms)
 
 
-def _kernels_us(fn: Callable[[], object], calls: int) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name[:80]] += ev.device_time_total / calls
-    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8])
-
-
 def measure(load: tuple[str, int, int, int, int, int], seconds: float) -> list[dict[str, Any]]:
     from uniep.megakernel import trace_phases
 
@@ -204,7 +190,7 @@ def measure(load: tuple[str, int, int, int, int, int], seconds: float) -> list[d
             for _ in range(10):
                 fn()
             row["host_us_per_call"] = (time.perf_counter() - h0) * 1e5
-            row["kernels_us"] = _kernels_us(fn, 10)
+            row["kernels_us"] = profile_kernels({name: fn}, 10)[name]
             if name == "fused_traced":
                 # One call's phases, still at the cap (the gate waits add up across calls).
                 trace.zero_()

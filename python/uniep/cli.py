@@ -371,9 +371,7 @@ def _settle_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds in [0, 600], got {text!r}"
-        ) from None
+        value = math.nan
     if not (math.isfinite(value) and 0 <= value <= 600):
         raise argparse.ArgumentTypeError(f"must be a number of seconds in [0, 600], got {text!r}")
     return value
