@@ -45,3 +45,24 @@ def test_a_hanging_rank_times_out() -> None:
     with pytest.raises(RankFailure, match="did not finish"):
         run_ranks(2, hang, timeout=8)
     assert time.monotonic() - t0 < 20
+
+
+def crash_at_exit(rank: int, world_size: int) -> int:
+    """Returns, then dies by a signal while the process exits (as a bad teardown would)."""
+    import atexit
+    import os
+    import signal
+
+    if rank == 1:
+        atexit.register(os.kill, os.getpid(), signal.SIGSEGV)
+    return rank
+
+
+def test_uniep_run_local_ranks_fails_a_rank_that_crashes_at_exit() -> None:
+    from uniep.distributed import run_local_ranks
+
+    with pytest.raises(
+        RuntimeError, match="rank 1 returned its result but then exited with signal"
+    ):
+        run_local_ranks(crash_at_exit, 2, timeout_s=60)
+    assert [r["rank"] for r in run_local_ranks(sum_worker, 2, args=(1,), timeout_s=60)] == [0, 1]

@@ -84,7 +84,7 @@ class RuntimeImpl final : public Runtime {
  public:
   explicit RuntimeImpl(const Config& c) : cfg_(c) {}
   ~RuntimeImpl() override {
-    // nvshmem_free and finalize are collective; a runtime is destroyed by every rank together
+    // nvshmem_free is collective; a runtime is destroyed by every rank together
     // (uniep.shutdown), never from a static destructor.
     if (side_) cudaStreamSynchronize(side_);
     if (sym_base_) nvshmem_free(sym_base_);

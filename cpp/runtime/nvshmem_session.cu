@@ -34,6 +34,14 @@ Status init_through_our_device_library(unsigned int flags, nvshmemx_init_attr_t*
 Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size, int64_t rank,
                        size_t heap_bytes, bool* started) {
   *started = false;
+  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && g_started && g_holders == 0 &&
+      (nvshmem_n_pes() != world_size || nvshmem_my_pe() != rank)) {
+    // Ours, idle, and over other ranks: the one case that finalises (the header says why this
+    // is otherwise avoided). Every rank of the old session reaches it, since each creates its
+    // runtime over the new group in the same call.
+    nvshmem_finalize();
+    g_started = false;
+  }
   if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
     if (nvshmem_n_pes() != world_size || nvshmem_my_pe() != rank) {
       return {StatusCode::kUnsupported,
@@ -88,10 +96,7 @@ Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size
 }
 
 void nvshmem_release() {
-  if (g_holders > 0 && --g_holders == 0 && g_started) {
-    nvshmem_finalize();
-    g_started = false;
-  }
+  if (g_holders > 0) --g_holders;
 }
 
 }  // namespace uniep::runtime

@@ -362,6 +362,13 @@ def _run_local_ranks_once(
     finally:
         for p in procs:
             p.join(timeout=5.0 if error is None else 0.5)
+        # A rank that gave its result and then died (a crash in the teardown at exit, say) still
+        # fails the run: a job that ends in a signal looks failed to every scheduler.
+        exits = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if error is None and exits:
+            i, code = exits[0]
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            error = f"rank {i} returned its result but then exited with {how}"
         for p in procs:
             if p.is_alive():
                 p.terminate()

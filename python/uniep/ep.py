@@ -557,7 +557,7 @@ def _fused_world(
     if group_name:  # "": torch.distributed not initialised, a world of one rank
         world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
     try:
-        overlap = megakernel_overlap(tuning, world)
+        overlap = megakernel_overlap(tuning, world, x.shape[-1], w2.shape[-2])
     except ValueError:
         return 0, ""  # the engine's checks name the bad tuning string
     return (world, overlap) if overlap else (0, "")

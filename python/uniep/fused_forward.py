@@ -34,6 +34,7 @@ __all__ = [
     "clear_packed",
     "moe_forward_fused",
     "megakernel_overlap",
+    "megakernel_shape_ok",
     "packed_gate_up",
     "runs_fused",
     "transposed_w2",
@@ -101,13 +102,30 @@ def runs_fused(tuning: str) -> bool:
     return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
 
 
-def megakernel_overlap(tuning: str, world: int) -> str | None:
+# The MegaKernel's GEMM tiles and the fused backward's both step hidden and ffn by 64 columns.
+MEGAKERNEL_MULTIPLE = 64
+
+
+def megakernel_shape_ok(hidden: int, ffn: int) -> bool:
+    """Whether the MegaKernel, forward and backward alike, runs layers of ``hidden`` and ``ffn``
+    (both positive multiples of :data:`MEGAKERNEL_MULTIPLE`)."""
+    return all(v > 0 and v % MEGAKERNEL_MULTIPLE == 0 for v in (hidden, ffn))
+
+
+def megakernel_overlap(
+    tuning: str, world: int, hidden: int | None = None, ffn: int | None = None
+) -> str | None:
     """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
     :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
     rank with the same numerics (the send of the rows on ``sms`` SMs of their own, beside the gated
     GEMMs, which take each tile as its rows land: ``uniep.megakernel.moe_forward_local(overlap=
     "streams")``, and the backward's first step the same way); None otherwise: the separate
-    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built)."""
+    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built). Given the
+    layer's ``hidden`` and ``ffn``, also None where the MegaKernel cannot run them
+    (:func:`megakernel_shape_ok`): the forward and the backward of one call then both take the
+    separate launches, which give the same bits, so neither accepts a shape the other refuses."""
+    if hidden is not None and ffn is not None and not megakernel_shape_ok(hidden, ffn):
+        return None
     if runs_fused(tuning):
         return "fused"
     p = _C.TuningParams.parse(tuning)
@@ -171,10 +189,13 @@ class _FusedMoE(torch.autograd.Function):
         tuning: str,
     ) -> torch.Tensor:
         from .distributed import world_size
+        from .expert_shards import check_distinct_shards
 
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
         ctx.group, ctx.group_name, ctx.tuning, ctx.world = group, name, tuning, world_size(group)
-        return _forward(x, topk_idx, topk_weights, w1, w2, group, tuning, backward=True)
+        y = _forward(x, topk_idx, topk_weights, w1, w2, group, tuning, backward=True)
+        check_distinct_shards(name, w1, w2)  # as moe_forward's other launches do
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]

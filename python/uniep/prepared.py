@@ -175,7 +175,9 @@ def moe_forward_prepared(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
         params = _C.TuningParams.parse(tuning)
-    if experts.format == "bf16_packed" and megakernel_overlap(tuning, world):
+    if experts.format == "bf16_packed" and megakernel_overlap(
+        tuning, world, experts.hidden, experts.ffn
+    ):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
