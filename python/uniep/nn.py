@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C, distributed
+from .expert_shards import mark_expert_shards, marked_shards
 from .parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "RowParallelLinear",
     "data_parallel",
     "expert_modules",
+    "mark_expert_shards",
     "prepare_data_parallel",
     "route",
     "route_from_logits",
@@ -427,6 +429,9 @@ def prepare_data_parallel(
       makes the replicated parameters' gradients those of the mean of the ranks' losses; scaled,
       the whole model's gradient is that of the mean.
 
+    Parameters marked with ``mark_expert_shards`` (the shards a module of your own passes to
+    ``torch.ops.uniep.moe_forward``) are treated the same way.
+
     The experts' group must be the DDP group (expert parallelism over all data-parallel ranks);
     experts held whole on every rank (world size 1) stay with DDP. Calling it twice is harmless.
 
@@ -461,8 +466,29 @@ def prepare_data_parallel(
                 p.register_hook(lambda g, s=scale: g * s) for p in (module.w1, module.w2)
             ]
             module._ddp_grad_scale = scale
+    for name, param, shard_ranks in marked_shards(model):
+        if name in names or len(shard_ranks) == 1:
+            continue
+        if shard_ranks != ranks:
+            raise ValueError(
+                f"{name}: marked as an expert shard over ranks {list(shard_ranks)} but the "
+                f"data-parallel group is {list(ranks)}; only expert parallelism over the whole "
+                "data-parallel group is supported"
+            )
+        names.append(name)
+        scale = 1.0 / size
+        handle = getattr(param, "_uniep_ddp_hook", None)
+        if handle is None or handle[0] != scale:
+            if handle is not None:
+                handle[1].remove()
+            hook = param.register_hook(lambda g, s=scale: g * s)
+            param._uniep_ddp_hook = (scale, hook)  # type: ignore[attr-defined]
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names))
+    # DDP's reducer names a parameter of the wrapped module itself ".w1" (its module's name, "",
+    # a dot, then the parameter's), where its broadcast and the list's users say "w1": a shard
+    # held by the root module must be listed both ways, or its gradient is still averaged.
+    dotted = {"." + n for n in names if "." not in n}
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names) | dotted)
     return names
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
-from . import _C, distributed, fused_forward
+from . import _C, distributed, expert_shards, fused_forward
 
 __all__ = ["moe_forward"]
 
@@ -266,6 +266,9 @@ def _grouped_mm_fake(
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     x, topk_idx, topk_weights, w1, w2, group_name, tuning = inputs
+    # Trainable shards equal on every rank are a plain DDP wrapper's doing: caught on a
+    # layer's first training call, while every rank is still in this op.
+    expert_shards.check_distinct_shards(group_name, w1, w2)
     ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
     ctx.group_name = group_name
     ctx.tuning = tuning
@@ -343,8 +346,9 @@ def moe_forward(
             runs the MegaKernel, and ``overlap=chunked`` at one rank its pieces on streams (the
             rows' send beside the gated GEMMs), on a packed copy of ``w1`` kept while ``w1`` is
             unchanged (``uniep.fused_forward``: one more ``w1`` of memory, packed again after
-            each in-place update); other numerics, ``overlap=chunked`` across ranks and calls
-            under ``torch.compile`` run the separate launches. Same bits either way.
+            each in-place update); other numerics, ``overlap=chunked`` across ranks, layers
+            whose hidden or ffn size is not a multiple of 64 (forward and backward alike) and
+            calls under ``torch.compile`` run the separate launches. Same bits either way.
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
@@ -354,7 +358,10 @@ def moe_forward(
     Raises:
         ValueError: an argument has the wrong shape, dtype or device, or an expert id is out of
             range; the message names the argument.
-        RuntimeError: the exchange with another rank failed.
+        RuntimeError: the exchange with another rank failed; or, on a layer's first call with
+            trainable ``w1`` / ``w2`` at more than one rank, they are bit-identical on every
+            rank (a plain ``DistributedDataParallel`` copies rank 0's shard everywhere: see
+            ``uniep.nn.mark_expert_shards`` and ``uniep.nn.data_parallel``).
     """
     name = distributed.group_name(group)
     if isinstance(tuning, _C.TuningParams):
@@ -380,7 +387,11 @@ def moe_forward(
     if (
         x.is_cuda
         and not torch.compiler.is_compiling()
-        and fused_forward.megakernel_overlap(tuning, distributed.world_size(group))
+        and x.dim() == 2
+        and w2.dim() == 3
+        and fused_forward.megakernel_overlap(
+            tuning, distributed.world_size(group), x.shape[1], w2.shape[1]
+        )
     ):
         # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed copy
         # of w1 kept while w1 is unchanged (uniep.fused_forward).

@@ -1,0 +1,179 @@
+"""Expert shards under data parallelism: marking them, and catching the DDP trap.
+
+``DistributedDataParallel`` treats every parameter as a replica: it copies rank 0's values over
+the other ranks at construction and averages the gradients. An expert-parallel layer's ``w1`` /
+``w2`` are shards (rank ``r`` holds experts ``[r * E_local, (r + 1) * E_local)``), not replicas,
+so plain DDP makes every rank train rank 0's experts, silently. ``uniep.nn.Experts`` and
+``MoELayer`` are known to ``uniep.nn.prepare_data_parallel``; a module of the user's own that
+calls ``torch.ops.uniep.moe_forward`` on its shards marks them with :func:`mark_expert_shards`,
+and ``prepare_data_parallel`` / ``data_parallel`` then treat them alike.
+
+The op side (:func:`check_distinct_shards`), for trainable shards at more than one rank: a call
+made inside a running DDP that reduces them as replicas raises at once; and the first time a
+pair of ``(w1, w2)`` parameters goes through ``moe_forward``, the ranks compare a checksum of
+them, since shards of different experts that are bit-identical on every rank are what DDP's
+broadcast leaves behind (a model wrapped in DDP but called through ``ddp.module``, say). Either
+raises on every rank, naming the fix. Marked shards are trusted (a test may give every rank the
+same values on purpose).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["check_distinct_shards", "is_expert_shard", "mark_expert_shards", "marked_shards"]
+
+# The attribute a marked parameter carries: the ranks of the group its experts are split over.
+_MARK = "_uniep_expert_shard_ranks"
+
+# (id(w1), id(w2)) of the pairs already compared, dropped when either tensor dies.
+_CHECKED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def mark_expert_shards(
+    module: nn.Module,
+    params: Iterable[str | nn.Parameter] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[str]:
+    """Mark parameters of ``module`` as expert shards split over ``group``.
+
+    For a module of your own that calls ``torch.ops.uniep.moe_forward`` (or
+    ``uniep.moe_forward``) on its experts' ``w1`` / ``w2``: ``uniep.nn.prepare_data_parallel`` and
+    ``uniep.nn.data_parallel`` then leave them out of DDP's broadcast and all-reduce and scale
+    their gradients by ``1 / D``, as for ``uniep.nn.Experts``; and ``moe_forward`` trusts them
+    when they are equal on every rank.
+
+    Args:
+        module: the module holding the shards (any submodule of the model to wrap).
+        params: the shards, by name (``"w1"``, ``"experts.w2"``, relative to ``module``) or as
+            the parameters themselves; None marks every parameter named ``w1`` or ``w2`` (at any
+            depth) of ``module``.
+        group: the process group the experts are split over (None: ``uniep.init``'s group, else
+            WORLD, else one rank).
+
+    Returns:
+        The names (relative to ``module``) of the parameters marked.
+
+    Raises:
+        ValueError: a name is not a parameter of ``module``, a parameter does not belong to it,
+            or ``params`` is None and ``module`` has no ``w1`` / ``w2``.
+    """
+    from .distributed import _resolve
+
+    resolved = _resolve(group)
+    ranks = tuple(dist.get_process_group_ranks(resolved)) if resolved is not None else (0,)
+    named = dict(module.named_parameters())
+    by_id = {id(p): n for n, p in named.items()}
+    if params is None:
+        chosen = [n for n in named if n.rsplit(".", 1)[-1] in ("w1", "w2")]
+        if not chosen:
+            raise ValueError(
+                f"params: {type(module).__name__} has no parameter named w1 or w2; name the "
+                "expert shards (e.g. params=['gate_up', 'down'])"
+            )
+    else:
+        chosen = []
+        for p in params:
+            if isinstance(p, str):
+                if p not in named:
+                    raise ValueError(
+                        f"params: {p!r} is not a parameter of {type(module).__name__} "
+                        f"(it has {sorted(named)})"
+                    )
+                chosen.append(p)
+            elif isinstance(p, torch.Tensor) and id(p) in by_id:
+                chosen.append(by_id[id(p)])
+            else:
+                raise ValueError(
+                    f"params: every entry must be a name or a parameter of "
+                    f"{type(module).__name__}, got {type(p).__name__}"
+                    + (f" of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else "")
+                )
+    for n in chosen:
+        setattr(named[n], _MARK, ranks)
+    return chosen
+
+
+def is_expert_shard(p: torch.Tensor) -> bool:
+    """Whether ``p`` was marked by :func:`mark_expert_shards`."""
+    return hasattr(p, _MARK)
+
+
+def marked_shards(model: nn.Module) -> list[tuple[str, nn.Parameter, tuple[int, ...]]]:
+    """``(qualified name, parameter, group ranks)`` of every marked parameter of ``model``."""
+    return [(n, p, getattr(p, _MARK)) for n, p in model.named_parameters() if hasattr(p, _MARK)]
+
+
+def _checksum(w: torch.Tensor) -> list[float]:
+    flat = w.detach().reshape(-1).double()
+    return [float(flat.sum()), float((flat * flat).sum())]
+
+
+def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """Raise on every rank if the trainable shards ``w1`` / ``w2`` are bit-for-bit the same on
+    all ranks of the group named ``group_name`` (rank 0's, copied by a plain DDP wrapper).
+
+    Collective, once per ``(w1, w2)`` pair: every rank of the group calls it from the same
+    ``moe_forward`` (which each rank of the group calls too). Nothing is compared at one rank,
+    for tensors that need no gradient (inference, frozen experts), for marked shards
+    (:func:`mark_expert_shards`), or for a ``w1`` of zeros (an initialisation, not a copy).
+    """
+    if not group_name or torch.compiler.is_compiling():
+        return
+    if not (w1.requires_grad and w2.requires_grad and w1.is_leaf and w2.is_leaf):
+        return
+    if is_expert_shard(w1) or is_expert_shard(w2):
+        return
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is not None:
+        replicated = {id(p) for p in ddp._module_parameters}
+        if id(w1) in replicated or id(w2) in replicated:
+            # Exact, and no collective: every rank runs the same DDP and raises here alike.
+            raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
+    key = (id(w1), id(w2))
+    seen = _CHECKED.get(key)
+    if seen is not None and seen[0]() is w1 and seen[1]() is w2:
+        return
+
+    def forget(_ref: weakref.ref, k: tuple[int, int] = key) -> None:
+        _CHECKED.pop(k, None)
+
+    _CHECKED[key] = (weakref.ref(w1, forget), weakref.ref(w2, forget))
+    from .distributed import _staging_device, bounded_wait
+
+    mine = torch.tensor(_checksum(w1) + _checksum(w2), dtype=torch.float64)
+    mine = mine.to(_staging_device(group))
+    table = torch.empty(world * 4, dtype=torch.float64, device=mine.device)
+    what = "moe_forward's check of the expert shards (uniep.expert_shards)"
+    bounded_wait(dist.all_gather_into_tensor(table, mine, group=group, async_op=True), group, what)
+    rows = table.view(world, 4).cpu()
+    if bool((rows == rows[0]).all()) and float(rows[0, 1]) > 0.0:
+        raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=False))
+
+
+def _trap_message(
+    group_name: str, world: int, w1: torch.Tensor, w2: torch.Tensor, in_ddp: bool
+) -> str:
+    held = (
+        "are parameters that the running DistributedDataParallel treats as replicas"
+        if in_ddp
+        else f"hold exactly the same values on all {world} ranks"
+    )
+    return (
+        f"moe_forward: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} {held} of group "
+        f"'{group_name}', but each rank's are other experts (rank r holds experts "
+        "[r * E_local, (r + 1) * E_local)). A plain DistributedDataParallel copies rank 0's "
+        "shard to every rank and averages the shards' gradients. Mark the shards with "
+        "uniep.nn.mark_expert_shards(module, ['w1', 'w2']) and wrap with "
+        "uniep.nn.data_parallel(model) (uniep.nn.Experts and MoELayer need no marking); if "
+        "equal shards are intended, marking them says so"
+    )
