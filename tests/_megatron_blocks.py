@@ -6,8 +6,10 @@ They mirror Megatron-core's structure and parameter names (``MoELayer`` with ``c
 (``linear_fc1.weight{e}``) or the legacy ``GroupedMLP`` (``weight1 [H, E*2I]``), and
 ``shared_experts``) and compute its forward the way it does, written for clarity: a dense
 ``[T, E]`` routing map and probabilities, tokens permuted by expert, each expert run on its
-rows, the outputs weighted and scattered back. They are the reference the swapped blocks are
-checked against.
+rows, the outputs weighted and scattered back. In training the router adds Megatron's z-loss and
+load-balancing losses (``aux_loss``, ``seq_aux_loss``), attached to the graph through
+``AuxLossAutoScaler`` as Megatron's ``MoEAuxLossAutoScaler`` does. They are the reference the
+swapped blocks are checked against.
 """
 
 from __future__ import annotations
@@ -37,13 +39,43 @@ class Config:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_dtype: str | None = None
-    moe_router_load_balancing_type: str = "none"
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str | list[str] = "none"
+    moe_aux_loss_coeff: float | list[float] = 0.0
+    moe_z_loss_coeff: float | None = None
+    calculate_per_token_loss: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
     gated_linear_unit: bool = True
     activation_func: Any = F.silu
     add_bias_linear: bool = False
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``x``; backward gives ``loss`` the gradient ``AuxLossAutoScaler.scale``, so
+    the loss is minimised along with whatever loss ``x`` flows into. Megatron's training
+    schedule sets the scale to ``1 / num_microbatches``."""
+
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(loss, AuxLossAutoScaler.scale)
+
+
+def switch_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of tokens ``scores [T, E]``, ``chosen [T, E]``
+    (bool): ``E * sum_e f_e * P_e``, ``f_e`` the fraction of the ``T * top_k`` choices that
+    pick expert ``e``, ``P_e`` the mean score of ``e``."""
+    tokens, experts = scores.shape
+    f = chosen.sum(0) / (tokens * top_k)
+    p = scores.mean(0)
+    return experts * (f * p).sum()
 
 
 class TopKRouter(nn.Module):
@@ -56,11 +88,23 @@ class TopKRouter(nn.Module):
             self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts))
         else:
             self.expert_bias = None
+        self.aux_losses: dict[str, torch.Tensor] = {}
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> probs [T, E] (zero off the map), routing_map [T, E] bool."""
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [S, B, H] (or [T, H], one sequence) -> probs [T, E] (zero off the map),
+        routing_map [T, E] bool, tokens in [S, B] order."""
         c = self.config
+        sequences = hidden_states.shape[1] if hidden_states.dim() == 3 else 1
+        x = hidden_states.reshape(-1, c.hidden_size)
         logits = F.linear(x, self.weight)
+        self.aux_losses = {}
+        losses_on = self.training and torch.is_grad_enabled()
+        # Megatron multiplies by the rank's token count for a per-token-summed main loss.
+        per_token = x.shape[0] if c.calculate_per_token_loss else 1
+        if losses_on and c.moe_z_loss_coeff:
+            z_loss = (torch.logsumexp(logits, dim=-1) ** 2).mean()
+            self.aux_losses["z_loss"] = z_loss.detach()
+            logits = AuxLossAutoScaler.apply(logits, c.moe_z_loss_coeff * z_loss * per_token)
         if c.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             choice = scores + self.expert_bias if self.expert_bias is not None else scores
@@ -87,10 +131,52 @@ class TopKRouter(nn.Module):
                 probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         if c.moe_router_topk_scaling_factor:
             probs = probs * c.moe_router_topk_scaling_factor
+        if losses_on:
+            probs = self._attach_balance_losses(probs, logits, sequences, per_token)
         if self.training and self.expert_bias is not None:
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(0)
         return probs * routing_map, routing_map
+
+    def _attach_balance_losses(
+        self, probs: torch.Tensor, logits: torch.Tensor, sequences: int, per_token: int
+    ) -> torch.Tensor:
+        c = self.config
+        kinds, coeffs = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+        if isinstance(kinds, str):
+            kinds, coeffs = [kinds], [coeffs]
+        # Scores over all experts and a plain top-k of them, whatever the routing does.
+        if c.moe_router_score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        top = scores.argsort(dim=-1, descending=True)[:, : c.moe_router_topk]
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+        for kind, coeff in zip(kinds, coeffs, strict=True):
+            if coeff <= 0 or kind == "none":
+                continue
+            if kind == "aux_loss":
+                name, loss = (
+                    "load_balancing_loss",
+                    switch_balance_loss(scores, chosen, c.moe_router_topk),
+                )
+            elif kind == "seq_aux_loss":
+                seq_len = scores.shape[0] // sequences
+                per_seq = [
+                    switch_balance_loss(
+                        scores.reshape(seq_len, sequences, -1)[:, b],
+                        chosen.reshape(seq_len, sequences, -1)[:, b],
+                        c.moe_router_topk,
+                    )
+                    for b in range(sequences)
+                ]
+                name, loss = "seq_load_balancing_loss", torch.stack(per_seq).mean()
+            else:
+                raise NotImplementedError(kind)
+            self.aux_losses[name] = loss.detach()
+            probs = AuxLossAutoScaler.apply(probs, coeff * loss * per_token)
+        return probs
 
 
 def _swiglu(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
@@ -201,7 +287,7 @@ class MoELayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        probs, routing_map = self.router(x)
+        probs, routing_map = self.router(hidden_states)
         token_ids = [routing_map[:, e].nonzero().flatten() for e in range(routing_map.shape[1])]
         permuted = torch.cat([x[ids] for ids in token_ids])
         out_perm = self.experts(permuted, [len(ids) for ids in token_ids])
@@ -266,6 +352,67 @@ CASES: dict[str, tuple[str, Config]] = {
         Config(num_moe_experts=6, moe_router_topk=3, moe_router_pre_softmax=True),
     ),
 }
+# Router losses (with coefficients large enough that their gradients are far above TOL). The
+# sigmoid ones route with a group limit and expert_bias, so that the loss's plain top-k differs
+# from the routing's choice.
+_SIGMOID = dict(
+    num_moe_experts=8,
+    moe_router_score_function="sigmoid",
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_enable_expert_bias=True,
+)
+LOSS_CASES: dict[str, tuple[str, Config]] = {
+    "aux_loss-softmax": (
+        "sequential",
+        Config(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.5),
+    ),
+    "aux_loss-sigmoid": (
+        "te_grouped",
+        Config(**_SIGMOID, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.5),
+    ),
+    "seq_aux_loss-softmax": (
+        "grouped",
+        Config(
+            num_moe_experts=6,
+            moe_router_topk=3,
+            moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=0.5,
+        ),
+    ),
+    "seq_aux_loss-sigmoid": (
+        "sequential",
+        Config(**_SIGMOID, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5),
+    ),
+    "z_loss-pre_softmax": (
+        "te_grouped",
+        Config(num_moe_experts=6, moe_router_pre_softmax=True, moe_z_loss_coeff=0.05),
+    ),
+    "z_loss-sigmoid": (
+        "grouped",
+        Config(**_SIGMOID, moe_router_topk_scaling_factor=2.5, moe_z_loss_coeff=0.05),
+    ),
+    "all-softmax-per_token": (
+        "sequential",
+        Config(
+            moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+            moe_aux_loss_coeff=[0.3, 0.6],
+            moe_z_loss_coeff=0.05,
+            calculate_per_token_loss=True,
+        ),
+    ),
+    "all-sigmoid": (
+        "te_grouped",
+        Config(
+            **_SIGMOID,
+            moe_router_load_balancing_type=["seq_aux_loss", "aux_loss"],
+            moe_aux_loss_coeff=[0.6, 0.3],
+            moe_z_loss_coeff=0.05,
+            moe_shared_expert_intermediate_size=12,
+        ),
+    ),
+}
+CASES.update(LOSS_CASES)
 
 
 def make_model(case: str, seed: int = 0) -> Model:
@@ -281,6 +428,23 @@ def tokens(seed: int, seq: int = 5, batch: int = 3, hidden: int = 16) -> torch.T
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.linspace(-1, 1, out.shape[-1])).square().mean()
+
+
+def aux_losses(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The router losses of every MoE block's last forward, as ``{block.loss name: value}``:
+    the stand-in router's ``aux_losses`` or a swapped block's."""
+    from uniep.integrations.megatron import MegatronMoE
+
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MegatronMoE):
+            found = module.aux_losses
+        elif isinstance(module, MoELayer):
+            found = module.router.aux_losses
+        else:
+            continue
+        out.update({f"{name}.{k}": v for k, v in found.items()})
+    return out
 
 
 def megatron_grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """uniep.integrations.megatron: tiny stand-ins of Megatron-core's MoE blocks (_megatron_blocks:
 SequentialMLP, TEGroupedMLP and GroupedMLP experts; softmax, pre-softmax and sigmoid routing with
-expert bias, group-limited top-k and scaling; a gated shared expert) swapped for UniEP's give the
-same fp32 outputs and gradients within 1e-5 at 1 rank and at 2 gloo ranks under DDP
+expert bias, group-limited top-k and scaling; a gated shared expert; the router's aux_loss,
+seq_aux_loss and z-loss, alone and together) swapped for UniEP's give the same fp32 outputs,
+router loss values and gradients within 1e-5 at 1 rank and at 2 gloo ranks under DDP
 (uniep.nn.data_parallel); state dicts keep Megatron's names and layouts, per rank and gathered,
 and round-trip through torch.save."""
 
@@ -16,6 +17,9 @@ import uniep
 from _dist import run_ranks
 from _megatron_blocks import (
     CASES,
+    LOSS_CASES,
+    AuxLossAutoScaler,
+    aux_losses,
     compare,
     loss_of,
     make_model,
@@ -54,10 +58,15 @@ def test_swap_single_rank(case: str) -> None:
     x = tokens(1)
     xr, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ref, out = model(xr), swapped(xs)
-    loss_of(ref).backward()
-    loss_of(out).backward()
+    ref_loss, loss = loss_of(ref), loss_of(out)
+    ref_loss.backward()
+    loss.backward()
     bad = compare({"out": out, "grad_x": xs.grad}, {"out": ref, "grad_x": xr.grad}, "out")
+    bad += compare({"loss": loss}, {"loss": ref_loss}, "loss")
     bad += compare(megatron_grads(swapped), megatron_grads(model), "grad")
+    # The router losses' values; their gradients are in the router's and x's.
+    assert bool(aux_losses(model)) == (case in LOSS_CASES)
+    bad += compare(aux_losses(swapped), aux_losses(model), "aux_losses")
     # Same keys, layouts and values as Megatron's state dict (the routing counts included).
     bad += compare(_state(swapped), _state(model), "state_dict")
     assert not bad, "\n".join(bad)
@@ -96,32 +105,103 @@ def test_wrong_layout_is_named() -> None:
         swapped.load_state_dict(sd)
 
 
-def test_unsupported_blocks_are_named() -> None:
-    model = make_model("softmax-sequential")
+def _with_config(case: str, **fields: object) -> torch.nn.Module:
+    """The case's model with ``fields`` set on its first block's config."""
+    model = make_model(case)
     block = model.decoder.layers[0].mlp
     block.config = copy.copy(block.config)
-    block.config.moe_aux_loss_coeff = 0.01
-    block.config.moe_router_load_balancing_type = "aux_loss"
-    assert "load-balancing loss" in (unsupported_reason(block) or "")
-    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.mlp.*load-balancing"):
+    for field, value in fields.items():
+        setattr(block.config, field, value)
+    return model
+
+
+def test_unsupported_blocks_are_named() -> None:
+    # Router losses are supported; only other load balancing is refused.
+    for fields in (
+        dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01),
+        dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01),
+        dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.0),
+        dict(moe_z_loss_coeff=1e-3),
+    ):
+        assert (
+            unsupported_reason(_with_config("softmax-sequential", **fields).decoder.layers[0].mlp)
+            is None
+        ), fields
+
+    model = _with_config("softmax-sequential", moe_router_load_balancing_type="sinkhorn")
+    assert "moe_router_load_balancing_type='sinkhorn'" in (
+        unsupported_reason(model.decoder.layers[0].mlp) or ""
+    )
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.mlp.*sinkhorn"):
         swap_moe_blocks(model)
     assert swap_moe_blocks(model, strict=False) == ["decoder.layers.1.mlp"]
 
-    for field, value, words in (
-        ("activation_func", torch.nn.functional.gelu, "not SiLU"),
-        ("gated_linear_unit", False, "not gated"),
-        ("moe_expert_capacity_factor", 1.0, "token dropping"),
+    for fields, words in (
+        (dict(activation_func=torch.nn.functional.gelu), "not SiLU"),
+        (dict(gated_linear_unit=False), "not gated"),
+        (dict(moe_expert_capacity_factor=1.0), "token dropping"),
+        (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps"),
+        (dict(moe_router_load_balancing_type="quantile_balancing"), "quantile_balancing"),
+        (
+            dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01),
+            "global_aux_loss' with moe_aux_loss_coeff=0.01",
+        ),
+        (
+            dict(
+                moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.01
+            ),
+            "needs a list of as many moe_aux_loss_coeff",
+        ),
+        (
+            dict(moe_router_load_balancing_type="switch", moe_aux_loss_coeff=0.01),
+            "unknown load-balancing type 'switch'",
+        ),
     ):
-        m = make_model("softmax-sequential")
-        m.decoder.layers[0].mlp.config = copy.copy(m.decoder.layers[0].mlp.config)
-        setattr(m.decoder.layers[0].mlp.config, field, value)
-        assert words in (unsupported_reason(m.decoder.layers[0].mlp) or ""), field
+        m = _with_config("softmax-sequential", **fields)
+        assert words in (unsupported_reason(m.decoder.layers[0].mlp) or ""), fields
     half = make_model("softmax-sequential").half()
     assert "float16" in (unsupported_reason(half.decoder.layers[0].mlp) or "")
     with pytest.raises(ValueError, match="no Megatron-style MoE block"):
         swap_moe_blocks(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="from_megatron"):
         swap_moe_blocks(make_model("softmax-sequential").decoder.layers[0].mlp)
+
+
+def test_aux_loss_scale_for_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two accumulated micro-batches with the main loss halved: the router losses' backward
+    scale set to 1/2 (as Megatron's schedule sets MoEAuxLossAutoScaler's) on both models."""
+    model = make_model("all-sigmoid")
+    swapped = copy.deepcopy(model)
+    swap_moe_blocks(swapped)
+    monkeypatch.setattr(AuxLossAutoScaler, "scale", 0.5)
+    monkeypatch.setattr(MegatronMoE, "aux_loss_scale", torch.tensor(0.5))
+    for seed in (30, 31):
+        (loss_of(model(tokens(seed))) / 2).backward()
+        (loss_of(swapped(tokens(seed))) / 2).backward()
+    bad = compare(megatron_grads(swapped), megatron_grads(model), "grad")
+    assert not bad, "\n".join(bad)
+
+
+def test_router_losses_only_when_training() -> None:
+    model = make_model("all-softmax-per_token")
+    swapped = copy.deepcopy(model)
+    swap_moe_blocks(swapped)
+    block, ref_block = swapped.decoder.layers[0].mlp, model.decoder.layers[0].mlp
+    x = tokens(4)
+    # [T, H] tokens are one sequence for seq_aux_loss.
+    flat = x.reshape(-1, x.shape[-1])
+    block(flat)
+    ref_block(flat)
+    assert set(block.aux_losses) == {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
+    bad = compare(block.aux_losses, ref_block.router.aux_losses, "[T, H]")
+    with torch.no_grad():
+        block(x)
+    assert block.aux_losses == {}
+    swapped.eval()
+    model.eval()
+    bad += compare({"y": swapped(x)}, {"y": model(x)}, "eval")
+    assert aux_losses(swapped) == {} == aux_losses(model)
+    assert not bad, "\n".join(bad)
 
 
 def test_megatron_route_matches_dense_router() -> None:
@@ -157,8 +237,16 @@ def megatron_worker(rank: int, world: int, cases: list[str]) -> dict[str, list[s
         model = make_model(case)
         xs = [tokens(20 + r) for r in range(world)]
         ref = copy.deepcopy(model)
-        refs = [ref(x) for x in xs]
+        refs = []
+        for r, x in enumerate(xs):
+            refs.append(ref(x))
+            if r == rank:
+                want_losses = aux_losses(ref)
+        # One process standing for `world` data-parallel ranks: the mean of their losses,
+        # each rank's router losses scaled alike (DDP averages the ranks' gradients).
+        AuxLossAutoScaler.scale = 1 / world
         (sum(loss_of(y) for y in refs) / world).backward()
+        AuxLossAutoScaler.scale = 1.0
         want_grads = rank_share(megatron_grads(ref), rank, world)
 
         swapped = copy.deepcopy(model)
@@ -167,6 +255,7 @@ def megatron_worker(rank: int, world: int, cases: list[str]) -> dict[str, list[s
         y = ddp(xs[rank])
         loss_of(y).backward()
         bad = compare({"out": y}, {"out": refs[rank]}, "out")
+        bad += compare(aux_losses(swapped), want_losses, "aux_losses")
         bad += compare(megatron_grads(swapped), want_grads, "grad")
         bad += compare(
             _state(swapped, True), rank_share(_state(model, True), rank, world), "state_dict"

@@ -45,11 +45,20 @@ rank's experts numbered ``0..E_local-1`` (what a Megatron rank with
 (collective) gathers the ``E`` experts into the ``expert_model_parallel_size=1`` layout.
 Transformer Engine's ``_extra_state`` entries (FP8 metadata) of the experts are dropped on load.
 
-Not supported (refused, naming the block and the reason): a load-balancing or z-loss
-(``moe_aux_loss_coeff > 0`` or ``moe_z_loss_coeff``; UniEP's block computes neither), token
-dropping (``moe_expert_capacity_factor``), input jitter, ``moe_apply_probs_on_input``, expert or
-router biases, a non-SwiGLU expert, float16, expert tensor parallelism (the shapes would not
-match), an ``expert_bias`` with softmax scores.
+In training (``block.training`` and autograd on), the block adds the router losses of
+Megatron's ``TopKRouter`` for the config, attached to the graph as Megatron attaches them: the
+load-balancing losses ``moe_router_load_balancing_type`` ``"aux_loss"`` (micro-batch) and
+``"seq_aux_loss"`` (per sequence, averaged), alone or as a list with a list of
+``moe_aux_loss_coeff``, and the z-loss (``moe_z_loss_coeff``), with
+``calculate_per_token_loss``'s scaling. ``loss.backward()`` on the main loss alone then gives
+the gradients Megatron's block gives; ``MegatronMoE.aux_losses`` holds the last values and
+``MegatronMoE.aux_loss_scale`` is Megatron's aux-loss backward scale (see ``MegatronMoE``).
+
+Not supported (refused, naming the block, the field and the reason): ``sinkhorn`` and
+``quantile_balancing`` routing, the ``global_aux_loss`` (a coefficient above 0), token dropping
+(``moe_expert_capacity_factor``), input jitter, ``moe_apply_probs_on_input``, expert or router
+biases, a non-SwiGLU expert, float16, expert tensor parallelism (the shapes would not match),
+an ``expert_bias`` with softmax scores.
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ _DEFAULTS: dict[str, Any] = {
     "moe_router_load_balancing_type": "aux_loss",
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
+    "calculate_per_token_loss": False,
     "moe_input_jitter_eps": None,
     "moe_expert_capacity_factor": None,
     "moe_apply_probs_on_input": False,
@@ -98,10 +108,23 @@ _DEFAULTS: dict[str, Any] = {
     "activation_func": F.gelu,
 }
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+# Load-balancing types -> the name Megatron's metrics tracker logs the loss under.
+_BALANCE_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
 def _cfg(config: object, name: str) -> Any:
     return getattr(config, name, _DEFAULTS[name])
+
+
+def _balancing(config: object) -> tuple[list[Any], list[Any]]:
+    """The load-balancing types and their coefficients, as lists: a single type takes
+    ``moe_aux_loss_coeff`` as it is, a list of types pairs with a list of coefficients (a
+    single coefficient then gives an empty list)."""
+    kinds = _cfg(config, "moe_router_load_balancing_type")
+    coeffs = _cfg(config, "moe_aux_loss_coeff")
+    if isinstance(kinds, str):
+        return [kinds], [coeffs]
+    return list(kinds), list(coeffs) if isinstance(coeffs, (list, tuple)) else []
 
 
 def _indexed(module: nn.Module, stem: str) -> list[nn.Parameter]:
@@ -193,15 +216,10 @@ def unsupported_reason(block: nn.Module) -> str | None:
         return "its experts are not gated (gated_linear_unit=False): UniEP's are SwiGLU"
     if not _is_silu(_cfg(config, "activation_func")):
         return "its activation_func is not SiLU: UniEP's experts are SwiGLU"
-    coeff = _cfg(config, "moe_aux_loss_coeff") or 0.0
-    if _cfg(config, "moe_router_load_balancing_type") != "none" and coeff > 0:
-        return (
-            f"it adds a load-balancing loss (moe_router_load_balancing_type="
-            f"{_cfg(config, 'moe_router_load_balancing_type')!r}, moe_aux_loss_coeff={coeff}), "
-            "which UniEP's block does not compute"
-        )
+    reason = _balancing_reason(config)
+    if reason is not None:
+        return reason
     for name, why in (
-        ("moe_z_loss_coeff", "a router z-loss"),
         ("moe_input_jitter_eps", "input jitter"),
         ("moe_expert_capacity_factor", "token dropping (UniEP drops no token)"),
         ("moe_apply_probs_on_input", "probabilities applied before the experts"),
@@ -234,6 +252,34 @@ def unsupported_reason(block: nn.Module) -> str | None:
             "it is float16: UniEP's expert kernels compute in float32, bfloat16 or float64 "
             "(cast the model to bfloat16 first)"
         )
+    return None
+
+
+def _balancing_reason(config: object) -> str | None:
+    """Why the config's load balancing cannot be followed; None if it can."""
+    kinds, coeffs = _balancing(config)
+    field = f"moe_router_load_balancing_type={_cfg(config, 'moe_router_load_balancing_type')!r}"
+    if len(kinds) != len(coeffs):
+        return (
+            f"{field} needs a list of as many moe_aux_loss_coeff, got "
+            f"{_cfg(config, 'moe_aux_loss_coeff')!r}"
+        )
+    for kind, coeff in zip(kinds, coeffs, strict=True):
+        if not isinstance(coeff, (int, float)):
+            return f"moe_aux_loss_coeff={coeff!r} for {kind!r} is not a number"
+        if kind in ("sinkhorn", "quantile_balancing"):
+            return f"{field}: UniEP routes by top-k scores, not by {kind} balancing"
+        if kind == "global_aux_loss" and coeff > 0:
+            return (
+                f"{field} with moe_aux_loss_coeff={coeff}: the global-batch loss counts tokens "
+                "over the data-parallel group and across micro-batches, which the block does not "
+                "track"
+            )
+        if kind not in ("none", "global_aux_loss", *_BALANCE_LOSSES):
+            return f"{field}: unknown load-balancing type {kind!r}"
+    z = _cfg(config, "moe_z_loss_coeff")
+    if z is not None and not isinstance(z, (int, float)):
+        return f"moe_z_loss_coeff={z!r} is not a number"
     return None
 
 
@@ -296,6 +342,39 @@ def megatron_route(
     if scaling_factor:
         probs = probs * scaling_factor
     return idx, probs
+
+
+def _balance_loss(
+    scores: torch.Tensor, chosen: torch.Tensor, top_k: int, sequences: int
+) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss ``E * sum_e f_e * P_e`` without coefficient,
+    averaged over ``sequences`` interleaved sequences of the ``T`` tokens (Megatron's ``[S, B]``
+    order: token ``s * B + b`` is of sequence ``b``). ``f_e``: the share of a sequence's
+    ``S * top_k`` choices ``chosen [T, E]`` that pick ``e``; ``P_e``: ``e``'s mean score
+    ``scores [T, E]`` over the sequence. ``sequences=1`` is ``aux_loss``, ``B`` ``seq_aux_loss``.
+    """
+    tokens, experts = scores.shape
+    seq_len = tokens // sequences
+    score_sums = scores.reshape(seq_len, sequences, experts).sum(0)
+    counts = chosen.reshape(seq_len, sequences, experts).sum(0)
+    return (score_sums * counts).sum() * (experts / (top_k * seq_len * seq_len * sequences))
+
+
+class _AttachLoss(torch.autograd.Function):
+    """``x`` unchanged; in backward, ``loss`` gets the gradient ``block.aux_loss_scale`` (read
+    then) whatever ``x``'s is. The loss so joins the backward of any loss that ``x`` reaches
+    without being added to it: Megatron's ``MoEAuxLossAutoScaler``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, block: MegatronMoE) -> torch.Tensor:
+        ctx.block = block
+        ctx.save_for_backward(loss)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss) * ctx.block.aux_loss_scale, None
 
 
 class MegatronExperts(Experts):
@@ -440,8 +519,50 @@ def _load_megatron_layout(
 
 class MegatronMoE(nn.Module):
     """A Megatron-style MoE block on UniEP: the block's router, ``MegatronExperts``, its shared
-    experts. ``forward(hidden_states [..., H]) -> (output [..., H], None)`` like Megatron's
-    ``MoELayer``; every rank of the group must call it, with its own tokens."""
+    experts. ``forward(hidden_states [S, B, H]) -> (output [S, B, H], None)`` like Megatron's
+    ``MoELayer`` (``[T, H]`` is one sequence of ``T`` tokens); every rank of the group must call
+    it, with its own tokens.
+
+    Router losses, as Megatron's ``TopKRouter`` computes them, only in training with autograd
+    on, each attached to the graph (not added to the output; see ``aux_loss_scale``):
+
+    - z-loss: ``moe_z_loss_coeff * mean_t logsumexp(logits_t)^2`` over the logits (in
+      ``moe_router_dtype``), attached to them before routing;
+    - load balancing, for each type of ``moe_router_load_balancing_type`` whose
+      ``moe_aux_loss_coeff`` is above 0: ``coeff * E * sum_e f_e * P_e`` with ``P_e`` the mean
+      score of expert ``e`` over all ``E`` experts (float32 softmax of the logits, or their
+      sigmoid normalised to sum to 1, whatever the routing's ``pre_softmax``, group limit or
+      ``expert_bias``) and ``f_e`` the share of the tokens' top-k picks of those scores that go
+      to ``e``; over the micro-batch (``"aux_loss"``) or per sequence ``b`` of ``[S, B]`` and
+      averaged over ``B`` (``"seq_aux_loss"``); attached to the routing weights.
+
+    With ``calculate_per_token_loss`` each attached loss is multiplied by this rank's token
+    count ``S * B`` (for a loop that sums the main loss over tokens and divides the gradients
+    by the global token count, as Megatron's does).
+
+    Several ranks: each rank's losses are over its own tokens. Megatron sums ``tokens_per_expert``
+    (and the token count) over the tensor- and context-parallel group only, never over the
+    expert-parallel one; UniEP's block runs whole sequences on each rank with the router
+    replicated (tensor and context parallel size 1), so nothing is reduced: this rank's counts
+    are the ones used, as on a Megatron rank of ``expert_model_parallel_size=W``. This rank's
+    router gradient is that of its main loss plus its router losses; ``uniep.nn.data_parallel``
+    averages it over the ranks as Megatron's data-parallel gradient reduction does.
+
+    Attributes:
+        aux_losses: the last forward's losses by the names Megatron's metrics tracker logs them
+            under (``"load_balancing_loss"``, ``"seq_load_balancing_loss"``, ``"z_loss"``),
+            each without its coefficient as Megatron logs it, for this rank's tokens (Megatron
+            then averages the logs over ranks), detached; ``{}`` when none was computed.
+        aux_loss_scale: the gradient each attached loss gets in backward (read when backward
+            runs); a float or a 0-d tensor, by default 1, set on the class for every block or
+            on one. Megatron's schedule sets its ``MoEAuxLossAutoScaler`` scale to
+            ``grad_scale / num_microbatches`` (``grad_scale`` alone with
+            ``calculate_per_token_loss``): set it to what your main loss is multiplied by before
+            its backward, e.g. ``1 / accumulation_steps``. Not for the average over ranks:
+            ``uniep.nn.data_parallel`` does that.
+    """
+
+    aux_loss_scale: float | torch.Tensor = 1.0
 
     def __init__(
         self,
@@ -457,6 +578,14 @@ class MegatronMoE(nn.Module):
         self.shared_experts = shared_experts
         self.top_k = int(_cfg(config, "moe_router_topk"))
         self.router_dtype = _ROUTER_DTYPES[_cfg(config, "moe_router_dtype")]
+        kinds, coeffs = _balancing(config)
+        self._balance_coeffs = {
+            k: float(c)
+            for k, c in zip(kinds, coeffs, strict=True)
+            if k in _BALANCE_LOSSES and c > 0
+        }
+        self._z_loss_coeff = float(_cfg(config, "moe_z_loss_coeff") or 0.0)
+        self.aux_losses: dict[str, torch.Tensor] = {}
 
     @classmethod
     def from_megatron(
@@ -497,12 +626,24 @@ class MegatronMoE(nn.Module):
         new.train(block.training)
         return new
 
-    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens [T, H]`` -> ``topk_idx [T, K]``, ``topk_weights [T, K]`` (Megatron's)."""
+    def route(self, tokens: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [T, H]`` (Megatron's ``[S, B, H]`` flattened, ``B = sequences``) ->
+        ``topk_idx [T, K]``, ``topk_weights [T, K]`` (Megatron's), with the router losses
+        attached in training and ``aux_losses`` set."""
+        if sequences < 1 or tokens.shape[0] % sequences:
+            raise ValueError(f"{tokens.shape[0]} tokens are not {sequences} sequences of S")
         weight = self.router.weight
         dtype = self.router_dtype or tokens.dtype
         logits = F.linear(tokens.to(dtype), weight.to(dtype))
         config = self.config
+        self.aux_losses = {}
+        losses_on = self.training and torch.is_grad_enabled()
+        # Megatron scales by this rank's token count: the tensor/context-parallel group is 1.
+        per_token = tokens.shape[0] if _cfg(config, "calculate_per_token_loss") else 1
+        if losses_on and self._z_loss_coeff:
+            z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+            self.aux_losses["z_loss"] = z_loss.detach()
+            logits = _AttachLoss.apply(logits, z_loss * (self._z_loss_coeff * per_token), self)
         idx, probs = megatron_route(
             logits,
             self.top_k,
@@ -513,6 +654,8 @@ class MegatronMoE(nn.Module):
             scaling_factor=_cfg(config, "moe_router_topk_scaling_factor"),
             expert_bias=getattr(self.router, "expert_bias", None),
         )
+        if losses_on and self._balance_coeffs:
+            probs = self._attach_balance_losses(probs, logits, sequences, per_token)
         counts = getattr(self.router, "local_tokens_per_expert", None)
         if self.training and isinstance(counts, torch.Tensor):
             # What Megatron's router accumulates for its expert_bias update after the step.
@@ -520,10 +663,41 @@ class MegatronMoE(nn.Module):
                 counts += torch.bincount(idx.flatten(), minlength=counts.numel()).to(counts.dtype)
         return idx, probs
 
+    def _attach_balance_losses(
+        self, probs: torch.Tensor, logits: torch.Tensor, sequences: int, per_token: int
+    ) -> torch.Tensor:
+        if _cfg(self.config, "moe_router_score_function") == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits.float())
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        # The balance is measured on a plain top-k of these scores, not on the routing's
+        # choice (which a group limit or expert_bias may move).
+        chosen = torch.zeros_like(scores, dtype=torch.int64)
+        chosen.scatter_(1, scores.topk(self.top_k, dim=-1).indices, 1)
+        for kind, coeff in self._balance_coeffs.items():
+            groups = sequences if kind == "seq_aux_loss" else 1
+            loss = _balance_loss(scores, chosen, self.top_k, groups)
+            self.aux_losses[_BALANCE_LOSSES[kind]] = loss.detach()
+            probs = _AttachLoss.apply(probs, loss * (coeff * per_token), self)
+        return probs
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``hidden_states [..., H]`` (Megatron's ``[S, B, H]``) -> ``(output, None)``."""
+        """``hidden_states [S, B, H]`` (or ``[T, H]``) -> ``(output, None)``, output shaped
+        like ``hidden_states``."""
+        if (
+            hidden_states.dim() > 3
+            and "seq_aux_loss" in self._balance_coeffs
+            and self.training
+            and torch.is_grad_enabled()
+        ):
+            raise ValueError(
+                "seq_aux_loss needs hidden_states [S, B, H] (or [T, H]), got shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        sequences = hidden_states.shape[1] if hidden_states.dim() == 3 else 1
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        idx, probs = self.route(tokens)
+        idx, probs = self.route(tokens, sequences)
         out = self.experts(tokens, idx, probs).reshape(hidden_states.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
