@@ -12,6 +12,8 @@ from torch import nn
 
 VOCAB = 96
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+# The families whose whole MoE blocks swap_moe_layers replaces.
+LAYER_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 TOL = 1e-5
 
 _COMMON = {
@@ -108,13 +110,30 @@ def step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return out.logits, out.loss
 
 
+def outputs(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward with labels and router logits: logits, loss (with the aux loss), aux_loss and
+    router_logits.<layer> ([T, E] each)."""
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    got = {"logits": out.logits, "loss": out.loss, "aux_loss": out.aux_loss}
+    got.update({f"router_logits.{i}": t for i, t in enumerate(out.router_logits)})
+    return got
+
+
 def hf_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter gradients under HF's names and layout: an HFExperts' w1/w2 grads become
-    gate_up_proj/down_proj (this rank's experts)."""
-    from uniep.integrations.hf import HFExperts
+    gate_up_proj/down_proj (this rank's experts), an HFMoELayer's are mapped by its to_hf."""
+    from uniep.integrations.hf import HFExperts, HFMoELayer
 
     grads = {}
+    layers: list[str] = []
     for name, module in model.named_modules():
+        if any(name.startswith(layer) for layer in layers):
+            continue  # counted with its HFMoELayer
+        if isinstance(module, HFMoELayer):
+            layers.append(f"{name}.")
+            own = {k: p.grad for k, p in module.named_parameters() if p.grad is not None}
+            grads.update({f"{name}.{k}": g for k, g in module.to_hf(own).items()})
+            continue
         for pname, p in module.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
             if p.grad is None:

@@ -2,7 +2,12 @@
 DeepSeek-V3) with their experts swapped for UniEP's give HF's logits, loss (with the router aux
 loss, through output_router_logits) and gradients within 1e-5 in fp32 and the same greedy
 generations, at 1 rank and at 2 gloo ranks under DDP (uniep.nn.data_parallel); checkpoints load
-and save in HF's layout; a plain DDP around a swapped model raises instead of corrupting it."""
+and save in HF's layout; a plain DDP around a swapped model raises instead of corrupting it.
+
+With whole MoE blocks swapped for UniEP's MoELayer (swap_moe_layers: Mixtral, Qwen2-MoE,
+Qwen3-MoE), the same, and HF's output recording still returns one router-logits tensor per layer
+(also when the model recorded outputs before the swap), equal to HF's, so the aux loss and its
+gradients (the routers' included) match too."""
 
 from __future__ import annotations
 
@@ -18,14 +23,22 @@ import uniep  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from _hf_models import (  # noqa: E402
     FAMILIES,
+    LAYER_FAMILIES,
     batch,
     compare,
     expert_slice,
     hf_grads,
     make_model,
+    outputs,
     step,
 )
-from uniep.integrations.hf import HFExperts, hf_state_dict, swap_moe_blocks  # noqa: E402
+from uniep.integrations.hf import (  # noqa: E402
+    HFExperts,
+    HFMoELayer,
+    hf_state_dict,
+    swap_moe_blocks,
+    swap_moe_layers,
+)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -53,14 +66,83 @@ def test_swap_single_rank(family: str) -> None:
     assert torch.equal(swapped.generate(prompt, **kw), model.generate(prompt, **kw))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_checkpoint_round_trip(family: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize("family", LAYER_FAMILIES)
+def test_swap_layers_single_rank(family: str) -> None:
+    model = make_model(family)
+    swapped = copy.deepcopy(model)
+    names = swap_moe_layers(swapped)
+    assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(isinstance(swapped.get_submodule(n), HFMoELayer) for n in names)
+    ids = batch(3)
+    want = outputs(model, ids)
+    want["loss"].backward()
+    got = outputs(swapped, ids)
+    got["loss"].backward()
+    # Logits, loss, aux loss and one router-logits tensor per layer; then every gradient.
+    bad = compare(got, want, "out")
+    bad += compare(hf_grads(swapped), hf_grads(model), "grad")
+    bad += compare(_state(swapped), _state(model), "state_dict")
+    assert not bad, "\n".join(bad)
+    prompt = ids[:, :3]
+    kw = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    assert torch.equal(swapped.generate(prompt, **kw), model.generate(prompt, **kw))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_swap_layers_after_recording(family: str) -> None:
+    """HF installs its recording hooks once, at the first forward that records an output, on the
+    routers present then: the swapped layers' routers must still be recorded, once each."""
+    model = make_model(family)
+    swapped = copy.deepcopy(model)
+    outputs(swapped, batch(1))
+    assert swapped.model._output_capturing_hooks_installed
+    swap_moe_layers(swapped)
+    ids = batch(3)
+    bad = compare(outputs(swapped, ids), outputs(model, ids), "out")
+    assert not bad, "\n".join(bad)
+
+
+def test_unsupported_blocks_are_named() -> None:
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp \(DeepseekV3MoE\).*swap_moe_blocks"):
+        swap_moe_layers(make_model("deepseek_v3"))
+    model = make_model("mixtral")
+    with pytest.raises(ValueError, match="float16"):
+        swap_moe_layers(copy.deepcopy(model).to(torch.float16))
+    model.model.layers[0].mlp.jitter_noise = 0.1
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp.*router_jitter_noise"):
+        swap_moe_layers(model)
+    assert swap_moe_layers(model, strict=False) == ["model.layers.1.mlp"]
+    qwen2 = make_model("qwen2_moe")
+    qwen2.model.layers[1].mlp.shared_expert.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp.*shared expert.*SiLU"):
+        swap_moe_layers(qwen2)
+    swapped_experts = make_model("qwen3_moe")
+    swap_moe_blocks(swapped_experts)
+    with pytest.raises(ValueError, match="already UniEP's"):
+        swap_moe_layers(swapped_experts)
+    with pytest.raises(ValueError, match="no HF sparse MoE block"):
+        swap_moe_layers(torch.nn.Linear(2, 2))
+
+
+_SWAPS = {"blocks": swap_moe_blocks, "layers": swap_moe_layers}
+
+
+@pytest.mark.parametrize(
+    "family, swap",
+    [
+        ("mixtral", "blocks"),
+        ("deepseek_v3", "blocks"),
+        ("mixtral", "layers"),
+        ("qwen2_moe", "layers"),
+    ],
+)
+def test_checkpoint_round_trip(family: str, swap: str, tmp_path: Any) -> None:
     import transformers
 
     model = make_model(family)
     # An HF checkpoint loads into a swapped model (here one whose weights differ).
     other = make_model(family, seed=5)
-    swap_moe_blocks(other)
+    _SWAPS[swap](other)
     other.load_state_dict(model.state_dict())
     assert not compare(_state(other), _state(model), "loaded")
     # A swapped model saves a checkpoint plain transformers loads.
@@ -138,18 +220,65 @@ def hf_worker(rank: int, world: int, families: list[str]) -> dict[str, list[str]
     return out
 
 
-_RESULTS: list[dict[str, list[str]]] | Exception | None = None
+def hf_layer_worker(rank: int, world: int, families: list[str]) -> dict[str, list[str]]:
+    """hf_worker's checks for swap_moe_layers, with the router logits and aux loss compared
+    too."""
+    out: dict[str, list[str]] = {}
+    for family in families:
+        model = make_model(family)
+        ids = [batch(10 + r) for r in range(world)]
+        ref = copy.deepcopy(model)
+        results = [outputs(ref, ids[r]) for r in range(world)]
+        (sum(res["loss"] for res in results) / world).backward()
+        want_grads = expert_slice(hf_grads(ref), rank, world)
+
+        swapped = copy.deepcopy(model)
+        swap_moe_layers(swapped)
+        ddp = uniep.nn.data_parallel(swapped)  # held: its reducer reduces in backward
+        got = outputs(ddp, ids[rank])
+        got["loss"].backward()
+        bad = compare(got, results[rank], "out")
+        bad += compare(hf_grads(swapped), want_grads, "grad")
+        bad += compare(_state(swapped), expert_slice(_state(model), rank, world), "state_dict")
+        bad += compare(hf_state_dict(swapped), _state(model), "hf_state_dict")
+        other = make_model(family, seed=5)
+        swap_moe_layers(other)
+        other.load_state_dict(model.state_dict())
+        bad += compare(_state(other), expert_slice(_state(model), rank, world), "loaded")
+        out[family] = bad
+    return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_ddp(family: str) -> None:
+def two_rank_worker(rank: int, world: int) -> dict[str, dict[str, list[str]]]:
+    # One spawn for both swaps: starting the ranks costs more than all their checks.
+    return {
+        "blocks": hf_worker(rank, world, FAMILIES),
+        "layers": hf_layer_worker(rank, world, LAYER_FAMILIES),
+    }
+
+
+_RESULTS: list[dict[str, dict[str, list[str]]]] | Exception | None = None
+
+
+def _two_rank_failures(swap: str, family: str) -> list[str]:
     global _RESULTS
     if _RESULTS is None:
         try:
-            _RESULTS = run_ranks(2, hf_worker, FAMILIES)
+            _RESULTS = run_ranks(2, two_rank_worker)
         except Exception as e:
             _RESULTS = e
     if isinstance(_RESULTS, Exception):
         pytest.fail(f"multi-rank run failed:\n{_RESULTS}", pytrace=False)
-    bad = [f"rank {r}: {line}" for r, res in enumerate(_RESULTS) for line in res[family]]
+    return [f"rank {r}: {line}" for r, res in enumerate(_RESULTS) for line in res[swap][family]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_ddp(family: str) -> None:
+    bad = _two_rank_failures("blocks", family)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES)
+def test_two_ranks_layers_ddp(family: str) -> None:
+    bad = _two_rank_failures("layers", family)
     assert not bad, "\n".join(bad)
