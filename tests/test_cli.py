@@ -106,6 +106,7 @@ def test_demo_accepts_the_boundaries() -> None:
 # ---- uniep demo's choice of configuration (pure; the machine comes as arguments) ----
 
 _GPU_BUILD = {"cuda_ops": True, "cuda_kernel": True}
+_NO_GPU = {"gpus": 0, "cuda_ops": False, "cuda_kernel": False}
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ _GPU_BUILD = {"cuda_ops": True, "cuda_kernel": True}
 def test_demo_defaults_fit_the_machine(gpus: int, build: dict[str, bool], want: tuple) -> None:
     from uniep.cli import plan_demo
 
-    plan = plan_demo("auto", None, None, None, gpus=gpus, **build)
+    plan = plan_demo("auto", None, None, None, gpus=gpus, cpus=2, **build)
     assert (plan.device, plan.world, plan.dtype, plan.experts) == want
     assert (plan.why == "") == (want[0] == "cuda")
 
@@ -133,17 +134,95 @@ def test_demo_explicit_choices() -> None:
     from uniep.cli import plan_demo
 
     # An explicit world larger than the GPUs, or a dtype the CUDA executor lacks: CPU, saying why.
-    plan = plan_demo("auto", 2, None, None, gpus=1, **_GPU_BUILD)
+    plan = plan_demo("auto", 2, None, None, gpus=1, cpus=2, **_GPU_BUILD)
     assert (plan.device, plan.world, plan.dtype) == ("cpu", 2, "float32")
     assert "1 CUDA device(s) visible" in plan.why
-    plan = plan_demo("auto", None, "float32", None, gpus=1, **_GPU_BUILD)
+    plan = plan_demo("auto", None, "float32", None, gpus=1, cpus=2, **_GPU_BUILD)
     assert (plan.device, plan.world) == ("cpu", 2) and "bfloat16" in plan.why
-    plan = plan_demo("cpu", None, None, 6, gpus=4, **_GPU_BUILD)
+    plan = plan_demo("cpu", None, None, 6, gpus=4, cpus=2, **_GPU_BUILD)
     assert (plan.device, plan.world, plan.dtype, plan.experts) == ("cpu", 2, "float32", 6)
     # --device cuda that cannot run is refused, naming what is missing.
     with pytest.raises(SystemExit, match="no CUDA device is visible"):
-        plan_demo("cuda", None, None, None, gpus=0, **_GPU_BUILD)
+        plan_demo("cuda", None, None, None, gpus=0, cpus=2, **_GPU_BUILD)
     with pytest.raises(SystemExit, match="--world-size 4"):
-        plan_demo("cuda", 4, None, None, gpus=2, **_GPU_BUILD)
+        plan_demo("cuda", 4, None, None, gpus=2, cpus=2, **_GPU_BUILD)
     with pytest.raises(SystemExit, match="no torch CUDA ops"):
-        plan_demo("cuda", None, None, None, gpus=1, cuda_ops=False, cuda_kernel=False)
+        plan_demo("cuda", None, None, None, gpus=1, cuda_ops=False, cuda_kernel=False, cpus=2)
+
+
+# ---- world sizes the machine cannot hold: refused before anything is spawned ----
+
+
+@pytest.mark.parametrize(
+    ("device", "world", "machine", "words"),
+    [
+        (
+            "cpu",
+            9,
+            {"cpus": 2, **_NO_GPU},
+            "--world-size 9 is more than this machine holds: at most 8 gloo ranks on CPU "
+            "(4 per core, 2 core(s))",
+        ),
+        (
+            "auto",
+            100_000,
+            {"cpus": 2, **_NO_GPU},
+            "--world-size 100000 is more than this machine holds: at most 8 gloo ranks",
+        ),
+        # More ranks than GPUs: auto would fall back to CPU, where 100000 ranks do not fit either.
+        (
+            "auto",
+            100_000,
+            {"cpus": 16, "gpus": 8, **_GPU_BUILD},
+            "at most 64 gloo ranks on CPU (4 per core, 16 core(s)); not on GPU: 8 CUDA "
+            "device(s) visible, --world-size 100000",
+        ),
+        (
+            "cuda",
+            9,
+            {"cpus": 64, "gpus": 8, **_GPU_BUILD},
+            "--device cuda is not possible: 8 CUDA device(s) visible, --world-size 9 asks for 9",
+        ),
+        ("auto", 0, {"cpus": 2, **_NO_GPU}, "--world-size must be >= 1, got 0"),
+        ("cpu", -3, {"cpus": 2, **_NO_GPU}, "--world-size must be >= 1, got -3"),
+    ],
+)
+def test_demo_refuses_a_world_the_machine_cannot_hold(
+    device: str, world: int, machine: dict, words: str
+) -> None:
+    from uniep.cli import plan_demo
+
+    with pytest.raises(SystemExit) as exc:
+        plan_demo(device, world, None, None, **machine)
+    assert str(exc.value).startswith("uniep demo: error: "), exc.value
+    assert words in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize(
+    ("device", "world", "machine", "want"),
+    [
+        # CI runs 2 and 4 gloo ranks on 2-core machines; a 1-core one still takes 4.
+        ("auto", 4, {"cpus": 2, **_NO_GPU}, ("cpu", 4)),
+        ("cpu", 8, {"cpus": 2, **_NO_GPU}, ("cpu", 8)),
+        ("auto", 4, {"cpus": 1, **_NO_GPU}, ("cpu", 4)),
+        ("auto", 8, {"cpus": 1, "gpus": 8, **_GPU_BUILD}, ("cuda", 8)),  # one rank per GPU
+        ("auto", 12, {"cpus": 4, "gpus": 8, **_GPU_BUILD}, ("cpu", 12)),
+    ],
+)
+def test_demo_accepts_a_world_the_machine_holds(
+    device: str, world: int, machine: dict, want: tuple[str, int]
+) -> None:
+    from uniep.cli import plan_demo
+
+    plan = plan_demo(device, world, None, None, **machine)
+    assert (plan.device, plan.world) == want
+
+
+def test_demo_refuses_a_huge_world_before_spawning() -> None:
+    proc = _run("demo", "--world-size", "100000", timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("uniep demo: error: --world-size 100000 "), (
+        proc.stderr
+    )
+    assert proc.stdout == ""  # not even the banner that precedes the spawn

@@ -348,14 +348,18 @@ def test_tune_keeps_numerics_and_winner_bits_equal_default(tmp_path: Path) -> No
         **QUICK,
     )
     assert result.default == _full("combine=rank_partials")
-    assert len(result.candidates) == QUICK["candidates"] + 1  # the default is always measured
+    # At hidden 16 and ffn 16 only tile_n=16 changes the CPU executor's loops: one point besides
+    # the default runs differently, and only the two are measured.
+    assert len(result.candidates) == result.distinct == 2
+    assert result.considered == 1 + len(tune.CPU_TILES)
     assert seen[-1].startswith(f"{2 * len(result.candidates)}/{2 * len(result.candidates)} ")
     for c in [*result.candidates, tune.Candidate(result.tuning, 0.0)]:
         assert uniep.TuningParams.parse(c.tuning).combine == "rank_partials"
         assert uniep.TuningParams.parse(c.tuning).dispatch == "bf16"
     measured = [c.measured_ms for c in result.candidates]
     assert all(math.isfinite(m) and m > 0 for m in measured)
-    assert result.best_ms == min(measured) and result.bits_identical
+    assert result.best_ms in measured and result.bits_identical
+    assert all(len(c.rounds_ms) == 2 for c in result.candidates)  # QUICK's 2 calls: 2 rounds
     assert result.cache_path == str(path)
     assert tune.lookup(**SHAPE, numerics="combine=rank_partials", path=path) == result.tuning
     x, idx, w, w1, w2 = _inputs()
@@ -498,6 +502,8 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     out = {
         "tuning": result.tuning,
         "measured": [c.measured_ms for c in result.candidates],
+        "rounds": [c.rounds_ms for c in result.candidates],
+        "verdict": result.verdict,
         "order": [c.tuning for c in result.candidates],
         "world": result.world_size,
         "looked_up": tune.lookup(**SHAPE, world_size=world),
@@ -528,6 +534,8 @@ def test_two_ranks_tune_collectively_and_a_cache_mismatch_fails_loudly(tmp_path:
     assert r0["world"] == r1["world"] == 2
     assert r0["tuning"] == r1["tuning"] and r0["order"] == r1["order"]
     assert r0["measured"] == r1["measured"]  # the slowest rank's median, on both
+    assert r0["rounds"] == r1["rounds"] and r0["verdict"] == r1["verdict"]
+    assert all(len(times) == 2 for times in r0["rounds"])
     for r in (r0, r1):
         assert r["looked_up"] == r0["tuning"] and r["world1"] is None and r["same_bits"]
         # Not a hang, not silent divergence: every rank raises, naming a tuning key and the hint.
@@ -548,9 +556,16 @@ def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ).split() + ["--cache", str(path)]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "| # | schedule | predicted ms | measured ms | chosen |" in captured.out
+    assert "| # | schedule | predicted ms | measured ms | rounds ms | chosen |" in captured.out
     assert "**yes**" in captured.out and f"cached in {path}" in captured.out
-    assert re.search(r"\[#+\] 6/6 ", captured.err)  # the progress bar: 3 points, 2 rounds
+    assert "6 candidates ranked by the cost model, 2 of them distinct on the cpu" in captured.out
+    # The progress bar: the 2 distinct points, 2 rounds.
+    assert re.search(r"\[#+\] 4/4 ", captured.err)
+    # Why the chosen point was kept, on its own line: no speed-up is claimed within the noise.
+    verdict = re.search(r"^chosen: \S+\n  (.*)$", captured.out, re.M).group(1)
+    assert re.search(r"faster in every round|within noise: not|no other point", verdict), verdict
+    if "faster in every round" not in verdict:
+        assert "x)" not in verdict and verdict.startswith("the default, ")
     chosen = re.search(r"^chosen: (\S+)$", captured.out, re.M).group(1)
     assert "combine=rank_partials" in chosen
     assert (
@@ -578,3 +593,163 @@ def test_runoff_points_are_the_close_calls_fastest_first() -> None:
     assert tune.runoff_points([2.0, 1.0, 1.1], margin=1.2, most=2) == [1, 2]
     with pytest.raises(ValueError, match="margin must be >= 1 and most >= 2"):
         tune.runoff_points([1.0, 1.0], most=1)
+
+
+# ---- points that run alike, and gains within the noise ----
+
+
+def test_executor_point_names_what_each_executor_reads() -> None:
+    shape = tune.MoeShape(64, 256, 512, 8, 2, 2, "float32")
+    cpu = [tune.executor_point(shape, "cpu", _full(t)) for t in ("", "tile_n=128")]
+    # The CPU executor reads tile_n as its inner loop's width and none of the other schedule keys.
+    for other in (
+        "tile_m=16",
+        "tile_k=256",
+        "overlap=sequential",
+        "overlap=chunked",
+        "sms=8/132",
+        "token_tile=32",
+        "stages=2",
+        "skip_rounds=3",
+    ):
+        cpu.append(tune.executor_point(shape, "cpu", _full(other)))
+    assert len(set(cpu)) == 1, cpu
+    widths = {tn: tune.executor_point(shape, "cpu", _full(f"tile_n={tn}")) for tn in tune.CPU_TILES}
+    assert len(set(widths.values())) == len(tune.CPU_TILES)
+    # A loop at least as wide as N is N: tile_n 256 and up run alike when both N are <= 256.
+    narrow = tune.MoeShape(64, 128, 64, 8, 2, 2, "float32")
+    assert tune.executor_point(narrow, "cpu", _full("tile_n=128")) == tune.executor_point(
+        narrow, "cpu", _full("tile_n=256")
+    )
+    assert tune.executor_point(shape, "cpu", _full("combine=rank_partials")) != cpu[0]
+    # CUDA: token_tile alone is read by no path.
+    cuda = {
+        t: tune.executor_point(shape, "cuda", _full(t))
+        for t in ("", "token_tile=32", "tile_m=64", "tile_k=128", "sms=8/132", "overlap=sequential")
+    }
+    assert cuda[""] == cuda["token_tile=32"]
+    assert len({cuda[t] for t in cuda if t != "token_tile=32"}) == 5
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        tune.executor_point(shape, "mps", _full(""))
+
+
+def test_cpu_candidates_vary_only_what_the_cpu_executor_reads() -> None:
+    shape = tune.MoeShape(256, 256, 512, 8, 2, 2, "float32")
+    points = tune.candidate_points(shape, "cpu")
+    assert [uniep.TuningParams.parse(t).tile_n for t in points] == [0, *tune.CPU_TILES]
+    assert {tune._label(t, points[0]) for t in points[1:]} == {
+        f"tile_n={n}" for n in tune.CPU_TILES
+    }
+    # tile_n=128 is auto's width: 5 distinct executions among the 6 points.
+    assert len({tune.executor_point(shape, "cpu", t) for t in points}) == 5
+
+
+INF = math.inf
+
+
+@pytest.mark.parametrize(
+    ("medians", "rounds", "want"),
+    [
+        # A GPU-like search: 9.05 ms in every round against the default's 10.0-10.2.
+        ([10.1, 9.05], [[10.0, 10.2, 10.1], [9.0, 9.1, 9.05]], (1, 1, "beyond noise")),
+        # The same median, but slower than the default in the third round: within noise.
+        ([10.1, 9.05], [[10.0, 10.2, 10.1], [8.0, 9.05, 10.5]], (0, 1, "within noise")),
+        # CPU-like rounds (a 1.40x of medians from rounds that trade places): within noise.
+        ([143.0, 102.0], [[98.0, 143.0, 160.0], [101.0, 102.0, 150.0]], (0, 1, "within noise")),
+        # Beyond the noise but not the fastest median: the lowest median that clears the noise.
+        (
+            [10.0, 8.0, 9.0, INF],
+            [[9.9, 10.1], [6.0, 10.2], [8.95, 9.05], []],
+            (2, 1, "beyond noise"),
+        ),
+        # A lower median from one fast round: not faster in every round.
+        ([10.0, 9.0], [[9.75, 10.25], [9.8, 8.2]], (0, 1, "within noise")),
+        ([10.0, 11.0, INF], [[9.0, 11.0], [10.9, 11.1], []], (0, 0, "default fastest")),
+        # One round gives no spread: the default stays whatever the medians.
+        ([10.0, 1.0], [[10.0], [1.0]], (0, 1, "one round")),
+        # The default failed: the fastest point that ran.
+        ([INF, 5.0, 4.0], [[], [5.0, 5.1], [3.0, 5.0]], (2, 2, "default failed")),
+        ([INF, INF], [[], []], (0, 0, "default failed")),
+    ],
+)
+def test_pick_beyond_noise(
+    medians: list[float], rounds: list[list[float]], want: tuple[int, int, str]
+) -> None:
+    pick = tune.pick_beyond_noise(medians, rounds, 0)
+    assert (pick.chosen, pick.fastest, pick.why) == want
+    # The rule does not depend on where the default sits in the list.
+    flipped = tune.pick_beyond_noise(medians[::-1], rounds[::-1], len(medians) - 1)
+    last = len(medians) - 1
+    assert (flipped.chosen, flipped.fastest, flipped.why) == (
+        last - want[0],
+        last - want[1],
+        want[2],
+    )
+
+
+def test_pick_beyond_noise_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="as long as each other"):
+        tune.pick_beyond_noise([1.0, 2.0], [[1.0]], 0)
+    with pytest.raises(ValueError, match="the default's index 2"):
+        tune.pick_beyond_noise([1.0, 2.0], [[1.0], [2.0]], 2)
+
+
+def _scripted(
+    monkeypatch: pytest.MonkeyPatch, rounds: dict[str, list[float]], **kwargs: object
+) -> tune.TuneResult:
+    """tune() on CPU with each point's time in each round given (ms, by label), not measured."""
+    from uniep import ops
+
+    real = ops.moe_forward
+    called: list[str] = []
+
+    def spy(x, topk_idx, topk_weights, w1, w2, group=None, tuning=""):  # noqa: ANN001, ANN202
+        called.append(tuning)
+        return real(x, topk_idx, topk_weights, w1, w2, group, tuning)
+
+    timed: dict[str, int] = {}
+    default = _full("")
+
+    def times(fn, warmup, iters, cuda):  # noqa: ANN001, ANN202
+        fn()
+        label = tune._label(called[-1], default)
+        r = timed.get(label, 0)
+        timed[label] = r + 1
+        return [rounds[label][r]] * iters
+
+    monkeypatch.setattr(ops, "moe_forward", spy)
+    monkeypatch.setattr(tune, "_times_ms", times)
+    monkeypatch.setattr(tune, "_calibrate", lambda *a, **k: tune.CostModel("cpu", 1e9, 1e9))
+    return tune.tune(**{**SHAPE, **kwargs}, device="cpu", cache=False, **QUICK)
+
+
+def test_tune_keeps_the_default_within_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other point's median is lower, but its rounds overlap the default's.
+    result = _scripted(monkeypatch, {"default": [8.0, 8.5], "tile_n=16": [5.0, 9.0]})
+    assert [c.rounds_ms for c in result.candidates] == [[8.0, 8.5], [5.0, 9.0]]
+    assert result.tuning == result.default and result.best_ms == result.default_ms == 8.25
+    assert result.verdict == (
+        "the default, 8.250 ms: the fastest point, tile_n=16 at 7.000 ms, is within noise: not "
+        "faster in every round (round times: 5.000..9.000 ms, the default's 8.000..8.500 ms)"
+    )
+    assert "| 5.000..9.000 |" in result.table()
+
+
+def test_tune_picks_a_point_faster_beyond_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = _scripted(monkeypatch, {"default": [8.0, 8.4], "tile_n=16": [5.0, 5.2]})
+    assert result.tuning == _full("tile_n=16") and result.best_ms == 5.1
+    assert result.verdict == (
+        "5.100 ms vs 8.200 ms for the default (1.61x), faster in every round (round times: "
+        "5.000..5.200 ms, the default's 8.000..8.400 ms)"
+    )
+
+
+def test_tune_does_not_race_points_that_run_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At hidden 16 and ffn 8 every tile_n runs loops of 16 columns: every point is the default's.
+    result = _scripted(monkeypatch, {"default": [3.0, 2.0]}, ffn=8)
+    assert result.distinct == 1 and result.considered == 1 + len(tune.CPU_TILES)
+    assert [c.tuning for c in result.candidates] == [result.default] == [result.tuning]
+    assert result.verdict.startswith(
+        f"the default, 2.500 ms: all {result.considered} points run alike on the cpu executor "
+        "at this shape (the CPU executor reads only tile_n"
+    ), result.verdict

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -192,6 +193,18 @@ def _demo_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "forward_ms": times[0].item(), "fwd_bwd_ms": times[1].item()}
 
 
+# Gloo ranks per CPU core that `uniep demo` spawns at most: each rank is a process with its own
+# torch and a share of the cores, and CI runs 2 and 4 ranks on 2-core machines.
+CPU_RANKS_PER_CORE = 4
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class DemoPlan:
     """What ``uniep demo`` runs: ``device`` ("cuda" or "cpu"), ``world`` ranks, ``dtype``,
@@ -213,6 +226,7 @@ def plan_demo(
     gpus: int,
     cuda_ops: bool,
     cuda_kernel: bool,
+    cpus: int,
 ) -> DemoPlan:
     """Pick the demo's configuration for this machine (pure: the machine comes as arguments).
 
@@ -221,11 +235,16 @@ def plan_demo(
     one-GPU box) and the dtype bfloat16 (the CUDA executor's); on CPU two gloo ranks (the
     exchange between ranks is what the demo shows) in float32. "auto" runs on GPUs when this
     build has the CUDA kernels and enough GPUs for an explicit ``world``, else on CPU, saying
-    why. ``experts`` defaults to the smallest multiple of the world that is at least 8.
+    why. On CPU the world is at most ``CPU_RANKS_PER_CORE`` ranks per core of the ``cpus``.
+    ``experts`` defaults to the smallest multiple of the world that is at least 8.
 
     Raises:
-        SystemExit: ``device="cuda"`` cannot run here, naming what is missing.
+        SystemExit: ``device="cuda"`` cannot run here, naming what is missing; ``world`` is
+            below 1, or more ranks than the machine holds (one per GPU, or the CPU bound),
+            naming ``--world-size``. Nothing has been spawned then.
     """
+    if world is not None and world < 1:
+        raise SystemExit(f"uniep demo: error: --world-size must be >= 1, got {world}")
     problems = []
     if gpus < 1:
         problems.append("no CUDA device is visible")
@@ -238,9 +257,16 @@ def plan_demo(
     if dtype not in (None, "bfloat16"):
         problems.append(f"the CUDA executor takes bfloat16, not --dtype {dtype}")
     if device == "cuda" and problems:
-        raise SystemExit("uniep demo: --device cuda is not possible: " + "; ".join(problems))
+        raise SystemExit("uniep demo: error: --device cuda is not possible: " + "; ".join(problems))
     on_gpu = device != "cpu" and not problems
     why = "" if on_gpu else ("--device cpu" if device == "cpu" else "; ".join(problems))
+    most = CPU_RANKS_PER_CORE * max(1, cpus)
+    if not on_gpu and world is not None and world > most:
+        raise SystemExit(
+            f"uniep demo: error: --world-size {world} is more than this machine holds: at most "
+            f"{most} gloo ranks on CPU ({CPU_RANKS_PER_CORE} per core, {cpus} core(s))"
+            + (f"; not on GPU: {why}" if device != "cpu" else "")
+        )
     if world is None:
         world = gpus if on_gpu else 2
     if dtype is None:
@@ -262,6 +288,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         gpus=torch.cuda.device_count(),
         cuda_ops=bool(uniep.build_info().get("cuda_ops")),
         cuda_kernel=_has_cuda_moe_kernel(),
+        cpus=_usable_cpus(),
     )
     args.world_size, args.dtype, args.experts = plan.world, plan.dtype, plan.experts
     device, why = plan.device, plan.why
@@ -596,17 +623,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             print(f"uniep tune: FAILED: {exc}", file=sys.stderr)
             return 1
     print(
-        f"{result.considered} candidates ranked by the cost model, {len(result.candidates)} "
-        f"measured (median of {args.iters}, slowest of {result.world_size} rank(s)) on "
+        f"{result.considered} candidates ranked by the cost model, {result.distinct} of them "
+        f"distinct on the {device} executor, {len(result.candidates)} measured (median of "
+        f"{args.iters} calls in interleaved rounds, slowest of {result.world_size} rank(s)) on "
         f"{result.device_name}:\n"
     )
     print(result.table())
-    speedup = result.default_ms / result.best_ms if result.best_ms > 0 else math.nan
     print(f"\nchosen: {result.tuning}")
-    print(
-        f"  {result.best_ms:.3f} ms vs {result.default_ms:.3f} ms for the default "
-        f"({speedup:.2f}x); output bits equal to the default's: {_yes(result.bits_identical)}"
-    )
+    print(f"  {result.verdict}")
+    print(f"  output bits equal to the default's: {_yes(result.bits_identical)}")
     if result.cache_path:
         print(f"  cached in {result.cache_path}")
     else:
@@ -684,7 +709,13 @@ def _parser() -> argparse.ArgumentParser:
     tune_p.add_argument(
         "--candidates", type=_positive_int, default=8, help="best predicted points to measure"
     )
-    tune_p.add_argument("--iters", type=_positive_int, default=10, help="timed calls each")
+    tune_p.add_argument(
+        "--iters",
+        type=_positive_int,
+        default=10,
+        help="timed calls each, in 2 to 4 interleaved rounds; a point replaces the default only "
+        "when it beats it by more than the spread of their round times (1 call: no spread)",
+    )
     tune_p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed calls each")
     tune_p.add_argument(
         "--budget", type=_positive_seconds, default=None, help="seconds of measuring at most"

@@ -5,7 +5,9 @@ schedule with a small cost model (alpha-beta per link for dispatch and combine, 
 expert GEMMs; docs/tune.md), calibrated by a short measurement of the real op, then times the best
 few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape (CUDA events on a
 GPU, the wall clock on CPU). With a process group every rank times every candidate in the same
-order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast.
+order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast. Points that
+the executor runs alike are timed once (``executor_point``), and a point replaces the default
+only when it is faster beyond the noise of the rounds (``pick_beyond_noise``).
 ``weights="bf16_packed"`` tunes ``uniep.prepared.moe_forward_prepared`` on packed experts
 instead, whose space holds both the separate launches (``overlap=sequential``) and the MegaKernel
 (``overlap=fused`` with its ``sms``, ``skip_rounds`` and ``tile_m``); its winners are cached
@@ -60,13 +62,16 @@ __all__ = [
     "Candidate",
     "CostModel",
     "MoeShape",
+    "Pick",
     "TuneResult",
     "WEIGHTS",
     "cache_key",
     "cache_path",
     "candidate_points",
     "device_name",
+    "executor_point",
     "lookup",
+    "pick_beyond_noise",
     "store",
     "tune",
 ]
@@ -94,8 +99,10 @@ WEIGHTS = ("plain", "bf16_packed")
 CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
 # The fp8 grouped GEMM's (experts=fp8, dispatch=fp8's default), the automatic one first.
 CUDA_FP8_TILES = ((128, 128, 128), (64, 128, 128))
-# The CPU executor blocks its loops by any power of two in [16, 256].
+# The CPU executor blocks its loops by any power of two in [16, 256]; auto is 128 columns
+# (TuningParams::tile_n_or_default, include/uniep/tuning.hpp).
 CPU_TILES = (16, 32, 64, 128, 256)
+_CPU_AUTO_TILE_N = 128
 _CUDA_SMS = (8, 16, 24, 32)
 _CUDA_TOKEN_TILES = (32, 64, 128)
 # The MegaKernel's points on packed experts, at each of its tile heights: (CTAs that send first,
@@ -539,9 +546,8 @@ def candidate_points(
     """Every schedule point the tuner considers for ``shape`` on ``device`` ("cpu" or "cuda"),
     as full tuning strings with ``numerics`` kept; the default point first.
 
-    CPU: ``tile_m`` (rows per work tile), ``tile_n`` and ``tile_k`` (loop blocking) over the powers
-    of two 16..256 and ``overlap`` sequential or fused (chunked orders the tiles as fused does on
-    CPU); ``sms`` and ``token_tile`` do not change the CPU executor.
+    CPU: ``tile_n`` (the width of the executor's inner loop) over the powers of two 16..256, the
+    only schedule key that changes the CPU executor's loops (``executor_point``).
 
     CUDA, plain weights (``moe_forward``) and ``weights="bf16_packed"`` (``moe_forward_prepared``)
     alike, both paths: the separate launches (``overlap=sequential``, the default point: what an
@@ -574,11 +580,8 @@ def candidate_points(
             out.append(text)
 
     if device == "cpu":
-        for overlap in ("fused", "sequential"):
-            for tm in CPU_TILES:
-                for tn in CPU_TILES:
-                    for tk in CPU_TILES:
-                        add(tile_m=tm, tile_n=tn, tile_k=tk, overlap=overlap)
+        for tn in CPU_TILES:
+            add(tile_n=tn)
     elif device == "cuda":
         compiled = CUDA_FP8_TILES if base.fp8_experts else CUDA_TILES
         tiles: list[tuple[int, int, int]] = [(0, 0, 0), *compiled]
@@ -598,6 +601,38 @@ def candidate_points(
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return out
+
+
+# What each executor reads of the schedule keys, as ``tune`` says it when every point runs alike.
+_EXECUTOR_READS = {
+    "cpu": "the CPU executor reads only tile_n of the schedule keys, as its inner loop's width, "
+    "at most the GEMM's N",
+    "cuda": "no CUDA path reads token_tile",
+}
+
+
+def executor_point(shape: MoeShape, device: str, tuning: str) -> str:
+    """What the executor on ``device`` ("cpu" or "cuda") does at ``tuning`` for ``shape``, as a
+    string: two points with the same string run the same work in the same loops, so that timing
+    one against the other measures only noise.
+
+    CPU (``cpp/core/cpu_moe.cpp``, ``cpu_math.hpp``): the numerics keys and, of the schedule
+    keys, ``tile_n`` alone, as the width of each expert GEMM's inner loop, ``min(tile_n, N)``
+    for its ``N`` (``2 * ffn``, then ``hidden``). ``tile_k`` cuts that loop's ``k`` range into
+    blocks walked in the same order, ``tile_m`` cuts an expert's rows into work tiles taken in
+    the same order, and ``overlap`` only reorders the work tiles (each row streams its expert's
+    weights whatever the order); ``sms``, ``token_tile``, ``stages`` and ``skip_rounds`` are
+    not read. CUDA: every key but ``token_tile``, which no CUDA path reads.
+    """
+    p = _C.TuningParams.parse(tuning)
+    if device == "cuda":
+        p.token_tile = _C.TuningParams().token_tile
+        return p.to_string()
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    tn = p.tile_n or _CPU_AUTO_TILE_N
+    widths = "/".join(str(min(tn, n)) for n in (2 * shape.ffn, shape.hidden))
+    return f"{normalize_numerics(p)},loop_n={widths}"
 
 
 def plain_swiglu_epilogue(ffn: int, p: _C.TuningParams) -> bool:
@@ -724,7 +759,7 @@ class CostModel:
             # The executor multiplies one row at a time (cpp/core/cpu_math.hpp, vec_mat): every
             # row streams each weight matrix once, whatever the blocking, and its innermost loop
             # (tile_n columns of one k) starts ceil(N / tile_n) * K times: the blocking's cost.
-            tn = p.tile_n or 128
+            tn = p.tile_n or _CPU_AUTO_TILE_N
             flops = 2.0 * rows * sum(n * k for n, k in gemms)
             weight_bytes = rows * sum(n * k for n, k in gemms) * eb
             loops = rows * sum(math.ceil(n / tn) * k for n, k in gemms)
@@ -876,21 +911,91 @@ def runoff_points(
     return close if len(close) > 1 else []
 
 
+@dataclass(frozen=True)
+class Pick:
+    """``pick_beyond_noise``'s answer: ``chosen``, the index of the point to keep; ``fastest``,
+    the index of the lowest median; ``why``: ``"beyond noise"`` (``chosen`` is not the default),
+    ``"default fastest"``, ``"within noise"``, ``"one round"`` (no spread to judge by) or
+    ``"default failed"`` (``chosen`` is then the fastest point)."""
+
+    chosen: int
+    fastest: int
+    why: str
+
+
+def pick_beyond_noise(
+    medians: Sequence[float], rounds: Sequence[Sequence[float]], default: int
+) -> Pick:
+    """Which measured point to keep: the default unless another one is faster beyond the noise.
+
+    ``medians[n]``: point ``n``'s median time (inf when it failed or was not measured);
+    ``rounds[n]``: its time in each interleaved round; ``default``: the default point's index.
+    A point replaces the default only when it was faster than the default in every round that
+    timed both (at least two): the rounds interleave the points, so a drift of the clock or of
+    the machine's load between rounds hits both alike, and a point that wins each paired round
+    wins by more than the round-to-round noise. Among such points the lowest median wins; with
+    none the default stays, also when the fastest median is another point's (``"within
+    noise"``). A point timed in fewer than two rounds beside the default never replaces it.
+    """
+    if not len(medians) == len(rounds) > default >= 0:
+        raise ValueError(
+            f"medians and rounds must be as long as each other and hold the default's index "
+            f"{default}, got {len(medians)} and {len(rounds)}"
+        )
+    finite = [n for n, m in enumerate(medians) if math.isfinite(m)]
+    fastest = min(finite, key=lambda n: (medians[n], n != default), default=default)
+    if not math.isfinite(medians[default]):
+        return Pick(fastest, fastest, "default failed")
+    if fastest == default:
+        return Pick(default, fastest, "default fastest")
+
+    def paired(n: int) -> list[tuple[float, float]]:
+        return list(zip(rounds[default], rounds[n], strict=False))
+
+    beyond = [
+        n
+        for n in finite
+        if n != default
+        and medians[n] < medians[default]
+        and len(paired(n)) >= 2
+        and all(mine < base for base, mine in paired(n))
+    ]
+    if beyond:
+        return Pick(min(beyond, key=lambda n: (medians[n], n)), fastest, "beyond noise")
+    if len(paired(fastest)) < 2:
+        return Pick(default, fastest, "one round")
+    return Pick(default, fastest, "within noise")
+
+
 def _label(tuning: str, default: str) -> str:
     """The keys of ``tuning`` that differ from ``default`` (``"default"`` when none do)."""
     diff = [kv for kv, d in zip(tuning.split(","), default.split(","), strict=True) if kv != d]
     return ",".join(diff) or "default"
 
 
+def _changes(tuning: str, default: str) -> int:
+    """How many keys of ``tuning`` differ from ``default``."""
+    return sum(kv != d for kv, d in zip(tuning.split(","), default.split(","), strict=True))
+
+
 @dataclass
 class Candidate:
-    """One measured point: its tuning string, the model's prediction and the measured median (the
-    slowest rank's) in ms; ``error`` when it could not run (then ``measured_ms`` is inf)."""
+    """One measured point: its tuning string, the model's prediction, the measured median and its
+    time in each interleaved round (both the slowest rank's) in ms; ``error`` when it could not
+    run (then ``measured_ms`` is inf)."""
 
     tuning: str
     predicted_ms: float
     measured_ms: float = math.nan
     error: str = ""
+    rounds_ms: list[float] = field(default_factory=list)
+
+    @property
+    def spread(self) -> str:
+        """Its round times as ``"min..max"`` ms (``"-"`` when not measured)."""
+        if not self.rounds_ms:
+            return "-"
+        return f"{min(self.rounds_ms):.3f}..{max(self.rounds_ms):.3f}"
 
     @property
     def schedule(self) -> str:
@@ -902,10 +1007,11 @@ class Candidate:
 
 @dataclass
 class TuneResult:
-    """What ``tune`` found. ``tuning``: the point to use (the default when the search found
-    nothing faster or the winner's bits differed); ``candidates``: the measured points in the
-    cost model's order (``considered`` were ranked); ``cache_path``: where it was stored (None
-    when not stored)."""
+    """What ``tune`` found. ``tuning``: the point to use (the default unless another point was
+    faster beyond the noise, ``pick_beyond_noise``, with the same bits); ``candidates``: the
+    measured points in the cost model's order (``considered`` were ranked, ``distinct`` of them
+    run differently on the executor, ``executor_point``); ``verdict``: one line saying why
+    ``tuning`` was kept; ``cache_path``: where it was stored (None when not stored)."""
 
     tuning: str
     default: str
@@ -920,22 +1026,60 @@ class TuneResult:
     bits_identical: bool = True
     cache_path: str | None = None
     weights: str = "plain"
+    distinct: int = 0
+    verdict: str = ""
 
     def table(self) -> str:
         """The measured candidates as a Markdown table (schedule keys, predicted and measured ms,
-        the chosen one marked)."""
+        the round times' range, the chosen one marked)."""
         lines = [
-            "| # | schedule | predicted ms | measured ms | chosen |",
-            "|---:|---|---:|---:|:---:|",
+            "| # | schedule | predicted ms | measured ms | rounds ms | chosen |",
+            "|---:|---|---:|---:|---:|:---:|",
         ]
         for n, c in enumerate(self.candidates, 1):
             measured = f"{c.measured_ms:.3f}" if math.isfinite(c.measured_ms) else "failed"
             chosen = "**yes**" if c.tuning == self.tuning else ""
             default = " (default)" if c.tuning == self.default else ""
             lines.append(
-                f"| {n} | `{c.schedule}`{default} | {c.predicted_ms:.3f} | {measured} | {chosen} |"
+                f"| {n} | `{c.schedule}`{default} | {c.predicted_ms:.3f} | {measured} | "
+                f"{c.spread} | {chosen} |"
             )
         return "\n".join(lines)
+
+
+def _verdict(
+    pick: Pick,
+    rows: Sequence[Candidate],
+    default_index: int,
+    considered: int,
+    distinct: int,
+    device: str,
+) -> str:
+    """One line on why ``pick.chosen`` is kept, with the times it rests on."""
+    d, f, c = rows[default_index], rows[pick.fastest], rows[pick.chosen]
+    kept = f"the default, {d.measured_ms:.3f} ms"
+    fastest = f"the fastest point, {_label(f.tuning, d.tuning)} at {f.measured_ms:.3f} ms,"
+    if distinct == 1:
+        return (
+            f"{kept}: all {considered} points run alike on the {device} executor at this shape "
+            f"({_EXECUTOR_READS[device]}), so none was raced against it"
+        )
+    if pick.why == "beyond noise":
+        return (
+            f"{c.measured_ms:.3f} ms vs {d.measured_ms:.3f} ms for the default "
+            f"({d.measured_ms / c.measured_ms:.2f}x), faster in every round (round times: "
+            f"{c.spread} ms, the default's {d.spread} ms)"
+        )
+    if pick.why == "within noise":
+        return (
+            f"{kept}: {fastest} is within noise: not faster in every round (round times: "
+            f"{f.spread} ms, the default's {d.spread} ms)"
+        )
+    if pick.why == "one round":
+        return f"{kept}: {fastest} ran in one round, which cannot tell it from noise"
+    if pick.why == "default failed":
+        return f"{c.measured_ms:.3f} ms; the default failed ({d.error})"
+    return f"{kept}: no other point measured faster"
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -1059,9 +1203,13 @@ def tune(
     (``moe_forward_prepared`` with ``weights="bf16_packed"``) on random routing: ``warmup`` untimed
     calls, then ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the
     wall clock on CPU); on a GPU the points within 5% of the best (``runoff_points``, at most 4)
-    are timed again in as many rounds, their medians then over every sample. A candidate's time
-    is the slowest rank's; rank 0's choice is broadcast. The winner's output must equal the
-    default point's bit for bit on the tuning inputs, else a warning and the default.
+    are timed again in as many rounds, their medians then over every sample. Points that the
+    executor runs alike (``executor_point``) are measured once. A candidate's time is the
+    slowest rank's; rank 0's choice is broadcast. The default is kept unless another point
+    beat it beyond the noise (``pick_beyond_noise``: faster than the default in every
+    interleaved round that timed both); ``TuneResult.verdict`` says which and why. The
+    winner's output must equal the default point's bit for bit on the tuning inputs, else a
+    warning and the default.
 
     Args:
         group: the process group the experts are split over.
@@ -1179,7 +1327,14 @@ def tune(
     model = _calibrate(
         shape, dev, grp, run, default, probe, min(warmup, 1), max(3, iters // 2), weights
     )
-    ranked = sorted(points, key=lambda t: (model.seconds(shape, t), t))
+    ranked = sorted(points, key=lambda t: (model.seconds(shape, t), _changes(t, default), t))
+    # One point per distinct execution (the default standing for its own): points that the
+    # executor runs alike would race only noise against each other.
+    runs_as = {t: executor_point(shape, dev.type, t) for t in points}
+    first = {runs_as[default]: default}
+    for t in ranked:
+        first.setdefault(runs_as[t], t)
+    ranked = [t for t in ranked if first[runs_as[t]] == t]
     chosen = ranked[:candidates]
     # The default, and on CUDA the separate launches' best point and the MegaKernel's default
     # launch (every CTA sends) at each tile height: the model ranks points within a path and
@@ -1193,8 +1348,8 @@ def tune(
             if f"sms={sm_count}/0," in t and "skip_rounds=auto" in t and "overlap=fused" in t
         ]
     for t in musts:
-        if t not in chosen:
-            chosen.append(t)
+        if first[runs_as[t]] not in chosen:
+            chosen.append(first[runs_as[t]])
     # Every rank measures rank 0's list in rank 0's order.
     chosen = json.loads(grp.rank0_text(json.dumps(chosen), "candidates"))
     rows = [Candidate(t, model.seconds(shape, t) * 1e3) for t in chosen]
@@ -1204,6 +1359,8 @@ def tune(
     # candidate instead of favouring the ones measured early: 2 to 4 rounds of at least 3 calls.
     rounds = min(iters, max(2, min(4, iters // 3)))
     per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+    # Each point's median in each round (-1: not timed), the search's rounds then the runoff's.
+    round_ms = [[-1.0] * (2 * rounds) for _ in rows]
     total = rounds * len(rows)
     done = 0
     start = time.monotonic()
@@ -1225,9 +1382,11 @@ def tune(
             if not skip:
                 try:
                     _settle(lambda t=row.tuning: run(t), settle[n], cuda)
-                    samples[n] += _times_ms(
+                    times = _times_ms(
                         lambda t=row.tuning: run(t), warmup if r == 0 else 0, per_round[r], cuda
                     )
+                    samples[n] += times
+                    round_ms[n][r] = statistics.median(times)
                 except (ValueError, RuntimeError, NotImplementedError) as e:
                     # moe_forward agrees its checks before any transfer: every rank fails alike.
                     row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -1250,7 +1409,9 @@ def tune(
         for r in range(rounds):
             for n in again:
                 _settle(lambda t=rows[n].tuning: run(t), settle[n], cuda)
-                samples[n] += _times_ms(lambda t=rows[n].tuning: run(t), 0, per_round[r], cuda)
+                times = _times_ms(lambda t=rows[n].tuning: run(t), 0, per_round[r], cuda)
+                samples[n] += times
+                round_ms[n][rounds + r] = statistics.median(times)
                 done += 1
                 if progress is not None and grp.rank == 0:
                     progress(done, total, _label(rows[n].tuning, default))
@@ -1258,12 +1419,17 @@ def tune(
             [statistics.median(s) if n in again else medians[n] for n, s in enumerate(samples)],
             "runoff",
         )
-    for row, ms in zip(rows, medians, strict=True):
+    width = 2 * rounds
+    slowest = grp.max([t for times in round_ms for t in times], "rounds")
+    for n, (row, ms) in enumerate(zip(rows, medians, strict=True)):
         row.measured_ms = ms
+        if not row.error:
+            row.rounds_ms = [t for t in slowest[n * width : (n + 1) * width] if t >= 0]
     measured = [row for n, row in enumerate(rows) if samples[n] or row.error]
-    default_row = next(row for row in rows if row.tuning == default)
-    best = min(measured, key=lambda c: (c.measured_ms, c.tuning != default))
-    winner = grp.rank0_text(best.tuning, "winner")
+    default_index = next(n for n, row in enumerate(rows) if row.tuning == default)
+    default_row = rows[default_index]
+    pick = pick_beyond_noise(medians, [row.rounds_ms for row in rows], default_index)
+    winner = grp.rank0_text(rows[pick.chosen].tuning, "winner")
     if _numerics_of(winner) != numerics:
         raise AssertionError(f"uniep.tune changed the numerics keys: {winner!r} vs {numerics!r}")
 
@@ -1281,6 +1447,12 @@ def tune(
             )
             winner = default
     winner_ms = next(row.measured_ms for row in rows if row.tuning == winner)
+    verdict = _verdict(pick, rows, default_index, len(points), len(first), dev.type)
+    if not bits_ok:
+        verdict = (
+            f"the default, {default_row.measured_ms:.3f} ms: the faster point's output bits "
+            "differed from the default's (see the warning)"
+        )
     name = device_name(dev)
     result = TuneResult(
         tuning=winner,
@@ -1308,6 +1480,8 @@ def tune(
         },
         bits_identical=bits_ok,
         weights=weights,
+        distinct=len(first),
+        verdict=verdict,
     )
     if cache:
         try:
@@ -1330,6 +1504,7 @@ def tune(
                         "default_ms": default_row.measured_ms,
                         "measured": len(measured),
                         "considered": len(points),
+                        "verdict": verdict,
                     },
                 )
             )
