@@ -197,3 +197,14 @@ def test_mark_expert_shards_names_bad_arguments() -> None:
         uniep.nn.mark_expert_shards(model)
     with pytest.raises(ValueError, match=r"params: every entry must be a name or a parameter"):
         uniep.nn.mark_expert_shards(model, [torch.zeros(2)])
+
+
+def test_prepared_experts_say_at_the_forward_that_they_have_no_backward() -> None:
+    from uniep.prepared import _refuse_autograd
+
+    x, w = torch.zeros(2, H, requires_grad=True), torch.zeros(2, K)
+    with pytest.raises(RuntimeError, match="moe_forward_prepared has no backward on CUDA"):
+        _refuse_autograd(x, w)
+    with torch.no_grad():
+        _refuse_autograd(x, w)
+    _refuse_autograd(x.detach(), w)

@@ -147,6 +147,8 @@ def moe_forward_prepared(
     the MegaKernel (module docstring); otherwise the dispatch, the engine's GEMMs in the
     prepared format and the combine, as separate launches. Both give ``moe_forward``'s bits.
     CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
+    On CUDA, with autograd on and ``x`` or ``topk_weights`` requiring grad, it raises
+    RuntimeError at once: those paths have no backward.
     """
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts must be a PreparedExperts, got {type(experts).__name__}")
@@ -166,6 +168,7 @@ def moe_forward_prepared(
     if x.device.type != "cuda":
         w1, w2 = experts.plain(x.dtype)
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+    _refuse_autograd(x, topk_weights)
     _check_cuda_operands(x, topk_idx, experts)
     world = world_size(group)
     if tuning == "" and experts.format == "bf16_packed":
@@ -180,6 +183,17 @@ def moe_forward_prepared(
     ):
         return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
+
+
+def _refuse_autograd(x: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """The CUDA paths have no backward: say so at the forward, not in a backward that meets a
+    launch with no gradient formula later."""
+    if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+        raise RuntimeError(
+            "moe_forward_prepared has no backward on CUDA (prepared experts are for inference), "
+            "but x or topk_weights requires grad: call it under torch.no_grad() or "
+            "torch.inference_mode(), or train with uniep.moe_forward on the experts' w1/w2"
+        )
 
 
 def _check_cuda_operands(x: torch.Tensor, topk_idx: torch.Tensor, experts: PreparedExperts) -> None:
