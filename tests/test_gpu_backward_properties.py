@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from _moe_cases import rank_slice
 from _routing_gen import global_inputs
+from test_gpu_training import run_on_one_gpu
 from test_properties_gpu import SHAPES, _device, _rel_err, cases_of
 
 pytestmark = [
@@ -127,13 +128,7 @@ def _backward_worker(rank: int, world: int) -> dict[str, Any]:
 def test_backward_paths_against_float64_autograd(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from uniep.distributed import run_local_ranks
-
-    if world > 1:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    backend = "nccl" if world == 1 else "gloo"
-    reports = run_local_ranks(_backward_worker, world, backend=backend, timeout_s=540)
+    reports = run_on_one_gpu(_backward_worker, world, monkeypatch, timeout_s=540)
     print(
         f"\nbackward properties (GPU, world {world}): {reports[0]['cases']} cases, "
         f"{sum(r['checks'] for r in reports)} gradient checks on all ranks"

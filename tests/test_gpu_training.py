@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +54,25 @@ if {pg}:
     dist.destroy_process_group()
 print("done", flush=True)
 """
+
+
+def run_on_one_gpu(
+    worker: Callable[[int, int], Any],
+    world: int,
+    monkeypatch: pytest.MonkeyPatch,
+    timeout_s: float = 300,
+) -> list[Any]:
+    """``worker`` on ``world`` ranks of the first visible GPU: NCCL at one rank; gloo at more,
+    every rank on that GPU (NCCL refuses two ranks on one device; the spawned ranks read
+    CUDA_VISIBLE_DEVICES afresh, so a multi-GPU machine shows them one GPU too)."""
+    from uniep.distributed import run_local_ranks
+
+    if world > 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    backend = "nccl" if world == 1 else "gloo"
+    return run_local_ranks(worker, world, backend=backend, timeout_s=timeout_s)
+
 
 _GROWTH = [(4096, 2048, 256, 128), (8192, 4096, 512, 2)]
 # A decode loop: token counts that grow the runtime several times, on two layer shapes.
@@ -114,11 +135,7 @@ def _grow_worker(rank: int, world: int) -> int:
 
 
 def test_ranks_sharing_the_gpu_exit_cleanly_after_growth(monkeypatch: pytest.MonkeyPatch) -> None:
-    from uniep.distributed import run_local_ranks
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert run_local_ranks(_grow_worker, 2, backend="gloo", timeout_s=300) == [0, 1]
+    assert run_on_one_gpu(_grow_worker, 2, monkeypatch) == [0, 1]
 
 
 def _empty_batch_worker(rank: int, world: int) -> list[str]:
@@ -165,14 +182,7 @@ def _empty_batch_worker(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_empty_batches_keep_their_graph(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from uniep.distributed import run_local_ranks
-
-    if world > 1:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    backend = "nccl" if world == 1 else "gloo"
-    reports = run_local_ranks(_empty_batch_worker, world, backend=backend, timeout_s=300)
-    bad = [b for rep in reports for b in rep]
+    bad = [b for rep in run_on_one_gpu(_empty_batch_worker, world, monkeypatch) for b in rep]
     assert not bad, "\n".join(bad)
 
 
@@ -211,12 +221,5 @@ def _odd_ffn_worker(rank: int, world: int) -> list[str]:
 def test_fused_backward_accepts_what_its_forward_accepts(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from uniep.distributed import run_local_ranks
-
-    if world > 1:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    backend = "nccl" if world == 1 else "gloo"
-    reports = run_local_ranks(_odd_ffn_worker, world, backend=backend, timeout_s=300)
-    bad = [b for rep in reports for b in rep]
+    bad = [b for rep in run_on_one_gpu(_odd_ffn_worker, world, monkeypatch) for b in rep]
     assert not bad, "\n".join(bad)
