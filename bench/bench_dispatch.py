@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     ShapeClock,
     add_budget_argument,
+    add_out_dir_argument,
     add_profile_argument,
     add_trace_arguments,
     median_time_ms,
@@ -489,7 +490,7 @@ def _finish(rows: list[dict[str, Any]], out_dir: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="decode shape and a small one")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--world-size", type=int, default=None, help="default: all GPUs")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (>= 30)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations (>= 5)")

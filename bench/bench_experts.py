@@ -44,7 +44,7 @@ The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_pac
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
 ``--tune-candidates`` best points and the default measured; then every point it measured re-timed on
 the load's inputs, interleaved with the engine's two GEMMs alone on the same rows (the fastest of
-its automatic tiles and the MegaKernel's two tiles forced): issue 22's goals, the tuner's pick
+its automatic tiles and the MegaKernel's two tiles forced): the MegaKernel's goals, the tuner's pick
 within 1.03x of the best re-timed point and the MegaKernel within 1.03x of the GEMMs alone.
 With ``--settle-s S`` the tuner settles each point first (``uniep.tune(settle_s=S)``) and the
 re-timing runs each function back to back for about S seconds first: the GPU at its power limit.
@@ -665,8 +665,8 @@ FUSED_POINTS_64 = [(16, -1), (32, -1), (16, 16), (10000, 0)]
 def _gemms_alone(x: torch.Tensor, idx: torch.Tensor, prepared: Any) -> tuple[Any, ...]:
     """The routed rows gathered beforehand in the kernel's row order, their per-expert offsets,
     each entry's row (``[T, K]``, -1: unused) and ``gemm_only(tiles="")``: the engine's two GEMMs
-    alone on them (SwiGLU epilogue, then the down projection), the reference of issue 22's 1.03x
-    goal."""
+    alone on them (SwiGLU epilogue, then the down projection), the reference of the
+    MegaKernel's 1.03x goal."""
     from uniep import gate
     from uniep.megakernel import expert_counts
 
@@ -735,8 +735,8 @@ def _bench_local(
 ) -> None:
     """The MegaKernel at world 1 (uniep.megakernel.moe_forward_local: no host sync; its
     sequential and streams compositions and the fused persistent kernel at FUSED_POINTS) beside
-    the GEMMs alone on rows gathered beforehand: issue 22's goal is the fused forward within 1.03x
-    of that GEMM-only time."""
+    the GEMMs alone on rows gathered beforehand: the MegaKernel's goal is the fused forward
+    within 1.03x of that GEMM-only time."""
     from uniep.megakernel import moe_forward_local, trace_phases
 
     rows, offs, grow, gemm_only = _gemms_alone(x, idx, prepared)
@@ -867,7 +867,7 @@ def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list
     return rows
 
 
-# The tuner's acceptance (issue 22): its pick within 3% of the best point it measured, re-timed.
+# The tuner's acceptance: its pick within 3% of the best point it measured, re-timed.
 GOAL_TUNE = 1.03
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, profile_kernels, write_result  # noqa: E402
+from common import add_out_dir_argument, median_time_ms, profile_kernels, write_result  # noqa: E402
 
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -179,7 +179,7 @@ def bench_rows(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU op vs baseline, small shape")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args(argv)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time_ms, write_result  # noqa: E402
+from common import add_out_dir_argument, median_time_ms, write_result  # noqa: E402
 
 CUDA_SKIP = "this build has no CUDA moe_forward (torch without CUDA)"
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
@@ -237,7 +237,7 @@ def _markdown(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 gloo ranks on CPU, small shape")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=600.0)

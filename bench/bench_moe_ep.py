@@ -1,7 +1,7 @@
 """The MoE layer at EP = world, forward and backward: moe_forward / moe_backward with
 overlap=sequential and overlap=fused against NCCL all_to_all_single + torch._grouped_mm, the expert
 GEMMs alone on each rank, and uniep.tune's pick re-timed against the best point it measured
-(issue 23, part 2).
+(the multi-GPU run's part 2).
 
 **The fused rows.** ``uniep.moe_forward`` with ``overlap=fused`` runs the MegaKernel on CUDA in
 bf16 (on a packed copy of w1 that ``uniep.fused_forward`` keeps; the op
@@ -66,6 +66,7 @@ from bench_moe import (  # noqa: E402
 from common import (  # noqa: E402
     ShapeClock,
     add_budget_argument,
+    add_out_dir_argument,
     add_profile_argument,
     median_time_ms,
     profile_kernels,
@@ -631,7 +632,7 @@ def build_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 gloo ranks on CPU, small shape")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--world-size", type=int, default=None, help="default: all GPUs (CPU: 2)")
     parser.add_argument("--shapes", default="", help="comma-separated shape names (default all)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default 20)")

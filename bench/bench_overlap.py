@@ -28,8 +28,11 @@ median, p10 and p90; the slowest rank's median is what ratios and goals use. A v
 raises is recorded with its error (torch's fused ops included) and the run goes on.
 
     python bench/bench_overlap.py --quick                       # smoke run: small shapes
-    python bench/bench_overlap.py --out bench/results/overlap.json   # TP 2 and 4, plot beside it
+    python bench/bench_overlap.py                               # TP 2 and 4
     torchrun --nproc-per-node 4 bench/bench_overlap.py --tp 4   # one TP size: the world size
+
+The JSON goes to bench/results/bench_overlap/bench_overlap.json (``--out``, ``--out-dir``) and
+the plot beside it as .svg (``--plot``, ``--no-plot``), replacing the last run's.
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    DEFAULT_OUT_DIR,
-    _slug,
     add_profile_argument,
     add_trace_arguments,
     env_info,
+    measured,
     profile_kernels,
+    replace_result,
+    result_path,
     time_calls_ms,
     trace_paths,
 )
@@ -967,18 +971,21 @@ def _failed(payload: dict[str, Any]) -> bool:
     return False
 
 
+def out_path(args: argparse.Namespace) -> Path:
+    """The JSON's path: ``--out``, else ``common.result_path`` in ``--out-dir``."""
+    return Path(args.out) if args.out else result_path("bench_overlap", args.out_dir)
+
+
+def plot_path(args: argparse.Namespace) -> Path | None:
+    """The SVG's path: ``--plot``, else beside the JSON; None with ``--no-plot``."""
+    if args.no_plot:
+        return None
+    return Path(args.plot) if args.plot else out_path(args).with_suffix(".svg")
+
+
 def _write(payload: dict[str, Any], args: argparse.Namespace) -> Path:
-    if args.out:
-        path = Path(args.out)
-    else:
-        stamp = payload["env"]["date"].replace(":", "").replace("+0000", "Z")
-        directory = Path(args.out_dir) if args.out_dir else DEFAULT_OUT_DIR
-        path = directory / f"bench_overlap-{_slug(payload['env']['device'])}-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(finite_json(payload), indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(finite_json(payload), indent=1, allow_nan=False) + "\n"
+    return replace_result(out_path(args), text, measured(payload["results"] + payload["dp"]))
 
 
 def _finish(payload: dict[str, Any], args: argparse.Namespace) -> int:
@@ -987,9 +994,9 @@ def _finish(payload: dict[str, Any], args: argparse.Namespace) -> int:
         {"tp": s["tp"], "kind": "-", "shape": "-", "status": s["skipped"]}
         for s in payload["skipped"]
     ]
-    plot = args.plot or (str(Path(args.out).with_suffix(".svg")) if args.out else None)
-    if plot and not args.no_plot and payload["results"]:
-        payload["plot"] = Path(plot).name
+    plot = plot_path(args)
+    if plot is not None and payload["results"]:
+        payload["plot"] = plot.name
     path = _write(payload, args)
     print(f"wrote {path}")
     if payload.get("plot"):
@@ -1072,16 +1079,14 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small shapes and bucket, few iterations"
     )
     parser.add_argument("--no-dp", action="store_true", help="skip the DP reduce-scatter overlap")
-    parser.add_argument("--out", default=None, help="JSON path (the plot goes beside it as .svg)")
+    parser.add_argument("--out", default=None, help="JSON path (default: see --out-dir)")
     parser.add_argument(
         "--out-dir",
         default=None,
-        help="JSON directory when --out is not given "
-        "(default bench/results; file named like common.write_result's)",
+        help="results folder when --out is not given: the JSON goes to "
+        "DIR/bench_overlap/bench_overlap.json, replacing the last run's (default bench/results)",
     )
-    parser.add_argument(
-        "--plot", default=None, help="SVG path (default: --out with .svg, else none)"
-    )
+    parser.add_argument("--plot", default=None, help="SVG path (default: the JSON's, as .svg)")
     parser.add_argument("--no-plot", action="store_true", help="write no SVG")
     parser.add_argument(
         "--iters", type=int, default=None, help="timed iterations (default 50, 10 quick)"

@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import add_out_dir_argument, write_result  # noqa: E402
 from plot_svg import Panel, Series, render_svg  # noqa: E402
 
-GOAL_SPEEDUP = 1.5  # issue 20: geomean predicted speedup of auto over the baseline
-GOAL_RIGHT = 0.95  # issue 20: how often auto picks the measured-faster schedule
+GOAL_SPEEDUP = 1.5  # Parm's goal: geomean predicted speedup of auto over the baseline
+GOAL_RIGHT = 0.95  # Parm's goal: how often auto picks the measured-faster schedule
 
 
 # Layers for the measured check: big enough on CPU that the exchange is not all start-up cost.
@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ranks (default 4; with --ranks-per-gpu 1 the GPU count)",
     )
     parser.add_argument("--mp-size", type=int, default=2)
-    parser.add_argument("--out-dir", default=None)
+    add_out_dir_argument(parser)
     parser.add_argument("--no-plot", action="store_true", help="write no SVG")
     parser.add_argument(
         "--measure",

@@ -15,10 +15,10 @@ energy of everything it does, overlapped or not. This script measures that energ
     (median power - idle power) x time per call.
 
 Variants (``uniep.megakernel.moe_forward_local`` and the launches it is made of, on the layer of
-``bench_experts``' loads): the engine's two GEMMs alone on rows gathered beforehand (issue 22's
-reference), the two gated GEMMs of the sequential path, the plan, the send (the row gather) and
-the combine alone, the GEMMs then the combine (the floor of any design with a free plan and
-dispatch), the sequential composition, and the fused MegaKernel at its default point.
+``bench_experts``' loads): the engine's two GEMMs alone on rows gathered beforehand (the
+MegaKernel's reference), the two gated GEMMs of the sequential path, the plan, the send (the row
+gather) and the combine alone, the GEMMs then the combine (the floor of any design with a free
+plan and dispatch), the sequential composition, and the fused MegaKernel at its default point.
 
     python bench/bench_power.py --loads qwen3-30b-a3b [--seconds 2] [--out-dir DIR]
 """
@@ -41,7 +41,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import profile_kernels, sm90_kernel_missing, write_result  # noqa: E402
+from common import (  # noqa: E402
+    add_out_dir_argument,
+    profile_kernels,
+    sm90_kernel_missing,
+    write_result,
+)
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -212,7 +217,7 @@ def measure(load: tuple[str, int, int, int, int, int], seconds: float) -> list[d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--loads", default="qwen3-30b-a3b", help="comma-separated load names")
     parser.add_argument("--seconds", type=float, default=2.0, help="back-to-back time per variant")
     args = parser.parse_args(argv)

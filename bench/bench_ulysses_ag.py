@@ -1,5 +1,5 @@
 """Ulysses all-to-all and the data-parallel all-gather: uniep's P2P collectives against NCCL
-(issue 23, part 3, beside bench_overlap.py's TP and DP reduce-scatter rows).
+(the multi-GPU run's part 3, beside bench_overlap.py's TP and DP reduce-scatter rows).
 
 For every group size W in ``--tp`` (one spawn of W NCCL ranks each), in bf16:
 
@@ -52,7 +52,7 @@ from bench_overlap import (  # noqa: E402
     rel_norm_err,
     valid_chunks,
 )
-from common import write_result  # noqa: E402
+from common import add_out_dir_argument, write_result  # noqa: E402
 
 # (S, H, D): sequence length over the group, heads, head dim.
 ULYSSES_SHAPES = ((8192, 32, 128), (32768, 32, 128))
@@ -287,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="gloo ranks, CPU executor, tiny sizes")
     parser.add_argument("--quick", action="store_true", help="the same as --cpu (run_all.sh)")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default 30)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per group size")

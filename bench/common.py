@@ -15,6 +15,7 @@ import re
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
+PLOT_SUFFIXES = (".svg", ".png")
 
 
 def _commit() -> str:
@@ -96,25 +98,62 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "unknown"
 
 
-def write_result(name: str, rows: list[dict], out_dir: str | None = None) -> str:
-    """Write ``{"name", "env", "rows"}`` as JSON and return the file path.
+def result_path(name: str, out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where benchmark ``name`` keeps its result: ``{out_dir}/{name}/{name}.json``, ``out_dir``
+    defaulting to ``bench/results``. One file per benchmark, which each run replaces; its plot,
+    if any, goes beside it with the same stem. Earlier runs are in git history
+    (``git log -- bench/results/{name}``)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip(".-")
+    if not safe:
+        raise ValueError(f"name must have a letter or digit, got {name!r}")
+    return (Path(out_dir) if out_dir else DEFAULT_OUT_DIR) / safe / f"{safe}.json"
 
-    The file is ``{out_dir}/{name}-{device-slug}-{date}.json`` (default ``bench/results``); the date
-    has second resolution so that repeated runs do not overwrite each other.
-    """
+
+def measured(rows: list[dict]) -> bool:
+    """Whether any row holds a measurement: not a row that says why it was skipped or failed."""
+    return any("skipped" not in r and "error" not in r and r.get("kind") != "skipped" for r in rows)
+
+
+def replace_result(path: str | os.PathLike[str], text: str, is_measurement: bool = True) -> Path:
+    """Write ``text`` to ``path`` through a temporary file, so a reader never sees half a result.
+    Plots beside it from the run before (same stem, ``.svg`` or ``.png``) are removed: they would
+    describe another run. A benchmark writes its own plot after its JSON.
+
+    A run that measured nothing (``is_measurement`` False: every row skipped or failed, e.g. a
+    multi-GPU benchmark on one GPU) does not replace an existing result; it goes only where
+    there is none yet (a fresh ``--out-dir``, whose readers want the reason)."""
+    path = Path(path)
+    if not is_measurement and path.exists():
+        print(f"nothing measured (every row skipped or failed): {path} is kept", file=sys.stderr)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in PLOT_SUFFIXES:
+        path.with_suffix(suffix).unlink(missing_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_result(name: str, rows: list[dict], out_dir: str | None = None) -> str:
+    """Write ``{"name", "env", "rows"}`` to :func:`result_path`, replacing the run before unless
+    this one measured nothing (:func:`replace_result`), and return the file path."""
     if not name:
         raise ValueError("name must be a non-empty string")
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-    env = env_info()
-    directory = Path(out_dir) if out_dir else DEFAULT_OUT_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    stamp = env["date"].replace(":", "").replace("+0000", "Z")
-    path = directory / f"{name}-{_slug(env['device'])}-{stamp}.json"
-    payload = {"name": name, "env": env, "rows": rows}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return str(path)
+    path = result_path(name, out_dir)
+    payload = {"name": path.stem, "env": env_info(), "rows": rows}
+    text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
+    return str(replace_result(path, text, measured(rows)))
+
+
+def add_out_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out-dir DIR``: the results folder; a benchmark NAME writes ``DIR/NAME/NAME.json``."""
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="results folder: the JSON goes to DIR/NAME/NAME.json, replacing the last run's "
+        "(default bench/results)",
+    )
 
 
 def time_calls_ms(fn: Callable[[], object], iters: int, cuda: bool) -> list[float]:
@@ -280,7 +319,7 @@ def sm90_gemm_bench_args(
     (default all), ``tune`` ``--tune-candidates N``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
-    parser.add_argument("--out-dir", default=None, help="JSON directory (default bench/results)")
+    add_out_dir_argument(parser)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     if profile:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine has to prove, in one run from the repository root:
-#   bash bench/device_check.sh            (OUT=bench/results/device unless set)
+#   bash bench/device_check.sh            (where things go: see the end of this comment)
 #   bash bench/device_check.sh --multigpu [OPTIONS]
-#       issue 23's multi-GPU measurement run instead, sized for one 10-minute device call (build,
+#       the multi-GPU measurement run instead, sized for one 10-minute device call (build,
 #       the multigpu tests, EP dispatch/combine, the MoE layer, TP/SP overlap, Parm on every GPU,
 #       a summary of each goal): bench/multigpu_run.sh, whose header has its options and budget.
 # 1. installs the carried CUTLASS headers wheel (.whl/nvidia_cutlass-*.whl; the machine has no
@@ -13,7 +13,10 @@
 # 5. writes $OUT/device_check.json: device, GPU count, commit, date, build/test/bench status.
 # Later steps run even when earlier ones fail (the JSON always gets written); the exit status is
 # non-zero if anything failed. $OUT holds at most: build.log, gpu-tests.xml, gpu-tests-mps.xml,
-# bench.log, device_check.json and the benchmark JSON files, one level deep.
+# bench.log, device_check.json and one folder per benchmark (NAME/NAME.json, and its plot).
+# With $OUT set (the device tool's folder) all of it goes there. Without it the benchmarks replace
+# bench/results/NAME/NAME.json, the results bench/RESULTS.md quotes, and the logs and
+# device_check.json go to a new folder under $TMPDIR, named at the end.
 set -euo pipefail
 
 if [[ "${1:-}" == "--multigpu" ]]; then
@@ -28,7 +31,12 @@ export PYTHONUNBUFFERED=1
 export MAX_JOBS=16 CMAKE_BUILD_PARALLEL_LEVEL=16
 export PYTHON=python3  # for bench/run_all.sh
 
-OUT=${OUT:-bench/results/device}
+if [[ -n "${OUT:-}" ]]; then
+  results=$OUT
+else
+  OUT=$(mktemp -d "${TMPDIR:-/tmp}/uniep-device-check.XXXXXX")
+  results=bench/results
+fi
 mkdir -p "$OUT"
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 failed=()
@@ -105,7 +113,7 @@ if [[ $build_rc -eq 0 ]]; then
 
   echo "== benchmarks (log: $OUT/bench.log)"
   bench_rc=0
-  bash bench/run_all.sh --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
+  bash bench/run_all.sh --out-dir "$results" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
   [[ $bench_rc -eq 0 ]] || failed+=("bench")
 fi
 
@@ -169,6 +177,7 @@ report = {
 print(json.dumps(report, indent=2))
 EOF
 
+echo "device_check: logs and device_check.json in $OUT, benchmark results in $results"
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "device_check: FAILED: ${failed[*]}" >&2
   exit 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's multi-GPU measurement run in ONE command that fits one 10-minute device call:
+# The multi-GPU measurement run in ONE command that fits one 10-minute device call:
 #   bash bench/device_check.sh --multigpu [OPTIONS]     (the entry point; it runs this file)
 # On a machine with >= 2 GPUs, from the repository root: builds UniEP once, runs the `multigpu`
 # tests, then parts 1-4 of the issue, each step under its own `timeout`, all inside one deadline
@@ -13,21 +13,24 @@
 # Sizes: EP = min(4, GPUs) (the issue's EP4), TP in {2, 4} up to the GPU count, Parm at 4 and 8
 # GPUs where there are that many, else at the GPU count (2 on nvidia-h100-x2), MP groups of 2.
 #
-# What comes back in $OUT (default bench/results/multigpu; at most 4 files, as the device tool
-# returns at most 8): console-KIND-COMMIT.log (everything printed), summary-KIND-COMMIT.json (each
-# goal: target, measured figure, status, why; each step: status, seconds, timeout),
-# summary-KIND-COMMIT.md (the same as tables), multigpu-KIND-COMMIT-DATE.tgz (every benchmark
-# JSON/SVG, build.log, multigpu-tests.xml, steps.jsonl, meta.json). Every benchmark JSON names the
-# device, the kind (env.kind), the GPU count, the date and the commit. The summary and the bundle
-# are rewritten after every step, so a run cut short still returns what it measured.
+# What comes back in $OUT (at most 4 files, as the device tool returns at most 8):
+# console-KIND-COMMIT.log (everything printed), summary-KIND-COMMIT.json (each goal: target,
+# measured figure, status, why; each step: status, seconds, timeout), summary-KIND-COMMIT.md (the
+# same as tables), multigpu-KIND-COMMIT-DATE.tgz (every benchmark JSON/SVG, build.log,
+# multigpu-tests.xml, steps.jsonl, meta.json). Every benchmark JSON names the device, the kind
+# (env.kind), the GPU count, the date and the commit. The summary and the bundle are rewritten
+# after every step, so a run cut short still returns what it measured. Without $OUT the summary
+# JSON replaces bench/results/multigpu/multigpu.json (the run bench/RESULTS.md quotes) and the
+# other three files go to a new folder under $TMPDIR; a --dry-run keeps all four there.
 #
 # KIND: $UNIEP_DEVICE_KIND if the caller sets it (the device tool's kind, e.g. nvidia-h100-x2),
 # else derived from the GPU name and count (bench/common.py kind_from_gpus). COMMIT:
 # $UNIEP_COMMIT if set (the device copy's git HEAD is not this tree's), else git's HEAD.
 #
-# Time budget on nvidia-h100-x2 (seconds; "typical" estimated from each script's own settings, the
-# earlier runs in bench/results/2026-11-23-h200x2-* and the ~90-140 s build; "cap" is the step's
-# timeout unless less of the budget is left; later steps keep at least their "min" each):
+# Time budget on nvidia-h100-x2 (seconds; "typical" estimated from each script's own settings,
+# the 2x H200 device checks of 2026-11-23 (commits 5bd2db2 to 2a0c59e) and the ~90-140 s build;
+# "cap" is the step's timeout unless less of the budget is left; later steps keep at least their
+# "min" each):
 #   step                      typical  cap  min  what sets it
 #   environment + wheels           10   60    -  nvidia-smi, pip install of .whl/ (no network)
 #   build                         130  240   60  pip install --no-build-isolation (16 jobs)
@@ -50,10 +53,11 @@
 #   total                        ~480 <= 580
 # Parts 1 and 2 pass their step's seconds as one --budget for their shapes (bench/common.py
 # ShapeClock): a shape may use what the earlier ones left, less a floor per later shape, instead
-# of a fixed half each. On 4 H100s (bench/results/2026-11-26-session22) the build took 112 s,
-# the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like over 55 s, Mixtral-like under
-# 48 s), part 3 59 s and part 4 46 s: ~540 s with the summary, inside 580 with little to spare;
-# halves of part 2's step (44 and 55 s) had cut its DeepSeek-V3-like shape short twice there.
+# of a fixed half each. On 4 H100s (the runs of 2026-11-26 at commits 1995c58 and 072b748) the
+# build took 112 s, the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like over 55 s,
+# Mixtral-like under 48 s), part 3 59 s and part 4 46 s: ~540 s with the summary, inside 580 with
+# little to spare; halves of part 2's step (44 and 55 s) had cut its DeepSeek-V3-like shape short
+# twice there.
 # On 4 GPUs part 3 runs TP2 and TP4 (caps per TP size) and part 4 runs at 4 GPUs; on 8 GPUs part 4
 # runs at 4 and 8. Trim with --iters N (every timed-iteration count), --warmup N, --parts, or
 # --skip-tests / --skip-build (a warm machine whose build is current); or the MGPU_* variables
@@ -85,7 +89,7 @@ while [[ $# -gt 0 ]]; do
     --skip-build) skip_build=1; shift ;;
     --skip-tests) skip_tests=1; shift ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,60p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,73p' "$0"; exit 0 ;;
     *) echo "multigpu_run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -146,11 +150,16 @@ export UNIEP_DEVICE_KIND=$kind UNIEP_COMMIT=$commit
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 tag="${kind}-${commit}"
 
-OUT=${OUT:-bench/results/multigpu}
+if [[ -n "${OUT:-}" ]]; then
+  summary_json="$OUT/summary-${tag}.json"
+else
+  OUT=$(mktemp -d "${TMPDIR:-/tmp}/uniep-mgpu-out.XXXXXX")
+  summary_json=bench/results/multigpu/multigpu.json
+  ((dry)) && summary_json="$OUT/summary-${tag}.json"
+fi
 mkdir -p "$OUT"
 WORK=${MGPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/uniep-mgpu.XXXXXX")}
 mkdir -p "$WORK"
-summary_json="$OUT/summary-${tag}.json"
 summary_md="$OUT/summary-${tag}.md"
 bundle="$OUT/multigpu-${tag}-${stamp}.tgz"
 exec > >(tee -a "$OUT/console-${tag}.log") 2>&1

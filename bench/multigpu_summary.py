@@ -1,5 +1,6 @@
-"""The summary of bench/multigpu_run.sh: each part of issue 23, its goal, the measured figure, and
-met / missed / not-run with the reason, from the step records and the benchmark JSON files.
+"""The summary of bench/multigpu_run.sh: each part of the multi-GPU run, its goal, the measured
+figure, and met / missed / not-run with the reason, from the step records and the benchmark
+JSON files.
 
     python bench/multigpu_summary.py record --work DIR --step NAME --status ok --rc 0 ...
     python bench/multigpu_summary.py meta --work DIR key=value ...
@@ -31,7 +32,7 @@ PARM_WORLDS = (4, 8)
 TP_SIZES = (2, 4)
 ANCHOR_SHAPES = ("8192x8192_n7168", "4096x8192_n2048", "16384x4096_n3584")
 MOE_SHAPES = ("dsv3-like", "mixtral-like")
-# Which benchmark JSON each step writes (the file name's prefix, in the step's out_dir).
+# Which benchmark each step runs: it writes {out_dir}/{name}/{name}.json (common.result_path).
 STEP_FILES = {
     "part1-dispatch": "bench_dispatch",
     "part2-moe": "bench_moe_ep",
@@ -62,11 +63,14 @@ def read_steps(work: Path) -> dict[str, dict[str, Any]]:
     return steps
 
 
-def load_payload(step: dict[str, Any] | None, prefix: str) -> dict[str, Any] | None:
-    """The newest ``{prefix}-*.json`` in the step's out_dir, or None."""
+def load_payload(step: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """Benchmark ``name``'s result in the step's out_dir, or None: ``{name}/{name}.json``, else
+    the newest ``{name}-*.json`` (the files of benchmarks from before that layout)."""
     if not step or not step.get("out_dir"):
         return None
-    files = sorted(Path(step["out_dir"]).glob(f"{prefix}-*.json"), key=lambda p: p.stat().st_mtime)
+    out_dir = Path(step["out_dir"])
+    dated = sorted(out_dir.glob(f"{name}-*.json"), key=lambda p: p.stat().st_mtime)
+    files = [*dated, out_dir / name / f"{name}.json"]
     for path in reversed(files):
         try:
             return json.loads(path.read_text())
@@ -311,7 +315,7 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
                 fused_bits_equal_sequential=(r or {}).get("fused_bits_equal_sequential"),
             )
         )
-        # The fused backward across ranks (issue 22): no speed goal of its own; its gradients
+        # The fused backward across ranks: no speed goal of its own; its gradients
         # must equal overlap=sequential's, and its time beside sequential's is reported.
         bwd_bits = (r or {}).get("fused_backward_bits_equal_sequential")
         seq_bwd, fused_bwd = ms.get("bwd_sequential"), ms.get("bwd_fused")
@@ -549,7 +553,7 @@ def finite(obj: Any) -> Any:
 
 def markdown(summary: dict[str, Any]) -> list[str]:
     lines = [
-        f"## issue 23 multi-GPU run on {summary.get('kind', '?')} ({summary.get('device', '?')}),"
+        f"## multi-GPU run on {summary.get('kind', '?')} ({summary.get('device', '?')}),"
         f" commit {summary.get('commit', '?')}, {summary.get('date', '?')}",
         "",
         "| step | status | seconds | timeout | why |",

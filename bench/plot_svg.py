@@ -4,7 +4,7 @@ The GPU machine has no network and may lack matplotlib, so the benchmarks can al
 plots with the small writer below. ``overlap_panels`` turns a ``bench_overlap.py`` result into
 one panel per (TP size, op kind): time against M for each variant.
 
-    python bench/plot_svg.py bench/results/overlap.json            # writes overlap.svg beside it
+    python bench/plot_svg.py                    # bench/results/bench_overlap/bench_overlap.svg
     python bench/plot_svg.py RESULT.json -o plot.svg --no-matplotlib
 """
 
@@ -21,6 +21,9 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 __all__ = ["Panel", "Series", "nice_ticks", "overlap_panels", "render_svg", "write_plot"]
+
+# bench_overlap.py's result (common.result_path, which is not imported: common needs torch).
+OVERLAP_RESULT = Path(__file__).resolve().parent / "results/bench_overlap/bench_overlap.json"
 
 
 @dataclass(frozen=True)
@@ -295,7 +298,12 @@ def write_plot(payload: dict[str, Any], path: str | Path, prefer_matplotlib: boo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("result", help="a bench_overlap.py JSON file")
+    parser.add_argument(
+        "result",
+        nargs="?",
+        default=str(OVERLAP_RESULT),
+        help="a bench_overlap.py JSON (default bench/results/bench_overlap/bench_overlap.json)",
+    )
     parser.add_argument("-o", "--out", default=None, help="SVG path (default: RESULT with .svg)")
     parser.add_argument("--no-matplotlib", action="store_true", help="always the built-in writer")
     args = parser.parse_args(argv)

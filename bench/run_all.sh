@@ -3,6 +3,8 @@
 #   bash bench/run_all.sh [--quick] [--out-dir DIR]
 # --quick runs the CPU configurations only (what CI and a laptop can do). Exits non-zero if any
 # benchmark failed; the others still run.
+# Each benchmark NAME replaces DIR/NAME/NAME.json (default bench/results, the committed results
+# that bench/RESULTS.md quotes): give --quick runs a scratch DIR.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,7 +17,7 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 ]] || { echo "run_all.sh: --out-dir needs a directory" >&2; exit 2; }
       out_dir="$2"; shift 2 ;;
     --out-dir=*) out_dir="${1#--out-dir=}"; shift ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument '$1' (expected --quick, --out-dir DIR)" >&2; exit 2 ;;
   esac
 done

@@ -1,6 +1,8 @@
 """Print Markdown tables of benchmark JSON files (those written by bench/common.write_result).
 
 python bench/summarize.py [--out-dir DIR] [--since EPOCH_SECONDS] [FILE ...]
+
+Without FILEs: every DIR/NAME/NAME.json (default bench/results), one result per benchmark.
 """
 
 from __future__ import annotations
@@ -42,18 +44,22 @@ def table(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def result_files(out_dir: Path) -> list[Path]:
+    """The benchmark results in ``out_dir``: ``NAME/NAME.json``, by name."""
+    return sorted(p for p in out_dir.glob("*/*.json") if p.stem == p.parent.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", help="JSON files (default: all in --out-dir)")
-    parser.add_argument("--out-dir", default=str(DEFAULT_DIR))
+    parser.add_argument("files", nargs="*", help="JSON files (default: those in --out-dir)")
+    parser.add_argument(
+        "--out-dir", default=str(DEFAULT_DIR), help="results folder, read as DIR/NAME/NAME.json"
+    )
     parser.add_argument("--since", type=float, default=0.0, help="only files modified after this")
     args = parser.parse_args(argv)
 
-    paths = [Path(f) for f in args.files] or sorted(Path(args.out_dir).glob("*.json"))
+    paths = [Path(f) for f in args.files] or result_files(Path(args.out_dir))
     paths = [p for p in paths if p.stat().st_mtime >= args.since]
-    if not paths:
-        print(f"no benchmark results in {args.out_dir}", file=sys.stderr)
-        return 1
     blocks = []
     for path in paths:
         try:
@@ -61,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             print(f"{path}: unreadable ({exc})", file=sys.stderr)
             return 1
+        if "rows" not in payload:  # not a write_result file (the multi-GPU run's summary)
+            continue
         blocks.append("\n".join(table(payload)))
+    if not blocks:
+        print(f"no benchmark results in {args.out_dir}", file=sys.stderr)
+        return 1
     print("\n\n".join(blocks))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -68,3 +69,64 @@ def test_trace_paths_name_only_the_traced_variants() -> None:
     assert path("ours_c1") == str(Path("out") / "trace-tp2-ag_mm-8x8_n8-ours_c1-rank1.json")
     assert path("mm_alone") is None
     assert common.trace_paths({"trace": ["ours_c1"], "trace_dir": None}, "t", 0)("ours_c1") is None
+
+
+def test_result_path_is_one_file_per_benchmark(tmp_path: Path) -> None:
+    assert common.result_path("bench_moe") == common.BENCH_DIR / "results/bench_moe/bench_moe.json"
+    assert common.result_path("bench_moe", tmp_path) == tmp_path / "bench_moe" / "bench_moe.json"
+    # A name cannot leave the results folder.
+    assert common.result_path("../x y", tmp_path) == tmp_path / "x-y" / "x-y.json"
+    with pytest.raises(ValueError, match="letter or digit"):
+        common.result_path("..", tmp_path)
+
+
+def test_write_result_replaces_the_last_run_and_its_plot(tmp_path: Path) -> None:
+    first = Path(common.write_result("bench_x", [{"ms": 1.0}], str(tmp_path)))
+    assert first == tmp_path / "bench_x" / "bench_x.json"
+    first.with_suffix(".svg").write_text("<svg/>")  # the first run's plot
+    second = Path(common.write_result("bench_x", [{"ms": 2.0}], str(tmp_path)))
+    assert second == first
+    assert sorted(p.name for p in first.parent.iterdir()) == ["bench_x.json"]
+    payload = json.loads(second.read_text())
+    assert payload["name"] == "bench_x" and payload["rows"] == [{"ms": 2.0}]
+    assert {"device", "kind", "commit", "date"} <= set(payload["env"])
+
+
+def test_out_dir_argument_defaults_to_bench_results() -> None:
+    parser = argparse.ArgumentParser()
+    common.add_out_dir_argument(parser)
+    assert parser.parse_args([]).out_dir is None
+    assert parser.parse_args(["--out-dir", "d"]).out_dir == "d"
+    assert "DIR/NAME/NAME.json" in parser.format_help()
+
+
+def test_results_keep_the_latest_run_of_each_benchmark_only() -> None:
+    # bench/results/NAME/ holds NAME.json and its plot; older runs are in git history. The whole
+    # of bench/ (scripts included) stays within 1 MB.
+    results = common.DEFAULT_OUT_DIR
+    stray = [
+        str(p.relative_to(results))
+        for p in results.rglob("*")
+        if p.is_file()
+        and not (
+            p.parent.parent == results
+            and p.stem == p.parent.name
+            and p.suffix in (".json", *common.PLOT_SUFFIXES)
+        )
+    ]
+    assert stray == [], f"only NAME/NAME.json and its plot belong in bench/results: {stray}"
+    size = sum(p.stat().st_size for p in results.rglob("*") if p.is_file())
+    assert size <= 600_000, f"bench/results holds {size} bytes: over its share of bench/'s 1 MB"
+
+
+def test_a_run_that_measured_nothing_keeps_the_last_result(tmp_path: Path) -> None:
+    assert common.measured([{"skipped": "one GPU"}, {"ms": 1.0}])
+    assert not common.measured([{"skipped": "one GPU"}, {"error": "died"}, {"kind": "skipped"}])
+    assert not common.measured([])
+    # Where there is no result yet (a fresh --out-dir), the reason is written...
+    path = Path(common.write_result("bench_x", [{"skipped": "one GPU"}], str(tmp_path)))
+    assert json.loads(path.read_text())["rows"] == [{"skipped": "one GPU"}]
+    # ...and a measurement replaces it, but a later skip does not replace the measurement.
+    common.write_result("bench_x", [{"ms": 1.0}], str(tmp_path))
+    assert common.write_result("bench_x", [{"skipped": "one GPU"}], str(tmp_path)) == str(path)
+    assert json.loads(path.read_text())["rows"] == [{"ms": 1.0}]

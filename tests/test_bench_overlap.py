@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -159,3 +160,32 @@ def test_help_without_cuda() -> None:
     with pytest.raises(SystemExit) as exc:
         bo.main(["--help"])
     assert exc.value.code == 0
+
+
+def test_result_and_plot_paths(tmp_path: Path) -> None:
+    def args(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(
+            **{"out": None, "out_dir": None, "plot": None, "no_plot": False, **kw}
+        )
+
+    default = bo.out_path(args())
+    assert default == Path(bo.__file__).parent / "results" / "bench_overlap" / "bench_overlap.json"
+    assert bo.plot_path(args()) == default.with_suffix(".svg")
+    assert plot_svg.OVERLAP_RESULT == default  # plot_svg.py's default input
+    mine = bo.out_path(args(out_dir=str(tmp_path)))
+    assert mine == tmp_path / "bench_overlap" / "bench_overlap.json"
+    assert bo.out_path(args(out=str(tmp_path / "o.json"))) == tmp_path / "o.json"
+    assert bo.plot_path(args(out=str(tmp_path / "o.json"))) == tmp_path / "o.svg"
+    assert bo.plot_path(args(plot="p.svg")) == Path("p.svg")
+    assert bo.plot_path(args(no_plot=True)) is None
+    # A run replaces the last one's JSON and drops its plot (the new one is drawn after).
+    mine.parent.mkdir(parents=True)
+    mine.with_suffix(".svg").write_text("<svg/>")
+    payload = {"env": {}, "results": [{"tp": 2, "ms": {}}], "dp": [], "x": math.inf}
+    assert bo._write(payload, args(out_dir=str(tmp_path))) == mine
+    assert json.loads(mine.read_text())["x"] is None
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["bench_overlap.json"]
+    # A run on too few GPUs, which measured nothing, leaves that result in place.
+    skipped = {"env": {}, "results": [{"tp": 4, "skipped": "needs 4 GPUs"}], "dp": []}
+    assert bo._write(skipped, args(out_dir=str(tmp_path))) == mine
+    assert json.loads(mine.read_text())["results"] == payload["results"]

@@ -52,3 +52,11 @@ def test_cpu_run_skips(capsys: pytest.CaptureFixture[str]) -> None:
     assert "skipped" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bp.main(["--seconds", "0"])
+
+
+def test_help_names_the_result_file(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bp.main(["--help"])
+    assert exc.value.code == 0
+    # --out-dir DIR: the run replaces DIR/bench_power/bench_power.json (default bench/results).
+    assert "DIR/NAME/NAME.json" in " ".join(capsys.readouterr().out.split())

@@ -1,4 +1,4 @@
-"""Issue 23's multi-GPU run on CPU: the plan of bench/multigpu_run.sh (--dry-run), the summary's
+"""The multi-GPU run checked on CPU: the plan of bench/multigpu_run.sh (--dry-run), the summary's
 goal logic on recorded GPU results, and the pure helpers of the scripts it runs. Nothing here
 needs a GPU; what the run measures is checked on the GPU machine only."""
 
@@ -23,8 +23,11 @@ import bench_ulysses_ag  # noqa: E402
 import common  # noqa: E402
 import multigpu_summary as ms  # noqa: E402
 
-# A full device_check.sh run on 2x H200 (commit 2a0c59e): real bench_dispatch / bench_overlap JSON.
-RECORDED = ROOT / "bench" / "results" / "2026-11-23-h200x2-2a0c59e"
+# Real GPU results, copied from the runs: bench_dispatch / bench_overlap JSON of a full
+# device_check.sh run on 2x H200 (2026-11-23, commit 2a0c59e), and part 1's bench_dispatch JSON of
+# a multi-GPU run on 2x H200 (2026-11-25, commit 8e48801).
+RECORDED = ROOT / "tests" / "data" / "multigpu" / "h200x2-2a0c59e"
+RECORDED_PART1 = ROOT / "tests" / "data" / "multigpu" / "h200x2-8e48801-part1"
 
 
 def _record(work: Path, step: str, status: str, out_dir: Path | None = None, **kw: Any) -> None:
@@ -270,10 +273,9 @@ def test_meta_keeps_a_commit_that_reads_as_a_number(tmp_path: Path) -> None:
 
 def test_summary_counts_combines_run_on_the_budget(tmp_path: Path) -> None:
     # 8e48801 on 2 x H200: the combines on the row's SMs (combine_sms), 24 SMs the best <= 24.
-    src = ROOT / "bench" / "results" / "2026-11-25-session17" / "x2-8e48801" / "part1"
     work = tmp_path / "work"
     (work / "part1-dispatch").mkdir(parents=True)
-    for f in src.glob("bench_dispatch-*.json"):
+    for f in RECORDED_PART1.glob("bench_dispatch-*.json"):
         shutil.copy(f, work / "part1-dispatch")
     _record(work, "part1-dispatch", "ok", work / "part1-dispatch", rc=0, seconds=17, timeout=90)
     ms.main(["meta", "--work", str(work), "gpu_count=2", "kind=nvidia-h200-x2"])

@@ -1,8 +1,8 @@
-// A throwaway sweep, kept so its results in bench/results can be reproduced: CUTLASS 3 sm90 bf16
-// GEMMs (row-major A [m, k], B [k, n], D [m, n], fp32 accumulation) differing only in tile,
-// cluster, kernel schedule and source operand, each exported as a C function that run.py times
-// against torch.mm through ctypes. Not part of the package; build_run.sh builds it on the GPU
-// machine.
+// A throwaway sweep, kept so its results can be reproduced (one H100 at cbc0670 and one H200 at
+// 97ac4c2, 2026-11-23; the JSON is in git history, added by 4f77f8d): CUTLASS 3 sm90 bf16 GEMMs
+// (row-major A [m, k], B [k, n], D [m, n], fp32 accumulation) differing only in tile, cluster,
+// kernel schedule and source operand, each exported as a C function that run.py times against
+// torch.mm through ctypes. Not part of the package; build_run.sh builds it on the GPU machine.
 #pragma once
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
