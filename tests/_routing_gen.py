@@ -1,4 +1,4 @@
-"""Seeded random MoE problems for the property suites (issue 18).
+"""Seeded random MoE problems for the property suites.
 
 `draw_case(seed, world)` picks a shape and a routing kind from `seed` alone; `global_inputs(case)`
 builds the whole problem (every rank's tokens, every expert's weights) from the case alone, so

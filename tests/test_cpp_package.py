@@ -1,7 +1,7 @@
-"""The C++ package (issue 21): a C++-only build of uniep::core (no Python, torch or pybind11)
-installed to a prefix, and the example consumer (examples/cpp) configured against that prefix
-with find_package(uniep), built and run; then the same consumer against the C++ package that
-ships in the installed uniep module (with uniep::cuda where the module was built with CUDA: its
+"""The C++ package: a C++-only build of uniep::core (no Python, torch or pybind11) installed to
+a prefix, and the example consumer (examples/cpp) configured against that prefix with
+find_package(uniep), built and run; then the same consumer against the C++ package that ships
+in the installed uniep module (with uniep::cuda where the module was built with CUDA: its
 GPU example is built, and without a GPU it exits 0 saying so).
 
 The C++-only build with CUDA is too slow for this run (the kernels compile for minutes on two

@@ -1,6 +1,6 @@
 """The Parm CUDA executor against the CPU executor on one GPU (marker `gpu`).
 
-Issue 20's acceptance for the CUDA executor: ranks that share one GPU (2 and 4 processes, as in
+The CUDA executor's acceptance: ranks that share one GPU (2 and 4 processes, as in
 test_gpu_on_one_gpu.py: NVSHMEM's multiple processes per GPU, host agreement over gloo) run
 ParmMoELayer under baseline, S1 and S2, forward and backward, once on CUDA tensors (the CUDA
 executor: UniEP's collectives on the carrier groups, the chunk-pipelined SAA pairs on two

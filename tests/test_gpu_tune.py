@@ -1,5 +1,5 @@
-"""uniep.tune on one GPU (marker `gpu`): the issue's acceptance, "uniep.tune picks a point within
-3% of the best it measured", as the tuner's own decision (a re-timing's spread is the benchmarks'
+"""uniep.tune on one GPU (marker `gpu`): its promise, "uniep.tune picks a point within 3% of the
+best it measured", as the tuner's own decision (a re-timing's spread is the benchmarks'
 business), on a small bf16 shape, with CUDA-event timing and the engine's
 compiled tile shapes as candidates; on plain weights (moe_forward) and on packed experts
 (moe_forward_prepared), both over the separate launches and the MegaKernel's points.

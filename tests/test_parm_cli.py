@@ -31,7 +31,8 @@ def test_simulate_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert row["speedup"] == pytest.approx(
         row["seconds"]["baseline"] / row["seconds"][row["choice"]]
     )
-    # The goal, on the described clusters: auto >= 1.5x over the baseline (geomean).
+    # The speedup Parm's schedules must show on the described clusters: auto >= 1.5x over the
+    # baseline (geomean).
     assert data["summary"]["all"]["auto_geomean"] >= 1.5
 
 

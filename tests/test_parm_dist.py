@@ -1,5 +1,5 @@
 """The Parm CPU executor over gloo: baseline, S1 and S2 forward and backward against a float64
-dense single-process reference and against each other (issue 20's acceptance on CPU).
+dense single-process reference and against each other.
 
 World 4 (N = 2 and the edge layouts N = 4 / N = 1) and world 8 (N = 4, and N = 2); each world is
 one spawn that runs every case under every schedule. Per case: y, l_aux, dx and the gate gradient

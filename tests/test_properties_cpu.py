@@ -1,6 +1,6 @@
-"""Randomized properties of the CPU executor and planner (issue 18), on seeded cases from
-_routing_gen: top-k 1..16, 1..512 experts, 0..4096 tokens per rank with empty ranks, uniform,
-Zipf, one-expert, rank-skewed and holed routings, float32 / bfloat16 / float64.
+"""Randomized properties of the CPU executor and planner, on seeded cases from _routing_gen:
+top-k 1..16, 1..512 experts, 0..4096 tokens per rank with empty ranks, uniform, Zipf,
+one-expert, rank-skewed and holed routings, float32 / bfloat16 / float64.
 
 What must hold for every case, at world 1 and over 2 and 4 gloo ranks:
 - moe_forward is within tolerance of the float64 dense reference (moe_backward too, on a subset);
@@ -390,8 +390,8 @@ def test_expert_rows_follow_definition(case: RoutingCase) -> None:
 
 
 def test_cases_cover_the_space(record_property: Any) -> None:
-    """The drawn cases reach every corner the issue names; a change to the generator that loses
-    one fails here rather than silently testing less."""
+    """The drawn cases reach every corner of the space in the module docstring; a change to the
+    generator that loses one fails here rather than silently testing less."""
     cases = ALL_CASES
     kinds = Counter(c.routing for c in cases)
     summary = {

@@ -1,4 +1,4 @@
-"""Randomized properties of the GPU expert-parallel runtime (issue 18, marker `gpu`): the seeded
+"""Randomized properties of the GPU expert-parallel runtime (marker `gpu`): the seeded
 cases of _routing_gen on one GPU at world 1, and with 2 and 4 ranks sharing it.
 
 The ranks join as in test_gpu_on_one_gpu.py (NCCL at world 1; gloo at 2 and 4, with every rank

@@ -255,15 +255,15 @@ int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64
   UNIEP_CHECK(pingpong_rows >= 1, "pingpong_rows must be >= 1, got ", pingpong_rows);
   // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and give
   // the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve them better
-  // (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128 rows, H100,
-  // bench/results/2026-11-25-h100-engine). Further up the ping-pong tiles still win where the
+  // (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128 rows; one H100,
+  // 2026-11-25, the tree of commit cf3d04d). Further up the ping-pong tiles still win where the
   // epilogue is heavy or the mainloop short, with the SwiGLU epilogue and when k <= n, as long as
   // the memory keeps up with their extra weight loads: on one H200 up to 2048 rows (with the
   // down projection, 8-12% less time than the cooperative tiles on experts of 256 to 8192 rows;
-  // the down projection alone 7-11% on 512 and 1024 rows, bench/results/2026-11-26-session20),
-  // on one H100 up to 256 (20-30% more time at 512 and 1024 rows,
-  // bench/results/2026-11-26-session21): pingpong_rows. Above that, and for the up projection's
-  // long k, the 128 x 256 cooperative tiles, which load the fewest bytes per FLOP.
+  // the down projection alone 7-11% on 512 and 1024 rows; 2026-11-26, commit d0137b0), on one
+  // H100 up to 256 (20-30% more time at 512 and 1024 rows; 2026-11-26, commit 59fa2a5):
+  // pingpong_rows. Above that, and for the up projection's long k, the 128 x 256 cooperative
+  // tiles, which load the fewest bytes per FLOP.
   const bool small = rows <= 128 * num_experts || n <= 128;
   const bool pingpong_wins = rows <= pingpong_rows * num_experts && (swiglu || k <= n);
   if (!(small || pingpong_wins)) return 0;

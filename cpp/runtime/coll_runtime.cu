@@ -176,7 +176,7 @@ class RuntimeImpl final : public Runtime {
     // All pushes share the one communication stream, in the schedule's send order. One stream
     // per peer (the copies to different peers at once) was slower on four H200s: a plain
     // all-gather of 512 MiB took 1.93 ms instead of 1.40, and the first chunk an AG+GEMM needs
-    // arrived later (bench/results/2026-11-26-session25).
+    // arrived later (2026-11-26, commit cff9c71 against 9b4addf).
     write_value_ = stream_write_value64();
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));

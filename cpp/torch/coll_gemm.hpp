@@ -5,8 +5,8 @@
 //  - cutlass: UniEP's sm90 GEMM (cpp/cuda/gemm) where it takes the operands (bf16 on Hopper,
 //    16-byte rows; cuBLAS elsewhere): a GEMM + reduce-scatter folds the peers' partials in the
 //    epilogue of its own parts' GEMMs, and the persistent grid leaves `sm_carveout` SMs to the
-//    copies, waits and folds queued beside it. Measured slower than cublas on the TP=2 shapes
-//    (bench/results), so not the default.
+//    copies, waits and folds queued beside it. Slower than cublas on 7 of the 10 TP=2 shapes
+//    (two H200s, 2026-11-23, commit fc5758c), so not the default.
 #pragma once
 
 #include <cstdint>

@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
 // default), as combine=rank_partials always has. sms's first number bounds communication where
 // it runs beside compute (the dispatch's roles, the MegaKernel). Measured on one H100 with 24
 // SMs: the send copied a DeepSeek-V3 rank's rows at 1.4 TB/s, 0.69 ms of a 6 ms layer
-// (bench/results/2026-11-25-h100-engine).
+// (2026-11-25, the tree just after commit cf3d04d).
 int combine_sms(const TuningParams& params, const at::Tensor& like) {
   int device_sms = 0;
   C10_CUDA_CHECK(
@@ -455,8 +455,8 @@ std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const D
   if (blocks % 4 == 0 && cap % 16 == 0 && N > 0) {
     // The scales too in one launch of ours (16-byte pieces: four scales), instead of
     // index_select on a strided view: 22 us on the GPU, and 55-95 us of host time while the
-    // GPU had only the gather queued (DeepSeek-V3 EP8 rank, one H200,
-    // bench/results/2026-11-28-session35/traces).
+    // GPU had only the gather queued (DeepSeek-V3 EP8 rank; traces on one H200, 2026-11-28,
+    // commit daa9d57).
     at::Tensor scales = at::empty({R, blocks}, x.options().dtype(at::kFloat));
     ok_or_throw(cuda::gather_rows_bf16(static_cast<const uint8_t*>(rt.received_rows()) + H, cap,
                                        N, d.row_slot.data_ptr<int64_t>(), R, blocks * 2,

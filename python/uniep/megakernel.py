@@ -148,9 +148,9 @@ def fused_tile_m(
     under the other's mainloop) when the experts average at most
     :func:`uniep.gemm.pingpong_rows` rows (2048 on an H200, 256 on an H100), else 128. At world
     1 on one H200 with every CTA sending, 64-row tiles were 6-15% faster on experts of 128 to
-    1024 rows and 128-row tiles 10% faster on Mixtral's 8192 (bench/results/2026-11-26-session20,
-    17282dd); on one H100 the 128-row tiles were 5-12% faster on experts of 512 and 1024 rows
-    and the 64-row ones 13% on 256 (bench/results/2026-11-26-session21). ``pingpong_rows``
+    1024 rows and 128-row tiles 10% faster on Mixtral's 8192 (2026-11-26, commit 17282dd); on
+    one H100 the 128-row tiles were 5-12% faster on experts of 512 and 1024 rows and the 64-row
+    ones 13% on 256 (2026-11-26, commit 59fa2a5). ``pingpong_rows``
     given: that limit instead of ``device``'s (the tuner's cost model prices a device by its
     calibrated limit)."""
     if pingpong_rows is None:
@@ -281,10 +281,10 @@ def moe_forward_local(
     for the stream; with ``check="deferred"`` they are copied to the host behind the call and
     raised by a later call or :func:`check_errors` (nothing waits); with ``False`` nothing
     checks them, and the caller should not trust ``out`` until it has checked them some other
-    way. ``comm_sms``: the SMs that send (default
-    16 for ``streams``; for ``fused`` every CTA, which measured fastest at world 1 on an H100,
-    bench/results/2026-11-26-h100-session18). ``skip_rounds`` (``fused`` only): rounds of tiles
-    the CTAs that do not send take before the senders join (-1: a bandwidth model).
+    way. ``comm_sms``: the SMs that send (default 16 for ``streams``; for ``fused`` every CTA,
+    which measured fastest at world 1 on three loads of four on one H100, 2026-11-26, commit
+    0a5ffcc). ``skip_rounds`` (``fused`` only): rounds of tiles the CTAs that do not send take
+    before the senders join (-1: a bandwidth model).
     ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
     start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`);
     with 6 per SM, then 2 per SM: the ns each CTA's producer waited at the gates of GEMM 1 and
@@ -618,11 +618,11 @@ def moe_forward_ep(
     too: its experts still compute what the others send). The bits equal
     :func:`moe_forward_local` on the same tokens with every expert's weights. ``comm_sms``: the
     CTAs that send before they compute, in the order the GEMMs take the rows, while the others
-    start on the tiles (default 32 with several ranks, the best of five points at EP4 on H200s
-    on both of issue 23's layers, bench/results/2026-11-26-session19-x4; every CTA at one rank;
-    >= the SM count: every CTA, in token order); ``skip_rounds``: rounds of tiles the others
-    take first (-1: a model of the send's time over NVLink); ``check`` as in
-    :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
+    start on the tiles (default 32 with several ranks, the best of five points at EP4 on four
+    H200s on both the DeepSeek-V3-like and the Mixtral-like layer, 2026-11-26, commit edef84b;
+    every CTA at one rank; >= the SM count: every CTA, in token order); ``skip_rounds``: rounds
+    of tiles the others take first (-1: a model of the send's time over NVLink); ``check`` as
+    in :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
     never came raise here, which waits for the stream. ``w1_as_stored``: ``w1_packed`` is w1 as
     stored (gate columns, then up), read without a packed copy (the FFN size a multiple of 128).
 

@@ -28,12 +28,12 @@ first) and ``moe_forward_ep``. The launch's keys there (:func:`fused_launch`):
 ``EP_COMM_SMS`` across ranks), ``skip_rounds=`` the rounds of tiles the others take first, and
 ``tile_m=`` 64 or 128, the kernel's tile height (auto: ``fused_tile_m``). Otherwise the
 dispatch, the engine's GEMMs and the combine run as separate launches: at world 1 on one H200
-they were about as fast as the MegaKernel's best point on issue 19's loads
-(bench/results/2026-11-26-session20). Both give the same bits. An empty tuning string takes the
-point ``uniep.tune(..., weights="bf16_packed")`` cached for the call's shape (which may be
-either), else the separate launches. The MegaKernel's errors (a bad expert id, a rank or rows
-that never came) are checked without waiting for the stream: they are raised by the next
-MegaKernel call once its stream has passed the failed one, or by
+they were about as fast as the MegaKernel's best point on the DeepSeek-V3, Mixtral, Qwen3-like
+and 256-expert loads (2026-11-26, commit baad81e). Both give the same bits. An empty tuning
+string takes the point ``uniep.tune(..., weights="bf16_packed")`` cached for the call's shape
+(which may be either), else the separate launches. The MegaKernel's errors (a bad expert id, a
+rank or rows that never came) are checked without waiting for the stream: they are raised by the
+next MegaKernel call once its stream has passed the failed one, or by
 ``uniep.megakernel.check_errors()`` (``check="deferred"``), while the separate launches raise
 them in the call itself.
 

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A warp takes 32 rows at a time: each lane records its row if the row stays on this rank
   // (one atomic, no copy: at world 1 every row), then the whole warp copies the others to their
   // peers one by one. With a warp per row the kernel took 24 us a call on DeepSeek-V3's EP8-rank
-  // load at world 1 (32768 own rows, one H100, bench/results/2026-11-28-session34).
+  // load at world 1 (32768 own rows; one H100, 2026-11-28, commit c7c5471).
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t base = warp * 32; base < a.rows; base += num_warps * 32) {

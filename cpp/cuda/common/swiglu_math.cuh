@@ -6,7 +6,8 @@
 // division the formula took ~40 instructions an element, run by the GEMM's consumer warps while
 // the tensor cores wait. On one H100 the first GEMM of the DeepSeek-V3 EP8 rank ran 1.3-3.4%
 // faster with this form, Mixtral's 2.0%, and the activation's bf16 bits differed from the IEEE
-// form's in about 4 of 10^9 elements, rounded the other way (bench/results/2026-11-28-session34).
+// form's in about 4 of 10^9 elements, rounded the other way (2026-11-28, commit 6e04540 with an
+// A/B switch between the two forms).
 // The CPU executor keeps std::exp and a division; the two agree within bf16 rounding, which is
 // what the tests compare.
 #pragma once

@@ -13,9 +13,10 @@
 // GEMM 1 stores 4 bytes (one gate/up pair) a time, as the engine's SwiGLU epilogue does. With
 // GEMM 1 also on 16-byte stores, its tiles read 1.48 GB from DRAM on the Qwen3-like load where
 // the engine's SwiGLU kernel reads 0.94 GB for the same tiles, and took 537 against 417 us (one
-// H200, ncu, GEMM 1 launched alone through this kernel); with 4-byte stores 0.95 GB and 429 us,
-// and the whole forward went from 1.48x to 1.37x the two GEMMs alone. Why the wider stores cost
-// reads is not established; the measurement is in bench/results/2026-11-27-session30.
+// H200, ncu, GEMM 1 launched alone through this kernel; 2026-11-27, commit e0f0345 with launch
+// switches); with 4-byte stores 0.95 GB and 429 us, and the whole forward went from 1.48x to
+// 1.37x the two GEMMs alone (commit 5ee0e1b). Why the wider stores cost reads is not
+// established.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -252,7 +253,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   // reduce after it does), so the delay cannot close a cycle of waits. GEMM 1's signals release
   // GEMM-2 tiles, which may already be waiting on them: those go out at once. (Holding them while
   // the warp's next tile was surely a GEMM-1 tile measured the same, within the run-to-run
-  // spread; bench/results/2026-11-28-session39.)
+  // spread; one H200, 2026-11-28, commit 58f5ef1.)
   uint32_t* pending_ = nullptr;
 };
 

@@ -55,8 +55,8 @@ __device__ __forceinline__ int pack_batch_rows(const int4*& src, int4*& dst, int
 // kSendBatch rows before their signals (each release waits for the warp's stores to land: once
 // per row it would keep the warp idle for a round trip per row), with the batch's indices
 // loaded by its lanes at once and its rows copied as one run (warp_copy_rows): row by row, a
-// sending SM had moved ~8-12 GB/s on an H200 (bench/results/2026-11-28-session37), the
-// round trips of each row's index loads and copy in a chain.
+// sending SM had moved ~8-12 GB/s on an H200 (2026-11-28, commit 089ae1c), the round trips of
+// each row's index loads and copy in a chain.
 __device__ __forceinline__ void fused_send_rows(const FusedMoeArgs& a, int64_t warp, int64_t warps,
                                                 int lane) {
   const int pieces = static_cast<int>(a.hidden * 2 / 16);

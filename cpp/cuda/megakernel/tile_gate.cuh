@@ -94,7 +94,7 @@ __device__ __forceinline__ void gate_signal(uint32_t* counter, uint32_t add) {
 // release is cumulative; CUTLASS's own arrive_inc relies on the same after a CTA barrier). Why
 // not __threadfence_system() in every lane: that is a sequentially consistent fence at system
 // scope (MEMBAR.SC.SYS), and once per warp per output tile it cost the gated GEMMs about 11% on
-// an H100 (bench/results/2026-11-26-h100-session18/diag-fence.log).
+// an H100 (2026-11-26, commit 5660795).
 __device__ __forceinline__ void gate_signal_gpu(uint32_t* counter, uint32_t add) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(add) : "memory");
 }

@@ -108,8 +108,8 @@ struct GroupedGemmTiles {
 // Rows per expert up to which the automatic choice takes the 64-row ping-pong tiles for the SwiGLU
 // GEMM and for k <= n on `device` (-1: the current device): 2048 where the memory moves at least
 // 4 TB/s (H200), 256 below that (H100), whose 64-row tiles, which load twice the weight bytes
-// per FLOP, lost 20-30% against the 128-row ones on experts of 512 and 1024 rows
-// (bench/results/2026-11-26-session21). 2048 when the bandwidth cannot be read.
+// per FLOP, lost 20-30% against the 128-row ones on experts of 512 and 1024 rows (one H100,
+// 2026-11-26, commit 59fa2a5). 2048 when the bandwidth cannot be read.
 int64_t grouped_gemm_pingpong_rows(int device = -1);
 
 // The index (into grouped_gemm_configs) of the configuration that runs `p` for the request

@@ -2,7 +2,7 @@
 // input rows from the dispatch's receive slots, and its offs, each one launch. They replace
 // index_select on a strided view and clone + cumsum + cast of the per-expert counts: on the
 // H100 those aten calls cost 100-150 us of host time each while the GPU, drained by the
-// dispatch's count sync, had nothing queued (bench/results/2026-11-25-h100-session14).
+// dispatch's count sync, had nothing queued (traces of 2026-11-25, commit 228cd96).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -94,7 +94,7 @@ __global__ void copy_slot_rows_kernel(const uint8_t* __restrict__ src, int64_t s
 
 // offs[e] = counts[0] + ... + counts[e] as int32, one warp: 32 experts a step, a shuffle scan
 // and a running carry (integer sums, so the order does not matter). One thread walking 128
-// experts took 10 us a call on an H100 (bench/results/2026-11-28-session34).
+// experts took 10 us a call on an H100 (2026-11-28, commit c7c5471).
 __global__ void expert_offsets_kernel(const int64_t* __restrict__ counts, int64_t experts,
                                       int32_t* __restrict__ offs) {
   const int lane = threadIdx.x;

@@ -173,7 +173,7 @@ Status grouped_gemm_fp8_select([[maybe_unused]] const GroupedGemmFp8Problem& p,
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
     // The cooperative tiles, whatever the shape: on one H100 the ping-pong ones took 2-37% more
     // time on every product measured, experts of 97-157 rows included (4.27 against 3.29 ms on
-    // DeepSeek-V3's up projection over 256 experts; bench/results/2026-11-26-session22). A
+    // DeepSeek-V3's up projection over 256 experts; 2026-11-26, commit d9128f6). A
     // 64-row tile also uses each weight tile it loads for half as many rows.
     *index = 0;
     return Status::Ok();

@@ -59,7 +59,8 @@ int64_t rule_rows(const GroupedGemmProblem& p) {
 // The weight gradient's K is each expert's rows. With experts of 512 rows or more the ping-pong
 // tiles (one warpgroup's epilogue under the other's mainloop) won: 8-9% on DeepSeek-V3's EP8
 // rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
-// lost 2-4% (one H200, bench/results/2026-11-27-session27/diag_wgrad-h200.json).
+// lost 2-4% (one H200, 2026-11-27, both tiles timed interleaved in the experiment behind
+// commit 5b4b75a).
 const grouped::GroupedEntry* wgrad_entry(const GroupedGemmProblem& p) {
   if (p.n <= 128) return wgrad_entries()[1];
   return wgrad_entries()[rule_rows(p) >= 512 * p.num_experts ? 2 : 0];
