@@ -2,7 +2,7 @@
 
 ``uniep.tune(...)`` (this module is callable; it is ``uniep.tune.tune``) ranks every candidate
 schedule with a small cost model (alpha-beta per link for dispatch and combine, a roofline for the
-expert GEMMs; docs/tune.md), calibrated by a short measurement of the real op, then times the best
+expert GEMMs; docs/tuning.md), calibrated by a short measurement of the real op, then times the best
 few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape (CUDA events on a
 GPU, the wall clock on CPU). With a process group every rank times every candidate in the same
 order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast. Points that
@@ -107,10 +107,10 @@ _CUDA_SMS = (8, 16, 24, 32)
 _CUDA_TOKEN_TILES = (32, 64, 128)
 # The MegaKernel's points on packed experts, at each of its tile heights: (CTAs that send first,
 # rounds of tiles the others take first; -1 = auto). 0 CTAs stands for every CTA (the SM count).
-# The set holds the best points of bench_experts' world-1 sweeps
-# (bench/results/2026-11-26-session20).
+# The set holds the best points of bench_experts' world-1 sweeps (one H200, 2026-11-26, commits
+# 17282dd and d0137b0).
 _FUSED_POINTS = ((0, -1), (8, -1), (16, -1), (32, -1), (16, 0), (16, 16))
-# SMs of communication warps that saturate a GPU's links (a model assumption, docs/tune.md).
+# SMs of communication warps that saturate a GPU's links (a model assumption, docs/tuning.md).
 _SATURATING_COMM_SMS = 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -659,7 +659,7 @@ def _runs_megakernel(p: _C.TuningParams) -> bool:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted seconds of one ``moe_forward`` at a tuning point (docs/tune.md).
+    """Predicted seconds of one ``moe_forward`` at a tuning point (docs/tuning.md).
 
     ``comm = 3 (W - 1) alpha + (dispatch + combine bytes) * beta`` (per link, expected bytes under
     uniform routing; on CUDA the bandwidth falls with fewer than 20 communication SMs);
@@ -743,7 +743,7 @@ class CostModel:
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
         # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were
         # slower on every load, as the other CTAs' tiles wait at their gates for the rows
-        # (bench/results/2026-11-26-session21), so none of it is modelled as hidden.
+        # (2026-11-26, commit a4f66c4), so none of it is modelled as hidden.
         senders = min(p.comm_sms, self.sm_count)
         send = max(2 * rows, comm) / min(1.0, senders / _SATURATING_COMM_SMS)
         return self.gemm_seconds(shape, fused) + send + 2 * rows
@@ -890,8 +890,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # On a GPU the close calls of the search are measured again: one H200 spread a point's median by
-# up to 5% between runs of the same search (bench/results/2026-11-28-session38, DeepSeek-V3's
-# EP8 rank: the fused point measured 5.31 ms in the search and 5.52 ms re-timed).
+# up to 5% between runs of the same search (2026-11-28, commit 8857330, DeepSeek-V3's EP8
+# rank: the fused point measured 5.31 ms in the search and 5.52 ms re-timed).
 RUNOFF_MARGIN = 1.05
 RUNOFF_POINTS = 4
 
@@ -1239,7 +1239,7 @@ def tune(
             and overlapping communication with the GEMMs saves little: on one H200 the
             MegaKernel at world 1 was 1.00x the GEMMs alone in interleaved rounds of a few
             calls and 1.11x run back to back on DeepSeek-V3's EP8 rank, where the separate
-            launches were 1.11x and 1.08x (``bench/results/2026-11-28-session40``). 0 (the
+            launches were 1.11x and 1.08x (2026-11-28, commit c174a4f). 0 (the
             default): no settling, short interleaved rounds. The winner is cached under the same
             key either way.
 
