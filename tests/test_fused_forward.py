@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from uniep import fused_forward
+from uniep import fused_forward, kept_weights
 from uniep.gemm import pack_gate_up
 
 
@@ -30,10 +30,10 @@ def test_the_copy_goes_with_its_tensor() -> None:
     fused_forward.clear_packed()
     w1 = torch.randn(1, 8, 16).bfloat16()
     fused_forward.packed_gate_up(w1)
-    assert len(fused_forward._PACKED) == 1
+    assert len(kept_weights._PACKED) == 1
     del w1
     gc.collect()
-    assert not fused_forward._PACKED
+    assert not kept_weights._PACKED
 
 
 def test_a_parameter_is_packed_detached() -> None:
@@ -53,7 +53,7 @@ def test_the_transposed_w2_is_kept_beside_the_packed_w1() -> None:
     assert torch.equal(w2t, w2.detach().transpose(1, 2))
     assert fused_forward.transposed_w2(w2) is w2t
     fused_forward.packed_gate_up(w2)  # the same tensor under the other key
-    assert len(fused_forward._PACKED) == 2 and fused_forward.transposed_w2(w2) is w2t
+    assert len(kept_weights._PACKED) == 2 and fused_forward.transposed_w2(w2) is w2t
     assert fused_forward.transposed_w2(w2.detach()) is not w2t
     with torch.no_grad():
         w2.mul_(0.5)  # an optimizer step: transposed again
@@ -111,4 +111,4 @@ def test_bad_operands_are_named_before_the_packing() -> None:
         fused_forward._forward(x, idx, w, w1[:, :8], w2, None, "overlap=fused")
     with pytest.raises(ValueError, match="w1 and w2 must be bfloat16"):
         fused_forward._forward(x, idx, w, w1.float(), w2, None, "overlap=fused")
-    assert not fused_forward._PACKED  # nothing was packed for a call that failed its checks
+    assert not kept_weights._PACKED  # nothing was packed for a call that failed its checks

@@ -35,6 +35,9 @@ __all__ = [
     "run_local_ranks",
 ]
 
+# A bounded wait's limit when neither the call nor UNIEP_TIMEOUT_S gives one.
+_DEFAULT_TIMEOUT_S = 100.0
+
 # The group passed to init(); None means "WORLD if torch.distributed is initialised, else one rank".
 _default_group: dist.ProcessGroup | None = None
 
@@ -128,6 +131,23 @@ def _nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, 
     return resolved.group_name, world, me, uid
 
 
+def _timeout(timeout_s: float | None) -> float:
+    """``timeout_s`` if given, else ``UNIEP_TIMEOUT_S``, else 100 s: the limit of every bounded
+    wait (the GPU runtimes' device-side waits and the host's collectives)."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    env = os.environ.get("UNIEP_TIMEOUT_S")
+    if env is None:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"UNIEP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+    if value <= 0:
+        raise ValueError(f"UNIEP_TIMEOUT_S must be > 0, got {env!r}")
+    return value
+
+
 def _staging_device(group: dist.ProcessGroup) -> str:
     """Where a few words for ``group`` go: the CPU unless the group is NCCL only."""
     return "cuda" if str(dist.get_backend(group)) == "nccl" else "cpu"
@@ -137,8 +157,6 @@ def bounded_wait(work: dist.Work, group: dist.ProcessGroup, what: str) -> None:
     """``work.wait()``, bounded by ``UNIEP_TIMEOUT_S`` (default 100 s): a peer that never joins
     makes this rank raise RuntimeError naming ``what`` and the group, not wait for the backend's
     own timeout (gloo's is 30 minutes). The group is unusable after that."""
-    from .ep import _timeout
-
     limit = _timeout(None)
     start = time.monotonic()
     try:

@@ -14,16 +14,14 @@ or on the SM budget. Every device-side wait times out after ``timeout_s`` (defau
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import _C
-from .distributed import _nvshmem_bootstrap, _staging_device, bounded_wait
+from .distributed import _nvshmem_bootstrap, _staging_device, _timeout, bounded_wait
 from .distributed import group_name as _group_name
 
 __all__ = [
@@ -44,27 +42,10 @@ __all__ = [
     "shutdown",
 ]
 
-_DEFAULT_TIMEOUT_S = 100.0
-
 
 def available() -> bool:
     """True when this build has the GPU runtime (CUDA torch) and a GPU is visible."""
     return bool(getattr(_C, "has_ep_runtime", False)) and torch.cuda.is_available()
-
-
-def _timeout(timeout_s: float | None) -> float:
-    if timeout_s is not None:
-        return float(timeout_s)
-    env = os.environ.get("UNIEP_TIMEOUT_S")
-    if env is None:
-        return _DEFAULT_TIMEOUT_S
-    try:
-        value = float(env)
-    except ValueError:
-        raise ValueError(f"UNIEP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
-    if value <= 0:
-        raise ValueError(f"UNIEP_TIMEOUT_S must be > 0, got {env!r}")
-    return value
 
 
 def init_runtime(
@@ -381,14 +362,6 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     _C.ep_check(_group_name(group))
 
 
-def _dequantize_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """e4m3 rows times their 1x128 block scales in fp32, rounded once to bf16 (as the CPU
-    executor decodes them)."""
-    n, h = rows.shape
-    deq = rows.float().view(n, h // 128, 128) * scales.unsqueeze(2)
-    return deq.view(n, h).to(torch.bfloat16)
-
-
 def _grad_tuning(tuning: str) -> str:
     """``tuning`` for the dispatches and combines inside a backward: ``dispatch=bf16`` (gradients
     travel in bf16 whatever the forward's precision; fp8 needs rows of exactly ``hidden`` bf16
@@ -444,150 +417,6 @@ def _rows_to_slots(
     )
     grad_w[slots] = got
     return grad_w.view_as(topk_idx).masked_fill(topk_idx < 0, 0.0)
-
-
-@torch.library.impl("uniep::moe_backward", "CUDA")
-def _moe_backward_cuda(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    group_name: str,
-    tuning: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of moe_forward on GPUs, built from the runtime's pieces.
-
-    The forward rows are dispatched again (same routing, so the same slots and rows), and
-    grad_out on that dispatch's plan (a cached dispatch); the expert math is differentiated
-    locally on the expert GEMM engine (data- and weight-gradient grouped GEMMs, one C++ op,
-    ``moe_backward_engine``; torch._grouped_mm's autograd with tuning gemm=torch, composed here);
-    grad_x comes home through a combine with unit weights (sum over k, ascending, fp32); the
-    per-(token, k) dot products for grad_topk_weights go back over the group's NCCL all_to_all
-    (at world 1 straight to their slots). With ``overlap=fused`` named (bf16, the MegaKernel's
-    numerics) it runs the fused backward instead (``uniep.fused_backward``: at one rank
-    ``moe_backward_local``, across ranks ``moe_backward_ep`` on the group's fused runtime, which
-    it creates with the backward's buffers on first use, collectively), and with
-    ``overlap=chunked`` at one rank ``moe_backward_local(overlap="streams")``; the same bits.
-    """
-    try:
-        engine = _C.TuningParams.parse(tuning).gemm == "uniep"
-    except ValueError:
-        engine = True  # moe_backward_engine's agreed checks raise it on every rank
-    world, overlap = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else (0, "")
-    if world:
-        # overlap=fused: the MegaKernel's backward (uniep.fused_backward), the same bits, after
-        # the same checks; across ranks on the group's fused runtime, made (collectively, as
-        # this call is) with the backward's buffers when it lacks them.
-        from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
-
-        torch.ops.uniep.moe_backward_checks(
-            grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
-        )
-        operands = (grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2)
-        if world == 1:
-            grads = moe_backward_local(*operands, overlap=overlap, timeout_s=_timeout(None))
-        else:
-            group = dist.distributed_c10d._resolve_process_group(group_name)
-            ensure_backward_runtime(group, x, topk_idx, w1, w2)
-            grads = moe_backward_ep(*operands, group)
-        grad_x, grad_w, grad_w1, grad_w2 = grads
-        return grad_x, grad_w.to(topk_weights.dtype), grad_w1, grad_w2
-    if engine:
-        # One C++ op from the checks to the combine (cpp/torch/ep_ops.cpp); only the routing
-        # weights' gradients come back to their slots here.
-        grad_x, dots, row_target, grad_w1, grad_w2 = torch.ops.uniep.moe_backward_engine(
-            grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
-        )
-        grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
-        return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
-    # Every check first, agreed with the peers (a bad argument on one rank raises on all).
-    torch.ops.uniep.moe_backward_checks(
-        grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
-    )
-    params = _C.TuningParams.parse(tuning)
-    text = params.to_string()
-    # grad_out travels in bf16 whatever the forward's dispatch precision.
-    grad_text = _grad_tuning(text)
-    k_top = topk_idx.shape[1]
-    ffn = w2.shape[1]
-
-    fwd = torch.ops.uniep.ep_dispatch(x, topk_idx, topk_weights, group_name, text)
-    recv_x, scales, _, _, recv_w, per_expert, row_slot, row_target, plan_epoch = fwd
-    rows = recv_x.index_select(0, row_slot)
-    if params.dispatch == "fp8":
-        rows = _dequantize_fp8(rows, scales.index_select(0, row_slot))
-    k_of_row = row_target % k_top
-    w_row = recv_w.index_select(0, row_slot).gather(1, k_of_row.unsqueeze(1)).squeeze(1)
-    offs = per_expert.cumsum(0).to(torch.int32)
-
-    # Same routing: grad_out rides on the forward rows' plan (no second count exchange).
-    recv_go, _, back_epoch = torch.ops.uniep.ep_dispatch_cached(
-        grad_out.contiguous(), topk_idx, topk_weights, group_name, plan_epoch, grad_text
-    )
-    go_rows = recv_go.index_select(0, row_slot)
-    grad_rows, grad_w1, grad_w2, dots = _experts_backward_torch(
-        rows, go_rows, w_row, w1, w2, offs, ffn
-    )
-    ones = torch.ones_like(topk_weights)
-    grad_x = torch.ops.uniep.ep_combine(
-        grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
-    )
-    grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
-    return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
-
-
-def _fused_world(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    group_name: str,
-    tuning: str,
-) -> tuple[int, str]:
-    """(the group's world size, the mode) when moe_backward runs the MegaKernel's backward
-    (``uniep.fused_forward.megakernel_overlap``: ``overlap=fused``, or ``overlap=chunked`` at one
-    rank, with the MegaKernel's numerics, and bfloat16 operands), else (0, "")."""
-    from .fused_forward import megakernel_overlap
-
-    if any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
-        return 0, ""
-    world = 1
-    if group_name:  # "": torch.distributed not initialised, a world of one rank
-        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
-    try:
-        overlap = megakernel_overlap(tuning, world, x.shape[-1], w2.shape[-2])
-    except ValueError:
-        return 0, ""  # the engine's checks name the bad tuning string
-    return (world, overlap) if overlap else (0, "")
-
-
-def _experts_backward_torch(
-    rows: torch.Tensor,
-    go_rows: torch.Tensor,
-    w_row: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    offs: torch.Tensor,
-    ffn: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' gradients through torch._grouped_mm's autograd (tuning gemm=torch)."""
-    with torch.enable_grad():
-        xs = rows.detach().requires_grad_(True)
-        w1_ = w1.detach().requires_grad_(True)
-        w2_ = w2.detach().requires_grad_(True)
-        if xs.shape[0] > 0:
-            h = torch._grouped_mm(xs, w1_, offs)
-            y = torch._grouped_mm(F.silu(h[:, :ffn]) * h[:, ffn:], w2_, offs)
-            grad_y = (go_rows.float() * w_row.unsqueeze(1)).to(y.dtype)
-            grad_rows, grad_w1, grad_w2 = torch.autograd.grad(y, (xs, w1_, w2_), grad_y)
-            dots = (go_rows.float() * y.detach().float()).sum(1)
-        else:
-            grad_rows, grad_w1, grad_w2 = xs, torch.zeros_like(w1), torch.zeros_like(w2)
-            dots = torch.zeros(0, dtype=torch.float32, device=rows.device)
-
-    return grad_rows, grad_w1, grad_w2, dots
 
 
 def _fake_received(x: torch.Tensor, n: Any, tuning: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ host sync anywhere.
 2. the send of x's and grad_out's rows into their GEMM rows, each row counted on its tile gate,
    and the two GEMMs that need only those rows, gated tile by tile: ``h = rows_x w1`` (the
    forward's first GEMM, recomputed) and ``grad_act = rows_go w2^T``, read as ``rows_go w2t``
-   with ``w2t = w2`` transposed (:func:`uniep.fused_forward.transposed_w2` keeps one copy per
+   with ``w2t = w2`` transposed (:func:`uniep.kept_weights.transposed_w2` keeps one copy per
    ``w2`` version), so that both GEMMs read their weight N-major and run as one grouped GEMM;
 3. the element-wise pass (``torch.ops.uniep.swiglu_backward``: SwiGLU's backward, ``act x w``
    and each row's ``<act, grad_act>``, the routing weight's gradient);
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, distributed, gate
-from .fused_forward import transposed_w2
 from .gemm import grouped_mm_dgrad, grouped_mm_wgrad
+from .kept_weights import transposed_w2
 from .megakernel import (
     CpuPlan,
     _begin,
@@ -218,7 +218,7 @@ def moe_backward_ep(
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1.is_cuda:
         return _moe_backward_ep_cpu(grad_out, x, topk_idx, topk_weights, w1, w2, group)
-    from .ep import _timeout
+    from .distributed import _timeout
     from .megakernel import _require_runtime
 
     if distributed.world_size(group) == 1:

@@ -21,14 +21,18 @@ points are, with ``check=False``.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .kept_weights import clear_packed, packed_gate_up, transposed_w2
+from .megakernel import (
+    megakernel_overlap,
+    megakernel_shape_ok,
+    runs_fused,
+)
+from .moe_autograd import backward as op_backward
 
 __all__ = [
     "clear_packed",
@@ -39,98 +43,6 @@ __all__ = [
     "runs_fused",
     "transposed_w2",
 ]
-
-# (id(w), what) -> (a weak reference to w, its version, its data pointer, the kept copy). The
-# weak reference's callback drops the entry when w dies, so a later tensor with the same id never
-# meets a stale copy.
-_PACKED: dict[tuple[int, str], tuple[weakref.ref, int, int, torch.Tensor]] = {}
-
-
-def _kept_copy(
-    w: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """``make(w.detach())``, made once per ``w`` and kept while ``w`` is unchanged (module
-    docstring); made at every call while a CUDA graph is being captured (a kept copy would go
-    stale when ``w`` is updated between replays)."""
-    if w.is_cuda and torch.cuda.is_current_stream_capturing():
-        return make(w.detach())
-    key = (id(w), what)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
-        return hit[3]
-    kept = make(w.detach())
-    ref = weakref.ref(w, lambda _ref, k=key: _PACKED.pop(k, None))
-    _PACKED[key] = (ref, w._version, w.data_ptr(), kept)
-    return kept
-
-
-def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
-    """``pack_gate_up(w1)``, made once per ``w1`` and kept while ``w1`` is unchanged (module
-    docstring). Detached: the gradient goes to ``w1`` through ``moe_backward``."""
-    from .gemm import pack_gate_up
-
-    return _kept_copy(w1, "packed_gate_up", pack_gate_up)
-
-
-def transposed_w2(w2: torch.Tensor) -> torch.Tensor:
-    """``w2.transpose(1, 2)`` contiguous (``[E, H, I]``), kept as :func:`packed_gate_up` keeps its
-    copy: the fused backward's first GEMMs read it (``uniep.fused_backward``)."""
-    return _kept_copy(w2, "transposed_w2", lambda w: w.transpose(1, 2).contiguous())
-
-
-def clear_packed() -> None:
-    """Drops every packed copy (after writes the version counter does not see), and the e4m3
-    copies ``moe_forward`` keeps for fp8 experts (``dispatch=fp8``)."""
-    _PACKED.clear()
-    _C.clear_fp8_experts()
-
-
-def names_key(tuning: str, key: str) -> bool:
-    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
-
-
-def megakernel_numerics(p: _C.TuningParams) -> bool:
-    """Whether the MegaKernel serves ``p``'s numerics: bf16 dispatch, the per-k combine and
-    UniEP's GEMMs (the kernel has no fp8 rows, no expert-side weighting and no torch GEMMs)."""
-    return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
-
-
-def runs_fused(tuning: str) -> bool:
-    """Whether ``tuning`` asks for the MegaKernel and it can serve its numerics: ``overlap=fused``
-    named, with ``megakernel_numerics`` (other numerics run the separate launches)."""
-    p = _C.TuningParams.parse(tuning)
-    return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
-
-
-# The MegaKernel's GEMM tiles and the fused backward's both step hidden and ffn by 64 columns.
-MEGAKERNEL_MULTIPLE = 64
-
-
-def megakernel_shape_ok(hidden: int, ffn: int) -> bool:
-    """Whether the MegaKernel, forward and backward alike, runs layers of ``hidden`` and ``ffn``
-    (both positive multiples of :data:`MEGAKERNEL_MULTIPLE`)."""
-    return all(v > 0 and v % MEGAKERNEL_MULTIPLE == 0 for v in (hidden, ffn))
-
-
-def megakernel_overlap(
-    tuning: str, world: int, hidden: int | None = None, ffn: int | None = None
-) -> str | None:
-    """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
-    :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
-    rank with the same numerics (the send of the rows on ``sms`` SMs of their own, beside the gated
-    GEMMs, which take each tile as its rows land: ``uniep.megakernel.moe_forward_local(overlap=
-    "streams")``, and the backward's first step the same way); None otherwise: the separate
-    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built). Given the
-    layer's ``hidden`` and ``ffn``, also None where the MegaKernel cannot run them
-    (:func:`megakernel_shape_ok`): the forward and the backward of one call then both take the
-    separate launches, which give the same bits, so neither accepts a shape the other refuses."""
-    if hidden is not None and ffn is not None and not megakernel_shape_ok(hidden, ffn):
-        return None
-    if runs_fused(tuning):
-        return "fused"
-    p = _C.TuningParams.parse(tuning)
-    chunked = names_key(tuning, "overlap") and p.overlap == "chunked"
-    return "streams" if chunked and world == 1 and megakernel_numerics(p) else None
 
 
 def _forward(
@@ -199,19 +111,17 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        from .ops import _backward
-
         if grad_out.dtype == torch.bfloat16:
             return _backward_fused(ctx, grad_out)
         # moe_forward's own backward (its inputs have no group: one None more for it here).
-        return (*_backward(ctx, grad_out)[:5], None, None, None)
+        return (*op_backward(ctx, grad_out)[:5], None, None, None)
 
 
 def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
     """The fused backward (``uniep.fused_backward``): at one rank ``moe_backward_local``, across
     ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
     checks them (deferred)."""
-    from .ep import _timeout
+    from .distributed import _timeout
     from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors

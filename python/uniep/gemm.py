@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from .ops import check_grouped_mm_meta
 
 __all__ = [
     "pingpong_rows",
@@ -34,6 +33,41 @@ __all__ = [
 ]
 
 _BLOCK = 8
+
+
+def check_grouped_mm_meta(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+    """The metadata checks of the grouped GEMM's CUDA kernel, worded alike (fake kernels)."""
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got shape {tuple(x.shape)}")
+    torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
+    torch._check_value(
+        offs.dim() == 1, lambda: f"offs must be 1-D [E], got shape {tuple(offs.shape)}"
+    )
+    torch._check_value(x.dtype == torch.bfloat16, lambda: f"x must be bfloat16, got {x.dtype}")
+    torch._check_value(
+        w.dtype == torch.bfloat16, lambda: f"w must be bfloat16 like x, got {w.dtype}"
+    )
+    torch._check_value(offs.dtype == torch.int32, lambda: f"offs must be int32, got {offs.dtype}")
+    torch._check_value(
+        offs.shape[0] == w.shape[0],
+        lambda: f"offs must have E = w.size(0) = {w.shape[0]} entries, got {offs.shape[0]}",
+    )
+    torch._check_value(
+        w.shape[1] == x.shape[1],
+        lambda: f"w must be [E, K, N] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
+    )
+
+
+@torch.library.register_fake("uniep::grouped_mm")
+def _grouped_mm_fake(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+) -> torch.Tensor:
+    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16.
+
+    Expert e multiplies rows [offs[e-1], offs[e]) of x by w[e], as ``torch._grouped_mm``; rows
+    past offs[E-1] are not written.
+    """
+    check_grouped_mm_meta(x, w, offs)
+    return x.new_empty((x.shape[0], w.shape[2]))
 
 
 def pingpong_rows(device: torch.device | int | None = None) -> int:

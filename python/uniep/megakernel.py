@@ -49,8 +49,13 @@ __all__ = [
     "fused_ep_heap_bytes",
     "fused_tile_m",
     "init_fused_ep",
+    "megakernel_numerics",
+    "megakernel_overlap",
+    "megakernel_shape_ok",
     "moe_forward_ep",
     "moe_forward_local",
+    "names_key",
+    "runs_fused",
     "sends_beside_gemms",
     "shutdown_fused_ep",
     "trace_phases",
@@ -453,7 +458,7 @@ def init_fused_ep(
     the rows a local expert gets when every rank sends ``max_tokens`` tokens). ``backward``: also
     the buffers of the fused backward (:func:`uniep.fused_backward.moe_backward_ep`), the same on
     every rank."""
-    from .ep import _timeout
+    from .distributed import _timeout
 
     _require_runtime()
     for name, value in (
@@ -782,3 +787,54 @@ def _moe_forward_ep_cpu(
     for j in range(k):
         acc = torch.where(used[:, j], acc + topk_weights[:, j : j + 1] * slots[:, j], acc)
     return acc.bfloat16()
+
+
+# ---- which tunings and shapes run the MegaKernel ----
+
+
+def names_key(tuning: str, key: str) -> bool:
+    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
+
+
+def megakernel_numerics(p: _C.TuningParams) -> bool:
+    """Whether the MegaKernel serves ``p``'s numerics: bf16 dispatch, the per-k combine and
+    UniEP's GEMMs (the kernel has no fp8 rows, no expert-side weighting and no torch GEMMs)."""
+    return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
+
+
+def runs_fused(tuning: str) -> bool:
+    """Whether ``tuning`` asks for the MegaKernel and it can serve its numerics: ``overlap=fused``
+    named, with ``megakernel_numerics`` (other numerics run the separate launches)."""
+    p = _C.TuningParams.parse(tuning)
+    return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
+
+
+# The MegaKernel's GEMM tiles and the fused backward's both step hidden and ffn by 64 columns.
+MEGAKERNEL_MULTIPLE = 64
+
+
+def megakernel_shape_ok(hidden: int, ffn: int) -> bool:
+    """Whether the MegaKernel, forward and backward alike, runs layers of ``hidden`` and ``ffn``
+    (both positive multiples of :data:`MEGAKERNEL_MULTIPLE`)."""
+    return all(v > 0 and v % MEGAKERNEL_MULTIPLE == 0 for v in (hidden, ffn))
+
+
+def megakernel_overlap(
+    tuning: str, world: int, hidden: int | None = None, ffn: int | None = None
+) -> str | None:
+    """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
+    :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
+    rank with the same numerics (the send of the rows on ``sms`` SMs of their own, beside the gated
+    GEMMs, which take each tile as its rows land: ``uniep.megakernel.moe_forward_local(overlap=
+    "streams")``, and the backward's first step the same way); None otherwise: the separate
+    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built). Given the
+    layer's ``hidden`` and ``ffn``, also None where the MegaKernel cannot run them
+    (:func:`megakernel_shape_ok`): the forward and the backward of one call then both take the
+    separate launches, which give the same bits, so neither accepts a shape the other refuses."""
+    if hidden is not None and ffn is not None and not megakernel_shape_ok(hidden, ffn):
+        return None
+    if runs_fused(tuning):
+        return "fused"
+    p = _C.TuningParams.parse(tuning)
+    chunked = names_key(tuning, "overlap") and p.overlap == "chunked"
+    return "streams" if chunked and world == 1 and megakernel_numerics(p) else None

@@ -303,9 +303,9 @@ def _run_experts(
             tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
         )
         return y.reshape(x.shape)
-    from . import tune
+    from . import tune_cache
 
-    tuning = tune.tuning_for_call(
+    tuning = tune_cache.tuning_for_call(
         tokens, idx, module.ffn_hidden, module.num_experts, module.world_size
     )
     try:
@@ -313,7 +313,7 @@ def _run_experts(
             tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
         )
     except ValueError as e:
-        hinted = tune.cache_mismatch_error(e, tuning)
+        hinted = tune_cache.cache_mismatch_error(e, tuning)
         if hinted is None:
             raise
         raise hinted from e

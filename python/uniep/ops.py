@@ -6,12 +6,14 @@ defines them, so this module imports it first.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
-from . import _C, distributed, expert_shards, fused_forward
+from . import _C, distributed, fused_forward
+
+# Imported for what they register: moe_forward's autograd formula, the CUDA moe_backward.
+from . import moe_autograd as _moe_autograd  # noqa: F401
+from . import moe_backward_cuda as _moe_backward_cuda  # noqa: F401
 
 __all__ = ["moe_forward"]
 
@@ -229,73 +231,6 @@ def _expert_rows_fake(
     )
 
 
-def check_grouped_mm_meta(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
-    """The metadata checks of the grouped GEMM's CUDA kernel, worded alike (fake kernels)."""
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got shape {tuple(x.shape)}")
-    torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
-    torch._check_value(
-        offs.dim() == 1, lambda: f"offs must be 1-D [E], got shape {tuple(offs.shape)}"
-    )
-    torch._check_value(x.dtype == torch.bfloat16, lambda: f"x must be bfloat16, got {x.dtype}")
-    torch._check_value(
-        w.dtype == torch.bfloat16, lambda: f"w must be bfloat16 like x, got {w.dtype}"
-    )
-    torch._check_value(offs.dtype == torch.int32, lambda: f"offs must be int32, got {offs.dtype}")
-    torch._check_value(
-        offs.shape[0] == w.shape[0],
-        lambda: f"offs must have E = w.size(0) = {w.shape[0]} entries, got {offs.shape[0]}",
-    )
-    torch._check_value(
-        w.shape[1] == x.shape[1],
-        lambda: f"w must be [E, K, N] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
-    )
-
-
-@torch.library.register_fake("uniep::grouped_mm")
-def _grouped_mm_fake(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
-) -> torch.Tensor:
-    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16.
-
-    Expert e multiplies rows [offs[e-1], offs[e]) of x by w[e], as ``torch._grouped_mm``; rows
-    past offs[E-1] are not written.
-    """
-    check_grouped_mm_meta(x, w, offs)
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, topk_idx, topk_weights, w1, w2, group_name, tuning = inputs
-    # Trainable shards equal on every rank are a plain DDP wrapper's doing: caught on a
-    # layer's first training call, while every rank is still in this op.
-    expert_shards.check_distinct_shards(group_name, w1, w2)
-    ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
-    ctx.group_name = group_name
-    ctx.tuning = tuning
-
-
-def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-    x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
-    # Every rank must enter moe_backward: the gradient of a local expert needs the rows other
-    # ranks sent it, so the call cannot be skipped even where no input here needs a gradient.
-    grad_x, grad_weights, grad_w1, grad_w2 = torch.ops.uniep.moe_backward(
-        grad_out.contiguous(), x, topk_idx, topk_weights, w1, w2, ctx.group_name, ctx.tuning
-    )
-    needs = ctx.needs_input_grad
-    return (
-        grad_x if needs[0] else None,
-        None,
-        grad_weights if needs[2] else None,
-        grad_w1 if needs[3] else None,
-        grad_w2 if needs[4] else None,
-        None,
-        None,
-    )
-
-
-torch.library.register_autograd("uniep::moe_forward", _backward, setup_context=_setup_context)
-
-
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -337,7 +272,7 @@ def moe_forward(
             ``dispatch=fp8`` sends the tokens in e4m3 (one scale per 1 x 128 block) and, with
             ``experts=auto`` (the default), runs the experts in fp8 too: w1 and w2 quantized in
             128 x 128 blocks (on CUDA one e4m3 copy kept while they are unchanged: half their
-            memory; ``uniep.fused_forward.clear_packed`` drops it), the SwiGLU activation
+            memory; ``uniep.kept_weights.clear_packed`` drops it), the SwiGLU activation
             quantized like a token row; hidden and I multiples of 128. ``experts=bf16`` keeps
             bf16 expert GEMMs on the fp8 rows. The gradient is the bf16 layer's at the rows the
             experts received (the weights' and activation's rounding passed straight through).
@@ -377,10 +312,10 @@ def moe_forward(
         and w2.dim() == 3
     )
     if cached:
-        from . import tune
+        from . import tune_cache
 
         world = distributed.world_size(group)
-        tuning = tune.tuning_for_call(x, topk_idx, w2.shape[1], w1.shape[0] * world, world)
+        tuning = tune_cache.tuning_for_call(x, topk_idx, w2.shape[1], w1.shape[0] * world, world)
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
         topk_weights = topk_weights.float()
@@ -409,7 +344,7 @@ def moe_forward(
     try:
         return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
     except ValueError as e:
-        hinted = tune.cache_mismatch_error(e, tuning)
+        hinted = tune_cache.cache_mismatch_error(e, tuning)
         if hinted is None:
             raise
         raise hinted from e

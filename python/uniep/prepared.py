@@ -51,13 +51,14 @@ import torch.distributed as dist
 
 from . import _C
 from .distributed import group_name, world_size
-from .fused_forward import megakernel_overlap, names_key
 from .gemm import (
     dequantize_expert_weights,
+    dequantize_rows,
     pack_gate_up,
     quantize_expert_weights,
     unpack_gate_up,
 )
+from .megakernel import megakernel_overlap, names_key
 
 __all__ = [
     "FORMATS",
@@ -172,9 +173,9 @@ def moe_forward_prepared(
     _check_cuda_operands(x, topk_idx, experts)
     world = world_size(group)
     if tuning == "" and experts.format == "bf16_packed":
-        from . import tune
+        from . import tune_cache
 
-        tuning = tune.tuning_for_call(
+        tuning = tune_cache.tuning_for_call(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
         params = _C.TuningParams.parse(tuning)
@@ -250,7 +251,7 @@ def _forward_fused(
     fused backward's buffers, for autograd). ``w1_as_stored``: ``experts.w1`` is w1 as stored
     (gate columns, then up)."""
     from . import megakernel
-    from .ep import _timeout
+    from .distributed import _timeout
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
@@ -309,9 +310,7 @@ def _forward_cuda(
     rows = recv_x.index_select(0, row_slot)
     if experts.format == "bf16_packed":
         if rows.dtype == torch.float8_e4m3fn:  # dispatch=fp8,experts=bf16
-            from .ep import _dequantize_fp8
-
-            rows = _dequantize_fp8(rows, scales.index_select(0, row_slot))
+            rows = dequantize_rows(rows, scales.index_select(0, row_slot)).to(torch.bfloat16)
         act = ops.grouped_mm_swiglu(rows, experts.w1, offs, tuning)
         y = ops.grouped_mm(act, experts.w2, offs, tuning)
     else:
