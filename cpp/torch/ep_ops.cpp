@@ -401,8 +401,8 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
                              tuning);
 }
 
-// moe_backward on CUDA is composed in Python (uniep/ep.py) from the runtime's ops; it calls
-// this first, for the checks and the agreement moe_forward makes.
+// moe_backward on CUDA is composed in Python (uniep/moe_backward_cuda.py) from the runtime's
+// ops; it calls this first, for the checks and the agreement moe_forward makes.
 void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                               const at::Tensor& w1, const at::Tensor& w2,
@@ -556,8 +556,8 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
 // symmetric buffer before grad_out rides on that plan (the cached round's barrier keeps the
 // peers' rows out of the buffer until this rank has passed the gather). Returns grad_x (the
 // combine of the rows' input gradients with unit weights), each row's <act, grad_out w2^T>
-// (the routing weight's gradient, by row: uniep/ep.py takes it back to the slot), the rows'
-// combine targets, and the weights' gradients.
+// (the routing weight's gradient, by row: uniep/ep.py's _rows_to_slots takes it back to the
+// slot), the rows' combine targets, and the weights' gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_engine_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
     const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,

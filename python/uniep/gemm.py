@@ -373,7 +373,7 @@ def _swiglu_fp8_cpu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 torch.library.impl("uniep::swiglu_fp8", "CPU")(_swiglu_fp8_cpu)
 
 
-# Fake kernel of the backward's element-wise op (CUDA only; uniep/ep.py's moe_backward).
+# Fake kernel of the backward's element-wise op (CUDA only: uniep/moe_backward_cuda.py).
 @torch.library.register_fake("uniep::swiglu_backward")
 def _swiglu_backward_fake(
     h: torch.Tensor, grad_act: torch.Tensor, w: torch.Tensor

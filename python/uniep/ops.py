@@ -14,6 +14,7 @@ from . import _C, distributed, fused_forward
 # Imported for what they register: moe_forward's autograd formula, the CUDA moe_backward.
 from . import moe_autograd as _moe_autograd  # noqa: F401
 from . import moe_backward_cuda as _moe_backward_cuda  # noqa: F401
+from .megakernel import megakernel_overlap
 
 __all__ = ["moe_forward"]
 
@@ -324,9 +325,7 @@ def moe_forward(
         and not torch.compiler.is_compiling()
         and x.dim() == 2
         and w2.dim() == 3
-        and fused_forward.megakernel_overlap(
-            tuning, distributed.world_size(group), x.shape[1], w2.shape[1]
-        )
+        and megakernel_overlap(tuning, distributed.world_size(group), x.shape[1], w2.shape[1])
     ):
         # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed copy
         # of w1 kept while w1 is unchanged (uniep.fused_forward).
