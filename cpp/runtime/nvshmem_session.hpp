@@ -7,7 +7,8 @@
 // all its output, seen with a runtime grown once on an H200), and a process that exits with
 // NVSHMEM running exits cleanly: the driver releases its memory and peer mappings. Only a later
 // runtime over other ranks (another world size or rank) finalises the idle session and starts a
-// new one, since NVSHMEM spans one set of PEs.
+// new one, since NVSHMEM spans one set of PEs; that restart may still meet the crash at exit, and
+// only a program that moves its runtimes to another group takes it.
 #pragma once
 
 #include <cstddef>
