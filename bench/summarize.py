@@ -16,16 +16,44 @@ from typing import Any
 DEFAULT_DIR = Path(__file__).resolve().parent / "results"
 
 
+# A string cell longer than this becomes a numbered note under its table.
+_NOTE_AFTER = 48
+
+
 def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1e3 else f"{value:.4g}"
-    if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":"))
     return str(value).replace("|", "\\|")
 
 
+def _flat(row: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A row's scalar cells, a dict of scalars spread into ``key.sub`` columns (``ms.ours``,
+    ``ms.nccl``); the keys left out (lists, nested dicts: per-rank and per-round detail, which
+    the JSON keeps)."""
+    flat: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in row.items():
+        if (
+            isinstance(value, dict)
+            and value
+            and all(not isinstance(v, dict | list) for v in value.values())
+        ):
+            flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+        elif isinstance(value, dict | list):
+            if value:
+                dropped.append(key)
+        else:
+            flat[key] = value
+    return flat, dropped
+
+
 def table(payload: dict[str, Any]) -> list[str]:
-    """One Markdown table for one result file: a column per key seen in any row."""
+    """One readable Markdown table for one result file: what every row shares on one line above
+    it, a column per key that varies (a dict of scalars spread into named columns), long strings
+    as numbered notes below, and the per-rank or per-round detail (lists, nested dicts) named as
+    left in the JSON, never dumped into a cell."""
     rows = payload.get("rows", [])
     env = payload.get("env", {})
     title = (
@@ -33,14 +61,51 @@ def table(payload: dict[str, Any]) -> list[str]:
         f"(torch {env.get('torch', '?')}, CUDA {env.get('cuda') or 'none'}, "
         f"commit {env.get('commit', '?')}, {env.get('date', '?')})"
     )
-    keys: list[str] = []
+    flat_rows, dropped = [], []
     for row in rows:
+        flat, left = _flat(row)
+        flat_rows.append(flat)
+        dropped += [k for k in left if k not in dropped]
+    keys: list[str] = []
+    for row in flat_rows:
         keys += [k for k in row if k not in keys]
     if not keys:
         return [title, "", "(no rows)"]
-    lines = [title, "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |")
+    shared = [
+        k
+        for k in keys
+        if len(flat_rows) > 1
+        and all(k in r for r in flat_rows)
+        and len({json.dumps(r[k], sort_keys=True, default=str) for r in flat_rows}) == 1
+        and len(_cell(flat_rows[0][k])) <= _NOTE_AFTER
+    ]
+    lines = [title, ""]
+    if len(flat_rows) == 1:  # one row reads best as a column of named values
+        lines += ["| field | value |", "|---|---|"]
+        lines += [f"| {k} | {_cell(flat_rows[0][k])} |" for k in keys]
+        if dropped:
+            lines += ["", "in the JSON only (per rank, per round or nested): " + ", ".join(dropped)]
+        return lines
+    columns = [k for k in keys if k not in shared]
+    if shared:
+        lines += ["all rows: " + ", ".join(f"{k} {_cell(flat_rows[0][k])}" for k in shared), ""]
+    notes: list[str] = []
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in flat_rows:
+        cells = []
+        for k in columns:
+            text = _cell(row.get(k, ""))
+            if len(text) > _NOTE_AFTER:
+                if text not in notes:
+                    notes.append(text)
+                text = f"[{notes.index(text) + 1}]"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes or dropped:
+        lines.append("")
+    lines += [f"[{i}] {n}" for i, n in enumerate(notes, 1)]
+    if dropped:
+        lines.append("in the JSON only (per rank, per round or nested): " + ", ".join(dropped))
     return lines
 
 
