@@ -26,10 +26,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_distinct_shards", "is_expert_shard", "mark_expert_shards", "marked_shards"]
+__all__ = [
+    "check_distinct_shards",
+    "ddp_reduces",
+    "is_expert_shard",
+    "mark_expert_shards",
+    "marked_shards",
+]
 
 # The attribute a marked parameter carries: the ranks of the group its experts are split over.
 _MARK = "_uniep_expert_shard_ranks"
+
+# Per DistributedDataParallel instance: the ids of the parameters it reduces (read once; a
+# forward inside DDP asks at every call).
+_DDP_PARAM_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # (id(w1), id(w2)) of the pairs already compared, dropped when either tensor dies.
 _CHECKED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
@@ -99,6 +109,19 @@ def mark_expert_shards(
     return chosen
 
 
+def ddp_reduces(*tensors: torch.Tensor) -> bool:
+    """Whether a DistributedDataParallel forward is running and reduces (broadcasts at its
+    construction, averages in backward) any of ``tensors`` as a replica."""
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return False
+    ids = _DDP_PARAM_IDS.get(ddp)
+    if ids is None:
+        ids = {id(p) for p in ddp._module_parameters}
+        _DDP_PARAM_IDS[ddp] = ids
+    return any(id(t) in ids for t in tensors)
+
+
 def is_expert_shard(p: torch.Tensor) -> bool:
     """Whether ``p`` was marked by :func:`mark_expert_shards`."""
     return hasattr(p, _MARK)
@@ -140,12 +163,9 @@ def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -
     world = dist.get_world_size(group)
     if world == 1:
         return
-    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
-    if ddp is not None:
-        replicated = {id(p) for p in ddp._module_parameters}
-        if id(w1) in replicated or id(w2) in replicated:
-            # Exact, and no collective: every rank runs the same DDP and raises here alike.
-            raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
+    if ddp_reduces(w1, w2):
+        # Exact, and no collective: every rank runs the same DDP and raises here alike.
+        raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
     key = (id(w1), id(w2))
     seen = _CHECKED.get(key)
     if seen is not None and seen[0]() is w1 and seen[1]() is w2:

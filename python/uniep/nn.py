@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C, distributed
-from .expert_shards import mark_expert_shards, marked_shards
+from .expert_shards import ddp_reduces, mark_expert_shards, marked_shards
 from .parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -190,9 +189,8 @@ def _setup_expert_group(
         )
     module.num_local_experts = num_experts // module.world_size
     module.expert_offset = module.rank * module.num_local_experts
-    # Set by prepare_data_parallel: the factor expert gradients are multiplied by, and hooks.
+    # Set by prepare_data_parallel: the factor expert gradients are multiplied by.
     module._ddp_grad_scale = None
-    module._ddp_hooks = []
 
 
 @torch.no_grad()
@@ -214,22 +212,13 @@ def _draw_experts(module: nn.Module) -> None:
             w2[e - first].copy_(b)
 
 
-# Per DistributedDataParallel instance: the ids of the parameters it reduces.
-_DDP_PARAM_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _check_ddp(module: nn.Module) -> str | None:
     """An error if this forward runs inside a DDP that treats the experts as replicated."""
     if module.world_size == 1:
         return None  # one shard per rank is a replica: DDP's broadcast and average are right
-    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
-    if ddp is None:
+    if torch.nn.parallel.DistributedDataParallel._active_ddp_module is None:
         return None
-    ids = _DDP_PARAM_IDS.get(ddp)
-    if ids is None:
-        ids = {id(p) for p in ddp._module_parameters}
-        _DDP_PARAM_IDS[ddp] = ids
-    if id(module.w1) in ids or id(module.w2) in ids:
+    if ddp_reduces(module.w1, module.w2):
         return (
             f"{type(module).__name__} holds experts [{module.expert_offset}, "
             f"{module.expert_offset + module.num_local_experts}) of {module.num_experts}, "
@@ -458,14 +447,9 @@ def prepare_data_parallel(
             )
         prefix = f"{name}." if name else ""
         names += [prefix + "w1", prefix + "w2"]
-        if module._ddp_grad_scale != 1.0 / size or not module._ddp_hooks:
-            for handle in module._ddp_hooks:
-                handle.remove()
-            scale = 1.0 / size
-            module._ddp_hooks = [
-                p.register_hook(lambda g, s=scale: g * s) for p in (module.w1, module.w2)
-            ]
-            module._ddp_grad_scale = scale
+        for p in (module.w1, module.w2):
+            _scale_grad(p, 1.0 / size)
+        module._ddp_grad_scale = 1.0 / size
     for name, param, shard_ranks in marked_shards(model):
         if name in names or len(shard_ranks) == 1:
             continue
@@ -476,13 +460,7 @@ def prepare_data_parallel(
                 "data-parallel group is supported"
             )
         names.append(name)
-        scale = 1.0 / size
-        handle = getattr(param, "_uniep_ddp_hook", None)
-        if handle is None or handle[0] != scale:
-            if handle is not None:
-                handle[1].remove()
-            hook = param.register_hook(lambda g, s=scale: g * s)
-            param._uniep_ddp_hook = (scale, hook)  # type: ignore[attr-defined]
+        _scale_grad(param, 1.0 / size)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     # DDP's reducer names a parameter of the wrapped module itself ".w1" (its module's name, "",
     # a dot, then the parameter's), where its broadcast and the list's users say "w1": a shard
@@ -490,6 +468,18 @@ def prepare_data_parallel(
     dotted = {"." + n for n in names if "." not in n}
     model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names) | dotted)
     return names
+
+
+def _scale_grad(param: nn.Parameter, scale: float) -> None:
+    """Multiply ``param``'s gradient by ``scale`` through one hook, kept on the parameter with its
+    factor: calling again with the same factor adds nothing, another factor replaces it."""
+    held = getattr(param, "_uniep_ddp_hook", None)
+    if held is not None and held[0] == scale:
+        return
+    if held is not None:
+        held[1].remove()
+    handle = param.register_hook(lambda g, s=scale: g * s)
+    param._uniep_ddp_hook = (scale, handle)  # type: ignore[attr-defined]
 
 
 def data_parallel(
