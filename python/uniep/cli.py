@@ -714,7 +714,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=10,
         help="timed calls each, in 2 to 4 interleaved rounds; a point replaces the default only "
-        "when it beats it by more than the spread of their round times (1 call: no spread)",
+        "when it is faster than the default in every round (1 call: one round, the default stays)",
     )
     tune_p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed calls each")
     tune_p.add_argument(

@@ -527,8 +527,8 @@ def runoff_points(
 class Pick:
     """``pick_beyond_noise``'s answer: ``chosen``, the index of the point to keep; ``fastest``,
     the index of the lowest median; ``why``: ``"beyond noise"`` (``chosen`` is not the default),
-    ``"default fastest"``, ``"within noise"``, ``"one round"`` (no spread to judge by) or
-    ``"default failed"`` (``chosen`` is then the fastest point)."""
+    ``"default fastest"``, ``"within noise"``, ``"one round"`` (fewer than two paired rounds to
+    judge by) or ``"default failed"`` (``chosen`` is then the fastest point)."""
 
     chosen: int
     fastest: int
