@@ -28,7 +28,7 @@ const char* call_kind_name(CallKind kind) {
     case CallKind::kMoeBackward:
       return "moe_backward";
     case CallKind::kEpRuntimeCreate:
-      return "the GPU runtime's creation (uniep.ep.init_runtime)";
+      return "the GPU runtime's creation (uniep.moe.ep.init_runtime)";
   }
   return "an unknown call";
 }

@@ -8,18 +8,18 @@
 
 #include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
-#include "torch/call_checks.hpp"
+#include "torch/common/call_checks.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
-#include "torch/coll_gemm.hpp"
-#include "torch/coll_registry.hpp"
-#include "torch/ep_registry.hpp"
-#include "torch/fp8_experts.hpp"
-#include "torch/fused_ep_registry.hpp"
-#include "torch/runtime_registry.hpp"
+#include "torch/collectives/gemm.hpp"
+#include "torch/collectives/registry.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/ep/registry.hpp"
+#include "torch/gemm/fp8_experts.hpp"
+#include "torch/megakernel/registry.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 #endif
-#include "uniep/send_rows_error.hpp"
 #include "uniep/plan.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/status.hpp"
 #include "uniep/tuning.hpp"
 
@@ -188,8 +188,8 @@ uniep::ep::Config ep_config(int64_t max_tokens, int64_t hidden, int64_t top_k, i
 }
 #endif
 
-// The call agreement (torch/call_checks.hpp) for calls checked in Python: the signature fields,
-// this rank's error (empty if its checks passed). Raises on every rank as the C++ ops do.
+// The call agreement (torch/common/call_checks.hpp) for calls checked in Python: the signature
+// fields, this rank's error (empty if its checks passed). Raises on every rank as the C++ ops do.
 void agree_call_py(const std::string& group_name, const std::string& kind_name,
                    const std::vector<std::pair<std::string, int64_t>>& fields,
                    const std::string& error, const std::string& device) {
@@ -302,7 +302,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_experts"), py::arg("n"), py::arg("k"), py::arg("swiglu"),
         py::arg("pingpong_rows"),
         "The expert GEMM engine's automatic configuration for a grouped problem's shape: the "
-        "index into its compiled configurations (uniep.tune.CUDA_TILES), as grouped_gemm_select "
+        "index into its compiled configurations (uniep.tuning.tuner.CUDA_TILES), as "
+        "grouped_gemm_select "
         "picks it on CUDA.");
   // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
   m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
@@ -366,19 +367,19 @@ PYBIND11_MODULE(_C, m) {
       [](const py::function& fn) {
         // Never freed: the ops may call it until exit, when no GIL can be taken to free it.
         auto* held = new py::function(fn);
-        uniep::torch_glue::set_ep_runtime_factory(
-            [held](const std::string& group_name, int64_t tokens, int64_t hidden, int64_t top_k,
-                   int64_t num_experts) {
-              py::gil_scoped_acquire gil;
-              try {
-                (*held)(group_name, tokens, hidden, top_k, num_experts);
-              } catch (py::error_already_set& e) {
-                throw uniep::Error(uniep::StatusCode::kInvalidArgument,
-                                   std::string("creating the group's GPU runtime for this call "
-                                               "(uniep.ep.init_runtime) failed: ") +
-                                       e.what());
-              }
-            });
+        uniep::torch_glue::set_ep_runtime_factory([held](const std::string& group_name,
+                                                         int64_t tokens, int64_t hidden,
+                                                         int64_t top_k, int64_t num_experts) {
+          py::gil_scoped_acquire gil;
+          try {
+            (*held)(group_name, tokens, hidden, top_k, num_experts);
+          } catch (py::error_already_set& e) {
+            throw uniep::Error(uniep::StatusCode::kInvalidArgument,
+                               std::string("creating the group's GPU runtime for this call "
+                                           "(uniep.moe.ep.init_runtime) failed: ") +
+                                   e.what());
+          }
+        });
       },
       py::arg("factory"),
       "The function moe_forward / moe_backward call (collectively) to create or grow a group's "
@@ -473,13 +474,13 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& group_name, const py::bytes& unique_id, int64_t world_size,
          int64_t rank, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
          int64_t num_experts, double timeout_s, int64_t tile_m, bool backward) {
-        const uniep::fused::Config c = fused_config(world_size, rank, max_tokens, hidden, ffn,
-                                                    top_k, num_experts, timeout_s, tile_m,
-                                                    backward);
+        const uniep::fused::Config c =
+            fused_config(world_size, rank, max_tokens, hidden, ffn, top_k, num_experts, timeout_s,
+                         tile_m, backward);
         const std::string raw = unique_id;
         py::gil_scoped_release release;  // collective: other ranks' threads must progress
-        uniep::torch_glue::fused_ep_create(group_name,
-                                           std::vector<uint8_t>(raw.begin(), raw.end()), c);
+        uniep::torch_glue::fused_ep_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()),
+                                           c);
       },
       py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
       py::arg("max_tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("top_k"),
@@ -511,8 +512,8 @@ PYBIND11_MODULE(_C, m) {
       "fused_ep_symmetric_heap_bytes",
       [](int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t ffn, int64_t top_k,
          int64_t num_experts, int64_t tile_m, bool backward) {
-        const uniep::fused::Config c = fused_config(world_size, 0, max_tokens, hidden, ffn,
-                                                    top_k, num_experts, 100.0, tile_m, backward);
+        const uniep::fused::Config c = fused_config(world_size, 0, max_tokens, hidden, ffn, top_k,
+                                                    num_experts, 100.0, tile_m, backward);
         uniep::torch_glue::ok_or_throw(c.validate());
         return static_cast<int64_t>(uniep::fused::symmetric_heap_bytes(c));
       },
@@ -539,8 +540,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "send_rows_error_message",
       [](int64_t word, int64_t top_k, const std::string& what) {
-        const Status s = send_rows_error_status(static_cast<uint64_t>(word), top_k,
-                                                      what.c_str());
+        const Status s = send_rows_error_status(static_cast<uint64_t>(word), top_k, what.c_str());
         return s.ok() ? std::string() : s.message;
       },
       py::arg("word"), py::arg("top_k"), py::arg("what"),

@@ -188,7 +188,7 @@ void bind_parm(py::module& parent) {
       .def_readwrite("max_chunks", &CostModel::max_chunks)
       .def_readwrite("step_alpha", &CostModel::step_alpha)
       .def("compute_seconds", &CostModel::compute_seconds, py::arg("flops"), py::arg("mem_bytes"))
-      // Picklable so that a fitted model reaches spawned ranks (uniep.parm_profile).
+      // Picklable so that a fitted model reaches spawned ranks (uniep.parm.profile).
       .def(py::pickle(
           [](const CostModel& cm) {
             py::list comm;

@@ -123,44 +123,31 @@ class RuntimeImpl final : public Runtime {
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamSynchronize(st);
-    if (sym_) nvshmem_free(sym_);
+    heap_.close();
     for (cudaEvent_t& e : events_)
       if (e) cudaEventDestroy(e);
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamDestroy(st);
     if (err_host_) cudaFreeHost(err_host_);
-    if (counted_) runtime::nvshmem_release();
   }
 
   Status init(const std::vector<uint8_t>& uid) {
-    bool started = false;
     if (Status s =
-            runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout_.total, &started);
+            heap_.open(uid, cfg_.world_size, cfg_.rank, layout_.total, " for the collectives",
+                       "lower max_block_bytes or raise NVSHMEM_SYMMETRIC_SIZE (set before "
+                       "the first UniEP runtime)");
         !s.ok())
       return s;
-    counted_ = true;
-    sym_ = nvshmem_malloc(layout_.total);
-    if (!sym_)
-      return {StatusCode::kCapacityExceeded,
-              detail::str_cat("nvshmem_malloc of ", layout_.total,
-                              " bytes for the collectives failed: lower max_block_bytes or raise "
-                              "NVSHMEM_SYMMETRIC_SIZE (set before the first UniEP runtime)")};
-    for (int64_t p = 0; p < cfg_.world_size; ++p) {
-      peer_[p] = static_cast<uint8_t*>(nvshmem_ptr(sym_, static_cast<int>(p)));
-      if (peer_[p] == nullptr)
-        return {StatusCode::kUnsupported,
-                detail::str_cat("the CUDA collectives need every rank of the group on this "
-                                "rank's NVLink domain, but rank ",
-                                p, " is not reachable through nvshmem_ptr from rank ", cfg_.rank,
-                                "; use NCCL (or the CPU executor) across nodes")};
-    }
+    if (Status s = heap_.map_peers(peer_, "the CUDA collectives need",
+                                   "use NCCL (or the CPU executor) across nodes");
+        !s.ok())
+      return s;
     // Copies through the peer mappings are peer copies to the CUDA runtime: with peer access
     // enabled they run on the copy engine over NVLink instead of being staged.
     if (Status s = enable_peer_access(); !s.ok()) return s;
     // The words must read zero everywhere before any peer may store into them.
-    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.push));
-    UNIEP_CUDA_OK(cudaDeviceSynchronize());
-    nvshmem_barrier_all();
+    UNIEP_CUDA_OK(cudaMemset(heap_.base(), 0, layout_.push));
+    if (Status s = heap_.barrier(); !s.ok()) return s;
 
     // The runtime's streams have the highest priority, so their kernels (the waits, the folds)
     // go before a GEMM's blocks that have not started yet. cuBLAS's persistent Hopper GEMMs start
@@ -439,15 +426,14 @@ class RuntimeImpl final : public Runtime {
       }
       cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks,
                              static_cast<int>(cfg_.world_size), static_cast<int>(r),
-                             static_cast<int>(src), epoch_, timeout_ns(), err_dev_,
-                             op_code(kind), wait_);
+                             static_cast<int>(src), epoch_, timeout_ns(), err_dev_, op_code(kind),
+                             wait_);
       UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
       UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
       const uint8_t* slot = sym() + push_slot(src) + j * part;
-      UNIEP_CUDA_OK(copy_2d(to, static_cast<size_t>(into.pitch), slot,
-                            static_cast<size_t>(into.row_bytes),
-                            static_cast<size_t>(into.row_bytes), static_cast<size_t>(recv_rows),
-                            stream));
+      UNIEP_CUDA_OK(
+          copy_2d(to, static_cast<size_t>(into.pitch), slot, static_cast<size_t>(into.row_bytes),
+                  static_cast<size_t>(into.row_bytes), static_cast<size_t>(recv_rows), stream));
     }
     return finish(stream, Status::Ok());
   }
@@ -483,8 +469,8 @@ class RuntimeImpl final : public Runtime {
       return bad(detail::str_cat(name, ": rows (", b.rows, ") must be divisible by chunks (",
                                  c.chunks, ")"));
     if (b.block_stride < b.row_bytes || b.pitch < b.row_bytes)
-      return bad(detail::str_cat(name, ": block_stride (", b.block_stride, ") and pitch (",
-                                 b.pitch, ") must be >= row_bytes (", b.row_bytes, ")"));
+      return bad(detail::str_cat(name, ": block_stride (", b.block_stride, ") and pitch (", b.pitch,
+                                 ") must be >= row_bytes (", b.row_bytes, ")"));
     return Status::Ok();
   }
 
@@ -497,8 +483,8 @@ class RuntimeImpl final : public Runtime {
     const auto u = [](int64_t v) { return static_cast<size_t>(v); };
     const int64_t rows_from = part / src.row_bytes, rows_to = part / into.row_bytes;
     if (into.pitch == into.row_bytes) {
-      UNIEP_CUDA_OK(copy_2d(to, u(src.row_bytes), from, u(src.pitch), u(src.row_bytes),
-                            u(rows_from), copy_));
+      UNIEP_CUDA_OK(
+          copy_2d(to, u(src.row_bytes), from, u(src.pitch), u(src.row_bytes), u(rows_from), copy_));
     } else if (src.pitch == src.row_bytes) {
       UNIEP_CUDA_OK(copy_2d(to, u(into.pitch), from, u(into.row_bytes), u(into.row_bytes),
                             u(rows_to), copy_));
@@ -626,7 +612,7 @@ class RuntimeImpl final : public Runtime {
     });
   }
 
-  uint8_t* sym() const { return static_cast<uint8_t*>(sym_); }
+  uint8_t* sym() const { return heap_.base(); }
   const uint64_t* words(size_t offset) const {
     return reinterpret_cast<const uint64_t*>(sym() + offset);
   }
@@ -656,8 +642,7 @@ class RuntimeImpl final : public Runtime {
 
   Config cfg_;
   Carve layout_;
-  bool counted_ = false;
-  void* sym_ = nullptr;
+  runtime::SymmetricHeap heap_;
   uint8_t* peer_[kMaxRanks] = {};
   static constexpr int kFixedEvents = 5;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;

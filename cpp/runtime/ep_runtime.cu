@@ -1,5 +1,5 @@
 // The expert-parallel runtime: NVSHMEM bootstrap from a unique id, one symmetric allocation
-// carved into the buffers of uniep/ep.hpp, and the host side of notify/dispatch/combine.
+// carved into the buffers of uniep/cuda/ep.hpp, and the host side of notify/dispatch/combine.
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -14,8 +14,8 @@
 #include "cuda/ep_kernels.hpp"
 #include "runtime/nvshmem_session.hpp"
 #include "runtime/runtime_support.hpp"
+#include "uniep/cuda/ep.hpp"
 #include "uniep/cuda/layout.hpp"
-#include "uniep/ep.hpp"
 
 namespace uniep::ep {
 namespace {
@@ -87,7 +87,7 @@ class RuntimeImpl final : public Runtime {
     // nvshmem_free is collective; a runtime is destroyed by every rank together
     // (uniep.shutdown), never from a static destructor.
     if (side_) cudaStreamSynchronize(side_);
-    if (sym_base_) nvshmem_free(sym_base_);
+    heap_.close();
     if (workspace_) cudaFree(workspace_);
     if (unit_rows_) cudaFree(unit_rows_);
     if (row_of_target_) cudaFree(row_of_target_);
@@ -95,22 +95,15 @@ class RuntimeImpl final : public Runtime {
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
     if (host_) cudaFreeHost(host_);
-    if (counted_) runtime::nvshmem_release();
   }
 
   Status init(const std::vector<uint8_t>& uid) {
     const Carve layout = carve(cfg_);
-    if (Status s = runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout.total, &owns_);
+    if (Status s = heap_.open(uid, cfg_.world_size, cfg_.rank, layout.total, "",
+                              "raise NVSHMEM_SYMMETRIC_SIZE or lower max_tokens");
         !s.ok())
       return s;
-    counted_ = true;
-
-    sym_base_ = nvshmem_malloc(layout.total);
-    if (!sym_base_)
-      return {StatusCode::kCapacityExceeded,
-              detail::str_cat("nvshmem_malloc of ", layout.total,
-                              " bytes failed: raise NVSHMEM_SYMMETRIC_SIZE or lower max_tokens")};
-    auto* base = static_cast<uint8_t*>(sym_base_);
+    auto* base = heap_.base();
     sym_.signals = reinterpret_cast<uint64_t*>(base + layout.signals);
     sym_.tally = reinterpret_cast<cuda::CompletionTally*>(base + layout.tally);
     sym_.counts = reinterpret_cast<int64_t*>(base + layout.counts);
@@ -119,9 +112,7 @@ class RuntimeImpl final : public Runtime {
     sym_.recv_meta = reinterpret_cast<int64_t*>(base + layout.recv_meta);
     sym_.recv_weights = reinterpret_cast<float*>(base + layout.recv_weights);
     sym_.combine = base + layout.combine;
-    all_peers_mapped_ = true;
-    for (int pe = 0; pe < static_cast<int>(cfg_.world_size); ++pe)
-      if (nvshmem_ptr(sym_base_, pe) == nullptr) all_peers_mapped_ = false;
+    all_peers_mapped_ = heap_.all_peers_mapped();
     ll_.ll_tokens = cfg_.ll_max_tokens;
     for (int b = 0; b < 2; ++b) {
       ll_.x[b] = base + layout.ll_x[b];
@@ -135,8 +126,7 @@ class RuntimeImpl final : public Runtime {
     }
     // Signals must read zero on every rank before any peer may add to them.
     UNIEP_CUDA_OK(cudaMemset(base, 0, layout.recv_x));
-    UNIEP_CUDA_OK(cudaDeviceSynchronize());
-    nvshmem_barrier_all();
+    if (Status s = heap_.barrier(); !s.ok()) return s;
 
     int device = 0;
     UNIEP_CUDA_OK(cudaGetDevice(&device));
@@ -187,7 +177,7 @@ class RuntimeImpl final : public Runtime {
   }
 
   const Config& config() const override { return cfg_; }
-  bool owns_nvshmem() const override { return owns_; }
+  bool owns_nvshmem() const override { return heap_.started(); }
   const void* received_rows() const override { return sym_.recv_x; }
   const int64_t* rows_per_local_expert() const override { return rows_per_local_expert_; }
   uint64_t epoch() const override { return epoch_; }
@@ -751,8 +741,7 @@ class RuntimeImpl final : public Runtime {
   }
 
   Config cfg_;
-  bool owns_ = false, counted_ = false;
-  void* sym_base_ = nullptr;
+  runtime::SymmetricHeap heap_;
   SymmetricView sym_{};
   cuda::LowLatencyView ll_{};
   bool ll_pending_[2] = {false, false};

@@ -36,9 +36,9 @@ struct Carve {
   size_t combine;   // bf16 [T x K][H]: this rank's entries' expert outputs, slot t x top_k + k
                     // (in a backward call: its entries' input gradients)
   // With Config::backward (else empty):
-  size_t rows_go;   // bf16 [C][H]: grad_out's GEMM rows
-  size_t row_w;     // fp32 [C]: each GEMM row's routing weight
-  size_t dots;      // fp32 [T x K]: each slot's <act, grad_act>
+  size_t rows_go;  // bf16 [C][H]: grad_out's GEMM rows
+  size_t row_w;    // fp32 [C]: each GEMM row's routing weight
+  size_t dots;     // fp32 [T x K]: each slot's <act, grad_act>
   size_t total;
 };
 
@@ -70,38 +70,26 @@ class RuntimeImpl final : public Runtime {
       : cfg_(c), layout_(carve(c)), capacity_(c.row_capacity()), num_counters_(counters_of(c)) {}
   ~RuntimeImpl() override {
     // nvshmem_free is collective: every rank destroys its runtime together
-    // (uniep.megakernel.shutdown_fused_ep), never from a static destructor.
+    // (uniep.moe.megakernel.launch.shutdown_fused_ep), never from a static destructor.
     cudaDeviceSynchronize();
-    if (sym_) nvshmem_free(sym_);
+    heap_.close();
     if (local_) cudaFree(local_);
-    if (counted_) runtime::nvshmem_release();
   }
 
   Status init(const std::vector<uint8_t>& uid) {
-    bool started = false;
     if (Status s =
-            runtime::nvshmem_acquire(uid, cfg_.world_size, cfg_.rank, layout_.total, &started);
+            heap_.open(uid, cfg_.world_size, cfg_.rank, layout_.total, " for the fused MoE runtime",
+                       "lower max_tokens or set NVSHMEM_SYMMETRIC_SIZE to at least the sum "
+                       "of the UniEP runtimes' symmetric_heap_bytes before the first one "
+                       "is created");
         !s.ok())
       return s;
-    counted_ = true;
-    sym_ = nvshmem_malloc(layout_.total);
-    if (!sym_)
-      return {StatusCode::kCapacityExceeded,
-              detail::str_cat("nvshmem_malloc of ", layout_.total,
-                              " bytes for the fused MoE runtime failed: lower max_tokens or set "
-                              "NVSHMEM_SYMMETRIC_SIZE to at least the sum of the UniEP runtimes' "
-                              "symmetric_heap_bytes before the first one is created")};
-    for (int64_t p = 0; p < cfg_.world_size; ++p) {
-      peer_[p] = static_cast<uint8_t*>(nvshmem_ptr(sym_, static_cast<int>(p)));
-      if (peer_[p] == nullptr)
-        return {StatusCode::kUnsupported,
-                detail::str_cat("the fused MoE kernel needs every rank of the group on this "
-                                "rank's NVLink domain, but rank ",
-                                p, " is not reachable through nvshmem_ptr from rank ", cfg_.rank,
-                                "; use moe_forward (overlap=sequential) across nodes")};
-    }
+    if (Status s = heap_.map_peers(peer_, "the fused MoE kernel needs",
+                                   "use moe_forward (overlap=sequential) across nodes");
+        !s.ok())
+      return s;
     // The words peers add to or wait on must read zero everywhere before any peer may touch them.
-    UNIEP_CUDA_OK(cudaMemset(sym_, 0, layout_.row_src));
+    UNIEP_CUDA_OK(cudaMemset(heap_.base(), 0, layout_.row_src));
 
     const int64_t T = cfg_.max_tokens, K = cfg_.top_k, El = cfg_.num_experts / cfg_.world_size;
     int device = 0;
@@ -143,9 +131,7 @@ class RuntimeImpl final : public Runtime {
     for (int64_t p = 0; p < cfg_.world_size; ++p) combine[p] = peer_[p] + layout_.combine;
     UNIEP_CUDA_OK(cudaMemcpy(combine_table_, combine, sizeof combine, cudaMemcpyHostToDevice));
     UNIEP_CUDA_OK(cudaMemset(no_weights_, 0, sizeof(float) * K));
-    UNIEP_CUDA_OK(cudaDeviceSynchronize());
-    nvshmem_barrier_all();
-    return Status::Ok();
+    return heap_.barrier();
   }
 
   const Config& config() const override { return cfg_; }
@@ -154,8 +140,8 @@ class RuntimeImpl final : public Runtime {
   Status forward(const ForwardArgs& f, const cuda::FusedMoeLaunch& launch,
                  cudaStream_t stream) override {
     if (Status s = check_tokens(f.tokens); !s.ok()) return s;
-    if (f.tokens > 0 && (f.x == nullptr || f.topk_idx == nullptr || f.topk_weights == nullptr ||
-                         f.out == nullptr))
+    if (f.tokens > 0 &&
+        (f.x == nullptr || f.topk_idx == nullptr || f.topk_weights == nullptr || f.out == nullptr))
       return {StatusCode::kInvalidArgument,
               "x, topk_idx, topk_weights and out must be device pointers"};
     if (f.w1_packed == nullptr || f.w2 == nullptr || f.error == nullptr || f.timeout == nullptr)
@@ -163,13 +149,13 @@ class RuntimeImpl final : public Runtime {
               "w1_packed, w2, error and timeout must be device pointers"};
     const int64_t W = cfg_.world_size, El = cfg_.num_experts / W, K = cfg_.top_k;
     auto at = [&](int64_t p, size_t off) { return peer_[p] + off; };
-    auto* mine = static_cast<uint8_t*>(sym_);
+    auto* mine = heap_.base();
     auto* counters = reinterpret_cast<uint32_t*>(mine + layout_.counters);
     auto* done2 = reinterpret_cast<uint32_t*>(mine + layout_.done2);  // parity 0's set
     // Fewer senders than CTAs overlap the send with the GEMMs, in the order the GEMMs take rows.
     const bool ordered = W > 1 && launch.comm_ctas < sm_count_;
-    if (Status s = begin_call(f.topk_idx, f.tokens, cfg_.tile_m, ordered, f.error, f.timeout,
-                              stream);
+    if (Status s =
+            begin_call(f.topk_idx, f.tokens, cfg_.tile_m, ordered, f.error, f.timeout, stream);
         !s.ok())
       return s;
 
@@ -236,7 +222,7 @@ class RuntimeImpl final : public Runtime {
     if (!cfg_.backward)
       return {StatusCode::kInvalidArgument,
               "this fused MoE runtime was created without the backward's buffers: create it "
-              "with backward=True (uniep.megakernel.init_fused_ep)"};
+              "with backward=True (uniep.moe.megakernel.launch.init_fused_ep)"};
     if (Status s = check_tokens(b.tokens); !s.ok()) return s;
     if (b.tokens > 0 && (b.x == nullptr || b.grad_out == nullptr || b.topk_idx == nullptr ||
                          b.topk_weights == nullptr))
@@ -248,11 +234,11 @@ class RuntimeImpl final : public Runtime {
               "w1, w2t, h, grad_act, error, timeout and rows must be device pointers"};
     const int64_t W = cfg_.world_size, El = cfg_.num_experts / W, K = cfg_.top_k;
     // The gated GEMM's tiles (kGatedTileM rows): at most the counters the forward's height needs.
-    if (Status s = begin_call(b.topk_idx, b.tokens, cuda::kGatedTileM, false, b.error, b.timeout,
-                              stream);
+    if (Status s =
+            begin_call(b.topk_idx, b.tokens, cuda::kGatedTileM, false, b.error, b.timeout, stream);
         !s.ok())
       return s;
-    auto* mine = static_cast<uint8_t*>(sym_);
+    auto* mine = heap_.base();
     const bool none = b.tokens == 0;  // its own pointers are never read, but must be valid
     cuda::FusedBackwardArgs a;
     a.x = none ? mine + layout_.rows : b.x;
@@ -310,7 +296,7 @@ class RuntimeImpl final : public Runtime {
               "this fused MoE runtime was created without the backward's buffers"};
     if (Status s = check_tokens(r.tokens); !s.ok()) return s;
     const int64_t W = cfg_.world_size, El = cfg_.num_experts / W;
-    auto* mine = static_cast<uint8_t*>(sym_);
+    auto* mine = heap_.base();
     cuda::FusedReturnArgs a;
     a.grad_rows = r.grad_rows;
     a.dots = r.dots;
@@ -344,9 +330,9 @@ class RuntimeImpl final : public Runtime {
   // Every call's token count: the buffers hold max_tokens of them.
   Status check_tokens(int64_t tokens) const {
     if (tokens >= 0 && tokens <= cfg_.max_tokens) return Status::Ok();
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ",
-                            tokens)};
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat("tokens must be in [0, max_tokens = ", cfg_.max_tokens, "], got ", tokens)};
   }
 
   // The count exchange, this call's plan (tiles of tile_m rows; with `ordered` also the send
@@ -357,7 +343,7 @@ class RuntimeImpl final : public Runtime {
     // kernel), so a CUDA graph of this call replays as a new call each time; nothing below
     // depends on the parity on the host.
     const int64_t W = cfg_.world_size, E = cfg_.num_experts, El = E / W, K = cfg_.top_k;
-    auto* mine = static_cast<uint8_t*>(sym_);
+    auto* mine = heap_.base();
     cuda::FusedExchangeArgs x;
     x.topk_idx = topk_idx;
     x.tokens = tokens;
@@ -409,15 +395,13 @@ class RuntimeImpl final : public Runtime {
   Config cfg_;
   Carve layout_;
   int64_t capacity_ = 0, num_counters_ = 0;
-  void* sym_ = nullptr;
+  runtime::SymmetricHeap heap_;
   uint8_t* peer_[cuda::kMaxFusedPeers] = {};
-  bool counted_ = false;
   int device_ = 0, sm_count_ = 0;
   void* local_ = nullptr;
   uint8_t* act_ = nullptr;
   uint32_t* done1_ = nullptr;
-  int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr,
-          *send_order_ = nullptr;
+  int64_t *dest_rank_ = nullptr, *gemm_row_ = nullptr, *counter_ = nullptr, *send_order_ = nullptr;
   int32_t *offs_ = nullptr, *tile_base_ = nullptr;
   float* no_weights_ = nullptr;
   void** combine_table_ = nullptr;
@@ -452,12 +436,12 @@ Status Config::validate() const {
     return bad(detail::str_cat("num_experts must be a multiple of world_size (", world_size,
                                ") in [1, ", kMaxExperts, "], got ", num_experts));
   if (top_k > num_experts)
-    return bad(detail::str_cat("top_k (", top_k, ") must be at most num_experts (", num_experts,
-                               ")"));
+    return bad(
+        detail::str_cat("top_k (", top_k, ") must be at most num_experts (", num_experts, ")"));
   if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));
   if (tile_m != 128 && tile_m != 64)
-    return bad(detail::str_cat("tile_m must be 128 or 64 (the fused kernel's tile rows), got ",
-                               tile_m));
+    return bad(
+        detail::str_cat("tile_m must be 128 or 64 (the fused kernel's tile rows), got ", tile_m));
   if (row_capacity() > (int64_t{1} << 31) - 1)
     return bad(detail::str_cat("world_size x max_tokens x min(top_k, experts per rank) = ",
                                row_capacity(), " GEMM rows exceed 2^31 - 1: lower max_tokens"));

@@ -1,4 +1,4 @@
-// The shared NVSHMEM initialisation of nvshmem_session.hpp.
+// The shared NVSHMEM initialisation and the runtimes' symmetric heaps (nvshmem_session.hpp).
 #include <cuda_runtime_api.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "runtime/nvshmem_session.hpp"
+#include "runtime/runtime_support.hpp"
 
 namespace uniep::runtime {
 namespace {
@@ -97,6 +98,51 @@ Status nvshmem_acquire(const std::vector<uint8_t>& unique_id, int64_t world_size
 
 void nvshmem_release() {
   if (g_holders > 0) --g_holders;
+}
+
+Status SymmetricHeap::open(const std::vector<uint8_t>& unique_id, int64_t world_size, int64_t rank,
+                           size_t bytes, const char* for_what, const char* remedy) {
+  world_size_ = world_size;
+  rank_ = rank;
+  if (Status s = nvshmem_acquire(unique_id, world_size, rank, bytes, &started_); !s.ok()) return s;
+  joined_ = true;
+  base_ = static_cast<uint8_t*>(nvshmem_malloc(bytes));
+  if (base_ == nullptr)
+    return {StatusCode::kCapacityExceeded,
+            detail::str_cat("nvshmem_malloc of ", bytes, " bytes", for_what, " failed: ", remedy)};
+  return Status::Ok();
+}
+
+Status SymmetricHeap::map_peers(uint8_t** peers, const char* needs, const char* instead) const {
+  for (int64_t p = 0; p < world_size_; ++p) {
+    peers[p] = static_cast<uint8_t*>(nvshmem_ptr(base_, static_cast<int>(p)));
+    if (peers[p] == nullptr)
+      return {StatusCode::kUnsupported,
+              detail::str_cat(
+                  needs, " every rank of the group on this rank's NVLink domain, but rank ", p,
+                  " is not reachable through nvshmem_ptr from rank ", rank_, "; ", instead)};
+  }
+  return Status::Ok();
+}
+
+bool SymmetricHeap::all_peers_mapped() const {
+  bool all = true;
+  for (int pe = 0; pe < static_cast<int>(world_size_); ++pe)
+    if (nvshmem_ptr(base_, pe) == nullptr) all = false;
+  return all;
+}
+
+Status SymmetricHeap::barrier() const {
+  UNIEP_CUDA_OK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();
+  return Status::Ok();
+}
+
+void SymmetricHeap::close() {
+  if (base_ != nullptr) nvshmem_free(base_);
+  base_ = nullptr;
+  if (joined_) nvshmem_release();
+  joined_ = false;
 }
 
 }  // namespace uniep::runtime

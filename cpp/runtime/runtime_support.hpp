@@ -1,5 +1,6 @@
-// Host-side pieces both UniEP runtimes (ep_runtime.cu, coll_runtime.cu) share: CUDA return
-// codes as a Status, the offsets of one symmetric allocation, and the device error word.
+// Host-side pieces the UniEP runtimes (ep_runtime.cu, coll_runtime.cu, fused_ep_runtime.cu)
+// share: CUDA return codes as a Status, the offsets of one symmetric allocation, and the device
+// error word. The allocation itself is nvshmem_session.hpp's SymmetricHeap.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -80,7 +81,7 @@ inline Status wait_timeout(const char* what, int64_t rank, double timeout_s,
                           e.want, "); ", hint)};
 }
 
-// Runtime::create of both runtimes: validate the config, then bring up an Impl (which has
+// Runtime::create of the runtimes: validate the config, then bring up an Impl (which has
 // `Status init(const std::vector<uint8_t>& unique_id)`); nothing is handed out on failure.
 template <typename Impl, typename Base, typename Config>
 Status create_runtime(const Config& config, const std::vector<uint8_t>& unique_id,

@@ -7,7 +7,7 @@
 //
 // Prints OK and exits 0; on a machine without a CUDA device it says so and exits 0 too, so that
 // it can run in CI. A real server creates one Runtime per rank, with the unique id of rank 0
-// broadcast over its own transport (see uniep/ep.hpp).
+// broadcast over its own transport (see uniep/cuda/ep.hpp).
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <uniep/cuda/ep.hpp>
 #include <uniep/cuda/layout.hpp>
-#include <uniep/ep.hpp>
 #include <uniep/plan.hpp>
 #include <uniep/status.hpp>
 

@@ -195,7 +195,7 @@ struct CostModel {
   double mem_beta = 0;      // seconds per byte of local memory traffic
   int64_t max_chunks = 16;  // largest SAA pipeline degree tried (powers of two)
   // Seconds every step costs besides its transfer or compute: the executor's host work and
-  // launches per step (fitted by uniep.parm_profile from a small layer; 0 for a described
+  // launches per step (fitted by uniep.parm.profile from a small layer; 0 for a described
   // cluster). An SAA pair counts as its two steps.
   double step_alpha = 0;
 

@@ -13,9 +13,8 @@ include(CMakePackageConfigHelpers)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/uniep
   DESTINATION ${UNIEP_INSTALL_INCLUDEDIR}
   FILES_MATCHING PATTERN "*.hpp"
-  # The GPU API is installed with the library that defines it.
-  PATTERN "cuda" EXCLUDE
-  PATTERN "ep.hpp" EXCLUDE)
+  # The GPU API (uniep/cuda/) is installed with the library that defines it.
+  PATTERN "cuda" EXCLUDE)
 install(FILES ${PROJECT_BINARY_DIR}/include/uniep/version.hpp
   DESTINATION ${UNIEP_INSTALL_INCLUDEDIR}/uniep)
 
@@ -26,8 +25,6 @@ install(EXPORT uniepCoreTargets NAMESPACE uniep:: DESTINATION ${UNIEP_INSTALL_CM
 # Where uniepConfig.cmake looks for NVSHMEM (after the consumer's own NVSHMEM_HOME).
 set(UNIEP_NVSHMEM_HINTS "")
 if(UNIEP_HAVE_CUDA)
-  install(FILES ${PROJECT_SOURCE_DIR}/include/uniep/ep.hpp
-    DESTINATION ${UNIEP_INSTALL_INCLUDEDIR}/uniep)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/uniep/cuda
     DESTINATION ${UNIEP_INSTALL_INCLUDEDIR}/uniep
     FILES_MATCHING PATTERN "*.hpp")

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "torch/validate.hpp"
+#include "torch/common/validate.hpp"
 
 namespace uniep::torch_glue {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <tuple>
 
-#include "torch/peer_transport.hpp"
-#include "torch/process_group.hpp"
-#include "torch/validate.hpp"
+#include "torch/collectives/peer_transport.hpp"
+#include "torch/common/process_group.hpp"
+#include "torch/common/validate.hpp"
 #include "uniep/collectives.hpp"
 
 TORCH_LIBRARY_FRAGMENT(uniep, m) {

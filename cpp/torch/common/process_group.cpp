@@ -1,4 +1,4 @@
-#include "torch/process_group.hpp"
+#include "torch/common/process_group.hpp"
 
 #include <ATen/ops/empty.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>

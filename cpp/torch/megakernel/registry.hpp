@@ -1,6 +1,6 @@
 // One fused MoE runtime (uniep/cuda/fused_ep.hpp) per process group, created collectively from
-// Python (uniep.megakernel.init_fused_ep) and looked up by uniep::moe_fused_ep through the
-// group's name.
+// Python (uniep.moe.megakernel.launch.init_fused_ep) and looked up by uniep::moe_fused_ep through
+// the group's name.
 #pragma once
 
 #include <string>

@@ -17,15 +17,15 @@
 #include <utility>
 
 #include "cuda/dispatch/expert_rows.hpp"
-#include "torch/call_checks.hpp"
-#include "torch/ep_registry.hpp"
-#include "torch/fp8_experts.hpp"
-#include "torch/grouped_gemm.hpp"
-#include "torch/process_group.hpp"
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/call_checks.hpp"
+#include "torch/common/process_group.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/ep/registry.hpp"
+#include "torch/gemm/fp8_experts.hpp"
+#include "torch/gemm/grouped.hpp"
+#include "uniep/cuda/ep.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
-#include "uniep/ep.hpp"
 #include "uniep/tuning.hpp"
 
 namespace uniep::torch_glue {
@@ -33,8 +33,9 @@ namespace uniep::torch_glue {
 namespace {
 RuntimeRegistry<ep::Runtime>& registry() {
   static auto* r = new RuntimeRegistry<ep::Runtime>(
-      "GPU runtime", "call uniep.ep.shutdown(group) on every rank first to re-create it",
-      "call uniep.ep.init_runtime(group, max_tokens=..., hidden=..., top_k=..., num_experts=...) "
+      "GPU runtime", "call uniep.moe.ep.shutdown(group) on every rank first to re-create it",
+      "call uniep.moe.ep.init_runtime(group, max_tokens=..., hidden=..., top_k=..., "
+      "num_experts=...) "
       "on every rank first (moe_forward creates it on first use once uniep is imported)");
   return *r;
 }
@@ -94,7 +95,7 @@ void check_routing(const at::Tensor& x, const at::Tensor& topk_idx, const at::Te
   const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
   UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= cfg.row_bytes_capacity(),
               "x rows must be a multiple of 16 bytes and at most the runtime's row capacity of ",
-              cfg.row_bytes_capacity(), " bytes (uniep.ep.init_runtime max_row_bytes), got ",
+              cfg.row_bytes_capacity(), " bytes (uniep.moe.ep.init_runtime max_row_bytes), got ",
               x.size(1), " x ", x.element_size(), " = ", row_bytes, " bytes");
   check_topk_idx(topk_idx);
   UNIEP_CHECK(topk_idx.size(0) == x.size(0), "topk_idx must have T = ", x.size(0), " rows like x");
@@ -189,8 +190,7 @@ Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
   // before any later dispatch can rewrite them: a view, not a copy (the copy's driver call
   // cost the host ~25 us while the GPU, drained by the count read, waited).
   const int64_t El = static_cast<int64_t>(d.counts.rows_per_expert.size());
-  d.tokens_per_expert =
-      at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64);
+  d.tokens_per_expert = at::from_blob(const_cast<int64_t*>(rt.rows_per_local_expert()), {El}, i64);
   if (copy_rows) d.tokens_per_expert = d.tokens_per_expert.clone();
   return d;
 }
@@ -365,7 +365,7 @@ CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::
                                                c.params.comm_sms, fp8));
     UNIEP_CHECK_CODE(x.size(0) <= cfg.max_tokens, StatusCode::kCapacityExceeded, "x has ",
                      x.size(0), " tokens: ", kRuntimeTooSmall, " (it holds at most ",
-                     cfg.max_tokens, " per rank, max_tokens of uniep.ep.init_runtime)");
+                     cfg.max_tokens, " per rank, max_tokens of uniep.moe.ep.init_runtime)");
     if (grad_out != nullptr) check_like(*grad_out, "grad_out", x, "x");
     return moe_signature(kind, c.in.dtype, c.in.weight_dtype, c.in.shape, c.params);
   });
@@ -401,7 +401,7 @@ CheckedMoeCall check_moe_call(CallKind kind, const at::Tensor* grad_out, const a
                              tuning);
 }
 
-// moe_backward on CUDA is composed in Python (uniep/moe_backward_cuda.py) from the runtime's
+// moe_backward on CUDA is composed in Python (uniep/moe/backward_cuda.py) from the runtime's
 // ops; it calls this first, for the checks and the agreement moe_forward makes.
 void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& topk_idx, const at::Tensor& topk_weights,
@@ -458,16 +458,16 @@ std::pair<at::Tensor, at::Tensor> gathered_fp8_rows(const at::Tensor& x, const D
     // GPU had only the gather queued (DeepSeek-V3 EP8 rank; traces on one H200, 2026-11-28,
     // commit daa9d57).
     at::Tensor scales = at::empty({R, blocks}, x.options().dtype(at::kFloat));
-    ok_or_throw(cuda::gather_rows_bf16(static_cast<const uint8_t*>(rt.received_rows()) + H, cap,
-                                       N, d.row_slot.data_ptr<int64_t>(), R, blocks * 2,
+    ok_or_throw(cuda::gather_rows_bf16(static_cast<const uint8_t*>(rt.received_rows()) + H, cap, N,
+                                       d.row_slot.data_ptr<int64_t>(), R, blocks * 2,
                                        scales.data_ptr(), stream));
     return {q, scales};
   }
-  const at::Tensor scales = at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap},
-                                          x.options().dtype(at::kByte))
-                                .narrow(1, H, blocks * 4)
-                                .view(at::kFloat)
-                                .index_select(0, d.row_slot);
+  const at::Tensor scales =
+      at::from_blob(const_cast<void*>(rt.received_rows()), {N, cap}, x.options().dtype(at::kByte))
+          .narrow(1, H, blocks * 4)
+          .view(at::kFloat)
+          .index_select(0, d.row_slot);
   return {q, scales};
 }
 
@@ -519,7 +519,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     if (R == 0) {
       y = at::empty({0, H}, x.options());
     } else if (params.fp8_experts()) {
-      // The rows stay in the dispatch's e4m3 for the first fp8 GEMM (torch/fp8_experts.hpp).
+      // The rows stay in the dispatch's e4m3 for the first fp8 GEMM (torch/gemm/fp8_experts.hpp).
       const auto [rows, row_scales] = gathered_fp8_rows(x, d, rt, stream);
       y = fp8_experts_forward(rows, row_scales, expert_offs(d, x, stream), w1, w2, params);
     } else {
@@ -556,7 +556,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
 // symmetric buffer before grad_out rides on that plan (the cached round's barrier keeps the
 // peers' rows out of the buffer until this rank has passed the gather). Returns grad_x (the
 // combine of the rows' input gradients with unit weights), each row's <act, grad_out w2^T>
-// (the routing weight's gradient, by row: uniep/ep.py's _rows_to_slots takes it back to the
+// (the routing weight's gradient, by row: uniep/moe/ep.py's _rows_to_slots takes it back to the
 // slot), the rows' combine targets, and the weights' gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_engine_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
@@ -568,7 +568,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     const TuningParams& params = c.params;
     UNIEP_CHECK(params.gemm == GemmEngine::kUniep,
                 "moe_backward_engine runs the expert GEMM engine (tuning gemm=uniep), got "
-                "gemm=torch (uniep/ep.py composes that path)");
+                "gemm=torch (uniep/moe/ep.py composes that path)");
     ep::Runtime& rt = *c.runtime;
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
@@ -589,10 +589,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     grad_params.combine = CombineReduction::kPerChoice;
     const at::Tensor go = grad_out.contiguous();
     ep::DispatchCounts counts;
-    ok_or_throw(rt.begin_cached_dispatch(static_cast<uint64_t>(d.epoch),
-                                         dispatch_input(go, topk_idx, topk_weights, grad_params,
-                                                        false),
-                                         stream, &counts));
+    ok_or_throw(rt.begin_cached_dispatch(
+        static_cast<uint64_t>(d.epoch),
+        dispatch_input(go, topk_idx, topk_weights, grad_params, false), stream, &counts));
     // A cached round writes its rows out (the runtime keeps its buffer for rows a caller reads).
     const at::Tensor recv_go = at::empty({counts.num_recv, H}, go.options());
     ep::DispatchOutput go_out;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "core/call_agreement.hpp"
-#include "torch/process_group.hpp"
+#include "torch/common/process_group.hpp"
 #include "uniep/tuning.hpp"
 
 namespace uniep::torch_glue {

@@ -1,4 +1,4 @@
-#include "torch/call_checks.hpp"
+#include "torch/common/call_checks.hpp"
 
 #include <optional>
 

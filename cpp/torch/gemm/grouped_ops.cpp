@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "torch/grouped_gemm.hpp"
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/gemm/grouped.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
 namespace uniep::torch_glue {
@@ -250,8 +250,7 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
 
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
-                                 const at::Tensor& offs, const TuningParams& params,
-                                 bool swiglu) {
+                                 const at::Tensor& offs, const TuningParams& params, bool swiglu) {
   UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
   UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
   UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
@@ -285,8 +284,7 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
               "w_scales must be [E, K / 128, N / ", n_block, "] = [", e, ", ", k / 128, ", ",
               n / n_block, "], got shape ", w_scales.sizes());
   for (const at::Tensor* t : {&x, &x_scales, &w, &w_scales, &offs})
-    UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ",
-                t->strides());
+    UNIEP_CHECK(t->is_contiguous(), "the operands must be contiguous, got strides ", t->strides());
   cuda::GroupedGemmTiles tiles;
   tiles.tile_m = params.tile_m;
   tiles.tile_n = params.tile_n;
@@ -330,10 +328,9 @@ std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
   UNIEP_CHECK(h.is_contiguous(), "h must be contiguous, got strides ", h.strides());
   const int64_t rows = h.size(0), ffn = h.size(1) / 2;
   // A shape error like the CPU kernel's (uniep/gemm.py), so both raise ValueError.
-  UNIEP_CHECK(
-      h.size(1) % 256 == 0,
-      "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got shape ",
-      h.sizes());
+  UNIEP_CHECK(h.size(1) % 256 == 0,
+              "h must be [R, 2I] with I a multiple of 128 (one scale per 128 columns), got shape ",
+              h.sizes());
   const c10::cuda::CUDAGuard guard(h.device());
   at::Tensor act = at::empty({rows, ffn}, h.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor scales = at::empty({rows, ffn / 128}, h.options().dtype(at::kFloat));
@@ -359,8 +356,7 @@ std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const a
   std::vector<int64_t> from(static_cast<size_t>(n / 64));
   for (int64_t j = 0; j < ffn / 64; ++j)
     for (int64_t g = 0; g < 2; ++g) from[static_cast<size_t>(2 * j + g)] = (g * ffn + 64 * j) / 128;
-  const at::Tensor index =
-      at::tensor(from, at::TensorOptions().dtype(at::kLong)).to(s1.device());
+  const at::Tensor index = at::tensor(from, at::TensorOptions().dtype(at::kLong)).to(s1.device());
   return {q.contiguous(), s1.index_select(2, index).contiguous()};
 }
 
@@ -368,8 +364,7 @@ std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a) {
   UNIEP_CHECK(a.dim() == 2, "a must be 2-D [R, C], got shape ", a.sizes());
   UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16, got ", a.scalar_type());
   UNIEP_CHECK(a.is_cuda() && a.is_contiguous(), "a must be a contiguous CUDA tensor");
-  UNIEP_CHECK(a.size(1) % 128 == 0, "a must have a multiple of 128 columns, got shape ",
-              a.sizes());
+  UNIEP_CHECK(a.size(1) % 128 == 0, "a must have a multiple of 128 columns, got shape ", a.sizes());
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor q = at::empty(a.sizes(), a.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor scales = at::empty({a.size(0), a.size(1) / 128}, a.options().dtype(at::kFloat));

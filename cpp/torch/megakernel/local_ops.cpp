@@ -13,8 +13,8 @@
 #include <optional>
 #include <tuple>
 
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/fused_moe_backward.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -33,15 +33,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
                 "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
     const int64_t T = x.size(0), H = x.size(1);
-    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T,
-                "gemm_row must be [T = ", T, ", K], got ", gemm_row.sizes());
+    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T, "gemm_row must be [T = ", T,
+                ", K], got ", gemm_row.sizes());
     const int64_t K = gemm_row.size(1);
     UNIEP_CHECK(K >= 1 && K <= 32, "top_k must be in [1, 32], got ", K);
     check_exactly(gemm_row, "gemm_row", at::kLong, {T, K}, x);
     check_exactly(counter, "counter", at::kLong, {T, K}, x);
     check_exactly(topk_weights, "topk_weights", at::kFloat, {T, K}, x);
-    UNIEP_CHECK(w1_packed.dim() == 3 && w1_packed.size(1) == H,
-                "w1_packed must be [E, H = ", H, ", 2I], got ", w1_packed.sizes());
+    UNIEP_CHECK(w1_packed.dim() == 3 && w1_packed.size(1) == H, "w1_packed must be [E, H = ", H,
+                ", 2I], got ", w1_packed.sizes());
     const int64_t E = w1_packed.size(0), I = w1_packed.size(2) / 2;
     UNIEP_CHECK(w1_packed.size(2) % 2 == 0, "w1_packed's last dimension (2I) must be even, got ",
                 w1_packed.size(2));
@@ -134,8 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);
     launch.tile_m = static_cast<int>(tile_m);
-    ok_or_throw(cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes,
-                                             stream));
+    ok_or_throw(
+        cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes, stream));
     return std::make_tuple(out, error, timeout);
   });
 }
@@ -152,14 +152,14 @@ moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                 "x must be contiguous bfloat16 [T, H], got ", x.scalar_type(), " ", x.sizes());
     const int64_t T = x.size(0), H = x.size(1);
     check_exactly(grad_out, "grad_out", at::kBFloat16, {T, H}, x);
-    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T,
-                "gemm_row must be [T = ", T, ", K], got ", gemm_row.sizes());
+    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == T, "gemm_row must be [T = ", T,
+                ", K], got ", gemm_row.sizes());
     const int64_t K = gemm_row.size(1);
     UNIEP_CHECK(K >= 1 && K <= 32, "top_k must be in [1, 32], got ", K);
     check_exactly(gemm_row, "gemm_row", at::kLong, {T, K}, x);
     check_exactly(counter, "counter", at::kLong, {T, K}, x);
-    UNIEP_CHECK(w1.dim() == 3 && w1.size(1) == H && w1.size(2) % 2 == 0,
-                "w1 must be [E, H = ", H, ", 2I], got ", w1.sizes());
+    UNIEP_CHECK(w1.dim() == 3 && w1.size(1) == H && w1.size(2) % 2 == 0, "w1 must be [E, H = ", H,
+                ", 2I], got ", w1.sizes());
     const int64_t E = w1.size(0), I = w1.size(2) / 2;
     check_exactly(w1, "w1", at::kBFloat16, {E, H, 2 * I}, x);
     check_exactly(w2t, "w2t (w2 transposed)", at::kBFloat16, {E, H, I}, x);

@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "torch/process_group.hpp"
+#include "torch/common/process_group.hpp"
 #include "uniep/collectives.hpp"
 
 namespace uniep::torch_glue {

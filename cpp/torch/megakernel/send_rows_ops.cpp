@@ -2,7 +2,7 @@
 // the reference the CUDA kernels (cpp/cuda/megakernel/send_rows.cu) are tested against. Both
 // record a failing entry in the error word as the device does, so the two executors answer a
 // bad call alike.
-#include "torch/send_rows_ops.hpp"
+#include "torch/megakernel/send_rows_ops.hpp"
 
 #include <torch/library.h>
 
@@ -10,9 +10,9 @@
 #include <cstring>
 #include <tuple>
 
-#include "torch/validate.hpp"
-#include "uniep/send_rows_error.hpp"
+#include "torch/common/validate.hpp"
 #include "uniep/plan.hpp"
+#include "uniep/send_rows_error.hpp"
 #include "uniep/shape.hpp"
 
 namespace uniep::torch_glue {
@@ -70,8 +70,8 @@ at::Tensor send_order_cpu(const at::Tensor& topk_idx, const at::Tensor& expert_c
     shape.world_size = expert_counts.size(0);
     shape.rank = rank;
     shape.hidden = shape.ffn_hidden = 1;
-    const SenderRows plan = plan_sender_rows(topk_idx.data_ptr<int64_t>(),
-                                             expert_counts.data_ptr<int64_t>(), shape, 1);
+    const SenderRows plan =
+        plan_sender_rows(topk_idx.data_ptr<int64_t>(), expert_counts.data_ptr<int64_t>(), shape, 1);
     at::Tensor order = at::empty({shape.tokens * shape.top_k}, topk_idx.options());
     std::memcpy(order.data_ptr<int64_t>(), plan.send_order.data(),
                 sizeof(int64_t) * plan.send_order.size());
@@ -127,8 +127,7 @@ at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
     uint64_t word = 0;
     for (int64_t i = 0; i < T * K; ++i) {
       if (dest[i] < 0) continue;
-      const uint64_t code =
-          send_entry_check(dest[i], row[i], ctr[i], 1, capacity, num_counters);
+      const uint64_t code = send_entry_check(dest[i], row[i], ctr[i], 1, capacity, num_counters);
       if (code != 0) {
         if (word == 0) word = send_error_word(code, i);
         continue;
@@ -142,8 +141,7 @@ at::Tensor send_rows_cpu(const at::Tensor& x, const at::Tensor& dest_rank,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y,
-                                                    const at::Tensor& gemm_row,
+std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y, const at::Tensor& gemm_row,
                                                     const at::Tensor& topk_weights) {
   return translate_errors([&] {
     check_combine_rows_args(y, gemm_row, topk_weights);
@@ -160,8 +158,8 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y,
     for (int64_t k = 0; k < K; ++k) {
       const at::Tensor r = gemm_row.select(1, k);
       const at::Tensor used = r.ge(0).logical_and(r.lt(R));
-      const at::Tensor rows = y.index_select(0, r.clamp(0, std::max<int64_t>(R - 1, 0)))
-                                  .to(at::kFloat);
+      const at::Tensor rows =
+          y.index_select(0, r.clamp(0, std::max<int64_t>(R - 1, 0))).to(at::kFloat);
       const at::Tensor term = rows.mul(w.select(1, k).unsqueeze(1));
       acc = at::where(used.unsqueeze(1), acc.add(term), acc);
     }
@@ -178,8 +176,10 @@ void check_combine_rows_args(const at::Tensor& y, const at::Tensor& gemm_row,
   UNIEP_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kBFloat16,
               "y must be a contiguous bfloat16 [rows, hidden] tensor, got ", y.scalar_type(),
               " of shape ", y.sizes());
-  UNIEP_CHECK(y.size(1) > 0 && y.size(1) % 8 == 0, "y's hidden size must be a positive multiple "
-              "of 8, got ", y.size(1));
+  UNIEP_CHECK(y.size(1) > 0 && y.size(1) % 8 == 0,
+              "y's hidden size must be a positive multiple "
+              "of 8, got ",
+              y.size(1));
   check_int64_matrix(gemm_row, "gemm_row");
   UNIEP_CHECK(gemm_row.size(1) >= 1 && gemm_row.size(1) <= 32,
               "gemm_row must have 1 to 32 columns (top-k), got ", gemm_row.size(1));
@@ -234,16 +234,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tens
 void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
                           const at::Tensor& gemm_row, const at::Tensor& counter,
                           const at::Tensor& rows, const at::Tensor& counters) {
-  UNIEP_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [tokens, hidden] tensor, "
-              "got shape ", x.sizes(), " and strides ", x.strides());
+  UNIEP_CHECK(x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous [tokens, hidden] tensor, "
+              "got shape ",
+              x.sizes(), " and strides ", x.strides());
   const int64_t T = x.size(0), row_bytes = x.size(1) * x.element_size();
-  UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0, "x's rows must be a positive multiple of 16 "
-              "bytes, got ", row_bytes);
+  UNIEP_CHECK(row_bytes > 0 && row_bytes % 16 == 0,
+              "x's rows must be a positive multiple of 16 "
+              "bytes, got ",
+              row_bytes);
   check_int64_matrix(dest_rank, "dest_rank");
   UNIEP_CHECK(dest_rank.size(0) == T && dest_rank.size(1) >= 1 && dest_rank.size(1) <= 32,
               "dest_rank must be [tokens = ", T, ", top_k <= 32], got ", dest_rank.sizes());
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{gemm_row, "gemm_row"},
-                                {counter, "counter"}}) {
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{gemm_row, "gemm_row"}, {counter, "counter"}}) {
     check_int64_matrix(t, name);
     UNIEP_CHECK(t.sizes() == dest_rank.sizes(), name, " must have dest_rank's shape ",
                 dest_rank.sizes(), ", got ", t.sizes());
@@ -258,9 +262,11 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
   UNIEP_CHECK(counters.dim() == 1 && counters.scalar_type() == at::kInt && counters.is_contiguous(),
               "counters must be a contiguous 1-D int32 tensor, got ", counters.scalar_type(),
               " of shape ", counters.sizes());
-  for (const auto& [t, name] :
-       {std::pair<const at::Tensor&, const char*>{dest_rank, "dest_rank"},
-        {gemm_row, "gemm_row"}, {counter, "counter"}, {rows, "rows"}, {counters, "counters"}})
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{dest_rank, "dest_rank"},
+                                {gemm_row, "gemm_row"},
+                                {counter, "counter"},
+                                {rows, "rows"},
+                                {counters, "counters"}})
     check_same_device(t, name, x, "x");
 }
 

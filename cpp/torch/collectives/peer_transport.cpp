@@ -1,4 +1,4 @@
-#include "torch/peer_transport.hpp"
+#include "torch/collectives/peer_transport.hpp"
 
 #include <ATen/ops/from_blob.h>
 

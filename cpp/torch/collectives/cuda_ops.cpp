@@ -1,6 +1,6 @@
-// CUDA implementations of the collective ops (schemas in collective_ops.cpp) over the NVSHMEM
+// CUDA implementations of the collective ops (schemas in cpu_ops.cpp) over the NVSHMEM
 // collectives runtime: argument checks, output allocation, and the GEMM of a row range (at::mm,
-// or UniEP's sm90 GEMM: see coll_gemm.hpp) on the caller's stream, which the runtime's schedule
+// or UniEP's sm90 GEMM: see gemm.hpp) on the caller's stream, which the runtime's schedule
 // interleaves with its copies.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "cuda/gemm/gemm.hpp"
-#include "torch/coll_gemm.hpp"
-#include "torch/coll_registry.hpp"
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/collectives/gemm.hpp"
+#include "torch/collectives/registry.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
 #include "uniep/cuda/collectives.hpp"
 
 namespace uniep::torch_glue {

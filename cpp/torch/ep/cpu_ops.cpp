@@ -6,9 +6,9 @@
 #include <memory>
 #include <vector>
 
-#include "torch/call_checks.hpp"
-#include "torch/process_group.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/call_checks.hpp"
+#include "torch/common/process_group.hpp"
+#include "torch/common/validate.hpp"
 #include "uniep/cpu_executor.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/tuning.hpp"

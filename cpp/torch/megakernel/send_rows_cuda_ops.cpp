@@ -1,7 +1,7 @@
 // CUDA implementations of uniep::sender_rows and uniep::send_rows (schemas in registration.cpp):
 // the MegaKernel's dispatch on its own (include/uniep/cuda/send_rows.hpp), so it can be tested
 // against the CPU implementation and run beside a gated GEMM. No host sync: the error word is
-// returned for the caller to read once the stream has run (uniep.gate.check_send_error).
+// returned for the caller to read once the stream has run (uniep.moe.tile_gates.check_send_error).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,9 +11,9 @@
 
 #include <tuple>
 
-#include "torch/runtime_registry.hpp"
-#include "torch/send_rows_ops.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/megakernel/send_rows_ops.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -127,8 +127,8 @@ at::Tensor send_rows_cuda(const at::Tensor& x, const at::Tensor& dest_rank,
     check_send_rows_args(x, dest_rank, gemm_row, counter, rows, counters);
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     int device_sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
-                                          x.device().index()));
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, x.device().index()));
     UNIEP_CHECK(sm_count >= 1 && sm_count <= device_sms, "sm_count must be in [1, ", device_sms,
                 "], got ", sm_count);
     const c10::cuda::CUDAGuard guard(x.device());

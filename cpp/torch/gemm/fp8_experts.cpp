@@ -1,4 +1,4 @@
-#include "torch/fp8_experts.hpp"
+#include "torch/gemm/fp8_experts.hpp"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAException.h>
@@ -12,7 +12,7 @@
 #include <tuple>
 #include <utility>
 
-#include "torch/grouped_gemm.hpp"
+#include "torch/gemm/grouped.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::torch_glue {
@@ -115,7 +115,7 @@ at::Tensor fp8_experts_forward(const at::Tensor& rows, const at::Tensor& row_sca
                                const TuningParams& tuning) {
   const Kept k = kept_for(w1, w2);
   // SwiGLU in the first GEMM's epilogue, then one pass quantizing [R, I] instead of SwiGLU and
-  // quantization over [R, 2I]: the same bits as that chain, which uniep.prepared's fp8 experts
+  // quantization over [R, 2I]: the same bits as that chain, which uniep.moe.prepared's fp8 experts
   // run.
   const at::Tensor act = engine_grouped_mm_fp8(rows, row_scales, k.q1, k.s1, offs, tuning, true);
   const auto [act_q, act_scales] = engine_quantize_fp8(act);

@@ -1,5 +1,6 @@
-// CUDA implementations of the uniep ops. Built only against a torch with CUDA; the kernels
-// themselves live in libuniep_cuda (cpp/cuda) behind the plain-pointer API of include/uniep/cuda.
+// CUDA implementations of uniep::routing_layout and uniep::expert_rows. Built only against a torch
+// with CUDA; the kernels themselves live in libuniep_cuda (cpp/cuda/dispatch) behind plain-pointer
+// APIs.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,16 +10,13 @@
 #include <tuple>
 
 #include "cuda/dispatch/expert_rows.hpp"
-#include "torch/expert_rows_op.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/dispatch/expert_rows.hpp"
 #include "uniep/cuda/layout.hpp"
 
 namespace uniep::torch_glue {
 namespace {
-
-void throw_if_error(const Status& status) {
-  if (!status.ok()) throw Error(status.code, status.message);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cuda(const at::Tensor& topk_idx,
                                                                    int64_t num_experts,
@@ -30,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cuda(const at::Ten
     const int64_t tokens = topk_idx.size(0);
     const int64_t top_k = topk_idx.size(1);
     // Before allocating: a negative world_size must be a ValueError, not a failed allocation.
-    throw_if_error(cuda::validate_routing_layout(tokens, top_k, num_experts, world_size));
+    ok_or_throw(cuda::validate_routing_layout(tokens, top_k, num_experts, world_size));
 
     const c10::cuda::CUDAGuard guard(topk_idx.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(topk_idx.device().index());
@@ -50,11 +48,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_layout_cuda(const at::Ten
         capturing ? nullptr : reinterpret_cast<unsigned long long*>(error_word.data_ptr<int64_t>());
 
     const int64_t* idx = topk_idx.data_ptr<int64_t>();
-    throw_if_error(cuda::routing_layout_async(
+    ok_or_throw(cuda::routing_layout_async(
         idx, tokens, top_k, num_experts, world_size, per_rank.data_ptr<int64_t>(),
         per_expert.data_ptr<int64_t>(), in_rank.data_ptr<bool>(), error_ptr, stream));
     if (!capturing) {
-      throw_if_error(cuda::check_routing_layout(idx, top_k, num_experts, error_ptr, stream));
+      ok_or_throw(cuda::check_routing_layout(idx, top_k, num_experts, error_ptr, stream));
     }
     return std::make_tuple(per_rank, per_expert, in_rank);
   });

@@ -1,5 +1,5 @@
 // torch.ops.uniep.expert_rows on CPU, and the checks its CUDA implementation shares.
-#include "torch/expert_rows_op.hpp"
+#include "torch/dispatch/expert_rows.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

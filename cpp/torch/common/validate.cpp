@@ -1,4 +1,4 @@
-#include "torch/validate.hpp"
+#include "torch/common/validate.hpp"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -57,8 +57,8 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref,
 
 void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
                    at::IntArrayRef shape, const at::Tensor& like) {
-  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ",
-              shape, ", got ", t.scalar_type(), " ", t.sizes());
+  UNIEP_CHECK(t.scalar_type() == dtype && t.sizes() == shape, name, " must be ", dtype, " ", shape,
+              ", got ", t.scalar_type(), " ", t.sizes());
   UNIEP_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
               t.device());
   UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
@@ -74,13 +74,11 @@ void check_w1_as_stored(int64_t ffn) {
 
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like) {
   if (!trace.has_value()) return;
-  UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong &&
-                  trace->size(0) >= 4 * sms && trace->device() == like.device() &&
-                  trace->is_contiguous(),
+  UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong && trace->size(0) >= 4 * sms &&
+                  trace->device() == like.device() && trace->is_contiguous(),
               "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms,
-              " entries (6 x SMs: also the gates' waits) on ",
-              like.device(), ", got ", trace->scalar_type(), " ", trace->sizes(), " on ",
-              trace->device());
+              " entries (6 x SMs: also the gates' waits) on ", like.device(), ", got ",
+              trace->scalar_type(), " ", trace->sizes(), " on ", trace->device());
 }
 
 void check_topk_idx(const at::Tensor& topk_idx) {
@@ -134,8 +132,7 @@ MoeInputs validate_moe_inputs(const at::Tensor& x, const at::Tensor& topk_idx,
   } else {
     UNIEP_CHECK(wt == at::kFloat || wt == at::kBFloat16 ||
                     (wt == at::kDouble && x.scalar_type() == at::kDouble),
-                "topk_weights must be float32 or bfloat16 (float64 only with float64 x), got ",
-                wt);
+                "topk_weights must be float32 or bfloat16 (float64 only with float64 x), got ", wt);
   }
   in.weight_dtype = to_dtype(topk_weights, "topk_weights");
   UNIEP_CHECK(topk_weights.device() == x.device(), "topk_weights must be on x's device ",
@@ -249,8 +246,7 @@ UlyssesDims ulysses_dims(const at::Tensor& x, int64_t scatter_dim, int64_t gathe
 
 UlyssesLayout ulysses_tensor_layout(const at::Tensor& x, const UlyssesDims& dims,
                                     int64_t world_size) {
-  return ulysses_layout(x.sizes().vec(), dims.scatter, dims.gather, world_size,
-                        x.element_size());
+  return ulysses_layout(x.sizes().vec(), dims.scatter, dims.gather, world_size, x.element_size());
 }
 
 }  // namespace uniep::torch_glue

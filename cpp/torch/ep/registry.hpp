@@ -1,6 +1,6 @@
 // One GPU expert-parallel runtime per process group, created collectively from Python
-// (uniep.ep.init_runtime, or by moe_forward / moe_backward through the factory below) and looked
-// up by the ops through the group's name.
+// (uniep.moe.ep.init_runtime, or by moe_forward / moe_backward through the factory below) and
+// looked up by the ops through the group's name.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "uniep/ep.hpp"
+#include "uniep/cuda/ep.hpp"
 
 namespace uniep::torch_glue {
 
@@ -22,7 +22,7 @@ ep::Runtime& ep_runtime(const std::string& group_name);
 
 // Creates the group's runtime, or re-creates it larger, collectively (every rank calls it in the
 // same op call) for a call of `tokens` tokens on this rank, `hidden`, `top_k` and `num_experts`
-// in total. uniep.ep (Python) sets it at import: NVSHMEM is bootstrapped over the torch group
+// in total. uniep.moe.ep (Python) sets it at import: NVSHMEM is bootstrapped over the torch group
 // there. moe_forward / moe_backward call it when the group has no runtime, or when the call
 // agreement found it too small on some rank; without it they raise, naming init_runtime.
 using EpRuntimeFactory = std::function<void(const std::string& group_name, int64_t tokens,

@@ -2,7 +2,7 @@
 // registration.cpp): the MegaKernel's forward and backward across the ranks of a group, on the
 // group's fused runtime (uniep/cuda/fused_ep.hpp).
 // No host sync: the error word and the timeout record come back as tensors, read by the caller
-// once the stream has run (uniep.gate.check_send_error / check_gate_timeout).
+// once the stream has run (uniep.moe.tile_gates.check_send_error / check_gate_timeout).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,10 +12,10 @@
 #include <string>
 #include <tuple>
 
-#include "torch/fused_ep_registry.hpp"
-#include "torch/grouped_gemm.hpp"
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/gemm/grouped.hpp"
+#include "torch/megakernel/registry.hpp"
 #include "uniep/cuda/fused_ep.hpp"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -26,8 +26,9 @@ namespace {
 
 RuntimeRegistry<fused::Runtime>& registry() {
   static auto* r = new RuntimeRegistry<fused::Runtime>(
-      "fused MoE runtime", "call uniep.megakernel.shutdown_fused_ep(group) first to re-create it",
-      "call uniep.megakernel.init_fused_ep(group, ...) on every rank first");
+      "fused MoE runtime",
+      "call uniep.moe.megakernel.launch.shutdown_fused_ep(group) first to re-create it",
+      "call uniep.moe.megakernel.launch.init_fused_ep(group, ...) on every rank first");
   return *r;
 }
 
@@ -51,18 +52,17 @@ FusedCall check_fused_call(const at::Tensor& x, const at::Tensor& topk_idx,
   call.rt = &fused_ep_runtime(std::string(group_name));
   const fused::Config& c = call.rt->config();
   call.tokens = x.size(0);
-  UNIEP_CHECK(x.size(1) == c.hidden, "x must be [T, hidden = ", c.hidden,
-              "] (the runtime's), got ", x.sizes());
+  UNIEP_CHECK(x.size(1) == c.hidden, "x must be [T, hidden = ", c.hidden, "] (the runtime's), got ",
+              x.sizes());
   UNIEP_CHECK(call.tokens <= c.max_tokens, "x has ", call.tokens,
               " tokens, more than the runtime's max_tokens ", c.max_tokens,
-              " (re-create it with uniep.megakernel.init_fused_ep)");
+              " (re-create it with uniep.moe.megakernel.launch.init_fused_ep)");
   check_exactly(topk_idx, "topk_idx", at::kLong, {call.tokens, c.top_k}, x);
   check_exactly(topk_weights, "topk_weights", at::kFloat, {call.tokens, c.top_k}, x);
   call.device = x.device().index();
   UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(call.device), StatusCode::kUnsupported,
                    "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&call.sms, cudaDevAttrMultiProcessorCount, call.device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&call.sms, cudaDevAttrMultiProcessorCount, call.device));
   check_trace(trace, call.sms, x);
   return call;
 }
@@ -115,7 +115,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
   });
 }
 
-
 // The backward of moe_fused_ep on the same routing (docs/megakernel.md, "The fused backward"):
 // the runtime's send of x's and grad_out's rows to their experts' ranks with h and grad_act
 // gated on them (backward_rows), the element-wise pass and grad_rows = grad_h w1^T over this
@@ -125,8 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                           const at::Tensor& w1, const at::Tensor& w2t,
-                           c10::string_view group_name, const std::optional<at::Tensor>& trace) {
+                           const at::Tensor& w1, const at::Tensor& w2t, c10::string_view group_name,
+                           const std::optional<at::Tensor>& trace) {
   return translate_errors([&] {
     const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
     fused::Runtime& rt = *call.rt;
@@ -135,7 +134,7 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                   El = c.num_experts / c.world_size, C = c.row_capacity();
     UNIEP_CHECK(c.backward, "group '", std::string(group_name),
                 "'s fused MoE runtime has no backward buffers: re-create it with "
-                "uniep.megakernel.init_fused_ep(..., backward=True)");
+                "uniep.moe.megakernel.launch.init_fused_ep(..., backward=True)");
     check_exactly(grad_out, "grad_out", at::kBFloat16, {T, H}, x);
     check_exactly(w1, "w1", at::kBFloat16, {El, H, 2 * I}, x);
     check_exactly(w2t, "w2t", at::kBFloat16, {El, H, I}, x);

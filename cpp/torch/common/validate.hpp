@@ -23,7 +23,6 @@ struct MoeInputs {
   DType weight_dtype = DType::kFloat32;
 };
 
-
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
 
 // t is `dtype` of exactly `shape`, contiguous, on like's device; the messages name `name`.

@@ -11,9 +11,9 @@
 
 #include <optional>
 
-#include "torch/grouped_gemm.hpp"
-#include "torch/runtime_registry.hpp"
-#include "torch/validate.hpp"
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/gemm/grouped.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
 namespace uniep::torch_glue {
@@ -44,8 +44,8 @@ at::Tensor gate_tile_base_cuda(const at::Tensor& offs, int64_t rows, int64_t til
 }
 
 // Writes out; returns timeout [5] int32, GateTimeout (flag, expert, m_tile, have, need) written by
-// the device: read it after the stream is done (uniep.gate.check_gate_timeout). `out` is the
-// caller's so that a second gated GEMM can be enqueued on it before this one runs.
+// the device: read it after the stream is done (uniep.moe.tile_gates.check_gate_timeout). `out` is
+// the caller's so that a second gated GEMM can be enqueued on it before this one runs.
 at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                                  const at::Tensor& counters, const at::Tensor& tile_base,
                                  int64_t per_row, int64_t per_tile, double timeout_s, bool swiglu,
@@ -107,8 +107,8 @@ at::Tensor grouped_mm_gated_cuda(const at::Tensor& x, const at::Tensor& w, const
       signal.done_base = tile_base.data_ptr<int32_t>();
       signal.num_done = done->size(0);
     }
-    const size_t bytes = cuda::grouped_gemm_gated_workspace_bytes(p.num_experts,
-                                                                  static_cast<int>(sm_count));
+    const size_t bytes =
+        cuda::grouped_gemm_gated_workspace_bytes(p.num_experts, static_cast<int>(sm_count));
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
     ok_or_throw(cuda::grouped_gemm_gated_bf16(p, gate, signal, device, static_cast<int>(sm_count),
                                               workspace.data_ptr(), bytes,

@@ -1,5 +1,6 @@
-// The torch.ops.uniep schemas. Implementations live per dispatch key (cpu_ops.cpp, cuda_ops.cpp);
-// fake kernels and autograd are registered from Python (uniep/ops.py).
+// The torch.ops.uniep schemas. Implementations live per dispatch key, in each engine's folder
+// (cpu_ops.cpp, cuda_ops.cpp, *_ops.cpp); fake kernels and autograd are registered from Python
+// (uniep/moe/ops.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY(uniep, m) {
@@ -57,8 +58,8 @@ TORCH_LIBRARY(uniep, m) {
   // counters[tile_base[e] + i] >= per_row * rows_in_tile + per_tile; with `done`, each finished
   // tile's warps add 1 to done[tile_base[e] + i]. Writes `out` ([R, N], or [R, N / 2] with
   // swiglu) and returns timeout [5] int32: flag, expert, m_tile, have, need of the first wait
-  // that passed timeout_s (uniep.gate.check_gate_timeout). w1_as_stored (with swiglu): w is w1
-  // as stored (gate columns, then up; the FFN size a multiple of 128), not pack_gate_up's.
+  // that passed timeout_s (uniep.moe.tile_gates.check_gate_timeout). w1_as_stored (with swiglu): w
+  // is w1 as stored (gate columns, then up; the FFN size a multiple of 128), not pack_gate_up's.
   m.def("gate_tile_base(Tensor offs, int rows, int tile_m) -> Tensor");
   m.def(
       "grouped_mm_gated(Tensor x, Tensor w, Tensor offs, Tensor counters, Tensor tile_base, "
@@ -70,7 +71,7 @@ TORCH_LIBRARY(uniep, m) {
   // there, -1 unused) and error [1] int64; send_rows (world 1: this rank's own rows) stores
   // row x[t] at rows[gemm_row[t, k]] and adds 1 to counters[counter[t, k]] for every entry,
   // returning error [1] int64. A failing entry is skipped and recorded in error
-  // (uniep.gate.check_send_error).
+  // (uniep.moe.tile_gates.check_send_error).
   m.def(
       "sender_rows(Tensor topk_idx, Tensor expert_counts, int rank, int tile_m) -> "
       "(Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor error)");
@@ -103,9 +104,9 @@ TORCH_LIBRARY(uniep, m) {
   // persistent launch of the send into GEMM rows (gemm_row / counter from sender_rows), both
   // expert GEMMs (w1_packed: pack_gate_up's layout, or w1 as stored, gate columns then up,
   // with w1_as_stored: ffn a multiple of 128) and the reduce over k. Returns out [T, H],
-  // error [1] int64 (uniep.gate.check_send_error) and timeout [5] int32
-  // (uniep.gate.check_gate_timeout), to be read once the stream has run. trace (int64, 4 per
-  // SM): each CTA's global-timer stamps at its start, after its send, its GEMMs and its reduce.
+  // error [1] int64 (uniep.moe.tile_gates.check_send_error) and timeout [5] int32
+  // (uniep.moe.tile_gates.check_gate_timeout), to be read once the stream has run. trace (int64, 4
+  // per SM): each CTA's global-timer stamps at its start, after its send, its GEMMs and its reduce.
   m.def(
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
@@ -125,8 +126,8 @@ TORCH_LIBRARY(uniep, m) {
       "Tensor(a!)? trace=None) -> "
       "(Tensor rows_x, Tensor rows_go, Tensor h, Tensor grad_act, Tensor error, Tensor timeout)");
   // The same across the ranks of a group (CUDA only; include/uniep/cuda/fused_ep.hpp), on the
-  // group's fused runtime (uniep.megakernel.init_fused_ep): x [T, H] bf16, topk_idx [T, K] int64
-  // (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2
+  // group's fused runtime (uniep.moe.megakernel.launch.init_fused_ep): x [T, H] bf16, topk_idx [T,
+  // K] int64 (global expert ids), topk_weights [T, K] fp32, this rank's experts' w1_packed / w2
   // (w1_as_stored as moe_fused_local's). Every
   // rank calls it in the same order. Returns out, error and timeout as moe_fused_local does.
   m.def(
@@ -147,8 +148,9 @@ TORCH_LIBRARY(uniep, m) {
   // The experts' backward between its grouped GEMMs (CUDA only;
   // include/uniep/cuda/grouped_gemm.hpp's swiglu_backward_bf16): h [R, 2I] bf16, grad_act [R, I]
   // bf16 (before the routing weight), w [R] fp32 -> act * w, grad_h, dots [R] fp32.
-  m.def("swiglu_backward(Tensor h, Tensor grad_act, Tensor w) -> (Tensor act_w, Tensor grad_h, "
-        "Tensor dots)");
+  m.def(
+      "swiglu_backward(Tensor h, Tensor grad_act, Tensor w) -> (Tensor act_w, Tensor grad_h, "
+      "Tensor dots)");
   m.def(
       "routing_layout(Tensor topk_idx, int num_experts, int world_size) -> "
       "(Tensor tokens_per_rank, Tensor tokens_per_expert, Tensor token_in_rank)");
@@ -158,8 +160,9 @@ TORCH_LIBRARY(uniep, m) {
       "expert_rows(Tensor recv_src, Tensor recv_topk_idx, Tensor recv_from_rank, int rank, "
       "int num_experts, int max_tokens) -> (Tensor row_slot, Tensor row_target, "
       "Tensor tokens_per_expert)");
-  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.ep.init_runtime). Slots
-  // are ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM rows.
+  // Expert-parallel dispatch/combine on the GPU runtime of the group (uniep.moe.ep.init_runtime).
+  // Slots are ordered by (source rank, source token); row_slot/row_target describe the grouped-GEMM
+  // rows.
   m.def(
       "ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str group_name, "
       "str tuning=\"\") -> (Tensor recv_x, Tensor recv_scales, Tensor recv_src, "
@@ -186,7 +189,7 @@ TORCH_LIBRARY(uniep, m) {
   // combine input of this rank, and stats = [top-1 counts of the MP group (E), dropped pairs,
   // largest (slice, expert) demand, slice capacity] (float64). chunks: the plan's SAA chunk
   // counts, one per step of the forward list then of the backward list (Pricing::chunks of
-  // each); [] leaves every pair to the executor's default. CPU: uniep/parm_ops.py.
+  // each); [] leaves every pair to the executor's default. CPU: uniep/parm/ops.py.
   m.def(
       "parm_moe_forward(Tensor x, Tensor gate, Tensor w1, Tensor w2, str mp_group, "
       "str ep_group, int top_k, float capacity_factor, str schedule, str overflow=\"error\", "
