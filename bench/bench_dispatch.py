@@ -1,18 +1,18 @@
-"""Expert-parallel dispatch and combine: uniep.ep against NCCL all_to_all_single, same routing.
+"""Expert-parallel dispatch and combine: uniep.moe.ep against NCCL all_to_all_single, same routing.
 
 One NCCL process per GPU (all visible GPUs, at least 2). Each rank routes its tokens to top-k
 distinct random experts; both implementations then move the same rows:
 
-- uniep: ``uniep.ep.dispatch`` (a token goes once to every rank hosting one of its experts; the
+- uniep: ``uniep.moe.ep.dispatch`` (a token goes once to every rank hosting one of its experts; the
   op synchronises the host to learn the receive count, which is part of its time) and
-  ``uniep.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
+  ``uniep.moe.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
   with the default combine (one row per (token, k) on the wire) and ``combine=rank_partials``
   (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
   per (token, rank): the baseline's bytes, with that local sum inside our time). Every one of
   them runs on the row's SM budget (tuning ``sms=S/S``); before 2026-11-26 the combines ran on
   the whole GPU whatever the row said. Both combines are also timed once on the whole GPU
   (``combine_whole_gpu_*``, ``rank_partials_combine_whole_gpu_*``): what the budget costs them.
-- uniep cached: ``uniep.ep.dispatch_cached`` of the same rows on the plan of the last dispatch
+- uniep cached: ``uniep.moe.ep.dispatch_cached`` of the same rows on the plan of the last dispatch
   (no layout, count exchange or host sync; a device barrier, then the transfer), bf16 and fp8
   (cast in the kernel). DeepEP's own sweep, where the ANCHORS.md figures come from, times this
   mode (``buffer.dispatch(x, handle=...)``), with its fp8 rows cast before the timed call.
@@ -128,7 +128,7 @@ def _median_combine_ms(
 
 
 def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    import uniep.ep as ep
+    import uniep.moe.ep as ep
 
     name, tokens, hidden, top_k, experts = cfg["shape"]
     warmup, iters = cfg["warmup"], cfg["iters"]
@@ -186,7 +186,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     if sum(recv_splits) != n_recv:
         raise RuntimeError(
-            f"{name}: rank {rank} receives {n_recv} rows from uniep.ep.dispatch but "
+            f"{name}: rank {rank} receives {n_recv} rows from uniep.moe.ep.dispatch but "
             f"{sum(recv_splits)} with the same routing over NCCL"
         )
     send_x = x.index_select(0, send_idx)
@@ -516,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import uniep
-    import uniep.ep
+    import uniep.moe.ep
 
-    if not uniep.ep.available():
+    if not uniep.moe.ep.available():
         row = {"skipped": f"uniep built without the GPU runtime ({uniep.build_info()})"}
         print(_markdown(row))
         _finish([row], args.out_dir)

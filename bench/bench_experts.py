@@ -25,7 +25,7 @@ combine) with the engine (default) and with ``gemm=torch``, each with both combi
   - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
-The goal ratios are against max(dense chain, weight floor). Also: ``uniep.prepared``'s
+The goal ratios are against max(dense chain, weight floor). Also: ``uniep.moe.prepared``'s
 ``moe_forward_prepared`` with w1 packed for the SwiGLU epilogue (at the default point,
 separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 experts (and the fp8
 dispatch), the latter against the bf16 layer's time and output, beside ``moe_forward`` with
@@ -36,9 +36,9 @@ recomputes the experts' forward) against the dense chain's backward alone and wi
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
 dense chain's forward + backward (the layers part times it too, after everything else), beside
-the MegaKernel's backward at world 1 (``uniep.fused_backward.moe_backward_local``, sequential and
-fused, with whether its bits equal ``moe_backward``'s); ``--profile N`` adds each one's GPU time
-per kernel.
+the MegaKernel's backward at world 1 (``uniep.moe.megakernel.backward.moe_backward_local``,
+sequential and fused, with whether its bits equal ``moe_backward``'s); ``--profile N`` adds each
+one's GPU time per kernel.
 
 The tune part (only when asked, ``--part tune``): ``uniep.tune(weights="bf16_packed")`` over
 ``moe_forward_prepared``'s two paths (the separate launches and the MegaKernel's points), its
@@ -178,7 +178,7 @@ def bench_kernel(
             same &= torch.equal(fp8(xq, xs, wq, ws, offs, c).float(), got)
         row["fp8_bits_same_every_config"] = same
         # The automatic choice and each tile interleaved: fp8 GEMMs move the clock the most.
-        from uniep.timing import interleaved_medians_ms
+        from uniep._util.timing import interleaved_medians_ms
 
         fns = {c: (lambda c=c: fp8(xq, xs, wq, ws, offs, c)) for c in ["", *FP8_CONFIGS]}
         refs, refused = _cublas_fp8_references(x, w[0], k, n)
@@ -241,8 +241,8 @@ def _bench_swiglu(
 ) -> dict[str, Any]:
     """The up projection with SwiGLU in its epilogue, w1 packed (a copy made beforehand) against
     w1 as stored (no copy), interleaved beside the plain GEMM: the same bits expected."""
+    from uniep._util.timing import interleaved_medians_ms
     from uniep.gemm import grouped_mm_swiglu, grouped_mm_swiglu_plain, pack_gate_up
-    from uniep.timing import interleaved_medians_ms
 
     packed = pack_gate_up(w1)
     fns = {
@@ -342,7 +342,7 @@ def _backward_rank(
     for layer in selected(loads):
         load, tokens, hidden, ffn, experts, top_k = layer
         group = dist.new_group([0])
-        uniep.ep.init_runtime(
+        uniep.moe.ep.init_runtime(
             group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
         )
         name = uniep.distributed.group_name(group)
@@ -358,9 +358,9 @@ def _backward_rank(
         )
 
         row: dict[str, Any] = {"part": "backward", "load": load, "tokens": tokens}
-        # The MegaKernel's backward at world 1 (uniep.fused_backward), w2's transposed copy kept
-        # as moe_forward(overlap=fused) keeps it; its bits against moe_backward's.
-        w2t = uniep.fused_forward.transposed_w2(w2)
+        # The MegaKernel's backward at world 1 (uniep.moe.megakernel.backward), w2's transposed
+        # copy kept as moe_forward(overlap=fused) keeps it; its bits against moe_backward's.
+        w2t = uniep.moe.megakernel.forward.transposed_w2(w2)
         engine = backward()
         fns: dict[str, Any] = {
             "dense forward+backward": dense_forward_backward,
@@ -368,18 +368,18 @@ def _backward_rank(
         }
         for mode in ("sequential", "fused"):
             local = functools.partial(
-                uniep.fused_backward.moe_backward_local, go, x, idx, weights, w1, w2,
+                uniep.moe.megakernel.backward.moe_backward_local, go, x, idx, weights, w1, w2,
                 overlap=mode, w2t=w2t, check=False,
             )  # fmt: skip
             got = local()
-            uniep.megakernel.check_errors()
+            uniep.moe.megakernel.launch.check_errors()
             row[f"backward_equal_engine[local_{mode}]"] = all(
                 torch.equal(a, b.to(a.dtype)) for a, b in zip(got, engine, strict=True)
             )
             fns[f"local {mode}"] = local
         # Every variant timed in turn (rounds of 5 calls), so the clock's drift over the run
         # (a long layer heats the GPU) reaches all of them alike.
-        from uniep.timing import interleaved_medians_ms
+        from uniep._util.timing import interleaved_medians_ms
 
         for fn in fns.values():
             for _ in range(warmup):
@@ -393,10 +393,10 @@ def _backward_rank(
         # Where the fused launch's time goes: each CTA's send and tiles.
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         trace = torch.zeros(4 * sms, dtype=torch.int64, device=x.device)
-        uniep.fused_backward.moe_backward_local(
+        uniep.moe.megakernel.backward.moe_backward_local(
             go, x, idx, weights, w1, w2, w2t=w2t, check=False, trace=trace
         )
-        row["phases_us[local fused]"] = uniep.megakernel.trace_phases(trace)
+        row["phases_us[local fused]"] = uniep.moe.megakernel.launch.trace_phases(trace)
         if profile:
             # Where each backward's time goes, kernel by kernel, against the dense chain's.
             row["kernels_us"] = profile_kernels(fns, profile, trace=_trace_paths(load))
@@ -482,7 +482,9 @@ def _bench_layer(
     import uniep
 
     load, tokens, hidden, ffn, experts, top_k = layer
-    uniep.ep.init_runtime(group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts)
+    uniep.moe.ep.init_runtime(
+        group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
+    )
     name = uniep.distributed.group_name(group)
     gen, x, w1, w2, idx, weights = _layer_inputs(layer)
     bf16 = torch.bfloat16
@@ -543,9 +545,9 @@ def _bench_layer(
             ms = median_time_ms(lambda t=tuning: layer_call(t), warmup, iters, cuda=True)
             row[f"ms[{impl}]"] = ms
             row[f"over_floor[{impl}]"] = ms / floor
-        # Prepared experts (uniep.prepared): w1 packed for the SwiGLU epilogue, and fp8 with the
+        # Prepared experts (uniep.moe.prepared): w1 packed for the SwiGLU epilogue, and fp8 with the
         # fp8 dispatch; each against the bf16 layer's output and time.
-        from uniep.prepared import moe_forward_prepared, prepare_experts
+        from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
         progress("moe_forward variants")
         base_ms = row["ms[uniep]"]
@@ -553,7 +555,7 @@ def _bench_layer(
         # and the combine as separate launches; with overlap=fused named, the MegaKernel.
         # Those two and the plain layer are timed interleaved (the GPU's clock drifts over a
         # run), then fp8, then the MegaKernel's own points (_bench_local).
-        from uniep.timing import interleaved_medians_ms
+        from uniep._util.timing import interleaved_medians_ms
 
         packed = prepare_experts(w1, w2, "bf16_packed")
         fp8 = prepare_experts(w1, w2, "fp8")
@@ -667,8 +669,8 @@ def _gemms_alone(x: torch.Tensor, idx: torch.Tensor, prepared: Any) -> tuple[Any
     each entry's row (``[T, K]``, -1: unused) and ``gemm_only(tiles="")``: the engine's two GEMMs
     alone on them (SwiGLU epilogue, then the down projection), the reference of the
     MegaKernel's 1.03x goal."""
-    from uniep import gate
-    from uniep.megakernel import expert_counts
+    from uniep.moe import tile_gates as gate
+    from uniep.moe.megakernel.launch import expert_counts
 
     experts = prepared.w1.shape[0]
     counts = expert_counts(idx, experts)
@@ -690,7 +692,7 @@ def _gemms_combine(gemm_only: Any, grow: torch.Tensor, weights: torch.Tensor) ->
     forward does with a free plan and dispatch. A token's k rows come from k experts' tiles spread
     over all of GEMM 2, so summing them reads them back from memory after GEMM 2 wrote them,
     fused or not: at the power cap this pair's time, not the GEMMs' alone, is the floor."""
-    from uniep import gate
+    from uniep.moe import tile_gates as gate
 
     def gemms_combine() -> torch.Tensor:
         return gate.combine_rows(gemm_only(), grow, weights, check=False)[0]
@@ -702,7 +704,7 @@ def _gated_gemms(rows: torch.Tensor, offs: torch.Tensor, prepared: Any) -> Any:
     """The two gated GEMMs of the sequential path on ``rows`` (gathered beforehand, per-expert
     ends ``offs``), gates open and GEMM 2 waiting on GEMM 1's done signal: the GEMMs' share of
     ``sequential``, and the price of the signal. The call returns GEMM 2's output."""
-    from uniep import gate
+    from uniep.moe import tile_gates as gate
 
     experts, ffn2 = prepared.w1.shape[0], prepared.w1.shape[2]
     zeros = torch.zeros(rows.shape[0] // gate.TILE_M + experts + 1, dtype=torch.int32,
@@ -733,11 +735,11 @@ def _bench_local(
     iters: int,
     profile: int = 0,
 ) -> None:
-    """The MegaKernel at world 1 (uniep.megakernel.moe_forward_local: no host sync; its
+    """The MegaKernel at world 1 (uniep.moe.megakernel.launch.moe_forward_local: no host sync; its
     sequential and streams compositions and the fused persistent kernel at FUSED_POINTS) beside
     the GEMMs alone on rows gathered beforehand: the MegaKernel's goal is the fused forward
     within 1.03x of that GEMM-only time."""
-    from uniep.megakernel import moe_forward_local, trace_phases
+    from uniep.moe.megakernel.launch import moe_forward_local, trace_phases
 
     rows, offs, grow, gemm_only = _gemms_alone(x, idx, prepared)
 
@@ -805,7 +807,7 @@ def _bench_local(
             row[f"phases_us[{key}]"] = trace_phases(trace, sms)
     # Every variant timed in turn (rounds of 5 calls, the host not waiting between calls, as in
     # a training step), so the GPU's clock drift over the run reaches all of them alike.
-    from uniep.timing import interleaved_medians_ms
+    from uniep._util.timing import interleaved_medians_ms
 
     for fn in fns.values():
         for _ in range(warmup):
@@ -837,7 +839,7 @@ def _bench_local(
 
 def _local_rank(warmup: int, iters: int, loads: list[str], profile: int) -> list[dict[str, Any]]:
     """The ``local`` part: only the world-1 MegaKernel rows of each load (no EP runtime)."""
-    from uniep.prepared import prepare_experts
+    from uniep.moe.prepared import prepare_experts
 
     rows = []
     for load, tokens, hidden, ffn, experts, top_k in selected(loads):
@@ -895,9 +897,9 @@ def _tune_load(
     engine's GEMMs alone on the same rows. With ``settle_s`` the tuner settles each candidate
     (``uniep.tune(settle_s=)``) and each re-timed function first runs back to back for about
     as long (a call count from the tuner's median time)."""
-    from uniep import tune
-    from uniep.prepared import moe_forward_prepared, prepare_experts
-    from uniep.timing import interleaved_medians_ms
+    from uniep._util.timing import interleaved_medians_ms
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+    from uniep.tuning import tuner as tune
 
     load, tokens, hidden, ffn, experts, top_k = layer
     result = tune.tune(

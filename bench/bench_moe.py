@@ -131,7 +131,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             # A GPU runtime is sized for one shape: each shape gets its own group and runtime
             # (NVSHMEM is shared; NVSHMEM_SYMMETRIC_SIZE in main() leaves room for all of them).
             group = dist.new_group(list(range(world)))
-            uniep.ep.init_runtime(
+            uniep.moe.ep.init_runtime(
                 group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
             )
         group_name = uniep.distributed.group_name(group)

@@ -4,16 +4,16 @@ GEMMs alone on each rank, and uniep.tune's pick re-timed against the best point 
 (the multi-GPU run's part 2).
 
 **The fused rows.** ``uniep.moe_forward`` with ``overlap=fused`` runs the MegaKernel on CUDA in
-bf16 (on a packed copy of w1 that ``uniep.fused_forward`` keeps; the op
+bf16 (on a packed copy of w1 that ``uniep.moe.megakernel.forward`` keeps; the op
 ``torch.ops.uniep.moe_forward`` runs the separate launches in every overlap mode), so the fused
 rows time it through ``moe_forward``, output compared bit for bit with sequential's; each row says
 which ran (``fused_is_megakernel``, ``fused_note``). The MegaKernel across ranks called directly
-(``uniep.megakernel.moe_forward_ep``) is timed beside them as ``fwd_megakernel``, checked against
-the baseline first, with one traced call's phases on rank 0 (``megakernel_phases_us_rank0``),
-its launch points and ``megakernel_over_experts``. ``moe_backward`` with ``overlap=fused`` runs
-the MegaKernel's backward across ranks (``uniep.fused_backward.moe_backward_ep``) in bf16 on
-CUDA: ``bwd_fused`` times it, ``fused_backward_bits_equal_sequential`` compares its gradients
-with ``overlap=sequential``'s once.
+(``uniep.moe.megakernel.launch.moe_forward_ep``) is timed beside them as ``fwd_megakernel``,
+checked against the baseline first, with one traced call's phases on rank 0
+(``megakernel_phases_us_rank0``), its launch points and ``megakernel_over_experts``.
+``moe_backward`` with ``overlap=fused`` runs the MegaKernel's backward across ranks
+(``uniep.moe.megakernel.backward.moe_backward_ep``) in bf16 on CUDA: ``bwd_fused`` times it,
+``fused_backward_bits_equal_sequential`` compares its gradients with ``overlap=sequential``'s once.
 
 Per shape (one spawn of W ranks per shape: NVSHMEM's heap is sized once per process), every rank:
 - forward: ``moe_forward`` with ``overlap=sequential`` and ``overlap=fused``, and the baseline
@@ -186,8 +186,8 @@ def _expert_chain(
 
 def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import uniep
-    import uniep.ep
-    from uniep import tune as tune_mod
+    import uniep.moe.ep
+    from uniep.tuning import tuner as tune_mod
 
     name, tokens, hidden, ffn, experts, top_k = cfg["shape"]
     cuda = cfg["device"] == "cuda"
@@ -205,13 +205,13 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
     if megakernel and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
         # NVSHMEM sizes its heap when the first runtime starts it: room for both runtimes.
         from uniep import _C
-        from uniep.megakernel import fused_ep_heap_bytes
+        from uniep.moe.megakernel.launch import fused_ep_heap_bytes
 
         heap = fused_ep_heap_bytes(world, tokens, hidden, ffn, top_k, experts, backward=True)
         heap += _C.ep_symmetric_heap_bytes(tokens, hidden, top_k, experts, world)
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap + (1 << 30))
     if cuda:
-        uniep.ep.init_runtime(
+        uniep.moe.ep.init_runtime(
             group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
         )
     gname = uniep.distributed.group_name(group)
@@ -310,7 +310,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
             mine["fwd_megakernel"] = time_ms(lambda: fwd_mk(False))
             # The launch's tuning points (CTAs that send first, rounds the others take first),
             # interleaved, each rank's medians then the slowest rank's per point.
-            from uniep.timing import interleaved_medians_ms
+            from uniep._util.timing import interleaved_medians_ms
 
             fns = {p: (lambda p=p: fwd_mk(False, *MK_POINTS[p])) for p in MK_POINTS}
             med = interleaved_medians_ms(fns, 3, max(1, iters // 3), cuda, warmup=1,
@@ -437,7 +437,7 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
         if megakernel and dtype == torch.bfloat16:
             # The same search over packed experts: moe_forward_prepared's separate launches and
             # the MegaKernel's points (sms, skip_rounds, tile_m) in one space.
-            from uniep.prepared import moe_forward_prepared, prepare_experts
+            from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
             packed = prepare_experts(w1, w2, "bf16_packed")
 
@@ -459,9 +459,9 @@ def _bench_shape(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] |
             del packed
     if cuda:
         _settle(cuda)
-        uniep.ep.shutdown(group)
+        uniep.moe.ep.shutdown(group)
     if megakernel:
-        from uniep.megakernel import shutdown_fused_ep
+        from uniep.moe.megakernel.launch import shutdown_fused_ep
 
         shutdown_fused_ep(group)
     return row if rank == 0 else None
@@ -476,11 +476,11 @@ def _megakernel_forward(
     w1: torch.Tensor,
     w2: torch.Tensor,
 ) -> Callable[[bool], Any]:
-    """The MegaKernel across the ranks (uniep.megakernel.moe_forward_ep) on this shape:
+    """The MegaKernel across the ranks (uniep.moe.megakernel.launch.moe_forward_ep) on this shape:
     ``call(True)`` checks the call's errors and returns (out, rank's phase trace in us),
     ``call(False)`` is the timed form (no host read)."""
-    from uniep import megakernel
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
 
     _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
     # moe_forward's fused rows may have created the group's fused runtime already.
@@ -515,8 +515,8 @@ def _same_rows_local(
     """moe_forward_local(overlap="fused") at world 1 on as many rows per local expert as this
     rank's experts receive from every rank (top-1 rows of x, weight 1): ``call(True)`` returns
     the launch's phases (us), ``call(False)`` is the timed form."""
-    from uniep import megakernel
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
 
     flat = idx.reshape(-1)
     counts = torch.bincount(flat[flat >= 0], minlength=experts)
@@ -550,7 +550,7 @@ def _tune_and_retime(
 ) -> dict[str, Any]:
     """uniep.tune's pick, and every point it measured re-timed in interleaved rounds
     (``weights="bf16_packed"``: the tuner on packed experts, ``fwd`` moe_forward_prepared)."""
-    from uniep.timing import interleaved_medians_ms
+    from uniep._util.timing import interleaved_medians_ms
 
     _, tokens, hidden, ffn, experts, top_k = cfg["shape"]
     cuda = dev.type == "cuda"

@@ -6,23 +6,23 @@ Two devices (``--device``):
   cpu   (default) local gloo ranks: the CPU executor's collectives (torch.distributed on gloo),
         float32 layers. A check of the fitting path, not a GPU profile.
   cuda  local ranks sharing ONE GPU (the first visible one): the CUDA executor's collectives
-        (UniEP's P2P collectives on the world carrier groups, the calls uniep.parm_cuda makes),
+        (UniEP's P2P collectives on the world carrier groups, the calls uniep.parm.cuda makes),
         a bf16 matmul, bf16 layers on the CUDA executor. The ranks time-slice the GPU and every
         "link", intra and inter alike, is that GPU's memory: the fit and the measured choice say
         how the cost model does on this executor on this GPU, not on a cluster.
         With --ranks-per-gpu 1: one rank per GPU (world = the GPU count unless --world-size),
         the same executor and calls, the links NVLink between the GPUs of one host (the MP and
         EP groups alike: "inter" in the fit is NVLink too). The ranks are spawned here with
-        uniep.parm_profile's own rank functions (profile_rank, measure_rank) and gloo for the
+        uniep.parm.profile's own rank functions (profile_rank, measure_rank) and gloo for the
         host agreement, as the one-GPU runs do; only the GPU each rank uses differs.
 
---grid-sample K measures K layers drawn (fixed seed) from the simulator's grid (uniep.parm_sim.
+--grid-sample K measures K layers drawn (fixed seed) from the simulator's grid (uniep.parm.sim.
 GRID, the count of the Parm paper's grid) that fit the layout instead of the fixed set: the
 layers whose MP size is --mp-size, experts = experts per MP group x (world / MP size).
 
 Rows:
   kind=fit        one per (collective, link) and the GEMM, from `uniep parm profile`'s measurement
-                  (uniep.parm_profile.profile); backend "gloo" or "uniep-cuda", the device name
+                  (uniep.parm.profile.profile); backend "gloo" or "uniep-cuda", the device name
   kind=measure    (without --quick, or with --measure) a few layers timed under each schedule on
                   the same ranks, beside the cost model's prediction from this run's fit:
                   whether its choice was the measured best, and the regret
@@ -76,12 +76,12 @@ LAYER_KEYS = ("tokens", "hidden", "ffn_hidden", "num_experts", "top_k", "capacit
 
 
 def grid_layers(world: int, mp_size: int, count: int, seed: int = 0) -> list[dict]:
-    """``count`` distinct layers of the simulator's grid (``uniep.parm_sim.GRID``) that fit a
+    """``count`` distinct layers of the simulator's grid (``uniep.parm.sim.GRID``) that fit a
     ``world``-rank layout with MP groups of ``mp_size``: the grid's entries of that MP size, with
     ``tokens = batch * seq``, ``ffn_hidden = hidden * ffn_ratio``, ``num_experts =
     experts_per_group * (world // mp_size)``, and ``top_k <= num_experts``. Drawn with a fixed
     seed, returned in grid order. ValueError if the grid has no entry of that MP size."""
-    from uniep import parm_sim
+    from uniep.parm import sim as parm_sim
 
     if count < 1 or mp_size < 1 or world % mp_size:
         raise ValueError(f"need count >= 1 and mp_size dividing world, got {count}, {mp_size}")
@@ -134,14 +134,14 @@ def measure_table(measured: list[dict]) -> list[str]:
 def _spawn(fn: Any, args: argparse.Namespace, fn_args: tuple, timeout_s: float) -> list:
     """``fn(rank, world, *fn_args)`` on one rank per GPU (``--ranks-per-gpu 1``): gloo carries
     the host agreement and barriers, as where the ranks share a GPU; each rank picks GPU
-    ``rank % count`` (``uniep.parm_profile``)."""
+    ``rank % count`` (``uniep.parm.profile``)."""
     from uniep.distributed import run_local_ranks
 
     return run_local_ranks(fn, args.world_size, fn_args, backend="gloo", timeout_s=timeout_s)
 
 
 def _profile(args: argparse.Namespace, sizes: list[int], iters: int) -> dict:
-    from uniep.parm_profile import fit_profile, profile, profile_rank
+    from uniep.parm.profile import fit_profile, profile, profile_rank
 
     if args.ranks_per_gpu == "all":
         return profile(
@@ -214,7 +214,7 @@ def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int
 def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -> None:
     """Time every schedule of a few layers on the same ranks and check the cost model's choice
     (fitted from this run's profile) against the measured best."""
-    from uniep.parm_profile import (
+    from uniep.parm.profile import (
         cost_model_from_profile,
         measure_layers,
         measure_rank,
@@ -366,8 +366,9 @@ def per_gpu_problem(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from uniep import parm, parm_sim
-    from uniep.parm_profile import default_sizes
+    from uniep import parm
+    from uniep.parm import sim as parm_sim
+    from uniep.parm.profile import default_sizes
 
     rows: list[dict] = []
     why = per_gpu_problem(args)

@@ -14,8 +14,8 @@ energy of everything it does, overlapped or not. This script measures that energ
   - the idle power before the first variant, so that a call's dynamic energy is
     (median power - idle power) x time per call.
 
-Variants (``uniep.megakernel.moe_forward_local`` and the launches it is made of, on the layer of
-``bench_experts``' loads): the engine's two GEMMs alone on rows gathered beforehand (the
+Variants (``uniep.moe.megakernel.launch.moe_forward_local`` and the launches it is made of, on the
+layer of ``bench_experts``' loads): the engine's two GEMMs alone on rows gathered beforehand (the
 MegaKernel's reference), the two gated GEMMs of the sequential path, the plan, the send (the row
 gather) and the combine alone, the GEMMs then the combine (the floor of any design with a free
 plan and dispatch), the sequential composition, and the fused MegaKernel at its default point.
@@ -124,9 +124,9 @@ def _variants(
     load: tuple[str, int, int, int, int, int],
 ) -> tuple[dict[str, Callable[[], object]], Any]:
     import bench_experts as be
-    from uniep import gate
-    from uniep.megakernel import moe_forward_local
-    from uniep.prepared import prepare_experts
+    from uniep.moe import tile_gates as gate
+    from uniep.moe.megakernel.launch import moe_forward_local
+    from uniep.moe.prepared import prepare_experts
 
     _, x, w1, w2, idx, weights = be._layer_inputs(load)
     prepared = prepare_experts(w1, w2, "bf16_packed")
@@ -165,7 +165,7 @@ def _variants(
 
 
 def measure(load: tuple[str, int, int, int, int, int], seconds: float) -> list[dict[str, Any]]:
-    from uniep.megakernel import trace_phases
+    from uniep.moe.megakernel.launch import trace_phases
 
     fns, (trace, sms) = _variants(load)
     sampler = Sampler() if shutil.which("nvidia-smi") else None

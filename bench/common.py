@@ -158,9 +158,9 @@ def add_out_dir_argument(parser: argparse.ArgumentParser) -> None:
 
 def time_calls_ms(fn: Callable[[], object], iters: int, cuda: bool) -> list[float]:
     """The time of each of ``iters`` calls of ``fn()`` in milliseconds, no warm-up: UniEP's own
-    timing (``uniep.timing.time_calls_ms``, CUDA events with ``cuda``, else the wall clock), so
-    the benchmarks and ``uniep.tune`` measure alike."""
-    from uniep.timing import time_calls_ms as uniep_time_calls_ms
+    timing (``uniep._util.timing.time_calls_ms``, CUDA events with ``cuda``, else the wall clock),
+    so the benchmarks and ``uniep.tune`` measure alike."""
+    from uniep._util.timing import time_calls_ms as uniep_time_calls_ms
 
     return uniep_time_calls_ms(fn, iters, cuda)
 

@@ -296,8 +296,8 @@ def part2_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
         out.append(
             goal(
                 part,
-                f"{shape} fused MegaKernel (uniep.megakernel.moe_forward_ep, best launch point) "
-                "forward / expert GEMMs alone, same rank",
+                f"{shape} fused MegaKernel (uniep.moe.megakernel.launch.moe_forward_ep, "
+                "best launch point) forward / expert GEMMs alone, same rank",
                 f"<= {FWD_OVER_EXPERTS:.2f}x",
                 mk,
                 "x",

@@ -1,4 +1,4 @@
-"""Gradients through ``uniep.ep.dispatch`` + ``uniep.ep.combine`` against autograd through a
+"""Gradients through ``uniep.moe.ep.dispatch`` + ``uniep.moe.ep.combine`` against autograd through a
 dense local reference; run on every rank of a group.
 
 Shared by the GPU test (the real ops on the NVSHMEM runtime) and a CPU test that runs the same
@@ -86,7 +86,7 @@ def run_cases(
         x = x0.to(device, copy=True).requires_grad_(True)
         w = w0.to(device, copy=True).requires_grad_(True)
         idx = idx0.to(device)
-        res = uniep.ep.dispatch(x, idx, w)
+        res = uniep.moe.ep.dispatch(x, idx, w)
         h = res.handle
         k_of_row = (h.row_target % top_k).unsqueeze(1)
         rows = res.recv_x.index_select(0, h.row_slot)
@@ -101,7 +101,7 @@ def run_cases(
                 y[perm], h.row_target[perm], idx, w, h.group_name, h.epoch, h.tuning
             )
         else:
-            out = uniep.ep.combine(y, h)
+            out = uniep.moe.ep.combine(y, h)
         (out.float() * g0.to(device)).sum().backward()
 
         want_x, want_w = _reference(x0, idx0, w0, c, g0)
@@ -126,10 +126,10 @@ def run_cases(
     for cached in (True, False):
         x = x0.clone().requires_grad_(True)
         if cached:
-            plan = uniep.ep.dispatch(torch.zeros_like(x0), idx, w)
-            recv_x = uniep.ep.dispatch_cached(x, plan.handle).recv_x
+            plan = uniep.moe.ep.dispatch(torch.zeros_like(x0), idx, w)
+            recv_x = uniep.moe.ep.dispatch_cached(x, plan.handle).recv_x
         else:
-            recv_x = uniep.ep.dispatch(x, idx, w).recv_x
+            recv_x = uniep.moe.ep.dispatch(x, idx, w).recv_x
         g = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(rank))
         (recv_x.float() * g.to(device)).sum().backward()
         grads.append(x.grad)

@@ -1,5 +1,5 @@
 """Cases of the Parm CPU-executor tests: the worker that runs them on gloo ranks and the float64
-dense reference they are checked against (uniep.parm_reference)."""
+dense reference they are checked against (uniep.parm.reference)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     """float64 outputs and gradients: per MP group (y, l_aux, dx, dgate) and the full expert
     gradients of the sum of every group's loss."""
     from uniep import _C
-    from uniep.parm_reference import parm_reference
+    from uniep.parm.reference import parm_reference
 
     t = case_tensors(case)
     G = case["world"] // case["N"]

@@ -20,7 +20,7 @@ from _dist import run_ranks
 from _moe_cases import rel_err, same_bits
 from torch import nn
 from uniep import collectives
-from uniep.parallel import ColumnParallelLinear, RowParallelLinear
+from uniep.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 WORLDS = (2, 4)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

@@ -69,12 +69,12 @@ def test_fake_of_the_engine_backward() -> None:
     assert tuple(gw1.shape) == (3, 256, 128) and tuple(gw2.shape) == (3, 64, 256)
 
 
-@pytest.mark.skipif(uniep.ep.available(), reason="this build and machine have the GPU runtime")
+@pytest.mark.skipif(uniep.moe.ep.available(), reason="this build and machine have the GPU runtime")
 def test_dispatch_requiring_grad_on_cpu_is_not_implemented() -> None:
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     idx = torch.zeros(4, 2, dtype=torch.long)
     with pytest.raises(NotImplementedError, match="ep_dispatch"):
-        uniep.ep.dispatch(x, idx, torch.ones(4, 2, requires_grad=True))
+        uniep.moe.ep.dispatch(x, idx, torch.ones(4, 2, requires_grad=True))
 
 
 class _WithConfig:
@@ -160,7 +160,7 @@ def _simulate_ops() -> torch.library.Library:
 
 def _simulated_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
     config = {"world_size": world, "max_tokens": MAX_TOKENS, "hidden": HIDDEN, "top_k": TOP_K}
-    uniep.ep._C = _WithConfig(uniep.ep._C, config)  # type: ignore[assignment]
+    uniep.moe.ep._C = _WithConfig(uniep.moe.ep._C, config)  # type: ignore[assignment]
     lib = _simulate_ops()
     try:
         report = run_cases(
@@ -175,7 +175,7 @@ def _simulated_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
         # Every rank raises at the same point, before any collective of the backward.
         x = torch.randn(5, HIDDEN, requires_grad=True)
         idx = torch.arange(5 * TOP_K).view(5, TOP_K) % EXPERTS
-        res = uniep.ep.dispatch(x, idx, torch.rand(5, TOP_K))
+        res = uniep.moe.ep.dispatch(x, idx, torch.rand(5, TOP_K))
         with pytest.raises(NotImplementedError, match="bfloat16 rows"):
             res.recv_x.sum().backward()
         return report

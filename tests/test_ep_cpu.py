@@ -1,4 +1,5 @@
-"""The GPU expert-parallel layer (uniep.ep) on a machine without it: clear errors, fake kernels."""
+"""The GPU expert-parallel layer (uniep.moe.ep) on a machine without it: clear errors, fake
+kernels."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from uniep import _C
 
 no_gpu_runtime = pytest.mark.skipif(
-    uniep.ep.available(), reason="this build and machine have the GPU runtime"
+    uniep.moe.ep.available(), reason="this build and machine have the GPU runtime"
 )
 
 
 @no_gpu_runtime
 def test_init_runtime_says_what_is_missing() -> None:
     with pytest.raises(RuntimeError, match="CUDA build of torch"):
-        uniep.ep.init_runtime(max_tokens=16, hidden=128, top_k=2, num_experts=4)
+        uniep.moe.ep.init_runtime(max_tokens=16, hidden=128, top_k=2, num_experts=4)
 
 
 @no_gpu_runtime
@@ -26,7 +27,7 @@ def test_dispatch_of_cpu_tensors_is_not_implemented() -> None:
     idx = torch.zeros(4, 2, dtype=torch.long)
     w = torch.ones(4, 2)
     with pytest.raises(NotImplementedError, match="ep_dispatch"):
-        uniep.ep.dispatch(x, idx, w)
+        uniep.moe.ep.dispatch(x, idx, w)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,7 @@ def test_dispatch_rejects_bad_tuning_by_name(tuning: str, key: str) -> None:
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     idx = torch.zeros(4, 2, dtype=torch.long)
     with pytest.raises(ValueError, match=key):
-        uniep.ep.dispatch(x, idx, torch.ones(4, 2), tuning=tuning)
+        uniep.moe.ep.dispatch(x, idx, torch.ones(4, 2), tuning=tuning)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -72,16 +73,16 @@ def test_dispatch_cached_fake_kernel_shapes(precision: str) -> None:
 
 
 def test_dispatch_cached_needs_a_handle() -> None:
-    with pytest.raises(TypeError, match="handle must be a uniep.ep.Handle"):
-        uniep.ep.dispatch_cached(torch.zeros(4, 128), "epoch 3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="handle must be a uniep.moe.ep.Handle"):
+        uniep.moe.ep.dispatch_cached(torch.zeros(4, 128), "epoch 3")  # type: ignore[arg-type]
 
 
 @no_gpu_runtime
 def test_dispatch_cached_of_cpu_tensors_is_not_implemented() -> None:
     idx = torch.zeros(4, 2, dtype=torch.long)
-    handle = uniep.ep.Handle(idx[:, 0], idx[:, 0], idx, torch.ones(4, 2), "", "", 1)
+    handle = uniep.moe.ep.Handle(idx[:, 0], idx[:, 0], idx, torch.ones(4, 2), "", "", 1)
     with pytest.raises(NotImplementedError, match="ep_dispatch_cached"):
-        uniep.ep.dispatch_cached(torch.randn(4, 128, dtype=torch.bfloat16), handle)
+        uniep.moe.ep.dispatch_cached(torch.randn(4, 128, dtype=torch.bfloat16), handle)
 
 
 def test_combine_fake_kernel_shape() -> None:

@@ -235,8 +235,8 @@ def test_tuning_with_nul_rejected_by_the_op() -> None:
 
 
 def test_grown_capacity() -> None:
-    """The GPU runtime's token capacity when it is created or grown (uniep.ep, pure)."""
-    from uniep.ep import grown_capacity
+    """The GPU runtime's token capacity when it is created or grown (uniep.moe.ep, pure)."""
+    from uniep.moe.ep import grown_capacity
 
     assert grown_capacity(None, 1) == 256
     assert grown_capacity(None, 256) == 256

@@ -1,5 +1,5 @@
-"""uniep.fused_forward on the CPU: the packed copy of w1 that moe_forward's overlap=fused path
-keeps (made once, made again after an in-place write, dropped with its tensor), the transposed
+"""uniep.moe.megakernel.forward on the CPU: the packed copy of w1 that moe_forward's overlap=fused
+path keeps (made once, made again after an in-place write, dropped with its tensor), the transposed
 copy of w2 its backward keeps the same way, and which tuning strings take the MegaKernel."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import gc
 
 import pytest
 import torch
-from uniep import fused_forward, kept_weights
 from uniep.gemm import pack_gate_up
+from uniep.moe import kept_weights
+from uniep.moe.megakernel import forward as fused_forward
 
 
 def test_the_packed_copy_is_kept_until_w1_changes() -> None:

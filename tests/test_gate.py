@@ -1,6 +1,6 @@
-"""The tile gate's plan on CPU (uniep.gate, cpp/core/schedule.cpp gate_tile_base): where each
-expert's tile counters start, with the grouped GEMM's clamp of a malformed offs; the fake kernels;
-the timeout report. The device side is tests/test_gpu_tile_gate.py."""
+"""The tile gate's plan on CPU (uniep.moe.tile_gates, cpp/core/schedule.cpp gate_tile_base): where
+each expert's tile counters start, with the grouped GEMM's clamp of a malformed offs; the fake
+kernels; the timeout report. The device side is tests/test_gpu_tile_gate.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
 from torch._subclasses.fake_tensor import FakeTensorMode
-from uniep import gate
+from uniep.moe import tile_gates as gate
 
 
 def _reference(offs: list[int], rows: int, tile_m: int) -> list[int]:
@@ -117,7 +117,7 @@ def test_fused_backward_fake_kernel_gives_the_shapes() -> None:
 
 
 def test_fused_backward_needs_cuda_tensors() -> None:
-    from uniep.fused_backward import moe_backward_local
+    from uniep.moe.megakernel.backward import moe_backward_local
 
     x = torch.zeros(8, 64, dtype=torch.bfloat16)
     idx = torch.zeros(8, 2, dtype=torch.int64)

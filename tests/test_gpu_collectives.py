@@ -63,7 +63,7 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = _device(rank)
     # The expert-parallel runtime first: the collectives share its NVSHMEM initialisation.
-    uniep.ep.init_runtime(max_tokens=64, hidden=256, top_k=2, num_experts=2 * world)
+    uniep.moe.ep.init_runtime(max_tokens=64, hidden=256, top_k=2, num_experts=2 * world)
     uc.init_cuda(max_block_bytes=16 << 20, timeout_s=30.0)
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
     report: dict[str, object] = {}
@@ -188,8 +188,8 @@ def _collectives_worker(rank: int, world: int) -> dict[str, object]:
     xt = torch.randn(16, 256, generator=gen, device=dev).bfloat16()
     idx = torch.randint(0, 2 * world, (16, 2), generator=gen, device=dev)
     w = torch.rand(16, 2, generator=gen, device=dev)
-    recv = uniep.ep.dispatch(xt, idx, w)
-    out = uniep.ep.combine(recv.recv_x[recv.handle.row_slot], recv.handle)
+    recv = uniep.moe.ep.dispatch(xt, idx, w)
+    out = uniep.moe.ep.combine(recv.recv_x[recv.handle.row_slot], recv.handle)
     err = _rel(out.float(), xt.float() * w.sum(1, keepdim=True))
     assert err <= 2e-2, ("ep dispatch+combine beside the collectives", err)
     dist.barrier()

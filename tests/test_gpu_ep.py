@@ -110,7 +110,9 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
 
     dev = _device(rank)
     cpu_group = dist.new_group(backend="gloo")
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(
+        max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS
+    )
     report: dict[str, object] = {}
     el = EXPERTS // world
     for seed, kind in enumerate(("random", "one_expert", "empty_rank", "top1")):
@@ -121,7 +123,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         plan, expected = _planned_rows(xs, idxs, rank)
         per_rank_slots = MAX_TOKENS * TOP_K
         for sms in (24, 8, 32):
-            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
             assert torch.equal(res.recv_x.cpu(), expected), (kind, sms)
             assert torch.equal(res.recv_src.cpu(), torch.from_numpy(plan["recv_src_token"]))
             assert torch.equal(res.handle.row_slot.cpu(), torch.from_numpy(plan["row_slot"]))
@@ -132,7 +134,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
             )
 
         # fp8: the in-kernel cast gives the CPU executor's e4m3 bytes and block scales.
-        res8 = uniep.ep.dispatch(x, idx, w, tuning="sms=24,dispatch=fp8")
+        res8 = uniep.moe.ep.dispatch(x, idx, w, tuning="sms=24,dispatch=fp8")
         q, scales = _C.encode_fp8_rows(expected.float().numpy())
         assert res8.recv_x.dtype == torch.float8_e4m3fn
         assert torch.equal(res8.recv_x.cpu().view(torch.uint8), torch.from_numpy(q)), kind
@@ -144,8 +146,8 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         y = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
         outs = []
         for sms in (24, 8, 32, 24):
-            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
-            outs.append(uniep.ep.combine(y.to(dev), res.handle).cpu())
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
+            outs.append(uniep.moe.ep.combine(y.to(dev), res.handle).cpu())
         assert all(torch.equal(outs[0], o) for o in outs[1:]), kind
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, (y, res.handle.row_target.cpu()), group=cpu_group)
@@ -160,11 +162,11 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
         # order; y's rows in any order (row_target names each).
         parts = []
         for sms in (24, 8, 32, 24):
-            res = uniep.ep.dispatch(x, idx, w, tuning=f"sms={sms},combine=rank_partials")
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning=f"sms={sms},combine=rank_partials")
             perm = torch.randperm(rows, generator=gen)
             handle = dataclasses.replace(res.handle, row_target=res.handle.row_target[perm.to(dev)])
-            parts.append(uniep.ep.combine(y[perm].to(dev), handle).cpu())
-        uniep.ep.check()
+            parts.append(uniep.moe.ep.combine(y[perm].to(dev), handle).cpu())
+        uniep.moe.ep.check()
         assert all(torch.equal(parts[0], o) for o in parts[1:]), kind
         want_parts = _expected_rank_partials(
             ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank], el, world
@@ -236,30 +238,30 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
 
     # rank_partials applies the dispatch's weights on the expert side: other weights at the
     # combine are reported (checked on the device, raised by check), as is a repeated row.
-    res = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+    res = uniep.moe.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
     y_any = torch.zeros(res.handle.row_slot.numel(), HIDDEN, dtype=torch.bfloat16, device=dev)
     other = dataclasses.replace(res.handle, topk_weights=w + 1)
-    uniep.ep.combine(y_any, other)
+    uniep.moe.ep.combine(y_any, other)
     with pytest.raises(ValueError, match="differs from the weights the dispatch carried"):
-        uniep.ep.check()
+        uniep.moe.ep.check()
     # ... and it answers only a dispatch made for it (which keeps the weights): refused at once.
-    res = uniep.ep.dispatch(x, idx, w)
+    res = uniep.moe.ep.dispatch(x, idx, w)
     asked = res.handle.tuning.replace("combine=per_k", "combine=rank_partials")
     assert asked != res.handle.tuning
     with pytest.raises(ValueError, match="answers a dispatch made with combine=rank_partials"):
-        uniep.ep.combine(y_any, dataclasses.replace(res.handle, tuning=asked))
-    res = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+        uniep.moe.ep.combine(y_any, dataclasses.replace(res.handle, tuning=asked))
+    res = uniep.moe.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
     dup = res.handle.row_target.clone()
     assert dup.numel() > 1  # every rank has rows here, and every rank must combine
     dup[1] = dup[0]
-    uniep.ep.combine(y_any, dataclasses.replace(res.handle, row_target=dup))
+    uniep.moe.ep.combine(y_any, dataclasses.replace(res.handle, row_target=dup))
     with pytest.raises(ValueError, match="out of range or repeated"):
-        uniep.ep.check()
+        uniep.moe.ep.check()
     dist.barrier()
 
     # A runtime the kernels cannot serve is refused at creation, on every rank.
     with pytest.raises(ValueError, match=r"top_k must be in \[1, 31\]"):
-        uniep.ep.init_runtime(
+        uniep.moe.ep.init_runtime(
             dist.new_group(list(range(world))),
             max_tokens=8,
             hidden=HIDDEN,
@@ -269,10 +271,10 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
 
     # Bad input is an error naming the argument, not a hang.
     with pytest.raises(ValueError, match="topk_idx"):
-        uniep.ep.dispatch(x, idx[:, :2].contiguous(), w[:, :2].contiguous())
+        uniep.moe.ep.dispatch(x, idx[:, :2].contiguous(), w[:, :2].contiguous())
     # hidden float32 columns are twice the default row capacity (hidden bf16).
     with pytest.raises(ValueError, match="row capacity"):
-        uniep.ep.dispatch(x.float(), idx, w)
+        uniep.moe.ep.dispatch(x.float(), idx, w)
     dist.barrier()
     return report
 
@@ -290,7 +292,9 @@ def _grad_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
     from _ep_grad_case import run_cases
 
     dev = _device(rank)
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(
+        max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS
+    )
     report = run_cases(
         rank, world, dev, max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, experts=EXPERTS
     )
@@ -310,79 +314,81 @@ def _cached_worker(rank: int, world: int) -> None:
     import uniep
 
     dev = _device(rank)
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(
+        max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS
+    )
     xs, idxs, ws = _case("random", world, 7)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
     x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).bfloat16().to(dev)
     gen = torch.Generator().manual_seed(50)
 
     # Rows on the plan of x's dispatch: the bytes a fresh dispatch of x2 gives, at any budget.
-    fresh = uniep.ep.dispatch(x2, idx, w)
-    fresh8 = uniep.ep.dispatch(x2, idx, w, tuning="dispatch=fp8")
+    fresh = uniep.moe.ep.dispatch(x2, idx, w)
+    fresh8 = uniep.moe.ep.dispatch(x2, idx, w, tuning="dispatch=fp8")
     y = torch.randn(fresh.handle.row_slot.numel(), HIDDEN, generator=gen).bfloat16().to(dev)
-    want = uniep.ep.combine(y, uniep.ep.dispatch(x2, idx, w).handle)
-    res = uniep.ep.dispatch(x, idx, w)
+    want = uniep.moe.ep.combine(y, uniep.moe.ep.dispatch(x2, idx, w).handle)
+    res = uniep.moe.ep.dispatch(x, idx, w)
     assert torch.equal(res.handle.row_target, fresh.handle.row_target)
     epochs = [res.handle.epoch]
     for sms in (24, 8, 32):
-        cached = uniep.ep.dispatch_cached(x2, res.handle, tuning=f"sms={sms}")
+        cached = uniep.moe.ep.dispatch_cached(x2, res.handle, tuning=f"sms={sms}")
         assert torch.equal(cached.recv_x, fresh.recv_x), sms
         epochs.append(cached.handle.epoch)
-    c8 = uniep.ep.dispatch_cached(x2, res.handle, tuning="dispatch=fp8")
+    c8 = uniep.moe.ep.dispatch_cached(x2, res.handle, tuning="dispatch=fp8")
     assert torch.equal(c8.recv_x.view(torch.uint8), fresh8.recv_x.view(torch.uint8))
     assert torch.equal(c8.recv_scales, fresh8.recv_scales)
     # Each cached round is combined like a dispatch; the plan's own round is over.
-    cached = uniep.ep.dispatch_cached(x2, res.handle)
-    assert torch.equal(uniep.ep.combine(y, cached.handle), want)
+    cached = uniep.moe.ep.dispatch_cached(x2, res.handle)
+    assert torch.equal(uniep.moe.ep.combine(y, cached.handle), want)
     epochs.append(cached.handle.epoch)
     assert epochs == sorted(set(epochs)), epochs
     with pytest.raises(ValueError, match="combine each dispatch before the next"):
-        uniep.ep.combine(y, res.handle)
+        uniep.moe.ep.combine(y, res.handle)
 
     # combine=rank_partials of a cached round applies the plan dispatch's weights.
-    plan = uniep.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
-    want_p = uniep.ep.combine(y, plan.handle)
-    cached = uniep.ep.dispatch_cached(x2, plan.handle)
-    assert torch.equal(uniep.ep.combine(y, cached.handle), want_p)
-    uniep.ep.check()
+    plan = uniep.moe.ep.dispatch(x, idx, w, tuning="combine=rank_partials")
+    want_p = uniep.moe.ep.combine(y, plan.handle)
+    cached = uniep.moe.ep.dispatch_cached(x2, plan.handle)
+    assert torch.equal(uniep.moe.ep.combine(y, cached.handle), want_p)
+    uniep.moe.ep.check()
 
     # A dispatch with new routing replaces the plan: older handles are refused on every rank.
-    current = uniep.ep.dispatch(x2, idx, w).handle
+    current = uniep.moe.ep.dispatch(x2, idx, w).handle
     with pytest.raises(ValueError, match="no longer holds"):
-        uniep.ep.dispatch_cached(x2, plan.handle)
+        uniep.moe.ep.dispatch_cached(x2, plan.handle)
     # x must have the plan's tokens (checked before the round starts, so no rank waits).
     with pytest.raises(ValueError, match="topk_idx must have T = 3 rows"):
-        uniep.ep.dispatch_cached(x2[:3].contiguous(), current)
+        uniep.moe.ep.dispatch_cached(x2[:3].contiguous(), current)
     # Tuning the runtime would refuse is refused before a round starts, so no rank waits.
     with pytest.raises(ValueError, match=r"num_sms \(tuning sms\) must be in \[1, "):
-        uniep.ep.dispatch_cached(x2, current, tuning="sms=1000")
+        uniep.moe.ep.dispatch_cached(x2, current, tuning="sms=1000")
     with pytest.raises(ValueError, match=f"fp8 dispatch takes bf16 x of hidden = {HIDDEN} "):
-        uniep.ep.dispatch(x2[:, :1024].contiguous(), idx, w, tuning="dispatch=fp8")
+        uniep.moe.ep.dispatch(x2[:, :1024].contiguous(), idx, w, tuning="dispatch=fp8")
     # A graph would freeze the round's epoch: capture is refused before anything is enqueued.
     with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            uniep.ep.dispatch_cached(x2, current)
+            uniep.moe.ep.dispatch_cached(x2, current)
     # So is a dispatch with new routing: its host reads the counts to size the outputs.
     with pytest.raises(NotImplementedError, match="new routing cannot be captured"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            uniep.ep.dispatch(x2, idx, w)
-    assert torch.equal(uniep.ep.dispatch_cached(x2, current).recv_x, fresh.recv_x)
+            uniep.moe.ep.dispatch(x2, idx, w)
+    assert torch.equal(uniep.moe.ep.dispatch_cached(x2, current).recv_x, fresh.recv_x)
 
     # Rank 0 reuses its plan while the others pass new routing: every rank raises, none hangs.
     # (A group of one has no other rank to disagree with.)
-    plan = uniep.ep.dispatch(x, idx, w)
+    plan = uniep.moe.ep.dispatch(x, idx, w)
     if world > 1 and rank == 0:
-        uniep.ep.dispatch_cached(x2, plan.handle)
+        uniep.moe.ep.dispatch_cached(x2, plan.handle)
         with pytest.raises(ValueError, match="passed new routing"):
-            uniep.ep.check()
+            uniep.moe.ep.check()
     elif world > 1:
         with pytest.raises(ValueError, match="rank 0 dispatched on its cached plan"):
-            uniep.ep.dispatch(x2, idx, w)
+            uniep.moe.ep.dispatch(x2, idx, w)
     dist.barrier()
     # ... and the group goes on.
-    again = uniep.ep.dispatch(x2, idx, w)
+    again = uniep.moe.ep.dispatch(x2, idx, w)
     assert torch.equal(again.recv_x, fresh.recv_x)
-    assert torch.equal(uniep.ep.combine(y, again.handle), want)
+    assert torch.equal(uniep.moe.ep.combine(y, again.handle), want)
     dist.barrier()
 
 
@@ -401,17 +407,17 @@ def _mixed_rounds_worker(rank: int, world: int) -> int:
 
     dev = _device(rank)
     tokens, hidden, experts = 2048 - 256 * rank, 2048, 32
-    uniep.ep.init_runtime(
+    uniep.moe.ep.init_runtime(
         max_tokens=2048, hidden=hidden, top_k=TOP_K, num_experts=experts, timeout_s=20.0
     )
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(dev)
     idx = torch.rand(tokens, experts, generator=gen).topk(TOP_K, dim=1).indices.to(dev)
     w = torch.rand(tokens, TOP_K, generator=gen).to(dev)
-    fresh = uniep.ep.dispatch(x, idx, w)
-    fresh8 = uniep.ep.dispatch(x, idx, w, tuning="dispatch=fp8")
+    fresh = uniep.moe.ep.dispatch(x, idx, w)
+    fresh8 = uniep.moe.ep.dispatch(x, idx, w, tuning="dispatch=fp8")
     y = torch.randn(fresh.handle.row_slot.numel(), hidden, generator=gen).bfloat16().to(dev)
-    want = uniep.ep.combine(y, uniep.ep.dispatch(x, idx, w).handle)
+    want = uniep.moe.ep.combine(y, uniep.moe.ep.dispatch(x, idx, w).handle)
     bad = torch.zeros((), dtype=torch.int64, device=dev)
     handle = fresh.handle
     kinds = torch.randint(0, 5, (240,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -419,26 +425,28 @@ def _mixed_rounds_worker(rank: int, world: int) -> int:
         if step % world == rank and step % 3 == 0:
             torch.cuda._sleep(100_000)  # this rank's GPU arrives late to the round
         if kind == 0:
-            res = uniep.ep.dispatch(x, idx, w, tuning="sms=24")
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning="sms=24")
             handle = res.handle
             bad += (res.recv_x != fresh.recv_x).any()
             bad += (res.handle.row_slot != fresh.handle.row_slot).any()
         elif kind == 1:
-            res = uniep.ep.dispatch(x, idx, w, tuning="sms=16,dispatch=fp8")
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning="sms=16,dispatch=fp8")
             handle = res.handle
             bad += (res.recv_x.view(torch.uint8) != fresh8.recv_x.view(torch.uint8)).any()
             bad += (res.recv_scales != fresh8.recv_scales).any()
         elif kind == 2:
-            got = uniep.ep.dispatch_cached(x, handle, tuning="sms=24").recv_x  # not the handle's
+            got = uniep.moe.ep.dispatch_cached(
+                x, handle, tuning="sms=24"
+            ).recv_x  # not the handle's
             bad += (got != fresh.recv_x).any()
         elif kind == 3:
-            got = uniep.ep.dispatch_cached(x, handle, tuning="sms=32,dispatch=fp8").recv_x
+            got = uniep.moe.ep.dispatch_cached(x, handle, tuning="sms=32,dispatch=fp8").recv_x
             bad += (got.view(torch.uint8) != fresh8.recv_x.view(torch.uint8)).any()
         else:
-            res = uniep.ep.dispatch(x, idx, w)
+            res = uniep.moe.ep.dispatch(x, idx, w)
             handle = res.handle
-            bad += (uniep.ep.combine(y, res.handle) != want).any()
-    uniep.ep.check()
+            bad += (uniep.moe.ep.combine(y, res.handle) != want).any()
+    uniep.moe.ep.check()
     return int(bad.item())
 
 
@@ -455,14 +463,16 @@ def test_mixed_rounds_without_syncs_stay_exact() -> None:
 def _timeout_worker(rank: int, world: int) -> str:
     import uniep
 
-    uniep.ep.init_runtime(max_tokens=16, hidden=HIDDEN, top_k=2, num_experts=EXPERTS, timeout_s=3.0)
+    uniep.moe.ep.init_runtime(
+        max_tokens=16, hidden=HIDDEN, top_k=2, num_experts=EXPERTS, timeout_s=3.0
+    )
     message = "rank 1 never called"
     if rank == 0:
         x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
         idx = torch.randint(0, EXPERTS, (8, 2), device="cuda")
         w = torch.rand(8, 2, device="cuda")
         with pytest.raises(RuntimeError, match="waiting for rank 1") as info:
-            uniep.ep.dispatch(x, idx, w)
+            uniep.moe.ep.dispatch(x, idx, w)
         message = str(info.value)
     dist.barrier()
     return message
@@ -483,18 +493,20 @@ def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
     group = dist.group.WORLD.group_name
     buf = symm_mem.empty(4 * world, dtype=torch.float32, device=dev).fill_(-1.0)
     handle = symm_mem.rendezvous(buf, group)  # NVSHMEM starts here, under torch
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(
+        max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=TOP_K, num_experts=EXPERTS
+    )
 
     xs, idxs, ws = _case("random", world, 11)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
     _, want_rows = _planned_rows(xs, idxs, rank)
-    res = uniep.ep.dispatch(x, idx, w)
+    res = uniep.moe.ep.dispatch(x, idx, w)
     assert torch.equal(res.recv_x.cpu(), want_rows)
     # Every expert sends its row back unchanged: out[t] = sum over valid k of w[t, k] * x[t].
-    out = uniep.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
+    out = uniep.moe.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
     ybuf = xs[rank].unsqueeze(1).expand(-1, TOP_K, -1)
     assert torch.equal(out.cpu(), _expected_combine(ybuf, idxs[rank], ws[rank]))
-    uniep.ep.check()
+    uniep.moe.ep.check()
 
     # torch's buffers beside ours: each rank writes its slice of every peer's buffer.
     for peer in range(world):
@@ -503,7 +515,7 @@ def _torch_nvshmem_first_worker(rank: int, world: int) -> str:
     torch.cuda.synchronize(dev)
     dist.barrier()
     assert torch.equal(buf.cpu(), torch.arange(world).float().repeat_interleave(4))
-    uniep.ep.shutdown()  # leaves torch's NVSHMEM running
+    uniep.moe.ep.shutdown()  # leaves torch's NVSHMEM running
     dist.barrier()
     return "reused"
 
@@ -544,7 +556,7 @@ def _ll_worker(rank: int, world: int) -> None:
     import uniep
 
     dev = _device(rank)
-    uniep.ep.init_runtime(
+    uniep.moe.ep.init_runtime(
         max_tokens=LL_TOKENS,
         hidden=HIDDEN,
         top_k=TOP_K,
@@ -564,7 +576,7 @@ def _ll_worker(rank: int, world: int) -> None:
         buffer = seed % 2
 
         # Regions: source s's (token, k) pairs for each local expert, in (token, k) order.
-        res = uniep.ep.ll_dispatch(x, idx, buffer=buffer)
+        res = uniep.moe.ep.ll_dispatch(x, idx, buffer=buffer)
         counts, slots, rows = res.recv_count.cpu(), res.recv_slot.cpu(), res.recv_x.cpu()
         for e in range(el):
             expert = rank * el + e
@@ -578,37 +590,37 @@ def _ll_worker(rank: int, world: int) -> None:
                 assert torch.equal(rows[e, base : base + n], want), (kind, e, s)
 
         # The low-latency combine gives the high-throughput combine's bits.
-        out_ll = uniep.ep.ll_combine(res.recv_x.contiguous(), idx, w, buffer=buffer)
-        ht = uniep.ep.dispatch(x, idx, w)
-        out_ht = uniep.ep.combine(ht.recv_x.index_select(0, ht.handle.row_slot), ht.handle)
+        out_ll = uniep.moe.ep.ll_combine(res.recv_x.contiguous(), idx, w, buffer=buffer)
+        ht = uniep.moe.ep.dispatch(x, idx, w)
+        out_ht = uniep.moe.ep.combine(ht.recv_x.index_select(0, ht.handle.row_slot), ht.handle)
         assert torch.equal(out_ll, out_ht), kind
 
     # Captured in a CUDA graph (no host sync inside), replayed: same bits as eager.
-    uniep.ep.check()
+    uniep.moe.ep.check()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            warm = uniep.ep.ll_dispatch(x, idx, buffer=0)
-            uniep.ep.ll_combine(warm.recv_x * 2, idx, w, buffer=0)
+            warm = uniep.moe.ep.ll_dispatch(x, idx, buffer=0)
+            uniep.moe.ep.ll_combine(warm.recv_x * 2, idx, w, buffer=0)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = uniep.ep.ll_dispatch(x, idx, buffer=1)
-        out_graph = uniep.ep.ll_combine(captured.recv_x * 2, idx, w, buffer=1)
+        captured = uniep.moe.ep.ll_dispatch(x, idx, buffer=1)
+        out_graph = uniep.moe.ep.ll_combine(captured.recv_x * 2, idx, w, buffer=1)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out_graph.cpu(), (2 * out_ll.float()).bfloat16().cpu())
-    uniep.ep.check()
+    uniep.moe.ep.check()
 
     # Overflowing a region (an expert repeated in a token's top-k) is an error, not a drop.
     dup = torch.zeros(LL_TOKENS, TOP_K, dtype=torch.long, device=dev)
     x_dup = torch.randn(LL_TOKENS, HIDDEN, device=dev).bfloat16()
-    uniep.ep.ll_dispatch(x_dup, dup, buffer=0)
+    uniep.moe.ep.ll_dispatch(x_dup, dup, buffer=0)
     if rank == 0:
         with pytest.raises(RuntimeError, match="exceed the region"):
-            uniep.ep.check()
+            uniep.moe.ep.check()
     torch.cuda.synchronize()
     dist.barrier()
 

@@ -1,4 +1,4 @@
-"""The MoE backward at world 1 on the MegaKernel's pieces (``uniep.fused_backward``,
+"""The MoE backward at world 1 on the MegaKernel's pieces (``uniep.moe.megakernel.backward``,
 ``torch.ops.uniep.moe_fused_backward_local``, include/uniep/cuda/fused_moe_backward.hpp): the send
 of x's and grad_out's rows and the GEMMs on them as one persistent launch, then the element-wise
 pass, the data-gradient GEMM, the reduce over k and the weight gradients.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
-from uniep import gate
+from uniep.moe import tile_gates as gate
 
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [
@@ -77,7 +77,7 @@ LAYERS = [
 def test_modes_agree_bit_for_bit_and_with_float64(
     tokens, hidden, ffn, experts, top_k, skew
 ) -> None:
-    from uniep.fused_backward import moe_backward_local
+    from uniep.moe.megakernel.backward import moe_backward_local
 
     go, x, idx, w, w1, w2 = _layer(tokens, hidden, ffn, experts, top_k, tokens + experts, skew)
     runs = {
@@ -103,13 +103,13 @@ def _engine_worker(rank: int, world: int) -> list[bool]:
     MegaKernel's sequential backward, layer by layer, at world 1."""
     import torch.distributed as dist
     from uniep.distributed import group_name
-    from uniep.fused_backward import moe_backward_local
+    from uniep.moe.megakernel.backward import moe_backward_local
 
     equal = []
     for tokens, hidden, ffn, experts, top_k, skew in LAYERS:
         go, x, idx, w, w1, w2 = _layer(tokens, hidden, ffn, experts, top_k, 40 + experts, skew)
         group = dist.new_group([0])
-        uniep.ep.init_runtime(
+        uniep.moe.ep.init_runtime(
             group, max_tokens=tokens, hidden=hidden, top_k=top_k, num_experts=experts
         )
         engine = torch.ops.uniep.moe_backward(go, x, idx, w, w1, w2, group_name(group), "")
@@ -128,7 +128,7 @@ def test_engine_backward_has_the_same_bits() -> None:
 
 
 def test_edge_cases() -> None:
-    from uniep.fused_backward import moe_backward_local
+    from uniep.moe.megakernel.backward import moe_backward_local
 
     go, x, idx, w, w1, w2 = _layer(0, 128, 128, 4, 2, seed=1)
     gx, gw, g1, g2 = moe_backward_local(go, x, idx, w, w1, w2)
@@ -159,7 +159,7 @@ def _plan(idx: torch.Tensor, experts: int):
 
 
 def test_rows_that_never_come_time_out_naming_the_tile() -> None:
-    from uniep.fused_forward import transposed_w2
+    from uniep.moe.megakernel.forward import transposed_w2
 
     go, x, idx, w, w1, w2 = _layer(64, 128, 128, 4, 2, seed=3)
     row, counter, offs, base = _plan(idx, w1.shape[0])
@@ -189,8 +189,8 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_trace_records_the_send_and_the_tiles() -> None:
-    from uniep.fused_backward import moe_backward_local
-    from uniep.megakernel import trace_phases
+    from uniep.moe.megakernel.backward import moe_backward_local
+    from uniep.moe.megakernel.launch import trace_phases
 
     go, x, idx, w, w1, w2 = _layer(1000, 256, 128, 16, 4, seed=7)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -208,8 +208,8 @@ def test_fused_backward_is_captured_in_a_cuda_graph() -> None:
     """Nothing in the fused backward waits for the host (check=False): a CUDA graph holds the
     plan and every launch, and replays on new tokens and gradients of the same shape give
     eager's bits."""
-    from uniep.fused_backward import moe_backward_local
-    from uniep.fused_forward import transposed_w2
+    from uniep.moe.megakernel.backward import moe_backward_local
+    from uniep.moe.megakernel.forward import transposed_w2
 
     go, x, idx, w, w1, w2 = _layer(128, 256, 128, 16, 8, seed=11)
     w2t = transposed_w2(w2)
@@ -234,7 +234,7 @@ def test_fused_backward_is_captured_in_a_cuda_graph() -> None:
 
 
 def test_opcheck() -> None:
-    from uniep.fused_forward import transposed_w2
+    from uniep.moe.megakernel.forward import transposed_w2
 
     go, x, idx, w, w1, w2 = _layer(40, 128, 64, 4, 2, seed=9)
     row, counter, offs, base = _plan(idx, w1.shape[0])

@@ -1,4 +1,4 @@
-"""The MegaKernel across ranks (``uniep.megakernel.moe_forward_ep``, include/uniep/cuda/
+"""The MegaKernel across ranks (``uniep.moe.megakernel.launch.moe_forward_ep``, include/uniep/cuda/
 fused_ep.hpp): the count exchange, the plan and one persistent launch per rank that stores rows
 into the experts' ranks' GEMM rows, computes the local experts gated tile by tile, and reduces
 the rank's tokens from the expert outputs where they were computed.
@@ -14,9 +14,9 @@ a call makes the others raise a timeout naming it instead of hanging. Both tile 
 the 64 the runtime picks for these sizes). A call captured in a CUDA graph and replayed on new
 tokens, between eager calls, gives the same bits (the epoch and parity live on the device).
 
-The fused backward across ranks (``uniep.fused_backward.moe_backward_ep``, on a runtime made with
-``backward=True``): on every rank its gradients equal ``moe_backward_local`` on every rank's
-tokens together with every expert's weights bit for bit (slices of grad_x, grad_topk_weights
+The fused backward across ranks (``uniep.moe.megakernel.backward.moe_backward_ep``, on a runtime
+made with ``backward=True``): on every rank its gradients equal ``moe_backward_local`` on every
+rank's tokens together with every expert's weights bit for bit (slices of grad_x, grad_topk_weights
 and the rank's experts' weight gradients), run to run and with forward calls between, on
 random routings with unused entries, a rank with no tokens, every entry on one rank's experts
 and top-9; through autograd (``uniep.moe_forward(..., tuning="overlap=fused")``) too; the op
@@ -76,8 +76,9 @@ def _device(rank: int) -> torch.device:
 
 
 def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
-    from uniep import _C, distributed, megakernel
+    from uniep import _C, distributed
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
 
     dev = _device(rank)
     report: dict[str, object] = {}
@@ -133,8 +134,8 @@ def fused_ep_graph_worker(rank: int, world: int) -> int:
     """Decode steps as a CUDA graph: one captured call replayed on new tokens, an eager call after
     each replay (the device's epoch carries on across both); every output equals the world-1
     kernel with every expert's weights."""
-    from uniep import megakernel
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
 
     dev = _device(rank)
     experts, top_k, tokens = 16, 4, 96
@@ -207,8 +208,8 @@ def test_fused_ep_replays_in_a_cuda_graph() -> None:
 
 
 def fused_ep_skip_worker(rank: int, world: int) -> str:
-    from uniep import megakernel
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
 
     dev = _device(rank)
     experts, top_k = 8, 2
@@ -273,9 +274,9 @@ def _check_grads(
 
 def fused_ep_backward_worker(rank: int, world: int) -> dict[str, object]:
     import uniep
-    from uniep import megakernel
-    from uniep.fused_backward import moe_backward_ep, moe_backward_local
     from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
+    from uniep.moe.megakernel.backward import moe_backward_ep, moe_backward_local
 
     dev = _device(rank)
     report: dict[str, object] = {}
@@ -351,7 +352,9 @@ def fused_ep_backward_op_worker(rank: int, world: int) -> int:
     dev = _device(rank)
     experts, top_k = 16, 4
     el = experts // world
-    uniep.ep.init_runtime(max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=top_k, num_experts=experts)
+    uniep.moe.ep.init_runtime(
+        max_tokens=MAX_TOKENS, hidden=HIDDEN, top_k=top_k, num_experts=experts
+    )
     xs, idxs, ws, w1, w2 = _case("random", world, experts, top_k, 40)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).bfloat16().to(dev)
@@ -364,10 +367,10 @@ def fused_ep_backward_op_worker(rank: int, world: int) -> int:
         _check_grads(fused, f"call {call}", want=seq, case="overlap=fused vs sequential")
     torch.cuda.synchronize()
     dist.barrier()
-    from uniep import megakernel
+    from uniep.moe.megakernel import launch as megakernel
 
     megakernel.shutdown_fused_ep()
-    uniep.ep.shutdown()
+    uniep.moe.ep.shutdown()
     return 2
 
 
@@ -381,8 +384,8 @@ def test_fused_ep_backward_op_equals_sequential() -> None:
 
 
 def fused_ep_backward_skip_worker(rank: int, world: int) -> str:
-    from uniep import megakernel
-    from uniep.fused_backward import moe_backward_ep
+    from uniep.moe.megakernel import launch as megakernel
+    from uniep.moe.megakernel.backward import moe_backward_ep
 
     dev = _device(rank)
     experts, top_k = 8, 2

@@ -1,11 +1,12 @@
 """uniep.moe_forward with overlap=fused on one GPU (marker `gpu`): the MegaKernel runs (world 1:
-moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that uniep.fused_forward keeps,
-with the separate launches' bits, packed once, packed again after an in-place update, and with the
-separate launches' gradients; a CUDA-graph capture of it is refused by name. World 1 (NCCL) and
-two ranks sharing the GPU (gloo). ``torch.ops.uniep.moe_backward`` with overlap=fused (the fused
-backward) gives overlap=sequential's bits. ``overlap=chunked`` at one rank runs the MegaKernel's
-pieces on streams (``moe_forward_local(overlap="streams")``, and its backward the same way),
-across ranks the separate launches: the same bits and gradients either way."""
+moe_forward_local; ranks: moe_forward_ep) on the packed copy of w1 that
+uniep.moe.megakernel.forward keeps, with the separate launches' bits, packed once, packed again
+after an in-place update, and with the separate launches' gradients; a CUDA-graph capture of it is
+refused by name. World 1 (NCCL) and two ranks sharing the GPU (gloo).
+``torch.ops.uniep.moe_backward`` with overlap=fused (the fused backward) gives overlap=sequential's
+bits. ``overlap=chunked`` at one rank runs the MegaKernel's pieces on streams
+(``moe_forward_local(overlap="streams")``, and its backward the same way), across ranks the
+separate launches: the same bits and gradients either way."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ T, H, FFN, E_LOCAL, K = 80, 256, 128, 5, 4
 
 def _worker(rank: int, world: int) -> dict[str, float]:
     import uniep
-    from uniep import fused_forward, megakernel
+    from uniep.moe.megakernel import forward as fused_forward
+    from uniep.moe.megakernel import launch as megakernel
 
     dev = torch.device("cuda", torch.cuda.current_device())
     experts = E_LOCAL * world

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
-from uniep import gate
 from uniep.gemm import pack_gate_up
+from uniep.moe import tile_gates as gate
 
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [
@@ -71,7 +71,7 @@ LAYERS = [
 
 @pytest.mark.parametrize("tokens,hidden,ffn,experts,top_k,skew", LAYERS)
 def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k, skew) -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _layer(tokens, hidden, ffn, experts, top_k, tokens + experts, skew)
     w1p = pack_gate_up(w1)
@@ -105,7 +105,7 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
 
 
 def test_w1_as_stored_errors() -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _layer(64, 128, 192, 4, 2, 5)
     for overlap in ("fused", "sequential"):
@@ -122,7 +122,7 @@ def test_w1_as_stored_errors() -> None:
 
 
 def test_fused_edge_cases() -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _layer(0, 128, 128, 4, 2, seed=1)
     assert moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused").shape == (0, 128)
@@ -207,7 +207,7 @@ def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None, tile_m: int | N
     """The decode path: nothing in the fused forward waits for the host (check=False), so a CUDA
     graph holds the plan and the launch; replays on new tokens of the same shape give eager's
     bits."""
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _layer(128, 256, 128, 16, 8, seed=11)
     w1p = pack_gate_up(w1)
@@ -236,7 +236,7 @@ def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None, tile_m: int | N
 def test_trace_records_phases_and_gate_waits(comm_sms: int | None) -> None:
     # The trace is a diagnostic: it must not change the bits, and with 6 entries per SM it also
     # gives each CTA's producer's waits at the two gates.
-    from uniep.megakernel import moe_forward_local, trace_phases
+    from uniep.moe.megakernel.launch import moe_forward_local, trace_phases
 
     x, idx, w, w1, w2 = _layer(1024, 256, 256, 8, 4, seed=11)
     w1p = pack_gate_up(w1)

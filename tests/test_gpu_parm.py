@@ -93,7 +93,7 @@ def _run_layer(
 def _compare_worker(rank: int, world: int, cases: list[dict[str, Any]] | None = None) -> list:
     """Per case, dtype and schedule: (name, dtype, schedule, worst relative error and which
     output, dropped on CUDA, dropped on CPU)."""
-    import uniep.parm_cuda as pc
+    import uniep.parm.cuda as pc
     from uniep.parm import new_groups
 
     torch.backends.cuda.matmul.allow_tf32 = False

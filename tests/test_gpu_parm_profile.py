@@ -1,7 +1,7 @@
 """The GPU mode of `uniep parm profile` and of the measured check (marker `gpu`).
 
 Two local ranks share one GPU (as in test_gpu_parm.py: NVSHMEM's multiple processes per GPU,
-host agreement over gloo; ``uniep.parm_profile`` pins the ranks to the first visible device).
+host agreement over gloo; ``uniep.parm.profile`` pins the ranks to the first visible device).
 With the quick settings of bench_parm.py (8 sizes, 3 calls each): at MP size 1 the EP
 all-to-all, at MP size 2 the MP all-gather, reduce-scatter and all-reduce, each through the CUDA
 executor's ``CudaBackend``, and a bf16 matmul are fitted; the fits must be finite with R^2
@@ -37,7 +37,7 @@ def _check_fit(c: dict, samples: int) -> None:
 
 
 def _quick_profile(mp_size: int) -> dict:
-    from uniep import parm_profile as pp
+    from uniep.parm import profile as pp
 
     sizes = pp.default_sizes("cuda")[::2]
     result = pp.profile(WORLD, mp_size, sizes, iters=3, timeout_s=240, device="cuda")
@@ -59,7 +59,7 @@ def test_profile_fits_the_all_to_all() -> None:
 
 def test_profile_fits_the_mp_collectives_and_measures_layers() -> None:
     from uniep import parm
-    from uniep.parm_profile import cost_model_from_profile, measure_layers
+    from uniep.parm.profile import cost_model_from_profile, measure_layers
 
     result = _quick_profile(mp_size=2)
     assert {k: set(v) for k, v in result["coefficients"].items()} == {

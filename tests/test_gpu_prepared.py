@@ -1,4 +1,4 @@
-"""uniep.prepared on one GPU (marker `gpu`): moe_forward_prepared with packed bf16 experts gives
+"""uniep.moe.prepared on one GPU (marker `gpu`): moe_forward_prepared with packed bf16 experts gives
 moe_forward's own bits (the SwiGLU epilogue uses the one-pass SwiGLU's formula on the same GEMM
 bits) on the separate launches (the default) and on the MegaKernel (overlap=fused), also with a few
 CTAs sending first, with the launch keys of the tuning string (tile height, skip rounds) and the
@@ -30,15 +30,16 @@ T, H, FFN, E_LOCAL, K = 96, 256, 256, 3, 3
 
 def _worker(rank: int, world: int) -> dict[str, float]:
     import uniep
-    from uniep import megakernel, tune
     from uniep.gemm import (
         dequantize_expert_weights,
         dequantize_rows,
         quantize_expert_weights,
         quantize_rows,
     )
-    from uniep.prepared import moe_forward_prepared, prepare_experts
+    from uniep.moe.megakernel import launch as megakernel
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
     from uniep.reference import moe_reference
+    from uniep.tuning import tuner as tune
 
     dev = torch.device("cuda", torch.cuda.current_device())
     experts = E_LOCAL * world

@@ -86,7 +86,7 @@ def _small_shapes_worker(rank: int, world: int) -> int:
             err = (got.cpu().float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
             assert err <= 1e-2, (shape, combine, float(err))
             cases += 1
-        uniep.ep.shutdown(gpu_group)
+        uniep.moe.ep.shutdown(gpu_group)
     return cases
 
 
@@ -172,7 +172,7 @@ def _gpu_bad_args_worker(rank: int, world: int) -> list[tuple[str, str, str, flo
 
     os.environ["UNIEP_TIMEOUT_S"] = "20"
     _device()
-    uniep.ep.init_runtime(max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS)
     out = []
     for case_id, bad, _ in GPU_CASES:
         a = _good(rank)
@@ -225,59 +225,61 @@ def _raw_ops_table() -> list[tuple[str, Callable[[dict], object], str]]:
     return [
         (
             "dispatch-x-non-contiguous",
-            lambda s: uniep.ep.dispatch(s["x"].t().contiguous().t(), s["idx"], s["w"]),
+            lambda s: uniep.moe.ep.dispatch(s["x"].t().contiguous().t(), s["idx"], s["w"]),
             r"\bx\b",
         ),
         (
             "dispatch-x-rows-not-16-bytes",
-            lambda s: uniep.ep.dispatch(x_bf16(TOKENS, 4), s["idx"], s["w"]),
+            lambda s: uniep.moe.ep.dispatch(x_bf16(TOKENS, 4), s["idx"], s["w"]),
             r"\bx\b",
         ),
         (
             "dispatch-topk_idx-int32",
-            lambda s: uniep.ep.dispatch(s["x"], s["idx"].int(), s["w"]),
+            lambda s: uniep.moe.ep.dispatch(s["x"], s["idx"].int(), s["w"]),
             "topk_idx",
         ),
         (
             "dispatch-topk_idx-wrong-k",
-            lambda s: uniep.ep.dispatch(
+            lambda s: uniep.moe.ep.dispatch(
                 s["x"], s["idx"][:, :1].contiguous(), s["w"][:, :1].contiguous()
             ),
             "topk_idx",
         ),
         (
             "dispatch-topk_weights-float16",
-            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"].half()),
+            lambda s: uniep.moe.ep.dispatch(s["x"], s["idx"], s["w"].half()),
             "topk_weights",
         ),
         (
             "dispatch-fp8-float32-x",
-            lambda s: uniep.ep.dispatch(s["x"].float(), s["idx"], s["w"], tuning="dispatch=fp8"),
+            lambda s: uniep.moe.ep.dispatch(
+                s["x"].float(), s["idx"], s["w"], tuning="dispatch=fp8"
+            ),
             r"\bx\b",
         ),
         (
             "dispatch-sms-too-many",
-            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"], tuning="sms=100000"),
+            lambda s: uniep.moe.ep.dispatch(s["x"], s["idx"], s["w"], tuning="sms=100000"),
             "sms",
         ),
         (
             "dispatch-bad-tuning",
-            lambda s: uniep.ep.dispatch(s["x"], s["idx"], s["w"], tuning="tile_m=7"),
+            lambda s: uniep.moe.ep.dispatch(s["x"], s["idx"], s["w"], tuning="tile_m=7"),
             "tile_m",
         ),
         (
             "dispatch-expert-out-of-range",
-            lambda s: uniep.ep.dispatch(s["x"], torch.full_like(s["idx"], EXPERTS + 1), s["w"]),
+            lambda s: uniep.moe.ep.dispatch(s["x"], torch.full_like(s["idx"], EXPERTS + 1), s["w"]),
             "topk_idx",
         ),
         (
             "combine-y-float32",
-            lambda s: uniep.ep.combine(s["y"].float(), s["res"].handle),
+            lambda s: uniep.moe.ep.combine(s["y"].float(), s["res"].handle),
             r"\by\b",
         ),
         (
             "combine-y-wrong-hidden",
-            lambda s: uniep.ep.combine(s["y"][:, :128].contiguous(), s["res"].handle),
+            lambda s: uniep.moe.ep.combine(s["y"][:, :128].contiguous(), s["res"].handle),
             r"\by\b",
         ),
         (
@@ -295,7 +297,7 @@ def _raw_ops_table() -> list[tuple[str, Callable[[dict], object], str]]:
         ),
         (
             "ll_dispatch-without-ll-buffers",
-            lambda s: uniep.ep.ll_dispatch(s["x"], s["idx"]),
+            lambda s: uniep.moe.ep.ll_dispatch(s["x"], s["idx"]),
             "ll_max_tokens",
         ),
     ]
@@ -305,7 +307,7 @@ def _raw_ops_worker(rank: int, world: int) -> list[tuple[str, str, str]]:
     import uniep
 
     _device()
-    uniep.ep.init_runtime(max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS)
+    uniep.moe.ep.init_runtime(max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS)
     out = []
     for case_id, call, _ in _raw_ops_table():
         gen = torch.Generator().manual_seed(len(out))
@@ -315,13 +317,13 @@ def _raw_ops_worker(rank: int, world: int) -> list[tuple[str, str, str]]:
             "idx": idx,
             "w": torch.rand(TOKENS, K, device="cuda"),
         }
-        state["res"] = uniep.ep.dispatch(state["x"], state["idx"], state["w"])
+        state["res"] = uniep.moe.ep.dispatch(state["x"], state["idx"], state["w"])
         rows = state["res"].handle.row_slot.numel()
         state["y"] = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
         try:
             call(state)
             torch.cuda.synchronize()
-            uniep.ep.check()
+            uniep.moe.ep.check()
             out.append((case_id, "", "no error"))
         except Exception as e:  # noqa: BLE001 - the test checks which error it was
             out.append((case_id, type(e).__name__, str(e)))
@@ -329,10 +331,10 @@ def _raw_ops_worker(rank: int, world: int) -> list[tuple[str, str, str]]:
     x = torch.randn(TOKENS, HIDDEN, device="cuda").bfloat16()
     idx = torch.randint(0, EXPERTS, (TOKENS, 1), device="cuda").repeat(1, K)
     idx[:, 1] = (idx[:, 0] + 1) % EXPERTS
-    res = uniep.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
+    res = uniep.moe.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
     y = res.recv_x.index_select(0, res.handle.row_slot)
-    uniep.ep.combine(y, res.handle)
-    uniep.ep.check()
+    uniep.moe.ep.combine(y, res.handle)
+    uniep.moe.ep.check()
     out.append(("round-after", "", "ok"))
     return out
 
@@ -356,13 +358,13 @@ def _raw_agreement_cases() -> list[tuple[str, Callable[[int, dict], object], str
     import uniep
 
     def dispatch(r: int, s: dict, **kw: object) -> object:
-        res = uniep.ep.dispatch(s["x"], s["idx"], s["w"], **kw)
+        res = uniep.moe.ep.dispatch(s["x"], s["idx"], s["w"], **kw)
         torch.cuda.synchronize()
         return res
 
     def cached(r: int, s: dict, x: torch.Tensor, tuning: str | None = None) -> None:
-        uniep.ep.dispatch_cached(x, s["res"].handle, tuning=tuning)
-        uniep.ep.check()
+        uniep.moe.ep.dispatch_cached(x, s["res"].handle, tuning=tuning)
+        uniep.moe.ep.check()
 
     half_w = lambda r, s: dispatch(r, {**s, "w": s["w"].half()} if r == BAD else s)  # noqa: E731
     fp8 = lambda r, s: dispatch(r, s, tuning="dispatch=fp8" if r == BAD else "")  # noqa: E731
@@ -391,7 +393,7 @@ def _raw_agreement_worker(rank: int, world: int) -> list[tuple[str, str, str, fl
 
     os.environ["UNIEP_TIMEOUT_S"] = "30"
     _device()
-    uniep.ep.init_runtime(
+    uniep.moe.ep.init_runtime(
         max_tokens=64, hidden=HIDDEN, top_k=K, num_experts=EXPERTS, timeout_s=30.0
     )
     out = []
@@ -404,7 +406,7 @@ def _raw_agreement_worker(rank: int, world: int) -> list[tuple[str, str, str, fl
             "w": torch.rand(TOKENS, K, generator=gen).cuda(),
         }
         if case_id.startswith("cached"):
-            state["res"] = uniep.ep.dispatch(state["x"], state["idx"], state["w"])
+            state["res"] = uniep.moe.ep.dispatch(state["x"], state["idx"], state["w"])
         start = time.monotonic()
         try:
             call(rank, state)
@@ -414,9 +416,9 @@ def _raw_agreement_worker(rank: int, world: int) -> list[tuple[str, str, str, fl
     # The epochs stayed in step: a full round on every rank after every refusal.
     x = torch.randn(TOKENS, HIDDEN, device="cuda").bfloat16()
     idx = torch.rand(TOKENS, EXPERTS, device="cuda").topk(K, dim=1).indices
-    res = uniep.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
-    uniep.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
-    uniep.ep.check()
+    res = uniep.moe.ep.dispatch(x, idx, torch.rand(TOKENS, K, device="cuda"))
+    uniep.moe.ep.combine(res.recv_x.index_select(0, res.handle.row_slot), res.handle)
+    uniep.moe.ep.check()
     out.append(("round-after", "", "ok", 0.0))
     return out
 

@@ -75,7 +75,7 @@ def test_runtime_created_and_grown_by_moe_forward(
     import uniep
     from uniep.distributed import run_local_ranks
 
-    if not uniep.ep.available():
+    if not uniep.moe.ep.available():
         pytest.skip("this build has no GPU runtime (CUDA torch ops)")
     if world > 1:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -91,12 +91,12 @@ def test_runtime_created_and_grown_by_moe_forward(
 
 
 def test_runtime_error_names_a_real_function() -> None:
-    """Without the factory (a process that never imported uniep.ep would have none), the
-    missing runtime's message names uniep.ep.init_runtime, which exists."""
+    """Without the factory (a process that never imported uniep.moe.ep would have none), the
+    missing runtime's message names uniep.moe.ep.init_runtime, which exists."""
     import uniep
 
-    assert callable(uniep.ep.init_runtime) and callable(uniep.ep.shutdown)
-    if not uniep.ep.available():
+    assert callable(uniep.moe.ep.init_runtime) and callable(uniep.moe.ep.shutdown)
+    if not uniep.moe.ep.available():
         pytest.skip("this build has no GPU runtime (CUDA torch ops)")
     x = torch.zeros(4, H, device="cuda", dtype=torch.bfloat16)
     idx = torch.zeros(4, K, device="cuda", dtype=torch.int64)

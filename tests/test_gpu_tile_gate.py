@@ -1,5 +1,5 @@
-"""The MegaKernel's tile gate on the GPU (uniep.gate, cpp/cuda/megakernel): a grouped GEMM whose
-producer waits for each tile's rows.
+"""The MegaKernel's tile gate on the GPU (uniep.moe.tile_gates, cpp/cuda/megakernel): a grouped
+GEMM whose producer waits for each tile's rows.
 
 Checked: the device's tile_base equals the CPU plan's; with every gate open the gated GEMM gives
 grouped_mm's bits (the gate changes when a tile is loaded, never what is computed), with the
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
-from uniep import gate
 from uniep.gemm import pack_gate_up
+from uniep.moe import tile_gates as gate
 
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [
@@ -234,7 +234,7 @@ def test_too_few_counters_is_named_not_read() -> None:
         gate.check_gate_timeout(timeout)
 
 
-# ---- the MegaKernel's dispatch (uniep.gate.sender_rows / send_rows) ----
+# ---- the MegaKernel's dispatch (uniep.moe.tile_gates.sender_rows / send_rows) ----
 
 
 def _routing(world: int, experts: int, top_k: int, tokens: list[int], seed: int):
@@ -383,7 +383,7 @@ def test_device_send_errors_name_the_entry() -> None:
     assert not rows.any() and not counters.any()
 
 
-# ---- the pieces composed at world 1 (uniep.megakernel.moe_forward_local) ----
+# ---- the pieces composed at world 1 (uniep.moe.megakernel.launch.moe_forward_local) ----
 
 
 def _local_layer(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, seed: int):
@@ -398,7 +398,7 @@ def _local_layer(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, s
 
 
 def test_moe_forward_local_modes_agree_bit_for_bit() -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _local_layer(1000, 256, 256, 16, 9, seed=21)
     w1p = pack_gate_up(w1)
@@ -430,7 +430,7 @@ def test_moe_forward_local_modes_agree_bit_for_bit() -> None:
 
 
 def test_moe_forward_local_edge_cases() -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x, idx, w, w1, w2 = _local_layer(0, 128, 128, 4, 2, seed=1)
     assert moe_forward_local(x, idx, w, pack_gate_up(w1), w2).shape == (0, 128)

@@ -1,7 +1,7 @@
 """What a training job meets on one GPU (marker `gpu`), at world 1 and with ranks sharing it:
 
 - a process that grew the GPU runtime (a larger batch, another layer shape) exits with code 0,
-  with or without ``uniep.ep.shutdown()`` and ``destroy_process_group()``; the runtime's
+  with or without ``uniep.moe.ep.shutdown()`` and ``destroy_process_group()``; the runtime's
   re-creation used to finalise NVSHMEM and start it again, and the process then died by SIGSEGV
   at exit after printing everything;
 - an empty batch keeps its autograd graph and joins the backward's exchanges;
@@ -49,7 +49,7 @@ for t, h, i, e in {shapes}:
     layer(t, h, i, e, grad={grad})
 torch.cuda.synchronize()
 if {shutdown}:
-    uniep.ep.shutdown()
+    uniep.moe.ep.shutdown()
 if {pg}:
     dist.destroy_process_group()
 print("done", flush=True)

@@ -26,7 +26,7 @@ SHAPE = {"tokens": 8192, "hidden": 4096, "ffn": 2048, "experts": 8, "top_k": 2}
 
 
 def _worker(rank: int, world: int, cache: str, weights: str) -> dict:
-    from uniep import tune
+    from uniep.tuning import tuner as tune
 
     os.environ["UNIEP_TUNE_CACHE"] = cache
     result = tune.tune(
@@ -42,8 +42,8 @@ def _worker(rank: int, world: int, cache: str, weights: str) -> dict:
     shape = tune.MoeShape(**SHAPE, world=world, dtype="bfloat16")
     x, idx, w, w1, w2 = tune._inputs(shape, torch.device("cuda", rank), rank, 1)
     import uniep
-    from uniep.prepared import moe_forward_prepared, prepare_experts
-    from uniep.timing import interleaved_medians_ms
+    from uniep._util.timing import interleaved_medians_ms
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
     points = [c.tuning for c in result.candidates if math.isfinite(c.measured_ms)]
     if weights == "plain":
@@ -77,10 +77,10 @@ def _worker(rank: int, world: int, cache: str, weights: str) -> dict:
 @pytest.mark.parametrize("weights", ["plain", "bf16_packed"])
 def test_tune_picks_a_point_within_3_percent_of_the_best(tmp_path: object, weights: str) -> None:
     import uniep
-    from uniep import tune
     from uniep.distributed import run_local_ranks
+    from uniep.tuning import tuner as tune
 
-    if not uniep.ep.available():
+    if not uniep.moe.ep.available():
         pytest.skip("this build has no GPU runtime (CUDA torch ops)")
     cache = os.path.join(str(tmp_path), "tune.json")
     (res,) = run_local_ranks(_worker, 1, (cache, weights), backend="nccl", timeout_s=300)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from _moe_cases import bf16_layer
 from torch._subclasses.fake_tensor import FakeTensorMode
-from uniep import megakernel
 from uniep.distributed import run_local_ranks
-from uniep.fused_backward import moe_backward_ep
 from uniep.gemm import pack_gate_up
+from uniep.moe.megakernel import launch as megakernel
+from uniep.moe.megakernel.backward import moe_backward_ep
 from uniep.reference import moe_reference
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")

@@ -127,7 +127,7 @@ def batch_worker(
         for case in subgroup_cases:
             try:
                 inp = rank_inputs(case, rank % 2)
-                results[f"sub:{case.name}"] = uniep.ops.moe_forward(*_moe_args(inp), group=sub)
+                results[f"sub:{case.name}"] = uniep.moe.ops.moe_forward(*_moe_args(inp), group=sub)
             except Exception:
                 results[f"sub:{case.name}"] = traceback.format_exc()
     return results

@@ -104,8 +104,8 @@ def test_summary_judges_recorded_gpu_results(tmp_path: Path) -> None:
 
 
 MK_GOAL = (
-    "{} fused MegaKernel (uniep.megakernel.moe_forward_ep, best launch point) forward / expert "
-    "GEMMs alone, same rank"
+    "{} fused MegaKernel (uniep.moe.megakernel.launch.moe_forward_ep, best launch point) "
+    "forward / expert GEMMs alone, same rank"
 )
 
 

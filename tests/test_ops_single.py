@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from _moe_cases import MoeCase, make_inputs, rel_err, same_bits
-from uniep import _C, ops
+from uniep import _C
+from uniep.moe import ops
 from uniep.reference import moe_reference
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float64": 1e-12}

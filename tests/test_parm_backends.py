@@ -19,7 +19,7 @@ import pytest
 import torch
 from _dist import run_ranks
 from _parm_cases import SCHEDULES, case_tensors
-from uniep.parm_exec import CHUNK_DIM, SerialLanes, chunk_pipeline
+from uniep.parm.executor import CHUNK_DIM, SerialLanes, chunk_pipeline
 
 
 class _LateLanes:
@@ -67,7 +67,7 @@ def test_chunk_pipeline_equals_unpipelined(rows: int, chunks: int, lanes: type) 
 def test_chunk_pipeline_rejects_bad_chunks() -> None:
     with pytest.raises(ValueError, match="chunks must be an int >= 1, got 0"):
         chunk_pipeline(_first, _second, torch.zeros(2, 3, 4), 0, SerialLanes())
-    from uniep.parm_cuda import set_saa_chunks
+    from uniep.parm.cuda import set_saa_chunks
 
     with pytest.raises(ValueError, match="chunks must be an int >= 1"):
         set_saa_chunks(-1)
@@ -88,9 +88,9 @@ def _compare_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[
     over (y, l_aux, dx, d gate, d w1, d w2), and the dropped-pair counts of both."""
     from uniep import _C
     from uniep.parm import new_groups
-    from uniep.parm_cpu import CpuExecutor, Groups
-    from uniep.parm_cuda import CudaExecutor
-    from uniep.parm_ops import _shape
+    from uniep.parm.cpu import CpuExecutor, Groups
+    from uniep.parm.cuda import CudaExecutor
+    from uniep.parm.ops import _shape
 
     report = []
     for case in cases:

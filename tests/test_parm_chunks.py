@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 from uniep import _C, parm
-from uniep.parm_cpu import GlooBackend
-from uniep.parm_exec import Groups, SerialLanes, check_chunks
-from uniep.parm_ops import split_chunks
+from uniep.parm.cpu import GlooBackend
+from uniep.parm.executor import Groups, SerialLanes, check_chunks
+from uniep.parm.ops import split_chunks
 
 
 def _shape(N: int = 2, G: int = 2, **fields: Any) -> Any:
@@ -117,7 +117,7 @@ class _CountingLanes(SerialLanes):
 def test_executor_cuts_each_pair_as_planned() -> None:
     """The CUDA executor's backend (on CPU tensors, one rank) runs each pair in its plan's count,
     and the default count where no plan is given; the values never change."""
-    from uniep.parm_cuda import CudaExecutor
+    from uniep.parm.cuda import CudaExecutor
 
     torch.manual_seed(0)
     S, M, H, E, k = 40, 8, 12, 4, 2
@@ -187,7 +187,7 @@ def test_layer_and_op_reject_bad_chunks() -> None:
 
 
 def test_cost_model_pickles() -> None:
-    """A fitted model reaches spawned ranks by pickle (uniep.parm_profile.measure_layers)."""
+    """A fitted model reaches spawned ranks by pickle (uniep.parm.profile.measure_layers)."""
     m = _model(3e-4)
     m.gemm = _C.parm.AlphaBeta(2e-5, 1e-15)
     m.mem_beta, m.max_chunks, m.step_alpha = 1e-12, 8, 2e-4

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from uniep import parm, parm_sim
+from uniep import parm
 from uniep.cli import main
-from uniep.parm_profile import cost_model_from_profile
+from uniep.parm import sim as parm_sim
+from uniep.parm.profile import cost_model_from_profile
 
 
 def test_grid_has_1296_layers() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from uniep.parm import SCHEDULES, CapacityError, ParmMoELayer
-from uniep.parm_reference import parm_reference
+from uniep.parm.reference import parm_reference
 
 
 def _layer_and_reference(dtype: torch.dtype, schedule: str, top_k: int = 2, f: float = 0.0):

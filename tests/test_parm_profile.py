@@ -1,4 +1,4 @@
-"""`uniep.parm_profile` and bench/bench_parm.py without a GPU: the device argument, the CUDA
+"""`uniep.parm.profile` and bench/bench_parm.py without a GPU: the device argument, the CUDA
 mode's error where it cannot run, the fit and measure rows of both devices (from synthetic
 per-rank times), and the CUDA profile's collective calls on CPU tensors (``CudaBackend`` runs on
 UniEP's CPU collectives too). The CUDA profile itself: tests/test_gpu_parm_profile.py."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 from _dist import run_ranks
 from uniep import _C, parm
-from uniep import parm_profile as pp
 from uniep.cli import main
+from uniep.parm import profile as pp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_parm  # noqa: E402
@@ -160,8 +160,8 @@ def _cuda_collectives_worker(rank: int, world: int, mp_size: int) -> list[tuple]
     """The CUDA profile's calls (``_cuda_collective`` over ``CudaBackend``) on CPU tensors:
     (collective, size, output shapes, distinct output values) per call."""
     import torch.distributed as dist
-    from uniep import parm_cuda
-    from uniep.parm_cpu import Groups
+    from uniep.parm import cuda as parm_cuda
+    from uniep.parm.cpu import Groups
 
     mp, ep = parm.new_groups(mp_size)
     groups = Groups(mp, ep, mp_size, world // mp_size, dist.get_rank(mp), dist.get_rank(ep))

@@ -1,4 +1,4 @@
-"""uniep.prepared on CPU: prepared expert weights turn back into the plain ones, and
+"""uniep.moe.prepared on CPU: prepared expert weights turn back into the plain ones, and
 moe_forward_prepared equals moe_forward on them (the reference the GPU path is tested against)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import uniep
-from uniep.prepared import fused_launch, moe_forward_prepared, prepare_experts
+from uniep.moe.prepared import fused_launch, moe_forward_prepared, prepare_experts
 
 T, H, FFN, E, K = 24, 256, 128, 4, 2
 

@@ -183,7 +183,7 @@ def _run_case(
     per_expert = torch.from_numpy(np.diff(plan["row_offsets"]))
 
     for s in sms:
-        res = uniep.ep.dispatch(x, idx, w, group, tuning=f"sms={s}")
+        res = uniep.moe.ep.dispatch(x, idx, w, group, tuning=f"sms={s}")
         check.equal(res.recv_x, rows_x, f"dispatch sms={s} recv_x")
         check.equal(res.recv_src, src_token, f"dispatch sms={s} recv_src")
         check.equal(res.handle.row_slot, torch.from_numpy(plan["row_slot"]), f"sms={s} row_slot")
@@ -191,7 +191,7 @@ def _run_case(
         check.equal(res.tokens_per_expert, per_expert, f"dispatch sms={s} tokens_per_expert")
     if fp8:
         q, scales = _C.encode_fp8_rows(rows_x.float().numpy())
-        res8 = uniep.ep.dispatch(x, idx, w, group, tuning=f"sms={sms[-1]},dispatch=fp8")
+        res8 = uniep.moe.ep.dispatch(x, idx, w, group, tuning=f"sms={sms[-1]},dispatch=fp8")
         check.equal(res8.recv_x.view(torch.uint8), torch.from_numpy(q), "fp8 dispatch bytes")
         check.equal(res8.recv_scales, torch.from_numpy(scales), "fp8 dispatch scales")
 
@@ -201,31 +201,31 @@ def _run_case(
     want = _expected_per_k(ys, idx_cpu, w_cpu)
     want_parts = _expected_rank_partials(ys, idx_cpu, w_cpu, el, world)
     for s in sms:
-        res = uniep.ep.dispatch(x, idx, w, group, tuning=f"sms={s}")
+        res = uniep.moe.ep.dispatch(x, idx, w, group, tuning=f"sms={s}")
         y = _rows_of_targets(res.handle.row_target, hidden)
-        check.equal(uniep.ep.combine(y, res.handle), want, f"combine per_k sms={s}")
+        check.equal(uniep.moe.ep.combine(y, res.handle), want, f"combine per_k sms={s}")
     for s in sms:
-        res = uniep.ep.dispatch(x, idx, w, group, tuning=f"sms={s},combine=rank_partials")
+        res = uniep.moe.ep.dispatch(x, idx, w, group, tuning=f"sms={s},combine=rank_partials")
         perm = torch.randperm(res.handle.row_target.numel(), generator=gen).to(dev)
         handle = dataclasses.replace(res.handle, row_target=res.handle.row_target[perm])
         y = _rows_of_targets(handle.row_target, hidden)
-        check.equal(uniep.ep.combine(y, handle), want_parts, f"combine rank_partials sms={s}")
-    uniep.ep.check(group)
+        check.equal(uniep.moe.ep.combine(y, handle), want_parts, f"combine rank_partials sms={s}")
+    uniep.moe.ep.check(group)
 
     # Cached dispatch: x2 on the plan of x's dispatch lands where a fresh dispatch puts it.
-    res = uniep.ep.dispatch(x, idx, w, group)
+    res = uniep.moe.ep.dispatch(x, idx, w, group)
     for s in sms:
-        cached = uniep.ep.dispatch_cached(x2, res.handle, tuning=f"sms={s}")
+        cached = uniep.moe.ep.dispatch_cached(x2, res.handle, tuning=f"sms={s}")
         check.equal(cached.recv_x, rows_x2, f"dispatch_cached sms={s}")
     if fp8:
         q2, scales2 = _C.encode_fp8_rows(rows_x2.float().numpy())
-        c8 = uniep.ep.dispatch_cached(x2, res.handle, tuning="dispatch=fp8")
+        c8 = uniep.moe.ep.dispatch_cached(x2, res.handle, tuning="dispatch=fp8")
         check.equal(c8.recv_x.view(torch.uint8), torch.from_numpy(q2), "fp8 cached bytes")
         check.equal(c8.recv_scales, torch.from_numpy(scales2), "fp8 cached scales")
-    cached = uniep.ep.dispatch_cached(x2, res.handle)
+    cached = uniep.moe.ep.dispatch_cached(x2, res.handle)
     y = _rows_of_targets(cached.handle.row_target, hidden)
-    check.equal(uniep.ep.combine(y, cached.handle), want, "combine of a cached round")
-    uniep.ep.check(group)
+    check.equal(uniep.moe.ep.combine(y, cached.handle), want, "combine of a cached round")
+    uniep.moe.ep.check(group)
 
     # moe_forward: bits across schedules, bf16 tolerance of the CPU executor, per mode.
     w1, w2 = w1_cpu.to(dev), w2_cpu.to(dev)
@@ -242,14 +242,14 @@ def _run_case(
             check.equal(out, outs[0].cpu(), f"moe_forward [{t}] vs [{tunings[0]}]")
         cpu = torch.ops.uniep.moe_forward(x_cpu, idx_cpu, w_cpu, w1_cpu, w2_cpu, name, mode)
         check.close(outs[0], cpu, f"moe_forward [{mode or 'bf16'}] vs the CPU executor")
-    uniep.ep.check(group)
+    uniep.moe.ep.check(group)
 
     # Low latency, on the first ll_max_tokens tokens of every rank (a decode batch).
     n_ll = [min(t, shape.ll_max_tokens) for t in case.tokens]
     ll_idxs = [i[:n] for i, n in zip(idxs, n_ll, strict=True)]
     ll_x, ll_idx, ll_w = x[: n_ll[rank]], idx[: n_ll[rank]], w[: n_ll[rank]]
     buffer = case.seed % 2
-    res = uniep.ep.ll_dispatch(ll_x, ll_idx, group, buffer=buffer)
+    res = uniep.moe.ep.ll_dispatch(ll_x, ll_idx, group, buffer=buffer)
     counts, slots, rows = res.recv_count.cpu(), res.recv_slot.cpu(), res.recv_x.cpu()
     for e in range(el):
         for s in range(world):
@@ -260,11 +260,11 @@ def _run_case(
             check.equal(slots[e, base : base + n], pairs, f"ll slots e{e} s{s}")
             token = first_token[s] + pairs // k_top
             check.equal(rows[e, base : base + n], g["x"][token], f"ll rows e{e} s{s}")
-    out_ll = uniep.ep.ll_combine(res.recv_x.contiguous(), ll_idx, ll_w, group, buffer=buffer)
-    ht = uniep.ep.dispatch(ll_x.contiguous(), ll_idx.contiguous(), ll_w.contiguous(), group)
-    out_ht = uniep.ep.combine(ht.recv_x.index_select(0, ht.handle.row_slot), ht.handle)
+    out_ll = uniep.moe.ep.ll_combine(res.recv_x.contiguous(), ll_idx, ll_w, group, buffer=buffer)
+    ht = uniep.moe.ep.dispatch(ll_x.contiguous(), ll_idx.contiguous(), ll_w.contiguous(), group)
+    out_ht = uniep.moe.ep.combine(ht.recv_x.index_select(0, ht.handle.row_slot), ht.handle)
     check.equal(out_ll, out_ht.cpu(), "ll_combine vs combine")
-    uniep.ep.check(group)
+    uniep.moe.ep.check(group)
     return check
 
 
@@ -286,7 +286,7 @@ def _properties_worker(rank: int, world: int) -> dict[str, Any]:
     groups = {}
     for shape in SHAPES:
         groups[shape.name] = dist.new_group(list(range(world)), backend="gloo")
-        uniep.ep.init_runtime(
+        uniep.moe.ep.init_runtime(
             groups[shape.name],
             max_tokens=shape.max_tokens,
             hidden=shape.hidden,

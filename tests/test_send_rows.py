@@ -1,8 +1,8 @@
-"""The MegaKernel's dispatch on CPU (uniep.gate.sender_rows / send_rows; cpp/core/experts.cpp
-plan_sender_rows, cpp/torch/send_rows_ops.cpp): where every (token, k) row of a rank goes (rank,
-grouped-GEMM row, tile gate counter there), and the world-1 send that stores the rows and counts
-them. Checked against the receivers' plans, an independent reading of the counts, and each
-other; bad entries and arguments give errors naming them. The device side is in
+"""The MegaKernel's dispatch on CPU (uniep.moe.tile_gates.sender_rows / send_rows;
+cpp/core/experts.cpp plan_sender_rows, cpp/torch/megakernel/send_rows_ops.cpp): where every (token, k) row of
+a rank goes (rank, grouped-GEMM row, tile gate counter there), and the world-1 send that stores the
+rows and counts them. Checked against the receivers' plans, an independent reading of the counts,
+and each other; bad entries and arguments give errors naming them. The device side is in
 tests/test_gpu_tile_gate.py."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 import uniep  # noqa: F401  (registers torch.ops.uniep)
 from torch._subclasses.fake_tensor import FakeTensorMode
-from uniep import _C, gate
+from uniep import _C
+from uniep.moe import tile_gates as gate
 
 
 def _routings(world: int, experts: int, top_k: int, tokens: list[int], seed: int):
@@ -272,7 +273,7 @@ def test_combine_rows_is_the_combines_sum() -> None:
 
 
 def test_expert_counts_skip_unused_and_bad_ids() -> None:
-    from uniep.megakernel import expert_counts
+    from uniep.moe.megakernel.launch import expert_counts
 
     idx = torch.tensor([[0, 3], [-1, 3], [7, 1]])
     assert expert_counts(idx, 4).tolist() == [1, 1, 0, 2]
@@ -339,7 +340,7 @@ def test_expert_tiles_refuses_bad_arguments() -> None:
 
 
 def test_moe_forward_local_refuses_bad_arguments() -> None:
-    from uniep.megakernel import moe_forward_local
+    from uniep.moe.megakernel.launch import moe_forward_local
 
     x = torch.zeros(4, 16, dtype=torch.bfloat16)
     idx = torch.zeros(4, 2, dtype=torch.int64)
@@ -353,7 +354,7 @@ def test_moe_forward_local_refuses_bad_arguments() -> None:
 
 
 def test_trace_phases_reads_each_ctas_stamps() -> None:
-    from uniep.megakernel import trace_phases
+    from uniep.moe.megakernel.launch import trace_phases
 
     # Three CTAs that ran and one that did not (zeros); stamps in ns from an arbitrary origin.
     t0 = 1_000_000

@@ -97,7 +97,7 @@ def test_empty_batches_keep_their_graph_and_join_the_backward(tokens: list[int])
 
 
 def test_megakernel_shape_rule_is_one_for_forward_and_backward() -> None:
-    from uniep.fused_forward import megakernel_overlap, megakernel_shape_ok
+    from uniep.moe.megakernel.forward import megakernel_overlap, megakernel_shape_ok
 
     assert megakernel_overlap("overlap=fused", 1, 256, 128) == "fused"
     assert megakernel_overlap("overlap=chunked", 1, 256, 128) == "streams"
@@ -200,7 +200,7 @@ def test_mark_expert_shards_names_bad_arguments() -> None:
 
 
 def test_prepared_experts_say_at_the_forward_that_they_have_no_backward() -> None:
-    from uniep.prepared import _refuse_autograd
+    from uniep.moe.prepared import _refuse_autograd
 
     x, w = torch.zeros(2, H, requires_grad=True), torch.zeros(2, K)
     with pytest.raises(RuntimeError, match="moe_forward_prepared has no backward on CUDA"):

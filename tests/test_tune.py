@@ -16,8 +16,8 @@ import pytest
 import torch
 import uniep
 from _dist import run_ranks
-from uniep import tune
 from uniep.cli import main
+from uniep.tuning import tuner as tune
 
 SHAPE = {"tokens": 8, "hidden": 16, "ffn": 16, "experts": 4, "top_k": 2, "dtype": torch.float32}
 QUICK = {"candidates": 3, "warmup": 0, "iters": 2}
@@ -376,7 +376,7 @@ def test_tune_keeps_numerics_and_winner_bits_equal_default(tmp_path: Path) -> No
 def test_tune_refuses_a_winner_whose_bits_differ(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from uniep import ops
+    from uniep.moe import ops
 
     real = ops.moe_forward
     default = _full("")
@@ -407,7 +407,7 @@ def test_settle_runs_each_candidate_back_to_back_before_its_timed_calls(
 ) -> None:
     from collections import Counter
 
-    from uniep import ops
+    from uniep.moe import ops
 
     real = ops.moe_forward
     calls: Counter[str] = Counter()
@@ -698,7 +698,7 @@ def _scripted(
     monkeypatch: pytest.MonkeyPatch, rounds: dict[str, list[float]], **kwargs: object
 ) -> tune.TuneResult:
     """tune() on CPU with each point's time in each round given (ms, by label), not measured."""
-    from uniep import ops
+    from uniep.moe import ops
 
     real = ops.moe_forward
     called: list[str] = []

@@ -9,27 +9,12 @@ import os
 # torch first: _C links against libtorch and registers torch.ops.uniep when it loads.
 import torch  # noqa: F401
 
-# _C is listed first so it loads before ops, which extends the ops it registers.
-from . import (  # noqa: F401
-    _C,
-    collectives,
-    distributed,
-    ep,
-    fused_backward,
-    gate,
-    gemm,
-    integrations,
-    nn,
-    ops,
-    parallel,
-    parm,
-    prepared,
-    reference,
-    tune,
-)
+# _C is listed first so it loads before the modules that extend the ops it registers.
+from . import _C, collectives, distributed, gemm, integrations, moe, nn, parm, reference, tuning
 from ._C import TuningParams, build_info
 from .distributed import Runtime, init
-from .ops import moe_forward
+from .moe import moe_forward
+from .tuning.tuner import tune
 
 __version__: str = build_info()["version"]
 
@@ -50,14 +35,14 @@ __all__ = [
     "cmake_prefix_path",
     "collectives",
     "distributed",
-    "ep",
+    "gemm",
     "init",
     "integrations",
+    "moe",
     "moe_forward",
     "nn",
-    "ops",
-    "parallel",
     "parm",
     "reference",
     "tune",
+    "tuning",
 ]

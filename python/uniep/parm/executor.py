@@ -2,8 +2,8 @@
 
 ``ParmExecutor`` runs the steps of ``uniep._C.parm.build_steps`` in order, one handler per op,
 over named buffers. What moves data between ranks and what multiplies the expert shards is a
-``ParmBackend``: ``uniep.parm_cpu.GlooBackend`` (torch.distributed over gloo, CPU tensors) or
-``uniep.parm_cuda.CudaBackend`` (UniEP's collectives, CUDA tensors). The routing, the ordering
+``ParmBackend``: ``uniep.parm.cpu.GlooBackend`` (torch.distributed over gloo, CPU tensors) or
+``uniep.parm.cuda.CudaBackend`` (UniEP's collectives, CUDA tensors). The routing, the ordering
 into the dispatch buffer, the I-order and every backward compute step are plain torch math here,
 on the tensors' device. Each backward compute step is the explicit vector-Jacobian product of
 its forward step: no autograd inside the kernels, so they run under any dispatch mode (opcheck's

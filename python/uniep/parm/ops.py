@@ -1,6 +1,6 @@
 """torch.ops.uniep.parm_moe_forward / parm_moe_backward: the CPU and CUDA implementations (the
-step-list interpreter of uniep.parm_exec over uniep.parm_cpu's gloo backend or uniep.parm_cuda's
-backend on UniEP's collectives), fake kernels and autograd. Schemas: cpp/torch/registration.cpp.
+step-list interpreter of uniep.parm.executor over uniep.parm.cpu's gloo backend or uniep.parm.cuda's
+backend on UniEP's collectives), fake kernels and autograd. Schemas: cpp/torch/common/registration.cpp.
 
     parm_moe_forward(x [S, M], gate [M, E] float32, w1 [E_loc, M, H/N], w2 [E_loc, H/N, M],
                      mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error",
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .parm_cpu import CpuExecutor, Groups
-from .parm_exec import ParmExecutor, check_chunks
+from .. import _C
+from .cpu import CpuExecutor, Groups
+from .executor import ParmExecutor, check_chunks
 
 SCHEDULES = ("baseline", "s1", "s2")
 _CUDA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -134,7 +134,7 @@ def _executor(
             x.dtype in _CUDA_DTYPES,
             lambda: f"x must be one of {_CUDA_DTYPES} on CUDA (UniEP's collectives), got {x.dtype}",
         )
-        from .parm_cuda import CudaExecutor
+        from .cuda import CudaExecutor
 
         return CudaExecutor(shape, groups, overflow), shape
     return CpuExecutor(shape, groups, overflow), shape

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = [
     "NUMERICS_KEYS",

@@ -3,14 +3,15 @@ one rank's experts on its own tokens with no host sync anywhere, from the same d
 the persistent kernel will run.
 
 1. the counts per expert, their row ends and the tiles' gate counters, on the device in one
-   launch (:func:`uniep.gate.expert_tiles`);
-2. the dispatch (:func:`uniep.gate.sender_rows`, :func:`uniep.gate.send_rows`): every
+   launch (:func:`uniep.moe.tile_gates.expert_tiles`);
+2. the dispatch (:func:`uniep.moe.tile_gates.sender_rows`, :func:`uniep.moe.tile_gates.send_rows`):
+every
    ``(token, k)`` row stored at its grouped-GEMM row, expert-contiguous, each row counted on its
    tile gate;
 3. GEMM 1 with the SwiGLU epilogue (``w1`` packed by :func:`uniep.gemm.pack_gate_up`), gated on
    the rows' counters, signalling ``done`` per tile;
 4. GEMM 2, gated on ``done``;
-5. the reduce over k (:func:`uniep.gate.combine_rows`).
+5. the reduce over k (:func:`uniep.moe.tile_gates.combine_rows`).
 
 Across the ranks of a group, :func:`moe_forward_ep` runs the same kernel on the group's fused
 runtime (:func:`init_fused_ep`; include/uniep/cuda/fused_ep.hpp): a count exchange, the plan, and
@@ -39,7 +40,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, distributed, gate
+from ... import _C, distributed
+from .. import tile_gates
 
 __all__ = [
     "check_errors",
@@ -77,9 +79,9 @@ _AT_EXIT: list[bool] = []
 def _raise_from(entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
     for kind, word, what, top_k in entries:
         if kind == "send":
-            gate.check_send_error(word, top_k, what)
+            tile_gates.check_send_error(word, top_k, what)
         else:
-            gate.check_gate_timeout(word, what)
+            tile_gates.check_gate_timeout(word, what)
 
 
 def check_errors(wait: bool = True) -> None:
@@ -103,8 +105,8 @@ def _check_at_exit() -> None:
         check_errors()
     except (ValueError, TimeoutError, RuntimeError) as e:
         warnings.warn(
-            f"uniep.megakernel: a call made with check='deferred' failed and was never checked: "
-            f"{e}",
+            "uniep.moe.megakernel.launch: a call made with check='deferred' failed and was "
+            f"never checked: {e}",
             RuntimeWarning,
             stacklevel=1,
         )
@@ -159,7 +161,7 @@ def fused_tile_m(
     given: that limit instead of ``device``'s (the tuner's cost model prices a device by its
     calibrated limit)."""
     if pingpong_rows is None:
-        from .gemm import pingpong_rows as device_rows
+        from ...gemm import pingpong_rows as device_rows
 
         pingpong_rows = device_rows(device)
     return 64 if rows <= pingpong_rows * num_experts else 128
@@ -168,8 +170,8 @@ def fused_tile_m(
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[num_experts]`` int64: the entries of ``topk_idx`` routed to each expert, on its device
     without a host sync. Negative entries count nowhere; ids >= ``num_experts`` count nowhere
-    either (:func:`uniep.gate.sender_rows` reports them)."""
-    return gate.expert_tiles(topk_idx.reshape(-1, 1).contiguous(), num_experts)[0]
+    either (:func:`uniep.moe.tile_gates.sender_rows` reports them)."""
+    return tile_gates.expert_tiles(topk_idx.reshape(-1, 1).contiguous(), num_experts)[0]
 
 
 def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float]:
@@ -315,10 +317,10 @@ def moe_forward_local(
     k = topk_idx.shape[1]
     e, _, two_i = w1_packed.shape
     capacity = t * k
-    tm = gate.TILE_M
+    tm = tile_gates.TILE_M
     if overlap == "fused":
         tm = tile_m if tile_m is not None else fused_tile_m(capacity, e, x.device)
-    _, offs, base, dest, row, counter, plan_error = gate.local_plan(topk_idx, e, tm)
+    _, offs, base, dest, row, counter, plan_error = tile_gates.local_plan(topk_idx, e, tm)
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
@@ -335,32 +337,34 @@ def moe_forward_local(
         return out
 
     # Every expert's tiles, whatever the routing: at most capacity / TILE_M + E.
-    counters = torch.zeros(capacity // gate.TILE_M + e + 1, dtype=torch.int32, device=x.device)
+    counters = torch.zeros(
+        capacity // tile_gates.TILE_M + e + 1, dtype=torch.int32, device=x.device
+    )
     done = torch.zeros_like(counters)
     rows = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
     act = torch.empty(capacity, two_i // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
 
     def gemms(gemm1_sms: int) -> list[torch.Tensor]:
-        _, t1 = gate.grouped_mm_gated(
+        _, t1 = tile_gates.grouped_mm_gated(
             rows, w1_packed, offs, counters, base, swiglu=True, done=done,
             timeout_s=timeout_s, sm_count=gemm1_sms, out=act, w1_as_stored=w1_as_stored,
         )  # fmt: skip
-        _, t2 = gate.grouped_mm_gated(
-            act, w2, offs, done, base, per_row=0, per_tile=gate.done_per_tile(two_i),
+        _, t2 = tile_gates.grouped_mm_gated(
+            act, w2, offs, done, base, per_row=0, per_tile=tile_gates.done_per_tile(two_i),
             timeout_s=timeout_s, sm_count=sms, out=y,
         )  # fmt: skip
         return [t1, t2]
 
     def send(send_sms: int) -> list[torch.Tensor]:
-        return [gate.send_rows(x, dest, row, counter, rows, counters, sm_count=send_sms)]
+        return [tile_gates.send_rows(x, dest, row, counter, rows, counters, sm_count=send_sms)]
 
     if overlap == "sequential":
         (send_error,), (t1, t2) = send(sms), gemms(sms)
     else:
         uses = (x, dest, row, counter, rows, counters)
         (send_error,), (t1, t2) = sends_beside_gemms(x.device, send, gemms, sms, comm_sms, uses)
-    out, combine_error = gate.combine_rows(y, row, topk_weights, check=False)
+    out, combine_error = tile_gates.combine_rows(y, row, topk_weights, check=False)
     _finish(
         check,
         [
@@ -425,7 +429,7 @@ def fused_ep_heap_bytes(
     the most any rank can receive; its combine slots ``max_tokens x top_k``; ``backward``: as
     many rows again for grad_out's, a weight per row and a dot and a flag per slot). NVSHMEM's
     heap is sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the
-    sum of the runtimes' bytes before that (``uniep.ep`` and ``uniep.collectives`` have theirs),
+    sum of the runtimes' bytes before that (``uniep.moe.ep`` and ``uniep.collectives`` have theirs),
     or create this runtime first when it is the process's only one."""
     _require_runtime()
     if tile_m is None:
@@ -456,9 +460,9 @@ def init_fused_ep(
     ``timeout_s`` bounds every device wait (default ``UNIEP_TIMEOUT_S`` or 100 s). ``tile_m``:
     the kernel's tile rows, 128 or 64, the same on every rank (None: :func:`fused_tile_m` of
     the rows a local expert gets when every rank sends ``max_tokens`` tokens). ``backward``: also
-    the buffers of the fused backward (:func:`uniep.fused_backward.moe_backward_ep`), the same on
-    every rank."""
-    from .distributed import _timeout
+    the buffers of the fused backward (:func:`uniep.moe.megakernel.backward.moe_backward_ep`), the
+    same on every rank."""
+    from ...distributed import _timeout
 
     _require_runtime()
     for name, value in (
@@ -507,7 +511,7 @@ def ensure_fused_ep(
     all-gather over ``group``: a host round trip, bounded by ``UNIEP_TIMEOUT_S``); sizes that
     differ raise ValueError on every rank, naming the value and both ranks. A runtime with these
     sizes and room for the largest batch is kept; otherwise it is created, or destroyed and
-    created again, with ``max_tokens = uniep.ep.grown_capacity(...)`` of the largest batch (a
+    created again, with ``max_tokens = uniep.moe.ep.grown_capacity(...)`` of the largest batch (a
     power of two, at least 256, never below the old one; a runtime that only grows keeps its
     timeout and tile height). ``tile_m`` (128 or 64, the same on every rank): the kernel's tile
     height; a runtime of another height is created again; None keeps the runtime's, or picks
@@ -516,7 +520,7 @@ def ensure_fused_ep(
     NVSHMEM's heap is sized by the first
     UniEP runtime of the process: a runtime that grows later needs ``NVSHMEM_SYMMETRIC_SIZE``
     set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
-    from .ep import grown_capacity
+    from ..ep import grown_capacity
 
     _require_runtime()
     if tile_m is not None and tile_m not in FUSED_TILE_MS:
@@ -527,9 +531,11 @@ def ensure_fused_ep(
     if pg is None:
         table = [mine]
     else:
-        from .ep import _all_gather_ints
+        from ..ep import _all_gather_ints
 
-        table = _all_gather_ints(mine, pg, "the fused MoE runtime's sizes (uniep.megakernel)")
+        table = _all_gather_ints(
+            mine, pg, "the fused MoE runtime's sizes (uniep.moe.megakernel.launch)"
+        )
     what_cols = ("hidden", "ffn", "top_k", "num_experts", "tile_m (0: auto)")
     for col, what in enumerate(what_cols, start=1):
         for rank, row in enumerate(table):
@@ -632,9 +638,9 @@ def moe_forward_ep(
     stored (gate columns, then up), read without a packed copy (the FFN size a multiple of 128).
 
     On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
-    :func:`uniep.gate.sender_rows`, each row sent to its GEMM row on its expert's rank, the
-    experts with the kernel's numerics (fp32 products, h and the activation rounded to bf16), the
-    outputs sent back to their (token, k) slots and summed in ascending k in fp32; within bf16
+    :func:`uniep.moe.tile_gates.sender_rows`, each row sent to its GEMM row on its expert's rank,
+    the experts with the kernel's numerics (fp32 products, h and the activation rounded to bf16),
+    the outputs sent back to their (token, k) slots and summed in ascending k in fp32; within bf16
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1_packed.is_cuda:
         return _moe_forward_ep_cpu(x, topk_idx, topk_weights, w1_packed, w2, group, w1_as_stored)
@@ -647,9 +653,9 @@ def moe_forward_ep(
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name):
         raise RuntimeError(
-            f"group '{name}' has no fused MoE runtime: call uniep.megakernel.init_fused_ep("
-            "group, max_tokens=..., hidden=..., ffn=..., top_k=..., num_experts=...) on every "
-            "rank first"
+            f"group '{name}' has no fused MoE runtime: call "
+            "uniep.moe.megakernel.launch.init_fused_ep(group, max_tokens=..., hidden=..., "
+            "ffn=..., top_k=..., num_experts=...) on every rank first"
         )
     out, error, timeout = torch.ops.uniep.moe_fused_ep(
         x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace, w1_as_stored
@@ -686,8 +692,8 @@ def _moe_fused_ep_fake(
 
 class CpuPlan:
     """The CPU executor's plan of one call across ranks (:func:`moe_forward_ep` and
-    ``uniep.fused_backward.moe_backward_ep`` on CPU tensors): the counts all-gathered,
-    :func:`uniep.gate.sender_rows`, and the used entries in the order they travel (by
+    ``uniep.moe.megakernel.backward.moe_backward_ep`` on CPU tensors): the counts all-gathered,
+    :func:`uniep.moe.tile_gates.sender_rows`, and the used entries in the order they travel (by
     destination rank, then entry), with what each rank sends and receives."""
 
     def __init__(
@@ -706,8 +712,10 @@ class CpuPlan:
         if pg is not None:
             dist.all_gather(matrix, counts, group=pg)
         matrix = torch.stack(matrix)
-        self.dest, self.row, _, error = gate.sender_rows(topk_idx, matrix, self.rank, check=False)
-        gate.check_send_error(error, self.top_k, f"{what} (plan)")
+        self.dest, self.row, _, error = tile_gates.sender_rows(
+            topk_idx, matrix, self.rank, check=False
+        )
+        tile_gates.check_send_error(error, self.top_k, f"{what} (plan)")
         # This rank's experts' rows per expert, in GEMM-row order.
         self.local = matrix[:, self.rank * el : (self.rank + 1) * el].sum(0)
         dest = self.dest.reshape(-1)
@@ -747,7 +755,7 @@ def _moe_forward_ep_cpu(
     group: dist.ProcessGroup | None,
     w1_as_stored: bool = False,
 ) -> torch.Tensor:
-    from .gemm import unpack_gate_up
+    from ...gemm import unpack_gate_up
 
     _check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
     t, h = x.shape
@@ -825,12 +833,13 @@ def megakernel_overlap(
     """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
     :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
     rank with the same numerics (the send of the rows on ``sms`` SMs of their own, beside the gated
-    GEMMs, which take each tile as its rows land: ``uniep.megakernel.moe_forward_local(overlap=
-    "streams")``, and the backward's first step the same way); None otherwise: the separate
-    launches (``overlap=chunked`` across ranks too, whose pipelined form is not built). Given the
-    layer's ``hidden`` and ``ffn``, also None where the MegaKernel cannot run them
-    (:func:`megakernel_shape_ok`): the forward and the backward of one call then both take the
-    separate launches, which give the same bits, so neither accepts a shape the other refuses."""
+    GEMMs, which take each tile as its rows land:
+    ``uniep.moe.megakernel.launch.moe_forward_local(overlap= "streams")``, and the backward's first
+    step the same way); None otherwise: the separate launches (``overlap=chunked`` across ranks
+    too, whose pipelined form is not built). Given the layer's ``hidden`` and ``ffn``, also None
+    where the MegaKernel cannot run them (:func:`megakernel_shape_ok`): the forward and the
+    backward of one call then both take the separate launches, which give the same bits, so neither
+    accepts a shape the other refuses."""
     if hidden is not None and ffn is not None and not megakernel_shape_ok(hidden, ffn):
         return None
     if runs_fused(tuning):

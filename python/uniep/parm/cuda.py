@@ -1,4 +1,4 @@
-"""The CUDA executor of the Parm step lists: the interpreter of ``uniep.parm_exec`` over UniEP's
+"""The CUDA executor of the Parm step lists: the interpreter of ``uniep.parm.executor`` over UniEP's
 P2P collectives (``uniep.collectives``: NVSHMEM peer copies with bounded device waits).
 
 What runs on which primitive (one rank):
@@ -50,9 +50,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .parm_cpu import world_all_gather_ints
-from .parm_exec import Groups, Lanes, ParmExecutor, SerialLanes, chunk_pipeline, ordered_sum
+from .. import _C
+from .cpu import world_all_gather_ints
+from .executor import Groups, Lanes, ParmExecutor, SerialLanes, chunk_pipeline, ordered_sum
 
 __all__ = [
     "CudaBackend",
@@ -101,7 +101,7 @@ def _carrier_group(role: str) -> dist.ProcessGroup:
 def shutdown() -> None:
     """Destroy the carriers' CUDA collectives runtimes (collective: every rank together). A
     later CUDA layer creates new carrier groups and runtimes."""
-    from . import collectives
+    from .. import collectives
 
     for group in _carriers.values():
         collectives.shutdown_cuda(group)
@@ -197,7 +197,7 @@ class CudaBackend:
         chunks: chunks per SAA pair where the step list's plan gives none (None:
             ``saa_chunks()``).
         block_bytes: the carriers' slot size in bytes, for callers that run no layer
-            (``uniep.parm_profile``); None: ``layer_block_bytes(shape)``.
+            (``uniep.parm.profile``); None: ``layer_block_bytes(shape)``.
     """
 
     def __init__(
@@ -248,7 +248,7 @@ class CudaBackend:
         name = group.group_name
         if not t.is_cuda:
             return name
-        from . import collectives
+        from .. import collectives
 
         if name not in self._used:
             self._used.append(name)

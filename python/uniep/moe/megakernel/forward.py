@@ -7,11 +7,11 @@ when ``w1`` changed: its version counter (every in-place write through autograd'
 tensor, an optimizer step included) or its storage moved. Writes that bypass the version counter
 (``w1.data.copy_(...)``, or through another process) are not seen: call :func:`clear_packed`
 after them. The copy costs one more ``w1`` of GPU memory; an inference server with fixed weights
-should prepare them once instead (``uniep.prepared``).
+should prepare them once instead (``uniep.moe.prepared``).
 
 The bits are those of the separate launches (``overlap=sequential``). The backward is the fused
-one (``uniep.fused_backward``: one persistent launch sends x's and grad_out's rows, across ranks
-to their experts' ranks, and runs the GEMMs on them; it reads w2 transposed, kept like the
+one (``uniep.moe.megakernel.backward``: one persistent launch sends x's and grad_out's rows, across
+ranks to their experts' ranks, and runs the GEMMs on them; it reads w2 transposed, kept like the
 packed w1); across ranks the forward then creates the group's fused runtime with the backward's
 buffers. A bf16 forward's float32 or float64 ``grad_out`` runs ``moe_backward``'s separate
 launches instead (the fused backward takes bf16 gradients). Not capturable in a
@@ -26,13 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .kept_weights import clear_packed, packed_gate_up, transposed_w2
-from .megakernel import (
-    megakernel_overlap,
-    megakernel_shape_ok,
-    runs_fused,
-)
-from .moe_autograd import backward as op_backward
+from ..autograd import backward as op_backward
+from ..kept_weights import clear_packed, packed_gate_up, transposed_w2
+from .launch import megakernel_overlap, megakernel_shape_ok, runs_fused
 
 __all__ = [
     "clear_packed",
@@ -55,17 +51,16 @@ def _forward(
     tuning: str,
     backward: bool = False,
 ) -> torch.Tensor:
-    from .distributed import world_size
-    from .megakernel import _check_operands
-    from .prepared import PreparedExperts, _forward_fused
+    from ...distributed import world_size
+    from ..prepared import PreparedExperts, _forward_fused
+    from .launch import _check_operands
 
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "moe_forward with overlap=fused (or chunked at one rank) cannot be captured in a "
             "CUDA graph: it checks the MegaKernel's errors after the call, which a graph cannot "
-            "hold; capture "
-            "uniep.megakernel.moe_forward_local (world 1) or moe_forward_ep (across ranks) with "
-            "check=False instead"
+            "hold; capture uniep.moe.megakernel.launch.moe_forward_local (world 1) or "
+            "moe_forward_ep (across ranks) with check=False instead"
         )
     if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
         raise ValueError(
@@ -100,8 +95,8 @@ class _FusedMoE(torch.autograd.Function):
         name: str,
         tuning: str,
     ) -> torch.Tensor:
-        from .distributed import world_size
-        from .expert_shards import check_distinct_shards
+        from ...distributed import world_size
+        from ..expert_shards import check_distinct_shards
 
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2)
         ctx.group, ctx.group_name, ctx.tuning, ctx.world = group, name, tuning, world_size(group)
@@ -118,11 +113,11 @@ class _FusedMoE(torch.autograd.Function):
 
 
 def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
-    """The fused backward (``uniep.fused_backward``): at one rank ``moe_backward_local``, across
-    ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
+    """The fused backward (``uniep.moe.megakernel.backward``): at one rank ``moe_backward_local``,
+    across ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
     checks them (deferred)."""
-    from .distributed import _timeout
-    from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
+    from ...distributed import _timeout
+    from .backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights

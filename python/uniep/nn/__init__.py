@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _C, distributed
-from .expert_shards import ddp_reduces, mark_expert_shards, marked_shards
-from .parallel import ColumnParallelLinear, RowParallelLinear
+from .. import _C, distributed
+from ..moe.expert_shards import ddp_reduces, mark_expert_shards, marked_shards
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -283,7 +283,7 @@ def _run_experts(
     weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     weights = topk_weights.reshape(-1, top_k).to(weight_dtype).contiguous()
     if tokens.is_cuda:
-        from . import ep
+        from ..moe import ep
 
         ep.ensure_runtime(module.group_name, tokens.shape[0], hidden, top_k, module.num_experts)
     tuning = module.tuning
@@ -292,7 +292,7 @@ def _run_experts(
             tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
         )
         return y.reshape(x.shape)
-    from . import tune_cache
+    from ..tuning import cache as tune_cache
 
     tuning = tune_cache.tuning_for_call(
         tokens, idx, module.ffn_hidden, module.num_experts, module.world_size

@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
-from . import _C, distributed, fused_forward
+from .. import _C, distributed
 
 # Imported for what they register: moe_forward's autograd formula, the CUDA moe_backward.
-from . import moe_autograd as _moe_autograd  # noqa: F401
-from . import moe_backward_cuda as _moe_backward_cuda  # noqa: F401
-from .megakernel import megakernel_overlap
+from . import autograd as _moe_autograd  # noqa: F401
+from . import backward_cuda as _moe_backward_cuda  # noqa: F401
+from .megakernel import forward as megakernel_forward
+from .megakernel.launch import megakernel_overlap
 
 __all__ = ["moe_forward"]
 
@@ -273,7 +274,7 @@ def moe_forward(
             ``dispatch=fp8`` sends the tokens in e4m3 (one scale per 1 x 128 block) and, with
             ``experts=auto`` (the default), runs the experts in fp8 too: w1 and w2 quantized in
             128 x 128 blocks (on CUDA one e4m3 copy kept while they are unchanged: half their
-            memory; ``uniep.kept_weights.clear_packed`` drops it), the SwiGLU activation
+            memory; ``uniep.moe.kept_weights.clear_packed`` drops it), the SwiGLU activation
             quantized like a token row; hidden and I multiples of 128. ``experts=bf16`` keeps
             bf16 expert GEMMs on the fp8 rows. The gradient is the bf16 layer's at the rows the
             experts received (the weights' and activation's rounding passed straight through).
@@ -281,14 +282,14 @@ def moe_forward(
             ``overlap=fused`` named (with bf16 dispatch, the per-k combine and UniEP's GEMMs)
             runs the MegaKernel, and ``overlap=chunked`` at one rank its pieces on streams (the
             rows' send beside the gated GEMMs), on a packed copy of ``w1`` kept while ``w1`` is
-            unchanged (``uniep.fused_forward``: one more ``w1`` of memory, packed again after
-            each in-place update); other numerics, ``overlap=chunked`` across ranks, layers
+            unchanged (``uniep.moe.megakernel.forward``: one more ``w1`` of memory, packed again
+            after each in-place update); other numerics, ``overlap=chunked`` across ranks, layers
             whose hidden or ffn size is not a multiple of 64 (forward and backward alike) and
             calls under ``torch.compile`` run the separate launches. Same bits either way.
 
     Returns:
         ``[T, H]`` tensor of ``x``'s dtype and device. On CUDA tensors the group's GPU runtime
-        (``uniep.ep``) is created on the first call, sized for the largest batch of that call,
+        (``uniep.moe.ep``) is created on the first call, sized for the largest batch of that call,
         and re-created larger (on every rank, in the same call) when a later call needs more.
 
     Raises:
@@ -313,7 +314,7 @@ def moe_forward(
         and w2.dim() == 3
     )
     if cached:
-        from . import tune_cache
+        from ..tuning import cache as tune_cache
 
         world = distributed.world_size(group)
         tuning = tune_cache.tuning_for_call(x, topk_idx, w2.shape[1], w1.shape[0] * world, world)
@@ -328,8 +329,8 @@ def moe_forward(
         and megakernel_overlap(tuning, distributed.world_size(group), x.shape[1], w2.shape[1])
     ):
         # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed copy
-        # of w1 kept while w1 is unchanged (uniep.fused_forward).
-        return fused_forward.moe_forward_fused(
+        # of w1 kept while w1 is unchanged (uniep.moe.megakernel.forward).
+        return megakernel_forward.moe_forward_fused(
             x, topk_idx, topk_weights, w1, w2, group, name, tuning
         )
     if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = [
     "pingpong_rows",
@@ -373,7 +373,7 @@ def _swiglu_fp8_cpu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 torch.library.impl("uniep::swiglu_fp8", "CPU")(_swiglu_fp8_cpu)
 
 
-# Fake kernel of the backward's element-wise op (CUDA only: uniep/moe_backward_cuda.py).
+# Fake kernel of the backward's element-wise op (CUDA only: uniep/moe/backward_cuda.py).
 @torch.library.register_fake("uniep::swiglu_backward")
 def _swiglu_backward_fake(
     h: torch.Tensor, grad_act: torch.Tensor, w: torch.Tensor

@@ -124,8 +124,8 @@ def _median_ms(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -
 def _demo_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from uniep.nn import MoELayer, route_weights
-    from uniep.reference import moe_reference
+    from ..nn import MoELayer, route_weights
+    from ..reference import moe_reference
 
     device = torch.device("cuda", rank) if cfg["device"] == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg["dtype"])
@@ -278,7 +278,8 @@ def plan_demo(
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import uniep
-    from uniep.distributed import run_local_ranks
+
+    from ..distributed import run_local_ranks
 
     plan = plan_demo(
         args.device,
@@ -417,7 +418,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _cluster_from_args(args: argparse.Namespace) -> dict[str, float]:
-    from . import parm
+    from .. import parm
 
     fields = dict(parm.CLUSTERS[args.cluster])
     for name, scale in (
@@ -436,8 +437,8 @@ def _cluster_from_args(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _cmd_parm_simulate(args: argparse.Namespace) -> int:
-    from . import parm_sim
-    from .parm_profile import cost_model_from_profile
+    from ..parm import sim as parm_sim
+    from ..parm.profile import cost_model_from_profile
 
     cluster = _cluster_from_args(args)
     model = None
@@ -469,7 +470,7 @@ def _cmd_parm_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_parm_profile(args: argparse.Namespace) -> int:
-    from .parm_profile import default_sizes, profile
+    from ..parm.profile import default_sizes, profile
 
     if args.world_size % args.mp_size or args.world_size == args.mp_size:
         print(
@@ -527,11 +528,11 @@ class _ProgressBar:
 
 
 def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
-    from uniep import tune
+    from ..tuning import tuner
 
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank)
-    return tune.tune(
+    return tuner.tune(
         tokens=cfg["tokens"],
         hidden=cfg["hidden"],
         ffn=cfg["ffn"],
@@ -552,7 +553,7 @@ def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from uniep import tune
+    from ..tuning import tuner
 
     device = args.device
     if device == "auto":
@@ -586,7 +587,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         "experts": args.experts,
         "top_k": args.top_k,
         "dtype": dtype,
-        "numerics": tune.normalize_numerics(numerics),
+        "numerics": tuner.normalize_numerics(numerics),
         "candidates": args.candidates,
         "warmup": args.warmup,
         "iters": args.iters,
@@ -601,7 +602,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             f"uniep tune: --weights {args.weights} tunes moe_forward_prepared on CUDA: it needs "
             f"--device cuda and --dtype bfloat16, got {device} and {dtype}"
         )
-    target = args.cache or str(tune.cache_path())
+    target = args.cache or str(tuner.cache_path())
     print(
         f"uniep tune: {args.world_size} rank(s) on {device}, {dtype}, tokens/rank={args.tokens} "
         f"hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k}, "
@@ -612,7 +613,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.world_size == 1:
         result = _tune_rank(0, 1, cfg)
     else:
-        from uniep.distributed import run_local_ranks
+        from ..distributed import run_local_ranks
 
         backend = "nccl" if device == "cuda" else "gloo"
         try:
@@ -751,7 +752,7 @@ def _parser() -> argparse.ArgumentParser:
     sim = parm_sub.add_parser(
         "simulate", help="price baseline, S1 and S2 over a 1296-layer grid on a described cluster"
     )
-    from .parm import CLUSTERS
+    from ..parm import CLUSTERS
 
     sim.add_argument(
         "--cluster",
@@ -795,7 +796,3 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

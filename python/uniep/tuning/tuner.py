@@ -1,14 +1,14 @@
 """``uniep.tune``: search the schedule keys of the tuning space for one MoE shape, cache the winner.
 
-``uniep.tune(...)`` (this module is callable; it is ``uniep.tune.tune``) ranks every candidate
-schedule with a small cost model (alpha-beta per link for dispatch and combine, a roofline for the
-expert GEMMs; docs/tuning.md), calibrated by a short measurement of the real op, then times the best
-few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape (CUDA events on a
-GPU, the wall clock on CPU). With a process group every rank times every candidate in the same
-order, a candidate's time is the slowest rank's, and rank 0's choice is broadcast. Points that
-the executor runs alike are timed once (``executor_point``), and a point replaces the default
-only when it is faster beyond the noise of the rounds (``pick_beyond_noise``).
-``weights="bf16_packed"`` tunes ``uniep.prepared.moe_forward_prepared`` on packed experts
+``uniep.tune(...)`` (this module is callable; it is ``uniep.tuning.tuner.tune``) ranks every
+candidate schedule with a small cost model (alpha-beta per link for dispatch and combine, a
+roofline for the expert GEMMs; docs/tuning.md), calibrated by a short measurement of the real op,
+then times the best few with ``torch.ops.uniep.moe_forward`` on random routing of the given shape
+(CUDA events on a GPU, the wall clock on CPU). With a process group every rank times every
+candidate in the same order, a candidate's time is the slowest rank's, and rank 0's choice is
+broadcast. Points that the executor runs alike are timed once (``executor_point``), and a point
+replaces the default only when it is faster beyond the noise of the rounds (``pick_beyond_noise``).
+``weights="bf16_packed"`` tunes ``uniep.moe.prepared.moe_forward_prepared`` on packed experts
 instead, whose space holds both the separate launches (``overlap=sequential``) and the MegaKernel
 (``overlap=fused`` with its ``sms``, ``skip_rounds`` and ``tile_m``); its winners are cached
 under their own keys.
@@ -33,9 +33,7 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C, distributed
-from .gemm import pingpong_rows
-from .megakernel import megakernel_numerics
-from .timing import time_calls_ms
-from .tune_cache import (
+from .. import _C, distributed
+from .._util.timing import time_calls_ms
+from ..gemm import pingpong_rows
+from ..moe.megakernel.launch import megakernel_numerics
+from .cache import (
     _DTYPES,
     NUMERICS_KEYS,
     SCHEDULE_KEYS,
@@ -166,9 +164,9 @@ def candidate_points(
     empty tuning string runs without a cache entry) over the engine's compiled tile shapes (the
     fp8 GEMM's with fp8 experts) and auto, ``sms`` in 8/16/24/32 (below the device's SMs) and
     ``token_tile`` 32/64/128; and, when ``fused_allowed``, the MegaKernel (``overlap=fused``; on
-    plain weights it runs on a packed copy of ``w1``, ``uniep.fused_forward``) at ``tile_m`` 64
-    and 128 and the ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the SM count:
-    every CTA sends first).
+    plain weights it runs on a packed copy of ``w1``, ``uniep.moe.megakernel.forward``) at
+    ``tile_m`` 64 and 128 and the ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the
+    SM count: every CTA sends first).
     """
     _check_weights(weights)
     if weights != "plain" and device != "cuda":
@@ -204,7 +202,7 @@ def candidate_points(
                 for tm, tn, tk in tiles:
                     add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
         if fused_allowed(numerics):
-            from .megakernel import FUSED_TILE_MS
+            from ..moe.megakernel.launch import FUSED_TILE_MS
 
             for tm in FUSED_TILE_MS:
                 for comm, skip in _FUSED_POINTS:
@@ -250,7 +248,7 @@ def executor_point(shape: MoeShape, device: str, tuning: str) -> str:
 def plain_swiglu_epilogue(ffn: int, p: _C.TuningParams) -> bool:
     """Whether ``moe_forward`` runs the SwiGLU in the first expert GEMM's epilogue on w1 as
     stored (``uniep.gemm.grouped_mm_swiglu_plain``) at ``p``: the FFN size a multiple of 64, and
-    of ``tile_n / 2`` where ``p`` names ``tile_n`` (cpp/torch/grouped_gemm_ops.cpp,
+    of ``tile_n / 2`` where ``p`` names ``tile_n`` (cpp/torch/gemm/grouped_ops.cpp,
     ``plain_gate_up_ok``; a contiguous w1 is assumed)."""
     return ffn % 64 == 0 and (p.tile_n == 0 or ffn % (p.tile_n // 2) == 0)
 
@@ -265,7 +263,7 @@ def _cuda_auto_tiles(
 
 def _runs_megakernel(p: _C.TuningParams) -> bool:
     # What uniep.moe_forward and moe_forward_prepared run on CUDA for a full tuning string
-    # (uniep.megakernel.runs_fused): the MegaKernel for overlap=fused with its numerics.
+    # (uniep.moe.megakernel.launch.runs_fused): the MegaKernel for overlap=fused with its numerics.
     return p.overlap == "fused" and megakernel_numerics(p)
 
 
@@ -346,7 +344,7 @@ class CostModel:
         fused = _C.TuningParams.parse(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
-            from .megakernel import fused_tile_m
+            from ..moe.megakernel.launch import fused_tile_m
 
             fused.tile_m = fused_tile_m(
                 shape.tokens * shape.top_k, el, pingpong_rows=self.pingpong_rows
@@ -809,17 +807,17 @@ def tune(
     """Find the fastest schedule for one MoE shape and cache it; collective over ``group``.
 
     Every rank of ``group`` (default: as ``uniep.moe_forward``) must call it with the same
-    arguments. It ranks every candidate schedule (``uniep.tune.candidate_points``) with a cost model
-    calibrated by a short measurement, then times the best ``candidates`` of them, the default point
-    (and on packed experts the model's best point of each path) with ``torch.ops.uniep.moe_forward``
-    (``moe_forward_prepared`` with ``weights="bf16_packed"``) on random routing: ``warmup`` untimed
-    calls, then ``iters`` timed ones in 2 to 4 interleaved rounds (median; CUDA events on a GPU, the
-    wall clock on CPU); on a GPU the points within 5% of the best (``runoff_points``, at most 4)
-    are timed again in as many rounds, their medians then over every sample. Points that the
-    executor runs alike (``executor_point``) are measured once. A candidate's time is the
-    slowest rank's; rank 0's choice is broadcast. The default is kept unless another point
-    beat it beyond the noise (``pick_beyond_noise``: faster than the default in every
-    interleaved round that timed both); ``TuneResult.verdict`` says which and why. The
+    arguments. It ranks every candidate schedule (``uniep.tuning.tuner.candidate_points``) with a
+    cost model calibrated by a short measurement, then times the best ``candidates`` of them, the
+    default point (and on packed experts the model's best point of each path) with
+    ``torch.ops.uniep.moe_forward`` (``moe_forward_prepared`` with ``weights="bf16_packed"``) on
+    random routing: ``warmup`` untimed calls, then ``iters`` timed ones in 2 to 4 interleaved
+    rounds (median; CUDA events on a GPU, the wall clock on CPU); on a GPU the points within 5% of
+    the best (``runoff_points``, at most 4) are timed again in as many rounds, their medians then
+    over every sample. Points that the executor runs alike (``executor_point``) are measured once.
+    A candidate's time is the slowest rank's; rank 0's choice is broadcast. The default is kept
+    unless another point beat it beyond the noise (``pick_beyond_noise``: faster than the default
+    in every interleaved round that timed both); ``TuneResult.verdict`` says which and why. The
     winner's output must equal the default point's bit for bit on the tuning inputs, else a
     warning and the default.
 
@@ -907,7 +905,7 @@ def tune(
             f"rank 0: {theirs}, rank {grp.rank}: {mine}"
         )
 
-    from . import ops
+    from ..moe import ops
 
     x, idx, topk_weights, w1, w2 = _inputs(shape, dev, grp.rank, seed)
     cuda = dev.type == "cuda"
@@ -918,7 +916,7 @@ def tune(
             return ops.moe_forward(x, idx, topk_weights, w1, w2, group, tuning=tuning)
 
     else:
-        from .prepared import moe_forward_prepared, prepare_experts
+        from ..moe.prepared import moe_forward_prepared, prepare_experts
 
         packed = prepare_experts(w1, w2, weights)
         del w1, w2
@@ -1125,13 +1123,3 @@ def tune(
                 f"uniep.tune: {e}; the result is not cached", RuntimeWarning, stacklevel=2
             )
     return result
-
-
-class _CallableModule(types.ModuleType):
-    """``uniep.tune(...)`` is ``uniep.tune.tune(...)``, and the module keeps its other names."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> TuneResult:
-        return tune(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

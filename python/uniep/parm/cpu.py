@@ -1,4 +1,4 @@
-"""The CPU executor of the Parm step lists: the interpreter of ``uniep.parm_exec`` over
+"""The CPU executor of the Parm step lists: the interpreter of ``uniep.parm.executor`` over
 torch.distributed (gloo).
 
 Collectives are the plan's (all-gather, reduce-scatter, all-reduce, all-to-all over the MP/ESP or
@@ -18,15 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import bounded_wait
-from .parm_exec import (
-    CapacityError,
-    ForwardState,
-    Groups,
-    ParmExecutor,
-    Routing,
-    ordered_sum,
-)
+from ..distributed import bounded_wait
+from .executor import CapacityError, ForwardState, Groups, ParmExecutor, Routing, ordered_sum
 
 __all__ = [
     "CapacityError",

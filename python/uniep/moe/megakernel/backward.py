@@ -2,16 +2,16 @@
 backward"): the gradients of ``moe_forward`` for one rank's experts on its own tokens, with no
 host sync anywhere.
 
-1. the forward's plan (:func:`uniep.gate.sender_rows` at the gate's 128-row tiles);
+1. the forward's plan (:func:`uniep.moe.tile_gates.sender_rows` at the gate's 128-row tiles);
 2. the send of x's and grad_out's rows into their GEMM rows, each row counted on its tile gate,
    and the two GEMMs that need only those rows, gated tile by tile: ``h = rows_x w1`` (the
    forward's first GEMM, recomputed) and ``grad_act = rows_go w2^T``, read as ``rows_go w2t``
-   with ``w2t = w2`` transposed (:func:`uniep.kept_weights.transposed_w2` keeps one copy per
+   with ``w2t = w2`` transposed (:func:`uniep.moe.kept_weights.transposed_w2` keeps one copy per
    ``w2`` version), so that both GEMMs read their weight N-major and run as one grouped GEMM;
 3. the element-wise pass (``torch.ops.uniep.swiglu_backward``: SwiGLU's backward, ``act x w``
    and each row's ``<act, grad_act>``, the routing weight's gradient);
 4. ``grad_rows = grad_h w1^T`` and the reduce over k with unit weights
-   (:func:`uniep.gate.combine_rows`), then the weight gradients (``grouped_mm_wgrad``).
+   (:func:`uniep.moe.tile_gates.combine_rows`), then the weight gradients (``grouped_mm_wgrad``).
 
 ``overlap`` chooses how step 2 runs: ``"sequential"`` (two sends, then two gated GEMMs, on the
 current stream), ``"streams"`` (the sends on ``comm_sms`` SMs beside the GEMMs, which wait per
@@ -20,14 +20,14 @@ every CTA sends, then all of them take the GEMMs' tiles). Steps 3 and 4 are the 
 every mode, so all three give the same bits.
 
 Across the ranks of a group, :func:`moe_backward_ep` runs the same steps on the group's fused
-runtime (``uniep.megakernel.init_fused_ep(..., backward=True)``; include/uniep/cuda/fused_ep.hpp):
-the count exchange and the plan, one persistent launch per rank that stores the rank's x and
-grad_out rows into their experts' ranks' GEMM rows (with each row's source slot and routing
-weight) and runs the local experts' h and grad_act gated on the rows that arrive, the
-element-wise pass and ``grad_rows = grad_h w1^T`` over the rank's rows, the rows' gradients and
-dots back into their sources' slots with the reduce over k on each source, then the weight
-gradients. The bits equal :func:`moe_backward_local` on every rank's tokens together with every
-expert's weights (a row's arithmetic does not depend on where it sits, an expert's rows are in
+runtime (``uniep.moe.megakernel.launch.init_fused_ep(..., backward=True)``;
+include/uniep/cuda/fused_ep.hpp): the count exchange and the plan, one persistent launch per rank
+that stores the rank's x and grad_out rows into their experts' ranks' GEMM rows (with each row's
+source slot and routing weight) and runs the local experts' h and grad_act gated on the rows that
+arrive, the element-wise pass and ``grad_rows = grad_h w1^T`` over the rank's rows, the rows'
+gradients and dots back into their sources' slots with the reduce over k on each source, then the
+weight gradients. The bits equal :func:`moe_backward_local` on every rank's tokens together with
+every expert's weights (a row's arithmetic does not depend on where it sits, an expert's rows are in
 the same order, the reduce is the same ascending-k fp32 sum).
 """
 
@@ -36,17 +36,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C, distributed, gate
-from .gemm import grouped_mm_dgrad, grouped_mm_wgrad
-from .kept_weights import transposed_w2
-from .megakernel import (
-    CpuPlan,
-    _begin,
-    _check,
-    _check_operands,
-    _finish,
-    sends_beside_gemms,
-)
+from ... import _C, distributed
+from ...gemm import grouped_mm_dgrad, grouped_mm_wgrad
+from .. import tile_gates
+from ..kept_weights import transposed_w2
+from .launch import CpuPlan, _begin, _check, _check_operands, _finish, sends_beside_gemms
 
 __all__ = ["ensure_backward_runtime", "moe_backward_ep", "moe_backward_local"]
 
@@ -101,9 +95,9 @@ def moe_backward_local(
     transposed and contiguous, when the caller keeps one (default: made once per ``w2`` version).
     ``trace`` (``fused`` only; int64, 4 per SM, zeroed): each CTA's global-timer stamps in ns at
     its start, after its send and after its GEMM tiles, then the last again (the forward's
-    reduce stamp: :func:`uniep.megakernel.trace_phases` reads it).
-    ``check`` as for :func:`uniep.megakernel.moe_forward_local` (a bad expert id, a gate that
-    timed out). Every GEMM accumulates in fp32 in one fixed order, so the bits do not depend on
+    reduce stamp: :func:`uniep.moe.megakernel.launch.trace_phases` reads it).
+    ``check`` as for :func:`uniep.moe.megakernel.launch.moe_forward_local` (a bad expert id, a gate
+    that timed out). Every GEMM accumulates in fp32 in one fixed order, so the bits do not depend on
     ``overlap`` or on when a tile started."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
@@ -128,7 +122,9 @@ def moe_backward_local(
             torch.zeros_like(w2),
         )
     capacity = t * k
-    _, offs, base, dest, row, counter, plan_error = gate.local_plan(topk_idx, e, gate.TILE_M)
+    _, offs, base, dest, row, counter, plan_error = tile_gates.local_plan(
+        topk_idx, e, tile_gates.TILE_M
+    )
     what = f"moe_backward_local ({overlap})"
     errors = [("send", plan_error, "moe_backward_local (plan)", k)]
     if overlap == "fused":
@@ -138,7 +134,7 @@ def moe_backward_local(
         errors += [("send", send_error, what, k), ("gate", t1, what, k)]
     else:
         counters = torch.zeros(
-            2, capacity // gate.TILE_M + e + 1, dtype=torch.int32, device=x.device
+            2, capacity // tile_gates.TILE_M + e + 1, dtype=torch.int32, device=x.device
         )
         rows_x = torch.empty(capacity, h, dtype=x.dtype, device=x.device)
         rows_go = torch.empty_like(rows_x)
@@ -147,15 +143,17 @@ def moe_backward_local(
 
         def gemms(gemm_sms: int) -> list[torch.Tensor]:
             gated = {"timeout_s": timeout_s, "sm_count": gemm_sms}
-            _, t1 = gate.grouped_mm_gated(rows_x, w1, offs, counters[0], base, out=hh, **gated)
-            _, t2 = gate.grouped_mm_gated(
+            _, t1 = tile_gates.grouped_mm_gated(
+                rows_x, w1, offs, counters[0], base, out=hh, **gated
+            )
+            _, t2 = tile_gates.grouped_mm_gated(
                 rows_go, w2t, offs, counters[1], base, out=grad_act, **gated
             )
             return [t1, t2]
 
         def sends(send_sms: int) -> list[torch.Tensor]:
             return [
-                gate.send_rows(src, dest, row, counter, rows, c, sm_count=send_sms)
+                tile_gates.send_rows(src, dest, row, counter, rows, c, sm_count=send_sms)
                 for src, rows, c in ((x, rows_x, counters[0]), (grad_out, rows_go, counters[1]))
             ]
 
@@ -163,7 +161,7 @@ def moe_backward_local(
             send_errors, waits = sends(sms), gemms(sms)
         else:
             # The sends on comm_sms SMs of a side stream, the GEMMs on the others, waiting per
-            # tile (the queue-order rule: uniep.megakernel.sends_beside_gemms).
+            # tile (the queue-order rule: uniep.moe.megakernel.launch.sends_beside_gemms).
             uses = (x, grad_out, dest, row, counter, rows_x, rows_go, counters)
             send_errors, waits = sends_beside_gemms(x.device, sends, gemms, sms, comm_sms, uses)
         errors += [("send", s, what, k) for s in send_errors]
@@ -176,7 +174,7 @@ def moe_backward_local(
     grad_w1 = grouped_mm_wgrad(rows_x, grad_h, offs)
     grad_w2 = grouped_mm_wgrad(act_w, rows_go, offs)
     ones = torch.ones_like(topk_weights)
-    grad_x, combine_error = gate.combine_rows(grad_rows, row, ones, check=False)
+    grad_x, combine_error = tile_gates.combine_rows(grad_rows, row, ones, check=False)
     grad_w = torch.where(row >= 0, dots[row.clamp(min=0)], 0.0)
     errors.append(("send", combine_error, "moe_backward_local (combine)", k))
     _finish(check, errors)
@@ -197,7 +195,7 @@ def moe_backward_ep(
     trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_topk_weights, grad_w1, grad_w2)`` of the MoE forward across the ranks of
-    ``group`` (:func:`uniep.megakernel.moe_forward_ep`'s, or ``moe_forward``'s with
+    ``group`` (:func:`uniep.moe.megakernel.launch.moe_forward_ep`'s, or ``moe_forward``'s with
     ``overlap=fused``) for this rank's tokens and this rank's experts' weights (``w1``
     ``[E / W, H, 2I]`` gate columns then up, ``w2`` ``[E / W, I, H]``), on the group's fused
     runtime, which must hold the backward's buffers (``init_fused_ep(..., backward=True)`` or
@@ -206,20 +204,21 @@ def moe_backward_ep(
     still compute the others' rows). ``grad_topk_weights`` is float32, 0 where ``topk_idx`` is
     -1. ``w2t``: ``w2`` transposed and contiguous (default: made once per ``w2`` version).
     ``trace`` (int64, 4 per SM, zeroed): the first launch's stamps, as for
-    :func:`moe_backward_local`. ``check`` as for :func:`uniep.megakernel.moe_forward_ep`: a bad
-    expert id, an exchange a rank never joined, rows or gradients that never came raise here.
-    At one rank it is :func:`moe_backward_local` (``overlap="fused"``).
+    :func:`moe_backward_local`. ``check`` as for
+    :func:`uniep.moe.megakernel.launch.moe_forward_ep`: a bad expert id, an exchange a rank never
+    joined, rows or gradients that never came raise here. At one rank it is
+    :func:`moe_backward_local` (``overlap="fused"``).
 
     On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
-    :func:`uniep.gate.sender_rows`, each entry's x and grad_out rows and weight to its GEMM row
-    on its expert's rank, the experts' backward with the kernels' roundings (h, grad_act,
+    :func:`uniep.moe.tile_gates.sender_rows`, each entry's x and grad_out rows and weight to its
+    GEMM row on its expert's rank, the experts' backward with the kernels' roundings (h, grad_act,
     grad_h, the rows' gradients and the weights' gradients rounded to bf16), the rows' gradients
     and dots back to their (token, k) slots and the sum over k ascending in fp32; within bf16
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1.is_cuda:
         return _moe_backward_ep_cpu(grad_out, x, topk_idx, topk_weights, w1, w2, group)
-    from .distributed import _timeout
-    from .megakernel import _require_runtime
+    from ...distributed import _timeout
+    from .launch import _require_runtime
 
     if distributed.world_size(group) == 1:
         return moe_backward_local(
@@ -239,8 +238,8 @@ def moe_backward_ep(
     if not _C.fused_ep_exists(name) or not _C.fused_ep_config(name)["backward"]:
         raise RuntimeError(
             f"group '{name}' has no fused MoE runtime with the backward's buffers: call "
-            "uniep.megakernel.init_fused_ep(group, ..., backward=True) (or ensure_fused_ep(..., "
-            "backward=True)) on every rank first"
+            "uniep.moe.megakernel.launch.init_fused_ep(group, ..., backward=True) (or "
+            "ensure_fused_ep(..., backward=True)) on every rank first"
         )
     grad_x, grad_w, grad_w1, grad_w2, error, timeout = torch.ops.uniep.moe_fused_ep_backward(
         grad_out.contiguous(), x.contiguous(), topk_idx, topk_weights, w1.contiguous(), w2t,
@@ -259,10 +258,10 @@ def ensure_backward_runtime(
     w2: torch.Tensor,
 ) -> None:
     """The group's fused runtime with the backward's buffers and room for this call's tokens
-    (``uniep.megakernel.ensure_fused_ep``, collective, only when this rank's runtime does not fit
-    already: every rank of a call reaches the same answer when they all pass the sizes the
-    forward had)."""
-    from .megakernel import ensure_fused_ep, fused_ep_fits
+    (``uniep.moe.megakernel.launch.ensure_fused_ep``, collective, only when this rank's runtime
+    does not fit already: every rank of a call reaches the same answer when they all pass the sizes
+    the forward had)."""
+    from .launch import ensure_fused_ep, fused_ep_fits
 
     sizes = {
         "tokens": x.shape[0],

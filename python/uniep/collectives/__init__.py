@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
-from . import _C, distributed
-from . import ep as _ep
+from .. import _C, distributed
+from ..moe import ep as _ep
 
 __all__ = [
     "KINDS",

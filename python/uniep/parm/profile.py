@@ -9,7 +9,7 @@ Two devices, each timing what its executor runs:
 - ``device="cuda"`` (``backend="uniep-cuda"``): ``world`` local ranks that share ONE GPU
   (``CUDA_VISIBLE_DEVICES`` pinned to the first visible device, NVSHMEM's multiple processes per
   GPU, host agreement over gloo: how tests/test_gpu_parm.py runs the CUDA executor). They time
-  the CUDA executor's own primitives (``uniep.parm_cuda.CudaBackend``, bf16): the MP all-gather,
+  the CUDA executor's own primitives (``uniep.parm.cuda.CudaBackend``, bf16): the MP all-gather,
   reduce-scatter and all-reduce (an all-gather plus a sum in MP-rank order) and the EP
   all-to-all. These run on UniEP's P2P collectives over the world *carrier* groups, so the
   zero blocks sent to non-members and the P/N or P/G times larger transfers are in the times,
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .parm import fit_alpha_beta, new_groups
+from .. import _C
+from . import fit_alpha_beta, new_groups
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = {"cpu": "gloo", "cuda": "uniep-cuda"}
@@ -118,7 +118,7 @@ def _ranks_share_one_gpu() -> Iterator[None]:
 
 
 def _run(fn: Callable[..., Any], world: int, args: tuple, device: str, timeout_s: float) -> list:
-    from .distributed import run_local_ranks
+    from ..distributed import run_local_ranks
 
     if device == "cpu":
         return run_local_ranks(fn, world, args, timeout_s=timeout_s)
@@ -255,8 +255,8 @@ def _calibration(
 
 
 def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], iters: int) -> dict:
-    from . import parm_cuda
-    from .parm_cpu import Groups
+    from . import cuda as parm_cuda
+    from .cpu import Groups
 
     dev = _rank_device(rank)
     mp, ep = new_groups(mp_size)
@@ -367,7 +367,7 @@ def fit_step_alpha(result: dict[str, Any], measured: dict[str, float]) -> dict[s
     """The cost model's ``step_alpha`` from the calibration layer's ``measured`` seconds per
     schedule (forward + backward): what they took beyond the price of the profile's own
     coefficients, per step, over the three schedules together (0 if nothing is left)."""
-    from .parm import plan
+    from . import plan
 
     world, mp_size = result["world_size"], result["mp_size"]
     dtype = torch.bfloat16 if result["device"] == "cuda" else torch.float32
@@ -408,7 +408,7 @@ def _new_layer(
     model: Any = None,
     chunks: int | str = "auto",
 ) -> Any:
-    from .parm import ParmMoELayer
+    from . import ParmMoELayer
 
     torch.manual_seed(0)
     return ParmMoELayer(
@@ -470,7 +470,7 @@ def _schedule_calls(
 ) -> dict[str, Callable[[], None]]:
     """Per schedule, one forward + backward of the layer ``cfg`` on ``dev`` (bf16), or on the
     CPU (float32) when ``dev`` is None, with ``model`` and ``chunks`` as in ``ParmMoELayer``."""
-    from .parm import SCHEDULES
+    from . import SCHEDULES
 
     dtype = torch.float32 if dev is None else torch.bfloat16
     calls = {}
@@ -493,8 +493,8 @@ def _measure_rank_cuda(
     model: Any,
     chunks: int | str,
 ) -> list[dict[str, float]]:
-    from . import parm_cuda
-    from .parm import plan
+    from . import cuda as parm_cuda
+    from . import plan
 
     dev = _rank_device(rank)
     mp, ep = new_groups(mp_size)
@@ -566,7 +566,7 @@ def measure_rows(
     (per schedule, the largest SAA chunk count the layers ran with: on CUDA the model's with
     ``chunks="auto"``, else ``chunks``; 1: no pair was pipelined, as always on the CPU, whose
     gloo executor runs every pair whole)."""
-    from .parm import cost_model, plan, saa_chunk_plan
+    from . import cost_model, plan, saa_chunk_plan
 
     check_device(device, need_cuda=False)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

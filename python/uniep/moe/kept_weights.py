@@ -6,7 +6,7 @@ One copy is kept per tensor and made again only when the tensor changed: its ver
 (every in-place write through autograd's view of it, an optimizer step included) or its storage
 moved. Writes that bypass the version counter (``w.data.copy_(...)``, or through another
 process) are not seen: call :func:`clear_packed` after them. A copy costs one more weight of GPU
-memory; an inference server with fixed weights prepares them once instead (``uniep.prepared``).
+memory; an inference server with fixed weights prepares them once instead (``uniep.moe.prepared``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = ["clear_packed", "packed_gate_up", "transposed_w2"]
 
@@ -47,14 +47,14 @@ def _kept_copy(
 def packed_gate_up(w1: torch.Tensor) -> torch.Tensor:
     """``pack_gate_up(w1)``, made once per ``w1`` and kept while ``w1`` is unchanged (module
     docstring). Detached: the gradient goes to ``w1`` through ``moe_backward``."""
-    from .gemm import pack_gate_up
+    from ..gemm import pack_gate_up
 
     return _kept_copy(w1, "packed_gate_up", pack_gate_up)
 
 
 def transposed_w2(w2: torch.Tensor) -> torch.Tensor:
     """``w2.transpose(1, 2)`` contiguous (``[E, H, I]``), kept as :func:`packed_gate_up` keeps its
-    copy: the fused backward's first GEMMs read it (``uniep.fused_backward``)."""
+    copy: the fused backward's first GEMMs read it (``uniep.moe.megakernel.backward``)."""
     return _kept_copy(w2, "transposed_w2", lambda w: w.transpose(1, 2).contiguous())
 
 

@@ -1,6 +1,6 @@
 """The autograd formula of ``torch.ops.uniep.moe_forward`` (registered on import): the forward
 saves its inputs, the backward is ``torch.ops.uniep.moe_backward`` on every rank. The
-MegaKernel's autograd (``uniep.fused_forward``) falls back to the same backward.
+MegaKernel's autograd (``uniep.moe.megakernel.forward``) falls back to the same backward.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CUDA implementation of ``torch.ops.uniep.moe_backward``, composed from the GPU runtime's
-pieces (``uniep.ep``), the expert GEMM engine's gradient GEMMs, and, with ``overlap=fused``, the
-MegaKernel's backward (``uniep.fused_backward``). Importing this module registers it (``ops``
-does). It sits above the runtime and the MegaKernel so that neither imports the other back.
+pieces (``uniep.moe.ep``), the expert GEMM engine's gradient GEMMs, and, with ``overlap=fused``, the
+MegaKernel's backward (``uniep.moe.megakernel.backward``). Importing this module registers it
+(``ops`` does). It sits above the runtime and the MegaKernel so that neither imports the other back.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import _C
-from .distributed import _timeout
+from .. import _C
+from ..distributed import _timeout
+from ..gemm import dequantize_rows
 from .ep import _grad_tuning, _rows_to_slots
-from .fused_backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
-from .gemm import dequantize_rows
-from .megakernel import megakernel_overlap
+from .megakernel.backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
+from .megakernel.launch import megakernel_overlap
 
 __all__: list[str] = []
 
@@ -40,7 +40,7 @@ def _moe_backward_cuda(
     grad_x comes home through a combine with unit weights (sum over k, ascending, fp32); the
     per-(token, k) dot products for grad_topk_weights go back over the group's NCCL all_to_all
     (at world 1 straight to their slots). With ``overlap=fused`` named (bf16, the MegaKernel's
-    numerics) it runs the fused backward instead (``uniep.fused_backward``: at one rank
+    numerics) it runs the fused backward instead (``uniep.moe.megakernel.backward``: at one rank
     ``moe_backward_local``, across ranks ``moe_backward_ep`` on the group's fused runtime, which
     it creates with the backward's buffers on first use, collectively), and with
     ``overlap=chunked`` at one rank ``moe_backward_local(overlap="streams")``; the same bits.
@@ -51,8 +51,8 @@ def _moe_backward_cuda(
         engine = True  # moe_backward_engine's agreed checks raise it on every rank
     world, overlap = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else (0, "")
     if world:
-        # overlap=fused: the MegaKernel's backward (uniep.fused_backward), the same bits, after
-        # the same checks; across ranks on the group's fused runtime, made (collectively, as
+        # overlap=fused: the MegaKernel's backward (uniep.moe.megakernel.backward), the same bits,
+        # after the same checks; across ranks on the group's fused runtime, made (collectively, as
         # this call is) with the backward's buffers when it lacks them.
         torch.ops.uniep.moe_backward_checks(
             grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
@@ -67,7 +67,7 @@ def _moe_backward_cuda(
         grad_x, grad_w, grad_w1, grad_w2 = grads
         return grad_x, grad_w.to(topk_weights.dtype), grad_w1, grad_w2
     if engine:
-        # One C++ op from the checks to the combine (cpp/torch/ep_ops.cpp); only the routing
+        # One C++ op from the checks to the combine (cpp/torch/ep/cuda_ops.cpp); only the routing
         # weights' gradients come back to their slots here.
         grad_x, dots, row_target, grad_w1, grad_w2 = torch.ops.uniep.moe_backward_engine(
             grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
@@ -119,8 +119,8 @@ def _fused_world(
     tuning: str,
 ) -> tuple[int, str]:
     """(the group's world size, the mode) when moe_backward runs the MegaKernel's backward
-    (``uniep.megakernel.megakernel_overlap``: ``overlap=fused``, or ``overlap=chunked`` at one
-    rank, with the MegaKernel's numerics, and bfloat16 operands), else (0, "")."""
+    (``uniep.moe.megakernel.launch.megakernel_overlap``: ``overlap=fused``, or ``overlap=chunked``
+    at one rank, with the MegaKernel's numerics, and bfloat16 operands), else (0, "")."""
     if any(t.dtype != torch.bfloat16 for t in (grad_out, x, w1, w2)):
         return 0, ""
     world = 1

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 # collectives registers the fake kernels and autograd of the ops the layers call.
-from . import collectives, distributed  # noqa: F401
+from .. import collectives, distributed  # noqa: F401
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

@@ -2,10 +2,10 @@
 
 A GPU runtime belongs to one process group and is created collectively::
 
-    uniep.ep.init_runtime(group, max_tokens=4096, hidden=7168, top_k=8, num_experts=256)
-    res = uniep.ep.dispatch(x, topk_idx, topk_weights)            # tokens into receive slots
+    uniep.moe.ep.init_runtime(group, max_tokens=4096, hidden=7168, top_k=8, num_experts=256)
+    res = uniep.moe.ep.dispatch(x, topk_idx, topk_weights)            # tokens into receive slots
     y = expert_fn(res.recv_x.index_select(0, res.handle.row_slot))  # grouped-GEMM rows
-    out = uniep.ep.combine(y, res.handle)                          # back to (token, k) slots
+    out = uniep.moe.ep.combine(y, res.handle)                          # back to (token, k) slots
 
 Receive slots are ordered by (source rank, source token): outputs never depend on arrival order
 or on the SM budget. Every device-side wait times out after ``timeout_s`` (default 100 s, env
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .distributed import _nvshmem_bootstrap, _staging_device, _timeout, bounded_wait
-from .distributed import group_name as _group_name
+from .. import _C
+from ..distributed import _nvshmem_bootstrap, _staging_device, _timeout, bounded_wait
+from ..distributed import group_name as _group_name
 
 __all__ = [
     "CachedDispatchResult",
@@ -138,7 +138,7 @@ def _runtime_for_call(
         # moe_forward meets this exchange and names its error here), then the largest batch.
         sizes = [("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)]
         _C.agree_call(group_name, "ep_runtime_create", sizes, "", "cuda")
-        table = _all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.ep)")
+        table = _all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.moe.ep)")
     most = max(row[0] for row in table)
     old = _C.ep_config(group_name) if _C.ep_exists(group_name) else None
     keep: dict[str, Any] = {}
@@ -282,7 +282,7 @@ def dispatch_cached(
     Differentiable with respect to ``x`` as ``dispatch`` is (bf16 rows of ``hidden`` columns,
     ``dispatch=bf16``)."""
     if not isinstance(handle, Handle):
-        raise TypeError(f"handle must be a uniep.ep.Handle, got {type(handle).__name__}")
+        raise TypeError(f"handle must be a uniep.moe.ep.Handle, got {type(handle).__name__}")
     text = handle.tuning if tuning is None else _tuning_string(tuning)
     recv_x, scales, epoch = torch.ops.uniep.ep_dispatch_cached(
         x, handle.topk_idx, handle.topk_weights, handle.group_name, handle.epoch, text

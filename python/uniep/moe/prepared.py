@@ -16,9 +16,9 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128. The tuning's
   tile keys pick both fp8 GEMMs' tile (``uniep.gemm.grouped_mm_fp8``).
 
-On CUDA, packed bf16 experts run the MegaKernel (``uniep.megakernel``) when the tuning string
-names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's GEMMs): at world
-1 one persistent launch of the send into GEMM rows, both GEMMs and the reduce
+On CUDA, packed bf16 experts run the MegaKernel (``uniep.moe.megakernel.launch``) when the tuning
+string names ``overlap=fused`` (with bf16 dispatch, the per-k combine and the engine's GEMMs): at
+world 1 one persistent launch of the send into GEMM rows, both GEMMs and the reduce
 (``moe_forward_local(overlap="fused")``); across the ranks of one NVLink domain the group's fused
 runtime (created and grown on demand by ``ensure_fused_ep``, whose size exchange is one host
 round trip, made only when the runtime must be created, grown or re-tiled: a batch larger than it
@@ -34,8 +34,8 @@ string takes the point ``uniep.tune(..., weights="bf16_packed")`` cached for the
 (which may be either), else the separate launches. The MegaKernel's errors (a bad expert id, a
 rank or rows that never came) are checked without waiting for the stream: they are raised by the
 next MegaKernel call once its stream has passed the failed one, or by
-``uniep.megakernel.check_errors()`` (``check="deferred"``), while the separate launches raise
-them in the call itself.
+``uniep.moe.megakernel.launch.check_errors()`` (``check="deferred"``), while the separate launches
+raise them in the call itself.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -49,16 +49,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .distributed import group_name, world_size
-from .gemm import (
+from .. import _C
+from ..distributed import group_name, world_size
+from ..gemm import (
     dequantize_expert_weights,
     dequantize_rows,
     pack_gate_up,
     quantize_expert_weights,
     unpack_gate_up,
 )
-from .megakernel import megakernel_overlap, names_key
+from .megakernel.launch import megakernel_overlap, names_key
 
 __all__ = [
     "FORMATS",
@@ -173,7 +173,7 @@ def moe_forward_prepared(
     _check_cuda_operands(x, topk_idx, experts)
     world = world_size(group)
     if tuning == "" and experts.format == "bf16_packed":
-        from . import tune_cache
+        from ..tuning import cache as tune_cache
 
         tuning = tune_cache.tuning_for_call(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
@@ -220,7 +220,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
         ValueError: a tile key the kernel was not built with (it has ``tile_m`` 64 or 128,
             ``tile_n`` 256, ``tile_k`` 64 and its own pipeline depth), naming the key.
     """
-    from .megakernel import FUSED_TILE_MS
+    from .megakernel.launch import FUSED_TILE_MS
 
     p = _C.TuningParams.parse(tuning)
     built = {"tile_m": (0, *FUSED_TILE_MS), "tile_n": (0, 256), "tile_k": (0, 64), "stages": (0,)}
@@ -250,8 +250,8 @@ def _forward_fused(
     """The MegaKernel's forward (``backward``: across ranks, on a runtime that also holds the
     fused backward's buffers, for autograd). ``w1_as_stored``: ``experts.w1`` is w1 as stored
     (gate columns, then up)."""
-    from . import megakernel
-    from .distributed import _timeout
+    from ..distributed import _timeout
+    from .megakernel import launch
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
@@ -266,7 +266,7 @@ def _forward_fused(
                     f"are 128 rows) tile_m must be auto or 128, got {tile_m}"
                 )
             tile_m, skip_rounds = None, -1
-        return megakernel.moe_forward_local(
+        return launch.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
             check="deferred", w1_as_stored=w1_as_stored,
@@ -282,9 +282,9 @@ def _forward_fused(
     }
     # The size agreement is a host round trip (it drains the stream before the launch): only
     # when the runtime must be created, grown or re-tiled.
-    if not megakernel.fused_ep_fits(group, **sizes):
-        megakernel.ensure_fused_ep(group, **sizes)
-    return megakernel.moe_forward_ep(
+    if not launch.fused_ep_fits(group, **sizes):
+        launch.ensure_fused_ep(group, **sizes)
+    return launch.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
         skip_rounds=skip_rounds, check="deferred", w1_as_stored=w1_as_stored,
     )  # fmt: skip

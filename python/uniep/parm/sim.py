@@ -11,8 +11,8 @@ import itertools
 import math
 from typing import Any
 
-from . import _C
-from .parm import cluster_spec, rank_layout
+from .. import _C
+from . import cluster_spec, rank_layout
 
 GRID: dict[str, tuple] = {
     "batch": (1, 2, 4),

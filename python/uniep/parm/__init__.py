@@ -3,9 +3,9 @@
 ``plan(...)`` prices the three schedules (``baseline``: DeepSpeed-MoE with tensor-parallel experts;
 ``s1`` and ``s2``: Parm's) with the alpha-beta cost model and returns the fastest;
 ``fit_alpha_beta`` fits a collective's alpha and beta from measured (size, seconds) samples;
-``ParmMoELayer`` is the layer, run by the step-list interpreter (``uniep.parm_exec``): the CPU
-executor over gloo for CPU tensors (``uniep.parm_cpu``), the CUDA executor over UniEP's
-collectives for CUDA tensors (``uniep.parm_cuda``). The step
+``ParmMoELayer`` is the layer, run by the step-list interpreter (``uniep.parm.executor``): the CPU
+executor over gloo for CPU tensors (``uniep.parm.cpu``), the CUDA executor over UniEP's
+collectives for CUDA tensors (``uniep.parm.cuda``). The step
 lists and the cost model are C++ (``cpp/core/parm``, ``include/uniep/parm.hpp``); docs/parm.md
 says what follows the paper and what is a reconstruction.
 
@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# parm_ops registers the CPU kernels, fake kernels and autograd of torch.ops.uniep.parm_moe_*.
-from . import _C, parm_ops  # noqa: F401
-from .parm_cpu import CapacityError, Groups
+from .. import _C
+
+# ops registers the CPU kernels, fake kernels and autograd of torch.ops.uniep.parm_moe_*.
+from . import ops  # noqa: F401
+from .cpu import CapacityError, Groups
 
 __all__ = [
     "CLUSTERS",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
-from .gemm import check_grouped_mm_meta
+from .. import _C
+from ..gemm import check_grouped_mm_meta
 
 # The gated GEMM's configuration (include/uniep/cuda/tile_gate.hpp): the cooperative
 # 128 x 256 x 64 tile, two consumer warpgroups (8 warps) per tile.

@@ -1,0 +1,1 @@
+"""Private helpers that several features share (no public API here)."""
