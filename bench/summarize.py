@@ -1,8 +1,15 @@
 """Print Markdown tables of benchmark JSON files (those written by bench/common.write_result).
 
-python bench/summarize.py [--out-dir DIR] [--since EPOCH_SECONDS] [FILE ...]
+python bench/summarize.py [--out-dir DIR] [--since EPOCH_SECONDS] [--detail] [--expect NAME]
+                          [FILE ...]
 
 Without FILEs: every DIR/NAME/NAME.json (default bench/results), one result per benchmark.
+First one headline table per benchmark (bench/headlines.py: our figure, the peer's from the same
+run, their ratio, the goal and whether it is met); a benchmark without a spec there, or whose
+result lacks a field its spec names, gets the generic table, with the reason under it.
+``--detail`` adds the generic table of every result (every field that holds one value).
+``--expect NAME`` (run_all.sh passes every benchmark it ran): a line for each one that wrote no
+result.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import headlines
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "results"
 
@@ -54,8 +63,8 @@ def table(payload: dict[str, Any]) -> list[str]:
     it, a column per key that varies (a dict of scalars spread into named columns), long strings
     as numbered notes below, and the per-rank or per-round detail (lists, nested dicts) named as
     left in the JSON, never dumped into a cell."""
-    rows = payload.get("rows", [])
-    env = payload.get("env", {})
+    rows = [r for r in payload.get("rows", []) if isinstance(r, dict)]
+    env = payload.get("env", {}) if isinstance(payload.get("env"), dict) else {}
     title = (
         f"### {payload.get('name', '?')} on {env.get('device', '?')} "
         f"(torch {env.get('torch', '?')}, CUDA {env.get('cuda') or 'none'}, "
@@ -109,6 +118,26 @@ def table(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render(payload: dict[str, Any]) -> list[str]:
+    """The headline table of one result, else (no spec, or a result the spec does not fit) the
+    generic :func:`table` with a line under it that says why."""
+    name = payload.get("name", "?")
+    spec = headlines.SPECS.get(str(name))
+    if spec is None:
+        return table(payload) + ["", f"(no headline spec for {name} in bench/headlines.py)"]
+    try:
+        return headlines.headline(payload, spec)
+    except headlines.SpecMismatch as exc:
+        reason = str(exc)
+    except Exception as exc:  # a summary must not crash on an odd result
+        reason = f"{type(exc).__name__}: {exc}"
+    return table(payload) + [
+        "",
+        f"(no headline table: {reason}; bench/headlines.py's spec for {name} does not fit this "
+        "result)",
+    ]
+
+
 def result_files(out_dir: Path) -> list[Path]:
     """The benchmark results in ``out_dir``: ``NAME/NAME.json``, by name."""
     return sorted(p for p in out_dir.glob("*/*.json") if p.stem == p.parent.name)
@@ -121,24 +150,49 @@ def main(argv: list[str] | None = None) -> int:
         "--out-dir", default=str(DEFAULT_DIR), help="results folder, read as DIR/NAME/NAME.json"
     )
     parser.add_argument("--since", type=float, default=0.0, help="only files modified after this")
+    parser.add_argument(
+        "--detail", action="store_true", help="also the generic table of every result"
+    )
+    parser.add_argument(
+        "--expect",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a benchmark that ran: say so if it wrote no result (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     paths = [Path(f) for f in args.files] or result_files(Path(args.out_dir))
     paths = [p for p in paths if p.stat().st_mtime >= args.since]
-    blocks = []
+    payloads = []
     for path in paths:
         try:
             payload = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             print(f"{path}: unreadable ({exc})", file=sys.stderr)
             return 1
-        if "rows" not in payload:  # not a write_result file (the multi-GPU run's summary)
-            continue
-        blocks.append("\n".join(table(payload)))
-    if not blocks:
+        if not isinstance(payload, dict) or "rows" not in payload:
+            continue  # not a write_result file (the multi-GPU run's summary)
+        payloads.append(payload)
+    if not payloads:
         print(f"no benchmark results in {args.out_dir}", file=sys.stderr)
         return 1
-    print("\n\n".join(blocks))
+    blocks = [(str(p.get("name", "?")), "\n".join(render(p))) for p in payloads]
+    for name in dict.fromkeys(args.expect).keys() - {name for name, _ in blocks}:
+        blocks.append(
+            (
+                name,
+                f"### {name}\n\nno result from this run: it wrote no JSON (its own output above "
+                "says why, e.g. no GPU of the kind it needs)",
+            )
+        )
+    print("## Headline tables\n")
+    print("\n\n".join(block for _, block in sorted(blocks, key=lambda b: b[0])))
+    if args.detail:
+        print("\n## Detail: every field of each result\n")
+        print("\n\n".join("\n".join(table(p)) for p in payloads))
+    else:
+        print("\n(every field of each result: bench/summarize.py --detail)")
     return 0
 
 
