@@ -101,7 +101,7 @@ if [[ $build_rc -eq 0 ]]; then
     if nvidia-cuda-mps-control -d; then
       mps_rc=0
       UNIEP_TEST_MPS=1 python3 -m pytest -m gpu -v -k under_mps --junitxml "$OUT/gpu-tests-mps.xml" \
-        tests/test_gpu_on_one_gpu.py || mps_rc=$?
+        tests/moe/test_gpu_on_one_gpu.py || mps_rc=$?
       echo quit | nvidia-cuda-mps-control || true
       sleep 2  # the server exits after the quit returns
       [[ $mps_rc -eq 0 ]] || failed+=("pytest-mps")

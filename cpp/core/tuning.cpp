@@ -4,7 +4,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
-#include <vector>
 
 #include "uniep/status.hpp"
 
@@ -20,10 +19,9 @@ struct Spelling {
   bool listed = true;
 };
 
-constexpr Spelling<OverlapMode> kOverlapSpellings[] = {
-    {"sequential", OverlapMode::kSequential},
-    {"chunked", OverlapMode::kChunked},
-    {"fused", OverlapMode::kFused}};
+constexpr Spelling<OverlapMode> kOverlapSpellings[] = {{"sequential", OverlapMode::kSequential},
+                                                       {"chunked", OverlapMode::kChunked},
+                                                       {"fused", OverlapMode::kFused}};
 constexpr Spelling<DispatchPrecision> kDispatchSpellings[] = {
     {"bf16", DispatchPrecision::kBf16},
     {"fp8", DispatchPrecision::kFp8E4M3},
@@ -67,6 +65,13 @@ const char* expert_precision_name(ExpertPrecision precision) {
 }
 
 namespace {
+
+// TuningKey's spellings, in its order.
+constexpr const char* kKeyNames[] = {"sms",      "token_tile", "tile_m",      "tile_n",
+                                     "tile_k",   "stages",     "skip_rounds", "overlap",
+                                     "dispatch", "combine",    "gemm",        "experts"};
+static_assert(sizeof(kKeyNames) / sizeof(kKeyNames[0]) == static_cast<size_t>(TuningKey::kCount),
+              "one name per TuningKey");
 
 constexpr const char* kKeys =
     "sms, token_tile, tile_m, tile_n, tile_k, stages, skip_rounds, overlap, dispatch, combine, "
@@ -129,14 +134,60 @@ std::string auto_int(int v) {
 
 }  // namespace
 
-std::string TuningParams::to_string() const {
-  return detail::str_cat(
-      "sms=", comm_sms, "/", total_sms, ",token_tile=", token_tile, ",tile_m=", auto_int(tile_m),
-      ",tile_n=", auto_int(tile_n), ",tile_k=", auto_int(tile_k), ",stages=", auto_int(stages),
-      ",skip_rounds=", skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
-      ",overlap=", overlap_mode_name(overlap), ",dispatch=", dispatch_precision_name(dispatch),
-      ",combine=", combine_reduction_name(combine), ",gemm=", gemm_engine_name(gemm),
-      ",experts=", expert_precision_name(experts));
+const char* tuning_key_name(TuningKey key) {
+  const int k = static_cast<int>(key);
+  return k >= 0 && k < static_cast<int>(TuningKey::kCount) ? kKeyNames[k] : "?";
+}
+
+TuningKey tuning_key(const std::string& name) {
+  for (int k = 0; k < static_cast<int>(TuningKey::kCount); ++k)
+    if (name == kKeyNames[k]) return static_cast<TuningKey>(k);
+  throw Error(StatusCode::kInvalidArgument,
+              detail::str_cat("tuning: unknown key '", name, "' (expected one of: ", kKeys, ")"));
+}
+
+OverlapMode parse_overlap_mode(const std::string& value) {
+  return parse_choice("overlap", value, kOverlapSpellings);
+}
+
+DispatchPrecision parse_dispatch_precision(const std::string& value) {
+  return parse_choice("dispatch", value, kDispatchSpellings);
+}
+
+CombineReduction parse_combine_reduction(const std::string& value) {
+  return parse_choice("combine", value, kCombineSpellings);
+}
+
+GemmEngine parse_gemm_engine(const std::string& value) {
+  return parse_choice("gemm", value, kGemmSpellings);
+}
+
+ExpertPrecision parse_expert_precision(const std::string& value) {
+  return parse_choice("experts", value, kExpertSpellings);
+}
+
+std::string TuningParams::to_string(bool given_only) const {
+  const std::string values[] = {
+      detail::str_cat(comm_sms, "/", total_sms),
+      std::to_string(token_tile),
+      auto_int(tile_m),
+      auto_int(tile_n),
+      auto_int(tile_k),
+      auto_int(stages),
+      skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
+      overlap_mode_name(overlap),
+      dispatch_precision_name(dispatch),
+      combine_reduction_name(combine),
+      gemm_engine_name(gemm),
+      expert_precision_name(experts)};
+  static_assert(sizeof(values) / sizeof(values[0]) == static_cast<size_t>(TuningKey::kCount),
+                "one value per TuningKey");
+  std::string out;
+  for (int k = 0; k < static_cast<int>(TuningKey::kCount); ++k) {
+    if (given_only && !given(static_cast<TuningKey>(k))) continue;
+    out += detail::str_cat(out.empty() ? "" : ",", kKeyNames[k], "=", values[k]);
+  }
+  return out;
 }
 
 TuningParams TuningParams::parse(const std::string& text) {
@@ -146,7 +197,6 @@ TuningParams TuningParams::parse(const std::string& text) {
   UNIEP_CHECK(nul == std::string::npos, "tuning: NUL character at position ", nul,
               " of the tuning string (", text.size(), " characters); it must be plain text");
   TuningParams p;
-  std::vector<std::string> seen;
   size_t pos = 0;
   const std::string body = trim(text);
   while (pos < body.size()) {
@@ -159,8 +209,9 @@ TuningParams TuningParams::parse(const std::string& text) {
     UNIEP_CHECK(eq != std::string::npos, "tuning: entry '", item, "' must be key=value");
     const std::string key = trim(item.substr(0, eq));
     const std::string value = trim(item.substr(eq + 1));
-    for (const auto& k : seen) UNIEP_CHECK(k != key, "tuning: key '", key, "' given twice");
-    seen.push_back(key);
+    const TuningKey which = tuning_key(key);
+    UNIEP_CHECK(!p.given(which), "tuning: key '", key, "' given twice");
+    p.set_given(which);
     if (key == "sms") {
       const size_t slash = value.find('/');
       if (slash == std::string::npos) {
@@ -188,17 +239,15 @@ TuningParams TuningParams::parse(const std::string& text) {
                     "tuning: skip_rounds must be auto or an integer >= 0, got '", value, "'");
       }
     } else if (key == "overlap") {
-      p.overlap = parse_choice(key, value, kOverlapSpellings);
+      p.overlap = parse_overlap_mode(value);
     } else if (key == "dispatch") {
-      p.dispatch = parse_choice(key, value, kDispatchSpellings);
+      p.dispatch = parse_dispatch_precision(value);
     } else if (key == "combine") {
-      p.combine = parse_choice(key, value, kCombineSpellings);
+      p.combine = parse_combine_reduction(value);
     } else if (key == "gemm") {
-      p.gemm = parse_choice(key, value, kGemmSpellings);
+      p.gemm = parse_gemm_engine(value);
     } else if (key == "experts") {
-      p.experts = parse_choice(key, value, kExpertSpellings);
-    } else {
-      UNIEP_CHECK(false, "tuning: unknown key '", key, "' (expected one of: ", kKeys, ")");
+      p.experts = parse_expert_precision(value);
     }
   }
   p.validate();
@@ -225,7 +274,8 @@ void TuningParams::validate() const {
               "tuning: skip_rounds must be auto (-1) or in [0, 2^20], got ", skip_rounds);
   UNIEP_CHECK(experts != ExpertPrecision::kFp8 || dispatch == DispatchPrecision::kFp8E4M3,
               "tuning: experts=fp8 needs dispatch=fp8 (the fp8 GEMMs read the rows in the fp8 "
-              "dispatch's format), got dispatch=", dispatch_precision_name(dispatch));
+              "dispatch's format), got dispatch=",
+              dispatch_precision_name(dispatch));
 }
 
 void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t ffn) {
@@ -242,9 +292,8 @@ void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t 
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
-         skip_rounds == o.skip_rounds &&
-         overlap == o.overlap && dispatch == o.dispatch && combine == o.combine && gemm == o.gemm &&
-         experts == o.experts;
+         skip_rounds == o.skip_rounds && overlap == o.overlap && dispatch == o.dispatch &&
+         combine == o.combine && gemm == o.gemm && experts == o.experts;
 }
 
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,

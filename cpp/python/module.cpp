@@ -235,55 +235,93 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // Every setter marks its key given, as parse does for the keys it reads.
+  auto int_key = [](int TuningParams::* field, TuningKey key) {
+    return py::cpp_function([field, key](TuningParams& p, int v) {
+      p.*field = v;
+      p.set_given(key);
+    });
+  };
+  auto int_get = [](int TuningParams::* field) {
+    return py::cpp_function([field](const TuningParams& p) { return p.*field; });
+  };
   py::class_<TuningParams>(m, "TuningParams")
       .def(py::init<>())
       .def_static("parse", &TuningParams::parse, py::arg("text"),
                   "Parse 'sms=24/132,token_tile=64,...'; missing keys keep their defaults.")
-      .def("to_string", &TuningParams::to_string)
+      .def("to_string", &TuningParams::to_string, py::arg("given_only") = false,
+           "Every key, or (given_only) the given ones alone ('' when none is).")
       .def("validate", &TuningParams::validate)
-      .def_readwrite("comm_sms", &TuningParams::comm_sms)
-      .def_readwrite("total_sms", &TuningParams::total_sms)
-      .def_readwrite("token_tile", &TuningParams::token_tile)
-      .def_readwrite("tile_m", &TuningParams::tile_m)
-      .def_readwrite("tile_n", &TuningParams::tile_n)
-      .def_readwrite("tile_k", &TuningParams::tile_k)
-      .def_readwrite("stages", &TuningParams::stages)
-      .def_readwrite("skip_rounds", &TuningParams::skip_rounds)
+      .def(
+          "given",
+          [](const TuningParams& p, const std::string& key) { return p.given(tuning_key(key)); },
+          py::arg("key"),
+          "Whether `key` was given (parsed, or set), rather than left at its default.")
+      .def_property_readonly("given_keys",
+                             [](const TuningParams& p) {
+                               std::vector<std::string> keys;
+                               for (int k = 0; k < static_cast<int>(TuningKey::kCount); ++k)
+                                 if (p.given(static_cast<TuningKey>(k)))
+                                   keys.emplace_back(tuning_key_name(static_cast<TuningKey>(k)));
+                               return keys;
+                             })
+      .def_property("comm_sms", int_get(&TuningParams::comm_sms),
+                    int_key(&TuningParams::comm_sms, TuningKey::kSms))
+      .def_property("total_sms", int_get(&TuningParams::total_sms),
+                    int_key(&TuningParams::total_sms, TuningKey::kSms))
+      .def_property("token_tile", int_get(&TuningParams::token_tile),
+                    int_key(&TuningParams::token_tile, TuningKey::kTokenTile))
+      .def_property("tile_m", int_get(&TuningParams::tile_m),
+                    int_key(&TuningParams::tile_m, TuningKey::kTileM))
+      .def_property("tile_n", int_get(&TuningParams::tile_n),
+                    int_key(&TuningParams::tile_n, TuningKey::kTileN))
+      .def_property("tile_k", int_get(&TuningParams::tile_k),
+                    int_key(&TuningParams::tile_k, TuningKey::kTileK))
+      .def_property("stages", int_get(&TuningParams::stages),
+                    int_key(&TuningParams::stages, TuningKey::kStages))
+      .def_property("skip_rounds", int_get(&TuningParams::skip_rounds),
+                    int_key(&TuningParams::skip_rounds, TuningKey::kSkipRounds))
       .def_property(
           "overlap",
           [](const TuningParams& p) { return std::string(overlap_mode_name(p.overlap)); },
           [](TuningParams& p, const std::string& v) {
-            p.overlap = TuningParams::parse("overlap=" + v).overlap;
+            p.overlap = parse_overlap_mode(v);
+            p.set_given(TuningKey::kOverlap);
           })
       .def_property(
           "dispatch",
           [](const TuningParams& p) { return std::string(dispatch_precision_name(p.dispatch)); },
           [](TuningParams& p, const std::string& v) {
-            p.dispatch = TuningParams::parse("dispatch=" + v).dispatch;
+            p.dispatch = parse_dispatch_precision(v);
+            p.set_given(TuningKey::kDispatch);
           })
       .def_property(
           "combine",
           [](const TuningParams& p) { return std::string(combine_reduction_name(p.combine)); },
           [](TuningParams& p, const std::string& v) {
-            p.combine = TuningParams::parse("combine=" + v).combine;
+            p.combine = parse_combine_reduction(v);
+            p.set_given(TuningKey::kCombine);
           })
       .def_property(
           "gemm", [](const TuningParams& p) { return std::string(gemm_engine_name(p.gemm)); },
           [](TuningParams& p, const std::string& v) {
-            p.gemm = TuningParams::parse("gemm=" + v).gemm;
+            p.gemm = parse_gemm_engine(v);
+            p.set_given(TuningKey::kGemm);
           })
       .def_property(
           "experts",
           [](const TuningParams& p) { return std::string(expert_precision_name(p.experts)); },
           [](TuningParams& p, const std::string& v) {
-            // experts=fp8 parses only beside dispatch=fp8; validate() checks the pair.
-            p.experts = TuningParams::parse("dispatch=fp8,experts=" + v).experts;
+            // The pair experts=fp8 with dispatch=bf16 is refused by validate(), not here, so
+            // that the two may be set in either order.
+            p.experts = parse_expert_precision(v);
+            p.set_given(TuningKey::kExperts);
           })
       .def_property_readonly("fp8_experts", &TuningParams::fp8_experts)
       .def("__eq__", [](const TuningParams& a, const TuningParams& b) { return a == b; })
       .def("__hash__",
            [](const TuningParams& p) { return std::hash<std::string>()(p.to_string()); })
-      .def("__str__", &TuningParams::to_string)
+      .def("__str__", [](const TuningParams& p) { return p.to_string(); })
       .def("__repr__",
            [](const TuningParams& p) { return "TuningParams('" + p.to_string() + "')"; });
 

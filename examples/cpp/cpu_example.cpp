@@ -52,6 +52,11 @@ int main() {
   // The tuning string round-trips; no tuning point changes the output bits.
   const uniep::TuningParams tuning = uniep::TuningParams::parse("overlap=sequential,token_tile=4");
   expect(uniep::TuningParams::parse(tuning.to_string()) == tuning, "TuningParams round trip");
+  // It knows which keys were given (the MegaKernel runs only where overlap=fused is named).
+  expect(tuning.given(uniep::TuningKey::kOverlap) && !tuning.given(uniep::TuningKey::kSms),
+         "TuningParams given keys");
+  expect(tuning.to_string(/*given_only=*/true) == "token_tile=4,overlap=sequential",
+         "TuningParams given form");
 
   // ---- the plan ----
   const uniep::RoutingLayout layout = uniep::compute_layout(topk_idx.data(), shape);

@@ -29,6 +29,36 @@ enum class GemmEngine { kUniep, kTorch };
 // the experts received (a straight-through estimate of the weights' and activation's rounding).
 enum class ExpertPrecision { kAuto, kBf16, kFp8 };
 
+// The keys of the string form, in its order. TuningParams records which of them were given
+// (read by parse, or set through a setter), because a key left at its default and the same value
+// given mean different requests: overlap=fused named asks for the MegaKernel, while the default
+// lets each path pick its own launches.
+enum class TuningKey : int {
+  kSms,
+  kTokenTile,
+  kTileM,
+  kTileN,
+  kTileK,
+  kStages,
+  kSkipRounds,
+  kOverlap,
+  kDispatch,
+  kCombine,
+  kGemm,
+  kExperts,
+  kCount
+};
+const char* tuning_key_name(TuningKey key);
+// The key spelled `name` ("sms", "overlap", ...); throws kInvalidArgument listing the keys.
+TuningKey tuning_key(const std::string& name);
+
+// One enum key's value alone, read as parse reads it; errors name the key and its spellings.
+OverlapMode parse_overlap_mode(const std::string& value);
+DispatchPrecision parse_dispatch_precision(const std::string& value);
+CombineReduction parse_combine_reduction(const std::string& value);
+GemmEngine parse_gemm_engine(const std::string& value);
+ExpertPrecision parse_expert_precision(const std::string& value);
+
 const char* overlap_mode_name(OverlapMode mode);
 const char* dispatch_precision_name(DispatchPrecision precision);
 const char* combine_reduction_name(CombineReduction reduction);
@@ -60,6 +90,11 @@ struct TuningParams {
   CombineReduction combine = CombineReduction::kPerChoice;
   GemmEngine gemm = GemmEngine::kUniep;
   ExpertPrecision experts = ExpertPrecision::kAuto;
+  // Bit k: key TuningKey(k) was given. Not part of the value: operator== and to_string ignore it
+  // (to_string prints every key, so its parse has them all given).
+  uint32_t given_keys = 0;
+  bool given(TuningKey key) const { return (given_keys >> static_cast<int>(key)) & 1u; }
+  void set_given(TuningKey key) { given_keys |= 1u << static_cast<int>(key); }
   // Whether the experts run in fp8 (ExpertPrecision, kAuto resolved).
   bool fp8_experts() const {
     return experts == ExpertPrecision::kFp8 ||
@@ -71,7 +106,9 @@ struct TuningParams {
   int tile_n_or_default() const { return tile_n != 0 ? tile_n : 128; }
   int tile_k_or_default() const { return tile_k != 0 ? tile_k : 64; }
 
-  std::string to_string() const;
+  // Every key, or (given_only) the given ones alone: the form that, parsed again, has the same
+  // keys given ("" when none is).
+  std::string to_string(bool given_only = false) const;
   // Throws uniep::Error naming the key and the expected values.
   static TuningParams parse(const std::string& text);
   void validate() const;

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _C
 from ..distributed import _timeout
 from ..gemm import dequantize_rows
+from ..tuning.params import parse as parse_tuning
 from .ep import _grad_tuning, _rows_to_slots
 from .megakernel.backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 from .megakernel.launch import megakernel_overlap
@@ -46,7 +46,7 @@ def _moe_backward_cuda(
     ``overlap=chunked`` at one rank ``moe_backward_local(overlap="streams")``; the same bits.
     """
     try:
-        engine = _C.TuningParams.parse(tuning).gemm == "uniep"
+        engine = parse_tuning(tuning).gemm == "uniep"
     except ValueError:
         engine = True  # moe_backward_engine's agreed checks raise it on every rank
     world, overlap = _fused_world(grad_out, x, w1, w2, group_name, tuning) if engine else (0, "")
@@ -78,7 +78,7 @@ def _moe_backward_cuda(
     torch.ops.uniep.moe_backward_checks(
         grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
     )
-    params = _C.TuningParams.parse(tuning)
+    params = parse_tuning(tuning)
     text = params.to_string()
     # grad_out travels in bf16 whatever the forward's dispatch precision.
     grad_text = _grad_tuning(text)

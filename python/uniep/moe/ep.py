@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import _C
 from ..distributed import _nvshmem_bootstrap, _staging_device, _timeout, bounded_wait
 from ..distributed import group_name as _group_name
+from ..tuning.params import parse as parse_tuning
 
 __all__ = [
     "CachedDispatchResult",
@@ -222,7 +223,7 @@ class DispatchResult:
 
 
 def _tuning_string(tuning: str | _C.TuningParams) -> str:
-    params = tuning if isinstance(tuning, _C.TuningParams) else _C.TuningParams.parse(tuning)
+    params = parse_tuning(tuning)
     return params.to_string()
 
 
@@ -367,7 +368,7 @@ def _grad_tuning(tuning: str) -> str:
     travel in bf16 whatever the forward's precision; fp8 needs rows of exactly ``hidden`` bf16
     columns) and ``combine=per_k`` (those combines sum with unit weights, not the dispatch's,
     which ``rank_partials`` would apply on the expert side)."""
-    params = _C.TuningParams.parse(tuning)
+    params = parse_tuning(tuning)
     params.dispatch = "bf16"
     params.combine = "per_k"
     return params.to_string()
@@ -422,7 +423,7 @@ def _rows_to_slots(
 def _fake_received(x: torch.Tensor, n: Any, tuning: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The received rows of a fake dispatch (x's dtype, or e4m3 with dispatch=fp8) and their
     block scales ([0, 0] unless fp8)."""
-    fp8 = _C.TuningParams.parse(tuning).dispatch == "fp8"
+    fp8 = parse_tuning(tuning).dispatch == "fp8"
     recv_x = x.new_empty((n, x.shape[1]), dtype=torch.float8_e4m3fn if fp8 else x.dtype)
     scales = x.new_empty((n, x.shape[1] // 128) if fp8 else (0, 0), dtype=torch.float32)
     return recv_x, scales
@@ -511,7 +512,7 @@ def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor, slots: int, op: str) -
     saved_tensors; group_name, tuning, x_dtype, x_cols."""
     topk_idx, topk_weights = ctx.saved_tensors[:2]
     hidden = int(_C.ep_config(ctx.group_name)["hidden"])
-    if _C.TuningParams.parse(ctx.tuning).dispatch == "fp8":
+    if parse_tuning(ctx.tuning).dispatch == "fp8":
         raise NotImplementedError(
             f"{op} backward: no gradient of x through dispatch=fp8 (the rows are "
             "quantised); dispatch in bf16 to differentiate"

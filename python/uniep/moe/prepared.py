@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import _C
 from ..distributed import group_name, world_size
 from ..gemm import (
     dequantize_expert_weights,
@@ -58,7 +57,8 @@ from ..gemm import (
     quantize_expert_weights,
     unpack_gate_up,
 )
-from .megakernel.launch import megakernel_overlap, names_key
+from ..tuning.params import parse as parse_tuning
+from .megakernel.launch import megakernel_overlap
 
 __all__ = [
     "FORMATS",
@@ -153,7 +153,7 @@ def moe_forward_prepared(
     """
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts must be a PreparedExperts, got {type(experts).__name__}")
-    params = _C.TuningParams.parse(tuning)
+    params = parse_tuning(tuning)
     if experts.format == "fp8" and params.dispatch != "fp8":
         raise ValueError(
             "fp8 experts take the tokens in the fp8 dispatch's format: add dispatch=fp8 to tuning"
@@ -178,7 +178,7 @@ def moe_forward_prepared(
         tuning = tune_cache.tuning_for_call(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
-        params = _C.TuningParams.parse(tuning)
+        params = parse_tuning(tuning)
     if experts.format == "bf16_packed" and megakernel_overlap(
         tuning, world, experts.hidden, experts.ffn
     ):
@@ -222,7 +222,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
     """
     from .megakernel.launch import FUSED_TILE_MS
 
-    p = _C.TuningParams.parse(tuning)
+    p = parse_tuning(tuning)
     built = {"tile_m": (0, *FUSED_TILE_MS), "tile_n": (0, 256), "tile_k": (0, 64), "stages": (0,)}
     for key, allowed in built.items():
         value = getattr(p, key)
@@ -232,7 +232,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
                 f"tuning: with overlap=fused (the MegaKernel) {key} must be one of {shown}, got "
                 f"{value}"
             )
-    comm_sms = p.comm_sms if names_key(tuning, "sms") else None
+    comm_sms = p.comm_sms if p.given("sms") else None
     return comm_sms, p.skip_rounds, p.tile_m or None
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import _C, distributed
 from ..moe.expert_shards import ddp_reduces, mark_expert_shards, marked_shards
+from ..tuning.params import parse as parse_tuning
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -168,7 +169,7 @@ def _parse_tuning(tuning: object) -> str:
     if isinstance(tuning, _C.TuningParams):
         return tuning.to_string()
     if isinstance(tuning, str):
-        _C.TuningParams.parse(tuning)  # fail here, naming the bad key, not at first forward
+        parse_tuning(tuning)  # fail here, naming the bad key, not at first forward
         return tuning
     raise ValueError(f"tuning must be a str or TuningParams, got {type(tuning).__name__}")
 

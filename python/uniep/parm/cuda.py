@@ -35,7 +35,7 @@ that priced the schedule, ``uniep._C.parm.price(...).chunks``), else ``set_saa_c
 stream after an event, so chunk i's all-gather runs beside chunk i+1's all-to-all. The two
 halves use two carrier groups, i.e. two collectives runtimes with their own slots and streams,
 so neither waits for the other's previous call. The values are those of the
-unpipelined steps (``parm_exec.chunk_pipeline``; tests/test_parm_backends.py checks it on CPU).
+unpipelined steps (``parm_exec.chunk_pipeline``; tests/parm/test_parm_backends.py checks it on CPU).
 
 The same backend also runs on CPU tensors, over UniEP's CPU collectives and the carrier groups
 (gloo): that is how the CPU tests check its world-collective plumbing on machines without a GPU.

@@ -1,6 +1,7 @@
 """torch.ops.uniep.parm_moe_forward / parm_moe_backward: the CPU and CUDA implementations (the
 step-list interpreter of uniep.parm.executor over uniep.parm.cpu's gloo backend or uniep.parm.cuda's
-backend on UniEP's collectives), fake kernels and autograd. Schemas: cpp/torch/common/registration.cpp.
+backend on UniEP's collectives), fake kernels and autograd. Schemas:
+cpp/torch/common/registration.cpp.
 
     parm_moe_forward(x [S, M], gate [M, E] float32, w1 [E_loc, M, H/N], w2 [E_loc, H/N, M],
                      mp_group, ep_group, top_k, capacity_factor, schedule, overflow="error",

@@ -8,7 +8,7 @@ Two devices, each timing what its executor runs:
   coefficients. Every link is the loopback.
 - ``device="cuda"`` (``backend="uniep-cuda"``): ``world`` local ranks that share ONE GPU
   (``CUDA_VISIBLE_DEVICES`` pinned to the first visible device, NVSHMEM's multiple processes per
-  GPU, host agreement over gloo: how tests/test_gpu_parm.py runs the CUDA executor). They time
+  GPU, host agreement over gloo: how tests/parm/test_gpu_parm.py runs the CUDA executor). They time
   the CUDA executor's own primitives (``uniep.parm.cuda.CudaBackend``, bf16): the MP all-gather,
   reduce-scatter and all-reduce (an all-gather plus a sum in MP-rank order) and the EP
   all-to-all. These run on UniEP's P2P collectives over the world *carrier* groups, so the

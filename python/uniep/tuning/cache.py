@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _C
+from .params import parse as parse_tuning
 
 __all__ = [
     "NUMERICS_KEYS",
@@ -100,7 +101,7 @@ def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
                     f"numerics: key '{key}' is not a numerics key; numerics takes only "
                     f"{', '.join(NUMERICS_KEYS)} (the tuner chooses {', '.join(SCHEDULE_KEYS)})"
                 )
-        p = _C.TuningParams.parse(numerics) if numerics.strip() else _C.TuningParams()
+        p = parse_tuning(numerics) if numerics.strip() else _C.TuningParams()
     else:
         raise ValueError(f"numerics must be a str, got {type(numerics).__name__}")
     text = f"dispatch={p.dispatch},combine={p.combine},gemm={p.gemm}"
@@ -108,7 +109,7 @@ def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
 
 
 def _numerics_of(tuning: str) -> str:
-    return normalize_numerics(_C.TuningParams.parse(tuning))
+    return normalize_numerics(parse_tuning(tuning))
 
 
 @functools.cache
@@ -337,7 +338,7 @@ def store(
         ValueError: ``tuning`` does not parse, or its numerics keys differ from ``numerics``.
         OSError: the file cannot be written (naming it).
     """
-    parsed = _C.TuningParams.parse(tuning)
+    parsed = parse_tuning(tuning)
     if normalize_numerics(parsed) != normalize_numerics(numerics):
         raise ValueError(
             f"tuning {tuning!r} has numerics {normalize_numerics(parsed)!r} but the entry is for "

@@ -63,6 +63,7 @@ from .cache import (
     normalize_numerics,
     store,
 )
+from .params import parse as parse_tuning
 
 __all__ = [
     "CUDA_FP8_TILES",
@@ -143,7 +144,7 @@ class MoeShape:
 
 def fused_allowed(numerics: str | _C.TuningParams) -> bool:
     """Whether the MegaKernel runs these numerics (bf16 dispatch, per-k combine, UniEP's GEMMs)."""
-    return megakernel_numerics(_C.TuningParams.parse(normalize_numerics(numerics)))
+    return megakernel_numerics(parse_tuning(normalize_numerics(numerics)))
 
 
 def candidate_points(
@@ -171,7 +172,7 @@ def candidate_points(
     _check_weights(weights)
     if weights != "plain" and device != "cuda":
         raise ValueError(f"weights={weights!r} is tuned on cuda only, got device {device!r}")
-    base = _C.TuningParams.parse(normalize_numerics(numerics))
+    base = parse_tuning(normalize_numerics(numerics))
     if device == "cuda":
         # A full tuning string names its overlap, and overlap=fused runs the MegaKernel: the
         # default point must be the separate launches that an empty string runs.
@@ -180,7 +181,7 @@ def candidate_points(
     seen = set(out)
 
     def add(**keys: Any) -> None:
-        p = _C.TuningParams.parse(base.to_string())
+        p = parse_tuning(base.to_string())
         for k, v in keys.items():
             setattr(p, k, v)
         p.validate()
@@ -234,7 +235,7 @@ def executor_point(shape: MoeShape, device: str, tuning: str) -> str:
     weights whatever the order); ``sms``, ``token_tile``, ``stages`` and ``skip_rounds`` are
     not read. CUDA: every key but ``token_tile``, which no CUDA path reads.
     """
-    p = _C.TuningParams.parse(tuning)
+    p = parse_tuning(tuning)
     if device == "cuda":
         p.token_tile = _C.TuningParams().token_tile
         return p.to_string()
@@ -341,7 +342,7 @@ class CostModel:
             )
             gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not separate_pass)
             return gemm + comm + gather + 2 * rows + (swiglu if separate_pass else 0.0)
-        fused = _C.TuningParams.parse(p.to_string())
+        fused = parse_tuning(p.to_string())
         if fused.tile_m == 0:
             el = shape.local_experts
             from ..moe.megakernel.launch import fused_tile_m
@@ -399,7 +400,7 @@ class CostModel:
         return total
 
     def seconds(self, shape: MoeShape, tuning: str) -> float:
-        p = _C.TuningParams.parse(tuning)
+        p = parse_tuning(tuning)
         if self.device == "cuda" or self.weights != "plain":
             return self.scale * self.cuda_seconds(shape, p)
         # The CPU executor runs its phases one after another whatever the overlap mode.
@@ -930,7 +931,7 @@ def tune(
     default = points[0]
     probe = None
     if not cuda:
-        probe = _C.TuningParams.parse(default)
+        probe = parse_tuning(default)
         probe.tile_n = CPU_TILES[0]
         probe = probe.to_string()
     run(default)  # the GPU runtime's creation and first-call costs stay out of the calibration

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _C, distributed
+from ...tuning.params import parse as parse_tuning
 from .. import tile_gates
 
 __all__ = [
@@ -56,7 +57,6 @@ __all__ = [
     "megakernel_shape_ok",
     "moe_forward_ep",
     "moe_forward_local",
-    "names_key",
     "runs_fused",
     "sends_beside_gemms",
     "shutdown_fused_ep",
@@ -800,21 +800,17 @@ def _moe_forward_ep_cpu(
 # ---- which tunings and shapes run the MegaKernel ----
 
 
-def names_key(tuning: str, key: str) -> bool:
-    return any(part.split("=")[0].strip() == key for part in tuning.split(","))
-
-
 def megakernel_numerics(p: _C.TuningParams) -> bool:
     """Whether the MegaKernel serves ``p``'s numerics: bf16 dispatch, the per-k combine and
     UniEP's GEMMs (the kernel has no fp8 rows, no expert-side weighting and no torch GEMMs)."""
     return p.dispatch == "bf16" and p.combine == "per_k" and p.gemm == "uniep"
 
 
-def runs_fused(tuning: str) -> bool:
+def runs_fused(tuning: str | _C.TuningParams) -> bool:
     """Whether ``tuning`` asks for the MegaKernel and it can serve its numerics: ``overlap=fused``
     named, with ``megakernel_numerics`` (other numerics run the separate launches)."""
-    p = _C.TuningParams.parse(tuning)
-    return names_key(tuning, "overlap") and p.overlap == "fused" and megakernel_numerics(p)
+    p = parse_tuning(tuning)
+    return p.given("overlap") and p.overlap == "fused" and megakernel_numerics(p)
 
 
 # The MegaKernel's GEMM tiles and the fused backward's both step hidden and ffn by 64 columns.
@@ -828,7 +824,7 @@ def megakernel_shape_ok(hidden: int, ffn: int) -> bool:
 
 
 def megakernel_overlap(
-    tuning: str, world: int, hidden: int | None = None, ffn: int | None = None
+    tuning: str | _C.TuningParams, world: int, hidden: int | None = None, ffn: int | None = None
 ) -> str | None:
     """How the MegaKernel's pieces run ``tuning`` at ``world`` ranks: ``"fused"`` for
     :func:`runs_fused` (one persistent launch); ``"streams"`` for ``overlap=chunked`` named at one
@@ -842,8 +838,8 @@ def megakernel_overlap(
     accepts a shape the other refuses."""
     if hidden is not None and ffn is not None and not megakernel_shape_ok(hidden, ffn):
         return None
-    if runs_fused(tuning):
+    p = parse_tuning(tuning)
+    if runs_fused(p):
         return "fused"
-    p = _C.TuningParams.parse(tuning)
-    chunked = names_key(tuning, "overlap") and p.overlap == "chunked"
+    chunked = p.given("overlap") and p.overlap == "chunked"
     return "streams" if chunked and world == 1 and megakernel_numerics(p) else None

@@ -1,0 +1,315 @@
+"""CUDA executor of the P2P collectives against NCCL collectives + torch.mm.
+
+Needs >= 2 CUDA GPUs of one NVLink domain (marker `multigpu`); skipped cleanly elsewhere. Each
+test spawns one NCCL process per GPU (up to 4) and batches its cases into that one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _hardware import is_hopper
+from test_gpu_ep import _device
+
+pytestmark = pytest.mark.multigpu
+
+
+def _world() -> int:
+    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _gather_all(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's x, through NCCL, or through gloo's CPU all-gather when the ranks share a GPU
+    (test_gpu_on_one_gpu), which NCCL refuses."""
+    if dist.get_backend() == "nccl":
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return parts
+    host = [torch.empty(x.shape, dtype=x.dtype) for _ in range(world)]
+    dist.all_gather(host, x.detach().cpu().contiguous())
+    return [p.to(x.device) for p in host]
+
+
+def _reduce_scatter_ref(x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s rows of the sum of every rank's x: NCCL's reduce-scatter, or the sum of the
+    gathered parts where gloo serves the group (an order of its own: compare with a tolerance)."""
+    if dist.get_backend() == "nccl":
+        out = torch.empty(x.shape[0] // world, *x.shape[1:], device=x.device, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+    return sum(_gather_all(x, world)).tensor_split(world)[rank]
+
+
+def _fixed_order_sum(parts: list[torch.Tensor], dest: int, dtype: torch.dtype) -> torch.Tensor:
+    """reduce_order(W, dest): dest+1, ..., dest-1, then dest, accumulated in fp32 (fp64)."""
+    world = len(parts)
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = None
+    for k in range(1, world + 1):
+        v = parts[(dest + k) % world].to(acc_dtype)
+        acc = v if acc is None else acc + v
+    assert acc is not None
+    return acc.to(dtype)
+
+
+def _collectives_worker(rank: int, world: int) -> dict[str, object]:
+    import uniep
+    import uniep.collectives as uc
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = _device(rank)
+    # The expert-parallel runtime first: the collectives share its NVSHMEM initialisation.
+    uniep.moe.ep.init_runtime(max_tokens=64, hidden=256, top_k=2, num_experts=2 * world)
+    uc.init_cuda(max_block_bytes=16 << 20, timeout_s=30.0)
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    report: dict[str, object] = {}
+    tol = {torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+    for _round in range(3):  # repeated calls reuse the slots and advance the epochs
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            m, k, n = 96, 160, 136
+            a = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+            b = torch.randn(k, n, generator=gen, device=dev).to(dtype)
+            ag_ref = torch.cat(_gather_all(a, world))
+            for chunks in (1, 2, 4):
+                ag, mm = uc.all_gather_matmul(a, b, chunks=chunks)
+                assert torch.equal(ag, ag_ref), (dtype, chunks)
+                err = _rel(mm, ag_ref @ b)
+                assert err <= tol[dtype], ("all_gather_matmul", dtype, chunks, err)
+
+            big = torch.randn(world * m, k, generator=gen, device=dev).to(dtype)
+            rs_ref = _reduce_scatter_ref(big @ b, world, rank)
+            for chunks in (1, 3):
+                out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
+                err = _rel(out, rs_ref)
+                assert err <= tol[dtype] * 2, ("matmul_reduce_scatter", dtype, chunks, err)
+
+            # Plain collectives: bit-exact, and the same bits for every chunk count.
+            x = torch.randn(world * 24, 5, 8, generator=gen, device=dev).to(dtype)
+            parts = _gather_all(x, world)
+            exact = _fixed_order_sum([p[rank * 24 : (rank + 1) * 24] for p in parts], rank, dtype)
+            for chunks in (1, 2, 4, 8):
+                got = uc.reduce_scatter(x, chunks=chunks)
+                assert torch.equal(got, exact), ("reduce_scatter", dtype, chunks)
+                g = uc.all_gather(x[:24], chunks=chunks)
+                assert torch.equal(g, torch.cat([p[:24] for p in parts])), ("all_gather", chunks)
+    # Back-to-back calls of every push kind, checked each time: slot reuse and signal order.
+    for i in range(40):
+        x = torch.randn(world * 64, 1024, generator=gen, device=dev)
+        parts = _gather_all(x, world)
+        exact = _fixed_order_sum([p[rank * 64 : (rank + 1) * 64] for p in parts], rank, x.dtype)
+        got = uc.reduce_scatter(x, chunks=(1, 2, 4, 8)[i % 4])
+        assert torch.equal(got, exact), ("reduce_scatter stress", i)
+        b = torch.randn(1024, 256, generator=gen, device=dev)
+        mine = uc.matmul_reduce_scatter(x, b, chunks=(1, 2)[i % 2])
+        ref = _reduce_scatter_ref(x @ b, world, rank)
+        assert _rel(mine, ref) <= 1e-5, ("matmul_reduce_scatter stress", i, _rel(mine, ref))
+    # Calls on alternating streams with nothing in between: a call's pushes (which free the
+    # peers to write this rank's other slot set) wait for the previous call's reads of its slots,
+    # whatever stream that call came on.
+    side = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    w = torch.randn(1024, 256, generator=gen, device=dev)
+    xs = [torch.randn(world * 64, 1024, generator=gen, device=dev) for _ in range(12)]
+    torch.cuda.synchronize(dev)
+    outs = []
+    for i, xi in enumerate(xs):
+        with torch.cuda.stream(side[i % 2]):
+            if i % 3 == 0:
+                outs.append(uc.all_gather_matmul(xi[:64], w, chunks=1)[1])
+            else:
+                outs.append(uc.reduce_scatter(xi, chunks=1 + i % 2))
+    torch.cuda.synchronize(dev)
+    for i, (xi, got) in enumerate(zip(xs, outs, strict=True)):
+        if i % 3 == 0:
+            ref = torch.cat(_gather_all(xi[:64], world)) @ w
+            assert _rel(got, ref) <= 1e-5, ("all_gather_matmul across streams", i)
+        else:
+            parts = _gather_all(xi, world)
+            want = _fixed_order_sum([p[rank * 64 : (rank + 1) * 64] for p in parts], rank, xi.dtype)
+            assert torch.equal(got, want), ("reduce_scatter across streams", i)
+    # Rows whose bytes are not a multiple of 16: the element-wise reduction path.
+    odd = torch.randn(world * 6, 7, generator=gen, device=dev)
+    parts = _gather_all(odd, world)
+    exact = _fixed_order_sum([p[rank * 6 : (rank + 1) * 6] for p in parts], rank, torch.float32)
+    assert torch.equal(uc.reduce_scatter(odd, chunks=2), exact)
+
+    # Ulysses all-to-all: [S/W, H, D] -> [S, H/W, D] and back, against each peer's head slice.
+    s_local, heads, d = 32, 4 * world, 24
+    q = torch.randn(s_local, heads, d, generator=gen, device=dev, dtype=torch.bfloat16)
+    received = [p.tensor_split(world, 1)[rank] for p in _gather_all(q, world)]
+    head_sharded = uc.all_to_all_ulysses(q, 1, 0)
+    assert torch.equal(head_sharded, torch.cat(received, 0))
+    assert torch.equal(uc.all_to_all_ulysses(head_sharded, 0, 1), q)
+    # The blocks move by 2-D copies between the caller's tensors and the slots: a leading batch
+    # dim makes both sides strided (the own block goes through the own slot), float32 rows of
+    # 20 bytes are not 16-byte multiples, and a transposed x is made contiguous first.
+    for x, sd, gd in (
+        (torch.randn(3, 5, 2 * world, 6, generator=gen, device=dev), 2, 1),
+        (torch.randn(3, 2 * world, 5, 6, generator=gen, device=dev), 1, 2),
+        (torch.randn(world * 2, 5, generator=gen, device=dev), 0, 1),
+        (torch.randn(7, world * 3, generator=gen, device=dev).t(), 0, 1),
+        (torch.randn(4, world, 5, generator=gen, device=dev, dtype=torch.float64), 1, 2),
+    ):
+        got = uc.all_to_all_ulysses(x, sd, gd)
+        parts = _gather_all(x.contiguous(), world)
+        want = torch.cat([p.tensor_split(world, sd)[rank] for p in parts], gd)
+        assert torch.equal(got, want), ("all_to_all_ulysses", tuple(x.shape), sd, gd)
+        back = uc.all_to_all_ulysses(got, gd, sd)
+        assert torch.equal(back, x), ("all_to_all_ulysses round trip", tuple(x.shape), sd, gd)
+
+    # Autograd through the CUDA ops: AG-GEMM's backward is a GEMM-RS (and the reverse).
+    a = torch.randn(32, 48, generator=gen, device=dev, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(48, 40, generator=gen, device=dev, dtype=torch.float64, requires_grad=True)
+    _, mm = uc.all_gather_matmul(a, b, chunks=2)
+    mm.square().sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a_all = torch.cat(_gather_all(a.detach(), world)).requires_grad_(True)
+    b_ref = b.detach().clone().requires_grad_(True)
+    (a_all @ b_ref).square().sum().backward()
+    g_all = a_all.grad.clone()
+    g_all = sum(_gather_all(g_all, world))  # every rank's loss depends on every shard
+    assert _rel(ga, g_all[rank * 32 : (rank + 1) * 32]) <= 1e-10
+    assert _rel(gb, b_ref.grad) <= 1e-10
+
+    # Errors name the argument; none of them leaves a peer waiting.
+    with pytest.raises(ValueError, match="ring"):
+        uc.all_gather(x[:24], order="ring")
+    with pytest.raises(RuntimeError, match="max_block_bytes"):
+        uc.all_gather(torch.empty(5 << 20, device=dev))
+    with pytest.raises(ValueError, match="chunks"):
+        uc.all_gather(x[:24], chunks=5)
+    uc.check()
+
+    # The expert-parallel runtime still works beside the collectives (one NVSHMEM, two heaps).
+    xt = torch.randn(16, 256, generator=gen, device=dev).bfloat16()
+    idx = torch.randint(0, 2 * world, (16, 2), generator=gen, device=dev)
+    w = torch.rand(16, 2, generator=gen, device=dev)
+    recv = uniep.moe.ep.dispatch(xt, idx, w)
+    out = uniep.moe.ep.combine(recv.recv_x[recv.handle.row_slot], recv.handle)
+    err = _rel(out.float(), xt.float() * w.sum(1, keepdim=True))
+    assert err <= 2e-2, ("ep dispatch+combine beside the collectives", err)
+    dist.barrier()
+    torch.cuda.synchronize()
+    uc.shutdown_cuda()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collectives_against_nccl() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_collectives_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
+def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
+    """The GEMM choices of set_gemm: each against NCCL + torch.mm, and the cutlass GEMM's bits
+    the same for every chunk count and SM carve-out (its reduce-scatter folds in the epilogue)."""
+    import uniep.collectives as uc
+
+    dev = _device(rank)
+    uc.init_cuda(max_block_bytes=32 << 20, timeout_s=30.0)
+    gen = torch.Generator(device=dev).manual_seed(99 + rank)
+    hopper = is_hopper(dev)
+    report: dict[str, object] = {"hopper": hopper}
+    bf16 = torch.bfloat16
+    try:
+        # Rows that fill no whole 128-row tile, and more than one cluster of tiles.
+        for m, k, n in ((96, 160, 136), (520, 1024, 776)):
+            a = torch.randn(m, k, generator=gen, device=dev).to(bf16)
+            b = (torch.randn(k, n, generator=gen, device=dev) * k**-0.5).to(bf16)
+            big = torch.randn(world * m, k, generator=gen, device=dev).to(bf16)
+            ag_ref = torch.cat(_gather_all(a, world))
+            mm_ref = (ag_ref.float() @ b.float()).to(bf16)
+            rs_ref = _reduce_scatter_ref(big @ b, world, rank)
+            bits: dict[str, torch.Tensor] = {}
+            choices = [("cublas", 0)]
+            if hopper:
+                choices += [("cutlass", 0), ("cutlass", 16)]
+            for backend, carveout in choices:
+                uc.set_gemm(backend, carveout)
+                for chunks in (1, 2, 4):
+                    ag, mm = uc.all_gather_matmul(a, b, chunks=chunks)
+                    assert torch.equal(ag, ag_ref), (backend, chunks)
+                    err = _rel(mm, mm_ref)
+                    assert err <= 1e-2, ("all_gather_matmul", backend, carveout, chunks, err)
+                    out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
+                    err = _rel(out, rs_ref)
+                    assert err <= 2e-2, ("matmul_reduce_scatter", backend, carveout, chunks, err)
+                    if backend == "cutlass":
+                        for name, got in (("ag_mm", mm), ("mm_rs", out)):
+                            want = bits.setdefault(name, got)
+                            assert torch.equal(got, want), (name, m, carveout, chunks)
+            report[f"checked_{m}"] = [f"{b_}@{c}" for b_, c in choices]
+        if hopper:
+            # Operands the kernel does not take (float32; bf16 output rows of 24 bytes) go to
+            # cuBLAS.
+            uc.set_gemm("cutlass")
+            a32 = torch.randn(64, 32, generator=gen, device=dev)
+            b32 = torch.randn(32, 24, generator=gen, device=dev)
+            _, mm32 = uc.all_gather_matmul(a32, b32)
+            assert _rel(mm32, torch.cat(_gather_all(a32, world)) @ b32) <= 1e-5
+            a6, b6 = a32[:, :8].to(bf16), b32[:8, :12].to(bf16)
+            _, mm6 = uc.all_gather_matmul(a6, b6)
+            assert _rel(mm6, (torch.cat(_gather_all(a6, world)).float() @ b6.float())) <= 1e-2
+            uc.set_gemm("cutlass", sm_carveout=10_000)
+            with pytest.raises(ValueError, match="sm_carveout=10000"):
+                uc.all_gather_matmul(a32.to(bf16), b32.to(bf16))
+        uc.check()
+    finally:
+        uc.set_gemm("cublas")
+        dist.barrier()
+        torch.cuda.synchronize()
+        uc.shutdown_cuda()
+    return report
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collectives_gemm_backends() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_gemm_backends_worker, _world(), backend="nccl", timeout_s=600)
+    assert len(reports) == _world()
+
+
+def _coll_timeout_worker(rank: int, world: int) -> str:
+    import uniep.collectives as uc
+
+    uc.init_cuda(max_block_bytes=1 << 20, timeout_s=3.0)
+    message = "rank 1 never called"
+    if rank == 0:
+        x = torch.randn(2 * 64, 32, device="cuda")
+        uc.reduce_scatter(x)  # enqueued; its wait for rank 1's partial gives up
+        with pytest.raises(TimeoutError, match="waiting for rank 1") as info:
+            uc.check()
+        message = str(info.value)
+    dist.barrier()
+    return message
+
+
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_collective_timeout_names_the_peer() -> None:
+    from uniep.distributed import run_local_ranks
+
+    messages = run_local_ranks(_coll_timeout_worker, 2, backend="nccl", timeout_s=300)
+    assert "timed out" in messages[0] and "reduce_scatter" in messages[0]
+
+
+def test_cuda_collectives_heap_holds_two_slot_sets() -> None:
+    """init_cuda allocates 2 * world_size * max_block_bytes of push slots: one set for calls of odd
+    epoch and one for even, which is what lets a call skip the barrier with its peers."""
+    from uniep import _C
+
+    if not getattr(_C, "has_ep_runtime", False):
+        pytest.skip("built without the CUDA runtime")
+    mib = 1 << 20
+    for world in (1, 2, 4, 8, 16):
+        grown = _C.coll_symmetric_heap_bytes(world, 3 * mib) - _C.coll_symmetric_heap_bytes(
+            world, mib
+        )
+        assert grown == 2 * world * 2 * mib, (world, grown)
