@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import (  # noqa: E402
     median_time_ms,
     sm90_gemm_bench_args,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import add_out_dir_argument, median_time_ms, profile_kernels, write_result  # noqa: E402
 
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import add_out_dir_argument, median_time_ms, write_result  # noqa: E402
 
 CUDA_SKIP = "this build has no CUDA moe_forward (torch without CUDA)"

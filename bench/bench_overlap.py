@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import (  # noqa: E402
     add_profile_argument,
     add_trace_arguments,

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import add_out_dir_argument, write_result  # noqa: E402
 from plot_svg import Panel, Series, render_svg  # noqa: E402
 

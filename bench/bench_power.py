@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import (  # noqa: E402
     add_out_dir_argument,
     profile_kernels,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from bench_overlap import (  # noqa: E402
     CHILD_ENV,
     _checked,

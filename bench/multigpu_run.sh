@@ -24,7 +24,7 @@
 # other three files go to a new folder under $TMPDIR; a --dry-run keeps all four there.
 #
 # KIND: $UNIEP_DEVICE_KIND if the caller sets it (the device tool's kind, e.g. nvidia-h100-x2),
-# else derived from the GPU name and count (bench/common.py kind_from_gpus). COMMIT:
+# else derived from the GPU name and count (bench/harness/common.py kind_from_gpus). COMMIT:
 # $UNIEP_COMMIT if set (the device copy's git HEAD is not this tree's), else git's HEAD.
 #
 # Time budget on nvidia-h100-x2 (seconds; "typical" estimated from each script's own settings,
@@ -51,7 +51,7 @@
 #                                                 schedules x (1 + 5) fwd+bwd calls; simulator ~3 s
 #   summary + bundle (reserved)     5   20    -
 #   total                        ~480 <= 580
-# Parts 1 and 2 pass their step's seconds as one --budget for their shapes (bench/common.py
+# Parts 1 and 2 pass their step's seconds as one --budget for their shapes (bench/harness/common.py
 # ShapeClock): a shape may use what the earlier ones left, less a floor per later shape, instead
 # of a fixed half each. On 4 H100s (the runs of 2026-11-26 at commits 1995c58 and 072b748) the
 # build took 112 s, the tests 163 s, part 1 39 s, part 2 103 s (DeepSeek-V3-like over 55 s,
@@ -176,7 +176,7 @@ fi
 tp_csv=$(IFS=,; echo "${tps[*]-}")
 want() { [[ ",$parts," == *",$1,"* ]]; }
 
-py() { python3 bench/multigpu_summary.py "$@"; }
+py() { python3 bench/harness/multigpu_summary.py "$@"; }
 py meta --work "$WORK" kind="$kind" device="$gpu_name" gpu_count="$gpus" commit="$commit" \
   started="$(date -u -d "@$start" +%Y-%m-%dT%H:%M:%SZ)" started_epoch="$start" \
   budget_s="$budget" parts="\"$parts\"" ep_size="$ep" tp_sizes="[${tp_csv}]" \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every bench/bench_*.py, then print one headline table per benchmark of the JSON they wrote
-# (bench/summarize.py: ours, the peer's from the same run, the ratio, the goal and whether met).
+# (bench/harness/summarize.py: ours, the peer's from the same run, the ratio, the goal and whether met).
 #   bash bench/run_all.sh [--quick] [--detail] [--out-dir DIR]
 # --quick runs the CPU configurations only (what CI and a laptop can do); --detail adds the table
 # of every field of each result after the headlines. Exits non-zero if any benchmark failed; the
@@ -45,7 +45,7 @@ for script in "$here"/bench_*.py; do
 done
 
 echo
-"$python" "$here/summarize.py" --out-dir "$out_dir" --since "$start" ${summary[@]+"${summary[@]}"} \
+"$python" "$here/harness/summarize.py" --out-dir "$out_dir" --since "$start" ${summary[@]+"${summary[@]}"} \
   || failed+=("summarize")
 
 if [[ ${#failed[@]} -gt 0 ]]; then

@@ -1,4 +1,4 @@
-"""The benchmark helpers that every bench script shares (bench/common.py)."""
+"""The benchmark helpers that every bench script shares (bench/harness/common.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "bench" / d) for d in ("", "harness")]
 import common  # noqa: E402
 
 

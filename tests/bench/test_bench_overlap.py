@@ -1,4 +1,5 @@
-"""bench/bench_overlap.py and bench/plot_svg.py without a GPU: the pure helpers and the plot."""
+"""bench/bench_overlap.py and bench/harness/plot_svg.py without a GPU: the pure helpers and the
+plot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "bench" / d) for d in ("", "harness")]
 import bench_overlap as bo  # noqa: E402
 import plot_svg  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""bench/summarize.py: one readable table per benchmark, no JSON in a cell; the headline tables
-of bench/headlines.py (ours, the peer's, their ratio, the goal, met) and the generic fallback."""
+"""bench/harness/summarize.py: one readable table per benchmark, no JSON in a cell; the headline
+tables of bench/harness/headlines.py (ours, the peer's, their ratio, the goal, met) and the generic
+fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "bench" / d) for d in ("", "harness")]
 
 import headlines  # noqa: E402
 import summarize  # noqa: E402
@@ -63,7 +64,7 @@ def test_one_row_reads_as_named_values() -> None:
     ]
 
 
-# ---- the headline tables (bench/headlines.py) ----
+# ---- the headline tables (bench/harness/headlines.py) ----
 
 
 def _committed(name: str) -> dict:
@@ -163,7 +164,7 @@ def test_an_unknown_benchmark_gets_the_generic_table() -> None:
     payload = {"name": "bench_new", "env": {}, "rows": [{"a": 1, "ms": 2.0}, {"a": 2, "ms": 3.0}]}
     lines = summarize.render(payload)
     assert lines[:-2] == summarize.table(payload)
-    assert lines[-1] == "(no headline spec for bench_new in bench/headlines.py)"
+    assert lines[-1] == "(no headline spec for bench_new in bench/harness/headlines.py)"
 
 
 def test_an_odd_result_never_crashes_the_summary() -> None:

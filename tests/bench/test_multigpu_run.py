@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "harness")]
 import bench_experts  # noqa: E402
 import bench_moe_ep  # noqa: E402
 import bench_parm  # noqa: E402

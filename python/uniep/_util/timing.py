@@ -1,5 +1,5 @@
 """How UniEP times a call: the per-call times the tuner (``uniep.tune``) measures candidates by
-and the benchmarks (``bench/common.py``) report medians of."""
+and the benchmarks (``bench/harness/common.py``) report medians of."""
 
 from __future__ import annotations
 

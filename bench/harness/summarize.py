@@ -1,11 +1,11 @@
 """Print Markdown tables of benchmark JSON files (those written by bench/common.write_result).
 
-python bench/summarize.py [--out-dir DIR] [--since EPOCH_SECONDS] [--detail] [--expect NAME]
+python bench/harness/summarize.py [--out-dir DIR] [--since EPOCH_SECONDS] [--detail] [--expect NAME]
                           [FILE ...]
 
 Without FILEs: every DIR/NAME/NAME.json (default bench/results), one result per benchmark.
-First one headline table per benchmark (bench/headlines.py: our figure, the peer's from the same
-run, their ratio, the goal and whether it is met); a benchmark without a spec there, or whose
+First one headline table per benchmark (bench/harness/headlines.py: our figure, the peer's from the
+same run, their ratio, the goal and whether it is met); a benchmark without a spec there, or whose
 result lacks a field its spec names, gets the generic table, with the reason under it.
 ``--detail`` adds the generic table of every result (every field that holds one value).
 ``--expect NAME`` (run_all.sh passes every benchmark it ran): a line for each one that wrote no
@@ -22,7 +22,7 @@ from typing import Any
 
 import headlines
 
-DEFAULT_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 # A string cell longer than this becomes a numbered note under its table.
@@ -124,7 +124,7 @@ def render(payload: dict[str, Any]) -> list[str]:
     name = payload.get("name", "?")
     spec = headlines.SPECS.get(str(name))
     if spec is None:
-        return table(payload) + ["", f"(no headline spec for {name} in bench/headlines.py)"]
+        return table(payload) + ["", f"(no headline spec for {name} in bench/harness/headlines.py)"]
     try:
         return headlines.headline(payload, spec)
     except headlines.SpecMismatch as exc:
@@ -133,8 +133,8 @@ def render(payload: dict[str, Any]) -> list[str]:
         reason = f"{type(exc).__name__}: {exc}"
     return table(payload) + [
         "",
-        f"(no headline table: {reason}; bench/headlines.py's spec for {name} does not fit this "
-        "result)",
+        f"(no headline table: {reason}; bench/harness/headlines.py's spec for {name} does not "
+        "fit this result)",
     ]
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n## Detail: every field of each result\n")
         print("\n\n".join("\n".join(table(p)) for p in payloads))
     else:
-        print("\n(every field of each result: bench/summarize.py --detail)")
+        print("\n(every field of each result: bench/harness/summarize.py --detail)")
     return 0
 
 

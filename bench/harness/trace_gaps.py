@@ -2,7 +2,7 @@
 (``bench_experts.py --profile N --trace VARIANT --trace-dir DIR`` writes them), and the host ops
 and CUDA runtime calls that ran during the gaps.
 
-    python bench/trace_gaps.py TRACE.json [--min-gap-us 15] [--top 25]
+    python bench/harness/trace_gaps.py TRACE.json [--min-gap-us 15] [--top 25]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One headline table per benchmark: our figure, the peer's from the same run, their ratio, the
-goal and whether it is met (``bench/summarize.py`` prints them; ``bench/run_all.sh`` ends with
-them).
+goal and whether it is met (``bench/harness/summarize.py`` prints them; ``bench/run_all.sh`` ends
+with them).
 
 Each benchmark has one :class:`Spec` in :data:`SPECS`, keyed by its name: the columns that name a
 case (from the row's keys), and its :class:`Figure` s, each with the field that holds our figure,
@@ -116,7 +116,7 @@ SPECS: dict[str, Spec] = {
                                where={"shape": "dsv3"}),)),
             Figure("bf16 dispatch, cached plan", "cached_dispatch_us_max", "us",
                    "nccl_dispatch_us_max", "NCCL"),
-            # 290 GB/s: the issue's fp8 goal (bench/multigpu_summary.py DISPATCH_FP8_GBPS);
+            # 290 GB/s: the issue's fp8 goal (bench/harness/multigpu_summary.py DISPATCH_FP8_GBPS);
             # bench_dispatch records no fp8 goal.
             Figure("fp8 dispatch", "fp8_dispatch_us_max", "us", "nccl_dispatch_us_max", "NCCL",
                    optional=True,

@@ -4,8 +4,8 @@ The GPU machine has no network and may lack matplotlib, so the benchmarks can al
 plots with the small writer below. ``overlap_panels`` turns a ``bench_overlap.py`` result into
 one panel per (TP size, op kind): time against M for each variant.
 
-    python bench/plot_svg.py                    # bench/results/bench_overlap/bench_overlap.svg
-    python bench/plot_svg.py RESULT.json -o plot.svg --no-matplotlib
+    python bench/harness/plot_svg.py     # bench/results/bench_overlap/bench_overlap.svg
+    python bench/harness/plot_svg.py RESULT.json -o plot.svg --no-matplotlib
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from xml.sax.saxutils import escape
 __all__ = ["Panel", "Series", "nice_ticks", "overlap_panels", "render_svg", "write_plot"]
 
 # bench_overlap.py's result (common.result_path, which is not imported: common needs torch).
-OVERLAP_RESULT = Path(__file__).resolve().parent / "results/bench_overlap/bench_overlap.json"
+OVERLAP_RESULT = Path(__file__).resolve().parents[1] / "results/bench_overlap/bench_overlap.json"
 
 
 @dataclass(frozen=True)

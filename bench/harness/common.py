@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
 PLOT_SUFFIXES = (".svg", ".png")
 
