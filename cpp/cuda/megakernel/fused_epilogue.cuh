@@ -41,19 +41,20 @@ CUTLASS_DEVICE int64_t held_slot(int64_t num_held) {
 // kPair: GEMM 1's gate/up column blocks, 8 with w1 packed (pack_gate_up), 64 with w1 as stored
 // read through PlainGateUpMainloop (swiglu_epilogue.cuh says why both pair up in one thread).
 template <int kPair = 8>
-class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
+class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
+                         public grouped::DirectTileCall<FusedMoeEpilogue<kPair>> {
  public:
   using Bf16 = grouped::Bf16;
 
   struct Arguments {
-    Bf16** ptr_out = nullptr;  // per group: row 0 of its output rows (act, then y)
-    int64_t ld_act = 0;        // FFN: the columns of act
-    int64_t ld_y = 0;          // hidden: the columns of y
-    int32_t split = 0;         // groups below it are GEMM 1
+    Bf16** ptr_out = nullptr;   // per group: row 0 of its output rows (act, then y)
+    int64_t ld_act = 0;         // FFN: the columns of act
+    int64_t ld_y = 0;           // hidden: the columns of y
+    int32_t split = 0;          // groups below it are GEMM 1
     uint32_t* done1 = nullptr;  // per (expert, m-tile) at tile_base[e] + i
     uint32_t* done2 = nullptr;
     const int32_t* tile_base = nullptr;
-    int64_t num_done = 0;  // entries of each of done1 and done2
+    int64_t num_done = 0;       // entries of each of done1 and done2
     bool done2_system = false;  // done2 is read by peer GPUs: release at system scope
     // With peers (world > 1): GEMM 2's rows go to their sources' combine slots, not ptr_out.
     // Row r of local expert e is offs[e - 1] + m (offs[-1] = 0); row_src[r] = source rank x
@@ -76,11 +77,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(const ProblemShape&, const Arguments& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
   static bool can_implement(const ProblemShape&, const Arguments& a) {
     return a.ptr_out != nullptr && a.ld_act > 0 && a.ld_act % 2 == 0 && a.ld_y > 0 &&
            a.ld_y % 2 == 0 && a.split >= 0 && a.done1 != nullptr && a.done2 != nullptr &&
@@ -89,21 +85,13 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
 
   CUTLASS_HOST_DEVICE explicit FusedMoeEpilogue(const Params& params) : params_(params) {}
 
-  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
-            class FrgLayout, class TiledMma, class ResidueMNK>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
-                                 BlockCoordMNKL blk_coord_mnkl,
-                                 const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
-                                 ResidueMNK, int thread_idx, char*) {
+  // One output tile (DirectTileCall's call).
+  template <int kAtom, class Tile, class Acc>
+  CUTLASS_DEVICE void store_tile(const Tile& t, const Acc& acc) {
     using namespace cute;
-    constexpr int kAtom = size<0>(FrgLayout{});
     static_assert(kAtom % 8 == 0, "column blocks must pair up (gate, up)");
-    const int M = get<0>(problem_shape_mnkl);
-    const int N = get<1>(problem_shape_mnkl);
-    const auto m_coord = get<0>(blk_coord_mnkl);
-    const int group = static_cast<int>(get<3>(blk_coord_mnkl));
-    Tensor crd = fragment_coords<FrgLayout>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
-                                            tiled_mma, thread_idx);
+    const int M = t.M, N = t.N, group = t.group;
+    const auto& crd = t.crd;
     auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[group]);
     const bool first = group < params_.split;
     const bool push = !first && params_.world > 1;
@@ -150,17 +138,16 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue {
         }
       }
     }
-    const int tile_m = size<0>(blk_shape_mnk);
     if (first) {
-      signal_tile_done(params_.done1, params_.tile_base, group, static_cast<int>(m_coord), tile_m,
-                       M, params_.num_done);
+      signal_tile_done(params_.done1, params_.tile_base, group, t.m_tile, t.tile_m, M,
+                       params_.num_done);
       return;
     }
     uint32_t* done2 = params_.done2;
     if (params_.parity_epoch != nullptr)
       done2 += static_cast<int64_t>(*params_.parity_epoch & 1) * params_.done2_parity_stride;
-    pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split,
-                                 static_cast<int>(m_coord), tile_m, M, params_.num_done);
+    pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split, t.m_tile,
+                                 t.tile_m, M, params_.num_done);
     signal_pending(params_.held == nullptr);
   }
 

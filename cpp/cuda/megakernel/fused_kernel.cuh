@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -84,8 +85,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
   constexpr int kThreads = G::kThreads;
   extern __shared__ char smem[];
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const bool along_n =
-      params.scheduler.raster_order_ == Kernel::TileScheduler::RasterOrder::AlongN;
+  const bool along_n = params.scheduler.raster_order_ == Kernel::TileScheduler::RasterOrder::AlongN;
   const uint64_t ctas = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
   const uint64_t units = Kernel::TileScheduler::units_in_grid(params.scheduler);
   const uint64_t per_unit = ctas / units;
@@ -135,22 +135,9 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
                                               int comm_units, int skip_rounds, int device,
                                               int sm_count, const FusedScratch& scratch = {}) {
   typename G::Kernel::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape.num_groups = static_cast<int>(2 * a.num_experts);
-  args.problem_shape.problem_shapes = ws.shapes;
-  args.problem_shape.host_problem_shapes = nullptr;
-  args.mainloop.ptr_A = ws.ptr_a;
-  args.mainloop.dA = reinterpret_cast<grouped::KMajorA*>(ws.stride_a);
-  args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
-  TileGate rows_gate;
-  rows_gate.counters = a.counters;
-  rows_gate.num_counters = a.num_counters;
-  rows_gate.tile_base = a.tile_base;
-  rows_gate.per_row = 1;
-  rows_gate.per_tile = 0;
-  rows_gate.timeout_ns = a.timeout_ns;
-  rows_gate.timeout = a.timeout;
+  grouped::set_problem_arrays<grouped::KMajorA, grouped::NMajorB>(args, ws, 2 * a.num_experts);
+  TileGate rows_gate =
+      stored_rows_gate(a.counters, a.num_counters, a.tile_base, a.timeout_ns, a.timeout);
   rows_gate.waited_ns = a.gate_wait_ns;
   rows_gate.waited_stride = 2;
   TileGate done_gate = rows_gate;
@@ -164,8 +151,7 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
   if constexpr (G::kW1AsStored) {
     // GEMM 1's groups [0, E) read w1 through the mainloop's own TMA; GEMM 2's their pointers.
-    const grouped::PlainW1 w1{static_cast<const grouped::Bf16*>(a.w1_packed), a.hidden,
-                              2 * a.ffn};
+    const grouped::PlainW1 w1{static_cast<const grouped::Bf16*>(a.w1_packed), a.hidden, 2 * a.ffn};
     G::Mainloop::set_w1(args.mainloop, w1, a.num_experts, a.num_experts);
   }
   args.epilogue.ptr_out = ws.ptr_d;
@@ -226,26 +212,8 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
   st.reduce_ticket = scratch.reduce_ticket;
   st.reduce_need =
       static_cast<uint32_t>(G::kWarpsPerTile * ((a.hidden + G::kTileN - 1) / G::kTileN));
-
-  const int smem = static_cast<int>(Kernel::SharedStorageSize);
-  if (cudaFuncSetAttribute(fused_moe_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem) != cudaSuccess)
-    return launch_status("moe_fused_forward_bf16 (shared memory attribute)");
-  cudaLaunchConfig_t config{};
-  config.gridDim = Kernel::get_grid_shape(params);
-  config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  if (cudaLaunchKernelEx(&config, fused_moe_kernel<G>, params, st) != cudaSuccess)
-    return launch_status("moe_fused_forward_bf16");
-  return launch_status("moe_fused_forward_bf16");
+  return launch_with_body<Kernel>(fused_moe_kernel<G>, params, stream, "moe_fused_forward_bf16",
+                                  st);
 }
 
 }  // namespace uniep::cuda::megakernel

@@ -27,6 +27,22 @@ constexpr int kSendBatch = 16;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
 
+// Where entry i of the plan (token i / top_k's expert i % top_k) goes: to(row, counter, rank)
+// with its GEMM row, its tile counter and, with peers, its expert's rank (0 without). Not called
+// where the entry is routed nowhere (row -1), nor where the plan points outside the buffers
+// (recorded in the error word: kSendRowOutOfRange). Args is FusedMoeArgs or FusedBackwardArgs.
+template <class Args, class To>
+__device__ __forceinline__ void with_entry_dest(const Args& a, int64_t i, bool peers, To&& to) {
+  const int64_t r = a.gemm_row[i], c = a.counter[i];
+  const int64_t d = peers ? a.dest_rank[i] : 0;
+  if (r >= 0) {
+    if (r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 || d >= a.peers.world_size)
+      send_error(a.error, kSendRowOutOfRange, i);
+    else
+      to(r, c, d);
+  }
+}
+
 // The batch's rows packed into lanes 0 .. popc(valid) - 1 for warp_copy_rows: lane j <
 // kSendBatch holds its row's source and destination (null where the row is not sent).
 __device__ __forceinline__ int pack_batch_rows(const int4*& src, int4*& dst, int lane) {
@@ -147,19 +163,13 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
     int4* dst = nullptr;
     uint32_t* signal = nullptr;
     if (lane < K) {
-      const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
-      const int64_t d = peers ? a.dest_rank[i] : 0;
-      if (r >= 0) {
-        if (r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
-            d >= a.peers.world_size) {
-          send_error(a.error, kSendRowOutOfRange, i);
-        } else {
-          dst = static_cast<int4*>(peers ? a.peers.rows[d] : a.rows) + r * pieces;
-          signal = (peers ? a.peers.counters[d] : a.counters) + c;
-          // Where GEMM 2's epilogue on d sends the row's output: this rank's slot (t, k).
-          if (peers) a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
-        }
-      }
+      const int64_t i = t * K + lane;
+      with_entry_dest(a, i, peers, [&](int64_t r, int64_t c, int64_t d) {
+        dst = static_cast<int4*>(peers ? a.peers.rows[d] : a.rows) + r * pieces;
+        signal = (peers ? a.peers.counters[d] : a.counters) + c;
+        // Where GEMM 2's epilogue on d sends the row's output: this rank's slot (t, k).
+        if (peers) a.peers.row_src[d][r] = a.peers.rank * a.peers.slots_per_rank + i;
+      });
     }
     store_token_row(x + t * pieces, dst, pieces, static_cast<int>(K), lane);
     publish_token_rows(signal, peers);
@@ -172,8 +182,8 @@ __device__ __forceinline__ void fused_send_tokens(const FusedMoeArgs& a, int64_t
 // goes on. As in fused_send_rows, a warp's lanes load the batch's indices at once and its rows
 // go as one run (reading each token's row once per entry); then one system fence per lane
 // covers them all before their signals.
-__device__ __forceinline__ void fused_send_order(const FusedMoeArgs& a, int64_t warp,
-                                                 int64_t warps, int lane) {
+__device__ __forceinline__ void fused_send_order(const FusedMoeArgs& a, int64_t warp, int64_t warps,
+                                                 int lane) {
   const int pieces = static_cast<int>(a.hidden * 2 / 16);
   const int64_t n = a.tokens * a.top_k, stride = warps * kSendBatch;
   const auto* x = static_cast<const int4*>(a.x);
@@ -235,8 +245,7 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint
   while (have < need) {
     __nanosleep(128);
     if (gate_clock_ns() > deadline) {
-      if (lane == 0)
-        gate_report(a.timeout, 3u, static_cast<int>(token), k, have, need);
+      if (lane == 0) gate_report(a.timeout, 3u, static_cast<int>(token), k, have, need);
       return false;
     }
     if (gate_failed(a.timeout)) return false;
@@ -264,28 +273,21 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, uint3
     if (lane == 0) taken = atomicAdd(ticket, 1u);
     const int64_t t = __shfl_sync(0xffffffffu, taken, 0);
     if (t >= a.tokens) break;
-    const uint8_t* row = nullptr;   // lane k: entry (t, k)'s expert output
+    const uint8_t* row = nullptr;    // lane k: entry (t, k)'s expert output
     const uint32_t* done = nullptr;  // and its tile's done2 counter
     float w = 0.f;
     if (lane < K) {
-      const int64_t i = t * K + lane, r = a.gemm_row[i], index = a.counter[i];
-      const int64_t d = peers ? a.dest_rank[i] : 0;
+      const int64_t i = t * K + lane;
       w = a.topk_weights[i];
-      if (r >= 0) {
-        if (r >= a.capacity || index < 0 || index >= a.num_counters || d < 0 ||
-            d >= a.peers.world_size) {
-          send_error(a.error, kSendRowOutOfRange, i);
-        } else {
-          row = peers ? static_cast<const uint8_t*>(a.peers.combine[a.peers.rank]) + i * row_bytes
-                      : static_cast<const uint8_t*>(a.y) + r * row_bytes;
-          // The call's set of done counters (read here, not held across the loop: registers).
-          const int64_t set = a.parity_epoch != nullptr
-                                  ? static_cast<int64_t>(*a.parity_epoch & 1) *
-                                        a.done2_parity_stride
-                                  : 0;
-          done = (peers ? a.peers.done2[d] : a.done2) + set + index;
-        }
-      }
+      with_entry_dest(a, i, peers, [&](int64_t r, int64_t index, int64_t d) {
+        row = peers ? static_cast<const uint8_t*>(a.peers.combine[a.peers.rank]) + i * row_bytes
+                    : static_cast<const uint8_t*>(a.y) + r * row_bytes;
+        // The call's set of done counters (read here, not held across the loop: registers).
+        const int64_t set = a.parity_epoch != nullptr
+                                ? static_cast<int64_t>(*a.parity_epoch & 1) * a.done2_parity_stride
+                                : 0;
+        done = (peers ? a.peers.done2[d] : a.done2) + set + index;
+      });
     }
     for (int k = 0; k < K; ++k) {
       const auto* dk = reinterpret_cast<const uint32_t*>(

@@ -6,8 +6,9 @@
 // cooperative and ping-pong kernels) reach the mainloop only through its collective interface:
 // the producer warp calls tensormaps_perform_update(..., batch) whenever it moves to another
 // group and load(..., blk_coord, ...) once per output tile. Hiding those two members is enough
-// to gate every tile, and the pipeline, the WGMMA consumers and the tile scheduler stay
-// CUTLASS's own. The gate is read by the producer only: the consumers wait on the pipeline's
+// to gate every tile (the first is the engine's GroupTrackingMainloop, group_mainloop.cuh, which
+// remembers the group and its rows), and the pipeline, the WGMMA consumers and the tile scheduler
+// stay CUTLASS's own. The gate is read by the producer only: the consumers wait on the pipeline's
 // barriers as always, so a gated tile costs the consumers nothing but the time the rows take.
 //
 // The wait sits before the TMA loads of the tile's first k-block; B (the expert's weight) is
@@ -22,12 +23,30 @@
 
 #include <climits>
 
+#include "cuda/gemm/grouped/group_mainloop.cuh"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {
 
+// The gate on rows that a send stores (the MegaKernel's first GEMM, the backward's two): each
+// stored row counts 1 on its tile's counter, so a tile may load once all of its rows are in.
+inline TileGate stored_rows_gate(const uint32_t* counters, int64_t num_counters,
+                                 const int32_t* tile_base, uint64_t timeout_ns,
+                                 GateTimeout* timeout) {
+  TileGate g;
+  g.counters = counters;
+  g.num_counters = num_counters;
+  g.tile_base = tile_base;
+  g.per_row = 1;
+  g.per_tile = 0;
+  g.timeout_ns = timeout_ns;
+  g.timeout = timeout;
+  return g;
+}
+
 template <class Base, int TileM>
-struct GatedMainloop : Base {
+struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
+  using Tracking = grouped::GroupTrackingMainloop<Base>;
   struct Arguments : Base::Arguments {
     TileGate gate;
     TileGate gate2;
@@ -42,26 +61,11 @@ struct GatedMainloop : Base {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, const Arguments& args,
                                         void* workspace) {
-    Params p;
-    static_cast<typename Base::Params&>(p) =
-        Base::to_underlying_arguments(problem_shapes, args, workspace);
+    Params p = Tracking::template base_params<Params>(problem_shapes, args, workspace);
     p.gate = args.gate;
     p.gate2 = args.gate2;
     p.split = args.split;
     return p;
-  }
-
-  // The producer warp calls this for the first group of its CTA and at every change of group,
-  // before the group's first load: remember which expert the next tiles belong to and its rows.
-  template <class TensorMapA, class TensorMapB, class ProblemShapeMNKL>
-  CUTLASS_DEVICE void tensormaps_perform_update(
-      typename Base::TensorMapStorage& shared_tensormaps, const Params& params,
-      const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps, ProblemShapeMNKL problem_mnkl,
-      int32_t next_batch) {
-    group_ = next_batch;
-    group_rows_ = static_cast<int>(cute::get<0>(problem_mnkl));
-    Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_mnkl,
-                                    next_batch);
   }
 
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
@@ -70,15 +74,15 @@ struct GatedMainloop : Base {
                            typename Base::PipelineState smem_pipe_write,
                            const cute::tuple<TensorA, TensorB>& load_inputs,
                            const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps,
-                           const BlockCoord& blk_coord, KTileIterator k_tile_iter,
-                           int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
+                           const BlockCoord& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int thread_idx, uint32_t block_rank_in_cluster,
                            typename Base::TensorStorage& shared_tensors) {
-    const bool second = group_ >= params.split;
+    const bool second = this->group_ >= params.split;
     const TileGate& gate = second ? params.gate2 : params.gate;
     if (gate.counters != nullptr && k_tile_count > 0) {
       if (cute::elect_one_sync()) {
-        gate_wait(gate, second ? group_ - params.split : group_,
-                  static_cast<int>(cute::get<0>(blk_coord)), group_rows_, TileM);
+        gate_wait(gate, second ? this->group_ - params.split : this->group_,
+                  static_cast<int>(cute::get<0>(blk_coord)), this->group_rows_, TileM);
         fence_generic_to_async();
       }
       __syncwarp();
@@ -86,10 +90,6 @@ struct GatedMainloop : Base {
     Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
                k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
   }
-
- private:
-  int group_ = 0;
-  int group_rows_ = 0;
 };
 
 }  // namespace uniep::cuda::megakernel

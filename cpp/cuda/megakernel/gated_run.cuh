@@ -22,9 +22,8 @@ template <grouped::GroupedEpilogue Epi>
 struct GatedGemm {
   using Plain = grouped::Sm90GroupedGemm<kGatedTileM, kGatedTileN, 64, 2, 1, false, Epi>;
   using Mainloop = GatedMainloop<typename Plain::Mainloop, kGatedTileM>;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop,
-                                           typename Plain::Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop,
+                                                      typename Plain::Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);
   static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
@@ -38,12 +37,7 @@ typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspac
                                                          const grouped::PlainW1& plain = {}) {
   using G = GatedGemm<Epi>;
   typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
-  args.mainloop.ptr_A = ws.ptr_a;
-  args.mainloop.dA = reinterpret_cast<grouped::KMajorA*>(ws.stride_a);
-  args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = reinterpret_cast<grouped::NMajorB*>(ws.stride_b);
+  grouped::set_problem_arrays<grouped::KMajorA, grouped::NMajorB>(args, ws, num_experts);
   args.mainloop.gate = gate;
   if constexpr (Epi == grouped::GroupedEpilogue::kSwiGluPlain)
     G::Mainloop::set_w1(args.mainloop, plain, num_experts);
@@ -76,7 +70,7 @@ Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const T
   const auto args =
       gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out, plain);
   return launch_cutlass<typename GatedGemm<Epi>::Gemm>(args, ws.gemm, stream,
-                                                     "the gated grouped GEMM");
+                                                       "the gated grouped GEMM");
 }
 
 // One per epilogue, each defined in its own translation unit.

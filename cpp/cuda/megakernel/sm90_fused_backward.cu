@@ -10,9 +10,10 @@
 
 #include <algorithm>
 
-#include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/fused_checks.hpp"
+#include "cuda/megakernel/fused_problems.cuh"
 #include "cuda/megakernel/fused_stages.cuh"
 #include "cuda/megakernel/gated_run.cuh"
 #include "uniep/cuda/fused_moe_backward.hpp"
@@ -31,30 +32,9 @@ __global__ void __launch_bounds__(32)
                       int ffn, const grouped::Bf16* rows_x, const grouped::Bf16* rows_go,
                       const grouped::Bf16* w1, const grouped::Bf16* w2t, grouped::Bf16* h,
                       grouped::Bf16* grad_act, grouped::Workspace ws) {
-  const int lane = static_cast<int>(threadIdx.x);
-  int carry = 0;
-  for (int base = 0; base < num_experts; base += 32) {
-    const int e = base + lane;
-    const grouped::ExpertRows r =
-        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
-    if (e >= num_experts) continue;
-    const int m = r.end - r.begin, e2 = e + num_experts;
-    const int64_t b = r.begin, ee = e, hh = hidden, f = ffn;
-    ws.shapes[e] = grouped::Shape{m, 2 * ffn, hidden};
-    ws.ptr_a[e] = rows_x + b * hh;
-    ws.ptr_b[e] = w1 + ee * hh * 2 * f;
-    ws.ptr_d[e] = h + b * 2 * f;
-    ws.stride_a[e] = hh;
-    ws.stride_b[e] = 2 * f;
-    ws.stride_d[e] = grouped::StrideD{2 * f, cute::_1{}, cute::_0{}};
-    ws.shapes[e2] = grouped::Shape{m, ffn, hidden};
-    ws.ptr_a[e2] = rows_go + b * hh;
-    ws.ptr_b[e2] = w2t + ee * hh * f;
-    ws.ptr_d[e2] = grad_act + b * f;
-    ws.stride_a[e2] = hh;
-    ws.stride_b[e2] = f;
-    ws.stride_d[e2] = grouped::StrideD{f, cute::_1{}, cute::_0{}};
-  }
+  set_fused_problems(offs, num_experts, rows, static_cast<int>(threadIdx.x), ws,
+                     {rows_x, w1, h, hidden, 2 * ffn, 2 * ffn},
+                     {rows_go, w2t, grad_act, hidden, ffn, ffn});
 }
 
 // Warp `warp` of `warps` takes tokens warp, warp + warps, ...: each token's x row and grad_out
@@ -72,13 +52,9 @@ __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a,
     int4* dst_go = nullptr;
     uint32_t* signal = nullptr;
     if (lane < K) {
-      const int64_t i = t * K + lane, r = a.gemm_row[i], c = a.counter[i];
-      const int64_t d = peers ? a.dest_rank[i] : 0;
-      if (r >= 0) {
-        if (r >= a.capacity || c < 0 || c >= a.num_counters || d < 0 ||
-            d >= a.peers.world_size) {
-          send_error(a.error, kSendRowOutOfRange, i);
-        } else if (peers) {
+      const int64_t i = t * K + lane;
+      with_entry_dest(a, i, peers, [&](int64_t r, int64_t c, int64_t d) {
+        if (peers) {
           dst_x = static_cast<int4*>(a.peers.rows_x[d]) + r * pieces;
           dst_go = static_cast<int4*>(a.peers.rows_go[d]) + r * pieces;
           signal = a.peers.counters[d] + c;
@@ -89,7 +65,7 @@ __device__ __forceinline__ void backward_send_tokens(const FusedBackwardArgs& a,
           dst_go = static_cast<int4*>(a.rows_go) + r * pieces;
           signal = a.counters + c;
         }
-      }
+      });
     }
     store_token_row(x + t * pieces, dst_x, pieces, static_cast<int>(K), lane);
     store_token_row(go + t * pieces, dst_go, pieces, static_cast<int>(K), lane);
@@ -121,19 +97,8 @@ __global__ void __launch_bounds__(BackwardKernel::MaxThreadsPerBlock,
 }
 
 Status check_args(const FusedBackwardArgs& a) {
-  if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("tokens must be >= 0 and top_k in [1, 32], got ", a.tokens, " and ",
-                            a.top_k)};
-  if (a.hidden <= 0 || a.hidden % 64 != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("hidden must be a positive multiple of 64, got ", a.hidden)};
-  if (a.ffn <= 0 || a.ffn % 64 != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("ffn must be a positive multiple of 64, got ", a.ffn)};
-  if (a.num_experts < 1 || a.num_experts > (1 << 20))
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
+  if (Status s = check_layer_sizes(a.tokens, a.top_k, a.hidden, a.ffn, a.num_experts); !s.ok())
+    return s;
   if (a.capacity < a.tokens * a.top_k || a.capacity > (1ll << 31) - 1)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("capacity must be in [tokens x top_k = ", a.tokens * a.top_k,
@@ -142,23 +107,20 @@ Status check_args(const FusedBackwardArgs& a) {
     return {StatusCode::kInvalidArgument,
             detail::str_cat("num_counters must be >= capacity / ", kGatedTileM, " + E = ",
                             a.capacity / kGatedTileM + a.num_experts, ", got ", a.num_counters)};
-  const void* needed[] = {a.x,       a.grad_out, a.gemm_row, a.counter,  a.w1,
-                          a.w2t,     a.offs,     a.tile_base, a.rows_x,  a.rows_go,
-                          a.h,       a.grad_act, a.counters, a.error,    a.timeout};
-  for (const void* p : needed)
-    if (p == nullptr)
-      return {StatusCode::kInvalidArgument,
-              "moe_fused_backward_rows_bf16: every pointer of FusedBackwardArgs must be a device "
-              "pointer"};
+  if (!all_set({a.x, a.grad_out, a.gemm_row, a.counter, a.w1, a.w2t, a.offs, a.tile_base, a.rows_x,
+                a.rows_go, a.h, a.grad_act, a.counters, a.error, a.timeout}))
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_backward_rows_bf16: every pointer of FusedBackwardArgs must be a device "
+            "pointer"};
   if (a.peers.row_src[0] != nullptr) {
     if (a.peers.world_size < 1 || a.peers.world_size > kMaxFusedPeers || a.peers.rank < 0 ||
         a.peers.rank >= a.peers.world_size || a.peers.slots_per_rank < a.tokens * a.top_k)
-      return {StatusCode::kInvalidArgument,
-              detail::str_cat("peers: world_size must be in [1, ", kMaxFusedPeers,
-                              "], rank in [0, world_size) and slots_per_rank >= tokens x top_k, "
-                              "got ",
-                              a.peers.world_size, ", ", a.peers.rank, " and ",
-                              a.peers.slots_per_rank)};
+      return {
+          StatusCode::kInvalidArgument,
+          detail::str_cat("peers: world_size must be in [1, ", kMaxFusedPeers,
+                          "], rank in [0, world_size) and slots_per_rank >= tokens x top_k, "
+                          "got ",
+                          a.peers.world_size, ", ", a.peers.rank, " and ", a.peers.slots_per_rank)};
     if (a.tokens > 0 && (a.dest_rank == nullptr || a.topk_weights == nullptr))
       return {StatusCode::kInvalidArgument,
               "moe_fused_backward_rows_bf16: with peers, dest_rank and topk_weights must be "
@@ -171,12 +133,10 @@ Status check_args(const FusedBackwardArgs& a) {
                 detail::str_cat("moe_fused_backward_rows_bf16: peers' buffers of rank ", p,
                                 " must be device pointers")};
   }
-  const void* aligned[] = {a.x, a.grad_out, a.w1, a.w2t, a.rows_x, a.rows_go, a.h, a.grad_act};
-  for (const void* p : aligned)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
-      return {StatusCode::kInvalidArgument,
-              "moe_fused_backward_rows_bf16: x, grad_out, w1, w2t, rows_x, rows_go, h and "
-              "grad_act must be 16-byte aligned"};
+  if (!all_aligned16({a.x, a.grad_out, a.w1, a.w2t, a.rows_x, a.rows_go, a.h, a.grad_act}))
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_backward_rows_bf16: x, grad_out, w1, w2t, rows_x, rows_go, h and "
+            "grad_act must be 16-byte aligned"};
   return Status::Ok();
 }
 
@@ -195,22 +155,15 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
   using megakernel::BackwardGemm;
   using megakernel::BackwardKernel;
   if (Status s = megakernel::check_args(a); !s.ok()) return s;
-  if (!grouped_gemm_device_ok(device))
-    return {StatusCode::kUnsupported,
-            "the fused MoE backward needs a compute capability 9.0 GPU (built for sm_90a)"};
-  int device_sms = 0;
-  if (cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return launch_status("moe_fused_backward_rows_bf16 (device attributes)");
-  if (sm_count == 0) sm_count = device_sms;
-  if (sm_count < 2 || sm_count > device_sms)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("sm_count must be 0 (all) or in [2, ", device_sms, "], got ",
-                            sm_count)};
+  if (Status s = megakernel::launch_sm_count(device, sm_count, "the fused MoE backward",
+                                             "moe_fused_backward_rows_bf16", sm_count);
+      !s.ok())
+    return s;
   // A rank with no tokens still computes its peers' rows.
   if (a.tokens == 0 && a.peers.row_src[0] == nullptr) return Status::Ok();
   const size_t need = fused_moe_backward_workspace_bytes(a.num_experts, sm_count);
-  if (Status s = grouped::check_workspace(workspace, workspace_bytes, need,
-                                          "the fused MoE backward");
+  if (Status s =
+          grouped::check_workspace(workspace, workspace_bytes, need, "the fused MoE backward");
       !s.ok())
     return s;
 
@@ -223,14 +176,8 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
       static_cast<grouped::Bf16*>(a.h), static_cast<grouped::Bf16*>(a.grad_act), ws);
   if (Status s = launch_status("the fused MoE backward's problem kernel"); !s.ok()) return s;
 
-  TileGate gate;
-  gate.counters = a.counters;
-  gate.num_counters = a.num_counters;
-  gate.tile_base = a.tile_base;
-  gate.per_row = 1;
-  gate.per_tile = 0;
-  gate.timeout_ns = a.timeout_ns;
-  gate.timeout = a.timeout;
+  const TileGate gate = megakernel::stored_rows_gate(a.counters, a.num_counters, a.tile_base,
+                                                     a.timeout_ns, a.timeout);
   auto args = megakernel::gated_arguments<grouped::GroupedEpilogue::kStore>(
       ws, 2 * a.num_experts, gate, GatedSignal{}, device, sm_count, 0);
   // Both halves wait on the same rows: group E + e is expert e's too.
@@ -242,26 +189,8 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
     return {StatusCode::kInternal, "the fused MoE backward's workspace failed to initialize"};
   const typename BackwardKernel::Params params =
       BackwardKernel::to_underlying_arguments(args, ws.gemm);
-
-  const int smem = static_cast<int>(BackwardKernel::SharedStorageSize);
-  if (cudaFuncSetAttribute(megakernel::fused_backward_kernel,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    return launch_status("moe_fused_backward_rows_bf16 (shared memory attribute)");
-  cudaLaunchConfig_t config{};
-  config.gridDim = BackwardKernel::get_grid_shape(params);
-  config.blockDim = BackwardKernel::get_block_shape();
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  if (cudaLaunchKernelEx(&config, megakernel::fused_backward_kernel, params, a) != cudaSuccess)
-    return launch_status("moe_fused_backward_rows_bf16");
-  return launch_status("moe_fused_backward_rows_bf16");
+  return launch_with_body<BackwardKernel>(megakernel::fused_backward_kernel, params, stream,
+                                          "moe_fused_backward_rows_bf16", a);
 }
 
 }  // namespace uniep::cuda

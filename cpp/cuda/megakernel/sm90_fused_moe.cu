@@ -7,11 +7,12 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/fused_checks.hpp"
 #include "cuda/megakernel/fused_launch.hpp"
+#include "cuda/megakernel/fused_problems.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 
@@ -55,29 +56,8 @@ __global__ void __launch_bounds__(kProblemThreads)
   // Each consumer warp's held GEMM-2 signal starts empty: a CTA without tiles never writes its
   // slots. Here, not in the kernel, where the index stayed live across the GEMM body and spilled.
   for (int64_t i = lane; i < scratch.num_held; i += 32) scratch.held[i] = nullptr;
-  int carry = 0;
-  for (int base = 0; base < num_experts; base += 32) {
-    const int e = base + lane;
-    const grouped::ExpertRows r =
-        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
-    if (e >= num_experts) continue;
-    const int m = r.end - r.begin, e2 = e + num_experts;
-    const int64_t b = r.begin, ee = e, h = hidden, f = ffn;
-    ws.shapes[e] = grouped::Shape{m, 2 * ffn, hidden};
-    ws.ptr_a[e] = x_rows + b * h;
-    ws.ptr_b[e] = w1 + ee * h * 2 * f;
-    ws.ptr_d[e] = act + b * f;
-    ws.stride_a[e] = h;
-    ws.stride_b[e] = 2 * f;
-    ws.stride_d[e] = grouped::StrideD{f, cute::_1{}, cute::_0{}};
-    ws.shapes[e2] = grouped::Shape{m, hidden, ffn};
-    ws.ptr_a[e2] = act + b * f;
-    ws.ptr_b[e2] = w2 + ee * f * h;
-    ws.ptr_d[e2] = y + b * h;
-    ws.stride_a[e2] = f;
-    ws.stride_b[e2] = h;
-    ws.stride_d[e2] = grouped::StrideD{h, cute::_1{}, cute::_0{}};
-  }
+  set_fused_problems(offs, num_experts, rows, lane, ws, {x_rows, w1, act, hidden, 2 * ffn, ffn},
+                     {act, w2, y, ffn, hidden, hidden});
 }
 
 __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, int64_t entries,
@@ -97,25 +77,14 @@ size_t gemm_workspace(int64_t num_experts, int sm_count) {
 }
 
 Status check_args(const FusedMoeArgs& a, int tile_m) {
-  if (a.tokens < 0 || a.top_k < 1 || a.top_k > 32)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("tokens must be >= 0 and top_k in [1, 32], got ", a.tokens, " and ",
-                            a.top_k)};
-  if (a.hidden <= 0 || a.hidden % 64 != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("hidden must be a positive multiple of 64, got ", a.hidden)};
-  if (a.ffn <= 0 || a.ffn % 64 != 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("ffn must be a positive multiple of 64, got ", a.ffn)};
+  if (Status s = check_layer_sizes(a.tokens, a.top_k, a.hidden, a.ffn, a.num_experts); !s.ok())
+    return s;
   if (a.w1_as_stored && a.ffn % (kGatedTileN / 2) != 0)
     return {StatusCode::kUnsupported,
             detail::str_cat("ffn must be a multiple of ", kGatedTileN / 2,
                             " with w1_as_stored (each 256-wide tile of GEMM 1 reads 128 gate and "
                             "128 up columns of w1 as stored); got ",
                             a.ffn, ": pass pack_gate_up's layout instead")};
-  if (a.num_experts < 1 || a.num_experts > (1 << 20))
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("num_experts must be in [1, 2^20], got ", a.num_experts)};
   // With peers the rows are other ranks' too; the runtime sizes them for the most any rank gets.
   if ((a.peers.world_size == 1 && a.capacity < a.tokens * a.top_k) || a.capacity < 0 ||
       a.capacity > (1ll << 31) - 1)
@@ -134,14 +103,11 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
                             p.rank)};
   const bool peers = p.world_size > 1;
   // row_entry (the row-order send at world 1) is checked with the launch.
-  const void* needed[] = {a.x,   a.topk_weights, a.gemm_row, a.counter,   a.w1_packed,
-                          a.w2,  a.offs,         a.tile_base, a.rows,     a.act,
-                          peers ? a.act : a.y,   a.out,       a.counters, a.done1,
-                          a.done2, a.error, a.timeout};
-  for (const void* ptr : needed)
-    if (ptr == nullptr)
-      return {StatusCode::kInvalidArgument,
-              "moe_fused_forward_bf16: every pointer of FusedMoeArgs must be a device pointer"};
+  if (!all_set({a.x, a.topk_weights, a.gemm_row, a.counter, a.w1_packed, a.w2, a.offs, a.tile_base,
+                a.rows, a.act, peers ? a.act : a.y, a.out, a.counters, a.done1, a.done2, a.error,
+                a.timeout}))
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_forward_bf16: every pointer of FusedMoeArgs must be a device pointer"};
   for (int d = 0; peers && d < p.world_size; ++d)
     if (p.rows[d] == nullptr || p.row_src[d] == nullptr || p.counters[d] == nullptr ||
         p.combine[d] == nullptr || p.done2[d] == nullptr)
@@ -157,8 +123,8 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
   if (peers && a.dest_rank == nullptr)
     return {StatusCode::kInvalidArgument,
             "moe_fused_forward_bf16: dest_rank must be a device pointer with peers"};
-  if (peers && (p.rows[p.rank] != a.rows || p.counters[p.rank] != a.counters ||
-                p.done2[p.rank] != a.done2))
+  if (peers &&
+      (p.rows[p.rank] != a.rows || p.counters[p.rank] != a.counters || p.done2[p.rank] != a.done2))
     return {StatusCode::kInvalidArgument,
             "moe_fused_forward_bf16: peers' entries at peers.rank must be rows, counters and "
             "done2 themselves"};
@@ -167,12 +133,10 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
             detail::str_cat("moe_fused_forward_bf16: with parity_epoch, done2_parity_stride must "
                             "be >= num_counters = ",
                             a.num_counters, ", got ", a.done2_parity_stride)};
-  const void* aligned[] = {a.x, a.w1_packed, a.w2, a.rows, a.act, peers ? a.act : a.y, a.out};
-  for (const void* p : aligned)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
-      return {StatusCode::kInvalidArgument,
-              "moe_fused_forward_bf16: x, w1_packed, w2, rows, act, y and out must be 16-byte "
-              "aligned"};
+  if (!all_aligned16({a.x, a.w1_packed, a.w2, a.rows, a.act, peers ? a.act : a.y, a.out}))
+    return {StatusCode::kInvalidArgument,
+            "moe_fused_forward_bf16: x, w1_packed, w2, rows, act, y and out must be 16-byte "
+            "aligned"};
   return Status::Ok();
 }
 
@@ -198,8 +162,7 @@ Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capac
                          int64_t* row_entry, cudaStream_t stream) {
   if (entries < 0 || capacity < 0)
     return {StatusCode::kInvalidArgument,
-            detail::str_cat("entries and capacity must be >= 0, got ", entries, " and ",
-                            capacity)};
+            detail::str_cat("entries and capacity must be >= 0, got ", entries, " and ", capacity)};
   if (capacity == 0) return Status::Ok();
   if (row_entry == nullptr || (entries > 0 && gemm_row == nullptr))
     return {StatusCode::kInvalidArgument, "gemm_row and row_entry must be device pointers"};
@@ -228,21 +191,15 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
                             "64 x 256 tiles), got ",
                             launch.tile_m)};
   if (Status s = megakernel::check_args(a, launch.tile_m); !s.ok()) return s;
-  if (!grouped_gemm_device_ok(device))
-    return {StatusCode::kUnsupported,
-            "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)"};
-  int device_sms = 0;
-  if (cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return launch_status("moe_fused_forward_bf16 (device attributes)");
-  const int sm_count = launch.sm_count == 0 ? device_sms : launch.sm_count;
-  if (sm_count < 2 || sm_count > device_sms)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("sm_count must be 0 (all) or in [2, ", device_sms, "], got ",
-                            launch.sm_count)};
+  int sm_count = 0;
+  if (Status s = megakernel::launch_sm_count(device, launch.sm_count, "the fused MoE kernel",
+                                             "moe_fused_forward_bf16", sm_count);
+      !s.ok())
+    return s;
   if (launch.comm_ctas < 1)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("comm_ctas must be >= 1 (someone sends the rows), got ",
-                            launch.comm_ctas)};
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat("comm_ctas must be >= 1 (someone sends the rows), got ", launch.comm_ctas)};
   if (launch.skip_rounds < -1 || launch.skip_rounds > (1 << 20))
     return {StatusCode::kInvalidArgument,
             detail::str_cat("skip_rounds must be -1 (model) or in [0, 2^20], got ",

@@ -1,8 +1,9 @@
 // What the epilogues that store straight from the fp32 accumulators share (SwiGluEpilogue, the
 // fused MoE kernel's FusedMoeEpilogue): the names and the static interface CUTLASS's
 // operator-style ptr-array epilogues have (DefaultEpilogueArray), through which they run inside
-// the warp-specialized kernels (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter),
-// and the SwiGLU arithmetic they apply alike.
+// the warp-specialized kernels
+// (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter), the call that adapter
+// makes once per output tile (DirectTileCall), and the SwiGLU arithmetic they apply alike.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -37,6 +38,12 @@ struct DirectStoreEpilogue {
   struct SharedStorage {};
   using TensorMapStorage = SharedStorage;
 
+  // Params are the Arguments as given.
+  template <class ProblemShape, class Arguments>
+  static constexpr Arguments to_underlying_arguments(const ProblemShape&, const Arguments& args,
+                                                     void*) {
+    return args;
+  }
   template <class ProblemShape, class Arguments>
   static size_t get_workspace_size(const ProblemShape&, const Arguments&, int) {
     return 0;
@@ -60,9 +67,8 @@ struct DirectStoreEpilogue {
     using namespace cute;
     static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
                   "the direct epilogues expect a WGMMA accumulator fragment");
-    Tensor coords = make_identity_tensor(
-        make_shape(static_cast<int>(get<0>(problem_shape_mnkl)),
-                   static_cast<int>(get<1>(problem_shape_mnkl))));
+    Tensor coords = make_identity_tensor(make_shape(static_cast<int>(get<0>(problem_shape_mnkl)),
+                                                    static_cast<int>(get<1>(problem_shape_mnkl))));
     Tensor tile = local_tile(coords, take<0, 2>(blk_shape_mnk),
                              make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
     return tiled_mma.get_thread_slice(thread_idx).partition_C(tile);
@@ -75,9 +81,9 @@ struct DirectStoreEpilogue {
   // past the expert's rows (the scheduler pads each expert to the cluster's M) stored nothing and
   // has no counter of its own; a counter outside the num_done is not signalled (its waiter then
   // times out naming it). done null: no signal.
-  CUTLASS_DEVICE static void signal_tile_done(uint32_t* done, const int32_t* tile_base,
-                                              int expert, int m_tile, int tile_m, int M,
-                                              int64_t num_done, bool system = false) {
+  CUTLASS_DEVICE static void signal_tile_done(uint32_t* done, const int32_t* tile_base, int expert,
+                                              int m_tile, int tile_m, int M, int64_t num_done,
+                                              bool system = false) {
     if (done == nullptr || m_tile * tile_m >= M) return;
     __syncwarp();
     uint32_t* counter = tile_done_counter(done, tile_base, expert, m_tile, tile_m, M, num_done);
@@ -136,6 +142,38 @@ struct DirectStoreEpilogue {
         *reinterpret_cast<uint32_t*>(out + m * ld + j) = w;
       }
     }
+  }
+};
+
+// One output tile as a direct epilogue sees it: its group's M and N, its m-tile (of tile_m rows)
+// and group, and the (m, n) of each value of this thread's fragment
+// (DirectStoreEpilogue::fragment_coords).
+template <class Crd>
+struct DirectTile {
+  int M, N, m_tile, tile_m, group;
+  Crd crd;
+};
+
+// The call Sm90TmaWarpSpecializedAdapter::store makes once per output tile, for a direct
+// epilogue Op (a DirectStoreEpilogue deriving from DirectTileCall<Op> too) that stores the tile
+// in Op::store_tile<kAtom>(tile, acc), kAtom the values of one WGMMA atom across the tile's N.
+template <class Op>
+struct DirectTileCall {
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    constexpr int kAtom = size<0>(FrgLayout{});
+    auto crd = DirectStoreEpilogue::fragment_coords<FrgLayout>(
+        problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, tiled_mma, thread_idx);
+    const DirectTile<decltype(crd)> tile{
+        static_cast<int>(get<0>(problem_shape_mnkl)), static_cast<int>(get<1>(problem_shape_mnkl)),
+        static_cast<int>(get<0>(blk_coord_mnkl)),     static_cast<int>(size<0>(blk_shape_mnk)),
+        static_cast<int>(get<3>(blk_coord_mnkl)),     crd};
+    static_cast<Op*>(this)->template store_tile<kAtom>(tile, acc);
   }
 };
 

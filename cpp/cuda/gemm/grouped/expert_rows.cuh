@@ -1,5 +1,6 @@
 // The walk over offs that every grouped problem kernel makes (grouped_problems.cuh, the fp8
-// kernel in sm90_grouped_fp8.cu): each expert's row range from the cumulative row ends.
+// kernel in sm90_grouped_fp8.cu, the MegaKernel's forward and backward problem kernels) and
+// gate_tile_base: each expert's row range from the cumulative row ends.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,19 @@ __device__ __forceinline__ ExpertRows expert_rows_step(const int32_t* __restrict
   if (lane == 0) begin = carry;
   carry = __shfl_sync(0xffffffffu, end, 31);
   return {begin, end};
+}
+
+// The whole walk, by one warp (every lane calls it): fn(e, rows of e) for every expert e <
+// num_experts, on lane e % 32.
+template <class Fn>
+__device__ __forceinline__ void for_each_expert_rows(const int32_t* __restrict__ offs,
+                                                     int num_experts, int rows, int lane, Fn&& fn) {
+  int carry = 0;  // end of the last expert of the previous chunk
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    const ExpertRows r = expert_rows_step(offs, e, num_experts, rows, lane, carry);
+    if (e < num_experts) fn(e, r);
+  }
 }
 
 }  // namespace uniep::cuda::grouped

@@ -17,12 +17,11 @@
 // rewrites its descriptor per group; CuTe's TMA needs the sub-mode sizes 64 and 2 static. So this
 // wrapper keeps a TMA of its own in Params over all E experts at once (the group index is the
 // expert: the problem kernel gives group e expert e's weight) and hides the base's load() to issue
-// B from it. The kernel hands load() a batch coordinate of 0 (its groups have their own
-// descriptors), so the wrapper takes the group from tensormaps_perform_update, which the producer
-// calls for its first group and at every change of group, as GatedMainloop does. A, the pipeline,
-// the consumers and the tile scheduler are the base's. The base still swaps its own B descriptor
-// per group: harmless, ptr_B stays valid, and the groups below plain_groups never read it, while
-// those at or past it (the fused MoE kernel's GEMM 2) load B through it as the base does.
+// B from it, for the group GroupTrackingMainloop (group_mainloop.cuh) remembers, as GatedMainloop
+// does. A, the pipeline, the consumers and the tile scheduler are the base's. The base still swaps
+// its own B descriptor per group: harmless, ptr_B stays valid, and the groups below plain_groups
+// never read it, while those at or past it (the fused MoE kernel's GEMM 2) load B through it as
+// the base does.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -31,12 +30,14 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/gemm/grouped/group_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 
 namespace uniep::cuda::grouped {
 
 template <class Base>
-struct PlainGateUpMainloop : Base {
+struct PlainGateUpMainloop : GroupTrackingMainloop<Base> {
+  using Tracking = GroupTrackingMainloop<Base>;
   using TileShape = typename Base::TileShape;
   using ClusterShapeMNK = typename Base::DispatchPolicy::ClusterShape;
   using ElementB = typename Base::InternalElementB;
@@ -63,8 +64,8 @@ struct PlainGateUpMainloop : Base {
                          make_shape(shape<1>(TileShape{}), shape<2>(TileShape{})),
                          size<0>(ClusterShapeMNK{}));  // multicast along M, as the base's B
   }
-  using TmaB = decltype(make_tma(cute::make_tensor(static_cast<const ElementB*>(nullptr),
-                                                    gmem_layout(64, 1, 1))));
+  using TmaB = decltype(make_tma(
+      cute::make_tensor(static_cast<const ElementB*>(nullptr), gmem_layout(64, 1, 1))));
 
   struct Arguments : Base::Arguments {
     const void* w1 = nullptr;  // [E, K, 2I] bf16, gate then up columns
@@ -94,9 +95,7 @@ struct PlainGateUpMainloop : Base {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, const Arguments& args,
                                         void* workspace) {
-    Params p;
-    static_cast<typename Base::Params&>(p) =
-        Base::to_underlying_arguments(problem_shapes, args, workspace);
+    Params p = Tracking::template base_params<Params>(problem_shapes, args, workspace);
     const auto* w1 = static_cast<const ElementB*>(args.w1);
     p.tma_w1 = make_tma(cute::make_tensor(w1, gmem_layout(args.ffn, args.hidden, args.experts)));
     p.ffn = args.ffn;
@@ -108,18 +107,8 @@ struct PlainGateUpMainloop : Base {
 
   template <class ProblemShape>
   static bool can_implement(const ProblemShape& problem_shapes, const Arguments& args) {
-    return args.w1 != nullptr && args.ffn > 0 && args.ffn % (kTileN / 2) == 0 &&
-           args.hidden > 0 && args.experts > 0 && Base::can_implement(problem_shapes, args);
-  }
-
-  template <class TensorMapA, class TensorMapB, class ProblemShapeMNKL>
-  CUTLASS_DEVICE void tensormaps_perform_update(
-      typename Base::TensorMapStorage& shared_tensormaps, const Params& params,
-      const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps, ProblemShapeMNKL problem_mnkl,
-      int32_t next_batch) {
-    group_ = next_batch;
-    Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_mnkl,
-                                    next_batch);
+    return args.w1 != nullptr && args.ffn > 0 && args.ffn % (kTileN / 2) == 0 && args.hidden > 0 &&
+           args.experts > 0 && Base::can_implement(problem_shapes, args);
   }
 
   // The base's load() with B from tma_w1: the same pipeline stages, barrier and transaction bytes
@@ -130,11 +119,11 @@ struct PlainGateUpMainloop : Base {
                            typename Base::PipelineState smem_pipe_write,
                            const cute::tuple<TensorA, TensorB>& load_inputs,
                            const cute::tuple<TensorMapA, TensorMapB>& input_tensormaps,
-                           const BlockCoord& blk_coord, KTileIterator k_tile_iter,
-                           int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
+                           const BlockCoord& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int thread_idx, uint32_t block_rank_in_cluster,
                            typename Base::TensorStorage& shared_tensors) {
     using namespace cute;
-    if (group_ >= params.plain_groups) {
+    if (this->group_ >= params.plain_groups) {
       Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
                  k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
       return;
@@ -155,7 +144,7 @@ struct PlainGateUpMainloop : Base {
     Tensor mB = params.tma_w1.get_tma_tensor(
         make_shape(make_shape(_64{}, _2{}, params.ffn / 64), params.hidden, params.experts));
     Tensor gB_nkl = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<Underscore, _1, _1>{});
-    Tensor gB = gB_nkl(_, _, n_coord, _, group_);  // (BLK_N, BLK_K, k)
+    Tensor gB = gB_nkl(_, _, n_coord, _, this->group_);  // (BLK_N, BLK_K, k)
 
     auto block_tma_a = params.tma_load_a.get_slice(block_n);
     auto block_tma_b = params.tma_w1.get_slice(block_m);
@@ -183,15 +172,11 @@ struct PlainGateUpMainloop : Base {
       const int stage = smem_pipe_write.index();
       copy(params.tma_load_a.with(get<0>(input_tensormaps), *barrier, mask_a),
            tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-      copy(params.tma_w1.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter),
-           tBsB(_, _, _, stage));
+      copy(params.tma_w1.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
       ++k_tile_iter;
       ++smem_pipe_write;
     }
   }
-
- private:
-  int32_t group_ = 0;
 };
 
 }  // namespace uniep::cuda::grouped

@@ -10,7 +10,7 @@
 //    an empty expert costs a few scheduler instructions and no memory traffic. It never splits K:
 //    every output element is one fp32 sum over K in ascending order of WGMMA k-steps (16 wide
 //    for bf16) whatever the tile, cluster or schedule, so the bits do not depend on the
-//    configuration (tests/test_gpu_grouped_gemm.py checks it across all of them).
+//    configuration (tests/gemm/test_gpu_grouped_gemm.py checks it across all of them).
 //  - Cooperative kernels split one tile's rows between two consumer warpgroups (tile_m 128 or
 //    256); ping-pong kernels give each of two warpgroups its own tile (tile_m 64), so one's
 //    epilogue overlaps the other's mainloop: the better choice when experts have few rows.

@@ -11,53 +11,24 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/grouped/expert_problem.cuh"
 #include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 
 namespace uniep::cuda::grouped {
 
-// What each kind reads and writes, from one expert's rows [begin, end) (k and n are the GEMM's K
-// and N for kForward and kDgrad, the output's rows and columns for kWgrad):
-//   kForward  x [R, k], w [E, k, n], out [R, out_n]:  M = rows, A = x rows, B = w[e], D = out rows
-//   kDgrad    x = dy [R, k], w [E, n, k], out [R, n]:  M = rows, B = w[e]^T (K-major)
-//   kWgrad    x [R, k], w = dy [R, n], out [E, k, n]:  M = k, N = n, K = rows; an expert with no
-//             rows gets no tiles (M = 0) and zero_empty_wgrad clears its out[e].
-// out_n: the columns of out (n, or n / 2 for the SwiGLU epilogue). One warp walks the experts
-// (expert_rows_step).
+// Group e is expert e's product of kind Kind (set_expert_problem says what each kind reads and
+// writes; k and n are the GEMM's K and N for kForward and kDgrad, the output's rows and columns
+// for kWgrad; out_n the columns of out). One warp walks the experts (for_each_expert_rows).
 template <GroupedKind Kind>
 __global__ void __launch_bounds__(32)
     build_grouped_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k,
                            int n, int out_n, const Bf16* x, const Bf16* w, Bf16* out,
                            Workspace ws) {
-  const int lane = static_cast<int>(threadIdx.x);
-  int carry = 0;  // end of the last expert of the previous chunk
-  for (int base = 0; base < num_experts; base += 32) {
-    const int e = base + lane;
-    const ExpertRows r = expert_rows_step(offs, e, num_experts, rows, lane, carry);
-    if (e >= num_experts) continue;
-    const int m = r.end - r.begin;
-    const int64_t b = r.begin, ee = e;
-    if constexpr (Kind == GroupedKind::kWgrad) {
-      ws.shapes[e] = Shape{m > 0 ? k : 0, n, m};
-      ws.ptr_a[e] = x + b * k;
-      ws.ptr_b[e] = w + b * n;
-      ws.ptr_d[e] = out + ee * k * n;
-      ws.stride_a[e] = k;  // x^T: M (the columns of x) contiguous, K (its rows) k apart
-      ws.stride_b[e] = n;  // dy: N contiguous, K (its rows) n apart
-      ws.stride_d[e] = StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
-    } else {
-      ws.shapes[e] = Shape{m, n, k};
-      ws.ptr_a[e] = x + b * k;
-      ws.ptr_b[e] = w + ee * k * n;
-      ws.ptr_d[e] = out + b * out_n;
-      ws.stride_a[e] = k;  // x rows: K contiguous, M k apart
-      // kForward: w[e] [k, n], N contiguous, K n apart; kDgrad: w[e] [n, k], K contiguous, N
-      // k apart.
-      ws.stride_b[e] = Kind == GroupedKind::kForward ? n : k;
-      ws.stride_d[e] = StrideD{static_cast<int64_t>(out_n), cute::_1{}, cute::_0{}};
-    }
-  }
+  for_each_expert_rows(
+      offs, num_experts, rows, static_cast<int>(threadIdx.x),
+      [&](int e, ExpertRows r) { set_expert_problem<Kind>(ws, e, e, r, k, n, out_n, x, w, out); });
 }
 
 // kWgrad: out[e] = 0 for every expert with no rows (the GEMM gives it no tiles, and a sum over

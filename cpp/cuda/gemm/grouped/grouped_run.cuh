@@ -14,21 +14,14 @@
 
 namespace uniep::cuda::grouped {
 
-// The shapes, pointers and strides are device arrays (no host copy of the shapes:
-// host_problem_shapes stays null, and the persistent grid is then simply sm_count CTAs). `plain`:
-// kSwiGluPlain's w1 as stored, all E experts (PlainGateUpMainloop's own TMA reads it).
+// The shapes, pointers and strides are device arrays (set_problem_arrays). `plain`: kSwiGluPlain's
+// w1 as stored, all E experts (PlainGateUpMainloop's own TMA reads it).
 template <class G>
 typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_experts, int device,
                                               int sm_count, int64_t ld_out,
                                               const PlainW1& plain = {}) {
   typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
-  args.mainloop.ptr_A = ws.ptr_a;
-  // The problem kernel wrote each stride's one dynamic value into its 8-byte slot.
-  args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
-  args.mainloop.ptr_B = ws.ptr_b;
-  args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
+  set_problem_arrays<typename G::StrideA, typename G::StrideB>(args, ws, num_experts);
   if constexpr (G::kEpilogue == GroupedEpilogue::kStore) {
     set_store_epilogue(args, ws, device, sm_count);
   } else {
@@ -50,9 +43,8 @@ size_t grouped_gemm_workspace(int64_t num_experts, int sm_count) {
 
 // The launch; `plain` is kSwiGluPlain's w1, ignored by the other epilogues.
 template <class G>
-Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t ld_out,
-                              int device, int sm_count, cudaStream_t stream,
-                              const PlainW1& plain) {
+Status grouped_gemm_run_plain(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
+                              int sm_count, cudaStream_t stream, const PlainW1& plain) {
   const typename G::Gemm::Arguments args =
       grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out, plain);
   return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream, "the grouped GEMM");
@@ -70,8 +62,7 @@ GroupedEntry make_entry(const char* name) {
   using G = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
                             GroupedEpilogue::kStore, Kind>;
   GroupedEntry e;
-  e.config =
-      GroupedGemmConfig{name, TileM, TileN, TileK, G::kStages, ClusterM, ClusterN, PingPong};
+  e.config = GroupedGemmConfig{name, TileM, TileN, TileK, G::kStages, ClusterM, ClusterN, PingPong};
   e.run = &grouped_gemm_run<G>;
   if constexpr (Kind == GroupedKind::kForward) {
     using GSwiGlu = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,

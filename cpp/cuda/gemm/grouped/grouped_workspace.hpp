@@ -2,6 +2,8 @@
 // each array, then CUTLASS's own workspace (its per-SM TMA descriptors).
 #pragma once
 
+#include <cutlass/gemm/gemm_enumerated_types.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -68,6 +70,23 @@ inline Status check_workspace(const void* workspace, size_t workspace_bytes, siz
     return {StatusCode::kInvalidArgument,
             detail::str_cat("workspace must be ", kWorkspaceAlign, "-byte aligned")};
   return Status::Ok();
+}
+
+// The arguments every grouped kernel over a workspace's problem arrays shares (the engine's, the
+// gated GEMM's, the MegaKernel's): num_groups groups whose shapes, pointers and strides the
+// problem kernel wrote, each A and B stride's one dynamic value in its 8-byte slot. No host copy
+// of the shapes: host_problem_shapes stays null, and the persistent grid is then simply sm_count
+// CTAs.
+template <class StrideA, class StrideB, class Arguments>
+void set_problem_arrays(Arguments& args, const Workspace& ws, int64_t num_groups) {
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape.num_groups = static_cast<int>(num_groups);
+  args.problem_shape.problem_shapes = ws.shapes;
+  args.problem_shape.host_problem_shapes = nullptr;
+  args.mainloop.ptr_A = ws.ptr_a;
+  args.mainloop.dA = reinterpret_cast<StrideA*>(ws.stride_a);
+  args.mainloop.ptr_B = ws.ptr_b;
+  args.mainloop.dB = reinterpret_cast<StrideB*>(ws.stride_b);
 }
 
 // The arguments every grouped kernel with the TMA store epilogue shares: D = acc into the

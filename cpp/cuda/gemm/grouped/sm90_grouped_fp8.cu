@@ -15,19 +15,20 @@
 #include <limits>
 #include <string>
 
+#include "cuda/gemm/grouped/expert_problem.cuh"
 #include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/fp8_kernel.cuh"
 
 namespace uniep::cuda {
 namespace {
 
+using grouped::Bf16;
 using grouped_fp8::Arrays;
 using grouped_fp8::Fp8;
 using grouped_fp8::kBlock;
 using grouped_fp8::LayoutSFA;
 using grouped_fp8::LayoutSFB;
 using grouped_fp8::ScaleConfig;
-using grouped::Bf16;
 
 // In preference order: grouped_gemm_fp8_select takes the first match of a partial request.
 const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
@@ -38,8 +39,7 @@ const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
 
 size_t fp8_arrays_bytes(int64_t num_experts, int64_t rows, int64_t k) {
   const size_t e = static_cast<size_t>(num_experts);
-  return 2 * grouped::round_up(e * sizeof(void*)) +
-         grouped::round_up(e * sizeof(LayoutSFA)) +
+  return 2 * grouped::round_up(e * sizeof(void*)) + grouped::round_up(e * sizeof(LayoutSFA)) +
          grouped::round_up(e * sizeof(LayoutSFB)) +
          grouped::round_up(static_cast<size_t>(rows) * static_cast<size_t>(k / kBlock) *
                            sizeof(float));
@@ -64,42 +64,32 @@ Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
   return a;
 }
 
-// As grouped_problems.cuh's kernel (the same walk over offs, expert_rows_step), for the fp8
-// operands:
-// per expert the shapes, the K-major x rows and w[e] [n, k], the bf16 out rows, and the scales'
-// pointers and layouts (A's scales: this expert's block of the reordered sfa).
-// swiglu: out rows of n / 2 and B scales per 64 columns (GroupedGemmFp8Problem::swiglu).
+// As grouped_problems.cuh's kernel (the same walk over offs and the same problem entries), for
+// the fp8 operands: per expert the shapes, the K-major x rows and w[e] [n, k] (kDgrad's layout
+// of w), the bf16 out rows, and the scales' pointers and layouts (A's scales: this expert's block
+// of the reordered sfa). swiglu: out rows of n / 2 and B scales per 64 columns
+// (GroupedGemmFp8Problem::swiglu).
 __global__ void __launch_bounds__(32)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
                        const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
                        grouped::Workspace ws, Arrays fa) {
-  const int lane = static_cast<int>(threadIdx.x);
   const int kb = k / kBlock, nb = swiglu ? n / grouped_fp8::kHalfBlock : n / kBlock;
-  const int64_t out_n = swiglu ? n / 2 : n;
-  int carry = 0;
-  for (int base = 0; base < num_experts; base += 32) {
-    const int e = base + lane;
-    const grouped::ExpertRows r =
-        grouped::expert_rows_step(offs, e, num_experts, rows, lane, carry);
-    if (e >= num_experts) continue;
-    const int m = r.end - r.begin;
-    const int64_t b = r.begin, ee = e;
-    ws.shapes[e] = grouped::Shape{m, n, k};
-    ws.ptr_a[e] = reinterpret_cast<const Bf16*>(x + b * k);
-    ws.ptr_b[e] = reinterpret_cast<const Bf16*>(w + ee * n * k);
-    ws.ptr_d[e] = out + b * out_n;
-    ws.stride_a[e] = k;
-    ws.stride_b[e] = k;
-    ws.stride_d[e] = grouped::StrideD{out_n, cute::_1{}, cute::_0{}};
-    fa.ptr_sfa[e] = fa.sfa + b * kb;
-    fa.ptr_sfb[e] = w_scales + ee * kb * nb;
-    fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-    if (swiglu)
-      fa.layout_sfb64()[e] =
-          grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
-    else
-      fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
-  }
+  const int out_n = swiglu ? n / 2 : n;
+  grouped::for_each_expert_rows(
+      offs, num_experts, rows, static_cast<int>(threadIdx.x), [&](int e, grouped::ExpertRows r) {
+        grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, out_n, x, w,
+                                                                  out);
+        const int m = r.end - r.begin;
+        const int64_t b = r.begin, ee = e;
+        fa.ptr_sfa[e] = fa.sfa + b * kb;
+        fa.ptr_sfb[e] = w_scales + ee * kb * nb;
+        fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+        if (swiglu)
+          fa.layout_sfb64()[e] =
+              grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+        else
+          fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+      });
 }
 
 // The rows' scales [rows, k / 128] (row-major, as the dispatch writes them) reordered per expert
@@ -251,8 +241,7 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
             detail::str_cat("the fp8 grouped GEMM's problem kernels failed to launch: ",
                             cudaGetErrorString(e))};
   const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
-  if (p.swiglu)
-    return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
+  if (p.swiglu) return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
   return entry.run(ws, fa, p.num_experts, device, sm_count, stream);
 }
 

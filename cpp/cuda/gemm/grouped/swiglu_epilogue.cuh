@@ -16,7 +16,8 @@
 // (where the chain stored h), silu(g) * u in fp32, rounded once to bf16; the same bits for
 // either layout, since each accumulator is the same fp32 sum over K.
 //
-// The interface CUTLASS asks of it is DirectStoreEpilogue's (direct_epilogue.cuh).
+// The interface CUTLASS asks of it is DirectStoreEpilogue's, its per-tile call DirectTileCall's
+// (direct_epilogue.cuh).
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -29,7 +30,7 @@
 namespace uniep::cuda::grouped {
 
 template <int kPair = 8>
-class SwiGluEpilogue : public DirectStoreEpilogue {
+class SwiGluEpilogue : public DirectStoreEpilogue, public DirectTileCall<SwiGluEpilogue<kPair>> {
  public:
   struct Arguments {
     Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
@@ -45,37 +46,20 @@ class SwiGluEpilogue : public DirectStoreEpilogue {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(const ProblemShape&, const Arguments& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
   static bool can_implement(const ProblemShape&, const Arguments& args) {
     return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
   }
 
   CUTLASS_HOST_DEVICE explicit SwiGluEpilogue(const Params& params) : params_(params) {}
 
-  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
-            class FrgLayout, class TiledMma, class ResidueMNK>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
-                                 BlockCoordMNKL blk_coord_mnkl,
-                                 const cute::Tensor<FrgEngine, FrgLayout>& acc, TiledMma tiled_mma,
-                                 ResidueMNK, int thread_idx, char*) {
-    using namespace cute;
-    constexpr int kAtom = size<0>(FrgLayout{});
-    const int M = get<0>(problem_shape_mnkl);
-    const int N = get<1>(problem_shape_mnkl);
-    const auto m_coord = get<0>(blk_coord_mnkl);
-    const auto l_coord = get<3>(blk_coord_mnkl);
-    Tensor crd = fragment_coords<FrgLayout>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
-                                            tiled_mma, thread_idx);
-    auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[l_coord]);
+  template <int kAtom, class Tile, class Acc>
+  CUTLASS_DEVICE void store_tile(const Tile& t, const Acc& acc) {
+    auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[t.group]);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc); i += kAtom)
-      store_swiglu<kPair, kAtom>(acc, crd, i, M, N, out, params_.ld_out);
-    signal_tile_done(params_.done, params_.done_base, static_cast<int>(l_coord),
-                     static_cast<int>(m_coord), size<0>(blk_shape_mnk), M, params_.num_done);
+    for (int i = 0; i < cute::size(acc); i += kAtom)
+      store_swiglu<kPair, kAtom>(acc, t.crd, i, t.M, t.N, out, params_.ld_out);
+    signal_tile_done(params_.done, params_.done_base, t.group, t.m_tile, t.tile_m, t.M,
+                     params_.num_done);
   }
 
  private:
