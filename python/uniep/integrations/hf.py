@@ -44,6 +44,7 @@ from torch import nn
 
 from .. import _C
 from ..nn import Experts, MoELayer, router_logits
+from ._layout_hooks import register_layout_hooks
 
 __all__ = [
     "HFExperts",
@@ -162,8 +163,7 @@ class HFExperts(Experts):
         super().__init__(hidden, ffn_hidden, num_experts, group, tuning, dtype, device)
         self.hf_transposed = hf_transposed
         self.hf_class = hf_class
-        self.register_state_dict_post_hook(_save_hf_layout)
-        self.register_load_state_dict_pre_hook(_load_hf_layout)
+        register_layout_hooks(self, _save_hf_layout, _load_hf_layout)
 
     @classmethod
     def from_hf(
@@ -224,22 +224,13 @@ class HFExperts(Experts):
         return f"{super().extra_repr()}, hf_class={self.hf_class}"
 
 
-def _save_hf_layout(module: HFExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+def _save_hf_layout(module: HFExperts, state_dict: dict, prefix: str) -> None:
     for ours, theirs in (("w1", "gate_up_proj"), ("w2", "down_proj")):
         if prefix + ours in state_dict:
             state_dict[prefix + theirs] = module._local_to_hf(state_dict.pop(prefix + ours))
 
 
-def _load_hf_layout(
-    module: HFExperts,
-    state_dict: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
+def _load_hf_layout(module: HFExperts, state_dict: dict, prefix: str, error_msgs: list) -> None:
     for ours, theirs in (("w1", "gate_up_proj"), ("w2", "down_proj")):
         if prefix + theirs in state_dict:
             t = state_dict.pop(prefix + theirs)
@@ -511,8 +502,7 @@ class HFMoELayer(MoELayer):
         self.router = router_class(self.router.weight)
         self.hf_transposed = hf_transposed
         self.hf_class = hf_class
-        self.register_state_dict_post_hook(_save_layer_hf_layout)
-        self.register_load_state_dict_pre_hook(_load_layer_hf_layout)
+        register_layout_hooks(self, _save_layer_hf_layout, _load_layer_hf_layout)
 
     @classmethod
     def from_hf(
@@ -595,23 +585,14 @@ class HFMoELayer(MoELayer):
         return f"{super().extra_repr()}, hf_class={self.hf_class}"
 
 
-def _save_layer_hf_layout(
-    module: HFMoELayer, state_dict: dict, prefix: str, local_metadata: dict
-) -> None:
+def _save_layer_hf_layout(module: HFMoELayer, state_dict: dict, prefix: str) -> None:
     names = (*_LAYER_TO_HF, "shared_w1")
     ours = {k: state_dict.pop(prefix + k) for k in names if prefix + k in state_dict}
     state_dict.update({prefix + k: t for k, t in module.to_hf(ours).items()})
 
 
 def _load_layer_hf_layout(
-    module: HFMoELayer,
-    state_dict: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
+    module: HFMoELayer, state_dict: dict, prefix: str, error_msgs: list
 ) -> None:
     for ours, theirs in _LAYER_TO_HF.items():
         if prefix + theirs not in state_dict:

@@ -73,6 +73,7 @@ from torch import nn
 
 from .. import _C
 from ..nn import Experts
+from ._layout_hooks import register_layout_hooks
 from .hf import _is_silu, _replace_found
 
 __all__ = [
@@ -399,8 +400,7 @@ class MegatronExperts(Experts):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         super().__init__(hidden, ffn_hidden, num_experts, group, tuning, dtype, device)
         self.layout = layout
-        self.register_state_dict_post_hook(_save_megatron_layout)
-        self.register_load_state_dict_pre_hook(_load_megatron_layout)
+        register_layout_hooks(self, _save_megatron_layout, _load_megatron_layout)
 
     def to_megatron(
         self, w1: torch.Tensor, w2: torch.Tensor, prefix: str = ""
@@ -478,23 +478,14 @@ class MegatronExperts(Experts):
         return f"{super().extra_repr()}, layout={self.layout}"
 
 
-def _save_megatron_layout(
-    module: MegatronExperts, state_dict: dict, prefix: str, local_metadata: dict
-) -> None:
+def _save_megatron_layout(module: MegatronExperts, state_dict: dict, prefix: str) -> None:
     if prefix + "w1" in state_dict and prefix + "w2" in state_dict:
         w1, w2 = state_dict.pop(prefix + "w1"), state_dict.pop(prefix + "w2")
         state_dict.update(module.to_megatron(w1, w2, prefix))
 
 
 def _load_megatron_layout(
-    module: MegatronExperts,
-    state_dict: dict,
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
+    module: MegatronExperts, state_dict: dict, prefix: str, error_msgs: list
 ) -> None:
     if prefix + "w1" in state_dict:
         return  # UniEP's own layout
