@@ -154,3 +154,24 @@ def test_the_checks_see_a_circle_and_a_missing_name(tmp_path: Path) -> None:
     assert _cycles(edges) == [["a", "b", "c"]]
     tree = ast.parse("import x\nfrom y import z as w\nif 1:\n    Q = 1\ndef f():\n    R = 2\n")
     assert _defined(tree) == {"x", "w", "Q", "f"}
+
+
+def test_the_public_api_is_each_package_all() -> None:
+    """``uniep`` and its public subpackages name their API in ``__all__``, and every name there
+    exists (the re-exports too)."""
+    import importlib
+    import importlib.util
+
+    public = ("uniep", "uniep.moe", "uniep.nn", "uniep.collectives", "uniep.gemm", "uniep.parm")
+    public += ("uniep.tuning", "uniep.integrations")
+    missing = []
+    for name in public:
+        mod = importlib.import_module(name)
+        assert isinstance(getattr(mod, "__all__", None), list), f"{name} has no __all__"
+        for x in mod.__all__:
+            # A submodule listed (integrations.hf) is there once imported, as `import *` does.
+            if not hasattr(mod, x) and importlib.util.find_spec(f"{name}.{x}") is None:
+                missing.append(f"{name}.{x}")
+    assert not missing, missing
+    uniep = importlib.import_module("uniep")
+    assert callable(uniep.tune) and callable(uniep.moe_forward)

@@ -229,6 +229,8 @@ def test_only_the_routing_agreement_waits_for_the_device(schedule: str) -> None:
                 torch.cuda.set_sync_debug_mode("default")
         backward = [f"{w.filename}:{w.lineno}" for w in seen][len(forward) :]
         if timed:
-            assert len(forward) == 1 and "parm/executor.py" in forward[0].replace("\\", "/"), forward
+            assert len(forward) == 1 and "parm/executor.py" in forward[0].replace("\\", "/"), (
+                forward
+            )
             assert backward == [], backward
     assert layer.last_stats["slice_capacity"] > 0
