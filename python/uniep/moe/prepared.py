@@ -147,6 +147,12 @@ def moe_forward_prepared(
     CUDA (bf16 x, Hopper): packed bf16 experts with ``overlap=fused`` named in ``tuning`` run
     the MegaKernel (module docstring); otherwise the dispatch, the engine's GEMMs in the
     prepared format and the combine, as separate launches. Both give ``moe_forward``'s bits.
+    Across ranks the MegaKernel's runtime is sized on first use for the largest batch over the
+    ranks and checked on each rank alone after that (no host round trip per call): a larger
+    batch must then come on every rank in the same call, or a server calls
+    ``uniep.moe.megakernel.launch.ensure_fused_ep`` once with its largest batch first. A rank
+    whose batch outgrows the runtime alone leaves the others waiting until the timeout, which
+    names it. (``uniep.moe_forward`` agrees on the sizes at every call instead.)
     CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
     On CUDA, with autograd on and ``x`` or ``topk_weights`` requiring grad, it raises
     RuntimeError at once: those paths have no backward.
@@ -246,10 +252,14 @@ def _forward_fused(
     tuning: str,
     backward: bool = False,
     w1_as_stored: bool = False,
+    agree: bool = False,
 ) -> torch.Tensor:
     """The MegaKernel's forward (``backward``: across ranks, on a runtime that also holds the
     fused backward's buffers, for autograd). ``w1_as_stored``: ``experts.w1`` is w1 as stored
-    (gate columns, then up)."""
+    (gate columns, then up). ``agree``: across ranks, exchange the call's sizes every call
+    (``ensure_fused_ep``), so that a batch that outgrows the runtime on one rank grows it on
+    every rank; else only a rank whose runtime does not fit makes that exchange (the fast check
+    of ``moe_forward_prepared``'s contract)."""
     from ..distributed import _timeout
     from .megakernel import launch
 
@@ -280,9 +290,11 @@ def _forward_fused(
         "tile_m": tile_m,
         "backward": backward,
     }
-    # The size agreement is a host round trip (it drains the stream before the launch): only
-    # when the runtime must be created, grown or re-tiled.
-    if not launch.fused_ep_fits(group, **sizes):
+    # The size agreement is a host round trip (it drains the stream before the launch). Without
+    # it each rank judges the fit alone, which is safe only where every rank's batch fits
+    # whenever one's does (moe_forward_prepared's contract); moe_forward promises that ranks
+    # may pass different batches, so it agrees at every call, as its separate launches do.
+    if agree or not launch.fused_ep_fits(group, **sizes):
         launch.ensure_fused_ep(group, **sizes)
     return launch.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,

@@ -257,11 +257,11 @@ def ensure_backward_runtime(
     w1: torch.Tensor,
     w2: torch.Tensor,
 ) -> None:
-    """The group's fused runtime with the backward's buffers and room for this call's tokens
-    (``uniep.moe.megakernel.launch.ensure_fused_ep``, collective, only when this rank's runtime
-    does not fit already: every rank of a call reaches the same answer when they all pass the sizes
-    the forward had)."""
-    from .launch import ensure_fused_ep, fused_ep_fits
+    """The group's fused runtime with the backward's buffers and room for this call's tokens on
+    every rank (``uniep.moe.megakernel.launch.ensure_fused_ep``: collective, the sizes exchanged
+    at every call, since the ranks' batches differ and a fit judged on one rank alone could send
+    one rank into the exchange while the others launch)."""
+    from .launch import ensure_fused_ep
 
     sizes = {
         "tokens": x.shape[0],
@@ -271,8 +271,7 @@ def ensure_backward_runtime(
         "num_experts": w1.shape[0] * distributed.world_size(group),
         "backward": True,
     }
-    if not fused_ep_fits(group, **sizes):
-        ensure_fused_ep(group, **sizes)
+    ensure_fused_ep(group, **sizes)
 
 
 def _moe_backward_ep_cpu(

@@ -78,7 +78,7 @@ def _forward(
     experts = PreparedExperts("bf16_packed", w1_used, w2.detach().contiguous())
     return _forward_fused(
         x, topk_idx, topk_weights, experts, group, world, tuning, backward=backward,
-        w1_as_stored=as_stored,
+        w1_as_stored=as_stored, agree=True,
     )  # fmt: skip
 
 
@@ -131,8 +131,8 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
             *operands, overlap=overlap, timeout_s=_timeout(None), check="deferred", w2t=w2t
         )
     else:
-        # The forward made the runtime with these buffers; only a runtime replaced since (by a
-        # call of other sizes) needs the collective again, on every rank alike.
+        # The forward agreed on these sizes, but a call of other sizes since may have replaced
+        # the runtime with one that fits some ranks' batches and not others': agree again.
         ensure_backward_runtime(ctx.group, x, topk_idx, w1, w2)
         grads = moe_backward_ep(*operands, ctx.group, check="deferred", w2t=w2t)
     grad_x, grad_w, grad_w1, grad_w2 = grads
