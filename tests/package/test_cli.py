@@ -123,7 +123,7 @@ _NO_GPU = {"gpus": 0, "cuda_ops": False, "cuda_kernel": False}
     ],
 )
 def test_demo_defaults_fit_the_machine(gpus: int, build: dict[str, bool], want: tuple) -> None:
-    from uniep.cli import plan_demo
+    from uniep.cli.demo import plan_demo
 
     plan = plan_demo("auto", None, None, None, gpus=gpus, cpus=2, **build)
     assert (plan.device, plan.world, plan.dtype, plan.experts) == want
@@ -131,7 +131,7 @@ def test_demo_defaults_fit_the_machine(gpus: int, build: dict[str, bool], want: 
 
 
 def test_demo_explicit_choices() -> None:
-    from uniep.cli import plan_demo
+    from uniep.cli.demo import plan_demo
 
     # An explicit world larger than the GPUs, or a dtype the CUDA executor lacks: CPU, saying why.
     plan = plan_demo("auto", 2, None, None, gpus=1, cpus=2, **_GPU_BUILD)
@@ -190,7 +190,7 @@ def test_demo_explicit_choices() -> None:
 def test_demo_refuses_a_world_the_machine_cannot_hold(
     device: str, world: int, machine: dict, words: str
 ) -> None:
-    from uniep.cli import plan_demo
+    from uniep.cli.demo import plan_demo
 
     with pytest.raises(SystemExit) as exc:
         plan_demo(device, world, None, None, **machine)
@@ -212,7 +212,7 @@ def test_demo_refuses_a_world_the_machine_cannot_hold(
 def test_demo_accepts_a_world_the_machine_holds(
     device: str, world: int, machine: dict, want: tuple[str, int]
 ) -> None:
-    from uniep.cli import plan_demo
+    from uniep.cli.demo import plan_demo
 
     plan = plan_demo(device, world, None, None, **machine)
     assert (plan.device, plan.world) == want

@@ -1,0 +1,102 @@
+"""``uniep parm simulate`` and ``uniep parm profile``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cluster_from_args(args: argparse.Namespace) -> dict[str, float]:
+    from .. import parm
+
+    fields = dict(parm.CLUSTERS[args.cluster])
+    for name, scale in (
+        ("gpus_per_node", 1),
+        ("nodes", 1),
+        ("intra_bw", 1e9),
+        ("inter_bw", 1e9),
+        ("intra_alpha", 1e-6),
+        ("inter_alpha", 1e-6),
+        ("peak_flops", 1e12),
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value * scale
+    return fields
+
+
+def cmd_parm_simulate(args: argparse.Namespace) -> int:
+    from ..parm import sim as parm_sim
+    from ..parm.profile import cost_model_from_profile
+
+    cluster = _cluster_from_args(args)
+    model = None
+    if args.profile:
+        with open(args.profile) as f:
+            model = cost_model_from_profile(json.load(f))
+    rows = parm_sim.simulate(cluster, model=model, dtype_bytes=args.dtype_bytes)
+    summary = parm_sim.summarize(rows)
+    P = int(cluster["gpus_per_node"] * cluster["nodes"])
+    print(
+        f"Parm simulator: {len(rows)} layers on {P} GPUs ({int(cluster['nodes'])} nodes x "
+        f"{int(cluster['gpus_per_node'])}), predicted fwd+bwd speedup over the baseline"
+    )
+    print(parm_sim.format_table(summary))
+    with open(args.out, "w") as f:
+        json.dump(
+            {
+                "cluster": cluster,
+                "profile": args.profile,
+                "grid": parm_sim.GRID,
+                "summary": summary,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_parm_profile(args: argparse.Namespace) -> int:
+    from ..parm.profile import default_sizes, profile
+
+    if args.world_size % args.mp_size or args.world_size == args.mp_size:
+        print(
+            f"uniep parm profile: --mp-size ({args.mp_size}) must divide --world-size "
+            f"({args.world_size}) with at least two MP groups (the EP all-to-all needs them)",
+            file=sys.stderr,
+        )
+        return 2
+    sizes = default_sizes(args.device)[: args.sizes]
+    try:
+        result = profile(
+            args.world_size, args.mp_size, sizes, args.iters, args.timeout, device=args.device
+        )
+    except RuntimeError as exc:
+        print(f"uniep parm profile: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{result['backend']} on {result['device_name']}, {args.world_size} ranks"
+        + (" sharing one GPU" if args.device == "cuda" else "")
+    )
+    print(f"{'collective':<16}{'link':<7}{'alpha (us)':>12}{'beta (ns/B)':>13}{'R^2':>8}")
+    for kind, links in result["coefficients"].items():
+        for link, c in links.items():
+            print(
+                f"{kind:<16}{link:<7}{c['alpha'] * 1e6:>12.2f}{c['beta'] * 1e9:>13.4f}"
+                f"{c['r2']:>8.4f}"
+            )
+    g = result["gemm"]
+    print(
+        f"{'gemm':<16}{'local':<7}{g['alpha'] * 1e6:>12.2f}{g['beta'] * 1e12:>13.4f}"
+        f"{g['r2']:>8.4f}  (beta in ps/flop)"
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ---- tune ----
