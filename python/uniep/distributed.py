@@ -35,6 +35,10 @@ __all__ = [
     "run_local_ranks",
 ]
 
+# Besides __all__, the helpers that UniEP's own modules share (resolve_group, wait_limit_s,
+# staging_device, bounded_wait, nvshmem_bootstrap, broadcast_bytes, raise_on_all_ranks) live
+# here, beside the default group they read; they are not part of the public API.
+
 # A bounded wait's limit when neither the call nor UNIEP_TIMEOUT_S gives one.
 _DEFAULT_TIMEOUT_S = 100.0
 
@@ -76,7 +80,7 @@ def _check_group(group: object) -> dist.ProcessGroup | None:
     return group
 
 
-def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The explicit group, else the init() default, else WORLD, else None (one rank)."""
     group = _check_group(group)
     if group is not None:
@@ -90,7 +94,7 @@ def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 def default_group() -> dist.ProcessGroup | None:
     """The group ``init`` recorded, else WORLD, else None (no torch.distributed)."""
-    return _resolve(None)
+    return resolve_group(None)
 
 
 def group_name(group: dist.ProcessGroup | None = None) -> str:
@@ -99,39 +103,39 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
     ``""`` (a world of one rank) when ``group`` is None and torch.distributed is not initialised;
     otherwise ``group.group_name`` of ``group``, of the group given to ``init``, or of WORLD.
     """
-    resolved = _resolve(group)
+    resolved = resolve_group(group)
     return "" if resolved is None else resolved.group_name
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
     """Number of ranks the experts are split over (1 without torch.distributed)."""
-    resolved = _resolve(group)
+    resolved = resolve_group(group)
     return 1 if resolved is None else dist.get_world_size(resolved)
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank in the group (0 without torch.distributed)."""
-    resolved = _resolve(group)
+    resolved = resolve_group(group)
     return 0 if resolved is None else dist.get_rank(resolved)
 
 
-def _nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, bytes]:
+def nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, bytes]:
     """``(group name, world size, rank, NVSHMEM unique id)`` of ``group`` (collective).
 
     What ``_C.ep_create`` and ``_C.coll_create`` take: every rank must initialise NVSHMEM from
     the same unique id, so rank 0 makes it and the group broadcasts it.
     """
-    resolved = _resolve(group)
+    resolved = resolve_group(group)
     if resolved is None:
         return "", 1, 0, _C.ep_unique_id()
     world, me = dist.get_world_size(resolved), dist.get_rank(resolved)
     uid = _C.ep_unique_id() if me == 0 else b""
     if world > 1:
-        uid = _broadcast_bytes(uid, resolved, "NVSHMEM start-up (the unique id's broadcast)")
+        uid = broadcast_bytes(uid, resolved, "NVSHMEM start-up (the unique id's broadcast)")
     return resolved.group_name, world, me, uid
 
 
-def _timeout(timeout_s: float | None) -> float:
+def wait_limit_s(timeout_s: float | None) -> float:
     """``timeout_s`` if given, else ``UNIEP_TIMEOUT_S``, else 100 s: the limit of every bounded
     wait (the GPU runtimes' device-side waits and the host's collectives)."""
     if timeout_s is not None:
@@ -148,7 +152,7 @@ def _timeout(timeout_s: float | None) -> float:
     return value
 
 
-def _staging_device(group: dist.ProcessGroup) -> str:
+def staging_device(group: dist.ProcessGroup) -> str:
     """Where a few words for ``group`` go: the CPU unless the group is NCCL only."""
     return "cuda" if str(dist.get_backend(group)) == "nccl" else "cpu"
 
@@ -157,7 +161,7 @@ def bounded_wait(work: dist.Work, group: dist.ProcessGroup, what: str) -> None:
     """``work.wait()``, bounded by ``UNIEP_TIMEOUT_S`` (default 100 s): a peer that never joins
     makes this rank raise RuntimeError naming ``what`` and the group, not wait for the backend's
     own timeout (gloo's is 30 minutes). The group is unusable after that."""
-    limit = _timeout(None)
+    limit = wait_limit_s(None)
     start = time.monotonic()
     try:
         work.wait(timeout=datetime.timedelta(seconds=limit))
@@ -171,10 +175,10 @@ def bounded_wait(work: dist.Work, group: dist.ProcessGroup, what: str) -> None:
         ) from e
 
 
-def _broadcast_bytes(data: bytes, group: dist.ProcessGroup, what: str) -> bytes:
+def broadcast_bytes(data: bytes, group: dist.ProcessGroup, what: str) -> bytes:
     """Rank 0's ``data`` on every rank of ``group`` (a length, then the bytes), each wait
     bounded."""
-    device = _staging_device(group)
+    device = staging_device(group)
     src = dist.get_global_rank(group, 0)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     bounded_wait(dist.broadcast(size, src=src, group=group, async_op=True), group, what)
@@ -223,7 +227,7 @@ def init(group: dist.ProcessGroup | None = None) -> Runtime:
     """
     global _default_group
     _default_group = _check_group(group)
-    resolved = _resolve(None)
+    resolved = resolve_group(None)
     if resolved is None:
         return Runtime(group_name="", rank=0, world_size=1, device=_device_kind(""), backend="")
     backend = str(dist.get_backend(resolved))

@@ -280,16 +280,16 @@ def test_backward_on_some_ranks_only_times_out_naming_it(world: int) -> None:
 
 
 def _broadcast_worker(rank: int, world: int) -> tuple[bytes, str]:
-    from uniep.distributed import _broadcast_bytes
+    from uniep.distributed import broadcast_bytes
 
     os.environ["UNIEP_TIMEOUT_S"] = "3"
     data = bytes(range(7, 7 + 131)) if rank == 0 else b""
-    got = _broadcast_bytes(data, dist.group.WORLD, "the test's broadcast")
+    got = broadcast_bytes(data, dist.group.WORLD, "the test's broadcast")
     # Rank 1 never joins the second broadcast: rank 0 must raise after about 3 s.
     message = ""
     if rank == 0:
         try:
-            _broadcast_bytes(b"x", dist.group.WORLD, "the lone broadcast")
+            broadcast_bytes(b"x", dist.group.WORLD, "the lone broadcast")
         except RuntimeError as e:
             message = str(e)
     else:

@@ -375,8 +375,8 @@ def init_cuda(
         )
     if not isinstance(max_block_bytes, int) or max_block_bytes < 1:
         raise ValueError(f"max_block_bytes must be a positive int, got {max_block_bytes!r}")
-    name, world, me, uid = distributed._nvshmem_bootstrap(group)
-    _C.coll_create(name, uid, world, me, max_block_bytes, _ep._timeout(timeout_s))
+    name, world, me, uid = distributed.nvshmem_bootstrap(group)
+    _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s))
 
 
 def shutdown_cuda(group: dist.ProcessGroup | None = None) -> None:

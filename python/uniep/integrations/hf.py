@@ -60,7 +60,7 @@ __all__ = [
 _PARAMS = ("gate_up_proj", "down_proj")
 
 
-def _is_silu(act: object) -> bool:
+def is_silu(act: object) -> bool:
     if not callable(act):
         return False
     probe = torch.linspace(-6.0, 6.0, 25, dtype=torch.float64)
@@ -93,7 +93,7 @@ def unsupported_reason(module: nn.Module) -> str | None:
 
         if apply_gate is not getattr(hf_moe, "_default_apply_gate", apply_gate):
             return f"{type(module).__name__} has its own gate activation (_apply_gate)"
-    if not _is_silu(getattr(module, "act_fn", None)):
+    if not is_silu(getattr(module, "act_fn", None)):
         return "its activation (act_fn) is not SiLU"
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -280,12 +280,12 @@ def swap_moe_blocks(
             f"{type(model).__name__} has no HF experts module (a submodule named 'experts' with "
             "gate_up_proj and down_proj)"
         )
-    return _replace_found(
+    return replace_found(
         model, found, unsupported_reason, lambda m: HFExperts.from_hf(m, group, tuning), strict
     )
 
 
-def _replace_found(
+def replace_found(
     model: nn.Module,
     found: list[tuple[str, nn.Module]],
     unsupported: Callable[[nn.Module], str | None],
@@ -338,7 +338,7 @@ def _shared_unsupported_reason(mlp: nn.Module, gate: nn.Module | None, hidden: i
         return "it is not gate_proj, up_proj and down_proj linear layers without biases"
     if len(list(mlp.parameters())) != 3:
         return "it has parameters besides gate_proj, up_proj and down_proj"
-    if not _is_silu(getattr(mlp, "act_fn", None)):
+    if not is_silu(getattr(mlp, "act_fn", None)):
         return "its activation (act_fn) is not SiLU"
     inner = projs[0].out_features
     shapes = [tuple(p.weight.shape) for p in projs]
@@ -655,7 +655,7 @@ def swap_moe_layers(
             f"{type(model).__name__} has no HF sparse MoE block (a module with a router 'gate' "
             "and an experts module 'experts' holding gate_up_proj and down_proj)"
         )
-    return _replace_found(
+    return replace_found(
         model,
         found,
         layer_unsupported_reason,

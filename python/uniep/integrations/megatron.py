@@ -74,7 +74,7 @@ from torch import nn
 from .. import _C
 from ..nn import Experts
 from ._layout_hooks import register_layout_hooks
-from .hf import _is_silu, _replace_found
+from .hf import is_silu, replace_found
 
 __all__ = [
     "LAYOUTS",
@@ -215,7 +215,7 @@ def unsupported_reason(block: nn.Module) -> str | None:
         return f"its experts have biases ({biases[0]}, ...; add_bias_linear=True)"
     if not _cfg(config, "gated_linear_unit"):
         return "its experts are not gated (gated_linear_unit=False): UniEP's are SwiGLU"
-    if not _is_silu(_cfg(config, "activation_func")):
+    if not is_silu(_cfg(config, "activation_func")):
         return "its activation_func is not SiLU: UniEP's experts are SwiGLU"
     reason = _balancing_reason(config)
     if reason is not None:
@@ -739,7 +739,7 @@ def swap_moe_blocks(
             f"{type(model).__name__} is itself a Megatron-style block: use "
             "MegatronMoE.from_megatron(block) instead of swapping it in place"
         )
-    return _replace_found(
+    return replace_found(
         model,
         found,
         unsupported_reason,

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed import _timeout
+from ..distributed import wait_limit_s
 from ..gemm import dequantize_rows
 from ..tuning.params import parse as parse_tuning
-from .ep import _grad_tuning, _rows_to_slots
+from .ep import grad_tuning, rows_to_slots
 from .megakernel.backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 from .megakernel.launch import megakernel_overlap
 
@@ -59,7 +59,7 @@ def _moe_backward_cuda(
         )
         operands = (grad_out.contiguous(), x, topk_idx, topk_weights.float(), w1, w2)
         if world == 1:
-            grads = moe_backward_local(*operands, overlap=overlap, timeout_s=_timeout(None))
+            grads = moe_backward_local(*operands, overlap=overlap, timeout_s=wait_limit_s(None))
         else:
             group = dist.distributed_c10d._resolve_process_group(group_name)
             ensure_backward_runtime(group, x, topk_idx, w1, w2)
@@ -72,7 +72,7 @@ def _moe_backward_cuda(
         grad_x, dots, row_target, grad_w1, grad_w2 = torch.ops.uniep.moe_backward_engine(
             grad_out, x, topk_idx, topk_weights, w1, w2, group_name, tuning
         )
-        grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
+        grad_w = rows_to_slots(dots, row_target, topk_idx, group_name)
         return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
     # Every check first, agreed with the peers (a bad argument on one rank raises on all).
     torch.ops.uniep.moe_backward_checks(
@@ -81,7 +81,7 @@ def _moe_backward_cuda(
     params = parse_tuning(tuning)
     text = params.to_string()
     # grad_out travels in bf16 whatever the forward's dispatch precision.
-    grad_text = _grad_tuning(text)
+    grad_text = grad_tuning(text)
     k_top = topk_idx.shape[1]
     ffn = w2.shape[1]
 
@@ -106,7 +106,7 @@ def _moe_backward_cuda(
     grad_x = torch.ops.uniep.ep_combine(
         grad_rows.contiguous(), row_target, topk_idx, ones, group_name, back_epoch, grad_text
     )
-    grad_w = _rows_to_slots(dots, row_target, topk_idx, group_name)
+    grad_w = rows_to_slots(dots, row_target, topk_idx, group_name)
     return grad_x, grad_w.to(topk_weights.dtype), grad_w1.to(w1.dtype), grad_w2.to(w2.dtype)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ..distributed import _nvshmem_bootstrap, _staging_device, _timeout, bounded_wait
+from ..distributed import bounded_wait, nvshmem_bootstrap, staging_device, wait_limit_s
 from ..distributed import group_name as _group_name
 from ..tuning.params import parse as parse_tuning
 
@@ -84,7 +84,7 @@ def init_runtime(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    name, world, me, uid = _nvshmem_bootstrap(group)
+    name, world, me, uid = nvshmem_bootstrap(group)
     if not isinstance(ll_max_tokens, int) or ll_max_tokens < 0:
         raise ValueError(f"ll_max_tokens must be an int >= 0, got {ll_max_tokens!r}")
     _C.ep_create(
@@ -97,7 +97,7 @@ def init_runtime(
         world,
         me,
         max_row_bytes,
-        _timeout(timeout_s),
+        wait_limit_s(timeout_s),
         ll_max_tokens,
     )
 
@@ -139,7 +139,7 @@ def _runtime_for_call(
         # moe_forward meets this exchange and names its error here), then the largest batch.
         sizes = [("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)]
         _C.agree_call(group_name, "ep_runtime_create", sizes, "", "cuda")
-        table = _all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.moe.ep)")
+        table = all_gather_ints([tokens], group, "the GPU runtime's creation (uniep.moe.ep)")
     most = max(row[0] for row in table)
     old = _C.ep_config(group_name) if _C.ep_exists(group_name) else None
     keep: dict[str, Any] = {}
@@ -168,10 +168,10 @@ if getattr(_C, "has_ep_runtime", False):
     _C.set_ep_runtime_factory(_runtime_for_call)
 
 
-def _all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> list[list[int]]:
+def all_gather_ints(values: list[int], group: dist.ProcessGroup, what: str) -> list[list[int]]:
     """Every rank's ``values`` (one row per rank), through ``group``; the wait is bounded by
     ``UNIEP_TIMEOUT_S`` so a rank that never joins makes the others raise, naming ``what``."""
-    device = _staging_device(group)
+    device = staging_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
@@ -363,7 +363,7 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     _C.ep_check(_group_name(group))
 
 
-def _grad_tuning(tuning: str) -> str:
+def grad_tuning(tuning: str) -> str:
     """``tuning`` for the dispatches and combines inside a backward: ``dispatch=bf16`` (gradients
     travel in bf16 whatever the forward's precision; fp8 needs rows of exactly ``hidden`` bf16
     columns) and ``combine=per_k`` (those combines sum with unit weights, not the dispatch's,
@@ -402,7 +402,7 @@ def _send_to_ranks(
     return got_index, got_values, senders
 
 
-def _rows_to_slots(
+def rows_to_slots(
     values: torch.Tensor, row_target: torch.Tensor, topk_idx: torch.Tensor, group_name: str
 ) -> torch.Tensor:
     """One fp32 value per grouped-GEMM row (``values`` [R]) back to slot (token, k) of the row's
@@ -523,7 +523,7 @@ def _dispatch_grad_x(ctx: Any, grad_recv_x: torch.Tensor, slots: int, op: str) -
             f"carries bfloat16 rows of hidden = {hidden} columns; got x {ctx.x_dtype} with "
             f"{ctx.x_cols} columns"
         )
-    text = _grad_tuning(ctx.tuning)
+    text = grad_tuning(ctx.tuning)
     # Rows of 16 bytes: only the plan (and a fresh epoch for the combine) is wanted.
     stub = topk_idx.new_zeros((topk_idx.shape[0], 8), dtype=torch.bfloat16)
     plan = torch.ops.uniep.ep_dispatch(stub, topk_idx, topk_weights, ctx.group_name, text)
@@ -615,7 +615,7 @@ def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         topk_idx,
         topk_weights,
         ctx.group_name,
-        _grad_tuning(ctx.tuning),
+        grad_tuning(ctx.tuning),
     )
     recv_go, _, _, _, recv_w, _, row_slot, plan_target, _ = back
     if plan_target.shape != row_target.shape:
@@ -636,7 +636,7 @@ def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         grad_y = (go * w_row).to(y.dtype)
     if needs[3]:
         dots = (go * y.float()).sum(1)
-        grad_w = _rows_to_slots(dots, row_target, topk_idx, ctx.group_name)
+        grad_w = rows_to_slots(dots, row_target, topk_idx, ctx.group_name)
         grad_w = grad_w.to(topk_weights.dtype)
     return grad_y, None, None, grad_w, None, None, None
 

@@ -73,9 +73,9 @@ def mark_expert_shards(
         ValueError: a name is not a parameter of ``module``, a parameter does not belong to it,
             or ``params`` is None and ``module`` has no ``w1`` / ``w2``.
     """
-    from ..distributed import _resolve
+    from ..distributed import resolve_group
 
-    resolved = _resolve(group)
+    resolved = resolve_group(group)
     ranks = tuple(dist.get_process_group_ranks(resolved)) if resolved is not None else (0,)
     named = dict(module.named_parameters())
     by_id = {id(p): n for n, p in named.items()}
@@ -175,10 +175,10 @@ def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -
         _CHECKED.pop(k, None)
 
     _CHECKED[key] = (weakref.ref(w1, forget), weakref.ref(w2, forget))
-    from ..distributed import _staging_device, bounded_wait
+    from ..distributed import bounded_wait, staging_device
 
     mine = torch.tensor(_checksum(w1) + _checksum(w2), dtype=torch.float64)
-    mine = mine.to(_staging_device(group))
+    mine = mine.to(staging_device(group))
     table = torch.empty(world * 4, dtype=torch.float64, device=mine.device)
     what = "moe_forward's check of the expert shards (uniep.moe.expert_shards)"
     bounded_wait(dist.all_gather_into_tensor(table, mine, group=group, async_op=True), group, what)

@@ -188,7 +188,7 @@ def moe_forward_prepared(
     if experts.format == "bf16_packed" and megakernel_overlap(
         tuning, world, experts.hidden, experts.ffn
     ):
-        return _forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
+        return forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
 
@@ -242,7 +242,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
     return comm_sms, p.skip_rounds, p.tile_m or None
 
 
-def _forward_fused(
+def forward_fused(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -260,7 +260,7 @@ def _forward_fused(
     (``ensure_fused_ep``), so that a batch that outgrows the runtime on one rank grows it on
     every rank; else only a rank whose runtime does not fit makes that exchange (the fast check
     of ``moe_forward_prepared``'s contract)."""
-    from ..distributed import _timeout
+    from ..distributed import wait_limit_s
     from .megakernel import launch
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
@@ -278,7 +278,7 @@ def _forward_fused(
             tile_m, skip_rounds = None, -1
         return launch.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
-            comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=_timeout(None), tile_m=tile_m,
+            comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=wait_limit_s(None), tile_m=tile_m,
             check="deferred", w1_as_stored=w1_as_stored,
         )  # fmt: skip
     sizes = {

@@ -178,7 +178,7 @@ def _setup_expert_group(
     module: nn.Module, group: dist.ProcessGroup | None, num_experts: int
 ) -> None:
     """Sets the group attributes an expert-parallel module carries (see ``Experts``)."""
-    resolved = distributed._resolve(group)
+    resolved = distributed.resolve_group(group)
     module.group_name = distributed.group_name(group)
     module.world_size = distributed.world_size(group)
     module.rank = distributed.rank(group)

@@ -97,7 +97,7 @@ class _ParallelLinear(nn.Module):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"dtype must be float32, bfloat16 or float64, got {dtype}")
-        self._group = distributed._resolve(group)
+        self._group = distributed.resolve_group(group)
         self.group_name = distributed.group_name(group)
         self.world_size = distributed.world_size(group)
         self.rank = distributed.rank(group)

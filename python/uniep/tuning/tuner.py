@@ -448,10 +448,10 @@ class _Group:
     """The few collectives the tuner needs, bounded like UniEP's own (``UNIEP_TIMEOUT_S``)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.pg = distributed._resolve(group)
+        self.pg = distributed.resolve_group(group)
         self.world = 1 if self.pg is None else dist.get_world_size(self.pg)
         self.rank = 0 if self.pg is None else dist.get_rank(self.pg)
-        self.device = "cpu" if self.pg is None else distributed._staging_device(self.pg)
+        self.device = "cpu" if self.pg is None else distributed.staging_device(self.pg)
 
     def max(self, values: Sequence[float], what: str) -> list[float]:
         if self.world == 1:
@@ -464,7 +464,7 @@ class _Group:
     def rank0_text(self, text: str, what: str) -> str:
         if self.world == 1:
             return text
-        data = distributed._broadcast_bytes(text.encode(), self.pg, f"uniep.tune ({what})")
+        data = distributed.broadcast_bytes(text.encode(), self.pg, f"uniep.tune ({what})")
         return data.decode()
 
 

@@ -40,7 +40,7 @@ from ... import _C, distributed
 from ...gemm import grouped_mm_dgrad, grouped_mm_wgrad
 from .. import tile_gates
 from ..kept_weights import transposed_w2
-from .launch import CpuPlan, _begin, _check, _check_operands, _finish, sends_beside_gemms
+from .launch import CpuPlan, begin_call, check_call, check_operands, finish_call, sends_beside_gemms
 
 __all__ = ["ensure_backward_runtime", "moe_backward_ep", "moe_backward_local"]
 
@@ -102,14 +102,14 @@ def moe_backward_local(
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
-    _check(x, topk_idx, topk_weights, w1, w2, overlap, comm_sms)
+    check_call(x, topk_idx, topk_weights, w1, w2, overlap, comm_sms)
     _check_grad_out(grad_out, x)
     if w2t is None:
         w2t = transposed_w2(w2)
     _check_w2t(w2t, w2)
     if trace is not None and overlap != "fused":
         raise ValueError(f"trace is for overlap='fused' only, got overlap={overlap!r}")
-    _begin(check)
+    begin_call(check)
     grad_out = grad_out.contiguous()
     t, h = x.shape
     k = topk_idx.shape[1]
@@ -177,7 +177,7 @@ def moe_backward_local(
     grad_x, combine_error = tile_gates.combine_rows(grad_rows, row, ones, check=False)
     grad_w = torch.where(row >= 0, dots[row.clamp(min=0)], 0.0)
     errors.append(("send", combine_error, "moe_backward_local (combine)", k))
-    _finish(check, errors)
+    finish_call(check, errors)
     return grad_x, grad_w, grad_w1, grad_w2
 
 
@@ -217,23 +217,23 @@ def moe_backward_ep(
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1.is_cuda:
         return _moe_backward_ep_cpu(grad_out, x, topk_idx, topk_weights, w1, w2, group)
-    from ...distributed import _timeout
-    from .launch import _require_runtime
+    from ...distributed import wait_limit_s
+    from .launch import require_runtime
 
     if distributed.world_size(group) == 1:
         return moe_backward_local(
             grad_out, x, topk_idx, topk_weights, w1, w2, overlap="fused",
-            timeout_s=_timeout(None), check=check, w2t=w2t, trace=trace,
+            timeout_s=wait_limit_s(None), check=check, w2t=w2t, trace=trace,
         )  # fmt: skip
-    _require_runtime()
+    require_runtime()
     if not x.is_cuda:
         raise ValueError(f"x must be a CUDA tensor like w1, got {x.device}")
-    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
+    check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
     _check_grad_out(grad_out, x)
     if w2t is None:
         w2t = transposed_w2(w2)
     _check_w2t(w2t, w2)
-    _begin(check)
+    begin_call(check)
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name) or not _C.fused_ep_config(name)["backward"]:
         raise RuntimeError(
@@ -246,7 +246,9 @@ def moe_backward_ep(
         name, trace,
     )  # fmt: skip
     k = topk_idx.shape[1]
-    _finish(check, [("gate", timeout, "moe_backward_ep", k), ("send", error, "moe_backward_ep", k)])
+    finish_call(
+        check, [("gate", timeout, "moe_backward_ep", k), ("send", error, "moe_backward_ep", k)]
+    )
     return grad_x, grad_w, grad_w1, grad_w2
 
 
@@ -285,7 +287,7 @@ def _moe_backward_ep_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_backward_ep's CPU executor (its docstring): the plan of the GPU path, the rows over
     the group's all_to_all, the kernels' arithmetic in float32 with their bf16 roundings."""
-    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
+    check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
     _check_grad_out(grad_out, x)
     t, h = x.shape
     el, _, two_i = w1.shape

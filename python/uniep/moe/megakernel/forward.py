@@ -52,8 +52,8 @@ def _forward(
     backward: bool = False,
 ) -> torch.Tensor:
     from ...distributed import world_size
-    from ..prepared import PreparedExperts, _forward_fused
-    from .launch import _check_operands
+    from ..prepared import PreparedExperts, forward_fused
+    from .launch import check_operands
 
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -67,16 +67,16 @@ def _forward(
             f"w1 and w2 must be bfloat16 like x for overlap=fused, got {w1.dtype} and {w2.dtype}"
         )
     # The MegaKernel's own operand checks, before the packing (w1 has the packed shape).
-    _check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
+    check_operands(x, topk_idx, topk_weights, w1, w2, experts="E_local", w1_name="w1")
     world = world_size(group)
     # The MegaKernel's GEMMs read w1 as stored where the FFN size allows it (a multiple of 128):
     # no packed copy, so nothing to redo after an optimizer step. Else a packed copy kept per w1
     # version.
     as_stored = w1.shape[2] % 256 == 0
     w1_used = w1.detach().contiguous() if as_stored else packed_gate_up(w1)
-    # (The format gives _forward_fused the shapes only; w1_as_stored says which layout w1 has.)
+    # (The format gives forward_fused the shapes only; w1_as_stored says which layout w1 has.)
     experts = PreparedExperts("bf16_packed", w1_used, w2.detach().contiguous())
-    return _forward_fused(
+    return forward_fused(
         x, topk_idx, topk_weights, experts, group, world, tuning, backward=backward,
         w1_as_stored=as_stored, agree=True,
     )  # fmt: skip
@@ -116,7 +116,7 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
     """The fused backward (``uniep.moe.megakernel.backward``): at one rank ``moe_backward_local``,
     across ranks ``moe_backward_ep`` on the group's fused runtime; the errors checked as the forward
     checks them (deferred)."""
-    from ...distributed import _timeout
+    from ...distributed import wait_limit_s
     from .backward import ensure_backward_runtime, moe_backward_ep, moe_backward_local
 
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
@@ -128,7 +128,7 @@ def _backward_fused(ctx: Any, grad_out: torch.Tensor) -> tuple:
     if ctx.world == 1:
         overlap = megakernel_overlap(ctx.tuning, 1) or "fused"
         grads = moe_backward_local(
-            *operands, overlap=overlap, timeout_s=_timeout(None), check="deferred", w2t=w2t
+            *operands, overlap=overlap, timeout_s=wait_limit_s(None), check="deferred", w2t=w2t
         )
     else:
         # The forward agreed on these sizes, but a call of other sizes since may have replaced

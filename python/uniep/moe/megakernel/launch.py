@@ -112,7 +112,7 @@ def _check_at_exit() -> None:
         )
 
 
-def _finish(check: bool | str, entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
+def finish_call(check: bool | str, entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
     """The end of a call: raise its errors now (``True``, waits for the stream), record them for
     :func:`check_errors` (``"deferred"``), or leave them (``False``)."""
     if check is True:
@@ -131,7 +131,7 @@ def _finish(check: bool | str, entries: list[tuple[str, torch.Tensor, str, int]]
             atexit.register(_check_at_exit)
 
 
-def _begin(check: bool | str) -> None:
+def begin_call(check: bool | str) -> None:
     """The start of a call: validate ``check`` and raise what earlier deferred calls recorded."""
     if check not in (True, False, "deferred"):
         raise ValueError(f"check must be True, False or 'deferred', got {check!r}")
@@ -208,7 +208,7 @@ def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float
     return out
 
 
-def _check(
+def check_call(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -221,7 +221,7 @@ def _check(
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     if not x.is_cuda:
         raise ValueError(f"x must be a CUDA tensor (the gated GEMMs run on Hopper), got {x.device}")
-    _check_operands(x, topk_idx, topk_weights, w1_packed, w2)
+    check_operands(x, topk_idx, topk_weights, w1_packed, w2)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if overlap == "streams" and not 1 <= comm_sms <= sms - 2:
         raise ValueError(
@@ -231,7 +231,7 @@ def _check(
         raise ValueError(f"comm_sms must be >= 1 (CTAs that send; >= {sms}: all), got {comm_sms}")
 
 
-def _check_operands(
+def check_operands(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -304,8 +304,8 @@ def moe_forward_local(
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
-    _check(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
-    _begin(check)
+    check_call(x, topk_idx, topk_weights, w1_packed, w2, overlap, comm_sms)
+    begin_call(check)
     if tile_m is not None and (overlap != "fused" or tile_m not in FUSED_TILE_MS):
         raise ValueError(
             f"tile_m must be None or, with overlap='fused', one of {FUSED_TILE_MS}; got {tile_m} "
@@ -326,7 +326,7 @@ def moe_forward_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
             timeout_s, trace, tm, w1_as_stored,
         )  # fmt: skip
-        _finish(
+        finish_call(
             check,
             [
                 ("send", plan_error, "moe_forward_local (plan)", k),
@@ -365,7 +365,7 @@ def moe_forward_local(
         uses = (x, dest, row, counter, rows, counters)
         (send_error,), (t1, t2) = sends_beside_gemms(x.device, send, gemms, sms, comm_sms, uses)
     out, combine_error = tile_gates.combine_rows(y, row, topk_weights, check=False)
-    _finish(
+    finish_call(
         check,
         [
             ("send", plan_error, "moe_forward_local (plan)", k),
@@ -406,7 +406,7 @@ def sends_beside_gemms(
     return sent, waited
 
 
-def _require_runtime() -> None:
+def require_runtime() -> None:
     if not getattr(_C, "has_ep_runtime", False) or not torch.cuda.is_available():
         raise RuntimeError(
             "the fused MoE kernel across ranks needs a CUDA build of torch and a visible GPU "
@@ -431,7 +431,7 @@ def fused_ep_heap_bytes(
     heap is sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the
     sum of the runtimes' bytes before that (``uniep.moe.ep`` and ``uniep.collectives`` have theirs),
     or create this runtime first when it is the process's only one."""
-    _require_runtime()
+    require_runtime()
     if tile_m is None:
         tile_m = fused_tile_m(world_size * max_tokens * top_k, num_experts)
     return int(
@@ -462,9 +462,9 @@ def init_fused_ep(
     the rows a local expert gets when every rank sends ``max_tokens`` tokens). ``backward``: also
     the buffers of the fused backward (:func:`uniep.moe.megakernel.backward.moe_backward_ep`), the
     same on every rank."""
-    from ...distributed import _timeout
+    from ...distributed import wait_limit_s
 
-    _require_runtime()
+    require_runtime()
     for name, value in (
         ("max_tokens", max_tokens),
         ("hidden", hidden),
@@ -476,7 +476,7 @@ def init_fused_ep(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if tile_m is not None and tile_m not in FUSED_TILE_MS:
         raise ValueError(f"tile_m must be None or one of {FUSED_TILE_MS}, got {tile_m!r}")
-    name, world, me, uid = distributed._nvshmem_bootstrap(group)
+    name, world, me, uid = distributed.nvshmem_bootstrap(group)
     if tile_m is None:
         tile_m = fused_tile_m(world * max_tokens * top_k, num_experts)
     _C.fused_ep_create(
@@ -489,7 +489,7 @@ def init_fused_ep(
         ffn,
         top_k,
         num_experts,
-        _timeout(timeout_s),
+        wait_limit_s(timeout_s),
         tile_m,
         bool(backward),
     )
@@ -522,18 +522,18 @@ def ensure_fused_ep(
     set for it beforehand (:func:`fused_ep_heap_bytes`), or it fails naming that variable."""
     from ..ep import grown_capacity
 
-    _require_runtime()
+    require_runtime()
     if tile_m is not None and tile_m not in FUSED_TILE_MS:
         raise ValueError(f"tile_m must be None or one of {FUSED_TILE_MS}, got {tile_m!r}")
-    pg = distributed._resolve(group)
+    pg = distributed.resolve_group(group)
     name = distributed.group_name(group)
     mine = [tokens, hidden, ffn, top_k, num_experts, tile_m or 0, int(bool(backward))]
     if pg is None:
         table = [mine]
     else:
-        from ..ep import _all_gather_ints
+        from ..ep import all_gather_ints
 
-        table = _all_gather_ints(
+        table = all_gather_ints(
             mine, pg, "the fused MoE runtime's sizes (uniep.moe.megakernel.launch)"
         )
     what_cols = ("hidden", "ffn", "top_k", "num_experts", "tile_m (0: auto)")
@@ -644,12 +644,12 @@ def moe_forward_ep(
     rounding of the GPU's bits (the GEMMs' summation order differs)."""
     if not x.is_cuda and not w1_packed.is_cuda:
         return _moe_forward_ep_cpu(x, topk_idx, topk_weights, w1_packed, w2, group, w1_as_stored)
-    _require_runtime()
+    require_runtime()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = EP_COMM_SMS if distributed.world_size(group) > 1 else sms
-    _check(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
-    _begin(check)
+    check_call(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
+    begin_call(check)
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name):
         raise RuntimeError(
@@ -661,7 +661,9 @@ def moe_forward_ep(
         x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace, w1_as_stored
     )
     k = topk_idx.shape[1]
-    _finish(check, [("gate", timeout, "moe_forward_ep", k), ("send", error, "moe_forward_ep", k)])
+    finish_call(
+        check, [("gate", timeout, "moe_forward_ep", k), ("send", error, "moe_forward_ep", k)]
+    )
     return out
 
 
@@ -700,7 +702,7 @@ class CpuPlan:
         self, topk_idx: torch.Tensor, experts_per_rank: int, group: dist.ProcessGroup | None,
         what: str,
     ) -> None:  # fmt: skip
-        self.pg = distributed._resolve(group)
+        self.pg = distributed.resolve_group(group)
         pg = self.pg
         self.world, self.rank = (
             (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
@@ -757,7 +759,7 @@ def _moe_forward_ep_cpu(
 ) -> torch.Tensor:
     from ...gemm import unpack_gate_up
 
-    _check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
+    check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
     t, h = x.shape
     el, _, two_i = w1_packed.shape
     k = topk_idx.shape[1]
