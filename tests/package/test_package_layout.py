@@ -175,3 +175,14 @@ def test_the_public_api_is_each_package_all() -> None:
     assert not missing, missing
     uniep = importlib.import_module("uniep")
     assert callable(uniep.tune) and callable(uniep.moe_forward)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """What one module takes from another is named as shared (no leading underscore): a private
+    name reached across modules is an API nobody declared."""
+    bad = [
+        f"{mod}:{line}: from {source} import {name}"
+        for mod, line, source, name in _imports(_modules())
+        if name.startswith("_") and name != "_C" and f"{source}.{name}" not in _modules()
+    ]
+    assert not bad, "\n".join(bad)

@@ -57,25 +57,25 @@ SCHEDULE_KEYS = (
 # What tune() times: moe_forward on the weights as training holds them, or moe_forward_prepared on
 # packed bf16 experts (the separate launches and the MegaKernel).
 WEIGHTS = ("plain", "bf16_packed")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TUNABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 # ---- names, keys, paths ----
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
+def name_of_dtype(dtype: torch.dtype | str) -> str:
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
-        if name in _DTYPES:
+        if name in TUNABLE_DTYPES:
             return name
     elif isinstance(dtype, torch.dtype):
-        for name, value in _DTYPES.items():
+        for name, value in TUNABLE_DTYPES.items():
             if value == dtype:
                 return name
     raise ValueError(f"dtype must be float32, bfloat16 or float64, got {dtype!r}")
 
 
-def _positive(name: str, value: object) -> int:
+def positive_int_arg(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
@@ -108,7 +108,7 @@ def normalize_numerics(numerics: str | _C.TuningParams = "") -> str:
     return text if p.fp8_experts == (p.dispatch == "fp8") else text + ",experts=bf16"
 
 
-def _numerics_of(tuning: str) -> str:
+def numerics_of(tuning: str) -> str:
     return normalize_numerics(parse_tuning(tuning))
 
 
@@ -166,7 +166,7 @@ def cache_key(
     """The cache key of one shape: every field that may change the best point, the weight format
     (a ``weights=`` field unless ``"plain"``), the numerics keys, the UniEP version and the cache
     schema (``tokens``: per rank, ``x.shape[0]``)."""
-    _check_weights(weights)
+    check_weights(weights)
     return "|".join(
         (
             f"schema={SCHEMA}",
@@ -178,14 +178,14 @@ def cache_key(
             f"ffn={ffn}",
             f"experts={experts}",
             f"top_k={top_k}",
-            f"dtype={_dtype_name(dtype)}",
+            f"dtype={name_of_dtype(dtype)}",
             *(() if weights == "plain" else (f"weights={weights}",)),
             normalize_numerics(numerics),
         )
     )
 
 
-def _check_weights(weights: str) -> None:
+def check_weights(weights: str) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
 
@@ -239,7 +239,7 @@ def _valid_entries(path: Path, entries: dict[str, Any]) -> dict[str, str]:
             problem = 'no "tuning" string'
         else:
             try:
-                numerics = _numerics_of(tuning)
+                numerics = numerics_of(tuning)
             except ValueError as e:
                 problem = f"bad tuning {tuning!r} ({e})"
             else:
@@ -408,7 +408,7 @@ def tuning_for_call(
     """
     if torch.compiler.is_compiling() or x.dim() != 2 or topk_idx.dim() != 2:
         return ""
-    if x.dtype not in _DTYPES.values() or x.device.type not in ("cpu", "cuda"):
+    if x.dtype not in TUNABLE_DTYPES.values() or x.device.type not in ("cpu", "cuda"):
         return ""
     hit = lookup(
         tokens=x.shape[0],

@@ -47,20 +47,20 @@ from .._util.timing import time_calls_ms
 from ..gemm import pingpong_rows
 from ..moe.megakernel.launch import megakernel_numerics
 from .cache import (
-    _DTYPES,
     NUMERICS_KEYS,
     SCHEDULE_KEYS,
     SCHEMA,
+    TUNABLE_DTYPES,
     WEIGHTS,
-    _check_weights,
-    _dtype_name,
-    _numerics_of,
-    _positive,
     cache_key,
     cache_path,
+    check_weights,
     device_name,
     lookup,
+    name_of_dtype,
     normalize_numerics,
+    numerics_of,
+    positive_int_arg,
     store,
 )
 from .params import parse as parse_tuning
@@ -126,7 +126,7 @@ class MoeShape:
 
     @property
     def elem_bytes(self) -> int:
-        return _DTYPES[self.dtype].itemsize
+        return TUNABLE_DTYPES[self.dtype].itemsize
 
     @property
     def local_experts(self) -> int:
@@ -169,7 +169,7 @@ def candidate_points(
     ``tile_m`` 64 and 128 and the ``(sms, skip_rounds)`` pairs of ``_FUSED_POINTS`` (``sms`` = the
     SM count: every CTA sends first).
     """
-    _check_weights(weights)
+    check_weights(weights)
     if weights != "plain" and device != "cuda":
         raise ValueError(f"weights={weights!r} is tuned on cuda only, got device {device!r}")
     base = parse_tuning(normalize_numerics(numerics))
@@ -472,7 +472,7 @@ def _inputs(
     shape: MoeShape, device: torch.device, rank: int, seed: int
 ) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed * 7919 + 1 + rank)
-    dtype = _DTYPES[shape.dtype]
+    dtype = TUNABLE_DTYPES[shape.dtype]
     t, h, i, e, k, el = (
         shape.tokens,
         shape.hidden,
@@ -727,7 +727,7 @@ def _calibrate(
     all-reduces (alpha, beta), and the op itself at the default point (and, on CPU, at the
     narrowest loop blocks, ``tile_n=16``, which fixes the cost per loop start)."""
     cuda = dev.type == "cuda"
-    dtype = _DTYPES[shape.dtype]
+    dtype = TUNABLE_DTYPES[shape.dtype]
     m = max(16, min(256, shape.tokens * shape.top_k))
     a = torch.randn(m, shape.hidden, device=dev).to(dtype)
     b = torch.randn(shape.hidden, 2 * shape.ffn, device=dev).to(dtype)
@@ -869,7 +869,7 @@ def tune(
         ("candidates", candidates),
         ("iters", iters),
     ):
-        _positive(name, value)
+        positive_int_arg(name, value)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     if isinstance(settle_s, bool) or not (
@@ -880,9 +880,9 @@ def tune(
         raise ValueError(f"budget_s must be a number of seconds > 0 or None, got {budget_s!r}")
     if top_k > experts:
         raise ValueError(f"top_k ({top_k}) must be <= experts ({experts})")
-    dtype_name = _dtype_name(dtype)
+    dtype_name = name_of_dtype(dtype)
     numerics = normalize_numerics(numerics)
-    _check_weights(weights)
+    check_weights(weights)
     dev = _resolve_device(device)
     if weights != "plain" and (dev.type != "cuda" or dtype_name != "bfloat16"):
         raise ValueError(
@@ -1041,7 +1041,7 @@ def tune(
     default_row = rows[default_index]
     pick = pick_beyond_noise(medians, [row.rounds_ms for row in rows], default_index)
     winner = grp.rank0_text(rows[pick.chosen].tuning, "winner")
-    if _numerics_of(winner) != numerics:
+    if numerics_of(winner) != numerics:
         raise AssertionError(f"uniep.tune changed the numerics keys: {winner!r} vs {numerics!r}")
 
     bits_ok = True
