@@ -186,3 +186,34 @@ def test_no_module_imports_another_modules_private_names() -> None:
         if name.startswith("_") and name != "_C" and f"{source}.{name}" not in _modules()
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_every_attribute_of_an_imported_package_module_exists() -> None:
+    """``module.name`` where ``module`` is a package module imported by name (``from . import
+    ep``; ``ep.dispatch(...)``): the name exists. Many such calls sit in paths only a GPU
+    reaches, so a renamed function would otherwise fail there first. ``_C`` is left out (a CPU
+    build has no CUDA functions)."""
+    import importlib
+
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        found = {(line, name): f"{src}.{name}" for _, line, src, name in _imports({mod: path})}
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    target = found.get((node.lineno, a.name))
+                    if target in mods:
+                        aliases[a.asname or a.name] = target
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+            ):
+                target = importlib.import_module(aliases[node.value.id])
+                if not hasattr(target, node.attr):
+                    bad.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
