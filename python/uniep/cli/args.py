@@ -7,26 +7,36 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
-    """argparse type of counts and sizes: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes: an integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type of --warmup: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0)
+
+
+def check_layer(command: str, world_size: int, experts: int, top_k: int) -> None:
+    """The layer options' agreement that argparse cannot check one option at a time: the
+    experts split evenly over the ranks, and top-k no more than the experts."""
+    if experts % world_size != 0:
+        raise SystemExit(
+            f"uniep {command}: --experts ({experts}) must be divisible by --world-size "
+            f"({world_size})"
+        )
+    if top_k > experts:
+        raise SystemExit(f"uniep {command}: --top-k ({top_k}) must be <= --experts")
 
 
 def seed(text: str) -> int:

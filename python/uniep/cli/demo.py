@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .args import check_layer
 from .info import has_cuda_moe_kernel
 
 # Max relative error (max |got - ref| / max |ref|) accepted against the float64 reference.
@@ -225,13 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     args.world_size, args.dtype, args.experts = plan.world, plan.dtype, plan.experts
     device, why = plan.device, plan.why
-    if args.experts % args.world_size != 0:
-        raise SystemExit(
-            f"uniep demo: --experts ({args.experts}) must be divisible by --world-size "
-            f"({args.world_size})"
-        )
-    if args.top_k > args.experts:
-        raise SystemExit(f"uniep demo: --top-k ({args.top_k}) must be <= --experts")
+    check_layer("demo", args.world_size, args.experts, args.top_k)
     cfg = {
         "device": device,
         "dtype": args.dtype,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .args import check_layer
 from .info import has_cuda_moe_kernel, yes
 
 
@@ -63,13 +64,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             f"{torch.cuda.device_count()} visible"
         )
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    if args.experts % args.world_size != 0:
-        raise SystemExit(
-            f"uniep tune: --experts ({args.experts}) must be divisible by --world-size "
-            f"({args.world_size})"
-        )
-    if args.top_k > args.experts:
-        raise SystemExit(f"uniep tune: --top-k ({args.top_k}) must be <= --experts")
+    check_layer("tune", args.world_size, args.experts, args.top_k)
     numerics = ",".join(
         f"{key}={value}"
         for key, value in (
