@@ -1,4 +1,4 @@
-// Host-side pieces the UniEP runtimes (ep_runtime.cu, coll_runtime.cu, fused_ep_runtime.cu)
+// Host-side pieces the UniEP runtimes (ep_runtime.cu, coll_runtime.cu, megakernel_runtime.cu)
 // share: CUDA return codes as a Status, the offsets of one symmetric allocation, and the device
 // error word. The allocation itself is nvshmem_session.hpp's SymmetricHeap.
 #pragma once

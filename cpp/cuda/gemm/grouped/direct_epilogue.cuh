@@ -121,7 +121,7 @@ struct DirectStoreEpilogue {
   // layout, 64 for w1 as stored, read through PlainGateUpMainloop. A fragment holds two
   // adjacent columns of every 8-column block, 4 values a block, so the up value of a gate value
   // sits kPair / 2 values on. With 16-byte stores instead the fused kernel's GEMM 1 read 1.5x
-  // the DRAM bytes and ran slower (fused_epilogue.cuh).
+  // the DRAM bytes and ran slower (epilogue.cuh).
   template <int kPair, int kAtom, class Acc, class Crd>
   CUTLASS_DEVICE static void store_swiglu(const Acc& acc, const Crd& crd, int i, int M, int N,
                                           __nv_bfloat16* out, int64_t ld) {

@@ -2,7 +2,7 @@
 // operand pointers and strides, from one expert's rows. Every problem kernel writes its groups
 // through here: the engine's (grouped_problems.cuh), the fp8 engine's (sm90_grouped_fp8.cu) and
 // the MegaKernel's forward and backward, whose 2E groups are two of these per expert
-// (megakernel/fused_problems.cuh).
+// (megakernel/problems.cuh).
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,8 @@
 // The problem arrays of the MegaKernel's one grouped GEMM over 2E groups, forward
-// (sm90_fused_moe.cu) and backward (sm90_fused_backward.cu) alike: group e is expert e's first
+// (sm90_forward.cu) and backward (sm90_backward.cu) alike: group e is expert e's first
 // GEMM, group E + e its second, each the engine's kForward product of the expert's rows
 // (set_expert_problem). GEMM 1's groups come first so that the persistent scheduler hands out
-// every GEMM-1 tile before any GEMM-2 tile (fused_kernel.cuh says why the waits need that order).
+// every GEMM-1 tile before any GEMM-2 tile (kernel.cuh says why the waits need that order).
 #pragma once
 
 #include <cstdint>

@@ -25,7 +25,7 @@
 
 #include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
-#include "cuda/megakernel/fused_launch.hpp"
+#include "cuda/megakernel/launch.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {

@@ -12,9 +12,9 @@
 
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/megakernel/fused_checks.hpp"
-#include "cuda/megakernel/fused_problems.cuh"
-#include "cuda/megakernel/fused_stages.cuh"
+#include "cuda/megakernel/checks.hpp"
+#include "cuda/megakernel/problems.cuh"
+#include "cuda/megakernel/stages.cuh"
 #include "cuda/megakernel/gated_run.cuh"
 #include "uniep/cuda/fused_moe_backward.hpp"
 

@@ -1,7 +1,7 @@
 // The fused MoE kernel with ping-pong 64 x 256 x 64 tiles (experts of a few hundred rows):
-// fused_kernel.cuh instantiated once.
-#include "cuda/megakernel/fused_kernel.cuh"
-#include "cuda/megakernel/fused_launch.hpp"
+// kernel.cuh instantiated once.
+#include "cuda/megakernel/kernel.cuh"
+#include "cuda/megakernel/launch.hpp"
 
 namespace uniep::cuda::megakernel {
 

@@ -1,5 +1,5 @@
-// The checks that the MegaKernel's forward (sm90_fused_moe.cu) and backward
-// (sm90_fused_backward.cu) launches make alike: the layer's sizes, the pointers, and the SMs a
+// The checks that the MegaKernel's forward (sm90_forward.cu) and backward
+// (sm90_backward.cu) launches make alike: the layer's sizes, the pointers, and the SMs a
 // launch runs on.
 #pragma once
 

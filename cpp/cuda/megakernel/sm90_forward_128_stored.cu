@@ -1,8 +1,8 @@
 // The fused MoE kernel with cooperative 128 x 256 x 64 tiles, GEMM 1 reading w1 as the model
-// stores it (gate columns, then up; FusedMoeArgs::w1_as_stored): fused_kernel.cuh instantiated
+// stores it (gate columns, then up; FusedMoeArgs::w1_as_stored): kernel.cuh instantiated
 // once.
-#include "cuda/megakernel/fused_kernel.cuh"
-#include "cuda/megakernel/fused_launch.hpp"
+#include "cuda/megakernel/kernel.cuh"
+#include "cuda/megakernel/launch.hpp"
 
 namespace uniep::cuda::megakernel {
 

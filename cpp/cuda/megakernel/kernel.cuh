@@ -1,8 +1,8 @@
 // The fused MoE kernel (include/uniep/cuda/fused_moe.hpp) for one tile shape: CUTLASS's ptr-array
 // GEMM body over 2E groups (GEMM 1 of every expert, then GEMM 2 of every expert), wrapped by the
 // send before it (communication CTAs only) and the reduce after it. Included by
-// sm90_fused_moe_<tile_m>.cu, one instantiation each (they compile in parallel; fused_launch.hpp
-// declares what they define); the checks and the choice between them are in sm90_fused_moe.cu.
+// sm90_forward_<tile_m>.cu, one instantiation each (they compile in parallel; launch.hpp
+// declares what they define); the checks and the choice between them are in sm90_forward.cu.
 //
 // Two shapes, as the engine has them (grouped_kernel.cuh): 128 x 256 x 64 cooperative tiles (the
 // two consumer warpgroups split a tile's rows) for experts of many rows, and 64 x 256 x 64
@@ -26,10 +26,10 @@
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/megakernel/fused_epilogue.cuh"
-#include "cuda/megakernel/fused_launch.hpp"
-#include "cuda/megakernel/fused_scheduler.cuh"
-#include "cuda/megakernel/fused_stages.cuh"
+#include "cuda/megakernel/epilogue.cuh"
+#include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/scheduler.cuh"
+#include "cuda/megakernel/stages.cuh"
 #include "cuda/megakernel/gated_mainloop.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/status.hpp"

@@ -1,7 +1,7 @@
 // The fused MoE kernel with cooperative 128 x 256 x 64 tiles (experts of many rows):
-// fused_kernel.cuh instantiated once.
-#include "cuda/megakernel/fused_kernel.cuh"
-#include "cuda/megakernel/fused_launch.hpp"
+// kernel.cuh instantiated once.
+#include "cuda/megakernel/kernel.cuh"
+#include "cuda/megakernel/launch.hpp"
 
 namespace uniep::cuda::megakernel {
 

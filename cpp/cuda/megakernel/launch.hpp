@@ -1,5 +1,5 @@
-// The fused MoE kernel's instantiations (fused_kernel.cuh), one per tile height, each defined in
-// its own sm90_fused_moe_<tile_m>.cu; sm90_fused_moe.cu checks the arguments and picks one.
+// The fused MoE kernel's instantiations (kernel.cuh), one per tile height, each defined in
+// its own sm90_forward_<tile_m>.cu; sm90_forward.cu checks the arguments and picks one.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,7 +17,7 @@ namespace uniep::cuda::megakernel {
 constexpr int kFusedProducerWarps = 4;
 constexpr int kFusedConsumerWarps = 8;
 
-// The launch's own scratch in the workspace, after the GEMM body's (sm90_fused_moe.cu carves it).
+// The launch's own scratch in the workspace, after the GEMM body's (sm90_forward.cu carves it).
 struct FusedScratch {
   // The reduce's next token, zeroed by fused_problems before each launch.
   uint32_t* reduce_ticket = nullptr;
@@ -43,7 +43,7 @@ Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int 
                        cudaStream_t stream);
 
 // The same with GEMM 1 reading w1 as stored (FusedMoeArgs::w1_as_stored), in
-// sm90_fused_moe_<tile_m>_stored.cu.
+// sm90_forward_<tile_m>_stored.cu.
 size_t fused_gemm_workspace_128_stored(int64_t num_experts, int sm_count);
 size_t fused_gemm_workspace_64_stored(int64_t num_experts, int sm_count);
 Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,

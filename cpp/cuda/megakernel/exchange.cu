@@ -1,8 +1,8 @@
-// fused_exchange_counts (fused_exchange.hpp).
+// fused_exchange_counts (exchange.hpp).
 #include <cuda_runtime.h>
 
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/megakernel/fused_exchange.hpp"
+#include "cuda/megakernel/exchange.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 #include "uniep/cuda/fused_ep.hpp"
 

@@ -1,6 +1,6 @@
 // moe_fused_forward_bf16 (include/uniep/cuda/fused_moe.hpp): the MegaKernel's forward as one
-// persistent launch. The kernel itself is in fused_kernel.cuh, instantiated per tile height in
-// sm90_fused_moe_128.cu and sm90_fused_moe_64.cu; here are the argument checks, the problem
+// persistent launch. The kernel itself is in kernel.cuh, instantiated per tile height in
+// sm90_forward_128.cu and sm90_forward_64.cu; here are the argument checks, the problem
 // arrays both GEMMs read, the bandwidth model of skip_rounds and the choice of the tile.
 #include <cuda_runtime.h>
 
@@ -10,9 +10,9 @@
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
-#include "cuda/megakernel/fused_checks.hpp"
-#include "cuda/megakernel/fused_launch.hpp"
-#include "cuda/megakernel/fused_problems.cuh"
+#include "cuda/megakernel/checks.hpp"
+#include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/problems.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda/megakernel/fused_exchange.hpp"
+#include "cuda/megakernel/exchange.hpp"
 #include "runtime/nvshmem_session.hpp"
 #include "runtime/runtime_support.hpp"
 #include "uniep/cuda/fused_ep.hpp"
