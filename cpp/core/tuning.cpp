@@ -73,10 +73,6 @@ constexpr const char* kKeyNames[] = {"sms",      "token_tile", "tile_m",      "t
 static_assert(sizeof(kKeyNames) / sizeof(kKeyNames[0]) == static_cast<size_t>(TuningKey::kCount),
               "one name per TuningKey");
 
-constexpr const char* kKeys =
-    "sms, token_tile, tile_m, tile_n, tile_k, stages, skip_rounds, overlap, dispatch, combine, "
-    "gemm, experts";
-
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
   while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
@@ -142,8 +138,10 @@ const char* tuning_key_name(TuningKey key) {
 TuningKey tuning_key(const std::string& name) {
   for (int k = 0; k < static_cast<int>(TuningKey::kCount); ++k)
     if (name == kKeyNames[k]) return static_cast<TuningKey>(k);
+  std::string keys;
+  for (const char* k : kKeyNames) keys += detail::str_cat(keys.empty() ? "" : ", ", k);
   throw Error(StatusCode::kInvalidArgument,
-              detail::str_cat("tuning: unknown key '", name, "' (expected one of: ", kKeys, ")"));
+              detail::str_cat("tuning: unknown key '", name, "' (expected one of: ", keys, ")"));
 }
 
 OverlapMode parse_overlap_mode(const std::string& value) {
@@ -167,19 +165,18 @@ ExpertPrecision parse_expert_precision(const std::string& value) {
 }
 
 std::string TuningParams::to_string(bool given_only) const {
-  const std::string values[] = {
-      detail::str_cat(comm_sms, "/", total_sms),
-      std::to_string(token_tile),
-      auto_int(tile_m),
-      auto_int(tile_n),
-      auto_int(tile_k),
-      auto_int(stages),
-      skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
-      overlap_mode_name(overlap),
-      dispatch_precision_name(dispatch),
-      combine_reduction_name(combine),
-      gemm_engine_name(gemm),
-      expert_precision_name(experts)};
+  const std::string values[] = {detail::str_cat(comm_sms, "/", total_sms),
+                                std::to_string(token_tile),
+                                auto_int(tile_m),
+                                auto_int(tile_n),
+                                auto_int(tile_k),
+                                auto_int(stages),
+                                skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
+                                overlap_mode_name(overlap),
+                                dispatch_precision_name(dispatch),
+                                combine_reduction_name(combine),
+                                gemm_engine_name(gemm),
+                                expert_precision_name(experts)};
   static_assert(sizeof(values) / sizeof(values[0]) == static_cast<size_t>(TuningKey::kCount),
                 "one value per TuningKey");
   std::string out;
@@ -212,42 +209,58 @@ TuningParams TuningParams::parse(const std::string& text) {
     const TuningKey which = tuning_key(key);
     UNIEP_CHECK(!p.given(which), "tuning: key '", key, "' given twice");
     p.set_given(which);
-    if (key == "sms") {
-      const size_t slash = value.find('/');
-      if (slash == std::string::npos) {
-        p.comm_sms = parse_int(key, value);
-      } else {
-        p.comm_sms = parse_int(key, value.substr(0, slash));
-        p.total_sms = parse_int(key, value.substr(slash + 1));
+    switch (which) {
+      case TuningKey::kSms: {
+        const size_t slash = value.find('/');
+        if (slash == std::string::npos) {
+          p.comm_sms = parse_int(key, value);
+        } else {
+          p.comm_sms = parse_int(key, value.substr(0, slash));
+          p.total_sms = parse_int(key, value.substr(slash + 1));
+        }
+        break;
       }
-    } else if (key == "token_tile") {
-      p.token_tile = parse_int(key, value);
-    } else if (key == "tile_m") {
-      p.tile_m = parse_auto_int(key, value);
-    } else if (key == "tile_n") {
-      p.tile_n = parse_auto_int(key, value);
-    } else if (key == "tile_k") {
-      p.tile_k = parse_auto_int(key, value);
-    } else if (key == "stages") {
-      p.stages = parse_auto_int(key, value);
-    } else if (key == "skip_rounds") {
-      if (value == "auto") {
-        p.skip_rounds = -1;
-      } else {
-        p.skip_rounds = parse_int(key, value);
-        UNIEP_CHECK(p.skip_rounds >= 0,
-                    "tuning: skip_rounds must be auto or an integer >= 0, got '", value, "'");
-      }
-    } else if (key == "overlap") {
-      p.overlap = parse_overlap_mode(value);
-    } else if (key == "dispatch") {
-      p.dispatch = parse_dispatch_precision(value);
-    } else if (key == "combine") {
-      p.combine = parse_combine_reduction(value);
-    } else if (key == "gemm") {
-      p.gemm = parse_gemm_engine(value);
-    } else if (key == "experts") {
-      p.experts = parse_expert_precision(value);
+      case TuningKey::kTokenTile:
+        p.token_tile = parse_int(key, value);
+        break;
+      case TuningKey::kTileM:
+        p.tile_m = parse_auto_int(key, value);
+        break;
+      case TuningKey::kTileN:
+        p.tile_n = parse_auto_int(key, value);
+        break;
+      case TuningKey::kTileK:
+        p.tile_k = parse_auto_int(key, value);
+        break;
+      case TuningKey::kStages:
+        p.stages = parse_auto_int(key, value);
+        break;
+      case TuningKey::kSkipRounds:
+        if (value == "auto") {
+          p.skip_rounds = -1;
+        } else {
+          p.skip_rounds = parse_int(key, value);
+          UNIEP_CHECK(p.skip_rounds >= 0,
+                      "tuning: skip_rounds must be auto or an integer >= 0, got '", value, "'");
+        }
+        break;
+      case TuningKey::kOverlap:
+        p.overlap = parse_overlap_mode(value);
+        break;
+      case TuningKey::kDispatch:
+        p.dispatch = parse_dispatch_precision(value);
+        break;
+      case TuningKey::kCombine:
+        p.combine = parse_combine_reduction(value);
+        break;
+      case TuningKey::kGemm:
+        p.gemm = parse_gemm_engine(value);
+        break;
+      case TuningKey::kExperts:
+        p.experts = parse_expert_precision(value);
+        break;
+      case TuningKey::kCount:
+        break;  // tuning_key never returns it
     }
   }
   p.validate();
