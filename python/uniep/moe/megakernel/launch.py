@@ -4,10 +4,9 @@ the persistent kernel will run.
 
 1. the counts per expert, their row ends and the tiles' gate counters, on the device in one
    launch (:func:`uniep.moe.tile_gates.expert_tiles`);
-2. the dispatch (:func:`uniep.moe.tile_gates.sender_rows`, :func:`uniep.moe.tile_gates.send_rows`):
-every
-   ``(token, k)`` row stored at its grouped-GEMM row, expert-contiguous, each row counted on its
-   tile gate;
+2. the dispatch (:func:`uniep.moe.tile_gates.sender_rows`,
+   :func:`uniep.moe.tile_gates.send_rows`): every ``(token, k)`` row stored at its grouped-GEMM
+   row, expert-contiguous, each row counted on its tile gate;
 3. GEMM 1 with the SwiGLU epilogue (``w1`` packed by :func:`uniep.gemm.pack_gate_up`), gated on
    the rows' counters, signalling ``done`` per tile;
 4. GEMM 2, gated on ``done``;
