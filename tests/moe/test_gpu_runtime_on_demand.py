@@ -101,5 +101,5 @@ def test_runtime_error_names_a_real_function() -> None:
     x = torch.zeros(4, H, device="cuda", dtype=torch.bfloat16)
     idx = torch.zeros(4, K, device="cuda", dtype=torch.int64)
     w = torch.ones(4, K, device="cuda")
-    with pytest.raises((ValueError, RuntimeError), match=r"uniep\.ep\.init_runtime"):
+    with pytest.raises((ValueError, RuntimeError), match=r"uniep\.moe\.ep\.init_runtime"):
         torch.ops.uniep.ep_dispatch(x, idx, w, "no-runtime-here", "")
