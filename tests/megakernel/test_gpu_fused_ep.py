@@ -118,6 +118,20 @@ def fused_ep_worker(rank: int, world: int) -> dict[str, object]:
                 x, idx, w, w1.to(dev)[mine].contiguous(), w2l, group, w1_as_stored=True
             ),
         ]
+        if tiles == 64:  # the decode shape: 64 x 128 tiles in clusters of one
+            outs.append(megakernel.moe_forward_ep(x, idx, w, w1p, w2l, group, tile_n=128))
+            outs.append(
+                megakernel.moe_forward_ep(
+                    x,
+                    idx,
+                    w,
+                    w1.to(dev)[mine].contiguous(),
+                    w2l,
+                    group,
+                    w1_as_stored=True,
+                    tile_n=128,
+                )  # fmt: skip
+            )
         for i, out in enumerate(outs):
             assert out.shape == x.shape, (kind, i, out.shape)
             if ref is not None:

@@ -4,7 +4,8 @@ the send into GEMM rows, both expert GEMMs and the reduce over k.
 
 Checked: the fused output equals the sequential composition bit for bit at every tuning point
 (how many CTAs send, how many rounds the others take first, every CTA sending; cooperative
-128-row and ping-pong 64-row tiles) and run to run, on
+128 x 256 tiles, ping-pong 64 x 256 ones and the decode shape's 64 x 128 in clusters of one) and
+run to run, on decode batches of one and a few tokens,
 top-k 1 to 9, hundreds of experts, skewed routings, empty experts, -1 entries, hidden and FFN
 sizes that are multiples of 64 but not of 128; it is within bf16 rounding of float64; zero tokens
 and all-unused routings give empty and zero outputs; a bad expert id is named; rows that never
@@ -23,6 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 # (CTAs that send first, rounds the others take first): the model's guess, none, many, everyone.
 POINTS = [(16, -1), (2, 0), (2, 7), (32, 3), (10_000, 0)]
+# The kernel's tile shapes (tile_m, tile_n): cooperative, ping-pong, and the decode shape.
+TILES = [(128, 256), (64, 256), (64, 128)]
 
 
 def _layer(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, seed: int,
@@ -62,6 +65,8 @@ LAYERS = [
     (600, 128, 128, 256, 4, False),  # hundreds of experts, most with a few rows
     (2048, 512, 128, 32, 8, True),  # skewed: two experts hold most rows
     (3, 64, 64, 4, 2, False),  # fewer rows than one tile
+    (1, 256, 192, 64, 8, False),  # decode: one token, eight experts of one row
+    (16, 384, 256, 128, 8, False),  # decode: most experts touched by one or two rows
 ]
 
 
@@ -75,26 +80,30 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
     first = moe_forward_local(x, idx, w, w1p, w2, overlap="fused")
     assert torch.equal(first, seq), "fused (default point) against sequential"
     assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), first), "run to run"
-    for tile_m in (128, 64):  # cooperative and ping-pong tiles
+    for tile_m, tile_n in TILES:
         for comm, skip in POINTS:
             got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm,
-                                    skip_rounds=skip, tile_m=tile_m)  # fmt: skip
+                                    skip_rounds=skip, tile_m=tile_m, tile_n=tile_n)  # fmt: skip
             assert torch.equal(got, seq), (
-                f"fused with tile_m={tile_m}, comm_sms={comm}, skip_rounds={skip}"
+                f"fused with tile {tile_m} x {tile_n}, comm_sms={comm}, skip_rounds={skip}"
             )
     if ffn % 128 == 0:
         # w1 as stored (no packed copy): GEMM 1 reads it in 64-column gate/up blocks, same bits,
-        # in the separate launches, on streams and in the persistent kernel.
+        # in the separate launches and on streams.
         for overlap in ("sequential", "streams"):
             got = moe_forward_local(x, idx, w, w1, w2, overlap=overlap, w1_as_stored=True)
             assert torch.equal(got, seq), f"w1 as stored, overlap={overlap}"
-        for tile_m in (128, 64):
-            for comm, skip in POINTS[:2]:
-                got = moe_forward_local(
-                    x, idx, w, w1, w2, overlap="fused", comm_sms=comm, skip_rounds=skip,
-                    tile_m=tile_m, w1_as_stored=True,
-                )  # fmt: skip
-                assert torch.equal(got, seq), f"w1 as stored, tile_m={tile_m}, comm_sms={comm}"
+    # And in the persistent kernel: 256-wide tiles need the FFN size a multiple of 128, the
+    # 128-wide ones of 64.
+    for tile_m, tile_n in TILES:
+        if ffn % (tile_n // 2) != 0:
+            continue
+        for comm, skip in POINTS[:2]:
+            got = moe_forward_local(
+                x, idx, w, w1, w2, overlap="fused", comm_sms=comm, skip_rounds=skip,
+                tile_m=tile_m, tile_n=tile_n, w1_as_stored=True,
+            )  # fmt: skip
+            assert torch.equal(got, seq), f"w1 as stored, tile {tile_m} x {tile_n}, comm_sms={comm}"
     ref = _reference(x, idx, w, w1, w2)
     err = (first.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < 2e-2, f"relative error {err:.3g} against float64"
@@ -134,6 +143,12 @@ def test_fused_edge_cases() -> None:
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_m=32)
     with pytest.raises(ValueError, match="tile_m must be None or"):
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, tile_m=64)  # sequential: 128 only
+    with pytest.raises(ValueError, match="tile_n must be None or"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_n=64)
+    with pytest.raises(ValueError, match="tile_n must be None or"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, tile_n=128)  # sequential: 256 only
+    with pytest.raises(ValueError, match="tile_n=128 runs 64-row tiles"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_m=128, tile_n=128)
 
 
 def _plan(x, idx, w1p, tile_m: int = 128):

@@ -27,28 +27,34 @@
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/epilogue.cuh"
+#include "cuda/megakernel/gated_mainloop.cuh"
 #include "cuda/megakernel/launch.hpp"
 #include "cuda/megakernel/scheduler.cuh"
 #include "cuda/megakernel/stages.cuh"
-#include "cuda/megakernel/gated_mainloop.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::cuda::megakernel {
 
 // W1AsStored: GEMM 1 reads w1 as the model stores it (gate columns, then up) through
-// PlainGateUpMainloop instead of pack_gate_up's copy; the same bits.
-template <int TileM, bool W1AsStored = false>
+// PlainGateUpMainloop instead of pack_gate_up's copy; the same bits. TileN 128 with ClusterM 1
+// is the decode shape: experts of a few rows each, where the weight read is the whole cost and a
+// second CTA per cluster would only compute padding, so twice the tiles stream weights at once.
+template <int TileM, bool W1AsStored = false, int TileN = kGatedTileN, int ClusterM = 2>
 struct FusedGemm {
-  static_assert(TileM == 128 || TileM == 64, "the fused kernel's tiles are 128 or 64 rows");
-  static constexpr int kTileM = TileM, kTileN = kGatedTileN;
+  static_assert((TileM == 128 && TileN == 256 && ClusterM == 2) ||
+                    (TileM == 64 && TileN == 256 && ClusterM == 2) ||
+                    (TileM == 64 && TileN == 128 && ClusterM == 1),
+                "the fused kernel's tiles are 128 x 256 or 64 x 256 in clusters of two, or "
+                "64 x 128 in clusters of one");
+  static constexpr int kTileM = TileM, kTileN = TileN, kClusterM = ClusterM;
   static constexpr bool kPingPong = TileM == 64;
   static constexpr bool kW1AsStored = W1AsStored;
   // Warps that write (and signal) one output tile: both consumer warpgroups, or one.
   static constexpr int kWarpsPerTile = kPingPong ? 4 : 8;
   // The SwiGLU configuration's mainloop: built with the stage count of an epilogue that keeps
   // no shared memory, which FusedMoeEpilogue also keeps none of.
-  using Plain = grouped::Sm90GroupedGemm<TileM, kTileN, 64, 2, 1, kPingPong,
+  using Plain = grouped::Sm90GroupedGemm<TileM, kTileN, 64, ClusterM, 1, kPingPong,
                                          W1AsStored ? grouped::GroupedEpilogue::kSwiGluPlain
                                                     : grouped::GroupedEpilogue::kSwiGlu>;
   using Mainloop = GatedMainloop<typename Plain::Mainloop, TileM>;
@@ -214,6 +220,19 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
       static_cast<uint32_t>(G::kWarpsPerTile * ((a.hidden + G::kTileN - 1) / G::kTileN));
   return launch_with_body<Kernel>(fused_moe_kernel<G>, params, stream, "moe_fused_forward_bf16",
                                   st);
+}
+
+// The entry of one instantiation (launch.hpp), for its sm90_forward_<shape>.cu.
+template <class G>
+FusedEntry make_fused_entry() {
+  FusedEntry e;
+  e.tile_m = G::kTileM;
+  e.tile_n = G::kTileN;
+  e.cluster_m = G::kClusterM;
+  e.w1_as_stored = G::kW1AsStored;
+  e.gemm_workspace = &fused_gemm_workspace_impl<G>;
+  e.launch = &fused_launch_impl<G>;
+  return e;
 }
 
 }  // namespace uniep::cuda::megakernel

@@ -1,5 +1,5 @@
-// The fused MoE kernel's instantiations (kernel.cuh), one per tile height, each defined in
-// its own sm90_forward_<tile_m>.cu; sm90_forward.cu checks the arguments and picks one.
+// The fused MoE kernel's instantiations (kernel.cuh), one per tile shape, each defined in its
+// own sm90_forward_<shape>.cu; sm90_forward.cu checks the arguments and picks one.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,25 +32,25 @@ inline size_t fused_held_bytes(int sm_count) {
   return grouped::round_up(static_cast<size_t>(sm_count) * kFusedConsumerWarps * sizeof(uint32_t*));
 }
 
-size_t fused_gemm_workspace_128(int64_t num_experts, int sm_count);
-size_t fused_gemm_workspace_64(int64_t num_experts, int sm_count);
+// One instantiation of the fused kernel (kernel.cuh's FusedGemm), each defined in its own
+// sm90_forward_<shape>.cu so that they compile in parallel: its shape and its two entry points.
+struct FusedEntry {
+  int tile_m = 0, tile_n = 0, cluster_m = 0;
+  bool w1_as_stored = false;
+  // Bytes of the GEMM body's own workspace (per-SM tensor maps) for E experts on sm_count SMs.
+  size_t (*gemm_workspace)(int64_t num_experts, int sm_count) = nullptr;
+  // The launch over the problem arrays in `ws` (fused_problems filled them), the first
+  // comm_units cluster units sending, the others taking skip_rounds rounds first.
+  Status (*launch)(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
+                   int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
+                   cudaStream_t stream) = nullptr;
+};
 
-Status fused_launch_128(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                        int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
-                        cudaStream_t stream);
-Status fused_launch_64(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                       int skip_rounds, const FusedScratch& scratch, int device, int sm_count,
-                       cudaStream_t stream);
-
-// The same with GEMM 1 reading w1 as stored (FusedMoeArgs::w1_as_stored), in
-// sm90_forward_<tile_m>_stored.cu.
-size_t fused_gemm_workspace_128_stored(int64_t num_experts, int sm_count);
-size_t fused_gemm_workspace_64_stored(int64_t num_experts, int sm_count);
-Status fused_launch_128_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                               int skip_rounds, const FusedScratch& scratch, int device,
-                               int sm_count, cudaStream_t stream);
-Status fused_launch_64_stored(const grouped::Workspace& ws, const FusedMoeArgs& a, int comm_units,
-                              int skip_rounds, const FusedScratch& scratch, int device,
-                              int sm_count, cudaStream_t stream);
+const FusedEntry& fused_entry_128();         // cooperative 128 x 256, clusters of two
+const FusedEntry& fused_entry_64();          // ping-pong 64 x 256, clusters of two
+const FusedEntry& fused_entry_64_n128();     // ping-pong 64 x 128, clusters of one (decode)
+const FusedEntry& fused_entry_128_stored();  // the same three reading w1 as stored
+const FusedEntry& fused_entry_64_stored();
+const FusedEntry& fused_entry_64_n128_stored();
 
 }  // namespace uniep::cuda::megakernel

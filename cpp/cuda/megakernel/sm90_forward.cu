@@ -1,7 +1,7 @@
 // moe_fused_forward_bf16 (include/uniep/cuda/fused_moe.hpp): the MegaKernel's forward as one
-// persistent launch. The kernel itself is in kernel.cuh, instantiated per tile height in
-// sm90_forward_128.cu and sm90_forward_64.cu; here are the argument checks, the problem
-// arrays both GEMMs read, the bandwidth model of skip_rounds and the choice of the tile.
+// persistent launch. The kernel itself is in kernel.cuh, instantiated per tile shape in
+// sm90_forward_<shape>.cu (launch.hpp); here are the argument checks, the problem arrays both
+// GEMMs read, the bandwidth model of skip_rounds and the choice of the tile.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -69,22 +69,43 @@ __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, i
   }
 }
 
-size_t gemm_workspace(int64_t num_experts, int sm_count) {
-  return std::max({fused_gemm_workspace_128(num_experts, sm_count),
-                   fused_gemm_workspace_64(num_experts, sm_count),
-                   fused_gemm_workspace_128_stored(num_experts, sm_count),
-                   fused_gemm_workspace_64_stored(num_experts, sm_count)});
+const FusedEntry* const* fused_entries(int* count) {
+  static const FusedEntry* const entries[] = {
+      &fused_entry_128(),        &fused_entry_64(),        &fused_entry_64_n128(),
+      &fused_entry_128_stored(), &fused_entry_64_stored(), &fused_entry_64_n128_stored()};
+  *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));
+  return entries;
 }
 
-Status check_args(const FusedMoeArgs& a, int tile_m) {
+// The workspace is sized before the call's shape is known: the largest of every instantiation's.
+size_t gemm_workspace(int64_t num_experts, int sm_count) {
+  int count = 0;
+  const FusedEntry* const* entries = fused_entries(&count);
+  size_t most = 0;
+  for (int i = 0; i < count; ++i)
+    most = std::max(most, entries[i]->gemm_workspace(num_experts, sm_count));
+  return most;
+}
+
+const FusedEntry* find_entry(int tile_m, int tile_n, bool w1_as_stored) {
+  int count = 0;
+  const FusedEntry* const* entries = fused_entries(&count);
+  for (int i = 0; i < count; ++i)
+    if (entries[i]->tile_m == tile_m && entries[i]->tile_n == tile_n &&
+        entries[i]->w1_as_stored == w1_as_stored)
+      return entries[i];
+  return nullptr;
+}
+
+Status check_args(const FusedMoeArgs& a, int tile_m, int tile_n) {
   if (Status s = check_layer_sizes(a.tokens, a.top_k, a.hidden, a.ffn, a.num_experts); !s.ok())
     return s;
-  if (a.w1_as_stored && a.ffn % (kGatedTileN / 2) != 0)
+  if (a.w1_as_stored && a.ffn % (tile_n / 2) != 0)
     return {StatusCode::kUnsupported,
-            detail::str_cat("ffn must be a multiple of ", kGatedTileN / 2,
-                            " with w1_as_stored (each 256-wide tile of GEMM 1 reads 128 gate and "
-                            "128 up columns of w1 as stored); got ",
-                            a.ffn, ": pass pack_gate_up's layout instead")};
+            detail::str_cat("ffn must be a multiple of ", tile_n / 2, " with w1_as_stored (each ",
+                            tile_n, "-wide tile of GEMM 1 reads ", tile_n / 2, " gate and ",
+                            tile_n / 2, " up columns of w1 as stored); got ", a.ffn,
+                            ": pass pack_gate_up's layout instead")};
   // With peers the rows are other ranks' too; the runtime sizes them for the most any rank gets.
   if ((a.peers.world_size == 1 && a.capacity < a.tokens * a.top_k) || a.capacity < 0 ||
       a.capacity > (1ll << 31) - 1)
@@ -144,18 +165,23 @@ Status check_args(const FusedMoeArgs& a, int tile_m) {
 }  // namespace megakernel
 
 int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size,
-                              int tile_m) {
+                              int tile_m, int tile_n) {
   // The send reads and writes every row once, at about 60 GB/s per communicating SM; with peers
   // the share of the rows bound elsewhere crosses NVLink, at about 400 GB/s a direction (an
   // H100's or H200's 450 less the protocol), whichever is slower. A GEMM-1 tile is 2 x tile_m x
-  // 256 x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared by its SMs). The
+  // tile_n x hidden flops at about 5 TFLOP/s per SM (an H100's bf16 rate shared by its SMs). The
   // other CTAs take the tiles that fit in the send's time.
-  if (comm_ctas < 1 || rows <= 0 || hidden <= 0 || world_size < 1 || tile_m < 1) return 0;
+  if (comm_ctas < 1 || rows <= 0 || hidden <= 0 || world_size < 1 || tile_m < 1 || tile_n < 1)
+    return 0;
   double send_s = 4.0 * static_cast<double>(rows) * hidden / (comm_ctas * 60e9);
   const double remote = static_cast<double>(world_size - 1) / world_size;
   send_s = std::max(send_s, 2.0 * static_cast<double>(rows) * hidden * remote / 400e9);
-  const double tile_s = 2.0 * tile_m * kGatedTileN * hidden / 5e12;
+  const double tile_s = 2.0 * tile_m * tile_n * hidden / 5e12;
   return static_cast<int>(std::ceil(send_s / tile_s));
+}
+
+int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts) {
+  return tile_m == 64 && num_experts > 0 && capacity <= 64 * num_experts ? 128 : 256;
 }
 
 Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capacity,
@@ -188,9 +214,18 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   if (launch.tile_m != 128 && launch.tile_m != 64)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("tile_m must be 128 (cooperative 128 x 256 tiles) or 64 (ping-pong "
-                            "64 x 256 tiles), got ",
+                            "64 x 256 or 64 x 128 tiles), got ",
                             launch.tile_m)};
-  if (Status s = megakernel::check_args(a, launch.tile_m); !s.ok()) return s;
+  const int tile_n = launch.tile_n != 0
+                         ? launch.tile_n
+                         : fused_default_tile_n(launch.tile_m, a.capacity, a.num_experts);
+  const megakernel::FusedEntry* entry =
+      megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored);
+  if (entry == nullptr)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("tile_n must be 0 (auto), 256, or with tile_m 64 also 128; got tile_n ",
+                            launch.tile_n, " with tile_m ", launch.tile_m)};
+  if (Status s = megakernel::check_args(a, launch.tile_m, tile_n); !s.ok()) return s;
   int sm_count = 0;
   if (Status s = megakernel::launch_sm_count(device, launch.sm_count, "the fused MoE kernel",
                                              "moe_fused_forward_bf16", sm_count);
@@ -256,23 +291,16 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
       static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act), ws, scratch, zero);
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
-  // Units of two CTAs (the cluster).
-  const int comm_units = (std::min(launch.comm_ctas, sm_count) + 1) / 2;
+  // Units of the cluster's CTAs.
+  const int comm_units =
+      (std::min(launch.comm_ctas, sm_count) + entry->cluster_m - 1) / entry->cluster_m;
   // The rows this rank sends: with peers, its entries (the capacity is what it may receive).
   const int64_t sent = a.peers.world_size > 1 ? a.tokens * a.top_k : a.capacity;
   const int skip = launch.skip_rounds >= 0
                        ? launch.skip_rounds
-                       : fused_default_skip_rounds(sent, a.hidden, comm_units * 2,
-                                                   a.peers.world_size, launch.tile_m);
-  if (a.w1_as_stored)
-    return launch.tile_m == 64 ? megakernel::fused_launch_64_stored(
-                                     ws, a, comm_units, skip, scratch, device, sm_count, stream)
-                               : megakernel::fused_launch_128_stored(
-                                     ws, a, comm_units, skip, scratch, device, sm_count, stream);
-  return launch.tile_m == 64 ? megakernel::fused_launch_64(ws, a, comm_units, skip, scratch, device,
-                                                           sm_count, stream)
-                             : megakernel::fused_launch_128(ws, a, comm_units, skip, scratch,
-                                                            device, sm_count, stream);
+                       : fused_default_skip_rounds(sent, a.hidden, comm_units * entry->cluster_m,
+                                                   a.peers.world_size, launch.tile_m, tile_n);
+  return entry->launch(ws, a, comm_units, skip, scratch, device, sm_count, stream);
 }
 
 }  // namespace uniep::cuda

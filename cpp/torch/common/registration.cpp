@@ -111,7 +111,7 @@ TORCH_LIBRARY(uniep, m) {
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
       "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128, "
-      "bool w1_as_stored=False) -> "
+      "bool w1_as_stored=False, int tile_n=0) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // The MegaKernel backward's first launch at world 1 (CUDA only;
   // include/uniep/cuda/fused_moe_backward.hpp): the send of x's and grad_out's rows into GEMM rows
@@ -133,7 +133,7 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "moe_fused_ep(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
       "Tensor w2, str group_name, int comm_ctas, int skip_rounds, Tensor(a!)? trace=None, "
-      "bool w1_as_stored=False) -> "
+      "bool w1_as_stored=False, int tile_n=0) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // Its backward on the same routing (CUDA only; fused_ep.hpp's backward_rows and
   // backward_return, on a runtime created with backward=True): grad_out [T, H] bf16, the

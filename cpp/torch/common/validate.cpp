@@ -64,12 +64,20 @@ void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
   UNIEP_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
-void check_w1_as_stored(int64_t ffn) {
-  UNIEP_CHECK_CODE(ffn % 128 == 0, StatusCode::kUnsupported,
-                   "w1_as_stored needs ffn (w2.size(1)) to be a multiple of 128 (each 256-wide "
-                   "tile of the fused kernel's first GEMM reads 128 gate and 128 up columns), "
-                   "got ",
-                   ffn, "; pass w1 in uniep.gemm.pack_gate_up's layout instead");
+void check_w1_as_stored(int64_t ffn, int64_t tile_n) {
+  const int64_t half = tile_n == 128 ? 64 : 128;
+  UNIEP_CHECK_CODE(ffn % half == 0, StatusCode::kUnsupported,
+                   "w1_as_stored needs ffn (w2.size(1)) to be a multiple of ", half, " (each ",
+                   2 * half, "-wide tile of the fused kernel's first GEMM reads ", half,
+                   " gate and ", half, " up columns), got ", ffn,
+                   "; pass w1 in uniep.gemm.pack_gate_up's layout instead");
+}
+
+void check_fused_tile_n(int64_t tile_n, int64_t tile_m) {
+  UNIEP_CHECK(tile_n == 0 || tile_n == 256 || (tile_n == 128 && tile_m == 64),
+              "tile_n must be 0 (auto), 256, or with tile_m 64 also 128 (the fused kernel's "
+              "tile columns), got tile_n ",
+              tile_n, " with tile_m ", tile_m);
 }
 
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like) {

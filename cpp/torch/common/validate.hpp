@@ -34,8 +34,12 @@ void check_exactly(const at::Tensor& t, const char* name, at::ScalarType dtype,
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like);
 
 // The fused kernels' w1 as stored (w1_as_stored): ffn a multiple of 128, each 256-wide tile of
-// GEMM 1 reading 128 gate and 128 up columns (kUnsupported otherwise, naming pack_gate_up).
-void check_w1_as_stored(int64_t ffn);
+// GEMM 1 reading 128 gate and 128 up columns, or of 64 with tile_n 128 (kUnsupported otherwise,
+// naming pack_gate_up).
+void check_w1_as_stored(int64_t ffn, int64_t tile_n = 0);
+
+// The fused kernel's tile columns (cuda::FusedMoeLaunch::tile_n): 0, 256, or 128 with tile_m 64.
+void check_fused_tile_n(int64_t tile_n, int64_t tile_m);
 
 void check_topk_idx(const at::Tensor& topk_idx);
 

@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
     int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace,
-    bool w1_as_stored) {
+    bool w1_as_stored, int64_t tile_n) {
   return translate_errors([&] {
     const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
     fused::Runtime& rt = *call.rt;
@@ -79,7 +79,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const int64_t T = call.tokens, H = c.hidden, El = c.num_experts / c.world_size;
     check_exactly(w1_packed, "w1_packed", at::kBFloat16, {El, H, 2 * c.ffn}, x);
     check_exactly(w2, "w2", at::kBFloat16, {El, c.ffn, H}, x);
-    if (w1_as_stored) check_w1_as_stored(c.ffn);
+    check_fused_tile_n(tile_n, c.tile_m);
+    if (w1_as_stored) check_w1_as_stored(c.ffn, tile_n);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
@@ -109,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);
+    launch.tile_n = static_cast<int>(tile_n);
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
     ok_or_throw(rt.forward(f, launch, stream));
     return std::make_tuple(out, error, timeout);

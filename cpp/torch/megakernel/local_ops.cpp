@@ -27,7 +27,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& gemm_row,
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
     const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
-    double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m, bool w1_as_stored) {
+    double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m, bool w1_as_stored,
+    int64_t tile_n) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -51,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     check_exactly(tile_base, "tile_base", at::kInt, {E + 1}, x);
     UNIEP_CHECK(H % 64 == 0, "hidden (x.size(1)) must be a multiple of 64, got ", H);
     UNIEP_CHECK(I % 64 == 0, "ffn (w2.size(1)) must be a multiple of 64, got ", I);
-    if (w1_as_stored) check_w1_as_stored(I);
+    if (w1_as_stored) check_w1_as_stored(I, tile_n);
     UNIEP_CHECK(comm_ctas >= 1 && comm_ctas <= (1 << 16), "comm_ctas must be in [1, 65536], got ",
                 comm_ctas);
     UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
@@ -62,6 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
                 "tile_m must be 128 or 64 (the rows of the fused kernel's tiles, which the plan's "
                 "counter and tile_base count), got ",
                 tile_m);
+    check_fused_tile_n(tile_n, tile_m);
     const int device = x.device().index();
     UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
                      "the fused MoE kernel needs a compute capability 9.0 GPU (built for sm_90a)");
@@ -134,6 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     launch.comm_ctas = static_cast<int>(comm_ctas);
     launch.skip_rounds = static_cast<int>(skip_rounds);
     launch.tile_m = static_cast<int>(tile_m);
+    launch.tile_n = static_cast<int>(tile_n);
     ok_or_throw(
         cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes, stream));
     return std::make_tuple(out, error, timeout);

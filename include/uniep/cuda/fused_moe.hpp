@@ -61,21 +61,21 @@ struct FusedMoeArgs {
   const int64_t* dest_rank = nullptr;  // [tokens * top_k] each entry's rank (world > 1 only)
   // [tokens * top_k] the plan's send_order (world > 1 with fewer senders than CTAs only)
   const int64_t* send_order = nullptr;
-  const void* w1_packed = nullptr;     // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
+  const void* w1_packed = nullptr;  // [E][hidden][2 * ffn] bf16, pack_gate_up's layout
   // Set: w1_packed holds w1 as the model stores it instead (gate columns [0, ffn), then up),
   // read without a packed copy (the grouped GEMM's kSwiGluPlain); ffn must then be a multiple
   // of 128. The same bits either way.
   bool w1_as_stored = false;
-  const void* w2 = nullptr;            // [E][ffn][hidden] bf16
+  const void* w2 = nullptr;  // [E][ffn][hidden] bf16
   int64_t num_experts = 0, ffn = 0;
   const int32_t* offs = nullptr;       // [E] cumulative row ends of the experts
   const int32_t* tile_base = nullptr;  // [E + 1] gate_tile_base(offs, capacity, tile_m)
   int64_t capacity = 0;                // rows of rows, act and y
   void* rows = nullptr;                // [capacity][hidden] bf16: GEMM 1's A
   void* act = nullptr;                 // [capacity][ffn] bf16: GEMM 2's A
-  void* y = nullptr;  // [capacity][hidden] bf16: the experts' outputs (world 1; with peers they
-                      // go to the combine slots and y may be null)
-  void* out = nullptr;                 // [tokens][hidden] bf16
+  void* y = nullptr;    // [capacity][hidden] bf16: the experts' outputs (world 1; with peers they
+                        // go to the combine slots and y may be null)
+  void* out = nullptr;  // [tokens][hidden] bf16
   // Three counter arrays of num_counters each, zeroed: rows stored per tile, GEMM 1's and GEMM
   // 2's finished warps per tile.
   uint32_t* counters = nullptr;
@@ -118,6 +118,13 @@ struct FusedMoeLaunch {
   // tiles of this height (sender_rows and gate_tile_base with this tile_m), and num_counters be
   // >= capacity / tile_m + E. It never changes the bits.
   int tile_m = 128;
+  // Output tile columns: 256 (in clusters of two CTAs along M, which share each weight tile), or
+  // with tile_m 64 also 128 in clusters of one: the decode shape, for experts of a few rows,
+  // where the weight read is the whole cost and twice the tiles read at once (with
+  // w1_as_stored, ffn must then be a multiple of 64 instead of 128). 0: 128 where tile_m is 64
+  // and the capacity is at most 64 rows an expert (fused_default_tile_n), else 256. It never
+  // changes the bits.
+  int tile_n = 0;
 };
 
 // row_entry[r] = i for every entry i with gemm_row[i] = r < capacity (others -1): the order in
@@ -135,6 +142,10 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
 // The skip_rounds that skip_rounds = -1 picks for a send of `rows` rows by comm_ctas CTAs
 // (exposed so tools can print it); with peers part of the rows cross NVLink.
 int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1,
-                              int tile_m = 128);
+                              int tile_m = 128, int tile_n = 256);
+
+// The tile_n that tile_n = 0 picks for `capacity` rows over `num_experts` experts with tiles of
+// tile_m rows: 128 where tile_m is 64 and the rows average at most one tile an expert, else 256.
+int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts);
 
 }  // namespace uniep::cuda

@@ -26,7 +26,9 @@ holds must come on every rank in the same call, or ``ensure_fused_ep`` be called
 first) and ``moe_forward_ep``. The launch's keys there (:func:`fused_launch`):
 ``sms=`` the CTAs that send first (without it the measured defaults: every CTA at world 1,
 ``EP_COMM_SMS`` across ranks), ``skip_rounds=`` the rounds of tiles the others take first, and
-``tile_m=`` 64 or 128, the kernel's tile height (auto: ``fused_tile_m``). Otherwise the
+``tile_m=`` 64 or 128, the kernel's tile height (auto: ``fused_tile_m``), and ``tile_n=`` 256
+or, with 64-row tiles, 128: the decode shape, clusters of one CTA (auto: 128 where the experts
+average at most one 64-row tile). Otherwise the
 dispatch, the engine's GEMMs and the combine run as separate launches: at world 1 on one H200
 they were about as fast as the MegaKernel's best point on the DeepSeek-V3, Mixtral, Qwen3-like
 and 256-expert loads (2026-11-26, commit baad81e). Both give the same bits. An empty tuning
@@ -217,19 +219,27 @@ def _check_cuda_operands(x: torch.Tensor, topk_idx: torch.Tensor, experts: Prepa
         )
 
 
-def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
-    """The MegaKernel's launch keys of ``tuning``: ``(comm_sms, skip_rounds, tile_m)``, where
-    ``comm_sms`` is None unless ``sms`` is named (the kernel's defaults then), ``skip_rounds`` -1
-    for auto (the launch's bandwidth model) and ``tile_m`` None for auto (``fused_tile_m``).
+def fused_launch(tuning: str) -> tuple[int | None, int, int | None, int | None]:
+    """The MegaKernel's launch keys of ``tuning``: ``(comm_sms, skip_rounds, tile_m, tile_n)``,
+    where ``comm_sms`` is None unless ``sms`` is named (the kernel's defaults then),
+    ``skip_rounds`` -1 for auto (the launch's bandwidth model), ``tile_m`` None for auto
+    (``fused_tile_m``; 64 where ``tile_n=128`` is named) and ``tile_n`` None for auto (the
+    launch's choice).
 
     Raises:
         ValueError: a tile key the kernel was not built with (it has ``tile_m`` 64 or 128,
-            ``tile_n`` 256, ``tile_k`` 64 and its own pipeline depth), naming the key.
+            ``tile_n`` 256, or 128 with 64-row tiles, ``tile_k`` 64 and its own pipeline depth),
+            naming the key.
     """
-    from .megakernel.launch import FUSED_TILE_MS
+    from .megakernel.launch import FUSED_TILE_MS, FUSED_TILE_NS, fused_tile_shape
 
     p = parse_tuning(tuning)
-    built = {"tile_m": (0, *FUSED_TILE_MS), "tile_n": (0, 256), "tile_k": (0, 64), "stages": (0,)}
+    built = {
+        "tile_m": (0, *FUSED_TILE_MS),
+        "tile_n": (0, *FUSED_TILE_NS),
+        "tile_k": (0, 64),
+        "stages": (0,),
+    }
     for key, allowed in built.items():
         value = getattr(p, key)
         if value not in allowed:
@@ -239,7 +249,11 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None]:
                 f"{value}"
             )
     comm_sms = p.comm_sms if p.given("sms") else None
-    return comm_sms, p.skip_rounds, p.tile_m or None
+    try:
+        tile_m, _ = fused_tile_shape(p.tile_m or None, p.tile_n or None)
+    except ValueError as e:
+        raise ValueError(f"tuning: {e}") from None
+    return comm_sms, p.skip_rounds, tile_m, p.tile_n or None
 
 
 def forward_fused(
@@ -265,21 +279,22 @@ def forward_fused(
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
-    comm_sms, skip_rounds, tile_m = fused_launch(tuning)
+    comm_sms, skip_rounds, tile_m, tile_n = fused_launch(tuning)
     if world == 1:
         overlap = megakernel_overlap(tuning, 1) or "fused"
         if overlap == "streams":
             # The gated GEMMs' one tile (128 rows); the send's SMs are the launch's only key.
-            if tile_m not in (None, 128):
+            if tile_m not in (None, 128) or tile_n not in (None, 256):
                 raise ValueError(
                     f"tuning: with overlap=chunked (the send beside the gated GEMMs, whose tiles "
-                    f"are 128 rows) tile_m must be auto or 128, got {tile_m}"
+                    f"are 128 x 256) tile_m and tile_n must be auto or 128 and 256, got "
+                    f"{tile_m} and {tile_n}"
                 )
-            tile_m, skip_rounds = None, -1
+            tile_m, tile_n, skip_rounds = None, None, -1
         return launch.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=wait_limit_s(None), tile_m=tile_m,
-            check="deferred", w1_as_stored=w1_as_stored,
+            check="deferred", w1_as_stored=w1_as_stored, tile_n=tile_n,
         )  # fmt: skip
     sizes = {
         "tokens": x.shape[0],
@@ -298,7 +313,7 @@ def forward_fused(
         launch.ensure_fused_ep(group, **sizes)
     return launch.moe_forward_ep(
         x, topk_idx, topk_weights, experts.w1, experts.w2, group, comm_sms=comm_sms,
-        skip_rounds=skip_rounds, check="deferred", w1_as_stored=w1_as_stored,
+        skip_rounds=skip_rounds, check="deferred", w1_as_stored=w1_as_stored, tile_n=tile_n,
     )  # fmt: skip
 
 

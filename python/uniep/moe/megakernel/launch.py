@@ -50,6 +50,7 @@ __all__ = [
     "fused_ep_fits",
     "fused_ep_heap_bytes",
     "fused_tile_m",
+    "fused_tile_shape",
     "init_fused_ep",
     "megakernel_numerics",
     "megakernel_overlap",
@@ -65,6 +66,9 @@ __all__ = [
 OVERLAPS = ("sequential", "streams", "fused")
 # The fused kernel's tile heights (include/uniep/cuda/fused_moe.hpp, FusedMoeLaunch::tile_m).
 FUSED_TILE_MS = (128, 64)
+# Its tile widths (FusedMoeLaunch::tile_n): 256, and with 64-row tiles also 128 (the decode
+# shape: clusters of one CTA, twice the tiles reading weights at once).
+FUSED_TILE_NS = (256, 128)
 # CTAs that send first across ranks by default (moe_forward_ep).
 EP_COMM_SMS = 32
 
@@ -164,6 +168,34 @@ def fused_tile_m(
 
         pingpong_rows = device_rows(device)
     return 64 if rows <= pingpong_rows * num_experts else 128
+
+
+def fused_tile_shape(
+    tile_m: int | None, tile_n: int | None, overlap: str = "fused"
+) -> tuple[int | None, int]:
+    """``(tile_m, tile_n)`` for the fused kernel's launch from the caller's: tile_n 0 for auto
+    (the launch's choice), and 64-row tiles where 128-wide ones are asked for with the height left
+    to the choice.
+
+    Raises:
+        ValueError: a width the kernel was not built with, or 128 with 128-row tiles, or any
+            width with another overlap than ``fused``.
+    """
+    if tile_n is None:
+        return tile_m, 0
+    if overlap != "fused" or tile_n not in FUSED_TILE_NS:
+        raise ValueError(
+            f"tile_n must be None or, with overlap='fused', one of {FUSED_TILE_NS}; got {tile_n} "
+            f"with overlap={overlap!r}"
+        )
+    if tile_n == 128:
+        if tile_m == 128:
+            raise ValueError(
+                "tile_n=128 runs 64-row tiles (clusters of one CTA); got tile_m=128: ask for "
+                "tile_m 64 or leave it to the choice"
+            )
+        tile_m = 64
+    return tile_m, tile_n
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -280,6 +312,7 @@ def moe_forward_local(
     trace: torch.Tensor | None = None,
     tile_m: int | None = None,
     w1_as_stored: bool = False,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
@@ -297,9 +330,13 @@ def moe_forward_local(
     of GEMM 2.
     ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
     (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
-    (:func:`fused_tile_m`). ``w1_as_stored``: ``w1_packed`` is w1 as the model stores it (gate
-    columns, then up), read without a packed copy; the FFN size must then be a multiple of 128.
-    Neither the tile nor any other of these choices changes the bits."""
+    (:func:`fused_tile_m`). ``tile_n`` (``fused`` only): the tiles' columns, 256 or, with 64-row
+    tiles, 128 in clusters of one CTA (the decode shape, for experts of a few rows each); None
+    picks 128 where the tiles are 64 rows and the experts average at most 64 rows, else 256;
+    128 with ``tile_m`` None takes 64-row tiles. ``w1_as_stored``: ``w1_packed`` is w1 as the
+    model stores it (gate columns, then up), read without a packed copy; the FFN size must then
+    be a multiple of ``tile_n / 2`` (128 for 256-wide tiles). Neither the tile nor any other of
+    these choices changes the bits."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
@@ -310,6 +347,7 @@ def moe_forward_local(
             f"tile_m must be None or, with overlap='fused', one of {FUSED_TILE_MS}; got {tile_m} "
             f"with overlap={overlap!r} (the gated GEMMs of the other modes have 128-row tiles)"
         )
+    tile_m, tn = fused_tile_shape(tile_m, tile_n, overlap)
     t, h = x.shape
     if t == 0:  # no rows for the GEMMs: nothing to launch
         return x.new_empty(0, h)
@@ -323,7 +361,7 @@ def moe_forward_local(
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
-            timeout_s, trace, tm, w1_as_stored,
+            timeout_s, trace, tm, w1_as_stored, tn,
         )  # fmt: skip
         finish_call(
             check,
@@ -619,6 +657,7 @@ def moe_forward_ep(
     check: bool | str = True,
     trace: torch.Tensor | None = None,
     w1_as_stored: bool = False,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """The MoE forward across the ranks of ``group`` as one persistent kernel per rank:
     ``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` for this rank's
@@ -635,6 +674,7 @@ def moe_forward_ep(
     in :func:`moe_forward_local`: a bad expert id, an exchange a rank never joined or rows that
     never came raise here, which waits for the stream. ``w1_as_stored``: ``w1_packed`` is w1 as
     stored (gate columns, then up), read without a packed copy (the FFN size a multiple of 128).
+    ``tile_n``: as in :func:`moe_forward_local`, 128 only on a runtime of 64-row tiles.
 
     On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
     :func:`uniep.moe.tile_gates.sender_rows`, each row sent to its GEMM row on its expert's rank,
@@ -648,6 +688,7 @@ def moe_forward_ep(
     if comm_sms is None:
         comm_sms = EP_COMM_SMS if distributed.world_size(group) > 1 else sms
     check_call(x, topk_idx, topk_weights, w1_packed, w2, "fused", comm_sms)
+    _, tn = fused_tile_shape(None, tile_n)
     begin_call(check)
     name = distributed.group_name(group)
     if not _C.fused_ep_exists(name):
@@ -657,8 +698,9 @@ def moe_forward_ep(
             "ffn=..., top_k=..., num_experts=...) on every rank first"
         )
     out, error, timeout = torch.ops.uniep.moe_fused_ep(
-        x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace, w1_as_stored
-    )
+        x, topk_idx, topk_weights, w1_packed, w2, name, comm_sms, skip_rounds, trace,
+        w1_as_stored, tn,
+    )  # fmt: skip
     k = topk_idx.shape[1]
     finish_call(
         check, [("gate", timeout, "moe_forward_ep", k), ("send", error, "moe_forward_ep", k)]
@@ -678,6 +720,7 @@ def _moe_fused_ep_fake(
     skip_rounds: int,
     trace: torch.Tensor | None = None,
     w1_as_stored: bool = False,
+    tile_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
     torch._check_value(

@@ -1,0 +1,256 @@
+"""MoE decode at world 1: ``moe_forward`` on 1-512 tokens against reading the touched experts'
+weights once.
+
+In decode most experts get a handful of rows, so a layer's time is bounded below by the read of
+the weights of the experts that some token picked. This benchmark measures that floor in the same
+run (the HBM read rate of a streaming reduction over all the expert weights, times the touched
+experts' bytes) and, per load and token count, the layer's paths against it:
+
+    moe_forward           ``torch.ops.uniep.moe_forward``, default tuning
+    moe_forward fused     the same with ``overlap=fused`` (the MegaKernel on w1 as stored)
+    fused 64x256          ``overlap=fused,tile_m=64,tile_n=256``: the tiles before the decode shape
+    gemm=torch            ``torch._grouped_mm`` for the experts
+    prepared              ``moe_forward_prepared`` on ``bf16_packed`` experts, default tuning
+    local fused           ``moe_forward_local(overlap="fused")``: the MegaKernel without a host
+                          sync (the low-latency path), errors checked after the timing; its tile
+                          left to the choice
+    local 64x256          the same with 64 x 256 tiles in clusters of two
+    local 64x128          the same with the decode shape, 64 x 128 tiles in clusters of one
+    prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8``, against
+                          the read of the touched experts' fp8 bytes
+
+Loads (bf16; top-k distinct experts per token, uniformly at random with a fixed seed):
+
+    load       hidden  expert FFN  experts  top-k
+    qwen3-128    2048         768      128      8
+    dsv3-256     7168        2048      256      8
+
+Each row also says whether each path's output has the bits of ``moe_forward``'s (the fp8 path
+against the bf16 output's norm instead) and whether the path can be captured in a CUDA graph
+(``graph[...]``: the replay time, or the error capture gave). ``--profile N`` adds the per-kernel
+GPU time of the two local tiles at each token count.
+
+    python bench/bench_decode.py          # on a Hopper GPU; skipped (exit 0) elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
+from common import (  # noqa: E402
+    add_out_dir_argument,
+    median_time_ms,
+    profile_kernels,
+    sm90_kernel_missing,
+    write_result,
+)
+
+# (load, hidden, ffn, experts, top-k)
+LOADS = [("qwen3-128", 2048, 768, 128, 8), ("dsv3-256", 7168, 2048, 256, 8)]
+TOKENS = [1, 16, 64, 128, 256, 512]
+# Paths of moe_forward by their tuning string.
+PLAIN = {
+    "moe_forward": "",
+    "moe_forward fused": "overlap=fused",
+    "fused 64x256": "overlap=fused,tile_m=64,tile_n=256",
+    "gemm=torch": "gemm=torch",
+}
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+    return idx.cuda(), weights.cuda()
+
+
+def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> float | str:
+    """The replay time of ``fn`` captured in a CUDA graph, or why capture failed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return median_time_ms(graph.replay, warmup, iters, cuda=True)
+
+
+def _paths(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    packed: Any,
+    fp8: Any,
+    group: Any,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The layer's paths on one batch, by label (module docstring)."""
+    import uniep
+    from uniep.moe.megakernel.launch import moe_forward_local
+    from uniep.moe.prepared import moe_forward_prepared
+
+    gname = uniep.distributed.group_name(group)
+
+    def plain(tuning: str) -> Callable[[], torch.Tensor]:
+        return lambda: torch.ops.uniep.moe_forward(x, idx, weights, w1, w2, gname, tuning)
+
+    fns = {label: plain(tuning) for label, tuning in PLAIN.items()}
+    fns["prepared"] = lambda: moe_forward_prepared(x, idx, weights, packed, group)
+
+    def local(**tiles: int) -> Callable[[], torch.Tensor]:
+        return lambda: moe_forward_local(
+            x, idx, weights, packed.w1, packed.w2, overlap="fused", check=False, **tiles
+        )
+
+    fns["local fused"] = local()
+    fns["local 64x256"] = local(tile_m=64, tile_n=256)
+    fns["local 64x128"] = local(tile_m=64, tile_n=128)
+    fns["prepared fp8"] = lambda: moe_forward_prepared(x, idx, weights, fp8, group, "dispatch=fp8")
+    return fns
+
+
+def _load_rows(
+    group: Any, load: tuple[str, int, int, int, int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    import uniep
+    from uniep.moe.megakernel.launch import check_errors
+    from uniep.moe.prepared import prepare_experts
+
+    name, hidden, ffn, experts, top_k = load
+    tokens_list = [t for t in TOKENS if t <= args.max_tokens]
+    uniep.moe.ep.init_runtime(
+        group, max_tokens=max(tokens_list), hidden=hidden, top_k=top_k, num_experts=experts
+    )
+    gen = torch.Generator(device="cuda").manual_seed(experts)
+    bf16 = torch.bfloat16
+    w1 = torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
+    w1.mul_(hidden**-0.5)
+    w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
+    w2.mul_(ffn**-0.5)
+    packed = prepare_experts(w1, w2, "bf16_packed")
+    fp8 = prepare_experts(w1, w2, "fp8")
+    expert_bytes = (hidden * 2 * ffn + ffn * hidden) * 2
+
+    # The HBM read rate: one streaming reduction over every expert weight.
+    def read_all() -> torch.Tensor:
+        return w1.sum(dtype=torch.float32) + w2.sum(dtype=torch.float32)
+
+    read_ms = median_time_ms(read_all, args.warmup, args.iters, cuda=True)
+    read_gbs = experts * expert_bytes / read_ms / 1e6
+    print(f"{name}: HBM read {read_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
+        idx, weights = routing(tokens, experts, top_k, seed=tokens)
+        touched = int(idx.unique().numel())
+        floor_ms = touched * expert_bytes / read_gbs / 1e6
+        row: dict[str, Any] = {
+            "load": name,
+            "tokens": tokens,
+            "hidden": hidden,
+            "ffn": ffn,
+            "experts": experts,
+            "top_k": top_k,
+            "touched": touched,
+            "read_gbs": read_gbs,
+            "floor_ms": floor_ms,
+            "floor_fp8_ms": floor_ms / 2,
+        }
+        fns = _paths(x, idx, weights, w1, w2, packed, fp8, group)
+        with torch.no_grad():
+            ref = fns["moe_forward"]()
+            for label, fn in fns.items():
+                try:
+                    out = fn()
+                    check_errors()
+                except (RuntimeError, ValueError, TimeoutError) as e:
+                    row[f"error[{label}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    print(f"{name} T={tokens}: {label}: {row[f'error[{label}]']}", flush=True)
+                    continue
+                if label == "prepared fp8":
+                    rel = float((out.float() - ref.float()).norm() / ref.float().norm())
+                    row["rel_diff[prepared fp8]"] = rel
+                else:
+                    row[f"same_bits[{label}]"] = bool(torch.equal(out, ref))
+                ms = median_time_ms(fn, args.warmup, args.iters, cuda=True)
+                check_errors()
+                row[f"ms[{label}]"] = ms
+                floor = row["floor_fp8_ms"] if "fp8" in label else floor_ms
+                row[f"over_floor[{label}]"] = ms / floor
+            for label in ("local fused", "local 64x256"):
+                if f"ms[{label}]" in row:
+                    row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
+            if args.profile:
+                picks = {k: fns[k] for k in ("local 64x256", "local 64x128") if f"ms[{k}]" in row}
+                row["kernels_us"] = profile_kernels(picks, args.profile)
+        print(
+            f"{name} T={tokens:4d} touched={touched:3d} floor={floor_ms * 1e3:7.1f} us  "
+            + "  ".join(
+                f"{k[3:-1]}={row[k] * 1e3:.0f}us({row['over_floor' + k[2:]]:.1f}x)"
+                for k in row
+                if k.startswith("ms[")
+            )
+            + "  graph: "
+            + ", ".join(f"{k[6:-1]}={row[k]}" for k in row if k.startswith("graph[")),
+            flush=True,
+        )
+        rows.append(row)
+    uniep.moe.ep.shutdown(group)
+    return rows
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    rows = []
+    for load in LOADS:
+        if args.loads and load[0] not in args.loads:
+            continue
+        rows += _load_rows(group, load, args)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=max(TOKENS))
+    parser.add_argument("--loads", default="", help="comma-separated loads (default: all)")
+    parser.add_argument("--profile", type=int, default=0, help="profile N calls per path")
+    parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
+    add_out_dir_argument(parser)
+    args = parser.parse_args(argv)
+    args.loads = [name for name in args.loads.split(",") if name]
+    unknown = sorted(set(args.loads) - {load[0] for load in LOADS})
+    if unknown:
+        parser.error(f"unknown --loads {unknown}; known: {[load[0] for load in LOADS]}")
+    if sm90_kernel_missing("bench_decode", "uniep::moe_forward"):
+        return 0
+    import uniep
+
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(4 << 30))
+    rows = uniep.distributed.run_local_ranks(_rank, 1, (args,), backend="nccl", timeout_s=900)[0]
+    print(f"wrote {write_result('bench_decode', rows, args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

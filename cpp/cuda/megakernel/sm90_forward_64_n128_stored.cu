@@ -1,0 +1,14 @@
+// The fused MoE kernel with ping-pong 64 x 128 x 64 tiles in clusters of one (decode),
+// GEMM 1 reading w1 as the model stores it (gate columns, then up; FusedMoeArgs::w1_as_stored):
+// kernel.cuh instantiated once.
+#include "cuda/megakernel/kernel.cuh"
+#include "cuda/megakernel/launch.hpp"
+
+namespace uniep::cuda::megakernel {
+
+const FusedEntry& fused_entry_64_n128_stored() {
+  static const FusedEntry e = make_fused_entry<FusedGemm<64, true, 128, 1>>();
+  return e;
+}
+
+}  // namespace uniep::cuda::megakernel
