@@ -25,7 +25,8 @@ Loads (bf16; top-k distinct experts per token, uniformly at random with a fixed 
     qwen3-128    2048         768      128      8
     dsv3-256     7168        2048      256      8
 
-Each row also says whether each path's output has the bits of ``moe_forward``'s (the fp8 path
+Each row also says whether each path's output has the bits of ``moe_forward``'s (every path of
+UniEP's engine should; ``gemm=torch``, another GEMM, need not; the fp8 path gives its error
 against the bf16 output's norm instead) and whether the path can be captured in a CUDA graph
 (``graph[...]``: the replay time, or the error capture gave). ``--profile N`` adds the per-kernel
 GPU time of the two local tiles at each token count.
