@@ -136,6 +136,7 @@ def test_example_against_cpp_install(cpp_build: tuple[Path, Path], tmp_path: Pat
     out = _build_example(prefix, tmp_path / "example")
     assert "uniep::cuda: FALSE" in out
     assert not (tmp_path / "example" / "uniep_gpu_example").exists()
+    assert not (tmp_path / "example" / "uniep_decode_example").exists()
     run = _run([str(tmp_path / "example" / "uniep_cpu_example")], timeout=60)
     assert run.rstrip().endswith("OK"), run
 
@@ -166,3 +167,6 @@ def test_example_against_installed_module(tmp_path: Path) -> None:
             )
         gpu = _run([str(tmp_path / "example" / "uniep_gpu_example")], timeout=300, env=env)
         assert gpu.rstrip().endswith(("OK", "the GPU example is skipped")), gpu
+        # Its CPU half runs without a GPU and ends in OK either way.
+        decode = _run([str(tmp_path / "example" / "uniep_decode_example")], timeout=300, env=env)
+        assert decode.rstrip().endswith("OK"), decode

@@ -1,0 +1,285 @@
+// uniep::cuda::MoeLayer (include/uniep/cuda/moe_layer.hpp): the plan and the MegaKernel of one
+// world-1 forward over buffers allocated once. Host code only; the kernels are the plan's
+// (expert_tiles.cu) and the fused kernel's (sm90_forward*.cu).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "cuda/gemm/grouped/launch_status.hpp"
+#include "uniep/cuda/fused_moe.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/cuda/moe_layer.hpp"
+#include "uniep/cuda/send_rows.hpp"
+#include "uniep/cuda/tile_gate.hpp"
+#include "uniep/send_rows_error.hpp"
+
+namespace uniep::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+
+// Where each buffer of the layer lies in its one allocation, for max_tokens.
+struct Layout {
+  size_t rows = 0, act = 0, y = 0, counters = 0, counts = 0, offs = 0, tile_base = 0;
+  size_t dest = 0, gemm_row = 0, counter = 0, errors = 0, timeout = 0, plan_ws = 0, fused_ws = 0;
+  size_t plan_ws_bytes = 0, fused_ws_bytes = 0, total = 0;
+  int64_t num_counters = 0;  // each of the three counter arrays, for the largest call
+};
+
+Layout layout_for(const MoeLayerConfig& c, int tile_m, int sms) {
+  const int64_t cap = c.max_tokens * c.top_k, E = c.num_experts;
+  Layout l;
+  l.num_counters = cap / tile_m + E + 1;
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t here = at;
+    at += align_up(bytes);
+    return here;
+  };
+  l.rows = take(static_cast<size_t>(cap * c.hidden) * 2);
+  l.act = take(static_cast<size_t>(cap * c.ffn) * 2);
+  l.y = take(static_cast<size_t>(cap * c.hidden) * 2);
+  l.counters = take(static_cast<size_t>(3 * l.num_counters) * sizeof(uint32_t));
+  l.counts = take(static_cast<size_t>(E) * sizeof(int64_t));
+  l.offs = take(static_cast<size_t>(E) * sizeof(int32_t));
+  l.tile_base = take(static_cast<size_t>(E + 1) * sizeof(int32_t));
+  l.dest = take(static_cast<size_t>(cap) * sizeof(int64_t));
+  l.gemm_row = take(static_cast<size_t>(cap) * sizeof(int64_t));
+  l.counter = take(static_cast<size_t>(cap) * sizeof(int64_t));
+  l.errors = take(2 * sizeof(unsigned long long));  // the plan's word, then the kernel's
+  l.timeout = take(sizeof(GateTimeout));
+  l.plan_ws_bytes = local_plan_workspace_bytes(cap, E);
+  l.plan_ws = take(l.plan_ws_bytes);
+  l.fused_ws_bytes = fused_moe_workspace_bytes(E, sms);
+  l.fused_ws = take(l.fused_ws_bytes);
+  l.total = at;
+  return l;
+}
+
+Status check_config(const MoeLayerConfig& c) {
+  const auto bad = [](const char* what, auto value) {
+    return Status{StatusCode::kInvalidArgument, detail::str_cat(what, ", got ", value)};
+  };
+  if (c.max_tokens < 1 || c.max_tokens > (int64_t{1} << 24))
+    return bad("max_tokens must be in [1, 2^24]", c.max_tokens);
+  if (c.hidden < 64 || c.hidden % 64 != 0 || c.hidden > (1 << 16))
+    return bad("hidden must be a positive multiple of 64, at most 65536", c.hidden);
+  if (c.ffn < 64 || c.ffn % 64 != 0 || c.ffn > (1 << 16))
+    return bad("ffn must be a positive multiple of 64, at most 65536", c.ffn);
+  if (c.num_experts < 1 || c.num_experts > (1 << 20))
+    return bad("num_experts must be in [1, 2^20]", c.num_experts);
+  if (c.top_k < 1 || c.top_k > 32) return bad("top_k must be in [1, 32]", c.top_k);
+  if (c.max_tokens * c.top_k > (int64_t{1} << 31) - 1)
+    return bad("max_tokens x top_k must be below 2^31", c.max_tokens * c.top_k);
+  if (c.tile_m != 0 && c.tile_m != 64 && c.tile_m != 128)
+    return bad("tile_m must be 0 (auto), 64 or 128", c.tile_m);
+  if (c.tile_n != 0 && c.tile_n != 256 && !(c.tile_n == 128 && c.tile_m != 128))
+    return bad("tile_n must be 0 (auto), 256, or 128 with 64-row tiles", c.tile_n);
+  if (c.w1_as_stored && c.ffn % (c.tile_n == 128 ? 64 : 128) != 0)
+    return {
+        StatusCode::kUnsupported,
+        detail::str_cat("w1_as_stored needs ffn to be a multiple of ", c.tile_n == 128 ? 64 : 128,
+                        ", got ", c.ffn, "; pass w1 in pack_gate_up's layout instead")};
+  if (!(c.timeout_s >= 0 && c.timeout_s <= 3600))
+    return bad("timeout_s must be in [0, 3600]", c.timeout_s);
+  return Status::Ok();
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// The layer's device current for a scope (launches go to the current device), the caller's after.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    ok_ = cudaGetDevice(&previous_) == cudaSuccess &&
+          (previous_ == device || cudaSetDevice(device) == cudaSuccess);
+  }
+  ~DeviceScope() {
+    if (ok_) cudaSetDevice(previous_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int previous_ = -1;
+  bool ok_ = false;
+};
+
+}  // namespace
+
+struct MoeLayer::State {
+  MoeLayerConfig config;
+  int tile_m = 128;
+  int sms = 0;
+  Layout layout;
+  char* base = nullptr;
+  ~State() {
+    if (base != nullptr) cudaFree(base);
+  }
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(base + offset);
+  }
+};
+
+MoeLayer::MoeLayer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+MoeLayer::~MoeLayer() = default;
+
+const MoeLayerConfig& MoeLayer::config() const {
+  return state_->config;
+}
+
+size_t MoeLayer::device_bytes() const {
+  return state_->layout.total;
+}
+
+Status MoeLayer::create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>* layer) {
+  if (layer == nullptr) return {StatusCode::kInvalidArgument, "layer must not be null"};
+  if (Status s = check_config(config); !s.ok()) return s;
+  auto state = std::make_unique<State>();
+  state->config = config;
+  int device = config.device;
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess)
+    return launch_status("MoeLayer::create (current device)");
+  state->config.device = device;
+  if (!grouped_gemm_device_ok(device))
+    return {StatusCode::kUnsupported,
+            "MoeLayer needs a compute capability 9.0 GPU (the MegaKernel is built for sm_90a)"};
+  if (cudaDeviceGetAttribute(&state->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return launch_status("MoeLayer::create (device attributes)");
+  const int64_t cap = config.max_tokens * config.top_k;
+  state->tile_m = config.tile_m != 0 ? config.tile_m
+                  : config.tile_n == 128
+                      ? 64
+                      : (cap <= grouped_gemm_pingpong_rows(device) * config.num_experts ? 64 : 128);
+  state->layout = layout_for(config, state->tile_m, state->sms);
+  const DeviceScope scope(device);
+  if (!scope.ok()) return launch_status("MoeLayer::create (device)");
+  const cudaError_t alloc = cudaMalloc(reinterpret_cast<void**>(&state->base), state->layout.total);
+  if (alloc != cudaSuccess) {
+    state->base = nullptr;
+    cudaGetLastError();
+    return {StatusCode::kInternal,
+            detail::str_cat("MoeLayer::create: cudaMalloc of ", state->layout.total,
+                            " bytes failed: ", cudaGetErrorString(alloc))};
+  }
+  // check() before the first forward finds nothing.
+  const Layout& l = state->layout;
+  if (cudaMemset(state->base + l.errors, 0, 2 * sizeof(unsigned long long)) != cudaSuccess ||
+      cudaMemset(state->base + l.timeout, 0, sizeof(GateTimeout)) != cudaSuccess)
+    return launch_status("MoeLayer::create (zeroing the error words)");
+  layer->reset(new MoeLayer(std::move(state)));
+  return Status::Ok();
+}
+
+Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
+  State& s = *state_;
+  const MoeLayerConfig& c = s.config;
+  const DeviceScope scope(c.device);
+  if (!scope.ok()) return launch_status("MoeLayer::forward (device)");
+  if (in.tokens < 0 || in.tokens > c.max_tokens)
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat("tokens must be in [0, max_tokens = ", c.max_tokens, "], got ", in.tokens)};
+  if (in.tokens == 0) {
+    // Nothing to compute; the error words say nothing of an earlier call.
+    if (cudaMemsetAsync(s.at<char>(s.layout.errors), 0, 2 * sizeof(unsigned long long), stream) !=
+            cudaSuccess ||
+        cudaMemsetAsync(s.at<char>(s.layout.timeout), 0, sizeof(GateTimeout), stream) !=
+            cudaSuccess)
+      return launch_status("MoeLayer::forward (zeroing the error words)");
+    return Status::Ok();
+  }
+  const void* pointers[] = {in.x, in.topk_idx, in.topk_weights, in.w1, in.w2, in.out};
+  const char* names[] = {"x", "topk_idx", "topk_weights", "w1", "w2", "out"};
+  for (int i = 0; i < 6; ++i) {
+    if (pointers[i] == nullptr)
+      return {StatusCode::kInvalidArgument, detail::str_cat(names[i], " must be a device pointer")};
+    if (i != 1 && i != 2 && !aligned16(pointers[i]))
+      return {StatusCode::kInvalidArgument, detail::str_cat(names[i], " must be 16-byte aligned")};
+  }
+  const int64_t entries = in.tokens * c.top_k, E = c.num_experts;
+  auto* errors = s.at<unsigned long long>(s.layout.errors);
+
+  LocalPlanArgs plan;
+  plan.topk_idx = in.topk_idx;
+  plan.tokens = in.tokens;
+  plan.top_k = c.top_k;
+  plan.num_experts = E;
+  plan.tile_m = s.tile_m;
+  plan.counts = s.at<int64_t>(s.layout.counts);
+  plan.offs = s.at<int32_t>(s.layout.offs);
+  plan.tile_base = s.at<int32_t>(s.layout.tile_base);
+  plan.dest_rank = s.at<int64_t>(s.layout.dest);
+  plan.gemm_row = s.at<int64_t>(s.layout.gemm_row);
+  plan.counter = s.at<int64_t>(s.layout.counter);
+  plan.error = errors;
+  const size_t plan_bytes = local_plan_workspace_bytes(entries, E);
+  if (Status st = plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws), plan_bytes, stream);
+      !st.ok())
+    return st;
+
+  // The call's own capacity and counters (as moe_forward_local's): the same tiles and bits.
+  const int64_t num_counters = entries / s.tile_m + E + 1;
+  auto* counters = s.at<uint32_t>(s.layout.counters);
+  FusedMoeArgs a;
+  a.x = in.x;
+  a.tokens = in.tokens;
+  a.hidden = c.hidden;
+  a.top_k = c.top_k;
+  a.topk_weights = in.topk_weights;
+  a.gemm_row = plan.gemm_row;
+  a.counter = plan.counter;
+  a.w1_packed = in.w1;
+  a.w1_as_stored = c.w1_as_stored;
+  a.w2 = in.w2;
+  a.num_experts = E;
+  a.ffn = c.ffn;
+  a.offs = plan.offs;
+  a.tile_base = plan.tile_base;
+  a.capacity = entries;
+  a.rows = s.at<void>(s.layout.rows);
+  a.act = s.at<void>(s.layout.act);
+  a.y = s.at<void>(s.layout.y);
+  a.out = in.out;
+  a.counters = counters;
+  a.done1 = counters + num_counters;
+  a.done2 = counters + 2 * num_counters;
+  a.num_counters = num_counters;
+  a.error = errors + 1;
+  a.timeout = s.at<GateTimeout>(s.layout.timeout);
+  a.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
+  a.zero_state = true;
+  FusedMoeLaunch launch;
+  launch.comm_ctas = s.sms;  // every CTA sends first, token by token (no row inverse needed)
+  launch.tile_m = s.tile_m;
+  launch.tile_n = c.tile_n;
+  return moe_fused_forward_bf16(a, launch, c.device, s.at<void>(s.layout.fused_ws),
+                                s.layout.fused_ws_bytes, stream);
+}
+
+Status MoeLayer::check(cudaStream_t stream) {
+  State& s = *state_;
+  unsigned long long words[2] = {0, 0};
+  GateTimeout timeout;
+  if (cudaMemcpyAsync(words, s.at<char>(s.layout.errors), sizeof words, cudaMemcpyDeviceToHost,
+                      stream) != cudaSuccess ||
+      cudaMemcpyAsync(&timeout, s.at<char>(s.layout.timeout), sizeof timeout,
+                      cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess)
+    return launch_status("MoeLayer::check");
+  for (unsigned long long word : words)
+    if (Status st = send_rows_error_status(word, s.config.top_k, "MoeLayer::forward"); !st.ok())
+      return st;
+  return gate_timeout_status(timeout, "MoeLayer::forward");
+}
+
+}  // namespace uniep::cuda

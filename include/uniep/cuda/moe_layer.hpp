@@ -1,0 +1,89 @@
+// The MoE layer's forward at world 1 as one call, for inference servers written in C++: routing
+// in, output out, on the caller's stream, with the device memory sized once at creation.
+//
+//   out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t]),
+//   expert_e(v) = (silu(v w1_gate[e]) * (v w1_up[e])) w2[e]
+//
+// Every expert on this GPU. One forward is the plan of the routing (plan_local_rows_async,
+// uniep/cuda/send_rows.hpp) and the MegaKernel (moe_fused_forward_bf16, uniep/cuda/fused_moe.hpp):
+// three launches and a memset, no allocation and no host sync, so a decode step can be captured
+// in a CUDA graph once per batch size and replayed with new tokens and routing in the same
+// buffers. The bits are those of torch.ops.uniep.moe_forward (and of
+// uniep.moe.megakernel.launch.moe_forward_local) on the same operands, whatever the tile.
+//
+// Errors found on the device (an expert id >= num_experts, a wait that timed out) are recorded,
+// not raised, by forward: check() reads them, waiting for the stream. A server checks after a
+// step it can afford to wait for, or at a cadence of its choosing.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+struct MoeLayerConfig {
+  int64_t max_tokens = 0;  // the most tokens one forward takes (its buffers are sized for them)
+  int64_t hidden = 0;      // H, a multiple of 64
+  int64_t ffn = 0;         // I, each expert's FFN size, a multiple of 64
+  int64_t num_experts = 0;
+  int64_t top_k = 0;  // in [1, 32]
+  // w1 as the model stores it, [E][H][2I] with the gate columns [0, I) then the up columns,
+  // read without a packed copy (I a multiple of 128, or of 64 with tile_n 128); otherwise in
+  // uniep.gemm.pack_gate_up's layout (gate and up interleaved in blocks of 8 columns).
+  bool w1_as_stored = false;
+  // The kernel's tile rows, 64 or 128, fixed at creation (the plan counts tiles of this height);
+  // 0: 64 where max_tokens x top_k rows average at most grouped_gemm_pingpong_rows(device) an
+  // expert, else 128 (uniep.moe.megakernel.launch.fused_tile_m's choice).
+  int tile_m = 0;
+  // The tile columns (FusedMoeLaunch::tile_n): 0 for the launch's choice per call, 256, or 128
+  // with 64-row tiles.
+  int tile_n = 0;
+  int device = -1;         // -1: the current device at creation
+  double timeout_s = 100;  // bound of every wait inside a forward; 0: none (tests only)
+};
+
+struct MoeLayerInputs {
+  const void* x = nullptr;              // [tokens][hidden] bf16
+  int64_t tokens = 0;                   // in [0, max_tokens]
+  const int64_t* topk_idx = nullptr;    // [tokens][top_k], negative: unused
+  const float* topk_weights = nullptr;  // [tokens][top_k]
+  const void* w1 = nullptr;             // [E][hidden][2 ffn] bf16 (see w1_as_stored)
+  const void* w2 = nullptr;             // [E][ffn][hidden] bf16
+  void* out = nullptr;                  // [tokens][hidden] bf16
+};
+
+class MoeLayer {
+ public:
+  // Checks the config and allocates the layer's device memory on config.device (one
+  // cudaMalloc): errors name the argument. Needs a compute capability 9.0 GPU.
+  static Status create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>* layer);
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  // Enqueues one forward on `stream` (on config.device). The layer's buffers are the call's
+  // until the stream has run it: forwards on one layer must be ordered on one stream (or by
+  // events). Device pointers, 16-byte aligned; tokens = 0 writes nothing.
+  Status forward(const MoeLayerInputs& in, cudaStream_t stream);
+
+  // Waits for `stream`, then returns the first error the last forward recorded on the device:
+  // an expert id outside [-1, num_experts) (naming the entry), or a wait that timed out (naming
+  // the tile). OK when none.
+  Status check(cudaStream_t stream);
+
+  const MoeLayerConfig& config() const;
+  // The device memory the layer holds.
+  size_t device_bytes() const;
+
+ private:
+  struct State;
+  explicit MoeLayer(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace uniep::cuda
