@@ -317,6 +317,14 @@ def test_auto_tiles_follow_the_devices_pingpong_rows() -> None:
     as_128 = fused.replace("auto", "128")
     assert h200.seconds(shape, fused) == h200.seconds(shape, as_64)
     assert h100.seconds(shape, fused) == h100.seconds(shape, as_128)
+    # The tile width as the launch picks it: 64 x 128 where the experts average at most one
+    # 64-row tile (decode), 256 wide otherwise; a named tile_n=128 runs 64-row tiles.
+    decode = tune.MoeShape(16, 7168, 2048, 256, 8, 1, "bfloat16")
+    assert h200.seconds(decode, fused) == h200.seconds(decode, as_64 + ",tile_n=128")
+    assert h200.seconds(decode, fused) != h200.seconds(decode, as_64 + ",tile_n=256")
+    named = h100.seconds(decode, fused + ",tile_n=128")
+    assert named == h100.seconds(decode, as_64 + ",tile_n=128")
+    assert h200.seconds(shape, fused) == h200.seconds(shape, as_64 + ",tile_n=256")
 
 
 def test_packed_entries_have_their_own_key(tmp_path: Path) -> None:

@@ -285,7 +285,8 @@ class CostModel:
     local copies (the row gather, which reads each received row once, and the combine's read of
     the rows; plain weights whose FFN size the SwiGLU epilogue on w1 as stored does not take also
     the SwiGLU pass over the first GEMM's output) plus the communication; ``fused`` is the
-    MegaKernel, GEMMs on every SM with its own tiles (``tile_m`` x 256 x 64), plus the share of
+    MegaKernel, GEMMs on every SM with its own tiles (``tile_m`` x ``tile_n`` x 64, each as the
+    launch picks it when auto: ``fused_tile_m``, ``fused_tile_n``), plus the share of
     the send its senders spend (all of it when every CTA sends first; the rest runs under the
     other CTAs' tiles) and the reduce's read of the rows.
     """
@@ -343,14 +344,18 @@ class CostModel:
             gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not separate_pass)
             return gemm + comm + gather + 2 * rows + (swiglu if separate_pass else 0.0)
         fused = parse_tuning(p.to_string())
-        if fused.tile_m == 0:
-            el = shape.local_experts
-            from ..moe.megakernel.launch import fused_tile_m
+        from ..moe.megakernel.launch import fused_tile_m, fused_tile_n
 
+        el = shape.local_experts
+        if fused.tile_n == 128:
+            fused.tile_m = 64
+        if fused.tile_m == 0:
             fused.tile_m = fused_tile_m(
                 shape.tokens * shape.top_k, el, pingpong_rows=self.pingpong_rows
             )
-        fused.tile_n, fused.tile_k = 256, 64
+        if fused.tile_n == 0:
+            fused.tile_n = fused_tile_n(fused.tile_m, shape.tokens * shape.top_k, el)
+        fused.tile_k = 64
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
         # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were
         # slower on every load, as the other CTAs' tiles wait at their gates for the rows
