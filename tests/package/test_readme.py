@@ -159,6 +159,13 @@ def block_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return results
 
 
+def test_readme_is_a_front_page() -> None:
+    """The README is what a user reads first: at most 12 KiB, history and reference elsewhere
+    (CHANGELOG.md, docs/)."""
+    size = len(README.read_bytes())
+    assert size <= 12 * 1024, f"README.md is {size} bytes; move detail to docs/ (limit 12 KiB)"
+
+
 def test_readme_has_python_blocks(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(
