@@ -220,3 +220,71 @@ def test_prepared_experts(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["fp8_tile_equal"] == report["fp8_bad_tile_named"] == 1.0, report
         if world > 1:  # a GEMM's one-ulp difference in h can move the activation's e4m3 step
             assert report["fp8_vs_cpu"] <= 2e-2, report
+
+
+def test_decode_steps_replay_in_a_cuda_graph() -> None:
+    """moe_forward_prepared with packed experts and no tuning on decode batches: the MegaKernel
+    by default (uniep.moe.megakernel.launch.fused_by_default), captured once per batch size after
+    a warm-up call and replayed on new tokens and routing in the same buffers, each replay with
+    the eager call's bits; a bad expert id in a replay is raised by check_errors(), naming the
+    graph, and the next replays are clean again."""
+    from uniep.gemm import pack_gate_up
+    from uniep.moe.megakernel import launch as megakernel
+    from uniep.moe.megakernel.launch import moe_forward_local
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts, hidden, ffn, top_k = 64, 256, 128, 8
+    gen = torch.Generator(device=dev).manual_seed(3)
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen, device=dev) / 16).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device=dev) / 11).bfloat16()
+    packed = prepare_experts(w1, w2, "bf16_packed")
+
+    def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(tokens, hidden, generator=gen, device=dev).bfloat16()
+        scores = torch.rand(tokens, experts, generator=gen, device=dev)
+        idx = scores.topk(top_k, dim=1).indices
+        return x, idx, torch.rand(tokens, top_k, generator=gen, device=dev)
+
+    calls: list[dict] = []
+    real_local = megakernel.moe_forward_local
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return real_local(*args, **kwargs)
+
+    stream = torch.cuda.Stream()
+    for tokens in (1, 16, 64):
+        assert megakernel.fused_by_default(tokens * top_k, experts, 1)
+        x, idx, w = routing(tokens)
+        megakernel.moe_forward_local = spy
+        try:
+            with torch.cuda.stream(stream):  # the warm-up, eagerly
+                eager = moe_forward_prepared(x, idx, w, packed)
+        finally:
+            megakernel.moe_forward_local = real_local
+        assert calls and calls[-1]["overlap"] == "fused", "the default did not take the MegaKernel"
+        ref = moe_forward_local(x, idx, w, pack_gate_up(w1), w2)
+        assert torch.equal(eager.cpu(), ref.cpu())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe_forward_prepared(x, idx, w, packed)
+        graph.replay()
+        assert torch.equal(out, eager), f"{tokens} tokens: the replay differs from the eager call"
+        for _ in range(2):
+            x2, idx2, w2_ = routing(tokens)
+            x.copy_(x2)
+            idx.copy_(idx2)
+            w.copy_(w2_)
+            graph.replay()
+            want = moe_forward_local(x, idx, w, pack_gate_up(w1), w2)
+            assert torch.equal(out, want), f"{tokens} tokens: a replay on new routing differs"
+        megakernel.check_errors()
+        # A bad expert id in a replay: kept on the device, raised by check_errors() once.
+        idx[0, 1] = experts + 5
+        graph.replay()
+        with pytest.raises(ValueError, match=r"in a CUDA graph.*token 0, k 1"):
+            megakernel.check_errors()
+        idx[0, 1] = 0 if idx[0, 0] != 0 else 1
+        graph.replay()
+        megakernel.check_errors()

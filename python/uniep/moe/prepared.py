@@ -33,11 +33,15 @@ dispatch, the engine's GEMMs and the combine run as separate launches: at world 
 they were about as fast as the MegaKernel's best point on the DeepSeek-V3, Mixtral, Qwen3-like
 and 256-expert loads (2026-11-26, commit baad81e). Both give the same bits. An empty tuning
 string takes the point ``uniep.tune(..., weights="bf16_packed")`` cached for the call's shape
-(which may be either), else the separate launches. The MegaKernel's errors (a bad expert id, a
-rank or rows that never came) are checked without waiting for the stream: they are raised by the
-next MegaKernel call once its stream has passed the failed one, or by
+(which may be either); else, at world 1 on decode batches (the experts averaging at most one
+64-row tile: ``uniep.moe.megakernel.launch.fused_by_default``), the MegaKernel, which is also the
+path a CUDA graph can capture; else the separate launches. The MegaKernel's errors (a bad expert
+id, a rank or rows that never came) are checked without waiting for the stream: they are raised
+by the next MegaKernel call once its stream has passed the failed one, or by
 ``uniep.moe.megakernel.launch.check_errors()`` (``check="deferred"``), while the separate launches
-raise them in the call itself.
+raise them in the call itself. Captured in a CUDA graph (after one eager call, which makes the
+device words the graph keeps its errors in), the MegaKernel keeps the first error of any replay
+on the device until ``check_errors()`` reads it.
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -60,7 +64,7 @@ from ..gemm import (
     unpack_gate_up,
 )
 from ..tuning.params import parse as parse_tuning
-from .megakernel.launch import megakernel_overlap
+from .megakernel.launch import fused_by_default, megakernel_overlap
 
 __all__ = [
     "FORMATS",
@@ -186,6 +190,9 @@ def moe_forward_prepared(
         tuning = tune_cache.tuning_for_call(
             x, topk_idx, experts.ffn, experts.num_experts * world, world, weights=experts.format
         )
+        rows = x.shape[0] * topk_idx.shape[1]
+        if tuning == "" and fused_by_default(rows, experts.num_experts, world):
+            tuning = "overlap=fused"
         params = parse_tuning(tuning)
     if experts.format == "bf16_packed" and megakernel_overlap(
         tuning, world, experts.hidden, experts.ffn

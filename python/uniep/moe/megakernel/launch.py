@@ -46,6 +46,7 @@ from .. import tile_gates
 __all__ = [
     "check_errors",
     "ensure_fused_ep",
+    "fused_by_default",
     "expert_counts",
     "fused_ep_fits",
     "fused_ep_heap_bytes",
@@ -78,6 +79,11 @@ EP_COMM_SMS = 32
 # (kind, pinned host copy, what, top_k) entries, read once the event has passed.
 _PENDING: list[tuple[torch.cuda.Event, list[tuple[str, torch.Tensor, str, int]]]] = []
 _AT_EXIT: list[bool] = []
+# The deferred calls' errors inside CUDA graphs: per (kind, what, top_k, device), a device word
+# that keeps the first error any replay recorded (a graph cannot copy to the host for each
+# replay). Made by the eager calls before capture (the warm-up every captured call needs),
+# read by check_errors().
+_STICKY: dict[tuple[str, str, int, torch.device], torch.Tensor] = {}
 
 
 def _raise_from(entries: list[tuple[str, torch.Tensor, str, int]]) -> None:
@@ -94,7 +100,11 @@ def check_errors(wait: bool = True) -> None:
     as ``check=True`` would have raised it then), and forget the calls checked. ``wait``: wait for
     the calls still on their streams; without it only the ones finished are checked (no wait).
     Every deferred call runs ``check_errors(wait=False)`` first, so an error surfaces at the
-    latest one call after its own once its stream has reached it, or here."""
+    latest one call after its own once its stream has reached it, or here.
+
+    Deferred calls captured in a CUDA graph keep their first error on the device, across
+    replays: only ``check_errors()`` with ``wait`` reads them (after synchronizing the device),
+    raises the first, and clears them."""
     while _PENDING:
         event, entries = _PENDING[0]
         if not wait and not event.query():
@@ -102,6 +112,48 @@ def check_errors(wait: bool = True) -> None:
         event.synchronize()
         _PENDING.pop(0)
         _raise_from(entries)
+    if wait and _STICKY:
+        _check_sticky()
+
+
+def _check_sticky() -> None:
+    """Raise the first error the captured calls kept (in the order the calls made their words:
+    a call's plan before its kernel), clearing every word: the others come from the same failed
+    replays, as a failed eager call raises its first error only."""
+    for device in {key[3] for key in _STICKY}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    found = []
+    for (kind, what, top_k, _), word in _STICKY.items():
+        host = word.to("cpu", copy=True)  # a copy also of a CPU word, which is zeroed next
+        if host.any():
+            word.zero_()
+            found.append((kind, host, f"{what} (in a CUDA graph)", top_k))
+    _raise_from(found)
+
+
+def _sticky_word(kind: str, word: torch.Tensor, what: str, top_k: int) -> torch.Tensor:
+    """The sticky word of (kind, what, top_k) on ``word``'s device, made (zeroed) outside
+    capture; inside a capture a missing one is an error naming the warm-up."""
+    key = (kind, what, top_k, word.device)
+    sticky = _STICKY.get(key)
+    if sticky is None:
+        if word.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{what}: check='deferred' inside a CUDA graph keeps its errors in a device word "
+                "made by an eager call: run the call once (with the same top_k) before capturing "
+                "it, as torch.cuda.graphs asks of every captured call"
+            )
+        sticky = torch.zeros_like(word)
+        _STICKY[key] = sticky
+    return sticky
+
+
+def _keep_first_error(sticky: torch.Tensor, word: torch.Tensor) -> None:
+    """sticky = word where sticky holds no error yet (its first element 0), as device ops: what a
+    replayed graph can do instead of copying the word to the host."""
+    empty = sticky.reshape(-1)[:1] == 0
+    torch.where(empty, word.reshape(-1), sticky.reshape(-1), out=sticky.view(-1))
 
 
 def _check_at_exit() -> None:
@@ -122,6 +174,12 @@ def finish_call(check: bool | str, entries: list[tuple[str, torch.Tensor, str, i
     if check is True:
         _raise_from(entries)
     elif check == "deferred":
+        for kind, word, what, top_k in entries:
+            sticky = _sticky_word(kind, word, what, top_k)
+            if word.is_cuda and torch.cuda.is_current_stream_capturing():
+                _keep_first_error(sticky, word)
+        if entries and entries[0][1].is_cuda and torch.cuda.is_current_stream_capturing():
+            return
         host = []
         for kind, word, what, top_k in entries:
             copy = torch.empty(word.shape, dtype=word.dtype, pin_memory=True)
@@ -139,12 +197,8 @@ def begin_call(check: bool | str) -> None:
     """The start of a call: validate ``check`` and raise what earlier deferred calls recorded."""
     if check not in (True, False, "deferred"):
         raise ValueError(f"check must be True, False or 'deferred', got {check!r}")
-    if check == "deferred":
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "check='deferred' copies the call's error words to the host after it, which a "
-                "CUDA graph cannot hold: capture with check=False"
-            )
+    if check == "deferred" and not torch.cuda.is_current_stream_capturing():
+        # Inside a capture nothing is read: the call's errors stay on the device (finish_call).
         check_errors(wait=False)
 
 
@@ -178,6 +232,18 @@ def fused_tile_n(tile_m: int, rows: int, num_experts: int) -> int:
     256. At world 1 on one H200 the 128-wide tiles were 5-16% faster than 64 x 256 ones from 1
     to 512 tokens on 128 and 256 experts (2026-12-02, commit feae907)."""
     return 128 if tile_m == 64 and num_experts > 0 and rows <= 64 * num_experts else 256
+
+
+def fused_by_default(rows: int, num_experts: int, world: int) -> bool:
+    """Whether ``moe_forward_prepared`` with packed bf16 experts and an empty tuning string (and
+    nothing cached for the shape) runs the MegaKernel: at world 1 where ``rows`` GEMM rows
+    average at most one 64-row tile over the experts (decode). On one H200 (2026-12-02, commit
+    feae907, bench_decode, eager calls) its launch (``moe_forward_local``) took 0.24-0.59x the
+    separate launches' time from 1 to 512 tokens on 128 experts of FFN 768 and 0.27-0.91x on
+    256 of FFN 2048, and it alone has no host sync, so a decode step can be captured in a CUDA
+    graph. Across ranks the fused runtime's
+    size agreement is a host round trip per call, so the default stays the separate launches."""
+    return world == 1 and num_experts > 0 and 0 < rows <= 64 * num_experts
 
 
 def fused_tile_shape(

@@ -1,0 +1,94 @@
+"""The MegaKernel's deferred error checks in CUDA graphs, and its default on decode batches.
+
+A call captured in a graph cannot copy its error words to the host at each replay, so it keeps
+the first error of any replay in a device word (made by an eager call before capture) that
+``check_errors()`` reads. The word logic is plain tensor arithmetic, checked here on CPU tensors;
+the captured calls themselves run in tests/gemm/test_gpu_prepared.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from uniep.moe.megakernel import launch
+
+BAD_EXPERT = 1 << 48  # uniep/send_rows_error.hpp: kSendBadExpert << kSendErrorShift
+
+
+@pytest.fixture(autouse=True)
+def _no_sticky_words():
+    launch._STICKY.clear()
+    yield
+    launch._STICKY.clear()
+
+
+def test_the_first_error_of_any_replay_is_kept_and_raised_once() -> None:
+    word = torch.zeros(1, dtype=torch.int64)
+    sticky = launch._sticky_word("send", word, "moe_forward_local (fused)", 2)
+    assert sticky is launch._sticky_word("send", word, "moe_forward_local (fused)", 2)
+    launch._keep_first_error(sticky, torch.zeros(1, dtype=torch.int64))  # a clean replay
+    assert not sticky.any()
+    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT | 7]))  # entry 7: token 3, k 1
+    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT | 2]))  # a later one is not kept
+    assert sticky.item() == BAD_EXPERT | 7
+    with pytest.raises(ValueError, match=r"in a CUDA graph.*token 3, k 1"):
+        launch.check_errors()
+    assert not sticky.any(), "a raised error is cleared"
+    launch.check_errors()  # nothing left
+
+
+def test_a_timeout_record_is_kept_whole() -> None:
+    record = torch.zeros(5, dtype=torch.int32)
+    sticky = launch._sticky_word("gate", record, "moe_forward_local (fused)", 2)
+    # flag 1: rows that never came (expert 3, m-tile 0, 5 of 8 rows).
+    launch._keep_first_error(sticky, torch.tensor([1, 3, 0, 5, 8], dtype=torch.int32))
+    launch._keep_first_error(sticky, torch.tensor([1, 4, 1, 0, 8], dtype=torch.int32))
+    assert sticky.tolist() == [1, 3, 0, 5, 8]
+    with pytest.raises(TimeoutError, match=r"in a CUDA graph.*expert 3, m-tile 0"):
+        launch.check_errors()
+
+
+def test_no_check_leaves_the_words_alone() -> None:
+    sticky = launch._sticky_word("send", torch.zeros(1, dtype=torch.int64), "x", 1)
+    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT]))
+    launch.check_errors(wait=False)  # the deferred calls' own check reads no device word
+    assert sticky.item() == BAD_EXPERT
+
+
+@pytest.mark.parametrize(
+    "rows, experts, world, fused",
+    [
+        (8, 128, 1, True),  # one token, top-8 of 128 experts
+        (64 * 128, 128, 1, True),  # one 64-row tile an expert on average
+        (64 * 128 + 1, 128, 1, False),  # prefill: the separate launches
+        (8, 128, 2, False),  # across ranks: the size agreement would cost a round trip a call
+        (0, 128, 1, False),
+    ],
+)
+def test_decode_batches_take_the_megakernel_by_default(
+    rows: int, experts: int, world: int, fused: bool
+) -> None:
+    assert launch.fused_by_default(rows, experts, world) is fused
+
+
+def test_the_tile_width_follows_the_rows() -> None:
+    assert launch.fused_tile_n(64, 64 * 32, 32) == 128
+    assert launch.fused_tile_n(64, 64 * 32 + 1, 32) == 256
+    assert launch.fused_tile_n(128, 8, 32) == 256  # 128-row tiles are 256 wide
+    assert launch.fused_tile_shape(None, 128) == (64, 128)
+    assert launch.fused_tile_shape(64, None) == (64, 0)
+    with pytest.raises(ValueError, match="tile_n=128 runs 64-row tiles"):
+        launch.fused_tile_shape(128, 128)
+    with pytest.raises(ValueError, match="tile_n must be None or"):
+        launch.fused_tile_shape(64, 128, "sequential")
+
+
+def test_one_check_clears_every_word_of_the_failed_replays() -> None:
+    plan = launch._sticky_word("send", torch.zeros(1, dtype=torch.int64), "call (plan)", 2)
+    kernel = launch._sticky_word("gate", torch.zeros(5, dtype=torch.int32), "call (fused)", 2)
+    launch._keep_first_error(plan, torch.tensor([BAD_EXPERT | 1]))
+    launch._keep_first_error(kernel, torch.tensor([1, 0, 0, 0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"call \(plan\) \(in a CUDA graph\)"):
+        launch.check_errors()  # the plan's, made first
+    assert not plan.any() and not kernel.any()
+    launch.check_errors()
