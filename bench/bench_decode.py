@@ -11,6 +11,7 @@ experts' bytes) and, per load and token count, the layer's paths against it:
     fused 64x256          ``overlap=fused,tile_m=64,tile_n=256``: the tiles before the decode shape
     gemm=torch            ``torch._grouped_mm`` for the experts
     prepared              ``moe_forward_prepared`` on ``bf16_packed`` experts, default tuning
+                          (the MegaKernel on decode batches at world 1: ``fused_by_default``)
     local fused           ``moe_forward_local(overlap="fused")``: the MegaKernel without a host
                           sync (the low-latency path), errors checked after the timing; its tile
                           left to the choice
@@ -194,7 +195,7 @@ def _load_rows(
                 row[f"ms[{label}]"] = ms
                 floor = row["floor_fp8_ms"] if "fp8" in label else floor_ms
                 row[f"over_floor[{label}]"] = ms / floor
-            for label in ("local fused", "local 64x256"):
+            for label in ("local fused", "local 64x256", "prepared"):
                 if f"ms[{label}]" in row:
                     row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
             if args.profile:
