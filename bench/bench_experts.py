@@ -761,13 +761,23 @@ def _bench_local(
         )
         for comm, skip in FUSED_POINTS
     ]
-    points += [
-        (
-            f"fused c{comm} s{skip} m64",
-            {"overlap": "fused", "comm_sms": comm, "skip_rounds": skip, "tile_m": 64},
-        )
-        for comm, skip in FUSED_POINTS_64
-    ]
+    # The 64-row tiles, 256 wide in clusters of two; then the decode shape (64 x 128 in
+    # clusters of one) on these prefill loads: no expert rounded up to a cluster's two tiles,
+    # but each weight tile loaded once per m-tile instead of once per pair.
+    for label, tile_n in (("m64", 256), ("m64 n128", 128)):
+        points += [
+            (
+                f"fused c{comm} s{skip} {label}",
+                {
+                    "overlap": "fused",
+                    "comm_sms": comm,
+                    "skip_rounds": skip,
+                    "tile_m": 64,
+                    "tile_n": tile_n,
+                },
+            )
+            for comm, skip in FUSED_POINTS_64
+        ]
     # The two gated GEMMs of the sequential path on the same rows, gates open and GEMM 2 waiting
     # on GEMM 1's done signal: the GEMMs' share of `sequential`, and the price of the signal.
     fns: dict[str, Any] = {
