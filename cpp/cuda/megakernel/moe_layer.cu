@@ -1,6 +1,7 @@
-// uniep::cuda::MoeLayer (include/uniep/cuda/moe_layer.hpp): the plan and the MegaKernel of one
-// world-1 forward over buffers allocated once. Host code only; the kernels are the plan's
-// (expert_tiles.cu) and the fused kernel's (sm90_forward*.cu).
+// uniep::cuda::MoeLayer (include/uniep/cuda/moe_layer.hpp): at world 1 the plan and the MegaKernel
+// of one forward over buffers allocated once; across ranks the fused runtime (fused_ep.hpp). Host
+// code only; the kernels are the plan's (expert_tiles.cu), the fused kernel's (sm90_forward*.cu)
+// and the runtime's (cpp/runtime/megakernel_runtime.cu).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <utility>
 
 #include "cuda/gemm/grouped/launch_status.hpp"
+#include "uniep/cuda/fused_ep.hpp"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/cuda/moe_layer.hpp"
@@ -20,6 +22,9 @@ namespace uniep::cuda {
 namespace {
 
 constexpr size_t kAlign = 256;
+// The CTAs that send first across ranks (uniep.moe.megakernel.launch.EP_COMM_SMS: the best of
+// five points at EP4 on four H200s on both measured layers, 2026-11-26, commit edef84b).
+constexpr int kEpCommCtas = 32;
 
 size_t align_up(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -76,6 +81,11 @@ Status check_config(const MoeLayerConfig& c) {
   if (c.num_experts < 1 || c.num_experts > (1 << 20))
     return bad("num_experts must be in [1, 2^20]", c.num_experts);
   if (c.top_k < 1 || c.top_k > 32) return bad("top_k must be in [1, 32]", c.top_k);
+  if (c.world_size < 1 || c.world_size > kMaxFusedPeers)
+    return bad("world_size must be in [1, 8] (the ranks of one NVLink domain)", c.world_size);
+  if (c.rank < 0 || c.rank >= c.world_size) return bad("rank must be in [0, world_size)", c.rank);
+  if (c.num_experts % c.world_size != 0)
+    return bad("num_experts must be a multiple of world_size", c.num_experts);
   if (c.max_tokens * c.top_k > (int64_t{1} << 31) - 1)
     return bad("max_tokens x top_k must be below 2^31", c.max_tokens * c.top_k);
   if (c.tile_m != 0 && c.tile_m != 64 && c.tile_m != 128)
@@ -121,6 +131,7 @@ struct MoeLayer::State {
   int sms = 0;
   Layout layout;
   char* base = nullptr;
+  std::unique_ptr<fused::Runtime> ep;  // across ranks; then base holds the error words only
   ~State() {
     if (base != nullptr) cudaFree(base);
   }
@@ -141,7 +152,49 @@ size_t MoeLayer::device_bytes() const {
   return state_->layout.total;
 }
 
+namespace {
+
+fused::Config fused_config(const MoeLayerConfig& c, int tile_m) {
+  fused::Config f;
+  f.world_size = c.world_size;
+  f.rank = c.rank;
+  f.max_tokens = c.max_tokens;
+  f.hidden = c.hidden;
+  f.ffn = c.ffn;
+  f.top_k = c.top_k;
+  f.num_experts = c.num_experts;
+  f.timeout_s = c.timeout_s;
+  f.tile_m = tile_m;
+  return f;
+}
+
+// The tile height config.tile_m asks for, else fused_tile_m's choice for the most rows any rank
+// may hold (world x max_tokens x top_k over the experts).
+int choose_tile_m(const MoeLayerConfig& c, int device) {
+  if (c.tile_m != 0) return c.tile_m;
+  if (c.tile_n == 128) return 64;
+  const int64_t rows = c.world_size * c.max_tokens * c.top_k;
+  return rows <= grouped_gemm_pingpong_rows(device) * c.num_experts ? 64 : 128;
+}
+
+}  // namespace
+
+size_t MoeLayer::symmetric_heap_bytes(const MoeLayerConfig& config) {
+  if (config.world_size <= 1 || !check_config(config).ok()) return 0;
+  // With 64-row tiles the runtime has the most tile counters: enough for either height.
+  return fused::symmetric_heap_bytes(fused_config(config, 64));
+}
+
 Status MoeLayer::create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>* layer) {
+  if (config.world_size > 1)
+    return {StatusCode::kInvalidArgument,
+            "world_size > 1: create the layer with rank 0's unique id, "
+            "MoeLayer::create(config, unique_id, layer), on every rank"};
+  return create(config, {}, layer);
+}
+
+Status MoeLayer::create(const MoeLayerConfig& config, const std::vector<uint8_t>& unique_id,
+                        std::unique_ptr<MoeLayer>* layer) {
   if (layer == nullptr) return {StatusCode::kInvalidArgument, "layer must not be null"};
   if (Status s = check_config(config); !s.ok()) return s;
   auto state = std::make_unique<State>();
@@ -155,12 +208,17 @@ Status MoeLayer::create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>*
             "MoeLayer needs a compute capability 9.0 GPU (the MegaKernel is built for sm_90a)"};
   if (cudaDeviceGetAttribute(&state->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return launch_status("MoeLayer::create (device attributes)");
-  const int64_t cap = config.max_tokens * config.top_k;
-  state->tile_m = config.tile_m != 0 ? config.tile_m
-                  : config.tile_n == 128
-                      ? 64
-                      : (cap <= grouped_gemm_pingpong_rows(device) * config.num_experts ? 64 : 128);
-  state->layout = layout_for(config, state->tile_m, state->sms);
+  state->tile_m = choose_tile_m(config, device);
+  const bool ep = config.world_size > 1;
+  if (ep) {
+    // The runtime holds the rows, plans and counters; the layer only the call's error words.
+    state->layout = Layout{};
+    state->layout.errors = 0;
+    state->layout.timeout = align_up(2 * sizeof(unsigned long long));
+    state->layout.total = state->layout.timeout + align_up(sizeof(GateTimeout));
+  } else {
+    state->layout = layout_for(config, state->tile_m, state->sms);
+  }
   const DeviceScope scope(device);
   if (!scope.ok()) return launch_status("MoeLayer::create (device)");
   const cudaError_t alloc = cudaMalloc(reinterpret_cast<void**>(&state->base), state->layout.total);
@@ -176,6 +234,15 @@ Status MoeLayer::create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>*
   if (cudaMemset(state->base + l.errors, 0, 2 * sizeof(unsigned long long)) != cudaSuccess ||
       cudaMemset(state->base + l.timeout, 0, sizeof(GateTimeout)) != cudaSuccess)
     return launch_status("MoeLayer::create (zeroing the error words)");
+  if (ep) {
+    if (unique_id.empty())
+      return {StatusCode::kInvalidArgument,
+              "unique_id must hold rank 0's uniep::ep::make_unique_id bytes with world_size > 1"};
+    if (Status st =
+            fused::Runtime::create(fused_config(config, state->tile_m), unique_id, &state->ep);
+        !st.ok())
+      return st;
+  }
   layer->reset(new MoeLayer(std::move(state)));
   return Status::Ok();
 }
@@ -189,6 +256,35 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
     return {
         StatusCode::kInvalidArgument,
         detail::str_cat("tokens must be in [0, max_tokens = ", c.max_tokens, "], got ", in.tokens)};
+  if (s.ep) {
+    // Across ranks: a rank with no tokens still calls (its experts compute the peers' rows).
+    if (in.w1 == nullptr || in.w2 == nullptr)
+      return {StatusCode::kInvalidArgument, "w1 and w2 must be device pointers"};
+    if (in.tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr || in.topk_weights == nullptr ||
+                          in.out == nullptr))
+      return {StatusCode::kInvalidArgument,
+              "x, topk_idx, topk_weights and out must be device pointers when tokens > 0"};
+    auto* errors = s.at<unsigned long long>(s.layout.errors);
+    auto* timeout = s.at<GateTimeout>(s.layout.timeout);
+    if (cudaMemsetAsync(errors, 0, 2 * sizeof(unsigned long long), stream) != cudaSuccess ||
+        cudaMemsetAsync(timeout, 0, sizeof(GateTimeout), stream) != cudaSuccess)
+      return launch_status("MoeLayer::forward (zeroing the error words)");
+    fused::ForwardArgs f;
+    f.x = in.x;
+    f.topk_idx = in.topk_idx;
+    f.topk_weights = in.topk_weights;
+    f.tokens = in.tokens;
+    f.w1_packed = in.w1;
+    f.w1_as_stored = c.w1_as_stored;
+    f.w2 = in.w2;
+    f.out = in.out;
+    f.error = errors;
+    f.timeout = timeout;
+    FusedMoeLaunch launch;
+    launch.comm_ctas = kEpCommCtas;
+    launch.tile_n = c.tile_n;
+    return s.ep->forward(f, launch, stream);
+  }
   if (in.tokens == 0) {
     // Nothing to compute; the error words say nothing of an earlier call.
     if (cudaMemsetAsync(s.at<char>(s.layout.errors), 0, 2 * sizeof(unsigned long long), stream) !=

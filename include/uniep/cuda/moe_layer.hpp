@@ -1,15 +1,20 @@
-// The MoE layer's forward at world 1 as one call, for inference servers written in C++: routing
-// in, output out, on the caller's stream, with the device memory sized once at creation.
+// The MoE layer's forward as one call, for inference servers written in C++: routing in, output
+// out, on the caller's stream, with the device memory sized once at creation; at world 1 or with
+// expert parallelism across the ranks of one NVLink domain.
 //
 //   out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t]),
 //   expert_e(v) = (silu(v w1_gate[e]) * (v w1_up[e])) w2[e]
 //
-// Every expert on this GPU. One forward is the plan of the routing (plan_local_rows_async,
-// uniep/cuda/send_rows.hpp) and the MegaKernel (moe_fused_forward_bf16, uniep/cuda/fused_moe.hpp):
-// three launches and a memset, no allocation and no host sync, so a decode step can be captured
-// in a CUDA graph once per batch size and replayed with new tokens and routing in the same
-// buffers. The bits are those of torch.ops.uniep.moe_forward (and of
-// uniep.moe.megakernel.launch.moe_forward_local) on the same operands, whatever the tile.
+// World 1 (every expert on this GPU): one forward is the plan of the routing
+// (plan_local_rows_async, uniep/cuda/send_rows.hpp) and the MegaKernel (moe_fused_forward_bf16,
+// uniep/cuda/fused_moe.hpp): three launches and a memset. Across ranks (world_size > 1, rank r
+// holding experts [r E / W, (r + 1) E / W)): the fused runtime of uniep/cuda/fused_ep.hpp, whose
+// count exchange, plan and persistent kernel run on the device; every rank makes the same calls
+// in the same order. Either way no allocation and no host sync, so a decode step can be
+// captured in a CUDA graph once per batch size and replayed with new tokens and routing in the
+// same buffers. The bits are those of torch.ops.uniep.moe_forward (and of
+// uniep.moe.megakernel.launch.moe_forward_local) on the same operands, whatever the tile or the
+// world size.
 //
 // Errors found on the device (an expert id >= num_experts, a wait that timed out) are recorded,
 // not raised, by forward: check() reads them, waiting for the stream. A server checks after a
@@ -21,17 +26,22 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "uniep/status.hpp"
 
 namespace uniep::cuda {
 
 struct MoeLayerConfig {
-  int64_t max_tokens = 0;  // the most tokens one forward takes (its buffers are sized for them)
-  int64_t hidden = 0;      // H, a multiple of 64
-  int64_t ffn = 0;         // I, each expert's FFN size, a multiple of 64
-  int64_t num_experts = 0;
-  int64_t top_k = 0;  // in [1, 32]
+  int64_t max_tokens = 0;   // the most tokens one forward takes (its buffers are sized for them)
+  int64_t hidden = 0;       // H, a multiple of 64
+  int64_t ffn = 0;          // I, each expert's FFN size, a multiple of 64
+  int64_t num_experts = 0;  // global: a multiple of world_size, this rank holding E / W of them
+  int64_t top_k = 0;        // in [1, 32]
+  // Expert parallelism: the ranks of one NVLink domain, each with its own MoeLayer made by
+  // create(config, unique_id, ...) with the same config but its rank.
+  int64_t world_size = 1;
+  int64_t rank = 0;
   // w1 as the model stores it, [E][H][2I] with the gate columns [0, I) then the up columns,
   // read without a packed copy (I a multiple of 128, or of 64 with tile_n 128); otherwise in
   // uniep.gemm.pack_gate_up's layout (gate and up interleaved in blocks of 8 columns).
@@ -50,11 +60,11 @@ struct MoeLayerConfig {
 struct MoeLayerInputs {
   const void* x = nullptr;              // [tokens][hidden] bf16
   int64_t tokens = 0;                   // in [0, max_tokens]
-  const int64_t* topk_idx = nullptr;    // [tokens][top_k], negative: unused
+  const int64_t* topk_idx = nullptr;    // [tokens][top_k] global expert ids, negative: unused
   const float* topk_weights = nullptr;  // [tokens][top_k]
-  const void* w1 = nullptr;             // [E][hidden][2 ffn] bf16 (see w1_as_stored)
-  const void* w2 = nullptr;             // [E][ffn][hidden] bf16
-  void* out = nullptr;                  // [tokens][hidden] bf16
+  const void* w1 = nullptr;  // [E / W][hidden][2 ffn] bf16, this rank's (see w1_as_stored)
+  const void* w2 = nullptr;  // [E / W][ffn][hidden] bf16
+  void* out = nullptr;       // [tokens][hidden] bf16
 };
 
 class MoeLayer {
@@ -62,6 +72,15 @@ class MoeLayer {
   // Checks the config and allocates the layer's device memory on config.device (one
   // cudaMalloc): errors name the argument. Needs a compute capability 9.0 GPU.
   static Status create(const MoeLayerConfig& config, std::unique_ptr<MoeLayer>* layer);
+  // The same across ranks (world_size > 1), collective: every rank calls it with rank 0's unique
+  // id (uniep::ep::make_unique_id on rank 0, its bytes broadcast by the server's own transport).
+  // The NVSHMEM symmetric heap must hold symmetric_heap_bytes(config) (NVSHMEM_SYMMETRIC_SIZE,
+  // set before the process's first UniEP runtime starts NVSHMEM).
+  static Status create(const MoeLayerConfig& config, const std::vector<uint8_t>& unique_id,
+                       std::unique_ptr<MoeLayer>* layer);
+  // Symmetric heap bytes a layer across ranks allocates (0 at world 1).
+  static size_t symmetric_heap_bytes(const MoeLayerConfig& config);
+  // Across ranks freeing the layer frees symmetric memory: collective, every rank frees its own.
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -77,7 +96,7 @@ class MoeLayer {
   Status check(cudaStream_t stream);
 
   const MoeLayerConfig& config() const;
-  // The device memory the layer holds.
+  // The device memory the layer holds outside the symmetric heap.
   size_t device_bytes() const;
 
  private:
