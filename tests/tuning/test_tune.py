@@ -761,3 +761,27 @@ def test_tune_does_not_race_points_that_run_alike(monkeypatch: pytest.MonkeyPatc
         f"the default, 2.500 ms: all {result.considered} points run alike on the cpu executor "
         "at this shape (the CPU executor reads only tile_n"
     ), result.verdict
+
+
+def test_packed_decode_batches_default_to_the_megakernel() -> None:
+    # One token of top-8 over 128 experts: an empty string runs the MegaKernel on packed experts
+    # (fused_by_default), so the tuner's default point is that one, every CTA sending.
+    decode = tune.MoeShape(1, 2048, 768, 128, 8, 1, "bfloat16")
+    points = tune.candidate_points(decode, "cuda", sm_count=132, weights="bf16_packed")
+    first = uniep.TuningParams.parse(points[0])
+    assert (first.overlap, first.comm_sms, first.skip_rounds, first.tile_m) == ("fused", 132, -1, 0)
+    assert len(set(points)) == len(points)
+    assert any(uniep.TuningParams.parse(t).overlap == "sequential" for t in points[1:])
+    assert tune.packed_default_is_fused(decode)
+    # Plain weights keep the separate launches first; so do prefill batches and other ranks.
+    assert uniep.TuningParams.parse(tune.candidate_points(decode, "cuda")[0]).overlap == (
+        "sequential"
+    )
+    for shape in (
+        tune.MoeShape(4096, 2048, 768, 128, 8, 1, "bfloat16"),
+        tune.MoeShape(1, 2048, 768, 128, 8, 2, "bfloat16"),
+        tune.MoeShape(1, 2048, 96, 128, 8, 1, "bfloat16"),  # an FFN the MegaKernel does not take
+    ):
+        assert not tune.packed_default_is_fused(shape)
+        packed = tune.candidate_points(shape, "cuda", sm_count=132, weights="bf16_packed")
+        assert uniep.TuningParams.parse(packed[0]).overlap == "sequential"

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .. import _C, distributed
 from .._util.timing import time_calls_ms
 from ..gemm import pingpong_rows
-from ..moe.megakernel.launch import megakernel_numerics
+from ..moe.megakernel.launch import fused_by_default, megakernel_numerics, megakernel_shape_ok
 from .cache import (
     NUMERICS_KEYS,
     SCHEDULE_KEYS,
@@ -162,7 +162,9 @@ def candidate_points(
 
     CUDA, plain weights (``moe_forward``) and ``weights="bf16_packed"`` (``moe_forward_prepared``)
     alike, both paths: the separate launches (``overlap=sequential``, the default point: what an
-    empty tuning string runs without a cache entry) over the engine's compiled tile shapes (the
+    empty tuning string runs without a cache entry, but on packed experts at world 1 on decode
+    batches, ``fused_by_default``, where the default is the MegaKernel with every CTA sending
+    and the launch's tiles) over the engine's compiled tile shapes (the
     fp8 GEMM's with fp8 experts) and auto, ``sms`` in 8/16/24/32 (below the device's SMs) and
     ``token_tile`` 32/64/128; and, when ``fused_allowed``, the MegaKernel (``overlap=fused``; on
     plain weights it runs on a packed copy of ``w1``, ``uniep.moe.megakernel.forward``) at
@@ -175,7 +177,8 @@ def candidate_points(
     base = parse_tuning(normalize_numerics(numerics))
     if device == "cuda":
         # A full tuning string names its overlap, and overlap=fused runs the MegaKernel: the
-        # default point must be the separate launches that an empty string runs.
+        # default point must be the separate launches that an empty string runs (on packed
+        # experts' decode batches the MegaKernel's, put first below).
         base.overlap = "sequential"
     out = [base.to_string()]
     seen = set(out)
@@ -209,9 +212,28 @@ def candidate_points(
                 for comm, skip in _FUSED_POINTS:
                     if comm < sm_count:
                         add(overlap="fused", comm_sms=comm or sm_count, skip_rounds=skip, tile_m=tm)
+            if weights == "bf16_packed" and packed_default_is_fused(shape):
+                # What an empty string runs there: the MegaKernel, every CTA sending, its tiles
+                # the launch's choice.
+                p = parse_tuning(base.to_string())
+                p.overlap, p.comm_sms, p.skip_rounds = "fused", sm_count, -1
+                default = p.to_string()
+                if default in seen:
+                    out.remove(default)
+                out.insert(0, default)
+                seen.add(default)
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return out
+
+
+def packed_default_is_fused(shape: MoeShape) -> bool:
+    """Whether an empty tuning string runs the MegaKernel on packed experts of ``shape`` (with
+    nothing cached): ``fused_by_default`` where the MegaKernel takes the layer's sizes."""
+    rows = shape.tokens * shape.top_k
+    return megakernel_shape_ok(shape.hidden, shape.ffn) and fused_by_default(
+        rows, shape.local_experts, shape.world
+    )
 
 
 # What each executor reads of the schedule keys, as ``tune`` says it when every point runs alike.
