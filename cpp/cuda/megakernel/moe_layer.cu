@@ -4,7 +4,6 @@
 // and the runtime's (cpp/runtime/megakernel_runtime.cu).
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -318,8 +317,9 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
   plan.gemm_row = s.at<int64_t>(s.layout.gemm_row);
   plan.counter = s.at<int64_t>(s.layout.counter);
   plan.error = errors;
-  const size_t plan_bytes = local_plan_workspace_bytes(entries, E);
-  if (Status st = plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws), plan_bytes, stream);
+  // Sized at creation for max_tokens: enough for any call.
+  if (Status st =
+          plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws), s.layout.plan_ws_bytes, stream);
       !st.ok())
     return st;
 
