@@ -33,6 +33,7 @@ against the bf16 output's norm instead) and whether the path can be captured in 
 GPU time of the two local tiles at each token count.
 
     python bench/bench_decode.py          # on a Hopper GPU; skipped (exit 0) elsewhere
+    python bench/bench_decode.py --plot RESULT.json   # the SVG of a result, again
 """
 
 from __future__ import annotations
@@ -217,6 +218,47 @@ def _load_rows(
     return rows
 
 
+# The fine-grained experts issue's goals: each path within 1.25x the weight read.
+GOAL_OVER_READ = 1.25
+
+
+def plot_decode(result_path: str | Path) -> Path:
+    """An SVG beside a bench_decode JSON: per load, each path's time over the weight read against
+    the token count (log-log), with the goal."""
+    import json
+
+    from plot_svg import Panel, Series, render_svg
+
+    payload = json.loads(Path(result_path).read_text())
+    lines = [
+        ("CUDA graph, fused layer (its tile)", "graph[local fused]", "#1f77b4"),
+        ("CUDA graph, 64 x 256 tiles", "graph[local 64x256]", "#ff7f0e"),
+        ("moe_forward, eager", "ms[moe_forward]", "#2ca02c"),
+        ("moe_forward_prepared, eager", "ms[prepared]", "#9467bd"),
+    ]
+
+    def over(r: dict[str, Any], key: str) -> float | None:
+        v = r.get(key)
+        return v / r["floor_ms"] if isinstance(v, (int, float)) else None
+
+    panels = []
+    for load in dict.fromkeys(r["load"] for r in payload["rows"]):
+        rows = [r for r in payload["rows"] if r["load"] == load]
+        xs = [float(r["tokens"]) for r in rows]
+        series = [
+            Series(label, xs, [over(r, key) for r in rows], color) for label, key, color in lines
+        ]
+        series.append(Series("goal", xs, [GOAL_OVER_READ] * len(rows), "#000000", True))
+        r0 = rows[0]
+        title = f"{load}: {r0['experts']} experts, H {r0['hidden']}, FFN {r0['ffn']}"
+        panels.append(Panel(title, series, "tokens", "time / weight read"))
+    env = payload.get("env", {})
+    title = f"bench_decode on {env.get('device', '?')} ({env.get('commit', '?')})"
+    out = Path(result_path).with_suffix(".svg")
+    out.write_text(render_svg(panels, title, columns=2, log_x=True, log_y=True))
+    return out
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
@@ -231,6 +273,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if len(argv) == 2 and argv[0] == "--plot":
+        print(f"wrote {plot_decode(argv[1])}")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--iters", type=int, default=100)
@@ -250,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(4 << 30))
     rows = uniep.distributed.run_local_ranks(_rank, 1, (args,), backend="nccl", timeout_s=900)[0]
-    print(f"wrote {write_result('bench_decode', rows, args.out_dir)}")
+    path = write_result("bench_decode", rows, args.out_dir)
+    print(f"wrote {path}")
+    print(f"wrote {plot_decode(path)}")
     return 0
 
 
