@@ -37,6 +37,22 @@ def test_simulate_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert data["summary"]["all"]["auto_geomean"] >= 1.5
 
 
+def test_simulate_says_which_layers_it_leaves_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # 12 GPUs: no layout has an MP group of 8, so the grid's N = 8 layers are left out, by name.
+    out = tmp_path / "sim.json"
+    argv = ["parm", "simulate", "--gpus-per-node", "6", "--nodes", "2", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "864 layers on 12 GPUs" in text
+    assert "left out of the grid: MP size 8 (432 layers): the MP size must divide the 12 GPUs" in (
+        text
+    )
+    assert json.loads(out.read_text())["left_out"] == {"8": 432}
+    assert parm_sim.left_out("a6000-ib") == {}  # 32 GPUs: the whole grid
+
+
 def test_auto_never_predicted_slower_than_baseline() -> None:
     rows = parm_sim.simulate("h100-ib")
     assert all(r["speedup"] >= 1.0 for r in rows)

@@ -120,3 +120,35 @@ def test_schedules_match_dense_reference(world: int, index: int, name: str) -> N
             base = per_rank[rank]["baseline"]
             for key in ("y", "dx", "dgate", "dw1", "dw2"):
                 _close(got[key], base[key].double(), f"{what} {key} vs baseline")
+
+
+def _layer_defaults_worker(rank: int, world: int) -> dict[str, Any]:
+    from uniep.parm import ParmMoELayer, cluster_spec, new_groups, plan
+
+    mp, ep = new_groups(2)
+    errors = []
+    for ffn, experts in ((9, 4), (8, 3)):  # the MP size (2) fails; then only the EP size (2)
+        try:
+            ParmMoELayer(mp, ep, 8, ffn, experts, 1)
+        except ValueError as e:
+            errors.append(str(e))
+    layer = ParmMoELayer(mp, ep, 16, 32, 4, 2)
+    tokens = 64
+    return {
+        "errors": errors,
+        "gpus_per_node": layer.gpus_per_node,
+        "cluster_gpus": cluster_spec("h100-ib").gpus_per_node,
+        "layer_pick": layer._plan(tokens)[0],
+        "plan_pick": plan(world, 2, tokens, 16, 32, 4, 2, dtype=torch.float32).schedule,
+    }
+
+
+def test_layer_defaults_are_plans_and_errors_name_the_failing_size() -> None:
+    for r in run_ranks(4, _layer_defaults_worker, timeout=120):
+        first, second = r["errors"]
+        assert "ffn_hidden (9) must divide by the MP size 2" in first and "EP" not in first
+        assert "num_experts (3) must divide by the EP size 2" in second
+        assert "ffn_hidden" not in second
+        # schedule="auto" prices the layout plan() prices: the cluster's GPUs per node.
+        assert r["gpus_per_node"] == r["cluster_gpus"]
+        assert r["layer_pick"] == r["plan_pick"]

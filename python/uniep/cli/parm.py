@@ -42,6 +42,10 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
         f"Parm simulator: {len(rows)} layers on {P} GPUs ({int(cluster['nodes'])} nodes x "
         f"{int(cluster['gpus_per_node'])}), predicted fwd+bwd speedup over the baseline"
     )
+    skipped = parm_sim.left_out(cluster)
+    if skipped:
+        which = ", ".join(f"MP size {n} ({count} layers)" for n, count in sorted(skipped.items()))
+        print(f"left out of the grid: {which}: the MP size must divide the {P} GPUs")
     print(parm_sim.format_table(summary))
     with open(args.out, "w") as f:
         json.dump(
@@ -49,6 +53,7 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
                 "cluster": cluster,
                 "profile": args.profile,
                 "grid": parm_sim.GRID,
+                "left_out": {str(n): count for n, count in skipped.items()},
                 "summary": summary,
                 "rows": rows,
             },

@@ -289,10 +289,15 @@ class ParmMoELayer(nn.Module):
                 f"them), got N={N}, G={G}, world={world}, rank {rank} at mp index {m}, "
                 f"ep index {g}"
             )
-        if ffn_hidden % N or num_experts % G:
+        if ffn_hidden % N:
             raise ValueError(
-                f"ffn_hidden ({ffn_hidden}) must divide by the MP size {N} and "
-                f"num_experts ({num_experts}) by the EP size {G}"
+                f"ffn_hidden ({ffn_hidden}) must divide by the MP size {N} (each rank of an MP "
+                "group holds ffn_hidden / N columns of every expert)"
+            )
+        if num_experts % G:
+            raise ValueError(
+                f"num_experts ({num_experts}) must divide by the EP size {G} (each MP group "
+                "holds num_experts / G experts)"
             )
         self.groups = Groups(mp=mp_group, ep=ep_group, mp_size=N, ep_size=G, mp_index=m, ep_index=g)
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = (
@@ -302,7 +307,9 @@ class ParmMoELayer(nn.Module):
             top_k,
         )
         self.capacity_factor, self.schedule, self.overflow = capacity_factor, schedule, overflow
-        self.cluster, self.gpus_per_node, self.model = cluster, gpus_per_node or N, model
+        # plan()'s default: the cluster's GPUs per node (one default, one answer for "auto").
+        self.cluster, self.model = cluster, model
+        self.gpus_per_node = gpus_per_node or cluster_spec(cluster).gpus_per_node
         self.chunks = chunks
         E_loc, Hn = num_experts // G, ffn_hidden // N
         self.gate = nn.Parameter(torch.empty(hidden, num_experts, dtype=torch.float32))

@@ -41,7 +41,9 @@ def simulate(
 ) -> list[dict[str, Any]]:
     """One row per layer: its configuration, the predicted seconds (forward + backward) of each
     schedule, the choice and its predicted speedup over the baseline. ``model`` (a fitted
-    ``CostModel``) replaces the cluster's ring-model coefficients for every layout."""
+    ``CostModel``) replaces the cluster's ring-model coefficients for every layout. Layers whose
+    MP size does not divide the cluster's GPUs have no layout there and are left out
+    (:func:`left_out` counts them)."""
     spec = cluster_spec(cluster)
     P = spec.gpus_per_node * spec.nodes
     models: dict[int, Any] = {}
@@ -72,6 +74,18 @@ def simulate(
             dict(cfg, seconds=totals, choice=best, speedup=totals["baseline"] / totals[best])
         )
     return rows
+
+
+def left_out(cluster: Any = "h100-ib", grid: dict[str, tuple] | None = None) -> dict[int, int]:
+    """The grid's layers :func:`simulate` leaves out on ``cluster``, by MP size: those whose MP
+    size does not divide its GPU count (no rank layout has them)."""
+    spec = cluster_spec(cluster)
+    P = spec.gpus_per_node * spec.nodes
+    out: dict[int, int] = {}
+    for cfg in grid_configs(grid):
+        if P % cfg["mp_size"]:
+            out[cfg["mp_size"]] = out.get(cfg["mp_size"], 0) + 1
+    return out
 
 
 def _geomean(values: list[float]) -> float:
