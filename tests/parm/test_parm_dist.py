@@ -152,3 +152,47 @@ def test_layer_defaults_are_plans_and_errors_name_the_failing_size() -> None:
         # schedule="auto" prices the layout plan() prices: the cluster's GPUs per node.
         assert r["gpus_per_node"] == r["cluster_gpus"]
         assert r["layer_pick"] == r["plan_pick"]
+
+
+def _bad_rank_worker(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    from uniep.parm import ParmMoELayer, new_groups
+
+    mp, ep = new_groups(2)
+    torch.manual_seed(0)
+    layer = ParmMoELayer(mp, ep, 16, 32, 4, 2, capacity_factor=0.0)
+    x = torch.randn(8, 16)
+    out: dict[str, Any] = {}
+    # Rank 0 passes a wrong hidden size, rank 1 (a second call) a wrong x dtype to the op.
+    for case, bad_rank in (("layer", 0), ("op", 1)):
+        start = time.monotonic()
+        try:
+            if case == "layer":
+                layer(torch.randn(8, 12) if rank == bad_rank else x)
+            else:
+                torch.ops.uniep.parm_moe_forward(
+                    x.double() if rank == bad_rank else x, layer.gate, layer.w1, layer.w2,
+                    mp.group_name, ep.group_name, 2, 0.0, "s1", "error", [],
+                )  # fmt: skip
+            out[case] = "no error"
+        except ValueError as e:
+            out[case] = str(e)
+        out[f"{case}_s"] = time.monotonic() - start
+    # The group still works: a good call on every rank.
+    out["after"] = tuple(layer(x).shape)
+    return out
+
+
+def test_a_rank_with_bad_arguments_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNIEP_TIMEOUT_S", "60")
+    reports = run_ranks(4, _bad_rank_worker, timeout=120)
+    for rank, r in enumerate(reports):
+        for case, bad in (("layer", 0), ("op", 1)):
+            assert r[f"{case}_s"] < 30, f"rank {rank} waited {r[case + '_s']:.0f} s in {case}"
+            if rank == bad:
+                continue
+            assert f"rank {bad} failed its checks" in r[case], (rank, case, r[case])
+        assert "hidden=16" in r["layer"], r["layer"]
+        assert "w1 must be torch.float64" in r["op"], r["op"]
+        assert r["after"] == (8, 16)

@@ -27,6 +27,7 @@ from .. import _C
 
 # ops registers the CPU kernels, fake kernels and autograd of torch.ops.uniep.parm_moe_*.
 from . import ops  # noqa: F401
+from .agreement import join_as_failed
 from .cpu import CapacityError, Groups
 
 __all__ = [
@@ -376,15 +377,12 @@ class ParmMoELayer(nn.Module):
         return self._plans[tokens]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden:
-            raise ValueError(f"x: last dimension must be hidden={self.hidden}, got {x.shape}")
-        if x.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"x: expected a CPU or CUDA tensor, got device {x.device}")
-        if x.device != self.w1.device:
-            raise ValueError(
-                f"x: expected the parameters' device {self.w1.device} (move the layer with "
-                f".to()), got {x.device}"
-            )
+        error = self._check_input(x)
+        if error:
+            # The other ranks wait in the forward's routing agreement: they raise with this
+            # reason at once (uniep.parm.agreement), instead of at the timeout.
+            join_as_failed(f"ParmMoELayer.forward: {error}")
+            raise ValueError(error)
         flat = x.reshape(-1, self.hidden).contiguous()
         name, chunks = self._plan(flat.shape[0])
         gr = self.groups
@@ -406,6 +404,19 @@ class ParmMoELayer(nn.Module):
         self._stats, self._last_stats = stats, None
         self.last_schedule, self.last_chunks = name, chunks
         return y.reshape(x.shape)
+
+    def _check_input(self, x: torch.Tensor) -> str:
+        """Why ``x`` cannot enter this layer, or "" if it can."""
+        if x.shape[-1] != self.hidden:
+            return f"x: last dimension must be hidden={self.hidden}, got {tuple(x.shape)}"
+        if x.device.type not in ("cpu", "cuda"):
+            return f"x: expected a CPU or CUDA tensor, got device {x.device}"
+        if x.device != self.w1.device:
+            return (
+                f"x: expected the parameters' device {self.w1.device} (move the layer with "
+                f".to()), got {x.device}"
+            )
+        return ""
 
     @property
     def last_stats(self) -> dict[str, int]:

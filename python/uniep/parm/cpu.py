@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import bounded_wait
+from .agreement import world_all_gather_ints
 from .executor import CapacityError, ForwardState, Groups, ParmExecutor, Routing, ordered_sum
 
 __all__ = [
@@ -34,19 +35,6 @@ __all__ = [
 
 def _wait(work: Any, group: dist.ProcessGroup | None, what: str) -> None:
     bounded_wait(work, group if group is not None else dist.group.WORLD, what)
-
-
-def world_all_gather_ints(mine: torch.Tensor, what: str) -> torch.Tensor:
-    """``mine`` [k] int64 of every world rank, [P, k] on the CPU, over the default group (its
-    staging device: the CPU for gloo, the GPU for NCCL), the wait bounded."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return mine[None].clone()
-    world = dist.group.WORLD
-    device = "cuda" if str(dist.get_backend(world)) == "nccl" else "cpu"
-    t = mine.to(device)
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    _wait(dist.all_gather(parts, t, async_op=True), world, what)
-    return torch.stack(parts).cpu()
 
 
 class GlooBackend:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .cpu import world_all_gather_ints
+from .agreement import world_all_gather_ints
 from .executor import Groups, Lanes, ParmExecutor, SerialLanes, chunk_pipeline, ordered_sum
 
 __all__ = [

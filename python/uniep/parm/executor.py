@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .agreement import raise_if_a_rank_failed
+
 # The capacity (row) dimension of every SAA pair's input, intermediate and output.
 CHUNK_DIM = -2
 
@@ -415,8 +417,12 @@ class ParmExecutor:
         """Every rank learns every rank's token count and overflow, so all raise or none does.
         Ranks that route the same tokens (baseline, S2) count drops on MP rank 0 only."""
         dropped_here, demand_here = st.route.overflow.tolist()
-        mine = torch.tensor([S, dropped_here if counts_drops else 0, demand_here], dtype=torch.long)
+        mine = torch.tensor(
+            [S, dropped_here if counts_drops else 0, demand_here, 0], dtype=torch.long
+        )
         rows = self.be.world_all_gather_ints(mine)
+        # A rank whose own checks failed joined marked (uniep.parm.agreement): all raise now.
+        raise_if_a_rank_failed(rows)
         sizes = rows[:, 0]
         if not bool((sizes == sizes[0]).all()):
             raise ValueError(

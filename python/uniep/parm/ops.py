@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .agreement import join_as_failed
 from .cpu import CpuExecutor, Groups
 from .executor import ParmExecutor, check_chunks
 
@@ -184,13 +185,18 @@ def _forward_kernel(
     overflow="error",
     chunks=(),
 ):
-    if overflow not in ("error", "drop"):
-        raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
-    ex, shape = _executor(
-        x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
-    )
-    fwd, bwd = _lists(shape, schedule)
-    fwd_chunks, _ = split_chunks(chunks, fwd, bwd)
+    try:
+        if overflow not in ("error", "drop"):
+            raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
+        ex, shape = _executor(
+            x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
+        )
+        fwd, bwd = _lists(shape, schedule)
+        fwd_chunks, _ = split_chunks(chunks, fwd, bwd)
+    except ValueError as e:
+        # The other ranks are in the routing agreement by now: tell them why, then raise.
+        join_as_failed(str(e))
+        raise
     with _on_device(x):
         y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd, fwd_chunks)
     s = st.stats
