@@ -46,8 +46,8 @@ from .. import tile_gates
 __all__ = [
     "check_errors",
     "ensure_fused_ep",
-    "fused_by_default",
     "expert_counts",
+    "fused_by_default",
     "fused_ep_fits",
     "fused_ep_heap_bytes",
     "fused_tile_m",
@@ -241,8 +241,8 @@ def fused_by_default(rows: int, num_experts: int, world: int) -> bool:
     feae907, bench_decode, eager calls) its launch (``moe_forward_local``) took 0.24-0.59x the
     separate launches' time from 1 to 512 tokens on 128 experts of FFN 768 and 0.27-0.91x on
     256 of FFN 2048, and it alone has no host sync, so a decode step can be captured in a CUDA
-    graph. Across ranks the fused runtime's
-    size agreement is a host round trip per call, so the default stays the separate launches."""
+    graph. Across ranks the fused runtime's size agreement is a host round trip per call, so the
+    default stays the separate launches there."""
     return world == 1 and num_experts > 0 and 0 < rows <= 64 * num_experts
 
 
