@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     median_time_ms,
     profile_kernels,
     sm90_kernel_missing,
+    topk_routing,
     write_result,
 )
 
@@ -66,13 +67,6 @@ PLAIN = {
     "fused 64x256": "overlap=fused,tile_m=64,tile_n=256",
     "gemm=torch": "gemm=torch",
 }
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
-    return idx.cuda(), weights.cuda()
 
 
 def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> float | str:
@@ -160,7 +154,7 @@ def _load_rows(
     rows = []
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=bf16)
-        idx, weights = routing(tokens, experts, top_k, seed=tokens)
+        idx, weights = (t.cuda() for t in topk_routing(tokens, experts, top_k, seed=tokens))
         touched = int(idx.unique().numel())
         floor_ms = touched * expert_bytes / read_gbs / 1e6
         row: dict[str, Any] = {

@@ -75,6 +75,7 @@ from common import (  # noqa: E402
     profile_kernels,
     sm90_gemm_bench_args,
     sm90_kernel_missing,
+    topk_routing,
     write_result,
 )
 
@@ -111,14 +112,6 @@ LAYER_VARIANTS = [
     ("torch._grouped_mm", "gemm=torch"),
     ("torch._grouped_mm rank_partials", "gemm=torch,combine=rank_partials"),
 ]
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(tokens, experts, generator=gen)
-    idx = scores.topk(top_k, dim=1).indices
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
-    return idx, weights
 
 
 def tflops(rows: int, k: int, n: int, ms: float) -> float:
@@ -279,7 +272,7 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
     )
     nan = float("nan")
     for load, tokens, hidden, ffn, experts, top_k in selected(loads):
-        idx, _ = routing(tokens, experts, top_k, seed=experts)
+        idx, _ = topk_routing(tokens, experts, top_k, seed=experts)
         counts = torch.bincount(idx.flatten(), minlength=experts)
         for part, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
             r = bench_kernel(f"{load} {part}", counts, k, n, warmup, iters, part == "up")
@@ -472,7 +465,7 @@ def _layer_inputs(layer: tuple[str, int, int, int, int, int]) -> tuple[Any, ...]
     w1.mul_(hidden**-0.5)
     w2 = torch.randn(experts, ffn, hidden, generator=gen, device="cuda", dtype=bf16)
     w2.mul_(ffn**-0.5)
-    idx, weights = routing(tokens, experts, top_k, seed=experts)
+    idx, weights = topk_routing(tokens, experts, top_k, seed=experts)
     return gen, x, w1, w2, idx.cuda(), weights.cuda()
 
 

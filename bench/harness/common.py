@@ -156,6 +156,18 @@ def add_out_dir_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def topk_routing(
+    tokens: int, experts: int, top_k: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's top-k distinct experts, uniformly at random with ``seed`` (so row counts are
+    uneven), and softmax weights: ``(topk_idx [T, K] int64, topk_weights [T, K] fp32)`` on the
+    CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+    return idx, weights
+
+
 def time_calls_ms(fn: Callable[[], object], iters: int, cuda: bool) -> list[float]:
     """The time of each of ``iters`` calls of ``fn()`` in milliseconds, no warm-up: UniEP's own
     timing (``uniep._util.timing.time_calls_ms``, CUDA events with ``cuda``, else the wall clock),
