@@ -24,6 +24,7 @@ constexpr size_t kAlign = 256;
 // The CTAs that send first across ranks (uniep.moe.megakernel.launch.EP_COMM_SMS: the best of
 // five points at EP4 on four H200s on both measured layers, 2026-11-26, commit edef84b).
 constexpr int kEpCommCtas = 32;
+constexpr const char* kZeroing = "MoeLayer::forward (zeroing the error words)";
 
 size_t align_up(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -138,6 +139,15 @@ struct MoeLayer::State {
   T* at(size_t offset) const {
     return reinterpret_cast<T*>(base + offset);
   }
+  // At creation, and before a call that does not zero them itself: the words then say nothing
+  // of an earlier call. `what` names the caller in the error.
+  Status zero_error_words(cudaStream_t stream, const char* what) const {
+    if (cudaMemsetAsync(at<char>(layout.errors), 0, 2 * sizeof(unsigned long long), stream) !=
+            cudaSuccess ||
+        cudaMemsetAsync(at<char>(layout.timeout), 0, sizeof(GateTimeout), stream) != cudaSuccess)
+      return launch_status(what);
+    return Status::Ok();
+  }
 };
 
 MoeLayer::MoeLayer(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -229,9 +239,10 @@ Status MoeLayer::create(const MoeLayerConfig& config, const std::vector<uint8_t>
                             " bytes failed: ", cudaGetErrorString(alloc))};
   }
   // check() before the first forward finds nothing.
-  const Layout& l = state->layout;
-  if (cudaMemset(state->base + l.errors, 0, 2 * sizeof(unsigned long long)) != cudaSuccess ||
-      cudaMemset(state->base + l.timeout, 0, sizeof(GateTimeout)) != cudaSuccess)
+  if (Status st = state->zero_error_words(nullptr, "MoeLayer::create (zeroing the error words)");
+      !st.ok())
+    return st;
+  if (cudaStreamSynchronize(nullptr) != cudaSuccess)
     return launch_status("MoeLayer::create (zeroing the error words)");
   if (ep) {
     if (unique_id.empty())
@@ -263,11 +274,7 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
                           in.out == nullptr))
       return {StatusCode::kInvalidArgument,
               "x, topk_idx, topk_weights and out must be device pointers when tokens > 0"};
-    auto* errors = s.at<unsigned long long>(s.layout.errors);
-    auto* timeout = s.at<GateTimeout>(s.layout.timeout);
-    if (cudaMemsetAsync(errors, 0, 2 * sizeof(unsigned long long), stream) != cudaSuccess ||
-        cudaMemsetAsync(timeout, 0, sizeof(GateTimeout), stream) != cudaSuccess)
-      return launch_status("MoeLayer::forward (zeroing the error words)");
+    if (Status st = s.zero_error_words(stream, kZeroing); !st.ok()) return st;
     fused::ForwardArgs f;
     f.x = in.x;
     f.topk_idx = in.topk_idx;
@@ -277,22 +284,14 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
     f.w1_as_stored = c.w1_as_stored;
     f.w2 = in.w2;
     f.out = in.out;
-    f.error = errors;
-    f.timeout = timeout;
+    f.error = s.at<unsigned long long>(s.layout.errors);
+    f.timeout = s.at<GateTimeout>(s.layout.timeout);
     FusedMoeLaunch launch;
     launch.comm_ctas = kEpCommCtas;
     launch.tile_n = c.tile_n;
     return s.ep->forward(f, launch, stream);
   }
-  if (in.tokens == 0) {
-    // Nothing to compute; the error words say nothing of an earlier call.
-    if (cudaMemsetAsync(s.at<char>(s.layout.errors), 0, 2 * sizeof(unsigned long long), stream) !=
-            cudaSuccess ||
-        cudaMemsetAsync(s.at<char>(s.layout.timeout), 0, sizeof(GateTimeout), stream) !=
-            cudaSuccess)
-      return launch_status("MoeLayer::forward (zeroing the error words)");
-    return Status::Ok();
-  }
+  if (in.tokens == 0) return s.zero_error_words(stream, kZeroing);  // nothing to compute
   const void* pointers[] = {in.x, in.topk_idx, in.topk_weights, in.w1, in.w2, in.out};
   const char* names[] = {"x", "topk_idx", "topk_weights", "w1", "w2", "out"};
   for (int i = 0; i < 6; ++i) {
