@@ -21,7 +21,14 @@
 #include <uniep/cuda/moe_layer.hpp>
 #include <uniep/status.hpp>
 
+#include "example_support.hpp"
+
 namespace {
+
+using example::check;
+using example::check_cuda;
+using example::from_bf16;
+using example::to_bf16;
 
 // Many small experts, as in decode with Qwen3-like layers; w1 as the model stores it.
 constexpr int64_t kHidden = 256, kFfn = 128, kExperts = 64, kTopK = 8, kMaxTokens = 512;
@@ -34,35 +41,6 @@ void expect(bool ok, const std::string& what) {
     std::printf("MISMATCH: %s\n", what.c_str());
     ++failures;
   }
-}
-
-void check(const uniep::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::printf("FAILED: %s: %s (%s)\n", what, status.message.c_str(),
-                uniep::status_code_name(status.code));
-    std::exit(1);
-  }
-}
-
-void check_cuda(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) {
-    std::printf("FAILED: %s: %s\n", what, cudaGetErrorString(error));
-    std::exit(1);
-  }
-}
-
-uint16_t to_bf16(float value) {  // round to nearest even; the values here are finite
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float from_bf16(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
 }
 
 // A small deterministic generator (the example must not depend on the platform's rand()).
@@ -190,6 +168,14 @@ void upload(T* dst, const std::vector<T>& src, cudaStream_t stream) {
       "upload");
 }
 
+// A step's tokens and routing into the layer's input buffers, where a captured graph reads them.
+void upload_step(const Step& step, uint16_t* x, int64_t* topk_idx, float* topk_weights,
+                 cudaStream_t stream) {
+  upload(x, step.x, stream);
+  upload(topk_idx, step.topk_idx, stream);
+  upload(topk_weights, step.topk_weights, stream);
+}
+
 std::vector<uint16_t> download(const uint16_t* src, size_t n, cudaStream_t stream) {
   std::vector<uint16_t> out(n);
   check_cuda(cudaMemcpyAsync(out.data(), src, n * sizeof(uint16_t), cudaMemcpyDeviceToHost, stream),
@@ -266,9 +252,7 @@ int main() {
 
     // Eager: one forward on the step's tokens.
     const Step a = make_step(tokens, 100 + tokens);
-    upload(d_x, a.x, stream);
-    upload(d_idx, a.topk_idx, stream);
-    upload(d_weights, a.topk_weights, stream);
+    upload_step(a, d_x, d_idx, d_weights, stream);
     check(layer->forward(in, stream), "MoeLayer::forward");
     check(layer->check(stream), "MoeLayer::check (eager)");
     const std::vector<uint16_t> eager = download(d_out, n, stream);
@@ -288,9 +272,7 @@ int main() {
                std::to_string(tokens) + " tokens");
 
     const Step b = make_step(tokens, 200 + tokens);
-    upload(d_x, b.x, stream);
-    upload(d_idx, b.topk_idx, stream);
-    upload(d_weights, b.topk_weights, stream);
+    upload_step(b, d_x, d_idx, d_weights, stream);
     check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");  // warm
     check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
     constexpr int kReplays = 20;

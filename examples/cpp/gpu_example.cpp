@@ -25,37 +25,14 @@
 #include <uniep/plan.hpp>
 #include <uniep/status.hpp>
 
+#include "example_support.hpp"
+
 namespace {
 
-void check(const uniep::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::printf("FAILED: %s: %s (%s)\n", what, status.message.c_str(),
-                uniep::status_code_name(status.code));
-    std::exit(1);
-  }
-}
-
-void check_cuda(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) {
-    std::printf("FAILED: %s: %s\n", what, cudaGetErrorString(error));
-    std::exit(1);
-  }
-}
-
-// bf16 is the top half of an fp32; rounding to nearest even (the values here are finite).
-uint16_t to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float from_bf16(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
+using example::check;
+using example::check_cuda;
+using example::from_bf16;
+using example::to_bf16;
 
 // A device array that frees itself.
 template <typename T>
