@@ -45,7 +45,14 @@ import torch.distributed as dist
 from .. import _C, distributed
 from .._util.timing import time_calls_ms
 from ..gemm import pingpong_rows
-from ..moe.megakernel.launch import fused_by_default, megakernel_numerics, megakernel_shape_ok
+from ..moe.megakernel.launch import (
+    FUSED_TILE_MS,
+    fused_by_default,
+    fused_tile_m,
+    fused_tile_n,
+    megakernel_numerics,
+    megakernel_shape_ok,
+)
 from .cache import (
     NUMERICS_KEYS,
     SCHEDULE_KEYS,
@@ -206,8 +213,6 @@ def candidate_points(
                 for tm, tn, tk in tiles:
                     add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
         if fused_allowed(numerics):
-            from ..moe.megakernel.launch import FUSED_TILE_MS
-
             for tm in FUSED_TILE_MS:
                 for comm, skip in _FUSED_POINTS:
                     if comm < sm_count:
@@ -366,8 +371,6 @@ class CostModel:
             gemm = self.gemm_seconds(shape, p, swiglu_epilogue=not separate_pass)
             return gemm + comm + gather + 2 * rows + (swiglu if separate_pass else 0.0)
         fused = parse_tuning(p.to_string())
-        from ..moe.megakernel.launch import fused_tile_m, fused_tile_n
-
         el = shape.local_experts
         if fused.tile_n == 128:
             fused.tile_m = 64
