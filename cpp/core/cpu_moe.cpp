@@ -1,7 +1,10 @@
 // The CPU executor: agree on the plan, dispatch tokens into their receive slots, run the local
 // experts tile by tile in the schedule's order, return each row to its (token, k) combine slot and
 // reduce over k in ascending order (or, with combine=rank_partials, reduce each rank's k's where
-// the experts ran and the per-rank partials at home).
+// the experts ran and the per-rank partials at home; with combine=node_partials, each node's k's
+// on the token's relay there and the per-node partials at home). A group that spans nodes moves
+// every step in two levels (uniep/node_plan.hpp): the same records, the same bits.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -39,6 +42,7 @@ std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
           {"ffn_hidden", a.shape.ffn_hidden},
           {"top_k", a.shape.top_k},
           {"num_experts", a.shape.num_experts},
+          {"ranks_per_node", a.shape.node_size()},
           enum_field<DType, dtype_name>("dtype", a.dtype),
           enum_field<DType, dtype_name>("topk_weights dtype", a.weight_dtype),
           enum_field<DispatchPrecision, dispatch_precision_name>("tuning dispatch precision",
@@ -75,8 +79,15 @@ struct Received {
   std::vector<int64_t> src_token, topk;  // [N], [N][K]
   std::vector<S> x;                      // [N][H], decoded
   std::vector<uint8_t> raw;              // the records, for extra payload
+  std::vector<uint8_t> relayed;          // two levels: the records this rank relayed
   int64_t record_bytes = 0, extra_offset = 0;
+  bool two_level = false;
 };
+
+// Two levels when the group spans nodes, and for node partials (reduced on the relays) always.
+bool two_level(const MoeForwardArgs& a) {
+  return a.shape.spans_nodes() || a.tuning.combine == CombineReduction::kNodePartials;
+}
 
 // decode_rows false: the rows stay in `raw` only (fp8 experts decode them unrounded themselves).
 template <typename S>
@@ -92,16 +103,19 @@ Received<S> dispatch(const MoeForwardArgs& a, Pass pass, int64_t extra_bytes,
   const int64_t meta_bytes = int64_t(sizeof(int64_t)) * (1 + K);
   r.extra_offset = row_bytes + meta_bytes;
   r.record_bytes = r.extra_offset + extra_bytes;
+  r.two_level = two_level(a);
   const S* x = static_cast<const S*>(a.x);
-  r.raw = cpu::dispatch_records(
-      r.plan.slots, r.record_bytes,
+  cpu::Dispatched d = cpu::dispatch_records(
+      r.plan, sh, r.record_bytes, row_bytes + int64_t(sizeof(int64_t)),
       [&](int64_t t, uint8_t* rec) {
         cpu::encode_row(x + t * H, H, prec, rec);
         std::memcpy(rec + row_bytes, &t, sizeof t);
         std::memcpy(rec + row_bytes + sizeof t, a.topk_idx + t * K, K * sizeof(int64_t));
         if (extra_bytes) fill_extra(t, rec + r.extra_offset);
       },
-      tr);
+      r.two_level, tr);
+  r.raw = std::move(d.records);
+  r.relayed = std::move(d.relayed);
   const int64_t N = r.plan.slots.num_recv();
   r.src_token.resize(N);
   r.topk.resize(N * K);
@@ -121,13 +135,13 @@ Received<S> dispatch(const MoeForwardArgs& a, Pass pass, int64_t extra_bytes,
 
 // Brings each row's payload back to its (token, k) slot. Every valid (token, k) must be filled
 // exactly once: a missing row is an error, never a silently dropped token.
-template <typename Filler, typename Sink>
-void combine(const MoeForwardArgs& a, const cpu::AgreedPlan& plan, const ExpertPlan& experts,
-             int64_t payload_bytes, Filler fill, Sink sink, Transport& tr) {
+template <typename S, typename Filler, typename Sink>
+void combine(const MoeForwardArgs& a, const Received<S>& r, int64_t payload_bytes, Filler fill,
+             Sink sink, Transport& tr) {
   const int64_t T = a.shape.tokens, K = a.shape.top_k;
   const int64_t rec = int64_t(sizeof(int64_t)) + payload_bytes;
   const std::vector<uint8_t> back =
-      cpu::return_records(experts, rec, fill, cpu::rows_expected_back(plan.layout, a.shape), tr);
+      cpu::return_records(r.plan, r.experts, a.shape, rec, fill, r.two_level, tr);
   std::vector<uint8_t> filled(T * K, 0);
   for (size_t off = 0; off < back.size(); off += rec) {
     int64_t slot;
@@ -160,7 +174,7 @@ void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const 
   const int64_t part_bytes = cpu::align8(H * sizeof(S));
   std::vector<Acc> acc(H);
   const std::vector<uint8_t> back = cpu::return_slot_records(
-      r.plan.slots, part_bytes,
+      r.plan, sh, part_bytes,
       [&](int64_t n, uint8_t* p) {
         std::fill(acc.begin(), acc.end(), Acc(0));
         const uint8_t* weights = &r.raw[n * r.record_bytes + weights_offset];
@@ -174,7 +188,7 @@ void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const 
         S* part = reinterpret_cast<S*>(p);
         for (int64_t c = 0; c < H; ++c) part[c] = St::store(acc[c]);
       },
-      tr);
+      r.two_level, tr);
 
   // Our send order is rank-major, so walking it rank by rank adds each token's partials in
   // ascending rank order.
@@ -189,14 +203,126 @@ void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const 
   for (int64_t i = 0; i < T * H; ++i) out[i] = St::store(sum[i]);
 }
 
+// combine=node_partials: every expert row goes over NVLink to the relay that forwarded its
+// token into this node; the relay sums the node's rows of the token (k ascending, fp32, weights
+// applied, one rounding to S) and sends one partial per (token, node) on the rail, and the
+// token's rank sums the partials in ascending node order. On one node the relay is the token's
+// own rank and the one partial is per_k's sum, rounded once more to what it already is: the same
+// bits as per_k.
+template <typename S>
+void combine_node_partials(const MoeForwardArgs& a, const Received<S>& r, const std::vector<S>& y,
+                           Transport& tr) {
+  using St = Storage<S>;
+  using Acc = typename St::Acc;
+  const MoeShape& sh = a.shape;
+  const int64_t W = sh.world_size, L = sh.node_size(), N = sh.num_nodes();
+  const int64_t T = sh.tokens, H = sh.hidden, K = sh.top_k;
+  const int64_t me = sh.rank, home = sh.node_of(me), local = sh.local_of(me);
+  const cpu::AgreedPlan& plan = r.plan;
+  const NodePlan& nodes = plan.nodes;
+  const ExpertPlan& ex = r.experts;
+
+  // Leg 1 (NVLink): each row to the relay (home, local(source)), as
+  // [source rank][combine slot][row], grouped by relay.
+  const int64_t row_bytes = cpu::align8(H * sizeof(S));
+  const int64_t rec = 2 * int64_t(sizeof(int64_t)) + row_bytes;
+  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
+  for (int64_t row = 0; row < ex.num_rows(); ++row)
+    ++send_counts[home * L + sh.local_of(ex.row_src_rank[row])];
+  const std::vector<int64_t> rows = cpu::rows_by_rank(plan.expert_counts, sh);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t e = home * L + i;
+    for (int64_t m = 0; m < N; ++m) recv_counts[e] += rows[e * W + m * L + local];
+  }
+  std::vector<int64_t> cursor(W, 0);
+  for (int64_t d = 1; d < W; ++d) cursor[d] = cursor[d - 1] + send_counts[d - 1];
+  std::vector<uint8_t> send(ex.num_rows() * rec);
+  for (int64_t row = 0; row < ex.num_rows(); ++row) {
+    uint8_t* p = &send[cursor[home * L + sh.local_of(ex.row_src_rank[row])]++ * rec];
+    std::memcpy(p, &ex.row_src_rank[row], sizeof(int64_t));
+    std::memcpy(p + sizeof(int64_t), &ex.row_combine_slot[row], sizeof(int64_t));
+    std::memcpy(p + 2 * sizeof(int64_t), &y[row * H], H * sizeof(S));
+  }
+  const std::vector<uint8_t> in = cpu::exchange_by_rank(send, send_counts, recv_counts, rec, tr);
+
+  // The relay: each arrived row under its relayed token's k. Relayed rows are grouped by
+  // source node, each group in token order.
+  const int64_t R = nodes.num_relayed(), rb = r.record_bytes;
+  const int64_t token_offset = r.extra_offset - (1 + K) * int64_t(sizeof(int64_t));
+  std::vector<int64_t> token(R);
+  for (int64_t i = 0; i < R; ++i) std::memcpy(&token[i], &r.relayed[i * rb + token_offset], 8);
+  std::vector<const uint8_t*> y_of(R * K, nullptr);
+  for (size_t off = 0; off < in.size(); off += rec) {
+    int64_t source, slot;
+    std::memcpy(&source, &in[off], sizeof source);
+    std::memcpy(&slot, &in[off + sizeof(int64_t)], sizeof slot);
+    UNIEP_CHECK_CODE(source >= 0 && source < W && sh.local_of(source) == local && slot >= 0,
+                     StatusCode::kInternal, "node_partials relay on rank ", me, ": a row for rank ",
+                     source, " slot ", slot, " is not this relay's");
+    const int64_t m = sh.node_of(source), t = slot / K, k = slot % K;
+    const auto first = token.begin() + nodes.relay_offsets[m];
+    const auto last = token.begin() + nodes.relay_offsets[m + 1];
+    const auto it = std::lower_bound(first, last, t);
+    UNIEP_CHECK_CODE(it != last && *it == t, StatusCode::kInternal, "node_partials relay on rank ",
+                     me, ": rank ", source, " token ", t, " was never relayed here");
+    const int64_t i = it - token.begin();
+    UNIEP_CHECK_CODE(y_of[i * K + k] == nullptr, StatusCode::kInternal,
+                     "node_partials relay on rank ", me, ": rank ", source, " token ", t,
+                     " choice ", k, " arrived twice");
+    y_of[i * K + k] = &in[off + 2 * sizeof(int64_t)];
+  }
+
+  // Leg 2 (rail): one partial per relayed token, back to its source.
+  const int64_t part_bytes = cpu::align8(H * sizeof(S));
+  std::vector<uint8_t> parts(R * part_bytes);
+  std::vector<Acc> acc(H);
+  for (int64_t i = 0; i < R; ++i) {
+    const uint8_t* record = &r.relayed[i * rb];
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t e;
+      std::memcpy(&e, record + token_offset + (1 + k) * sizeof(int64_t), sizeof e);
+      const bool here = e >= 0 && sh.node_of(sh.rank_of_expert(e)) == home;
+      UNIEP_CHECK_CODE(here == (y_of[i * K + k] != nullptr), StatusCode::kInternal,
+                       "node_partials relay on rank ", me, ": token ", token[i], " choice ", k,
+                       " (expert ", e, here ? ") got no result back" : ") got a stray result");
+      if (!here) continue;
+      Acc wk;
+      std::memcpy(&wk, record + r.extra_offset + k * sizeof(Acc), sizeof(Acc));
+      const S* yk = reinterpret_cast<const S*>(y_of[i * K + k]);
+      for (int64_t c = 0; c < H; ++c) acc[c] += wk * St::load(yk[c]);
+    }
+    S* part = reinterpret_cast<S*>(&parts[i * part_bytes]);
+    for (int64_t c = 0; c < H; ++c) part[c] = St::store(acc[c]);
+  }
+  std::vector<int64_t> send2(W, 0), recv2(W, 0);
+  for (int64_t m = 0; m < N; ++m) {
+    const int64_t peer = nodes.relay_source(m, me);
+    send2[peer] = nodes.relay_offsets[m + 1] - nodes.relay_offsets[m];
+    recv2[peer] = nodes.send_offsets[m + 1] - nodes.send_offsets[m];
+  }
+  const std::vector<uint8_t> back = cpu::exchange_by_rank(parts, send2, recv2, part_bytes, tr);
+
+  // Home: the partials arrive grouped by node ascending, each node's in this rank's token order.
+  std::vector<Acc> sum(T * H, Acc(0));
+  for (int64_t i = 0; i < nodes.num_send(); ++i) {
+    const S* part = reinterpret_cast<const S*>(&back[i * part_bytes]);
+    Acc* dst = &sum[nodes.send_tokens[i] * H];
+    for (int64_t c = 0; c < H; ++c) dst[c] += St::load(part[c]);
+  }
+  S* out = static_cast<S*>(a.out);
+  for (int64_t i = 0; i < T * H; ++i) out[i] = St::store(sum[i]);
+}
+
 template <typename S>
 void forward_impl(const MoeForwardArgs& a, Transport& tr) {
   using St = Storage<S>;
   using Acc = typename St::Acc;
   const MoeShape& sh = a.shape;
   const int64_t T = sh.tokens, H = sh.hidden, I = sh.ffn_hidden, K = sh.top_k;
-  // With rank partials the expert side applies the routing weights: they travel with the token.
-  const bool partials = a.tuning.combine == CombineReduction::kRankPartials;
+  // With rank or node partials the expert side or the relay applies the routing weights: they
+  // travel with the token.
+  const bool partials = a.tuning.combine != CombineReduction::kPerChoice;
   const bool fp8 = a.tuning.fp8_experts();
   Received<S> r = dispatch<S>(
       a, Pass::kForward, partials ? cpu::align8(K * int64_t(sizeof(Acc))) : 0,
@@ -226,11 +352,14 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
       for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
     }
   }
-  if (partials) return combine_rank_partials<S>(a, r, y, r.extra_offset, tr);
+  if (a.tuning.combine == CombineReduction::kRankPartials)
+    return combine_rank_partials<S>(a, r, y, r.extra_offset, tr);
+  if (a.tuning.combine == CombineReduction::kNodePartials)
+    return combine_node_partials<S>(a, r, y, tr);
 
   std::vector<S> ybuf(T * K * H);
   combine(
-      a, r.plan, r.experts, cpu::align8(H * sizeof(S)),
+      a, r, cpu::align8(H * sizeof(S)),
       [&](int64_t row, uint8_t* p) { std::memcpy(p, &y[row * H], H * sizeof(S)); },
       [&](int64_t slot, const uint8_t* p) { std::memcpy(&ybuf[slot * H], p, H * sizeof(S)); }, tr);
 
@@ -342,7 +471,7 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
   std::vector<S> gxbuf(T * K * H);
   std::vector<Acc> dots(T * K, Acc(0));
   combine(
-      a, r.plan, r.experts, cpu::align8(gx_bytes + int64_t(sizeof(Acc))),
+      a, r, cpu::align8(gx_bytes + int64_t(sizeof(Acc))),
       [&](int64_t row, uint8_t* p) {
         std::memcpy(p, &gx[row * H], H * sizeof(S));
         std::memcpy(p + gx_bytes, &dot[row], sizeof(Acc));

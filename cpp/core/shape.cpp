@@ -18,12 +18,20 @@ void MoeShape::validate() const {
   UNIEP_CHECK(num_experts % world_size == 0, "num_experts (", num_experts,
               ") must be divisible by the world size (", world_size, ")");
   UNIEP_CHECK(top_k > 0, "top_k must be > 0, got ", top_k);
+  UNIEP_CHECK(ranks_per_node >= 0 && ranks_per_node <= world_size,
+              "ranks_per_node must be in [1, world size ", world_size, "] (0: one node), got ",
+              ranks_per_node);
+  UNIEP_CHECK(world_size % node_size() == 0, "ranks_per_node (", ranks_per_node,
+              ") must divide the world size (", world_size, "): every node holds as many ranks");
 }
 
 std::string MoeShape::to_string() const {
+  const std::string nodes =
+      spans_nodes() ? detail::str_cat(", ranks_per_node=", ranks_per_node) : std::string();
   return detail::str_cat("MoeShape(tokens=", tokens, ", hidden=", hidden,
                          ", ffn_hidden=", ffn_hidden, ", num_experts=", num_experts,
-                         ", top_k=", top_k, ", world_size=", world_size, ", rank=", rank, ")");
+                         ", top_k=", top_k, ", world_size=", world_size, ", rank=", rank, nodes,
+                         ")");
 }
 
 }  // namespace uniep

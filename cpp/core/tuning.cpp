@@ -27,7 +27,9 @@ constexpr Spelling<DispatchPrecision> kDispatchSpellings[] = {
     {"fp8", DispatchPrecision::kFp8E4M3},
     {"fp8_e4m3", DispatchPrecision::kFp8E4M3, false}};
 constexpr Spelling<CombineReduction> kCombineSpellings[] = {
-    {"per_k", CombineReduction::kPerChoice}, {"rank_partials", CombineReduction::kRankPartials}};
+    {"per_k", CombineReduction::kPerChoice},
+    {"rank_partials", CombineReduction::kRankPartials},
+    {"node_partials", CombineReduction::kNodePartials}};
 constexpr Spelling<GemmEngine> kGemmSpellings[] = {{"uniep", GemmEngine::kUniep},
                                                    {"torch", GemmEngine::kTorch}};
 constexpr Spelling<ExpertPrecision> kExpertSpellings[] = {{"auto", ExpertPrecision::kAuto},

@@ -18,6 +18,7 @@
 #include "torch/megakernel/registry.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 #endif
+#include "uniep/node_plan.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/send_rows_error.hpp"
 #include "uniep/status.hpp"
@@ -61,6 +62,70 @@ py::tuple compute_layout_py(const I64Array& topk_idx, int64_t num_experts, int64
   py::array_t<uint8_t> in_rank(to_array(l.token_in_rank));
   return py::make_tuple(to_array(l.tokens_per_rank), to_array(l.tokens_per_expert),
                         in_rank.reshape({shape.tokens, world_size}));
+}
+
+// The two-level plan of one rank, with the count exchange and the rail leg simulated in-process
+// from every rank's routing: what the relay forwards where, and the slot each relayed row
+// lands in on `rank` (to compare with the flat plan's send_slots).
+py::dict build_node_plan_py(const std::vector<I64Array>& all_topk, int64_t num_experts,
+                            int64_t ranks_per_node, int64_t rank) {
+  const int64_t W = all_topk.size();
+  UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
+  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
+  std::vector<MoeShape> shapes(W);
+  std::vector<RoutingLayout> layouts(W);
+  for (int64_t r = 0; r < W; ++r) {
+    MoeShape& s = shapes[r];
+    topk_rows(all_topk[r], "all_topk[r]", s.tokens, s.top_k);
+    UNIEP_CHECK(s.top_k == shapes[0].top_k, "all_topk: every rank must have the same K");
+    s.hidden = s.ffn_hidden = 1;
+    s.num_experts = num_experts;
+    s.world_size = W;
+    s.rank = r;
+    s.ranks_per_node = ranks_per_node;
+    layouts[r] = compute_layout(all_topk[r].data(), s);
+  }
+  const int64_t N = shapes[0].num_nodes(), K = shapes[0].top_k;
+  std::vector<int64_t> rank_counts(W * W), node_counts(W * N);
+  for (int64_t r = 0; r < W; ++r) {
+    std::copy(layouts[r].tokens_per_rank.begin(), layouts[r].tokens_per_rank.end(),
+              rank_counts.begin() + r * W);
+    const std::vector<int64_t> per_node = tokens_per_node(layouts[r], shapes[r]);
+    std::copy(per_node.begin(), per_node.end(), node_counts.begin() + r * N);
+  }
+  std::vector<NodePlan> plans(W);
+  for (int64_t r = 0; r < W; ++r) plans[r] = plan_nodes(layouts[r], node_counts.data(), shapes[r]);
+  const MoeShape& me = shapes[rank];
+  const NodePlan& mine = plans[rank];
+  // The rail leg: group m holds the tokens of (m, local) bound for this node, in its order.
+  const int64_t home = me.node_of(rank);
+  std::vector<int64_t> relayed_src(mine.num_relayed()), relayed_token(mine.num_relayed());
+  std::vector<int64_t> relayed_topk(mine.num_relayed() * K);
+  for (int64_t m = 0; m < N; ++m) {
+    const int64_t source = mine.relay_source(m, rank);
+    const NodePlan& sp = plans[source];
+    const int64_t n = sp.send_offsets[home + 1] - sp.send_offsets[home];
+    UNIEP_CHECK_CODE(n == mine.relay_offsets[m + 1] - mine.relay_offsets[m], StatusCode::kInternal,
+                     "relay sizes disagree");
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = mine.relay_offsets[m] + j, t = sp.send_tokens[sp.send_offsets[home] + j];
+      relayed_src[i] = source;
+      relayed_token[i] = t;
+      std::copy(all_topk[source].data() + t * K, all_topk[source].data() + (t + 1) * K,
+                relayed_topk.begin() + i * K);
+    }
+  }
+  const RelayPlan relay = plan_relay(mine, relayed_topk.data(), rank_counts.data(), me);
+  py::dict d;
+  d["node_send_offsets"] = to_array(mine.send_offsets);
+  d["node_send_tokens"] = to_array(mine.send_tokens);
+  d["relay_offsets"] = to_array(mine.relay_offsets);
+  d["relayed_src_rank"] = to_array(relayed_src);
+  d["relayed_token"] = to_array(relayed_token);
+  d["forward_offsets"] = to_array(relay.offsets);
+  d["forward_rows"] = to_array(relay.rows);
+  d["arrival_slots"] = to_array(relayed_slot_order(rank_counts.data(), me));
+  return d;
 }
 
 // Runs the planner for one rank with the count exchange and the metadata dispatch simulated
@@ -334,6 +399,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("top_k", &MoeShape::top_k)
       .def_readwrite("world_size", &MoeShape::world_size)
       .def_readwrite("rank", &MoeShape::rank)
+      .def_readwrite("ranks_per_node", &MoeShape::ranks_per_node)
       .def("validate", &MoeShape::validate)
       .def("__repr__", &MoeShape::to_string);
   m.def("grouped_gemm_auto_config", &uniep::grouped_gemm_auto_config, py::arg("rows"),
@@ -347,6 +413,15 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
   m.attr("MAX_WORLD_SIZE") = uniep::kMaxWorldSize;
 
+  m.def("build_node_plan", &build_node_plan_py, py::arg("all_topk"), py::arg("num_experts"),
+        py::arg("ranks_per_node"), py::arg("rank"),
+        "One rank's two-level plan (uniep/node_plan.hpp) with the count exchange and the rail "
+        "leg simulated in-process from every rank's routing.");
+  m.def("set_ranks_per_node", &uniep::torch_glue::set_ranks_per_node, py::arg("group_name"),
+        py::arg("ranks_per_node"),
+        "Record a group's ranks per node (0: one node) for the ops on it (uniep.init).");
+  m.def("ranks_per_node", &uniep::torch_glue::ranks_per_node, py::arg("group_name"),
+        "A group's ranks per node as recorded (0: none recorded, one node).");
   m.def("agree_call", &agree_call_py, py::arg("group_name"), py::arg("kind"),
         py::arg("fields") = std::vector<std::pair<std::string, int64_t>>{}, py::arg("error") = "",
         py::arg("device") = "cpu",

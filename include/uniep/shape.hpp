@@ -22,10 +22,21 @@ struct MoeShape {
   int64_t top_k = 0;        // K
   int64_t world_size = 1;   // W
   int64_t rank = 0;
+  // L: ranks per node (an NVLink domain). 0 or W: one node. Below W the ranks form W / L nodes
+  // of L consecutive ranks, and tokens cross between nodes once per (token, node) on the rail
+  // (docs/multinode.md). Output bits depend on it only through combine=node_partials.
+  int64_t ranks_per_node = 0;
 
   int64_t experts_per_rank() const { return num_experts / world_size; }
   int64_t rank_of_expert(int64_t expert) const { return expert / experts_per_rank(); }
   int64_t first_local_expert() const { return rank * experts_per_rank(); }
+
+  // The topology: node n holds ranks [n * L, (n + 1) * L); rank r is local index r % L there.
+  int64_t node_size() const { return ranks_per_node > 0 ? ranks_per_node : world_size; }
+  int64_t num_nodes() const { return world_size / node_size(); }
+  int64_t node_of(int64_t r) const { return r / node_size(); }
+  int64_t local_of(int64_t r) const { return r % node_size(); }
+  bool spans_nodes() const { return node_size() < world_size; }
 
   // Throws uniep::Error naming the offending field.
   void validate() const;

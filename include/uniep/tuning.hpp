@@ -16,7 +16,12 @@ enum class DispatchPrecision { kBf16, kFp8E4M3 };
 //                ascending rank order in fp32. One row per (token, rank) crosses the wire
 //                instead of one per (token, k) (4x fewer bytes at top-8 over 2 ranks), at the
 //                price of one extra bf16 rounding per partial.
-enum class CombineReduction { kPerChoice, kRankPartials };
+//   kNodePartials the relay that brought the token into a node sums that node's k's (ascending,
+//                fp32, weights applied) and sends one bf16 partial per (token, node) on the rail;
+//                the token's rank sums them in ascending node order in fp32 (docs/multinode.md).
+//                One row per (token, node) crosses the network. On one node: per_k's bits. CPU
+//                executor only so far.
+enum class CombineReduction { kPerChoice, kRankPartials, kNodePartials };
 // Which grouped GEMM runs the experts on CUDA: UniEP's own expert GEMM engine, or
 // torch._grouped_mm (kept for comparison). The CPU executor ignores it.
 enum class GemmEngine { kUniep, kTorch };

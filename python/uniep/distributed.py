@@ -31,6 +31,7 @@ __all__ = [
     "group_name",
     "world_size",
     "rank",
+    "ranks_per_node",
     "default_group",
     "run_local_ranks",
 ]
@@ -59,6 +60,8 @@ class Runtime:
     world_size: int
     device: str
     backend: str
+    # Ranks per node (an NVLink domain); world_size when the group is one node.
+    ranks_per_node: int = 1
 
 
 def _check_group(group: object) -> dist.ProcessGroup | None:
@@ -104,7 +107,50 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
     otherwise ``group.group_name`` of ``group``, of the group given to ``init``, or of WORLD.
     """
     resolved = resolve_group(group)
-    return "" if resolved is None else resolved.group_name
+    if resolved is None:
+        return ""
+    _record_launcher_topology(resolved)
+    return resolved.group_name
+
+
+# Groups whose launcher topology has been looked at (WORLD under torchrun, once a process).
+_topology_seen: set[str] = set()
+
+
+def _launcher_ranks_per_node(world: int) -> int | None:
+    """``LOCAL_WORLD_SIZE`` (torchrun's ranks on this node) when it splits WORLD into nodes."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not text.isdigit():
+        return None
+    local = int(text)
+    return local if 1 <= local < world and world % local == 0 else None
+
+
+def _record_launcher_topology(group: dist.ProcessGroup) -> None:
+    # WORLD under a multi-node launch is split into nodes unless init() said otherwise; a
+    # sub-group's nodes are the caller's to declare (init(group, ranks_per_node=...)).
+    name = group.group_name
+    if name in _topology_seen:
+        return
+    _topology_seen.add(name)
+    if group is not dist.group.WORLD or _C.ranks_per_node(name) != 0:
+        return
+    local = _launcher_ranks_per_node(dist.get_world_size(group))
+    if local is not None:
+        _C.set_ranks_per_node(name, local)
+
+
+def ranks_per_node(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks of ``group`` on each node: what ``init(group, ranks_per_node=...)`` set, else
+    ``LOCAL_WORLD_SIZE`` for WORLD under a launcher that splits it into nodes (torchrun
+    ``--nnodes`` > 1), else the world size (one node)."""
+    resolved = resolve_group(group)
+    return 1 if resolved is None else _node_size(resolved)
+
+
+def _node_size(group: dist.ProcessGroup) -> int:
+    recorded = _C.ranks_per_node(group_name(group))
+    return recorded if recorded > 0 else dist.get_world_size(group)
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -129,6 +175,16 @@ def nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, b
     if resolved is None:
         return "", 1, 0, _C.ep_unique_id()
     world, me = dist.get_world_size(resolved), dist.get_rank(resolved)
+    per_node = _node_size(resolved)
+    if per_node < world:
+        # Every rank of the group reads the same topology (init is given it on each), so all
+        # raise here together.
+        raise NotImplementedError(
+            f"group '{resolved.group_name}' spans {world // per_node} nodes of {per_node} ranks "
+            "(uniep.init's ranks_per_node, or LOCAL_WORLD_SIZE under torchrun); UniEP's CUDA "
+            "runtimes work within one NVLink domain so far: the two-level path runs on the CPU "
+            "executor only (docs/multinode.md)"
+        )
     uid = _C.ep_unique_id() if me == 0 else b""
     if world > 1:
         uid = broadcast_bytes(uid, resolved, "NVSHMEM start-up (the unique id's broadcast)")
@@ -210,33 +266,68 @@ def _device_kind(backend: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init(group: dist.ProcessGroup | None = None) -> Runtime:
+def init(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None) -> Runtime:
     """Record ``group`` as the default for later UniEP calls and describe it.
 
     Args:
         group: the ``torch.distributed`` process group the experts are split over; None means WORLD
             when torch.distributed is initialised, else a world of one rank (no torch.distributed
             needed). CPU tensors need a gloo group, CUDA tensors an NCCL group.
+        ranks_per_node: ranks of the group on each node (an NVLink domain): the group is
+            ``W / ranks_per_node`` nodes of consecutive ranks, and tokens cross between nodes
+            once per (token, node) (docs/multinode.md). None: ``LOCAL_WORLD_SIZE`` for WORLD
+            under a launcher that sets it (``torchrun --nnodes N``), else one node. A value
+            below the machine's declares logical nodes (the network leg runs on one machine,
+            for tests). Every rank must pass the same; the ops check it. The two-level path runs
+            on the CPU executor so far: CUDA runtimes refuse a group that spans nodes.
 
     Returns:
-        A ``Runtime`` with the group name, this rank, the world size and the device kind.
+        A ``Runtime`` with the group name, this rank, the world size, the device kind and the
+        ranks per node.
 
     Raises:
-        ValueError: ``group`` is not a ProcessGroup, torch.distributed is not initialised, or this
-            process is not a member of ``group``.
+        ValueError: ``group`` is not a ProcessGroup, torch.distributed is not initialised, this
+            process is not a member of ``group``, or ``ranks_per_node`` is not a positive
+            divisor of the group's size.
     """
     global _default_group
-    _default_group = _check_group(group)
+    checked = _check_group(group)
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+    ):
+        raise ValueError(f"ranks_per_node must be an int or None, got {ranks_per_node!r}")
+    _default_group = checked
     resolved = resolve_group(None)
     if resolved is None:
-        return Runtime(group_name="", rank=0, world_size=1, device=_device_kind(""), backend="")
+        if ranks_per_node not in (None, 1):
+            raise ValueError(
+                f"ranks_per_node must be 1 (or None) for a world of one rank, got {ranks_per_node}"
+            )
+        return Runtime(
+            group_name="",
+            rank=0,
+            world_size=1,
+            device=_device_kind(""),
+            backend="",
+            ranks_per_node=1,
+        )
+    world = dist.get_world_size(resolved)
+    if ranks_per_node is not None:
+        if ranks_per_node < 1 or world % ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node must divide the group's {world} ranks into equal nodes "
+                f"(a divisor of {world}), got {ranks_per_node}"
+            )
+        _topology_seen.add(resolved.group_name)
+        _C.set_ranks_per_node(resolved.group_name, 0 if ranks_per_node == world else ranks_per_node)
     backend = str(dist.get_backend(resolved))
     return Runtime(
         group_name=resolved.group_name,
         rank=dist.get_rank(resolved),
-        world_size=dist.get_world_size(resolved),
+        world_size=world,
         device=_device_kind(backend),
         backend=backend,
+        ranks_per_node=_node_size(resolved),
     )
 
 

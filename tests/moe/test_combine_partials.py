@@ -145,5 +145,5 @@ def test_combine_mode_parses_and_prints() -> None:
     assert params.combine == "rank_partials"
     assert "combine=rank_partials" in params.to_string()
     assert _C.TuningParams.parse("").combine == "per_k"
-    with pytest.raises(ValueError, match="combine must be per_k or rank_partials"):
+    with pytest.raises(ValueError, match="combine must be per_k, rank_partials or node_partials"):
         _C.TuningParams.parse("combine=tree")

@@ -103,3 +103,19 @@ def test_runtime_error_names_a_real_function() -> None:
     w = torch.ones(4, K, device="cuda")
     with pytest.raises((ValueError, RuntimeError), match=r"uniep\.moe\.ep\.init_runtime"):
         torch.ops.uniep.ep_dispatch(x, idx, w, "no-runtime-here", "")
+
+
+def test_node_partials_is_refused_on_cuda_by_name() -> None:
+    # combine=node_partials is the CPU executor's two-level combine; the CUDA EP runtime says so
+    # instead of combining another way.
+    import uniep
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, H, generator=gen).to(dev, torch.bfloat16)
+    idx = torch.rand(8, E_LOCAL, generator=gen).argsort(dim=1)[:, :K].contiguous().to(dev)
+    w = torch.rand(8, K, generator=gen).to(dev)
+    w1 = (torch.randn(E_LOCAL, H, 2 * FFN, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E_LOCAL, FFN, H, generator=gen) * FFN**-0.5).to(dev, torch.bfloat16)
+    with pytest.raises(ValueError, match="combine=node_partials .* CPU executor only"):
+        uniep.moe_forward(x, idx, w, w1, w2, tuning="combine=node_partials")

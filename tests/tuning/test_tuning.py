@@ -142,7 +142,7 @@ def test_auto_and_gemm_errors(text: str, match: str) -> None:
     [
         ("overlap=ring", "tuning: overlap must be sequential, chunked or fused, got 'ring'"),
         ("dispatch=fp16", "tuning: dispatch must be bf16 or fp8, got 'fp16'"),
-        ("combine=sum", "tuning: combine must be per_k or rank_partials, got 'sum'"),
+        ("combine=sum", "tuning: combine must be per_k, rank_partials or node_partials, got 'sum'"),
         ("experts=int8", "tuning: experts must be auto, bf16 or fp8, got 'int8'"),
     ],
 )

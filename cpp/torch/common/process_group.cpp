@@ -6,10 +6,36 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "uniep/status.hpp"
 
 namespace uniep::torch_glue {
+
+namespace {
+std::mutex topology_mutex;
+std::map<std::string, int64_t>& topologies() {
+  static std::map<std::string, int64_t> by_group;
+  return by_group;
+}
+}  // namespace
+
+void set_ranks_per_node(const std::string& group_name, int64_t ranks_per_node) {
+  UNIEP_CHECK(ranks_per_node >= 0, "ranks_per_node must be >= 1 (0: one node), got ",
+              ranks_per_node);
+  std::lock_guard<std::mutex> lock(topology_mutex);
+  if (ranks_per_node == 0)
+    topologies().erase(group_name);
+  else
+    topologies()[group_name] = ranks_per_node;
+}
+
+int64_t ranks_per_node(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(topology_mutex);
+  const auto it = topologies().find(group_name);
+  return it == topologies().end() ? 0 : it->second;
+}
 
 Group resolve_group(const std::string& group_name) {
   Group g;
@@ -23,6 +49,7 @@ Group resolve_group(const std::string& group_name) {
   }
   g.rank = g.pg->getRank();
   g.world_size = g.pg->getSize();
+  g.ranks_per_node = ranks_per_node(group_name);
   return g;
 }
 

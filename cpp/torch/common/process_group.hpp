@@ -14,10 +14,19 @@ struct Group {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null for "": a world of one rank
   int64_t rank = 0;
   int64_t world_size = 1;
+  // Ranks per node as set_ranks_per_node recorded for the group (MoeShape::ranks_per_node);
+  // 0: the group is one node.
+  int64_t ranks_per_node = 0;
 };
 
 // The same registry torch's own symm_mem ops resolve group names through.
 Group resolve_group(const std::string& group_name);
+
+// The topology of a group (uniep.init(group, ranks_per_node=...)): the ops on it read it from
+// here, so their schemas need no topology argument. 0 forgets it (one node). Checked against the
+// group's size when a call resolves the group (MoeShape::validate).
+void set_ranks_per_node(const std::string& group_name, int64_t ranks_per_node);
+int64_t ranks_per_node(const std::string& group_name);
 
 // Seconds a host wait on a group may take before it raises: UNIEP_TIMEOUT_S (the limit of the
 // device-side waits too), default 100.

@@ -40,6 +40,8 @@ MoeForwardArgs forward_args(const at::Tensor& x, const at::Tensor& topk_idx,
   args.dtype = in.dtype;
   args.weight_dtype = in.weight_dtype;
   args.shape = in.shape;
+  args.shape.ranks_per_node = group.ranks_per_node;
+  args.shape.validate();
   args.tuning = params;
   return args;
 }

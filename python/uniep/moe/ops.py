@@ -264,13 +264,17 @@ def moe_forward(
         w2: ``[E_local, I, H]`` dtype of ``x``: this rank's down projections; strides as ``w1``.
         group: the process group the experts are split over; None uses the group given to
             ``uniep.init``, else WORLD, else a world of one rank (no torch.distributed needed).
-            CPU tensors need a gloo group.
+            CPU tensors need a gloo group. A group that spans nodes (``uniep.init(group,
+            ranks_per_node=...)``, or torchrun's ``LOCAL_WORLD_SIZE``) moves tokens in two
+            levels, once per (token, node) between nodes, with the same bits (CPU executor).
         tuning: a ``TuningParams`` or its string form, e.g. ``"sms=24/132,token_tile=64"``.
             ``""`` uses the point ``uniep.tune`` cached for this call's shape (``tokens =
             x.shape[0]``, this device and world size), else the defaults; every rank must see
             the same cache file (a rank that picks another point fails the call on every rank,
             naming the tuning key). It never changes the output bits, except ``dispatch=fp8``,
-            ``experts`` and ``combine=rank_partials``, which a cached point never changes.
+            ``experts`` and ``combine=rank_partials`` / ``node_partials``, which a cached point
+            never changes. ``combine=node_partials`` (one partial per (token, node) across
+            nodes: docs/multinode.md) runs on the CPU executor only.
             ``dispatch=fp8`` sends the tokens in e4m3 (one scale per 1 x 128 block) and, with
             ``experts=auto`` (the default), runs the experts in fp8 too: w1 and w2 quantized in
             128 x 128 blocks (on CUDA one e4m3 copy kept while they are unchanged: half their
