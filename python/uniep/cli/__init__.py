@@ -1,6 +1,6 @@
-"""The ``uniep`` command: ``uniep info`` (what this build contains), ``uniep demo``, ``uniep tune``
-and ``uniep parm``; one module per command (``info``, ``demo``, ``tune``, ``parm``) and the
-options' types (``args``)."""
+"""The ``uniep`` command: ``uniep info`` (what this build contains), ``uniep demo``, ``uniep tune``,
+``uniep parm`` and ``uniep multinode``; one module per command (``info``, ``demo``, ``tune``,
+``parm``, ``multinode``) and the options' types (``args``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from .args import non_negative_int, positive_int, positive_seconds, seed, settle_seconds
 from .demo import TOLERANCE, cmd_demo
 from .info import cmd_info
+from .multinode import cmd_multinode_simulate
 from .parm import cmd_parm_profile, cmd_parm_simulate
 from .tune import cmd_tune
 
@@ -166,6 +167,26 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--timeout", type=positive_seconds, default=300.0)
     prof.add_argument("--out", default="parm-profile.json", help="JSON output")
     prof.set_defaults(func=cmd_parm_profile)
+    multinode = sub.add_parser(
+        "multinode", help="expert parallelism across nodes: the two-level path, predicted"
+    )
+    multinode_sub = multinode.add_subparsers(dest="multinode_command", required=True)
+    msim = multinode_sub.add_parser(
+        "simulate",
+        help="predict dispatch, combine and exposed communication at EP16-EP256 beside DeepEP",
+    )
+    msim.add_argument(
+        "--worlds", type=positive_int, nargs="+", default=[16, 32, 64, 128, 256], help="EP sizes"
+    )
+    msim.add_argument("--gpus-per-node", type=positive_int, default=8)
+    msim.add_argument(
+        "--network-gbs", type=float, default=50.0, help="network GB/s a GPU (assumed)"
+    )
+    msim.add_argument(
+        "--network-alpha-us", type=float, default=5.0, help="network latency a leg, us (assumed)"
+    )
+    msim.add_argument("--out", default="", help="JSON output (none if empty)")
+    msim.set_defaults(func=cmd_multinode_simulate)
     return parser
 
 
