@@ -26,6 +26,8 @@ constexpr int kBatchUnroll = 32;
 constexpr int kSendBatch = 16;
 // Expert rows of a token the reduce loads before it adds them.
 constexpr int kReduceChunk = 4;
+// The fused reduce cuts tokens into column pieces up to this many tokens (fused_reduce_tokens).
+constexpr int64_t kSplitReduceTokens = 512;
 
 // Where entry i of the plan (token i / top_k's expert i % top_k) goes: to(row, counter, rank)
 // with its GEMM row, its tile counter and, with peers, its expert's rank (0 without). Not called
@@ -262,17 +264,25 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint
 // the CTAs leave the GEMM body 50-200 us apart (the static round-robin gives some a tile more),
 // and with fixed shares the last to leave still had its whole share to do (one H200: the CTAs'
 // reduces ended 775-809 us into the Qwen3-like call, 795-805 with tickets). Which warp reduces
-// a token never changes its bits.
+// a token never changes its bits. Up to kSplitReduceTokens tokens (decode), a ticket is one
+// 512-column piece of a token rather than the whole row, so the pieces run side by side: one
+// warp walking a 7168-wide row's 14 pieces in turn left 35 us between the last GEMM tile and
+// the end of a 1-token call, the pieces on their own warps 12 us (one H200, 2026-12-02).
 __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, uint32_t* ticket,
                                                     int lane, uint32_t need) {
   const int64_t K = a.top_k, vecs = a.hidden / 8, row_bytes = a.hidden * 2;
   const bool peers = a.peers.world_size > 1;
   auto* out = static_cast<uint8_t*>(a.out);
+  // Tickets a token is cut into: pieces of 64 vectors (one pass of the loop below), or one.
+  const int64_t pieces = a.tokens <= kSplitReduceTokens ? (vecs + 63) / 64 : 1;
   for (;;) {
     uint32_t taken = 0;
     if (lane == 0) taken = atomicAdd(ticket, 1u);
-    const int64_t t = __shfl_sync(0xffffffffu, taken, 0);
+    const int64_t u = __shfl_sync(0xffffffffu, taken, 0);
+    const int64_t t = u / pieces;
     if (t >= a.tokens) break;
+    const int64_t begin = pieces == 1 ? 0 : (u % pieces) * 64;
+    const int64_t end = pieces == 1 ? vecs : begin + 64;
     const uint8_t* row = nullptr;    // lane k: entry (t, k)'s expert output
     const uint32_t* done = nullptr;  // and its tile's done2 counter
     float w = 0.f;
@@ -299,7 +309,7 @@ __device__ __forceinline__ void fused_reduce_tokens(const FusedMoeArgs& a, uint3
     // Each lane keeps 2 vectors x kReduceChunk rows in flight: the loads of a chunk are issued
     // before any of them is added, and the sums still run in ascending k. Whole-warp trip counts:
     // the shuffles need every lane.
-    for (int64_t base = 0; base < vecs; base += 64) {
+    for (int64_t base = begin; base < end; base += 64) {
       const int64_t v0 = base + lane, v1 = base + 32 + lane;
       float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
