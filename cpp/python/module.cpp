@@ -64,27 +64,38 @@ py::tuple compute_layout_py(const I64Array& topk_idx, int64_t num_experts, int64
                         in_rank.reshape({shape.tokens, world_size}));
 }
 
+// Every rank's shape and layout of a simulated group: one routing per rank, in rank order.
+struct SimulatedRanks {
+  std::vector<MoeShape> shapes;
+  std::vector<RoutingLayout> layouts;
+};
+SimulatedRanks simulate_ranks(const std::vector<I64Array>& all_topk, int64_t num_experts,
+                              int64_t rank, int64_t ranks_per_node) {
+  const int64_t W = all_topk.size();
+  UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
+  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
+  SimulatedRanks sim{std::vector<MoeShape>(W), std::vector<RoutingLayout>(W)};
+  for (int64_t r = 0; r < W; ++r) {
+    MoeShape& s = sim.shapes[r];
+    topk_rows(all_topk[r], "all_topk[r]", s.tokens, s.top_k);
+    UNIEP_CHECK(s.top_k == sim.shapes[0].top_k, "all_topk: every rank must have the same K");
+    s.hidden = s.ffn_hidden = 1;
+    s.num_experts = num_experts;
+    s.world_size = W;
+    s.rank = r;
+    s.ranks_per_node = ranks_per_node;
+    sim.layouts[r] = compute_layout(all_topk[r].data(), s);
+  }
+  return sim;
+}
+
 // The two-level plan of one rank, with the count exchange and the rail leg simulated in-process
 // from every rank's routing: what the relay forwards where, and the slot each relayed row
 // lands in on `rank` (to compare with the flat plan's send_slots).
 py::dict build_node_plan_py(const std::vector<I64Array>& all_topk, int64_t num_experts,
                             int64_t ranks_per_node, int64_t rank) {
   const int64_t W = all_topk.size();
-  UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
-  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
-  std::vector<MoeShape> shapes(W);
-  std::vector<RoutingLayout> layouts(W);
-  for (int64_t r = 0; r < W; ++r) {
-    MoeShape& s = shapes[r];
-    topk_rows(all_topk[r], "all_topk[r]", s.tokens, s.top_k);
-    UNIEP_CHECK(s.top_k == shapes[0].top_k, "all_topk: every rank must have the same K");
-    s.hidden = s.ffn_hidden = 1;
-    s.num_experts = num_experts;
-    s.world_size = W;
-    s.rank = r;
-    s.ranks_per_node = ranks_per_node;
-    layouts[r] = compute_layout(all_topk[r].data(), s);
-  }
+  auto [shapes, layouts] = simulate_ranks(all_topk, num_experts, rank, ranks_per_node);
   const int64_t N = shapes[0].num_nodes(), K = shapes[0].top_k;
   std::vector<int64_t> rank_counts(W * W), node_counts(W * N);
   for (int64_t r = 0; r < W; ++r) {
@@ -133,21 +144,10 @@ py::dict build_node_plan_py(const std::vector<I64Array>& all_topk, int64_t num_e
 py::dict build_rank_plan_py(const std::vector<I64Array>& all_topk, int64_t num_experts,
                             int64_t rank, const std::string& tuning, int64_t gate_tile_m) {
   const int64_t W = all_topk.size();
-  UNIEP_CHECK(W >= 1, "all_topk must hold one routing per rank");
-  UNIEP_CHECK(rank >= 0 && rank < W, "rank must be in [0, ", W, "), got ", rank);
   const TuningParams params = TuningParams::parse(tuning);
-  std::vector<MoeShape> shapes(W);
-  std::vector<RoutingLayout> layouts(W);
+  auto [shapes, layouts] = simulate_ranks(all_topk, num_experts, rank, 0);
   std::vector<int64_t> rank_counts(W * W), expert_counts(W * num_experts);
   for (int64_t r = 0; r < W; ++r) {
-    MoeShape& s = shapes[r];
-    topk_rows(all_topk[r], "all_topk[r]", s.tokens, s.top_k);
-    UNIEP_CHECK(s.top_k == shapes[0].top_k, "all_topk: every rank must have the same K");
-    s.hidden = s.ffn_hidden = 1;
-    s.num_experts = num_experts;
-    s.world_size = W;
-    s.rank = r;
-    layouts[r] = compute_layout(all_topk[r].data(), s);
     std::copy(layouts[r].tokens_per_rank.begin(), layouts[r].tokens_per_rank.end(),
               rank_counts.begin() + r * W);
     std::copy(layouts[r].tokens_per_expert.begin(), layouts[r].tokens_per_expert.end(),
@@ -271,6 +271,9 @@ void agree_call_py(const std::string& group_name, const std::string& kind_name,
   UNIEP_CHECK(static_cast<int64_t>(fields.size()) <= kMaxCallFields, "fields: at most ",
               kMaxCallFields, ", got ", fields.size());
   const torch_glue::Group group = torch_glue::resolve_group(group_name);
+  // The exchange waits on the peers without the GIL: holding it there deadlocked the ranks
+  // when the call came right after a backward through the ops (seen on gloo, four CPU ranks).
+  py::gil_scoped_release no_gil;
   torch_glue::check_and_agree(group, kind, c10::Device(device), [&] {
     UNIEP_CHECK(error.empty(), error);
     CallSignature signature{kind, {}};

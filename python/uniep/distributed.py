@@ -95,6 +95,16 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return None
 
 
+def group_by_name(name: str) -> dist.ProcessGroup:
+    """The process group a ``group_name`` names (the registry torch's own ops resolve through)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._resolve_process_group(name)
+    except Exception as e:
+        raise ValueError(f"group_name {name!r} names no torch.distributed process group") from e
+
+
 def default_group() -> dist.ProcessGroup | None:
     """The group ``init`` recorded, else WORLD, else None (no torch.distributed)."""
     return resolve_group(None)
@@ -182,8 +192,9 @@ def nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, b
         raise NotImplementedError(
             f"group '{resolved.group_name}' spans {world // per_node} nodes of {per_node} ranks "
             "(uniep.init's ranks_per_node, or LOCAL_WORLD_SIZE under torchrun); UniEP's CUDA "
-            "runtimes work within one NVLink domain so far: the two-level path runs on the CPU "
-            "executor only (docs/multinode.md)"
+            "runtimes work within one NVLink domain: across nodes, call uniep.moe_forward (or "
+            "MoELayer) with tuning combine=node_partials, which runs a runtime per node and the "
+            "rail between them (docs/multinode.md)"
         )
     uid = _C.ep_unique_id() if me == 0 else b""
     if world > 1:

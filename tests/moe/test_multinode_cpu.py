@@ -255,3 +255,47 @@ def test_init_checks_ranks_per_node_alone() -> None:
         uniep.init(ranks_per_node=2)
     assert uniep.init(ranks_per_node=1).ranks_per_node == 1
     uniep.init()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def composed_worker(rank: int, world: int, case: MoeCase, nodes_of: int) -> dict[str, Any]:
+    # The composition the CUDA path runs (rail exchange, each node's own call, the partials
+    # summed by node), here on CPU tensors, where its node calls run the CPU executor.
+    from uniep.moe import multinode_cuda
+
+    uniep.init(ranks_per_node=nodes_of)
+    inp = rank_inputs(case, rank)
+    leaves = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
+    group = uniep.distributed.default_group()
+    composed = multinode_cuda.moe_forward(
+        leaves[0], inp["topk_idx"], *leaves[1:], group, "combine=node_partials"
+    )
+    composed.backward(inp["grad_out"])
+    native = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
+    y = uniep.moe_forward(native[0], inp["topk_idx"], *native[1:], tuning="combine=node_partials")
+    y.backward(inp["grad_out"])
+    refused = ""
+    try:
+        multinode_cuda.moe_forward(leaves[0], inp["topk_idx"], *leaves[1:], group, "")
+    except ValueError as e:
+        refused = str(e)
+    return {
+        "same": same_bits(composed.detach(), y.detach()),
+        "grads": [_rel(a.grad, b.grad) for a, b in zip(leaves, native, strict=True)],
+        "refused": refused,
+    }
+
+
+@pytest.mark.parametrize(("world", "nodes_of"), [(4, 2), (8, 4)])
+def test_the_cuda_composition_gives_the_executors_node_partials(world: int, nodes_of: int) -> None:
+    case = CASES[world][0]
+    for rank, r in enumerate(run_ranks(world, composed_worker, case, nodes_of, timeout=300)):
+        assert r["same"], f"rank {rank}: composed node partials differ from the executor's"
+        # The gradient is the same function's through other pieces: equal up to rounding.
+        assert max(r["grads"]) < 2e-2, (rank, r["grads"])
+        assert "combine=node_partials only" in r["refused"], r

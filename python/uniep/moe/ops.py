@@ -310,6 +310,17 @@ def moe_forward(
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
+    if (
+        isinstance(x, torch.Tensor)
+        and x.is_cuda
+        and distributed.ranks_per_node(group) < distributed.world_size(group)
+    ):
+        # Across nodes: the rail between nodes, the CUDA runtime within each (CPU tensors run
+        # the two levels in the CPU executor, through the op below).
+        from . import multinode_cuda
+
+        resolved = distributed.resolve_group(group)
+        return multinode_cuda.moe_forward(x, topk_idx, topk_weights, w1, w2, resolved, tuning)
     cached = (
         tuning == ""
         and not torch.compiler.is_compiling()

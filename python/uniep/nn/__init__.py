@@ -283,6 +283,15 @@ def _run_experts(
     idx = topk_idx.reshape(-1, top_k).to(torch.int64).contiguous()
     weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     weights = topk_weights.reshape(-1, top_k).to(weight_dtype).contiguous()
+    if tokens.is_cuda and 0 < _C.ranks_per_node(module.group_name) < module.world_size:
+        # Across nodes: the rail between nodes, a CUDA runtime within each (uniep.moe_forward).
+        from ..moe import multinode_cuda
+
+        group = distributed.group_by_name(module.group_name)
+        y = multinode_cuda.moe_forward(
+            tokens, idx, weights, module.w1, module.w2, group, module.tuning
+        )
+        return y.reshape(x.shape)
     if tokens.is_cuda:
         from ..moe import ep
 

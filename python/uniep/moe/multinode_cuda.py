@@ -1,0 +1,236 @@
+"""``moe_forward`` on CUDA tensors for a group that spans nodes (docs/multinode.md), with
+``combine=node_partials``.
+
+Composed of pieces that each exist and are tested, so autograd gives the backward:
+
+1. **Rail** (the network leg; ``torch.distributed`` on the rail sub-group, the ranks with this
+   rank's local index): each token goes once to every node holding one of its experts, to the
+   rank there with this rank's local index (its relay), with its routing remapped to that
+   node's experts (-1 elsewhere).
+2. **Node** (NVLink): the relay runs ``moe_forward`` over its node's group on the rows it
+   received (UniEP's CUDA runtime within one NVLink domain). Its combine sums each row's k's of
+   this node in ascending order in fp32 with the routing weights, rounded once to the dtype: the
+   relay's node partial.
+3. **Rail back**: each partial to its token's rank, which sums them in ascending node order in
+   fp32 and rounds once.
+
+The same order as the CPU executor's ``combine=node_partials`` (cpp/core/cpu_moe.cpp). On CPU
+tensors the same composition gives that executor's bits exactly (the tests check it there, and
+against it on the GPU); ``uniep.moe_forward`` sends only CUDA tensors here. ``per_k`` and
+``rank_partials`` need the node runtime to return each (token, k) row unreduced, which it cannot
+yet: they are refused by name. Every wait on the rail is bounded (``UNIEP_TIMEOUT_S``) and names
+the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed
+
+__all__ = ["NodeGroups", "node_groups", "moe_forward"]
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """A group's nodes as this rank sees them: its node's group (the NVLink domain the CUDA
+    runtime runs in) and its rail group (one rank a node, this rank's local index)."""
+
+    node: dist.ProcessGroup
+    rail: dist.ProcessGroup
+    nodes: int
+    node_size: int
+    node_index: int
+    local_index: int
+
+
+_GROUPS: dict[str, NodeGroups] = {}
+
+
+def node_groups(group: dist.ProcessGroup) -> NodeGroups:
+    """This rank's node and rail groups of ``group`` (created on first use; only the members of
+    each sub-group take part, so a sub-group of WORLD works)."""
+    name = group.group_name
+    if name in _GROUPS:
+        return _GROUPS[name]
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    size = distributed.ranks_per_node(group)
+    if size >= world:
+        raise ValueError(f"group '{name}' is one node of {world} ranks: no rail to build")
+    ranks = dist.get_process_group_ranks(group)
+    node, local = divmod(me, size)
+    backend = dist.get_backend(group)
+    node_ranks = ranks[node * size : (node + 1) * size]
+    rail_ranks = ranks[local::size]
+    made = NodeGroups(
+        node=dist.new_group(node_ranks, backend=backend, use_local_synchronization=True),
+        rail=dist.new_group(rail_ranks, backend=backend, use_local_synchronization=True),
+        nodes=world // size,
+        node_size=size,
+        node_index=node,
+        local_index=local,
+    )
+    _GROUPS[name] = made
+    return made
+
+
+def _rail_exchange(
+    x: torch.Tensor, send: list[int], recv: list[int], rail: dist.ProcessGroup, what: str
+) -> torch.Tensor:
+    """``all_to_all_single`` of rows on the rail, every wait bounded. Gloo moves CPU tensors:
+    rows of a CUDA tensor are staged through the host there."""
+    device = distributed.staging_device(rail)
+    src = x.to(device).contiguous()
+    out = src.new_empty((sum(recv), *x.shape[1:]))
+    work = dist.all_to_all_single(out, src, recv, send, group=rail, async_op=True)
+    distributed.bounded_wait(work, rail, what)
+    return out.to(x.device)
+
+
+class _Rail(torch.autograd.Function):
+    """The rail exchange, differentiable: its gradient is the exchange the other way."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], rail: Any, what: str
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.rail, ctx.what = send, recv, rail, what
+        return _rail_exchange(x, send, recv, rail, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        back = _rail_exchange(grad, ctx.recv, ctx.send, ctx.rail, f"{ctx.what} (backward)")
+        return back, None, None, None, None
+
+
+def _counts_on_rail(counts: list[int], rail: dist.ProcessGroup, what: str) -> list[int]:
+    device = distributed.staging_device(rail)
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    theirs = torch.empty_like(mine)
+    work = dist.all_to_all_single(theirs, mine, group=rail, async_op=True)
+    distributed.bounded_wait(work, rail, what)
+    return [int(c) for c in theirs.cpu()]
+
+
+def _argument_error(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    world: int,
+) -> str:
+    """What is wrong with this rank's arguments, or "" (the node's call checks the rest)."""
+    if x.dim() != 2:
+        return f"x must be a 2-D tensor [T, H], got shape {tuple(x.shape)}"
+    if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64 or topk_idx.shape[0] != x.shape[0]:
+        return (
+            f"topk_idx must be [T = {x.shape[0]}, K] int64, got shape {tuple(topk_idx.shape)} "
+            f"{topk_idx.dtype}"
+        )
+    if topk_weights.shape != topk_idx.shape:
+        return (
+            f"topk_weights must have the shape of topk_idx {tuple(topk_idx.shape)}, got "
+            f"{tuple(topk_weights.shape)}"
+        )
+    if w1.dim() != 3:
+        return f"w1 must be a 3-D tensor [E_local, H, 2*I], got shape {tuple(w1.shape)}"
+    experts = w1.shape[0] * world
+    bad = (topk_idx < -1) | (topk_idx >= experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in torch.nonzero(bad)[0])
+        return (
+            f"topk_idx contains expert id {int(topk_idx[t, k])} at [{t}, {k}], outside "
+            f"[-1, {experts})"
+        )
+    return ""
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group: dist.ProcessGroup,
+    tuning: str,
+) -> torch.Tensor:
+    """``uniep.moe_forward`` over a group that spans nodes, on CUDA tensors (module docstring).
+    ``tuning`` must name ``combine=node_partials``; its other keys go to the node's call."""
+    from .. import _C
+
+    g = node_groups(group)
+    name = group.group_name
+    world = dist.get_world_size(group)
+    # Every rank checks its arguments and agrees with the others before the rail moves a row: a
+    # bad argument on one rank raises on every rank with that rank's reason.
+    error = _argument_error(x, topk_idx, topk_weights, w1, world)
+    fields = [
+        ("hidden (x.size(1))", int(x.shape[1]) if x.dim() == 2 else -1),
+        ("top_k (topk_idx.size(1))", int(topk_idx.shape[1]) if topk_idx.dim() == 2 else -1),
+        ("experts per rank (w1.size(0))", int(w1.shape[0]) if w1.dim() == 3 else -1),
+        ("ranks per node", g.node_size),
+    ]
+    _C.agree_call(name, "moe_forward", fields, error, x.device.type)
+    if x.is_cuda and topk_weights.dtype == torch.bfloat16:
+        topk_weights = topk_weights.float()  # the CUDA dispatch sends fp32 weights
+    params = _C.TuningParams.parse(tuning)
+    if params.combine != "node_partials":
+        raise ValueError(
+            "on CUDA tensors a group that spans nodes runs combine=node_partials only (one "
+            f"partial per (token, node)); got combine={params.combine}: per_k and "
+            "rank_partials need the node runtime to return each (token, k) row unreduced, "
+            "which it cannot yet (docs/multinode.md)"
+        )
+    params.combine = "per_k"  # the node's own combine is the relay's sum over its k's
+    node_tuning = params.to_string(given_only=True)
+    experts_per_node = w1.shape[0] * g.node_size
+
+    # Which tokens each node gets: those with an expert there, in token order.
+    valid = topk_idx >= 0
+    node_of = torch.where(valid, topk_idx // experts_per_node, torch.full_like(topk_idx, -1))
+    tokens_of: list[torch.Tensor] = []
+    rows_x, rows_idx, rows_w = [], [], []
+    for n in range(g.nodes):
+        here = node_of == n
+        tokens = torch.nonzero(here.any(dim=1)).flatten()
+        tokens_of.append(tokens)
+        local_ids = torch.where(
+            here, topk_idx - n * experts_per_node, torch.full_like(topk_idx, -1)
+        )
+        rows_x.append(x.index_select(0, tokens))
+        rows_idx.append(local_ids.index_select(0, tokens))
+        rows_w.append(topk_weights.index_select(0, tokens))
+    send = [int(t.numel()) for t in tokens_of]
+    recv = _counts_on_rail(send, g.rail, f"moe_forward's rail counts on group '{name}'")
+
+    what = f"moe_forward's rail exchange on group '{name}'"
+    relay_x = _Rail.apply(torch.cat(rows_x), send, recv, g.rail, what)
+    relay_idx = _rail_exchange(torch.cat(rows_idx), send, recv, g.rail, what)
+    relay_w = _Rail.apply(torch.cat(rows_w), send, recv, g.rail, what)
+
+    node_name = g.node.group_name
+    if relay_x.is_cuda:
+        # The node's CUDA runtime, created (collectively over the node) or grown on first use.
+        from . import ep
+
+        experts = w1.shape[0] * g.node_size
+        ep.ensure_runtime(node_name, relay_x.shape[0], x.shape[1], topk_idx.shape[1], experts)
+    partial = torch.ops.uniep.moe_forward(
+        relay_x, relay_idx, relay_w, w1, w2, node_name, node_tuning
+    )
+    back = _Rail.apply(partial, recv, send, g.rail, f"moe_forward's partials on group '{name}'")
+
+    # The partials of each token in ascending node order, in fp32: one index_add per node, a
+    # token at most once in each.
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    start = 0
+    for n in range(g.nodes):
+        rows = back[start : start + send[n]].to(acc)
+        out = out.index_add(0, tokens_of[n], rows)
+        start += send[n]
+    return out.to(x.dtype)

@@ -1,0 +1,97 @@
+"""The two-level path on CUDA tensors (marker `gpu`): four ranks sharing one GPU as two logical
+nodes of two (`uniep.init(ranks_per_node=2)`), the rail on gloo, each node's CUDA runtime over
+its own group. combine=node_partials against the CPU executor's on the same ranks and inputs,
+forward and gradients; the same bits run to run and through uniep.nn.Experts; the combines it
+cannot run refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+H, FFN, E_LOCAL, K, T = 256, 128, 2, 4, 24
+PARTIALS = "combine=node_partials"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _worker(rank: int, world: int) -> dict[str, object]:
+    import uniep
+
+    uniep.init(ranks_per_node=2)
+    experts = E_LOCAL * world
+    gen = torch.Generator().manual_seed(11)
+    w1_all = torch.randn(experts, H, 2 * FFN, generator=gen) * H**-0.5
+    w2_all = torch.randn(experts, FFN, H, generator=gen) * FFN**-0.5
+    gen.manual_seed(100 + rank)
+    tokens = T + 3 * rank
+    x = torch.randn(tokens, H, generator=gen).bfloat16()
+    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :K].contiguous()
+    idx[torch.rand(tokens, K, generator=gen) < 0.2] = -1
+    w = torch.rand(tokens, K, generator=gen)
+    mine = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    w1 = w1_all[mine].bfloat16().contiguous()
+    w2 = w2_all[mine].bfloat16().contiguous()
+    go = torch.randn(tokens, H, generator=gen).bfloat16()
+
+    def run(dev: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [t.to(dev).requires_grad_(True) for t in (x, w, w1, w2)]
+        y = uniep.moe_forward(leaves[0], idx.to(dev), *leaves[1:], tuning=PARTIALS)
+        y.backward(go.to(dev))
+        return y.detach().cpu(), [t.grad.cpu() for t in leaves]
+
+    y_cuda, g_cuda = run("cuda")
+    y_again, _ = run("cuda")
+    y_cpu, g_cpu = run("cpu")
+    # uniep.nn.Experts over the same group takes the same path.
+    layer = uniep.nn.Experts(H, FFN, experts, tuning=PARTIALS, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        layer.w1.copy_(w1)
+        layer.w2.copy_(w2)
+    y_module = layer(x.cuda(), idx.cuda(), w.cuda()).detach().cpu()
+    out: dict[str, object] = {
+        "module_bits": bool(torch.equal(y_module.view(torch.int16), y_cuda.view(torch.int16))),
+        "forward": _rel(y_cuda, y_cpu),
+        "grads": [_rel(a, b) for a, b in zip(g_cuda, g_cpu, strict=True)],
+        "repeat_bits": bool(torch.equal(y_cuda.view(torch.int16), y_again.view(torch.int16))),
+    }
+    try:
+        uniep.moe_forward(x.cuda(), idx.cuda(), w.cuda(), w1.cuda(), w2.cuda())
+    except ValueError as e:
+        out["per_k"] = str(e)
+    bad = idx.clone()
+    if rank == 1:
+        bad[0, 0] = experts  # one rank's bad id: every rank raises with its reason
+    try:
+        uniep.moe_forward(x.cuda(), bad.cuda(), w.cuda(), w1.cuda(), w2.cuda(), tuning=PARTIALS)
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_two_logical_nodes_on_one_gpu_match_the_cpu_executor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from uniep.distributed import run_local_ranks
+
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first)
+    reports = run_local_ranks(_worker, 4, backend="gloo", timeout_s=300)
+    for rank, r in enumerate(reports):
+        assert r["forward"] < 2e-2, (rank, r)
+        assert max(r["grads"]) < 5e-2, (rank, r)
+        assert r["repeat_bits"], (rank, r)
+        assert r["module_bits"], (rank, r)
+        assert "combine=node_partials only" in r["per_k"], (rank, r)
+        # The failing rank raises its own reason; the others name it.
+        assert "outside [-1, 8)" in r["bad"] and (rank == 1 or "rank 1" in r["bad"]), (rank, r)
