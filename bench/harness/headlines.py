@@ -236,6 +236,17 @@ SPECS: dict[str, Spec] = {
                    "weight read at the measured HBM rate", scale=1e3),
         ),
     ),
+    "bench_multinode": Spec(
+        title="the two-level path (logical nodes, combine=node_partials) against one node on the "
+              "same ranks, and its rail alone (slowest rank's median)",
+        case=_case("layout", "device", "rail"),
+        # No goal yet: docs/multinode.md's simulator predicts; this measures the legs it fits.
+        figures=(
+            Figure("layer forward, two levels", "ms.two_level", "ms", "ms.flat", "one node",
+                   check="check.pass"),
+            Figure("rail exchange", "rail_gbs", "GB/s", optional=True),
+        ),
+    ),
     "bench_power": Spec(
         title="the world-1 MoE forward and its parts run back to back, at the GPU's power cap",
         case=_case("load", "variant"),
