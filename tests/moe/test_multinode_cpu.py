@@ -299,3 +299,23 @@ def test_the_cuda_composition_gives_the_executors_node_partials(world: int, node
         # The gradient is the same function's through other pieces: equal up to rounding.
         assert max(r["grads"]) < 2e-2, (rank, r["grads"])
         assert "combine=node_partials only" in r["refused"], r
+
+
+def hosts_worker(rank: int, world: int) -> str:
+    import socket
+
+    from uniep.moe import multinode_cuda
+
+    # Nodes of 2 declared over hosts a, a, b, b would be right; a, b, a, b is not.
+    socket.gethostname = lambda: "host-a" if rank % 2 == 0 else "host-b"  # type: ignore[assignment]
+    uniep.init(ranks_per_node=2)
+    try:
+        multinode_cuda.node_groups(uniep.distributed.default_group())
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_node_spanning_hosts_is_refused_on_every_rank() -> None:
+    for rank, error in enumerate(run_ranks(4, hosts_worker)):
+        assert "ranks 0-1" in error and "2 hosts (host-a, host-b)" in error, (rank, error)

@@ -24,6 +24,7 @@ the group.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ def node_groups(group: dist.ProcessGroup) -> NodeGroups:
         raise ValueError(f"group '{name}' is one node of {world} ranks: no rail to build")
     ranks = dist.get_process_group_ranks(group)
     node, local = divmod(me, size)
+    _check_hosts(group, size)
     backend = dist.get_backend(group)
     node_ranks = ranks[node * size : (node + 1) * size]
     rail_ranks = ranks[local::size]
@@ -76,6 +78,23 @@ def node_groups(group: dist.ProcessGroup) -> NodeGroups:
     )
     _GROUPS[name] = made
     return made
+
+
+def _check_hosts(group: dist.ProcessGroup, size: int) -> None:
+    """Every declared node's ranks on one host (logical nodes may share one; a node may not span
+    two: its legs are NVLink). Collective; raises on every rank naming the first node that spans
+    hosts."""
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    for n in range(len(hosts) // size):
+        seen = sorted(set(hosts[n * size : (n + 1) * size]))
+        if len(seen) > 1:
+            raise ValueError(
+                f"ranks_per_node={size} puts ranks {n * size}-{(n + 1) * size - 1} of group "
+                f"'{group.group_name}' in one node, but they run on {len(seen)} hosts "
+                f"({', '.join(seen)}): a node's ranks must share a host (their legs are NVLink); "
+                "the launcher's order (torchrun: consecutive ranks a node) is assumed"
+            )
 
 
 def _rail_exchange(
