@@ -1,8 +1,8 @@
-"""The two-level path on CUDA tensors (marker `gpu`): four ranks sharing one GPU as two logical
-nodes of two (`uniep.init(ranks_per_node=2)`), the rail on gloo, each node's CUDA runtime over
-its own group. combine=node_partials against the CPU executor's on the same ranks and inputs,
-forward and gradients; the same bits run to run and through uniep.nn.Experts; the combines it
-cannot run refused by name."""
+"""The two-level path on CUDA tensors (marker `gpu`): four or eight ranks sharing one GPU as
+logical nodes (2 x 2, 2 x 4, 4 x 2: `uniep.init(ranks_per_node=...)`), the rail on gloo, each
+node's CUDA runtime over its own group. combine=node_partials against the CPU executor's on the
+same ranks and inputs, forward and gradients; the same bits run to run and through
+uniep.nn.Experts; the combines it cannot run refused by name."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _worker(rank: int, world: int) -> dict[str, object]:
+def _worker(rank: int, world: int, per_node: int) -> dict[str, object]:
     import uniep
 
-    uniep.init(ranks_per_node=2)
+    uniep.init(ranks_per_node=per_node)
     experts = E_LOCAL * world
     gen = torch.Generator().manual_seed(11)
     w1_all = torch.randn(experts, H, 2 * FFN, generator=gen) * H**-0.5
@@ -79,14 +79,15 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     return out
 
 
-def test_two_logical_nodes_on_one_gpu_match_the_cpu_executor(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("world", "per_node"), [(4, 2), (8, 4), (8, 2)], ids=["2x2", "2x4", "4x2"])
+def test_logical_nodes_on_one_gpu_match_the_cpu_executor(
+    world: int, per_node: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from uniep.distributed import run_local_ranks
 
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first)
-    reports = run_local_ranks(_worker, 4, backend="gloo", timeout_s=300)
+    reports = run_local_ranks(_worker, world, (per_node,), backend="gloo", timeout_s=300)
     for rank, r in enumerate(reports):
         assert r["forward"] < 2e-2, (rank, r)
         assert max(r["grads"]) < 5e-2, (rank, r)
@@ -94,4 +95,5 @@ def test_two_logical_nodes_on_one_gpu_match_the_cpu_executor(
         assert r["module_bits"], (rank, r)
         assert "combine=node_partials only" in r["per_k"], (rank, r)
         # The failing rank raises its own reason; the others name it.
-        assert "outside [-1, 8)" in r["bad"] and (rank == 1 or "rank 1" in r["bad"]), (rank, r)
+        bound = f"outside [-1, {E_LOCAL * world})"
+        assert bound in r["bad"] and (rank == 1 or "rank 1" in r["bad"]), (rank, r)
