@@ -64,7 +64,8 @@
 # below, one count each.
 #
 # Options:
-#   --parts LIST    parts to run, e.g. 1,3 (default 1,2,3,4)
+#   --parts LIST    parts to run, e.g. 1,3 (default 1,2,3,4; 5, across nodes with logical
+#                   nodes and NCCL on sockets, only when named: bench_multinode.py)
 #   --budget S      seconds from the start to the end of the summary (default 580)
 #   --iters N       timed iterations of every benchmark   --warmup N   warm-up calls of every one
 #   --skip-build    use the installed uniep                --skip-tests  no pytest step
@@ -112,6 +113,8 @@ UA_WARMUP=${all_warmup:-${MGPU_UA_WARMUP:-5}}
 PARM_ITERS=${all_iters:-${MGPU_PARM_ITERS:-5}}
 PARM_LAYERS=${MGPU_PARM_LAYERS:-8}
 PARM_MP=${MGPU_PARM_MP:-2}
+MN_ITERS=${all_iters:-${MGPU_MN_ITERS:-10}}
+MN_WARMUP=${all_warmup:-${MGPU_MN_WARMUP:-3}}
 # Per-kernel GPU time (rank 0) of each variant over this many extra calls, for the misses:
 # the machines have no nsys, and this is what CUPTI gives through torch's profiler.
 PROFILE_ITERS=${MGPU_PROFILE_ITERS:-3}
@@ -393,6 +396,20 @@ if want 4; then
       --grid-sample "$PARM_LAYERS" --iters "$PARM_ITERS" --no-plot \
       --timeout $(((T - 10) / 2)) --out-dir "$WORK/part4-w$w"
   done
+fi
+
+# ---- part 5 (when named): across nodes, logical nodes of one machine, the rail on sockets ----
+if want 5; then
+  if ((!built)); then skip_step part5-multinode "$not_built" 40
+  elif ((gpus < 4)); then skip_step part5-multinode "needs 4 GPUs (two logical nodes of two)" 40
+  else
+    layouts="4x2"
+    ((gpus >= 8)) && layouts="4x2,8x4,8x2"
+    budget_for 150 40
+    run_step part5-multinode "$T" 60 "$WORK/part5" python3 bench/bench_multinode.py \
+      --layouts "$layouts" --rail-sockets --iters "$MN_ITERS" --warmup "$MN_WARMUP" \
+      --out-dir "$WORK/part5"
+  fi
 fi
 
 refresh

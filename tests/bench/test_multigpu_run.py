@@ -305,3 +305,13 @@ def test_shape_clock_shares_one_budget_between_shapes(monkeypatch: pytest.Monkey
     assert clock.timeout(0) == 1.0
     with pytest.raises(ValueError, match="budget_s must be > 0"):
         common.ShapeClock(90.0, 0.0, floor_s=45.0)
+
+
+def test_part_five_runs_only_when_named(tmp_path: Path) -> None:
+    out, _ = _dry_run(tmp_path / "a", "--gpus", "8")
+    assert "part5-multinode" not in out
+    out, summary = _dry_run(tmp_path / "b", "--gpus", "8", "--parts", "5", "--skip-build")
+    assert "== [part5-multinode]" in out and "--layouts 4x2,8x4,8x2 --rail-sockets" in out
+    out, summary = _dry_run(tmp_path / "c", "--gpus", "2", "--parts", "5", "--skip-build")
+    (step,) = [s for s in summary["steps"] if s["step"] == "part5-multinode"]
+    assert step["status"] == "skipped" and "4 GPUs" in step["why"]
