@@ -572,8 +572,9 @@ class RuntimeImpl final : public Runtime {
     if (Status s = check_dispatch_args(in.row_bytes, in.num_sms, in.fp8); !s.ok()) return s;
     if (in.combine == CombineReduction::kNodePartials)
       return {StatusCode::kInvalidArgument,
-              "combine=node_partials (one partial per (token, node): docs/multinode.md) runs on "
-              "the CPU executor only so far; on CUDA combine with per_k or rank_partials"};
+              "combine=node_partials is the combine of a group that spans nodes (one partial per "
+              "(token, node): docs/multinode.md); the CUDA runtime of one NVLink domain combines "
+              "with per_k or rank_partials"};
     if (in.tokens > 0 &&
         (in.x == nullptr || (!rows_only && (in.topk_idx == nullptr || in.topk_weights == nullptr))))
       return {StatusCode::kInvalidArgument,

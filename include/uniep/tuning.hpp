@@ -19,8 +19,8 @@ enum class DispatchPrecision { kBf16, kFp8E4M3 };
 //   kNodePartials the relay that brought the token into a node sums that node's k's (ascending,
 //                fp32, weights applied) and sends one bf16 partial per (token, node) on the rail;
 //                the token's rank sums them in ascending node order in fp32 (docs/multinode.md).
-//                One row per (token, node) crosses the network. On one node: per_k's bits. CPU
-//                executor only so far.
+//                One row per (token, node) crosses the network. On one node: per_k's bits. The
+//                CPU executor, and on CUDA a group that spans nodes (uniep.moe.multinode_cuda).
 enum class CombineReduction { kPerChoice, kRankPartials, kNodePartials };
 // Which grouped GEMM runs the experts on CUDA: UniEP's own expert GEMM engine, or
 // torch._grouped_mm (kept for comparison). The CPU executor ignores it.

@@ -193,8 +193,8 @@ def nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, b
             f"group '{resolved.group_name}' spans {world // per_node} nodes of {per_node} ranks "
             "(uniep.init's ranks_per_node, or LOCAL_WORLD_SIZE under torchrun); UniEP's CUDA "
             "runtimes work within one NVLink domain: across nodes, call uniep.moe_forward (or "
-            "MoELayer) with tuning combine=node_partials, which runs a runtime per node and the "
-            "rail between them (docs/multinode.md)"
+            "MoELayer), which runs a runtime per node and the rail between them "
+            "(docs/multinode.md)"
         )
     uid = _C.ep_unique_id() if me == 0 else b""
     if world > 1:

@@ -1,8 +1,8 @@
 """The two-level path on CUDA tensors (marker `gpu`): four or eight ranks sharing one GPU as
 logical nodes (2 x 2, 2 x 4, 4 x 2: `uniep.init(ranks_per_node=...)`), the rail on gloo, each
 node's CUDA runtime over its own group. combine=node_partials against the CPU executor's on the
-same ranks and inputs, forward and gradients; the same bits run to run and through
-uniep.nn.Experts; the combines it cannot run refused by name."""
+same ranks and inputs, and per_k against the CPU executor's per_k, forward and gradients; the
+same bits run to run and through uniep.nn.Experts; rank_partials refused by name."""
 
 from __future__ import annotations
 
@@ -44,31 +44,38 @@ def _worker(rank: int, world: int, per_node: int) -> dict[str, object]:
     w2 = w2_all[mine].bfloat16().contiguous()
     go = torch.randn(tokens, H, generator=gen).bfloat16()
 
-    def run(dev: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(dev: str, tuning: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         leaves = [t.to(dev).requires_grad_(True) for t in (x, w, w1, w2)]
-        y = uniep.moe_forward(leaves[0], idx.to(dev), *leaves[1:], tuning=PARTIALS)
+        y = uniep.moe_forward(leaves[0], idx.to(dev), *leaves[1:], tuning=tuning)
         y.backward(go.to(dev))
         return y.detach().cpu(), [t.grad.cpu() for t in leaves]
 
-    y_cuda, g_cuda = run("cuda")
-    y_again, _ = run("cuda")
-    y_cpu, g_cpu = run("cpu")
+    def bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+    out: dict[str, object] = {}
+    for tuning in (PARTIALS, ""):
+        y_cuda, g_cuda = run("cuda", tuning)
+        y_again, _ = run("cuda", tuning)
+        y_cpu, g_cpu = run("cpu", tuning)
+        out[tuning or "per_k"] = {
+            "forward": _rel(y_cuda, y_cpu),
+            "grads": [_rel(a, b) for a, b in zip(g_cuda, g_cpu, strict=True)],
+            "repeat_bits": bits(y_cuda, y_again),
+            "y": y_cuda,
+        }
     # uniep.nn.Experts over the same group takes the same path.
     layer = uniep.nn.Experts(H, FFN, experts, tuning=PARTIALS, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         layer.w1.copy_(w1)
         layer.w2.copy_(w2)
     y_module = layer(x.cuda(), idx.cuda(), w.cuda()).detach().cpu()
-    out: dict[str, object] = {
-        "module_bits": bool(torch.equal(y_module.view(torch.int16), y_cuda.view(torch.int16))),
-        "forward": _rel(y_cuda, y_cpu),
-        "grads": [_rel(a, b) for a, b in zip(g_cuda, g_cpu, strict=True)],
-        "repeat_bits": bool(torch.equal(y_cuda.view(torch.int16), y_again.view(torch.int16))),
-    }
+    out["module_bits"] = bits(y_module, out[PARTIALS]["y"])
     try:
-        uniep.moe_forward(x.cuda(), idx.cuda(), w.cuda(), w1.cuda(), w2.cuda())
+        tuning = "combine=rank_partials"
+        uniep.moe_forward(x.cuda(), idx.cuda(), w.cuda(), w1.cuda(), w2.cuda(), tuning=tuning)
     except ValueError as e:
-        out["per_k"] = str(e)
+        out["rank_partials"] = str(e)
     bad = idx.clone()
     if rank == 1:
         bad[0, 0] = experts  # one rank's bad id: every rank raises with its reason
@@ -89,11 +96,13 @@ def test_logical_nodes_on_one_gpu_match_the_cpu_executor(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first)
     reports = run_local_ranks(_worker, world, (per_node,), backend="gloo", timeout_s=300)
     for rank, r in enumerate(reports):
-        assert r["forward"] < 2e-2, (rank, r)
-        assert max(r["grads"]) < 5e-2, (rank, r)
-        assert r["repeat_bits"], (rank, r)
-        assert r["module_bits"], (rank, r)
-        assert "combine=node_partials only" in r["per_k"], (rank, r)
+        for combine in (PARTIALS, "per_k"):
+            got = r[combine]
+            assert got["forward"] < 2e-2, (rank, combine, got)
+            assert max(got["grads"]) < 5e-2, (rank, combine, got)
+            assert got["repeat_bits"], (rank, combine)
+        assert r["module_bits"], rank
+        assert "combine=rank_partials" in r["rank_partials"], (rank, r)
         # The failing rank raises its own reason; the others name it.
         bound = f"outside [-1, {E_LOCAL * world})"
         assert bound in r["bad"] and (rank == 1 or "rank 1" in r["bad"]), (rank, r)

@@ -106,8 +106,8 @@ def test_runtime_error_names_a_real_function() -> None:
 
 
 def test_node_partials_is_refused_on_cuda_by_name() -> None:
-    # combine=node_partials is the CPU executor's two-level combine; the CUDA EP runtime says so
-    # instead of combining another way.
+    # combine=node_partials is the combine of a group that spans nodes; the CUDA EP runtime of
+    # one NVLink domain says so instead of combining another way.
     import uniep
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -117,5 +117,5 @@ def test_node_partials_is_refused_on_cuda_by_name() -> None:
     w = torch.rand(8, K, generator=gen).to(dev)
     w1 = (torch.randn(E_LOCAL, H, 2 * FFN, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
     w2 = (torch.randn(E_LOCAL, FFN, H, generator=gen) * FFN**-0.5).to(dev, torch.bfloat16)
-    with pytest.raises(ValueError, match="combine=node_partials .* CPU executor only"):
+    with pytest.raises(ValueError, match="node_partials is the combine of a group that spans"):
         uniep.moe_forward(x, idx, w, w1, w2, tuning="combine=node_partials")

@@ -264,41 +264,48 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def composed_worker(rank: int, world: int, case: MoeCase, nodes_of: int) -> dict[str, Any]:
-    # The composition the CUDA path runs (rail exchange, each node's own call, the partials
-    # summed by node), here on CPU tensors, where its node calls run the CPU executor.
+    # The composition the CUDA path runs (rail exchange, each node's own call, the combine at
+    # home), here on CPU tensors, where its node calls run the CPU executor.
     from uniep.moe import multinode_cuda
 
     uniep.init(ranks_per_node=nodes_of)
     inp = rank_inputs(case, rank)
-    leaves = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
     group = uniep.distributed.default_group()
-    composed = multinode_cuda.moe_forward(
-        leaves[0], inp["topk_idx"], *leaves[1:], group, "combine=node_partials"
-    )
-    composed.backward(inp["grad_out"])
-    native = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
-    y = uniep.moe_forward(native[0], inp["topk_idx"], *native[1:], tuning="combine=node_partials")
-    y.backward(inp["grad_out"])
-    refused = ""
+    out: dict[str, Any] = {}
+    for combine in ("node_partials", "per_k"):
+        tuning = f"combine={combine}"
+        leaves = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
+        composed = multinode_cuda.moe_forward(
+            leaves[0], inp["topk_idx"], *leaves[1:], group, tuning
+        )
+        composed.backward(inp["grad_out"])
+        native = [inp[k].clone().requires_grad_(True) for k in ("x", "topk_weights", "w1", "w2")]
+        y = uniep.moe_forward(native[0], inp["topk_idx"], *native[1:], tuning=tuning)
+        y.backward(inp["grad_out"])
+        out[combine] = {
+            "same": same_bits(composed.detach(), y.detach()),
+            "grads": [_rel(a.grad, b.grad) for a, b in zip(leaves, native, strict=True)],
+        }
     try:
-        multinode_cuda.moe_forward(leaves[0], inp["topk_idx"], *leaves[1:], group, "")
+        multinode_cuda.moe_forward(
+            inp["x"], inp["topk_idx"], inp["topk_weights"], inp["w1"], inp["w2"], group,
+            "combine=rank_partials",
+        )  # fmt: skip
     except ValueError as e:
-        refused = str(e)
-    return {
-        "same": same_bits(composed.detach(), y.detach()),
-        "grads": [_rel(a.grad, b.grad) for a, b in zip(leaves, native, strict=True)],
-        "refused": refused,
-    }
+        out["refused"] = str(e)
+    return out
 
 
 @pytest.mark.parametrize(("world", "nodes_of"), [(4, 2), (8, 4)])
-def test_the_cuda_composition_gives_the_executors_node_partials(world: int, nodes_of: int) -> None:
+def test_the_cuda_composition_gives_the_executors_bits(world: int, nodes_of: int) -> None:
     case = CASES[world][0]
     for rank, r in enumerate(run_ranks(world, composed_worker, case, nodes_of, timeout=300)):
-        assert r["same"], f"rank {rank}: composed node partials differ from the executor's"
-        # The gradient is the same function's through other pieces: equal up to rounding.
-        assert max(r["grads"]) < 2e-2, (rank, r["grads"])
-        assert "combine=node_partials only" in r["refused"], r
+        for combine in ("node_partials", "per_k"):
+            got = r[combine]
+            assert got["same"], f"rank {rank}: composed {combine} differs from the executor's"
+            # The gradient is the same function's through other pieces: equal up to rounding.
+            assert max(got["grads"]) < 2e-2, (rank, combine, got["grads"])
+        assert "combine=rank_partials" in r["refused"], r
 
 
 def hosts_worker(rank: int, world: int) -> str:

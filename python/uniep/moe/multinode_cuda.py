@@ -1,5 +1,4 @@
-"""``moe_forward`` on CUDA tensors for a group that spans nodes (docs/multinode.md), with
-``combine=node_partials``.
+"""``moe_forward`` on CUDA tensors for a group that spans nodes (docs/multinode.md).
 
 Composed of pieces that each exist and are tested, so autograd gives the backward:
 
@@ -7,19 +6,21 @@ Composed of pieces that each exist and are tested, so autograd gives the backwar
    rank's local index): each token goes once to every node holding one of its experts, to the
    rank there with this rank's local index (its relay), with its routing remapped to that
    node's experts (-1 elsewhere).
-2. **Node** (NVLink): the relay runs ``moe_forward`` over its node's group on the rows it
-   received (UniEP's CUDA runtime within one NVLink domain). Its combine sums each row's k's of
-   this node in ascending order in fp32 with the routing weights, rounded once to the dtype: the
-   relay's node partial.
-3. **Rail back**: each partial to its token's rank, which sums them in ascending node order in
-   fp32 and rounds once.
+2. **Node** (NVLink): the relay runs ``moe_forward`` over its node's group (UniEP's CUDA runtime
+   within one NVLink domain) on the rows it received.
+3. **Rail back** and the combine at home:
 
-The same order as the CPU executor's ``combine=node_partials`` (cpp/core/cpu_moe.cpp). On CPU
-tensors the same composition gives that executor's bits exactly (the tests check it there, and
-against it on the GPU); ``uniep.moe_forward`` sends only CUDA tensors here. ``per_k`` and
-``rank_partials`` need the node runtime to return each (token, k) row unreduced, which it cannot
-yet: they are refused by name. Every wait on the rail is bounded (``UNIEP_TIMEOUT_S``) and names
-the group.
+   - ``combine=node_partials``: the node's call combines each row's k's of the node (ascending,
+     fp32, weights applied, one rounding): the relay's partial; one row per (token, node) goes
+     back, and the token's rank sums the partials in ascending node order in fp32.
+   - ``combine=per_k`` (the default): the relay runs each row once per k of its node, alone and
+     with weight 1, so the node's call returns the expert's row itself; one row per (token, k)
+     goes back, and the token's rank combines them with the combines' own arithmetic
+     (``combine_rows``): one node's ``per_k`` bits wherever the expert rows have them.
+
+On CPU tensors the same composition gives the CPU executor's bits for both (the tests check it);
+``uniep.moe_forward`` sends only CUDA tensors here. ``rank_partials`` across nodes is refused by
+name. Every wait on the rail is bounded (``UNIEP_TIMEOUT_S``) and names the group.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def moe_forward(
     tuning: str,
 ) -> torch.Tensor:
     """``uniep.moe_forward`` over a group that spans nodes, on CUDA tensors (module docstring).
-    ``tuning`` must name ``combine=node_partials``; its other keys go to the node's call."""
+    ``tuning``'s combine is ``per_k`` (the default) or ``node_partials``; its other keys go to
+    the node's call."""
     from .. import _C
 
     g = node_groups(group)
@@ -197,14 +199,14 @@ def moe_forward(
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         topk_weights = topk_weights.float()  # the CUDA dispatch sends fp32 weights
     params = _C.TuningParams.parse(tuning)
-    if params.combine != "node_partials":
+    combine = params.combine
+    if combine not in ("per_k", "node_partials"):
         raise ValueError(
-            "on CUDA tensors a group that spans nodes runs combine=node_partials only (one "
-            f"partial per (token, node)); got combine={params.combine}: per_k and "
-            "rank_partials need the node runtime to return each (token, k) row unreduced, "
-            "which it cannot yet (docs/multinode.md)"
+            "on CUDA tensors a group that spans nodes combines with per_k or node_partials; got "
+            f"combine={combine}: rank partials across nodes are the CPU executor's only "
+            "(docs/multinode.md)"
         )
-    params.combine = "per_k"  # the node's own combine is the relay's sum over its k's
+    params.combine = "per_k"  # the node's own combine (for node partials, the relay's sum)
     node_tuning = params.to_string(given_only=True)
     experts_per_node = w1.shape[0] * g.node_size
 
@@ -229,27 +231,86 @@ def moe_forward(
     what = f"moe_forward's rail exchange on group '{name}'"
     relay_x = _Rail.apply(torch.cat(rows_x), send, recv, g.rail, what)
     relay_idx = _rail_exchange(torch.cat(rows_idx), send, recv, g.rail, what)
-    relay_w = _Rail.apply(torch.cat(rows_w), send, recv, g.rail, what)
-
     node_name = g.node.group_name
-    if relay_x.is_cuda:
-        # The node's CUDA runtime, created (collectively over the node) or grown on first use.
-        from . import ep
 
-        experts = w1.shape[0] * g.node_size
-        ep.ensure_runtime(node_name, relay_x.shape[0], x.shape[1], topk_idx.shape[1], experts)
-    partial = torch.ops.uniep.moe_forward(
-        relay_x, relay_idx, relay_w, w1, w2, node_name, node_tuning
+    def node_call(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if rows.is_cuda:
+            # The node's CUDA runtime, created (collectively over the node) or grown on first use.
+            from . import ep
+
+            experts = w1.shape[0] * g.node_size
+            ep.ensure_runtime(node_name, max(rows.shape[0], 1), x.shape[1], ids.shape[1], experts)
+        return torch.ops.uniep.moe_forward(rows, ids, weights, w1, w2, node_name, node_tuning)
+
+    if combine == "node_partials":
+        relay_w = _Rail.apply(torch.cat(rows_w), send, recv, g.rail, what)
+        partial = node_call(relay_x, relay_idx, relay_w)
+        back = _Rail.apply(partial, recv, send, g.rail, f"moe_forward's partials on group '{name}'")
+        # The partials of each token in ascending node order, in fp32: one index_add per node, a
+        # token at most once in each.
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
+        start = 0
+        for n in range(g.nodes):
+            rows = back[start : start + send[n]].to(acc)
+            out = out.index_add(0, tokens_of[n], rows)
+            start += send[n]
+        return out.to(x.dtype)
+
+    # per_k: the relay runs each of its rows once per k of this node, alone and with weight 1
+    # (the node's combine then returns the expert's row itself: 1 x y rounds to y), and the rows
+    # go back to be combined at home by the combines' own arithmetic (combine_rows): the bits of
+    # one node's per_k wherever the experts' rows have them.
+    row_of, k_of = torch.nonzero(relay_idx >= 0, as_tuple=True)  # row-major: row, then k
+    single = relay_idx[row_of, k_of].unsqueeze(1)
+    ones = torch.ones(single.shape, dtype=torch.float32, device=x.device)
+    y_rows = node_call(relay_x.index_select(0, row_of), single, ones)
+    # Per source node m, the relayed rows' k's; per node n, this rank's (token, k)s there.
+    starts = [0]
+    for c in recv:
+        starts.append(starts[-1] + c)
+    relay_k = [
+        int((row_of >= starts[m]).logical_and(row_of < starts[m + 1]).sum()) for m in range(g.nodes)
+    ]
+    home_k = [int((node_of == n).sum()) for n in range(g.nodes)]
+    back = _Rail.apply(y_rows, relay_k, home_k, g.rail, f"moe_forward's rows on group '{name}'")
+    top_k = topk_idx.shape[1]
+    slot = torch.cat([torch.nonzero((node_of == n).flatten()).flatten() for n in range(g.nodes)])
+    y_all = torch.zeros(topk_idx.numel(), x.shape[1], dtype=back.dtype, device=x.device)
+    y_all = y_all.index_copy(0, slot, back)
+    gemm_row = torch.where(
+        valid, torch.arange(topk_idx.numel(), device=x.device).view(-1, top_k), -1
     )
-    back = _Rail.apply(partial, recv, send, g.rail, f"moe_forward's partials on group '{name}'")
+    return _CombineRows.apply(y_all, gemm_row, topk_weights)
 
-    # The partials of each token in ascending node order, in fp32: one index_add per node, a
-    # token at most once in each.
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    start = 0
-    for n in range(g.nodes):
-        rows = back[start : start + send[n]].to(acc)
-        out = out.index_add(0, tokens_of[n], rows)
-        start += send[n]
-    return out.to(x.dtype)
+
+class _CombineRows(torch.autograd.Function):
+    """``combine_rows`` (the combines' arithmetic: out[t] = sum over k ascending of
+    w[t, k] * y[row[t, k]], fp32 products and sums each rounded, one rounding to bf16), with its
+    gradient: each used row gets w times the output's gradient, each weight the dot product of
+    the output's gradient with its row (fp32)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, y: torch.Tensor, row: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        out, error = torch.ops.uniep.combine_rows(y, row, w.float())
+        if int(error.item()) != 0:
+            raise RuntimeError(f"moe_forward's combine across nodes: combine_rows error {error}")
+        ctx.save_for_backward(y, row, w)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        y, row, w = ctx.saved_tensors
+        used = row >= 0
+        flat = row.clamp_min(0).flatten()
+        g = grad.float()
+        top_k = row.shape[1]
+        # [T, K, H]: each (token, k)'s row gradient and its weight's.
+        rows = y.index_select(0, flat).float().view(row.shape[0], top_k, y.shape[1])
+        grad_w = torch.where(used, (rows * g.unsqueeze(1)).sum(-1), 0.0).to(w.dtype)
+        per_k = torch.where(used.unsqueeze(-1), w.float().unsqueeze(-1) * g.unsqueeze(1), 0.0)
+        grad_y = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        grad_y = grad_y.index_add(0, flat, per_k.reshape(-1, y.shape[1]))
+        return grad_y.to(y.dtype), None, grad_w

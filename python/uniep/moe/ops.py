@@ -274,7 +274,7 @@ def moe_forward(
             naming the tuning key). It never changes the output bits, except ``dispatch=fp8``,
             ``experts`` and ``combine=rank_partials`` / ``node_partials``, which a cached point
             never changes. ``combine=node_partials`` (one partial per (token, node) across
-            nodes: docs/multinode.md) runs on the CPU executor only.
+            nodes: docs/multinode.md) runs on the CPU executor and, on CUDA, across nodes.
             ``dispatch=fp8`` sends the tokens in e4m3 (one scale per 1 x 128 block) and, with
             ``experts=auto`` (the default), runs the experts in fp8 too: w1 and w2 quantized in
             128 x 128 blocks (on CUDA one e4m3 copy kept while they are unchanged: half their
