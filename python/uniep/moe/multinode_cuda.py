@@ -146,6 +146,9 @@ def _argument_error(
     """What is wrong with this rank's arguments, or "" (the node's call checks the rest)."""
     if x.dim() != 2:
         return f"x must be a 2-D tensor [T, H], got shape {tuple(x.shape)}"
+    if x.dtype != torch.bfloat16:
+        # The CUDA executor's expert GEMMs and combine_rows are bf16.
+        return f"x must be bfloat16 across nodes (the CUDA executor's dtype), got {x.dtype}"
     if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64 or topk_idx.shape[0] != x.shape[0]:
         return (
             f"topk_idx must be [T = {x.shape[0]}, K] int64, got shape {tuple(topk_idx.shape)} "
