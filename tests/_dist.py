@@ -127,3 +127,23 @@ def run_ranks(
         if "Address already in use" not in str(e):
             raise
         return _run_once(world_size, fn, args, timeout)
+
+
+def run_ranks_once(
+    cache: dict[Any, Any],
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """:func:`run_ranks`, once per world size for the tests that read one spawn's results:
+    ``cache`` keeps each world's results, or its failure, which every later call raises again."""
+    if world_size not in cache:
+        try:
+            cache[world_size] = run_ranks(world_size, fn, *args, timeout=timeout)
+        except Exception as e:
+            cache[world_size] = e
+    got = cache[world_size]
+    if isinstance(got, Exception):
+        raise got
+    return got

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import run_ranks, run_ranks_once
 from _moe_cases import MoeCase, rank_inputs, rel_err, same_bits
 
 PARTIALS = "combine=rank_partials"
@@ -73,15 +73,7 @@ _RESULTS: dict[int, Any] = {}
 
 
 def _results(world: int) -> list[dict[str, Any]]:
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = run_ranks(world, partials_worker, CASES[world])
-        except Exception as e:
-            _RESULTS[world] = e
-    got = _RESULTS[world]
-    if isinstance(got, Exception):
-        pytest.fail(f"multi-rank run failed:\n{got}", pytrace=False)
-    return got
+    return run_ranks_once(_RESULTS, world, partials_worker, CASES[world])
 
 
 def _expected(case: MoeCase, res: dict[str, Any]) -> torch.Tensor:

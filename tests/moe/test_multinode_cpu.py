@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import uniep
-from _dist import run_ranks
+from _dist import run_ranks, run_ranks_once
 from _moe_cases import MoeCase, rank_inputs, same_bits
 from uniep import _C
 
@@ -95,15 +95,7 @@ _RESULTS: dict[int, Any] = {}
 
 
 def _results(world: int) -> list[dict[str, Any]]:
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = run_ranks(world, topology_worker, CASES[world], timeout=300)
-        except Exception as e:
-            _RESULTS[world] = e
-    got = _RESULTS[world]
-    if isinstance(got, Exception):
-        raise got
-    return got
+    return run_ranks_once(_RESULTS, world, topology_worker, CASES[world], timeout=300)
 
 
 def _case(world: int, case: MoeCase) -> list[dict[str, Any]]:
