@@ -289,8 +289,10 @@ def init(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = No
             once per (token, node) (docs/multinode.md). None: ``LOCAL_WORLD_SIZE`` for WORLD
             under a launcher that sets it (``torchrun --nnodes N``), else one node. A value
             below the machine's declares logical nodes (the network leg runs on one machine,
-            for tests). Every rank must pass the same; the ops check it. The two-level path runs
-            on the CPU executor so far: CUDA runtimes refuse a group that spans nodes.
+            for tests). Every rank must pass the same; the ops check it. On CUDA tensors
+            ``moe_forward`` and the expert modules compose the two levels (a CUDA runtime per
+            node); the runtimes themselves (``uniep.moe.ep``, the MegaKernel, the low-latency
+            path) refuse a group that spans nodes.
 
     Returns:
         A ``Runtime`` with the group name, this rank, the world size, the device kind and the

@@ -266,7 +266,8 @@ def moe_forward(
             ``uniep.init``, else WORLD, else a world of one rank (no torch.distributed needed).
             CPU tensors need a gloo group. A group that spans nodes (``uniep.init(group,
             ranks_per_node=...)``, or torchrun's ``LOCAL_WORLD_SIZE``) moves tokens in two
-            levels, once per (token, node) between nodes, with the same bits (CPU executor).
+            levels, once per (token, node) between nodes, with one node's ``per_k`` bits; on
+            CUDA tensors through a CUDA runtime per node (docs/multinode.md).
         tuning: a ``TuningParams`` or its string form, e.g. ``"sms=24/132,token_tile=64"``.
             ``""`` uses the point ``uniep.tune`` cached for this call's shape (``tokens =
             x.shape[0]``, this device and world size), else the defaults; every rank must see
