@@ -3,6 +3,16 @@
 #include "uniep/status.hpp"
 
 namespace uniep {
+namespace {
+
+// Whether a token (its row of token_in_rank) has an expert on one of node n's L ranks.
+bool bound_for_node(const uint8_t* in_rank, int64_t n, int64_t L) {
+  for (int64_t l = 0; l < L; ++l)
+    if (in_rank[n * L + l]) return true;
+  return false;
+}
+
+}  // namespace
 
 std::vector<int64_t> tokens_per_node(const RoutingLayout& layout, const MoeShape& shape) {
   const int64_t W = shape.world_size, L = shape.node_size(), N = shape.num_nodes();
@@ -12,14 +22,7 @@ std::vector<int64_t> tokens_per_node(const RoutingLayout& layout, const MoeShape
   std::vector<int64_t> counts(N, 0);
   for (int64_t t = 0; t < T; ++t) {
     const uint8_t* in_rank = &layout.token_in_rank[t * W];
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t l = 0; l < L; ++l) {
-        if (in_rank[n * L + l]) {
-          ++counts[n];
-          break;
-        }
-      }
-    }
+    for (int64_t n = 0; n < N; ++n) counts[n] += bound_for_node(in_rank, n, L);
   }
   return counts;
 }
@@ -39,9 +42,7 @@ NodePlan plan_nodes(const RoutingLayout& layout, const int64_t* node_counts,
   for (int64_t t = 0; t < T; ++t) {
     const uint8_t* in_rank = &layout.token_in_rank[t * W];
     for (int64_t n = 0; n < N; ++n) {
-      bool bound = false;
-      for (int64_t l = 0; l < L && !bound; ++l) bound = in_rank[n * L + l] != 0;
-      if (!bound) continue;
+      if (!bound_for_node(in_rank, n, L)) continue;
       UNIEP_CHECK_CODE(cursor[n] < plan.send_offsets[n + 1], StatusCode::kInternal,
                        "exchanged node counts disagree with the local layout for node ", n);
       plan.send_tokens[cursor[n]++] = t;

@@ -269,13 +269,11 @@ def moe_forward(
     ones = torch.ones(single.shape, dtype=torch.float32, device=x.device)
     y_rows = node_call(relay_x.index_select(0, row_of), single, ones)
     # Per source node m, the relayed rows' k's; per node n, this rank's (token, k)s there.
-    starts = [0]
-    for c in recv:
-        starts.append(starts[-1] + c)
-    relay_k = [
-        int((row_of >= starts[m]).logical_and(row_of < starts[m + 1]).sum()) for m in range(g.nodes)
-    ]
-    home_k = [int((node_of == n).sum()) for n in range(g.nodes)]
+    group_of = torch.bucketize(
+        row_of, torch.tensor(recv, device=row_of.device).cumsum(0), right=True
+    )
+    relay_k = torch.bincount(group_of, minlength=g.nodes).tolist()
+    home_k = torch.bincount(node_of[valid], minlength=g.nodes).tolist()
     back = _Rail.apply(y_rows, relay_k, home_k, g.rail, f"moe_forward's rows on group '{name}'")
     top_k = topk_idx.shape[1]
     slot = torch.cat([torch.nonzero((node_of == n).flatten()).flatten() for n in range(g.nodes)])
