@@ -17,8 +17,11 @@ experts' bytes) and, per load and token count, the layer's paths against it:
                           left to the choice
     local 64x256          the same with 64 x 256 tiles in clusters of two
     local 64x128          the same with the decode shape, 64 x 128 tiles in clusters of one
-    prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8``, against
+    prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8`` (at world
+                          1 the launches with no host sync: ``uniep.moe.fp8_local``), against
                           the read of the touched experts' fp8 bytes
+    moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (the dispatch, the fp8 GEMMs on
+                          its e4m3 copy of the weights, the combine), against the same read
 
 Loads (bf16; top-k distinct experts per token, uniformly at random with a fixed seed):
 
@@ -27,8 +30,9 @@ Loads (bf16; top-k distinct experts per token, uniformly at random with a fixed 
     dsv3-256     7168        2048      256      8
 
 Each row also says whether each path's output has the bits of ``moe_forward``'s (every path of
-UniEP's engine should; ``gemm=torch``, another GEMM, need not; the fp8 path gives its error
-against the bf16 output's norm instead) and whether the path can be captured in a CUDA graph
+UniEP's engine should; ``gemm=torch``, another GEMM, need not; the fp8 paths give their error
+against the bf16 output's norm instead, and whether ``prepared fp8`` has ``moe_forward fp8``'s
+bits) and whether the path can be captured in a CUDA graph
 (``graph[...]``: the replay time, or the error capture gave). ``--profile N`` adds the per-kernel
 GPU time of the two local tiles at each token count.
 
@@ -66,6 +70,7 @@ PLAIN = {
     "moe_forward fused": "overlap=fused",
     "fused 64x256": "overlap=fused,tile_m=64,tile_n=256",
     "gemm=torch": "gemm=torch",
+    "moe_forward fp8": "dispatch=fp8",
 }
 
 
@@ -172,6 +177,7 @@ def _load_rows(
         fns = _paths(x, idx, weights, w1, w2, packed, fp8, group)
         with torch.no_grad():
             ref = fns["moe_forward"]()
+            fp8_outs = {}
             for label, fn in fns.items():
                 try:
                     out = fn()
@@ -180,9 +186,10 @@ def _load_rows(
                     row[f"error[{label}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     print(f"{name} T={tokens}: {label}: {row[f'error[{label}]']}", flush=True)
                     continue
-                if label == "prepared fp8":
+                if "fp8" in label:
                     rel = float((out.float() - ref.float()).norm() / ref.float().norm())
-                    row["rel_diff[prepared fp8]"] = rel
+                    row[f"rel_diff[{label}]"] = rel
+                    fp8_outs[label] = out
                 else:
                     row[f"same_bits[{label}]"] = bool(torch.equal(out, ref))
                 ms = median_time_ms(fn, args.warmup, args.iters, cuda=True)
@@ -190,7 +197,11 @@ def _load_rows(
                 row[f"ms[{label}]"] = ms
                 floor = row["floor_fp8_ms"] if "fp8" in label else floor_ms
                 row[f"over_floor[{label}]"] = ms / floor
-            for label in ("local fused", "local 64x256", "prepared"):
+            if len(fp8_outs) == 2:
+                row["same_bits[prepared fp8, moe_forward fp8]"] = bool(
+                    torch.equal(fp8_outs["prepared fp8"], fp8_outs["moe_forward fp8"])
+                )
+            for label in ("local fused", "local 64x256", "prepared", "prepared fp8"):
                 if f"ms[{label}]" in row:
                     row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
             if args.profile:
@@ -229,11 +240,13 @@ def plot_decode(result_path: str | Path) -> Path:
         ("CUDA graph, 64 x 256 tiles", "graph[local 64x256]", "#ff7f0e"),
         ("moe_forward, eager", "ms[moe_forward]", "#2ca02c"),
         ("moe_forward_prepared, eager", "ms[prepared]", "#9467bd"),
+        ("CUDA graph, prepared fp8 (over the fp8 read)", "graph[prepared fp8]", "#d62728"),
     ]
 
     def over(r: dict[str, Any], key: str) -> float | None:
         v = r.get(key)
-        return v / r["floor_ms"] if isinstance(v, (int, float)) else None
+        floor = r.get("floor_fp8_ms", r["floor_ms"] / 2) if "fp8" in key else r["floor_ms"]
+        return v / floor if isinstance(v, (int, float)) else None
 
     panels = []
     for load in dict.fromkeys(r["load"] for r in payload["rows"]):

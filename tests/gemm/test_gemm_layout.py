@@ -88,6 +88,42 @@ def test_quantize_rows_blocks_and_error() -> None:
     assert (err <= x.abs() * 2**-4 + scales.repeat_interleave(128, 1) * 2**-9).all()
 
 
+def test_quantize_fp8_op_divides_once_as_the_kernels() -> None:
+    # The op's CPU kernel against numpy's float32 arithmetic (each division and product rounded
+    # once, as the CUDA encoding and the C++ CPU executor compute them), byte for byte.
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 512, generator=gen) * 7).bfloat16()
+    x[3, 256:384] = 0.0  # an all-zero block: scale 1, zeros
+    x[4, 0] = 3.0e38  # a block whose other values round to zero
+    q, scales = torch.ops.uniep.quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (9, 4)
+    blocks = x.float().numpy().reshape(9, 4, 128)
+    amax = np.abs(blocks).max(axis=2)
+    limit = np.float32(448.0)
+    want_scale = np.where(amax > 0, amax / limit, np.float32(1.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, limit / amax, np.float32(1.0)).astype(np.float32)
+    product = np.clip((blocks * inv[:, :, None]).astype(np.float32), -limit, limit)
+    want_q = torch.from_numpy(product.reshape(9, 512)).to(torch.float8_e4m3fn)
+    assert np.array_equal(scales.numpy(), want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert scales[3, 2] == 1.0 and not q[3, 256:384].float().any()
+    # The names in its errors are the op's.
+    for bad, match in [
+        (torch.zeros(4, 100, dtype=torch.bfloat16), "multiple of 128 columns"),
+        (torch.zeros(4, 128), "x must be bfloat16"),
+        (torch.zeros(128, dtype=torch.bfloat16), "x must be 2-D"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            torch.ops.uniep.quantize_fp8(bad)
+    # The fake kernel's shapes (torch.compile, meta tensors).
+    fq, fs = torch.ops.uniep.quantize_fp8(torch.empty(6, 256, dtype=torch.bfloat16, device="meta"))
+    assert fq.shape == (6, 256) and fq.dtype == torch.float8_e4m3fn and fs.shape == (6, 2)
+
+
 def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:
     from uniep.gemm import dequantize_expert_weights, quantize_expert_weights
 

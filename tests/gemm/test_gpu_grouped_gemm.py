@@ -491,6 +491,26 @@ def test_swiglu_fp8_one_pass() -> None:
         swiglu_fp8(h[:, :512])
 
 
+def test_quantize_fp8_op_on_cuda_gives_the_cpu_kernel_s_bytes() -> None:
+    # The op's CUDA kernel (the fp8 dispatch's encoding) against its CPU kernel byte for byte,
+    # with zero blocks, one huge value and bf16 extremes; an empty batch; its errors by name.
+    gen = torch.Generator().manual_seed(32)
+    x = (torch.randn(333, 7 * 128, generator=gen) * 30).bfloat16()
+    x[5, 128:256] = 0.0
+    x[6, 0] = 3.0e38
+    x[7, 300] = -1e-30
+    q, scales = torch.ops.uniep.quantize_fp8(x.cuda())
+    cq, cs = torch.ops.uniep.quantize_fp8(x)
+    assert torch.equal(q.cpu().view(torch.uint8), cq.view(torch.uint8))
+    assert torch.equal(scales.cpu(), cs)
+    eq, es = torch.ops.uniep.quantize_fp8(x[:0].cuda())
+    assert eq.shape == (0, 7 * 128) and es.shape == (0, 7)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        torch.ops.uniep.quantize_fp8(x.cuda()[:, :256])
+    with pytest.raises(ValueError, match="multiple of 128 columns"):
+        torch.ops.uniep.quantize_fp8(x.cuda()[:, :200].contiguous())
+
+
 def test_backward_elementwise_op_matches_the_torch_chain() -> None:
     # moe_backward's one-pass step against the torch chain it replaces (fp32, op by op).
     ops = torch.ops.uniep

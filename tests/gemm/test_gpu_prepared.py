@@ -288,3 +288,98 @@ def test_decode_steps_replay_in_a_cuda_graph() -> None:
         idx[0, 1] = 0 if idx[0, 0] != 0 else 1
         graph.replay()
         megakernel.check_errors()
+
+
+def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
+    """fp8 experts at world 1 (uniep.moe.fp8_local): the dispatch path's bits eagerly, and a CUDA
+    graph of the call replayed on new tokens and routing; checks as strings, so that the report
+    says which failed."""
+    from uniep.distributed import group_name
+    from uniep.moe import prepared
+    from uniep.moe.megakernel import launch as megakernel
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts, hidden, ffn, top_k = 32, 256, 256, 4
+    gen = torch.Generator(device=dev).manual_seed(5)
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen, device=dev) / 16).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device=dev) / 16).bfloat16()
+    fp8 = prepare_experts(w1, w2, "fp8")
+    tuning = "dispatch=fp8"
+
+    def routing(tokens: int, skew: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(tokens, hidden, generator=gen, device=dev).bfloat16()
+        scores = torch.rand(tokens, experts, generator=gen, device=dev)
+        if skew:  # every token to expert 3, the others among the first 8: 24 experts empty
+            scores[:, 3] = 2.0
+            scores[:, 8:] = -1.0
+        idx = scores.topk(top_k, dim=1).indices
+        idx[torch.rand(tokens, top_k, generator=gen, device=dev) < 0.15] = -1  # unused entries
+        return x, idx, torch.rand(tokens, top_k, generator=gen, device=dev)
+
+    def dispatch_path(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return prepared._forward_cuda(x, idx, w, fp8, group_name(None), 1, tuning)
+
+    failed: list[str] = []
+    stream = torch.cuda.Stream()
+    for tokens, skew in [(1, False), (16, True), (64, False), (300, False), (700, True)]:
+        x, idx, w = routing(tokens, skew)
+        with torch.cuda.stream(stream):  # the warm-up, eagerly
+            eager = moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
+        torch.cuda.synchronize()
+        if not torch.equal(eager, dispatch_path(x, idx, w)):
+            failed.append(f"{tokens} tokens: eager differs from the dispatch path")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(out, eager):
+            failed.append(f"{tokens} tokens: the replay differs from the eager call")
+        for _ in range(2):
+            x2, idx2, w2_ = routing(tokens, not skew)
+            x.copy_(x2)
+            idx.copy_(idx2)
+            w.copy_(w2_)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(out, dispatch_path(x, idx, w)):
+                failed.append(f"{tokens} tokens: a replay on new routing differs")
+        megakernel.check_errors()
+        # A bad expert id in a replay: kept on the device, raised by check_errors() once.
+        idx[0, top_k - 1] = experts + 2
+        graph.replay()
+        try:
+            megakernel.check_errors()
+            failed.append(f"{tokens} tokens: a bad id in a replay was not raised")
+        except ValueError as e:
+            if "in a CUDA graph" not in str(e) or f"token 0, k {top_k - 1}" not in str(e):
+                failed.append(f"{tokens} tokens: the error does not name the entry: {e}")
+        idx[0, top_k - 1] = -1
+        graph.replay()
+        megakernel.check_errors()
+    # Eagerly, a bad id is raised by check_errors() (or the next call), naming the plan.
+    x, idx, w = routing(8, False)
+    idx[2, 1] = experts
+    moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
+    try:
+        megakernel.check_errors()
+        failed.append("eager: a bad id was not raised")
+    except ValueError as e:
+        if "fp8 plan" not in str(e) or "token 2, k 1" not in str(e):
+            failed.append(f"eager: the error does not name the plan and entry: {e}")
+    empty = moe_forward_prepared(x[:0], idx[:0], w[:0], fp8, tuning=tuning)
+    if empty.shape != (0, hidden):
+        failed.append(f"no tokens: shape {tuple(empty.shape)}")
+    return {"failed": failed}
+
+
+def test_fp8_decode_replays_in_a_cuda_graph() -> None:
+    """moe_forward_prepared with fp8 experts at world 1 needs no host sync: its eager call has the
+    dispatch path's bits (one token to 700, skewed routing with empty experts, unused entries),
+    and captured once per batch size it replays on new tokens and routing with those bits; a bad
+    expert id is kept on the device and raised by check_errors(), naming the entry."""
+    from uniep.distributed import run_local_ranks
+
+    (report,) = run_local_ranks(_fp8_graph_worker, 1, backend="nccl", timeout_s=300)
+    assert report["failed"] == [], report

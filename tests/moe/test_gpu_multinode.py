@@ -45,7 +45,9 @@ def _worker(rank: int, world: int, per_node: int) -> dict[str, object]:
     go = torch.randn(tokens, H, generator=gen).bfloat16()
 
     def run(dev: str, tuning: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        leaves = [t.to(dev).requires_grad_(True) for t in (x, w, w1, w2)]
+        # detach: .to() of a tensor already on dev is the tensor itself, which must stay a
+        # plain input for the other runs.
+        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, w, w1, w2)]
         y = uniep.moe_forward(leaves[0], idx.to(dev), *leaves[1:], tuning=tuning)
         y.backward(go.to(dev))
         return y.detach().cpu(), [t.grad.cpu() for t in leaves]

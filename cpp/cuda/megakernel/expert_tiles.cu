@@ -102,14 +102,70 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block b's entries of the local plan: each warp walks 256 consecutive entries in (token, k)
-// order, ranking equal ids by __match_any_sync, after a first walk that counts them per warp;
-// so the i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp)
-// gives it. The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
+// The local plan's counting sort: each warp walks 256 consecutive entries in (token, k) order,
+// ranking equal ids by __match_any_sync, after a first walk that counts them per warp; so the
+// i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp) gives it.
+// The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
 constexpr int kLocalExperts = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpEntries = kBlockEntries / kWarps;
 
+// Entry i's expert, or -1 for an entry past n, a negative id or an id past the experts (`id`
+// keeps the id read, so the caller can report the last kind).
+__device__ __forceinline__ int entry_key(const int64_t* __restrict__ ids, int64_t n,
+                                         int num_experts, int64_t i, int64_t& id) {
+  id = i < n ? ids[i] : -1;
+  return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+}
+
+// The counting sort's first pass over one warp's entries [seg, seg + kWarpEntries): `table[e]`
+// (the warp's own, zeroed) gains the entries routed to e, one leader per id and step (no
+// atomics).
+__device__ __forceinline__ void count_warp_entries(const int64_t* __restrict__ ids, int64_t n,
+                                                   int num_experts, int64_t seg, int lane,
+                                                   int* table) {
+  for (int s = 0; s < kWarpEntries / 32; ++s) {
+    int64_t id = -1;
+    const int key = entry_key(ids, n, num_experts, seg + s * 32 + lane, id);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) table[key] += __popc(peers);
+  }
+}
+
+// The second pass: with `table[e]` the warp's first row of e, each entry gets its row in entry
+// order (equal ids ranked by __match_any_sync), and `counter_of(e, row)` its tile counter; an
+// unused entry gets -1 everywhere, and an id past the experts is reported in `error`.
+template <class CounterOf>
+__device__ __forceinline__ void place_warp_entries(
+    const int64_t* __restrict__ ids, int64_t n, int num_experts, int64_t seg, int lane, int* table,
+    CounterOf counter_of, int64_t* __restrict__ dest_rank, int64_t* __restrict__ gemm_row,
+    int64_t* __restrict__ counter, unsigned long long* __restrict__ error) {
+  const uint32_t below = (1u << lane) - 1u;
+  for (int s = 0; s < kWarpEntries / 32; ++s) {
+    const int64_t i = seg + s * 32 + lane;
+    int64_t id = -1;
+    const int key = entry_key(ids, n, num_experts, i, id);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    const int first = key >= 0 ? table[key] : 0;
+    __syncwarp();
+    if (key >= 0 && lane == __ffs(peers) - 1) table[key] = first + __popc(peers);
+    __syncwarp();
+    if (i >= n) continue;
+    if (key < 0) {
+      dest_rank[i] = gemm_row[i] = counter[i] = -1;
+      if (id >= num_experts)
+        atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
+      continue;
+    }
+    const int row = first + __popc(peers & below);
+    dest_rank[i] = 0;
+    gemm_row[i] = row;
+    counter[i] = counter_of(key, row);
+  }
+}
+
+// Block b's entries of the local plan, after expert_tiles_kernel gave each block its first row
+// per expert.
 __global__ void __launch_bounds__(kThreads)
     local_rows_kernel(const int64_t* __restrict__ ids, int64_t n, int num_experts, int tile_m,
                       const int64_t* __restrict__ counts, const int32_t* __restrict__ offs,
@@ -118,23 +174,12 @@ __global__ void __launch_bounds__(kThreads)
                       int64_t* __restrict__ counter, unsigned long long* __restrict__ error) {
   __shared__ int table[kWarps][kLocalExperts];
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const uint32_t below = (1u << lane) - 1u;
   const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
-  auto key_of = [&](int64_t i, int64_t& id) {
-    id = i < n ? ids[i] : -1;
-    return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
-  };
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
   __syncthreads();
-  // Pass 1: each warp's entries per expert (one leader per id and step: no atomics).
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
-    int64_t id = -1;
-    const int key = key_of(seg + s * 32 + lane, id);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] += __popc(peers);
-  }
+  count_warp_entries(ids, n, num_experts, seg, lane, table[warp]);
   __syncthreads();
   // Each warp's first row per expert: the block's base, then the warps before it.
   const int* base = block_rows + int64_t{blockIdx.x} * num_experts;
@@ -148,29 +193,12 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  // Pass 2: the rows, in entry order.
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
-    const int64_t i = seg + s * 32 + lane;
-    int64_t id = -1;
-    const int key = key_of(i, id);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    const int first = key >= 0 ? table[warp][key] : 0;
-    __syncwarp();
-    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] = first + __popc(peers);
-    __syncwarp();
-    if (i >= n) continue;
-    if (key < 0) {
-      dest_rank[i] = gemm_row[i] = counter[i] = -1;
-      if (id >= num_experts)
-        atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
-      continue;
-    }
-    const int row = first + __popc(peers & below);
-    const int start = offs[key] - static_cast<int>(counts[key]);
-    dest_rank[i] = 0;
-    gemm_row[i] = row;
-    counter[i] = tile_base[key] + (row - start) / tile_m;
-  }
+  place_warp_entries(
+      ids, n, num_experts, seg, lane, table[warp],
+      [&](int e, int row) {
+        return tile_base[e] + (row - (offs[e] - static_cast<int>(counts[e]))) / tile_m;
+      },
+      dest_rank, gemm_row, counter, error);
 }
 
 // The whole local plan of up to one block's entries (kBlockEntries: decode batches) in one
@@ -190,23 +218,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int base[kLocalExperts];   // its first tile counter
   __shared__ typename Scan::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const uint32_t below = (1u << lane) - 1u;
   const int64_t seg = int64_t{warp} * kWarpEntries;
-  auto key_of = [&](int64_t i, int64_t& id) {
-    id = i < n ? ids[i] : -1;
-    return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
-  };
   if (tid == 0) *error = 0;
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
   __syncthreads();
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
-    int64_t id = -1;
-    const int key = key_of(seg + s * 32 + lane, id);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] += __popc(peers);
-  }
+  count_warp_entries(ids, n, num_experts, seg, lane, table[warp]);
   __syncthreads();
   int rows_before = 0, tiles_before = 0;  // the same in every thread
   for (int g = 0; g < num_experts; g += kThreads) {
@@ -241,27 +259,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (tid == 0) tile_base[num_experts] = tiles_before;
   __syncthreads();
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
-    const int64_t i = seg + s * 32 + lane;
-    int64_t id = -1;
-    const int key = key_of(i, id);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    const int first = key >= 0 ? table[warp][key] : 0;
-    __syncwarp();
-    if (key >= 0 && lane == __ffs(peers) - 1) table[warp][key] = first + __popc(peers);
-    __syncwarp();
-    if (i >= n) continue;
-    if (key < 0) {
-      dest_rank[i] = gemm_row[i] = counter[i] = -1;
-      if (id >= num_experts)
-        atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
-      continue;
-    }
-    const int row = first + __popc(peers & below);
-    dest_rank[i] = 0;
-    gemm_row[i] = row;
-    counter[i] = base[key] + (row - start[key]) / tile_m;
-  }
+  place_warp_entries(
+      ids, n, num_experts, seg, lane, table[warp],
+      [&](int e, int row) { return base[e] + (row - start[e]) / tile_m; }, dest_rank, gemm_row,
+      counter, error);
 }
 
 // The argument checks expert_tiles and plan_local_rows_async share; `what` names the call.

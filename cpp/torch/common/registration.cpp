@@ -48,6 +48,10 @@ TORCH_LIBRARY(uniep, m) {
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.
   m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
+  // Rows in the fp8 dispatch's format: x [R, K] bf16 -> (e4m3 [R, K], fp32 scales [R, K / 128]),
+  // the bytes of the dispatch's and the activation's encoding (CUDA in one pass; the CPU kernel,
+  // uniep.gemm.quantize_rows, the same arithmetic in torch).
+  m.def("quantize_fp8(Tensor x) -> (Tensor q, Tensor scales)");
   // The element-wise steps of moe_backward's experts on CUDA (uniep/cuda/grouped_gemm.hpp),
   // bf16 rows: SwiGLU's backward (h [R, 2I], grad_act [R, I] -> act [R, I], grad_h [R, 2I]),
   // rows scaled by an fp32 weight each, and fp32 row dot products.

@@ -74,7 +74,7 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
 std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1);
 
 // a [R, C] bf16 -> (e4m3 [R, C], fp32 scales [R, C / 128]): swiglu_fp8's encoding of an
-// activation already computed.
+// activation already computed, and the quantize_fp8 op's of rows (its errors name the op's x).
 std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a);
 
 // h [R, 2I] bf16 (gate, then up) -> silu(gate) * up rounded to bf16 and quantized in 1 x 128

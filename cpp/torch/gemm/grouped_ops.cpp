@@ -361,10 +361,12 @@ std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const a
 }
 
 std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a) {
-  UNIEP_CHECK(a.dim() == 2, "a must be 2-D [R, C], got shape ", a.sizes());
-  UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16, got ", a.scalar_type());
-  UNIEP_CHECK(a.is_cuda() && a.is_contiguous(), "a must be a contiguous CUDA tensor");
-  UNIEP_CHECK(a.size(1) % 128 == 0, "a must have a multiple of 128 columns, got shape ", a.sizes());
+  UNIEP_CHECK(a.dim() == 2, "x must be 2-D [R, K], got shape ", a.sizes());
+  UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.scalar_type());
+  UNIEP_CHECK(a.is_cuda(), "x must be a CUDA tensor, got ", a.device());
+  UNIEP_CHECK(a.is_contiguous(), "x must be contiguous, got strides ", a.strides());
+  UNIEP_CHECK(a.size(1) % 128 == 0,
+              "x must have a multiple of 128 columns (one scale per 128), got shape ", a.sizes());
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor q = at::empty(a.sizes(), a.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor scales = at::empty({a.size(0), a.size(1) / 128}, a.options().dtype(at::kFloat));
@@ -407,6 +409,10 @@ at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, 
 
 std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
   return translate_errors([&] { return engine_swiglu_fp8(h); });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x) {
+  return translate_errors([&] { return engine_quantize_fp8(x); });
 }
 
 // The bf16 CUDA rows the backward's element-wise kernels take: 2-D, contiguous, on one device.
@@ -474,6 +480,7 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
+  m.impl("quantize_fp8", &uniep::torch_glue::quantize_fp8_cuda);
   m.impl("swiglu_backward", &uniep::torch_glue::swiglu_backward_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

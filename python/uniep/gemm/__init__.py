@@ -250,7 +250,8 @@ def _block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] (K a multiple of 128) -> (e4m3 [R, K], fp32 scales [R, K / 128]): one scale per
-    row and 128 columns, the fp8 dispatch's format."""
+    row and 128 columns, the fp8 dispatch's format (``torch.ops.uniep.quantize_fp8`` gives the
+    dispatch's own bytes for bf16 rows, in one launch on CUDA)."""
     if x.dim() != 2 or x.shape[1] % _FP8_BLOCK != 0:
         raise ValueError(f"x must be [R, K] with K a multiple of 128, got {tuple(x.shape)}")
     r, k = x.shape
@@ -371,6 +372,41 @@ def _swiglu_fp8_cpu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 torch.library.impl("uniep::swiglu_fp8", "CPU")(_swiglu_fp8_cpu)
+
+
+def _check_quantize_fp8(x: torch.Tensor) -> None:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got {tuple(x.shape)}")
+    torch._check_value(x.dtype == torch.bfloat16, lambda: f"x must be bfloat16, got {x.dtype}")
+    torch._check_value(
+        x.shape[1] % _FP8_BLOCK == 0,
+        lambda: f"x must have a multiple of 128 columns (one scale per 128), got {tuple(x.shape)}",
+    )
+
+
+@torch.library.register_fake("uniep::quantize_fp8")
+def _quantize_fp8_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_quantize_fp8(x)
+    q = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return q, x.new_empty((x.shape[0], x.shape[1] // _FP8_BLOCK), dtype=torch.float32)
+
+
+def _quantize_fp8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernel's encoding (cuda/common/fp8_block.cuh), which the C++ CPU executor shares:
+    both quotients are divisions rounded once. (torch's ``448 / amax`` is ``448 * (1 / amax)``,
+    an ulp off a quarter of the time, so :func:`quantize_rows` may differ in a last bit.)"""
+    _check_quantize_fp8(x)
+    r, k = x.shape
+    blocks = x.float().reshape(r, k // _FP8_BLOCK, _FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2)
+    limit = torch.full_like(amax, _E4M3_MAX)
+    some = amax > 0
+    scale = torch.where(some, amax / limit, torch.ones_like(amax))
+    inv = torch.where(some, limit / amax, torch.ones_like(amax))
+    q = (blocks * inv.unsqueeze(2)).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(r, k), scale
+
+
+torch.library.impl("uniep::quantize_fp8", "CPU")(_quantize_fp8_cpu)
 
 
 # Fake kernel of the backward's element-wise op (CUDA only: uniep/moe/backward_cuda.py).

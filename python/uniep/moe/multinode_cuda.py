@@ -48,6 +48,9 @@ class NodeGroups:
     node_size: int
     node_index: int
     local_index: int
+    # Some host runs more than one node (logical nodes): their NVSHMEM start-ups must not overlap
+    # (node_runtime).
+    shared_host: bool = False
 
 
 _GROUPS: dict[str, NodeGroups] = {}
@@ -65,7 +68,7 @@ def node_groups(group: dist.ProcessGroup) -> NodeGroups:
         raise ValueError(f"group '{name}' is one node of {world} ranks: no rail to build")
     ranks = dist.get_process_group_ranks(group)
     node, local = divmod(me, size)
-    _check_hosts(group, size)
+    hosts = _check_hosts(group, size)
     backend = dist.get_backend(group)
     node_ranks = ranks[node * size : (node + 1) * size]
     rail_ranks = ranks[local::size]
@@ -76,15 +79,16 @@ def node_groups(group: dist.ProcessGroup) -> NodeGroups:
         node_size=size,
         node_index=node,
         local_index=local,
+        shared_host=len(set(hosts)) < world // size,
     )
     _GROUPS[name] = made
     return made
 
 
-def _check_hosts(group: dist.ProcessGroup, size: int) -> None:
+def _check_hosts(group: dist.ProcessGroup, size: int) -> list[str]:
     """Every declared node's ranks on one host (logical nodes may share one; a node may not span
     two: its legs are NVLink). Collective; raises on every rank naming the first node that spans
-    hosts."""
+    hosts; returns each rank's host."""
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     for n in range(len(hosts) // size):
@@ -96,6 +100,7 @@ def _check_hosts(group: dist.ProcessGroup, size: int) -> None:
                 f"({', '.join(seen)}): a node's ranks must share a host (their legs are NVLink); "
                 "the launcher's order (torchrun: consecutive ranks a node) is assumed"
             )
+    return hosts
 
 
 def _rail_exchange(
@@ -238,11 +243,8 @@ def moe_forward(
 
     def node_call(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if rows.is_cuda:
-            # The node's CUDA runtime, created (collectively over the node) or grown on first use.
-            from . import ep
-
             experts = w1.shape[0] * g.node_size
-            ep.ensure_runtime(node_name, max(rows.shape[0], 1), x.shape[1], ids.shape[1], experts)
+            node_runtime(group, g, max(rows.shape[0], 1), x.shape[1], ids.shape[1], experts)
         return torch.ops.uniep.moe_forward(rows, ids, weights, w1, w2, node_name, node_tuning)
 
     if combine == "node_partials":
@@ -283,6 +285,30 @@ def moe_forward(
         valid, torch.arange(topk_idx.numel(), device=x.device).view(-1, top_k), -1
     )
     return _CombineRows.apply(y_all, gemm_row, topk_weights)
+
+
+def node_runtime(
+    group: dist.ProcessGroup, g: NodeGroups, tokens: int, hidden: int, top_k: int, experts: int
+) -> None:
+    """This rank's node's CUDA runtime, created on first use (collectively over the node; a
+    later call grows it as one node's does). Where a host runs several nodes, their first
+    start-ups take turns in node order (a barrier over ``group`` after each): NVSHMEM names the
+    shared-memory slab of the processes that share a GPU after the team's first PE, the same
+    name in every node's NVSHMEM, and a start-up removes the name another is still opening (seen
+    as "Failed to create shared memory slab" and "mapping of buffer object failed" with two and
+    four logical nodes of two processes on one GPU). Every rank of ``group`` calls it in the
+    same call, so all take the same turns."""
+    from .. import _C
+    from . import ep
+
+    name = g.node.group_name
+    if _C.ep_exists(name) or not g.shared_host:
+        ep.ensure_runtime(name, tokens, hidden, top_k, experts)
+        return
+    for n in range(g.nodes):
+        if n == g.node_index:
+            ep.ensure_runtime(name, tokens, hidden, top_k, experts)
+        dist.barrier(group=group)
 
 
 class _CombineRows(torch.autograd.Function):

@@ -1,0 +1,83 @@
+"""fp8 prepared experts on one rank (CUDA): the layer as launches that never wait for the host,
+so that a CUDA graph captures it (an inference server's decode step).
+
+The path through the dispatch (``ep_dispatch``, the fp8 GEMMs, ``ep_combine``) sizes its receive
+buffer from the rows that arrived, a host read of a device count that no graph can hold. At world
+1 the rows need no exchange: the routing's plan (``local_plan``: every expert's rows in
+``(token, k)`` order, as the dispatch at world 1 lays them out) says where each token's copy
+goes, the buffer holds ``T x K`` rows whatever the routing (those past the last expert's end are
+neither computed nor read), and:
+
+1. ``local_plan``: counts, the GEMM's row ends and each entry's row (one launch up to 2,048
+   entries);
+2. ``quantize_fp8`` of the tokens: the fp8 dispatch's own encoding (1 x 128 scales), once per
+   token instead of once per row;
+3. each row's token (a scatter of the tokens to their rows) and the rows' gather;
+4. the two fp8 grouped GEMMs around ``swiglu_fp8``, on the device's row ends;
+5. ``combine_rows``: the per-k combine's arithmetic (ascending k, fp32, one rounding).
+
+The same rows in the same order, the same GEMMs and the combine's arithmetic: the bits of the
+dispatch's path. A bad expert id or a row past the GEMM's output is reported as the MegaKernel
+reports it (``check``: ``uniep.moe.megakernel.launch``'s ``True``, ``False`` or ``"deferred"``,
+which inside a CUDA graph keeps the first error of any replay on the device until
+``check_errors()`` reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tile_gates import TILE_M
+
+__all__ = ["moe_forward_fp8_local"]
+
+# The error words' names (what check_errors() says failed).
+_PLAN = "moe_forward_prepared (fp8 plan)"
+_COMBINE = "moe_forward_prepared (fp8 combine)"
+
+
+def moe_forward_fp8_local(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: object,
+    tuning: str,
+    *,
+    check: bool | str = "deferred",
+) -> torch.Tensor:
+    """The layer on fp8 ``PreparedExperts`` at world 1 (module docstring): ``x [T, H]`` bf16 on
+    CUDA, ``topk_idx [T, K]`` int64 (-1: no expert), ``topk_weights [T, K]``; ``tuning`` (a
+    canonical string) picks the fp8 GEMMs' tiles. Returns ``[T, H]`` bf16. The caller
+    (``moe_forward_prepared``) has checked the operands' shapes and devices."""
+    from .megakernel import launch
+
+    launch.begin_call(check)
+    ops = torch.ops.uniep
+    tokens, top_k = topk_idx.shape
+    slots = tokens * top_k
+    if slots == 0:
+        return x.new_zeros(x.shape)
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()  # the combine's sums take fp32 weights
+    _, offs, _, _, gemm_row, _, plan_error = ops.local_plan(
+        topk_idx.contiguous(), experts.num_experts, TILE_M
+    )
+    q, scales = ops.quantize_fp8(x.contiguous())
+    # rows[gemm_row[t, k]] = q[t]: each row's token, scattered from the entries; the unused
+    # entries all write a spare slot past the rows, and a row no entry names (past the last
+    # expert's end) reads token 0 and is never computed.
+    row = gemm_row.reshape(-1)
+    entry_token = torch.arange(slots, device=x.device) // top_k
+    token_of_row = torch.zeros(slots + 1, dtype=torch.int64, device=x.device)
+    token_of_row.scatter_(0, torch.where(row >= 0, row, slots), entry_token)
+    token_of_row = token_of_row[:slots]
+    rows = q.index_select(0, token_of_row)
+    row_scales = scales.index_select(0, token_of_row)
+    h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
+    act, act_scales = ops.swiglu_fp8(h)
+    y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)
+    out, combine_error = ops.combine_rows(y, gemm_row, topk_weights)
+    launch.finish_call(
+        check, [("send", plan_error, _PLAN, top_k), ("send", combine_error, _COMBINE, top_k)]
+    )
+    return out
