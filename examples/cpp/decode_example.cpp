@@ -21,18 +21,28 @@
 #include <uniep/cuda/moe_layer.hpp>
 #include <uniep/status.hpp>
 
+#include "decode_steps.hpp"
 #include "example_support.hpp"
 
 namespace {
 
+using decode::cpu_forward;
+using decode::device_copy;
+using decode::download;
+using decode::float64_forward;
+using decode::kExperts;
+using decode::kFfn;
+using decode::kHidden;
+using decode::kMaxTokens;
+using decode::kSteps;
+using decode::kTopK;
+using decode::make_step;
+using decode::relative_error;
+using decode::Step;
+using decode::upload_step;
+using decode::widen;
 using example::check;
 using example::check_cuda;
-using example::from_bf16;
-using example::to_bf16;
-
-// Many small experts, as in decode with Qwen3-like layers; w1 as the model stores it.
-constexpr int64_t kHidden = 256, kFfn = 128, kExperts = 64, kTopK = 8, kMaxTokens = 512;
-constexpr int64_t kSteps[] = {1, 4, 16, 64, 128, 256, 512};
 
 int failures = 0;
 
@@ -43,155 +53,11 @@ void expect(bool ok, const std::string& what) {
   }
 }
 
-// A small deterministic generator (the example must not depend on the platform's rand()).
-struct Lcg {
-  uint64_t state;
-  uint32_t next() {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<uint32_t>(state >> 33);
-  }
-  float uniform() { return static_cast<float>(next()) / 2147483648.0f; }  // [0, 1)
-};
-
-struct Step {
-  int64_t tokens = 0;
-  std::vector<uint16_t> x;          // [T, H] bf16
-  std::vector<int64_t> topk_idx;    // [T, K], distinct experts per token, some -1
-  std::vector<float> topk_weights;  // [T, K]
-};
-
-Step make_step(int64_t tokens, uint64_t seed) {
-  Lcg rng{seed};
-  Step s;
-  s.tokens = tokens;
-  s.x.resize(tokens * kHidden);
-  for (auto& v : s.x) v = to_bf16(2.0f * rng.uniform() - 1.0f);
-  s.topk_idx.resize(tokens * kTopK);
-  s.topk_weights.resize(tokens * kTopK);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t k = 0; k < kTopK; ++k) {
-      int64_t e;
-      bool taken;
-      do {  // distinct experts per token, as a top-k gate picks them
-        e = rng.next() % kExperts;
-        taken = false;
-        for (int64_t j = 0; j < k; ++j) taken = taken || s.topk_idx[t * kTopK + j] == e;
-      } while (taken);
-      s.topk_idx[t * kTopK + k] = rng.uniform() < 0.05f ? -1 : e;  // a dropped choice now and then
-      s.topk_weights[t * kTopK + k] = rng.uniform();
-    }
-  }
-  return s;
-}
-
-// The CPU executor on the step's bf16 operands: out [T, H] bf16 as uint16.
-std::vector<uint16_t> cpu_forward(const Step& s, const std::vector<uint16_t>& w1,
-                                  const std::vector<uint16_t>& w2) {
-  std::vector<uint16_t> out(s.tokens * kHidden);
-  uniep::MoeForwardArgs args;
-  args.x = s.x.data();
-  args.topk_idx = s.topk_idx.data();
-  args.topk_weights = s.topk_weights.data();
-  args.w1 = w1.data();
-  args.w2 = w2.data();
-  args.out = out.data();
-  args.dtype = uniep::DType::kBFloat16;
-  args.weight_dtype = uniep::DType::kFloat32;
-  args.shape.tokens = s.tokens;
-  args.shape.hidden = kHidden;
-  args.shape.ffn_hidden = kFfn;
-  args.shape.num_experts = kExperts;
-  args.shape.top_k = kTopK;
-  uniep::LocalTransport transport;
-  uniep::cpu_moe_forward(args, transport);
-  return out;
-}
-
-// The largest |a - b| over the largest |b|.
-double relative_error(const std::vector<uint16_t>& a, const std::vector<double>& b) {
-  double err = 0.0, scale = 1e-30;
-  for (size_t i = 0; i < b.size(); ++i) {
-    err = std::fmax(err, std::fabs(double(from_bf16(a[i])) - b[i]));
-    scale = std::fmax(scale, std::fabs(b[i]));
-  }
-  return err / scale;
-}
-
-std::vector<double> widen(const std::vector<uint16_t>& v) {
-  std::vector<double> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_bf16(v[i]);
-  return out;
-}
-
-// y[t] = sum_k w[t,k] * (silu(x W1g) * (x W1u)) W2, in float64 with the activation rounded to
-// bf16 as the executors round it.
-std::vector<double> float64_forward(const Step& s, const std::vector<uint16_t>& w1,
-                                    const std::vector<uint16_t>& w2) {
-  const int64_t H = kHidden, I = kFfn;
-  std::vector<double> y(s.tokens * H, 0.0), h(I);
-  for (int64_t t = 0; t < s.tokens; ++t) {
-    for (int64_t k = 0; k < kTopK; ++k) {
-      const int64_t e = s.topk_idx[t * kTopK + k];
-      if (e < 0) continue;
-      for (int64_t j = 0; j < I; ++j) {
-        double gate = 0.0, up = 0.0;
-        for (int64_t n = 0; n < H; ++n) {
-          const double xv = from_bf16(s.x[t * H + n]);
-          gate += xv * from_bf16(w1[(e * H + n) * 2 * I + j]);
-          up += xv * from_bf16(w1[(e * H + n) * 2 * I + I + j]);
-        }
-        h[j] = from_bf16(to_bf16(static_cast<float>(gate / (1.0 + std::exp(-gate)) * up)));
-      }
-      for (int64_t n = 0; n < H; ++n) {
-        double acc = 0.0;
-        for (int64_t j = 0; j < I; ++j) acc += h[j] * from_bf16(w2[(e * I + j) * H + n]);
-        y[t * H + n] += double(s.topk_weights[t * kTopK + k]) * acc;
-      }
-    }
-  }
-  return y;
-}
-
-template <typename T>
-T* device_copy(const std::vector<T>& host, size_t capacity) {
-  T* ptr = nullptr;
-  check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), capacity * sizeof(T)), "cudaMalloc");
-  check_cuda(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-             "upload");
-  return ptr;
-}
-
-template <typename T>
-void upload(T* dst, const std::vector<T>& src, cudaStream_t stream) {
-  check_cuda(
-      cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
-      "upload");
-}
-
-// A step's tokens and routing into the layer's input buffers, where a captured graph reads them.
-void upload_step(const Step& step, uint16_t* x, int64_t* topk_idx, float* topk_weights,
-                 cudaStream_t stream) {
-  upload(x, step.x, stream);
-  upload(topk_idx, step.topk_idx, stream);
-  upload(topk_weights, step.topk_weights, stream);
-}
-
-std::vector<uint16_t> download(const uint16_t* src, size_t n, cudaStream_t stream) {
-  std::vector<uint16_t> out(n);
-  check_cuda(cudaMemcpyAsync(out.data(), src, n * sizeof(uint16_t), cudaMemcpyDeviceToHost, stream),
-             "download");
-  check_cuda(cudaStreamSynchronize(stream), "download");
-  return out;
-}
-
 }  // namespace
 
 int main() {
-  // The experts' weights, w1 as stored [E, H, 2I] (gate columns, then up) and w2 [E, I, H].
-  Lcg rng{7};
-  std::vector<uint16_t> w1(kExperts * kHidden * 2 * kFfn), w2(kExperts * kFfn * kHidden);
-  for (auto& v : w1) v = to_bf16((2.0f * rng.uniform() - 1.0f) / 16.0f);
-  for (auto& v : w2) v = to_bf16((2.0f * rng.uniform() - 1.0f) / 11.0f);
+  std::vector<uint16_t> w1, w2;
+  decode::make_weights(&w1, &w2);
 
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _hardware import cuda_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "cpp"
@@ -137,6 +138,7 @@ def test_example_against_cpp_install(cpp_build: tuple[Path, Path], tmp_path: Pat
     assert "uniep::cuda: FALSE" in out
     assert not (tmp_path / "example" / "uniep_gpu_example").exists()
     assert not (tmp_path / "example" / "uniep_decode_example").exists()
+    assert not (tmp_path / "example" / "uniep_decode_ep_example").exists()
     run = _run([str(tmp_path / "example" / "uniep_cpu_example")], timeout=60)
     assert run.rstrip().endswith("OK"), run
 
@@ -170,3 +172,9 @@ def test_example_against_installed_module(tmp_path: Path) -> None:
         # Its CPU half runs without a GPU and ends in OK either way.
         decode = _run([str(tmp_path / "example" / "uniep_decode_example")], timeout=300, env=env)
         assert decode.rstrip().endswith("OK"), decode
+        # Two forked ranks: the decode loop across them on a GPU; without one each says so.
+        ep_example = str(tmp_path / "example" / "uniep_decode_ep_example")
+        ep = _run([ep_example, "2"], timeout=300, env=env)
+        assert ep.rstrip().endswith("OK (2 ranks)"), ep
+        if cuda_device_count() == 0:
+            assert ep.count("no CUDA device") == 2, ep
