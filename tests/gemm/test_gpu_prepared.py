@@ -294,6 +294,7 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
     """fp8 experts at world 1 (uniep.moe.fp8_local): the dispatch path's bits eagerly, and a CUDA
     graph of the call replayed on new tokens and routing; checks as strings, so that the report
     says which failed."""
+    import uniep
     from uniep.distributed import group_name
     from uniep.moe import prepared
     from uniep.moe.megakernel import launch as megakernel
@@ -306,6 +307,8 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
     w2 = (torch.randn(experts, ffn, hidden, generator=gen, device=dev) / 16).bfloat16()
     fp8 = prepare_experts(w1, w2, "fp8")
     tuning = "dispatch=fp8"
+    # The dispatch path (the reference) needs a runtime that holds the largest batch.
+    uniep.moe.ep.init_runtime(None, max_tokens=700, hidden=hidden, top_k=top_k, num_experts=experts)
 
     def routing(tokens: int, skew: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.randn(tokens, hidden, generator=gen, device=dev).bfloat16()

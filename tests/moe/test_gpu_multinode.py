@@ -73,6 +73,8 @@ def _worker(rank: int, world: int, per_node: int) -> dict[str, object]:
         layer.w2.copy_(w2)
     y_module = layer(x.cuda(), idx.cuda(), w.cuda()).detach().cpu()
     out["module_bits"] = bits(y_module, out[PARTIALS]["y"])
+    for combine in (PARTIALS, "per_k"):  # tensors would go back through shared memory
+        del out[combine]["y"]
     try:
         tuning = "combine=rank_partials"
         uniep.moe_forward(x.cuda(), idx.cuda(), w.cuda(), w1.cuda(), w2.cuda(), tuning=tuning)
