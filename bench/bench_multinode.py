@@ -60,16 +60,22 @@ def _inputs(rank: int, world: int, cfg: dict[str, Any], dev: torch.device) -> di
     gen = torch.Generator().manual_seed(1000 + rank)
     x = (torch.randn(t, h, generator=gen) / 4).bfloat16()
     idx, w = topk_routing(t, experts, k, seed=2000 + rank)
-    gen.manual_seed(7)  # every rank draws every expert, then keeps its own
-    w1 = torch.randn(experts, h, 2 * i, generator=gen) * h**-0.5
-    w2 = torch.randn(experts, i, h, generator=gen) * i**-0.5
-    mine = slice(rank * cfg["experts_per_rank"], (rank + 1) * cfg["experts_per_rank"])
+    # Each expert's weights from a seed of its own id, drawn on the device by its rank alone:
+    # the same experts in every layout, and no rank draws the others' (at the default size all
+    # experts in fp32 are 15 GB a rank, minutes of the host's time).
+    wgen = torch.Generator(device=dev)
+    w1s, w2s = [], []
+    per = cfg["experts_per_rank"]
+    for e in range(rank * per, (rank + 1) * per):
+        wgen.manual_seed(7_000_003 + e)
+        w1s.append((torch.randn(h, 2 * i, generator=wgen, device=dev) * h**-0.5).bfloat16())
+        w2s.append((torch.randn(i, h, generator=wgen, device=dev) * i**-0.5).bfloat16())
     return {
         "x": x.to(dev),
         "idx": idx.to(dev),
         "w": w.to(dev),
-        "w1": w1[mine].bfloat16().contiguous().to(dev),
-        "w2": w2[mine].bfloat16().contiguous().to(dev),
+        "w1": torch.stack(w1s),
+        "w2": torch.stack(w2s),
     }
 
 

@@ -24,8 +24,8 @@ def _no_sticky_words():
 
 def test_the_first_error_of_any_replay_is_kept_and_raised_once() -> None:
     word = torch.zeros(1, dtype=torch.int64)
-    sticky = launch._sticky_word("send", word, "moe_forward_local (fused)", 2)
-    assert sticky is launch._sticky_word("send", word, "moe_forward_local (fused)", 2)
+    sticky = launch.sticky_word("send", word, "moe_forward_local (fused)", 2)
+    assert sticky is launch.sticky_word("send", word, "moe_forward_local (fused)", 2)
     launch._keep_first_error(sticky, torch.zeros(1, dtype=torch.int64))  # a clean replay
     assert not sticky.any()
     launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT | 7]))  # entry 7: token 3, k 1
@@ -39,7 +39,7 @@ def test_the_first_error_of_any_replay_is_kept_and_raised_once() -> None:
 
 def test_a_timeout_record_is_kept_whole() -> None:
     record = torch.zeros(5, dtype=torch.int32)
-    sticky = launch._sticky_word("gate", record, "moe_forward_local (fused)", 2)
+    sticky = launch.sticky_word("gate", record, "moe_forward_local (fused)", 2)
     # flag 1: rows that never came (expert 3, m-tile 0, 5 of 8 rows).
     launch._keep_first_error(sticky, torch.tensor([1, 3, 0, 5, 8], dtype=torch.int32))
     launch._keep_first_error(sticky, torch.tensor([1, 4, 1, 0, 8], dtype=torch.int32))
@@ -49,7 +49,7 @@ def test_a_timeout_record_is_kept_whole() -> None:
 
 
 def test_no_check_leaves_the_words_alone() -> None:
-    sticky = launch._sticky_word("send", torch.zeros(1, dtype=torch.int64), "x", 1)
+    sticky = launch.sticky_word("send", torch.zeros(1, dtype=torch.int64), "x", 1)
     launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT]))
     launch.check_errors(wait=False)  # the deferred calls' own check reads no device word
     assert sticky.item() == BAD_EXPERT
@@ -84,8 +84,8 @@ def test_the_tile_width_follows_the_rows() -> None:
 
 
 def test_one_check_clears_every_word_of_the_failed_replays() -> None:
-    plan = launch._sticky_word("send", torch.zeros(1, dtype=torch.int64), "call (plan)", 2)
-    kernel = launch._sticky_word("gate", torch.zeros(5, dtype=torch.int32), "call (fused)", 2)
+    plan = launch.sticky_word("send", torch.zeros(1, dtype=torch.int64), "call (plan)", 2)
+    kernel = launch.sticky_word("gate", torch.zeros(5, dtype=torch.int32), "call (fused)", 2)
     launch._keep_first_error(plan, torch.tensor([BAD_EXPERT | 1]))
     launch._keep_first_error(kernel, torch.tensor([1, 0, 0, 0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"call \(plan\) \(in a CUDA graph\)"):

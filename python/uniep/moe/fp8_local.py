@@ -1,5 +1,6 @@
 """fp8 prepared experts on one rank (CUDA): the layer as launches that never wait for the host,
-so that a CUDA graph captures it (an inference server's decode step).
+so that a CUDA graph captures it (an inference server's decode step). ``moe_forward_prepared``
+takes it inside a capture and for large eager batches (:func:`takes_local_path`).
 
 The path through the dispatch (``ep_dispatch``, the fp8 GEMMs, ``ep_combine``) sizes its receive
 buffer from the rows that arrived, a host read of a device count that no graph can hold. At world
@@ -29,11 +30,34 @@ import torch
 
 from .tile_gates import TILE_M
 
-__all__ = ["moe_forward_fp8_local"]
+__all__ = ["EAGER_MIN_ROWS", "keep_graph_errors", "moe_forward_fp8_local", "takes_local_path"]
 
 # The error words' names (what check_errors() says failed).
 _PLAN = "moe_forward_prepared (fp8 plan)"
 _COMBINE = "moe_forward_prepared (fp8 combine)"
+
+# Rows (tokens x top-k) from which an eager call takes this path rather than the dispatch's. Its
+# dozen launches cost the host more than the dispatch's few: on one H200 (2026-12-02, 64c357b)
+# the eager call took 1.95x the dispatch path's time at 1 token on 128 experts of FFN 768 and
+# 1.11x at 512 tokens, but 0.89x at 4,096 tokens (0.97x on 256 experts of FFN 2048), while a CUDA
+# graph of it replayed in 0.63-0.71x the bf16 MegaKernel's graph from 16 tokens up.
+EAGER_MIN_ROWS = 8192
+
+
+def takes_local_path(rows: int) -> bool:
+    """Whether a world-1 call on fp8 experts of ``rows`` rows runs here: always inside a CUDA
+    graph's capture (the dispatch path cannot be captured), else from ``EAGER_MIN_ROWS``."""
+    return torch.cuda.is_current_stream_capturing() or rows >= EAGER_MIN_ROWS
+
+
+def keep_graph_errors(device: torch.device, top_k: int) -> None:
+    """Make the device words a captured call keeps its errors in (``check="deferred"``), as an
+    eager call of this path would: the warm-up before a capture may have taken the dispatch."""
+    from .megakernel import launch
+
+    like = torch.zeros(1, dtype=torch.int64, device=device)
+    for what in (_PLAN, _COMBINE):
+        launch.sticky_word("send", like, what, top_k)
 
 
 def moe_forward_fp8_local(

@@ -43,10 +43,12 @@ raise them in the call itself. Captured in a CUDA graph (after one eager call, w
 device words the graph keeps its errors in), the MegaKernel keeps the first error of any replay
 on the device until ``check_errors()`` reads it.
 
-fp8 experts at world 1 run the same launches with no host sync (``uniep.moe.fp8_local``: the
-routing's plan puts each token's rows where the dispatch would, so the bits are the dispatch
-path's), which a CUDA graph captures; their errors are checked as the MegaKernel's. Across ranks
-they take the dispatch, whose receive buffer is sized by a host read (no capture there).
+fp8 experts at world 1 inside a CUDA graph's capture, and eagerly from
+``uniep.moe.fp8_local.EAGER_MIN_ROWS`` rows, run launches with no host sync
+(``uniep.moe.fp8_local``: the routing's plan puts each token's rows where the dispatch would, so
+the bits are the dispatch path's); their errors are checked as the MegaKernel's. Smaller eager
+batches, and every batch across ranks, take the dispatch, whose receive buffer is sized by a
+host read (no capture across ranks).
 
 On CPU the prepared weights are turned back into the plain ones (unpacked, or dequantized) and the
 CPU executor runs ``moe_forward`` on them: the reference the GPU path is tested against.
@@ -69,7 +71,7 @@ from ..gemm import (
     unpack_gate_up,
 )
 from ..tuning.params import parse as parse_tuning
-from .fp8_local import moe_forward_fp8_local
+from . import fp8_local
 from .megakernel.launch import fused_by_default, megakernel_overlap
 
 __all__ = [
@@ -157,8 +159,8 @@ def moe_forward_prepared(
     """The MoE layer of ``uniep.moe_forward`` on prepared experts (forward only).
 
     CUDA (bf16 x, Hopper): packed bf16 experts with ``overlap=fused`` named in ``tuning`` run
-    the MegaKernel (module docstring); fp8 experts at world 1 the plan, the fp8 GEMMs and the
-    combine with no host sync (``uniep.moe.fp8_local``; a CUDA graph captures both); otherwise
+    the MegaKernel (module docstring); fp8 experts at world 1 in a capture or a large batch the
+    plan, the fp8 GEMMs and the combine with no host sync (``uniep.moe.fp8_local``); otherwise
     the dispatch, the engine's GEMMs in the prepared format and the combine, as separate
     launches. All give ``moe_forward``'s bits.
     Across ranks the MegaKernel's runtime is sized on first use for the largest batch over the
@@ -207,7 +209,11 @@ def moe_forward_prepared(
     ):
         return forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     if experts.format == "fp8" and world == 1:
-        return moe_forward_fp8_local(x, topk_idx, topk_weights, experts, params.to_string())
+        if fp8_local.takes_local_path(topk_idx.numel()):
+            return fp8_local.moe_forward_fp8_local(
+                x, topk_idx, topk_weights, experts, params.to_string()
+            )
+        fp8_local.keep_graph_errors(x.device, topk_idx.shape[1])  # a capture may come next
     return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
 
 

@@ -132,7 +132,7 @@ def _check_sticky() -> None:
     _raise_from(found)
 
 
-def _sticky_word(kind: str, word: torch.Tensor, what: str, top_k: int) -> torch.Tensor:
+def sticky_word(kind: str, word: torch.Tensor, what: str, top_k: int) -> torch.Tensor:
     """The sticky word of (kind, what, top_k) on ``word``'s device, made (zeroed) outside
     capture; inside a capture a missing one is an error naming the warm-up."""
     key = (kind, what, top_k, word.device)
@@ -175,7 +175,7 @@ def finish_call(check: bool | str, entries: list[tuple[str, torch.Tensor, str, i
         _raise_from(entries)
     elif check == "deferred":
         for kind, word, what, top_k in entries:
-            sticky = _sticky_word(kind, word, what, top_k)
+            sticky = sticky_word(kind, word, what, top_k)
             if word.is_cuda and torch.cuda.is_current_stream_capturing():
                 _keep_first_error(sticky, word)
         if entries and entries[0][1].is_cuda and torch.cuda.is_current_stream_capturing():
