@@ -296,7 +296,7 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
     says which failed."""
     import uniep
     from uniep.distributed import group_name
-    from uniep.moe import prepared
+    from uniep.moe import fp8_local, prepared
     from uniep.moe.megakernel import launch as megakernel
     from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
@@ -327,11 +327,12 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
     stream = torch.cuda.Stream()
     for tokens, skew in [(1, False), (16, True), (64, False), (300, False), (700, True)]:
         x, idx, w = routing(tokens, skew)
-        with torch.cuda.stream(stream):  # the warm-up, eagerly
+        with torch.cuda.stream(stream):  # the warm-up, eagerly (the dispatch at these sizes)
             eager = moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
+        local = fp8_local.moe_forward_fp8_local(x, idx, w, fp8, tuning)  # the no-sync path
         torch.cuda.synchronize()
-        if not torch.equal(eager, dispatch_path(x, idx, w)):
-            failed.append(f"{tokens} tokens: eager differs from the dispatch path")
+        if not torch.equal(local, dispatch_path(x, idx, w)) or not torch.equal(local, eager):
+            failed.append(f"{tokens} tokens: the no-sync path differs from the dispatch path")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
@@ -361,8 +362,9 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
         idx[0, top_k - 1] = -1
         graph.replay()
         megakernel.check_errors()
-    # Eagerly, a bad id is raised by check_errors() (or the next call), naming the plan.
-    x, idx, w = routing(8, False)
+    # Eagerly (a batch large enough for the no-sync path), a bad id is raised by check_errors()
+    # or the next call, naming the plan.
+    x, idx, w = routing(fp8_local.EAGER_MIN_ROWS // top_k, False)
     idx[2, 1] = experts
     moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
     try:
@@ -378,10 +380,11 @@ def _fp8_graph_worker(rank: int, world: int) -> dict[str, object]:
 
 
 def test_fp8_decode_replays_in_a_cuda_graph() -> None:
-    """moe_forward_prepared with fp8 experts at world 1 needs no host sync: its eager call has the
-    dispatch path's bits (one token to 700, skewed routing with empty experts, unused entries),
-    and captured once per batch size it replays on new tokens and routing with those bits; a bad
-    expert id is kept on the device and raised by check_errors(), naming the entry."""
+    """fp8 experts at world 1 without a host sync (uniep.moe.fp8_local): the dispatch path's bits
+    (one token to 700, skewed routing with empty experts, unused entries); moe_forward_prepared
+    captured once per batch size after an eager warm-up (which takes the dispatch at these sizes)
+    replays on new tokens and routing with those bits; a bad expert id is kept on the device and
+    raised by check_errors(), naming the entry, in a replay and eagerly."""
     from uniep.distributed import run_local_ranks
 
     (report,) = run_local_ranks(_fp8_graph_worker, 1, backend="nccl", timeout_s=300)
