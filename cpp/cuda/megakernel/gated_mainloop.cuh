@@ -12,9 +12,7 @@
 // barriers as always, so a gated tile costs the consumers nothing but the time the rows take.
 //
 // The wait sits before the TMA loads of the tile's first k-block; B (the expert's weight) is
-// loaded in the same TMA transaction. A tile whose gate is still shut first asks L2 for its
-// weight rows (up to kPrefetchBytes), which need no gate: in a decode step most of the second
-// GEMM's tiles wait for the first's, and its weights were read only after the gate opened.
+// loaded in the same TMA transaction, so neither operand of a tile is read early.
 //
 // Two gates: the fused kernel runs both expert GEMMs as one grouped GEMM (groups [0, split) GEMM
 // 1, [split, 2 split) GEMM 2), and the second half waits on GEMM 1's done counters (gate2, with
@@ -26,7 +24,6 @@
 #include <climits>
 
 #include "cuda/gemm/grouped/group_mainloop.cuh"
-#include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/tile_gate.cuh"
 
 namespace uniep::cuda::megakernel {
@@ -50,9 +47,6 @@ inline TileGate stored_rows_gate(const uint32_t* counters, int64_t num_counters,
 template <class Base, int TileM>
 struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
   using Tracking = grouped::GroupTrackingMainloop<Base>;
-  // Weight bytes a waiting tile prefetches: every CTA waiting at once stays within L2 (132 x
-  // 256 KiB = 33 MiB of the H100's and H200's 50 MiB).
-  static constexpr int64_t kPrefetchBytes = 256 << 10;
   struct Arguments : Base::Arguments {
     TileGate gate;
     TileGate gate2;
@@ -86,46 +80,15 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     const bool second = this->group_ >= params.split;
     const TileGate& gate = second ? params.gate2 : params.gate;
     if (gate.counters != nullptr && k_tile_count > 0) {
-      const int expert = second ? this->group_ - params.split : this->group_;
-      const int m_tile = static_cast<int>(cute::get<0>(blk_coord));
-      const int lane = static_cast<int>(threadIdx.x % 32);
-      int open = 1;
-      if (lane == 0) open = gate_open(gate, expert, m_tile, this->group_rows_, TileM);
-      if constexpr (cute::is_same_v<typename Base::InternalStrideB, grouped::NMajorB>)
-        if (!__shfl_sync(0xffffffffu, open, 0))
-          prefetch_weights(params, static_cast<int>(cute::get<1>(blk_coord)), lane);
       if (cute::elect_one_sync()) {
-        gate_wait(gate, expert, m_tile, this->group_rows_, TileM);
+        gate_wait(gate, second ? this->group_ - params.split : this->group_,
+                  static_cast<int>(cute::get<0>(blk_coord)), this->group_rows_, TileM);
         fence_generic_to_async();
       }
       __syncwarp();
     }
     Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
                k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
-  }
-
- private:
-  // The warp asks L2 for output tile n_tile's weight rows (B is N-major: each of K rows holds
-  // the tile's columns contiguously), the first kPrefetchBytes of them. A hint: no data moves
-  // into the CTA, so nothing the tile computes can change.
-  CUTLASS_DEVICE void prefetch_weights(const Params& params, int n_tile, int lane) const {
-    constexpr int kTileN = cute::size<1>(typename Base::TileShape{});
-    using ElementB = cute::remove_cvref_t<decltype(*params.ptr_B[0])>;
-    const int n0 = n_tile * kTileN;
-    const int n = min(kTileN, this->group_n_ - n0);
-    if (n <= 0 || this->group_k_ <= 0) return;
-    const auto* b = reinterpret_cast<const char*>(params.ptr_B[this->group_]);
-    const int64_t ld = static_cast<int64_t>(cute::get<1>(params.dB[this->group_]));
-    const int64_t row_bytes = static_cast<int64_t>(n) * sizeof(ElementB);
-    const int64_t rows = min(static_cast<int64_t>(this->group_k_), kPrefetchBytes / row_bytes);
-    // The bulk prefetch takes 16-byte pieces at 16-byte addresses (N and the leading dimension
-    // are multiples of 8 bf16 values, the weights 16-byte aligned).
-    const auto bytes = static_cast<uint32_t>(row_bytes & ~int64_t{15});
-    if (bytes == 0) return;
-    for (int64_t k = lane; k < rows; k += 32) {
-      const char* row = b + (k * ld + n0) * static_cast<int64_t>(sizeof(ElementB));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
-    }
   }
 };
 

@@ -45,19 +45,6 @@ __device__ __forceinline__ bool gate_failed(const GateTimeout* t) {
   return t != nullptr && *reinterpret_cast<const volatile uint32_t*>(&t->flag) != 0u;
 }
 
-// Called by one thread: whether tile (expert, m_tile) may be loaded now (one read of its
-// counter). A tile past the expert's rows or with no counter is open here: gate_wait returns at
-// once or reports it.
-__device__ __forceinline__ bool gate_open(const TileGate& g, int expert, int m_tile, int rows,
-                                          int tile_m) {
-  const int in_tile = min(tile_m, rows - m_tile * tile_m);
-  if (in_tile <= 0) return true;
-  const uint32_t need = g.per_row * static_cast<uint32_t>(in_tile) + g.per_tile;
-  const int64_t index = static_cast<int64_t>(g.tile_base[expert]) + m_tile;
-  if (index < 0 || index >= g.num_counters) return true;
-  return load_acquire_u32(g.counters + index) >= need;
-}
-
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
 // loaded, or at the deadline after recording the first timeout; a tile with no counter among
 // the gate's is recorded at once and never read. A tile past the expert's rows returns at once:

@@ -26,8 +26,6 @@ struct GroupTrackingMainloop : Base {
       int32_t next_batch) {
     group_ = next_batch;
     group_rows_ = static_cast<int>(cute::get<0>(problem_mnkl));
-    group_n_ = static_cast<int>(cute::get<1>(problem_mnkl));
-    group_k_ = static_cast<int>(cute::get<2>(problem_mnkl));
     Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_mnkl,
                                     next_batch);
   }
@@ -45,8 +43,6 @@ struct GroupTrackingMainloop : Base {
 
   int32_t group_ = 0;   // the group of the tiles load() is handed next
   int group_rows_ = 0;  // its M
-  int group_n_ = 0;     // its N
-  int group_k_ = 0;     // its K
 };
 
 }  // namespace uniep::cuda::grouped
