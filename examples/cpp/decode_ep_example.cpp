@@ -42,7 +42,6 @@ using decode::kTopK;
 using decode::make_step;
 using decode::relative_error;
 using decode::Step;
-using decode::upload_step;
 using decode::widen;
 using example::check;
 using example::check_cuda;
@@ -142,64 +141,40 @@ int run_rank(int rank, int ranks, const std::vector<int>& to_ranks, int from_ran
   const size_t w1_slice = per_rank * kHidden * 2 * kFfn, w2_slice = per_rank * kFfn * kHidden;
   uint16_t* d_w1_all = device_copy(w1, w1.size());
   uint16_t* d_w2_all = device_copy(w2, w2.size());
-  uint16_t* d_x = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
-  int64_t* d_idx = device_copy(std::vector<int64_t>{}, kMaxTokens * kTopK);
-  float* d_weights = device_copy(std::vector<float>{}, kMaxTokens * kTopK);
-  uint16_t* d_out = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
+  const decode::StepBuffers buf = decode::StepBuffers::allocate();
   uint16_t* d_want = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
-  cudaEvent_t start, stop;
-  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
 
   for (int64_t tokens : kSteps) {
-    uniep::cuda::MoeLayerInputs in;
-    in.x = d_x;
-    in.tokens = tokens;
-    in.topk_idx = d_idx;
-    in.topk_weights = d_weights;
-    in.w1 = d_w1_all + rank * w1_slice;
-    in.w2 = d_w2_all + rank * w2_slice;
-    in.out = d_out;
-    uniep::cuda::MoeLayerInputs all = in;
-    all.w1 = d_w1_all;
-    all.w2 = d_w2_all;
+    const uniep::cuda::MoeLayerInputs in =
+        buf.inputs(tokens, d_w1_all + rank * w1_slice, d_w2_all + rank * w2_slice);
+    uniep::cuda::MoeLayerInputs all = buf.inputs(tokens, d_w1_all, d_w2_all);
     all.out = d_want;
     const size_t n = tokens * kHidden;
     const std::string at = " at " + std::to_string(tokens) + " tokens";
 
     // Eager: every rank its own tokens (the seeds differ by rank).
     const Step a = make_step(tokens, 1000 * rank + 100 + tokens);
-    upload_step(a, d_x, d_idx, d_weights, stream);
+    buf.upload(a, stream);
     check(layer->forward(in, stream), "MoeLayer::forward (across ranks)");
     check(layer->check(stream), "MoeLayer::check (eager)");
     check(whole->forward(all, stream), "MoeLayer::forward (world 1)");
     check(whole->check(stream), "MoeLayer::check (world 1)");
-    const std::vector<uint16_t> eager = download(d_out, n, stream);
+    const std::vector<uint16_t> eager = download(buf.out, n, stream);
     expect(eager == download(d_want, n, stream),
            "the layer across ranks differs from the world-1 layer" + at);
     const double err_a = relative_error(eager, widen(cpu_forward(a, w1, w2)));
 
     // Captured once on every rank, replayed on the same tokens and on new ones.
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    check(layer->forward(in, stream), "MoeLayer::forward (captured)");
-    check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    cudaGraphExec_t exec = decode::capture_forward(*layer, in, stream);
     check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
     check(layer->check(stream), "MoeLayer::check (replay)");
-    expect(download(d_out, n, stream) == eager, "the replay differs from the eager call" + at);
+    expect(download(buf.out, n, stream) == eager, "the replay differs from the eager call" + at);
 
     const Step b = make_step(tokens, 1000 * rank + 200 + tokens);
-    upload_step(b, d_x, d_idx, d_weights, stream);
-    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-    constexpr int kReplays = 10;
-    for (int i = 0; i < kReplays; ++i) check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+    buf.upload(b, stream);
+    const double us = decode::replay_us(exec, 10, stream);
     check(layer->check(stream), "MoeLayer::check (new tokens)");
-    float ms = 0.0f;
-    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    const std::vector<uint16_t> replayed = download(d_out, n, stream);
+    const std::vector<uint16_t> replayed = download(buf.out, n, stream);
     check(whole->forward(all, stream), "MoeLayer::forward (world 1)");
     expect(replayed == download(d_want, n, stream),
            "a replay on new tokens differs from the world-1 layer" + at);
@@ -208,20 +183,17 @@ int run_rank(int rank, int ranks, const std::vector<int>& to_ranks, int from_ran
         "rank %d, %3lld tokens: the world-1 layer's bits; relative error %.3g (eager), %.3g "
         "(graph on new tokens) against the CPU executor; %.1f us a replay (ranks sharing a GPU "
         "time each other)\n",
-        rank, static_cast<long long>(tokens), err_a, err_b, 1e3 * ms / kReplays);
+        rank, static_cast<long long>(tokens), err_a, err_b, us);
     expect(err_a < 2e-2 && err_b < 2e-2, "the output against the CPU executor" + at);
     check_cuda(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
-    check_cuda(cudaGraphDestroy(graph), "cudaGraphDestroy");
   }
 
   layer.reset();  // collective: every rank frees its symmetric memory
   whole.reset();
-  for (void* p : {static_cast<void*>(d_w1_all), static_cast<void*>(d_w2_all),
-                  static_cast<void*>(d_x), static_cast<void*>(d_idx), static_cast<void*>(d_weights),
-                  static_cast<void*>(d_out), static_cast<void*>(d_want)})
+  buf.free();
+  for (void* p :
+       {static_cast<void*>(d_w1_all), static_cast<void*>(d_w2_all), static_cast<void*>(d_want)})
     cudaFree(p);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
   return failures == 0 ? 0 : 1;
 }

@@ -39,7 +39,6 @@ using decode::kTopK;
 using decode::make_step;
 using decode::relative_error;
 using decode::Step;
-using decode::upload_step;
 using decode::widen;
 using example::check;
 using example::check_cuda;
@@ -94,68 +93,44 @@ int main() {
   std::printf("MoeLayer: %zu bytes of device memory for up to %lld tokens\n", layer->device_bytes(),
               static_cast<long long>(kMaxTokens));
 
-  // The step's buffers, sized for the largest step, as a server keeps them.
   uint16_t* d_w1 = device_copy(w1, w1.size());
   uint16_t* d_w2 = device_copy(w2, w2.size());
-  uint16_t* d_x = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
-  int64_t* d_idx = device_copy(std::vector<int64_t>{}, kMaxTokens * kTopK);
-  float* d_weights = device_copy(std::vector<float>{}, kMaxTokens * kTopK);
-  uint16_t* d_out = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
-  cudaEvent_t start, stop;
-  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+  const decode::StepBuffers buf = decode::StepBuffers::allocate();
 
   for (int64_t tokens : kSteps) {
-    uniep::cuda::MoeLayerInputs in;
-    in.x = d_x;
-    in.tokens = tokens;
-    in.topk_idx = d_idx;
-    in.topk_weights = d_weights;
-    in.w1 = d_w1;
-    in.w2 = d_w2;
-    in.out = d_out;
+    const uniep::cuda::MoeLayerInputs in = buf.inputs(tokens, d_w1, d_w2);
     const size_t n = tokens * kHidden;
 
     // Eager: one forward on the step's tokens.
     const Step a = make_step(tokens, 100 + tokens);
-    upload_step(a, d_x, d_idx, d_weights, stream);
+    buf.upload(a, stream);
     check(layer->forward(in, stream), "MoeLayer::forward");
     check(layer->check(stream), "MoeLayer::check (eager)");
-    const std::vector<uint16_t> eager = download(d_out, n, stream);
+    const std::vector<uint16_t> eager = download(buf.out, n, stream);
     const double err_a = relative_error(eager, widen(cpu_forward(a, w1, w2)));
 
     // The same call captured once, replayed on the same tokens (the same bits) and on new ones.
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    check(layer->forward(in, stream), "MoeLayer::forward (captured)");
-    check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    cudaGraphExec_t exec = decode::capture_forward(*layer, in, stream);
     check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
     check(layer->check(stream), "MoeLayer::check (replay)");
-    expect(download(d_out, n, stream) == eager,
+    expect(download(buf.out, n, stream) == eager,
            "the replay on the same tokens differs from the eager call at " +
                std::to_string(tokens) + " tokens");
 
     const Step b = make_step(tokens, 200 + tokens);
-    upload_step(b, d_x, d_idx, d_weights, stream);
+    buf.upload(b, stream);
     check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");  // warm
-    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-    constexpr int kReplays = 20;
-    for (int i = 0; i < kReplays; ++i) check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+    const double us = decode::replay_us(exec, 20, stream);
     check(layer->check(stream), "MoeLayer::check (new tokens)");
-    float ms = 0.0f;
-    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    const double err_b = relative_error(download(d_out, n, stream), widen(cpu_forward(b, w1, w2)));
+    const double err_b =
+        relative_error(download(buf.out, n, stream), widen(cpu_forward(b, w1, w2)));
     std::printf(
         "%3lld tokens: relative error %.3g (eager), %.3g (graph on new tokens) against "
         "the CPU executor; %.1f us a replay\n",
-        static_cast<long long>(tokens), err_a, err_b, 1e3 * ms / kReplays);
+        static_cast<long long>(tokens), err_a, err_b, us);
     expect(err_a < 2e-2 && err_b < 2e-2,
            "the GPU's output against the CPU executor at " + std::to_string(tokens) + " tokens");
     check_cuda(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
-    check_cuda(cudaGraphDestroy(graph), "cudaGraphDestroy");
   }
 
   // Bad input is a Status naming the argument, not a launch.
@@ -166,12 +141,9 @@ int main() {
          "a step above max_tokens was not refused by name");
 
   layer.reset();
-  for (void* p :
-       {static_cast<void*>(d_w1), static_cast<void*>(d_w2), static_cast<void*>(d_x),
-        static_cast<void*>(d_idx), static_cast<void*>(d_weights), static_cast<void*>(d_out)})
-    cudaFree(p);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  buf.free();
+  cudaFree(d_w1);
+  cudaFree(d_w2);
   cudaStreamDestroy(stream);
   if (failures != 0) {
     std::printf("FAILED (%d mismatches)\n", failures);

@@ -9,11 +9,13 @@
 #include <vector>
 
 #include <uniep/cpu_executor.hpp>
+#include <uniep/cuda/moe_layer.hpp>
 
 #include "example_support.hpp"
 
 namespace decode {
 
+using example::check;
 using example::check_cuda;
 using example::from_bf16;
 using example::to_bf16;
@@ -170,6 +172,73 @@ inline std::vector<uint16_t> download(const uint16_t* src, size_t n, cudaStream_
              "download");
   check_cuda(cudaStreamSynchronize(stream), "download");
   return out;
+}
+
+// A step's device buffers, sized for the largest step, as a server keeps them.
+struct StepBuffers {
+  uint16_t* x = nullptr;          // [max_tokens, H]
+  int64_t* topk_idx = nullptr;    // [max_tokens, K]
+  float* topk_weights = nullptr;  // [max_tokens, K]
+  uint16_t* out = nullptr;        // [max_tokens, H]
+
+  static StepBuffers allocate() {
+    StepBuffers b;
+    b.x = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
+    b.topk_idx = device_copy(std::vector<int64_t>{}, kMaxTokens * kTopK);
+    b.topk_weights = device_copy(std::vector<float>{}, kMaxTokens * kTopK);
+    b.out = device_copy(std::vector<uint16_t>{}, kMaxTokens * kHidden);
+    return b;
+  }
+  // The layer's inputs for a step of `tokens` on these buffers and the given experts.
+  uniep::cuda::MoeLayerInputs inputs(int64_t tokens, const void* w1, const void* w2) const {
+    uniep::cuda::MoeLayerInputs in;
+    in.x = x;
+    in.tokens = tokens;
+    in.topk_idx = topk_idx;
+    in.topk_weights = topk_weights;
+    in.w1 = w1;
+    in.w2 = w2;
+    in.out = out;
+    return in;
+  }
+  // A step's tokens and routing into the buffers, where a captured graph reads them.
+  void upload(const Step& step, cudaStream_t stream) const {
+    upload_step(step, x, topk_idx, topk_weights, stream);
+  }
+  void free() const {
+    for (void* p : {static_cast<void*>(x), static_cast<void*>(topk_idx),
+                    static_cast<void*>(topk_weights), static_cast<void*>(out)})
+      cudaFree(p);
+  }
+};
+
+// One forward captured in a CUDA graph on `stream`, instantiated.
+inline cudaGraphExec_t capture_forward(uniep::cuda::MoeLayer& layer,
+                                       const uniep::cuda::MoeLayerInputs& in, cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+  check(layer.forward(in, stream), "MoeLayer::forward (captured)");
+  check_cuda(cudaStreamEndCapture(stream, &graph), "capture");
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  check_cuda(cudaGraphDestroy(graph), "cudaGraphDestroy");
+  return exec;
+}
+
+// The mean time of `replays` launches of `exec` on `stream`, in microseconds (CUDA events).
+inline double replay_us(cudaGraphExec_t exec, int replays, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+  check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
+  for (int i = 0; i < replays; ++i) check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+  check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0.0f;
+  check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 1e3 * ms / replays;
 }
 
 }  // namespace decode
