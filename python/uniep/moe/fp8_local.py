@@ -40,7 +40,8 @@ _COMBINE = "moe_forward_prepared (fp8 combine)"
 # dozen launches cost the host more than the dispatch's few: on one H200 (2026-12-02, 64c357b)
 # the eager call took 1.95x the dispatch path's time at 1 token on 128 experts of FFN 768 and
 # 1.11x at 512 tokens, but 0.89x at 4,096 tokens (0.97x on 256 experts of FFN 2048), while a CUDA
-# graph of it replayed in 0.63-0.71x the bf16 MegaKernel's graph from 16 tokens up.
+# graph of it replayed in 0.59-0.61x the bf16 MegaKernel's graph from 16 tokens on the latter
+# (bench_decode at 38495ce).
 EAGER_MIN_ROWS = 8192
 
 
@@ -55,7 +56,8 @@ def keep_graph_errors(device: torch.device, top_k: int) -> None:
     eager call of this path would: the warm-up before a capture may have taken the dispatch."""
     from .megakernel import launch
 
-    like = torch.zeros(1, dtype=torch.int64, device=device)
+    # Only its dtype, shape and device matter (no fill launched); a word made before is kept.
+    like = torch.empty(1, dtype=torch.int64, device=device)
     for what in (_PLAN, _COMBINE):
         launch.sticky_word("send", like, what, top_k)
 
