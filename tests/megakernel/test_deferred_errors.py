@@ -92,3 +92,17 @@ def test_one_check_clears_every_word_of_the_failed_replays() -> None:
         launch.check_errors()  # the plan's, made first
     assert not plan.any() and not kernel.any()
     launch.check_errors()
+
+
+def test_fp8_eager_calls_make_the_words_a_later_capture_keeps() -> None:
+    # moe_forward_prepared's small eager fp8 calls take the dispatch; the capture that may follow
+    # takes uniep.moe.fp8_local, whose words must exist by then (made once, kept after).
+    from uniep.moe import fp8_local
+
+    device = torch.device("cpu")
+    fp8_local.keep_graph_errors(device, 4)
+    made = {key[1]: word for key, word in launch._STICKY.items() if key[2] == 4}
+    assert set(made) == {"moe_forward_prepared (fp8 plan)", "moe_forward_prepared (fp8 combine)"}
+    assert all(w.dtype == torch.int64 and not w.any() for w in made.values())
+    fp8_local.keep_graph_errors(device, 4)
+    assert all(launch._STICKY[("send", what, 4, device)] is w for what, w in made.items())
