@@ -50,7 +50,7 @@ TORCH_LIBRARY(uniep, m) {
   m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
   // Rows in the fp8 dispatch's format: x [R, K] bf16 -> (e4m3 [R, K], fp32 scales [R, K / 128]),
   // the bytes of the dispatch's and the activation's encoding (CUDA in one pass; the CPU kernel,
-  // uniep.gemm.quantize_rows, the same arithmetic in torch).
+  // in uniep/gemm, the same divisions in torch).
   m.def("quantize_fp8(Tensor x) -> (Tensor q, Tensor scales)");
   // The element-wise steps of moe_backward's experts on CUDA (uniep/cuda/grouped_gemm.hpp),
   // bf16 rows: SwiGLU's backward (h [R, 2I], grad_act [R, I] -> act [R, I], grad_h [R, 2I]),
