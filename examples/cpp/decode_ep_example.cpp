@@ -38,7 +38,6 @@ using decode::kFfn;
 using decode::kHidden;
 using decode::kMaxTokens;
 using decode::kSteps;
-using decode::kTopK;
 using decode::make_step;
 using decode::relative_error;
 using decode::Step;
@@ -114,13 +113,7 @@ int run_rank(int rank, int ranks, const std::vector<int>& to_ranks, int from_ran
   std::vector<uint16_t> w1, w2;
   decode::make_weights(&w1, &w2);
 
-  uniep::cuda::MoeLayerConfig config;
-  config.max_tokens = kMaxTokens;
-  config.hidden = kHidden;
-  config.ffn = kFfn;
-  config.num_experts = kExperts;
-  config.top_k = kTopK;
-  config.w1_as_stored = true;
+  uniep::cuda::MoeLayerConfig config = decode::layer_config();
   config.timeout_s = 60;
   uniep::cuda::MoeLayerConfig local = config;  // every expert on this GPU: the bits to match
   config.world_size = ranks;

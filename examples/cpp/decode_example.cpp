@@ -30,12 +30,9 @@ using decode::cpu_forward;
 using decode::device_copy;
 using decode::download;
 using decode::float64_forward;
-using decode::kExperts;
-using decode::kFfn;
 using decode::kHidden;
 using decode::kMaxTokens;
 using decode::kSteps;
-using decode::kTopK;
 using decode::make_step;
 using decode::relative_error;
 using decode::Step;
@@ -81,13 +78,7 @@ int main() {
   check_cuda(cudaSetDevice(0), "cudaSetDevice");
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  uniep::cuda::MoeLayerConfig config;
-  config.max_tokens = kMaxTokens;
-  config.hidden = kHidden;
-  config.ffn = kFfn;
-  config.num_experts = kExperts;
-  config.top_k = kTopK;
-  config.w1_as_stored = true;
+  const uniep::cuda::MoeLayerConfig config = decode::layer_config();
   std::unique_ptr<uniep::cuda::MoeLayer> layer;
   check(uniep::cuda::MoeLayer::create(config, &layer), "MoeLayer::create");
   std::printf("MoeLayer: %zu bytes of device memory for up to %lld tokens\n", layer->device_bytes(),

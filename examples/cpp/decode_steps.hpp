@@ -174,6 +174,18 @@ inline std::vector<uint16_t> download(const uint16_t* src, size_t n, cudaStream_
   return out;
 }
 
+// The layer of the decode examples at world 1: w1 as the model stores it.
+inline uniep::cuda::MoeLayerConfig layer_config() {
+  uniep::cuda::MoeLayerConfig config;
+  config.max_tokens = kMaxTokens;
+  config.hidden = kHidden;
+  config.ffn = kFfn;
+  config.num_experts = kExperts;
+  config.top_k = kTopK;
+  config.w1_as_stored = true;
+  return config;
+}
+
 // A step's device buffers, sized for the largest step, as a server keeps them.
 struct StepBuffers {
   uint16_t* x = nullptr;          // [max_tokens, H]
