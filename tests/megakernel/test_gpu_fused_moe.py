@@ -246,14 +246,14 @@ def test_fused_is_captured_in_a_cuda_graph(comm_sms: int | None, tile_m: int | N
 @pytest.mark.parametrize("comm_sms", [2, None])
 def test_trace_records_phases_and_gate_waits(comm_sms: int | None) -> None:
     # The trace is a diagnostic: it must not change the bits, and with 6 entries per SM it also
-    # gives each CTA's producer's waits at the two gates.
+    # gives each CTA's producer's waits at the two gates; with 12, the tiles' stamps.
     from uniep.moe.megakernel.launch import moe_forward_local, trace_phases
 
     x, idx, w, w1, w2 = _layer(1024, 256, 256, 8, 4, seed=11)
     w1p = pack_gate_up(w1)
     plain = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm_sms)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for entries in (4 * sms, 6 * sms):
+    for entries in (4 * sms, 6 * sms, 12 * sms):
         trace = torch.zeros(entries, dtype=torch.int64, device="cuda")
         got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm_sms,
                                 trace=trace)  # fmt: skip
@@ -261,7 +261,13 @@ def test_trace_records_phases_and_gate_waits(comm_sms: int | None) -> None:
         phases = trace_phases(trace, sms)
         assert 0 <= phases["send_end_us"] <= phases["gemm_end_us"] <= phases["reduce_end_us"]
         waits = [k for k in phases if "gate_wait" in k]
-        if entries == 6 * sms:
+        stamped = ("first_load_us", "last_load_us", "epilogue_start_us", "epilogue_end_us")
+        if entries == 12 * sms:
+            assert all(0 <= phases[k] <= phases["reduce_end_us"] for k in stamped)
+            assert phases["first_load_us"] <= phases["last_load_us"] <= phases["epilogue_end_us"]
+        else:
+            assert not any(k in phases for k in stamped)
+        if entries >= 6 * sms:
             assert sorted(waits) == sorted(
                 f"{g}_gate_wait_{s}_us" for g in ("rows", "done") for s in ("mean", "max")
             )

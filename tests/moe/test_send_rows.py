@@ -381,3 +381,32 @@ def test_trace_phases_reads_each_ctas_stamps() -> None:
     assert phases["done_gate_wait_mean_us"] == pytest.approx(2.0)
     assert phases["done_gate_wait_max_us"] == pytest.approx(4.0)
     assert trace_phases(torch.zeros(16, dtype=torch.int64)) == {}
+
+
+def test_trace_phases_reads_the_tile_stamps() -> None:
+    from uniep.moe.megakernel.launch import trace_phases
+
+    # Two CTAs: one with two gated tiles, one with one (only its first pair stamped); a third
+    # that ran without a tile (zero stamps) and a fourth that did not run.
+    t0 = 2_000_000
+    stamps = [
+        [t0, t0 + 1_000, t0 + 40_000, t0 + 45_000],
+        [t0 + 500, t0 + 1_000, t0 + 30_000, t0 + 44_000],
+        [t0 + 200, t0 + 800, t0 + 2_000, t0 + 43_000],
+        [0, 0, 0, 0],
+    ]
+    waits = [[0, 0]] * 4
+    tiles = [
+        [t0 + 5_000, t0 + 6_000, t0 + 20_000, t0 + 25_000, t0 + 32_000, t0 + 37_000],
+        [t0 + 5_500, t0 + 7_000, 0, 0, t0 + 22_000, t0 + 26_000],
+        [0, 0, 0, 0, 0, 0],
+        [t0, t0, t0, t0, t0, t0],
+    ]
+    trace = torch.cat([torch.tensor(v, dtype=torch.int64).view(-1) for v in (stamps, waits, tiles)])
+    phases = trace_phases(trace, sms=4)
+    assert phases["first_load_us"] == pytest.approx(7.0)
+    assert phases["last_load_us"] == pytest.approx(25.0)
+    assert phases["epilogue_start_us"] == pytest.approx(32.0)
+    assert phases["epilogue_end_us"] == pytest.approx(37.0)
+    assert phases["epilogue_mean_us"] == pytest.approx(4.5)
+    assert "first_load_us" not in trace_phases(trace[: 6 * 4], sms=4)

@@ -73,6 +73,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     // signal is given right after its tile's stores.
     uint32_t** held = nullptr;
     int64_t num_held = 0;
+    unsigned long long* stamps = nullptr;  // FusedMoeArgs::tile_stamps
   };
   using Params = Arguments;
 
@@ -96,6 +97,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     const bool first = group < params_.split;
     const bool push = !first && params_.world > 1;
     RowCache rows;
+    stamp(4);
     // The last tile's stores were issued a whole mainloop ago: its release no longer waits.
     signal_pending();
 
@@ -141,6 +143,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     if (first) {
       signal_tile_done(params_.done1, params_.tile_base, group, t.m_tile, t.tile_m, M,
                        params_.num_done);
+      stamp(5);
       return;
     }
     uint32_t* done2 = params_.done2;
@@ -149,6 +152,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     pending_ = tile_done_counter(done2, params_.tile_base, group - params_.split, t.m_tile,
                                  t.tile_m, M, params_.num_done);
     signal_pending(params_.held == nullptr);
+    stamp(5);
   }
 
   // Called by store_tail: after every tile in the ping-pong body, once after the last in the
@@ -174,6 +178,13 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
   }
 
  private:
+  // tile_stamps[6 x CTA + at] = now, by the first thread of the warpgroup.
+  CUTLASS_DEVICE void stamp(int at) const {
+    if (params_.stamps != nullptr && threadIdx.x % 128 == 0)
+      params_.stamps[6 * (blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y) + at] =
+          gate_clock_ns();
+  }
+
   // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;
   // after, w[j] is lane j's pair of block q. Round s sends w[(q + s) % 4] to lane q + s and
   // receives lane q - s's pair of block q.

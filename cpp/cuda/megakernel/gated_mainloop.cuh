@@ -51,11 +51,13 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     TileGate gate;
     TileGate gate2;
     int32_t split = INT_MAX;
+    unsigned long long* stamps = nullptr;
   };
   struct Params : Base::Params {
     TileGate gate;
     TileGate gate2;
     int32_t split = INT_MAX;
+    unsigned long long* stamps = nullptr;  // FusedMoeArgs::tile_stamps
   };
 
   template <class ProblemShape>
@@ -65,6 +67,7 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     p.gate = args.gate;
     p.gate2 = args.gate2;
     p.split = args.split;
+    p.stamps = args.stamps;
     return p;
   }
 
@@ -81,14 +84,27 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     const TileGate& gate = second ? params.gate2 : params.gate;
     if (gate.counters != nullptr && k_tile_count > 0) {
       if (cute::elect_one_sync()) {
+        const uint64_t reached = params.stamps != nullptr ? gate_clock_ns() : 0;
         gate_wait(gate, second ? this->group_ - params.split : this->group_,
                   static_cast<int>(cute::get<0>(blk_coord)), this->group_rows_, TileM);
         fence_generic_to_async();
+        stamp_gate(params, reached);
       }
       __syncwarp();
     }
     Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord,
                k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+  }
+
+ private:
+  // FusedMoeArgs::tile_stamps: the first gated tile's (reached, opened), then the last one's.
+  CUTLASS_DEVICE static void stamp_gate(const Params& params, uint64_t reached) {
+    if (params.stamps == nullptr) return;
+    unsigned long long* s =
+        params.stamps + 6 * (blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y);
+    const int at = s[0] == 0 ? 0 : 2;
+    s[at] = reached;
+    s[at + 1] = gate_clock_ns();
   }
 };
 

@@ -155,6 +155,7 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.mainloop.gate = rows_gate;
   args.mainloop.gate2 = done_gate;
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
+  args.mainloop.stamps = a.tile_stamps;
   if constexpr (G::kW1AsStored) {
     // GEMM 1's groups [0, E) read w1 through the mainloop's own TMA; GEMM 2's their pointers.
     const grouped::PlainW1 w1{static_cast<const grouped::Bf16*>(a.w1_packed), a.hidden, 2 * a.ffn};
@@ -179,6 +180,7 @@ typename G::Kernel::Arguments fused_arguments(const grouped::Workspace& ws, cons
   args.epilogue.done2_parity_stride = a.done2_parity_stride;
   args.epilogue.held = scratch.held;
   args.epilogue.num_held = scratch.num_held;
+  args.epilogue.stamps = a.tile_stamps;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   args.scheduler.raster_order = G::Kernel::TileScheduler::RasterOrderOptions::AlongM;

@@ -82,11 +82,12 @@ void check_fused_tile_n(int64_t tile_n, int64_t tile_m) {
 
 void check_trace(const std::optional<at::Tensor>& trace, int64_t sms, const at::Tensor& like) {
   if (!trace.has_value()) return;
-  UNIEP_CHECK(trace->dim() == 1 && trace->scalar_type() == at::kLong && trace->size(0) >= 4 * sms &&
-                  trace->device() == like.device() && trace->is_contiguous(),
-              "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms,
-              " entries (6 x SMs: also the gates' waits) on ", like.device(), ", got ",
-              trace->scalar_type(), " ", trace->sizes(), " on ", trace->device());
+  UNIEP_CHECK(
+      trace->dim() == 1 && trace->scalar_type() == at::kLong && trace->size(0) >= 4 * sms &&
+          trace->device() == like.device() && trace->is_contiguous(),
+      "trace must be contiguous int64 with >= 4 x SMs = ", 4 * sms,
+      " entries (6 x SMs: also the gates' waits; 12 x SMs at world 1: also the tile stamps) on ",
+      like.device(), ", got ", trace->scalar_type(), " ", trace->sizes(), " on ", trace->device());
 }
 
 void check_topk_idx(const at::Tensor& topk_idx) {

@@ -131,6 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     if (trace.has_value()) {
       a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
       if (trace->size(0) >= 6 * device_sms) a.gate_wait_ns = a.trace + 4 * device_sms;
+      if (trace->size(0) >= 12 * device_sms) a.tile_stamps = a.trace + 6 * device_sms;
     }
     cuda::FusedMoeLaunch launch;
     launch.comm_ctas = static_cast<int>(comm_ctas);

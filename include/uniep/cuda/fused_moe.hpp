@@ -105,6 +105,10 @@ struct FusedMoeArgs {
   // waiting at the rows' gates (GEMM 1) and gate_wait_ns[2c + 1] at GEMM 1's done gates (GEMM 2).
   // Zeroed by the caller.
   unsigned long long* gate_wait_ns = nullptr;
+  // Optional (null: none), for tuning: per CTA c, tile_stamps[6c .. 6c + 5] = the global timer
+  // when its producer reached its first tile's gate and when that gate let it load, the same for
+  // its last tile, and when its consumers began and ended their last tile's epilogue.
+  unsigned long long* tile_stamps = nullptr;
 };
 
 // The tuning point of the launch.

@@ -288,10 +288,15 @@ def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float
     (how unevenly the tiles fell: the static round-robin left CTAs up to 200 us apart). With ``sms``
     (the device's SM count) and a trace of at least 6 x ``sms`` entries, also the time the CTAs'
     producers waited at the gates: at GEMM 1's (its rows not yet sent) and at GEMM 2's (GEMM 1's
-    tiles of its rows not yet done), the mean and the largest over the CTAs."""
-    waits = None
+    tiles of its rows not yet done), the mean and the largest over the CTAs. With 12 x ``sms``,
+    also the tiles' stamps (``FusedMoeArgs::tile_stamps``): when the last CTA's first gate let it
+    load (``first_load_us``) and its last gate did (``last_load_us``), when the last CTA began and
+    ended its last tile's epilogue, and the mean epilogue (``epilogue_mean_us``)."""
+    waits = stamps6 = None
     if sms is not None and trace.numel() >= 6 * sms:
         waits = trace[4 * sms : 6 * sms].view(-1, 2).cpu().double() / 1e3
+        if trace.numel() >= 12 * sms:
+            stamps6 = trace[6 * sms : 12 * sms].view(-1, 6).cpu().double()
         trace = trace[: 4 * sms]
     stamps = trace.view(-1, 4).cpu()
     ran = stamps[:, 0] > 0
@@ -312,6 +317,20 @@ def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float
         for i, gate_name in enumerate(("rows", "done")):
             out[f"{gate_name}_gate_wait_mean_us"] = float(waits[:, i].mean())
             out[f"{gate_name}_gate_wait_max_us"] = float(waits[:, i].max())
+    if stamps6 is not None:
+        s = stamps6[ran]
+        tiled = s[:, 1] > 0
+        if bool(tiled.any()):
+            s = s[tiled]
+            # A CTA with one gated tile stamped only its first (reached, opened) pair.
+            last_open = torch.where(s[:, 3] > 0, s[:, 3], s[:, 1])
+            out["first_load_us"] = float((s[:, 1].max() - start) / 1e3)
+            out["last_load_us"] = float((last_open.max() - start) / 1e3)
+            epi = s[s[:, 5] > 0]
+            if epi.numel():
+                out["epilogue_start_us"] = float((epi[:, 4].max() - start) / 1e3)
+                out["epilogue_end_us"] = float((epi[:, 5].max() - start) / 1e3)
+                out["epilogue_mean_us"] = float(((epi[:, 5] - epi[:, 4]) / 1e3).mean())
     return out
 
 
@@ -403,7 +422,7 @@ def moe_forward_local(
     ``trace`` (``fused`` only; int64, 4 per SM): each CTA's global-timer stamps in ns at its
     start, after its send, after its GEMM tiles and after its reduce (:func:`trace_phases`);
     with 6 per SM, then 2 per SM: the ns each CTA's producer waited at the gates of GEMM 1 and
-    of GEMM 2.
+    of GEMM 2; with 12 per SM, then 6 per SM: its tiles' stamps (:func:`trace_phases`).
     ``tile_m`` (``fused`` only): the rows of the kernel's output tiles, 128 (cooperative) or 64
     (ping-pong, for experts of a few hundred rows); None picks by the rows per expert
     (:func:`fused_tile_m`). ``tile_n`` (``fused`` only): the tiles' columns, 256 or, with 64-row
