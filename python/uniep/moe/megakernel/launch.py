@@ -292,13 +292,14 @@ def trace_phases(trace: torch.Tensor, sms: int | None = None) -> dict[str, float
     also the tiles' stamps (``FusedMoeArgs::tile_stamps``): when the last CTA's first gate let it
     load (``first_load_us``) and its last gate did (``last_load_us``), when the last CTA began and
     ended its last tile's epilogue, and the mean epilogue (``epilogue_mean_us``)."""
+    trace = trace.cpu()  # one copy from the device for all of it
     waits = stamps6 = None
     if sms is not None and trace.numel() >= 6 * sms:
-        waits = trace[4 * sms : 6 * sms].view(-1, 2).cpu().double() / 1e3
+        waits = trace[4 * sms : 6 * sms].view(-1, 2).double() / 1e3
         if trace.numel() >= 12 * sms:
-            stamps6 = trace[6 * sms : 12 * sms].view(-1, 6).cpu().double()
+            stamps6 = trace[6 * sms : 12 * sms].view(-1, 6).double()
         trace = trace[: 4 * sms]
-    stamps = trace.view(-1, 4).cpu()
+    stamps = trace.view(-1, 4)
     ran = stamps[:, 0] > 0
     stamps = stamps[ran].double()
     if stamps.numel() == 0:
