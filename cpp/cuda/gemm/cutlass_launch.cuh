@@ -9,6 +9,7 @@
 #include <cutlass/cutlass.h>
 #include <cute/tensor.hpp>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/status.hpp"
 
@@ -33,10 +34,12 @@ Status launch_cutlass(const typename Device::Arguments& args, void* workspace, c
 // `kernel` runs the CUTLASS kernel body `Kernel` (a GemmUniversal, called with params and its
 // dynamic shared memory) among other work: launched as the body needs, on its grid and block,
 // with its shared memory and in clusters of its cluster shape along M. `args` follow params.
-// `what` names the launch in the errors.
+// `what` names the launch in the errors. `after_prior`: a programmatic dependent launch (the
+// kernel waits for the one ahead of it itself: common/dependent_launch.cuh).
 template <class Kernel, class... Expected, class... Actual>
 Status launch_with_body(void (*kernel)(Expected...), const typename Kernel::Params& params,
-                        cudaStream_t stream, const char* what, const Actual&... args) {
+                        cudaStream_t stream, const char* what, bool after_prior,
+                        const Actual&... args) {
   const int smem = static_cast<int>(Kernel::SharedStorageSize);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
@@ -46,13 +49,14 @@ Status launch_with_body(void (*kernel)(Expected...), const typename Kernel::Para
   config.blockDim = Kernel::get_block_shape();
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cute::size<0>(typename Kernel::ClusterShape{});
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1] = programmatic_launch_attribute();
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = after_prior ? 2 : 1;
   if (cudaLaunchKernelEx(&config, kernel, params, args...) != cudaSuccess)
     return launch_status(what);
   return launch_status(what);

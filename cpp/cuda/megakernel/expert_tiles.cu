@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
@@ -219,6 +220,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename Scan::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t seg = int64_t{warp} * kWarpEntries;
+  // The MegaKernel's problem kernel, launched behind this one as a programmatic dependent
+  // launch (sm90_forward.cu), may start now; it waits for this kernel's end before reading.
+  allow_next_grid();
   if (tid == 0) *error = 0;
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll

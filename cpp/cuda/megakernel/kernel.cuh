@@ -96,6 +96,9 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
   const uint64_t units = Kernel::TileScheduler::units_in_grid(params.scheduler);
   const uint64_t per_unit = ctas / units;
   const uint64_t first = fused_first_linear(along_n);
+  // Launched while the problem kernel still runs (fused_launch_impl): nothing it writes (the
+  // problem arrays, the zeroed counters and scratch) is read before this.
+  wait_for_prior_grid();
   unsigned long long* trace =
       st.a.trace != nullptr ? st.a.trace + 4 * (blockIdx.x + gridDim.x * blockIdx.y) : nullptr;
   if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
@@ -221,7 +224,7 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
   st.reduce_need =
       static_cast<uint32_t>(G::kWarpsPerTile * ((a.hidden + G::kTileN - 1) / G::kTileN));
   return launch_with_body<Kernel>(fused_moe_kernel<G>, params, stream, "moe_fused_forward_bf16",
-                                  st);
+                                  /*after_prior=*/true, st);
 }
 
 // The entry of one instantiation (launch.hpp), for its sm90_forward_<shape>.cu.

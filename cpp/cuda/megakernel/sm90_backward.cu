@@ -13,9 +13,9 @@
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/checks.hpp"
+#include "cuda/megakernel/gated_run.cuh"
 #include "cuda/megakernel/problems.cuh"
 #include "cuda/megakernel/stages.cuh"
-#include "cuda/megakernel/gated_run.cuh"
 #include "uniep/cuda/fused_moe_backward.hpp"
 
 namespace uniep::cuda {
@@ -190,7 +190,7 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
   const typename BackwardKernel::Params params =
       BackwardKernel::to_underlying_arguments(args, ws.gemm);
   return launch_with_body<BackwardKernel>(megakernel::fused_backward_kernel, params, stream,
-                                          "moe_fused_backward_rows_bf16", a);
+                                          "moe_fused_backward_rows_bf16", false, a);
 }
 
 }  // namespace uniep::cuda
