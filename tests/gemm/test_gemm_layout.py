@@ -124,6 +124,43 @@ def test_quantize_fp8_op_divides_once_as_the_kernels() -> None:
     assert fq.shape == (6, 256) and fq.dtype == torch.float8_e4m3fn and fs.shape == (6, 2)
 
 
+def test_quantize_fp8_rows_stores_each_token_at_its_entries_rows() -> None:
+    # quantize_fp8_rows is quantize_fp8 of the tokens scattered to their GEMM rows: each named
+    # row holds its token's bytes and scales, -1 entries store nothing, and a row past the
+    # T x top_k rows is left out and named in the error word (the send's: code 4 << 48 | entry).
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 384, generator=gen) * 3).bfloat16()
+    gemm_row = torch.tensor([[3, 0], [5, -1], [1, 7], [2, 6]])
+    q, scales, error = torch.ops.uniep.quantize_fp8_rows(x, gemm_row)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (8, 384) and scales.shape == (8, 3)
+    assert int(error) == 0
+    tq, ts = torch.ops.uniep.quantize_fp8(x)
+    for t in range(4):
+        for k in range(2):
+            row = int(gemm_row[t, k])
+            if row >= 0:
+                assert torch.equal(q[row].view(torch.uint8), tq[t].view(torch.uint8)), (t, k)
+                assert torch.equal(scales[row], ts[t]), (t, k)
+    assert not q[4].view(torch.uint8).any()  # no entry names row 4
+    bad = gemm_row.clone()
+    bad[2, 1] = 8
+    q2, _, error = torch.ops.uniep.quantize_fp8_rows(x, bad)
+    assert int(error) == (4 << 48) | 5  # entry (token 2, k 1)
+    assert torch.equal(q2[:7].view(torch.uint8), q[:7].view(torch.uint8))
+    for args, match in [
+        ((x, gemm_row[:3]), "gemm_row must be \\[T = 4"),
+        ((x, gemm_row.int()), "gemm_row must be int64"),
+        ((x.float(), gemm_row), "x must be bfloat16"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            torch.ops.uniep.quantize_fp8_rows(*args)
+    meta = torch.empty(6, 256, dtype=torch.bfloat16, device="meta")
+    fq, fs, fe = torch.ops.uniep.quantize_fp8_rows(
+        meta, torch.empty(6, 8, dtype=torch.long, device="meta")
+    )
+    assert fq.shape == (48, 256) and fs.shape == (48, 2) and fe.shape == (1,)
+
+
 def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:
     from uniep.gemm import dequantize_expert_weights, quantize_expert_weights
 

@@ -511,6 +511,31 @@ def test_quantize_fp8_op_on_cuda_gives_the_cpu_kernel_s_bytes() -> None:
         torch.ops.uniep.quantize_fp8(x.cuda()[:, :200].contiguous())
 
 
+def test_quantize_fp8_rows_on_cuda_gives_the_cpu_kernel_s_rows() -> None:
+    # Every row an entry names holds the CPU kernel's bytes and scales; a row past the rows is
+    # named in the error word as on the CPU (one bad entry, so no race picks another).
+    gen = torch.Generator().manual_seed(33)
+    tokens, top_k, cols = 37, 8, 7 * 128
+    x = (torch.randn(tokens, cols, generator=gen) * 30).bfloat16()
+    x[5, 128:256] = 0.0
+    gemm_row = torch.randperm(tokens * top_k, generator=gen).reshape(tokens, top_k)
+    gemm_row[3, 2] = -1
+    gemm_row[9, 0] = -1
+    named = gemm_row[gemm_row >= 0]
+    for rows_in in (gemm_row, torch.where(gemm_row == named.max(), tokens * top_k, gemm_row)):
+        q, scales, error = torch.ops.uniep.quantize_fp8_rows(x.cuda(), rows_in.cuda())
+        cq, cs, ce = torch.ops.uniep.quantize_fp8_rows(x, rows_in)
+        kept = rows_in[(rows_in >= 0) & (rows_in < tokens * top_k)]
+        assert torch.equal(q.cpu()[kept].view(torch.uint8), cq[kept].view(torch.uint8))
+        assert torch.equal(scales.cpu()[kept], cs[kept])
+        assert int(error) == int(ce)
+    assert int(ce) != 0
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        torch.ops.uniep.quantize_fp8_rows(x.cuda()[:, :256], gemm_row.cuda())
+    with pytest.raises((ValueError, RuntimeError), match="gemm_row"):
+        torch.ops.uniep.quantize_fp8_rows(x.cuda(), gemm_row)  # on the CPU
+
+
 def test_backward_elementwise_op_matches_the_torch_chain() -> None:
     # moe_backward's one-pass step against the torch chain it replaces (fp32, op by op).
     ops = torch.ops.uniep

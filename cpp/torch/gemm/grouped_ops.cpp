@@ -415,6 +415,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x) {
   return translate_errors([&] { return engine_quantize_fp8(x); });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rows_cuda(const at::Tensor& x,
+                                                                      const at::Tensor& gemm_row) {
+  return translate_errors([&] {
+    UNIEP_CHECK(x.dim() == 2, "x must be 2-D [T, K], got shape ", x.sizes());
+    UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == x.size(0) && gemm_row.size(1) >= 1,
+                "gemm_row must be [T = ", x.size(0), ", top_k >= 1], got shape ", gemm_row.sizes());
+    check_exactly(gemm_row, "gemm_row", at::kLong, gemm_row.sizes(), x);
+    UNIEP_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x.scalar_type());
+    UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
+    UNIEP_CHECK(x.is_contiguous(), "x must be contiguous, got strides ", x.strides());
+    UNIEP_CHECK(x.size(1) % 128 == 0,
+                "x must have a multiple of 128 columns (one scale per 128), got shape ", x.sizes());
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t rows = x.size(0) * gemm_row.size(1);
+    at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor scales = at::empty({rows, x.size(1) / 128}, x.options().dtype(at::kFloat));
+    at::Tensor error = at::zeros({1}, x.options().dtype(at::kLong));
+    ok_or_throw(cuda::quantize_fp8_rows(
+        x.data_ptr(), x.size(0), x.size(1), gemm_row.data_ptr<int64_t>(),
+        static_cast<int>(gemm_row.size(1)), rows, q.data_ptr(), scales.data_ptr<float>(),
+        reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()),
+        at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+    return std::make_tuple(q, scales, error);
+  });
+}
+
 // The bf16 CUDA rows the backward's element-wise kernels take: 2-D, contiguous, on one device.
 void check_bf16_rows(const at::Tensor& t, const char* name) {
   UNIEP_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
@@ -481,6 +507,7 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
   m.impl("quantize_fp8", &uniep::torch_glue::quantize_fp8_cuda);
+  m.impl("quantize_fp8_rows", &uniep::torch_glue::quantize_fp8_rows_cuda);
   m.impl("swiglu_backward", &uniep::torch_glue::swiglu_backward_cuda);
   m.impl("grouped_mm_wgrad", &uniep::torch_glue::grouped_mm_wgrad_cuda);
 }

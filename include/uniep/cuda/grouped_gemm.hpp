@@ -186,8 +186,7 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
 // Enqueues the fp8 grouped GEMM of the configuration grouped_gemm_fp8_select picks for `tiles`
 // on `stream` (no host sync; offs read on the device). Without `tiles`: the automatic choice.
 Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& tiles, int device,
-                        int sm_count, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        int sm_count, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, int device, int sm_count, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream);
 
@@ -209,6 +208,17 @@ Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* sc
 // cols % 128 == 0; a and q 16-byte aligned.
 Status quantize_fp8(const void* a, int64_t rows, int64_t cols, void* q, float* scales,
                     cudaStream_t stream);
+
+// quantize_fp8 of tokens x [tokens, cols] bf16 stored at their GEMM rows: for each entry
+// i = t * top_k + k with gemm_row[i] >= 0, q row gemm_row[i] and its scales row get token t's
+// encoding (q [rows, cols] e4m3, scales [rows, cols / 128]); rows no entry names are left as
+// they were. An entry whose row is >= rows is not stored and recorded in `error` (zeroed by the
+// caller) as send_error_word(kSendRowOutOfRange, i) (uniep/send_rows_error.hpp). The fp8 layer
+// at world 1 quantizes each token once and needs its copies in GEMM order: one launch where a
+// quantize and a row copy of the bytes and of the scales took three.
+Status quantize_fp8_rows(const void* x, int64_t tokens, int64_t cols, const int64_t* gemm_row,
+                         int top_k, int64_t rows, void* q, float* scales, unsigned long long* error,
+                         cudaStream_t stream);
 
 // The first GEMM's input from a dispatch's receive slots: dst[r] = src[row_slot[r]] for rows of
 // cols bf16 (slot s at src + s * src_stride_bytes; a slot outside [0, slots) leaves its row
@@ -246,7 +256,6 @@ Status expert_offsets(const int64_t* counts, int64_t experts, int32_t* offs, cud
 // buffers sized for the most rows a call may have (the fused backward across ranks).
 Status swiglu_backward_bf16(const void* h, const void* grad_act, const float* w, int64_t rows,
                             int64_t ffn, void* act_w, void* grad_h, float* dots,
-                            cudaStream_t stream,
-                            const int32_t* live_rows = nullptr);
+                            cudaStream_t stream, const int32_t* live_rows = nullptr);
 
 }  // namespace uniep::cuda

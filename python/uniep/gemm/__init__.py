@@ -409,6 +409,63 @@ def _quantize_fp8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 torch.library.impl("uniep::quantize_fp8", "CPU")(_quantize_fp8_cpu)
 
 
+def _check_quantize_fp8_rows(x: torch.Tensor, gemm_row: torch.Tensor) -> None:
+    _check_quantize_fp8(x)
+    torch._check_value(
+        gemm_row.dim() == 2 and gemm_row.shape[0] == x.shape[0] and gemm_row.shape[1] >= 1,
+        lambda: f"gemm_row must be [T = {x.shape[0]}, top_k >= 1], got {tuple(gemm_row.shape)}",
+    )
+    torch._check_value(
+        gemm_row.dtype == torch.int64, lambda: f"gemm_row must be int64, got {gemm_row.dtype}"
+    )
+    torch._check_value(
+        gemm_row.device == x.device,
+        lambda: f"gemm_row must be on x's device {x.device}, got {gemm_row.device}",
+    )
+
+
+@torch.library.register_fake("uniep::quantize_fp8_rows")
+def _quantize_fp8_rows_fake(
+    x: torch.Tensor, gemm_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_quantize_fp8_rows(x, gemm_row)
+    rows = x.shape[0] * gemm_row.shape[1]
+    q = x.new_empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((rows, x.shape[1] // _FP8_BLOCK), dtype=torch.float32)
+    return q, scales, x.new_empty(1, dtype=torch.int64)
+
+
+# The send's error word (uniep/send_rows_error.hpp): code << 48 | entry.
+_SEND_ROW_OUT_OF_RANGE = 4 << 48
+
+
+def _quantize_fp8_rows_cpu(
+    x: torch.Tensor, gemm_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_fp8_cpu` of each token stored at its entries' rows; the CUDA kernel's
+    bytes. Rows no entry names are zero here (the CUDA op leaves them as allocated); the first
+    entry whose row is past the rows is the error word's (on CUDA, one of them)."""
+    _check_quantize_fp8_rows(x, gemm_row)
+    q, scales = _quantize_fp8_cpu(x)
+    top_k = gemm_row.shape[1]
+    rows = x.shape[0] * top_k
+    out_q = torch.zeros((rows, q.shape[1]), dtype=torch.uint8)  # e4m3 bytes, copied as bytes
+    out_scales = scales.new_zeros((rows, scales.shape[1]))
+    flat = gemm_row.reshape(-1)
+    token = torch.arange(flat.numel()) // top_k
+    keep = (flat >= 0) & (flat < rows)
+    out_q[flat[keep]] = q.view(torch.uint8)[token[keep]]
+    out_scales[flat[keep]] = scales[token[keep]]
+    error = torch.zeros(1, dtype=torch.int64)
+    bad = torch.nonzero(flat >= rows).reshape(-1)
+    if bad.numel():
+        error[0] = _SEND_ROW_OUT_OF_RANGE | int(bad[0])
+    return out_q.view(torch.float8_e4m3fn), out_scales, error
+
+
+torch.library.impl("uniep::quantize_fp8_rows", "CPU")(_quantize_fp8_rows_cpu)
+
+
 # Fake kernel of the backward's element-wise op (CUDA only: uniep/moe/backward_cuda.py).
 @torch.library.register_fake("uniep::swiglu_backward")
 def _swiglu_backward_fake(

@@ -11,13 +11,10 @@ neither computed nor read), and:
 
 1. ``local_plan``: counts, the GEMM's row ends and each entry's row (one launch up to 2,048
    entries);
-2. ``quantize_fp8`` of the tokens: the fp8 dispatch's own encoding (1 x 128 scales), once per
-   token instead of once per row;
-3. the rows: each token's fp8 row and scales stored at its entries' rows by the MegaKernel's
-   world-1 send (``send_rows``, one launch each); where a token's scales are not a multiple of
-   16 bytes (hidden not a multiple of 512), each row's token (a scatter) and the rows' gather;
-4. the two fp8 grouped GEMMs around ``swiglu_fp8``, on the device's row ends;
-5. ``combine_rows``: the per-k combine's arithmetic (ascending k, fp32, one rounding).
+2. ``quantize_fp8_rows``: each token in the fp8 dispatch's own encoding (1 x 128 scales),
+   quantized once and stored at each of its entries' rows, in one launch;
+3. the two fp8 grouped GEMMs around ``swiglu_fp8``, on the device's row ends;
+4. ``combine_rows``: the per-k combine's arithmetic (ascending k, fp32, one rounding).
 
 The same rows in the same order, the same GEMMs and the combine's arithmetic: the bits of the
 dispatch's path. A bad expert id or a row past the GEMM's output is reported as the MegaKernel
@@ -87,11 +84,14 @@ def moe_forward_fp8_local(
         return x.new_zeros(x.shape)
     if topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # the combine's sums take fp32 weights
-    _, offs, _, dest, gemm_row, counter, plan_error = ops.local_plan(
+    _, offs, _, _, gemm_row, _, plan_error = ops.local_plan(
         topk_idx.contiguous(), experts.num_experts, TILE_M
     )
-    q, scales = ops.quantize_fp8(x.contiguous())
-    rows, row_scales = _token_rows(q, scales, dest, gemm_row, counter, experts.num_experts)
+    # One kernel (and its error word's fill) where a quantize, a scatter and two gathers took ten
+    # launches (128 tokens on 128 experts of FFN 768, one H200, 2026-12-02: 17 us of the step's
+    # 264 as a CUDA graph). Its error word is not read: the rows are the plan's own, which the
+    # plan's error word covers.
+    rows, row_scales, _ = ops.quantize_fp8_rows(x.contiguous(), gemm_row)
     h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
     act, act_scales = ops.swiglu_fp8(h)
     y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)
@@ -100,39 +100,3 @@ def moe_forward_fp8_local(
         check, [("send", plan_error, _PLAN, top_k), ("send", combine_error, _COMBINE, top_k)]
     )
     return out
-
-
-def _token_rows(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    dest: torch.Tensor,
-    gemm_row: torch.Tensor,
-    counter: torch.Tensor,
-    num_experts: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows[gemm_row[t, k]] = q[t]`` and the same for the scales, over the entries with a row;
-    a row no entry names (past the last expert's end) is never computed nor read. The send
-    stores each token's bytes at its rows in one launch (it also counts them on tile counters,
-    which nothing here waits on), where the scatter and two gathers took nine (128 tokens on 128
-    experts of FFN 768, one H200, 2026-12-02: 15 us of the step's 264 as a CUDA graph). Its
-    error words are not read: the rows are the plan's own, which the plan's error word covers."""
-    tokens, top_k = gemm_row.shape
-    slots = tokens * top_k
-    if (scales.shape[1] * scales.element_size()) % 16 == 0:
-        rows = q.new_empty(slots, q.shape[1])
-        row_scales = scales.new_empty(slots, scales.shape[1])
-        # The plan's counters index [0, slots / TILE_M + num_experts] (tile_gates.local_plan).
-        tiles = slots // TILE_M + num_experts + 1
-        counters = torch.empty(tiles, dtype=torch.int32, device=q.device)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        torch.ops.uniep.send_rows(q, dest, gemm_row, counter, rows, counters, sms)
-        torch.ops.uniep.send_rows(scales, dest, gemm_row, counter, row_scales, counters, sms)
-        return rows, row_scales
-    # Each row's token, scattered from the entries; the unused entries all write a spare slot
-    # past the rows, and a row no entry names reads token 0.
-    row = gemm_row.reshape(-1)
-    entry_token = torch.arange(slots, device=q.device) // top_k
-    token_of_row = torch.zeros(slots + 1, dtype=torch.int64, device=q.device)
-    token_of_row.scatter_(0, torch.where(row >= 0, row, slots), entry_token)
-    token_of_row = token_of_row[:slots]
-    return q.index_select(0, token_of_row), scales.index_select(0, token_of_row)

@@ -14,6 +14,7 @@
 #include "cuda/common/swiglu_math.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/send_rows_error.hpp"
 
 namespace uniep::cuda {
 namespace {
@@ -52,10 +53,19 @@ constexpr int kFp8Lanes = kFp8Block / kFp8Cols;
 // so a warp's 32 lanes cover whole scale blocks; every lane runs every step (the shuffles name
 // the whole warp), those past the end with zeros and no stores.
 // kSwiGlu false: h is the activation itself, [rows, ffn] bf16 (the SwiGLU epilogue's output),
-// encoded the same way (quantize_fp8).
+// encoded the same way (quantize_fp8). With `to` (quantize_fp8_rows), row r is stored at each of
+// its top_k destinations instead of at r.
+struct RowTargets {
+  const int64_t* gemm_row = nullptr;  // [rows][top_k]; null: row r goes to row r
+  int top_k = 1;
+  int64_t rows = 0;  // the outputs' rows
+  unsigned long long* error = nullptr;
+};
+
 template <bool kSwiGlu>
 __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
-                                  uint8_t* __restrict__ act, float* __restrict__ scales) {
+                                  uint8_t* __restrict__ act, float* __restrict__ scales,
+                                  RowTargets to) {
   const int64_t lanes_per_row = ffn / kFp8Cols, total = rows * lanes_per_row;
   const int lane = threadIdx.x % 32;
   const int64_t warp0 = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32 * 32;
@@ -95,8 +105,25 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
     if (!in) continue;
     uint4 packed;
     encode_e4m3(a, amax, reinterpret_cast<uint8_t*>(&packed));
-    *reinterpret_cast<uint4*>(act + r * ffn + c) = packed;
-    if (lane % kFp8Lanes == 0) scales[r * (ffn / kFp8Block) + c / kFp8Block] = e4m3_scale(amax);
+    const float scale = e4m3_scale(amax);
+    auto store = [&](int64_t d) {
+      *reinterpret_cast<uint4*>(act + d * ffn + c) = packed;
+      if (lane % kFp8Lanes == 0) scales[d * (ffn / kFp8Block) + c / kFp8Block] = scale;
+    };
+    if (to.gemm_row == nullptr) {
+      store(r);
+      continue;
+    }
+    for (int k = 0; k < to.top_k; ++k) {
+      const int64_t i = r * to.top_k + k, d = to.gemm_row[i];
+      if (d < 0) continue;
+      if (d < to.rows) {
+        store(d);
+      } else if (c == 0) {  // once per entry: its row's first lane
+        atomicCAS(to.error, 0ull,
+                  static_cast<unsigned long long>(send_error_word(kSendRowOutOfRange, i)));
+      }
+    }
   }
 }
 
@@ -125,10 +152,9 @@ namespace {
 
 template <bool kSwiGlu>
 Status launch_fp8_rows(const void* h, int64_t rows, int64_t ffn, void* act, float* scales,
-                       cudaStream_t stream, const char* name) {
+                       cudaStream_t stream, const char* name, RowTargets to = {}) {
   if (rows < 0)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat(name, ": rows must be >= 0, got ", rows)};
+    return {StatusCode::kInvalidArgument, detail::str_cat(name, ": rows must be >= 0, got ", rows)};
   if (ffn < 1 || ffn % kFp8Block != 0)
     return {StatusCode::kUnsupported,
             detail::str_cat(name, ": the activation's columns must be a positive multiple of ",
@@ -138,13 +164,14 @@ Status launch_fp8_rows(const void* h, int64_t rows, int64_t ffn, void* act, floa
       reinterpret_cast<uintptr_t>(h) % 16 != 0 || reinterpret_cast<uintptr_t>(act) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(scales) % 4 != 0)
     return {StatusCode::kUnsupported,
-            detail::str_cat(name, ": the input and the e4m3 output must be 16-byte aligned, the "
-                                  "scales 4 (non-null)")};
+            detail::str_cat(name,
+                            ": the input and the e4m3 output must be 16-byte aligned, the "
+                            "scales 4 (non-null)")};
   const int64_t total = rows * (ffn / kFp8Cols);
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
   swiglu_fp8_kernel<kSwiGlu><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales);
+      static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales, to);
   return launch_status(name);
 }
 
@@ -158,6 +185,24 @@ Status swiglu_fp8(const void* h, int64_t rows, int64_t ffn, void* act, float* sc
 Status quantize_fp8(const void* a, int64_t rows, int64_t cols, void* q, float* scales,
                     cudaStream_t stream) {
   return launch_fp8_rows<false>(a, rows, cols, q, scales, stream, "quantize_fp8");
+}
+
+Status quantize_fp8_rows(const void* x, int64_t tokens, int64_t cols, const int64_t* gemm_row,
+                         int top_k, int64_t rows, void* q, float* scales, unsigned long long* error,
+                         cudaStream_t stream) {
+  if (top_k < 1 || rows < 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("quantize_fp8_rows: top_k must be >= 1 and rows >= 0, got ", top_k,
+                            " and ", rows)};
+  if (tokens > 0 && (gemm_row == nullptr || error == nullptr))
+    return {StatusCode::kInvalidArgument,
+            "quantize_fp8_rows: gemm_row and error must be device pointers"};
+  RowTargets to;
+  to.gemm_row = gemm_row;
+  to.top_k = top_k;
+  to.rows = rows;
+  to.error = error;
+  return launch_fp8_rows<false>(x, tokens, cols, q, scales, stream, "quantize_fp8_rows", to);
 }
 
 }  // namespace uniep::cuda
