@@ -103,8 +103,8 @@ __global__ void reorder_row_scales(const grouped::Shape* __restrict__ shapes,
   const int e = static_cast<int>(blockIdx.x);
   if (e >= num_experts) return;
   // The expert's first row, from the pointer the problem kernel gave its scales (sfa + begin x
-  // kb): one load, where summing the earlier experts' rows took one per expert in a row (6.5 us
-  // of a decode step's 128 experts on an H200, twice a layer).
+  // kb): one load, where summing the earlier experts' rows took one per expert in a row (on a
+  // 128-expert decode step on one H200 the kernel took 6.5 us that way, 2.0 us this way).
   const int64_t begin = (ptr_sfa[e] - sfa) / kb;
   const int64_t m = cute::get<0>(shapes[e]);
   const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
