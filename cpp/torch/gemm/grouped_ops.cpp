@@ -360,13 +360,22 @@ std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const a
   return {q.contiguous(), s1.index_select(2, index).contiguous()};
 }
 
+namespace {
+
+// The rows the fp8 encodings take (quantize_fp8, quantize_fp8_rows); the messages name them x.
+void check_quantize_input(const at::Tensor& x) {
+  UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
+  UNIEP_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x.scalar_type());
+  UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  UNIEP_CHECK(x.is_contiguous(), "x must be contiguous, got strides ", x.strides());
+  UNIEP_CHECK(x.size(1) % 128 == 0,
+              "x must have a multiple of 128 columns (one scale per 128), got shape ", x.sizes());
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a) {
-  UNIEP_CHECK(a.dim() == 2, "x must be 2-D [R, K], got shape ", a.sizes());
-  UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.scalar_type());
-  UNIEP_CHECK(a.is_cuda(), "x must be a CUDA tensor, got ", a.device());
-  UNIEP_CHECK(a.is_contiguous(), "x must be contiguous, got strides ", a.strides());
-  UNIEP_CHECK(a.size(1) % 128 == 0,
-              "x must have a multiple of 128 columns (one scale per 128), got shape ", a.sizes());
+  check_quantize_input(a);
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor q = at::empty(a.sizes(), a.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor scales = at::empty({a.size(0), a.size(1) / 128}, a.options().dtype(at::kFloat));
@@ -418,15 +427,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rows_cuda(const at::Tensor& x,
                                                                       const at::Tensor& gemm_row) {
   return translate_errors([&] {
-    UNIEP_CHECK(x.dim() == 2, "x must be 2-D [T, K], got shape ", x.sizes());
+    check_quantize_input(x);
     UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == x.size(0) && gemm_row.size(1) >= 1,
                 "gemm_row must be [T = ", x.size(0), ", top_k >= 1], got shape ", gemm_row.sizes());
     check_exactly(gemm_row, "gemm_row", at::kLong, gemm_row.sizes(), x);
-    UNIEP_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x.scalar_type());
-    UNIEP_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
-    UNIEP_CHECK(x.is_contiguous(), "x must be contiguous, got strides ", x.strides());
-    UNIEP_CHECK(x.size(1) % 128 == 0,
-                "x must have a multiple of 128 columns (one scale per 128), got shape ", x.sizes());
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t rows = x.size(0) * gemm_row.size(1);
     at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
