@@ -662,6 +662,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("word"), py::arg("top_k"), py::arg("what"),
       "The message of a sender_rows / send_rows error word ('' for 0): the failing entry and "
       "why.");
+  m.def(
+      "send_rows_error_word",
+      [](int64_t code, int64_t entry) {
+        return static_cast<int64_t>(send_error_word(static_cast<uint64_t>(code), entry));
+      },
+      py::arg("code"), py::arg("entry"),
+      "The error word of a failing entry: (code << 48) | entry.");
+  m.attr("SEND_ROW_OUT_OF_RANGE") = static_cast<int64_t>(kSendRowOutOfRange);
   m.def("build_rank_plan", &build_rank_plan_py, py::arg("all_topk"), py::arg("num_experts"),
         py::arg("rank"), py::arg("tuning") = "", py::arg("gate_tile_m") = 128,
         "The plan of `rank` given every rank's topk_idx, with the exchanges simulated in-process "

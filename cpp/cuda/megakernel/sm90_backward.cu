@@ -190,7 +190,7 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
   const typename BackwardKernel::Params params =
       BackwardKernel::to_underlying_arguments(args, ws.gemm);
   return launch_with_body<BackwardKernel>(megakernel::fused_backward_kernel, params, stream,
-                                          "moe_fused_backward_rows_bf16", false, a);
+                                          "moe_fused_backward_rows_bf16", /*after_prior=*/false, a);
 }
 
 }  // namespace uniep::cuda

@@ -435,10 +435,6 @@ def _quantize_fp8_rows_fake(
     return q, scales, x.new_empty(1, dtype=torch.int64)
 
 
-# The send's error word (uniep/send_rows_error.hpp): code << 48 | entry.
-_SEND_ROW_OUT_OF_RANGE = 4 << 48
-
-
 def _quantize_fp8_rows_cpu(
     x: torch.Tensor, gemm_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -459,7 +455,7 @@ def _quantize_fp8_rows_cpu(
     error = torch.zeros(1, dtype=torch.int64)
     bad = torch.nonzero(flat >= rows).reshape(-1)
     if bad.numel():
-        error[0] = _SEND_ROW_OUT_OF_RANGE | int(bad[0])
+        error[0] = _C.send_rows_error_word(_C.SEND_ROW_OUT_OF_RANGE, int(bad[0]))
     return out_q.view(torch.float8_e4m3fn), out_scales, error
 
 
