@@ -412,6 +412,11 @@ PYBIND11_MODULE(_C, m) {
         "index into its compiled configurations (uniep.tuning.tuner.CUDA_TILES), as "
         "grouped_gemm_select "
         "picks it on CUDA.");
+  m.def("grouped_gemm_fp8_auto_config", &uniep::grouped_gemm_fp8_auto_config, py::arg("rows"),
+        py::arg("num_experts"),
+        "The fp8 grouped GEMM's automatic configuration for R rows over E experts: the index "
+        "into its compiled configurations (uniep.tuning.tuner.CUDA_FP8_TILES), as "
+        "grouped_gemm_fp8_select picks it on CUDA.");
   // The bounds MoeShape::validate enforces, for the fake kernels to check the same.
   m.attr("MAX_EXPERTS") = uniep::kMaxExperts;
   m.attr("MAX_WORLD_SIZE") = uniep::kMaxWorldSize;

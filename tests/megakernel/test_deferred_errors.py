@@ -2,8 +2,9 @@
 
 A call captured in a graph cannot copy its error words to the host at each replay, so it keeps
 the first error of any replay in a device word (made by an eager call before capture) that
-``check_errors()`` reads. The word logic is plain tensor arithmetic, checked here on CPU tensors;
-the captured calls themselves run in tests/gemm/test_gpu_prepared.py.
+``check_errors()`` reads. The word logic (``torch.ops.uniep.keep_first_errors``) is checked here
+on CPU tensors and, with a GPU, the CUDA kernel against them; the captured calls themselves run
+in tests/gemm/test_gpu_prepared.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import torch
 from uniep.moe.megakernel import launch
 
 BAD_EXPERT = 1 << 48  # uniep/send_rows_error.hpp: kSendBadExpert << kSendErrorShift
+
+
+def keep(sticky: torch.Tensor, word: torch.Tensor) -> None:
+    torch.ops.uniep.keep_first_errors([sticky], [word])
 
 
 @pytest.fixture(autouse=True)
@@ -26,10 +31,10 @@ def test_the_first_error_of_any_replay_is_kept_and_raised_once() -> None:
     word = torch.zeros(1, dtype=torch.int64)
     sticky = launch.sticky_word("send", word, "moe_forward_local (fused)", 2)
     assert sticky is launch.sticky_word("send", word, "moe_forward_local (fused)", 2)
-    launch._keep_first_error(sticky, torch.zeros(1, dtype=torch.int64))  # a clean replay
+    keep(sticky, torch.zeros(1, dtype=torch.int64))  # a clean replay
     assert not sticky.any()
-    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT | 7]))  # entry 7: token 3, k 1
-    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT | 2]))  # a later one is not kept
+    keep(sticky, torch.tensor([BAD_EXPERT | 7]))  # entry 7: token 3, k 1
+    keep(sticky, torch.tensor([BAD_EXPERT | 2]))  # a later one is not kept
     assert sticky.item() == BAD_EXPERT | 7
     with pytest.raises(ValueError, match=r"in a CUDA graph.*token 3, k 1"):
         launch.check_errors()
@@ -41,8 +46,8 @@ def test_a_timeout_record_is_kept_whole() -> None:
     record = torch.zeros(5, dtype=torch.int32)
     sticky = launch.sticky_word("gate", record, "moe_forward_local (fused)", 2)
     # flag 1: rows that never came (expert 3, m-tile 0, 5 of 8 rows).
-    launch._keep_first_error(sticky, torch.tensor([1, 3, 0, 5, 8], dtype=torch.int32))
-    launch._keep_first_error(sticky, torch.tensor([1, 4, 1, 0, 8], dtype=torch.int32))
+    keep(sticky, torch.tensor([1, 3, 0, 5, 8], dtype=torch.int32))
+    keep(sticky, torch.tensor([1, 4, 1, 0, 8], dtype=torch.int32))
     assert sticky.tolist() == [1, 3, 0, 5, 8]
     with pytest.raises(TimeoutError, match=r"in a CUDA graph.*expert 3, m-tile 0"):
         launch.check_errors()
@@ -50,7 +55,7 @@ def test_a_timeout_record_is_kept_whole() -> None:
 
 def test_no_check_leaves_the_words_alone() -> None:
     sticky = launch.sticky_word("send", torch.zeros(1, dtype=torch.int64), "x", 1)
-    launch._keep_first_error(sticky, torch.tensor([BAD_EXPERT]))
+    keep(sticky, torch.tensor([BAD_EXPERT]))
     launch.check_errors(wait=False)  # the deferred calls' own check reads no device word
     assert sticky.item() == BAD_EXPERT
 
@@ -86,8 +91,8 @@ def test_the_tile_width_follows_the_rows() -> None:
 def test_one_check_clears_every_word_of_the_failed_replays() -> None:
     plan = launch.sticky_word("send", torch.zeros(1, dtype=torch.int64), "call (plan)", 2)
     kernel = launch.sticky_word("gate", torch.zeros(5, dtype=torch.int32), "call (fused)", 2)
-    launch._keep_first_error(plan, torch.tensor([BAD_EXPERT | 1]))
-    launch._keep_first_error(kernel, torch.tensor([1, 0, 0, 0, 1], dtype=torch.int32))
+    keep(plan, torch.tensor([BAD_EXPERT | 1]))
+    keep(kernel, torch.tensor([1, 0, 0, 0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"call \(plan\) \(in a CUDA graph\)"):
         launch.check_errors()  # the plan's, made first
     assert not plan.any() and not kernel.any()
@@ -106,3 +111,54 @@ def test_fp8_eager_calls_make_the_words_a_later_capture_keeps() -> None:
     assert all(w.dtype == torch.int64 and not w.any() for w in made.values())
     fp8_local.keep_graph_errors(device, 4)
     assert all(launch._STICKY[("send", what, 4, device)] is w for what, w in made.items())
+
+
+def test_one_call_keeps_every_word_and_checks_its_arguments() -> None:
+    send = torch.tensor([BAD_EXPERT | 3])
+    kept = torch.tensor([BAD_EXPERT | 9])
+    gate = torch.zeros(5, dtype=torch.int32)
+    torch.ops.uniep.keep_first_errors(
+        [send, kept, gate],
+        [torch.tensor([BAD_EXPERT | 4]), torch.zeros(1, dtype=torch.int64), _timeout_record()],
+    )
+    assert send.item() == BAD_EXPERT | 3 and kept.item() == BAD_EXPERT | 9  # errors kept before
+    assert gate.tolist() == _timeout_record().tolist()
+    one = torch.zeros(1, dtype=torch.int64)
+    bad = [
+        (([one], []), "sticky and words must be as long, got 1 and 0"),
+        (([one], [torch.zeros(1)]), r"words\[0\] must be int32 or int64"),
+        (([one], [torch.zeros(1, dtype=torch.int32)]), r"sticky\[0\] must be words\[0\]'s Int"),
+        (([one], [torch.zeros(2, dtype=torch.int64)]), "the same number"),
+        (([one[:0]], [one[:0]]), r"the same number \(>= 1\) of elements, got 0 and 0"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.uniep.keep_first_errors(*args)
+
+
+def _timeout_record() -> torch.Tensor:
+    return torch.tensor([1, 3, 0, 5, 8], dtype=torch.int32)
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_keeps_what_the_cpu_keeps() -> None:
+    # Twenty pairs (two launches of at most 16), each sticky word clean or already holding an
+    # error, of both dtypes and several lengths.
+    gen = torch.Generator().manual_seed(0)
+    sticky, words = [], []
+    for i in range(20):
+        dtype = torch.int64 if i % 3 else torch.int32
+        n = 1 + i % 6
+        s = torch.randint(1, 1000, (n,), generator=gen).to(dtype)
+        if i % 2:
+            s.zero_()
+        sticky.append(s)
+        words.append(torch.randint(0, 1000, (n,), generator=gen).to(dtype))
+    cpu = [s.clone() for s in sticky]
+    torch.ops.uniep.keep_first_errors(cpu, words)
+    gpu = [s.cuda() for s in sticky]
+    torch.ops.uniep.keep_first_errors(gpu, [w.cuda() for w in words])
+    for i, (c, g) in enumerate(zip(cpu, gpu, strict=True)):
+        assert torch.equal(c, g.cpu()), f"pair {i}"
+    with pytest.raises(ValueError, match=r"sticky\[1\] and words\[1\] must be on"):
+        torch.ops.uniep.keep_first_errors([gpu[0], gpu[1]], [words[0].cuda(), words[1]])

@@ -327,6 +327,33 @@ def test_auto_tiles_follow_the_devices_pingpong_rows() -> None:
     assert h200.seconds(shape, fused) == h200.seconds(shape, as_64 + ",tile_n=256")
 
 
+def test_fp8_auto_tiles_take_64_rows_for_decode() -> None:
+    from uniep import _C
+
+    # Up to one 64-row tile per expert on average (decode): the ping-pong 64 x 128 tiles; above
+    # it the cooperative 128 x 128 ones.
+    assert tune.CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(0, 128)] == (64, 128, 128)
+    assert tune.CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(64 * 128, 128)] == (64, 128, 128)
+    assert tune.CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(64 * 128 + 1, 128)] == (
+        128,
+        128,
+        128,
+    )
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+        _C.grouped_gemm_fp8_auto_config(64, 0)
+    with pytest.raises(ValueError, match="rows must be >= 0, got -1"):
+        _C.grouped_gemm_fp8_auto_config(-1, 8)
+    # The cost model prices the tiles the engine picks: auto as the 64-row tile in decode and as
+    # the 128-row one in prefill.
+    model = tune.CostModel("cuda", 1e15, 3e12, sm_count=132, weights="fp8")
+    auto, m64, m128 = "dispatch=fp8", "dispatch=fp8,tile_m=64", "dispatch=fp8,tile_m=128"
+    decode = tune.MoeShape(16, 7168, 2048, 256, 8, 1, "bfloat16")
+    prefill = tune.MoeShape(4096, 7168, 2048, 256, 8, 1, "bfloat16")
+    assert model.seconds(decode, auto) == model.seconds(decode, m64)
+    assert model.seconds(prefill, auto) == model.seconds(prefill, m128)
+    assert model.seconds(prefill, auto) != model.seconds(prefill, m64)
+
+
 def test_packed_entries_have_their_own_key(tmp_path: Path) -> None:
     path = tmp_path / "tune.json"
     plain = tune.cache_key(device_name="d", world_size=1, **SHAPE)

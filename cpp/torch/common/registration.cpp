@@ -105,6 +105,9 @@ TORCH_LIBRARY(uniep, m) {
   m.def(
       "send_rows(Tensor x, Tensor dest_rank, Tensor gemm_row, Tensor counter, Tensor(a!) rows, "
       "Tensor(b!) counters, int sm_count) -> Tensor error");
+  // keep_first_errors(sticky, words): each sticky[i] takes words[i] where its first element is 0
+  // (the first error of any call kept; include/uniep/cuda/error_words.hpp), one launch on CUDA.
+  m.def("keep_first_errors(Tensor(a!)[] sticky, Tensor[] words) -> ()");
   // combine_rows(y [R, H] bf16, gemm_row [T, K], topk_weights [T, K] fp32) -> out [T, H], error:
   // out[t] = sum_k w[t, k] * y[gemm_row[t, k]] (k ascending, fp32, the combines' rounding).
   m.def(

@@ -2,6 +2,8 @@
 // the MegaKernel's dispatch on its own (include/uniep/cuda/send_rows.hpp), so it can be tested
 // against the CPU implementation and run beside a gated GEMM. No host sync: the error word is
 // returned for the caller to read once the stream has run (uniep.moe.tile_gates.check_send_error).
+// Also keep_first_errors, which folds such words into the sticky words of deferred checks
+// (include/uniep/cuda/error_words.hpp).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,10 +12,12 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
 #include "torch/megakernel/send_rows_ops.hpp"
+#include "uniep/cuda/error_words.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -178,10 +182,28 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cuda(const at::Tensor& y,
   });
 }
 
+void keep_first_errors_cuda(const std::vector<at::Tensor>& sticky,
+                            const std::vector<at::Tensor>& words) {
+  translate_errors([&] {
+    check_keep_first_errors_args(sticky, words);
+    if (sticky.empty()) return;
+    UNIEP_CHECK(sticky[0].device().is_cuda(), "sticky must be CUDA tensors, got ",
+                sticky[0].device());
+    const c10::cuda::CUDAGuard guard(sticky[0].device());
+    std::vector<cuda::ErrorWordPair> pairs(sticky.size());
+    for (size_t i = 0; i < sticky.size(); ++i)
+      pairs[i] = {sticky[i].data_ptr(), words[i].data_ptr(), words[i].numel(),
+                  static_cast<int>(words[i].element_size())};
+    ok_or_throw(cuda::keep_first_errors(pairs.data(), static_cast<int>(pairs.size()),
+                                        at::cuda::getCurrentCUDAStream().stream()));
+  });
+}
+
 }  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
+  m.impl("keep_first_errors", &uniep::torch_glue::keep_first_errors_cuda);
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cuda);
   m.impl("send_order", &uniep::torch_glue::send_order_cuda);
   m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cuda);

@@ -1,7 +1,7 @@
 // CPU implementations of uniep::sender_rows and uniep::send_rows (schemas in registration.cpp):
 // the reference the CUDA kernels (cpp/cuda/megakernel/send_rows.cu) are tested against. Both
 // record a failing entry in the error word as the device does, so the two executors answer a
-// bad call alike.
+// bad call alike. Also keep_first_errors (the deferred checks' sticky words).
 #include "torch/megakernel/send_rows_ops.hpp"
 
 #include <torch/library.h>
@@ -270,9 +270,46 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
     check_same_device(t, name, x, "x");
 }
 
+void check_keep_first_errors_args(const std::vector<at::Tensor>& sticky,
+                                  const std::vector<at::Tensor>& words) {
+  UNIEP_CHECK(sticky.size() == words.size(), "sticky and words must be as long, got ",
+              sticky.size(), " and ", words.size());
+  for (size_t i = 0; i < sticky.size(); ++i) {
+    const at::Tensor &s = sticky[i], &w = words[i];
+    UNIEP_CHECK(w.scalar_type() == at::kLong || w.scalar_type() == at::kInt, "words[", i,
+                "] must be int32 or int64, got ", w.scalar_type());
+    UNIEP_CHECK(s.scalar_type() == w.scalar_type(), "sticky[", i, "] must be words[", i, "]'s ",
+                w.scalar_type(), ", got ", s.scalar_type());
+    UNIEP_CHECK(w.numel() >= 1 && s.numel() == w.numel(), "sticky[", i, "] and words[", i,
+                "] must hold the same number (>= 1) of elements, got ", s.numel(), " and ",
+                w.numel());
+    UNIEP_CHECK(s.is_contiguous() && w.is_contiguous(), "sticky[", i, "] and words[", i,
+                "] must be contiguous");
+    UNIEP_CHECK(s.device() == w.device() && s.device() == sticky[0].device(), "sticky[", i,
+                "] and words[", i, "] must be on sticky[0]'s device ", sticky[0].device(), ", got ",
+                s.device(), " and ", w.device());
+  }
+}
+
+namespace {
+
+// sticky[i] = words[i] where sticky[i]'s first element is 0: the first error of any call kept.
+void keep_first_errors_cpu(const std::vector<at::Tensor>& sticky,
+                           const std::vector<at::Tensor>& words) {
+  translate_errors([&] {
+    check_keep_first_errors_args(sticky, words);
+    for (size_t i = 0; i < sticky.size(); ++i) {
+      at::Tensor s = sticky[i];
+      if (s.reshape(-1)[0].item<int64_t>() == 0) s.copy_(words[i]);
+    }
+  });
+}
+
+}  // namespace
 }  // namespace uniep::torch_glue
 
 TORCH_LIBRARY_IMPL(uniep, CPU, m) {
+  m.impl("keep_first_errors", &uniep::torch_glue::keep_first_errors_cpu);
   m.impl("sender_rows", &uniep::torch_glue::sender_rows_cpu);
   m.impl("send_order", &uniep::torch_glue::send_order_cpu);
   m.impl("expert_tiles", &uniep::torch_glue::expert_tiles_cpu);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace uniep::torch_glue {
 
@@ -35,5 +36,10 @@ void check_send_rows_args(const at::Tensor& x, const at::Tensor& dest_rank,
 // topk_weights [T, K] float32; all on y's device.
 void check_combine_rows_args(const at::Tensor& y, const at::Tensor& gemm_row,
                              const at::Tensor& topk_weights);
+
+// sticky and words of equal length; each pair contiguous, on one device, of one dtype (int32 or
+// int64) and numel >= 1: uniep::keep_first_errors.
+void check_keep_first_errors_args(const std::vector<at::Tensor>& sticky,
+                                  const std::vector<at::Tensor>& words);
 
 }  // namespace uniep::torch_glue

@@ -177,9 +177,11 @@ size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64
 const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count);
 
 // The index (into grouped_gemm_fp8_configs) of the configuration that runs `p` for the request
-// `want`: with every field 0, the cooperative 128 x 128 tiles (the faster on every shape
-// measured); otherwise the first configuration matching every non-zero field, none matching
-// being kInvalidArgument listing the valid combinations.
+// `want`: with every field 0, the rule of p.rows over p.num_experts that
+// grouped_gemm_fp8_auto_config (uniep/tuning.hpp) gives (the 64-row ping-pong tiles for experts
+// averaging at most 64 rows, as in decode; else the cooperative 128 x 128 tiles); otherwise the
+// first configuration matching every non-zero field, none matching being kInvalidArgument
+// listing the valid combinations.
 Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
                                int* index);
 

@@ -236,6 +236,11 @@ def _send_rows_fake(
     return x.new_empty((1,), dtype=torch.int64)
 
 
+@torch.library.register_fake("uniep::keep_first_errors")
+def _keep_first_errors_fake(sticky: list[torch.Tensor], words: list[torch.Tensor]) -> None:
+    return None
+
+
 @torch.library.register_fake("uniep::combine_rows")
 def _combine_rows_fake(
     y: torch.Tensor, gemm_row: torch.Tensor, topk_weights: torch.Tensor

@@ -98,7 +98,8 @@ __all__ = [
 # The expert GEMM engine's compiled (tile_m, tile_n, tile_k), in its registry order
 # (cpp/cuda/gemm/grouped): the only tile keys a CUDA candidate may name.
 CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
-# The fp8 grouped GEMM's (experts=fp8, dispatch=fp8's default), the automatic one first.
+# The fp8 grouped GEMM's (experts=fp8, dispatch=fp8's default), in its registry order
+# (_C.grouped_gemm_fp8_auto_config indexes it).
 CUDA_FP8_TILES = ((128, 128, 128), (64, 128, 128))
 # The CPU executor blocks its loops by any power of two in [16, 256]; auto is 128 columns
 # (TuningParams::tile_n_or_default, include/uniep/tuning.hpp).
@@ -415,7 +416,8 @@ class CostModel:
         total = 0.0
         for index, (n, k) in enumerate(gemms):
             if fp8:
-                tm, tn, tk = (p.tile_m or 128, 128, 128)
+                auto = CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(int(rows), el)]
+                tm, tn, tk = (p.tile_m or auto[0], 128, 128)
             elif p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:

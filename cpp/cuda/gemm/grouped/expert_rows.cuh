@@ -1,6 +1,7 @@
-// The walk over offs that every grouped problem kernel makes (grouped_problems.cuh, the fp8
-// kernel in sm90_grouped_fp8.cu, the MegaKernel's forward and backward problem kernels) and
-// gate_tile_base: each expert's row range from the cumulative row ends.
+// The walk over offs that the grouped problem kernels make (grouped_problems.cuh, the MegaKernel's
+// forward and backward problem kernels) and gate_tile_base: each expert's row range from the
+// cumulative row ends. The fp8 problem kernel (sm90_grouped_fp8.cu) gives each expert's block
+// the same ranges by a max over the earlier ends.
 #pragma once
 
 #include <cstdint>

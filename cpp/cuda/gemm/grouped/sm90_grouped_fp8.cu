@@ -4,9 +4,9 @@
 // choice among the compiled tiles (fp8_kernel.cuh), the problem kernels and the launch.
 //
 // Hopper's fp8 WGMMA reads both operands K-major: the weights are stored [E, n, k] (the transpose
-// of the bf16 [E, k, n]), and the kernel reads A's scales M-major, so a small kernel reorders the
-// rows' scales expert by expert first. Bits: one k-block order, no split-K, whatever the grid or
-// the tile.
+// of the bf16 [E, k, n]), and the kernel reads A's scales M-major, so the problem kernel reorders
+// the rows' scales expert by expert first. Bits: one k-block order, no split-K, whatever the grid
+// or the tile.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include "cuda/gemm/grouped/expert_problem.cuh"
 #include "cuda/gemm/grouped/expert_rows.cuh"
 #include "cuda/gemm/grouped/fp8_kernel.cuh"
+#include "uniep/tuning.hpp"
 
 namespace uniep::cuda {
 namespace {
@@ -64,54 +65,58 @@ Arrays carve_fp8(void* base, int64_t num_experts, int64_t rows, int64_t k) {
   return a;
 }
 
-// As grouped_problems.cuh's kernel (the same walk over offs and the same problem entries), for
-// the fp8 operands: per expert the shapes, the K-major x rows and w[e] [n, k] (kDgrad's layout
-// of w), the bf16 out rows, and the scales' pointers and layouts (A's scales: this expert's block
-// of the reordered sfa). swiglu: out rows of n / 2 and B scales per 64 columns
-// (GroupedGemmFp8Problem::swiglu).
-__global__ void __launch_bounds__(32)
+constexpr int kProblemThreads = 256;
+
+// The problems and the rows' scales in one launch, grid (expert, slice). Every block finds its
+// expert's row range as grouped::expert_rows_step does (each end clamped to [0, rows] and raised
+// to the largest earlier end: disjoint, ascending ranges inside [0, rows] whatever offs holds),
+// by a max over the earlier ends rather than a walk; block (e, 0) writes e's problem entries, as
+// grouped_problems.cuh's kernel for the fp8 operands: the shapes, the K-major x rows and w[e]
+// [n, k] (kDgrad's layout of w), the bf16 out rows, and the scales' pointers and layouts (A's
+// scales: this expert's block of the reordered sfa); swiglu: out rows of n / 2 and B scales per
+// 64 columns (GroupedGemmFp8Problem::swiglu). Then every block reorders its slice of the
+// expert's scales from [rows, k / 128] row-major (as the dispatch writes them) to M-major: e's
+// block at begin_e * kb holds [kb][rows_e]. The slices let a layer of few large experts still
+// fill the GPU (one block per expert took 1.5 ms on two Mixtral experts' 16384 x 112 scales,
+// longer than the GEMM's own share); one launch where a problem kernel and a reorder kernel took
+// two, each a few microseconds of a decode step.
+__global__ void __launch_bounds__(kProblemThreads)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
                        const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
-                       grouped::Workspace ws, Arrays fa) {
-  const int kb = k / kBlock, nb = swiglu ? n / grouped_fp8::kHalfBlock : n / kBlock;
-  const int out_n = swiglu ? n / 2 : n;
-  grouped::for_each_expert_rows(
-      offs, num_experts, rows, static_cast<int>(threadIdx.x), [&](int e, grouped::ExpertRows r) {
-        grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, out_n, x, w,
-                                                                  out);
-        const int m = r.end - r.begin;
-        const int64_t b = r.begin, ee = e;
-        fa.ptr_sfa[e] = fa.sfa + b * kb;
-        fa.ptr_sfb[e] = w_scales + ee * kb * nb;
-        fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-        if (swiglu)
-          fa.layout_sfb64()[e] =
-              grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
-        else
-          fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
-      });
-}
-
-// The rows' scales [rows, k / 128] (row-major, as the dispatch writes them) reordered per expert
-// M-major: expert e's block at begin_e * kb holds [kb][rows_e]. Reads the shapes and A-scale
-// pointers the problem kernel wrote. Grid (expert, slice): blockIdx.y slices an expert's rows x
-// k-blocks, so a layer of few large experts still fills the GPU (one block per expert took 1.5 ms
-// on two Mixtral experts' 16384 x 112 scales, longer than the GEMM's own share).
-__global__ void reorder_row_scales(const grouped::Shape* __restrict__ shapes,
-                                   const float* const* __restrict__ ptr_sfa, int num_experts,
-                                   const float* __restrict__ x_scales, int kb, float* sfa) {
+                       const float* __restrict__ x_scales, grouped::Workspace ws, Arrays fa) {
   const int e = static_cast<int>(blockIdx.x);
   if (e >= num_experts) return;
-  // The expert's first row, from the pointer the problem kernel gave its scales (sfa + begin x
-  // kb): one load, where summing the earlier experts' rows took one per expert in a row (on a
-  // 128-expert decode step on one H200 the kernel took 6.5 us that way, 2.0 us this way).
-  const int64_t begin = (ptr_sfa[e] - sfa) / kb;
-  const int64_t m = cute::get<0>(shapes[e]);
-  const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; i < m * kb;
-       i += stride) {
-    const int64_t r = i % m, c = i / m;
-    sfa[begin * kb + c * m + r] = x_scales[(begin + r) * kb + c];
+  auto end_of = [&](int j) { return min(max(offs[j], 0), rows); };
+  int begin = 0;
+  for (int j = static_cast<int>(threadIdx.x); j < e; j += kProblemThreads)
+    begin = max(begin, end_of(j));
+  for (int d = 16; d > 0; d /= 2) begin = max(begin, __shfl_xor_sync(0xffffffffu, begin, d));
+  __shared__ int warp_max[kProblemThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = begin;
+  __syncthreads();
+  begin = 0;
+  for (int i = 0; i < kProblemThreads / 32; ++i) begin = max(begin, warp_max[i]);
+  const grouped::ExpertRows r{begin, max(begin, end_of(e))};
+  const int kb = k / kBlock, m = r.end - r.begin;
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    const int nb = swiglu ? n / grouped_fp8::kHalfBlock : n / kBlock;
+    grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, swiglu ? n / 2 : n,
+                                                              x, w, out);
+    const int64_t b = r.begin, ee = e;
+    fa.ptr_sfa[e] = fa.sfa + b * kb;
+    fa.ptr_sfb[e] = w_scales + ee * kb * nb;
+    fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+    if (swiglu)
+      fa.layout_sfb64()[e] =
+          grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    else
+      fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+  }
+  const int64_t b = r.begin, stride = static_cast<int64_t>(gridDim.y) * kProblemThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * kProblemThreads + threadIdx.x;
+       i < static_cast<int64_t>(m) * kb; i += stride) {
+    const int64_t row = i % m, c = i / m;
+    fa.sfa[b * kb + c * m + row] = x_scales[(b + row) * kb + c];
   }
 }
 
@@ -159,16 +164,17 @@ const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count) {
   return configs.data();
 }
 
-// `p` is for shape rules: the one automatic choice has none so far.
-Status grouped_gemm_fp8_select([[maybe_unused]] const GroupedGemmFp8Problem& p,
-                               const GroupedGemmTiles& want, int* index) {
+Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
+                               int* index) {
   const auto& all = fp8_entries();
   if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
-    // The cooperative tiles, whatever the shape: on one H100 the ping-pong ones took 2-37% more
-    // time on every product measured, experts of 97-157 rows included (4.27 against 3.29 ms on
-    // DeepSeek-V3's up projection over 256 experts; 2026-11-26, commit d9128f6). A
-    // 64-row tile also uses each weight tile it loads for half as many rows.
-    *index = 0;
+    // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
+    // model reads it too.
+    try {
+      *index = grouped_gemm_fp8_auto_config(p.rows, p.num_experts);
+    } catch (const Error& e) {
+      return {e.code(), e.what()};
+    }
     return Status::Ok();
   }
   auto matches = [&want](const GroupedGemmConfig& c) {
@@ -232,16 +238,14 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
   void* after = static_cast<char*>(workspace) + grouped::group_arrays_bytes(p.num_experts);
   Arrays fa = carve_fp8(after, p.num_experts, p.rows, p.k);
   const int experts = static_cast<int>(p.num_experts);
-  build_fp8_problems<<<1, 32, 0, stream>>>(
+  const dim3 grid(experts, std::max(1, std::min(1024, 8 * sm_count / experts)));
+  build_fp8_problems<<<grid, kProblemThreads, 0, stream>>>(
       p.offs, experts, static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
       static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
-      static_cast<Bf16*>(p.out), p.swiglu, ws, fa);
-  const dim3 reorder_grid(experts, std::max(1, std::min(1024, 8 * sm_count / experts)));
-  reorder_row_scales<<<reorder_grid, 256, 0, stream>>>(ws.shapes, fa.ptr_sfa, experts, p.x_scales,
-                                                       static_cast<int>(p.k / kBlock), fa.sfa);
+      static_cast<Bf16*>(p.out), p.swiglu, p.x_scales, ws, fa);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kInternal,
-            detail::str_cat("the fp8 grouped GEMM's problem kernels failed to launch: ",
+            detail::str_cat("the fp8 grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
   const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
   if (p.swiglu) return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);

@@ -1,6 +1,7 @@
 // The fp8 ping-pong 64 x 128 tile: each warpgroup has its own tile, one's scale promotion and
-// epilogue running while the other's WGMMAs do. Only on request (tile_m=64): on one H100 it was
-// slower than the cooperative tile on every product measured (sm90_grouped_fp8.cu).
+// epilogue running while the other's WGMMAs do. The automatic choice for experts of a few rows
+// (decode; uniep/tuning.hpp, grouped_gemm_fp8_auto_config); on one H100 it was slower than the
+// cooperative tile on every prefill product measured.
 #include "cuda/gemm/grouped/fp8_kernel.cuh"
 
 namespace uniep::cuda::grouped_fp8 {

@@ -149,13 +149,6 @@ def sticky_word(kind: str, word: torch.Tensor, what: str, top_k: int) -> torch.T
     return sticky
 
 
-def _keep_first_error(sticky: torch.Tensor, word: torch.Tensor) -> None:
-    """sticky = word where sticky holds no error yet (its first element 0), as device ops: what a
-    replayed graph can do instead of copying the word to the host."""
-    empty = sticky.reshape(-1)[:1] == 0
-    torch.where(empty, word.reshape(-1), sticky.reshape(-1), out=sticky.view(-1))
-
-
 def _check_at_exit() -> None:
     try:
         check_errors()
@@ -174,11 +167,13 @@ def finish_call(check: bool | str, entries: list[tuple[str, torch.Tensor, str, i
     if check is True:
         _raise_from(entries)
     elif check == "deferred":
-        for kind, word, what, top_k in entries:
-            sticky = sticky_word(kind, word, what, top_k)
-            if word.is_cuda and torch.cuda.is_current_stream_capturing():
-                _keep_first_error(sticky, word)
+        stickies = [sticky_word(kind, word, what, top_k) for kind, word, what, top_k in entries]
         if entries and entries[0][1].is_cuda and torch.cuda.is_current_stream_capturing():
+            # Each sticky word takes its word where it holds no error yet (its first element 0),
+            # every word of the call in one launch: what a replayed graph can do instead of
+            # copying the words to the host.
+            words = [word.reshape(-1) for _, word, _, _ in entries]
+            torch.ops.uniep.keep_first_errors([s.view(-1) for s in stickies], words)
             return
         host = []
         for kind, word, what, top_k in entries:
