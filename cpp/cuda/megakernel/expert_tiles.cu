@@ -119,13 +119,22 @@ __device__ __forceinline__ int entry_key(const int64_t* __restrict__ ids, int64_
   return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
 }
 
+// The steps of 32 entries a warp takes over [seg, seg + kWarpEntries): none past n (the same in
+// every lane). A decode batch fills a warp's first step or few: on 8 entries every warp but the
+// first has none, where each walked its 8 steps of empty entries, __match_any_sync and all.
+__device__ __forceinline__ int warp_steps(int64_t n, int64_t seg) {
+  const int64_t left = (n - seg + 31) / 32;
+  return seg >= n ? 0 : left < kWarpEntries / 32 ? static_cast<int>(left) : kWarpEntries / 32;
+}
+
 // The counting sort's first pass over one warp's entries [seg, seg + kWarpEntries): `table[e]`
 // (the warp's own, zeroed) gains the entries routed to e, one leader per id and step (no
 // atomics).
 __device__ __forceinline__ void count_warp_entries(const int64_t* __restrict__ ids, int64_t n,
                                                    int num_experts, int64_t seg, int lane,
                                                    int* table) {
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
+  const int steps = warp_steps(n, seg);
+  for (int s = 0; s < steps; ++s) {
     int64_t id = -1;
     const int key = entry_key(ids, n, num_experts, seg + s * 32 + lane, id);
     const unsigned peers = __match_any_sync(0xffffffffu, key);
@@ -142,7 +151,8 @@ __device__ __forceinline__ void place_warp_entries(
     CounterOf counter_of, int64_t* __restrict__ dest_rank, int64_t* __restrict__ gemm_row,
     int64_t* __restrict__ counter, unsigned long long* __restrict__ error) {
   const uint32_t below = (1u << lane) - 1u;
-  for (int s = 0; s < kWarpEntries / 32; ++s) {
+  const int steps = warp_steps(n, seg);
+  for (int s = 0; s < steps; ++s) {
     const int64_t i = seg + s * 32 + lane;
     int64_t id = -1;
     const int key = entry_key(ids, n, num_experts, i, id);
