@@ -23,6 +23,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/epilogue/collective/detail.hpp>
 
+#include "cuda/common/cta_index.cuh"
 #include "cuda/gemm/grouped/direct_epilogue.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/megakernel/launch.hpp"
@@ -32,7 +33,7 @@ namespace uniep::cuda::megakernel {
 
 // A consumer warp's slot among num_held (kFusedConsumerWarps per CTA), or -1 past them.
 CUTLASS_DEVICE int64_t held_slot(int64_t num_held) {
-  const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * blockIdx.y;
+  const int64_t cta = cta_linear_index();
   const int64_t slot =
       cta * kFusedConsumerWarps + (static_cast<int>(threadIdx.x) / 32 - kFusedProducerWarps);
   return slot >= 0 && slot < num_held ? slot : -1;
@@ -181,8 +182,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
   // tile_stamps[6 x CTA + at] = now, by the first thread of the warpgroup.
   CUTLASS_DEVICE void stamp(int at) const {
     if (params_.stamps != nullptr && threadIdx.x % 128 == 0)
-      params_.stamps[6 * (blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y) + at] =
-          gate_clock_ns();
+      params_.stamps[6 * cta_linear_index() + at] = gate_clock_ns();
   }
 
   // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;

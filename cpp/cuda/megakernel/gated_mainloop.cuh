@@ -23,6 +23,7 @@
 
 #include <climits>
 
+#include "cuda/common/cta_index.cuh"
 #include "cuda/gemm/grouped/group_mainloop.cuh"
 #include "cuda/megakernel/tile_gate.cuh"
 
@@ -100,8 +101,7 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
   // FusedMoeArgs::tile_stamps: the first gated tile's (reached, opened), then the last one's.
   CUTLASS_DEVICE static void stamp_gate(const Params& params, uint64_t reached) {
     if (params.stamps == nullptr) return;
-    unsigned long long* s =
-        params.stamps + 6 * (blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y);
+    unsigned long long* s = params.stamps + 6 * cta_linear_index();
     const int at = s[0] == 0 ? 0 : 2;
     s[at] = reached;
     s[at + 1] = gate_clock_ns();

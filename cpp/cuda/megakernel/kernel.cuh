@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/common/cta_index.cuh"
 #include "cuda/gemm/cutlass_launch.cuh"
 #include "cuda/gemm/grouped/grouped_kernel.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
@@ -99,8 +100,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
   // Launched while the problem kernel still runs (fused_launch_impl): nothing it writes (the
   // problem arrays, the zeroed counters and scratch) is read before this.
   wait_for_prior_grid();
-  unsigned long long* trace =
-      st.a.trace != nullptr ? st.a.trace + 4 * (blockIdx.x + gridDim.x * blockIdx.y) : nullptr;
+  unsigned long long* trace = st.a.trace != nullptr ? st.a.trace + 4 * cta_linear_index() : nullptr;
   if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
   // 1. The send, by the first comm_units units (all of them when comm_units >= units).
   const uint64_t comm_units = static_cast<uint64_t>(st.comm_units);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "cuda/common/cta_index.cuh"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/checks.hpp"
@@ -81,8 +82,7 @@ __global__ void __launch_bounds__(BackwardKernel::MaxThreadsPerBlock,
   constexpr int kWarps = static_cast<int>(BackwardKernel::MaxThreadsPerBlock) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   const int64_t ctas = int64_t(gridDim.x) * gridDim.y * gridDim.z;
-  const int64_t cta =
-      blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+  const int64_t cta = cta_linear_index();
   unsigned long long* trace = a.trace != nullptr ? a.trace + 4 * cta : nullptr;
   if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
   backward_send_tokens(a, cta * kWarps + warp, ctas * kWarps, lane);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include "cuda/common/cta_index.cuh"
 
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -76,8 +77,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
     have = load_acquire_u32(counter);
   }
   if (g.waited_ns != nullptr) {
-    const uint64_t cta = blockIdx.x + static_cast<uint64_t>(gridDim.x) * blockIdx.y;
-    atomicAdd(g.waited_ns + g.waited_stride * cta,
+    atomicAdd(g.waited_ns + g.waited_stride * cta_linear_index(),
               static_cast<unsigned long long>(gate_clock_ns() - start));
   }
 }
