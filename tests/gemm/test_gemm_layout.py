@@ -147,6 +147,9 @@ def test_quantize_fp8_rows_stores_each_token_at_its_entries_rows() -> None:
     q2, _, error = torch.ops.uniep.quantize_fp8_rows(x, bad)
     assert int(error) == (4 << 48) | 5  # entry (token 2, k 1)
     assert torch.equal(q2[:7].view(torch.uint8), q[:7].view(torch.uint8))
+    # Without report the entry is still left out, and no word is made.
+    q3, _, unreported = torch.ops.uniep.quantize_fp8_rows(x, bad, report=False)
+    assert unreported.shape == (0,) and torch.equal(q3.view(torch.uint8), q2.view(torch.uint8))
     for args, match in [
         ((x, gemm_row[:3]), "gemm_row must be \\[T = 4"),
         ((x, gemm_row.int()), "gemm_row must be int64"),
@@ -159,6 +162,10 @@ def test_quantize_fp8_rows_stores_each_token_at_its_entries_rows() -> None:
         meta, torch.empty(6, 8, dtype=torch.long, device="meta")
     )
     assert fq.shape == (48, 256) and fs.shape == (48, 2) and fe.shape == (1,)
+    _, _, fe = torch.ops.uniep.quantize_fp8_rows(
+        meta, torch.empty(6, 8, dtype=torch.long, device="meta"), report=False
+    )
+    assert fe.shape == (0,)
 
 
 def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:

@@ -529,6 +529,13 @@ def test_quantize_fp8_rows_on_cuda_gives_the_cpu_kernel_s_rows() -> None:
         assert torch.equal(q.cpu()[kept].view(torch.uint8), cq[kept].view(torch.uint8))
         assert torch.equal(scales.cpu()[kept], cs[kept])
         assert int(error) == int(ce)
+        # Without report: the same rows, no word.
+        q2, s2, unreported = torch.ops.uniep.quantize_fp8_rows(
+            x.cuda(), rows_in.cuda(), report=False
+        )
+        assert unreported.shape == (0,)
+        assert torch.equal(q2.cpu()[kept].view(torch.uint8), cq[kept].view(torch.uint8))
+        assert torch.equal(s2.cpu()[kept], cs[kept])
     assert int(ce) != 0
     with pytest.raises(ValueError, match="x must be contiguous"):
         torch.ops.uniep.quantize_fp8_rows(x.cuda()[:, :256], gemm_row.cuda())

@@ -55,9 +55,11 @@ TORCH_LIBRARY(uniep, m) {
   // quantize_fp8 of tokens x [T, K] stored at their GEMM rows gemm_row [T, top_k] (a plan's,
   // -1: none) -> (rows [T * top_k, K] e4m3, scales [T * top_k, K / 128] fp32, error [1] int64):
   // rows no entry names hold no particular bytes; an entry whose row is >= T * top_k is left out
-  // and recorded in error (uniep/send_rows_error.hpp's word).
+  // and recorded in error (uniep/send_rows_error.hpp's word). report=False: such an entry is
+  // left out unrecorded and error is empty ([0]; the caller's plan vouches for the rows).
   m.def(
-      "quantize_fp8_rows(Tensor x, Tensor gemm_row) -> (Tensor rows, Tensor scales, Tensor error)");
+      "quantize_fp8_rows(Tensor x, Tensor gemm_row, bool report=True) -> "
+      "(Tensor rows, Tensor scales, Tensor error)");
   // The element-wise steps of moe_backward's experts on CUDA (uniep/cuda/grouped_gemm.hpp),
   // bf16 rows: SwiGLU's backward (h [R, 2I], grad_act [R, I] -> act [R, I], grad_h [R, 2I]),
   // rows scaled by an fp32 weight each, and fp32 row dot products.

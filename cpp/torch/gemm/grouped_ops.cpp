@@ -425,7 +425,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rows_cuda(const at::Tensor& x,
-                                                                      const at::Tensor& gemm_row) {
+                                                                      const at::Tensor& gemm_row,
+                                                                      bool report) {
   return translate_errors([&] {
     check_quantize_input(x);
     UNIEP_CHECK(gemm_row.dim() == 2 && gemm_row.size(0) == x.size(0) && gemm_row.size(1) >= 1,
@@ -435,11 +436,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_rows_cuda(const at::
     const int64_t rows = x.size(0) * gemm_row.size(1);
     at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
     at::Tensor scales = at::empty({rows, x.size(1) / 128}, x.options().dtype(at::kFloat));
-    at::Tensor error = at::zeros({1}, x.options().dtype(at::kLong));
+    // Without report no word is filled: one launch fewer in a decode step.
+    at::Tensor error = report ? at::zeros({1}, x.options().dtype(at::kLong))
+                              : at::empty({0}, x.options().dtype(at::kLong));
     ok_or_throw(cuda::quantize_fp8_rows(
         x.data_ptr(), x.size(0), x.size(1), gemm_row.data_ptr<int64_t>(),
         static_cast<int>(gemm_row.size(1)), rows, q.data_ptr(), scales.data_ptr<float>(),
-        reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()),
+        report ? reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()) : nullptr,
         at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
     return std::make_tuple(q, scales, error);
   });

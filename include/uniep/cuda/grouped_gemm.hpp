@@ -215,9 +215,11 @@ Status quantize_fp8(const void* a, int64_t rows, int64_t cols, void* q, float* s
 // i = t * top_k + k with gemm_row[i] >= 0, q row gemm_row[i] and its scales row get token t's
 // encoding (q [rows, cols] e4m3, scales [rows, cols / 128]); rows no entry names are left as
 // they were. An entry whose row is >= rows is not stored and recorded in `error` (zeroed by the
-// caller) as send_error_word(kSendRowOutOfRange, i) (uniep/send_rows_error.hpp). The fp8 layer
-// at world 1 quantizes each token once and needs its copies in GEMM order: one launch where a
-// quantize and a row copy of the bytes and of the scales took three.
+// caller) as send_error_word(kSendRowOutOfRange, i) (uniep/send_rows_error.hpp); with `error`
+// null it is not stored and not recorded (for rows a plan made, whose own error word covers
+// them: no fill of a word nobody reads). The fp8 layer at world 1 quantizes each token once and
+// needs its copies in GEMM order: one launch where a quantize and a row copy of the bytes and of
+// the scales took three.
 Status quantize_fp8_rows(const void* x, int64_t tokens, int64_t cols, const int64_t* gemm_row,
                          int top_k, int64_t rows, void* q, float* scales, unsigned long long* error,
                          cudaStream_t stream);

@@ -428,21 +428,22 @@ def _check_quantize_fp8_rows(x: torch.Tensor, gemm_row: torch.Tensor) -> None:
 
 @torch.library.register_fake("uniep::quantize_fp8_rows")
 def _quantize_fp8_rows_fake(
-    x: torch.Tensor, gemm_row: torch.Tensor
+    x: torch.Tensor, gemm_row: torch.Tensor, report: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_quantize_fp8_rows(x, gemm_row)
     rows = x.shape[0] * gemm_row.shape[1]
     q = x.new_empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn)
     scales = x.new_empty((rows, x.shape[1] // _FP8_BLOCK), dtype=torch.float32)
-    return q, scales, x.new_empty(1, dtype=torch.int64)
+    return q, scales, x.new_empty(1 if report else 0, dtype=torch.int64)
 
 
 def _quantize_fp8_rows_cpu(
-    x: torch.Tensor, gemm_row: torch.Tensor
+    x: torch.Tensor, gemm_row: torch.Tensor, report: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_quantize_fp8_cpu` of each token stored at its entries' rows; the CUDA kernel's
     bytes. Rows no entry names are zero here (the CUDA op leaves them as allocated); the first
-    entry whose row is past the rows is the error word's (on CUDA, one of them)."""
+    entry whose row is past the rows is the error word's (on CUDA, one of them); without
+    ``report`` the word is empty and such an entry only left out."""
     _check_quantize_fp8_rows(x, gemm_row)
     q, scales = _quantize_fp8_cpu(x)
     top_k = gemm_row.shape[1]
@@ -454,9 +455,9 @@ def _quantize_fp8_rows_cpu(
     keep = (flat >= 0) & (flat < rows)
     out_q[flat[keep]] = q.view(torch.uint8)[token[keep]]
     out_scales[flat[keep]] = scales[token[keep]]
-    error = torch.zeros(1, dtype=torch.int64)
+    error = torch.zeros(1 if report else 0, dtype=torch.int64)
     bad = torch.nonzero(flat >= rows).reshape(-1)
-    if bad.numel():
+    if report and bad.numel():
         error[0] = _C.send_rows_error_word(_C.SEND_ROW_OUT_OF_RANGE, int(bad[0]))
     return out_q.view(torch.float8_e4m3fn), out_scales, error
 

@@ -87,11 +87,11 @@ def moe_forward_fp8_local(
     _, offs, _, _, gemm_row, _, plan_error = ops.local_plan(
         topk_idx.contiguous(), experts.num_experts, TILE_M
     )
-    # One kernel (and its error word's fill) where a quantize, a scatter and two gathers took ten
-    # launches (128 tokens on 128 experts of FFN 768, one H200, 2026-12-02: 17 us of the step's
-    # 264 as a CUDA graph). Its error word is not read: the rows are the plan's own, which the
-    # plan's error word covers.
-    rows, row_scales, _ = ops.quantize_fp8_rows(x.contiguous(), gemm_row)
+    # One kernel where a quantize, a scatter and two gathers took ten launches (128 tokens on 128
+    # experts of FFN 768, one H200, 2026-12-02: 17 us of the step's 264 as a CUDA graph). No
+    # error word (report=False, no fill to launch): the rows are the plan's own, which the plan's
+    # error word covers.
+    rows, row_scales, _ = ops.quantize_fp8_rows(x.contiguous(), gemm_row, report=False)
     h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
     act, act_scales = ops.swiglu_fp8(h)
     y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)

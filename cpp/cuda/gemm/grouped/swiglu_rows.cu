@@ -58,8 +58,8 @@ constexpr int kFp8Lanes = kFp8Block / kFp8Cols;
 struct RowTargets {
   const int64_t* gemm_row = nullptr;  // [rows][top_k]; null: row r goes to row r
   int top_k = 1;
-  int64_t rows = 0;  // the outputs' rows
-  unsigned long long* error = nullptr;
+  int64_t rows = 0;                     // the outputs' rows
+  unsigned long long* error = nullptr;  // null: a row past `rows` is skipped unrecorded
 };
 
 template <bool kSwiGlu>
@@ -119,7 +119,7 @@ __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t r
       if (d < 0) continue;
       if (d < to.rows) {
         store(d);
-      } else if (c == 0) {  // once per entry: its row's first lane
+      } else if (c == 0 && to.error != nullptr) {  // once per entry: its row's first lane
         atomicCAS(to.error, 0ull,
                   static_cast<unsigned long long>(send_error_word(kSendRowOutOfRange, i)));
       }
@@ -194,9 +194,8 @@ Status quantize_fp8_rows(const void* x, int64_t tokens, int64_t cols, const int6
     return {StatusCode::kInvalidArgument,
             detail::str_cat("quantize_fp8_rows: top_k must be >= 1 and rows >= 0, got ", top_k,
                             " and ", rows)};
-  if (tokens > 0 && (gemm_row == nullptr || error == nullptr))
-    return {StatusCode::kInvalidArgument,
-            "quantize_fp8_rows: gemm_row and error must be device pointers"};
+  if (tokens > 0 && gemm_row == nullptr)
+    return {StatusCode::kInvalidArgument, "quantize_fp8_rows: gemm_row must be a device pointer"};
   RowTargets to;
   to.gemm_row = gemm_row;
   to.top_k = top_k;
