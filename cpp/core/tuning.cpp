@@ -340,7 +340,7 @@ int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts) {
   // Experts of a few rows each (decode) are a stream of weight tiles: the ping-pong 64-row tiles,
   // one warpgroup's scale promotion and epilogue under the other's mainloop, keep more of them in
   // flight. Where the experts average at most one such tile, the CUDA graph of the whole fp8
-  // decode step took 0.87-0.94x the time with them on 1-512 tokens over 128 experts of FFN 768
+  // decode step took 0.86-0.93x the time with them on 1-512 tokens over 128 experts of FFN 768
   // and 256 of FFN 2048 (one H200, 2026-12-03, commit 137c36f; the same bits). Above that the
   // cooperative 128-row tiles, which load each weight tile for twice the rows: on one H100 the
   // ping-pong ones took 2-37% more time on every prefill product measured (2026-11-26, commit
