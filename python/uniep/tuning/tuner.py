@@ -413,11 +413,12 @@ class CostModel:
         # fp8 experts: e4m3 operands at twice the bf16 tensor-core rate (peak_flops is bf16's).
         fp8 = p.fp8_experts and not _runs_megakernel(p)
         rate, eb = (2.0, 1) if fp8 else (1.0, eb)
+        if fp8:  # both GEMMs: one rule of the rows per expert
+            fp8_tm = p.tile_m or CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(int(rows), el)][0]
         total = 0.0
         for index, (n, k) in enumerate(gemms):
             if fp8:
-                auto = CUDA_FP8_TILES[_C.grouped_gemm_fp8_auto_config(int(rows), el)]
-                tm, tn, tk = (p.tile_m or auto[0], 128, 128)
+                tm, tn, tk = (fp8_tm, 128, 128)
             elif p.tile_m or p.tile_n or p.tile_k:
                 tm, tn, tk = p.tile_m or 128, p.tile_n or 128, p.tile_k or 64
             else:
