@@ -339,13 +339,14 @@ int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts) {
   UNIEP_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
   // Experts of a few rows each (decode) are a stream of weight tiles: the ping-pong 64-row tiles,
   // one warpgroup's scale promotion and epilogue under the other's mainloop, keep more of them in
-  // flight. Where the experts average at most one such tile, the CUDA graph of the whole fp8
-  // decode step took 0.86-0.93x the time with them on 1-512 tokens over 128 experts of FFN 768
-  // and 256 of FFN 2048 (one H200, 2026-12-03, commit 137c36f; the same bits). Above that the
-  // cooperative 128-row tiles, which load each weight tile for twice the rows: on one H100 the
-  // ping-pong ones took 2-37% more time on every prefill product measured (2026-11-26, commit
-  // d9128f6).
-  constexpr int64_t kPingPongRowsPerExpert = 64;
+  // flight. The CUDA graph of the whole fp8 decode step took 0.86-0.93x the time with them on
+  // 1-512 tokens over 128 experts of FFN 768 and 256 of FFN 2048 (one H200, 2026-12-03, commit
+  // 137c36f; the same bits). Each GEMM alone, by rows per expert on average (the same loads'
+  // up and down projections, uniform routing; one H200, 2026-12-03, a6b47a5): 0.77-0.97x the
+  // cooperative tile's time from 1 to 32 rows, 0.95-1.32x at 64 (where routing puts more than
+  // 64 rows on many experts, so they take two 64-row tiles), 1.05-1.48x from 128. So the
+  // cooperative 128-row tiles, which load each weight tile for twice the rows, above 32.
+  constexpr int64_t kPingPongRowsPerExpert = 32;
   return rows <= kPingPongRowsPerExpert * num_experts ? 1 : 0;
 }
 

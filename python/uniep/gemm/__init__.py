@@ -309,7 +309,7 @@ def grouped_mm_fp8(
     :func:`quantize_expert_weights`; each 128-deep k-block's product scaled and summed in fp32.
     ``tuning``'s tile keys pick the configuration (``tile_m=128``: cooperative 128 x 128 x 128,
     ``tile_m=64``: ping-pong 64 x 128 x 128; the bits are the same), else the automatic one
-    (the 64-row tiles where the experts average at most 64 rows:
+    (the 64-row tiles where the experts average at most 32 rows:
     ``uniep._C.grouped_gemm_fp8_auto_config``)."""
     return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs, tuning)
 
