@@ -103,40 +103,53 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The local plan's counting sort: each warp walks 256 consecutive entries in (token, k) order,
-// ranking equal ids by __match_any_sync, after a first walk that counts them per warp; so the
-// i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp) gives it.
-// The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
+// The local plan's counting sort: each warp walks a segment of consecutive entries in (token, k)
+// order (256 in the multi-block plan, the batch split evenly over the warps in the one-block
+// one), ranking equal ids by __match_any_sync, after a first walk that counts them per warp; so
+// the i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp) gives
+// it. The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
 constexpr int kLocalExperts = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpEntries = kBlockEntries / kWarps;
+constexpr int kWarpSteps = kWarpEntries / 32;
 
-// Entry i's expert, or -1 for an entry past n, a negative id or an id past the experts (`id`
-// keeps the id read, so the caller can report the last kind).
-__device__ __forceinline__ int entry_key(const int64_t* __restrict__ ids, int64_t n,
-                                         int num_experts, int64_t i, int64_t& id) {
-  id = i < n ? ids[i] : -1;
-  return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
-}
+// One warp's segment [seg, seg + 32 x steps) of the entries, read once, every lane's loads in
+// flight together, and kept in registers for both passes. Why not read in each step: the steps
+// are a dependent chain (each ranks against the table the step before updated), so with the
+// read inside it a 512-entry batch, whose two warps took 8 steps each, paid 16 global-memory
+// latencies, and the plan took 8 us against 2.6 us for one token (one H200, 2026-12-03,
+// ef256e9).
+struct WarpEntries {
+  int64_t seg = 0;
+  int steps = 0;                // the same in every lane
+  int64_t id[kWarpSteps] = {};  // this lane's entry of each step, or -1 past n
+  int key[kWarpSteps] = {};     // its expert, or -1 for no entry, a negative id or one past E
+};
 
-// The steps of 32 entries a warp takes over [seg, seg + kWarpEntries): none past n (the same in
-// every lane). A decode batch fills a warp's first step or few: on 8 entries every warp but the
-// first has none, where each walked its 8 steps of empty entries, __match_any_sync and all.
-__device__ __forceinline__ int warp_steps(int64_t n, int64_t seg) {
+// Entries [seg, seg + seg_len) (seg_len a multiple of 32, at most kWarpEntries), none past n.
+__device__ __forceinline__ WarpEntries load_warp_entries(const int64_t* __restrict__ ids, int64_t n,
+                                                         int num_experts, int64_t seg, int seg_len,
+                                                         int lane) {
+  WarpEntries w;
+  w.seg = seg;
   const int64_t left = (n - seg + 31) / 32;
-  return seg >= n ? 0 : left < kWarpEntries / 32 ? static_cast<int>(left) : kWarpEntries / 32;
+  w.steps = seg >= n ? 0 : left < seg_len / 32 ? static_cast<int>(left) : seg_len / 32;
+#pragma unroll
+  for (int s = 0; s < kWarpSteps; ++s) {
+    const int64_t i = seg + s * 32 + lane;
+    w.id[s] = s < w.steps && i < n ? ids[i] : -1;
+    w.key[s] = w.id[s] >= 0 && w.id[s] < num_experts ? static_cast<int>(w.id[s]) : -1;
+  }
+  return w;
 }
 
-// The counting sort's first pass over one warp's entries [seg, seg + kWarpEntries): `table[e]`
-// (the warp's own, zeroed) gains the entries routed to e, one leader per id and step (no
-// atomics).
-__device__ __forceinline__ void count_warp_entries(const int64_t* __restrict__ ids, int64_t n,
-                                                   int num_experts, int64_t seg, int lane,
-                                                   int* table) {
-  const int steps = warp_steps(n, seg);
-  for (int s = 0; s < steps; ++s) {
-    int64_t id = -1;
-    const int key = entry_key(ids, n, num_experts, seg + s * 32 + lane, id);
+// The counting sort's first pass over one warp's entries: `table[e]` (the warp's own, zeroed)
+// gains the entries routed to e, one leader per id and step (no atomics).
+__device__ __forceinline__ void count_warp_entries(const WarpEntries& w, int lane, int* table) {
+#pragma unroll
+  for (int s = 0; s < kWarpSteps; ++s) {
+    if (s >= w.steps) break;
+    const int key = w.key[s];
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(peers) - 1) table[key] += __popc(peers);
   }
@@ -146,16 +159,18 @@ __device__ __forceinline__ void count_warp_entries(const int64_t* __restrict__ i
 // order (equal ids ranked by __match_any_sync), and `counter_of(e, row)` its tile counter; an
 // unused entry gets -1 everywhere, and an id past the experts is reported in `error`.
 template <class CounterOf>
-__device__ __forceinline__ void place_warp_entries(
-    const int64_t* __restrict__ ids, int64_t n, int num_experts, int64_t seg, int lane, int* table,
-    CounterOf counter_of, int64_t* __restrict__ dest_rank, int64_t* __restrict__ gemm_row,
-    int64_t* __restrict__ counter, unsigned long long* __restrict__ error) {
+__device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t n, int num_experts,
+                                                   int lane, int* table, CounterOf counter_of,
+                                                   int64_t* __restrict__ dest_rank,
+                                                   int64_t* __restrict__ gemm_row,
+                                                   int64_t* __restrict__ counter,
+                                                   unsigned long long* __restrict__ error) {
   const uint32_t below = (1u << lane) - 1u;
-  const int steps = warp_steps(n, seg);
-  for (int s = 0; s < steps; ++s) {
-    const int64_t i = seg + s * 32 + lane;
-    int64_t id = -1;
-    const int key = entry_key(ids, n, num_experts, i, id);
+#pragma unroll
+  for (int s = 0; s < kWarpSteps; ++s) {
+    if (s >= w.steps) break;
+    const int64_t i = w.seg + s * 32 + lane;
+    const int key = w.key[s];
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     const int first = key >= 0 ? table[key] : 0;
     __syncwarp();
@@ -164,7 +179,7 @@ __device__ __forceinline__ void place_warp_entries(
     if (i >= n) continue;
     if (key < 0) {
       dest_rank[i] = gemm_row[i] = counter[i] = -1;
-      if (id >= num_experts)
+      if (w.id[s] >= num_experts)
         atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
       continue;
     }
@@ -186,11 +201,12 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int table[kWarps][kLocalExperts];
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
+  const WarpEntries mine = load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
   __syncthreads();
-  count_warp_entries(ids, n, num_experts, seg, lane, table[warp]);
+  count_warp_entries(mine, lane, table[warp]);
   __syncthreads();
   // Each warp's first row per expert: the block's base, then the warps before it.
   const int* base = block_rows + int64_t{blockIdx.x} * num_experts;
@@ -205,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   place_warp_entries(
-      ids, n, num_experts, seg, lane, table[warp],
+      mine, n, num_experts, lane, table[warp],
       [&](int e, int row) {
         return tile_base[e] + (row - (offs[e] - static_cast<int>(counts[e]))) / tile_m;
       },
@@ -229,7 +245,12 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int base[kLocalExperts];   // its first tile counter
   __shared__ typename Scan::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const int64_t seg = int64_t{warp} * kWarpEntries;
+  // The batch split evenly over the warps, in whole steps of 32: the steps of one warp are a
+  // chain, those of different warps run side by side.
+  const int per_warp = static_cast<int>((n + kWarps - 1) / kWarps);
+  const int seg_len = per_warp <= 32 ? 32 : (per_warp + 31) / 32 * 32;
+  const WarpEntries mine =
+      load_warp_entries(ids, n, num_experts, int64_t{warp} * seg_len, seg_len, lane);
   // The MegaKernel's problem kernel, launched behind this one as a programmatic dependent
   // launch (sm90_forward.cu), may start now; it waits for this kernel's end before reading.
   allow_next_grid();
@@ -238,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
   __syncthreads();
-  count_warp_entries(ids, n, num_experts, seg, lane, table[warp]);
+  count_warp_entries(mine, lane, table[warp]);
   __syncthreads();
   int rows_before = 0, tiles_before = 0;  // the same in every thread
   for (int g = 0; g < num_experts; g += kThreads) {
@@ -274,7 +295,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tid == 0) tile_base[num_experts] = tiles_before;
   __syncthreads();
   place_warp_entries(
-      ids, n, num_experts, seg, lane, table[warp],
+      mine, n, num_experts, lane, table[warp],
       [&](int e, int row) { return base[e] + (row - start[e]) / tile_m; }, dest_rank, gemm_row,
       counter, error);
 }
