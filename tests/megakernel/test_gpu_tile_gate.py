@@ -415,6 +415,15 @@ def test_moe_forward_local_modes_agree_bit_for_bit() -> None:
     y = torch.ops.uniep.grouped_mm(act, w2, offs, SAME_CONFIG)
     want, _ = gate.combine_rows(y, row.cuda(), w)
     assert torch.equal(seq, want)
+    # Without report: the same sum, no word; a row past y skipped as with it.
+    unreported, word = torch.ops.uniep.combine_rows(y, row.cuda(), w, report=False)
+    assert word.shape == (0,) and torch.equal(unreported, want)
+    bad = row.cuda().clone()
+    bad[0, 0] = y.shape[0]
+    reported, error = gate.combine_rows(y, bad, w, check=False)
+    assert int(error) != 0
+    unreported, word = torch.ops.uniep.combine_rows(y, bad, w, report=False)
+    assert word.shape == (0,) and torch.equal(unreported, reported)
     # And the layer itself, against float64.
     xd, w1d, w2d = x.double(), w1.double(), w2.double()
     ref = torch.zeros(1000, 256, dtype=torch.float64, device="cuda")

@@ -262,10 +262,17 @@ def test_combine_rows_is_the_combines_sum() -> None:
             if row[t, k] >= 0:
                 want[t] = np.float32(want[t] + np.float32(w[t, k].item()) * yf[int(row[t, k])])
     assert torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+    bad = row.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor(40))
     with pytest.raises(ValueError, match=r"entry \(token 2, k 1\) has a GEMM row outside"):
-        gate.combine_rows(
-            y, row.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor(40)), w
-        )
+        gate.combine_rows(y, bad, w)
+    # Without report the entry is still skipped, and no word is made.
+    skipped, _ = gate.combine_rows(y, bad, w, check=False)
+    out2, unreported = torch.ops.uniep.combine_rows(y, bad, w, report=False)
+    assert unreported.shape == (0,) and torch.equal(out2, skipped)
+    meta = torch.empty(40, 24, dtype=torch.bfloat16, device="meta")
+    for report, words in ((True, 1), (False, 0)):
+        fo, fe = torch.ops.uniep.combine_rows(meta, row.to("meta"), w.to("meta"), report=report)
+        assert fo.shape == (9, 24) and fe.shape == (words,)
     with pytest.raises(ValueError, match="topk_weights must be contiguous float32"):
         gate.combine_rows(y, row, w.double())
     with pytest.raises(ValueError, match="y must be a contiguous bfloat16"):

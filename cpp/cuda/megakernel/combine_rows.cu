@@ -13,7 +13,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Each (t, k) reads row gemm_row[t, k] of y; a row past y is skipped and reported once.
+// Each (t, k) reads row gemm_row[t, k] of y; a row past y is skipped and reported once (unless
+// `error` is null).
 __global__ void __launch_bounds__(kThreads)
     combine_rows_kernel(const uint8_t* __restrict__ y, int64_t y_rows,
                         const int64_t* __restrict__ gemm_row, const float* __restrict__ weights,
@@ -24,7 +25,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = gemm_row[t * top_k + k];
     if (r < 0) return nullptr;
     if (r >= y_rows) {
-      if (v == 0) megakernel::send_error(error, kSendRowOutOfRange, t * top_k + k);
+      if (v == 0 && error != nullptr)
+        megakernel::send_error(error, kSendRowOutOfRange, t * top_k + k);
       return nullptr;
     }
     return y + r * row_bytes;
@@ -48,10 +50,10 @@ Status combine_rows_bf16(const void* y, int64_t y_rows, const int64_t* gemm_row,
   if (y_rows < 0 || blocks < 1)
     return {StatusCode::kInvalidArgument, "y_rows must be >= 0 and blocks >= 1"};
   if (tokens == 0) return Status::Ok();
-  if (gemm_row == nullptr || topk_weights == nullptr || out == nullptr || error == nullptr ||
+  if (gemm_row == nullptr || topk_weights == nullptr || out == nullptr ||
       (y_rows > 0 && y == nullptr))
     return {StatusCode::kInvalidArgument,
-            "combine_rows_bf16: y, gemm_row, topk_weights, out and error must be device pointers"};
+            "combine_rows_bf16: y, gemm_row, topk_weights and out must be device pointers"};
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
     return {StatusCode::kInvalidArgument, "combine_rows_bf16: y and out must be 16-byte aligned"};
   combine_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(y), y_rows,

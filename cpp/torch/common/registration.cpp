@@ -111,9 +111,11 @@ TORCH_LIBRARY(uniep, m) {
   // (the first error of any call kept; include/uniep/cuda/error_words.hpp), one launch on CUDA.
   m.def("keep_first_errors(Tensor(a!)[] sticky, Tensor[] words) -> ()");
   // combine_rows(y [R, H] bf16, gemm_row [T, K], topk_weights [T, K] fp32) -> out [T, H], error:
-  // out[t] = sum_k w[t, k] * y[gemm_row[t, k]] (k ascending, fp32, the combines' rounding).
+  // out[t] = sum_k w[t, k] * y[gemm_row[t, k]] (k ascending, fp32, the combines' rounding); an
+  // entry whose row is >= R is skipped and recorded in error [1]. report=False: skipped
+  // unrecorded and error is empty ([0]; the caller's plan vouches for the rows).
   m.def(
-      "combine_rows(Tensor y, Tensor gemm_row, Tensor topk_weights) -> "
+      "combine_rows(Tensor y, Tensor gemm_row, Tensor topk_weights, bool report=True) -> "
       "(Tensor out, Tensor error)");
   // The MegaKernel's forward at world 1 (CUDA only; include/uniep/cuda/fused_moe.hpp): one
   // persistent launch of the send into GEMM rows (gemm_row / counter from sender_rows), both

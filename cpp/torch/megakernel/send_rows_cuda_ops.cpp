@@ -162,22 +162,24 @@ at::Tensor send_rows_cuda(const at::Tensor& x, const at::Tensor& dest_rank,
 
 std::tuple<at::Tensor, at::Tensor> combine_rows_cuda(const at::Tensor& y,
                                                      const at::Tensor& gemm_row,
-                                                     const at::Tensor& topk_weights) {
+                                                     const at::Tensor& topk_weights, bool report) {
   return translate_errors([&] {
     check_combine_rows_args(y, gemm_row, topk_weights);
     UNIEP_CHECK(y.device().is_cuda(), "y must be a CUDA tensor, got ", y.device());
     const c10::cuda::CUDAGuard guard(y.device());
     const int64_t T = gemm_row.size(0), H = y.size(1);
     at::Tensor out = at::empty({T, H}, y.options());
-    at::Tensor error = at::zeros({1}, gemm_row.options());
+    // Without report no word is filled: one launch fewer in a decode step.
+    at::Tensor error =
+        report ? at::zeros({1}, gemm_row.options()) : at::empty({0}, gemm_row.options());
     int device_sms = 0;
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, y.device().index()));
     ok_or_throw(cuda::combine_rows_bf16(
         y.data_ptr(), y.size(0), gemm_row.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), T,
         gemm_row.size(1), H, out.data_ptr(),
-        reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()), device_sms * 4,
-        at::cuda::getCurrentCUDAStream().stream()));
+        report ? reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()) : nullptr,
+        device_sms * 4, at::cuda::getCurrentCUDAStream().stream()));
     return std::make_tuple(out, error);
   });
 }

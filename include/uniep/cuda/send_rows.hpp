@@ -105,7 +105,9 @@ Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
 // out[t] = sum_k topk_weights[t, k] * y[gemm_row[t, k]] over entries with gemm_row >= 0, in
 // ascending k, fp32 with each product and sum rounded on its own, one rounding to bf16: the
 // arithmetic of every combine (cuda/common/combine_reduce.cuh), so its bits are theirs. A row
-// >= y_rows is skipped and recorded in `error` (kSendRowOutOfRange).
+// >= y_rows is skipped and recorded in `error` (kSendRowOutOfRange; zeroed by the caller); with
+// `error` null it is skipped unrecorded (for rows a plan made, whose own error word covers them:
+// no fill of a word nobody reads).
 Status combine_rows_bf16(const void* y, int64_t y_rows, const int64_t* gemm_row,
                          const float* topk_weights, int64_t tokens, int64_t top_k, int64_t hidden,
                          void* out, unsigned long long* error, int blocks, cudaStream_t stream);

@@ -16,6 +16,9 @@ neither computed nor read), and:
 3. the two fp8 grouped GEMMs around ``swiglu_fp8``, on the device's row ends;
 4. ``combine_rows``: the per-k combine's arithmetic (ascending k, fp32, one rounding).
 
+The plan's error word covers every step after it: steps 2 and 4 take the plan's rows and fill
+no word of their own (``report=False``), so the step launches no fill for them.
+
 The same rows in the same order, the same GEMMs and the combine's arithmetic: the bits of the
 dispatch's path. A bad expert id or a row past the GEMM's output is reported as the MegaKernel
 reports it (``check``: ``uniep.moe.megakernel.launch``'s ``True``, ``False`` or ``"deferred"``,
@@ -31,9 +34,8 @@ from .tile_gates import TILE_M
 
 __all__ = ["EAGER_MIN_ROWS", "keep_graph_errors", "moe_forward_fp8_local", "takes_local_path"]
 
-# The error words' names (what check_errors() says failed).
+# The error word's name (what check_errors() says failed).
 _PLAN = "moe_forward_prepared (fp8 plan)"
-_COMBINE = "moe_forward_prepared (fp8 combine)"
 
 # Rows (tokens x top-k) from which an eager call takes this path rather than the dispatch's. Its
 # dozen launches cost the host more than the dispatch's few: on one H200 (2026-12-02, 64c357b)
@@ -51,14 +53,13 @@ def takes_local_path(rows: int) -> bool:
 
 
 def keep_graph_errors(device: torch.device, top_k: int) -> None:
-    """Make the device words a captured call keeps its errors in (``check="deferred"``), as an
+    """Make the device word a captured call keeps its errors in (``check="deferred"``), as an
     eager call of this path would: the warm-up before a capture may have taken the dispatch."""
     from .megakernel import launch
 
     # Only its dtype, shape and device matter (no fill launched); a word made before is kept.
     like = torch.empty(1, dtype=torch.int64, device=device)
-    for what in (_PLAN, _COMBINE):
-        launch.sticky_word("send", like, what, top_k)
+    launch.sticky_word("send", like, _PLAN, top_k)
 
 
 def moe_forward_fp8_local(
@@ -95,8 +96,7 @@ def moe_forward_fp8_local(
     h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
     act, act_scales = ops.swiglu_fp8(h)
     y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)
-    out, combine_error = ops.combine_rows(y, gemm_row, topk_weights)
-    launch.finish_call(
-        check, [("send", plan_error, _PLAN, top_k), ("send", combine_error, _COMBINE, top_k)]
-    )
+    # No error word either (report=False): its rows are the plan's, as the quantize's are.
+    out, _ = ops.combine_rows(y, gemm_row, topk_weights, report=False)
+    launch.finish_call(check, [("send", plan_error, _PLAN, top_k)])
     return out

@@ -243,10 +243,10 @@ def _keep_first_errors_fake(sticky: list[torch.Tensor], words: list[torch.Tensor
 
 @torch.library.register_fake("uniep::combine_rows")
 def _combine_rows_fake(
-    y: torch.Tensor, gemm_row: torch.Tensor, topk_weights: torch.Tensor
+    y: torch.Tensor, gemm_row: torch.Tensor, topk_weights: torch.Tensor, report: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     torch._check_value(y.dim() == 2, lambda: f"y must be 2-D, got shape {tuple(y.shape)}")
-    return y.new_empty((gemm_row.shape[0], y.shape[1])), gemm_row.new_empty((1,))
+    return y.new_empty((gemm_row.shape[0], y.shape[1])), gemm_row.new_empty((1 if report else 0,))
 
 
 @torch.library.register_fake("uniep::expert_tiles")
