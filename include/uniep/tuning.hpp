@@ -141,8 +141,8 @@ int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64
 // The fp8 grouped GEMM's automatic configuration (grouped_gemm_fp8_select with every tile field
 // 0) from the problem's shape: the index into grouped_gemm_fp8_configs, 0 (cooperative
 // 128 x 128 x 128) or 1 (ping-pong 64 x 128 x 128, where the experts average at most 32 rows).
-// rows: R over num_experts experts. Throws
-// kInvalidArgument on num_experts below 1 or a negative rows.
+// rows: R over num_experts experts. Throws kInvalidArgument on num_experts below 1 or a negative
+// rows.
 int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts);
 
 }  // namespace uniep

@@ -151,10 +151,6 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y, const a
     // fused multiply-add), as the device's __fmul_rn / __fadd_rn do.
     at::Tensor acc = at::zeros({T, y.size(1)}, y.options().dtype(at::kFloat));
     const at::Tensor w = topk_weights.to(at::kFloat);
-    uint64_t word = 0;
-    const int64_t* row = gemm_row.data_ptr<int64_t>();
-    for (int64_t i = 0; i < T * K && word == 0; ++i)
-      if (row[i] >= R) word = send_error_word(kSendRowOutOfRange, i);
     for (int64_t k = 0; k < K; ++k) {
       const at::Tensor r = gemm_row.select(1, k);
       const at::Tensor used = r.ge(0).logical_and(r.lt(R));
@@ -164,6 +160,11 @@ std::tuple<at::Tensor, at::Tensor> combine_rows_cpu(const at::Tensor& y, const a
       acc = at::where(used.unsqueeze(1), acc.add(term), acc);
     }
     if (!report) return std::make_tuple(acc.to(at::kBFloat16), at::empty({0}, gemm_row.options()));
+    // The first entry whose row lies past y, as the device's kernel records it.
+    uint64_t word = 0;
+    const int64_t* row = gemm_row.data_ptr<int64_t>();
+    for (int64_t i = 0; i < T * K && word == 0; ++i)
+      if (row[i] >= R) word = send_error_word(kSendRowOutOfRange, i);
     at::Tensor error = at::zeros({1}, gemm_row.options());
     error.data_ptr<int64_t>()[0] = static_cast<int64_t>(word);
     return std::make_tuple(acc.to(at::kBFloat16), error);
