@@ -5,7 +5,8 @@ Checked: the device's tile_base equals the CPU plan's; with every gate open the 
 grouped_mm's bits (the gate changes when a tile is loaded, never what is computed), with the
 SwiGLU epilogue too, and its done signal counts every warp of every tile; rows released late
 from another stream are waited for; a first GEMM releasing a second, gated on its done signal,
-gives the chain's bits; a tile whose rows never come raises a timeout naming it.
+gives the chain's bits; a tile whose rows never come raises a timeout naming it; the combine of
+the rows gives the CPU op's bits.
 """
 
 from __future__ import annotations
@@ -448,3 +449,19 @@ def test_moe_forward_local_edge_cases() -> None:
     idx[0, 0] = 9
     with pytest.raises(ValueError, match=r"entry \(token 0, k 0\) holds an expert id"):
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2)
+
+
+@pytest.mark.parametrize("top_k", [1, 8, 11, 32])
+def test_combine_rows_equals_the_cpu_op(top_k: int) -> None:
+    """The CUDA combine takes its k rows several at a time (loads first, sums after): the sums
+    stay in ascending k, so its bits are the CPU executor's, empty entries (-1) and a top-k past
+    one batch of loads included."""
+    gen = torch.Generator().manual_seed(top_k)
+    tokens, hidden, rows = 37, 264, 200
+    y = torch.randn(rows, hidden, generator=gen).bfloat16()
+    row = torch.randint(0, rows, (tokens, top_k), generator=gen)
+    row[torch.rand(tokens, top_k, generator=gen) < 0.2] = -1
+    w = torch.rand(tokens, top_k, generator=gen)
+    want, _ = gate.combine_rows(y, row, w)
+    got, _ = gate.combine_rows(y.cuda(), row.cuda(), w.cuda())
+    assert torch.equal(got.cpu(), want)

@@ -46,21 +46,39 @@ struct SelfRows {
 // rows row_of returns (nullptr: (t, k) adds nothing), in 16-byte vectors v: the loop of every
 // reduce over k. hidden % 8 == 0, rows 16-byte aligned. Grid-stride: one thread per 8 columns of
 // a token.
+//
+// The k rows are taken kLoadsInFlight at a time: their row indices and weights first, then their
+// vectors, then the sums in ascending k. A loop that loaded, then added, one k at a time made
+// 2K dependent trips to memory per thread, which at decode sizes (a few threads' worth of
+// tokens) is the whole kernel; the order of the sums, hence the bits, is the same.
 template <typename RowOf>
 __device__ __forceinline__ void weighted_rows_sum_bf16(RowOf row_of, const float* topk_weights,
                                                        int64_t tokens, int64_t top_k,
                                                        int64_t hidden, uint8_t* out) {
+  constexpr int kLoadsInFlight = 8;
   const int64_t K = top_k, row_bytes = hidden * 2, vecs = hidden / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vecs;
        i += stride) {
     const int64_t t = i / vecs, v = i % vecs;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      const uint8_t* row = row_of(t, k, v);
-      if (row == nullptr) continue;
-      accumulate_bf16x8(acc, load_streaming(reinterpret_cast<const int4*>(row) + v),
-                        topk_weights[t * K + k]);
+    for (int64_t k0 = 0; k0 < K; k0 += kLoadsInFlight) {
+      const uint8_t* rows[kLoadsInFlight];
+      float w[kLoadsInFlight];
+#pragma unroll
+      for (int j = 0; j < kLoadsInFlight; ++j) {
+        const bool in = k0 + j < K;
+        rows[j] = in ? row_of(t, k0 + j, v) : nullptr;
+        w[j] = in ? topk_weights[t * K + k0 + j] : 0.f;
+      }
+      int4 vals[kLoadsInFlight];
+#pragma unroll
+      for (int j = 0; j < kLoadsInFlight; ++j)
+        if (rows[j] != nullptr)
+          vals[j] = load_streaming(reinterpret_cast<const int4*>(rows[j]) + v);
+#pragma unroll
+      for (int j = 0; j < kLoadsInFlight; ++j)
+        if (rows[j] != nullptr) accumulate_bf16x8(acc, vals[j], w[j]);
     }
     reinterpret_cast<int4*>(out + t * row_bytes)[v] = round_bf16x8(acc);
   }
