@@ -33,4 +33,21 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// `kernel` on (grid, block, smem) launched with programmatic_launch_attribute(): it must call
+// wait_for_prior_grid() before it reads what the kernel ahead writes, and before it ends (a
+// kernel behind it that waits on it then waits on the one ahead too). Returns the launch's error.
+template <class... Expected, class... Actual>
+cudaError_t launch_after_prior(void (*kernel)(Expected...), dim3 grid, dim3 block, size_t smem,
+                               cudaStream_t stream, const Actual&... args) {
+  cudaLaunchAttribute attr = programmatic_launch_attribute();
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 }  // namespace uniep::cuda

@@ -33,7 +33,7 @@ Status launch_cutlass(const typename Device::Arguments& args, void* workspace, c
 
 // `kernel` runs the CUTLASS kernel body `Kernel` (a GemmUniversal, called with params and its
 // dynamic shared memory) among other work: launched as the body needs, on its grid and block,
-// with its shared memory and in clusters of its cluster shape along M. `args` follow params.
+// with its shared memory and in clusters of its cluster shape. `args` follow params.
 // `what` names the launch in the errors. `after_prior`: a programmatic dependent launch (the
 // kernel waits for the one ahead of it itself: common/dependent_launch.cuh).
 template <class Kernel, class... Expected, class... Actual>
@@ -52,7 +52,7 @@ Status launch_with_body(void (*kernel)(Expected...), const typename Kernel::Para
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cute::size<0>(typename Kernel::ClusterShape{});
-  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.y = cute::size<1>(typename Kernel::ClusterShape{});
   attr[0].val.clusterDim.z = 1;
   attr[1] = programmatic_launch_attribute();
   config.attrs = attr;

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/combine_reduce.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/send_rows.cuh"
 #include "uniep/cuda/send_rows.hpp"
@@ -20,6 +21,9 @@ __global__ void __launch_bounds__(kThreads)
                         const int64_t* __restrict__ gemm_row, const float* __restrict__ weights,
                         int64_t tokens, int64_t top_k, int64_t hidden, uint8_t* __restrict__ out,
                         unsigned long long* error) {
+  // Launched while the kernel ahead (GEMM 2) may still run: y is read after this.
+  wait_for_prior_grid();
+  allow_next_grid();
   const int64_t row_bytes = hidden * 2;
   auto row_of = [&](int64_t t, int64_t k, int64_t v) -> const uint8_t* {
     const int64_t r = gemm_row[t * top_k + k];
@@ -56,9 +60,10 @@ Status combine_rows_bf16(const void* y, int64_t y_rows, const int64_t* gemm_row,
             "combine_rows_bf16: y, gemm_row, topk_weights and out must be device pointers"};
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
     return {StatusCode::kInvalidArgument, "combine_rows_bf16: y and out must be 16-byte aligned"};
-  combine_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(y), y_rows,
-                                                       gemm_row, topk_weights, tokens, top_k,
-                                                       hidden, static_cast<uint8_t*>(out), error);
+  // A failed launch leaves its error for launch_status.
+  (void)launch_after_prior(combine_rows_kernel, dim3(blocks), dim3(kThreads), 0, stream,
+                           static_cast<const uint8_t*>(y), y_rows, gemm_row, topk_weights, tokens,
+                           top_k, hidden, static_cast<uint8_t*>(out), error);
   return launch_status("combine_rows_bf16");
 }
 

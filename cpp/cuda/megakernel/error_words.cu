@@ -1,6 +1,7 @@
 // keep_first_errors (include/uniep/cuda/error_words.hpp): one warp per pair.
 #include <cuda_runtime.h>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "uniep/cuda/error_words.hpp"
 
@@ -23,6 +24,9 @@ __device__ void keep_first(const ErrorWordPair& p) {
 }
 
 __global__ void __launch_bounds__(32) keep_first_errors_kernel(Pairs pairs) {
+  // Launched while the call's last kernel may still run: its words are read after this.
+  wait_for_prior_grid();
+  allow_next_grid();
   const ErrorWordPair& p = pairs.pair[blockIdx.x];
   if (p.elem_bytes == 8)
     keep_first<unsigned long long>(p);
@@ -50,7 +54,7 @@ Status keep_first_errors(const ErrorWordPair* pairs, int count, cudaStream_t str
     const int n = count - first < kMaxErrorWordPairs ? count - first : kMaxErrorWordPairs;
     Pairs batch{};
     for (int i = 0; i < n; ++i) batch.pair[i] = pairs[first + i];
-    keep_first_errors_kernel<<<n, 32, 0, stream>>>(batch);
+    (void)launch_after_prior(keep_first_errors_kernel, dim3(n), dim3(32), 0, stream, batch);
     if (Status s = launch_status("keep_first_errors"); !s.ok()) return s;
   }
   return Status::Ok();

@@ -78,19 +78,20 @@ struct Gemm {
   using EpilogueSchedule =
       cute::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                           cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using KernelSchedule = cute::conditional_t<
-      PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using KernelSchedule =
+      cute::conditional_t<PingPong,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
   using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
       cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
       grouped::kAlign, EpilogueSchedule>::CollectiveOp;
-  using Epilogue = cute::conditional_t<
-      SwiGlu,
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-          grouped::SwiGluEpilogue<64>>,
-      StoreEpilogue>;
+  using Epilogue =
+      cute::conditional_t<SwiGlu,
+                          cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+                              grouped::SwiGluEpilogue<64>>,
+                          StoreEpilogue>;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
@@ -159,11 +160,39 @@ size_t gemm_workspace_bytes(const grouped::Workspace& ws, const Arrays& fa, int6
   return G::Device::get_workspace_size(arguments<G>(ws, fa, num_experts, 0, sm_count));
 }
 
+// CUTLASS's kernel body behind a grid-dependency wait: launched while the problem kernel ahead
+// of it still runs (launch_after), so its launch latency overlaps that kernel instead of adding
+// to a decode step's chain of short launches. CUTLASS's ptr-array kernels do not wait for a grid
+// ahead themselves (its non-grouped sm90 kernels do), and they read the problem arrays that
+// kernel writes from their first instructions (the scheduler's group walk), hence the wait
+// before the body. The kernel behind may launch at once: it waits for this one's end.
+template <class G>
+__global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
+                                  G::Kernel::MinBlocksPerMultiprocessor)
+    fp8_gemm_kernel(const __grid_constant__ typename G::Kernel::Params params) {
+  extern __shared__ char smem[];
+  wait_for_prior_grid();
+  allow_next_grid();
+  typename G::Kernel{}(params, smem);
+}
+
+template <class G>
+Status launch_after(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
+                    const char* what) {
+  using Kernel = typename G::Kernel;
+  if (G::Device::can_implement(args) != cutlass::Status::kSuccess)
+    return {StatusCode::kUnsupported, detail::str_cat(what, " cannot implement these operands")};
+  if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal, detail::str_cat(what, ": its workspace failed to initialize")};
+  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+  return launch_with_body<Kernel>(fp8_gemm_kernel<G>, params, stream, what, /*after_prior=*/true);
+}
+
 template <class G>
 Status run(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
            int sm_count, cudaStream_t stream) {
   const typename G::Device::Arguments args = arguments<G>(ws, fa, num_experts, device, sm_count);
-  return launch_cutlass<typename G::Device>(args, fa.gemm, stream, "the fp8 grouped GEMM");
+  return launch_after<G>(args, fa.gemm, stream, "the fp8 grouped GEMM");
 }
 
 template <class G>
@@ -171,8 +200,7 @@ Status run_swiglu(const grouped::Workspace& ws, const Arrays& fa, int64_t num_ex
                   int64_t ld_out, int device, int sm_count, cudaStream_t stream) {
   const typename G::Device::Arguments args =
       arguments<G>(ws, fa, num_experts, device, sm_count, ld_out);
-  return launch_cutlass<typename G::Device>(args, fa.gemm, stream,
-                                            "the fp8 grouped GEMM with SwiGLU");
+  return launch_after<G>(args, fa.gemm, stream, "the fp8 grouped GEMM with SwiGLU");
 }
 
 // Every configuration is compiled both ways: the plain product (run) and with the SwiGLU

@@ -84,6 +84,10 @@ __global__ void __launch_bounds__(kProblemThreads)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
                        const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
                        const float* __restrict__ x_scales, grouped::Workspace ws, Arrays fa) {
+  // Launched while the kernel ahead (the plan, the quantize) may still run: offs and x_scales are
+  // read after this. The GEMM behind waits for this kernel's end.
+  wait_for_prior_grid();
+  allow_next_grid();
   const int e = static_cast<int>(blockIdx.x);
   if (e >= num_experts) return;
   auto end_of = [&](int j) { return min(max(offs[j], 0), rows); };
@@ -239,11 +243,12 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
   Arrays fa = carve_fp8(after, p.num_experts, p.rows, p.k);
   const int experts = static_cast<int>(p.num_experts);
   const dim3 grid(experts, std::max(1, std::min(1024, 8 * sm_count / experts)));
-  build_fp8_problems<<<grid, kProblemThreads, 0, stream>>>(
-      p.offs, experts, static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
-      static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
-      static_cast<Bf16*>(p.out), p.swiglu, p.x_scales, ws, fa);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+  if (cudaError_t e = launch_after_prior(
+          build_fp8_problems, grid, dim3(kProblemThreads), 0, stream, p.offs, experts,
+          static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
+          static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
+          static_cast<Bf16*>(p.out), p.swiglu, p.x_scales, ws, fa);
+      e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/fp8_block.cuh"
 #include "cuda/common/swiglu_math.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -66,6 +67,10 @@ template <bool kSwiGlu>
 __global__ void swiglu_fp8_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t ffn,
                                   uint8_t* __restrict__ act, float* __restrict__ scales,
                                   RowTargets to) {
+  // Launched while the kernel ahead (the plan, GEMM 1) may still run: h and the rows are read
+  // after this.
+  wait_for_prior_grid();
+  allow_next_grid();
   const int64_t lanes_per_row = ffn / kFp8Cols, total = rows * lanes_per_row;
   const int lane = threadIdx.x % 32;
   const int64_t warp0 = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32 * 32;
@@ -170,8 +175,10 @@ Status launch_fp8_rows(const void* h, int64_t rows, int64_t ffn, void* act, floa
   const int64_t total = rows * (ffn / kFp8Cols);
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 132 * 16);
-  swiglu_fp8_kernel<kSwiGlu><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(h), rows, ffn, static_cast<uint8_t*>(act), scales, to);
+  // A failed launch leaves its error for launch_status.
+  (void)launch_after_prior(swiglu_fp8_kernel<kSwiGlu>, dim3(static_cast<unsigned>(blocks)),
+                           dim3(threads), 0, stream, static_cast<const __nv_bfloat16*>(h), rows,
+                           ffn, static_cast<uint8_t*>(act), scales, to);
   return launch_status(name);
 }
 
