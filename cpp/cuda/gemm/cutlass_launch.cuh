@@ -31,6 +31,19 @@ Status launch_cutlass(const typename Device::Arguments& args, void* workspace, c
   return Status::Ok();
 }
 
+// The params of the CUTLASS kernel body `Kernel` (a GemmUniversal) for `args`, its workspace
+// initialized on `stream`, for launch_with_body. `what` names the kernel in the errors.
+template <class Kernel>
+Status body_params(const typename Kernel::Arguments& args, void* workspace, cudaStream_t stream,
+                   const char* what, typename Kernel::Params* params) {
+  if (!Kernel::can_implement(args))
+    return {StatusCode::kUnsupported, detail::str_cat(what, " cannot implement these operands")};
+  if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return {StatusCode::kInternal, detail::str_cat(what, "'s workspace failed to initialize")};
+  *params = Kernel::to_underlying_arguments(args, workspace);
+  return Status::Ok();
+}
+
 // `kernel` runs the CUTLASS kernel body `Kernel` (a GemmUniversal, called with params and its
 // dynamic shared memory) among other work: launched as the body needs, on its grid and block,
 // with its shared memory and in clusters of its cluster shape. `args` follow params.

@@ -102,45 +102,14 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     // The last tile's stores were issued a whole mainloop ago: its release no longer waits.
     signal_pending();
 
-    // Each value pair below is two adjacent bf16 columns of one row; the four lanes of a row
-    // (lanes 4r..4r+3) hold the four pairs of each 8-column block. In GEMM 2, four blocks at a
-    // time they trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one
-    // 16-byte store where there were four 4-byte ones, and whole sectors.
-    const int q = static_cast<int>(threadIdx.x % 4);
-    constexpr int kBlocks = kAtom / 4;  // 8-column blocks of the atom
-    static_assert(kBlocks % 4 == 0, "the transposes take the blocks four at a time");
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc); i += kAtom) {
-      if (first) {
-        // One 4-byte store per pair of activation columns (see the file comment for why not
-        // 16 bytes).
-        store_swiglu<kPair, kAtom>(acc, crd, i, M, N, out, params_.ld_act);
-        continue;
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int quad = 0; quad < kBlocks / 4; ++quad) {
-          uint32_t w[4];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 4; ++j) {
-            const int v = 4 * (4 * quad + j) + 2 * h;
-            w[j] = pack(acc(i + v), acc(i + v + 1));
-          }
-          transpose4(w, q);
-          const auto c = crd(i + 4 * (4 * quad) + 2 * h);
-          const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
-          if (m < M && n < N) {
-            if (push) {
-              __nv_bfloat16* row = slot_row(group - params_.split, m, rows);
-              if (row != nullptr) store16(row + n, w);
-            } else {
-              store16(out + m * params_.ld_y + n, w);
-            }
-          }
-        }
-      }
-    }
+    // A warp whose rows of this tile all lie in its fragment's first row half (a decode step's
+    // tiles of at most 8 rows, a tile's last rows, or no row at all) stores through
+    // store_few_rows; the others through the unrolled store_all_rows.
+    const bool few = __all_sync(0xffffffffu, get<0>(crd(2)) >= M);
+    if (few)
+      store_few_rows<kAtom>(t, acc, out, first, push, rows);
+    else
+      store_all_rows<kAtom>(t, acc, out, first, push, rows);
     if (first) {
       signal_tile_done(params_.done1, params_.tile_base, group, t.m_tile, t.tile_m, M,
                        params_.num_done);
@@ -179,6 +148,113 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
   }
 
  private:
+  // The last two rows this thread looked up: a thread's fragment covers two rows of the tile, so
+  // each row's source is read once per tile, not once per store.
+  // Two named entries, not arrays: a runtime index into an array would put it in local memory.
+  struct RowCache {
+    int m0 = -1, m1 = -1;
+    __nv_bfloat16 *at0 = nullptr, *at1 = nullptr;
+    bool second = false;  // which entry the next miss replaces
+  };
+
+  // The two adjacent bf16 columns of one row that make a value pair below; the four lanes of a
+  // row (lanes 4r..4r+3) hold the four pairs of each 8-column block.
+
+  // Every value of the fragment, unrolled. In GEMM 2, four blocks at a time the lanes of a row
+  // trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one 16-byte store where
+  // there were four 4-byte ones, and whole sectors.
+  template <int kAtom, class Tile, class Acc>
+  CUTLASS_DEVICE void store_all_rows(const Tile& t, const Acc& acc, __nv_bfloat16* out, bool first,
+                                     bool push, RowCache& rows) {
+    using namespace cute;
+    const int M = t.M, N = t.N;
+    const auto& crd = t.crd;
+    const int q = static_cast<int>(threadIdx.x % 4);
+    constexpr int kBlocks = kAtom / 4;  // 8-column blocks of the atom
+    static_assert(kBlocks % 4 == 0, "the transposes take the blocks four at a time");
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += kAtom) {
+      if (first) {
+        // One 4-byte store per pair of activation columns (see the file comment for why not
+        // 16 bytes).
+        store_swiglu<kPair, kAtom>(acc, crd, i, M, N, out, params_.ld_act);
+        continue;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int quad = 0; quad < kBlocks / 4; ++quad) {
+          uint32_t w[4];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            const int v = 4 * (4 * quad + j) + 2 * h;
+            w[j] = pack(acc(i + v), acc(i + v + 1));
+          }
+          transpose4(w, q);
+          const auto c = crd(i + 4 * (4 * quad) + 2 * h);
+          const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
+          if (m < M && n < N) {
+            if (push) {
+              __nv_bfloat16* row = slot_row(t.group - params_.split, m, rows);
+              if (row != nullptr) store16(row + n, w);
+            } else {
+              store16(out + m * params_.ld_y + n, w);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // The warp's rows lie in the fragment's first row half only (h = 0 in the WGMMA fragment's
+  // ((2 columns, 2 row halves, N/8 blocks), M, N)): a decode step's tiles of at most 8 rows, the
+  // last rows of a tile, or no row at all. store_all_rows is some 32 KB of instructions that
+  // each such warp fetched to store one row or none: under Nsight Compute the one-token step's
+  // epilogues spent 77% of their warps' samples waiting for instructions. Here a warp with no
+  // row stores nothing, and the others walk the first half only, GEMM 2's lanes storing their
+  // own pairs (4 bytes each) without the transposes: about a quarter of the instructions. A
+  // rolled loop over a local copy of the fragment would be smaller still, but the copy's
+  // registers made ptxas spill two of the mainloop's values, reloaded at every k-block.
+  // The same values, rounded the same way: the same bits as store_all_rows.
+  template <int kAtom, class Tile, class Acc>
+  CUTLASS_DEVICE void store_few_rows(const Tile& t, const Acc& acc, __nv_bfloat16* out, bool first,
+                                     bool push, RowCache& rows) {
+    using namespace cute;
+    const int M = t.M, N = t.N;
+    const auto& crd = t.crd;
+    if (__all_sync(0xffffffffu, get<0>(crd(0)) >= M)) return;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += kAtom) {
+      // The first half's values of one atom lie on one row, at columns n0 + 8 b for its blocks
+      // b (fragment_coords' layout): the row's place is looked up once.
+      const int m = get<0>(crd(i)), n0 = get<1>(crd(i));
+      if (m >= M) continue;
+      if (first) {
+        // The activation's column of gate column n0 + 8 b (store_swiglu's j), where the tile
+        // starts at a multiple of 2 kPair columns (as store_swiglu's gate test assumes too).
+        __nv_bfloat16* row =
+            out + m * params_.ld_act + (n0 / (2 * kPair)) * kPair + n0 % kPair;
+        constexpr int kUp = kPair / 2;  // fragment values from a gate value to its up value
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < kAtom; v += 4) {
+          const int b = v / 4;
+          if (b / (kPair / 8) % 2 != 0 || n0 + 8 * b >= N) continue;  // an up block, or past N
+          const int at = (8 * b / (2 * kPair)) * kPair + 8 * b % kPair;
+          *reinterpret_cast<uint32_t*>(row + at) =
+              pack(swiglu(acc(i + v), acc(i + v + kUp)),
+                   swiglu(acc(i + v + 1), acc(i + v + 1 + kUp)));
+        }
+        continue;
+      }
+      __nv_bfloat16* row = push ? slot_row(t.group - params_.split, m, rows) : out + m * params_.ld_y;
+      if (row == nullptr) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < kAtom; v += 4)  // block v / 4, at column n0 + 2 v
+        if (n0 + 2 * v < N)
+          *reinterpret_cast<uint32_t*>(row + n0 + 2 * v) = pack(acc(i + v), acc(i + v + 1));
+    }
+  }
+
   // tile_stamps[6 x CTA + at] = now, by the first thread of the warpgroup.
   CUTLASS_DEVICE void stamp(int at) const {
     if (params_.stamps != nullptr && threadIdx.x % 128 == 0)
@@ -206,15 +282,6 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
   CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
     *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
   }
-
-  // The last two rows this thread looked up: a thread's fragment covers two rows of the tile, so
-  // each row's source is read once per tile, not once per store.
-  // Two named entries, not arrays: a runtime index into an array would put it in local memory.
-  struct RowCache {
-    int m0 = -1, m1 = -1;
-    __nv_bfloat16 *at0 = nullptr, *at1 = nullptr;
-    bool second = false;  // which entry the next miss replaces
-  };
 
   // Row m of local expert e's GEMM 2 in its source's combine slot, or null when the row lies past
   // the buffers or names no rank (a plan that failed, already reported).

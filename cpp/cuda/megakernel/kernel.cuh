@@ -212,11 +212,10 @@ Status fused_launch_impl(const grouped::Workspace& ws, const FusedMoeArgs& a, in
                          cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   const auto args = fused_arguments<G>(ws, a, comm_units, skip_rounds, device, sm_count, scratch);
-  if (Kernel::can_implement(args) != true)
-    return {StatusCode::kUnsupported, "the fused MoE kernel cannot implement these operands"};
-  if (Kernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal, "the fused MoE kernel's workspace failed to initialize"};
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, ws.gemm);
+  typename Kernel::Params params;
+  if (Status s = body_params<Kernel>(args, ws.gemm, stream, "the fused MoE kernel", &params);
+      !s.ok())
+    return s;
   FusedStages st;
   st.a = a;
   st.comm_units = comm_units;

@@ -183,12 +183,11 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
   // Both halves wait on the same rows: group E + e is expert e's too.
   args.mainloop.gate2 = gate;
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
-  if (BackwardKernel::can_implement(args) != true)
-    return {StatusCode::kUnsupported, "the fused MoE backward cannot implement these operands"};
-  if (BackwardKernel::initialize_workspace(args, ws.gemm, stream) != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal, "the fused MoE backward's workspace failed to initialize"};
-  const typename BackwardKernel::Params params =
-      BackwardKernel::to_underlying_arguments(args, ws.gemm);
+  typename BackwardKernel::Params params;
+  if (Status s = body_params<BackwardKernel>(args, ws.gemm, stream, "the fused MoE backward",
+                                             &params);
+      !s.ok())
+    return s;
   return launch_with_body<BackwardKernel>(megakernel::fused_backward_kernel, params, stream,
                                           "moe_fused_backward_rows_bf16", /*after_prior=*/false, a);
 }

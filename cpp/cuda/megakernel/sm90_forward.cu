@@ -293,18 +293,12 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   // overlap instead of adding up (a one-token call replayed 1-3% faster on bench_decode's two
   // loads, one H200, 2026-12-02). The bits cannot change: every read of a kernel ahead's output
   // comes after its wait.
-  cudaLaunchAttribute after_prior = programmatic_launch_attribute();
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(problem_blocks));
-  config.blockDim = dim3(megakernel::kProblemThreads);
-  config.stream = stream;
-  config.attrs = &after_prior;
-  config.numAttrs = 1;
   // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
   auto* y_rows = static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act);
   // A failed launch leaves its error for the launch_status below.
-  (void)cudaLaunchKernelEx(
-      &config, megakernel::fused_problems, a.offs, static_cast<int>(a.num_experts),
+  (void)launch_after_prior(
+      megakernel::fused_problems, dim3(static_cast<unsigned>(problem_blocks)),
+      dim3(megakernel::kProblemThreads), 0, stream, a.offs, static_cast<int>(a.num_experts),
       static_cast<int>(a.capacity), static_cast<int>(a.hidden), static_cast<int>(a.ffn),
       static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
       static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act), y_rows, ws,

@@ -180,11 +180,8 @@ template <class G>
 Status launch_after(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
                     const char* what) {
   using Kernel = typename G::Kernel;
-  if (G::Device::can_implement(args) != cutlass::Status::kSuccess)
-    return {StatusCode::kUnsupported, detail::str_cat(what, " cannot implement these operands")};
-  if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-    return {StatusCode::kInternal, detail::str_cat(what, ": its workspace failed to initialize")};
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+  typename Kernel::Params params;
+  if (Status s = body_params<Kernel>(args, workspace, stream, what, &params); !s.ok()) return s;
   return launch_with_body<Kernel>(fp8_gemm_kernel<G>, params, stream, what, /*after_prior=*/true);
 }
 
