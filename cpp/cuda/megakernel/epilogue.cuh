@@ -208,12 +208,16 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
 
   // The warp's rows lie in the fragment's first row half only (h = 0 in the WGMMA fragment's
   // ((2 columns, 2 row halves, N/8 blocks), M, N)): a decode step's tiles of at most 8 rows, the
-  // last rows of a tile, or no row at all. store_all_rows is some 32 KB of instructions that
-  // each such warp fetched to store one row or none: under Nsight Compute the one-token step's
-  // epilogues spent 77% of their warps' samples waiting for instructions. Here a warp with no
-  // row stores nothing, and the others walk the first half only, GEMM 2's lanes storing their
-  // own pairs (4 bytes each) without the transposes: about a quarter of the instructions. A
-  // rolled loop over a local copy of the fragment would be smaller still, but the copy's
+  // last rows of a tile, or no row at all. store_all_rows is about 74 KB of SASS on the 64 x 256
+  // tile, which each such warp fetched to store one row or none: under Nsight Compute the
+  // one-token step's epilogues spent 77% of their warps' samples waiting for instructions. Here
+  // a warp with no row stores nothing, and the others walk the first half only, each atom's row
+  // looked up once, GEMM 2's lanes storing their own pairs (4 bytes each) without the
+  // transposes: 3.7 KB for GEMM 2, 8.7 KB for GEMM 1 (mostly the SwiGLU's arithmetic). On one
+  // H200 (2026-12-03, 5d8edff with a switch between the two, CUDA graphs in one process) a
+  // one-token step of 128 experts of FFN 768 took 45.6 against 49.7 us, 0.98-0.99x from 16 to
+  // 64 tokens, and unchanged (0.99-1.00x) at 512 and 4096 tokens and on 256 experts of FFN 2048.
+  // A rolled loop over a local copy of the fragment would be smaller still, but the copy's
   // registers made ptxas spill two of the mainloop's values, reloaded at every k-block.
   // The same values, rounded the same way: the same bits as store_all_rows.
   template <int kAtom, class Tile, class Acc>
@@ -232,21 +236,20 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
       if (first) {
         // The activation's column of gate column n0 + 8 b (store_swiglu's j), where the tile
         // starts at a multiple of 2 kPair columns (as store_swiglu's gate test assumes too).
-        __nv_bfloat16* row =
-            out + m * params_.ld_act + (n0 / (2 * kPair)) * kPair + n0 % kPair;
+        __nv_bfloat16* row = out + m * params_.ld_act + (n0 / (2 * kPair)) * kPair + n0 % kPair;
         constexpr int kUp = kPair / 2;  // fragment values from a gate value to its up value
         CUTLASS_PRAGMA_UNROLL
         for (int v = 0; v < kAtom; v += 4) {
           const int b = v / 4;
           if (b / (kPair / 8) % 2 != 0 || n0 + 8 * b >= N) continue;  // an up block, or past N
           const int at = (8 * b / (2 * kPair)) * kPair + 8 * b % kPair;
-          *reinterpret_cast<uint32_t*>(row + at) =
-              pack(swiglu(acc(i + v), acc(i + v + kUp)),
-                   swiglu(acc(i + v + 1), acc(i + v + 1 + kUp)));
+          *reinterpret_cast<uint32_t*>(row + at) = pack(
+              swiglu(acc(i + v), acc(i + v + kUp)), swiglu(acc(i + v + 1), acc(i + v + 1 + kUp)));
         }
         continue;
       }
-      __nv_bfloat16* row = push ? slot_row(t.group - params_.split, m, rows) : out + m * params_.ld_y;
+      __nv_bfloat16* row =
+          push ? slot_row(t.group - params_.split, m, rows) : out + m * params_.ld_y;
       if (row == nullptr) continue;
       CUTLASS_PRAGMA_UNROLL
       for (int v = 0; v < kAtom; v += 4)  // block v / 4, at column n0 + 2 v

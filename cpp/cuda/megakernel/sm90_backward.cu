@@ -184,8 +184,8 @@ Status moe_fused_backward_rows_bf16(const FusedBackwardArgs& a, int sm_count, in
   args.mainloop.gate2 = gate;
   args.mainloop.split = static_cast<int32_t>(a.num_experts);
   typename BackwardKernel::Params params;
-  if (Status s = body_params<BackwardKernel>(args, ws.gemm, stream, "the fused MoE backward",
-                                             &params);
+  if (Status s =
+          body_params<BackwardKernel>(args, ws.gemm, stream, "the fused MoE backward", &params);
       !s.ok())
     return s;
   return launch_with_body<BackwardKernel>(megakernel::fused_backward_kernel, params, stream,
