@@ -74,9 +74,11 @@ inline Step make_step(int64_t tokens, uint64_t seed) {
   return s;
 }
 
-// The CPU executor on the step's bf16 operands: out [T, H] bf16 as uint16.
+// The CPU executor on the step's bf16 operands: out [T, H] bf16 as uint16. `tuning`
+// "dispatch=fp8": the fp8 layer's numerics (the weights rounded in 128 x 128 blocks, the tokens
+// and the activation in 1 x 128 blocks).
 inline std::vector<uint16_t> cpu_forward(const Step& s, const std::vector<uint16_t>& w1,
-                                         const std::vector<uint16_t>& w2) {
+                                         const std::vector<uint16_t>& w2, const char* tuning = "") {
   std::vector<uint16_t> out(s.tokens * kHidden);
   uniep::MoeForwardArgs args;
   args.x = s.x.data();
@@ -92,6 +94,7 @@ inline std::vector<uint16_t> cpu_forward(const Step& s, const std::vector<uint16
   args.shape.ffn_hidden = kFfn;
   args.shape.num_experts = kExperts;
   args.shape.top_k = kTopK;
+  args.tuning = uniep::TuningParams::parse(tuning);
   uniep::LocalTransport transport;
   uniep::cpu_moe_forward(args, transport);
   return out;
@@ -174,15 +177,16 @@ inline std::vector<uint16_t> download(const uint16_t* src, size_t n, cudaStream_
   return out;
 }
 
-// The layer of the decode examples at world 1: w1 as the model stores it.
-inline uniep::cuda::MoeLayerConfig layer_config() {
+// The layer of the decode examples at world 1: w1 as the model stores it, or (fp8) fp8 experts.
+inline uniep::cuda::MoeLayerConfig layer_config(bool fp8 = false) {
   uniep::cuda::MoeLayerConfig config;
   config.max_tokens = kMaxTokens;
   config.hidden = kHidden;
   config.ffn = kFfn;
   config.num_experts = kExperts;
   config.top_k = kTopK;
-  config.w1_as_stored = true;
+  config.w1_as_stored = !fp8;
+  config.fp8_experts = fp8;
   return config;
 }
 
@@ -202,8 +206,12 @@ struct StepBuffers {
     return b;
   }
   // The layer's inputs for a step of `tokens` on these buffers and the given experts.
-  uniep::cuda::MoeLayerInputs inputs(int64_t tokens, const void* w1, const void* w2) const {
+  uniep::cuda::MoeLayerInputs inputs(int64_t tokens, const void* w1, const void* w2,
+                                     const float* w1_scales = nullptr,
+                                     const float* w2_scales = nullptr) const {
     uniep::cuda::MoeLayerInputs in;
+    in.w1_scales = w1_scales;
+    in.w2_scales = w2_scales;
     in.x = x;
     in.tokens = tokens;
     in.topk_idx = topk_idx;

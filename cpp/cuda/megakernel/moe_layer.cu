@@ -30,27 +30,38 @@ size_t align_up(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
 
-// Where each buffer of the layer lies in its one allocation, for max_tokens.
+// Where each buffer of the layer lies in its one allocation, for max_tokens. With fp8 experts
+// rows and act hold e4m3 bytes with their 1 x 128 scales beside them, h GEMM 1's bf16 output,
+// and the MegaKernel's counters and workspace are the two fp8 GEMMs' workspaces instead.
 struct Layout {
   size_t rows = 0, act = 0, y = 0, counters = 0, counts = 0, offs = 0, tile_base = 0;
   size_t dest = 0, gemm_row = 0, counter = 0, errors = 0, timeout = 0, plan_ws = 0, fused_ws = 0;
   size_t plan_ws_bytes = 0, fused_ws_bytes = 0, total = 0;
+  size_t rows_scales = 0, h = 0, act_scales = 0, gemm1_ws = 0, gemm2_ws = 0;
+  size_t gemm1_ws_bytes = 0, gemm2_ws_bytes = 0;
   int64_t num_counters = 0;  // each of the three counter arrays, for the largest call
 };
 
 Layout layout_for(const MoeLayerConfig& c, int tile_m, int sms) {
   const int64_t cap = c.max_tokens * c.top_k, E = c.num_experts;
+  const bool fp8 = c.fp8_experts;
+  const size_t element = fp8 ? 1 : 2;  // of rows and act
   Layout l;
-  l.num_counters = cap / tile_m + E + 1;
+  l.num_counters = fp8 ? 0 : cap / tile_m + E + 1;
   size_t at = 0;
   auto take = [&at](size_t bytes) {
     const size_t here = at;
     at += align_up(bytes);
     return here;
   };
-  l.rows = take(static_cast<size_t>(cap * c.hidden) * 2);
-  l.act = take(static_cast<size_t>(cap * c.ffn) * 2);
+  l.rows = take(static_cast<size_t>(cap * c.hidden) * element);
+  l.act = take(static_cast<size_t>(cap * c.ffn) * element);
   l.y = take(static_cast<size_t>(cap * c.hidden) * 2);
+  if (fp8) {
+    l.rows_scales = take(static_cast<size_t>(cap * (c.hidden / 128)) * sizeof(float));
+    l.act_scales = take(static_cast<size_t>(cap * (c.ffn / 128)) * sizeof(float));
+    l.h = take(static_cast<size_t>(cap * 2 * c.ffn) * 2);
+  }
   l.counters = take(static_cast<size_t>(3 * l.num_counters) * sizeof(uint32_t));
   l.counts = take(static_cast<size_t>(E) * sizeof(int64_t));
   l.offs = take(static_cast<size_t>(E) * sizeof(int32_t));
@@ -62,8 +73,15 @@ Layout layout_for(const MoeLayerConfig& c, int tile_m, int sms) {
   l.timeout = take(sizeof(GateTimeout));
   l.plan_ws_bytes = local_plan_workspace_bytes(cap, E);
   l.plan_ws = take(l.plan_ws_bytes);
-  l.fused_ws_bytes = fused_moe_workspace_bytes(E, sms);
-  l.fused_ws = take(l.fused_ws_bytes);
+  if (fp8) {
+    l.gemm1_ws_bytes = grouped_gemm_fp8_workspace_bytes(E, cap, c.hidden, sms);
+    l.gemm1_ws = take(l.gemm1_ws_bytes);
+    l.gemm2_ws_bytes = grouped_gemm_fp8_workspace_bytes(E, cap, c.ffn, sms);
+    l.gemm2_ws = take(l.gemm2_ws_bytes);
+  } else {
+    l.fused_ws_bytes = fused_moe_workspace_bytes(E, sms);
+    l.fused_ws = take(l.fused_ws_bytes);
+  }
   l.total = at;
   return l;
 }
@@ -99,6 +117,21 @@ Status check_config(const MoeLayerConfig& c) {
                         ", got ", c.ffn, "; pass w1 in pack_gate_up's layout instead")};
   if (!(c.timeout_s >= 0 && c.timeout_s <= 3600))
     return bad("timeout_s must be in [0, 3600]", c.timeout_s);
+  if (c.fp8_experts) {
+    if (c.world_size != 1)
+      return {StatusCode::kUnsupported,
+              detail::str_cat("fp8_experts runs at world_size 1 only, got ", c.world_size,
+                              "; across ranks the layer takes bf16 experts")};
+    if (c.hidden % 128 != 0 || c.ffn % 128 != 0)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("fp8_experts needs hidden and ffn to be multiples of 128 (whole "
+                              "weight blocks), got hidden ",
+                              c.hidden, " and ffn ", c.ffn)};
+    if (c.w1_as_stored || c.tile_m != 0 || c.tile_n != 0)
+      return {StatusCode::kInvalidArgument,
+              "w1_as_stored, tile_m and tile_n are the bf16 MegaKernel's: leave them unset with "
+              "fp8_experts (the fp8 GEMMs pick their tile by the rows per expert)"};
+  }
   return Status::Ok();
 }
 
@@ -257,6 +290,61 @@ Status MoeLayer::create(const MoeLayerConfig& config, const std::vector<uint8_t>
   return Status::Ok();
 }
 
+namespace {
+
+// fp8 experts at world 1 after the plan (uniep.moe.fp8_local's launches): each token quantized
+// once into its GEMM rows, GEMM 1, the SwiGLU quantized for GEMM 2, GEMM 2, the combine. The
+// plan's error word covers every step (their rows are the plan's), so none fills a word of its
+// own. The GEMMs run over all T x K rows; the rows past the last expert's end are neither
+// computed nor read.
+template <class State>
+Status forward_fp8(const State& s, const MoeLayerInputs& in, const LocalPlanArgs& plan,
+                   cudaStream_t stream) {
+  const MoeLayerConfig& c = s.config;
+  const int64_t rows = in.tokens * c.top_k, E = c.num_experts;
+  void* q = s.template at<void>(s.layout.rows);
+  auto* q_scales = s.template at<float>(s.layout.rows_scales);
+  if (Status st = quantize_fp8_rows(in.x, in.tokens, c.hidden, plan.gemm_row,
+                                    static_cast<int>(c.top_k), rows, q, q_scales, nullptr, stream);
+      !st.ok())
+    return st;
+  GroupedGemmFp8Problem g1;
+  g1.x = q;
+  g1.x_scales = q_scales;
+  g1.w = in.w1;
+  g1.w_scales = in.w1_scales;
+  g1.offs = plan.offs;
+  g1.out = s.template at<void>(s.layout.h);
+  g1.num_experts = E;
+  g1.rows = rows;
+  g1.k = c.hidden;
+  g1.n = 2 * c.ffn;
+  if (Status st = grouped_gemm_fp8(g1, c.device, s.sms, s.template at<void>(s.layout.gemm1_ws),
+                                   s.layout.gemm1_ws_bytes, stream);
+      !st.ok())
+    return st;
+  void* act = s.template at<void>(s.layout.act);
+  auto* act_scales = s.template at<float>(s.layout.act_scales);
+  if (Status st = swiglu_fp8(g1.out, rows, c.ffn, act, act_scales, stream); !st.ok()) return st;
+  GroupedGemmFp8Problem g2 = g1;
+  g2.x = act;
+  g2.x_scales = act_scales;
+  g2.w = in.w2;
+  g2.w_scales = in.w2_scales;
+  g2.out = s.template at<void>(s.layout.y);
+  g2.k = c.ffn;
+  g2.n = c.hidden;
+  if (Status st = grouped_gemm_fp8(g2, c.device, s.sms, s.template at<void>(s.layout.gemm2_ws),
+                                   s.layout.gemm2_ws_bytes, stream);
+      !st.ok())
+    return st;
+  // Four blocks an SM, as torch.ops.uniep.combine_rows launches it.
+  return combine_rows_bf16(g2.out, rows, plan.gemm_row, in.topk_weights, in.tokens, c.top_k,
+                           c.hidden, in.out, nullptr, 4 * s.sms, stream);
+}
+
+}  // namespace
+
 Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
   State& s = *state_;
   const MoeLayerConfig& c = s.config;
@@ -292,11 +380,14 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
     return s.ep->forward(f, launch, stream);
   }
   if (in.tokens == 0) return s.zero_error_words(stream, kZeroing);  // nothing to compute
-  const void* pointers[] = {in.x, in.topk_idx, in.topk_weights, in.w1, in.w2, in.out};
-  const char* names[] = {"x", "topk_idx", "topk_weights", "w1", "w2", "out"};
-  for (int i = 0; i < 6; ++i) {
+  const void* pointers[] = {in.x,  in.topk_idx, in.topk_weights, in.w1,
+                            in.w2, in.out,      in.w1_scales,    in.w2_scales};
+  const char* names[] = {"x",  "topk_idx", "topk_weights", "w1",
+                         "w2", "out",      "w1_scales",    "w2_scales"};
+  for (int i = 0; i < (c.fp8_experts ? 8 : 6); ++i) {
     if (pointers[i] == nullptr)
-      return {StatusCode::kInvalidArgument, detail::str_cat(names[i], " must be a device pointer")};
+      return {StatusCode::kInvalidArgument, detail::str_cat(names[i], " must be a device pointer",
+                                                            i >= 6 ? " with fp8_experts" : "")};
     if (i != 1 && i != 2 && !aligned16(pointers[i]))
       return {StatusCode::kInvalidArgument, detail::str_cat(names[i], " must be 16-byte aligned")};
   }
@@ -321,6 +412,8 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
           plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws), s.layout.plan_ws_bytes, stream);
       !st.ok())
     return st;
+
+  if (c.fp8_experts) return forward_fp8(s, in, plan, stream);
 
   // The call's own capacity and counters (as moe_forward_local's): the same tiles and bits.
   const int64_t num_counters = entries / s.tile_m + E + 1;

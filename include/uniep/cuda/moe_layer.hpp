@@ -7,10 +7,14 @@
 //
 // World 1 (every expert on this GPU): one forward is the plan of the routing
 // (plan_local_rows_async, uniep/cuda/send_rows.hpp) and the MegaKernel (moe_fused_forward_bf16,
-// uniep/cuda/fused_moe.hpp): three launches and a memset. Across ranks (world_size > 1, rank r
-// holding experts [r E / W, (r + 1) E / W)): the fused runtime of uniep/cuda/fused_ep.hpp, whose
-// count exchange, plan and persistent kernel run on the device; every rank makes the same calls
-// in the same order. Either way no allocation and no host sync, so a decode step can be
+// uniep/cuda/fused_moe.hpp): three launches and a memset. With fp8 experts (fp8_experts, world
+// 1): the plan, each token quantized once into its GEMM rows (quantize_fp8_rows), the two fp8
+// grouped GEMMs around swiglu_fp8 (uniep/cuda/grouped_gemm.hpp) and the combine of the rows
+// (combine_rows_bf16): the launches of uniep.moe.fp8_local, so the bits of
+// moe_forward_prepared on fp8 experts with dispatch=fp8 at world 1. Across ranks (world_size > 1,
+// rank r holding experts [r E / W, (r + 1) E / W)): the fused runtime of uniep/cuda/fused_ep.hpp,
+// whose count exchange, plan and persistent kernel run on the device; every rank makes the same
+// calls in the same order. Either way no allocation and no host sync, so a decode step can be
 // captured in a CUDA graph once per batch size and replayed with new tokens and routing in the
 // same buffers. The bits are those of torch.ops.uniep.moe_forward (and of
 // uniep.moe.megakernel.launch.moe_forward_local) on the same operands, whatever the tile or the
@@ -53,6 +57,17 @@ struct MoeLayerConfig {
   // The tile columns (FusedMoeLaunch::tile_n): 0 for the launch's choice per call, 256, or 128
   // with 64-row tiles.
   int tile_n = 0;
+  // Prepared fp8 experts (world 1 only; hidden and ffn multiples of 128): w1 [E][2 ffn][hidden]
+  // and w2 [E][hidden][ffn] e4m3 (OCP "fn"), each the transpose of the bf16 weight (w1's rows
+  // the gate columns, then the up columns, as stored), with one fp32 scale per 128 x 128 block,
+  // MoeLayerInputs::w1_scales [E][hidden / 128][2 ffn / 128] and w2_scales
+  // [E][ffn / 128][hidden / 128] (w[e][k, n] ~ q[e][n, k] x scales[e][k / 128][n / 128]): the
+  // format of uniep.gemm.quantize_expert_weights (uniep.moe.prepared's "fp8" experts) and of
+  // checkpoints that ship e4m3 weights with 128 x 128 block scales. The tokens are quantized in
+  // 1 x 128 blocks and the activation the same way before the second GEMM. tile_m, tile_n and
+  // w1_as_stored are the MegaKernel's and stay unset: the fp8 GEMMs pick their tile by the rows
+  // per expert (grouped_gemm_fp8_select).
+  bool fp8_experts = false;
   int device = -1;         // -1: the current device at creation
   double timeout_s = 100;  // bound of every wait inside a forward; 0: none (tests only)
 };
@@ -64,7 +79,10 @@ struct MoeLayerInputs {
   const float* topk_weights = nullptr;  // [tokens][top_k]
   const void* w1 = nullptr;  // [E / W][hidden][2 ffn] bf16, this rank's (see w1_as_stored)
   const void* w2 = nullptr;  // [E / W][ffn][hidden] bf16
-  void* out = nullptr;       // [tokens][hidden] bf16
+  // fp8_experts: w1 and w2 in e4m3 with their block scales (MoeLayerConfig::fp8_experts).
+  const float* w1_scales = nullptr;
+  const float* w2_scales = nullptr;
+  void* out = nullptr;  // [tokens][hidden] bf16
 };
 
 class MoeLayer {
