@@ -157,12 +157,10 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
     bool second = false;  // which entry the next miss replaces
   };
 
-  // The two adjacent bf16 columns of one row that make a value pair below; the four lanes of a
-  // row (lanes 4r..4r+3) hold the four pairs of each 8-column block.
-
-  // Every value of the fragment, unrolled. In GEMM 2, four blocks at a time the lanes of a row
-  // trade pairs (a 4 x 4 transpose), so each lane stores one whole block: one 16-byte store where
-  // there were four 4-byte ones, and whole sectors.
+  // Every value of the fragment, unrolled. A value pair is two adjacent bf16 columns of one row;
+  // the four lanes of a row (lanes 4r..4r+3) hold the four pairs of each 8-column block. In
+  // GEMM 2, four blocks at a time they trade pairs (a 4 x 4 transpose), so each lane stores one
+  // whole block: one 16-byte store where there were four 4-byte ones, and whole sectors.
   template <int kAtom, class Tile, class Acc>
   CUTLASS_DEVICE void store_all_rows(const Tile& t, const Acc& acc, __nv_bfloat16* out, bool first,
                                      bool push, RowCache& rows) {
