@@ -1,7 +1,8 @@
 // uniep::cuda::MoeLayer (include/uniep/cuda/moe_layer.hpp): at world 1 the plan and the MegaKernel
-// of one forward over buffers allocated once; across ranks the fused runtime (fused_ep.hpp). Host
-// code only; the kernels are the plan's (expert_tiles.cu), the fused kernel's (sm90_forward*.cu)
-// and the runtime's (cpp/runtime/megakernel_runtime.cu).
+// of one forward over buffers allocated once (with fp8 experts the plan and uniep.moe.fp8_local's
+// launches instead); across ranks the fused runtime (fused_ep.hpp). Host code only; the kernels
+// are the plan's (expert_tiles.cu), the fused kernel's (sm90_forward*.cu), the fp8 path's
+// (cpp/cuda/gemm) and the runtime's (cpp/runtime/megakernel_runtime.cu).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>

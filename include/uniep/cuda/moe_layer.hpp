@@ -62,8 +62,8 @@ struct MoeLayerConfig {
   // the gate columns, then the up columns, as stored), with one fp32 scale per 128 x 128 block,
   // MoeLayerInputs::w1_scales [E][hidden / 128][2 ffn / 128] and w2_scales
   // [E][ffn / 128][hidden / 128] (w[e][k, n] ~ q[e][n, k] x scales[e][k / 128][n / 128]): the
-  // format of uniep.gemm.quantize_expert_weights (uniep.moe.prepared's "fp8" experts) and of
-  // checkpoints that ship e4m3 weights with 128 x 128 block scales. The tokens are quantized in
+  // format of uniep.gemm.quantize_expert_weights (uniep.moe.prepared's "fp8" experts; a
+  // checkpoint's own fp8 blocks may need their scales transposed). The tokens are quantized in
   // 1 x 128 blocks and the activation the same way before the second GEMM. tile_m, tile_n and
   // w1_as_stored are the MegaKernel's and stay unset: the fp8 GEMMs pick their tile by the rows
   // per expert (grouped_gemm_fp8_select).
