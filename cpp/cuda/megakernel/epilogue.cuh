@@ -192,12 +192,8 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
           const auto c = crd(i + 4 * (4 * quad) + 2 * h);
           const int m = get<0>(c), n = get<1>(c) - 2 * q + 8 * q;  // lane q's block
           if (m < M && n < N) {
-            if (push) {
-              __nv_bfloat16* row = slot_row(t.group - params_.split, m, rows);
-              if (row != nullptr) store16(row + n, w);
-            } else {
-              store16(out + m * params_.ld_y + n, w);
-            }
+            __nv_bfloat16* row = y_row(t.group, m, out, push, rows);
+            if (row != nullptr) store16(row + n, w);
           }
         }
       }
@@ -246,8 +242,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
         }
         continue;
       }
-      __nv_bfloat16* row =
-          push ? slot_row(t.group - params_.split, m, rows) : out + m * params_.ld_y;
+      __nv_bfloat16* row = y_row(t.group, m, out, push, rows);
       if (row == nullptr) continue;
       CUTLASS_PRAGMA_UNROLL
       for (int v = 0; v < kAtom; v += 4)  // block v / 4, at column n0 + 2 v
@@ -282,6 +277,13 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
 
   CUTLASS_DEVICE static void store16(__nv_bfloat16* at, const uint32_t (&w)[4]) {
     *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+
+  // Where GEMM 2's row m of `group` goes: its source's combine slot (push; null as slot_row
+  // says), else row m of out.
+  CUTLASS_DEVICE __nv_bfloat16* y_row(int group, int m, __nv_bfloat16* out, bool push,
+                                      RowCache& rows) const {
+    return push ? slot_row(group - params_.split, m, rows) : out + m * params_.ld_y;
   }
 
   // Row m of local expert e's GEMM 2 in its source's combine slot, or null when the row lies past
