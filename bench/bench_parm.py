@@ -211,6 +211,13 @@ def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int
     )
 
 
+def measured_layers(args: argparse.Namespace) -> list[dict]:
+    """The layers whose schedules the run times (and whose messages the profile must span)."""
+    if args.grid_sample:
+        return grid_layers(args.world_size, args.mp_size, args.grid_sample)
+    return CUDA_MEASURED_LAYERS if args.device == "cuda" else MEASURED_LAYERS
+
+
 def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -> None:
     """Time every schedule of a few layers on the same ranks and check the cost model's choice
     (fitted from this run's profile) against the measured best."""
@@ -223,10 +230,7 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
 
     cuda = args.device == "cuda"
     model = cost_model_from_profile(profile_result)
-    if args.grid_sample:
-        layers = grid_layers(args.world_size, args.mp_size, args.grid_sample)
-    else:
-        layers = CUDA_MEASURED_LAYERS if cuda else MEASURED_LAYERS
+    layers = measured_layers(args)
     iters = args.iters or ((3 if args.quick else 5) if cuda else 3)
     if args.ranks_per_gpu == "all":
         measured = measure_layers(
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from uniep import parm
     from uniep.parm import sim as parm_sim
-    from uniep.parm.profile import default_sizes
+    from uniep.parm.profile import sizes_for_layers
 
     rows: list[dict] = []
     why = per_gpu_problem(args)
@@ -377,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(kind="skipped", why=why, world_size=args.world_size, mp_size=args.mp_size)
         print(f"wrote {write_result('bench_parm', [row], args.out_dir)}")
         return 0
-    sizes = default_sizes(args.device)
+    # The fitted range reaches the largest message of the layers measured below.
+    sizes = sizes_for_layers(measured_layers(args), args.world_size, args.mp_size, args.device)
     sizes = sizes[::2] if args.quick else sizes
     result = _profile(args, sizes, args.iters or (3 if args.quick else 5))
     print(f"fit: {result['backend']} on {result['device_name']}, {args.world_size} ranks")

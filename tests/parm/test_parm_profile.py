@@ -39,6 +39,42 @@ def test_device_must_be_cpu_or_cuda() -> None:
     assert pp.default_sizes("cuda") == pp.CUDA_SIZES and len(pp.CUDA_SIZES) == 16
 
 
+def test_largest_message_is_the_largest_step_of_any_schedule() -> None:
+    layer = dict(
+        tokens=8192, hidden=2048, ffn_hidden=4096, num_experts=8, top_k=2, capacity_factor=1.2
+    )
+    shape = parm.plan(4, 2, dtype=torch.bfloat16, gpus_per_node=2, **layer).shape
+    steps = [
+        st.bytes
+        for schedule in parm.SCHEDULES
+        for pass_ in ("forward", "backward")
+        for st in _C.parm.build_steps(shape, schedule, pass_).steps
+        if st.collective != "none"
+    ]
+    assert pp.largest_message([layer], 4, 2, "cuda") == max(steps) > 64 * 2**20
+    # float32 on the CPU: twice the bytes; the largest of several layers; none: 0.
+    assert pp.largest_message([layer], 4, 2, "cpu") == 2 * max(steps)
+    small = dict(layer, tokens=1024)
+    assert pp.largest_message([small, layer], 4, 2, "cuda") == max(steps)
+    assert pp.largest_message([], 4, 2, "cuda") == 0
+
+
+def test_profile_sizes_reach_the_largest_message_of_the_layers() -> None:
+    # bench_parm's CUDA layers send up to ~77 MiB, past the 64 MiB of the default sizes.
+    layers = bench_parm.CUDA_MEASURED_LAYERS
+    most = pp.largest_message(layers, 4, 2, "cuda")
+    sizes = pp.sizes_for_layers(layers, 4, 2, "cuda")
+    assert most > pp.CUDA_SIZES[-1]
+    assert len(sizes) == len(pp.CUDA_SIZES) and sizes[0] == pp.CUDA_SIZES[0]
+    assert most <= sizes[-1] < most + 2**20
+    assert sizes == sorted(set(sizes)) and all(n % 2**20 == 0 for n in sizes)
+    # Layers within the defaults keep them.
+    assert pp.sizes_for_layers(bench_parm.MEASURED_LAYERS, 4, 2, "cpu") == pp.DEFAULT_SIZES
+    assert pp.sizes_for_layers([], 4, 2, "cuda") == pp.CUDA_SIZES
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        pp.sizes_for_layers(layers, 4, 2, "gpu")
+
+
 @needs_no_cuda
 def test_cuda_mode_says_what_is_missing() -> None:
     problems = pp.cuda_problems()

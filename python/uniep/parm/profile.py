@@ -73,6 +73,42 @@ def default_sizes(device: str = "cpu") -> list[int]:
     return list(CUDA_SIZES if device == "cuda" else DEFAULT_SIZES)
 
 
+def largest_message(layers: list[dict], world: int, mp_size: int, device: str = "cpu") -> int:
+    """The largest message, in bytes of the cost model's convention (``Step.bytes``), that any
+    schedule of ``layers`` sends, forward or backward, on ``world`` ranks with MP groups of
+    ``mp_size`` (one MP group per node, as the profile lays them out), in ``device``'s dtype
+    (float32 on CPU, bf16 on CUDA); 0 for no layer."""
+    from . import SCHEDULES, plan
+
+    check_device(device, need_cuda=False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    most = 0
+    for cfg in layers:
+        shape = plan(world, mp_size, dtype=dtype, gpus_per_node=mp_size, **cfg).shape
+        for schedule in SCHEDULES:
+            for pass_ in ("forward", "backward"):
+                steps = _C.parm.build_steps(shape, schedule, pass_).steps
+                most = max([most, *(st.bytes for st in steps if st.collective != "none")])
+    return most
+
+
+def sizes_for_layers(
+    layers: list[dict], world: int, mp_size: int, device: str = "cpu"
+) -> list[int]:
+    """The profile's message sizes for pricing ``layers``: ``default_sizes(device)``, or where
+    a layer sends a larger message than its last (``largest_message``), as many even steps (in
+    whole MiB) from its first size up to that message rounded up to a MiB. Why: a fit is only as
+    good as the range it saw, and the cost model priced the largest layers measured on four GPUs,
+    whose messages lay past the profile's 64 MiB, outside it."""
+    sizes = default_sizes(device)
+    most = largest_message(layers, world, mp_size, device)
+    if most <= sizes[-1]:
+        return sizes
+    mib = 2**20
+    first, top, steps = sizes[0] // mib, -(-most // mib), len(sizes) - 1
+    return [(first + round((top - first) * i / steps)) * mib for i in range(steps + 1)]
+
+
 def cuda_problems() -> list[str]:
     """Why the CUDA profile cannot run in this process; empty when it can."""
     problems = []
