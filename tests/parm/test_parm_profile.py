@@ -75,6 +75,25 @@ def test_profile_sizes_reach_the_largest_message_of_the_layers() -> None:
         pp.sizes_for_layers(layers, 4, 2, "gpu")
 
 
+def test_stretched_sizes_and_the_cli_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pp.stretched_sizes("cuda", 0) == pp.CUDA_SIZES == pp.stretched_sizes("cuda", 2**26)
+    sizes = pp.stretched_sizes("cpu", 100 * 2**20 + 1)
+    assert sizes[0] == pp.DEFAULT_SIZES[0] and sizes[-1] == 101 * 2**20 and len(sizes) == 16
+    seen = {}
+
+    def fake_profile(world: int, mp_size: int, sizes: list[int], *args: Any, **kw: Any) -> Any:
+        seen["sizes"] = sizes
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(pp, "profile", fake_profile)
+    base = ["parm", "profile", "--world-size", "2", "--mp-size", "1", "--sizes", "3"]
+    assert main([*base, "--up-to-mib", "40"]) == 1
+    assert seen["sizes"] == pp.stretched_sizes("cpu", 40 * 2**20)[:3]
+    assert main(base) == 1 and seen["sizes"] == pp.DEFAULT_SIZES[:3]
+    with pytest.raises(SystemExit):
+        main([*base, "--up-to-mib", "0"])
+
+
 @needs_no_cuda
 def test_cuda_mode_says_what_is_missing() -> None:
     problems = pp.cuda_problems()

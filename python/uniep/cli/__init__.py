@@ -164,6 +164,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     prof.add_argument("--iters", type=positive_int, default=5, help="timed runs per size")
     prof.add_argument("--sizes", type=positive_int, default=16, help="message sizes (<= 16)")
+    prof.add_argument(
+        "--up-to-mib",
+        type=positive_int,
+        default=None,
+        help="stretch the sizes to reach this many MiB: the largest message of the layers to be "
+        "priced (uniep.parm.profile.largest_message), where it lies past the default range",
+    )
     prof.add_argument("--timeout", type=positive_seconds, default=300.0)
     prof.add_argument("--out", default="parm-profile.json", help="JSON output")
     prof.set_defaults(func=cmd_parm_profile)

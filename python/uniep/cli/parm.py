@@ -65,7 +65,7 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_parm_profile(args: argparse.Namespace) -> int:
-    from ..parm.profile import default_sizes, profile
+    from ..parm.profile import profile, stretched_sizes
 
     if args.world_size % args.mp_size or args.world_size == args.mp_size:
         print(
@@ -74,7 +74,7 @@ def cmd_parm_profile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    sizes = default_sizes(args.device)[: args.sizes]
+    sizes = stretched_sizes(args.device, (args.up_to_mib or 0) * 2**20)[: args.sizes]
     try:
         result = profile(
             args.world_size, args.mp_size, sizes, args.iters, args.timeout, device=args.device

@@ -92,21 +92,25 @@ def largest_message(layers: list[dict], world: int, mp_size: int, device: str = 
     return most
 
 
-def sizes_for_layers(
-    layers: list[dict], world: int, mp_size: int, device: str = "cpu"
-) -> list[int]:
-    """The profile's message sizes for pricing ``layers``: ``default_sizes(device)``, or where
-    a layer sends a larger message than its last (``largest_message``), as many even steps (in
-    whole MiB) from its first size up to that message rounded up to a MiB. Why: a fit is only as
-    good as the range it saw, and the cost model priced the largest layers measured on four GPUs,
-    whose messages lay past the profile's 64 MiB, outside it."""
+def stretched_sizes(device: str, most: int) -> list[int]:
+    """``default_sizes(device)``, or where ``most`` bytes lie past its last size, as many even
+    steps (in whole MiB) from its first size up to ``most`` rounded up to a MiB."""
     sizes = default_sizes(device)
-    most = largest_message(layers, world, mp_size, device)
     if most <= sizes[-1]:
         return sizes
     mib = 2**20
     first, top, steps = sizes[0] // mib, -(-most // mib), len(sizes) - 1
     return [(first + round((top - first) * i / steps)) * mib for i in range(steps + 1)]
+
+
+def sizes_for_layers(
+    layers: list[dict], world: int, mp_size: int, device: str = "cpu"
+) -> list[int]:
+    """The profile's message sizes for pricing ``layers``: ``stretched_sizes`` up to the largest
+    message any of their schedules sends (``largest_message``). Why: a fit is only as good as the
+    range it saw, and the cost model priced the largest layers measured on four GPUs, whose
+    messages lay past the profile's 64 MiB, outside it."""
+    return stretched_sizes(device, largest_message(layers, world, mp_size, device))
 
 
 def cuda_problems() -> list[str]:
