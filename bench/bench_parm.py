@@ -41,6 +41,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 from pathlib import Path
@@ -192,10 +193,20 @@ def fit_rows(result: dict, world_size: int, mp_size: int) -> list[dict]:
     ]
 
 
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int) -> dict:
-    """The kind=choice row: how often the cost model's choice was the measured best."""
+    """The kind=choice row: how often the cost model's choice was the measured best, and the
+    geomean speedup of the chosen schedule over the baseline, measured beside predicted on the
+    same layers (and the measured best's, the most a choice could give)."""
     right = sum(r["right"] for r in measured)
     regrets = [r["regret"] for r in measured]
+
+    def speedup(kind: str, pick: str) -> float:
+        return _geomean([r[kind]["baseline"] / r[kind][r[pick]] for r in measured])
+
     return dict(
         kind="choice",
         backend=backend,
@@ -206,6 +217,9 @@ def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int
         right_fraction=right / len(measured),
         mean_regret=sum(regrets) / len(regrets),
         max_regret=max(regrets),
+        auto_speedup_measured=speedup("measured", "chosen"),
+        auto_speedup_predicted=speedup("predicted", "chosen"),
+        best_speedup_measured=speedup("measured", "measured_best"),
         goal=GOAL_RIGHT,
         meets_goal=right / len(measured) >= GOAL_RIGHT,
     )
@@ -268,7 +282,10 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
     rows.append(summary)
     print(
         f"choice right in {summary['right']}/{summary['layers']} layers "
-        f"(goal >= {GOAL_RIGHT:.0%}), mean regret {summary['mean_regret']:.1%}"
+        f"(goal >= {GOAL_RIGHT:.0%}), mean regret {summary['mean_regret']:.1%}; auto over the "
+        f"baseline (geomean): measured {summary['auto_speedup_measured']:.2f}x, predicted "
+        f"{summary['auto_speedup_predicted']:.2f}x (the measured best: "
+        f"{summary['best_speedup_measured']:.2f}x)"
     )
 
 

@@ -200,6 +200,16 @@ def test_measure_rows_same_format_on_both_devices() -> None:
     assert summary["kind"] == "choice" and summary["layers"] == 2 and summary["goal"] == 0.95
     assert summary["right"] == sum(r["right"] for r in rows["cuda"])
     assert summary["meets_goal"] == (summary["right_fraction"] >= 0.95)
+    # Auto over the baseline, measured beside predicted (geomeans over the same layers).
+    for key, kind, pick in (
+        ("auto_speedup_measured", "measured", "chosen"),
+        ("auto_speedup_predicted", "predicted", "chosen"),
+        ("best_speedup_measured", "measured", "measured_best"),
+    ):
+        ratios = [r[kind]["baseline"] / r[kind][r[pick]] for r in rows["cuda"]]
+        want = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        assert summary[key] == pytest.approx(want)
+    assert summary["best_speedup_measured"] >= summary["auto_speedup_measured"]
 
 
 def test_cuda_measured_layers() -> None:
