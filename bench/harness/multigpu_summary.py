@@ -488,6 +488,9 @@ def part4_goals(steps: dict[str, dict[str, Any]], gpus: int, mp_size: Any = None
                 why,
                 layers=choice.get("layers") if choice else None,
                 mean_regret=choice.get("mean_regret") if choice else None,
+                # The report: auto over the baseline, measured beside predicted.
+                auto_speedup_measured=choice.get("auto_speedup_measured") if choice else None,
+                auto_speedup_predicted=choice.get("auto_speedup_predicted") if choice else None,
                 placement=choice.get("placement") if choice else None,
                 per_layer=[
                     {
