@@ -100,8 +100,13 @@ class Library:
                 raise RuntimeError("gv_prepare failed")
         cands: dict[str, Callable[[], object]] = {
             "engine": lambda: torch.ops.uniep.grouped_mm(a, w, offs_dev),
-            "torch": lambda: torch._grouped_mm(a, w, offs=offs_dev),
         }
+        try:  # the peer may refuse a layout (e.g. groups of a few rows): then no peer time
+            torch._grouped_mm(a, w, offs=offs_dev)
+            torch.cuda.synchronize()
+            cands["torch"] = lambda: torch._grouped_mm(a, w, offs=offs_dev)
+        except RuntimeError as exc:
+            row["torch_error"] = str(exc).splitlines()[0][:200]
         row["points"] = {}
         for name in names:
             fn = getattr(self.lib, name)
@@ -130,7 +135,7 @@ class Library:
         t = time_rounds(cands)
         for handle in handles.values():
             self.lib.gv_free(ctypes.c_void_p(handle))
-        row["engine_ms"], row["torch_ms"] = t.pop("engine"), t.pop("torch")
+        row["engine_ms"], row["torch_ms"] = t.pop("engine"), t.pop("torch", None)
         row["points"].update(t)
         best: dict[str, list] = {}
         for key, ms in t.items():
@@ -142,7 +147,8 @@ class Library:
         print(
             f"{row['load']} {row['tokens']} tokens {row['gemm']} (k {k}, n {n}): engine "
             f"{row['engine_ms'] * 1e3:.1f} us ({row['engine_ms'] / row['floor_ms']:.2f}x the "
-            f"read), torch {row['torch_ms'] / row['engine_ms']:.3f}x; "
+            f"read), torch "
+            + (f"{row['torch_ms'] / row['engine_ms']:.3f}x; " if row["torch_ms"] else "-; ")
             + " ".join(f"{key}:{ratio:.3f}" for _, key, ratio in sorted(best.values()))
             + failed,
             flush=True,
