@@ -41,8 +41,8 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import math
 import random
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -193,10 +193,6 @@ def fit_rows(result: dict, world_size: int, mp_size: int) -> list[dict]:
     ]
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int) -> dict:
     """The kind=choice row: how often the cost model's choice was the measured best, and the
     geomean speedup of the chosen schedule over the baseline, measured beside predicted on the
@@ -205,7 +201,7 @@ def choice_row(measured: list[dict], backend: str, world_size: int, mp_size: int
     regrets = [r["regret"] for r in measured]
 
     def speedup(kind: str, pick: str) -> float:
-        return _geomean([r[kind]["baseline"] / r[kind][r[pick]] for r in measured])
+        return statistics.geometric_mean(r[kind]["baseline"] / r[kind][r[pick]] for r in measured)
 
     return dict(
         kind="choice",
@@ -232,7 +228,9 @@ def measured_layers(args: argparse.Namespace) -> list[dict]:
     return CUDA_MEASURED_LAYERS if args.device == "cuda" else MEASURED_LAYERS
 
 
-def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -> None:
+def _measure(
+    args: argparse.Namespace, layers: list[dict], profile_result: dict, rows: list[dict]
+) -> None:
     """Time every schedule of a few layers on the same ranks and check the cost model's choice
     (fitted from this run's profile) against the measured best."""
     from uniep.parm.profile import (
@@ -244,7 +242,6 @@ def _measure(args: argparse.Namespace, profile_result: dict, rows: list[dict]) -
 
     cuda = args.device == "cuda"
     model = cost_model_from_profile(profile_result)
-    layers = measured_layers(args)
     iters = args.iters or ((3 if args.quick else 5) if cuda else 3)
     if args.ranks_per_gpu == "all":
         measured = measure_layers(
@@ -399,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_result('bench_parm', [row], args.out_dir)}")
         return 0
     # The fitted range reaches the largest message of the layers measured below.
-    sizes = sizes_for_layers(measured_layers(args), args.world_size, args.mp_size, args.device)
+    layers = measured_layers(args)
+    sizes = sizes_for_layers(layers, args.world_size, args.mp_size, args.device)
     sizes = sizes[::2] if args.quick else sizes
     result = _profile(args, sizes, args.iters or (3 if args.quick else 5))
     print(f"fit: {result['backend']} on {result['device_name']}, {args.world_size} ranks")
@@ -444,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.measure or not args.quick:
-        _measure(args, result, rows)
+        _measure(args, layers, result, rows)
     path = write_result("bench_parm", rows, args.out_dir)
     print(f"wrote {path}")
     if panels and not args.no_plot:
