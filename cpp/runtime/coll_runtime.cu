@@ -7,8 +7,10 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cuda/collectives/coll_kernels.hpp"
 #include "runtime/nvshmem_session.hpp"
@@ -129,6 +131,7 @@ class RuntimeImpl final : public Runtime {
     for (cudaStream_t st : {comm_, wait_, copy_})
       if (st) cudaStreamDestroy(st);
     if (err_host_) cudaFreeHost(err_host_);
+    if (gate_host_) cudaFreeHost(gate_host_);
   }
 
   Status init(const std::vector<uint8_t>& uid) {
@@ -171,6 +174,10 @@ class RuntimeImpl final : public Runtime {
                                 cudaHostAllocMapped));
     std::memset(err_host_, 0, sizeof(DeviceError));
     UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
+    UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_host_), sizeof(cuda::GateTimeout),
+                                cudaHostAllocMapped));
+    *gate_host_ = cuda::GateTimeout{};
+    UNIEP_CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_dev_), gate_host_, 0));
     int device = 0;
     UNIEP_CUDA_OK(cudaGetDevice(&device));
     UNIEP_CUDA_OK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
@@ -234,7 +241,32 @@ class RuntimeImpl final : public Runtime {
       }
     }
     Status status = Status::Ok();
-    if (gemm) {
+    // The one gated GEMM needs the peers' signals to take no SM (their GEMMs hold all of them):
+    // the driver's stream write, which a device without it has just been found to lack.
+    if (gemm && c.parts_gemm.run != nullptr && (write_value_ != nullptr || W == 1)) {
+      auto* out = static_cast<uint8_t*>(c.out);
+      std::vector<cuda::GemmPart> parts;
+      parts.reserve(plan.steps.size());
+      for (const ChunkStep& st : plan.steps) {
+        const int64_t owner = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
+        cuda::GemmPart p;
+        p.out = out + (owner * m + j * mc) * c.out_row_bytes;
+        if (owner == r) {
+          p.a = a + j * part;
+        } else {
+          p.a = sym() + push_slot(owner) + j * part;
+          p.ready = words(layout_.arrived) + owner * kMaxChunks + j;
+        }
+        parts.push_back(p);
+      }
+      gated_chunks_[epoch_ % kGatedHistory] = c.chunks;
+      cuda::PartGate gate;
+      gate.epoch = epoch_;
+      gate.timeout_ns = timeout_ns();
+      gate.timeout = gate_dev_;
+      status = c.parts_gemm.run(c.parts_gemm.ctx, parts.data(), static_cast<int64_t>(parts.size()),
+                                mc, gate, stream);
+    } else if (gemm) {
       auto* out = static_cast<uint8_t*>(c.out);
       for (const ChunkStep& st : plan.steps) {
         const int64_t owner = plan.chunk_block(st.compute), j = plan.chunk_part(st.compute);
@@ -602,7 +634,29 @@ class RuntimeImpl final : public Runtime {
     return Status::Ok();
   }
 
+  // A gated GEMM's timeout (PartsGemm): its part index names the owner through the schedule of
+  // the call whose epoch it records (the chunks of the last kGatedHistory gated calls are kept).
+  Status take_gate_timeout() {
+    const volatile cuda::GateTimeout& t = *gate_host_;
+    if (t.flag == 0) return Status::Ok();
+    const int64_t part = t.expert;
+    const int64_t chunks = std::max<int64_t>(1, gated_chunks_[t.need % kGatedHistory]);
+    const uint32_t have = t.have, need = t.need;
+    *gate_host_ = cuda::GateTimeout{};
+    const int64_t owner = (cfg_.rank + part / chunks) % cfg_.world_size;
+    return {StatusCode::kTimeout,
+            detail::str_cat("uniep all-gather + GEMM on rank ", cfg_.rank, " timed out after ",
+                            cfg_.timeout_s, " s waiting for rank ", owner, "'s part ",
+                            part % chunks, " (signal ", have, ", expected ", need,
+                            "); did every rank of the group make the same calls?")};
+  }
+
   Status take_device_error() {
+    if (Status s = take_gate_timeout(); !s.ok()) {
+      (void)runtime::take_device_error(err_host_,
+                                       [](const volatile DeviceError&) { return Status::Ok(); });
+      return s;
+    }
     return runtime::take_device_error(err_host_, [&](const volatile DeviceError& e) {
       const char* what = "collective";
       if (e.op >= cuda::kCollOpBase)
@@ -649,6 +703,9 @@ class RuntimeImpl final : public Runtime {
   StreamWriteValue64 write_value_ = nullptr;
   cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
+  cuda::GateTimeout *gate_host_ = nullptr, *gate_dev_ = nullptr;  // the gated GEMM's record
+  static constexpr uint64_t kGatedHistory = 64;
+  int64_t gated_chunks_[kGatedHistory] = {};
   int sm_count_ = 1;
   uint64_t epoch_ = 0;
 };

@@ -830,6 +830,8 @@ def test_set_gemm_validates_and_round_trips() -> None:
     try:
         collectives.set_gemm("cutlass", sm_carveout=8)
         assert collectives.gemm() == ("cutlass", 8)
+        collectives.set_gemm("gated", 4)
+        assert collectives.gemm() == ("gated", 4)
         collectives.set_gemm("cublas")
         assert collectives.gemm() == ("cublas", 0)
         with pytest.raises(ValueError, match="backend must be one of"):

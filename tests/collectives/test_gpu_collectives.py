@@ -230,7 +230,9 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
             bits: dict[str, torch.Tensor] = {}
             choices = [("cublas", 0)]
             if hopper:
-                choices += [("cutlass", 0), ("cutlass", 16)]
+                choices += [("cutlass", 0), ("cutlass", 16), ("gated", 0), ("gated", 16)]
+                # The gated AG+GEMM's bits: the one GEMM of the whole gathered operand.
+                bits["ag_mm_gated"] = torch.ops.uniep.part_gemm(ag_ref, b)
             for backend, carveout in choices:
                 uc.set_gemm(backend, carveout)
                 for chunks in (1, 2, 4):
@@ -241,10 +243,12 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
                     out = uc.matmul_reduce_scatter(big, b, chunks=chunks)
                     err = _rel(out, rs_ref)
                     assert err <= 2e-2, ("matmul_reduce_scatter", backend, carveout, chunks, err)
-                    if backend == "cutlass":
-                        for name, got in (("ag_mm", mm), ("mm_rs", out)):
+                    if backend != "cublas":
+                        # gated runs the GEMM + reduce-scatter as cutlass does.
+                        ag_key = "ag_mm_gated" if backend == "gated" else "ag_mm"
+                        for name, got in ((ag_key, mm), ("mm_rs", out)):
                             want = bits.setdefault(name, got)
-                            assert torch.equal(got, want), (name, m, carveout, chunks)
+                            assert torch.equal(got, want), (name, backend, m, carveout, chunks)
             report[f"checked_{m}"] = [f"{b_}@{c}" for b_, c in choices]
         if hopper:
             # Operands the kernel does not take (float32; bf16 output rows of 24 bytes) go to
@@ -269,6 +273,63 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
     return report
 
 
+def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
+    """set_gemm("gated"): all_gather_matmul as one GEMM whose tiles wait for their chunk, bit for
+    bit the GEMM of the gathered operand (part_gemm of it in one part) at every chunk count, on
+    shapes with rows that fill no whole tile and chunks of a few rows; called twice in a row
+    per shape, so both slot sets and a second epoch are read."""
+    import uniep.collectives as uc
+
+    dev = _device(rank)
+    uc.init_cuda(max_block_bytes=32 << 20, timeout_s=60.0)
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    bf16 = torch.bfloat16
+    checked = []
+    try:
+        uc.set_gemm("gated")
+        for m, k, n in ((8, 64, 32), (96, 160, 136), (520, 1024, 776), (1024, 2048, 2048)):
+            a = torch.randn(m, k, generator=gen, device=dev).to(bf16)
+            b = (torch.randn(k, n, generator=gen, device=dev) * k**-0.5).to(bf16)
+            ag_ref = torch.cat(_gather_all(a, world))
+            want = torch.ops.uniep.part_gemm(ag_ref, b)
+            assert _rel(want, ag_ref.double() @ b.double()) <= 8e-3
+            for chunks in (1, 2, 4, 8):
+                if m % chunks:
+                    continue
+                for _ in range(2):
+                    ag, mm = uc.all_gather_matmul(a, b, chunks=chunks)
+                    assert torch.equal(ag, ag_ref), (m, chunks)
+                    assert torch.equal(mm, want), (m, k, n, chunks)
+                checked.append((m, chunks))
+        uc.check()
+    finally:
+        uc.set_gemm("cublas")
+        dist.barrier()
+        torch.cuda.synchronize()
+        uc.shutdown_cuda()
+    return {"checked": checked}
+
+
+def _gated_timeout_worker(rank: int, world: int) -> str:
+    """A gated AG+GEMM whose peer never calls: its tiles give up and the error names the peer."""
+    import uniep.collectives as uc
+
+    uc.init_cuda(max_block_bytes=1 << 20, timeout_s=3.0)
+    message = "rank 1 never called"
+    try:
+        if rank == 0:
+            uc.set_gemm("gated")
+            a = torch.randn(64, 64, device="cuda").bfloat16()
+            uc.all_gather_matmul(a, a.t().contiguous())
+            with pytest.raises(TimeoutError, match="waiting for rank 1") as info:
+                uc.check()
+            message = str(info.value)
+    finally:
+        uc.set_gemm("cublas")
+    dist.barrier()
+    return message
+
+
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
 def test_cuda_collectives_gemm_backends() -> None:
     from uniep.distributed import run_local_ranks
@@ -290,6 +351,15 @@ def _coll_timeout_worker(rank: int, world: int) -> str:
         message = str(info.value)
     dist.barrier()
     return message
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
+def test_cuda_gated_all_gather_matmul_bits() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_gated_ag_worker, _world(), backend="nccl", timeout_s=600)
+    assert all(r["checked"] for r in reports)
 
 
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")

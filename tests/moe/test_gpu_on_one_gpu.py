@@ -19,7 +19,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_gpu_collectives import _coll_timeout_worker, _collectives_worker, _gemm_backends_worker
+from test_gpu_collectives import (
+    _coll_timeout_worker,
+    _collectives_worker,
+    _gated_ag_worker,
+    _gated_timeout_worker,
+    _gemm_backends_worker,
+)
 from test_gpu_ep import (
     _cached_worker,
     _ep_worker,
@@ -102,6 +108,24 @@ def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
     (message, _) = _run(worker, 2, monkeypatch)
     assert "timed out" in message and "rank 1" in message, message
     assert worker is _timeout_worker or what in message, message
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gated_all_gather_matmul_ranks_sharing_the_gpu(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rank's one persistent GEMM waits on its tiles' chunks, which the other ranks push.
+    reports = _run(_gated_ag_worker, world, monkeypatch)
+    assert all(r["checked"] for r in reports)  # type: ignore[index]
+
+
+@pytest.mark.hopper
+def test_gated_all_gather_matmul_times_out_naming_the_peer_on_a_shared_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (message, _) = _run(_gated_timeout_worker, 2, monkeypatch)
+    assert "all-gather + GEMM" in message and "rank 1" in message, message
 
 
 @pytest.mark.hopper

@@ -37,6 +37,9 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
   if (gate.counters != nullptr && (gate.tile_base == nullptr || gate.timeout == nullptr))
     return {StatusCode::kInvalidArgument,
             "gate: with counters, tile_base (gate_tile_base) and timeout must be device pointers"};
+  if (gate.counters == nullptr && gate.ready != nullptr && gate.timeout == nullptr)
+    return {StatusCode::kInvalidArgument,
+            "gate: with ready words, timeout must be a device pointer"};
   if (gate.counters != nullptr && gate.num_counters < 1)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("gate: num_counters must be >= 1 with counters, got ",

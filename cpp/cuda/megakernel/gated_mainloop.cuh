@@ -83,7 +83,7 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
                            typename Base::TensorStorage& shared_tensors) {
     const bool second = this->group_ >= params.split;
     const TileGate& gate = second ? params.gate2 : params.gate;
-    if (gate.counters != nullptr && k_tile_count > 0) {
+    if (gate_active(gate) && k_tile_count > 0) {
       if (cute::elect_one_sync()) {
         const uint64_t reached = params.stamps != nullptr ? gate_clock_ns() : 0;
         gate_wait(gate, second ? this->group_ - params.split : this->group_,

@@ -29,15 +29,27 @@ struct GatedGemm {
   static_assert(cute::is_same_v<typename Kernel::InternalStrideB, grouped::NMajorB>);
 };
 
+// The order in which the persistent CTAs take the tiles of a group: CUTLASS's group scheduler
+// walks them along M (its default: every m-tile of an n-column, then the next column), or along
+// N, in bands of `swizzle` tiles (1, 2, 4 or 8).
+struct GatedOrder {
+  int swizzle = 1;
+  bool along_n = false;
+};
+
 template <grouped::GroupedEpilogue Epi>
 typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspace& ws,
                                                          int64_t num_experts, const TileGate& gate,
                                                          const GatedSignal& signal, int device,
                                                          int sm_count, int64_t ld_out,
-                                                         const grouped::PlainW1& plain = {}) {
+                                                         const grouped::PlainW1& plain = {},
+                                                         const GatedOrder& order = {}) {
   using G = GatedGemm<Epi>;
+  using Raster = typename G::Kernel::TileScheduler::RasterOrderOptions;
   typename G::Gemm::Arguments args{};
   grouped::set_problem_arrays<grouped::KMajorA, grouped::NMajorB>(args, ws, num_experts);
+  args.scheduler.max_swizzle_size = order.swizzle;
+  args.scheduler.raster_order = order.along_n ? Raster::AlongN : Raster::AlongM;
   args.mainloop.gate = gate;
   if constexpr (Epi == grouped::GroupedEpilogue::kSwiGluPlain)
     G::Mainloop::set_w1(args.mainloop, plain, num_experts);
@@ -66,9 +78,10 @@ size_t gated_gemm_workspace(int64_t num_experts, int sm_count) {
 template <grouped::GroupedEpilogue Epi>
 Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                       const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
-                      cudaStream_t stream, const grouped::PlainW1& plain = {}) {
+                      cudaStream_t stream, const grouped::PlainW1& plain = {},
+                      const GatedOrder& order = {}) {
   const auto args =
-      gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out, plain);
+      gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out, plain, order);
   return launch_cutlass<typename GatedGemm<Epi>::Gemm>(args, ws.gemm, stream,
                                                        "the gated grouped GEMM");
 }
@@ -76,7 +89,7 @@ Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const T
 // One per epilogue, each defined in its own translation unit.
 size_t gated_store_workspace(int64_t num_experts, int sm_count);
 Status gated_store_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
-                       int device, int sm_count, cudaStream_t stream);
+                       int device, int sm_count, cudaStream_t stream, const GatedOrder& order = {});
 size_t gated_swiglu_workspace(int64_t num_experts, int sm_count);
 Status gated_swiglu_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                         const GatedSignal& signal, int64_t ld_out, int device, int sm_count,

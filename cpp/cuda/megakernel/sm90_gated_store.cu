@@ -8,9 +8,9 @@ size_t gated_store_workspace(int64_t num_experts, int sm_count) {
 }
 
 Status gated_store_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
-                       int device, int sm_count, cudaStream_t stream) {
-  return gated_gemm_run<grouped::GroupedEpilogue::kStore>(ws, num_experts, gate, GatedSignal{},
-                                                          0, device, sm_count, stream);
+                       int device, int sm_count, cudaStream_t stream, const GatedOrder& order) {
+  return gated_gemm_run<grouped::GroupedEpilogue::kStore>(ws, num_experts, gate, GatedSignal{}, 0,
+                                                          device, sm_count, stream, {}, order);
 }
 
 }  // namespace uniep::cuda::megakernel

@@ -46,6 +46,47 @@ __device__ __forceinline__ bool gate_failed(const GateTimeout* t) {
   return t != nullptr && *reinterpret_cast<const volatile uint32_t*>(&t->flag) != 0u;
 }
 
+// Whether the gate has anything to wait on (either kind).
+__device__ __forceinline__ bool gate_active(const TileGate& g) {
+  return g.counters != nullptr || g.ready != nullptr;
+}
+
+__device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The ns this CTA waited, where the gate asks for them.
+__device__ __forceinline__ void gate_add_waited(const TileGate& g, uint64_t start) {
+  if (g.waited_ns != nullptr) {
+    atomicAdd(g.waited_ns + g.waited_stride * cta_linear_index(),
+              static_cast<unsigned long long>(gate_clock_ns() - start));
+  }
+}
+
+// The word gate (TileGate::ready): every tile of group `expert` waits for its word to reach the
+// epoch. A timeout records the word's and the epoch's low 32 bits.
+__device__ __forceinline__ void gate_wait_word(const TileGate& g, int expert, int m_tile) {
+  const uint64_t* word = g.ready[expert];
+  if (word == nullptr) return;
+  uint64_t have = load_acquire_u64(word);
+  if (have >= g.epoch) return;
+  const uint64_t start = gate_clock_ns();
+  const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
+  while (have < g.epoch) {
+    __nanosleep(64);
+    if (gate_clock_ns() > deadline) {
+      gate_report(g.timeout, 1u, expert, m_tile, static_cast<uint32_t>(have),
+                  static_cast<uint32_t>(g.epoch));
+      break;
+    }
+    if (gate_failed(g.timeout)) break;
+    have = load_acquire_u64(word);
+  }
+  gate_add_waited(g, start);
+}
+
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
 // loaded, or at the deadline after recording the first timeout; a tile with no counter among
 // the gate's is recorded at once and never read. A tile past the expert's rows returns at once:
@@ -55,6 +96,10 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
                                           int tile_m) {
   const int in_tile = min(tile_m, rows - m_tile * tile_m);
   if (in_tile <= 0) return;
+  if (g.counters == nullptr) {
+    gate_wait_word(g, expert, m_tile);
+    return;
+  }
   const uint32_t need = g.per_row * static_cast<uint32_t>(in_tile) + g.per_tile;
   const int64_t index = static_cast<int64_t>(g.tile_base[expert]) + m_tile;
   if (index < 0 || index >= g.num_counters) {
@@ -76,10 +121,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
     if (gate_failed(g.timeout)) break;
     have = load_acquire_u32(counter);
   }
-  if (g.waited_ns != nullptr) {
-    atomicAdd(g.waited_ns + g.waited_stride * cta_linear_index(),
-              static_cast<unsigned long long>(gate_clock_ns() - start));
-  }
+  gate_add_waited(g, start);
 }
 
 // The writer's side: everything this thread stored before the call is visible (at system scope)

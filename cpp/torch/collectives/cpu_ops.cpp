@@ -35,6 +35,15 @@ TORCH_LIBRARY_FRAGMENT(uniep, m) {
   m.def(
       "sm90_gemm(Tensor a, Tensor b, Tensor? c=None, int sm_carveout=0, int tile_n=0, "
       "int swizzle=0, str raster=\"auto\") -> Tensor");
+  // a [M, K] @ b [K, N] -> [M, N] as `parts` row blocks of one persistent gated GEMM (bf16, CUDA
+  // only): the GEMM that set_gemm("gated") runs for an all-gather + GEMM. With ready (int64
+  // [parts], device words) the tiles of block i load once ready[i] >= epoch (compared unsigned);
+  // the op then synchronizes and raises a timeout naming the first block that never got there.
+  // swizzle and raster order the tiles (as sm90_gemm's). For tests and benchmarks of the gated
+  // GEMM at world 1.
+  m.def(
+      "part_gemm(Tensor a, Tensor b, int parts=1, Tensor? ready=None, int epoch=0, "
+      "float timeout_s=10.0, int sm_carveout=0, int swizzle=0, str raster=\"auto\") -> Tensor");
 }
 
 namespace uniep::torch_glue {

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,6 +21,8 @@
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
 #include "uniep/cuda/collectives.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/cuda/part_gemm.hpp"
 
 namespace uniep::torch_glue {
 namespace {
@@ -93,6 +96,8 @@ const char* coll_gemm_backend_name(CollGemmBackend backend) {
       return "cublas";
     case CollGemmBackend::kCutlass:
       return "cutlass";
+    case CollGemmBackend::kGated:
+      return "gated";
   }
   return "?";
 }
@@ -103,8 +108,11 @@ void set_coll_gemm(const std::string& backend, int64_t sm_carveout) {
     g.backend = CollGemmBackend::kCublas;
   } else if (backend == "cutlass") {
     g.backend = CollGemmBackend::kCutlass;
+  } else if (backend == "gated") {
+    g.backend = CollGemmBackend::kGated;
   } else {
-    UNIEP_CHECK(false, "backend must be \"cublas\" or \"cutlass\", got \"", backend, "\"");
+    UNIEP_CHECK(false, "backend must be \"cublas\", \"cutlass\" or \"gated\", got \"", backend,
+                "\"");
   }
   UNIEP_CHECK(sm_carveout >= 0, "sm_carveout must be >= 0, got ", sm_carveout);
   g.sm_carveout = sm_carveout;
@@ -220,6 +228,60 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
   return Status::Ok();
 }
 
+// The one gated GEMM of an all-gather + GEMM (set_gemm("gated")): B, its device and grid, and a
+// workspace for the call's W * chunks parts.
+struct PartsContext {
+  at::Tensor b;
+  int device = 0;
+  int sm_count = 0;
+  at::Tensor workspace;
+  int swizzle = 0;
+  char raster = 0;
+};
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Whether the part GEMM takes these operands (else the call runs the cutlass chunks).
+bool parts_fit(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == at::kBFloat16 && a.size(1) % 8 == 0 && b.size(1) % 8 == 0 &&
+         aligned16(a.data_ptr()) && aligned16(b.data_ptr()) &&
+         cuda::grouped_gemm_device_ok(a.device().index());
+}
+
+PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveout) {
+  PartsContext ctx;
+  ctx.b = b;
+  ctx.device = b.device().index();
+  ctx.sm_count = gemm_sm_count(ctx.device, sm_carveout);
+  const size_t bytes = cuda::part_gemm_workspace_bytes(count, ctx.sm_count);
+  ctx.workspace = at::empty({static_cast<int64_t>(bytes)}, b.options().dtype(at::kByte));
+  return ctx;
+}
+
+cuda::PartGemmProblem parts_problem(const PartsContext& c, const cuda::GemmPart* parts,
+                                    int64_t count, int64_t rows) {
+  cuda::PartGemmProblem p;
+  p.swizzle = c.swizzle;
+  p.raster = c.raster;
+  p.parts = parts;
+  p.count = count;
+  p.rows = rows;
+  p.k = c.b.size(0);
+  p.n = c.b.size(1);
+  p.b = c.b.data_ptr();
+  return p;
+}
+
+Status run_parts(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
+                 const cuda::PartGate& gate, cudaStream_t stream) {
+  auto* c = static_cast<PartsContext*>(ctx);
+  return cuda::part_gemm_bf16(parts_problem(*c, parts, count, rows), gate, c->device, c->sm_count,
+                              c->workspace.data_ptr(), static_cast<size_t>(c->workspace.numel()),
+                              stream);
+}
+
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                                                           c10::string_view group_name,
                                                           int64_t chunks, c10::string_view order) {
@@ -232,6 +294,12 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     at::Tensor ag = at::empty({W * a.size(0), a.size(1)}, a.options());
     at::Tensor mm = at::empty({W * a.size(0), b.size(1)}, a.options());
     MmContext ctx = mm_context(ac, bc, a.size(0) / chunks_or_one(chunks));
+    const CollGemm choice = coll_gemm();
+    PartsContext parts;
+    // A bad chunk count is the runtime's to report; it sizes no workspace here.
+    const bool gated = choice.backend == CollGemmBackend::kGated && chunks >= 1 &&
+                       chunks <= coll::kMaxChunks && parts_fit(ac, bc);
+    if (gated) parts = parts_context(bc, W * chunks, choice.sm_carveout);
     coll::AllGatherCall c;
     c.a = ac.data_ptr();
     c.gathered = ag.data_ptr();
@@ -239,6 +307,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     c.row_bytes = a.size(1) * a.element_size();
     c.chunks = chunks;
     c.gemm = {&mm_rows, &ctx, false};
+    if (gated) c.parts_gemm = {&run_parts, &parts};
     c.out = mm.data_ptr();
     c.out_row_bytes = b.size(1) * a.element_size();
     ok_or_throw(scope.rt.all_gather(c, at::cuda::getCurrentCUDAStream().stream()));
@@ -311,6 +380,70 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
     // refuses is empty.
     ok_or_throw(run_gemm(op, tuning, device, sm_count, gemm_workspace(op, tuning, sm_count, a),
                          at::cuda::getCurrentCUDAStream().stream()));
+    return out;
+  });
+}
+
+at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t parts,
+                          const std::optional<at::Tensor>& ready, int64_t epoch, double timeout_s,
+                          int64_t sm_carveout, int64_t swizzle, c10::string_view raster) {
+  return translate_errors([&] {
+    check_matmul_operands(a, b, "[M, K]", "[K, N]", Executor::kCuda);
+    UNIEP_CHECK(raster == "auto" || raster == "m" || raster == "n",
+                "raster must be \"auto\", \"m\" or \"n\", got \"", std::string(raster), "\"");
+    UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the part GEMM), got ",
+                c10::toString(a.scalar_type()));
+    UNIEP_CHECK(parts >= 1 && a.size(0) % parts == 0, "parts (", parts,
+                ") must be >= 1 and divide the rows of a (", a.size(0), ")");
+    UNIEP_CHECK(epoch >= 0, "epoch must be >= 0, got ", epoch);
+    UNIEP_CHECK(timeout_s > 0, "timeout_s must be > 0, got ", timeout_s);
+    if (ready.has_value()) {
+      UNIEP_CHECK(ready->scalar_type() == at::kLong && ready->dim() == 1 &&
+                      ready->size(0) == parts && ready->is_contiguous(),
+                  "ready must be a contiguous int64 tensor [parts] = [", parts, "], got ",
+                  c10::toString(ready->scalar_type()), " of shape ", ready->sizes());
+      UNIEP_CHECK(ready->device() == a.device(), "ready must be on a's device ", a.device(),
+                  ", got ", ready->device());
+    }
+    const c10::cuda::CUDAGuard guard(a.device());
+    const int device = a.device().index();
+    UNIEP_CHECK_CODE(cuda::grouped_gemm_device_ok(device), StatusCode::kUnsupported,
+                     "the part GEMM needs a compute capability 9.0 GPU");
+    at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+    const int64_t rows = a.size(0) / parts;
+    if (rows == 0 || b.size(1) == 0) return out;
+    PartsContext ctx = parts_context(bc, parts, sm_carveout);
+    ctx.swizzle = static_cast<int>(swizzle);
+    ctx.raster = raster == "auto" ? 0 : raster[0];
+    at::Tensor record;
+    cuda::PartGate gate;
+    if (ready.has_value()) {
+      record = at::zeros({static_cast<int64_t>(sizeof(cuda::GateTimeout))},
+                         a.options().dtype(at::kByte));
+      gate.epoch = static_cast<uint64_t>(epoch);
+      gate.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+      gate.timeout = reinterpret_cast<cuda::GateTimeout*>(record.data_ptr());
+    }
+    std::vector<cuda::GemmPart> table(static_cast<size_t>(parts));
+    const auto* a_rows = static_cast<const uint8_t*>(ac.data_ptr());
+    auto* out_rows = static_cast<uint8_t*>(out.data_ptr());
+    for (int64_t i = 0; i < parts; ++i) {
+      table[i].a = a_rows + i * rows * a.size(1) * a.element_size();
+      table[i].out = out_rows + i * rows * b.size(1) * a.element_size();
+      if (ready.has_value())
+        table[i].ready = reinterpret_cast<const uint64_t*>(ready->data_ptr<int64_t>()) + i;
+    }
+    ok_or_throw(run_parts(&ctx, table.data(), parts, rows, gate,
+                          at::cuda::getCurrentCUDAStream().stream()));
+    if (record.defined()) {
+      cuda::GateTimeout t;
+      const at::Tensor host = record.cpu();  // synchronizes with the GEMM
+      std::memcpy(&t, host.data_ptr(), sizeof(t));
+      UNIEP_CHECK_CODE(t.flag == 0, StatusCode::kTimeout, "part_gemm: the tiles of part ", t.expert,
+                       " waited ", timeout_s, " s for ready[", t.expert, "] to reach epoch ", epoch,
+                       " (it held ", t.have, ")");
+    }
     return out;
   });
 }
@@ -389,4 +522,5 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("reduce_scatter", &uniep::torch_glue::reduce_scatter_cuda);
   m.impl("all_to_all_ulysses", &uniep::torch_glue::all_to_all_ulysses_cuda);
   m.impl("sm90_gemm", &uniep::torch_glue::sm90_gemm_cuda);
+  m.impl("part_gemm", &uniep::torch_glue::part_gemm_cuda);
 }

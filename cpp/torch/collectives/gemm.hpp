@@ -6,7 +6,11 @@
 //    16-byte rows; cuBLAS elsewhere): a GEMM + reduce-scatter folds the peers' partials in the
 //    epilogue of its own parts' GEMMs, and the persistent grid leaves `sm_carveout` SMs to the
 //    copies, waits and folds queued beside it. Slower than cublas on 7 of the 10 TP=2 shapes
-//    (two H200s, 2026-11-23, commit fc5758c), so not the default.
+//    (two H200s, 2026-11-23, commit fc5758c), so not the default;
+//  - gated: an all-gather + GEMM runs as one persistent GEMM over all the parts, each part's
+//    tiles waiting on the device for its arrival (uniep/cuda/part_gemm.hpp), where the operands
+//    fit it (bf16 on Hopper, 16-byte rows; else as cutlass); a GEMM + reduce-scatter runs as
+//    cutlass. Its grid leaves `sm_carveout` SMs to the copies into the gathered output.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +18,7 @@
 
 namespace uniep::torch_glue {
 
-enum class CollGemmBackend { kCublas, kCutlass };
+enum class CollGemmBackend { kCublas, kCutlass, kGated };
 
 struct CollGemm {
   CollGemmBackend backend = CollGemmBackend::kCublas;

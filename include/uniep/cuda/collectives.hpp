@@ -15,7 +15,9 @@
 //    adds the partials; the all-to-all places the block;
 //  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
 //    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
-//    would otherwise be the exposed tail.
+//    would otherwise be the exposed tail. An all-gather + GEMM with parts_gemm runs one
+//    persistent GEMM instead, launched at once, whose tiles wait on the device for their part's
+//    arrival word;
 // No call starts with a barrier: the push slots come in two sets, one for calls of odd epoch and
 // one for even, and the arrival waits of a call prove that every peer has finished the call before
 // it (so its slots for the next call are free). The ranks stay at most one call apart; every wait
@@ -39,6 +41,7 @@
 
 #include "uniep/collectives.hpp"  // StridedBlocks
 #include "uniep/cpu_executor.hpp"  // DType
+#include "uniep/cuda/part_gemm.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::coll {
@@ -73,6 +76,18 @@ struct RowGemm {
   bool folds_addend = false;
 };
 
+// The all-gather + GEMM as one persistent GEMM over all its parts (uniep/cuda/part_gemm.hpp)
+// instead of one GEMM per part: the runtime lists the W * chunks parts in the schedule's
+// compute order (the own shard's first), each with its rows' place (the caller's shard or the
+// slot the peer pushed into), its output rows and its arrival word (null for the own parts), and
+// the callback enqueues cuda::part_gemm_bf16 (with B) on `stream` once. `gate` carries the
+// call's epoch, the timeout and the runtime's timeout record.
+struct PartsGemm {
+  Status (*run)(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
+                const cuda::PartGate& gate, cudaStream_t stream) = nullptr;
+  void* ctx = nullptr;
+};
+
 // all-gather (gemm.run null) and all-gather + GEMM. Device pointers, row-major, contiguous.
 struct AllGatherCall {
   const void* a = nullptr;   // [m] rows of row_bytes: this rank's shard
@@ -81,6 +96,10 @@ struct AllGatherCall {
   int64_t row_bytes = 0;  // multiple of 16
   int64_t chunks = 1;     // divides rows_per_rank
   RowGemm gemm{};
+  // Where set (with gemm.run set too): the one gated GEMM instead of gemm's per-part GEMMs.
+  // gemm.run stays the fallback where the device lacks the driver's stream writes (the signals
+  // would then be kernels, which the peers' persistent GEMMs could keep from any SM).
+  PartsGemm parts_gemm{};
   void* out = nullptr;        // [W*m] rows of out_row_bytes: gathered @ B
   int64_t out_row_bytes = 0;  // bytes of one output row
 };

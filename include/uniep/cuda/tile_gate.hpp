@@ -46,6 +46,12 @@ struct TileGate {
   int64_t num_counters = 0;            // entries of counters (tile_base[E] are used)
   const int32_t* tile_base = nullptr;  // [E + 1] first counter of each expert (gate_tile_base)
   uint32_t per_row = 0, per_tile = 0;  // what one tile needs, as above
+  // The other kind of gate (with counters null): one 64-bit word per group, ready[e] (device
+  // memory; ready[e] null: the group waits for nothing), and every tile of group e loads once
+  // *ready[e] >= epoch. The collectives' arrival words, which hold the epoch of the last call
+  // whose rows landed, gate the all-gather + GEMM this way (part_gemm.hpp).
+  const uint64_t* const* ready = nullptr;
+  uint64_t epoch = 0;
   uint64_t timeout_ns = 0;             // 0: wait forever (tests of the gate only)
   GateTimeout* timeout = nullptr;      // where a timed-out wait is recorded; required with counters
   // Optional (null: none), for tuning: the ns each CTA waited, added at

@@ -172,6 +172,32 @@ def _sm90_gemm_fake(
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
+@torch.library.register_fake("uniep::part_gemm")
+def _part_gemm_fake(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    parts: int = 1,
+    ready: torch.Tensor | None = None,
+    epoch: int = 0,
+    timeout_s: float = 10.0,
+    sm_carveout: int = 0,
+    swizzle: int = 0,
+    raster: str = "auto",
+) -> torch.Tensor:
+    _check_pair(a, b, "[M, K]", "[K, N]")
+    torch._check_value(a.dtype == torch.bfloat16, lambda: f"a must be bfloat16, got {a.dtype}")
+    torch._check_value(
+        parts >= 1 and a.shape[0] % parts == 0,
+        lambda: f"parts ({parts}) must be >= 1 and divide the rows of a ({a.shape[0]})",
+    )
+    if ready is not None:
+        torch._check_value(
+            ready.dtype == torch.int64 and tuple(ready.shape) == (parts,),
+            lambda: f"ready must be an int64 tensor [parts] = [{parts}], got {tuple(ready.shape)}",
+        )
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
 @torch.library.register_fake("uniep::all_gather")
 def _all_gather_fake(
     x: torch.Tensor, group_name: str, chunks: int = 1, order: str = "direct"
@@ -392,7 +418,7 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     _C.coll_check(distributed.group_name(group), True)
 
 
-GEMM_BACKENDS = ("cublas", "cutlass")
+GEMM_BACKENDS = ("cublas", "cutlass", "gated")
 _gemm_setting: tuple[str, int] = ("cublas", 0)
 
 
@@ -413,7 +439,16 @@ def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
       TP=2 shapes of bench_overlap it is slower than ``"cublas"`` (the GEMM alone is 3-16%
       slower than cuBLAS's on an H200: bench_gemm), hence not the default.
 
-    Results are deterministic with each backend, but the two round differently. The CPU executor
+    - ``"gated"``: ``all_gather_matmul`` runs one persistent GEMM over the whole gathered
+      operand (``torch.ops.uniep.part_gemm``: the expert GEMM engine's gated 128 x 256 tiles)
+      instead of one GEMM per chunk. It is launched at once; each tile waits on the device for
+      its chunk's arrival word, the own shard's tiles first, and reads the peers' rows where
+      they landed. Its bits are those of the GEMM of the gathered operand for every chunk count.
+      ``sm_carveout`` SMs stay free for the copies into the gathered output. Where the operands
+      do not fit it (as for ``"cutlass"``), and for ``matmul_reduce_scatter``, it runs as
+      ``"cutlass"``.
+
+    Results are deterministic with each backend, but they round differently. The CPU executor
     is not affected.
     """
     global _gemm_setting

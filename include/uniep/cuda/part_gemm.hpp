@@ -1,0 +1,67 @@
+// One persistent GEMM over the parts of a gathered operand, each part's tiles waiting for its
+// rows: the GEMM of the CUDA all-gather + GEMM (uniep/cuda/collectives.hpp). Part i computes
+//
+//     out_i [rows, n] = a_i [rows, k] @ b [k, n]        (bf16, fp32 accumulation, row-major)
+//
+// and its tiles load a_i only once *ready_i >= epoch (ready_i null: at once). The parts are one
+// grouped GEMM (the gated grouped GEMM's 128 x 256 x 64 tiles, tile_gate.hpp) whose persistent
+// tile scheduler takes them in the order given, so a caller lists first the parts that are there
+// first (the own shard, then the peers' in the order they are sent). One launch replaces one
+// GEMM per part: no wave is quantized per part, and no launch waits on the host's events.
+//
+// Bits: each output element is one fp32 dot product over k in ascending k-blocks, as in the
+// grouped GEMM engine (grouped_gemm.hpp) and whatever the split into parts: the same bits as the
+// GEMM of the whole gathered operand.
+//
+// The waits are bounded: past timeout_ns the first part that never arrived is recorded in
+// *timeout (GateTimeout, flag 1: expert = the part, m_tile = its tile, have / need = the low 32
+// bits of the word and the epoch) and the GEMM goes on with garbage, which the caller must not
+// return. A word that only work on this GPU would set must have SMs to run on: the grid takes
+// sm_count of them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "uniep/cuda/tile_gate.hpp"
+#include "uniep/status.hpp"
+
+namespace uniep::cuda {
+
+struct GemmPart {
+  const void* a = nullptr;          // [rows, k] bf16, device memory (a peer's mapping is fine)
+  void* out = nullptr;              // [rows, n] bf16
+  const uint64_t* ready = nullptr;  // device word, or null: no wait
+};
+
+struct PartGemmProblem {
+  const GemmPart* parts = nullptr;  // host array of `count` parts, read during the call
+  int64_t count = 0;
+  int64_t rows = 0;         // of every part
+  int64_t k = 0, n = 0;     // multiples of 8 (16-byte rows for TMA)
+  const void* b = nullptr;  // [k, n] bf16, shared by every part
+  // The order of each part's tiles (the bits do not depend on it): swizzle 0 (auto), 1, 2, 4
+  // or 8; raster 'm' (every m-tile of a column of n-tiles, then the next), 'n', or 0 (auto).
+  int swizzle = 0;
+  char raster = 0;
+};
+
+struct PartGate {
+  uint64_t epoch = 0;
+  uint64_t timeout_ns = 0;         // 0: wait forever (tests only)
+  GateTimeout* timeout = nullptr;  // required where any part has a ready word
+};
+
+// Bytes of workspace part_gemm_bf16 needs for `count` parts on `sm_count` SMs; 0 when count or
+// sm_count is < 1.
+size_t part_gemm_workspace_bytes(int64_t count, int sm_count);
+
+// Enqueues the GEMM on `stream`: a copy of the parts' table into the workspace (256-byte
+// aligned; the stream's until the GEMM has run), then the persistent launch. kInvalidArgument
+// names the argument; kUnsupported off Hopper.
+Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device, int sm_count,
+                      void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace uniep::cuda
