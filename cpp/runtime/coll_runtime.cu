@@ -264,8 +264,10 @@ class RuntimeImpl final : public Runtime {
       gate.epoch = epoch_;
       gate.timeout_ns = timeout_ns();
       gate.timeout = gate_dev_;
+      // A push to a rank on this same GPU is a copy on SMs (the driver keeps copies within a
+      // device on SMs), which a GEMM holding every SM would keep waiting for ever.
       status = c.parts_gemm.run(c.parts_gemm.ctx, parts.data(), static_cast<int64_t>(parts.size()),
-                                mc, gate, stream);
+                                mc, gate, shares_device_ ? 1 : 0, stream);
     } else if (gemm) {
       auto* out = static_cast<uint8_t*>(c.out);
       for (const ChunkStep& st : plan.steps) {
@@ -546,10 +548,13 @@ class RuntimeImpl final : public Runtime {
     for (int64_t p = 0; p < cfg_.world_size; ++p) {
       if (p == cfg_.rank) continue;
       cudaPointerAttributes attr{};
-      if (cudaPointerGetAttributes(&attr, peer_[p]) != cudaSuccess || attr.device < 0 ||
-          attr.device == self) {
+      if (cudaPointerGetAttributes(&attr, peer_[p]) != cudaSuccess || attr.device < 0) {
         (void)cudaGetLastError();
         continue;  // not a device this process sees: the copy path decides
+      }
+      if (attr.device == self) {
+        shares_device_ = true;  // a rank on this same GPU (tests of several ranks on one GPU)
+        continue;
       }
       int can = 0;
       UNIEP_CUDA_OK(cudaDeviceCanAccessPeer(&can, self, attr.device));
@@ -707,6 +712,7 @@ class RuntimeImpl final : public Runtime {
   static constexpr uint64_t kGatedHistory = 64;
   int64_t gated_chunks_[kGatedHistory] = {};
   int sm_count_ = 1;
+  bool shares_device_ = false;  // some peer's memory is on this GPU
   uint64_t epoch_ = 0;
 };
 

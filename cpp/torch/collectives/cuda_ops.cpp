@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -233,7 +234,8 @@ Status mm_rows(void* ctx, const void* a_rows, const void* addend, void* out_rows
 struct PartsContext {
   at::Tensor b;
   int device = 0;
-  int sm_count = 0;
+  int sm_count = 0;    // the grid: the device's SMs but the carve-out
+  int device_sms = 0;  // the device's
   at::Tensor workspace;
   int swizzle = 0;
   char raster = 0;
@@ -255,6 +257,7 @@ PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveo
   ctx.b = b;
   ctx.device = b.device().index();
   ctx.sm_count = gemm_sm_count(ctx.device, sm_carveout);
+  ctx.device_sms = gemm_sm_count(ctx.device, 0);
   const size_t bytes = cuda::part_gemm_workspace_bytes(count, ctx.sm_count);
   ctx.workspace = at::empty({static_cast<int64_t>(bytes)}, b.options().dtype(at::kByte));
   return ctx;
@@ -275,9 +278,11 @@ cuda::PartGemmProblem parts_problem(const PartsContext& c, const cuda::GemmPart*
 }
 
 Status run_parts(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
-                 const cuda::PartGate& gate, cudaStream_t stream) {
+                 const cuda::PartGate& gate, int spare_sms, cudaStream_t stream) {
   auto* c = static_cast<PartsContext*>(ctx);
-  return cuda::part_gemm_bf16(parts_problem(*c, parts, count, rows), gate, c->device, c->sm_count,
+  // A smaller grid needs no more workspace than the one it was sized for.
+  const int sms = std::max(1, std::min(c->sm_count, c->device_sms - spare_sms));
+  return cuda::part_gemm_bf16(parts_problem(*c, parts, count, rows), gate, c->device, sms,
                               c->workspace.data_ptr(), static_cast<size_t>(c->workspace.numel()),
                               stream);
 }
@@ -434,7 +439,7 @@ at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t part
       if (ready.has_value())
         table[i].ready = reinterpret_cast<const uint64_t*>(ready->data_ptr<int64_t>()) + i;
     }
-    ok_or_throw(run_parts(&ctx, table.data(), parts, rows, gate,
+    ok_or_throw(run_parts(&ctx, table.data(), parts, rows, gate, 0,
                           at::cuda::getCurrentCUDAStream().stream()));
     if (record.defined()) {
       cuda::GateTimeout t;

@@ -81,10 +81,12 @@ struct RowGemm {
 // compute order (the own shard's first), each with its rows' place (the caller's shard or the
 // slot the peer pushed into), its output rows and its arrival word (null for the own parts), and
 // the callback enqueues cuda::part_gemm_bf16 (with B) on `stream` once. `gate` carries the
-// call's epoch, the timeout and the runtime's timeout record.
+// call's epoch, the timeout and the runtime's timeout record; the GEMM's grid must leave at
+// least `spare_sms` SMs of the device free (1 where a peer shares this GPU: the pushes between
+// them are copies on SMs, which the peers' gated tiles wait for).
 struct PartsGemm {
   Status (*run)(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
-                const cuda::PartGate& gate, cudaStream_t stream) = nullptr;
+                const cuda::PartGate& gate, int spare_sms, cudaStream_t stream) = nullptr;
   void* ctx = nullptr;
 };
 

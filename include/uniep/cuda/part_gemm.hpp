@@ -58,9 +58,10 @@ struct PartGate {
 // sm_count is < 1.
 size_t part_gemm_workspace_bytes(int64_t count, int sm_count);
 
-// Enqueues the GEMM on `stream`: a copy of the parts' table into the workspace (256-byte
-// aligned; the stream's until the GEMM has run), then the persistent launch. kInvalidArgument
-// names the argument; kUnsupported off Hopper.
+// Enqueues the GEMM on `stream`: the parts' table written into the workspace (256-byte aligned;
+// the stream's until the GEMM has run) by one small kernel per 128 parts, then the persistent
+// launch. No host synchronization; capturable in a CUDA graph. kInvalidArgument names the
+// argument; kUnsupported off Hopper.
 Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device, int sm_count,
                       void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
