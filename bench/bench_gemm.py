@@ -4,7 +4,10 @@ The collectives run one of the two for every chunk (``uniep.collectives.set_gemm
 shapes are the chunks of bench_overlap's TP=2 anchors: (M/W)/chunks rows of [K] times [K, N], bf16.
 For each: torch.mm, ``sm90_gemm`` with every SM and with 8 and 16 SMs left out, ``sm90_gemm``
 with an addend (D = A @ B + C, the reduce-scatter's epilogue fold) against ``torch.addmm``, and
-``sm90_gemm`` at every tile width, swizzle and raster order (the sweep its defaults come from).
+``sm90_gemm`` at every tile width, swizzle and raster order (the sweep its defaults come from), and
+the part GEMM that ``set_gemm("gated")`` runs for a whole all-gather + GEMM
+(``torch.ops.uniep.part_gemm``: one persistent gated GEMM over 4 row blocks, as at TP=4 with one
+chunk, every block present and no arrival words read), whose goal is cuBLAS's rate.
 Device time is the median of CUDA events over many calls after warm-up; host time is the median
 wall time to enqueue one call (the GPU busy with a long kernel meanwhile), which bounds how small
 a chunk can be before the host, not the GPU, sets the pace.
@@ -38,6 +41,7 @@ SHAPES = [
     for m in (rows, rows // 2, rows // 4)
 ]
 CARVEOUTS = (0, 8, 16)
+PARTS = 4  # the part GEMM's row blocks
 
 
 def host_us(fn: Callable[[], object], iters: int = 50) -> float:
@@ -74,6 +78,8 @@ def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, An
     for sms in CARVEOUTS:
         calls[f"sm90_carve{sms}_ms"] = lambda sms=sms: torch.ops.uniep.sm90_gemm(a, b, None, sms)
     calls["sm90_addend_ms"] = lambda: torch.ops.uniep.sm90_gemm(a, b, c)
+    if m % PARTS == 0:
+        calls["part_ms"] = lambda: torch.ops.uniep.part_gemm(a, b, PARTS)
     for tile in (128, 256):
         for swz in (1, 2, 4, 8):
             for raster in ("m", "n"):
@@ -90,6 +96,8 @@ def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, An
     row["cublas_tflops"] = tflops(m, k, n, row["cublas_ms"])
     row["sm90_tflops"] = tflops(m, k, n, row["sm90_carve0_ms"])
     row["sm90_over_cublas"] = row["sm90_carve0_ms"] / row["cublas_ms"]
+    if "part_ms" in row:
+        row["part_over_cublas"] = row["part_ms"] / row["cublas_ms"]
     row["host_us_cublas"] = host_us(lambda: torch.mm(a, b, out=out))
     row["host_us_sm90"] = host_us(lambda: torch.ops.uniep.sm90_gemm(a, b))
     return row
@@ -101,16 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     print(
-        "| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | TFLOP/s | host us "
-        "| best sm90 config (ms) |"
+        "| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | part/cuBLAS | TFLOP/s "
+        "| host us | best sm90 config (ms) |"
     )
-    print("|---:|---:|---:|---:|---|---:|---|---|---|")
+    print("|---:|---:|---:|---:|---|---:|---:|---|---|---|")
     for m, k, n in SHAPES:
         r = bench_shape(m, k, n, args.warmup, args.iters)
         rows.append(r)
         carves = "/".join(f"{r[f'sm90_carve{s}_ms']:.3f}" for s in CARVEOUTS)
         print(
             f"| {m} | {k} | {n} | {r['cublas_ms']:.3f} | {carves} | {r['sm90_over_cublas']:.3f} "
+            f"| {r.get('part_over_cublas', float('nan')):.3f} "
             f"| {r['cublas_tflops']:.0f} / {r['sm90_tflops']:.0f} "
             f"| {r['host_us_cublas']:.1f} / {r['host_us_sm90']:.1f} "
             f"| {r['sm90_best_config'][5:-3]} ({r['sm90_best_ms']:.3f}) |",
