@@ -6,7 +6,7 @@ Two devices (``--device``):
   cpu   (default) local gloo ranks: the CPU executor's collectives (torch.distributed on gloo),
         float32 layers. A check of the fitting path, not a GPU profile.
   cuda  local ranks sharing ONE GPU (the first visible one): the CUDA executor's collectives
-        (UniEP's P2P collectives on the world carrier groups, the calls uniep.parm.cuda makes),
+        (UniEP's P2P collectives on the MP and EP groups, the calls uniep.parm.cuda makes),
         a bf16 matmul, bf16 layers on the CUDA executor. The ranks time-slice the GPU and every
         "link", intra and inter alike, is that GPU's memory: the fit and the measured choice say
         how the cost model does on this executor on this GPU, not on a cluster.

@@ -536,18 +536,21 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "coll_create",
       [](const std::string& group_name, const py::bytes& unique_id, int64_t world_size,
-         int64_t rank, int64_t max_block_bytes, double timeout_s) {
+         int64_t rank, int64_t max_block_bytes, double timeout_s,
+         const std::vector<int64_t>& members) {
         uniep::coll::Config c;
         c.world_size = world_size;
         c.rank = rank;
         c.max_block_bytes = max_block_bytes;
         c.timeout_s = timeout_s;
+        c.members = members;
         const std::string raw = unique_id;
         py::gil_scoped_release release;  // collective: other ranks' threads must progress
         uniep::torch_glue::coll_create(group_name, std::vector<uint8_t>(raw.begin(), raw.end()), c);
       },
       py::arg("group_name"), py::arg("unique_id"), py::arg("world_size"), py::arg("rank"),
-      py::arg("max_block_bytes"), py::arg("timeout_s") = 100.0);
+      py::arg("max_block_bytes"), py::arg("timeout_s") = 100.0,
+      py::arg("members") = std::vector<int64_t>{});
   m.def("coll_exists", &uniep::torch_glue::coll_exists, py::arg("group_name"));
   m.def("coll_set_gemm", &uniep::torch_glue::set_coll_gemm, py::arg("backend"),
         py::arg("sm_carveout"));

@@ -119,7 +119,8 @@ StreamWriteValue64 stream_write_value64() {
 
 class RuntimeImpl final : public Runtime {
  public:
-  explicit RuntimeImpl(const Config& c) : cfg_(c), layout_(carve(c)) {}
+  explicit RuntimeImpl(const Config& c)
+      : cfg_(c), layout_(carve(c)), W_(c.group_size()), r_(c.group_rank()) {}
   ~RuntimeImpl() override {
     // nvshmem_free is collective: the runtime is destroyed by every rank together
     // (uniep.collectives.shutdown_cuda), never from a static destructor.
@@ -145,6 +146,7 @@ class RuntimeImpl final : public Runtime {
                                    "use NCCL (or the CPU executor) across nodes");
         !s.ok())
       return s;
+    for (int64_t g = 0; g < W_; ++g) group_peer_[g] = peer_[world_rank(g)];
     // Copies through the peer mappings are peer copies to the CUDA runtime: with peer access
     // enabled they run on the copy engine over NVLink instead of being staged.
     if (Status s = enable_peer_access(); !s.ok()) return s;
@@ -201,7 +203,7 @@ class RuntimeImpl final : public Runtime {
     if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
     if (Status s = begin(kind, stream); !s.ok()) return s;
 
-    const int64_t W = cfg_.world_size, r = cfg_.rank, m = c.rows_per_rank;
+    const int64_t W = W_, r = r_, m = c.rows_per_rank;
     const int64_t mc = m / c.chunks, rb = c.row_bytes, part = mc * rb;
     const auto* a = static_cast<const uint8_t*>(c.a);
     auto* gathered = static_cast<uint8_t*>(c.gathered);
@@ -303,7 +305,7 @@ class RuntimeImpl final : public Runtime {
     if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
     if (Status s = begin(kind, stream); !s.ok()) return s;
 
-    const int64_t W = cfg_.world_size, r = cfg_.rank, m = c.rows_per_rank;
+    const int64_t W = W_, r = r_, m = c.rows_per_rank;
     const int64_t mc = m / c.chunks, part = mc * rb;
     const auto* a = static_cast<const uint8_t*>(c.a);
     // Where the partial of (destination, part) is: the GEMM's scratch rows, or the input rows.
@@ -428,7 +430,7 @@ class RuntimeImpl final : public Runtime {
     if (Status s = plan_for(kind, c.chunks, &plan); !s.ok()) return s;
     if (Status s = begin(kind, stream); !s.ok()) return s;
 
-    const int64_t r = cfg_.rank, B = c.block_bytes, part = B / c.chunks;
+    const int64_t r = r_, B = c.block_bytes, part = B / c.chunks;
     const auto* send = static_cast<const uint8_t*>(c.send);
     auto* recv = static_cast<uint8_t*>(c.recv);
     const BlockRows from = BlockRows::of(c.send_blocks, B, c.chunks);
@@ -458,10 +460,9 @@ class RuntimeImpl final : public Runtime {
           return s;
         continue;
       }
-      cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks,
-                             static_cast<int>(cfg_.world_size), static_cast<int>(r),
-                             static_cast<int>(src), epoch_, timeout_ns(), err_dev_, op_code(kind),
-                             wait_);
+      cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W_),
+                             static_cast<int>(r), static_cast<int>(src), epoch_, timeout_ns(),
+                             err_dev_, op_code(kind), wait_);
       UNIEP_CUDA_OK(cudaEventRecord(chunk_event(st.compute), wait_));
       UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, chunk_event(st.compute), 0));
       const uint8_t* slot = sym() + push_slot(src) + j * part;
@@ -523,7 +524,7 @@ class RuntimeImpl final : public Runtime {
       UNIEP_CUDA_OK(copy_2d(to, u(into.pitch), from, u(into.row_bytes), u(into.row_bytes),
                             u(rows_to), copy_));
     } else {
-      uint8_t* staged = sym() + push_slot(cfg_.rank) + j * part;
+      uint8_t* staged = sym() + push_slot(r_) + j * part;
       UNIEP_CUDA_OK(copy_2d(staged, u(src.row_bytes), from, u(src.pitch), u(src.row_bytes),
                             u(rows_from), copy_));
       UNIEP_CUDA_OK(copy_2d(to, u(into.pitch), staged, u(into.row_bytes), u(into.row_bytes),
@@ -571,7 +572,7 @@ class RuntimeImpl final : public Runtime {
   // The schedule throws on bad arguments; they were checked, but this API returns a Status.
   Status plan_for(CollectiveKind kind, int64_t chunks, CollectiveSchedule* plan) const {
     try {
-      *plan = make_schedule(kind, cfg_.world_size, cfg_.rank, chunks, PeerOrder::kDirect);
+      *plan = make_schedule(kind, W_, r_, chunks, PeerOrder::kDirect);
     } catch (const Error& e) {
       return {e.code(), e.what()};
     }
@@ -606,7 +607,7 @@ class RuntimeImpl final : public Runtime {
   // Copies `bytes` from `src` to offset `at` of `peer`'s allocation on the communication
   // stream, then sets this rank's arrival word `word` there to the current epoch.
   Status push(int64_t peer, size_t at, const void* src, int64_t bytes, size_t word) {
-    UNIEP_CUDA_OK(copy_async(peer_[peer] + at, src, static_cast<size_t>(bytes), comm_));
+    UNIEP_CUDA_OK(copy_async(group_peer_[peer] + at, src, static_cast<size_t>(bytes), comm_));
     return signal(peer, word, comm_);
   }
 
@@ -614,7 +615,7 @@ class RuntimeImpl final : public Runtime {
   Status push_rows(int64_t peer, size_t at, const void* src, int64_t pitch, int64_t width,
                    int64_t rows, size_t word) {
     const auto w = static_cast<size_t>(width);
-    UNIEP_CUDA_OK(copy_2d(peer_[peer] + at, w, src, static_cast<size_t>(pitch), w,
+    UNIEP_CUDA_OK(copy_2d(group_peer_[peer] + at, w, src, static_cast<size_t>(pitch), w,
                           static_cast<size_t>(rows), comm_));
     return signal(peer, word, comm_);
   }
@@ -623,7 +624,7 @@ class RuntimeImpl final : public Runtime {
   // earlier copies: the driver's stream write (its default flags fence the stream's earlier
   // writes first, at system scope), else a one-thread kernel (fence, then a release store).
   Status signal(int64_t peer, size_t word, cudaStream_t s) {
-    auto* target = reinterpret_cast<uint64_t*>(peer_[peer] + word);
+    auto* target = reinterpret_cast<uint64_t*>(group_peer_[peer] + word);
     if (write_value_ != nullptr) {
       const CUresult e = write_value_(s, reinterpret_cast<CUdeviceptr>(target), epoch_,
                                       CU_STREAM_WRITE_VALUE_DEFAULT);
@@ -648,12 +649,12 @@ class RuntimeImpl final : public Runtime {
     const int64_t chunks = std::max<int64_t>(1, gated_chunks_[t.need % kGatedHistory]);
     const uint32_t have = t.have, need = t.need;
     *gate_host_ = cuda::GateTimeout{};
-    const int64_t owner = (cfg_.rank + part / chunks) % cfg_.world_size;
+    const int64_t owner = (r_ + part / chunks) % W_;
     return {StatusCode::kTimeout,
-            detail::str_cat("uniep all-gather + GEMM on rank ", cfg_.rank, " timed out after ",
+            detail::str_cat("uniep all-gather + GEMM on rank ", r_, " timed out after ",
                             cfg_.timeout_s, " s waiting for rank ", owner, "'s part ",
                             part % chunks, " (signal ", have, ", expected ", need,
-                            "); did every rank of the group make the same calls?")};
+                            "); did every rank of the group make the same calls?", group_note())};
   }
 
   Status take_device_error() {
@@ -666,9 +667,20 @@ class RuntimeImpl final : public Runtime {
       const char* what = "collective";
       if (e.op >= cuda::kCollOpBase)
         what = collective_kind_name(static_cast<CollectiveKind>(e.op - cuda::kCollOpBase));
-      return runtime::wait_timeout(what, cfg_.rank, cfg_.timeout_s, e,
-                                   "did every rank of the group make the same calls?");
+      const std::string hint =
+          detail::str_cat("did every rank of the group make the same calls?", group_note());
+      return runtime::wait_timeout(what, r_, cfg_.timeout_s, e, hint.c_str());
     });
+  }
+
+  // The NVSHMEM PE of group rank g.
+  int64_t world_rank(int64_t g) const { return cfg_.members.empty() ? g : cfg_.members[g]; }
+  // For a sub-group's errors, whose ranks are the group's: which world ranks they are.
+  std::string group_note() const {
+    if (cfg_.members.empty()) return "";
+    std::string ranks;
+    for (int64_t m : cfg_.members) ranks += (ranks.empty() ? "" : ", ") + std::to_string(m);
+    return detail::str_cat(" (ranks of the group of world ranks ", ranks, ")");
   }
 
   uint8_t* sym() const { return heap_.base(); }
@@ -678,8 +690,8 @@ class RuntimeImpl final : public Runtime {
   // src's slot in the set of the current call's epoch parity (see Carve).
   size_t push_slot(int64_t src) const {
     const auto set = static_cast<int64_t>(epoch_ & 1);
-    return layout_.push + static_cast<size_t>(set * cfg_.world_size + src) *
-                              static_cast<size_t>(cfg_.max_block_bytes);
+    return layout_.push +
+           static_cast<size_t>(set * W_ + src) * static_cast<size_t>(cfg_.max_block_bytes);
   }
   size_t arrived_word(int64_t src, int64_t part) const {
     return layout_.arrived + sizeof(uint64_t) * static_cast<size_t>(src * kMaxChunks + part);
@@ -702,7 +714,9 @@ class RuntimeImpl final : public Runtime {
   Config cfg_;
   Carve layout_;
   runtime::SymmetricHeap heap_;
-  uint8_t* peer_[kMaxRanks] = {};
+  uint8_t* peer_[kMaxRanks] = {};        // by world rank (NVSHMEM PE)
+  int64_t W_ = 1, r_ = 0;                // the calls' group: its size, this rank in it
+  uint8_t* group_peer_[kMaxRanks] = {};  // by group rank
   static constexpr int kFixedEvents = 5;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
   StreamWriteValue64 write_value_ = nullptr;
@@ -718,12 +732,29 @@ class RuntimeImpl final : public Runtime {
 
 }  // namespace
 
+int64_t Config::group_size() const {
+  return members.empty() ? world_size : static_cast<int64_t>(members.size());
+}
+
+int64_t Config::group_rank() const {
+  if (members.empty()) return rank;
+  for (size_t g = 0; g < members.size(); ++g)
+    if (members[g] == rank) return static_cast<int64_t>(g);
+  return -1;
+}
+
 Status Config::validate() const {
   auto bad = [](const std::string& m) { return Status{StatusCode::kInvalidArgument, m}; };
   if (world_size < 1 || world_size > kMaxRanks)
     return bad(detail::str_cat("world_size must be in [1, ", kMaxRanks, "], got ", world_size));
   if (rank < 0 || rank >= world_size)
     return bad(detail::str_cat("rank must be in [0, ", world_size, "), got ", rank));
+  for (size_t g = 0; g < members.size(); ++g) {
+    if (members[g] < 0 || members[g] >= world_size || (g > 0 && members[g] <= members[g - 1]))
+      return bad(detail::str_cat("members must be distinct world ranks in [0, ", world_size,
+                                 ") in ascending order, got ", members[g], " at position ", g));
+  }
+  if (group_rank() < 0) return bad(detail::str_cat("members must include this rank (", rank, ")"));
   if (max_block_bytes < 1)
     return bad(detail::str_cat("max_block_bytes must be >= 1, got ", max_block_bytes));
   if (!(timeout_s > 0)) return bad(detail::str_cat("timeout_s must be > 0, got ", timeout_s));

@@ -891,3 +891,39 @@ def test_compile_fullgraph_parallel_mlp() -> None:
             assert same_bits(eager, comp)
     finally:
         torch._dynamo.reset()
+
+
+def _subgroup_worker(rank: int, world: int) -> dict[str, Any]:
+    """subgroup_members on 4 gloo ranks: the MP-like groups {0, 1}, {2, 3} and the EP-like
+    {0, 2}, {1, 3} (new_group is collective: every rank makes all four), in the world and in a
+    parent of their own; and the errors."""
+    import torch.distributed as dist
+
+    layouts = ([0, 1], [2, 3], [0, 2], [1, 3])
+    groups = [dist.new_group(r) for r in layouts]
+    mine = [g for g, r in zip(groups, layouts, strict=True) if rank in r]
+    out: dict[str, Any] = {
+        "world": [collectives.subgroup_members(g, dist.group.WORLD) for g in mine]
+    }
+    # In a parent that is itself a sub-group: ranks {1, 3} of the world are ranks {0, 1} of it.
+    odd = dist.new_group([1, 3])
+    if rank in (1, 3):
+        out["parent"] = collectives.subgroup_members(odd, odd)
+        with pytest.raises(
+            ValueError, match=r"group: ranks \[[02]\] are not in parent \(ranks \[1, 3\]\)"
+        ):
+            collectives.subgroup_members(mine[0], odd)
+    with pytest.raises(ValueError, match="group: a sub-group .* must be a process group"):
+        collectives.subgroup_members(None, dist.group.WORLD)
+    return out
+
+
+def test_subgroup_members_are_the_ranks_in_the_parent() -> None:
+    reports = run_ranks(4, _subgroup_worker)
+    assert [r["world"] for r in reports] == [
+        [[0, 1], [0, 2]],
+        [[0, 1], [1, 3]],
+        [[2, 3], [0, 2]],
+        [[2, 3], [1, 3]],
+    ]
+    assert reports[1]["parent"] == reports[3]["parent"] == [0, 1]

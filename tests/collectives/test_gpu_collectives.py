@@ -330,6 +330,82 @@ def _gated_timeout_worker(rank: int, world: int) -> str:
     return message
 
 
+def _subgroup_worker(rank: int, world: int) -> dict[str, object]:
+    """Runtimes of sub-groups (init_cuda(group, parent=WORLD)): on 4 ranks the MP-like groups
+    {0, 1}, {2, 3} and the EP-like {0, 2}, {1, 3}, each rank's two runtimes created and destroyed
+    at once on every rank. Each group's collectives equal the same collective over that group
+    (gloo or NCCL): all-gather, all-gather + GEMM (also gated), reduce-scatter bit for bit in the
+    group's reduce order, and the block all-to-all Parm runs; repeated, so both slot sets and
+    the epochs advance."""
+    import uniep.collectives as uc
+
+    assert world == 4, world
+    dev = _device(rank)
+    layouts = ([0, 1], [2, 3], [0, 2], [1, 3])
+    groups = [dist.new_group(r) for r in layouts]
+    mine = [g for g, r in zip(groups, layouts, strict=True) if rank in r]
+    for g in mine:
+        uc.init_cuda(g, max_block_bytes=4 << 20, timeout_s=60.0, parent=dist.group.WORLD)
+    gen = torch.Generator(device=dev).manual_seed(31 + rank)
+    hopper = is_hopper(dev)
+    try:
+        for _round in range(3):
+            for g in mine:
+                size, me = dist.get_world_size(g), dist.get_rank(g)
+                x = torch.randn(size * 24, 40, generator=gen, device=dev)
+                parts = _gather_in(x, g)
+                got = uc.reduce_scatter(x, group=g)
+                exact = _fixed_order_sum([p[me * 24 : (me + 1) * 24] for p in parts], me, x.dtype)
+                assert torch.equal(got, exact), ("reduce_scatter", layouts, rank)
+                gathered = uc.all_gather(x[:24], group=g, chunks=2)
+                assert torch.equal(gathered, torch.cat([p[:24] for p in parts])), "all_gather"
+                # Parm's EP all-to-all: [G, block] with scatter dim 0 and gather dim 1.
+                recv = uc.all_to_all_ulysses(x.reshape(size, -1), 0, 1, group=g)
+                want = torch.cat([p.reshape(size, -1)[me] for p in parts])
+                assert torch.equal(recv.reshape(-1), want), "all_to_all"
+                a = x[:24].bfloat16()
+                b = (torch.randn(40, 64, generator=gen, device=dev) * 0.1).bfloat16()
+                ag_ref = torch.cat([p[:24].bfloat16() for p in parts])
+                for backend in ("cublas", "gated") if hopper else ("cublas",):
+                    uc.set_gemm(backend)
+                    ag, mm = uc.all_gather_matmul(a, b, group=g, chunks=2)
+                    assert torch.equal(ag, ag_ref), ("all_gather_matmul", backend)
+                    assert _rel(mm, ag_ref.double() @ b.double()) <= 1e-2, backend
+                    if backend == "gated":
+                        assert torch.equal(mm, torch.ops.uniep.part_gemm(ag_ref, b))
+                uc.set_gemm("cublas")
+        for g in mine:
+            uc.check(g)
+    finally:
+        uc.set_gemm("cublas")
+        dist.barrier()
+        torch.cuda.synchronize()
+        for g in mine:
+            uc.shutdown_cuda(g)
+    return {"groups": [dist.get_process_group_ranks(g) for g in mine]}
+
+
+def _gather_in(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank of ``group``'s x, in group rank order (through gloo's CPU all-gather where the
+    group is gloo, as when the ranks share a GPU)."""
+    size = dist.get_world_size(group)
+    if dist.get_backend(group) == "nccl":
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return parts
+    host = [torch.empty(x.shape, dtype=x.dtype) for _ in range(size)]
+    dist.all_gather(host, x.detach().cpu().contiguous(), group=group)
+    return [p.to(x.device) for p in host]
+
+
+@pytest.mark.skipif(_world() < 4, reason="needs >= 4 CUDA GPUs")
+def test_cuda_subgroup_collectives() -> None:
+    from uniep.distributed import run_local_ranks
+
+    reports = run_local_ranks(_subgroup_worker, 4, backend="nccl", timeout_s=600)
+    assert [len(r["groups"]) for r in reports] == [2, 2, 2, 2]
+
+
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
 def test_cuda_collectives_gemm_backends() -> None:
     from uniep.distributed import run_local_ranks

@@ -25,6 +25,7 @@ from test_gpu_collectives import (
     _gated_ag_worker,
     _gated_timeout_worker,
     _gemm_backends_worker,
+    _subgroup_worker,
 )
 from test_gpu_ep import (
     _cached_worker,
@@ -118,6 +119,12 @@ def test_gated_all_gather_matmul_ranks_sharing_the_gpu(
     # Each rank's one persistent GEMM waits on its tiles' chunks, which the other ranks push.
     reports = _run(_gated_ag_worker, world, monkeypatch)
     assert all(r["checked"] for r in reports)  # type: ignore[index]
+
+
+def test_subgroup_collectives_ranks_sharing_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two runtimes per rank over sub-groups of the 4 ranks, whose NVSHMEM spans all of them.
+    reports = _run(_subgroup_worker, 4, monkeypatch)
+    assert [len(r["groups"]) for r in reports] == [2, 2, 2, 2]  # type: ignore[index]
 
 
 @pytest.mark.hopper

@@ -3,13 +3,13 @@
 The CUDA executor's acceptance: ranks that share one GPU (2 and 4 processes, as in
 test_gpu_on_one_gpu.py: NVSHMEM's multiple processes per GPU, host agreement over gloo) run
 ParmMoELayer under baseline, S1 and S2, forward and backward, once on CUDA tensors (the CUDA
-executor: UniEP's collectives on the carrier groups, the chunk-pipelined SAA pairs on two
-streams, torch._grouped_mm where it fits) and once on CPU tensors in the same worker (the CPU
-executor over the same gloo groups), on the same inputs. bf16 within bf16 tolerance and fp32
-within 1e-4, relative to the largest entry, for y, l_aux, dx and the gate and expert-shard
+executor: UniEP's collectives on the MP and EP sub-groups' own runtimes, the chunk-pipelined SAA
+pairs on two streams, torch._grouped_mm where it fits) and once on CPU tensors in the same worker
+(the CPU executor over the same gloo groups), on the same inputs. bf16 within bf16 tolerance and
+fp32 within 1e-4, relative to the largest entry, for y, l_aux, dx and the gate and expert-shard
 gradients; the dropped-pair counts equal. Shapes cover odd sizes (rows that are no multiple of 8
-take torch.bmm), top-k 1 to 8, an empty expert and dropped pairs, and SAA chunk counts 1 to 5.
-At world 1 (no torch.distributed) the same comparison and opcheck of both ops on CUDA.
+take torch.bmm), top-k 1 to 8, an empty expert and dropped pairs, and SAA chunk counts 1 to 5. At
+world 1 (no torch.distributed) the same comparison and opcheck of both ops on CUDA.
 """
 
 from __future__ import annotations

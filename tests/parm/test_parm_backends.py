@@ -3,11 +3,11 @@
 - ``chunk_pipeline`` (the CUDA executor's SAA pipelining) equals the unpipelined pair for every
   chunk count, also when the second halves run late and in reverse order (as a second stream may
   run them).
-- ``CudaBackend`` on CPU tensors runs the CUDA executor's plumbing (sub-group collectives as
-  world collectives on two carrier groups, zero blocks for non-members, the ulysses all-to-all,
-  the chunked SAA pairs) over UniEP's CPU collectives: on gloo ranks it must equal the CPU
-  executor (``GlooBackend``) for baseline, S1 and S2, forward and backward. Only the streams,
-  the NVSHMEM runtimes and torch._grouped_mm are left to tests/parm/test_gpu_parm.py.
+- ``CudaBackend`` on CPU tensors runs the CUDA executor's plumbing (the collectives on the MP
+  and EP sub-groups, the ulysses all-to-all as a block all-to-all, the chunked SAA pairs) over
+  UniEP's CPU collectives: on gloo ranks it must equal the CPU executor (``GlooBackend``) for
+  baseline, S1 and S2, forward and backward. Only the streams, the NVSHMEM runtimes and
+  torch._grouped_mm are left to tests/parm/test_gpu_parm.py.
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def _cuda_collectives_worker(rank: int, world: int, mp_size: int) -> list[tuple]
     return out
 
 
-def test_cuda_profile_calls_on_cpu_carriers() -> None:
+def test_cuda_profile_calls_on_cpu_groups() -> None:
     """The sizes follow the cost model's convention (all-gather output, reduce-scatter input,
     all-reduce buffer, all-to-all per-rank send bytes; bf16) and the sums are the MP group's."""
     reports = run_ranks(4, _cuda_collectives_worker, 2)

@@ -65,7 +65,8 @@ void check_direct(c10::string_view order) {
               "peer of its NVLink domain directly (order=\"direct\")");
 }
 
-// The runtime was created for this group's ranks (init_cuda), so its world size is the group's.
+// The runtime was created for this group's ranks (init_cuda, init_cuda_subgroups), so its group
+// size is the group's.
 coll::Runtime& runtime_for(c10::string_view group_name) {
   return coll_runtime(std::string(group_name));
 }
@@ -294,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     check_matmul_operands(a, b, "[M/W, K]", "[K, N]", Executor::kCuda);
     check_direct(order);
     const OpScope scope(a, group_name);
-    const int64_t W = scope.rt.config().world_size;
+    const int64_t W = scope.rt.config().group_size();
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor ag = at::empty({W * a.size(0), a.size(1)}, a.options());
     at::Tensor mm = at::empty({W * a.size(0), b.size(1)}, a.options());
@@ -327,7 +328,7 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     check_matmul_operands(a, b, "[M, K_local]", "[K_local, N]", Executor::kCuda);
     check_direct(order);
     const OpScope scope(a, group_name);
-    const int64_t rows = matmul_reduce_scatter_rows(a, scope.rt.config().world_size);
+    const int64_t rows = matmul_reduce_scatter_rows(a, scope.rt.config().group_size());
     at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
     at::Tensor out = at::empty({rows, b.size(1)}, a.options());
@@ -460,7 +461,7 @@ at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int
     check_direct(order);
     const OpScope scope(x, group_name);
     at::Tensor xc = x.contiguous();
-    at::Tensor out = empty_with_rows(x, scope.rt.config().world_size * x.size(0));
+    at::Tensor out = empty_with_rows(x, scope.rt.config().group_size() * x.size(0));
     coll::AllGatherCall c;
     c.a = xc.data_ptr();
     c.gathered = out.data_ptr();
@@ -478,7 +479,7 @@ at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name,
     check_rows_input(x, Executor::kCuda);
     check_direct(order);
     const OpScope scope(x, group_name);
-    const int64_t rows = reduce_scatter_rows(x, scope.rt.config().world_size);
+    const int64_t rows = reduce_scatter_rows(x, scope.rt.config().group_size());
     at::Tensor xc = x.contiguous();
     at::Tensor out = empty_with_rows(x, rows);
     coll::ReduceScatterCall c;
@@ -499,7 +500,7 @@ at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int
   return translate_errors([&] {
     check_ulysses_input(x, Executor::kCuda);
     const OpScope scope(x, group_name);
-    const int64_t W = scope.rt.config().world_size;
+    const int64_t W = scope.rt.config().group_size();
     const UlyssesDims dims = ulysses_dims(x, scatter_dim, gather_dim);
     const at::Tensor xc = x.contiguous();
     const UlyssesLayout layout = ulysses_tensor_layout(xc, dims, W);

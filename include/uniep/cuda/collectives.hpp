@@ -57,7 +57,16 @@ struct Config {
   // heap holds 2 * world_size slots of this size (two sets: no barrier per call).
   int64_t max_block_bytes = 0;
   double timeout_s = 100.0;  // every device-side wait
+  // The world ranks (NVSHMEM PEs) this runtime's calls run between, ascending, `rank` among
+  // them; empty: all world_size ranks. The calls' W and ranks are the group's (group_size(),
+  // group_rank()): a sub-group's collectives move only its own blocks. Every rank of the world
+  // creates (and destroys) its runtime at once, each with its own group and the same
+  // max_block_bytes, since the symmetric heap is allocated over all of them; every rank of a
+  // group gives the same members (the groups partition the world).
+  std::vector<int64_t> members;
 
+  int64_t group_size() const;
+  int64_t group_rank() const;  // -1 where members lacks rank
   Status validate() const;
 };
 

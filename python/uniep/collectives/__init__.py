@@ -48,6 +48,7 @@ __all__ = [
     "gemm",
     "set_gemm",
     "shutdown_cuda",
+    "subgroup_members",
     "validate_schedules",
 ]
 
@@ -383,6 +384,7 @@ def init_cuda(
     *,
     max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     timeout_s: float | None = None,
+    parent: dist.ProcessGroup | None = None,
 ) -> None:
     """Create the CUDA collectives runtime of ``group`` on every rank (collective).
 
@@ -393,6 +395,13 @@ def init_cuda(
     reduce-scatter kinds: one rank's output in bytes; all-to-all: one rank's block). A larger
     call later raises an error naming it. Every rank of ``group`` must be on one NVLink domain,
     and the current CUDA device must be this rank's GPU.
+
+    ``parent`` (the default group, or any group that holds ``group``) makes ``group`` a
+    sub-group: NVSHMEM and the symmetric memory span ``parent``'s ranks, but the group's calls
+    move only its own ranks' blocks. Collective over ``parent``: every rank of it calls
+    ``init_cuda`` at once, each with its own sub-group (the sub-groups partition ``parent``, as
+    the MP or the EP groups of a layout do) and the same ``max_block_bytes``; ``shutdown_cuda``
+    of the sub-groups is collective over ``parent`` too.
     """
     if not getattr(_C, "has_ep_runtime", False) or not torch.cuda.is_available():
         raise RuntimeError(
@@ -401,12 +410,40 @@ def init_cuda(
         )
     if not isinstance(max_block_bytes, int) or max_block_bytes < 1:
         raise ValueError(f"max_block_bytes must be a positive int, got {max_block_bytes!r}")
-    name, world, me, uid = distributed.nvshmem_bootstrap(group)
-    _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s))
+    if parent is None:
+        name, world, me, uid = distributed.nvshmem_bootstrap(group)
+        _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s))
+        return
+    members = subgroup_members(group, parent)
+    _, world, me, uid = distributed.nvshmem_bootstrap(parent)
+    name = distributed.group_name(group)
+    _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s), members)
+
+
+def subgroup_members(group: dist.ProcessGroup | None, parent: dist.ProcessGroup) -> list[int]:
+    """The ranks in ``parent`` of ``group``'s ranks, in ``group``'s rank order (ascending, as
+    torch orders a new group's ranks); a ValueError naming the argument where ``group`` is not
+    a group of this rank inside ``parent`` or orders its ranks otherwise."""
+    if group is None:
+        raise ValueError("group: a sub-group (parent is given) must be a process group, got None")
+    ranks = [int(r) for r in dist.get_process_group_ranks(group)]
+    in_parent = set(int(r) for r in dist.get_process_group_ranks(parent))
+    outside = [r for r in ranks if r not in in_parent]
+    if outside:
+        raise ValueError(f"group: ranks {outside} are not in parent (ranks {sorted(in_parent)})")
+    members = [dist.get_group_rank(parent, r) for r in ranks]
+    if members != sorted(members):
+        raise ValueError(
+            f"group: its ranks {ranks} must be in ascending order of their ranks in parent "
+            f"({members}), the order the collectives number them in"
+        )
+    return members
 
 
 def shutdown_cuda(group: dist.ProcessGroup | None = None) -> None:
-    """Destroy the group's CUDA collectives runtime (collective; a no-op if there is none)."""
+    """Destroy the group's CUDA collectives runtime (collective; a no-op if there is none). A
+    sub-group's (``init_cuda(parent=...)``) is collective over the parent: every rank of it
+    destroys its own sub-group's runtime at once."""
     name = distributed.group_name(group)
     if getattr(_C, "has_ep_runtime", False) and _C.coll_exists(name):
         torch.cuda.synchronize()

@@ -17,15 +17,13 @@ What runs on which primitive (one rank):
 - The routing agreement (three int64 per rank): torch.distributed on the default group (gloo
   on the CPU when ranks share a GPU, NCCL otherwise), the wait bounded by ``UNIEP_TIMEOUT_S``.
 
-**Sub-groups run as world collectives.** The UniEP collectives runtime addresses a peer by its
-NVSHMEM PE, which is its rank in the world, so a runtime exists only for groups that span every
-rank (``nvshmem_session``: "UniEP can only share NVSHMEM over the same ranks"). The MP and EP
-groups of a Parm layout are sub-groups when N > 1 and G > 1. Their collectives therefore run on
-"carrier" groups of all P ranks: the all-gather gathers from every rank and keeps the MP
-group's blocks; the reduce-scatter and the all-to-all send zero blocks to the ranks outside the
-group (adding zeros is exact). The results are those of the sub-group collectives; the bytes
-moved are P/N (all-gather, reduce-scatter) or P/G (all-to-all) times what a sub-group runtime
-would move. A runtime with a PE table for sub-groups is left for later (docs/parm.md, §5).
+**Sub-groups have runtimes of their own.** NVSHMEM spans the world (it is shared only over the
+same ranks), and the MP and EP groups of a Parm layout are sub-groups of it when N > 1 and
+G > 1. Each rank's MP group and EP group get a collectives runtime of their own
+(``uniep.collectives.init_cuda(group, parent=WORLD)``: the symmetric memory over the world, the
+calls' peers the group's ranks), so each collective moves exactly the group's blocks: the bytes
+the cost model prices. The sums run in the group's reduce order, which is the world's order
+restricted to the group, so the bits are those of the CPU executor.
 
 **The SAA pairs are pipelined.** An EP all-to-all followed by the MP all-gather of what arrived
 (the S1/S2 dispatch, and S2's combine) is cut into chunks of the capacity dimension: as many as
@@ -33,12 +31,12 @@ the plan gives the pair (the ops' ``chunks``, which ``ParmMoELayer`` takes from 
 that priced the schedule, ``uniep._C.parm.price(...).chunks``), else ``set_saa_chunks``'s count
 (default 4). Chunk i's all-to-all is issued on the caller's stream, its all-gather on a second
 stream after an event, so chunk i's all-gather runs beside chunk i+1's all-to-all. The two
-halves use two carrier groups, i.e. two collectives runtimes with their own slots and streams,
-so neither waits for the other's previous call. The values are those of the
+halves use two groups (MP and EP), i.e. two collectives runtimes with their own slots and
+streams, so neither waits for the other's previous call. The values are those of the
 unpipelined steps (``parm_exec.chunk_pipeline``; tests/parm/test_parm_backends.py checks it on CPU).
 
-The same backend also runs on CPU tensors, over UniEP's CPU collectives and the carrier groups
-(gloo): that is how the CPU tests check its world-collective plumbing on machines without a GPU.
+The same backend also runs on CPU tensors, over UniEP's CPU collectives on the same MP and EP
+groups (gloo): that is how the CPU tests check its plumbing on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -67,10 +65,9 @@ __all__ = [
 _saa_chunks = 4
 # (world size, role) -> a group of every rank, whose collectives runtime carries that role's
 # calls: "a2a" the EP all-to-alls, "gather" the MP all-gathers and reduce-scatters.
-_carriers: dict[tuple[int, str], dist.ProcessGroup] = {}
+# group name -> the MP or EP group whose CUDA collectives runtime this process created.
+_runtimes: dict[str, dist.ProcessGroup] = {}
 _side_streams: dict[int, Any] = {}
-# (ranks, device) -> those ranks as an index tensor on the device (CudaBackend._index).
-_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 _MIN_BLOCK_BYTES = 1 << 20
 
 
@@ -88,31 +85,20 @@ def saa_chunks() -> int:
     return _saa_chunks
 
 
-def _carrier_group(role: str) -> dist.ProcessGroup:
-    world = dist.get_world_size()
-    if (world, role) not in _carriers:
-        # new_group is collective over the world: both carriers, in one order, on every rank
-        # (the first world collective of a layer is at the same step everywhere).
-        for r in ("a2a", "gather"):
-            _carriers[(world, r)] = dist.new_group(list(range(world)))
-    return _carriers[(world, role)]
-
-
 def shutdown() -> None:
-    """Destroy the carriers' CUDA collectives runtimes (collective: every rank together). A
-    later CUDA layer creates new carrier groups and runtimes."""
+    """Destroy the MP and EP groups' CUDA collectives runtimes (collective: every rank
+    together, each its own groups'). A later CUDA layer creates them again."""
     from .. import collectives
 
-    for group in _carriers.values():
+    for group in _runtimes.values():
         collectives.shutdown_cuda(group)
-    _carriers.clear()
-    _indices.clear()
+    _runtimes.clear()
 
 
 def _reserve_heap(world: int, block_bytes: int) -> None:
-    """NVSHMEM's symmetric heap is sized when it starts. When a carrier is the first UniEP
-    runtime of the process, size it for both carriers and one growth of each (the user's
-    NVSHMEM_SYMMETRIC_SIZE wins; a heap started earlier, e.g. by the EP runtime, stays)."""
+    """NVSHMEM's symmetric heap is sized when it starts. When a group's runtime is the first
+    UniEP runtime of the process, size it for both groups' runtimes and one growth of each (the
+    user's NVSHMEM_SYMMETRIC_SIZE wins; a heap started earlier, e.g. by the EP runtime, stays)."""
     if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
         per = int(_C.coll_symmetric_heap_bytes(world, block_bytes))
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(4 * per + (256 << 20))
@@ -172,7 +158,7 @@ def _engine_fits(a: torch.Tensor) -> bool:
 def layer_block_bytes(shape: Any) -> int:
     """The largest per-rank block of any call of a layer of ``ParmShape`` ``shape``: the
     [E, N*c, M] dispatch tensor (the baseline's all-reduce gathers it whole), a token slice, the
-    gate gradient, the stats. The carriers' slots are sized from it."""
+    gate gradient, the stats. The groups' runtimes' slots are sized from it."""
     E, N, c, M, b = (
         shape.num_experts,
         shape.mp_size,
@@ -188,7 +174,7 @@ class CudaBackend:
     collectives, for tests). See the module docstring for what runs where.
 
     Args:
-        shape: the layer's ``ParmShape`` (sizes the carriers' slots: the largest block any call
+        shape: the layer's ``ParmShape`` (sizes the runtimes' slots: the largest block any call
             of the layer moves, so that one runtime serves the whole layer); may be None when
             ``block_bytes`` is given.
         groups: this rank's MP and EP groups.
@@ -196,7 +182,7 @@ class CudaBackend:
             (``SerialLanes``) for CPU tensors.
         chunks: chunks per SAA pair where the step list's plan gives none (None:
             ``saa_chunks()``).
-        block_bytes: the carriers' slot size in bytes, for callers that run no layer
+        block_bytes: the runtimes' slot size in bytes, for callers that run no layer
             (``uniep.parm.profile``); None: ``layer_block_bytes(shape)``.
     """
 
@@ -238,13 +224,13 @@ class CudaBackend:
             raise ValueError(f"{name}: this rank ({self.rank}) is not at its place in {ranks}")
         return ranks
 
-    # ---- carriers: world collectives of UniEP ----
-    def _carrier(self, role: str, t: torch.Tensor, need: int) -> str:
-        """The name of the carrier group of ``role``, its CUDA runtime created (or grown) so
-        that a block of ``need`` bytes fits. Collective on first use: every rank reaches it at
-        the same call with the same sizes (the routing agreement has checked the token
-        counts)."""
-        group = _carrier_group(role)
+    # ---- the MP and EP groups' runtimes: sub-groups of the world ----
+    def _runtime(self, group: dist.ProcessGroup, t: torch.Tensor, need: int) -> str:
+        """The name of ``group`` (this rank's MP or EP group), its CUDA runtime created (or
+        grown) so that a block of ``need`` bytes fits. A sub-group's runtime is made over the
+        world (its symmetric memory is): collective on first use, every rank reaching it at
+        the same call for its own group with the same sizes (the routing agreement has checked
+        the token counts)."""
         name = group.group_name
         if not t.is_cuda:
             return name
@@ -259,56 +245,34 @@ class CudaBackend:
         want = max(need, self.block_bytes, _MIN_BLOCK_BYTES)
         cap = 1 << (want - 1).bit_length()
         _reserve_heap(self.world, cap)
-        collectives.init_cuda(group, max_block_bytes=cap)
+        collectives.init_cuda(group, max_block_bytes=cap, parent=dist.group.WORLD)
+        _runtimes[name] = group
         return name
-
-    def _world_all_gather(self, t: torch.Tensor, role: str) -> torch.Tensor:
-        """[P, *t.shape]: every world rank's ``t``."""
-        flat = t.reshape(1, -1)
-        name = self._carrier(role, t, flat.numel() * t.element_size())
-        out = torch.ops.uniep.all_gather(flat, name, 1, "direct")
-        return out.view(self.world, *t.shape)
-
-    def _spread(self, t: torch.Tensor, ranks: list[int]) -> torch.Tensor:
-        """``t`` [n, ...] -> [P, block]: block i at world rank ranks[i], zeros elsewhere."""
-        blocks = t.reshape(len(ranks), -1)
-        if ranks == list(range(self.world)):
-            return blocks
-        out = blocks.new_zeros(self.world, blocks.shape[1])
-        out[self._index(ranks, t.device)] = blocks
-        return out
-
-    def _index(self, ranks: list[int], device: torch.device) -> torch.Tensor:
-        """``ranks`` as an index tensor on ``device``, made once: a host list copied to the GPU
-        per call would be a blocking copy that waits for the stream."""
-        key = (tuple(ranks), device)
-        if key not in _indices:
-            _indices[key] = torch.tensor(ranks, device=device)
-        return _indices[key]
 
     # ---- the ParmBackend primitives ----
     def mp_all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.g.mp_size == 1:
             return [t]
-        every = self._world_all_gather(t, "gather")
-        return [every[r] for r in self.mp_ranks]
+        flat = t.reshape(1, -1)
+        name = self._runtime(self.g.mp, t, flat.numel() * t.element_size())
+        every = torch.ops.uniep.all_gather(flat, name, 1, "direct")
+        return list(every.view(self.g.mp_size, *t.shape).unbind(0))
 
     def ep_all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         if self.g.ep_size == 1:
             return t.clone()
-        send = self._spread(t, self.ep_ranks)
-        name = self._carrier("a2a", t, send.shape[1] * t.element_size())
-        # Ulysses with scatter dim 0 and gather dim 1 on [P, block]: block p goes to rank p and
-        # the result's p-th block of columns came from rank p.
+        send = t.reshape(self.g.ep_size, -1)
+        name = self._runtime(self.g.ep, t, send.shape[1] * t.element_size())
+        # Ulysses with scatter dim 0 and gather dim 1 on [G, block]: block p goes to EP rank p
+        # and the result's p-th block of columns came from EP rank p.
         recv = torch.ops.uniep.all_to_all_ulysses(send, 0, 1, name)
-        got = recv.view(self.world, -1)[self._index(self.ep_ranks, t.device)]
-        return got.view(t.shape)
+        return recv.view(t.shape)
 
     def mp_reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         if self.g.mp_size == 1:
             return t[0].clone()
-        send = self._spread(t, self.mp_ranks)
-        name = self._carrier("gather", t, send.shape[1] * t.element_size())
+        send = t.reshape(self.g.mp_size, -1)
+        name = self._runtime(self.g.mp, t, send.shape[1] * t.element_size())
         out = torch.ops.uniep.reduce_scatter(send, name, 1, "direct")
         return out.view(t.shape[1:])
 

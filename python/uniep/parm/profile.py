@@ -11,9 +11,8 @@ Two devices, each timing what its executor runs:
   GPU, host agreement over gloo: how tests/parm/test_gpu_parm.py runs the CUDA executor). They time
   the CUDA executor's own primitives (``uniep.parm.cuda.CudaBackend``, bf16): the MP all-gather,
   reduce-scatter and all-reduce (an all-gather plus a sum in MP-rank order) and the EP
-  all-to-all. These run on UniEP's P2P collectives over the world *carrier* groups, so the
-  zero blocks sent to non-members and the P/N or P/G times larger transfers are in the times,
-  as they are in the executor. The GEMM is a bf16 CUDA matmul.
+  all-to-all. These run on UniEP's P2P collectives over the MP and EP groups' own runtimes, as
+  in the executor. The GEMM is a bf16 CUDA matmul.
 
   **This measures one GPU, not a cluster.** The ranks' kernels time-slice the GPU, and every
   "link", intra and inter alike, is copies within that GPU's memory. The coefficients describe
@@ -24,7 +23,7 @@ On both, the MP groups count as intra-node and the EP groups as inter-node, as o
 one MP group per node. Message sizes follow the cost model's convention: all-gather output,
 reduce-scatter input, all-reduce buffer, all-to-all per-rank send bytes. A sample is one call
 after a barrier of the ranks (on CUDA: with ``torch.cuda.synchronize()`` before and after, wall
-clock, so the carriers' side streams and the host's launches are in it). A size's time is the
+clock, so the side streams and the host's launches are in it). A size's time is the
 slowest rank's median. The GEMM runs on rank 0 alone while the others wait, so its fit is the
 device's own GEMM rate; in the measured layers the ranks' GEMMs share the GPU, which the cost
 model does not know. Each (collective, link) and the GEMM is fitted with ``fit_alpha_beta``
@@ -308,12 +307,12 @@ def _profile_rank_cuda(rank: int, world: int, mp_size: int, sizes: list[int], it
         mp_index=dist.get_rank(mp),
         ep_index=dist.get_rank(ep),
     )
-    # One runtime per carrier for the whole profile, sized for the largest block (an all-reduce
+    # One runtime per group for the whole profile, sized for the largest block (an all-reduce
     # gathers its whole buffer from every rank): none is re-created between sizes.
     backend = parm_cuda.CudaBackend(None, groups, block_bytes=max(sizes))
     out: dict[str, Any] = {"comm": {}, "gemm": [], "device_name": _device_name("cuda")}
     for kind, link, size in _plan(world, mp_size):
-        # Every call runs on a carrier of all ranks: the barrier is the world's.
+        # Every rank calls at once (its own group's collective): the barrier is the world's.
         out["comm"][f"{kind}/{link}"] = [
             (n, _time(_cuda_collective(kind, n, backend, size, dev), iters, cuda=True))
             for n in sizes
@@ -545,7 +544,7 @@ def _measure_rank_cuda(
         for cfg in layers
     ]
     out: list[dict[str, float]] = [{} for _ in layers]
-    # The layer with the largest carrier blocks first: the carriers' runtimes are created for it
+    # The layer with the largest blocks first: the groups' runtimes are created for it
     # (and NVSHMEM's heap, which is sized when the first one starts) and never grow.
     for i in sorted(range(len(layers)), key=lambda i: -blocks[i]):
         calls = _schedule_calls(mp, ep, layers[i], dev, model, chunks)
