@@ -276,8 +276,9 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
 def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
     """set_gemm("gated"): all_gather_matmul as one GEMM whose tiles wait for their chunk, bit for
     bit the GEMM of the gathered operand (part_gemm of it in one part) at every chunk count, on
-    shapes with rows that fill no whole tile and chunks of a few rows; called twice in a row
-    per shape, so both slot sets and a second epoch are read."""
+    chunks of whole tile clusters (256 and 512 rows; 1280 = 5 clusters; 1024 in one), and on
+    chunks of a few rows, which run as the chunks' GEMMs (sm90_gemm, the same bits); called twice
+    in a row per shape, so both slot sets and a second epoch are read."""
     import uniep.collectives as uc
 
     dev = _device(rank)
@@ -287,7 +288,8 @@ def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
     checked = []
     try:
         uc.set_gemm("gated")
-        for m, k, n in ((8, 64, 32), (96, 160, 136), (520, 1024, 776), (1024, 2048, 2048)):
+        shapes = ((8, 64, 32), (96, 160, 136), (512, 256, 136), (1280, 1024, 776))
+        for m, k, n in (*shapes, (1024, 2048, 2048)):
             a = torch.randn(m, k, generator=gen, device=dev).to(bf16)
             b = (torch.randn(k, n, generator=gen, device=dev) * k**-0.5).to(bf16)
             ag_ref = torch.cat(_gather_all(a, world))
@@ -319,8 +321,8 @@ def _gated_timeout_worker(rank: int, world: int) -> str:
     try:
         if rank == 0:
             uc.set_gemm("gated")
-            a = torch.randn(64, 64, device="cuda").bfloat16()
-            uc.all_gather_matmul(a, a.t().contiguous())
+            a = torch.randn(256, 64, device="cuda").bfloat16()  # one part of whole tiles
+            uc.all_gather_matmul(a, a[:64].t().contiguous())
             with pytest.raises(TimeoutError, match="waiting for rank 1") as info:
                 uc.check()
             message = str(info.value)

@@ -41,6 +41,8 @@ def test_bits_independent_of_parts_gate_and_carveout() -> None:
     # The expert GEMM engine's bits on the same product (one expert of every row).
     offs = torch.tensor([a.shape[0]], dtype=torch.int32, device="cuda")
     assert torch.equal(torch.ops.uniep.grouped_mm(a, b.unsqueeze(0), offs), whole)
+    # And the dense Hopper GEMM's, which an all-gather + GEMM of small chunks runs instead.
+    assert torch.equal(torch.ops.uniep.sm90_gemm(a, b), whole)
     for parts in (2, 3, 4, 8, 12, 48, 1536):
         assert torch.equal(part_gemm(a, b, parts), whole), parts
     # Every word at or past the epoch: the gate opens at once, the bits stay.

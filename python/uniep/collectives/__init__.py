@@ -482,8 +482,9 @@ def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
       its chunk's arrival word, the own shard's tiles first, and reads the peers' rows where
       they landed. Its bits are those of the GEMM of the gathered operand for every chunk count.
       ``sm_carveout`` SMs stay free for the copies into the gathered output. Where the operands
-      do not fit it (as for ``"cutlass"``), and for ``matmul_reduce_scatter``, it runs as
-      ``"cutlass"``.
+      do not fit it (as for ``"cutlass"``), where its 256-row tile clusters would pad a chunk by
+      more than a quarter (chunks of fewer than 256 rows, say), and for
+      ``matmul_reduce_scatter``, it runs as ``"cutlass"``.
 
     Results are deterministic with each backend, but they round differently. The CPU executor
     is not affected.
