@@ -93,7 +93,7 @@ KINDS = ("ag_mm", "mm_rs")
 CHUNKS = (1, 2, 4)
 GEMM_BACKENDS = ("cublas", "cutlass", "gated")  # uniep.collectives.GEMM_BACKENDS
 DEFAULT_GEMM = ("cublas", 0)  # uniep.collectives.set_gemm's default
-GPU_GEMMS = [DEFAULT_GEMM, ("cutlass", 0)]
+GPU_GEMMS = [DEFAULT_GEMM, ("cutlass", 0), ("gated", 0)]
 BASELINES = ("nccl_mm", "mm_alone", "coll_alone", "torch_fused")
 CHECK_TOL_BF16 = 2e-2
 CHECK_TOL_FP32 = 1e-5
@@ -938,7 +938,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu" if args.cpu else "cuda",
         "shapes": [asdict(s) for s in shapes],
         "chunks": list(CHUNKS),
-        # On GPUs both GEMM choices, side by side.
+        # On GPUs every GEMM choice, side by side.
         "gemms": [list(g) for g in args.gemm or ([DEFAULT_GEMM] if args.cpu else GPU_GEMMS)],
         "warmup": warmup,
         "iters": iters,
@@ -1099,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="our GEMM choices to time, BACKEND[@SMS] comma-separated (uniep.collectives."
         "set_gemm(BACKEND, sm_carveout=SMS)), e.g. cublas,cutlass,cutlass@8 (default "
-        "cublas,cutlass; cublas with --cpu); ours_best is the fastest of all",
+        "cublas,cutlass,gated; cublas with --cpu); ours_best is the fastest of all",
     )
     add_profile_argument(parser)
     add_trace_arguments(parser)
