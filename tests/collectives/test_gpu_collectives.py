@@ -207,6 +207,17 @@ def test_cuda_collectives_against_nccl() -> None:
     assert len(reports) == _world()
 
 
+def _end_gemm_worker() -> None:
+    """A GEMM worker's end on every rank: the default GEMM back, then the runtime destroyed
+    together once every rank's calls are done."""
+    import uniep.collectives as uc
+
+    uc.set_gemm("cublas")
+    dist.barrier()
+    torch.cuda.synchronize()
+    uc.shutdown_cuda()
+
+
 def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
     """The GEMM choices of set_gemm: each against NCCL + torch.mm, and the cutlass GEMM's bits
     the same for every chunk count and SM carve-out (its reduce-scatter folds in the epilogue)."""
@@ -266,10 +277,7 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
                 uc.all_gather_matmul(a32.to(bf16), b32.to(bf16))
         uc.check()
     finally:
-        uc.set_gemm("cublas")
-        dist.barrier()
-        torch.cuda.synchronize()
-        uc.shutdown_cuda()
+        _end_gemm_worker()
     return report
 
 
@@ -305,10 +313,7 @@ def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
                 checked.append((m, chunks))
         uc.check()
     finally:
-        uc.set_gemm("cublas")
-        dist.barrier()
-        torch.cuda.synchronize()
-        uc.shutdown_cuda()
+        _end_gemm_worker()
     return {"checked": checked}
 
 
