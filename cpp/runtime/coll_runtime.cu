@@ -117,6 +117,22 @@ StreamWriteValue64 stream_write_value64() {
   return reinterpret_cast<StreamWriteValue64>(fn);
 }
 
+using StreamWaitValue32 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// The driver's stream wait on a 32-bit word (the stream stalls on the GPU's front end, no SM),
+// or nullptr where the driver lacks it: a GEMM + reduce-scatter then runs its chunk GEMMs.
+StreamWaitValue32 stream_wait_value32() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<StreamWaitValue32>(fn);
+}
+
 class RuntimeImpl final : public Runtime {
  public:
   explicit RuntimeImpl(const Config& c)
@@ -133,6 +149,7 @@ class RuntimeImpl final : public Runtime {
       if (st) cudaStreamDestroy(st);
     if (err_host_) cudaFreeHost(err_host_);
     if (gate_host_) cudaFreeHost(gate_host_);
+    if (done_) cudaFree(done_);
   }
 
   Status init(const std::vector<uint8_t>& uid) {
@@ -170,6 +187,7 @@ class RuntimeImpl final : public Runtime {
     // all-gather of 512 MiB took 1.93 ms instead of 1.40, and the first chunk an AG+GEMM needs
     // arrived later (2026-11-26, commit cff9c71 against 9b4addf).
     write_value_ = stream_write_value64();
+    wait_value_ = stream_wait_value32();
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
@@ -269,7 +287,7 @@ class RuntimeImpl final : public Runtime {
       // A push to a rank on this same GPU is a copy on SMs (the driver keeps copies within a
       // device on SMs), which a GEMM holding every SM would keep waiting for ever.
       status = c.parts_gemm.run(c.parts_gemm.ctx, parts.data(), static_cast<int64_t>(parts.size()),
-                                mc, gate, shares_device_ ? 1 : 0, stream);
+                                mc, gate, shares_device_ ? 1 : 0, nullptr, stream);
     } else if (gemm) {
       auto* out = static_cast<uint8_t*>(c.out);
       for (const ChunkStep& st : plan.steps) {
@@ -319,6 +337,8 @@ class RuntimeImpl final : public Runtime {
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, start_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(comm_, done_event(), 0));
     UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, start_event(), 0));
+    if (gemm && c.parts_gemm.run != nullptr && wait_value_ != nullptr && W > 1)
+      return finish(stream, reduce_scatter_one_gemm(c, plan, stream));
     Status status = Status::Ok();
     // Pushes go on the communication stream as soon as their partial exists (the input rows
     // exist from the start); they are enqueued before any wait for arrivals, so no host call
@@ -471,6 +491,95 @@ class RuntimeImpl final : public Runtime {
                   static_cast<size_t>(into.row_bytes), static_cast<size_t>(recv_rows), stream));
     }
     return finish(stream, Status::Ok());
+  }
+
+  // The GEMM + reduce-scatter as one persistent GEMM over its W x chunks parts (parts_gemm), in
+  // the schedule's compute order (the peers' rows first, the own rows last), each part's row
+  // tiles announced on a counter as they are stored: the communication stream waits on a
+  // part's counters (the driver's stream wait: no SM) and pushes it at once, so the partials
+  // leave while the GEMM goes on. The own parts are folded with the peers' partials, in the
+  // reduce order, once the GEMM is done: the CPU executor's arithmetic on the GEMM's partials.
+  Status reduce_scatter_one_gemm(const ReduceScatterCall& c, const CollectiveSchedule& plan,
+                                 cudaStream_t stream) {
+    const int64_t r = r_, m = c.rows_per_rank, mc = m / c.chunks;
+    const int64_t rb = c.n * dtype_bytes(c.dtype), part = mc * rb;
+    const auto* a = static_cast<const uint8_t*>(c.a);
+    auto* scratch = static_cast<uint8_t*>(c.scratch);
+    auto* out = static_cast<uint8_t*>(c.out);
+    auto rows_of = [&](int64_t chunk) {
+      return plan.chunk_block(chunk) * m + plan.chunk_part(chunk) * mc;
+    };
+    const auto count = static_cast<int64_t>(plan.steps.size());
+    const int64_t tiles = cuda::part_gemm_row_tiles(mc);
+    if (Status s = reserve_done(count * tiles); !s.ok()) return s;
+    // The counters start from zero before the GEMM can signal them; the previous call's pushes
+    // that waited on them are earlier on this same stream.
+    UNIEP_CUDA_OK(cudaMemsetAsync(done_, 0, sizeof(uint32_t) * count * tiles, comm_));
+    UNIEP_CUDA_OK(cudaEventRecord(zeroed_event(), comm_));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, zeroed_event(), 0));
+
+    std::vector<cuda::GemmPart> parts(plan.steps.size());
+    std::vector<int64_t> step_of(plan.steps.size());
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t chunk = plan.steps[t].compute;
+      parts[t].a = a + rows_of(chunk) * c.a_row_bytes;
+      parts[t].out = scratch + rows_of(chunk) * rb;
+      step_of[chunk] = t;
+    }
+    if (Status s = c.parts_gemm.run(c.parts_gemm.ctx, parts.data(), count, mc, cuda::PartGate{},
+                                    shares_device_ ? 1 : 0, done_, stream);
+        !s.ok())
+      return s;
+    const uint32_t whole = cuda::part_gemm_tile_arrivals(c.n);
+    for (const ChunkStep& st : plan.steps) {
+      for (const Transfer& t : st.sends) {
+        const int64_t at = step_of[t.chunk] * tiles;
+        for (int64_t k = 0; k < tiles; ++k) {
+          const CUresult e = wait_value_(comm_, reinterpret_cast<CUdeviceptr>(done_ + at + k),
+                                         whole, CU_STREAM_WAIT_VALUE_GEQ);
+          if (e != CUDA_SUCCESS)
+            return {StatusCode::kInternal,
+                    detail::str_cat("cuStreamWaitValue32 (a part's stored tiles) failed with "
+                                    "CUresult ",
+                                    static_cast<int>(e))};
+        }
+        const int64_t j = plan.chunk_part(t.chunk);
+        if (Status s = push(t.peer, push_slot(r) + j * part, scratch + rows_of(t.chunk) * rb, part,
+                            arrived_word(r, j));
+            !s.ok())
+          return s;
+      }
+    }
+    UNIEP_CUDA_OK(cudaEventRecord(gemm_event(), stream));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(wait_, gemm_event(), 0));
+    for (const ChunkStep& st : plan.steps) {
+      if (plan.chunk_block(st.compute) != r) continue;
+      const int64_t j = plan.chunk_part(st.compute);
+      cuda::ReduceInputs in{};
+      int n_in = 0;
+      for (const Transfer& f : st.fold_waits) in.in[n_in++] = sym() + push_slot(f.peer) + j * part;
+      in.in[n_in++] = scratch + rows_of(st.compute) * rb;
+      cuda::launch_coll_wait(words(layout_.arrived) + j, kMaxChunks, static_cast<int>(W_),
+                             static_cast<int>(r), -1, epoch_, timeout_ns(), err_dev_,
+                             op_code(CollectiveKind::kMatmulReduceScatter), wait_);
+      cuda::launch_coll_reduce(c.dtype, in, n_in, out + j * part, mc * c.n, sm_count_, wait_);
+      UNIEP_CUDA_OK(cudaGetLastError());
+    }
+    UNIEP_CUDA_OK(cudaEventRecord(folded_event(), wait_));
+    UNIEP_CUDA_OK(cudaStreamWaitEvent(stream, folded_event(), 0));
+    return Status::Ok();
+  }
+
+  // done_ holds at least `counters` uint32 (grown where short: cudaFree and cudaMalloc wait for
+  // the device, so no call still reads the old one).
+  Status reserve_done(int64_t counters) {
+    if (counters <= done_counters_) return Status::Ok();
+    if (done_ != nullptr) UNIEP_CUDA_OK(cudaFree(done_));
+    done_ = nullptr;
+    done_counters_ = 0;
+    UNIEP_CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&done_), sizeof(uint32_t) * counters));
+    done_counters_ = counters;
+    return Status::Ok();
   }
 
   Status check_device_errors(bool synchronize) override {
@@ -706,6 +815,9 @@ class RuntimeImpl final : public Runtime {
   cudaEvent_t copied_event() const { return events_[3]; }
   // The previous call, complete on its caller's stream (its GEMMs read the slots there).
   cudaEvent_t done_event() const { return events_[4]; }
+  // reduce_scatter_one_gemm: its counters zeroed; its GEMM done.
+  cudaEvent_t zeroed_event() const { return events_[5]; }
+  cudaEvent_t gemm_event() const { return events_[6]; }
   // One per chunk id; the all-to-all's ids run to W*W*c but only W*c of them reach events.
   cudaEvent_t chunk_event(int64_t chunk) const {
     return events_[kFixedEvents + chunk % (kMaxRanks * kMaxChunks)];
@@ -717,9 +829,12 @@ class RuntimeImpl final : public Runtime {
   uint8_t* peer_[kMaxRanks] = {};        // by world rank (NVSHMEM PE)
   int64_t W_ = 1, r_ = 0;                // the calls' group: its size, this rank in it
   uint8_t* group_peer_[kMaxRanks] = {};  // by group rank
-  static constexpr int kFixedEvents = 5;
+  static constexpr int kFixedEvents = 7;
   cudaStream_t comm_ = nullptr, wait_ = nullptr, copy_ = nullptr;
   StreamWriteValue64 write_value_ = nullptr;
+  StreamWaitValue32 wait_value_ = nullptr;
+  uint32_t* done_ = nullptr;  // reduce_scatter_one_gemm's counters
+  int64_t done_counters_ = 0;
   cudaEvent_t events_[kFixedEvents + kMaxRanks * kMaxChunks] = {};
   DeviceError *err_host_ = nullptr, *err_dev_ = nullptr;
   cuda::GateTimeout *gate_host_ = nullptr, *gate_dev_ = nullptr;  // the gated GEMM's record

@@ -244,6 +244,11 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
                 choices += [("cutlass", 0), ("cutlass", 16), ("gated", 0), ("gated", 16)]
                 # The gated AG+GEMM's bits: the one GEMM of the whole gathered operand.
                 bits["ag_mm_gated"] = torch.ops.uniep.part_gemm(ag_ref, b)
+                # The gated GEMM+RS's: every rank's partial summed in the reduce order.
+                partials = _gather_all(torch.ops.uniep.part_gemm(big, b), world)
+                bits["mm_rs_gated"] = _fixed_order_sum(
+                    [p[rank * m : (rank + 1) * m] for p in partials], rank, bf16
+                )
             for backend, carveout in choices:
                 uc.set_gemm(backend, carveout)
                 for chunks in (1, 2, 4):
@@ -255,11 +260,11 @@ def _gemm_backends_worker(rank: int, world: int) -> dict[str, object]:
                     err = _rel(out, rs_ref)
                     assert err <= 2e-2, ("matmul_reduce_scatter", backend, carveout, chunks, err)
                     if backend != "cublas":
-                        # gated runs the GEMM + reduce-scatter as cutlass does.
-                        ag_key = "ag_mm_gated" if backend == "gated" else "ag_mm"
-                        for name, got in ((ag_key, mm), ("mm_rs", out)):
+                        # Each backend's bits are the same for every chunking and carve-out
+                        # (gated folds the partials after its GEMM, cutlass in the epilogue).
+                        for name, got in ((f"ag_mm_{backend}", mm), (f"mm_rs_{backend}", out)):
                             want = bits.setdefault(name, got)
-                            assert torch.equal(got, want), (name, backend, m, carveout, chunks)
+                            assert torch.equal(got, want), (name, m, carveout, chunks)
             report[f"checked_{m}"] = [f"{b_}@{c}" for b_, c in choices]
         if hopper:
             # Operands the kernel does not take (float32; bf16 output rows of 24 bytes) go to
@@ -286,7 +291,9 @@ def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
     bit the GEMM of the gathered operand (part_gemm of it in one part) at every chunk count, on
     chunks of whole tile clusters (256 and 512 rows; 1280 = 5 clusters; 1024 in one), and on
     chunks of a few rows, which run as the chunks' GEMMs (sm90_gemm, the same bits); called twice
-    in a row per shape, so both slot sets and a second epoch are read."""
+    in a row per shape, so both slot sets and a second epoch are read. matmul_reduce_scatter the
+    same way: one GEMM whose partials are pushed as their tiles are stored, bit for bit the
+    fixed-order sum (reduce_order) of every rank's part GEMM partial, at every chunk count."""
     import uniep.collectives as uc
 
     dev = _device(rank)
@@ -311,6 +318,17 @@ def _gated_ag_worker(rank: int, world: int) -> dict[str, object]:
                     assert torch.equal(ag, ag_ref), (m, chunks)
                     assert torch.equal(mm, want), (m, k, n, chunks)
                 checked.append((m, chunks))
+            # GEMM + reduce-scatter of [world * m, k] @ [k, n]: this rank's m rows of the sum.
+            big = torch.randn(world * m, k, generator=gen, device=dev).to(bf16)
+            partials = _gather_all(torch.ops.uniep.part_gemm(big, b), world)
+            mine = [p[rank * m : (rank + 1) * m] for p in partials]
+            exact = _fixed_order_sum(mine, rank, bf16)
+            for chunks in (1, 2, 4, 8):
+                if m % chunks:
+                    continue
+                for _ in range(2):
+                    got = uc.matmul_reduce_scatter(big, b, chunks=chunks)
+                    assert torch.equal(got, exact), ("matmul_reduce_scatter", m, k, n, chunks)
         uc.check()
     finally:
         _end_gemm_worker()

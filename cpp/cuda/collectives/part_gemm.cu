@@ -22,10 +22,16 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// The table's bytes: the problem arrays (grouped::carve's layout), then one ready pointer per part.
+// The table's bytes: the problem arrays (grouped::carve's layout), then one ready pointer per
+// part, then each part's first done counter (GatedSignal::done_base).
+size_t ready_offset(int64_t count) {
+  return grouped::group_arrays_bytes(count);
+}
+size_t done_base_offset(int64_t count) {
+  return ready_offset(count) + grouped::round_up(static_cast<size_t>(count) * sizeof(void*));
+}
 size_t table_bytes(int64_t count) {
-  return grouped::group_arrays_bytes(count) +
-         grouped::round_up(static_cast<size_t>(count) * sizeof(void*));
+  return done_base_offset(count) + grouped::round_up(static_cast<size_t>(count) * sizeof(int32_t));
 }
 
 Status check(const PartGemmProblem& p, const PartGate& gate) {
@@ -54,6 +60,9 @@ Status check(const PartGemmProblem& p, const PartGate& gate) {
     return bad("swizzle must be 0 (auto), 1, 2, 4 or 8, got ", p.swizzle);
   if (p.raster != 0 && p.raster != 'm' && p.raster != 'n')
     return bad("raster must be 'm', 'n' or 0 (auto), got ", static_cast<int>(p.raster));
+  if (p.done != nullptr && p.count * part_gemm_row_tiles(p.rows) > kMaxExtent)
+    return bad("done: count x row tiles (", p.count * part_gemm_row_tiles(p.rows),
+               ") counters must number fewer than 2^31");
   if (any_ready && gate.timeout == nullptr)
     return bad("gate.timeout must be a device pointer where a part has a ready word");
   return Status::Ok();
@@ -72,8 +81,8 @@ struct PartBatch {
 };
 
 __global__ void __launch_bounds__(kPartsPerLaunch)
-    write_parts(const PartBatch batch, grouped::Workspace ws, const uint64_t** ready, int rows,
-                int k, int n, const void* b) {
+    write_parts(const PartBatch batch, grouped::Workspace ws, const uint64_t** ready,
+                int32_t* done_base, int rows, int k, int n, const void* b) {
   const int i = static_cast<int>(threadIdx.x);
   if (i >= batch.count) return;
   const int g = batch.first + i;
@@ -85,13 +94,15 @@ __global__ void __launch_bounds__(kPartsPerLaunch)
   ws.stride_b[g] = n;  // b [k, n]: rows n apart
   ws.stride_d[g] = grouped::StrideD{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
   ready[g] = batch.ready[i];
+  done_base[g] = g * ((rows + kGatedTileM - 1) / kGatedTileM);
 }
 
 }  // namespace
 
 size_t part_gemm_workspace_bytes(int64_t count, int sm_count) {
   if (count < 1 || count > kMaxParts || sm_count < 1) return 0;
-  return table_bytes(count) + megakernel::gated_store_workspace(count, sm_count);
+  return table_bytes(count) + std::max(megakernel::gated_store_workspace(count, sm_count),
+                                       megakernel::gated_store_signal_workspace(count, sm_count));
 }
 
 Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device, int sm_count,
@@ -111,8 +122,8 @@ Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device
   const size_t bytes = table_bytes(p.count);
   const grouped::Workspace dev = grouped::carve(workspace, p.count);
   auto* base = static_cast<unsigned char*>(workspace);
-  const auto** ready =
-      reinterpret_cast<const uint64_t**>(base + grouped::group_arrays_bytes(p.count));
+  const auto** ready = reinterpret_cast<const uint64_t**>(base + ready_offset(p.count));
+  auto* done_base = reinterpret_cast<int32_t*>(base + done_base_offset(p.count));
   bool any_ready = false;
   for (int64_t first = 0; first < p.count; first += kPartsPerLaunch) {
     PartBatch batch{};
@@ -125,9 +136,9 @@ Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device
       batch.ready[i] = part.ready;
       any_ready = any_ready || part.ready != nullptr;
     }
-    write_parts<<<1, kPartsPerLaunch, 0, stream>>>(batch, dev, ready, static_cast<int>(p.rows),
-                                                   static_cast<int>(p.k), static_cast<int>(p.n),
-                                                   p.b);
+    write_parts<<<1, kPartsPerLaunch, 0, stream>>>(batch, dev, ready, done_base,
+                                                   static_cast<int>(p.rows), static_cast<int>(p.k),
+                                                   static_cast<int>(p.n), p.b);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
       return {StatusCode::kInternal,
               detail::str_cat("the part GEMM's table kernel failed: ", cudaGetErrorString(e))};
@@ -144,12 +155,19 @@ Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device
   // over 4 parts, timed at world 1 on one H200 (2026-12-03): along M was 8% faster on parts of
   // 2048 x 8192 (N 7168) and 10% on 4096 x 4096 (N 3584); along N 1-5% faster on parts of
   // 256-1024 rows. One configuration timed twice in that run differed by up to 10%: a rough rule.
-  const int64_t tiles_m = (p.rows + kGatedTileM - 1) / kGatedTileM;
+  const int64_t tiles_m = part_gemm_row_tiles(p.rows);
   const bool along_n = p.raster == 'n' || (p.raster == 0 && tiles_m <= 8);
   megakernel::GatedOrder order;
   order.along_n = along_n;
   order.swizzle = p.swizzle > 0 ? p.swizzle : along_n ? 4 : 1;
-  return megakernel::gated_store_run(ws, p.count, g, device, sm_count, stream, order);
+  if (p.done == nullptr)
+    return megakernel::gated_store_run(ws, p.count, g, device, sm_count, stream, order);
+  GatedSignal signal;
+  signal.done = p.done;
+  signal.done_base = done_base;
+  signal.num_done = p.count * part_gemm_row_tiles(p.rows);
+  return megakernel::gated_store_signal_run(ws, p.count, g, signal, p.n, device, sm_count, stream,
+                                            order);
 }
 
 }  // namespace uniep::cuda

@@ -94,6 +94,12 @@ size_t gated_swiglu_workspace(int64_t num_experts, int sm_count);
 Status gated_swiglu_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                         const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
                         cudaStream_t stream);
+// kStoreSignal: the parts GEMM of a GEMM + reduce-scatter (part_gemm.hpp's done counters).
+size_t gated_store_signal_workspace(int64_t num_experts, int sm_count);
+Status gated_store_signal_run(const grouped::Workspace& ws, int64_t num_experts,
+                              const TileGate& gate, const GatedSignal& signal, int64_t ld_out,
+                              int device, int sm_count, cudaStream_t stream,
+                              const GatedOrder& order);
 size_t gated_swiglu_plain_workspace(int64_t num_experts, int sm_count);
 Status gated_swiglu_plain_run(const grouped::Workspace& ws, int64_t num_experts,
                               const TileGate& gate, const GatedSignal& signal, int64_t ld_out,

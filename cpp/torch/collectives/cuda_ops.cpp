@@ -289,13 +289,14 @@ cuda::PartGemmProblem parts_problem(const PartsContext& c, const cuda::GemmPart*
 }
 
 Status run_parts(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
-                 const cuda::PartGate& gate, int spare_sms, cudaStream_t stream) {
+                 const cuda::PartGate& gate, int spare_sms, uint32_t* done, cudaStream_t stream) {
   auto* c = static_cast<PartsContext*>(ctx);
   // A smaller grid needs no more workspace than the one it was sized for.
   const int sms = std::max(1, std::min(c->sm_count, c->device_sms - spare_sms));
-  return cuda::part_gemm_bf16(parts_problem(*c, parts, count, rows), gate, c->device, sms,
-                              c->workspace.data_ptr(), static_cast<size_t>(c->workspace.numel()),
-                              stream);
+  cuda::PartGemmProblem p = parts_problem(*c, parts, count, rows);
+  p.done = done;
+  return cuda::part_gemm_bf16(p, gate, c->device, sms, c->workspace.data_ptr(),
+                              static_cast<size_t>(c->workspace.numel()), stream);
 }
 
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
@@ -344,6 +345,14 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
     at::Tensor out = at::empty({rows, b.size(1)}, a.options());
     MmContext ctx = mm_context(ac, bc, rows / chunks_or_one(chunks));
+    const CollGemm choice = coll_gemm();
+    const int64_t W = scope.rt.config().group_size();
+    PartsContext parts;
+    // As for the all-gather + GEMM: chunks of whole tile clusters only.
+    const bool gated = choice.backend == CollGemmBackend::kGated && chunks >= 1 &&
+                       chunks <= coll::kMaxChunks && parts_fit(ac, bc) &&
+                       parts_fill_tiles(rows % chunks == 0 ? rows / chunks : 0);
+    if (gated) parts = parts_context(bc, W * chunks, choice.sm_carveout);
     coll::ReduceScatterCall c;
     c.dtype = to_dtype(a, "a");
     c.a = ac.data_ptr();
@@ -353,7 +362,10 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.rows_per_rank = rows;
     c.n = b.size(1);
     c.chunks = chunks;
-    c.gemm = {&mm_rows, &ctx, ctx.sm90};
+    // gated: no fold in the chunk GEMMs' epilogue either, so that every chunking gives the
+    // fixed-order sum of the same partials (sm90_gemm's bits are the part GEMM's).
+    c.gemm = {&mm_rows, &ctx, ctx.sm90 && choice.backend != CollGemmBackend::kGated};
+    if (gated) c.parts_gemm = {&run_parts, &parts};
     ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
@@ -451,7 +463,7 @@ at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t part
       if (ready.has_value())
         table[i].ready = reinterpret_cast<const uint64_t*>(ready->data_ptr<int64_t>()) + i;
     }
-    ok_or_throw(run_parts(&ctx, table.data(), parts, rows, gate, 0,
+    ok_or_throw(run_parts(&ctx, table.data(), parts, rows, gate, 0, nullptr,
                           at::cuda::getCurrentCUDAStream().stream()));
     if (record.defined()) {
       cuda::GateTimeout t;

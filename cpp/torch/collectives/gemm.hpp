@@ -7,10 +7,13 @@
 //    epilogue of its own parts' GEMMs, and the persistent grid leaves `sm_carveout` SMs to the
 //    copies, waits and folds queued beside it. Slower than cublas on 7 of the 10 TP=2 shapes
 //    (two H200s, 2026-11-23, commit fc5758c), so not the default;
-//  - gated: an all-gather + GEMM runs as one persistent GEMM over all the parts, each part's
-//    tiles waiting on the device for its arrival (uniep/cuda/part_gemm.hpp), where the operands
-//    fit it (bf16 on Hopper, 16-byte rows; else as cutlass); a GEMM + reduce-scatter runs as
-//    cutlass. Its grid leaves `sm_carveout` SMs to the copies into the gathered output.
+//  - gated: a collective + GEMM runs as one persistent GEMM over all the parts
+//    (uniep/cuda/part_gemm.hpp) where the operands fit it (bf16 on Hopper, 16-byte rows, chunks
+//    of whole tile clusters; else the cutlass chunk GEMMs): an all-gather + GEMM's tiles wait
+//    on the device for their part's arrival, a GEMM + reduce-scatter's parts are pushed as their
+//    tiles are stored. The reduce-scatter folds the partials in the reduce order after the GEMM
+//    (no epilogue fold), so its bits are the same for every chunking. Its grid leaves
+//    `sm_carveout` SMs free.
 #pragma once
 
 #include <cstdint>

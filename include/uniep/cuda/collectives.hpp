@@ -15,9 +15,10 @@
 //    adds the partials; the all-to-all places the block;
 //  - the computation runs on the caller's stream, in the schedule's step order: a remote chunk's
 //    GEMM waits on that chunk's copy (an event), and the rank's own chunks fill the slot that
-//    would otherwise be the exposed tail. An all-gather + GEMM with parts_gemm runs one
-//    persistent GEMM instead, launched at once, whose tiles wait on the device for their part's
-//    arrival word;
+//    would otherwise be the exposed tail. With parts_gemm one persistent GEMM runs instead: an
+//    all-gather + GEMM's is launched at once and its tiles wait on the device for their part's
+//    arrival word; a GEMM + reduce-scatter's announces each part's stored tiles, on which the
+//    communication stream waits (no SM) before it pushes the part;
 // No call starts with a barrier: the push slots come in two sets, one for calls of odd epoch and
 // one for even, and the arrival waits of a call prove that every peer has finished the call before
 // it (so its slots for the next call are free). The ranks stay at most one call apart; every wait
@@ -85,17 +86,21 @@ struct RowGemm {
   bool folds_addend = false;
 };
 
-// The all-gather + GEMM as one persistent GEMM over all its parts (uniep/cuda/part_gemm.hpp)
+// A collective + GEMM as one persistent GEMM over all its parts (uniep/cuda/part_gemm.hpp)
 // instead of one GEMM per part: the runtime lists the W * chunks parts in the schedule's
-// compute order (the own shard's first), each with its rows' place (the caller's shard or the
-// slot the peer pushed into), its output rows and its arrival word (null for the own parts), and
-// the callback enqueues cuda::part_gemm_bf16 (with B) on `stream` once. `gate` carries the
-// call's epoch, the timeout and the runtime's timeout record; the GEMM's grid must leave at
-// least `spare_sms` SMs of the device free (1 where a peer shares this GPU: the pushes between
-// them are copies on SMs, which the peers' gated tiles wait for).
+// compute order and the callback enqueues cuda::part_gemm_bf16 (with B) on `stream` once.
+//  - all-gather + GEMM: the own shard's parts first; each part's rows where they are (the
+//    caller's shard or the slot the peer pushed into) and its arrival word (null for the own
+//    parts); `gate` carries the call's epoch, the timeout and the runtime's timeout record.
+//  - GEMM + reduce-scatter: the peers' parts first, the own last, into the scratch rows, no
+//    gate; `done` takes the parts' stored row tiles (PartGemmProblem::done), on which the
+//    pushes of the partials wait.
+// The GEMM's grid must leave at least `spare_sms` SMs of the device free (1 where a peer shares
+// this GPU: the pushes between them are copies on SMs, which the peers' gated tiles wait for).
 struct PartsGemm {
   Status (*run)(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t rows,
-                const cuda::PartGate& gate, int spare_sms, cudaStream_t stream) = nullptr;
+                const cuda::PartGate& gate, int spare_sms, uint32_t* done,
+                cudaStream_t stream) = nullptr;
   void* ctx = nullptr;
 };
 
@@ -126,6 +131,10 @@ struct ReduceScatterCall {
   int64_t n = 0;       // elements of one output row; n * dtype size a multiple of 16
   int64_t chunks = 1;  // divides rows_per_rank
   RowGemm gemm{};
+  // Where set (with gemm.run set too; bf16): the one GEMM instead of gemm's per-part GEMMs, its
+  // partials pushed as their tiles are stored. gemm.run stays the fallback where the driver has
+  // no stream waits.
+  PartsGemm parts_gemm{};
 };
 
 // The all-to-all: send [W][block_bytes] (block p to rank p) -> recv [W][block_bytes] (block s

@@ -46,7 +46,22 @@ struct PartGemmProblem {
   // or 8; raster 'm' (every m-tile of a column of n-tiles, then the next), 'n', or 0 (auto).
   int swizzle = 0;
   char raster = 0;
+  // Optional: where the parts' finished row blocks are announced, so that each part can be sent
+  // on as soon as it is stored (the CUDA GEMM + reduce-scatter). part_gemm_row_tiles(rows)
+  // counters a part, zeroed by the caller before the call: once a warp has stored its share of
+  // m-tile t of part i it adds 1 (a release at system scope) to done[i * row tiles + t], which
+  // is whole at part_gemm_tile_arrivals(n). The stores are then direct stores from the
+  // accumulators instead of TMA's, with the same bits. Null: no signal.
+  uint32_t* done = nullptr;
 };
+
+// Counters per part of PartGemmProblem::done, and what one of them reaches.
+inline int64_t part_gemm_row_tiles(int64_t rows) {
+  return (rows + kGatedTileM - 1) / kGatedTileM;
+}
+inline uint32_t part_gemm_tile_arrivals(int64_t n) {
+  return static_cast<uint32_t>(kGatedWarpsPerTile * ((n + kGatedTileN - 1) / kGatedTileN));
+}
 
 struct PartGate {
   uint64_t epoch = 0;

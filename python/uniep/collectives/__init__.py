@@ -476,15 +476,19 @@ def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
       TP=2 shapes of bench_overlap it is slower than ``"cublas"`` (the GEMM alone is 3-16%
       slower than cuBLAS's on an H200: bench_gemm), hence not the default.
 
-    - ``"gated"``: ``all_gather_matmul`` runs one persistent GEMM over the whole gathered
-      operand (``torch.ops.uniep.part_gemm``: the expert GEMM engine's gated 128 x 256 tiles)
-      instead of one GEMM per chunk. It is launched at once; each tile waits on the device for
-      its chunk's arrival word, the own shard's tiles first, and reads the peers' rows where
-      they landed. Its bits are those of the GEMM of the gathered operand for every chunk count.
-      ``sm_carveout`` SMs stay free for the copies into the gathered output. Where the operands
-      do not fit it (as for ``"cutlass"``), where its 256-row tile clusters would pad a chunk by
-      more than a quarter (chunks of fewer than 256 rows, say), and for
-      ``matmul_reduce_scatter``, it runs as ``"cutlass"``.
+    - ``"gated"``: one persistent GEMM over all the chunks (``torch.ops.uniep.part_gemm``: the
+      expert GEMM engine's gated 128 x 256 tiles) instead of one GEMM per chunk.
+      ``all_gather_matmul``'s is launched at once; each tile waits on the device for its
+      chunk's arrival word, the own shard's tiles first, and reads the peers' rows where they
+      landed: the bits of the GEMM of the gathered operand for every chunk count.
+      ``matmul_reduce_scatter``'s computes the peers' partials first and announces each chunk's
+      stored tiles, on which the pushes wait (a stream wait, no SM), so every partial leaves as
+      soon as it is stored; its own rows are folded with the peers' in the reduce order after
+      the GEMM: the fixed-order sum of the partials, the same bits for every chunk count.
+      ``sm_carveout`` SMs stay free. Where the operands do not fit it (as for ``"cutlass"``) or
+      its 256-row tile clusters would pad a chunk by more than a quarter (chunks of fewer than
+      256 rows, say), the chunks' GEMMs run as for ``"cutlass"`` but with the same fold, so the
+      bits stay those of the fixed-order sum.
 
     Results are deterministic with each backend, but they round differently. The CPU executor
     is not affected.

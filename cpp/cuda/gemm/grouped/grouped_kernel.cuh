@@ -27,6 +27,7 @@
 
 #include "cuda/gemm/grouped/gate_up_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
+#include "cuda/gemm/grouped/signal_store_epilogue.cuh"
 #include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 
 namespace uniep::cuda::grouped {
@@ -34,8 +35,9 @@ namespace uniep::cuda::grouped {
 // What the epilogue does with the fp32 accumulators: store them (rounded to bf16) through TMA,
 // or apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh), with
 // w1 packed by pack_gate_up (kSwiGlu) or as stored, gate columns then up (kSwiGluPlain: B read
-// through PlainGateUpMainloop, gate_up_mainloop.cuh).
-enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluPlain };
+// through PlainGateUpMainloop, gate_up_mainloop.cuh), or store them directly and signal each
+// finished row block (kStoreSignal: signal_store_epilogue.cuh; the gated GEMM only).
+enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluPlain, kStoreSignal };
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedEpilogue Epi, GroupedKind Kind = GroupedKind::kForward>
@@ -60,10 +62,11 @@ struct Sm90GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajorArray, kAlign,
       Bf16, RowMajorArray, kAlign, EpilogueSchedule>::CollectiveOp;
+  using DirectEpilogue = cute::conditional_t<Epi == GroupedEpilogue::kStoreSignal,
+                                             SignalStoreEpilogue, SwiGluEpilogue<kPlain ? 64 : 8>>;
   using Epilogue = cute::conditional_t<
       Epi == GroupedEpilogue::kStore, StoreEpilogue,
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-          SwiGluEpilogue<kPlain ? 64 : 8>>>;
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<DirectEpilogue>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA, kAlign, Bf16, LayoutB,

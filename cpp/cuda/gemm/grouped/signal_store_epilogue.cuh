@@ -1,0 +1,65 @@
+// The grouped GEMM's store epilogue with a done signal: D = the fp32 accumulators rounded once to
+// bf16 (the TMA store epilogue's bits), stored straight from the accumulators into each group's
+// rows, and once a warp has stored its part of output tile (group g, m-tile i) it adds 1 to
+// done[done_base[g] + i] (SwiGluEpilogue's signal, at system scope). A row block is then whole
+// at kGatedWarpsPerTile x (its n-tiles) arrivals, which whoever sends it on waits for: the
+// GEMM + reduce-scatter's copy-engine pushes wait for their part this way (a stream wait on the
+// counter), so each partial leaves as soon as its tiles are stored, not after the whole GEMM.
+//
+// Why not the TMA store: its bulk stores complete asynchronously, so a signal would first wait
+// for them (tma_store_wait) inside CUTLASS's collective; direct stores are ordered before the
+// release by the warp barrier. Two adjacent columns make one 4-byte store, as the SwiGLU
+// epilogue's.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cute/tensor.hpp>
+
+#include "cuda/gemm/grouped/direct_epilogue.cuh"
+#include "cuda/gemm/grouped/grouped_types.hpp"
+
+namespace uniep::cuda::grouped {
+
+class SignalStoreEpilogue : public DirectStoreEpilogue, public DirectTileCall<SignalStoreEpilogue> {
+ public:
+  struct Arguments {
+    Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
+    int64_t ld_out = 0;        // elements between rows of out (N; even)
+    uint32_t* done = nullptr;  // null: no signal
+    const int32_t* done_base = nullptr;
+    int64_t num_done = 0;  // entries of done; a tile outside them is not signalled
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static bool can_implement(const ProblemShape&, const Arguments& args) {
+    return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
+  }
+
+  CUTLASS_HOST_DEVICE explicit SignalStoreEpilogue(const Params& params) : params_(params) {}
+
+  template <int kAtom, class Tile, class Acc>
+  CUTLASS_DEVICE void store_tile(const Tile& t, const Acc& acc) {
+    auto* out = reinterpret_cast<__nv_bfloat16*>(params_.ptr_out[t.group]);
+    // A fragment holds two adjacent columns of every 8-column block (values v, v + 1 for even
+    // v), in two row halves.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::size(acc); i += kAtom) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < kAtom; v += 2) {
+        const auto c = t.crd(i + v);
+        const int m = cute::get<0>(c), n = cute::get<1>(c);
+        if (m >= t.M || n >= t.N) continue;
+        *reinterpret_cast<uint32_t*>(out + m * params_.ld_out + n) =
+            pack(acc(i + v), acc(i + v + 1));
+      }
+    }
+    signal_tile_done(params_.done, params_.done_base, t.group, t.m_tile, t.tile_m, t.M,
+                     params_.num_done, /*system=*/true);
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace uniep::cuda::grouped
