@@ -100,38 +100,27 @@ struct BlockRows {
   }
 };
 
-using StreamWriteValue64 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+// A driver entry point fetched at run time (no -lcuda), or nullptr where the driver lacks it.
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
 
 // The driver's stream write (no SM needed, so it is not queued behind a GEMM's blocks as a
-// signal kernel is), or nullptr where the driver lacks it. A device without 64-bit stream memory
-// operations answers CUDA_ERROR_NOT_SUPPORTED at the first write (see signal()).
-StreamWriteValue64 stream_write_value64() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<StreamWriteValue64>(fn);
-}
-
+// signal kernel is). A device without 64-bit stream memory operations answers
+// CUDA_ERROR_NOT_SUPPORTED at the first write (see signal()).
+using StreamWriteValue64 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+// The driver's stream wait on a 32-bit word (the stream stalls on the GPU's front end, no SM);
+// without it a GEMM + reduce-scatter runs its chunk GEMMs.
 using StreamWaitValue32 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-// The driver's stream wait on a 32-bit word (the stream stalls on the GPU's front end, no SM),
-// or nullptr where the driver lacks it: a GEMM + reduce-scatter then runs its chunk GEMMs.
-StreamWaitValue32 stream_wait_value32() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<StreamWaitValue32>(fn);
-}
 
 class RuntimeImpl final : public Runtime {
  public:
@@ -186,8 +175,8 @@ class RuntimeImpl final : public Runtime {
     // per peer (the copies to different peers at once) was slower on four H200s: a plain
     // all-gather of 512 MiB took 1.93 ms instead of 1.40, and the first chunk an AG+GEMM needs
     // arrived later (2026-11-26, commit cff9c71 against 9b4addf).
-    write_value_ = stream_write_value64();
-    wait_value_ = stream_wait_value32();
+    write_value_ = driver_entry<StreamWriteValue64>("cuStreamWriteValue64");
+    wait_value_ = driver_entry<StreamWaitValue32>("cuStreamWaitValue32");
     for (cudaEvent_t& e : events_)
       UNIEP_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     UNIEP_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),

@@ -17,6 +17,20 @@
 
 namespace uniep::cuda::grouped {
 
+// The arguments of the direct epilogues that store one output per group and may signal it:
+// where each group's rows go, and the done counters of SwiGluEpilogue / SignalStoreEpilogue
+// (signal_tile_done).
+struct DirectOutArguments {
+  Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
+  int64_t ld_out = 0;        // elements between rows of out (even)
+  // Once a warp has written its part of output tile (group g, m-tile i), it adds 1 to
+  // done[done_base[g] + i], so the tile's rows are complete at (consumer warps per tile) x
+  // (N-tiles) arrivals. Null: no signal.
+  uint32_t* done = nullptr;
+  const int32_t* done_base = nullptr;
+  int64_t num_done = 0;  // entries of done; a tile outside them is not signalled
+};
+
 struct DirectStoreEpilogue {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
@@ -55,6 +69,12 @@ struct DirectStoreEpilogue {
   }
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  // For the epilogues whose Arguments are DirectOutArguments (others define their own).
+  template <class ProblemShape>
+  static bool can_implement(const ProblemShape&, const DirectOutArguments& args) {
+    return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
+  }
 
   // The (m, n) place within its group's output of each value of this thread's accumulator
   // fragment, a WGMMA fragment: ((2 columns, 2 row halves, N/8 column blocks), M, N).

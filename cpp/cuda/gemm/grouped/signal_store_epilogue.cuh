@@ -22,19 +22,8 @@ namespace uniep::cuda::grouped {
 
 class SignalStoreEpilogue : public DirectStoreEpilogue, public DirectTileCall<SignalStoreEpilogue> {
  public:
-  struct Arguments {
-    Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
-    int64_t ld_out = 0;        // elements between rows of out (N; even)
-    uint32_t* done = nullptr;  // null: no signal
-    const int32_t* done_base = nullptr;
-    int64_t num_done = 0;  // entries of done; a tile outside them is not signalled
-  };
+  using Arguments = DirectOutArguments;  // ld_out: N
   using Params = Arguments;
-
-  template <class ProblemShape>
-  static bool can_implement(const ProblemShape&, const Arguments& args) {
-    return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
-  }
 
   CUTLASS_HOST_DEVICE explicit SignalStoreEpilogue(const Params& params) : params_(params) {}
 

@@ -32,23 +32,10 @@ namespace uniep::cuda::grouped {
 template <int kPair = 8>
 class SwiGluEpilogue : public DirectStoreEpilogue, public DirectTileCall<SwiGluEpilogue<kPair>> {
  public:
-  struct Arguments {
-    Bf16** ptr_out = nullptr;  // per group: row 0 of its rows of out
-    int64_t ld_out = 0;        // elements between rows of out (I)
-    // Optional (the MegaKernel's second GEMM waits on it, docs/megakernel.md): once a warp has
-    // written its part of output tile (expert e, m-tile i), it adds 1 to
-    // done[done_base[e] + i], so the tile's activation rows are complete at
-    // (consumer warps per tile) x (N-tiles) arrivals. Null: no signal.
-    uint32_t* done = nullptr;
-    const int32_t* done_base = nullptr;
-    int64_t num_done = 0;  // entries of done; a tile outside them is not signalled
-  };
+  // ld_out: I; done (optional): what the MegaKernel's second GEMM waits on
+  // (docs/megakernel.md).
+  using Arguments = DirectOutArguments;
   using Params = Arguments;
-
-  template <class ProblemShape>
-  static bool can_implement(const ProblemShape&, const Arguments& args) {
-    return args.ptr_out != nullptr && args.ld_out > 0 && args.ld_out % 2 == 0;
-  }
 
   CUTLASS_HOST_DEVICE explicit SwiGluEpilogue(const Params& params) : params_(params) {}
 
