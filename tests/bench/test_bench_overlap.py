@@ -56,6 +56,9 @@ def test_gemm_choices() -> None:
     assert bo.ours_prefix(("cutlass", 0)) == "ours_cutlass_c"
     assert bo.ours_prefix(("cutlass", 8)) == "ours_cutlass_sm8_c"
     assert bo.ours_prefix(("cublas", 4)) == "ours_cublas_sm4_c"
+    assert bo.parse_gemms("gated,gated@2") == [("gated", 0), ("gated", 2)]
+    assert bo.ours_prefix(("gated", 0)) == "ours_gated_c"
+    assert ("gated", 0) in bo.GPU_GEMMS  # the next GPU run times the one-GEMM overlap
     assert bo.GEMM_BACKENDS == pytest.importorskip("uniep.collectives").GEMM_BACKENDS
 
 
