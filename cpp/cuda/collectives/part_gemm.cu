@@ -34,7 +34,9 @@ size_t table_bytes(int64_t count) {
   return done_base_offset(count) + grouped::round_up(static_cast<size_t>(count) * sizeof(int32_t));
 }
 
-Status check(const PartGemmProblem& p, const PartGate& gate) {
+}  // namespace
+
+Status part_gemm_supports(const PartGemmProblem& p) {
   auto bad = [](auto&&... what) {
     return Status{StatusCode::kInvalidArgument, detail::str_cat(what...)};
   };
@@ -49,12 +51,10 @@ Status check(const PartGemmProblem& p, const PartGate& gate) {
     return bad("n must be a positive multiple of ", grouped::kAlign,
                " (the GEMM's TMA moves 16-byte rows), got ", p.n);
   if (p.b == nullptr || !aligned16(p.b)) return bad("b must be a 16-byte aligned device pointer");
-  bool any_ready = false;
   for (int64_t i = 0; i < p.count; ++i) {
     const GemmPart& part = p.parts[i];
     if (part.a == nullptr || !aligned16(part.a) || part.out == nullptr || !aligned16(part.out))
       return bad("parts[", i, "]: a and out must be 16-byte aligned device pointers");
-    any_ready = any_ready || part.ready != nullptr;
   }
   if (p.swizzle != 0 && p.swizzle != 1 && p.swizzle != 2 && p.swizzle != 4 && p.swizzle != 8)
     return bad("swizzle must be 0 (auto), 1, 2, 4 or 8, got ", p.swizzle);
@@ -63,8 +63,18 @@ Status check(const PartGemmProblem& p, const PartGate& gate) {
   if (p.done != nullptr && p.count * part_gemm_row_tiles(p.rows) > kMaxExtent)
     return bad("done: count x row tiles (", p.count * part_gemm_row_tiles(p.rows),
                ") counters must number fewer than 2^31");
+  return Status::Ok();
+}
+
+namespace {
+
+Status check(const PartGemmProblem& p, const PartGate& gate) {
+  if (Status s = part_gemm_supports(p); !s.ok()) return s;
+  bool any_ready = false;
+  for (int64_t i = 0; i < p.count; ++i) any_ready = any_ready || p.parts[i].ready != nullptr;
   if (any_ready && gate.timeout == nullptr)
-    return bad("gate.timeout must be a device pointer where a part has a ready word");
+    return {StatusCode::kInvalidArgument,
+            "gate.timeout must be a device pointer where a part has a ready word"};
   return Status::Ok();
 }
 

@@ -65,8 +65,8 @@ void check_direct(c10::string_view order) {
               "peer of its NVLink domain directly (order=\"direct\")");
 }
 
-// The runtime was created for this group's ranks (init_cuda, init_cuda_subgroups), so its group
-// size is the group's.
+// The runtime was created for this group's ranks (init_cuda, with its parent for a sub-group),
+// so its group size is the group's.
 coll::Runtime& runtime_for(c10::string_view group_name) {
   return coll_runtime(std::string(group_name));
 }
@@ -242,15 +242,15 @@ struct PartsContext {
   char raster = 0;
 };
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-// Whether the part GEMM takes these operands (else the call runs the cutlass chunks).
-bool parts_fit(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == at::kBFloat16 && a.size(1) % 8 == 0 && b.size(1) % 8 == 0 &&
-         aligned16(a.data_ptr()) && aligned16(b.data_ptr()) &&
-         cuda::grouped_gemm_device_ok(a.device().index());
+PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveout) {
+  PartsContext ctx;
+  ctx.b = b;
+  ctx.device = b.device().index();
+  ctx.sm_count = gemm_sm_count(ctx.device, sm_carveout);
+  ctx.device_sms = gemm_sm_count(ctx.device, 0);
+  const size_t bytes = cuda::part_gemm_workspace_bytes(count, ctx.sm_count);
+  ctx.workspace = at::empty({static_cast<int64_t>(bytes)}, b.options().dtype(at::kByte));
+  return ctx;
 }
 
 // The part GEMM pads every part to whole clusters of its tiles (kGatedTileM rows, two along M):
@@ -263,15 +263,30 @@ bool parts_fill_tiles(int64_t rows) {
   return rows > 0 && 4 * padded <= 5 * rows;
 }
 
-PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveout) {
-  PartsContext ctx;
-  ctx.b = b;
-  ctx.device = b.device().index();
-  ctx.sm_count = gemm_sm_count(ctx.device, sm_carveout);
-  ctx.device_sms = gemm_sm_count(ctx.device, 0);
-  const size_t bytes = cuda::part_gemm_workspace_bytes(count, ctx.sm_count);
-  ctx.workspace = at::empty({static_cast<int64_t>(bytes)}, b.options().dtype(at::kByte));
-  return ctx;
+// Whether a collective + GEMM of `chunks` chunks per rank (`rows` rows each side), a [.., K] @
+// b [K, N] into out, runs as one part GEMM: set_gemm("gated") chose it, and the operands (what
+// part_gemm_supports takes, bf16 on Hopper) and the chunks (whole tile clusters) fit it; then
+// *ctx gets its workspace for the call's W * chunks parts. Else the chunk GEMMs run. A bad chunk
+// count is the runtime's to report: it sizes no workspace here.
+bool use_parts(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t rows,
+               int64_t chunks, int64_t W, PartsContext* ctx) {
+  const CollGemm choice = coll_gemm();
+  if (choice.backend != CollGemmBackend::kGated || chunks < 1 || chunks > coll::kMaxChunks ||
+      rows % chunks != 0 || !parts_fill_tiles(rows / chunks))
+    return false;
+  if (a.scalar_type() != at::kBFloat16 || !cuda::grouped_gemm_device_ok(a.device().index()))
+    return false;
+  const cuda::GemmPart first{a.data_ptr(), out.data_ptr(), nullptr};
+  cuda::PartGemmProblem p;
+  p.parts = &first;
+  p.count = 1;
+  p.rows = rows / chunks;
+  p.k = b.size(0);
+  p.n = b.size(1);
+  p.b = b.data_ptr();
+  if (!cuda::part_gemm_supports(p).ok()) return false;
+  *ctx = parts_context(b, W * chunks, choice.sm_carveout);
+  return true;
 }
 
 cuda::PartGemmProblem parts_problem(const PartsContext& c, const cuda::GemmPart* parts,
@@ -311,13 +326,8 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
     at::Tensor ag = at::empty({W * a.size(0), a.size(1)}, a.options());
     at::Tensor mm = at::empty({W * a.size(0), b.size(1)}, a.options());
     MmContext ctx = mm_context(ac, bc, a.size(0) / chunks_or_one(chunks));
-    const CollGemm choice = coll_gemm();
     PartsContext parts;
-    // A bad chunk count is the runtime's to report; it sizes no workspace here.
-    const bool gated = choice.backend == CollGemmBackend::kGated && chunks >= 1 &&
-                       chunks <= coll::kMaxChunks && parts_fit(ac, bc) &&
-                       parts_fill_tiles(a.size(0) % chunks == 0 ? a.size(0) / chunks : 0);
-    if (gated) parts = parts_context(bc, W * chunks, choice.sm_carveout);
+    const bool gated = use_parts(ac, bc, mm, a.size(0), chunks, W, &parts);
     coll::AllGatherCall c;
     c.a = ac.data_ptr();
     c.gathered = ag.data_ptr();
@@ -345,14 +355,9 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     at::Tensor scratch = at::empty({a.size(0), b.size(1)}, a.options());
     at::Tensor out = at::empty({rows, b.size(1)}, a.options());
     MmContext ctx = mm_context(ac, bc, rows / chunks_or_one(chunks));
-    const CollGemm choice = coll_gemm();
-    const int64_t W = scope.rt.config().group_size();
     PartsContext parts;
-    // As for the all-gather + GEMM: chunks of whole tile clusters only.
-    const bool gated = choice.backend == CollGemmBackend::kGated && chunks >= 1 &&
-                       chunks <= coll::kMaxChunks && parts_fit(ac, bc) &&
-                       parts_fill_tiles(rows % chunks == 0 ? rows / chunks : 0);
-    if (gated) parts = parts_context(bc, W * chunks, choice.sm_carveout);
+    const bool gated =
+        use_parts(ac, bc, scratch, rows, chunks, scope.rt.config().group_size(), &parts);
     coll::ReduceScatterCall c;
     c.dtype = to_dtype(a, "a");
     c.a = ac.data_ptr();
@@ -364,11 +369,17 @@ at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
     c.chunks = chunks;
     // gated: no fold in the chunk GEMMs' epilogue either, so that every chunking gives the
     // fixed-order sum of the same partials (sm90_gemm's bits are the part GEMM's).
-    c.gemm = {&mm_rows, &ctx, ctx.sm90 && choice.backend != CollGemmBackend::kGated};
+    c.gemm = {&mm_rows, &ctx, ctx.sm90 && coll_gemm().backend != CollGemmBackend::kGated};
     if (gated) c.parts_gemm = {&run_parts, &parts};
     ok_or_throw(scope.rt.reduce_scatter(c, at::cuda::getCurrentCUDAStream().stream()));
     return out;
   });
+}
+
+// The tile order of sm90_gemm and part_gemm: "auto", "m" or "n".
+void check_raster(c10::string_view raster) {
+  UNIEP_CHECK(raster == "auto" || raster == "m" || raster == "n",
+              "raster must be \"auto\", \"m\" or \"n\", got \"", std::string(raster), "\"");
 }
 
 at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
@@ -378,8 +389,7 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
     cuda::GemmTuning tuning;
     tuning.tile_n = static_cast<int>(tile_n);
     tuning.swizzle = static_cast<int>(swizzle);
-    UNIEP_CHECK(raster == "auto" || raster == "m" || raster == "n",
-                "raster must be \"auto\", \"m\" or \"n\", got \"", std::string(raster), "\"");
+    check_raster(raster);
     tuning.raster = raster == "m"   ? cuda::GemmRaster::kAlongM
                     : raster == "n" ? cuda::GemmRaster::kAlongN
                                     : cuda::GemmRaster::kAuto;
@@ -418,8 +428,7 @@ at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t part
                           int64_t sm_carveout, int64_t swizzle, c10::string_view raster) {
   return translate_errors([&] {
     check_matmul_operands(a, b, "[M, K]", "[K, N]", Executor::kCuda);
-    UNIEP_CHECK(raster == "auto" || raster == "m" || raster == "n",
-                "raster must be \"auto\", \"m\" or \"n\", got \"", std::string(raster), "\"");
+    check_raster(raster);
     UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the part GEMM), got ",
                 c10::toString(a.scalar_type()));
     UNIEP_CHECK(parts >= 1 && a.size(0) % parts == 0, "parts (", parts,

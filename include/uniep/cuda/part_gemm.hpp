@@ -69,6 +69,11 @@ struct PartGate {
   GateTimeout* timeout = nullptr;  // required where any part has a ready word
 };
 
+// Whether part_gemm_bf16 takes this problem: OK, or kInvalidArgument naming what it does not
+// take (shapes, 16-byte alignment, the tile order, the counters' count). The gate is checked by
+// the call.
+Status part_gemm_supports(const PartGemmProblem& p);
+
 // Bytes of workspace part_gemm_bf16 needs for `count` parts on `sm_count` SMs; 0 when count or
 // sm_count is < 1.
 size_t part_gemm_workspace_bytes(int64_t count, int sm_count);
