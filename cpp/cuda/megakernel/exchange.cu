@@ -13,12 +13,6 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kMaxExperts = static_cast<int>(fused::kMaxExperts);
 
-__device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void store_release_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -59,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) fused_exchange_kernel(const FusedExc
   if (tid < W) {
     // Peer tid's words arrive in this rank's own arrival array.
     const uint64_t* word = a.peer_arrived[a.rank] + tid;
-    uint64_t have = load_acquire_u64(word);
+    uint64_t have = load_acquire_sys(word);
     const uint64_t deadline = a.timeout_ns ? gate_clock_ns() + a.timeout_ns : ~0ull;
     while (have < epoch) {
       __nanosleep(256);
@@ -68,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) fused_exchange_kernel(const FusedExc
                     static_cast<uint32_t>(epoch));
         break;
       }
-      have = load_acquire_u64(word);
+      have = load_acquire_sys(word);
     }
   }
   __syncthreads();

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include "cuda/common/cta_index.cuh"
+#include "cuda/common/device_wait.cuh"
 
 #include "uniep/cuda/tile_gate.hpp"
 
@@ -51,40 +52,37 @@ __device__ __forceinline__ bool gate_active(const TileGate& g) {
   return g.counters != nullptr || g.ready != nullptr;
 }
 
-__device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ uint32_t gate_load(const uint32_t* p) {
+  return load_acquire_u32(p);
+}
+__device__ __forceinline__ uint64_t gate_load(const uint64_t* p) {
+  return load_acquire_sys(p);
 }
 
-// The ns this CTA waited, where the gate asks for them.
-__device__ __forceinline__ void gate_add_waited(const TileGate& g, uint64_t start) {
+// The bounded spin of both kinds of gate: returns once *word >= need, or at the deadline after
+// recording the first timeout (have / need as their low 32 bits), or once another wait of the
+// launch gave up; the ns it waited go to the gate's waited_ns.
+template <class Word>
+__device__ __forceinline__ void gate_spin(const TileGate& g, const Word* word, Word need,
+                                          int expert, int m_tile) {
+  Word have = gate_load(word);
+  if (have >= need) return;
+  const uint64_t start = gate_clock_ns();
+  const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
+  while (have < need) {
+    __nanosleep(64);
+    if (gate_clock_ns() > deadline) {
+      gate_report(g.timeout, 1u, expert, m_tile, static_cast<uint32_t>(have),
+                  static_cast<uint32_t>(need));
+      break;
+    }
+    if (gate_failed(g.timeout)) break;
+    have = gate_load(word);
+  }
   if (g.waited_ns != nullptr) {
     atomicAdd(g.waited_ns + g.waited_stride * cta_linear_index(),
               static_cast<unsigned long long>(gate_clock_ns() - start));
   }
-}
-
-// The word gate (TileGate::ready): every tile of group `expert` waits for its word to reach the
-// epoch. A timeout records the word's and the epoch's low 32 bits.
-__device__ __forceinline__ void gate_wait_word(const TileGate& g, int expert, int m_tile) {
-  const uint64_t* word = g.ready[expert];
-  if (word == nullptr) return;
-  uint64_t have = load_acquire_u64(word);
-  if (have >= g.epoch) return;
-  const uint64_t start = gate_clock_ns();
-  const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
-  while (have < g.epoch) {
-    __nanosleep(64);
-    if (gate_clock_ns() > deadline) {
-      gate_report(g.timeout, 1u, expert, m_tile, static_cast<uint32_t>(have),
-                  static_cast<uint32_t>(g.epoch));
-      break;
-    }
-    if (gate_failed(g.timeout)) break;
-    have = load_acquire_u64(word);
-  }
-  gate_add_waited(g, start);
 }
 
 // Called by one thread. Returns once tile (expert, m_tile) of an expert with `rows` rows may be
@@ -97,7 +95,9 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
   const int in_tile = min(tile_m, rows - m_tile * tile_m);
   if (in_tile <= 0) return;
   if (g.counters == nullptr) {
-    gate_wait_word(g, expert, m_tile);
+    // The word gate (TileGate::ready): every tile of the group waits for its word to reach the
+    // epoch.
+    if (g.ready[expert] != nullptr) gate_spin(g, g.ready[expert], g.epoch, expert, m_tile);
     return;
   }
   const uint32_t need = g.per_row * static_cast<uint32_t>(in_tile) + g.per_tile;
@@ -107,21 +107,7 @@ __device__ __forceinline__ void gate_wait(const TileGate& g, int expert, int m_t
                 static_cast<uint32_t>(index));
     return;
   }
-  const uint32_t* counter = g.counters + index;
-  uint32_t have = load_acquire_u32(counter);
-  if (have >= need) return;
-  const uint64_t start = gate_clock_ns();
-  const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
-  while (have < need) {
-    __nanosleep(64);
-    if (gate_clock_ns() > deadline) {
-      gate_report(g.timeout, 1u, expert, m_tile, have, need);
-      break;
-    }
-    if (gate_failed(g.timeout)) break;
-    have = load_acquire_u32(counter);
-  }
-  gate_add_waited(g, start);
+  gate_spin(g, g.counters + index, need, expert, m_tile);
 }
 
 // The writer's side: everything this thread stored before the call is visible (at system scope)
