@@ -410,13 +410,13 @@ def init_cuda(
         )
     if not isinstance(max_block_bytes, int) or max_block_bytes < 1:
         raise ValueError(f"max_block_bytes must be a positive int, got {max_block_bytes!r}")
+    members: list[int] = []  # the whole group
     if parent is None:
         name, world, me, uid = distributed.nvshmem_bootstrap(group)
-        _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s))
-        return
-    members = subgroup_members(group, parent)
-    _, world, me, uid = distributed.nvshmem_bootstrap(parent)
-    name = distributed.group_name(group)
+    else:
+        members = subgroup_members(group, parent)
+        _, world, me, uid = distributed.nvshmem_bootstrap(parent)
+        name = distributed.group_name(group)
     _C.coll_create(name, uid, world, me, max_block_bytes, _ep.wait_limit_s(timeout_s), members)
 
 
