@@ -161,10 +161,10 @@ Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device
   g.epoch = gate.epoch;
   g.timeout_ns = gate.timeout_ns;
   g.timeout = gate.timeout;
-  // auto: along N in bands of 4 where a part has at most 8 m-tiles, else along M. The part GEMM
-  // over 4 parts, timed at world 1 on one H200 (2026-12-03): along M was 8% faster on parts of
-  // 2048 x 8192 (N 7168) and 10% on 4096 x 4096 (N 3584); along N 1-5% faster on parts of
-  // 256-1024 rows. One configuration timed twice in that run differed by up to 10%: a rough rule.
+  // auto: along N in bands of 4 where a part has at most 8 m-tiles (few m-tiles share each
+  // weight column), else along M. A provisional rule from a first development timing at world 1,
+  // whose repeats spread as much as the orders differed; bench_gemm's part column is to settle
+  // it.
   const int64_t tiles_m = part_gemm_row_tiles(p.rows);
   const bool along_n = p.raster == 'n' || (p.raster == 0 && tiles_m <= 8);
   megakernel::GatedOrder order;

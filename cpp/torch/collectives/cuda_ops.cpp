@@ -254,9 +254,8 @@ PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveo
 }
 
 // The part GEMM pads every part to whole clusters of its tiles (kGatedTileM rows, two along M):
-// where that adds more than a quarter of a part's rows, the chunks' GEMMs run instead. At
-// world 1 on one H200 (2026-12-03), 4 parts of 64 rows took 3.9x cuBLAS's time on the whole
-// GEMM (N 7168, K 8192), 4 parts of 256 rows 1.1x.
+// where that adds more than a quarter of a part's rows, the chunks' GEMMs run instead (parts of
+// 64 rows, padded to 256, compute four times the rows they hold).
 bool parts_fill_tiles(int64_t rows) {
   constexpr int64_t kCluster = 2 * cuda::kGatedTileM;
   const int64_t padded = (rows + kCluster - 1) / kCluster * kCluster;
