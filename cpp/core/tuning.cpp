@@ -69,9 +69,9 @@ const char* expert_precision_name(ExpertPrecision precision) {
 namespace {
 
 // TuningKey's spellings, in its order.
-constexpr const char* kKeyNames[] = {"sms",      "token_tile", "tile_m",      "tile_n",
-                                     "tile_k",   "stages",     "skip_rounds", "overlap",
-                                     "dispatch", "combine",    "gemm",        "experts"};
+constexpr const char* kKeyNames[] = {"sms",     "token_tile", "tile_m",      "tile_n",  "tile_k",
+                                     "stages",  "cluster",    "skip_rounds", "overlap", "dispatch",
+                                     "combine", "gemm",       "experts"};
 static_assert(sizeof(kKeyNames) / sizeof(kKeyNames[0]) == static_cast<size_t>(TuningKey::kCount),
               "one name per TuningKey");
 
@@ -97,8 +97,8 @@ bool is_pow2(int v) {
   return v > 0 && (v & (v - 1)) == 0;
 }
 
-// tile_m, tile_n, tile_k and stages: "auto" (stored as 0), or a positive integer; validate()
-// checks its range.
+// tile_m, tile_n, tile_k, stages and cluster: "auto" (stored as 0), or a positive integer;
+// validate() checks its range.
 int parse_auto_int(const std::string& key, const std::string& value) {
   if (value == "auto") return 0;
   const int v = parse_int(key, value);
@@ -173,6 +173,7 @@ std::string TuningParams::to_string(bool given_only) const {
                                 auto_int(tile_n),
                                 auto_int(tile_k),
                                 auto_int(stages),
+                                auto_int(cluster),
                                 skip_rounds < 0 ? std::string("auto") : std::to_string(skip_rounds),
                                 overlap_mode_name(overlap),
                                 dispatch_precision_name(dispatch),
@@ -237,6 +238,9 @@ TuningParams TuningParams::parse(const std::string& text) {
       case TuningKey::kStages:
         p.stages = parse_auto_int(key, value);
         break;
+      case TuningKey::kCluster:
+        p.cluster = parse_auto_int(key, value);
+        break;
       case TuningKey::kSkipRounds:
         if (value == "auto") {
           p.skip_rounds = -1;
@@ -285,6 +289,9 @@ void TuningParams::validate() const {
   UNIEP_CHECK(tile_ok(tile_k), "tuning: tile_k must be auto or a power of two in [16, 256], got ",
               tile_k);
   UNIEP_CHECK(stages >= 0 && stages <= 8, "tuning: stages must be auto or in [1, 8], got ", stages);
+  UNIEP_CHECK(cluster >= 0 && cluster <= 2,
+              "tuning: cluster (CTAs along M of a thread-block cluster) must be auto, 1 or 2, got ",
+              cluster);
   UNIEP_CHECK(skip_rounds >= -1 && skip_rounds <= (1 << 20),
               "tuning: skip_rounds must be auto (-1) or in [0, 2^20], got ", skip_rounds);
   UNIEP_CHECK(experts != ExpertPrecision::kFp8 || dispatch == DispatchPrecision::kFp8E4M3,
@@ -307,8 +314,8 @@ void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t 
 bool TuningParams::operator==(const TuningParams& o) const {
   return comm_sms == o.comm_sms && total_sms == o.total_sms && token_tile == o.token_tile &&
          tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
-         skip_rounds == o.skip_rounds && overlap == o.overlap && dispatch == o.dispatch &&
-         combine == o.combine && gemm == o.gemm && experts == o.experts;
+         cluster == o.cluster && skip_rounds == o.skip_rounds && overlap == o.overlap &&
+         dispatch == o.dispatch && combine == o.combine && gemm == o.gemm && experts == o.experts;
 }
 
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
@@ -332,6 +339,16 @@ int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64
   const bool pingpong_wins = rows <= pingpong_rows * num_experts && (swiglu || k <= n);
   if (!(small || pingpong_wins)) return 0;
   return n >= 256 ? 4 : 1;
+}
+
+int grouped_gemm_auto_cluster(int64_t rows, int64_t num_experts) {
+  UNIEP_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+  UNIEP_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
+  // The 64 x 256 ping-pong tiles in clusters of one against two, CUTLASS's grouped kernels on the
+  // same operands with the same bits (bench/grouped_variants, one H200, 2026-12-04): 0.82-0.90x
+  // the time on experts of 128 and 256 rows (Qwen3-like and DeepSeek-V3's 256 experts), but
+  // 1.03-1.08x on DeepSeek-V3's EP8 rank (1024 rows) and 1.11-1.15x on Mixtral's EP4 rank (8192).
+  return rows <= 256 * num_experts ? 1 : 2;
 }
 
 int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts) {

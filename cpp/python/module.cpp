@@ -347,6 +347,8 @@ PYBIND11_MODULE(_C, m) {
                     int_key(&TuningParams::tile_k, TuningKey::kTileK))
       .def_property("stages", int_get(&TuningParams::stages),
                     int_key(&TuningParams::stages, TuningKey::kStages))
+      .def_property("cluster", int_get(&TuningParams::cluster),
+                    int_key(&TuningParams::cluster, TuningKey::kCluster))
       .def_property("skip_rounds", int_get(&TuningParams::skip_rounds),
                     int_key(&TuningParams::skip_rounds, TuningKey::kSkipRounds))
       .def_property(
@@ -412,6 +414,11 @@ PYBIND11_MODULE(_C, m) {
         "index into its compiled configurations (uniep.tuning.tuner.CUDA_TILES), as "
         "grouped_gemm_select "
         "picks it on CUDA.");
+  m.def("grouped_gemm_auto_cluster", &uniep::grouped_gemm_auto_cluster, py::arg("rows"),
+        py::arg("num_experts"),
+        "The thread-block cluster (CTAs along M) the expert GEMM engine gives R rows over E "
+        "experts with the cluster left to it, for a tile compiled in more than one: 1 where the "
+        "experts average at most 256 rows, else 2.");
   m.def("grouped_gemm_fp8_auto_config", &uniep::grouped_gemm_fp8_auto_config, py::arg("rows"),
         py::arg("num_experts"),
         "The fp8 grouped GEMM's automatic configuration for R rows over E experts: the index "

@@ -45,6 +45,7 @@ enum class TuningKey : int {
   kTileN,
   kTileK,
   kStages,
+  kCluster,
   kSkipRounds,
   kOverlap,
   kDispatch,
@@ -71,11 +72,11 @@ const char* gemm_engine_name(GemmEngine engine);
 const char* expert_precision_name(ExpertPrecision precision);
 
 // Printed and parsed as "sms=24/132,token_tile=64,tile_m=auto,...". Keys may appear in any order
-// and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k and stages are 0
-// ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM
+// and any subset; missing keys keep their defaults. tile_m, tile_n, tile_k, stages and cluster
+// are 0 ("auto") unless given, skip_rounds -1 ("auto"): on CUDA they pick one of the expert GEMM
 // engine's compiled configurations (a combination that none has is an error listing them; fp8
-// experts pick among the fp8 GEMM's); the CPU executor blocks its loops by them (128, 128, 64
-// when auto). None of these changes the output bits except
+// experts pick among the fp8 GEMM's); the CPU executor blocks its loops by the tiles (128, 128,
+// 64 when auto) and has no clusters. None of these changes the output bits except
 // `dispatch` (fp8 quantises what crosses the wire), `experts` (fp8 expert GEMMs) and `combine`
 // (where the sum over k is split), which are numerics choices, not schedules: a tuner must not
 // change them, and the bits are identical across every other point of the space for each choice.
@@ -87,6 +88,11 @@ struct TuningParams {
   int tile_n = 0;       // GEMM tile cols (0: auto)
   int tile_k = 0;       // GEMM k-step (0: auto)
   int stages = 0;       // GEMM mainloop pipeline depth (0: auto)
+  // CTAs per thread-block cluster along M of the expert GEMM engine's tiles (0: auto, 1 or 2):
+  // two CTAs share each weight tile they load, at the price of rounding each expert up to two
+  // row tiles (grouped_gemm_auto_cluster). The MegaKernel's tiles fix their own: it takes auto
+  // only.
+  int cluster = 0;
   // The MegaKernel only (overlap=fused on prepared experts): rounds of GEMM tiles the CTAs that
   // do not send take before the senders join (-1: "auto", the launch's bandwidth model).
   int skip_rounds = -1;
@@ -137,6 +143,13 @@ void check_expert_precision(const TuningParams& tuning, int64_t hidden, int64_t 
 // a negative rows, n or k.
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
                              int64_t pingpong_rows);
+
+// The cluster (CTAs along M) that the expert GEMM engine's automatic choice gives a tile compiled
+// with more than one (TuningParams::cluster auto): 1 where R / E is at most 256 rows, else 2. A
+// cluster of two loads each weight tile once for two row tiles but rounds every expert up to two
+// of them, which small experts pay for in padding and in fewer, longer units of work. Throws
+// kInvalidArgument on num_experts below 1 or a negative rows.
+int grouped_gemm_auto_cluster(int64_t rows, int64_t num_experts);
 
 // The fp8 grouped GEMM's automatic configuration (grouped_gemm_fp8_select with every tile field
 // 0) from the problem's shape: the index into grouped_gemm_fp8_configs, 0 (cooperative

@@ -58,6 +58,7 @@ CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, cons
            {"tuning tile_n", tuning.tile_n},
            {"tuning tile_k", tuning.tile_k},
            {"tuning stages", tuning.stages},
+           {"tuning cluster", tuning.cluster},
            {"tuning skip_rounds", tuning.skip_rounds},
            {"tuning overlap", static_cast<int64_t>(tuning.overlap), describe_overlap},
            {"tuning dispatch", static_cast<int64_t>(tuning.dispatch), describe_dispatch},

@@ -342,7 +342,7 @@ CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::
       // A tile request that no compiled configuration has is an error on every rank alike (fp8
       // experts pick among the fp8 GEMM's).
       const cuda::GroupedGemmTiles want{c.params.tile_m, c.params.tile_n, c.params.tile_k,
-                                        c.params.stages};
+                                        c.params.stages, c.params.cluster};
       int index = 0;
       if (kind == CallKind::kMoeForward && c.params.fp8_experts()) {
         cuda::GroupedGemmFp8Problem probe;

@@ -159,6 +159,7 @@ void launch(cuda::GroupedGemmProblem& p, const at::Tensor& like, const TuningPar
   tiles.tile_n = tuning.tile_n;
   tiles.tile_k = tuning.tile_k;
   tiles.stages = tuning.stages;
+  tiles.cluster_m = tuning.cluster;
   ok_or_throw(cuda::grouped_gemm_bf16(p, tiles, device, sm_count, workspace.data_ptr(), bytes,
                                       at::cuda::getCurrentCUDAStream(device).stream()));
 }
@@ -290,6 +291,7 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
   tiles.tile_n = params.tile_n;
   tiles.tile_k = params.tile_k;
   tiles.stages = params.stages;
+  tiles.cluster_m = params.cluster;
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options().dtype(at::kBFloat16));
   cuda::GroupedGemmFp8Problem p;

@@ -100,9 +100,11 @@ struct GroupedGemmConfig {
 // match; `count` receives their number.
 const GroupedGemmConfig* grouped_gemm_configs(int* count);
 
-// What a caller asks of the configuration; 0 leaves that field to the selection.
+// What a caller asks of the configuration; 0 leaves that field to the selection. cluster_m: the
+// CTAs along M of the thread-block cluster (TuningParams::cluster).
 struct GroupedGemmTiles {
   int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
+  int cluster_m = 0;
 };
 
 // Rows per expert up to which the automatic choice takes the 64-row ping-pong tiles for the SwiGLU
@@ -120,7 +122,9 @@ int64_t grouped_gemm_pingpong_rows(int device = -1);
 // tile of the same height instead (64 x 128 x 128 or the cooperative 128 x 128). Otherwise the
 // first configuration matching every non-zero field (with kSwiGluPlain, the first whose tile_n / 2
 // divides n / 2); none matching is kInvalidArgument listing the valid combinations, and matches
-// that all have a tile too wide for kSwiGluPlain are kUnsupported naming one.
+// that all have a tile too wide for kSwiGluPlain are kUnsupported naming one. A tile compiled in
+// clusters of one and of two CTAs (64 x 256 ping-pong) takes, with cluster_m 0, the cluster of
+// grouped_gemm_auto_cluster (uniep/tuning.hpp): one for experts averaging at most 256 rows.
 Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& want, int* index,
                            int device = -1);
 

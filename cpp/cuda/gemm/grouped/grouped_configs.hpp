@@ -35,6 +35,7 @@ const GroupedEntry& entry_coop_128x128x64();
 const GroupedEntry& entry_coop_256x128x64();
 const GroupedEntry& entry_pingpong_64x128x128();
 const GroupedEntry& entry_pingpong_64x256x64();
+const GroupedEntry& entry_pingpong_64x256x64_c1();  // the same tile in clusters of one
 // The backward's products (GroupedGemmKind kDgrad, kWgrad), chosen by shape only.
 const GroupedEntry& entry_dgrad_coop_128x256x64();
 const GroupedEntry& entry_dgrad_pingpong_64x256x64();

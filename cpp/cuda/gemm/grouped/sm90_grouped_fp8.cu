@@ -171,7 +171,8 @@ const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count) {
 Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
                                int* index) {
   const auto& all = fp8_entries();
-  if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0) {
+  if (want.tile_m == 0 && want.tile_n == 0 && want.tile_k == 0 && want.stages == 0 &&
+      want.cluster_m == 0) {
     // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
     // model reads it too.
     try {
@@ -185,7 +186,8 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
     return (want.tile_m == 0 || want.tile_m == c.tile_m) &&
            (want.tile_n == 0 || want.tile_n == c.tile_n) &&
            (want.tile_k == 0 || want.tile_k == c.tile_k) &&
-           (want.stages == 0 || want.stages == c.stages);
+           (want.stages == 0 || want.stages == c.stages) &&
+           (want.cluster_m == 0 || want.cluster_m == c.cluster_m);
   };
   for (size_t i = 0; i < all.size(); ++i) {
     if (matches(all[i]->config)) {
@@ -196,12 +198,13 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
   std::string valid;
   for (const auto* e : all)
     valid += detail::str_cat("\n  tile_m=", e->config.tile_m, ",tile_n=", e->config.tile_n,
-                             ",tile_k=", e->config.tile_k, ",stages=", e->config.stages, " (",
+                             ",tile_k=", e->config.tile_k, ",stages=", e->config.stages,
+                             ",cluster=", e->config.cluster_m, " (",
                              e->config.pingpong ? "ping-pong" : "cooperative", ")");
   return {StatusCode::kInvalidArgument,
           detail::str_cat("no fp8 grouped GEMM configuration has tile_m=", want.tile_m,
                           ",tile_n=", want.tile_n, ",tile_k=", want.tile_k, ",stages=", want.stages,
-                          " (0: any); the compiled ones are:", valid)};
+                          ",cluster=", want.cluster_m, " (0: any); the compiled ones are:", valid)};
 }
 
 size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64_t k,

@@ -27,12 +27,14 @@ bool aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// In preference order: grouped_gemm_select takes the first match of a partial request.
-const std::array<const grouped::GroupedEntry*, 5>& entries() {
-  static const std::array<const grouped::GroupedEntry*, 5> all = {
+// In preference order: grouped_gemm_select takes the first match of a partial request. The first
+// five are the tiles grouped_gemm_auto_config indexes; a tile also compiled in another cluster
+// comes after them.
+const std::array<const grouped::GroupedEntry*, 6>& entries() {
+  static const std::array<const grouped::GroupedEntry*, 6> all = {
       &grouped::entry_coop_128x256x64(),    &grouped::entry_pingpong_64x128x128(),
       &grouped::entry_coop_128x128x64(),    &grouped::entry_coop_256x128x64(),
-      &grouped::entry_pingpong_64x256x64(),
+      &grouped::entry_pingpong_64x256x64(), &grouped::entry_pingpong_64x256x64_c1(),
   };
   return all;
 }
@@ -82,13 +84,42 @@ bool strides_are_one_int64() {
 
 std::string describe(const GroupedGemmConfig& c) {
   return detail::str_cat("tile_m=", c.tile_m, ",tile_n=", c.tile_n, ",tile_k=", c.tile_k,
-                         ",stages=", c.stages, " (", c.pingpong ? "ping-pong" : "cooperative",
-                         ", cluster ", c.cluster_m, "x", c.cluster_n, ")");
+                         ",stages=", c.stages, ",cluster=", c.cluster_m, " (",
+                         c.pingpong ? "ping-pong" : "cooperative", ", cluster ", c.cluster_m, "x",
+                         c.cluster_n, ")");
 }
 
 bool matches(const GroupedGemmConfig& c, const GroupedGemmTiles& t) {
   return (t.tile_m == 0 || t.tile_m == c.tile_m) && (t.tile_n == 0 || t.tile_n == c.tile_n) &&
-         (t.tile_k == 0 || t.tile_k == c.tile_k) && (t.stages == 0 || t.stages == c.stages);
+         (t.tile_k == 0 || t.tile_k == c.tile_k) && (t.stages == 0 || t.stages == c.stages) &&
+         (t.cluster_m == 0 || t.cluster_m == c.cluster_m);
+}
+
+// The configuration of entry `index`'s tile, depth and schedule in clusters of cluster_m CTAs
+// along M, or -1 where that tile was not compiled so.
+int with_cluster(int index, int cluster_m) {
+  const auto& all = entries();
+  const GroupedGemmConfig& c = all[index]->config;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const GroupedGemmConfig& o = all[i]->config;
+    if (o.tile_m == c.tile_m && o.tile_n == c.tile_n && o.tile_k == c.tile_k &&
+        o.stages == c.stages && o.pingpong == c.pingpong && o.cluster_m == cluster_m)
+      return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// A choice whose tile has another cluster compiled: the one of the automatic rule.
+int auto_cluster(int index, const GroupedGemmProblem& p) {
+  if (p.num_experts < 1 || p.rows < 0) return index;  // grouped_gemm_supports names these
+  const int other = with_cluster(index, grouped_gemm_auto_cluster(rule_rows(p), p.num_experts));
+  return other >= 0 ? other : index;
+}
+
+std::string valid_configs() {
+  std::string valid;
+  for (const auto* e : entries()) valid += detail::str_cat("\n  ", describe(e->config));
+  return valid;
 }
 
 }  // namespace
@@ -145,8 +176,8 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
 }
 
 const GroupedGemmConfig* grouped_gemm_configs(int* count) {
-  static const std::array<GroupedGemmConfig, 5> configs = [] {
-    std::array<GroupedGemmConfig, 5> c;
+  static const std::array<GroupedGemmConfig, 6> configs = [] {
+    std::array<GroupedGemmConfig, 6> c;
     for (size_t i = 0; i < c.size(); ++i) c[i] = entries()[i]->config;
     return c;
   }();
@@ -193,16 +224,30 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
       // The first configuration of the same height whose tile fits (a 128-wide one: I is a
       // multiple of 64).
       const int tile_m = all[*index]->config.tile_m;
-      for (size_t i = 0; i < all.size(); ++i) {
-        if (all[i]->config.tile_m == tile_m && plain_fits(all[i]->config)) {
-          *index = static_cast<int>(i);
-          return Status::Ok();
-        }
-      }
-      return {StatusCode::kInternal,
-              detail::str_cat("no compiled configuration of tile_m=", tile_m,
-                              " fits the SwiGLU epilogue on w1 as stored with FFN size ", p.n / 2)};
+      int fit = -1;
+      for (size_t i = 0; i < all.size() && fit < 0; ++i)
+        if (all[i]->config.tile_m == tile_m && plain_fits(all[i]->config))
+          fit = static_cast<int>(i);
+      if (fit < 0)
+        return {
+            StatusCode::kInternal,
+            detail::str_cat("no compiled configuration of tile_m=", tile_m,
+                            " fits the SwiGLU epilogue on w1 as stored with FFN size ", p.n / 2)};
+      *index = fit;
     }
+    if (want.cluster_m == 0) {
+      *index = auto_cluster(*index, p);
+      return Status::Ok();
+    }
+    const int asked = with_cluster(*index, want.cluster_m);
+    if (asked < 0)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("cluster=", want.cluster_m, ": the automatic choice for this shape, ",
+                              describe(all[*index]->config),
+                              ", was not compiled in that cluster; give the tile too (the compiled "
+                              "configurations are:",
+                              valid_configs(), ")")};
+    *index = asked;
     return Status::Ok();
   }
   // The first match; with kSwiGluPlain the first whose tile_n fits the FFN size.
@@ -213,7 +258,7 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
       if (unfit == nullptr) unfit = &all[i]->config;
       continue;
     }
-    *index = static_cast<int>(i);
+    *index = want.cluster_m == 0 ? auto_cluster(static_cast<int>(i), p) : static_cast<int>(i);
     return Status::Ok();
   }
   if (unfit != nullptr)
@@ -222,12 +267,11 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
                             p.n / 2, ") to be a multiple of tile_n / 2; configuration ",
                             describe(*unfit), " has tile_n=", unfit->tile_n,
                             " (tile_n=128 takes FFN sizes that are multiples of 64)")};
-  std::string valid;
-  for (const auto* e : all) valid += detail::str_cat("\n  ", describe(e->config));
   return {StatusCode::kInvalidArgument,
           detail::str_cat("no grouped GEMM configuration has tile_m=", want.tile_m,
                           ",tile_n=", want.tile_n, ",tile_k=", want.tile_k, ",stages=", want.stages,
-                          " (0: any); the compiled ones are:", valid)};
+                          ",cluster=", want.cluster_m,
+                          " (0: any); the compiled ones are:", valid_configs())};
 }
 
 size_t grouped_gemm_workspace_bytes(int64_t num_experts, int sm_count) {
