@@ -1,6 +1,7 @@
 """Times the grouped GEMM variants of this folder on the expert loads, prefill and decode.
 
-    python run.py OUT.json build/libgv.so g0,g1,...,s0,d0   (build_run.sh builds and calls it)
+    python run.py OUT.json build/libgv.so g0,g1,...,s0,d0 [LOAD,...]
+    (build_run.sh builds and calls it; LOADS below, default the two of many small experts)
 
 Each load's experts (hidden, FFN, E; each token to its top-8 experts at random, as bench_experts
 and bench_decode route them) give two products per batch: x w1[e] with w1 [E, hidden, 2 FFN],
@@ -29,12 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))
 from common import topk_routing  # noqa: E402
 
-TOP_K = 8
-LOADS = {  # hidden, ffn, experts, decode batches
-    "qwen3-30b-a3b": (2048, 768, 128, (1, 4, 16)),
-    "dsv3-256-experts": (7168, 2048, 256, (1, 16)),
+LOADS = {  # hidden, ffn, experts, top-k, prefill tokens, decode batches (bench_experts' loads)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 4096, (1, 4, 16)),
+    "dsv3-256-experts": (7168, 2048, 256, 8, 4096, (1, 16)),
+    # Larger experts, prefill only: whether a configuration that wins on small experts loses there.
+    "dsv3-ep8-rank": (7168, 2048, 32, 8, 4096, ()),
+    "mixtral-ep4-rank": (4096, 14336, 2, 2, 8192, ()),
 }
-PREFILL_TOKENS = 4096
+DEFAULT_LOADS = ("qwen3-30b-a3b", "dsv3-256-experts")
 RASTERS = {0: "m", 1: "n"}
 ROUNDS, REPS = 7, 5
 
@@ -155,7 +158,7 @@ class Library:
         )
 
 
-def main(out_path: str, lib_path: str, names: list[str]) -> None:
+def main(out_path: str, lib_path: str, names: list[str], loads: list[str]) -> None:
     import uniep  # noqa: F401  (registers torch.ops.uniep)
 
     lib = Library(lib_path)
@@ -165,7 +168,8 @@ def main(out_path: str, lib_path: str, names: list[str]) -> None:
     prefill = [n for n in names if n.startswith("g")]
     decode = [n for n in names if n.startswith(("d", "s"))]
     bf16 = torch.bfloat16
-    for load, (hidden, ffn, experts, batches) in LOADS.items():
+    for load in loads:
+        hidden, ffn, experts, top_k, prefill_tokens, batches = LOADS[load]
         gen = torch.Generator(device="cuda").manual_seed(experts)
         w1 = torch.randn(experts, hidden, 2 * ffn, generator=gen, device="cuda", dtype=bf16)
         w1.mul_(hidden**-0.5)
@@ -173,10 +177,10 @@ def main(out_path: str, lib_path: str, names: list[str]) -> None:
         w2.mul_(ffn**-0.5)
         read_gbs = (w1.numel() + w2.numel()) * 2 / read_ms(w1, w2) / 1e6
         print(f"{load}: HBM read {read_gbs:.0f} GB/s", flush=True)
-        cases = [(PREFILL_TOKENS, prefill, (1, 2))] if prefill else []
+        cases = [(prefill_tokens, prefill, (1, 2))] if prefill else []
         cases += [(t, decode, (1,)) for t in batches] if decode else []
         for tokens, variants, swizzles in cases:
-            idx, _ = topk_routing(tokens, experts, TOP_K, seed=tokens)
+            idx, _ = topk_routing(tokens, experts, top_k, seed=tokens)
             counts = torch.bincount(idx.flatten(), minlength=experts)
             offs = torch.cumsum(counts, 0).to(torch.int32)
             rows, touched = int(offs[-1]), int((counts > 0).sum())
@@ -206,4 +210,8 @@ def main(out_path: str, lib_path: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
+    loads = sys.argv[4].split(",") if len(sys.argv) > 4 else list(DEFAULT_LOADS)
+    unknown = [name for name in loads if name not in LOADS]
+    if unknown:
+        sys.exit(f"unknown loads {unknown}; known: {sorted(LOADS)}")
+    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","), loads)
