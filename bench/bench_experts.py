@@ -104,7 +104,8 @@ CONFIGS = [
     "tile_m=64,tile_n=128,tile_k=128",
     "tile_m=128,tile_n=128,tile_k=64",
     "tile_m=256,tile_n=128,tile_k=64",
-    "tile_m=64,tile_n=256,tile_k=64",
+    "tile_m=64,tile_n=256,tile_k=64,cluster=2",
+    "tile_m=64,tile_n=256,tile_k=64,cluster=1",
 ]
 LAYER_VARIANTS = [
     ("uniep", ""),
@@ -238,18 +239,29 @@ def _bench_swiglu(
     from uniep.gemm import grouped_mm_swiglu, grouped_mm_swiglu_plain, pack_gate_up
 
     packed = pack_gate_up(w1)
+    tile = "tile_m=64,tile_n=256,tile_k=64,cluster="
     fns = {
         "gemm": lambda: torch.ops.uniep.grouped_mm(x, w1, offs),
         "packed": lambda: grouped_mm_swiglu(x, packed, offs),
         "plain": lambda: grouped_mm_swiglu_plain(x, w1, offs),
+        # The 64 x 256 tile in each of its clusters (the automatic choice takes one by rows).
+        "packed_c1": lambda: grouped_mm_swiglu(x, packed, offs, tile + "1"),
+        "packed_c2": lambda: grouped_mm_swiglu(x, packed, offs, tile + "2"),
     }
     ms = interleaved_medians_ms(fns, max(1, iters // 4), 4, True, warmup=warmup)
+    act = fns["packed"]()
     return {
-        "swiglu_bits_plain_eq_packed": bool(torch.equal(fns["plain"](), fns["packed"]())),
+        "swiglu_bits_plain_eq_packed": bool(torch.equal(fns["plain"](), act)),
+        "swiglu_bits_same_both_clusters": all(
+            torch.equal(fns[c](), act) for c in ("packed_c1", "packed_c2")
+        ),
         "swiglu_packed_ms": ms["packed"],
         "swiglu_plain_ms": ms["plain"],
         "swiglu_gemm_ms": ms["gemm"],
         "swiglu_plain_over_packed": ms["plain"] / ms["packed"],
+        "swiglu_c1_ms": ms["packed_c1"],
+        "swiglu_c2_ms": ms["packed_c2"],
+        "swiglu_c1_over_c2": ms["packed_c1"] / ms["packed_c2"],
     }
 
 
@@ -302,7 +314,9 @@ def kernels(warmup: int, iters: int, loads: list[str]) -> list[dict[str, Any]]:
                     f"stored {r['swiglu_plain_ms']:.3f} ms "
                     f"({r['swiglu_plain_over_packed']:.3f}x), plain GEMM "
                     f"{r['swiglu_gemm_ms']:.3f} ms; same bits: "
-                    f"{r['swiglu_bits_plain_eq_packed']} |",
+                    f"{r['swiglu_bits_plain_eq_packed']}; 64 x 256 in clusters of one over two "
+                    f"{r['swiglu_c1_over_c2']:.3f} (same bits: "
+                    f"{r['swiglu_bits_same_both_clusters']}) |",
                     flush=True,
                 )
             torch.cuda.empty_cache()

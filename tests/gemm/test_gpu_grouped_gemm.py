@@ -184,7 +184,9 @@ CONFIGS = [
     "tile_m=64,tile_n=128,tile_k=128",
     "tile_m=128,tile_n=128,tile_k=64",
     "tile_m=256,tile_n=128,tile_k=64",
-    "tile_m=64,tile_n=256,tile_k=64",
+    "tile_m=64,tile_n=256,tile_k=64,cluster=2",
+    # The same tile in clusters of one (the automatic choice for experts of at most 256 rows).
+    "tile_m=64,tile_n=256,tile_k=64,cluster=1",
 ]
 
 
@@ -219,6 +221,14 @@ def test_partial_requests_and_unknown_combinations() -> None:
         torch.ops.uniep.grouped_mm(x, w, offs, "tile_m=32")
     with pytest.raises(ValueError, match="stages=1"):
         torch.ops.uniep.grouped_mm(x, w, offs, "stages=1")
+    # A cluster the tile was not compiled in is named, with the tile asked for or chosen.
+    with pytest.raises(
+        ValueError, match=r"(?s)no grouped GEMM configuration has tile_m=128.*cluster=1 \(0: any"
+    ):
+        torch.ops.uniep.grouped_mm(x, w, offs, "tile_m=128,tile_n=256,cluster=1")
+    with pytest.raises(ValueError, match=r"cluster=1: the automatic choice for this shape"):
+        torch.ops.uniep.grouped_mm(x, w, offs, "cluster=1")  # 64 x 128 here, in clusters of two
+    assert torch.equal(torch.ops.uniep.grouped_mm(x, w, offs, "cluster=2"), auto)
     with pytest.raises(ValueError, match="tuning: gemm must be uniep or torch"):
         torch.ops.uniep.grouped_mm(x, w, offs, "gemm=cublas")
 
@@ -442,6 +452,8 @@ def test_fp8_named_errors() -> None:
             r"tile_n=256.*tile_m=128,tile_n=128,tile_k=128",
         ):
             op(xq[:rows], xs[:rows], wq, ws, offs.clamp(max=rows), "tile_n=256")
+    with pytest.raises(ValueError, match=r"no fp8 grouped GEMM configuration has .*cluster=2"):
+        op(xq, xs, wq, ws, offs, "cluster=2")
     # Not test_schema: its mutation check compares fp8 tensors with allclose, which torch does
     # not implement for float8_e4m3fn.
     torch.library.opcheck(

@@ -81,6 +81,7 @@ def test_fused_launch_keys() -> None:
         ("tile_m=128,tile_n=128", "tile_n=128 runs 64-row tiles"),
         ("tile_k=128", "tile_k must be one of auto, 64, got 128"),
         ("stages=4", "stages must be one of auto, got 4"),
+        ("cluster=1", "cluster must be one of auto, got 1"),  # the MegaKernel's tiles fix theirs
     ):
         with pytest.raises(ValueError, match=key):
             fused_launch("overlap=fused," + bad)

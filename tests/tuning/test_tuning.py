@@ -8,7 +8,7 @@ import random
 import pytest
 from uniep import _C
 
-FIELDS = ("comm_sms", "total_sms", "token_tile", "tile_m", "tile_n", "tile_k", "stages")
+FIELDS = ("comm_sms", "total_sms", "token_tile", "tile_m", "tile_n", "tile_k", "stages", "cluster")
 
 
 def _fields(p: _C.TuningParams) -> dict[str, object]:
@@ -30,6 +30,7 @@ def _points(n: int) -> list[dict[str, object]]:
                 "tile_n": rng.choice(pow2),
                 "tile_k": rng.choice(pow2),
                 "stages": rng.randint(1, 8),
+                "cluster": rng.choice([0, 1, 2]),
                 "overlap": rng.choice(["sequential", "chunked", "fused"]),
                 "dispatch": rng.choice(["bf16", "fp8"]),
             }
@@ -45,13 +46,24 @@ def _text(point: dict[str, object], keys: list[str]) -> str:
         "tile_n": f"tile_n={point['tile_n']}",
         "tile_k": f"tile_k={point['tile_k']}",
         "stages": f"stages={point['stages']}",
+        "cluster": f"cluster={point['cluster'] or 'auto'}",
         "overlap": f"overlap={point['overlap']}",
         "dispatch": f"dispatch={point['dispatch']}",
     }
     return ",".join(parts[k] for k in keys)
 
 
-KEYS = ["sms", "token_tile", "tile_m", "tile_n", "tile_k", "stages", "overlap", "dispatch"]
+KEYS = [
+    "sms",
+    "token_tile",
+    "tile_m",
+    "tile_n",
+    "tile_k",
+    "stages",
+    "cluster",
+    "overlap",
+    "dispatch",
+]
 
 
 @pytest.mark.parametrize("point", _points(60), ids=lambda p: _text(p, KEYS))
@@ -97,7 +109,7 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
     d = _C.TuningParams()
     assert (d.tile_m, d.tile_n, d.tile_k, d.stages) == (0, 0, 0, 0)
     assert d.gemm == "uniep"
-    assert "tile_m=auto,tile_n=auto,tile_k=auto,stages=auto" in d.to_string()
+    assert "tile_m=auto,tile_n=auto,tile_k=auto,stages=auto,cluster=auto" in d.to_string()
     assert d.to_string().endswith(",gemm=uniep,experts=auto")
     p = _C.TuningParams.parse("tile_m=auto,tile_n=256,stages=auto,gemm=torch")
     assert (p.tile_m, p.tile_n, p.stages, p.gemm) == (0, 256, 0, "torch")
@@ -105,9 +117,34 @@ def test_tile_keys_default_to_auto_and_gemm_to_the_engine() -> None:
     assert p != _C.TuningParams.parse("tile_n=256")  # gemm is part of the point
 
 
+def test_cluster_is_auto_one_or_two() -> None:
+    # The expert GEMM engine's CTAs along M of a thread-block cluster: part of the point, named in
+    # its errors.
+    assert _C.TuningParams().cluster == 0
+    p = _C.TuningParams.parse("tile_m=64,tile_n=256,cluster=1")
+    assert p.cluster == 1 and p.given("cluster") and _C.TuningParams.parse(p.to_string()) == p
+    assert p != _C.TuningParams.parse("tile_m=64,tile_n=256,cluster=2")
+    assert _C.TuningParams.parse("cluster=auto").cluster == 0
+    for bad in ("cluster=3", "cluster=0", "cluster=-1", "cluster=x", "cluster="):
+        with pytest.raises(ValueError, match="cluster"):
+            _C.TuningParams.parse(bad)
+    d = _C.TuningParams()
+    d.cluster = 4
+    with pytest.raises(ValueError, match=r"cluster \(CTAs along M of a thread-block cluster\)"):
+        d.validate()
+
+
+def test_auto_cluster_is_one_for_experts_of_at_most_256_rows() -> None:
+    assert _C.grouped_gemm_auto_cluster(256 * 128, 128) == 1
+    assert _C.grouped_gemm_auto_cluster(256 * 128 + 1, 128) == 2
+    assert _C.grouped_gemm_auto_cluster(0, 4) == 1
+    with pytest.raises(ValueError, match="num_experts"):
+        _C.grouped_gemm_auto_cluster(8, 0)
+
+
 def test_skip_rounds_is_auto_unless_given() -> None:
     d = _C.TuningParams()
-    assert d.skip_rounds == -1 and "stages=auto,skip_rounds=auto,overlap=" in d.to_string()
+    assert d.skip_rounds == -1 and "cluster=auto,skip_rounds=auto,overlap=" in d.to_string()
     p = _C.TuningParams.parse("skip_rounds=3,overlap=fused")
     assert p.skip_rounds == 3 and _C.TuningParams.parse(p.to_string()) == p
     assert p != _C.TuningParams.parse("overlap=fused")  # skip_rounds is part of the point

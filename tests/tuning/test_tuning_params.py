@@ -24,7 +24,7 @@ def test_the_given_form_parses_back_to_the_same_keys_and_values() -> None:
         assert again == p and again.given_keys == p.given_keys, text
         # The full form gives every key: the same values, all of them named.
         assert parse(p.to_string()) == p
-        assert len(parse(p.to_string()).given_keys) == 12
+        assert len(parse(p.to_string()).given_keys) == 13
 
 
 def test_setters_mark_their_key_given_and_equality_ignores_it() -> None:

@@ -262,6 +262,7 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None, int | None]:
         "tile_n": (0, *FUSED_TILE_NS),
         "tile_k": (0, 64),
         "stages": (0,),
+        "cluster": (0,),
     }
     for key, allowed in built.items():
         value = getattr(p, key)

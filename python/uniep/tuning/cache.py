@@ -51,6 +51,7 @@ SCHEDULE_KEYS = (
     "tile_n",
     "tile_k",
     "stages",
+    "cluster",
     "skip_rounds",
     "overlap",
 )

@@ -98,6 +98,9 @@ __all__ = [
 # The expert GEMM engine's compiled (tile_m, tile_n, tile_k), in its registry order
 # (cpp/cuda/gemm/grouped): the only tile keys a CUDA candidate may name.
 CUDA_TILES = ((128, 256, 64), (64, 128, 128), (128, 128, 64), (256, 128, 64), (64, 256, 64))
+# The tile compiled in clusters of one and two CTAs along M (tuning key cluster): the automatic
+# choice takes one by rows per expert (_C.grouped_gemm_auto_cluster), the tuner times both.
+CUDA_CLUSTER_TILE = (64, 256, 64)
 # The fp8 grouped GEMM's (experts=fp8, dispatch=fp8's default), in its registry order
 # (_C.grouped_gemm_fp8_auto_config indexes it).
 CUDA_FP8_TILES = ((128, 128, 128), (64, 128, 128))
@@ -206,13 +209,16 @@ def candidate_points(
             add(tile_n=tn)
     elif device == "cuda":
         compiled = CUDA_FP8_TILES if base.fp8_experts else CUDA_TILES
-        tiles: list[tuple[int, int, int]] = [(0, 0, 0), *compiled]
+        # (tile_m, tile_n, tile_k, cluster); cluster 0 leaves it to the engine's rule.
+        tiles: list[tuple[int, int, int, int]] = [(0, 0, 0, 0), *((*t, 0) for t in compiled)]
+        if not base.fp8_experts:
+            tiles += [(*CUDA_CLUSTER_TILE, c) for c in (1, 2)]
         for sms in _CUDA_SMS:
             if sms >= sm_count:
                 continue
             for tt in _CUDA_TOKEN_TILES:
-                for tm, tn, tk in tiles:
-                    add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk)
+                for tm, tn, tk, cl in tiles:
+                    add(comm_sms=sms, token_tile=tt, tile_m=tm, tile_n=tn, tile_k=tk, cluster=cl)
         if fused_allowed(numerics):
             for tm in FUSED_TILE_MS:
                 for comm, skip in _FUSED_POINTS:
