@@ -608,6 +608,10 @@ def _bench_layer(
         side = {"dense": dense, "gemm_only": gemm_only, "uniep": lambda: layer_call("")} | {
             v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
         }
+        # The engine's tiles in clusters of two along M wherever they were compiled so (the
+        # automatic choice before clusters of one for experts of at most 256 rows).
+        side["uniep cluster=2"] = lambda: layer_call("cluster=2")
+        row["cluster2_equals_layer"] = bool(torch.equal(side["uniep cluster=2"](), layer_call("")))
         for fn in side.values():
             for _ in range(warmup):
                 fn()
@@ -615,6 +619,8 @@ def _bench_layer(
         row["ms_interleaved[uniep]"] = side_ms["uniep"]
         row["dense_ms_interleaved"] = side_ms["dense"]
         row["gemm_only_ms_interleaved"] = side_ms["gemm_only"]
+        row["ms_interleaved[uniep cluster=2]"] = side_ms["uniep cluster=2"]
+        row["auto_over_cluster2_interleaved"] = side_ms["uniep"] / side_ms["uniep cluster=2"]
         for v in ("uniep", "bf16_packed", "bf16_packed_fused", "moe_forward fused"):
             # max(dense, weight read) with the dense chain from the same rounds.
             floor_i = max(side_ms["dense"], row["weight_read_ms"])
@@ -1051,6 +1057,11 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
             f"{r[f'over_gemm_only_interleaved[{f}]']:.3f}x) "
             f"| {r['fused_moe_forward_equals_layer']} | {r['ms[bf16_packed]']:.3f} "
             f"| {r['ms[bf16_packed_fused]']:.3f} |"
+        )
+    for r in rows:
+        print(
+            f"{r['load']}: moe_forward over the same with tuning cluster=2, interleaved: "
+            f"{r['auto_over_cluster2_interleaved']:.3f} (same bits: {r['cluster2_equals_layer']})"
         )
     print()
     print(
