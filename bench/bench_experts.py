@@ -649,6 +649,14 @@ def _bench_layer(
             ms = median_time_ms(lambda t=tuning: backward_call(t), warmup, iters, cuda=True)
             row[f"backward_ms[{impl}]"] = ms
             row[f"backward_over_dense_fwd_bwd[{impl}]"] = ms / row["dense_forward_backward_ms"]
+        # The backward beside itself with cluster=2 (the data gradient's small-expert tile in
+        # clusters of two, as before clusters of one), interleaved.
+        bw = {"auto": lambda: backward_call(""), "cluster=2": lambda: backward_call("cluster=2")}
+        row["backward_cluster2_same_bits"] = all(
+            torch.equal(a, b) for a, b in zip(bw["auto"](), bw["cluster=2"](), strict=True)
+        )
+        bw_ms = interleaved_medians_ms(bw, max(1, iters // 4), 4, True, warmup=warmup)
+        row["backward_auto_over_cluster2_interleaved"] = bw_ms["auto"] / bw_ms["cluster=2"]
         progress("backward")
         if profile:
             fns = {"dense": dense} | {
@@ -1061,7 +1069,9 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
     for r in rows:
         print(
             f"{r['load']}: moe_forward over the same with tuning cluster=2, interleaved: "
-            f"{r['auto_over_cluster2_interleaved']:.3f} (same bits: {r['cluster2_equals_layer']})"
+            f"{r['auto_over_cluster2_interleaved']:.3f} (same bits: {r['cluster2_equals_layer']}); "
+            f"moe_backward: {r['backward_auto_over_cluster2_interleaved']:.3f} (same bits: "
+            f"{r['backward_cluster2_same_bits']})"
         )
     print()
     print(

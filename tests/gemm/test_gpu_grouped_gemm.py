@@ -370,6 +370,9 @@ def test_dgrad_and_wgrad(name: str) -> None:
     torch.testing.assert_close(dx.float(), xr.grad.float(), rtol=1.6e-2, atol=2e-2)
     torch.testing.assert_close(dw.float(), wr.grad.float(), rtol=1.6e-2, atol=2e-2 * scale)
     assert torch.equal(grouped_mm_dgrad(dy, w, offs), dx)
+    # The small-expert tile in either cluster (on the large-expert tile a request is ignored).
+    for cluster in ("cluster=1", "cluster=2"):
+        assert torch.equal(grouped_mm_dgrad(dy, w, offs, cluster), dx), cluster
     assert torch.equal(grouped_mm_wgrad(x, dy, offs), dw)
 
 

@@ -49,7 +49,9 @@ enum class GroupedGemmEpilogue { kStore, kSwiGlu, kSwiGluPlain };
 //             over the expert's rows in ascending order (no split-K); an expert with no rows
 //             gets zeros.
 // The tile request (GroupedGemmTiles) applies to kForward; the backward kinds choose by shape
-// among their own configurations. Every kind's bits are independent of the configuration.
+// among their own configurations, kDgrad taking cluster_m for its small-expert tile (compiled in
+// clusters of one and two) where it runs that tile. Every kind's bits are independent of the
+// configuration.
 enum class GroupedGemmKind { kForward, kDgrad, kWgrad };
 
 struct GroupedGemmProblem {

@@ -39,6 +39,7 @@ const GroupedEntry& entry_pingpong_64x256x64_c1();  // the same tile in clusters
 // The backward's products (GroupedGemmKind kDgrad, kWgrad), chosen by shape only.
 const GroupedEntry& entry_dgrad_coop_128x256x64();
 const GroupedEntry& entry_dgrad_pingpong_64x256x64();
+const GroupedEntry& entry_dgrad_pingpong_64x256x64_c1();
 const GroupedEntry& entry_wgrad_coop_128x256x64();
 const GroupedEntry& entry_wgrad_coop_128x128x64();
 const GroupedEntry& entry_wgrad_pingpong_64x256x64();

@@ -39,11 +39,13 @@ const std::array<const grouped::GroupedEntry*, 6>& entries() {
   return all;
 }
 
-// The backward kinds' configurations. kDgrad: [0] for large experts, [1] for small ones. kWgrad:
-// [0] by default, [1] for narrow outputs, [2] for experts of many rows (wgrad_entry).
-const std::array<const grouped::GroupedEntry*, 2>& dgrad_entries() {
-  static const std::array<const grouped::GroupedEntry*, 2> all = {
-      &grouped::entry_dgrad_coop_128x256x64(), &grouped::entry_dgrad_pingpong_64x256x64()};
+// The backward kinds' configurations. kDgrad: [0] for large experts, [1] for small ones, [2] the
+// same tile in clusters of one (dgrad_entry). kWgrad: [0] by default, [1] for narrow outputs, [2]
+// for experts of many rows (wgrad_entry).
+const std::array<const grouped::GroupedEntry*, 3>& dgrad_entries() {
+  static const std::array<const grouped::GroupedEntry*, 3> all = {
+      &grouped::entry_dgrad_coop_128x256x64(), &grouped::entry_dgrad_pingpong_64x256x64(),
+      &grouped::entry_dgrad_pingpong_64x256x64_c1()};
   return all;
 }
 const std::array<const grouped::GroupedEntry*, 3>& wgrad_entries() {
@@ -63,6 +65,16 @@ int64_t rule_rows(const GroupedGemmProblem& p) {
 // rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
 // lost 2-4% (one H200, 2026-11-27, both tiles timed interleaved in the experiment behind
 // commit 5b4b75a).
+// The data gradient's rows are the forward's: for small experts the 64-row tile, in the cluster
+// asked for (cluster_m; any other request is the forward's) or else the one the forward's rule
+// gives those rows (clusters of one up to 256 rows an expert).
+const grouped::GroupedEntry* dgrad_entry(const GroupedGemmProblem& p, int cluster_m) {
+  if (rule_rows(p) > 128 * p.num_experts) return dgrad_entries()[0];
+  const int cluster =
+      cluster_m != 0 ? cluster_m : grouped_gemm_auto_cluster(rule_rows(p), p.num_experts);
+  return dgrad_entries()[cluster == 1 ? 2 : 1];
+}
+
 const grouped::GroupedEntry* wgrad_entry(const GroupedGemmProblem& p) {
   if (p.n <= 128) return wgrad_entries()[1];
   return wgrad_entries()[rule_rows(p) >= 512 * p.num_experts ? 2 : 0];
@@ -300,8 +312,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     if (Status s = grouped_gemm_select(p, tiles, &index, device); !s.ok()) return s;
     entry = entries()[index];
   } else if (p.kind == GroupedGemmKind::kDgrad) {
-    const bool small = rule_rows(p) <= 128 * p.num_experts;
-    entry = dgrad_entries()[small ? 1 : 0];
+    entry = dgrad_entry(p, tiles.cluster_m);
   } else {
     entry = wgrad_entry(p);
   }
