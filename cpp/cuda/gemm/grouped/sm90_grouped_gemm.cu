@@ -60,14 +60,11 @@ int64_t rule_rows(const GroupedGemmProblem& p) {
   return p.shape_rows > 0 ? std::min(p.shape_rows, p.rows) : p.rows;
 }
 
-// The weight gradient's K is each expert's rows. With experts of 512 rows or more the ping-pong
-// tiles (one warpgroup's epilogue under the other's mainloop) won: 8-9% on DeepSeek-V3's EP8
-// rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
-// lost 2-4% (one H200, 2026-11-27, both tiles timed interleaved in the experiment behind
-// commit 5b4b75a).
 // The data gradient's rows are the forward's: for small experts the 64-row tile, in the cluster
 // asked for (cluster_m; any other request is the forward's) or else the one the forward's rule
-// gives those rows (clusters of one up to 256 rows an expert).
+// gives those rows (clusters of one up to 256 rows an expert). On DeepSeek-V3's 256 experts
+// (~128 rows) moe_backward took 0.955x the time with clusters of one as with two (one H200,
+// 2026-12-04, bench_experts --part layers, interleaved).
 const grouped::GroupedEntry* dgrad_entry(const GroupedGemmProblem& p, int cluster_m) {
   if (rule_rows(p) > 128 * p.num_experts) return dgrad_entries()[0];
   const int cluster =
@@ -75,6 +72,11 @@ const grouped::GroupedEntry* dgrad_entry(const GroupedGemmProblem& p, int cluste
   return dgrad_entries()[cluster == 1 ? 2 : 1];
 }
 
+// The weight gradient's K is each expert's rows. With experts of 512 rows or more the ping-pong
+// tiles (one warpgroup's epilogue under the other's mainloop) won: 8-9% on DeepSeek-V3's EP8
+// rank (1024 rows), 2-3% on Mixtral's EP4 rank (8192); on the Qwen3-like load's 256 rows they
+// lost 2-4% (one H200, 2026-11-27, both tiles timed interleaved in the experiment behind
+// commit 5b4b75a).
 const grouped::GroupedEntry* wgrad_entry(const GroupedGemmProblem& p) {
   if (p.n <= 128) return wgrad_entries()[1];
   return wgrad_entries()[rule_rows(p) >= 512 * p.num_experts ? 2 : 0];
