@@ -1,7 +1,8 @@
 """Times the grouped GEMM variants of this folder on the expert loads, prefill and decode.
 
-    python run.py OUT.json build/libgv.so g0,g1,...,s0,d0 [LOAD,...]
-    (build_run.sh builds and calls it; LOADS below, default the two of many small experts)
+    python run.py OUT_DIR build/libgv.so g0,g1,...,s0,d0 [LOAD,...]
+    (build_run.sh builds and calls it; LOADS below, default the two of many small experts; the
+    JSON goes to OUT_DIR/grouped_variants/grouped_variants.json, as the benchmarks' do)
 
 Each load's experts (hidden, FFN, E; each token to its top-8 experts at random, as bench_experts
 and bench_decode route them) give two products per batch: x w1[e] with w1 [E, hidden, 2 FFN],
@@ -19,7 +20,6 @@ measured in the same run (a streaming reduction over every weight).
 from __future__ import annotations
 
 import ctypes
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))
-from common import topk_routing  # noqa: E402
+from common import topk_routing, write_result  # noqa: E402
 
 LOADS = {  # hidden, ffn, experts, top-k, prefill tokens, decode batches (bench_experts' loads)
     "qwen3-30b-a3b": (2048, 768, 128, 8, 4096, (1, 4, 16)),
@@ -146,6 +146,8 @@ class Library:
             if v not in best or ms < best[v][0]:
                 best[v] = [ms, key, ms / row["engine_ms"]]
         row["best_over_engine"] = {v: round(b[2], 4) for v, b in best.items()}
+        if best:
+            row["best_ms"], row["best_point"] = min(b[:2] for b in best.values())
         failed = "".join(f" {p}={v}" for p, v in row["points"].items() if isinstance(v, str))
         print(
             f"{row['load']} {row['tokens']} tokens {row['gemm']} (k {k}, n {n}): engine "
@@ -158,13 +160,14 @@ class Library:
         )
 
 
-def main(out_path: str, lib_path: str, names: list[str], loads: list[str]) -> None:
+def main(out_dir: str, lib_path: str, names: list[str], loads: list[str]) -> None:
     import uniep  # noqa: F401  (registers torch.ops.uniep)
 
     lib = Library(lib_path)
-    out: dict = {"device": torch.cuda.get_device_name(), "sms": lib.sms, "rows": []}
-    out["info"] = {n: getattr(lib.lib, n + "_info")() for n in names}
-    print("stages * 10^6 + smem KiB:", out["info"], flush=True)
+    rows: list[dict] = []
+    # Each variant's pipeline stages * 10^6 + shared memory in KiB, kept in every row.
+    info = {n: getattr(lib.lib, n + "_info")() for n in names}
+    print("stages * 10^6 + smem KiB:", info, flush=True)
     prefill = [n for n in names if n.startswith("g")]
     decode = [n for n in names if n.startswith(("d", "s"))]
     bf16 = torch.bfloat16
@@ -189,6 +192,8 @@ def main(out_path: str, lib_path: str, names: list[str], loads: list[str]) -> No
             for gemm, a, w in (("up", x, w1), ("down", act, w2)):
                 per_expert = w.shape[1] * w.shape[2] * 2
                 row: dict = {
+                    "sms": lib.sms,
+                    "stages_smem": info,
                     "load": load,
                     "tokens": tokens,
                     "gemm": gemm,
@@ -201,12 +206,11 @@ def main(out_path: str, lib_path: str, names: list[str], loads: list[str]) -> No
                     "floor_ms": touched * per_expert / read_gbs / 1e6,
                 }
                 lib.sweep(row, a, w, offs, variants, swizzles)
-                out["rows"].append(row)
+                rows.append(row)
             del x, act
         del w1, w2
         torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump(out, f, indent=1)
+    print("wrote", write_result("grouped_variants", rows, out_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,17 @@ SPECS: dict[str, Spec] = {
                    "cuBLAS"),
         ),
     ),
+    "grouped_variants": Spec(
+        title="the expert GEMM's CUTLASS configurations on the expert loads (a sweep, bf16)",
+        case=_case("load", "tokens", "gemm"),
+        # No goal: a sweep to choose configurations by, held to the engine's bits.
+        figures=(
+            Figure("the sweep's best point (best_point in the JSON)", "best_ms", "ms", "engine_ms",
+                   "the engine's grouped_mm"),
+            Figure("the engine's grouped_mm (its automatic choice)", "engine_ms", "ms",
+                   "torch_ms", "torch._grouped_mm", optional=True),
+        ),
+    ),
     "bench_experts": Spec(
         title="the expert GEMM engine and the MoE layer at world 1",
         case=_case("load"),
