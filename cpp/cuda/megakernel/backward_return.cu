@@ -58,10 +58,10 @@ __device__ __forceinline__ bool wait_slot(const FusedReturnArgs& a, const uint32
                                           uint32_t epoch, int64_t token, int k, int lane) {
   uint32_t have = megakernel::load_acquire_u32(flag);
   if (have == epoch) return true;
-  const uint64_t deadline = a.timeout_ns ? megakernel::gate_clock_ns() + a.timeout_ns : ~0ull;
+  const uint64_t deadline = a.timeout_ns ? global_timer_ns() + a.timeout_ns : ~0ull;
   while (have != epoch) {
     __nanosleep(128);
-    if (megakernel::gate_clock_ns() > deadline) {
+    if (global_timer_ns() > deadline) {
       if (lane == 0)
         megakernel::gate_report(a.timeout, 3u, static_cast<int>(token), k, have, epoch);
       return false;

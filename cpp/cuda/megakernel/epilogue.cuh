@@ -254,7 +254,7 @@ class FusedMoeEpilogue : public grouped::DirectStoreEpilogue,
   // tile_stamps[6 x CTA + at] = now, by the first thread of the warpgroup.
   CUTLASS_DEVICE void stamp(int at) const {
     if (params_.stamps != nullptr && threadIdx.x % 128 == 0)
-      params_.stamps[6 * cta_linear_index() + at] = gate_clock_ns();
+      params_.stamps[6 * cta_linear_index() + at] = global_timer_ns();
   }
 
   // Among the four lanes of a row (lane % 4 = q): before, w[j] is this lane's pair of block j;

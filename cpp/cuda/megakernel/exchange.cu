@@ -54,10 +54,10 @@ __global__ void __launch_bounds__(kThreads) fused_exchange_kernel(const FusedExc
     // Peer tid's words arrive in this rank's own arrival array.
     const uint64_t* word = a.peer_arrived[a.rank] + tid;
     uint64_t have = load_acquire_sys(word);
-    const uint64_t deadline = a.timeout_ns ? gate_clock_ns() + a.timeout_ns : ~0ull;
+    const uint64_t deadline = a.timeout_ns ? global_timer_ns() + a.timeout_ns : ~0ull;
     while (have < epoch) {
       __nanosleep(256);
-      if (gate_clock_ns() > deadline) {
+      if (global_timer_ns() > deadline) {
         gate_report(a.timeout, 4u, tid, 0, static_cast<uint32_t>(have),
                     static_cast<uint32_t>(epoch));
         break;

@@ -85,7 +85,7 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     const TileGate& gate = second ? params.gate2 : params.gate;
     if (gate_active(gate) && k_tile_count > 0) {
       if (cute::elect_one_sync()) {
-        const uint64_t reached = params.stamps != nullptr ? gate_clock_ns() : 0;
+        const uint64_t reached = params.stamps != nullptr ? global_timer_ns() : 0;
         gate_wait(gate, second ? this->group_ - params.split : this->group_,
                   static_cast<int>(cute::get<0>(blk_coord)), this->group_rows_, TileM);
         fence_generic_to_async();
@@ -104,7 +104,7 @@ struct GatedMainloop : grouped::GroupTrackingMainloop<Base> {
     unsigned long long* s = params.stamps + 6 * cta_linear_index();
     const int at = s[0] == 0 ? 0 : 2;
     s[at] = reached;
-    s[at + 1] = gate_clock_ns();
+    s[at + 1] = global_timer_ns();
   }
 };
 

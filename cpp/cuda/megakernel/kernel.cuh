@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
   // problem arrays, the zeroed counters and scratch) is read before this.
   wait_for_prior_grid();
   unsigned long long* trace = st.a.trace != nullptr ? st.a.trace + 4 * cta_linear_index() : nullptr;
-  if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
+  if (trace != nullptr && threadIdx.x == 0) trace[0] = global_timer_ns();
   // 1. The send, by the first comm_units units (all of them when comm_units >= units).
   const uint64_t comm_units = static_cast<uint64_t>(st.comm_units);
   const uint64_t comm_ctas = (comm_units < units ? comm_units : units) * per_unit;
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
       fused_send_rows(st.a, mine, warps, lane);
   }
   __syncthreads();
-  if (trace != nullptr && threadIdx.x == 0) trace[1] = gate_clock_ns();
+  if (trace != nullptr && threadIdx.x == 0) trace[1] = global_timer_ns();
   // 2. Both GEMMs.
   Kernel{}(params, smem);
   // 3. The reduce, by the consumer warpgroups: the producer warpgroup has given its registers
@@ -131,12 +131,12 @@ __global__ void __launch_bounds__(G::Kernel::MaxThreadsPerBlock,
     give_held_signal(params.epilogue.held, params.epilogue.num_held, params.epilogue.done2_system);
     if (trace != nullptr) {
       asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
-      if (threadIdx.x == 128) trace[2] = gate_clock_ns();
+      if (threadIdx.x == 128) trace[2] = global_timer_ns();
     }
     fused_reduce_tokens(st.a, st.reduce_ticket, lane, st.reduce_need);
     if (trace != nullptr) {
       asm volatile("bar.sync 15, %0;" ::"n"(kConsumerThreads) : "memory");
-      if (threadIdx.x == 128) trace[3] = gate_clock_ns();
+      if (threadIdx.x == 128) trace[3] = global_timer_ns();
     }
   }
 }

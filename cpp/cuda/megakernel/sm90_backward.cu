@@ -84,15 +84,15 @@ __global__ void __launch_bounds__(BackwardKernel::MaxThreadsPerBlock,
   const int64_t ctas = int64_t(gridDim.x) * gridDim.y * gridDim.z;
   const int64_t cta = cta_linear_index();
   unsigned long long* trace = a.trace != nullptr ? a.trace + 4 * cta : nullptr;
-  if (trace != nullptr && threadIdx.x == 0) trace[0] = gate_clock_ns();
+  if (trace != nullptr && threadIdx.x == 0) trace[0] = global_timer_ns();
   backward_send_tokens(a, cta * kWarps + warp, ctas * kWarps, lane);
   __syncthreads();
-  if (trace != nullptr && threadIdx.x == 0) trace[1] = gate_clock_ns();
+  if (trace != nullptr && threadIdx.x == 0) trace[1] = global_timer_ns();
   BackwardKernel{}(params, smem);
   if (trace != nullptr && threadIdx.x >= 128) {
     // The consumer warpgroups (the producer's ran ahead): the CTA's tiles end with their last.
     asm volatile("bar.sync 15, %0;" ::"n"(256) : "memory");
-    if (threadIdx.x == 128) trace[2] = trace[3] = gate_clock_ns();  // no reduce: [3] = [2]
+    if (threadIdx.x == 128) trace[2] = trace[3] = global_timer_ns();  // no reduce: [3] = [2]
   }
 }
 

@@ -242,10 +242,10 @@ __device__ __forceinline__ bool fused_wait_row(const FusedMoeArgs& a, const uint
                                                uint32_t need, int64_t token, int k) {
   uint32_t have = load_acquire_u32(counter);
   if (have >= need) return true;
-  const uint64_t deadline = a.timeout_ns ? gate_clock_ns() + a.timeout_ns : ~0ull;
+  const uint64_t deadline = a.timeout_ns ? global_timer_ns() + a.timeout_ns : ~0ull;
   while (have < need) {
     __nanosleep(128);
-    if (gate_clock_ns() > deadline) {
+    if (global_timer_ns() > deadline) {
       gate_report(a.timeout, 3u, static_cast<int>(token), k, have, need);
       return false;
     }

@@ -17,12 +17,6 @@ __device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ uint64_t gate_clock_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // The rows were written by ordinary stores (generic proxy) and are about to be read by TMA (the
 // async proxy): without this fence the TMA load may see the bytes from before the stores.
 __device__ __forceinline__ void fence_generic_to_async() {
@@ -67,11 +61,11 @@ __device__ __forceinline__ void gate_spin(const TileGate& g, const Word* word, W
                                           int expert, int m_tile) {
   Word have = gate_load(word);
   if (have >= need) return;
-  const uint64_t start = gate_clock_ns();
+  const uint64_t start = global_timer_ns();
   const uint64_t deadline = g.timeout_ns ? start + g.timeout_ns : ~0ull;
   while (have < need) {
     __nanosleep(64);
-    if (gate_clock_ns() > deadline) {
+    if (global_timer_ns() > deadline) {
       gate_report(g.timeout, 1u, expert, m_tile, static_cast<uint32_t>(have),
                   static_cast<uint32_t>(need));
       break;
@@ -81,7 +75,7 @@ __device__ __forceinline__ void gate_spin(const TileGate& g, const Word* word, W
   }
   if (g.waited_ns != nullptr) {
     atomicAdd(g.waited_ns + g.waited_stride * cta_linear_index(),
-              static_cast<unsigned long long>(gate_clock_ns() - start));
+              static_cast<unsigned long long>(global_timer_ns() - start));
   }
 }
 
