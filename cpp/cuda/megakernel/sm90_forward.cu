@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
@@ -103,6 +104,13 @@ const FusedEntry* find_entry(int tile_m, int tile_n, bool w1_as_stored, int clus
         (cluster_m == 0 || entries[i]->cluster_m == cluster_m))
       return entries[i];
   return nullptr;
+}
+
+// The clusters a tile shape was built in, from the entries: "one", "two" or "one or two".
+std::string built_clusters(int tile_m, int tile_n, bool w1_as_stored) {
+  const bool one = find_entry(tile_m, tile_n, w1_as_stored, 1) != nullptr;
+  const bool two = find_entry(tile_m, tile_n, w1_as_stored, 2) != nullptr;
+  return one && two ? "one or two" : one ? "one" : "two";
 }
 
 Status check_args(const FusedMoeArgs& a, int tile_m, int tile_n) {
@@ -236,8 +244,9 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   if (entry == nullptr && megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored, 0))
     return {StatusCode::kInvalidArgument,
             detail::str_cat("cluster_m ", launch.cluster_m, ": the ", launch.tile_m, " x ", tile_n,
-                            " tiles are built in clusters of ", tile_n == 128 ? "one" : "two",
-                            launch.tile_m == 64 && tile_n == 256 ? " or one" : "", " only")};
+                            " tiles are built in clusters of ",
+                            megakernel::built_clusters(launch.tile_m, tile_n, a.w1_as_stored),
+                            " only")};
   if (entry == nullptr)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("tile_n must be 0 (auto), 256, or with tile_m 64 also 128; got tile_n ",
