@@ -30,8 +30,8 @@ The goal ratios are against max(dense chain, weight floor). Also: ``uniep.moe.pr
 separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 experts (and the fp8
 dispatch), the latter against the bf16 layer's time and output, beside ``moe_forward`` with
 ``dispatch=fp8`` (the same fp8 experts on the e4m3 copy of the weights it keeps: the same bits
-expected); ``uniep.moe_forward`` with ``overlap=fused`` on the plain weights (the MegaKernel
-reading w1 as stored), interleaved with the default layer; and ``moe_backward`` (which
+expected), and ``uniep.moe_forward`` with ``overlap=fused`` on the plain weights (the MegaKernel
+reading w1 as stored), all interleaved with the default layer; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
@@ -557,11 +557,10 @@ def _bench_layer(
         from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
         progress("moe_forward variants")
-        base_ms = row["ms[uniep]"]
         # bf16_packed at the default point runs the dispatch, the engine's SwiGLU-epilogue GEMMs
         # and the combine as separate launches; with overlap=fused named, the MegaKernel.
-        # Those two and the plain layer are timed interleaved (the GPU's clock drifts over a
-        # run), then fp8, then the MegaKernel's own points (_bench_local).
+        # Those two, fp8 and the plain layer are timed interleaved (the GPU's clock drifts over
+        # a run), then the MegaKernel's own points (_bench_local).
         from uniep._util.timing import interleaved_medians_ms
 
         packed = prepare_experts(w1, w2, "bf16_packed")
@@ -605,9 +604,15 @@ def _bench_layer(
         # The dense chain among them too: its ratio to the layer from one clock; and the engine's
         # two GEMMs alone on rows gathered beforehand (what the layer adds around them).
         gemm_only = _gemms_alone(x, idx, packed)[3]
+        # The fp8 layers among them as well: timed apart, after the bf16 rounds, their ratio to
+        # the bf16 layer moved with the clock (the same fp8 call 4.8 and 5.9 ms in one run).
         side = {"dense": dense, "gemm_only": gemm_only, "uniep": lambda: layer_call("")} | {
-            v: calls[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")
-        }
+            v: calls[v]
+            for v in (
+                "bf16_packed", "bf16_packed_fused", "moe_forward fused",
+                "fp8", "fp8 m64", "fp8 moe_forward",
+            )
+        }  # fmt: skip
         # The engine's tiles in clusters of two along M wherever they were compiled so (the
         # automatic choice before clusters of one for experts of at most 256 rows).
         side["uniep cluster=2"] = lambda: layer_call("cluster=2")
@@ -627,14 +632,14 @@ def _bench_layer(
             row[f"over_floor_interleaved[{v}]"] = side_ms[v] / floor_i
             row[f"over_gemm_only_interleaved[{v}]"] = side_ms[v] / side_ms["gemm_only"]
         del gemm_only
-        times = {v: side_ms[v] for v in ("bf16_packed", "bf16_packed_fused", "moe_forward fused")}
-        for variant in ("fp8", "fp8 m64", "fp8 moe_forward"):
-            times[variant] = median_time_ms(calls[variant], warmup, iters, cuda=True)
-        for variant, ms in times.items():
-            # Against the layer timed beside them (fp8: the layer's own run above).
-            layer_ms = base_ms if variant.startswith("fp8") else side_ms["uniep"]
+        for variant in (
+            "bf16_packed", "bf16_packed_fused", "moe_forward fused",
+            "fp8", "fp8 m64", "fp8 moe_forward",
+        ):  # fmt: skip
+            # Against the layer timed in the same rounds.
+            ms = side_ms[variant]
             row[f"ms[{variant}]"] = ms
-            row[f"over_bf16_layer[{variant}]"] = ms / layer_ms
+            row[f"over_bf16_layer[{variant}]"] = ms / side_ms["uniep"]
             row[f"over_floor[{variant}]"] = ms / floor
         progress("prepared")
         _bench_local(row, x, idx, weights, packed, ref, warmup, iters)
