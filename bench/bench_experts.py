@@ -787,14 +787,10 @@ def _bench_local(
         )
         for comm, skip in FUSED_POINTS
     ]
-    # The 64-row tiles, 256 wide in clusters of two and of one; then the decode shape (64 x 128
-    # in clusters of one) on these prefill loads: no expert rounded up to a cluster's two tiles,
+    # The 64-row tiles, 256 wide in clusters of two; then the decode shape (64 x 128 in
+    # clusters of one) on these prefill loads: no expert rounded up to a cluster's two tiles,
     # but each weight tile loaded once per m-tile instead of once per pair.
-    for label, tile_n, cluster in (
-        ("m64", 256, None),
-        ("m64 cl1", 256, 1),
-        ("m64 n128", 128, None),
-    ):
+    for label, tile_n in (("m64", 256), ("m64 n128", 128)):
         points += [
             (
                 f"fused c{comm} s{skip} {label}",
@@ -804,7 +800,6 @@ def _bench_local(
                     "skip_rounds": skip,
                     "tile_m": 64,
                     "tile_n": tile_n,
-                    "cluster_m": cluster,
                 },
             )
             for comm, skip in FUSED_POINTS_64

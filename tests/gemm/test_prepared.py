@@ -69,30 +69,19 @@ def test_named_errors() -> None:
 
 
 def test_fused_launch_keys() -> None:
-    assert fused_launch("overlap=fused") == (None, -1, None, None, None)
-    assert fused_launch("overlap=fused,sms=16/0,skip_rounds=2,tile_m=64") == (16, 2, 64, None, None)
-    assert fused_launch("tile_m=128,tile_n=256,tile_k=64,stages=auto") == (None, -1, 128, 256, None)
+    assert fused_launch("overlap=fused") == (None, -1, None, None)
+    assert fused_launch("overlap=fused,sms=16/0,skip_rounds=2,tile_m=64") == (16, 2, 64, None)
+    assert fused_launch("tile_m=128,tile_n=256,tile_k=64,stages=auto") == (None, -1, 128, 256)
     # The decode tile: 128 wide takes 64-row tiles, asked for or left to the choice.
-    assert fused_launch("overlap=fused,tile_n=128") == (None, -1, 64, 128, None)
-    assert fused_launch("overlap=fused,tile_m=64,tile_n=128") == (None, -1, 64, 128, None)
-    # Clusters: the 64 x 256 tiles in one or two (one takes them where tile_m is auto); the
-    # others only in their own.
-    assert fused_launch("overlap=fused,cluster=1") == (None, -1, 64, None, 1)
-    assert fused_launch("overlap=fused,tile_m=64,cluster=2") == (None, -1, 64, None, 2)
-    assert fused_launch("overlap=fused,tile_m=128,cluster=2") == (None, -1, 128, None, 2)
-    assert fused_launch("overlap=fused,tile_n=128,cluster=1") == (None, -1, 64, 128, 1)
-    for bad, message in (
-        ("tile_m=128,cluster=1", "cluster=1 needs its 64 x 256 tiles; its 128 x 256 tiles are"),
-        ("tile_n=128,cluster=2", "cluster=2 needs its 64 x 256 tiles; its 64 x 128 tiles are"),
-    ):
-        with pytest.raises(ValueError, match=message):
-            fused_launch("overlap=fused," + bad)
+    assert fused_launch("overlap=fused,tile_n=128") == (None, -1, 64, 128)
+    assert fused_launch("overlap=fused,tile_m=64,tile_n=128") == (None, -1, 64, 128)
     for bad, key in (
         ("tile_m=32", "tile_m must be one of auto, 128, 64, got 32"),
         ("tile_n=64", "tile_n must be one of auto, 256, 128, got 64"),
         ("tile_m=128,tile_n=128", "tile_n=128 runs 64-row tiles"),
         ("tile_k=128", "tile_k must be one of auto, 64, got 128"),
         ("stages=4", "stages must be one of auto, got 4"),
+        ("cluster=1", "cluster must be one of auto, got 1"),  # the MegaKernel's tiles fix theirs
     ):
         with pytest.raises(ValueError, match=key):
             fused_launch("overlap=fused," + bad)

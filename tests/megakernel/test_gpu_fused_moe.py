@@ -24,9 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 # (CTAs that send first, rounds the others take first): the model's guess, none, many, everyone.
 POINTS = [(16, -1), (2, 0), (2, 7), (32, 3), (10_000, 0)]
-# The kernel's tile shapes (tile_m, tile_n, cluster_m): cooperative, ping-pong (in clusters of two,
-# then one), and the decode shape; None: the tile's own cluster.
-TILES = [(128, 256, None), (64, 256, None), (64, 256, 1), (64, 128, None)]
+# The kernel's tile shapes (tile_m, tile_n): cooperative, ping-pong, and the decode shape.
+TILES = [(128, 256), (64, 256), (64, 128)]
 
 
 def _layer(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, seed: int,
@@ -81,14 +80,12 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
     first = moe_forward_local(x, idx, w, w1p, w2, overlap="fused")
     assert torch.equal(first, seq), "fused (default point) against sequential"
     assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), first), "run to run"
-    for tile_m, tile_n, cluster in TILES:
+    for tile_m, tile_n in TILES:
         for comm, skip in POINTS:
             got = moe_forward_local(x, idx, w, w1p, w2, overlap="fused", comm_sms=comm,
-                                    skip_rounds=skip, tile_m=tile_m, tile_n=tile_n,
-                                    cluster_m=cluster)  # fmt: skip
+                                    skip_rounds=skip, tile_m=tile_m, tile_n=tile_n)  # fmt: skip
             assert torch.equal(got, seq), (
-                f"fused with tile {tile_m} x {tile_n} (cluster {cluster}), comm_sms={comm}, "
-                f"skip_rounds={skip}"
+                f"fused with tile {tile_m} x {tile_n}, comm_sms={comm}, skip_rounds={skip}"
             )
     if ffn % 128 == 0:
         # w1 as stored (no packed copy): GEMM 1 reads it in 64-column gate/up blocks, same bits,
@@ -98,17 +95,15 @@ def test_fused_equals_sequential_bit_for_bit(tokens, hidden, ffn, experts, top_k
             assert torch.equal(got, seq), f"w1 as stored, overlap={overlap}"
     # And in the persistent kernel: 256-wide tiles need the FFN size a multiple of 128, the
     # 128-wide ones of 64.
-    for tile_m, tile_n, cluster in TILES:
+    for tile_m, tile_n in TILES:
         if ffn % (tile_n // 2) != 0:
             continue
         for comm, skip in POINTS[:2]:
             got = moe_forward_local(
                 x, idx, w, w1, w2, overlap="fused", comm_sms=comm, skip_rounds=skip,
-                tile_m=tile_m, tile_n=tile_n, w1_as_stored=True, cluster_m=cluster,
+                tile_m=tile_m, tile_n=tile_n, w1_as_stored=True,
             )  # fmt: skip
-            assert torch.equal(got, seq), (
-                f"w1 as stored, tile {tile_m} x {tile_n} (cluster {cluster}), comm_sms={comm}"
-            )
+            assert torch.equal(got, seq), f"w1 as stored, tile {tile_m} x {tile_n}, comm_sms={comm}"
     ref = _reference(x, idx, w, w1, w2)
     err = (first.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < 2e-2, f"relative error {err:.3g} against float64"
@@ -154,15 +149,6 @@ def test_fused_edge_cases() -> None:
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, tile_n=128)  # sequential: 256 only
     with pytest.raises(ValueError, match="tile_n=128 runs 64-row tiles"):
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_m=128, tile_n=128)
-    # A cluster the tile was not built in is named; none outside the MegaKernel.
-    with pytest.raises(ValueError, match="the 128 x 256 tiles are built in clusters of two only"):
-        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_m=128,
-                          cluster_m=1)  # fmt: skip
-    with pytest.raises(ValueError, match="the 64 x 128 tiles are built in clusters of one only"):
-        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, overlap="fused", tile_n=128,
-                          cluster_m=2)  # fmt: skip
-    with pytest.raises(ValueError, match="cluster_m must be None or, with overlap='fused', 1 or"):
-        moe_forward_local(x, idx, w, pack_gate_up(w1), w2, cluster_m=1)
 
 
 def _plan(x, idx, w1p, tile_m: int = 128):

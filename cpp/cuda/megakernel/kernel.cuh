@@ -41,15 +41,13 @@ namespace uniep::cuda::megakernel {
 // PlainGateUpMainloop instead of pack_gate_up's copy; the same bits. TileN 128 with ClusterM 1
 // is the decode shape: experts of a few rows each, where the weight read is the whole cost and a
 // second CTA per cluster would only compute padding, so twice the tiles stream weights at once.
-// TileN 256 with ClusterM 1: experts of a few hundred rows, whose row tiles a cluster of two would
-// pair (rounding each expert up to two), as the expert GEMM engine's grouped_gemm_auto_cluster.
 template <int TileM, bool W1AsStored = false, int TileN = kGatedTileN, int ClusterM = 2>
 struct FusedGemm {
   static_assert((TileM == 128 && TileN == 256 && ClusterM == 2) ||
-                    (TileM == 64 && TileN == 256 && (ClusterM == 2 || ClusterM == 1)) ||
+                    (TileM == 64 && TileN == 256 && ClusterM == 2) ||
                     (TileM == 64 && TileN == 128 && ClusterM == 1),
                 "the fused kernel's tiles are 128 x 256 or 64 x 256 in clusters of two, or "
-                "64 x 256 or 64 x 128 in clusters of one");
+                "64 x 128 in clusters of one");
   static constexpr int kTileM = TileM, kTileN = TileN, kClusterM = ClusterM;
   static constexpr bool kPingPong = TileM == 64;
   static constexpr bool kW1AsStored = W1AsStored;

@@ -52,7 +52,5 @@ const FusedEntry& fused_entry_64_n128();     // ping-pong 64 x 128, clusters of 
 const FusedEntry& fused_entry_128_stored();  // the same three reading w1 as stored
 const FusedEntry& fused_entry_64_stored();
 const FusedEntry& fused_entry_64_n128_stored();
-const FusedEntry& fused_entry_64_c1();  // ping-pong 64 x 256, clusters of one
-const FusedEntry& fused_entry_64_c1_stored();
 
 }  // namespace uniep::cuda::megakernel

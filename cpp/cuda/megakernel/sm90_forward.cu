@@ -76,11 +76,9 @@ __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, i
 }
 
 const FusedEntry* const* fused_entries(int* count) {
-  // A shape's first entry is the one a launch with cluster_m 0 takes.
   static const FusedEntry* const entries[] = {
-      &fused_entry_128(),        &fused_entry_64(),          &fused_entry_64_n128(),
-      &fused_entry_128_stored(), &fused_entry_64_stored(),   &fused_entry_64_n128_stored(),
-      &fused_entry_64_c1(),      &fused_entry_64_c1_stored()};
+      &fused_entry_128(),        &fused_entry_64(),        &fused_entry_64_n128(),
+      &fused_entry_128_stored(), &fused_entry_64_stored(), &fused_entry_64_n128_stored()};
   *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));
   return entries;
 }
@@ -95,22 +93,14 @@ size_t gemm_workspace(int64_t num_experts, int sm_count) {
   return most;
 }
 
-const FusedEntry* find_entry(int tile_m, int tile_n, bool w1_as_stored, int cluster_m) {
+const FusedEntry* find_entry(int tile_m, int tile_n, bool w1_as_stored) {
   int count = 0;
   const FusedEntry* const* entries = fused_entries(&count);
   for (int i = 0; i < count; ++i)
     if (entries[i]->tile_m == tile_m && entries[i]->tile_n == tile_n &&
-        entries[i]->w1_as_stored == w1_as_stored &&
-        (cluster_m == 0 || entries[i]->cluster_m == cluster_m))
+        entries[i]->w1_as_stored == w1_as_stored)
       return entries[i];
   return nullptr;
-}
-
-// The clusters a tile shape was built in, from the entries: "one", "two" or "one or two".
-std::string built_clusters(int tile_m, int tile_n, bool w1_as_stored) {
-  const bool one = find_entry(tile_m, tile_n, w1_as_stored, 1) != nullptr;
-  const bool two = find_entry(tile_m, tile_n, w1_as_stored, 2) != nullptr;
-  return one && two ? "one or two" : one ? "one" : "two";
 }
 
 Status check_args(const FusedMoeArgs& a, int tile_m, int tile_n) {
@@ -235,18 +225,8 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   const int tile_n = launch.tile_n != 0
                          ? launch.tile_n
                          : fused_default_tile_n(launch.tile_m, a.capacity, a.num_experts);
-  if (launch.cluster_m < 0 || launch.cluster_m > 2)
-    return {
-        StatusCode::kInvalidArgument,
-        detail::str_cat("cluster_m must be 0 (the tile's own), 1 or 2, got ", launch.cluster_m)};
   const megakernel::FusedEntry* entry =
-      megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored, launch.cluster_m);
-  if (entry == nullptr && megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored, 0))
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("cluster_m ", launch.cluster_m, ": the ", launch.tile_m, " x ", tile_n,
-                            " tiles are built in clusters of ",
-                            megakernel::built_clusters(launch.tile_m, tile_n, a.w1_as_stored),
-                            " only")};
+      megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored);
   if (entry == nullptr)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("tile_n must be 0 (auto), 256, or with tile_m 64 also 128; got tile_n ",

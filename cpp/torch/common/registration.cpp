@@ -124,12 +124,11 @@ TORCH_LIBRARY(uniep, m) {
   // error [1] int64 (uniep.moe.tile_gates.check_send_error) and timeout [5] int32
   // (uniep.moe.tile_gates.check_gate_timeout), to be read once the stream has run. trace (int64, 4
   // per SM): each CTA's global-timer stamps at its start, after its send, its GEMMs and its reduce.
-  // cluster_m: FusedMoeLaunch's (0: the tile's own).
   m.def(
       "moe_fused_local(Tensor x, Tensor topk_weights, Tensor gemm_row, Tensor counter, "
       "Tensor w1_packed, Tensor w2, Tensor offs, Tensor tile_base, int comm_ctas, "
       "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128, "
-      "bool w1_as_stored=False, int tile_n=0, int cluster_m=0) -> "
+      "bool w1_as_stored=False, int tile_n=0) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
   // The MegaKernel backward's first launch at world 1 (CUDA only;
   // include/uniep/cuda/fused_moe_backward.hpp): the send of x's and grad_out's rows into GEMM rows

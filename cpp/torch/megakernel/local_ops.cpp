@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     const at::Tensor& counter, const at::Tensor& w1_packed, const at::Tensor& w2,
     const at::Tensor& offs, const at::Tensor& tile_base, int64_t comm_ctas, int64_t skip_rounds,
     double timeout_s, const std::optional<at::Tensor>& trace, int64_t tile_m, bool w1_as_stored,
-    int64_t tile_n, int64_t cluster_m) {
+    int64_t tile_n) {
   return translate_errors([&] {
     UNIEP_CHECK(x.device().is_cuda(), "x must be a CUDA tensor, got ", x.device());
     UNIEP_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -138,7 +138,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_local_cuda(
     launch.skip_rounds = static_cast<int>(skip_rounds);
     launch.tile_m = static_cast<int>(tile_m);
     launch.tile_n = static_cast<int>(tile_n);
-    launch.cluster_m = static_cast<int>(cluster_m);
     ok_or_throw(
         cuda::moe_fused_forward_bf16(a, launch, device, workspace.data_ptr(), bytes, stream));
     return std::make_tuple(out, error, timeout);

@@ -129,11 +129,6 @@ struct FusedMoeLaunch {
   // and the capacity is at most 64 rows an expert (fused_default_tile_n), else 256. It never
   // changes the bits.
   int tile_n = 0;
-  // CTAs along M of the tiles' thread-block cluster: 0 for the tile's first build (two for the
-  // 256-wide tiles, one for the 128-wide), or 1 or 2 where the tile was built so (64 x 256 in
-  // both: one rounds no expert up to two row tiles, two shares each weight tile between two row
-  // tiles). It never changes the bits.
-  int cluster_m = 0;
 };
 
 // row_entry[r] = i for every entry i with gemm_row[i] = r < capacity (others -1): the order in

@@ -242,19 +242,17 @@ def _check_cuda_operands(x: torch.Tensor, topk_idx: torch.Tensor, experts: Prepa
         )
 
 
-def fused_launch(tuning: str) -> tuple[int | None, int, int | None, int | None, int | None]:
-    """The MegaKernel's launch keys of ``tuning``: ``(comm_sms, skip_rounds, tile_m, tile_n,
-    cluster)``, where ``comm_sms`` is None unless ``sms`` is named (the kernel's defaults then),
+def fused_launch(tuning: str) -> tuple[int | None, int, int | None, int | None]:
+    """The MegaKernel's launch keys of ``tuning``: ``(comm_sms, skip_rounds, tile_m, tile_n)``,
+    where ``comm_sms`` is None unless ``sms`` is named (the kernel's defaults then),
     ``skip_rounds`` -1 for auto (the launch's bandwidth model), ``tile_m`` None for auto
-    (``fused_tile_m``; 64 where ``tile_n=128`` or ``cluster=1`` is named), ``tile_n`` None for
-    auto (the launch's choice) and ``cluster`` None for auto (the tile's first build: two for
-    256-wide tiles).
+    (``fused_tile_m``; 64 where ``tile_n=128`` is named) and ``tile_n`` None for auto (the
+    launch's choice).
 
     Raises:
         ValueError: a tile key the kernel was not built with (it has ``tile_m`` 64 or 128,
-            ``tile_n`` 256, or 128 with 64-row tiles, ``tile_k`` 64 and its own pipeline depth;
-            the 64 x 256 tiles in clusters of one and two, the others in their own), naming the
-            key.
+            ``tile_n`` 256, or 128 with 64-row tiles, ``tile_k`` 64 and its own pipeline depth),
+            naming the key.
     """
     from .megakernel.launch import FUSED_TILE_MS, FUSED_TILE_NS, fused_tile_shape
 
@@ -264,32 +262,23 @@ def fused_launch(tuning: str) -> tuple[int | None, int, int | None, int | None, 
         "tile_n": (0, *FUSED_TILE_NS),
         "tile_k": (0, 64),
         "stages": (0,),
-        "cluster": (0, 1, 2),
+        "cluster": (0,),
     }
     for key, allowed in built.items():
         value = getattr(p, key)
         if value not in allowed:
             shown = ", ".join("auto" if v == 0 else str(v) for v in allowed)
+            why = " (each of its tile shapes is built in one cluster)" if key == "cluster" else ""
             raise ValueError(
                 f"tuning: with overlap=fused (the MegaKernel) {key} must be one of {shown}, got "
-                f"{value}"
+                f"{value}{why}"
             )
     comm_sms = p.comm_sms if p.given("sms") else None
     try:
         tile_m, _ = fused_tile_shape(p.tile_m or None, p.tile_n or None)
     except ValueError as e:
         raise ValueError(f"tuning: {e}") from None
-    cluster = p.cluster or None
-    if cluster == 1 and tile_m is None:
-        tile_m = 64  # the 256-wide tiles built in clusters of one are 64 rows
-    # The tiles built in one cluster only: 128 x 256 in two, the 128-wide ones in one.
-    own = 1 if p.tile_n == 128 else 2 if tile_m == 128 else None
-    if cluster is not None and own is not None and cluster != own:
-        raise ValueError(
-            f"tuning: with overlap=fused (the MegaKernel) cluster={cluster} needs its 64 x 256 "
-            f"tiles; its {tile_m} x {p.tile_n or 256} tiles are built in clusters of {own}"
-        )
-    return comm_sms, p.skip_rounds, tile_m, p.tile_n or None, cluster
+    return comm_sms, p.skip_rounds, tile_m, p.tile_n or None
 
 
 def forward_fused(
@@ -315,27 +304,22 @@ def forward_fused(
 
     if topk_weights.is_floating_point() and topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()  # as moe_forward: the sums take fp32 weights
-    comm_sms, skip_rounds, tile_m, tile_n, cluster = fused_launch(tuning)
-    if world > 1 and cluster is not None:
-        raise ValueError(
-            f"tuning: cluster={cluster} with overlap=fused runs at world 1 only; across ranks the "
-            f"MegaKernel's tiles take their own cluster (cluster=auto)"
-        )
+    comm_sms, skip_rounds, tile_m, tile_n = fused_launch(tuning)
     if world == 1:
         overlap = megakernel_overlap(tuning, 1) or "fused"
         if overlap == "streams":
             # The gated GEMMs' one tile (128 rows); the send's SMs are the launch's only key.
-            if tile_m not in (None, 128) or tile_n not in (None, 256) or cluster not in (None, 2):
+            if tile_m not in (None, 128) or tile_n not in (None, 256):
                 raise ValueError(
                     f"tuning: with overlap=chunked (the send beside the gated GEMMs, whose tiles "
-                    f"are 128 x 256 in clusters of two) tile_m, tile_n and cluster must be auto "
-                    f"or 128, 256 and 2, got {tile_m}, {tile_n} and {cluster}"
+                    f"are 128 x 256) tile_m and tile_n must be auto or 128 and 256, got "
+                    f"{tile_m} and {tile_n}"
                 )
-            tile_m, tile_n, skip_rounds, cluster = None, None, -1, None
+            tile_m, tile_n, skip_rounds = None, None, -1
         return launch.moe_forward_local(
             x, topk_idx, topk_weights, experts.w1, experts.w2, overlap=overlap,
             comm_sms=comm_sms, skip_rounds=skip_rounds, timeout_s=wait_limit_s(None), tile_m=tile_m,
-            check="deferred", w1_as_stored=w1_as_stored, tile_n=tile_n, cluster_m=cluster,
+            check="deferred", w1_as_stored=w1_as_stored, tile_n=tile_n,
         )  # fmt: skip
     sizes = {
         "tokens": x.shape[0],

@@ -318,7 +318,6 @@ def _moe_fused_local_fake(
     tile_m: int = 128,
     w1_as_stored: bool = False,
     tile_n: int = 0,
-    cluster_m: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
     torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")

@@ -404,7 +404,6 @@ def moe_forward_local(
     tile_m: int | None = None,
     w1_as_stored: bool = False,
     tile_n: int | None = None,
-    cluster_m: int | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_(topk_idx[t, k])(x[t])`` with SwiGLU experts
     (``w1_packed = pack_gate_up(w1)``, ``w2``), every expert on this GPU. With ``check`` the
@@ -427,11 +426,8 @@ def moe_forward_local(
     picks 128 where the tiles are 64 rows and the experts average at most 64 rows, else 256;
     128 with ``tile_m`` None takes 64-row tiles. ``w1_as_stored``: ``w1_packed`` is w1 as the
     model stores it (gate columns, then up), read without a packed copy; the FFN size must then
-    be a multiple of ``tile_n / 2`` (128 for 256-wide tiles). ``cluster_m`` (``fused`` only):
-    the CTAs along M of the tiles' thread-block cluster, 1 or 2 where the tile was built so (the
-    64 x 256 tiles both ways; 128 x 256 in two, 64 x 128 in one); None takes the tile's first
-    build (two for 256-wide tiles). Neither the tile nor any other of these choices changes the
-    bits."""
+    be a multiple of ``tile_n / 2`` (128 for 256-wide tiles). Neither the tile nor any other of
+    these choices changes the bits."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 0
     if comm_sms is None:
         comm_sms = sms if overlap == "fused" else 16
@@ -441,11 +437,6 @@ def moe_forward_local(
         raise ValueError(
             f"tile_m must be None or, with overlap='fused', one of {FUSED_TILE_MS}; got {tile_m} "
             f"with overlap={overlap!r} (the gated GEMMs of the other modes have 128-row tiles)"
-        )
-    if cluster_m is not None and (overlap != "fused" or cluster_m not in (1, 2)):
-        raise ValueError(
-            f"cluster_m must be None or, with overlap='fused', 1 or 2; got {cluster_m} with "
-            f"overlap={overlap!r}"
         )
     tile_m, tn = fused_tile_shape(tile_m, tile_n, overlap)
     t, h = x.shape
@@ -461,7 +452,7 @@ def moe_forward_local(
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
             x, topk_weights, row, counter, w1_packed, w2, offs, base, comm_sms, skip_rounds,
-            timeout_s, trace, tm, w1_as_stored, tn, cluster_m or 0,
+            timeout_s, trace, tm, w1_as_stored, tn,
         )  # fmt: skip
         finish_call(
             check,
