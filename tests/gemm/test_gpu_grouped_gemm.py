@@ -268,6 +268,76 @@ def test_swiglu_epilogue(name: str) -> None:
     assert torch.equal(grouped_mm_swiglu(x, pack_gate_up(w1), offs), act)
     if i % 64 == 0:
         _check_plain_gate_up(x, w1, offs, act)
+    _check_slots(x, pack_gate_up(w1), offs, act)
+
+
+def _slot_source(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows scattered over a source of 5 more rows at a row pitch of K + 8 elements (a
+    receive buffer's view), and each row's slot in it."""
+    rows, k = x.shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    slot = torch.randperm(rows + 5, generator=gen, device="cuda")[:rows]
+    wide = torch.randn(rows + 5, k + 8, generator=gen, device="cuda").bfloat16()
+    src = wide[:, :k]
+    src[slot] = x
+    return src, slot
+
+
+def _check_slots(x: torch.Tensor, w1p: torch.Tensor, offs: torch.Tensor, act: torch.Tensor) -> None:
+    """The rows read in place from their slots give the gathered rows' bits, automatically and in
+    every configuration 64 deep in K in no cluster along N; the others are a named error."""
+    from uniep.gemm import grouped_mm_swiglu_slots
+
+    src, slot = _slot_source(x, seed=x.shape[0] + x.shape[1])
+    assert src.stride(0) != src.shape[1]  # a row pitch other than K
+    poison = torch.full_like(act, float("nan"))
+    del poison
+    assert torch.equal(grouped_mm_swiglu_slots(src, slot, w1p, offs), act)
+    for tuning in CONFIGS:
+        # The 64 x 128 x 128 tile is 128 deep; the 128 x 128 one runs in clusters along N.
+        if "tile_k=64" in tuning and "tile_m=128,tile_n=128" not in tuning:
+            assert torch.equal(grouped_mm_swiglu_slots(src, slot, w1p, offs, tuning), act), tuning
+        else:
+            with pytest.raises(NotImplementedError, match=r"64 deep in K in no cluster along N"):
+                grouped_mm_swiglu_slots(src, slot, w1p, offs, tuning)
+
+
+def test_swiglu_slots_out_of_range_rows_and_errors() -> None:
+    from uniep.gemm import grouped_mm_swiglu, grouped_mm_swiglu_slots, pack_gate_up
+
+    counts = [3, 0, 70, 1, 129]
+    x, w1, offs = _operands(counts, 256, 256, seed=31)
+    w1p = pack_gate_up(w1)
+    src, slot = _slot_source(x, seed=32)
+    # A slot outside the source reads zeros: silu(0) * 0 = 0 in the activation.
+    bad = slot.clone()
+    bad[[0, 5, 80]] = torch.tensor([-1, src.shape[0], 1 << 40], device="cuda")
+    zeroed = x.clone()
+    zeroed[[0, 5, 80]] = 0
+    want = grouped_mm_swiglu(zeroed, w1p, offs)
+    assert torch.equal(grouped_mm_swiglu_slots(src, bad, w1p, offs), want)
+    assert not want[[0, 5, 80]].any()
+    # A CUDA graph reads the slots at replay.
+    out = grouped_mm_swiglu_slots(src, slot, w1p, offs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = grouped_mm_swiglu_slots(src, slot, w1p, offs)
+    slot.copy_(bad)
+    graph.replay()
+    assert torch.equal(replayed, want) and not torch.equal(out, want)
+    for args, error, message in (
+        ((src, slot.int(), w1p, offs), ValueError, "row_slot must be int64"),
+        ((src.float(), slot, w1p, offs), ValueError, "src must be bfloat16"),
+        ((src[:, :250], slot, w1p[:, :250], offs), NotImplementedError, "K = src.size"),
+        ((src.t(), slot, w1p, offs), ValueError, "src's columns must be contiguous"),
+        ((src, slot.cpu(), w1p, offs), ValueError, "row_slot must be on src's device"),
+        ((src, slot, w1p[:, :128], offs), ValueError, r"w_packed must be \[E, K, 2I\] with K"),
+    ):
+        with pytest.raises(error, match=message):
+            grouped_mm_swiglu_slots(*args)
+    pitched = torch.zeros(src.shape[0], 260, device="cuda", dtype=torch.bfloat16)[:, :256]
+    with pytest.raises(NotImplementedError, match="row pitch must be a multiple of 8"):
+        grouped_mm_swiglu_slots(pitched, slot, w1p, offs)
 
 
 def _check_plain_gate_up(
