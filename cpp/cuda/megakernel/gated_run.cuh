@@ -21,7 +21,7 @@ static_assert(kGatedTileM == 128, "the gated configuration is the 128-row cooper
 template <grouped::GroupedEpilogue Epi>
 struct GatedGemm {
   using Plain = grouped::Sm90GroupedGemm<kGatedTileM, kGatedTileN, 64, 2, 1, false, Epi>;
-  using Mainloop = GatedMainloop<typename Plain::StagedMainloop, kGatedTileM>;
+  using Mainloop = GatedMainloop<typename Plain::Mainloop, kGatedTileM>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop,
                                                       typename Plain::Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

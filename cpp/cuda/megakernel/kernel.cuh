@@ -58,7 +58,7 @@ struct FusedGemm {
   using Plain = grouped::Sm90GroupedGemm<TileM, kTileN, 64, ClusterM, 1, kPingPong,
                                          W1AsStored ? grouped::GroupedEpilogue::kSwiGluPlain
                                                     : grouped::GroupedEpilogue::kSwiGlu>;
-  using Mainloop = GatedMainloop<typename Plain::StagedMainloop, TileM>;
+  using Mainloop = GatedMainloop<typename Plain::Mainloop, TileM>;
   using Epilogue = FusedEpilogueAdapter<FusedMoeEpilogue<W1AsStored ? 64 : 8>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<FusedProblemShape, Mainloop, Epilogue>;
   static_assert(cute::is_same_v<typename Kernel::InternalStrideA, grouped::KMajorA>);

@@ -33,12 +33,6 @@ TORCH_LIBRARY(uniep, m) {
   // The same activation, bit for bit, from w1 [E, K, 2I] as stored (gate columns, then up; I a
   // multiple of 64), with no packed copy (CUDA only).
   m.def("grouped_mm_swiglu_plain(Tensor x, Tensor w1, Tensor offs, str tuning=\"\") -> Tensor");
-  // grouped_mm_swiglu's activation, bit for bit, on rows read in place (CUDA only): row r is
-  // src[row_slot[r]] (src [S, K], rows at any 16-byte pitch: a dispatch's receive slots, or the
-  // tokens), so no gathered copy of the rows is made; a slot outside [0, S) reads zeros.
-  m.def(
-      "grouped_mm_swiglu_slots(Tensor src, Tensor row_slot, Tensor w_packed, Tensor offs, "
-      "str tuning=\"\") -> Tensor");
   // The backward's grouped products (CUDA only): dgrad dy [R, N] x w[e]^T for w [E, K, N] ->
   // [R, K]; wgrad x[rows of e]^T x dy[rows of e] for x [R, K], dy [R, N] -> [E, K, N] (E =
   // offs.size(0); zeros for an expert with no rows), summed over rows in ascending order.

@@ -42,12 +42,6 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
 // act [R, I] = silu(gate) * up.
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
                                     const at::Tensor& offs, const TuningParams& tuning);
-// engine_grouped_mm_swiglu's activation, bit for bit, on the rows src[row_slot[r]] read in
-// place (GroupedGemmProblem::row_slot): src [S, K] bf16 with unit column stride and a row pitch
-// of a multiple of 8 elements, row_slot [R] int64 on src's device -> act [R, I].
-at::Tensor engine_grouped_mm_swiglu_slots(const at::Tensor& src, const at::Tensor& row_slot,
-                                          const at::Tensor& w_packed, const at::Tensor& offs,
-                                          const TuningParams& tuning);
 // The same activation, bit for bit, from w1 as stored (gate columns [0, I), then up; kSwiGluPlain):
 // no packed copy of w1. I must be a multiple of 64 (check_plain_gate_up).
 at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor& w1,

@@ -204,62 +204,6 @@ at::Tensor engine_grouped_mm_swiglu_plain(const at::Tensor& x, const at::Tensor&
   return run_engine(x, w1, offs, tuning, cuda::GroupedGemmEpilogue::kSwiGluPlain);
 }
 
-at::Tensor engine_grouped_mm_swiglu_slots(const at::Tensor& src, const at::Tensor& row_slot,
-                                          const at::Tensor& w_packed, const at::Tensor& offs,
-                                          const TuningParams& tuning) {
-  UNIEP_CHECK(src.dim() == 2, "src must be 2-D [S, K], got shape ", src.sizes());
-  UNIEP_CHECK(row_slot.dim() == 1, "row_slot must be 1-D [R], got shape ", row_slot.sizes());
-  UNIEP_CHECK(row_slot.scalar_type() == at::kLong, "row_slot must be int64, got ",
-              row_slot.scalar_type());
-  UNIEP_CHECK(row_slot.device() == src.device(), "row_slot must be on src's device ", src.device(),
-              ", got ", row_slot.device());
-  UNIEP_CHECK(row_slot.is_contiguous(), "row_slot must be contiguous, got strides ",
-              row_slot.strides());
-  UNIEP_CHECK(src.scalar_type() == at::kBFloat16, "src must be bfloat16, got ", src.scalar_type());
-  UNIEP_CHECK(src.device().is_cuda(), "src must be a CUDA tensor, got ", src.device());
-  UNIEP_CHECK(src.size(1) == 0 || src.stride(1) == 1,
-              "src's columns must be contiguous (stride 1), got strides ", src.strides());
-  UNIEP_CHECK_CODE(src.size(0) <= 1 || src.stride(0) % kAlign == 0, StatusCode::kUnsupported,
-                   "src's row pitch must be a multiple of ", kAlign,
-                   " elements (the TMA moves 16-byte aligned rows), got strides ", src.strides());
-  const int64_t rows = row_slot.size(0), k = src.size(1);
-  UNIEP_CHECK_CODE(k % kAlign == 0, StatusCode::kUnsupported,
-                   "K = src.size(1) must be a multiple of ", kAlign,
-                   " (the grouped GEMM's TMA moves 16-byte rows), got ", k);
-  UNIEP_CHECK(w_packed.dim() == 3 && w_packed.size(1) == k,
-              "w_packed must be [E, K, 2I] with K = src.size(1) = ", k, ", got shape ",
-              w_packed.sizes());
-  UNIEP_CHECK(w_packed.is_contiguous(),
-              "w_packed must be contiguous (pack_gate_up's layout), got "
-              "strides ",
-              w_packed.strides());
-  // w_packed's and offs's other checks against a [R, K] stand-in of the rows (no data read).
-  check_grouped_mm_args(at::empty({rows, k}, src.options()), w_packed, offs);
-  check_swiglu_width(w_packed);
-  const c10::cuda::CUDAGuard guard(src.device());
-  const int64_t n = w_packed.size(2);
-  at::Tensor out = at::empty({rows, n / 2}, src.options());
-  if (rows == 0 || n == 0) return out;
-  if (k == 0) return out.zero_();
-  UNIEP_CHECK(src.size(0) >= 1, "src must hold at least one row for R = ", rows,
-              " rows, got shape ", src.sizes());
-  cuda::GroupedGemmProblem p;
-  p.x = src.data_ptr();
-  p.w = w_packed.data_ptr();
-  p.offs = offs.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.num_experts = w_packed.size(0);
-  p.rows = rows;
-  p.k = k;
-  p.n = n;
-  p.epilogue = cuda::GroupedGemmEpilogue::kSwiGlu;
-  p.row_slot = row_slot.data_ptr<int64_t>();
-  p.x_slots = src.size(0);
-  p.x_stride_bytes = (src.size(0) > 1 ? src.stride(0) : k) * 2;
-  launch(p, src, tuning);
-  return out;
-}
-
 at::Tensor engine_grouped_mm_dgrad(const at::Tensor& dy, const at::Tensor& w,
                                    const at::Tensor& offs, const TuningParams& tuning,
                                    int64_t shape_rows) {
@@ -458,15 +402,6 @@ at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packe
   });
 }
 
-at::Tensor grouped_mm_swiglu_slots_cuda(const at::Tensor& src, const at::Tensor& row_slot,
-                                        const at::Tensor& w_packed, const at::Tensor& offs,
-                                        c10::string_view tuning) {
-  return translate_errors([&] {
-    return engine_grouped_mm_swiglu_slots(src, row_slot, w_packed, offs,
-                                          TuningParams::parse(std::string(tuning)));
-  });
-}
-
 at::Tensor grouped_mm_swiglu_plain_cuda(const at::Tensor& x, const at::Tensor& w1,
                                         const at::Tensor& offs, c10::string_view tuning) {
   return translate_errors([&] {
@@ -577,7 +512,6 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm", &uniep::torch_glue::grouped_mm_cuda);
   m.impl("grouped_mm_swiglu", &uniep::torch_glue::grouped_mm_swiglu_cuda);
   m.impl("grouped_mm_swiglu_plain", &uniep::torch_glue::grouped_mm_swiglu_plain_cuda);
-  m.impl("grouped_mm_swiglu_slots", &uniep::torch_glue::grouped_mm_swiglu_slots_cuda);
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);

@@ -71,14 +71,6 @@ struct GroupedGemmProblem {
   // offs describes fewer (a fused runtime's receive buffer), the expected count keeps the shape
   // rules from pricing empty capacity. Never changes the bits.
   int64_t shape_rows = 0;
-  // kSwiGlu (kForward) only: the rows read in place. Row r of the product is then row
-  // row_slot[r] ([rows] int64, device memory) of x, which holds x_slots rows x_stride_bytes apart
-  // (a dispatch's receive slots, or the tokens themselves at world 1): no gathered copy of the
-  // rows is written and read back. The bits are those of the product on the gathered rows; a
-  // slot outside [0, x_slots) reads a row of zeros. Null: x is the rows.
-  const int64_t* row_slot = nullptr;
-  int64_t x_slots = 0;
-  int64_t x_stride_bytes = 0;  // 0: k x 2 (rows packed)
 };
 
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
@@ -89,9 +81,6 @@ bool grouped_gemm_device_ok(int device);
 // bytes; kSwiGlu: n a multiple of 16, kSwiGluPlain: of 128, both kForward only), 16-byte aligned x,
 // w and out, a non-null offs. R = 0 needs no x or out (kWgrad: no x or w; out is still written,
 // with zeros).
-//
-// With row_slot: the kSwiGlu epilogue and kind kForward, x_slots in [1, 2^31) and
-// x_stride_bytes 0 or a multiple of 16 of at least k x 2.
 //
 // offs is device data and is not checked. The problem kernel makes it safe instead: every offs
 // value is clamped to [0, R] and to at least the largest earlier value, so a bad offs gives

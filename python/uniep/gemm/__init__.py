@@ -24,7 +24,6 @@ __all__ = [
     "grouped_mm_fp8",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_plain",
-    "grouped_mm_swiglu_slots",
     "grouped_mm_wgrad",
     "pack_gate_up",
     "quantize_expert_weights",
@@ -168,43 +167,6 @@ def _grouped_mm_swiglu_plain_fake(
 ) -> torch.Tensor:
     return _swiglu_meta(
         x, w1, offs, 128, "w1 must be [E, K, 2I] with I = w1.size(2) / 2 a multiple of 64 (2I)"
-    )
-
-
-def grouped_mm_swiglu_slots(
-    src: torch.Tensor,
-    row_slot: torch.Tensor,
-    w1_packed: torch.Tensor,
-    offs: torch.Tensor,
-    tuning: str = "",
-) -> torch.Tensor:
-    """:func:`grouped_mm_swiglu`'s activation, bit for bit, on the rows ``src[row_slot]`` read in
-    place by the GEMM (CUDA, bf16, Hopper): no gathered copy of the rows is written and read
-    back. ``src [S, K]`` may have any row pitch of a multiple of 8 elements (a dispatch's receive
-    slots, or the tokens themselves), ``row_slot [R]`` int64 on its device; a slot outside
-    ``[0, S)`` reads a row of zeros. The engine's tiles 64 deep in K only (the automatic choice
-    always is; ``tile_k=128`` is refused)."""
-    return torch.ops.uniep.grouped_mm_swiglu_slots(src, row_slot, w1_packed, offs, tuning)
-
-
-@torch.library.register_fake("uniep::grouped_mm_swiglu_slots")
-def _grouped_mm_swiglu_slots_fake(
-    src: torch.Tensor,
-    row_slot: torch.Tensor,
-    w_packed: torch.Tensor,
-    offs: torch.Tensor,
-    tuning: str = "",
-) -> torch.Tensor:
-    torch._check_value(
-        src.dim() == 2, lambda: f"src must be 2-D [S, K], got shape {tuple(src.shape)}"
-    )
-    torch._check_value(
-        row_slot.dim() == 1 and row_slot.dtype == torch.int64,
-        lambda: f"row_slot must be 1-D int64 [R], got {row_slot.dtype} {tuple(row_slot.shape)}",
-    )
-    rows = src.new_empty((row_slot.shape[0], src.shape[1]))
-    return _swiglu_meta(
-        rows, w_packed, offs, 16, "w must be [E, K, 2I] with 2I = w.size(2) a multiple of 16"
     )
 
 

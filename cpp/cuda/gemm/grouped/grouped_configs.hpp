@@ -28,10 +28,6 @@ struct GroupedEntry {
   // tile_n / 2. Null but for the forward kind.
   Status (*run_swiglu_plain)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
                              int sm_count, cudaStream_t stream, const PlainW1& plain);
-  // run_swiglu with its rows read in place (GroupedGemmProblem::row_slot). Null but for the
-  // forward kind's tiles 64 deep in K (one swizzled row per box).
-  Status (*run_swiglu_slots)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
-                             int sm_count, cudaStream_t stream, const SlotRows& slots);
 };
 
 const GroupedEntry& entry_coop_128x256x64();

@@ -28,7 +28,6 @@
 #include "cuda/gemm/grouped/gate_up_mainloop.cuh"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/signal_store_epilogue.cuh"
-#include "cuda/gemm/grouped/slot_rows_mainloop.cuh"
 #include "cuda/gemm/grouped/swiglu_epilogue.cuh"
 
 namespace uniep::cuda::grouped {
@@ -75,13 +74,8 @@ struct Sm90GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  // The mainloop on rows laid out beforehand (the MegaKernel wraps this one: its send stores
-  // the rows), and the engine's: with the SwiGLU epilogue on packed w1 it can also read its rows
-  // in place from a dispatch's slots (slot_rows_mainloop.cuh; the base's load where not asked).
-  using StagedMainloop =
+  using Mainloop =
       cute::conditional_t<kPlain, PlainGateUpMainloop<BuiltMainloop>, BuiltMainloop>;
-  static constexpr bool kSlotRows = Epi == GroupedEpilogue::kSwiGlu;
-  using Mainloop = cute::conditional_t<kSlotRows, SlotRowsMainloop<BuiltMainloop>, StagedMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

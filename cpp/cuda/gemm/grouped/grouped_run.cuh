@@ -56,17 +56,6 @@ Status grouped_gemm_run(const Workspace& ws, int64_t num_experts, int64_t ld_out
   return grouped_gemm_run_plain<G>(ws, num_experts, ld_out, device, sm_count, stream, PlainW1{});
 }
 
-// kSwiGlu with its A rows read in place from `slots` (SlotRowsMainloop).
-template <class G>
-Status grouped_gemm_run_slots(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
-                              int sm_count, cudaStream_t stream, const SlotRows& slots) {
-  typename G::Gemm::Arguments args =
-      grouped_arguments<G>(ws, num_experts, device, sm_count, ld_out);
-  args.mainloop.slots = slots;
-  return launch_cutlass<typename G::Gemm>(args, ws.gemm, stream,
-                                          "the grouped GEMM (rows in place)");
-}
-
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedKind Kind = GroupedKind::kForward>
 GroupedEntry make_entry(const char* name) {
@@ -87,15 +76,10 @@ GroupedEntry make_entry(const char* name) {
     };
     e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
     e.run_swiglu_plain = &grouped_gemm_run_plain<GPlain>;
-    if constexpr (GSwiGlu::Mainloop::kTakesSlots)
-      e.run_swiglu_slots = &grouped_gemm_run_slots<GSwiGlu>;
-    else
-      e.run_swiglu_slots = nullptr;
   } else {
     e.gemm_workspace_bytes = &grouped_gemm_workspace<G>;
     e.run_swiglu = nullptr;
     e.run_swiglu_plain = nullptr;
-    e.run_swiglu_slots = nullptr;
   }
   return e;
 }

@@ -43,17 +43,6 @@ struct PlainW1 {
   int64_t k = 0, n = 0;
 };
 
-// kSwiGlu's A rows read in place (slot_rows_mainloop.cuh, GroupedGemmProblem::row_slot): each
-// GEMM row's slot in the source x (slots rows, stride_bytes apart), and the problem kernel's x
-// with the row length k, from which a group's A pointer gives its first row.
-struct SlotRows {
-  const int64_t* row_slot = nullptr;
-  const Bf16* x = nullptr;
-  int64_t k = 0;
-  int64_t slots = 0;
-  int64_t stride_bytes = 0;
-};
-
 template <GroupedKind Kind>
 struct KindLayouts;
 template <>

@@ -179,17 +179,6 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.kind != GroupedGemmKind::kForward)
     return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
-  if (p.row_slot != nullptr) {
-    if (p.epilogue != GroupedGemmEpilogue::kSwiGlu || p.kind != GroupedGemmKind::kForward)
-      return unsupported(
-          "row_slot (the rows read in place) needs the kSwiGlu epilogue and kind kForward");
-    if (p.x_slots < 1 || p.x_slots > kMaxExtent)
-      return bad("x_slots must be in [1, 2^31) with row_slot, got ", p.x_slots);
-    const int64_t stride = p.x_stride_bytes != 0 ? p.x_stride_bytes : 2 * p.k;
-    if (stride % 16 != 0 || stride < 2 * p.k)
-      return unsupported("x_stride_bytes must be 0 or a multiple of 16 of at least k x 2 = ",
-                         2 * p.k, " (rows are copied in 16-byte pieces), got ", p.x_stride_bytes);
-  }
   const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
   if ((!wgrad || p.rows > 0) && (p.w == nullptr || !aligned(p.w)))
     return unsupported("w must be 16-byte aligned (non-null)");
@@ -324,14 +313,6 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     int index = 0;
     if (Status s = grouped_gemm_select(p, tiles, &index, device); !s.ok()) return s;
     entry = entries()[index];
-    if (p.row_slot != nullptr && entry->run_swiglu_slots == nullptr && tiles.tile_k == 0) {
-      // The rows read in place need a tile 64 deep in K: the choice among those (the same bits).
-      GroupedGemmTiles deep = tiles;
-      deep.tile_k = 64;
-      if (grouped_gemm_select(p, deep, &index, device).ok() &&
-          entries()[index]->run_swiglu_slots != nullptr)
-        entry = entries()[index];
-    }
   } else if (p.kind == GroupedGemmKind::kDgrad) {
     entry = dgrad_entry(p, tiles.cluster_m);
   } else {
@@ -378,21 +359,6 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
     return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
                                    grouped::PlainW1{w, p.k, p.n});
-  if (p.row_slot != nullptr) {
-    if (entry->run_swiglu_slots == nullptr)
-      return {StatusCode::kUnsupported,
-              detail::str_cat("row_slot (the rows read in place) needs a tile 64 deep in K in no "
-                              "cluster along N; the configuration picked, ",
-                              entry->config.name, ", has tile_k ", entry->config.tile_k,
-                              " and cluster_n ", entry->config.cluster_n)};
-    grouped::SlotRows slots;
-    slots.row_slot = p.row_slot;
-    slots.x = x;
-    slots.k = p.k;
-    slots.slots = p.x_slots;
-    slots.stride_bytes = p.x_stride_bytes != 0 ? p.x_stride_bytes : 2 * p.k;
-    return entry->run_swiglu_slots(ws, p.num_experts, out_n, device, sm_count, stream, slots);
-  }
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
 }
