@@ -31,7 +31,9 @@ separate launches; with ``overlap=fused`` named, the MegaKernel) and with fp8 ex
 dispatch), the latter against the bf16 layer's time and output, beside ``moe_forward`` with
 ``dispatch=fp8`` (the same fp8 experts on the e4m3 copy of the weights it keeps: the same bits
 expected), and ``uniep.moe_forward`` with ``overlap=fused`` on the plain weights (the MegaKernel
-reading w1 as stored), all interleaved with the default layer; and ``moe_backward`` (which
+reading w1 as stored) and the same layer from its pieces without the EP runtime (``local
+plan``: the local plan, a gather from x, the engine's GEMMs and ``combine_rows``; its bits
+against the layer's), all interleaved with the default layer; and ``moe_backward`` (which
 recomputes the experts' forward) against the dense chain's backward alone and with its forward.
 
 The backward part (only when asked, ``--part backward``): ``moe_backward`` alone against the
@@ -613,6 +615,8 @@ def _bench_layer(
                 "fp8", "fp8 m64", "fp8 moe_forward",
             )
         }  # fmt: skip
+        side["local plan"] = _local_plan_layer(x, idx, weights, w1, w2)
+        row["local_plan_equals_layer"] = bool(torch.equal(side["local plan"](), layer_call("")))
         # The engine's tiles in clusters of two along M wherever they were compiled so (the
         # automatic choice before clusters of one for experts of at most 256 rows).
         side["uniep cluster=2"] = lambda: layer_call("cluster=2")
@@ -626,7 +630,8 @@ def _bench_layer(
         row["gemm_only_ms_interleaved"] = side_ms["gemm_only"]
         row["ms_interleaved[uniep cluster=2]"] = side_ms["uniep cluster=2"]
         row["auto_over_cluster2_interleaved"] = side_ms["uniep"] / side_ms["uniep cluster=2"]
-        for v in ("uniep", "bf16_packed", "bf16_packed_fused", "moe_forward fused"):
+        row["local_plan_over_layer_interleaved"] = side_ms["local plan"] / side_ms["uniep"]
+        for v in ("uniep", "bf16_packed", "bf16_packed_fused", "moe_forward fused", "local plan"):
             # max(dense, weight read) with the dense chain from the same rounds.
             floor_i = max(side_ms["dense"], row["weight_read_ms"])
             row[f"over_floor_interleaved[{v}]"] = side_ms[v] / floor_i
@@ -724,6 +729,38 @@ def _gemms_combine(gemm_only: Any, grow: torch.Tensor, weights: torch.Tensor) ->
         return gate.combine_rows(gemm_only(), grow, weights, check=False)[0]
 
     return gemms_combine
+
+
+def _local_plan_layer(
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> Any:
+    """The world-1 layer from its pieces without the EP runtime: ``local_plan`` (every expert's
+    rows in (token, k) order, no count read by the host), each GEMM row's token gathered from x,
+    the engine's two GEMMs (w1 as stored where the FFN size allows, as ``moe_forward``), and
+    ``combine_rows`` (the per-k combine's arithmetic): ``moe_forward``'s bits expected. What a
+    world-1 path of ``moe_forward`` that skips the dispatch's notify, transfer and self-row
+    kernels and its host sync would take."""
+    from uniep.gemm import pack_gate_up
+
+    ops = torch.ops.uniep
+    tokens, top_k = idx.shape
+    experts, ffn = w1.shape[0], w1.shape[2] // 2
+    slots = tokens * top_k
+    token = torch.arange(tokens, device=x.device).unsqueeze(1).expand(tokens, top_k).reshape(-1)
+    plain = ffn % 64 == 0
+    w1_used = w1 if plain else pack_gate_up(w1)
+
+    def layer() -> torch.Tensor:
+        _, offs, _, _, gemm_row, _, _ = ops.local_plan(idx, experts, 128)
+        # Entries with no row write a spare slot past the rows.
+        row_token = torch.zeros(slots + 1, dtype=torch.int64, device=x.device)
+        row_token.scatter_(0, torch.where(gemm_row >= 0, gemm_row, slots).view(-1), token)
+        rows = x.index_select(0, row_token[:slots])
+        swiglu = ops.grouped_mm_swiglu_plain if plain else ops.grouped_mm_swiglu
+        y = ops.grouped_mm(swiglu(rows, w1_used, offs, ""), w2, offs, "")
+        return ops.combine_rows(y, gemm_row, weights, report=False)[0]
+
+    return layer
 
 
 def _gated_gemms(rows: torch.Tensor, offs: torch.Tensor, prepared: Any) -> Any:
@@ -1076,7 +1113,9 @@ def layers(warmup: int, iters: int, profile: int, loads: list[str]) -> list[dict
             f"{r['load']}: moe_forward over the same with tuning cluster=2, interleaved: "
             f"{r['auto_over_cluster2_interleaved']:.3f} (same bits: {r['cluster2_equals_layer']}); "
             f"moe_backward: {r['backward_auto_over_cluster2_interleaved']:.3f} (same bits: "
-            f"{r['backward_cluster2_same_bits']})"
+            f"{r['backward_cluster2_same_bits']}); the local plan's pieces over moe_forward: "
+            f"{r['local_plan_over_layer_interleaved']:.3f} (same bits: "
+            f"{r['local_plan_equals_layer']})"
         )
     print()
     print(
