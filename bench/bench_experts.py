@@ -116,6 +116,11 @@ LAYER_VARIANTS = [
     ("torch._grouped_mm rank_partials", "gemm=torch,combine=rank_partials"),
 ]
 
+# The layer's other calls timed in the layer's own interleaved rounds, each reported over it.
+TIMED_BESIDE_LAYER = (
+    "bf16_packed", "bf16_packed_fused", "moe_forward fused", "fp8", "fp8 m64", "fp8 moe_forward",
+)  # fmt: skip
+
 
 def tflops(rows: int, k: int, n: int, ms: float) -> float:
     return 2.0 * rows * k * n / (ms * 1e-3) / 1e12
@@ -609,12 +614,8 @@ def _bench_layer(
         # The fp8 layers among them as well: timed apart, after the bf16 rounds, their ratio to
         # the bf16 layer moved with the clock (the same fp8 call 4.8 and 5.9 ms in one run).
         side = {"dense": dense, "gemm_only": gemm_only, "uniep": lambda: layer_call("")} | {
-            v: calls[v]
-            for v in (
-                "bf16_packed", "bf16_packed_fused", "moe_forward fused",
-                "fp8", "fp8 m64", "fp8 moe_forward",
-            )
-        }  # fmt: skip
+            v: calls[v] for v in TIMED_BESIDE_LAYER
+        }
         side["local plan"] = _local_plan_layer(x, idx, weights, w1, w2)
         row["local_plan_equals_layer"] = bool(torch.equal(side["local plan"](), layer_call("")))
         # The engine's tiles in clusters of two along M wherever they were compiled so (the
@@ -637,10 +638,7 @@ def _bench_layer(
             row[f"over_floor_interleaved[{v}]"] = side_ms[v] / floor_i
             row[f"over_gemm_only_interleaved[{v}]"] = side_ms[v] / side_ms["gemm_only"]
         del gemm_only
-        for variant in (
-            "bf16_packed", "bf16_packed_fused", "moe_forward fused",
-            "fp8", "fp8 m64", "fp8 moe_forward",
-        ):  # fmt: skip
+        for variant in TIMED_BESIDE_LAYER:
             # Against the layer timed in the same rounds.
             ms = side_ms[variant]
             row[f"ms[{variant}]"] = ms
