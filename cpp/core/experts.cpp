@@ -57,9 +57,9 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
   std::vector<int64_t> sent(E, 0);
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t g = topk_idx[i];
-    if (g < 0) continue;
+    if (g == -1) continue;
     // A failing entry is recorded and skipped, as the device's plan does: the rest is planned.
-    const uint64_t code = g >= E                                 ? kSendBadExpert
+    const uint64_t code = g < -1 || g >= E                       ? kSendBadExpert
                           : sent[g] >= expert_counts[me * E + g] ? kSendOverCount
                                                                  : 0;
     if (code != 0) {

@@ -78,8 +78,9 @@ struct SenderRows {
   std::vector<int64_t> gemm_row;   // [T * K] the row on dest_rank, -1 for an unused entry
   std::vector<int64_t> counter;    // [T * K] the row's gate counter on dest_rank, -1 unused
   // The first failing entry, as the device records it (uniep/cuda/send_rows_error.hpp): an
-  // expert id >= E, or more rows to an expert than this rank's own count says (the counts are
-  // its announcement, so its routing must match them). Failing entries are left unused; 0: none.
+  // expert id outside [-1, E), or more rows to an expert than this rank's own count says (the
+  // counts are its announcement, so its routing must match them). Failing entries are left unused;
+  // 0: none.
   uint64_t error = 0;
   // [T * K] this rank's entries in the order a send that overlaps the GEMMs stores them: by
   // (expert index on its rank, rank), each expert's in row order, at the position its announced

@@ -12,7 +12,7 @@ namespace uniep {
 // What went wrong with a failing (token, k) entry (the first one recorded; with several, which
 // one wins is a race), in the error word:
 // (code << kSendErrorShift) | entry, entry = token * K + k. 0: nothing.
-constexpr uint64_t kSendBadExpert = 1;          // topk_idx holds an id >= num_experts
+constexpr uint64_t kSendBadExpert = 1;          // topk_idx holds an id outside [-1, num_experts)
 constexpr uint64_t kSendOverCount = 2;          // more rows to an expert than the rank's count
 constexpr uint64_t kSendBadPeer = 3;            // dest_rank has no entry in the peer table
 constexpr uint64_t kSendRowOutOfRange = 4;      // gemm_row lies outside the destination's rows
@@ -40,10 +40,10 @@ inline Status send_rows_error_status(uint64_t word, int64_t top_k, const char* w
   const uint64_t code = word >> kSendErrorShift;
   const int64_t entry = static_cast<int64_t>(word & ((uint64_t{1} << kSendErrorShift) - 1));
   const int64_t t = top_k > 0 ? entry / top_k : entry, k = top_k > 0 ? entry % top_k : 0;
-  const char* why = code == kSendBadExpert   ? "holds an expert id >= num_experts"
-                    : code == kSendOverCount ? "routes more rows to its expert than the rank's "
-                                               "announced count"
-                    : code == kSendBadPeer   ? "goes to a rank outside the peer table"
+  const char* why = code == kSendBadExpert       ? "holds an expert id outside [-1, num_experts)"
+                    : code == kSendOverCount     ? "routes more rows to its expert than the rank's "
+                                                   "announced count"
+                    : code == kSendBadPeer       ? "goes to a rank outside the peer table"
                     : code == kSendRowOutOfRange ? "has a GEMM row outside the destination's rows"
                     : code == kSendCounterOutOfRange
                         ? "has a gate counter outside the destination's counters"

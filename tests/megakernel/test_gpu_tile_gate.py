@@ -365,7 +365,7 @@ def test_send_rows_release_the_gated_gemms() -> None:
 def test_device_send_errors_name_the_entry() -> None:
     idx = torch.tensor([[0, 1], [2, 9], [1, -1]], device="cuda")
     counts = torch.tensor([[1, 2, 1, 0]], device="cuda")
-    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id >= num_exp"):
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id outside"):
         gate.sender_rows(idx, counts, 0)
     with pytest.raises(ValueError, match=r"entry \(token 2, k 0\) routes more rows to its exp"):
         gate.sender_rows(idx[:, :1].contiguous(), torch.tensor([[1, 0, 1, 0]], device="cuda"), 0)
@@ -449,6 +449,28 @@ def test_moe_forward_local_edge_cases() -> None:
     idx[0, 0] = 9
     with pytest.raises(ValueError, match=r"entry \(token 0, k 0\) holds an expert id"):
         moe_forward_local(x, idx, w, pack_gate_up(w1), w2)
+    # Only -1 marks an unused slot: another negative id is named, not dropped.
+    idx[0, 0] = -3
+    with pytest.raises(ValueError, match=r"entry \(token 0, k 0\) holds an expert id outside"):
+        moe_forward_local(x, idx, w, pack_gate_up(w1), w2)
+
+
+@pytest.mark.parametrize("experts", [4, 2000])
+@pytest.mark.parametrize("tokens", [3, 3000])
+def test_device_plans_name_ids_below_minus_one(experts: int, tokens: int) -> None:
+    """Each of the device's plans (the cross-rank plan kernel, the one-block and multi-block
+    local plans, and past 1,024 experts the counts then the plan kernel) names an id below -1 as
+    the CPU plan does."""
+    idx = torch.randint(0, experts, (tokens, 2), device="cuda")
+    idx[1, 0] = -2
+    idx[2, 1] = -1
+    counts = torch.bincount(idx.clamp_min(-1).view(-1) + 1, minlength=experts + 1)[1:]
+    for error in (
+        gate.sender_rows(idx, counts.view(1, -1), 0, check=False)[-1],
+        torch.ops.uniep.local_plan(idx, experts, 64)[-1],
+    ):
+        with pytest.raises(ValueError, match=r"entry \(token 1, k 0\) holds an expert id outs"):
+            gate.check_send_error(error, 2)
 
 
 @pytest.mark.parametrize("top_k", [1, 8, 11, 32])

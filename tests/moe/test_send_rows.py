@@ -148,7 +148,7 @@ def test_send_rows_at_world_one_stores_and_counts_every_row(tile_m: int) -> None
 def test_bad_entries_are_named_and_skipped() -> None:
     idx = torch.tensor([[0, 1], [2, 9], [1, -1]])
     counts = torch.tensor([[1, 2, 1, 0]])
-    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id >= num_exp"):
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 1\) holds an expert id outside"):
         gate.sender_rows(idx, counts, 0)
     dest, row, counter, error = gate.sender_rows(idx, counts, 0, check=False)
     assert dest[1, 1] == row[1, 1] == counter[1, 1] == -1 and int(error) != 0
@@ -157,6 +157,16 @@ def test_bad_entries_are_named_and_skipped() -> None:
     short = torch.tensor([[1, 1, 1, 0]])
     with pytest.raises(ValueError, match=r"entry \(token 2, k 0\) routes more rows to its exp"):
         gate.sender_rows(torch.tensor([[0, 1], [2, -1], [1, -1]]), short, 0)
+
+
+@pytest.mark.parametrize("bad", [-2, -7])
+def test_ids_below_minus_one_are_named_not_dropped(bad: int) -> None:
+    # -1 alone marks an unused slot: any other negative id is an error, never a dropped row.
+    idx = torch.tensor([[0, 1], [bad, 2], [1, -1]])
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 0\) holds an expert id outside"):
+        gate.sender_rows(idx, torch.tensor([[1, 2, 1, 0]]), 0)
+    with pytest.raises(ValueError, match=r"entry \(token 1, k 0\) holds an expert id outside"):
+        gate.check_send_error(torch.ops.uniep.local_plan(idx, 4, 2)[-1], 2)
 
     x = torch.ones(3, 8, dtype=torch.bfloat16)
     counts = torch.tensor([[1, 2, 1, 1]])
@@ -323,7 +333,7 @@ def test_local_plan_is_expert_tiles_then_sender_rows() -> None:
                                                   check=False))  # fmt: skip
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    with pytest.raises(ValueError, match="expert id >= num_experts"):
+    with pytest.raises(ValueError, match=r"expert id outside \[-1, num_experts\)"):
         gate.check_send_error(got[-1], 4, "local_plan")
     torch.library.opcheck(torch.ops.uniep.local_plan.default, (idx, 10, 64))
     with pytest.raises(ValueError, match="num_experts must be in"):

@@ -179,7 +179,7 @@ __device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t
     if (i >= n) continue;
     if (key < 0) {
       dest_rank[i] = gemm_row[i] = counter[i] = -1;
-      if (w.id[s] >= num_experts)
+      if (w.id[s] >= num_experts || w.id[s] < -1)
         atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
       continue;
     }

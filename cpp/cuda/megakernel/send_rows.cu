@@ -1,5 +1,6 @@
-// plan_sender_rows_async and send_rows_async (include/uniep/cuda/send_rows.hpp) as kernels of
-// their own; the persistent kernel runs the same device functions (send_rows.cuh).
+// plan_sender_rows_async, send_rows_async and store_token_rows_async
+// (include/uniep/cuda/send_rows.hpp) as kernels of their own; the persistent kernel runs the same
+// device functions (send_rows.cuh).
 #include <cuda_runtime.h>
 
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -24,6 +25,14 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(SendRowsArgs a,
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32;
        t < a.tokens; t += warps)
     megakernel::send_token_row(a, p, t, lane);
+}
+
+__global__ void __launch_bounds__(kSendThreads) store_token_rows_kernel(StoreRowsArgs a) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kSendThreads / 32);
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * (kSendThreads / 32) + threadIdx.x / 32;
+       t < a.tokens; t += warps)
+    megakernel::store_token_row(a, t, lane);
 }
 
 Status check_routing_shape(int64_t tokens, int64_t top_k) {
@@ -113,6 +122,34 @@ Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
   if (a.tokens == 0) return Status::Ok();
   send_rows_kernel<<<blocks, kSendThreads, 0, stream>>>(a, peers);
   return launch_status("send_rows_async");
+}
+
+Status store_token_rows_async(const StoreRowsArgs& a, int blocks, cudaStream_t stream) {
+  if (Status s = check_routing_shape(a.tokens, a.top_k); !s.ok()) return s;
+  if (a.row_bytes <= 0 || a.row_bytes % 16 != 0 || a.row_bytes > a.row_stride ||
+      a.row_stride % 16 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("store_token_rows_async: row_bytes must be a positive multiple of 16 "
+                            "of at most row_stride (a multiple of 16, ",
+                            a.row_stride, " bytes), got ", a.row_bytes)};
+  if (a.x_stride < a.row_bytes || a.x_stride % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.x) % 16 != 0 || reinterpret_cast<uintptr_t>(a.rows) % 16 != 0)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("store_token_rows_async: x and rows must be 16-byte aligned and "
+                            "x_stride a multiple of 16 of at least row_bytes = ",
+                            a.row_bytes, ", got ", a.x_stride)};
+  if (a.rows_capacity < 0 || blocks < 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat("store_token_rows_async: rows_capacity must be >= 0 and blocks >= 1, "
+                            "got ",
+                            a.rows_capacity, " and ", blocks)};
+  if (a.tokens > 0 &&
+      (a.x == nullptr || a.gemm_row == nullptr || (a.rows_capacity > 0 && a.rows == nullptr)))
+    return {StatusCode::kInvalidArgument,
+            "store_token_rows_async: x, gemm_row and rows must be device pointers"};
+  if (a.tokens == 0) return Status::Ok();
+  store_token_rows_kernel<<<blocks, kSendThreads, 0, stream>>>(a);
+  return launch_status("store_token_rows_async");
 }
 
 }  // namespace uniep::cuda

@@ -88,7 +88,7 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
       // Entries routed nowhere (or nowhere valid) are block 0's to mark.
       if (g == 0 && i < n && (id < 0 || id >= E)) {
         a.dest_rank[i] = a.gemm_row[i] = a.counter[i] = -1;
-        if (id >= E) send_error(a.error, kSendBadExpert, i);
+        if (id >= E || id < -1) send_error(a.error, kSendBadExpert, i);
       }
       if (id == g) mine |= 1u << j;
     }
@@ -121,6 +121,39 @@ __device__ void plan_expert_rows(const SenderRowsPlanArgs& a, int64_t g) {
   }
 }
 
+// One warp stores a row of row_bytes (a multiple of 16) at src to the destinations lanes
+// 0..copies-1 hold in `dst` (null: none), every lane reading its 16-byte pieces once.
+__device__ __forceinline__ void store_row_copies(const uint8_t* src, int64_t row_bytes,
+                                                 uint8_t* dst, int copies, int lane) {
+  const int64_t pieces = row_bytes / 16;
+  const auto* from = reinterpret_cast<const int4*>(src);
+  // Whole-warp trip counts: the shuffles need every lane.
+  for (int64_t base = 0; base < pieces; base += 32) {
+    const int64_t v = base + lane;
+    const bool in_row = v < pieces;
+    int4 piece = make_int4(0, 0, 0, 0);
+    if (in_row) piece = __ldg(from + v);
+    for (int k = 0; k < copies; ++k) {
+      auto* to = reinterpret_cast<int4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
+      if (in_row && to != nullptr) to[v] = piece;
+    }
+  }
+}
+
+// One warp stores token t's row at its GEMM rows on this GPU (store_token_rows_async): lanes
+// k < top_k hold the rows of entries (t, k); unused entries and rows past the capacity store
+// nothing (the plan that made the rows records its failures in its own word).
+__device__ __forceinline__ void store_token_row(const StoreRowsArgs& a, int64_t t, int lane) {
+  uint8_t* dst = nullptr;
+  if (lane < a.top_k) {
+    const int64_t row = a.gemm_row[t * a.top_k + lane];
+    if (row >= 0 && row < a.rows_capacity) dst = static_cast<uint8_t*>(a.rows) + row * a.row_stride;
+  }
+  store_row_copies(static_cast<const uint8_t*>(a.x) + t * a.x_stride, a.row_bytes, dst,
+                   static_cast<int>(a.top_k), lane);
+}
+
 // One warp sends token t: lanes k < top_k hold the destinations of entries (t, k), every lane
 // reads its 16-byte pieces of the row once and stores each at every destination.
 __device__ __forceinline__ void send_token_row(const SendRowsArgs& a, const RowPeers& p,
@@ -141,21 +174,8 @@ __device__ __forceinline__ void send_token_row(const SendRowsArgs& a, const RowP
       }
     }
   }
-  const int64_t pieces = a.row_bytes / 16;
-  const auto* src =
-      reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.x) + t * a.x_stride);
-  // Whole-warp trip counts: the shuffles need every lane.
-  for (int64_t base = 0; base < pieces; base += 32) {
-    const int64_t v = base + lane;
-    const bool in_row = v < pieces;
-    int4 piece = make_int4(0, 0, 0, 0);
-    if (in_row) piece = __ldg(src + v);
-    for (int k = 0; k < a.top_k; ++k) {
-      auto* to = reinterpret_cast<int4*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), k));
-      if (in_row && to != nullptr) to[v] = piece;
-    }
-  }
+  store_row_copies(static_cast<const uint8_t*>(a.x) + t * a.x_stride, a.row_bytes, dst,
+                   static_cast<int>(a.top_k), lane);
   // Every lane's stores are ordered before the counters at system scope (a peer GPU's GEMM
   // acquires them), and the warp's barrier orders them before each lane's release.
   __threadfence_system();

@@ -75,7 +75,7 @@ struct MoeLayerConfig {
 struct MoeLayerInputs {
   const void* x = nullptr;              // [tokens][hidden] bf16
   int64_t tokens = 0;                   // in [0, max_tokens]
-  const int64_t* topk_idx = nullptr;    // [tokens][top_k] global expert ids, negative: unused
+  const int64_t* topk_idx = nullptr;    // [tokens][top_k] global expert ids, -1: unused
   const float* topk_weights = nullptr;  // [tokens][top_k]
   const void* w1 = nullptr;  // [E / W][hidden][2 ffn] bf16, this rank's (see w1_as_stored)
   const void* w2 = nullptr;  // [E / W][ffn][hidden] bf16

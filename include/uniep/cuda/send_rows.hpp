@@ -47,7 +47,8 @@ Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
 // values. Up to 1,024 experts it is a memset and two launches: the counts, then each block's
 // entries ranked by a counting sort; past that the counts and the plan kernel above, whose
 // blocks each walk every id. `error` is zeroed by the call (not by the caller, as
-// plan_sender_rows_async's); a failing entry (an id >= E) is recorded as by plan_sender_rows_async.
+// plan_sender_rows_async's); a failing entry (an id outside [-1, E)) is recorded as by
+// plan_sender_rows_async.
 struct LocalPlanArgs {
   const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, negative: unused
   int64_t tokens = 0, top_k = 0, num_experts = 0;
@@ -100,6 +101,23 @@ Status preload_send_rows_kernels();
 // recorded in `error`.
 Status send_rows_async(const SendRowsArgs& a, const RowPeers& peers, int blocks,
                        cudaStream_t stream);
+
+// The world-1 form of the send, for a layer whose experts all live on this GPU: no peers, no
+// gate counters, no fences. One warp per token on `blocks` blocks: token t's row of x is read
+// once and stored at rows + gemm_row[t, k] * row_stride for each of its entries with
+// 0 <= gemm_row < rows_capacity (a plan's rows; the plan's own error word records its failing
+// entries, whose gemm_row is -1).
+struct StoreRowsArgs {
+  const void* x = nullptr;  // [tokens] rows of row_bytes, x_stride bytes apart, 16-byte aligned
+  int64_t x_stride = 0;
+  int64_t row_bytes = 0;  // a multiple of 16, at most row_stride
+  int64_t tokens = 0, top_k = 0;
+  const int64_t* gemm_row = nullptr;  // [tokens * top_k]
+  void* rows = nullptr;               // [rows_capacity] rows, row_stride bytes apart
+  int64_t row_stride = 0;             // a multiple of 16
+  int64_t rows_capacity = 0;
+};
+Status store_token_rows_async(const StoreRowsArgs& a, int blocks, cudaStream_t stream);
 
 // The reduce of this rank's tokens once their expert rows are in y ([y_rows][hidden] bf16):
 // out[t] = sum_k topk_weights[t, k] * y[gemm_row[t, k]] over entries with gemm_row >= 0, in

@@ -1,0 +1,37 @@
+// moe_forward at world 1 without the expert-parallel runtime's round: with every expert on this
+// GPU the rows need no exchange, so the routing's plan on the device (plan_local_rows_async) says
+// where each (token, k) row goes, and nothing waits for the host to read the counts. CUDA builds
+// only.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+
+#include "uniep/tuning.hpp"
+
+namespace uniep::torch_glue {
+
+// Whether moe_forward takes local_moe_forward for a call at this world size: world 1, bf16 x,
+// the engine's bf16 GEMMs (gemm=uniep, bf16 experts), bf16 dispatch and the per-k combine. The
+// other numerics and engines keep the runtime's path.
+bool local_forward_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params);
+
+// The layer on operands moe_forward has checked (x [T, H] bf16, topk_idx [T, K] int64 with -1
+// for an unused entry, topk_weights [T, K] fp32, w1 [E, H, 2I], w2 [E, I, H], all on x's device):
+//
+//   1. plan_local_rows_async: each expert's count and row end, and each entry's GEMM row (every
+//      expert's rows in (token, k) order: the order of the dispatch at world 1);
+//   2. store_token_rows_async: each token's row read once and stored at its entries' rows;
+//   3. the engine's SwiGLU GEMM and second GEMM on the device's row ends (the buffer holds T x K
+//      rows whatever the routing; rows past the last expert's end are neither computed nor read);
+//   4. combine_rows_bf16: the per-k combine's arithmetic (ascending k, fp32, one rounding).
+//
+// The same rows in the same order, the same GEMMs and the combine's arithmetic: the bits of the
+// runtime's path. The plan's error word is copied to the host behind step 1 and read once every
+// step is enqueued, so the host waits only for the plan; an expert id outside [-1, E) raises
+// (kInvalidArgument) naming the entry and its id, as the dispatch does.
+at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
+                             const at::Tensor& topk_weights, const at::Tensor& w1,
+                             const at::Tensor& w2, const TuningParams& params, cudaStream_t stream);
+
+}  // namespace uniep::torch_glue

@@ -1,0 +1,109 @@
+"""moe_forward at world 1 on CUDA (marker `gpu`): the local path (cpp/torch/ep/local_forward.hpp:
+the routing's plan on the device, each token stored at its GEMM rows, the engine's GEMMs, the
+per-k combine of the rows) against the runtime's path composed from its public pieces (the
+dispatch's rows, the same GEMMs, the runtime's combine): the same bits on random, skewed and
+sparse routing, empty experts, one token, top-k 1 to 9, FFN sizes with and without the SwiGLU
+epilogue on w1 as stored, past 1,024 experts and past one plan block of entries; and a bad
+expert id raised naming the entry, with the next call unaffected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import uniep
+from uniep.gemm import pack_gate_up
+from uniep.reference import moe_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.hopper,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (tokens, hidden, ffn, experts, top-k, routing)
+CASES = [
+    (300, 256, 128, 16, 4, "random"),
+    (1, 128, 64, 8, 2, "random"),
+    (513, 128, 96, 8, 3, "random"),  # I = 96: GEMM 1, then the one-pass SwiGLU
+    (700, 256, 128, 32, 8, "skewed"),  # every token's first choice on expert 0
+    (200, 128, 64, 64, 9, "sparse"),  # half the entries unused, most experts empty
+    (400, 128, 64, 1100, 2, "random"),  # past the one-block plan's expert table
+    (2500, 128, 128, 8, 1, "random"),  # more entries than one plan block
+    (64, 128, 64, 4, 2, "unused"),  # every entry unused
+]
+
+
+def _case(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, routing: str, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(tokens, hidden, generator=gen, device=dev).bfloat16()
+    idx = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=1).indices
+    if routing == "skewed":
+        idx[:, 0] = 0
+        idx[:, 1:] = idx[:, 1:].clamp_min(1)
+    elif routing == "sparse":
+        idx[torch.rand(tokens, top_k, generator=gen, device=dev) < 0.5] = -1
+    elif routing == "unused":
+        idx[:] = -1
+    w = torch.rand(tokens, top_k, generator=gen, device=dev)
+    w1 = (torch.randn(experts, hidden, 2 * ffn, generator=gen, device=dev) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen, device=dev) / ffn**0.5).bfloat16()
+    return x, idx, w, w1, w2
+
+
+def _runtime_path(x, idx, w, w1, w2) -> torch.Tensor:
+    """The layer through the runtime's round at world 1: its rows, the engine's GEMMs (the
+    one-pass SwiGLU's bits whatever w1's layout), its combine."""
+    ops = torch.ops.uniep
+    res = uniep.moe.ep.dispatch(x, idx, w)
+    rows = res.recv_x.index_select(0, res.handle.row_slot)
+    offs = res.tokens_per_expert.cumsum(0).to(torch.int32)
+    if rows.shape[0] == 0:
+        y = rows
+    else:
+        act = ops.grouped_mm_swiglu(rows, pack_gate_up(w1), offs, "")
+        y = ops.grouped_mm(act, w2, offs, "")
+    return uniep.moe.ep.combine(y, res.handle)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_local_path_has_the_runtime_paths_bits(case: int) -> None:
+    tokens, hidden, ffn, experts, top_k, routing = CASES[case]
+    x, idx, w, w1, w2 = _case(tokens, hidden, ffn, experts, top_k, routing, seed=case)
+    try:
+        got = uniep.moe_forward(x, idx, w, w1, w2)
+        want = _runtime_path(x, idx, w, w1, w2)
+        assert got.shape == (tokens, hidden) and got.dtype == torch.bfloat16
+        assert torch.equal(got, want), CASES[case]
+        assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), got), "run to run"
+        if routing == "unused":
+            assert not got.any()
+        # Within bf16 tolerance of float64.
+        ref = moe_reference(x.cpu(), idx.cpu(), w.cpu(), w1.cpu(), w2.cpu())
+        err = (got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err <= 2e-2 or routing == "unused", (CASES[case], float(err))
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
+def test_empty_batch() -> None:
+    x, idx, w, w1, w2 = _case(0, 128, 64, 4, 2, "random", seed=3)
+    try:
+        assert uniep.moe_forward(x, idx, w, w1, w2).shape == (0, 128)
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
+@pytest.mark.parametrize("bad", [4, 900, -2])
+def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
+    x, idx, w, w1, w2 = _case(50, 128, 64, 4, 2, "random", seed=5)
+    try:
+        good = uniep.moe_forward(x, idx, w, w1, w2)
+        wrong = idx.clone()
+        wrong[7, 1] = bad
+        match = rf"topk_idx contains expert id {bad} at \[7, 1\], outside \[-1, 4\)"
+        with pytest.raises(ValueError, match=match):
+            uniep.moe_forward(x, wrong, w, w1, w2)
+        assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)
+    finally:
+        uniep.moe.ep.shutdown(None)
