@@ -1,20 +1,22 @@
-// moe_forward at world 1 without the expert-parallel runtime's round: with every expert on this
-// GPU the rows need no exchange, so the routing's plan on the device (plan_local_rows_async) says
-// where each (token, k) row goes, and nothing waits for the host to read the counts. CUDA builds
-// only.
+// moe_forward and moe_backward at world 1 without the expert-parallel runtime's round: with every
+// expert on this GPU the rows need no exchange, so the routing's plan on the device
+// (plan_local_rows_async) says where each (token, k) row goes, and nothing waits for the host to
+// read the counts. CUDA builds only.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 
+#include <tuple>
+
 #include "uniep/tuning.hpp"
 
 namespace uniep::torch_glue {
 
-// Whether moe_forward takes local_moe_forward for a call at this world size: world 1, bf16 x,
-// the engine's bf16 GEMMs (gemm=uniep, bf16 experts), bf16 dispatch and the per-k combine. The
-// other numerics and engines keep the runtime's path.
-bool local_forward_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params);
+// Whether moe_forward and the engine's moe_backward take the paths below for a call at this
+// world size: world 1, bf16 x, the engine's bf16 GEMMs (gemm=uniep, bf16 experts), bf16 dispatch
+// and the per-k combine. The other numerics and engines keep the runtime's path.
+bool local_layer_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params);
 
 // The layer on operands moe_forward has checked (x [T, H] bf16, topk_idx [T, K] int64 with -1
 // for an unused entry, topk_weights [T, K] fp32, w1 [E, H, 2I], w2 [E, I, H], all on x's device):
@@ -33,5 +35,15 @@ bool local_forward_takes(int64_t world_size, const at::Tensor& x, const TuningPa
 at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
                              const at::Tensor& topk_weights, const at::Tensor& w1,
                              const at::Tensor& w2, const TuningParams& params, cudaStream_t stream);
+
+// moe_backward_engine's outputs on the same plan: x's and grad_out's rows stored at their GEMM
+// rows, then the runtime path's GEMMs, element-wise pass and combine (unit weights) on them, so
+// its bits. The routing weights' dots come per entry ([T * K], 0 for an unused one) with the
+// identity as row_target, which the caller's scatter to the slots (uniep.moe.ep.rows_to_slots at
+// world 1) takes as it takes rows. Raises as local_moe_forward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> local_moe_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
+    const TuningParams& params, cudaStream_t stream);
 
 }  // namespace uniep::torch_glue

@@ -1,10 +1,12 @@
-"""moe_forward at world 1 on CUDA (marker `gpu`): the local path (cpp/torch/ep/local_forward.hpp:
-the routing's plan on the device, each token stored at its GEMM rows, the engine's GEMMs, the
-per-k combine of the rows) against the runtime's path composed from its public pieces (the
-dispatch's rows, the same GEMMs, the runtime's combine): the same bits on random, skewed and
-sparse routing, empty experts, one token, top-k 1 to 9, FFN sizes with and without the SwiGLU
-epilogue on w1 as stored, past 1,024 experts and past one plan block of entries; and a bad
-expert id raised naming the entry, with the next call unaffected."""
+"""moe_forward and moe_backward at world 1 on CUDA (marker `gpu`): the local paths
+(cpp/torch/ep/local_layer.hpp: the routing's plan on the device, each token stored at its GEMM
+rows, the engine's GEMMs, the per-k combine of the rows) against the runtime's path (the forward
+composed from its public pieces: the dispatch's rows, the same GEMMs, the runtime's combine; the
+backward as the op runs it with `combine=rank_partials`, whose gradients are per_k's): the same
+bits on random, skewed and sparse routing, empty experts, one token, top-k 1 to 9, FFN sizes with
+and without the SwiGLU epilogue on w1 as stored, past 1,024 experts and past one plan block of
+entries, and within bf16 tolerance of float64; and a bad expert id raised naming the entry, with
+the next call unaffected."""
 
 from __future__ import annotations
 
@@ -86,16 +88,56 @@ def test_local_path_has_the_runtime_paths_bits(case: int) -> None:
         uniep.moe.ep.shutdown(None)
 
 
-def test_empty_batch() -> None:
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_local_backward_has_the_runtime_paths_bits(
+    case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The world-1 backward is taken under its development switch until this test has passed on
+    # a GPU (cpp/torch/ep/cuda_ops.cpp).
+    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
+    tokens, hidden, ffn, experts, top_k, routing = CASES[case]
+    x, idx, w, w1, w2 = _case(tokens, hidden, ffn, experts, top_k, routing, seed=100 + case)
+    gen = torch.Generator(device="cuda").manual_seed(case)
+    grad_out = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
+    backward = torch.ops.uniep.moe_backward
+    try:
+        got = backward(grad_out, x, idx, w, w1, w2, "", "")
+        # The runtime's round (rank_partials changes the forward's sum only: the backward's
+        # combine of grad_x is per_k whatever the forward's).
+        want = backward(grad_out, x, idx, w, w1, w2, "", "combine=rank_partials")
+        for name, g, r in zip(("grad_x", "grad_w", "grad_w1", "grad_w2"), got, want, strict=True):
+            assert torch.equal(g, r), (CASES[case], name)
+        if routing == "unused":
+            assert not any(g.any() for g in got)
+            return
+        # Within bf16 tolerance of float64 autograd.
+        leaves = [t.cpu().double().requires_grad_(True) for t in (x, w, w1, w2)]
+        ref = moe_reference(leaves[0], idx.cpu(), leaves[1], leaves[2], leaves[3])
+        refs = torch.autograd.grad(ref, leaves, grad_out.cpu().double())
+        for name, g, r in zip(("grad_x", "grad_w", "grad_w1", "grad_w2"), got, refs, strict=True):
+            err = (g.double().cpu() - r).norm() / r.norm().clamp_min(1e-12)
+            assert err <= 3e-2, (CASES[case], name, float(err))
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
+def test_empty_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
     x, idx, w, w1, w2 = _case(0, 128, 64, 4, 2, "random", seed=3)
     try:
         assert uniep.moe_forward(x, idx, w, w1, w2).shape == (0, 128)
+        grads = torch.ops.uniep.moe_backward(x, x, idx, w, w1, w2, "", "")
+        assert grads[0].shape == (0, 128) and grads[1].shape == (0, 2)
+        assert not grads[2].any() and not grads[3].any()
     finally:
         uniep.moe.ep.shutdown(None)
 
 
 @pytest.mark.parametrize("bad", [4, 900, -2])
-def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
+def test_a_bad_expert_id_is_named_and_the_next_call_runs(
+    bad: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
     x, idx, w, w1, w2 = _case(50, 128, 64, 4, 2, "random", seed=5)
     try:
         good = uniep.moe_forward(x, idx, w, w1, w2)
@@ -104,6 +146,8 @@ def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
         match = rf"topk_idx contains expert id {bad} at \[7, 1\], outside \[-1, 4\)"
         with pytest.raises(ValueError, match=match):
             uniep.moe_forward(x, wrong, w, w1, w2)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.uniep.moe_backward(x, x, wrong, w, w1, w2, "", "")
         assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)
     finally:
         uniep.moe.ep.shutdown(None)

@@ -1,0 +1,214 @@
+// moe_forward's and moe_backward's world-1 paths (local_layer.hpp).
+#include "torch/ep/local_layer.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <tuple>
+
+#include "torch/common/runtime_registry.hpp"
+#include "torch/common/validate.hpp"
+#include "torch/gemm/grouped.hpp"
+#include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/cuda/send_rows.hpp"
+#include "uniep/send_rows_error.hpp"
+
+namespace uniep::torch_glue {
+namespace {
+
+// The plan's tile counters are the MegaKernel's; only the rows are used here, so any height does.
+constexpr int kPlanTileM = 128;
+constexpr int kWarpsPerBlock = 8;  // store_token_rows_async's blocks: one warp a token
+
+// An event the host waits on once, destroyed with the call.
+class HostWait {
+ public:
+  explicit HostWait(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~HostWait() { (void)cudaEventDestroy(event_); }
+  HostWait(const HostWait&) = delete;
+  HostWait& operator=(const HostWait&) = delete;
+  void wait() const { C10_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// The error the plan recorded, as the dispatch words it (cuda::check_routing_layout): the entry
+// and its id for an id outside [-1, E), else the plan's own message.
+Error plan_error(uint64_t word, const at::Tensor& topk_idx, int64_t num_experts) {
+  const int64_t K = topk_idx.size(1);
+  if ((word >> kSendErrorShift) != kSendBadExpert) {
+    const Status s = send_rows_error_status(word, K, "the world-1 plan");
+    return Error(s.code, s.message);
+  }
+  const int64_t entry = static_cast<int64_t>(word & ((uint64_t{1} << kSendErrorShift) - 1));
+  const int64_t id = topk_idx.view(-1)[entry].item<int64_t>();
+  return Error(StatusCode::kInvalidArgument,
+               detail::str_cat("topk_idx contains expert id ", id, " at [", entry / K, ", ",
+                               entry % K, "], outside [-1, ", num_experts, ")"));
+}
+
+// The routing's plan on the device and its error word on its way to the host; check() waits for
+// the plan alone and raises what it recorded.
+struct LocalPlan {
+  at::Tensor offs;      // [E] int32: each expert's row end
+  at::Tensor gemm_row;  // [T * K] int64: each entry's GEMM row, -1 unused
+  at::Tensor host_error;
+  std::unique_ptr<HostWait> planned;
+
+  LocalPlan(const at::Tensor& topk_idx, int64_t num_experts, cudaStream_t stream) {
+    const int64_t T = topk_idx.size(0), K = topk_idx.size(1), E = num_experts, n = T * K;
+    const auto i64 = topk_idx.options();
+    const at::Tensor counts = at::empty({E}, i64),
+                     tile_base = at::empty({E + 1}, i64.dtype(at::kInt));
+    const at::Tensor plan = at::empty({3, n}, i64);
+    const at::Tensor error = at::empty({1}, i64);  // zeroed by the plan
+    offs = at::empty({E}, i64.dtype(at::kInt));
+    gemm_row = plan[1];
+    cuda::LocalPlanArgs a;
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.tokens = T;
+    a.top_k = K;
+    a.num_experts = E;
+    a.tile_m = kPlanTileM;
+    a.counts = counts.data_ptr<int64_t>();
+    a.offs = offs.data_ptr<int32_t>();
+    a.tile_base = tile_base.data_ptr<int32_t>();
+    a.dest_rank = plan[0].data_ptr<int64_t>();
+    a.gemm_row = gemm_row.data_ptr<int64_t>();
+    a.counter = plan[2].data_ptr<int64_t>();
+    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+    const size_t ws_bytes = cuda::local_plan_workspace_bytes(n, E);
+    const at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, i64.dtype(at::kByte));
+    ok_or_throw(cuda::plan_local_rows_async(a, ws.data_ptr(), ws_bytes, stream));
+    host_error = at::empty({1}, i64.device(at::kCPU).pinned_memory(true));
+    host_error.copy_(error, /*non_blocking=*/true);
+    planned = std::make_unique<HostWait>(stream);
+  }
+
+  void check(const at::Tensor& topk_idx, int64_t num_experts) const {
+    planned->wait();
+    if (const auto word = static_cast<uint64_t>(host_error.item<int64_t>()); word != 0)
+      throw plan_error(word, topk_idx, num_experts);
+  }
+};
+
+int device_sms(const at::Tensor& like) {
+  int sms = 0;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
+  return sms;
+}
+
+// src [T, H] stored at each entry's GEMM row of a new [T * K, H] (rows no entry has: untouched).
+at::Tensor stored_rows(const at::Tensor& src, const LocalPlan& plan, int64_t top_k, int sms,
+                       cudaStream_t stream) {
+  const int64_t T = src.size(0), H = src.size(1), n = T * top_k;
+  at::Tensor rows = at::empty({n, H}, src.options());
+  cuda::StoreRowsArgs s;
+  s.x = src.data_ptr();
+  s.x_stride = s.row_bytes = H * static_cast<int64_t>(src.element_size());
+  s.tokens = T;
+  s.top_k = top_k;
+  s.gemm_row = plan.gemm_row.data_ptr<int64_t>();
+  s.rows = rows.data_ptr();
+  s.row_stride = s.row_bytes;
+  s.rows_capacity = n;
+  const int64_t blocks =
+      std::min<int64_t>((T + kWarpsPerBlock - 1) / kWarpsPerBlock, int64_t{sms} * 4);
+  ok_or_throw(cuda::store_token_rows_async(s, static_cast<int>(blocks), stream));
+  return rows;
+}
+
+// The per-k combine of the rows: out[t] = sum_k weights[t, k] y[gemm_row[t, k]] (the plan's word
+// covers the rows).
+at::Tensor combined(const at::Tensor& y, const LocalPlan& plan, const at::Tensor& weights, int sms,
+                    cudaStream_t stream) {
+  const int64_t T = weights.size(0), K = weights.size(1), H = y.size(1);
+  at::Tensor out = at::empty({T, H}, y.options());
+  ok_or_throw(cuda::combine_rows_bf16(y.data_ptr(), y.size(0), plan.gemm_row.data_ptr<int64_t>(),
+                                      weights.data_ptr<float>(), T, K, H, out.data_ptr(), nullptr,
+                                      sms * 4, stream));
+  return out;
+}
+
+}  // namespace
+
+bool local_layer_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
+  return world_size == 1 && x.scalar_type() == at::kBFloat16 && params.gemm == GemmEngine::kUniep &&
+         !params.fp8_experts() && params.dispatch == DispatchPrecision::kBf16 &&
+         params.combine == CombineReduction::kPerChoice;
+}
+
+at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
+                             const at::Tensor& topk_weights, const at::Tensor& w1,
+                             const at::Tensor& w2, const TuningParams& params,
+                             cudaStream_t stream) {
+  const int64_t T = topk_idx.size(0), K = topk_idx.size(1), H = x.size(1);
+  const int64_t E = w1.size(0), I = w2.size(1), n = T * K;
+  if (T == 0) return at::empty({0, H}, x.options());
+  const LocalPlan plan(topk_idx, E, stream);
+  const int sms = device_sms(x);
+  const at::Tensor rows = stored_rows(x, plan, K, sms, stream);
+  at::Tensor act;
+  if (plain_gate_up_ok(w1, params)) {
+    act = engine_grouped_mm_swiglu_plain(rows, w1, plan.offs, params);
+  } else {
+    const at::Tensor h = engine_grouped_mm(rows, w1, plan.offs, params);
+    act = at::empty({n, I}, h.options());
+    ok_or_throw(cuda::swiglu_bf16(h.data_ptr(), n, I, act.data_ptr(), stream));
+  }
+  const at::Tensor y = engine_grouped_mm(act, w2, plan.offs, params);
+  at::Tensor out = combined(y, plan, topk_weights, sms, stream);
+  plan.check(topk_idx, E);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> local_moe_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
+    const TuningParams& params, cudaStream_t stream) {
+  const int64_t T = topk_idx.size(0), K = topk_idx.size(1), H = x.size(1);
+  const int64_t E = w1.size(0), I = w2.size(1), n = T * K;
+  const auto f32 = x.options().dtype(at::kFloat);
+  const at::Tensor row_target = at::arange(n, topk_idx.options());
+  if (T == 0)
+    return std::make_tuple(at::empty({0, H}, x.options()), at::empty({0}, f32), row_target,
+                           at::zeros_like(w1), at::zeros_like(w2));
+  const LocalPlan plan(topk_idx, E, stream);
+  const int sms = device_sms(x);
+  const at::Tensor rows = stored_rows(x, plan, K, sms, stream);
+  const at::Tensor go_rows = stored_rows(grad_out.contiguous(), plan, K, sms, stream);
+  // Each entry's row, or a spare one past the rows for an unused entry.
+  const at::Tensor row_or_spare = at::where(plan.gemm_row >= 0, plan.gemm_row, n);
+  // Each row's routing weight.
+  const at::Tensor w_row = at::zeros({n + 1}, f32).scatter_(0, row_or_spare, topk_weights.view(-1));
+  // As the runtime's path: GEMM 1 recomputed, grad_out's rows through w2^T first (the weight's
+  // gradient is <act, that>), the rows past the last expert's end left out of the element-wise
+  // pass (live_rows: the last row end).
+  const at::Tensor h = engine_grouped_mm(rows, w1, plan.offs, params);
+  const at::Tensor grad_act = engine_grouped_mm_dgrad(go_rows, w2, plan.offs, params);
+  const at::Tensor act_w = at::empty({n, I}, x.options());
+  const at::Tensor grad_h = at::empty_like(h);
+  at::Tensor dots = at::zeros({n + 1}, f32);
+  ok_or_throw(cuda::swiglu_backward_bf16(
+      h.data_ptr(), grad_act.data_ptr(), w_row.data_ptr<float>(), n, I, act_w.data_ptr(),
+      grad_h.data_ptr(), dots.data_ptr<float>(), stream, plan.offs.data_ptr<int32_t>() + E - 1));
+  const at::Tensor grad_rows = engine_grouped_mm_dgrad(grad_h, w1, plan.offs, params);
+  at::Tensor grad_w1 = engine_grouped_mm_wgrad(rows, grad_h, plan.offs, params);
+  at::Tensor grad_w2 = engine_grouped_mm_wgrad(act_w, go_rows, plan.offs, params);
+  at::Tensor grad_x = combined(grad_rows, plan, at::ones_like(topk_weights), sms, stream);
+  // Each entry's dot (0 for an unused one): with row_target the identity, the caller's scatter
+  // puts it in its slot.
+  at::Tensor entry_dots = dots.index_select(0, row_or_spare);
+  plan.check(topk_idx, E);
+  return std::make_tuple(grad_x, entry_dots, row_target, grad_w1, grad_w2);
+}
+
+}  // namespace uniep::torch_glue
