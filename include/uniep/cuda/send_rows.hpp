@@ -21,7 +21,7 @@ namespace uniep::cuda {
 
 // plan_sender_rows on the device: one block per global expert.
 struct SenderRowsPlanArgs {
-  const int64_t* topk_idx = nullptr;  // [tokens][top_k] global expert ids, negative: unused
+  const int64_t* topk_idx = nullptr;  // [tokens][top_k] global expert ids, -1: unused
   int64_t tokens = 0, top_k = 0;
   // counts[s * counts_ld + g]: rows rank s routes to global expert g, as every rank agreed
   // ([W][E] with counts_ld = E, or the count exchange's matrix with its own stride)
@@ -50,7 +50,7 @@ Status plan_sender_rows_async(const SenderRowsPlanArgs& a, cudaStream_t stream);
 // plan_sender_rows_async's); a failing entry (an id outside [-1, E)) is recorded as by
 // plan_sender_rows_async.
 struct LocalPlanArgs {
-  const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, negative: unused
+  const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, -1: unused
   int64_t tokens = 0, top_k = 0, num_experts = 0;
   int tile_m = 128;
   int64_t* counts = nullptr;

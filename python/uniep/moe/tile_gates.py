@@ -102,7 +102,7 @@ def expert_tiles(
     """The plan a MegaKernel call on one rank needs before its send, from the routing alone:
     ``(counts, offs, tile_base)``. ``counts`` ``[E]`` int64: the entries of ``topk_idx`` (``[T,
     K]`` int64) routed to each expert, where negative ids and ids >= ``num_experts`` count
-    nowhere (:func:`sender_rows` reports the latter). ``offs`` ``[E]`` int32: their inclusive
+    nowhere (:func:`sender_rows` reports both but -1). ``offs`` ``[E]`` int32: their inclusive
     sums, the grouped GEMM's row ends. ``tile_base`` ``[E + 1]`` int32: :func:`tile_base` of
     ``offs`` over ``T x K`` rows. On CUDA: a memset and one launch, no host sync."""
     return torch.ops.uniep.expert_tiles(topk_idx, num_experts, tile_m)
