@@ -75,6 +75,8 @@ const char* op_name(uint32_t op) {
       return "cached dispatch (plan reuse)";
     case cuda::WaitOp::kExpertRows:
       return "dispatch (row lists)";
+    case cuda::WaitOp::kBadExpert:
+      return "low-latency dispatch (routing)";
     default:
       return "?";
   }
@@ -730,6 +732,14 @@ class RuntimeImpl final : public Runtime {
                                   " but its senders announced ", e.want,
                                   " in the count exchange (a peer's buffers were overwritten?); "
                                   "the round's row lists are incomplete")};
+        case cuda::WaitOp::kBadExpert: {
+          const int64_t entry = static_cast<int64_t>(e.have), K = cfg_.top_k;
+          return {StatusCode::kInvalidArgument,
+                  detail::str_cat("low-latency dispatch on rank ", cfg_.rank,
+                                  ": topk_idx contains expert id ", static_cast<int64_t>(e.want),
+                                  " at [", entry / K, ", ", entry % K, "], outside [-1, ",
+                                  cfg_.num_experts, "); that entry was not sent")};
+        }
         case cuda::WaitOp::kCapacity:
           return {StatusCode::kCapacityExceeded,
                   detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ", e.have,

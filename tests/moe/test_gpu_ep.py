@@ -624,6 +624,18 @@ def _ll_worker(rank: int, world: int) -> None:
     torch.cuda.synchronize()
     dist.barrier()
 
+    # An expert id outside [-1, E) on one rank is named there, not sent nowhere in silence.
+    bad = idx.clone()
+    if rank == 0:
+        bad[3, 1] = EXPERTS + 5
+    uniep.moe.ep.ll_dispatch(x, bad, buffer=1)
+    if rank == 0:
+        match = rf"expert id {EXPERTS + 5} at \[3, 1\], outside \[-1, {EXPERTS}\)"
+        with pytest.raises(ValueError, match=match):
+            uniep.moe.ep.check()
+    torch.cuda.synchronize()
+    dist.barrier()
+
 
 @pytest.mark.skipif(_world() < 2, reason="needs >= 2 CUDA GPUs")
 def test_low_latency_dispatch_combine_and_graph_capture() -> None:

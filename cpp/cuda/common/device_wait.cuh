@@ -26,6 +26,9 @@ enum class WaitOp : uint32_t {
   // row size.
   kPeerArgs = 10,
   kRoundMismatch = 11,
+  // Not a wait: (token, k) entry `have` of this rank's topk_idx holds expert id `want` (an
+  // int64's bits) outside [-1, num_experts); the low-latency dispatch sends it nowhere.
+  kBadExpert = 12,
 };
 
 // Lives in host-mapped pinned memory: the host reads it after a stream sync without a copy.

@@ -38,7 +38,14 @@ __global__ void __launch_bounds__(kLlThreads, kLlMinBlocksPerSm)
   const int64_t first = threadIdx.x * per_thread;
   const int64_t last = first + per_thread < pairs ? first + per_thread : pairs;
   int hits = 0;
-  for (int64_t i = first; i < last; ++i) hits += topk_idx[i] == expert ? 1 : 0;
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t id = topk_idx[i];
+    hits += id == expert ? 1 : 0;
+    // An id that matches no expert would be sent nowhere: the grid's first block names it.
+    if (blockIdx.x == 0 && (id < -1 || id >= d.num_experts))
+      report_error(err, WaitOp::kBadExpert, static_cast<int>(me), static_cast<uint64_t>(i),
+                   static_cast<uint64_t>(id));
+  }
   int pos, n;
   Scan(temp).ExclusiveSum(hits, pos, n);
   for (int64_t i = first; i < last && hits > 0; ++i) {
