@@ -149,5 +149,10 @@ def test_a_bad_expert_id_is_named_and_the_next_call_runs(
         with pytest.raises(ValueError, match=match):
             torch.ops.uniep.moe_backward(x, x, wrong, w, w1, w2, "", "")
         assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)
+        # A graph cannot hold the host's read of the plan's word: refused before any launch.
+        with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                uniep.moe_forward(x, idx, w, w1, w2)
+        assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)
     finally:
         uniep.moe.ep.shutdown(None)

@@ -99,6 +99,17 @@ struct LocalPlan {
   }
 };
 
+// Refused before anything is enqueued: a graph cannot hold the host's read of the plan's word.
+void refuse_capture(cudaStream_t stream, const char* what) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  UNIEP_CHECK_CODE(capture == cudaStreamCaptureStatusNone, StatusCode::kUnsupported, what,
+                   " at world 1 cannot be captured in a CUDA graph: the host reads the routing "
+                   "plan's error word after the call; a decode step in a graph runs "
+                   "uniep.moe.megakernel.launch.moe_forward_local with check=\"deferred\" or "
+                   "uniep.moe.prepared's moe_forward_prepared");
+}
+
 int device_sms(const at::Tensor& like) {
   int sms = 0;
   C10_CUDA_CHECK(
@@ -152,6 +163,7 @@ at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
                              cudaStream_t stream) {
   const int64_t T = topk_idx.size(0), K = topk_idx.size(1), H = x.size(1);
   const int64_t E = w1.size(0), I = w2.size(1), n = T * K;
+  refuse_capture(stream, "moe_forward");
   if (T == 0) return at::empty({0, H}, x.options());
   const LocalPlan plan(topk_idx, E, stream);
   const int sms = device_sms(x);
@@ -176,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> local_moe
     const TuningParams& params, cudaStream_t stream) {
   const int64_t T = topk_idx.size(0), K = topk_idx.size(1), H = x.size(1);
   const int64_t E = w1.size(0), I = w2.size(1), n = T * K;
+  refuse_capture(stream, "moe_backward");
   const auto f32 = x.options().dtype(at::kFloat);
   const at::Tensor row_target = at::arange(n, topk_idx.options());
   if (T == 0)
