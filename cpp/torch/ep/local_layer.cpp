@@ -12,6 +12,7 @@
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
 #include "torch/gemm/grouped.hpp"
+#include "torch/megakernel/local_plan.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/send_rows_error.hpp"
@@ -63,32 +64,11 @@ struct LocalPlan {
   std::unique_ptr<HostWait> planned;
 
   LocalPlan(const at::Tensor& topk_idx, int64_t num_experts, cudaStream_t stream) {
-    const int64_t T = topk_idx.size(0), K = topk_idx.size(1), E = num_experts, n = T * K;
-    const auto i64 = topk_idx.options();
-    const at::Tensor counts = at::empty({E}, i64),
-                     tile_base = at::empty({E + 1}, i64.dtype(at::kInt));
-    const at::Tensor plan = at::empty({3, n}, i64);
-    const at::Tensor error = at::empty({1}, i64);  // zeroed by the plan
-    offs = at::empty({E}, i64.dtype(at::kInt));
-    gemm_row = plan[1];
-    cuda::LocalPlanArgs a;
-    a.topk_idx = topk_idx.data_ptr<int64_t>();
-    a.tokens = T;
-    a.top_k = K;
-    a.num_experts = E;
-    a.tile_m = kPlanTileM;
-    a.counts = counts.data_ptr<int64_t>();
-    a.offs = offs.data_ptr<int32_t>();
-    a.tile_base = tile_base.data_ptr<int32_t>();
-    a.dest_rank = plan[0].data_ptr<int64_t>();
-    a.gemm_row = gemm_row.data_ptr<int64_t>();
-    a.counter = plan[2].data_ptr<int64_t>();
-    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
-    const size_t ws_bytes = cuda::local_plan_workspace_bytes(n, E);
-    const at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, i64.dtype(at::kByte));
-    ok_or_throw(cuda::plan_local_rows_async(a, ws.data_ptr(), ws_bytes, stream));
-    host_error = at::empty({1}, i64.device(at::kCPU).pinned_memory(true));
-    host_error.copy_(error, /*non_blocking=*/true);
+    const LocalPlanTensors plan = local_plan_on_stream(topk_idx, num_experts, kPlanTileM, stream);
+    offs = std::get<1>(plan);
+    gemm_row = std::get<4>(plan).view(-1);
+    host_error = at::empty({1}, topk_idx.options().device(at::kCPU).pinned_memory(true));
+    host_error.copy_(std::get<6>(plan), /*non_blocking=*/true);
     planned = std::make_unique<HostWait>(stream);
   }
 

@@ -16,12 +16,40 @@
 
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
+#include "torch/megakernel/local_plan.hpp"
 #include "torch/megakernel/send_rows_ops.hpp"
 #include "uniep/cuda/error_words.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 
 namespace uniep::torch_glue {
+
+LocalPlanTensors local_plan_on_stream(const at::Tensor& topk_idx, int64_t num_experts,
+                                      int64_t tile_m, cudaStream_t stream) {
+  check_expert_tiles_args(topk_idx, num_experts, tile_m);
+  auto [counts, offs, base] = empty_expert_tiles(topk_idx, num_experts);
+  at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
+  at::Tensor error = at::empty({1}, topk_idx.options());  // zeroed by the call
+  cuda::LocalPlanArgs a;
+  a.topk_idx = topk_idx.data_ptr<int64_t>();
+  a.tokens = topk_idx.size(0);
+  a.top_k = topk_idx.size(1);
+  a.num_experts = num_experts;
+  a.tile_m = static_cast<int>(tile_m);
+  a.counts = counts.data_ptr<int64_t>();
+  a.offs = offs.data_ptr<int32_t>();
+  a.tile_base = base.data_ptr<int32_t>();
+  a.dest_rank = plan[0].data_ptr<int64_t>();
+  a.gemm_row = plan[1].data_ptr<int64_t>();
+  a.counter = plan[2].data_ptr<int64_t>();
+  a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+  const size_t bytes = cuda::local_plan_workspace_bytes(topk_idx.numel(), num_experts);
+  at::Tensor workspace =
+      at::empty({static_cast<int64_t>(bytes)}, topk_idx.options().dtype(at::kByte));
+  ok_or_throw(cuda::plan_local_rows_async(a, workspace.data_ptr(), bytes, stream));
+  return std::make_tuple(counts, offs, base, plan[0], plan[1], plan[2], error);
+}
+
 namespace {
 
 // The plan kernel's arguments for this call; outputs [3, T, K] (dest_rank, gemm_row, counter)
@@ -93,33 +121,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cuda(const at::Tenso
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-local_plan_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
+LocalPlanTensors local_plan_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
   return translate_errors([&] {
-    check_expert_tiles_args(topk_idx, num_experts, tile_m);
     const c10::cuda::CUDAGuard guard(topk_idx.device());
-    auto [counts, offs, base] = empty_expert_tiles(topk_idx, num_experts);
-    at::Tensor plan = at::empty({3, topk_idx.size(0), topk_idx.size(1)}, topk_idx.options());
-    at::Tensor error = at::empty({1}, topk_idx.options());  // zeroed by the call
-    cuda::LocalPlanArgs a;
-    a.topk_idx = topk_idx.data_ptr<int64_t>();
-    a.tokens = topk_idx.size(0);
-    a.top_k = topk_idx.size(1);
-    a.num_experts = num_experts;
-    a.tile_m = static_cast<int>(tile_m);
-    a.counts = counts.data_ptr<int64_t>();
-    a.offs = offs.data_ptr<int32_t>();
-    a.tile_base = base.data_ptr<int32_t>();
-    a.dest_rank = plan[0].data_ptr<int64_t>();
-    a.gemm_row = plan[1].data_ptr<int64_t>();
-    a.counter = plan[2].data_ptr<int64_t>();
-    a.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
-    const size_t bytes = cuda::local_plan_workspace_bytes(topk_idx.numel(), num_experts);
-    at::Tensor workspace =
-        at::empty({static_cast<int64_t>(bytes)}, topk_idx.options().dtype(at::kByte));
-    ok_or_throw(cuda::plan_local_rows_async(a, workspace.data_ptr(), bytes,
-                                            at::cuda::getCurrentCUDAStream().stream()));
-    return std::make_tuple(counts, offs, base, plan[0], plan[1], plan[2], error);
+    return local_plan_on_stream(topk_idx, num_experts, tile_m,
+                                at::cuda::getCurrentCUDAStream().stream());
   });
 }
 

@@ -96,10 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_tiles_cpu(const at::Tensor
   });
 }
 
-using LocalPlan =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-LocalPlan local_plan_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
+LocalPlanTensors local_plan_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t tile_m) {
   auto [counts, offs, base] = expert_tiles_cpu(topk_idx, num_experts, tile_m);
   auto [dest, row, counter, error] =
       sender_rows_cpu(topk_idx, counts.view({1, num_experts}), 0, tile_m);

@@ -25,6 +25,11 @@ void check_expert_tiles_args(const at::Tensor& topk_idx, int64_t num_experts, in
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_expert_tiles(const at::Tensor& topk_idx,
                                                                   int64_t num_experts);
 
+// uniep::local_plan's outputs: counts, offs, tile_base, then dest_rank, gemm_row and counter
+// [T, K] int64, and the error word [1] int64.
+using LocalPlanTensors =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 // x [T, H] contiguous (rows of H * element size bytes, a multiple of 16); dest_rank, gemm_row,
 // counter [T, K] int64; rows [C, H'] of x's dtype, H' >= H, contiguous; counters [N] int32;
 // all on x's device.
