@@ -89,12 +89,7 @@ def test_local_path_has_the_runtime_paths_bits(case: int) -> None:
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_local_backward_has_the_runtime_paths_bits(
-    case: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The world-1 backward is taken under its development switch until this test has passed on
-    # a GPU (cpp/torch/ep/cuda_ops.cpp).
-    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
+def test_local_backward_has_the_runtime_paths_bits(case: int) -> None:
     tokens, hidden, ffn, experts, top_k, routing = CASES[case]
     x, idx, w, w1, w2 = _case(tokens, hidden, ffn, experts, top_k, routing, seed=100 + case)
     gen = torch.Generator(device="cuda").manual_seed(case)
@@ -121,8 +116,7 @@ def test_local_backward_has_the_runtime_paths_bits(
         uniep.moe.ep.shutdown(None)
 
 
-def test_empty_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
+def test_empty_batch() -> None:
     x, idx, w, w1, w2 = _case(0, 128, 64, 4, 2, "random", seed=3)
     try:
         assert uniep.moe_forward(x, idx, w, w1, w2).shape == (0, 128)
@@ -133,11 +127,9 @@ def test_empty_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         uniep.moe.ep.shutdown(None)
 
 
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("bad", [4, 900, -2])
-def test_a_bad_expert_id_is_named_and_the_next_call_runs(
-    bad: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("UNIEP_DEV_LOCAL_BACKWARD", "1")
+def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
     x, idx, w, w1, w2 = _case(50, 128, 64, 4, 2, "random", seed=5)
     try:
         good = uniep.moe_forward(x, idx, w, w1, w2)
@@ -153,6 +145,9 @@ def test_a_bad_expert_id_is_named_and_the_next_call_runs(
         with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 uniep.moe_forward(x, idx, w, w1, w2)
+        with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                torch.ops.uniep.moe_backward(x, x, idx, w, w1, w2, "", "")
         assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)
     finally:
         uniep.moe.ep.shutdown(None)

@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -577,11 +576,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     ep::Runtime& rt = *c.runtime;
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-    // Built and compiled, not yet run on a GPU: taken only under the development switch until
-    // tests/moe/test_gpu_world1_layer.py's backward cases pass on the device.
-    const char* dev = std::getenv("UNIEP_DEV_LOCAL_BACKWARD");
-    if (dev != nullptr && std::string(dev) == "1" &&
-        local_layer_takes(rt.config().world_size, x, params))
+    if (local_layer_takes(rt.config().world_size, x, params))
       return local_moe_backward(grad_out, x, topk_idx, topk_weights, w1, w2, params, stream);
     const int64_t K = rt.config().top_k, H = rt.config().hidden, I = c.in.shape.ffn_hidden;
     const Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
