@@ -5,8 +5,9 @@ composed from its public pieces: the dispatch's rows, the same GEMMs, the runtim
 backward as the op runs it with `combine=rank_partials`, whose gradients are per_k's): the same
 bits on random, skewed and sparse routing, empty experts, one token, top-k 1 to 9, FFN sizes with
 and without the SwiGLU epilogue on w1 as stored, past 1,024 experts and past one plan block of
-entries, and within bf16 tolerance of float64; and a bad expert id raised naming the entry, with
-the next call unaffected."""
+entries, and within bf16 tolerance of float64; the fp8 layer (dispatch=fp8) against the fp8
+dispatch's path of uniep.moe.prepared; and a bad expert id raised naming the entry, with the next
+call unaffected."""
 
 from __future__ import annotations
 
@@ -88,6 +89,48 @@ def test_local_path_has_the_runtime_paths_bits(case: int) -> None:
         uniep.moe.ep.shutdown(None)
 
 
+# The fp8 layer's cases: hidden and FFN multiples of 128 (one scale per 128 columns).
+FP8_CASES = [
+    (300, 256, 128, 16, 4, "random"),
+    (1, 128, 128, 8, 2, "random"),
+    (700, 256, 256, 32, 8, "skewed"),
+    (200, 128, 128, 64, 9, "sparse"),
+    (400, 128, 128, 1100, 2, "random"),
+    (2500, 128, 128, 8, 1, "random"),
+    (64, 128, 128, 4, 2, "unused"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FP8_CASES)))
+def test_local_fp8_path_has_the_runtime_paths_bits(case: int) -> None:
+    # dispatch=fp8 (experts auto: fp8 GEMMs) at world 1 against the fp8 dispatch's path, which
+    # moe_forward_prepared takes on fp8 experts below its eager threshold (all cases here).
+    from uniep.moe import fp8_local
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+
+    tokens, hidden, ffn, experts, top_k, routing = FP8_CASES[case]
+    assert not fp8_local.takes_local_path(tokens * top_k)
+    x, idx, w, w1, w2 = _case(tokens, hidden, ffn, experts, top_k, routing, seed=200 + case)
+    try:
+        got = uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8")
+        with torch.no_grad():
+            want = moe_forward_prepared(
+                x, idx, w, prepare_experts(w1, w2, "fp8"), tuning="dispatch=fp8"
+            )
+        assert got.shape == (tokens, hidden) and got.dtype == torch.bfloat16
+        assert torch.equal(got, want), FP8_CASES[case]
+        assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8"), got)
+        if routing == "unused":
+            assert not got.any()
+            return
+        # Within the e4m3 format's error (relative ~0.064 on such operands) of float64.
+        ref = moe_reference(x.cpu(), idx.cpu(), w.cpu(), w1.cpu(), w2.cpu())
+        err = (got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err <= 0.1, (FP8_CASES[case], float(err))
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_local_backward_has_the_runtime_paths_bits(case: int) -> None:
     tokens, hidden, ffn, experts, top_k, routing = CASES[case]
@@ -130,7 +173,7 @@ def test_empty_batch() -> None:
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("bad", [4, 900, -2])
 def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
-    x, idx, w, w1, w2 = _case(50, 128, 64, 4, 2, "random", seed=5)
+    x, idx, w, w1, w2 = _case(50, 128, 128, 4, 2, "random", seed=5)
     try:
         good = uniep.moe_forward(x, idx, w, w1, w2)
         wrong = idx.clone()
@@ -138,6 +181,8 @@ def test_a_bad_expert_id_is_named_and_the_next_call_runs(bad: int) -> None:
         match = rf"topk_idx contains expert id {bad} at \[7, 1\], outside \[-1, 4\)"
         with pytest.raises(ValueError, match=match):
             uniep.moe_forward(x, wrong, w, w1, w2)
+        with pytest.raises(ValueError, match=match):
+            uniep.moe_forward(x, wrong, w, w1, w2, tuning="dispatch=fp8")
         with pytest.raises(ValueError, match=match):
             torch.ops.uniep.moe_backward(x, x, wrong, w, w1, w2, "", "")
         assert torch.equal(uniep.moe_forward(x, idx, w, w1, w2), good)

@@ -516,6 +516,8 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
     if (local_layer_takes(cfg.world_size, x, params))
       return local_moe_forward(x, topk_idx, topk_weights, w1, w2, params, stream);
+    if (local_fp8_forward_takes(cfg.world_size, x, params))
+      return local_moe_forward_fp8(x, topk_idx, topk_weights, w1, w2, params, stream);
     Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
     const int64_t H = cfg.hidden, I = in.shape.ffn_hidden;
     const int64_t R = d.row_slot.size(0);

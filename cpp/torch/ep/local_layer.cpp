@@ -11,6 +11,7 @@
 
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
+#include "torch/gemm/fp8_experts.hpp"
 #include "torch/gemm/grouped.hpp"
 #include "torch/megakernel/local_plan.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -137,6 +138,12 @@ bool local_layer_takes(int64_t world_size, const at::Tensor& x, const TuningPara
          params.combine == CombineReduction::kPerChoice;
 }
 
+bool local_fp8_forward_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
+  return world_size == 1 && x.scalar_type() == at::kBFloat16 && params.gemm == GemmEngine::kUniep &&
+         params.fp8_experts() && params.dispatch == DispatchPrecision::kFp8E4M3 &&
+         params.combine == CombineReduction::kPerChoice;
+}
+
 at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
                              const at::Tensor& topk_weights, const at::Tensor& w1,
                              const at::Tensor& w2, const TuningParams& params,
@@ -158,6 +165,28 @@ at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
   }
   const at::Tensor y = engine_grouped_mm(act, w2, plan.offs, params);
   at::Tensor out = combined(y, plan, topk_weights, sms, stream);
+  plan.check(topk_idx, E);
+  return out;
+}
+
+at::Tensor local_moe_forward_fp8(const at::Tensor& x, const at::Tensor& topk_idx,
+                                 const at::Tensor& topk_weights, const at::Tensor& w1,
+                                 const at::Tensor& w2, const TuningParams& params,
+                                 cudaStream_t stream) {
+  const int64_t T = topk_idx.size(0), K = topk_idx.size(1), H = x.size(1);
+  const int64_t E = w1.size(0), n = T * K;
+  refuse_capture(stream, "moe_forward");
+  if (T == 0) return at::empty({0, H}, x.options());
+  const LocalPlan plan(topk_idx, E, stream);
+  // Each token in the fp8 dispatch's encoding (1 x 128 scales), quantized once and stored at its
+  // entries' rows; no error word of its own: the rows are the plan's, which its word covers.
+  at::Tensor rows = at::empty({n, H}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor row_scales = at::empty({n, H / 128}, x.options().dtype(at::kFloat));
+  ok_or_throw(cuda::quantize_fp8_rows(x.data_ptr(), T, H, plan.gemm_row.data_ptr<int64_t>(),
+                                      static_cast<int>(K), n, rows.data_ptr(),
+                                      row_scales.data_ptr<float>(), nullptr, stream));
+  const at::Tensor y = fp8_experts_forward(rows, row_scales, plan.offs, w1, w2, params);
+  at::Tensor out = combined(y, plan, topk_weights, device_sms(x), stream);
   plan.check(topk_idx, E);
   return out;
 }

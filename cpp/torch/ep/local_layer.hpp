@@ -36,6 +36,22 @@ at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
                              const at::Tensor& topk_weights, const at::Tensor& w1,
                              const at::Tensor& w2, const TuningParams& params, cudaStream_t stream);
 
+// Whether moe_forward takes local_moe_forward_fp8 for a call at this world size: world 1, bf16
+// x, the engine's fp8 GEMMs on the fp8 dispatch's rows (dispatch=fp8 with experts auto or fp8)
+// and the per-k combine. (The backward of that layer is the bf16 layer's on the dispatched
+// rows, rounded to e4m3: it keeps the runtime's path.)
+bool local_fp8_forward_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params);
+
+// The fp8 layer on the same plan: each token quantized once in the fp8 dispatch's encoding and
+// stored at its entries' rows (quantize_fp8_rows), the two fp8 GEMMs of fp8_experts_forward
+// (torch/gemm/fp8_experts.hpp: the weights' e4m3 copy kept), the per-k combine. The rows, GEMMs
+// and combine of the runtime's fp8 path, so its bits, which are uniep.moe.prepared's fp8
+// experts'. Raises as local_moe_forward.
+at::Tensor local_moe_forward_fp8(const at::Tensor& x, const at::Tensor& topk_idx,
+                                 const at::Tensor& topk_weights, const at::Tensor& w1,
+                                 const at::Tensor& w2, const TuningParams& params,
+                                 cudaStream_t stream);
+
 // moe_backward_engine's outputs on the same plan: x's and grad_out's rows stored at their GEMM
 // rows, then the runtime path's GEMMs, element-wise pass and combine (unit weights) on them, so
 // its bits. The routing weights' dots come per entry ([T * K], 0 for an unused one) with the
