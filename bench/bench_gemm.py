@@ -7,7 +7,8 @@ with an addend (D = A @ B + C, the reduce-scatter's epilogue fold) against ``tor
 ``sm90_gemm`` at every tile width, swizzle and raster order (the sweep its defaults come from), and
 the part GEMM that ``set_gemm("gated")`` runs for a whole all-gather + GEMM
 (``torch.ops.uniep.part_gemm``: one persistent gated GEMM over 4 row blocks, as at TP=4 with one
-chunk, every block present and no arrival words read), whose goal is cuBLAS's rate.
+chunk, every block present and no arrival words read), whose goal is cuBLAS's rate, with each
+of its tile widths named beside its automatic choice.
 Device time is the median of CUDA events over many calls after warm-up; host time is the median
 wall time to enqueue one call (the GPU busy with a long kernel meanwhile), which bounds how small
 a chunk can be before the host, not the GPU, sets the pace.
@@ -80,6 +81,11 @@ def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, An
     calls["sm90_addend_ms"] = lambda: torch.ops.uniep.sm90_gemm(a, b, c)
     if m % PARTS == 0:
         calls["part_ms"] = lambda: torch.ops.uniep.part_gemm(a, b, PARTS)
+        # Each tile width named: what the automatic choice (part_gemm_tile_n) chose between.
+        for tile in (128, 256):
+            calls[f"part_t{tile}_ms"] = lambda tile=tile: torch.ops.uniep.part_gemm(
+                a, b, PARTS, None, 0, 10.0, 0, 0, "auto", tile
+            )
     for tile in (128, 256):
         for swz in (1, 2, 4, 8):
             for raster in ("m", "n"):
@@ -98,9 +104,21 @@ def bench_shape(m: int, k: int, n: int, warmup: int, iters: int) -> dict[str, An
     row["sm90_over_cublas"] = row["sm90_carve0_ms"] / row["cublas_ms"]
     if "part_ms" in row:
         row["part_over_cublas"] = row["part_ms"] / row["cublas_ms"]
+        row["part_over_sm90"] = row["part_ms"] / row["sm90_carve0_ms"]
     row["host_us_cublas"] = host_us(lambda: torch.mm(a, b, out=out))
     row["host_us_sm90"] = host_us(lambda: torch.ops.uniep.sm90_gemm(a, b))
     return row
+
+
+def _part_over_sm90(r: dict[str, Any]) -> str:
+    """The part GEMM over sm90_gemm, its automatic tile width and then each width named."""
+    if "part_ms" not in r:
+        return "-"
+    sm90 = r["sm90_carve0_ms"]
+    return (
+        f"{r['part_ms'] / sm90:.3f} ({r['part_t128_ms'] / sm90:.3f} / "
+        f"{r['part_t256_ms'] / sm90:.3f})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,17 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     print(
-        "| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | part/cuBLAS | TFLOP/s "
-        "| host us | best sm90 config (ms) |"
+        "| M | K | N | cuBLAS ms | sm90 ms (carve 0/8/16) | sm90/cuBLAS | part/cuBLAS | part/sm90 "
+        "(tiles 128 / 256) | TFLOP/s | host us | best sm90 config (ms) |"
     )
-    print("|---:|---:|---:|---:|---|---:|---:|---|---|---|")
+    print("|---:|---:|---:|---:|---|---:|---:|---|---|---|---|")
     for m, k, n in SHAPES:
         r = bench_shape(m, k, n, args.warmup, args.iters)
         rows.append(r)
         carves = "/".join(f"{r[f'sm90_carve{s}_ms']:.3f}" for s in CARVEOUTS)
         print(
             f"| {m} | {k} | {n} | {r['cublas_ms']:.3f} | {carves} | {r['sm90_over_cublas']:.3f} "
-            f"| {r.get('part_over_cublas', float('nan')):.3f} "
+            f"| {r.get('part_over_cublas', float('nan')):.3f} | {_part_over_sm90(r)} "
             f"| {r['cublas_tflops']:.0f} / {r['sm90_tflops']:.0f} "
             f"| {r['host_us_cublas']:.1f} / {r['host_us_sm90']:.1f} "
             f"| {r['sm90_best_config'][5:-3]} ({r['sm90_best_ms']:.3f}) |",

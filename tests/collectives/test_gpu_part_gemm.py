@@ -1,7 +1,8 @@
 """The part GEMM (``torch.ops.uniep.part_gemm``, include/uniep/cuda/part_gemm.hpp) at world 1:
 the one persistent GEMM that ``set_gemm("gated")`` runs for an all-gather + GEMM, here over the
-row blocks of one tensor. Its bits do not depend on the split into parts nor on the gate, its
-values are within bf16 rounding of float64, a part whose word never reaches the epoch times out
+row blocks of one tensor. Its bits do not depend on the split into parts, the gate nor the
+tiles' width (128 or 256, and the automatic choice between them), its values are within bf16
+rounding of float64, a part whose word never reaches the epoch times out
 naming the part, and bad arguments are named.
 """
 
@@ -52,6 +53,26 @@ def test_bits_independent_of_parts_gate_and_carveout() -> None:
         assert torch.equal(part_gemm(a, b, 4, ready, 5, 10.0, carveout), whole), carveout
 
 
+@pytest.mark.parametrize(
+    "m,k,n,parts",
+    [(1024, 1024, 2048, 4), (520, 512, 776, 2), (2048, 512, 1792, 4), (96, 160, 136, 1)],
+)
+def test_bits_independent_of_tile_width(m: int, k: int, n: int, parts: int) -> None:
+    # The first shape takes 128-wide tiles by itself (its 256-wide ones fill half a wave), the
+    # third 256-wide ones; both widths named on each, with a gate that opens at once.
+    a, b = _operands(m, k, n, m + n)
+    whole = torch.ops.uniep.sm90_gemm(a, b)
+    ready = torch.full((parts,), 7, dtype=torch.int64, device="cuda")
+    for tile_n in (0, 128, 256):
+        got = part_gemm(a, b, parts, None, 0, 10.0, 0, 0, "auto", tile_n)
+        assert torch.equal(got, whole), (tile_n, parts)
+        gated = part_gemm(a, b, parts, ready, 7, 10.0, 0, 0, "auto", tile_n)
+        assert torch.equal(gated, whole), (tile_n, "gated")
+    for raster in ("m", "n"):
+        got = part_gemm(a, b, parts, None, 0, 10.0, 0, 4, raster, 128)
+        assert torch.equal(got, whole), raster
+
+
 def test_empty_and_one_row_parts() -> None:
     a, b = _operands(4, 64, 32, 5)
     assert torch.equal(part_gemm(a, b, 4), part_gemm(a, b))
@@ -81,3 +102,5 @@ def test_bad_arguments_are_named() -> None:
         part_gemm(a, b[:32])
     with pytest.raises(ValueError, match="multiple of 8"):
         part_gemm(a[:, :60], b[:60])
+    with pytest.raises(ValueError, match=r"tile_n must be 0 \(auto\), 128 or 256, got 64"):
+        part_gemm(a, b, 1, None, 0, 10.0, 0, 0, "auto", 64)

@@ -60,10 +60,27 @@ Status part_gemm_supports(const PartGemmProblem& p) {
     return bad("swizzle must be 0 (auto), 1, 2, 4 or 8, got ", p.swizzle);
   if (p.raster != 0 && p.raster != 'm' && p.raster != 'n')
     return bad("raster must be 'm', 'n' or 0 (auto), got ", static_cast<int>(p.raster));
+  if (p.tile_n != 0 && p.tile_n != 128 && p.tile_n != kGatedTileN)
+    return bad("tile_n must be 0 (auto), 128 or ", kGatedTileN, ", got ", p.tile_n);
+  if (p.tile_n == 128 && p.done != nullptr)
+    return bad("tile_n 128 takes no done counters (they count ", kGatedTileN, "-wide tiles)");
   if (p.done != nullptr && p.count * part_gemm_row_tiles(p.rows) > kMaxExtent)
     return bad("done: count x row tiles (", p.count * part_gemm_row_tiles(p.rows),
                ") counters must number fewer than 2^31");
   return Status::Ok();
+}
+
+int part_gemm_tile_n(const PartGemmProblem& p, int sm_count) {
+  if (p.tile_n != 0) return p.tile_n;
+  if (p.done != nullptr) return kGatedTileN;
+  // Clusters of two tiles along M, each part's m-tiles paired on their own.
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t clusters = std::max(1, sm_count / 2);
+  const int64_t rows = p.count * ceil_div(part_gemm_row_tiles(p.rows), 2);
+  const double waves_256 =
+      static_cast<double>(ceil_div(rows * ceil_div(p.n, kGatedTileN), clusters));
+  const double waves_128 = static_cast<double>(ceil_div(rows * ceil_div(p.n, 128), clusters));
+  return waves_128 * 0.5 / 0.9 < waves_256 ? 128 : kGatedTileN;
 }
 
 namespace {
@@ -111,8 +128,9 @@ __global__ void __launch_bounds__(kPartsPerLaunch)
 
 size_t part_gemm_workspace_bytes(int64_t count, int sm_count) {
   if (count < 1 || count > kMaxParts || sm_count < 1) return 0;
-  return table_bytes(count) + std::max(megakernel::gated_store_workspace(count, sm_count),
-                                       megakernel::gated_store_signal_workspace(count, sm_count));
+  return table_bytes(count) + std::max({megakernel::gated_store_workspace(count, sm_count),
+                                        megakernel::gated_store_n128_workspace(count, sm_count),
+                                        megakernel::gated_store_signal_workspace(count, sm_count)});
 }
 
 Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device, int sm_count,
@@ -170,6 +188,8 @@ Status part_gemm_bf16(const PartGemmProblem& p, const PartGate& gate, int device
   megakernel::GatedOrder order;
   order.along_n = along_n;
   order.swizzle = p.swizzle > 0 ? p.swizzle : along_n ? 4 : 1;
+  if (p.done == nullptr && part_gemm_tile_n(p, sm_count) == 128)
+    return megakernel::gated_store_n128_run(ws, p.count, g, device, sm_count, stream, order);
   if (p.done == nullptr)
     return megakernel::gated_store_run(ws, p.count, g, device, sm_count, stream, order);
   GatedSignal signal;

@@ -1,7 +1,10 @@
 // The gated grouped GEMM (include/uniep/cuda/tile_gate.hpp): the engine's cooperative
 // 128 x 256 x 64 configuration with GatedMainloop in place of CUTLASS's mainloop (around the
 // engine's PlainGateUpMainloop for kSwiGluPlain). Included by sm90_gated_store.cu,
-// sm90_gated_swiglu.cu and sm90_gated_swiglu_plain.cu, one epilogue each.
+// sm90_gated_swiglu.cu and sm90_gated_swiglu_plain.cu, one epilogue each; the store epilogue
+// also at 128 x 128 (sm90_gated_store_n128.cu: the part GEMM's tile where the 256-wide tiles
+// would leave much of the last wave idle). The gate counts row blocks of kGatedTileM rows, so
+// the tile's width is free.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,9 +21,9 @@ namespace uniep::cuda::megakernel {
 // The gate's tile: it must be the GEMM's, since a counter stands for one output row block.
 static_assert(kGatedTileM == 128, "the gated configuration is the 128-row cooperative tile");
 
-template <grouped::GroupedEpilogue Epi>
+template <grouped::GroupedEpilogue Epi, int TileN = kGatedTileN>
 struct GatedGemm {
-  using Plain = grouped::Sm90GroupedGemm<kGatedTileM, kGatedTileN, 64, 2, 1, false, Epi>;
+  using Plain = grouped::Sm90GroupedGemm<kGatedTileM, TileN, 64, 2, 1, false, Epi>;
   using Mainloop = GatedMainloop<typename Plain::Mainloop, kGatedTileM>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop,
                                                       typename Plain::Epilogue>;
@@ -37,14 +40,12 @@ struct GatedOrder {
   bool along_n = false;
 };
 
-template <grouped::GroupedEpilogue Epi>
-typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspace& ws,
-                                                         int64_t num_experts, const TileGate& gate,
-                                                         const GatedSignal& signal, int device,
-                                                         int sm_count, int64_t ld_out,
-                                                         const grouped::PlainW1& plain = {},
-                                                         const GatedOrder& order = {}) {
-  using G = GatedGemm<Epi>;
+template <grouped::GroupedEpilogue Epi, int TileN = kGatedTileN>
+typename GatedGemm<Epi, TileN>::Gemm::Arguments gated_arguments(
+    const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
+    const GatedSignal& signal, int device, int sm_count, int64_t ld_out,
+    const grouped::PlainW1& plain = {}, const GatedOrder& order = {}) {
+  using G = GatedGemm<Epi, TileN>;
   using Raster = typename G::Kernel::TileScheduler::RasterOrderOptions;
   typename G::Gemm::Arguments args{};
   grouped::set_problem_arrays<grouped::KMajorA, grouped::NMajorB>(args, ws, num_experts);
@@ -67,29 +68,33 @@ typename GatedGemm<Epi>::Gemm::Arguments gated_arguments(const grouped::Workspac
   return args;
 }
 
-template <grouped::GroupedEpilogue Epi>
+template <grouped::GroupedEpilogue Epi, int TileN = kGatedTileN>
 size_t gated_gemm_workspace(int64_t num_experts, int sm_count) {
   const grouped::Workspace ws =
       grouped::carve(reinterpret_cast<void*>(grouped::kWorkspaceAlign), num_experts);
-  return GatedGemm<Epi>::Gemm::get_workspace_size(
-      gated_arguments<Epi>(ws, num_experts, TileGate{}, GatedSignal{}, 0, sm_count, 2));
+  return GatedGemm<Epi, TileN>::Gemm::get_workspace_size(
+      gated_arguments<Epi, TileN>(ws, num_experts, TileGate{}, GatedSignal{}, 0, sm_count, 2));
 }
 
-template <grouped::GroupedEpilogue Epi>
+template <grouped::GroupedEpilogue Epi, int TileN = kGatedTileN>
 Status gated_gemm_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                       const GatedSignal& signal, int64_t ld_out, int device, int sm_count,
                       cudaStream_t stream, const grouped::PlainW1& plain = {},
                       const GatedOrder& order = {}) {
-  const auto args =
-      gated_arguments<Epi>(ws, num_experts, gate, signal, device, sm_count, ld_out, plain, order);
-  return launch_cutlass<typename GatedGemm<Epi>::Gemm>(args, ws.gemm, stream,
-                                                       "the gated grouped GEMM");
+  const auto args = gated_arguments<Epi, TileN>(ws, num_experts, gate, signal, device, sm_count,
+                                                ld_out, plain, order);
+  return launch_cutlass<typename GatedGemm<Epi, TileN>::Gemm>(args, ws.gemm, stream,
+                                                              "the gated grouped GEMM");
 }
 
 // One per epilogue, each defined in its own translation unit.
 size_t gated_store_workspace(int64_t num_experts, int sm_count);
 Status gated_store_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                        int device, int sm_count, cudaStream_t stream, const GatedOrder& order = {});
+// The same at 128 x 128 tiles (the same bits: no tile splits k).
+size_t gated_store_n128_workspace(int64_t num_experts, int sm_count);
+Status gated_store_n128_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
+                            int device, int sm_count, cudaStream_t stream, const GatedOrder& order);
 size_t gated_swiglu_workspace(int64_t num_experts, int sm_count);
 Status gated_swiglu_run(const grouped::Workspace& ws, int64_t num_experts, const TileGate& gate,
                         const GatedSignal& signal, int64_t ld_out, int device, int sm_count,

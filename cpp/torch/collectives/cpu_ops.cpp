@@ -39,11 +39,12 @@ TORCH_LIBRARY_FRAGMENT(uniep, m) {
   // only): the GEMM that set_gemm("gated") runs for an all-gather + GEMM. With ready (int64
   // [parts], device words) the tiles of block i load once ready[i] >= epoch (compared unsigned);
   // the op then synchronizes and raises a timeout naming the first block that never got there.
-  // swizzle and raster order the tiles (as sm90_gemm's). For tests and benchmarks of the gated
-  // GEMM at world 1.
+  // swizzle and raster order the tiles (as sm90_gemm's); tile_n (128, 256) overrides the tile
+  // width's choice. For tests and benchmarks of the gated GEMM at world 1.
   m.def(
       "part_gemm(Tensor a, Tensor b, int parts=1, Tensor? ready=None, int epoch=0, "
-      "float timeout_s=10.0, int sm_carveout=0, int swizzle=0, str raster=\"auto\") -> Tensor");
+      "float timeout_s=10.0, int sm_carveout=0, int swizzle=0, str raster=\"auto\", "
+      "int tile_n=0) -> Tensor");
 }
 
 namespace uniep::torch_glue {

@@ -240,6 +240,7 @@ struct PartsContext {
   at::Tensor workspace;
   int swizzle = 0;
   char raster = 0;
+  int tile_n = 0;  // 0: part_gemm_tile_n's choice
 };
 
 PartsContext parts_context(const at::Tensor& b, int64_t count, int64_t sm_carveout) {
@@ -293,6 +294,7 @@ cuda::PartGemmProblem parts_problem(const PartsContext& c, const cuda::GemmPart*
   cuda::PartGemmProblem p;
   p.swizzle = c.swizzle;
   p.raster = c.raster;
+  p.tile_n = c.tile_n;
   p.parts = parts;
   p.count = count;
   p.rows = rows;
@@ -424,10 +426,13 @@ at::Tensor sm90_gemm_cuda(const at::Tensor& a, const at::Tensor& b,
 
 at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t parts,
                           const std::optional<at::Tensor>& ready, int64_t epoch, double timeout_s,
-                          int64_t sm_carveout, int64_t swizzle, c10::string_view raster) {
+                          int64_t sm_carveout, int64_t swizzle, c10::string_view raster,
+                          int64_t tile_n) {
   return translate_errors([&] {
     check_matmul_operands(a, b, "[M, K]", "[K, N]", Executor::kCuda);
     check_raster(raster);
+    UNIEP_CHECK(tile_n == 0 || tile_n == 128 || tile_n == cuda::kGatedTileN,
+                "tile_n must be 0 (auto), 128 or ", cuda::kGatedTileN, ", got ", tile_n);
     UNIEP_CHECK(a.scalar_type() == at::kBFloat16, "a must be bfloat16 (the part GEMM), got ",
                 c10::toString(a.scalar_type()));
     UNIEP_CHECK(parts >= 1 && a.size(0) % parts == 0, "parts (", parts,
@@ -453,6 +458,7 @@ at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t part
     PartsContext ctx = parts_context(bc, parts, sm_carveout);
     ctx.swizzle = static_cast<int>(swizzle);
     ctx.raster = raster == "auto" ? 0 : raster[0];
+    ctx.tile_n = static_cast<int>(tile_n);
     at::Tensor record;
     cuda::PartGate gate;
     if (ready.has_value()) {

@@ -4,10 +4,11 @@
 //     out_i [rows, n] = a_i [rows, k] @ b [k, n]        (bf16, fp32 accumulation, row-major)
 //
 // and its tiles load a_i only once *ready_i >= epoch (ready_i null: at once). The parts are one
-// grouped GEMM (the gated grouped GEMM's 128 x 256 x 64 tiles, tile_gate.hpp) whose persistent
-// tile scheduler takes them in the order given, so a caller lists first the parts that are there
-// first (the own shard, then the peers' in the order they are sent). One launch replaces one
-// GEMM per part: no wave is quantized per part, and no launch waits on the host's events.
+// grouped GEMM (the gated grouped GEMM's 128 x 256 x 64 tiles, tile_gate.hpp, or 128 x 128 ones
+// where the wider tiles would leave much of the last wave idle: PartGemmProblem::tile_n) whose
+// persistent tile scheduler takes them in the order given, so a caller lists first the parts that
+// are there first (the own shard, then the peers' in the order they are sent). One launch replaces
+// one GEMM per part: no wave is quantized per part, and no launch waits on the host's events.
 //
 // Bits: each output element is one fp32 dot product over k in ascending k-blocks, as in the
 // grouped GEMM engine (grouped_gemm.hpp) and whatever the split into parts: the same bits as the
@@ -46,6 +47,9 @@ struct PartGemmProblem {
   // or 8; raster 'm' (every m-tile of a column of n-tiles, then the next), 'n', or 0 (auto).
   int swizzle = 0;
   char raster = 0;
+  // The tiles' width: 256, 128 (only without `done`: its counters count 256-wide tiles), or 0
+  // (auto: part_gemm_tile_n). The bits do not depend on it.
+  int tile_n = 0;
   // Optional: where the parts' finished row blocks are announced, so that each part can be sent
   // on as soon as it is stored (the CUDA GEMM + reduce-scatter). part_gemm_row_tiles(rows)
   // counters a part, zeroed by the caller before the call: once a warp has stored its share of
@@ -62,6 +66,11 @@ inline int64_t part_gemm_row_tiles(int64_t rows) {
 inline uint32_t part_gemm_tile_arrivals(int64_t n) {
   return static_cast<uint32_t>(kGatedWarpsPerTile * ((n + kGatedTileN - 1) / kGatedTileN));
 }
+
+// The tiles' width part_gemm_bf16 takes on `sm_count` SMs: p.tile_n where named; else 256 with
+// `done`, else the plain GEMM's rule (gemm_sm90_auto_tile_n): 128 where its waves of clusters,
+// at half the work a tile and taken as 0.9 as efficient, finish before the 256-wide tiles'.
+int part_gemm_tile_n(const PartGemmProblem& p, int sm_count);
 
 struct PartGate {
   uint64_t epoch = 0;
