@@ -20,8 +20,9 @@ experts' bytes) and, per load and token count, the layer's paths against it:
     prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8`` (at world
                           1 the launches with no host sync: ``uniep.moe.fp8_local``), against
                           the read of the touched experts' fp8 bytes
-    moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (the dispatch, the fp8 GEMMs on
-                          its e4m3 copy of the weights, the combine), against the same read
+    moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (at world 1 the device's plan,
+                          each token quantized at its rows, the fp8 GEMMs on its e4m3 copy of
+                          the weights, the combine), against the same read
 
 Loads (bf16; top-k distinct experts per token, uniformly at random with a fixed seed):
 

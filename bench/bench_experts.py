@@ -20,8 +20,10 @@ Where k and n are multiples of 128, the fp8 engine too (``grouped_mm_fp8``: each
 interleaved) beside cuBLAS's fp8 GEMM on one dense matrix of the same FLOPs (per-tensor scales,
 and the engine's 1 x 128 / 128 x 128 block scales where torch's ``_scaled_mm`` takes them).
 
-Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: dispatch to itself, experts,
-combine) with the engine (default) and with ``gemm=torch``, each with both combines, beside
+Part 2, layers: ``torch.ops.uniep.moe_forward`` (a group of one rank: with the engine and the
+per-k combine the device's plan of the routing, the rows stored, the experts, the combine of the
+rows; otherwise dispatch to itself, experts, combine) with the engine (default) and with
+``gemm=torch``, each with both combines, beside
   - the dense chain: the same rows through one [R, H] x [H, 2I] matmul, SwiGLU and one
     [R, I] x [I, H] matmul (cuBLAS; the same FLOPs with no routing at all);
   - the weight floor: reading every expert weight once from HBM (a sum over w1 and w2).
