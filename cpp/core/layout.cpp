@@ -1,4 +1,5 @@
 #include "uniep/plan.hpp"
+#include "uniep/shape.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep {
@@ -16,8 +17,7 @@ RoutingLayout compute_layout(const int64_t* topk_idx, const MoeShape& shape) {
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = topk_idx[t * K + k];
       if (e == -1) continue;
-      UNIEP_CHECK(e >= 0 && e < E, "topk_idx contains expert id ", e, " at [", t, ", ", k,
-                  "], outside [-1, ", E, ")");
+      UNIEP_CHECK(e >= 0 && e < E, bad_expert_id_message(e, t, k, E));
       ++layout.tokens_per_expert[e];
       in_rank[shape.rank_of_expert(e)] = 1;
     }

@@ -16,6 +16,7 @@
 #include "runtime/runtime_support.hpp"
 #include "uniep/cuda/ep.hpp"
 #include "uniep/cuda/layout.hpp"
+#include "uniep/shape.hpp"
 
 namespace uniep::ep {
 namespace {
@@ -735,10 +736,10 @@ class RuntimeImpl final : public Runtime {
         case cuda::WaitOp::kBadExpert: {
           const int64_t entry = static_cast<int64_t>(e.have), K = cfg_.top_k;
           return {StatusCode::kInvalidArgument,
-                  detail::str_cat("low-latency dispatch on rank ", cfg_.rank,
-                                  ": topk_idx contains expert id ", static_cast<int64_t>(e.want),
-                                  " at [", entry / K, ", ", entry % K, "], outside [-1, ",
-                                  cfg_.num_experts, "); that entry was not sent")};
+                  detail::str_cat("low-latency dispatch on rank ", cfg_.rank, ": ",
+                                  bad_expert_id_message(static_cast<int64_t>(e.want), entry / K,
+                                                        entry % K, cfg_.num_experts),
+                                  "; that entry was not sent")};
         }
         case cuda::WaitOp::kCapacity:
           return {StatusCode::kCapacityExceeded,

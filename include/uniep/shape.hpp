@@ -4,7 +4,18 @@
 #include <cstdint>
 #include <string>
 
+#include "uniep/status.hpp"
+
 namespace uniep {
+
+// What every path says of a topk_idx entry [token, k] holding an expert id outside [-1,
+// num_experts) (-1 alone marks an unused entry): the CPU planner, the dispatch's layout check,
+// the low-latency dispatch and the world-1 layer's plan, so that one bad id reads the same on each.
+inline std::string bad_expert_id_message(int64_t id, int64_t token, int64_t k,
+                                         int64_t num_experts) {
+  return detail::str_cat("topk_idx contains expert id ", id, " at [", token, ", ", k,
+                         "], outside [-1, ", num_experts, ")");
+}
 
 // Bounds MoeShape::validate enforces, so that a nonsense count is a named ValueError rather than a
 // failed allocation: the planner sizes arrays by them ([E] and [W] counts, [T, W] flags, a

@@ -199,8 +199,7 @@ Status check_routing_layout(const int64_t* topk_idx, int64_t top_k, int64_t num_
       cudaMemcpy(&expert, topk_idx + first_bad, sizeof(expert), cudaMemcpyDeviceToHost),
       "cudaMemcpy");
   const auto index = static_cast<int64_t>(first_bad);
-  return invalid(detail::str_cat("topk_idx contains expert id ", expert, " at [", index / top_k,
-                                 ", ", index % top_k, "], outside [-1, ", num_experts, ")"));
+  return invalid(bad_expert_id_message(expert, index / top_k, index % top_k, num_experts));
 }
 
 Status routing_layout(const int64_t* topk_idx, int64_t tokens, int64_t top_k, int64_t num_experts,

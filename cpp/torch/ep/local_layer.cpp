@@ -17,6 +17,7 @@
 #include "uniep/cuda/grouped_gemm.hpp"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/send_rows_error.hpp"
+#include "uniep/shape.hpp"
 
 namespace uniep::torch_glue {
 namespace {
@@ -52,8 +53,7 @@ Error plan_error(uint64_t word, const at::Tensor& topk_idx, int64_t num_experts)
   const int64_t entry = static_cast<int64_t>(word & ((uint64_t{1} << kSendErrorShift) - 1));
   const int64_t id = topk_idx.view(-1)[entry].item<int64_t>();
   return Error(StatusCode::kInvalidArgument,
-               detail::str_cat("topk_idx contains expert id ", id, " at [", entry / K, ", ",
-                               entry % K, "], outside [-1, ", num_experts, ")"));
+               bad_expert_id_message(id, entry / K, entry % K, num_experts));
 }
 
 // The routing's plan on the device and its error word on its way to the host; check() waits for
