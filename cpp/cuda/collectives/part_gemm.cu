@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cuda/gemm/gemm.hpp"
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "cuda/gemm/grouped/grouped_workspace.hpp"
 #include "cuda/megakernel/gated_run.cuh"
@@ -73,14 +74,10 @@ Status part_gemm_supports(const PartGemmProblem& p) {
 int part_gemm_tile_n(const PartGemmProblem& p, int sm_count) {
   if (p.tile_n != 0) return p.tile_n;
   if (p.done != nullptr) return kGatedTileN;
+  static_assert(kGatedTileN == 256, "the wave rule weighs 128- against 256-wide tiles");
   // Clusters of two tiles along M, each part's m-tiles paired on their own.
-  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
-  const int64_t clusters = std::max(1, sm_count / 2);
-  const int64_t rows = p.count * ceil_div(part_gemm_row_tiles(p.rows), 2);
-  const double waves_256 =
-      static_cast<double>(ceil_div(rows * ceil_div(p.n, kGatedTileN), clusters));
-  const double waves_128 = static_cast<double>(ceil_div(rows * ceil_div(p.n, 128), clusters));
-  return waves_128 * 0.5 / 0.9 < waves_256 ? 128 : kGatedTileN;
+  const int64_t cluster_rows = p.count * ((part_gemm_row_tiles(p.rows) + 1) / 2);
+  return auto_tile_n_for_cluster_rows(cluster_rows, p.n, sm_count);
 }
 
 namespace {

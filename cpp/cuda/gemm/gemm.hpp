@@ -43,6 +43,11 @@ struct GemmTuning {
 // SM-second of a 256-wide one, but half-empty last waves cost more).
 int gemm_sm90_auto_tile_n(const GemmOperands& op, int sm_count);
 
+// That rule on `cluster_rows` rows of clusters (two 128-row tiles along M each) of an output `n`
+// wide: 128 or 256. The part GEMM's gated tiles take it too (part_gemm_tile_n), whose parts pair
+// their m-tiles each on their own.
+int auto_tile_n_for_cluster_rows(int64_t cluster_rows, int64_t n, int sm_count);
+
 // Whether `device` can run the kernel (compute capability 9.0: it is built for sm_90a only).
 bool gemm_sm90_device_ok(int device);
 

@@ -38,13 +38,16 @@ Status GemmTuning::validate() const {
   return Status::Ok();
 }
 
-int gemm_sm90_auto_tile_n(const GemmOperands& op, int sm_count) {
+int auto_tile_n_for_cluster_rows(int64_t cluster_rows, int64_t n, int sm_count) {
   // Clusters of two tiles along M: a wave is sm_count / 2 clusters.
   const int64_t clusters = std::max<int64_t>(1, sm_count / 2);
-  const int64_t rows = ceil_div(ceil_div(op.m, 128), 2);
-  const double waves_256 = static_cast<double>(ceil_div(rows * ceil_div(op.n, 256), clusters));
-  const double waves_128 = static_cast<double>(ceil_div(rows * ceil_div(op.n, 128), clusters));
+  const double waves_256 = static_cast<double>(ceil_div(cluster_rows * ceil_div(n, 256), clusters));
+  const double waves_128 = static_cast<double>(ceil_div(cluster_rows * ceil_div(n, 128), clusters));
   return waves_128 * 0.5 / 0.9 < waves_256 ? 128 : 256;
+}
+
+int gemm_sm90_auto_tile_n(const GemmOperands& op, int sm_count) {
+  return auto_tile_n_for_cluster_rows(ceil_div(ceil_div(op.m, 128), 2), op.n, sm_count);
 }
 
 bool gemm_sm90_device_ok(int device) {
