@@ -130,18 +130,22 @@ at::Tensor combined(const at::Tensor& y, const LocalPlan& plan, const at::Tensor
   return out;
 }
 
-}  // namespace
-
-bool local_layer_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
+// What both world-1 paths need: one rank, bf16 x, the engine's GEMMs and the per-k combine.
+bool local_engine_call(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
   return world_size == 1 && x.scalar_type() == at::kBFloat16 && params.gemm == GemmEngine::kUniep &&
-         !params.fp8_experts() && params.dispatch == DispatchPrecision::kBf16 &&
          params.combine == CombineReduction::kPerChoice;
 }
 
+}  // namespace
+
+bool local_layer_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
+  return local_engine_call(world_size, x, params) && !params.fp8_experts() &&
+         params.dispatch == DispatchPrecision::kBf16;
+}
+
 bool local_fp8_forward_takes(int64_t world_size, const at::Tensor& x, const TuningParams& params) {
-  return world_size == 1 && x.scalar_type() == at::kBFloat16 && params.gemm == GemmEngine::kUniep &&
-         params.fp8_experts() && params.dispatch == DispatchPrecision::kFp8E4M3 &&
-         params.combine == CombineReduction::kPerChoice;
+  return local_engine_call(world_size, x, params) && params.fp8_experts() &&
+         params.dispatch == DispatchPrecision::kFp8E4M3;
 }
 
 at::Tensor local_moe_forward(const at::Tensor& x, const at::Tensor& topk_idx,
