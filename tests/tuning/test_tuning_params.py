@@ -82,3 +82,41 @@ def test_the_megakernel_choice_reads_the_given_keys(
     p.overlap = "fused"
     assert megakernel_overlap(p, 1) == "fused"
     assert megakernel_overlap("overlap=fused", 1, hidden=96, ffn=128) is None
+
+
+def test_an_object_reaches_the_ops_as_its_given_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TuningParams handed to moe_forward, the nn modules or moe_forward_prepared means what
+    its string form means: keys it does not give stay unasked (an empty object consults the tune
+    cache as "" does; written out at their defaults, overlap=fused would ask for the MegaKernel)."""
+    import torch
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+    from uniep.tuning import cache as tune_cache
+
+    seen: list[str] = []
+
+    def spy(*args: object, **kwargs: object) -> str:
+        seen.append("cache")
+        return ""
+
+    monkeypatch.setattr(tune_cache, "tuning_for_call", spy)
+    torch.manual_seed(0)
+    x = torch.randn(6, 16)
+    weights, idx = torch.randn(6, 4).softmax(-1).topk(2, dim=-1)
+    w1, w2 = torch.randn(4, 16, 32), torch.randn(4, 16, 16)
+    y = uniep.moe_forward(x, idx, weights, w1, w2, tuning=uniep.TuningParams())
+    assert seen == ["cache"]
+    given = uniep.moe_forward(x, idx, weights, w1, w2, tuning=parse("dispatch=bf16"))
+    assert seen == ["cache"]  # a given key: no cache lookup, as for the string
+    assert torch.equal(y, given)
+
+    layer = uniep.nn.MoELayer(
+        hidden=16, ffn_hidden=16, num_experts=4, top_k=2, tuning=parse("dispatch=bf16")
+    )
+    assert layer.tuning == "dispatch=bf16"
+    assert uniep.nn.MoELayer(16, 16, 4, 2, tuning=uniep.TuningParams()).tuning == ""
+
+    experts = prepare_experts(w1, w2, "bf16_packed")
+    as_object = moe_forward_prepared(x, idx, weights, experts, tuning=parse("dispatch=bf16"))
+    assert torch.equal(
+        as_object, moe_forward_prepared(x, idx, weights, experts, tuning="dispatch=bf16")
+    )

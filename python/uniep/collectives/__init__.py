@@ -477,7 +477,8 @@ def set_gemm(backend: str = "cublas", sm_carveout: int = 0) -> None:
       slower than cuBLAS's on an H200: bench_gemm), hence not the default.
 
     - ``"gated"``: one persistent GEMM over all the chunks (``torch.ops.uniep.part_gemm``: the
-      expert GEMM engine's gated 128 x 256 tiles) instead of one GEMM per chunk.
+      expert GEMM engine's gated 128 x 256 tiles, or 128 x 128 where the wider ones would
+      leave much of the last wave idle) instead of one GEMM per chunk.
       ``all_gather_matmul``'s is launched at once; each tile waits on the device for its
       chunk's arrival word, the own shard's tiles first, and reads the peers' rows where they
       landed: the bits of the GEMM of the gathered operand for every chunk count.

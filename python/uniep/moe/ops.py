@@ -10,6 +10,7 @@ import torch
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
 from .. import _C, distributed
+from ..tuning.params import as_string as tuning_string
 
 # Imported for what they register: moe_forward's autograd formula, the CUDA moe_backward.
 from . import autograd as _moe_autograd  # noqa: F401
@@ -307,7 +308,8 @@ def moe_forward(
     """
     name = distributed.group_name(group)
     if isinstance(tuning, _C.TuningParams):
-        tuning = tuning.to_string()
+        # Its given keys alone: a key written out at its default would read as asked for.
+        tuning = tuning_string(tuning)
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)

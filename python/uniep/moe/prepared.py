@@ -70,6 +70,7 @@ from ..gemm import (
     quantize_expert_weights,
     unpack_gate_up,
 )
+from ..tuning.params import as_string as tuning_string
 from ..tuning.params import parse as parse_tuning
 from . import fp8_local
 from .megakernel.launch import fused_by_default, megakernel_overlap
@@ -176,6 +177,7 @@ def moe_forward_prepared(
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts must be a PreparedExperts, got {type(experts).__name__}")
     params = parse_tuning(tuning)
+    tuning = tuning_string(params)  # the ops' form: the given keys alone
     if experts.format == "fp8" and params.dispatch != "fp8":
         raise ValueError(
             "fp8 experts take the tokens in the fp8 dispatch's format: add dispatch=fp8 to tuning"
@@ -210,11 +212,9 @@ def moe_forward_prepared(
         return forward_fused(x, topk_idx, topk_weights, experts, group, world, tuning)
     if experts.format == "fp8" and world == 1:
         if fp8_local.takes_local_path(topk_idx.numel()):
-            return fp8_local.moe_forward_fp8_local(
-                x, topk_idx, topk_weights, experts, params.to_string()
-            )
+            return fp8_local.moe_forward_fp8_local(x, topk_idx, topk_weights, experts, tuning)
         fp8_local.keep_graph_errors(x.device, topk_idx.shape[1])  # a capture may come next
-    return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, params.to_string())
+    return _forward_cuda(x, topk_idx, topk_weights, experts, name, world, tuning)
 
 
 def _refuse_autograd(x: torch.Tensor, topk_weights: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import _C, distributed
 from ..moe.expert_shards import ddp_reduces, mark_expert_shards, marked_shards
+from ..tuning.params import as_string as tuning_string
 from ..tuning.params import parse as parse_tuning
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -167,7 +168,7 @@ def _check_expert_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _parse_tuning(tuning: object) -> str:
     if isinstance(tuning, _C.TuningParams):
-        return tuning.to_string()
+        return tuning_string(tuning)  # its given keys alone, as the ops read them
     if isinstance(tuning, str):
         parse_tuning(tuning)  # fail here, naming the bad key, not at first forward
         return tuning
