@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import pickle
 import queue as _queue
 import signal
 import socket
@@ -387,7 +388,9 @@ def _rank_main(
         )
         init()
         out = fn(local_rank, world, *args)
-        results.put((local_rank, True, out))
+        # As bytes: the queue would share a tensor's storage through a file descriptor that dies
+        # with this process, which may exit before the parent has read it.
+        results.put((local_rank, True, pickle.dumps(out)))
     except BaseException:
         # The parent prints this traceback and stops the other ranks, which may be blocked in a
         # collective waiting for this one.
@@ -484,7 +487,7 @@ def _run_local_ranks_once(
             if not ok:
                 error = f"rank {r} failed:\n{value}"
                 break
-            outputs[r] = value
+            outputs[r] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5.0 if error is None else 0.5)

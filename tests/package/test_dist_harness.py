@@ -66,3 +66,22 @@ def test_uniep_run_local_ranks_fails_a_rank_that_crashes_at_exit() -> None:
     ):
         run_local_ranks(crash_at_exit, 2, timeout_s=60)
     assert [r["rank"] for r in run_local_ranks(sum_worker, 2, args=(1,), timeout_s=60)] == [0, 1]
+
+
+def many_tensors(rank: int, world_size: int) -> dict[int, list[torch.Tensor]]:
+    return {
+        i: [torch.full((64, 64), float(rank * 100 + i + j)) for j in range(4)] for i in range(8)
+    }
+
+
+def test_uniep_run_local_ranks_returns_tensors_after_their_rank_exits() -> None:
+    """Tensors come back whole though their rank exits as soon as it has returned them (shared
+    through a file descriptor, as the queue does by default, the parent's read failed when the
+    rank had already gone)."""
+    from uniep.distributed import run_local_ranks
+
+    for _ in range(2):
+        out = run_local_ranks(many_tensors, 2, timeout_s=60)
+        for rank, got in enumerate(out):
+            for i, ts in got.items():
+                assert [float(t[0, 0]) for t in ts] == [rank * 100 + i + j for j in range(4)]
