@@ -22,7 +22,9 @@ void MoeShape::validate() const {
               "ranks_per_node must be in [1, world size ", world_size, "] (0: one node), got ",
               ranks_per_node);
   UNIEP_CHECK(world_size % node_size() == 0, "ranks_per_node (", ranks_per_node,
-              ") must divide the world size (", world_size, "): every node holds as many ranks");
+              ") must divide the world size (", world_size,
+              "): every node holds as many ranks (ranks_per_node is uniep.init's, or "
+              "LOCAL_WORLD_SIZE under torchrun)");
 }
 
 std::string MoeShape::to_string() const {

@@ -129,12 +129,15 @@ _topology_seen: set[str] = set()
 
 
 def _launcher_ranks_per_node(world: int) -> int | None:
-    """``LOCAL_WORLD_SIZE`` (torchrun's ranks on this node) when it splits WORLD into nodes."""
+    """``LOCAL_WORLD_SIZE`` (torchrun's ranks on this node) when it is below WORLD's size: nodes.
+    A value that does not divide the world is kept as it is, for the calls' checks to refuse on
+    every rank (nodes of unequal size, or a wrong variable): read as one node, it ran a topology
+    nobody declared, or failed later naming a value nobody set."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "")
     if not text.isdigit():
         return None
     local = int(text)
-    return local if 1 <= local < world and world % local == 0 else None
+    return local if 1 <= local < world else None
 
 
 def _record_launcher_topology(group: dist.ProcessGroup) -> None:
@@ -190,8 +193,13 @@ def nvshmem_bootstrap(group: dist.ProcessGroup | None) -> tuple[str, int, int, b
     if per_node < world:
         # Every rank of the group reads the same topology (init is given it on each), so all
         # raise here together.
+        nodes = (
+            f"spans {world // per_node} nodes of {per_node} ranks"
+            if world % per_node == 0
+            else f"declares nodes of {per_node} ranks, which do not divide its {world}"
+        )
         raise NotImplementedError(
-            f"group '{resolved.group_name}' spans {world // per_node} nodes of {per_node} ranks "
+            f"group '{resolved.group_name}' {nodes} "
             "(uniep.init's ranks_per_node, or LOCAL_WORLD_SIZE under torchrun); UniEP's CUDA "
             "runtimes work within one NVLink domain: across nodes, call uniep.moe_forward (or "
             "MoELayer), which runs a runtime per node and the rail between them "

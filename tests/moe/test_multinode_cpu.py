@@ -240,6 +240,36 @@ def test_bad_topologies_raise_on_every_rank() -> None:
         assert "ranks_per_node (3) must divide the world size (4)" in errors["divide"], errors
 
 
+def uneven_launcher_worker(rank: int, world: int) -> dict[str, str]:
+    case = MoeCase("w4-uneven", (3, 2, 4, 1), 16, 8, 8, 2, "float32", seed=75)
+    inp = rank_inputs(case, rank)
+    args = [inp[k] for k in ("x", "topk_idx", "topk_weights", "w1", "w2")]
+    # A launcher's nodes of 3 and 1 ranks (LOCAL_WORLD_SIZE differs by node): neither read as
+    # one node nor left for the ranks to disagree about.
+    os.environ["LOCAL_WORLD_SIZE"] = "3" if rank < 3 else "1"
+    errors = {"launcher": str(uniep.distributed.ranks_per_node())}
+    try:
+        uniep.distributed.nvshmem_bootstrap(None)
+    except NotImplementedError as e:
+        errors["cuda"] = str(e)
+    try:
+        uniep.moe_forward(*args)
+    except ValueError as e:
+        errors["forward"] = str(e)
+    uniep.init(ranks_per_node=world)
+    return errors
+
+
+def test_a_launcher_node_size_that_does_not_divide_the_world_raises_on_every_rank() -> None:
+    results = run_ranks(4, uneven_launcher_worker)
+    for rank, errors in enumerate(results):
+        assert errors["launcher"] == ("3" if rank < 3 else "1"), errors
+        if rank < 3:
+            assert "declares nodes of 3 ranks, which do not divide its 4" in errors["cuda"], errors
+        assert "ranks_per_node (3) must divide the world size (4)" in errors["forward"], errors
+        assert "LOCAL_WORLD_SIZE" in errors["forward"], errors
+
+
 def test_init_checks_ranks_per_node_alone() -> None:
     with pytest.raises(ValueError, match="ranks_per_node must be an int"):
         uniep.init(ranks_per_node=2.0)  # type: ignore[arg-type]

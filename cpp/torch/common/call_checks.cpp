@@ -48,7 +48,8 @@ CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, cons
            {"ffn_hidden (w2.size(1))", shape.ffn_hidden},
            {"num_experts (w1.size(0) x world size)", shape.num_experts},
            {"top_k (topk_idx.size(1))", shape.top_k},
-           {"ranks per node (uniep.init's ranks_per_node)", shape.node_size()},
+           {"ranks per node (uniep.init's ranks_per_node, or LOCAL_WORLD_SIZE under torchrun)",
+            shape.node_size()},
            // Every key of the tuning: the precision and the combine change what crosses the
            // wire, and the rest must match for the schedules to pair up.
            {"tuning sms (communication)", tuning.comm_sms},
