@@ -1,6 +1,7 @@
 // uniep._C: the planner, the tuning space and build facts for Python. Loading this module also
 // registers the torch.ops.uniep operators (cpp/torch).
 #include <cstring>
+#include <memory>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -8,6 +9,7 @@
 
 #include "core/cpu_wire.hpp"
 #include "python/build_info.hpp"
+#include "torch/collectives/peer_transport.hpp"
 #include "torch/common/call_checks.hpp"
 #ifdef UNIEP_WITH_CUDA_OPS
 #include "torch/collectives/gemm.hpp"
@@ -282,6 +284,18 @@ void agree_call_py(const std::string& group_name, const std::string& kind_name,
   });
 }
 
+// A collective's argument check made in Python (uniep.nn's tensor-parallel layers) failed: this
+// rank joins the peers' agreement in that op as failed, so they raise at once ("rank r passed
+// invalid arguments") instead of waiting for it, and raises `error` here.
+void coll_fail_call_py(const std::string& group_name, const std::string& kind_name,
+                       const std::string& error) {
+  const CollectiveKind kind = parse_collective_kind(kind_name);
+  const torch_glue::Group group = torch_glue::resolve_group(group_name);
+  std::unique_ptr<PeerTransport> transport = torch_glue::make_peer_transport(group);
+  py::gil_scoped_release no_gil;  // as agree_call: the exchange waits on the peers
+  fail_collective_call(kind, Error(StatusCode::kInvalidArgument, error), *transport);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -443,6 +457,10 @@ PYBIND11_MODULE(_C, m) {
         "Agree with the group's other ranks on a call checked in Python (see "
         "uniep.distributed.agree_call); raises on every rank if any rank's error is set or a "
         "field differs.");
+  m.def("coll_fail_call", &coll_fail_call_py, py::arg("group_name"), py::arg("kind"),
+        py::arg("error"),
+        "Join the group's agreement in the CPU collective `kind` as failed with `error` (a check "
+        "made in Python): the peers raise at once naming this rank; raises ValueError(error).");
   m.def("build_info", [] {
     py::dict d;
     for (const auto& [k, v] : uniep::python::build_info_strings()) d[py::str(k)] = v;

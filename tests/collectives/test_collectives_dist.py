@@ -289,6 +289,11 @@ def _error_cases(rank: int, world: int) -> list[tuple[str, Callable[[], Any], st
     ops = torch.ops.uniep
     a, b = torch.randn(4, 6), torch.randn(6, 5)
     x = torch.randn(world * 2, 3)
+    last = world - 1
+
+    def one_failed(op: str) -> str:
+        return f"{op}: rank {last} passed invalid arguments"
+
     return [
         (
             "mmrs-rows-not-divisible",
@@ -437,6 +442,21 @@ def _error_cases(rank: int, world: int) -> list[tuple[str, Callable[[], Any], st
             ),
             "all_to_all_ulysses: x.shape differs across ranks: rank 0 has [3, 4, 2], "
             "rank 1 has [2, 4, 3]",
+        ),
+        # The layers' own checks on one rank: its peers, in the op, raise at once naming it.
+        (
+            "col-layer-dtype-on-one-rank",
+            lambda: ColumnParallelLinear(4, 2 * world)(
+                torch.randn(2, 4, dtype=torch.float64 if rank == last else torch.float32)
+            ),
+            "x must have the layer's dtype" if rank == last else one_failed("all_gather_matmul"),
+        ),
+        (
+            "row-layer-sequence-on-one-rank",
+            lambda: RowParallelLinear(2 * world, 4)(torch.randn(world + (rank == last), 2)),
+            "must be divisible by the group's world size"
+            if rank == last
+            else one_failed("matmul_reduce_scatter"),
         ),
     ]
 

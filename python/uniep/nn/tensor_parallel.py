@@ -17,14 +17,14 @@ across ranks. ``from_full`` / ``load_full_`` load a full weight instead.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 # collectives registers the fake kernels and autograd of the ops the layers call.
-from .. import collectives, distributed  # noqa: F401
+from .. import _C, collectives, distributed  # noqa: F401
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -195,13 +195,28 @@ class _ParallelLinear(nn.Module):
         layer.load_full_(weight.detach(), None if bias is None else bias.detach())
         return layer
 
-    def _check_input(self, x: torch.Tensor, features: int, what: str) -> None:
+    def _check_input(self, x: object, features: int, what: str, op: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            self._refuse(f"x must be a torch.Tensor, got {type(x).__name__}", op, "cpu")
         if x.dim() < 2 and self.sequence_parallel:
-            raise ValueError(f"x must be at least 2-D [S, ..., {what}], got shape {tuple(x.shape)}")
+            error = f"x must be at least 2-D [S, ..., {what}], got shape {tuple(x.shape)}"
+            self._refuse(error, op, x.device.type)
         if x.dim() < 1 or x.shape[-1] != features:
-            raise ValueError(f"x must be [..., {what} = {features}], got shape {tuple(x.shape)}")
+            error = f"x must be [..., {what} = {features}], got shape {tuple(x.shape)}"
+            self._refuse(error, op, x.device.type)
         if x.dtype != self.weight.dtype:
-            raise ValueError(f"x must have the layer's dtype {self.weight.dtype}, got {x.dtype}")
+            error = f"x must have the layer's dtype {self.weight.dtype}, got {x.dtype}"
+            self._refuse(error, op, x.device.type)
+
+    def _refuse(self, error: str, op: str, device: str) -> NoReturn:
+        """Raise ``ValueError(error)``; with sequence parallelism on CPU, first join the peers'
+        agreement in ``op`` (the collective they are in) as failed, so they raise at once naming
+        this rank instead of waiting for it. (Without sequence parallelism the peers are in no
+        agreement, and CUDA collectives agree on nothing on the host: they time out naming this
+        rank.)"""
+        if self.sequence_parallel and device == "cpu" and self.world_size > 1:
+            _C.coll_fail_call(self.group_name, op, error)
+        raise ValueError(error)
 
     def extra_repr(self) -> str:
         return (
@@ -255,7 +270,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[S/W, ..., in]`` (sequence parallel) or ``[S, ..., in]`` -> ``[S, ..., out/W]``."""
-        self._check_input(x, self.in_features, "in_features")
+        self._check_input(x, self.in_features, "in_features", "all_gather_matmul")
         rows = x.reshape(-1, self.in_features)
         if self.sequence_parallel:
             # Dim 0 is outermost, so gathering the flattened rows gathers the sequence.
@@ -309,14 +324,16 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[S, ..., in/W]`` -> ``[S/W, ..., out]`` (sequence parallel) or ``[S, ..., out]``."""
-        self._check_input(x, self.in_per_rank, "in_features / world size")
+        op = "matmul_reduce_scatter"
+        self._check_input(x, self.in_per_rank, "in_features / world size", op)
         rows = x.reshape(-1, self.in_per_rank)
         if self.sequence_parallel:
             if x.shape[0] % self.world_size != 0:
-                raise ValueError(
+                error = (
                     f"x.size(0) (S = {x.shape[0]}) must be divisible by the group's world size "
                     f"({self.world_size}) with sequence parallelism"
                 )
+                self._refuse(error, op, x.device.type)
             y = torch.ops.uniep.matmul_reduce_scatter(
                 rows, self.weight.t(), self.group_name, self.chunks, self.order
             )
