@@ -49,8 +49,90 @@ def test_simulate_says_which_layers_it_leaves_out(
     assert "left out of the grid: MP size 8 (432 layers): the MP size must divide the 12 GPUs" in (
         text
     )
-    assert json.loads(out.read_text())["left_out"] == {"8": 432}
+    assert json.loads(out.read_text())["left_out"] == {"mp_size": {"8": 432}}
     assert parm_sim.left_out("a6000-ib") == {}  # 32 GPUs: the whole grid
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus", "layers", "left"),
+    [
+        # One node of 8: at N = 8 one MP group holds 1 or 2 experts; 1 expert cannot take top-2.
+        (["--nodes", "1"], 8, 1188, {"top_k": {"8": 108}}),
+        (
+            ["--cluster", "2080ti-ib", "--nodes", "1"],
+            4,
+            756,
+            {"mp_size": {"8": 432}, "top_k": {"4": 108}},
+        ),
+    ],
+)
+def test_simulate_leaves_out_layers_with_fewer_experts_than_top_k(
+    argv: list[str],
+    gpus: int,
+    layers: int,
+    left: dict,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["parm", "simulate", *argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"{layers} layers on {gpus} GPUs" in text
+    n = next(iter(left["top_k"]))
+    assert (
+        f"left out of the grid: MP size {n} ({left['top_k'][n]} layers): fewer experts than "
+        "top-k (experts per MP group x 1 MP group(s))"
+    ) in text
+    data = json.loads(out.read_text())
+    assert data["left_out"] == left and len(data["rows"]) == layers
+    assert all(r["experts_per_group"] * gpus // r["mp_size"] >= r["top_k"] for r in data["rows"])
+
+
+def test_simulate_refuses_a_cluster_no_layer_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = ["parm", "simulate", "--gpus-per-node", "1", "--nodes", "1", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no layer of the grid fits 1 GPU(s) (1 node(s) x 1), nothing written" in err
+    assert "MP size 2 (432 layers): the MP size must divide the 1 GPUs" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("--intra-bw", "0", "must be a finite number > 0, got '0'"),
+        ("--inter-bw", "-5", "must be a finite number > 0, got '-5'"),
+        ("--inter-bw", "inf", "must be a finite number > 0, got 'inf'"),
+        ("--peak-tflops", "0", "must be a finite number > 0, got '0'"),
+        ("--intra-alpha", "-1", "must be a finite number >= 0, got '-1'"),
+        ("--inter-alpha", "nan", "must be a finite number >= 0, got 'nan'"),
+        ("--profile", "/nonexistent/prof.json", "cannot read '/nonexistent/prof.json'"),
+    ],
+)
+def test_simulate_rejects_bad_numbers(
+    option: str, value: str, words: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["parm", "simulate", option, value, "--out", "/nonexistent/sim.json"])
+    assert exc.value.code == 2  # argparse's usage error
+    assert f"argument {option}: {words}" in capsys.readouterr().err
+
+
+def test_simulate_rejects_a_profile_that_is_not_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    for name, text in (("garbage.json", "{not json"), ("other.json", '{"rows": []}')):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main(["parm", "simulate", "--profile", str(path), "--out", str(tmp_path / "s.json")])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --profile: " in err and str(path) in err, err
+    assert not (tmp_path / "s.json").exists()
 
 
 def test_auto_never_predicted_slower_than_baseline() -> None:

@@ -7,7 +7,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .args import non_negative_int, positive_int, positive_seconds, seed, settle_seconds
+from .args import (
+    non_negative_float,
+    non_negative_int,
+    parm_profile_file,
+    positive_float,
+    positive_int,
+    positive_seconds,
+    seed,
+    settle_seconds,
+)
 from .demo import TOLERANCE, cmd_demo
 from .info import cmd_info
 from .multinode import cmd_multinode_simulate
@@ -139,13 +148,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--gpus-per-node", dest="gpus_per_node", type=positive_int)
     sim.add_argument("--nodes", type=positive_int)
-    sim.add_argument("--intra-bw", dest="intra_bw", type=float, help="GB/s per GPU")
-    sim.add_argument("--inter-bw", dest="inter_bw", type=float, help="GB/s per GPU")
-    sim.add_argument("--intra-alpha", dest="intra_alpha", type=float, help="us per hop")
-    sim.add_argument("--inter-alpha", dest="inter_alpha", type=float, help="us per hop")
-    sim.add_argument("--peak-tflops", dest="peak_flops", type=float)
+    sim.add_argument("--intra-bw", dest="intra_bw", type=positive_float, help="GB/s per GPU")
+    sim.add_argument("--inter-bw", dest="inter_bw", type=positive_float, help="GB/s per GPU")
+    sim.add_argument(
+        "--intra-alpha", dest="intra_alpha", type=non_negative_float, help="us per hop"
+    )
+    sim.add_argument(
+        "--inter-alpha", dest="inter_alpha", type=non_negative_float, help="us per hop"
+    )
+    sim.add_argument("--peak-tflops", dest="peak_flops", type=positive_float)
     sim.add_argument("--dtype-bytes", type=positive_int, default=2)
-    sim.add_argument("--profile", help="JSON of `uniep parm profile`: fitted coefficients")
+    sim.add_argument(
+        "--profile",
+        type=parm_profile_file,
+        help="JSON of `uniep parm profile`: fitted coefficients",
+    )
     sim.add_argument("--out", default="parm-simulate.json", help="JSON output")
     sim.set_defaults(func=cmd_parm_simulate)
     prof = parm_sub.add_parser(

@@ -4,7 +4,9 @@ expects."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from typing import Any, NamedTuple
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -25,6 +27,27 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type of --warmup: an integer >= 0."""
     return _int_at_least(text, 0)
+
+
+def _finite(text: str, above: float, strict: bool) -> float:
+    bound = f"> {above:g}" if strict else f">= {above:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > above if strict else value >= above)):
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a bandwidth or a rate: a finite number > 0 (it divides)."""
+    return _finite(text, 0.0, strict=True)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type of a latency: a finite number >= 0."""
+    return _finite(text, 0.0, strict=False)
 
 
 def check_layer(command: str, world_size: int, experts: int, top_k: int) -> None:
@@ -74,3 +97,29 @@ def positive_seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
     return value
+
+
+class ProfileFile(NamedTuple):
+    """A ``uniep parm profile`` JSON, read: its path and its contents."""
+
+    path: str
+    result: dict[str, Any]
+
+
+def parm_profile_file(text: str) -> ProfileFile:
+    """argparse type of --profile: a readable JSON of ``uniep parm profile`` whose coefficients
+    make a cost model."""
+    from ..parm.profile import cost_model_from_profile
+
+    try:
+        with open(text) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc}") from None
+    try:
+        cost_model_from_profile(result)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not the JSON of `uniep parm profile` ({type(exc).__name__}: {exc})"
+        ) from None
+    return ProfileFile(text, result)

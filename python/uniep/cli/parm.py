@@ -31,29 +31,41 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
     from ..parm.profile import cost_model_from_profile
 
     cluster = _cluster_from_args(args)
-    model = None
-    if args.profile:
-        with open(args.profile) as f:
-            model = cost_model_from_profile(json.load(f))
-    rows = parm_sim.simulate(cluster, model=model, dtype_bytes=args.dtype_bytes)
-    summary = parm_sim.summarize(rows)
+    model = cost_model_from_profile(args.profile.result) if args.profile else None
     P = int(cluster["gpus_per_node"] * cluster["nodes"])
+    skipped = parm_sim.left_out(cluster)
+    why = [
+        f"MP size {n} ({count} layers): " + parm_sim.LEFT_OUT[reason].format(gpus=P, groups=P // n)
+        for reason, per_n in skipped.items()
+        for n, count in sorted(per_n.items())
+    ]
+    rows = parm_sim.simulate(cluster, model=model, dtype_bytes=args.dtype_bytes)
+    if not rows:
+        print(
+            f"uniep parm simulate: no layer of the grid fits {P} GPU(s) "
+            f"({int(cluster['nodes'])} node(s) x {int(cluster['gpus_per_node'])}), nothing "
+            "written: " + "; ".join(why),
+            file=sys.stderr,
+        )
+        return 2
+    summary = parm_sim.summarize(rows)
     print(
         f"Parm simulator: {len(rows)} layers on {P} GPUs ({int(cluster['nodes'])} nodes x "
         f"{int(cluster['gpus_per_node'])}), predicted fwd+bwd speedup over the baseline"
     )
-    skipped = parm_sim.left_out(cluster)
-    if skipped:
-        which = ", ".join(f"MP size {n} ({count} layers)" for n, count in sorted(skipped.items()))
-        print(f"left out of the grid: {which}: the MP size must divide the {P} GPUs")
+    for line in why:
+        print(f"left out of the grid: {line}")
     print(parm_sim.format_table(summary))
     with open(args.out, "w") as f:
         json.dump(
             {
                 "cluster": cluster,
-                "profile": args.profile,
+                "profile": args.profile.path if args.profile else None,
                 "grid": parm_sim.GRID,
-                "left_out": {str(n): count for n, count in skipped.items()},
+                "left_out": {
+                    reason: {str(n): count for n, count in per_n.items()}
+                    for reason, per_n in skipped.items()
+                },
                 "summary": summary,
                 "rows": rows,
             },

@@ -41,16 +41,17 @@ def simulate(
 ) -> list[dict[str, Any]]:
     """One row per layer: its configuration, the predicted seconds (forward + backward) of each
     schedule, the choice and its predicted speedup over the baseline. ``model`` (a fitted
-    ``CostModel``) replaces the cluster's ring-model coefficients for every layout. Layers whose
-    MP size does not divide the cluster's GPUs have no layout there and are left out
-    (:func:`left_out` counts them)."""
+    ``CostModel``) replaces the cluster's ring-model coefficients for every layout. Layers that
+    cannot exist on the cluster are left out (:func:`left_out` counts them, :data:`LEFT_OUT`
+    says why): those whose MP size does not divide its GPUs (no layout has them), and those with
+    fewer experts than their top-k (experts per MP group times the MP groups)."""
     spec = cluster_spec(cluster)
     P = spec.gpus_per_node * spec.nodes
     models: dict[int, Any] = {}
     rows = []
     for cfg in grid_configs(grid):
         N = cfg["mp_size"]
-        if P % N:
+        if _left_out_why(cfg, P):
             continue
         if N not in models:
             models[N] = model or _C.parm.cost_model_from_cluster(
@@ -76,15 +77,36 @@ def simulate(
     return rows
 
 
-def left_out(cluster: Any = "h100-ib", grid: dict[str, tuple] | None = None) -> dict[int, int]:
-    """The grid's layers :func:`simulate` leaves out on ``cluster``, by MP size: those whose MP
-    size does not divide its GPU count (no rank layout has them)."""
+# Why a grid layer cannot exist on a cluster of P GPUs: key -> what :func:`left_out` reports.
+LEFT_OUT = {
+    "mp_size": "the MP size must divide the {gpus} GPUs",
+    "top_k": "fewer experts than top-k (experts per MP group x {groups} MP group(s))",
+}
+
+
+def _left_out_why(cfg: dict[str, Any], P: int) -> str | None:
+    N = cfg["mp_size"]
+    if P % N:
+        return "mp_size"
+    if cfg["experts_per_group"] * (P // N) < cfg["top_k"]:
+        return "top_k"
+    return None
+
+
+def left_out(
+    cluster: Any = "h100-ib", grid: dict[str, tuple] | None = None
+) -> dict[str, dict[int, int]]:
+    """The grid's layers :func:`simulate` leaves out on ``cluster``: per reason (a key of
+    :data:`LEFT_OUT`, whose text takes ``gpus`` and ``groups``, the MP groups), the count per MP
+    size; reasons with no layer are absent."""
     spec = cluster_spec(cluster)
     P = spec.gpus_per_node * spec.nodes
-    out: dict[int, int] = {}
+    out: dict[str, dict[int, int]] = {}
     for cfg in grid_configs(grid):
-        if P % cfg["mp_size"]:
-            out[cfg["mp_size"]] = out.get(cfg["mp_size"], 0) + 1
+        why = _left_out_why(cfg, P)
+        if why:
+            per_n = out.setdefault(why, {})
+            per_n[cfg["mp_size"]] = per_n.get(cfg["mp_size"], 0) + 1
     return out
 
 
