@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from uniep import parm
+from uniep import _C, parm
 from uniep.cli import main
 from uniep.parm import sim as parm_sim
 from uniep.parm.profile import cost_model_from_profile
@@ -168,3 +168,44 @@ def test_profile_fits_and_feeds_the_simulator(tmp_path: Path) -> None:
 def test_profile_rejects_a_layout_without_ep(capsys: pytest.CaptureFixture) -> None:
     assert main(["parm", "profile", "--world-size", "4", "--mp-size", "4"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+def _profile_file(tmp_path: Path, coefficients: dict, **rest: object) -> Path:
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({"coefficients": coefficients, **rest}))
+    return path
+
+
+def test_simulate_profile_keeps_the_cluster_for_what_it_did_not_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A profile at MP size 1 measures the EP all-to-all alone: the MP collectives, the intra
+    # links and mem_beta it lacks stay the cluster's, not zero.
+    base = ["parm", "simulate", "--cluster", "a6000-ib"]
+    assert main([*base, "--out", str(tmp_path / "plain.json")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())["rows"]
+    empty = _profile_file(tmp_path, {})
+    assert main([*base, "--profile", str(empty), "--out", str(tmp_path / "empty.json")]) == 0
+    assert json.loads((tmp_path / "empty.json").read_text())["rows"] == plain
+    capsys.readouterr()
+
+    a2a = {"alpha": 3e-5, "beta": 5e-10, "r2": 1.0, "samples": []}
+    prof = _profile_file(tmp_path, {"all_to_all": {"inter": a2a}})
+    out = tmp_path / "a2a.json"
+    assert main([*base, "--profile", str(prof), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"from the profile {prof}: all_to_all/inter; from the cluster (a6000-ib and the " in text
+    assert "all_gather/intra, all_gather/inter," in text and "all_to_all/intra, gemm, " in text
+    data = json.loads(out.read_text())
+    assert data["from_profile"] == ["all_to_all/inter"]
+    cluster = parm.cluster_spec("a6000-ib")
+    for row, before in zip(data["rows"], plain, strict=True):
+        model = parm.cost_model(32, row["mp_size"], cluster)
+        model.set("all_to_all", "inter", _C.parm.AlphaBeta(a2a["alpha"], a2a["beta"]))
+        rows = parm_sim.simulate(
+            "a6000-ib", model=model, grid={k: (row[k],) for k in parm_sim.GRID}
+        )
+        assert row["seconds"] == rows[0]["seconds"]
+        assert row["seconds"]["s1"] > before["seconds"]["s1"]  # the slower all-to-all priced
+    with pytest.raises(ValueError, match="model or profile, not both"):
+        parm_sim.simulate("a6000-ib", model=model, profile={"coefficients": {}})

@@ -161,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--profile",
         type=parm_profile_file,
-        help="JSON of `uniep parm profile`: fitted coefficients",
+        help="JSON of `uniep parm profile`: the coefficients it measured replace the cluster's",
     )
     sim.add_argument("--out", default="parm-simulate.json", help="JSON output")
     sim.set_defaults(func=cmd_parm_simulate)

@@ -28,10 +28,11 @@ def _cluster_from_args(args: argparse.Namespace) -> dict[str, float]:
 
 def cmd_parm_simulate(args: argparse.Namespace) -> int:
     from ..parm import sim as parm_sim
-    from ..parm.profile import cost_model_from_profile
+    from ..parm.profile import COEFFICIENTS, profiled_coefficients
 
     cluster = _cluster_from_args(args)
-    model = cost_model_from_profile(args.profile.result) if args.profile else None
+    profile = args.profile.result if args.profile else None
+    fitted = profiled_coefficients(profile) if profile else []
     P = int(cluster["gpus_per_node"] * cluster["nodes"])
     skipped = parm_sim.left_out(cluster)
     why = [
@@ -39,7 +40,7 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
         for reason, per_n in skipped.items()
         for n, count in sorted(per_n.items())
     ]
-    rows = parm_sim.simulate(cluster, model=model, dtype_bytes=args.dtype_bytes)
+    rows = parm_sim.simulate(cluster, profile=profile, dtype_bytes=args.dtype_bytes)
     if not rows:
         print(
             f"uniep parm simulate: no layer of the grid fits {P} GPU(s) "
@@ -55,12 +56,19 @@ def cmd_parm_simulate(args: argparse.Namespace) -> int:
     )
     for line in why:
         print(f"left out of the grid: {line}")
+    if args.profile:
+        print(
+            f"from the profile {args.profile.path}: {', '.join(fitted) or 'nothing'}; from the "
+            f"cluster ({args.cluster} and the options): "
+            + (", ".join(c for c in COEFFICIENTS if c not in fitted) or "nothing")
+        )
     print(parm_sim.format_table(summary))
     with open(args.out, "w") as f:
         json.dump(
             {
                 "cluster": cluster,
                 "profile": args.profile.path if args.profile else None,
+                "from_profile": fitted,
                 "grid": parm_sim.GRID,
                 "left_out": {
                     reason: {str(n): count for n, count in per_n.items()}

@@ -424,9 +424,37 @@ def fit_step_alpha(result: dict[str, Any], measured: dict[str, float]) -> dict[s
     return {"seconds": max(0.0, residual / steps), "measured": measured, "steps": steps}
 
 
+# What a CostModel holds, as profiled_coefficients names it: each (collective, link), the GEMM's
+# alpha/beta, the roofline's memory term and the cost per step.
+COEFFICIENTS = (
+    *(
+        f"{kind}/{link}"
+        for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        for link in ("intra", "inter")
+    ),
+    "gemm",
+    "mem_beta",
+    "step_alpha",
+)
+
+
+def profiled_coefficients(result: dict[str, Any]) -> list[str]:
+    """The names (of ``COEFFICIENTS``) that ``cost_model_from_profile`` takes from the profile
+    ``result``; the others keep ``base``'s values. A profile never measures ``mem_beta``, nor
+    the MP collectives at MP size 1."""
+    names = [f"{kind}/{link}" for kind, links in result["coefficients"].items() for link in links]
+    if "gemm" in result:
+        names.append("gemm")
+    if result.get("step_alpha"):
+        names.append("step_alpha")
+    return [name for name in COEFFICIENTS if name in names]
+
+
 def cost_model_from_profile(result: dict[str, Any], base: Any = None) -> Any:
-    """A ``CostModel`` with the profile's coefficients; what it did not measure comes from
-    ``base`` (another CostModel) or is zero."""
+    """A ``CostModel`` with the profile's coefficients (``profiled_coefficients``); what it did
+    not measure comes from ``base`` (another CostModel, changed in place and returned) or is
+    zero. Pricing a described cluster with a profile: ``base`` its ``cost_model`` for the
+    layout, so that nothing unmeasured is priced free."""
     model = base or _C.parm.CostModel()
     for kind, links in result["coefficients"].items():
         for link, c in links.items():

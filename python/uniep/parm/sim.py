@@ -38,13 +38,18 @@ def simulate(
     model: Any = None,
     grid: dict[str, tuple] | None = None,
     dtype_bytes: int = 2,
+    profile: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per layer: its configuration, the predicted seconds (forward + backward) of each
-    schedule, the choice and its predicted speedup over the baseline. ``model`` (a fitted
-    ``CostModel``) replaces the cluster's ring-model coefficients for every layout. Layers that
+    schedule, the choice and its predicted speedup over the baseline. ``model`` (a whole
+    ``CostModel``) replaces the cluster's ring-model coefficients for every layout; ``profile``
+    (the result of ``uniep parm profile``) replaces only those it measured
+    (``profile.profiled_coefficients``), the rest staying the cluster's for each layout. Layers that
     cannot exist on the cluster are left out (:func:`left_out` counts them, :data:`LEFT_OUT`
     says why): those whose MP size does not divide its GPUs (no layout has them), and those with
     fewer experts than their top-k (experts per MP group times the MP groups)."""
+    if model is not None and profile is not None:
+        raise ValueError("simulate: give model or profile, not both")
     spec = cluster_spec(cluster)
     P = spec.gpus_per_node * spec.nodes
     models: dict[int, Any] = {}
@@ -57,6 +62,10 @@ def simulate(
             models[N] = model or _C.parm.cost_model_from_cluster(
                 spec, rank_layout(P, N, spec.gpus_per_node)
             )
+            if profile is not None:
+                from .profile import cost_model_from_profile
+
+                models[N] = cost_model_from_profile(profile, base=models[N])
         shape = _C.parm.ParmShape(
             world_size=P,
             mp_size=N,
