@@ -132,6 +132,21 @@ def test_backward_only_some_inputs_require_grad() -> None:
     assert same_bits(grad_w1, full[2])
 
 
+def test_a_second_derivative_is_refused_not_left_out() -> None:
+    """A gradient penalty (backward with create_graph=True) through the op raises: its backward
+    has no derivative, and autograd would otherwise leave the second-order gradients out."""
+    g = make_inputs(MoeCase("penalty", (6,), 8, 6, 4, 2, "float64", seed=47))
+    x = g["x"].clone().requires_grad_(True)
+    w1 = g["w1"].clone().requires_grad_(True)
+    y = torch.ops.uniep.moe_forward(x, g["topk_idx"], g["topk_weights"], w1, g["w2"], "", "")
+    with pytest.raises(ValueError, match="moe_forward has no second derivative"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    # The same backward without create_graph is the ordinary one.
+    (gx,) = torch.autograd.grad(y, x, g["grad_out"])
+    full = torch.ops.uniep.moe_backward(g["grad_out"], x.detach(), *_args(g)[1:], "", "")
+    assert same_bits(gx, full[0])
+
+
 def test_gradcheck_float64() -> None:
     g = make_inputs(MoeCase("gradcheck", (5,), 6, 3, 3, 2, "float64", seed=46))
     idx = g["topk_idx"]

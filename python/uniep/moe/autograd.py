@@ -11,7 +11,7 @@ import torch
 
 from . import expert_shards
 
-__all__ = ["backward", "setup_context"]
+__all__ = ["backward", "refuse_double_backward", "setup_context"]
 
 
 def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -24,8 +24,27 @@ def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.tuning = tuning
 
 
+def refuse_double_backward(group_name: str, grad_out: torch.Tensor, *saved: torch.Tensor) -> None:
+    """Raise on every rank where autograd is building the backward's own graph (a backward with
+    ``create_graph=True``, as for a gradient penalty) through tensors that need it:
+    ``moe_backward`` has no derivative, so the second-order gradients would silently be missing.
+    """
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (grad_out, *saved)):
+        return
+    from .. import distributed
+
+    error = (
+        "moe_forward has no second derivative: its backward (torch.ops.uniep.moe_backward) is "
+        "not differentiable, but autograd is building the backward's graph (create_graph=True) "
+        "through it; take the gradient penalty (or other higher-order term) over the parts of "
+        "the model without UniEP's MoE ops, or detach the layer's inputs there"
+    )
+    distributed.raise_on_all_ranks(group_name, "moe_backward", error, grad_out.device.type)
+
+
 def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
     x, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
+    refuse_double_backward(ctx.group_name, grad_out, x, topk_weights, w1, w2)
     # Every rank must enter moe_backward: the gradient of a local expert needs the rows other
     # ranks sent it, so the call cannot be skipped even where no input here needs a gradient.
     grad_x, grad_weights, grad_w1, grad_w2 = torch.ops.uniep.moe_backward(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..autograd import backward as op_backward
+from ..autograd import refuse_double_backward
 from ..kept_weights import clear_packed, packed_gate_up, transposed_w2
 from .launch import megakernel_overlap, megakernel_shape_ok, runs_fused
 
@@ -106,6 +107,7 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
+        refuse_double_backward(ctx.group_name, grad_out, *ctx.saved_tensors)
         if grad_out.dtype == torch.bfloat16:
             return _backward_fused(ctx, grad_out)
         # moe_forward's own backward (its inputs have no group: one None more for it here).
