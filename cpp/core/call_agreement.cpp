@@ -29,6 +29,9 @@ const char* call_kind_name(CallKind kind) {
       return "moe_backward";
     case CallKind::kEpRuntimeCreate:
       return "the GPU runtime's creation (uniep.moe.ep.init_runtime)";
+    case CallKind::kExpertShardCheck:
+      return "moe_forward's check of the expert shards (uniep.moe.expert_shards, on a layer's "
+             "first call with autograd on)";
   }
   return "an unknown call";
 }
@@ -43,7 +46,8 @@ std::string describe_dtype(int64_t dtype) {
   return "dtype #" + std::to_string(dtype);
 }
 
-void agree_on_call(const CallSignature& signature, const Error* local_error, Transport& transport) {
+std::vector<int64_t> share_call(const CallSignature& signature, const Error* local_error,
+                                Transport& transport) {
   const int64_t W = transport.world_size(), me = transport.rank();
   const int64_t F = static_cast<int64_t>(signature.fields.size());
   UNIEP_CHECK_CODE(F <= kMaxCallFields, StatusCode::kInternal, "a call signature holds at most ",
@@ -86,12 +90,22 @@ void agree_on_call(const CallSignature& signature, const Error* local_error, Tra
                 " at the same time; every rank of the group must make the same calls in the "
                 "same order (a backward run on some ranks only?)");
   }
+  std::vector<int64_t> values(W * F);
+  for (int64_t r = 0; r < W; ++r) std::copy_n(&all[r * kWords + kHead], F, &values[r * F]);
+  return values;
+}
+
+void agree_on_call(const CallSignature& signature, const Error* local_error, Transport& transport) {
+  const std::vector<int64_t> values = share_call(signature, local_error, transport);
+  const int64_t W = transport.world_size();
+  const int64_t F = static_cast<int64_t>(signature.fields.size());
+  const char* op = call_kind_name(signature.kind);
   // Against rank 0's values, so that every rank raises the same message.
   for (int64_t i = 0; i < F; ++i) {
     const CallField& f = signature.fields[i];
-    const int64_t first = all[kHead + i];
+    const int64_t first = values[i];
     for (int64_t r = 1; r < W; ++r) {
-      const int64_t theirs = all[r * kWords + kHead + i];
+      const int64_t theirs = values[r * F + i];
       UNIEP_CHECK(theirs == first, op, ": ", f.name, " differs across ranks: rank 0 has ",
                   field_text(f, first), ", rank ", r, " has ", field_text(f, theirs),
                   "; every rank of the group must pass the same");

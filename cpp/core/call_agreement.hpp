@@ -20,6 +20,9 @@ enum class CallKind : int64_t {
   kMoeForward = 1,
   kMoeBackward = 2,
   kEpRuntimeCreate = 3,
+  // Values each rank reads whole rather than agrees on (share_call): moe_forward's checksums of
+  // the trainable expert shards, where equal on every rank means a DDP copy.
+  kExpertShardCheck = 4,
 };
 const char* call_kind_name(CallKind kind);
 
@@ -46,5 +49,12 @@ std::string describe_dtype(int64_t dtype);
 // if they passed), rethrown here as it is after the exchange; a peer's is quoted with its rank,
 // as kInvalidArgument (ValueError in Python), like the other disagreements.
 void agree_on_call(const CallSignature& signature, const Error* local_error, Transport& transport);
+
+// The same exchange, throwing alike on a failed check or a rank in another call, but the fields
+// are left to the caller: returns every rank's values, [W][F] row-major. For calls whose ranks
+// compare the values themselves; sharing agree_on_call's fixed-size message, a rank in another
+// call is still named instead of the exchange pairing with that call's.
+std::vector<int64_t> share_call(const CallSignature& signature, const Error* local_error,
+                                Transport& transport);
 
 }  // namespace uniep

@@ -284,6 +284,21 @@ void agree_call_py(const std::string& group_name, const std::string& kind_name,
   });
 }
 
+// Every rank's `values` for a call whose ranks compare them themselves (see share_call); `kind`:
+// "expert_shard_check".
+std::vector<int64_t> share_call_py(const std::string& group_name, const std::string& kind_name,
+                                   const std::vector<int64_t>& values, const std::string& device) {
+  UNIEP_CHECK(kind_name == "expert_shard_check", "kind must be expert_shard_check, got '",
+              kind_name, "'");
+  UNIEP_CHECK(static_cast<int64_t>(values.size()) <= kMaxCallFields, "values: at most ",
+              kMaxCallFields, ", got ", values.size());
+  CallSignature signature{CallKind::kExpertShardCheck, {}};
+  for (int64_t v : values) signature.fields.push_back({"value", v});
+  const torch_glue::Group group = torch_glue::resolve_group(group_name);
+  py::gil_scoped_release no_gil;  // as agree_call: the exchange waits on the peers
+  return torch_glue::share_on_group(group, c10::Device(device), signature);
+}
+
 // A collective's argument check made in Python (uniep.nn's tensor-parallel layers) failed: this
 // rank joins the peers' agreement in that op as failed, so they raise at once ("rank r passed
 // invalid arguments") instead of waiting for it, and raises `error` here.
@@ -457,6 +472,10 @@ PYBIND11_MODULE(_C, m) {
         "Agree with the group's other ranks on a call checked in Python (see "
         "uniep.distributed.agree_call); raises on every rank if any rank's error is set or a "
         "field differs.");
+  m.def("share_call", &share_call_py, py::arg("group_name"), py::arg("kind"), py::arg("values"),
+        py::arg("device") = "cpu",
+        "Every rank's `values` (a flat [W * len(values)] list) through the calls' agreement "
+        "message, which names a rank that is in another call instead of pairing with it.");
   m.def("coll_fail_call", &coll_fail_call_py, py::arg("group_name"), py::arg("kind"),
         py::arg("error"),
         "Join the group's agreement in the CPU collective `kind` as failed with `error` (a check "

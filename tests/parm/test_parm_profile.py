@@ -75,7 +75,9 @@ def test_profile_sizes_reach_the_largest_message_of_the_layers() -> None:
         pp.sizes_for_layers(layers, 4, 2, "gpu")
 
 
-def test_stretched_sizes_and_the_cli_option(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stretched_sizes_and_the_cli_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     assert pp.stretched_sizes("cuda", 0) == pp.CUDA_SIZES == pp.stretched_sizes("cuda", 2**26)
     sizes = pp.stretched_sizes("cpu", 100 * 2**20 + 1)
     assert sizes[0] == pp.DEFAULT_SIZES[0] and sizes[-1] == 101 * 2**20 and len(sizes) == 16
@@ -87,11 +89,34 @@ def test_stretched_sizes_and_the_cli_option(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(pp, "profile", fake_profile)
     base = ["parm", "profile", "--world-size", "2", "--mp-size", "1", "--sizes", "3"]
+    # Fewer sizes still reach --up-to-mib: 3 even steps from the first size to 40 MiB.
     assert main([*base, "--up-to-mib", "40"]) == 1
-    assert seen["sizes"] == pp.stretched_sizes("cpu", 40 * 2**20)[:3]
+    assert seen["sizes"] == [2**20, 21 * 2**20, 40 * 2**20]
+    assert pp.stretched_sizes("cpu", 40 * 2**20, 3) == seen["sizes"]
+    assert main([*base, "--up-to-mib", "3"]) == 1 and seen["sizes"] == pp.DEFAULT_SIZES[:3]
+    assert main([*base, "--up-to-mib", "4"]) == 1
+    assert seen["sizes"] == [2**20, 3 * 2**20, 4 * 2**20]
     assert main(base) == 1 and seen["sizes"] == pp.DEFAULT_SIZES[:3]
+    assert main([*base[:-1], "16", "--device", "cpu"]) == 1 and seen["sizes"] == pp.DEFAULT_SIZES
     with pytest.raises(SystemExit):
         main([*base, "--up-to-mib", "0"])
+    # 16 is the most (the default sizes' count) and 2 the fewest (a fit): refused, not capped.
+    for bad in ("1", "17", "20"):
+        with pytest.raises(SystemExit) as exc:
+            main([*base[:-1], bad])
+        assert exc.value.code == 2
+        assert (
+            f"argument --sizes: must be an integer in [2, 16], got {bad!r}"
+            in capsys.readouterr().err
+        )
+    with pytest.raises(ValueError, match=r"count must be in \[2, 16\]"):
+        pp.stretched_sizes("cuda", 0, 17)
+    for device in ("cpu", "cuda"):
+        for count in range(2, 17):
+            for mib in (1, 17, 40, 65, 1000):
+                sizes = pp.stretched_sizes(device, mib * 2**20, count)
+                assert len(sizes) == count and sizes == sorted(set(sizes))
+                assert sizes[-1] >= mib * 2**20 and sizes[0] == pp.default_sizes(device)[0]
 
 
 @needs_no_cuda

@@ -39,6 +39,17 @@ CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device dev
   return signature;
 }
 
+std::vector<int64_t> share_on_group(const Group& group, c10::Device device,
+                                    const CallSignature& signature) {
+  if (!group.pg || group.world_size == 1) {
+    std::vector<int64_t> values;
+    for (const CallField& f : signature.fields) values.push_back(f.value);
+    return values;
+  }
+  ProcessGroupTransport transport(group.pg, call_kind_name(signature.kind), device);
+  return share_call(signature, nullptr, transport);
+}
+
 CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, const MoeShape& shape,
                             const TuningParams& tuning) {
   return {kind,

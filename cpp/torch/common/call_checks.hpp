@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/call_agreement.hpp"
 #include "torch/common/process_group.hpp"
@@ -20,6 +21,10 @@ namespace uniep::torch_glue {
 // where the op's tensors are (an NCCL-only group stages the exchange there).
 CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device device,
                               const std::function<CallSignature()>& check);
+
+// share_call over the group: every rank's values of `signature`'s fields, [W][F] row-major.
+std::vector<int64_t> share_on_group(const Group& group, c10::Device device,
+                                    const CallSignature& signature);
 
 // The signature of moe_forward / moe_backward: dtypes, hidden, ffn, experts, top-k and tuning.
 CallSignature moe_signature(CallKind kind, DType dtype, DType weight_dtype, const MoeShape& shape,

@@ -14,6 +14,7 @@ from .args import (
     positive_float,
     positive_int,
     positive_seconds,
+    profile_sizes,
     seed,
     settle_seconds,
 )
@@ -180,13 +181,19 @@ def _parser() -> argparse.ArgumentParser:
         "calls them, ranks sharing one GPU (its memory is every link)",
     )
     prof.add_argument("--iters", type=positive_int, default=5, help="timed runs per size")
-    prof.add_argument("--sizes", type=positive_int, default=16, help="message sizes (<= 16)")
+    prof.add_argument(
+        "--sizes",
+        type=profile_sizes,
+        default=16,
+        help="message sizes, 2 to 16: the first of the default sizes (1-16 MiB on cpu, 4-64 MiB "
+        "on cuda), or as many even steps up to --up-to-mib where it lies past them",
+    )
     prof.add_argument(
         "--up-to-mib",
         type=positive_int,
         default=None,
         help="stretch the sizes to reach this many MiB: the largest message of the layers to be "
-        "priced (uniep.parm.profile.largest_message), where it lies past the default range",
+        "priced (uniep.parm.profile.largest_message), where it lies past the sizes' range",
     )
     prof.add_argument("--timeout", type=positive_seconds, default=300.0)
     prof.add_argument("--out", default="parm-profile.json", help="JSON output")

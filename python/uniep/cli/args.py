@@ -29,6 +29,18 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def profile_sizes(text: str) -> int:
+    """argparse type of ``uniep parm profile --sizes``: 2 (a fit needs two) to 16 (the default
+    sizes; ``--up-to-mib`` spreads the same count further)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"must be an integer in [2, 16], got {text!r}")
+    return value
+
+
 def _finite(text: str, above: float, strict: bool) -> float:
     bound = f"> {above:g}" if strict else f">= {above:g}"
     try:

@@ -94,7 +94,7 @@ def cmd_parm_profile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    sizes = stretched_sizes(args.device, (args.up_to_mib or 0) * 2**20)[: args.sizes]
+    sizes = stretched_sizes(args.device, (args.up_to_mib or 0) * 2**20, args.sizes)
     try:
         result = profile(
             args.world_size, args.mp_size, sizes, args.iters, args.timeout, device=args.device

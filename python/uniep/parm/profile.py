@@ -91,14 +91,19 @@ def largest_message(layers: list[dict], world: int, mp_size: int, device: str = 
     return most
 
 
-def stretched_sizes(device: str, most: int) -> list[int]:
-    """``default_sizes(device)``, or where ``most`` bytes lie past its last size, as many even
-    steps (in whole MiB) from its first size up to ``most`` rounded up to a MiB."""
+def stretched_sizes(device: str, most: int, count: int | None = None) -> list[int]:
+    """The first ``count`` (2 to 16; None: all 16) of ``default_sizes(device)``, or where
+    ``most`` bytes lie past the last of those, ``count`` even steps (in whole MiB) from the first
+    size up to ``most`` rounded up to a MiB."""
     sizes = default_sizes(device)
+    count = len(sizes) if count is None else count
+    if not 2 <= count <= len(sizes):
+        raise ValueError(f"count must be in [2, {len(sizes)}] (a fit needs two sizes), got {count}")
+    sizes = sizes[:count]
     if most <= sizes[-1]:
         return sizes
     mib = 2**20
-    first, top, steps = sizes[0] // mib, -(-most // mib), len(sizes) - 1
+    first, top, steps = sizes[0] // mib, -(-most // mib), count - 1
     return [(first + round((top - first) * i / steps)) * mib for i in range(steps + 1)]
 
 
