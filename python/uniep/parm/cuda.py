@@ -14,8 +14,9 @@ What runs on which primitive (one rank):
   multiples of 8 (every local expert has the same capacity rows, so the groups are equal);
   otherwise ``torch.bmm``.
 - Routing, order, I-order and the backward's VJPs: torch ops on the GPU (``parm_exec``).
-- The routing agreement (three int64 per rank): torch.distributed on the default group (gloo
-  on the CPU when ranks share a GPU, NCCL otherwise), the wait bounded by ``UNIEP_TIMEOUT_S``.
+- The routing agreement (the routing counts and the call's configuration, 18 int64 per rank:
+  ``uniep.parm.agreement``): torch.distributed on the default group (gloo on the CPU when ranks
+  share a GPU, NCCL otherwise), the wait bounded by ``UNIEP_TIMEOUT_S``.
 
 **Sub-groups have runtimes of their own.** NVSHMEM spans the world (it is shared only over the
 same ranks), and the MP and EP groups of a Parm layout are sub-groups of it when N > 1 and

@@ -36,7 +36,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .agreement import raise_if_a_rank_failed
+from .. import _C
+from .agreement import CallConfig, raise_if_a_rank_failed, raise_if_configs_differ
 
 # The capacity (row) dimension of every SAA pair's input, intermediate and output.
 CHUNK_DIM = -2
@@ -350,9 +351,11 @@ class ParmExecutor:
         w2: torch.Tensor,
         steps: Any,
         chunks: Sequence[int] | None = None,
+        backward_chunks: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardState]:
         """(y, l_aux, what the backward needs). ``chunks``: the SAA pairs' chunk counts, one per
-        step (``check_chunks``); None: the backend's default."""
+        step (``check_chunks``); None: the backend's default. ``backward_chunks``: those the
+        backward will run with (checked by the caller), agreed here with the forward's."""
         st = ForwardState()
         env: dict[str, torch.Tensor] = {"x": x}
         split = self._begin(steps)
@@ -367,7 +370,8 @@ class ParmExecutor:
                 self._top1_total = st.route.top1
                 self._psum_total = st.route.probs.sum(0)
             elif op == "world_agree_routing":
-                self._agree(st, x.shape[0], counts_drops=split or self.g.mp_index == 0)
+                config = self._config(steps, x.dtype, plan, backward_chunks)
+                self._agree(st, x.shape[0], config, counts_drops=split or self.g.mp_index == 0)
             elif op == "mp_all_reduce_stats":
                 both = torch.cat([st.route.probs.sum(0).double(), st.route.top1])
                 tot = self.be.mp_all_reduce(both)
@@ -413,16 +417,49 @@ class ParmExecutor:
         st.saved = {"exp_in": exp_in, "comb": comb, "top1_total": top1_total}
         return st
 
-    def _agree(self, st: ForwardState, S: int, counts_drops: bool) -> None:
-        """Every rank learns every rank's token count and overflow, so all raise or none does.
-        Ranks that route the same tokens (baseline, S2) count drops on MP rank 0 only."""
+    def _config(
+        self,
+        steps: Any,
+        dtype: torch.dtype,
+        plan: list[int],
+        backward_chunks: Sequence[int] | None,
+    ) -> CallConfig:
+        """This call's configuration, as the routing agreement compares it across ranks."""
+
+        def pairs(lst: Any, counts: Sequence[int] | None) -> tuple[int, ...]:
+            if not counts:
+                return ()
+            return tuple(int(counts[i]) for i, s in enumerate(lst.steps) if s.overlap_with > i)
+
+        sh = self.shape
+        bwd = _C.parm.build_steps(sh, steps.schedule, "backward") if backward_chunks else None
+        return CallConfig(
+            schedule=steps.schedule,
+            mp_size=self.N,
+            ep_size=self.G,
+            hidden=sh.hidden,
+            ffn_hidden=sh.ffn_hidden,
+            num_experts=self.E,
+            top_k=self.k,
+            capacity_factor=sh.capacity_factor,
+            overflow=self.overflow,
+            dtype=dtype,
+            chunks=(pairs(steps, plan), pairs(bwd, backward_chunks)),
+        )
+
+    def _agree(self, st: ForwardState, S: int, config: CallConfig, counts_drops: bool) -> None:
+        """Every rank learns every rank's token count, overflow and configuration, so all raise
+        or none does. Ranks that route the same tokens (baseline, S2) count drops on MP rank 0
+        only."""
         dropped_here, demand_here = st.route.overflow.tolist()
         mine = torch.tensor(
-            [S, dropped_here if counts_drops else 0, demand_here, 0], dtype=torch.long
+            [S, dropped_here if counts_drops else 0, demand_here, 0, *config.words()],
+            dtype=torch.long,
         )
         rows = self.be.world_all_gather_ints(mine)
         # A rank whose own checks failed joined marked (uniep.parm.agreement): all raise now.
         raise_if_a_rank_failed(rows)
+        raise_if_configs_differ(rows)
         sizes = rows[:, 0]
         if not bool((sizes == sizes[0]).all()):
             raise ValueError(

@@ -192,13 +192,14 @@ def _forward_kernel(
             x, gate, w1, w2, mp_group, ep_group, top_k, capacity_factor, schedule, overflow
         )
         fwd, bwd = _lists(shape, schedule)
-        fwd_chunks, _ = split_chunks(chunks, fwd, bwd)
+        fwd_chunks, bwd_chunks = split_chunks(chunks, fwd, bwd)
     except ValueError as e:
         # The other ranks are in the routing agreement by now: tell them why, then raise.
         join_as_failed(str(e))
         raise
     with _on_device(x):
-        y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd, fwd_chunks)
+        # The backward's counts too: the forward's routing agreement is the only one.
+        y, laux, st = ex.forward(x.contiguous(), gate, w1, w2, fwd, fwd_chunks, bwd_chunks)
     s = st.stats
     tail = torch.tensor([s["dropped"], s["max_demand"], s["slice_capacity"]], dtype=torch.float64)
     if x.is_cuda:

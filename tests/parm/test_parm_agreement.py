@@ -1,0 +1,93 @@
+"""The Parm routing agreement on gloo ranks: a layer configured differently on one rank makes every
+rank raise the same ValueError at once, naming the field and both ranks' values, before any data
+moves; the group stays usable."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_ranks
+
+# Layer arguments of every rank, then what the last rank passes instead. World 4: N = 2, G = 2.
+BASE: dict[str, Any] = dict(hidden=16, ffn_hidden=16, num_experts=4, top_k=2, capacity_factor=0.0)
+FREE_LINKS = dict(inter_bw=1e18, intra_bw=1e18, inter_alpha=0.0, intra_alpha=0.0)
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    # name: (every rank's extra arguments, the last rank's, the message's "rank 0 has ..., rank 3
+    # has ...")
+    "top_k": ({}, dict(top_k=1), "top_k differs across ranks: rank 0 has 2, rank 3 has 1"),
+    "ffn_hidden": ({}, dict(ffn_hidden=32), "ffn_hidden differs .* rank 0 has 16, rank 3 has 32"),
+    "num_experts": ({}, dict(num_experts=8), "num_experts differs .* 0 has 4, rank 3 has 8"),
+    "schedule": (
+        dict(schedule="baseline"),
+        dict(schedule="s1"),
+        "schedule differs .* rank 0 has 'baseline', rank 3 has 's1'",
+    ),
+    "dtype": ({}, dict(dtype=torch.float64), "dtype differs .* torch.float32, rank 3 has torch.f"),
+    "capacity_factor": (
+        dict(capacity_factor=2.0),
+        dict(capacity_factor=4.0),
+        "capacity_factor differs .* rank 0 has 2.0, rank 3 has 4.0",
+    ),
+    "overflow": (
+        dict(capacity_factor=0.3),
+        dict(capacity_factor=0.3, overflow="drop"),
+        "overflow differs .* rank 0 has 'error', rank 3 has 'drop'",
+    ),
+    "chunks": (
+        dict(schedule="s2", chunks=2),
+        dict(schedule="s2", chunks=3),
+        r"chunks differs .* rank 0 has SAA chunk counts \[2, 2\] \(forward\), \[2, 2\] "
+        r"\(backward\), rank 3 has SAA chunk counts \[3, 3\]",
+    ),
+    # schedule="auto" priced on another cluster on one rank (baseline elsewhere, S1 there).
+    "auto-cluster": (
+        {},
+        dict(cluster=dict(FREE_LINKS, gpus_per_node=8)),
+        "schedule differs .* rank 0 has 'baseline', rank 3 has 's1'; .*cluster",
+    ),
+}
+TOKENS = 8
+
+
+def _config_worker(rank: int, world: int) -> dict[str, Any]:
+    from uniep.parm import ParmMoELayer, new_groups
+
+    mp, ep = new_groups(2)
+    out: dict[str, Any] = {}
+    for name, (common, last) in ((n, c[:2]) for n, c in CASES.items()):
+        kw = {**BASE, **common, **(last if rank == world - 1 else {})}
+        torch.manual_seed(0)
+        layer = ParmMoELayer(mp, ep, **kw)
+        x = torch.randn(TOKENS, 16, dtype=layer.w1.dtype)
+        start = time.monotonic()
+        try:
+            layer(x)
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name}_s"] = time.monotonic() - start
+        # The group still works: one configuration on every rank.
+        good = ParmMoELayer(mp, ep, **BASE)
+        out[f"{name}_after"] = tuple(good(torch.randn(TOKENS, 16)).shape)
+    return out
+
+
+def test_a_configuration_that_differs_fails_every_rank_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before the configuration was agreed these crashed (gloo's size checks), waited for this
+    # limit, or returned different outputs inside one MP group.
+    monkeypatch.setenv("UNIEP_TIMEOUT_S", "20")
+    reports = run_ranks(4, _config_worker, timeout=90)
+    for rank, r in enumerate(reports):
+        for name, (_, _, want) in CASES.items():
+            got = r[name]
+            assert got.startswith("ValueError: Parm forward: "), (rank, name, got)
+            assert got == reports[0][name], (rank, name)
+            assert re.search(want, got), (rank, name, got)
+            assert r[f"{name}_s"] < 10, f"rank {rank} took {r[name + '_s']:.1f} s in {name}"
+            assert r[f"{name}_after"] == (TOKENS, 16), (rank, name)
