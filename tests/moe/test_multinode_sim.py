@@ -112,3 +112,49 @@ def test_cli_prints_both_tables_beside_deepep(tmp_path: Path) -> None:
     saved = json.loads(out.read_text())
     assert [r["world"] for r in saved["rows"]] == [16, 64]
     assert saved["network"]["gbs"] == 50.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--network-gbs", "0"], "argument --network-gbs: must be a finite number > 0, got '0'"),
+        (["--network-gbs", "-5"], "argument --network-gbs: must be a finite number > 0, got '-5'"),
+        (["--network-gbs", "inf"], "argument --network-gbs: must be a finite number > 0"),
+        (
+            ["--network-alpha-us", "nan"],
+            "argument --network-alpha-us: must be a finite number >= 0, got 'nan'",
+        ),
+        (["--network-alpha-us", "-1"], "argument --network-alpha-us: must be a finite number >= 0"),
+        (["--gpus-per-node", "0"], "argument --gpus-per-node: must be an integer >= 1, got '0'"),
+        (
+            ["--worlds", "16", "12"],
+            "argument --worlds: 12: not a multiple of --gpus-per-node (8); 12: does not divide "
+            "the layer's 256 experts",
+        ),
+        (["--worlds", "1024"], "argument --worlds: 1024: does not divide the layer's 256 experts"),
+        (
+            ["--worlds", "16", "--gpus-per-node", "32"],
+            "argument --worlds: 16: not a multiple of --gpus-per-node (32)",
+        ),
+    ],
+)
+def test_cli_refuses_bad_options_naming_them(
+    argv: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from uniep.cli import main
+
+    out = tmp_path / "sim.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["multinode", "simulate", *argv, "--out", str(out)])
+    assert exc.value.code == 2  # a usage error, as argparse's
+    err = capsys.readouterr().err
+    assert f"uniep multinode simulate: error: {words}" in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_legs_refuse_a_bandwidth_that_cannot_divide() -> None:
+    for gbs in (0.0, -5.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="gbs must be a finite number > 0"):
+            sim.Leg(alpha_us=5.0, gbs=gbs)
+    with pytest.raises(ValueError, match="alpha_us must be finite"):
+        sim.Leg(alpha_us=math.nan, gbs=50.0)

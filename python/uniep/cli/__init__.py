@@ -207,14 +207,21 @@ def _parser() -> argparse.ArgumentParser:
         help="predict dispatch, combine and exposed communication at EP16-EP256 beside DeepEP",
     )
     msim.add_argument(
-        "--worlds", type=positive_int, nargs="+", default=[16, 32, 64, 128, 256], help="EP sizes"
+        "--worlds",
+        type=positive_int,
+        nargs="+",
+        default=[16, 32, 64, 128, 256],
+        help="EP sizes: multiples of --gpus-per-node that divide the layer's 256 experts",
     )
     msim.add_argument("--gpus-per-node", type=positive_int, default=8)
     msim.add_argument(
-        "--network-gbs", type=float, default=50.0, help="network GB/s a GPU (assumed)"
+        "--network-gbs", type=positive_float, default=50.0, help="network GB/s a GPU (assumed)"
     )
     msim.add_argument(
-        "--network-alpha-us", type=float, default=5.0, help="network latency a leg, us (assumed)"
+        "--network-alpha-us",
+        type=non_negative_float,
+        default=5.0,
+        help="network latency a leg, us (assumed)",
     )
     msim.add_argument("--out", default="", help="JSON output (none if empty)")
     msim.set_defaults(func=cmd_multinode_simulate)

@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+
+def check_worlds(worlds: list[int], gpus_per_node: int, experts: int) -> None:
+    """Each EP size of ``--worlds`` must be whole nodes of ``--gpus-per-node`` and split the
+    layer's ``experts`` evenly; else a usage error (exit 2) naming them."""
+    problems = []
+    nodes = [w for w in worlds if w % gpus_per_node]
+    if nodes:
+        problems.append(
+            f"{', '.join(map(str, nodes))}: not a multiple of --gpus-per-node ({gpus_per_node})"
+        )
+    split = [w for w in worlds if experts % w]
+    if split:
+        problems.append(
+            f"{', '.join(map(str, split))}: does not divide the layer's {experts} experts "
+            "(DeepSeek-V3's layer; every rank holds as many)"
+        )
+    if problems:
+        print(
+            "uniep multinode simulate: error: argument --worlds: " + "; ".join(problems),
+            file=sys.stderr,
+        )
+        raise SystemExit(2)  # argparse's code for a usage error
 
 
 def cmd_multinode_simulate(args: argparse.Namespace) -> int:
     from ..moe import multinode_sim as sim
 
+    check_worlds(args.worlds, args.gpus_per_node, sim.Layer(world=1).experts)
     network = sim.Leg(
         alpha_us=args.network_alpha_us,
         gbs=args.network_gbs,

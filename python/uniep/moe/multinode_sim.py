@@ -42,6 +42,12 @@ class Leg:
     gbs: float
     source: str = ""
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.gbs) and self.gbs > 0):
+            raise ValueError(f"Leg: gbs must be a finite number > 0, got {self.gbs!r}")
+        if not math.isfinite(self.alpha_us):
+            raise ValueError(f"Leg: alpha_us must be finite, got {self.alpha_us!r}")
+
     def time_us(self, nbytes: float) -> float:
         return self.alpha_us + nbytes / (self.gbs * 1e3)
 
