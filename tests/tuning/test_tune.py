@@ -619,6 +619,50 @@ def test_cli_tune(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([*args, "--settle-s", "0.001"]) == 0
 
 
+def test_cli_tune_numerics_options(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from argparse import Namespace
+
+    from uniep.cli.tune import check_numerics
+
+    path = tmp_path / "cli.json"
+    args = (
+        "tune --tokens 8 --hidden 64 --ffn 64 --experts 4 --top-k 2 --device cpu --candidates 2 "
+        "--iters 2 --warmup 0"
+    ).split() + ["--cache", str(path)]
+    # fp8 experts need 128-multiples; the advice names an option the command has.
+    for extra in ([], ["--expert-precision", "fp8"], ["--expert-precision", "auto"]):
+        with pytest.raises(SystemExit, match="add --expert-precision bf16 for bf16 expert GEMMs"):
+            main([*args, "--dispatch", "fp8", *extra])
+    with pytest.raises(SystemExit, match="--hidden and --ffn must be multiples of 128, got 64"):
+        main([*args, "--dispatch", "fp8"])
+    with pytest.raises(SystemExit, match="--expert-precision fp8 needs --dispatch fp8"):
+        main([*args, "--expert-precision", "fp8"])
+    with pytest.raises(SystemExit):
+        main([*args, "--expert-precision", "fp16"])
+    assert main([*args, "--dispatch", "fp8", "--expert-precision", "bf16"]) == 0
+    chosen = re.search(r"^chosen: (\S+)$", capsys.readouterr().out, re.M).group(1)
+    assert "dispatch=fp8" in chosen and "experts=bf16" in chosen
+    shape = dict(tokens=8, hidden=64, ffn=64, experts=4, top_k=2, dtype="float32", path=path)
+    assert tune.lookup(**shape, numerics="dispatch=fp8,experts=bf16") == chosen
+    # node_partials: the CPU executor runs it (one node: per_k's bits), cached under its key.
+    assert main([*args, "--combine", "node_partials"]) == 0
+    chosen = re.search(r"^chosen: (\S+)$", capsys.readouterr().out, re.M).group(1)
+    assert "combine=node_partials" in chosen
+    assert tune.lookup(**shape, numerics="combine=node_partials") == chosen
+    # On CUDA the tuner's ranks are one node: node_partials and gemm=torch under fp8 experts are
+    # refused before any rank starts.
+    cuda = dict(hidden=128, ffn=128, dispatch=None, combine=None, gemm=None, expert_precision=None)
+    check_numerics(Namespace(**cuda), "cuda")
+    with pytest.raises(SystemExit, match="--combine node_partials is the combine of a group"):
+        check_numerics(Namespace(**{**cuda, "combine": "node_partials"}), "cuda")
+    with pytest.raises(SystemExit, match="add --expert-precision bf16 or drop --gemm torch"):
+        check_numerics(Namespace(**{**cuda, "dispatch": "fp8", "gemm": "torch"}), "cuda")
+    check_numerics(
+        Namespace(**{**cuda, "dispatch": "fp8", "gemm": "torch", "expert_precision": "bf16"}),
+        "cuda",
+    )
+
+
 def test_runoff_points_are_the_close_calls_fastest_first() -> None:
     inf = math.inf
     assert tune.runoff_points([5.31, 5.61, 5.52, inf, 5.33]) == [0, 4, 2]

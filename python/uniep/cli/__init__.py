@@ -113,9 +113,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune_p.add_argument("--dispatch", choices=["bf16", "fp8"], default=None, help="kept as given")
     tune_p.add_argument(
-        "--combine", choices=["per_k", "rank_partials"], default=None, help="kept as given"
+        "--combine",
+        choices=["per_k", "rank_partials", "node_partials"],
+        default=None,
+        help="kept as given; node_partials (a group that spans nodes: on one node per_k's bits) "
+        "on the CPU executor only",
     )
     tune_p.add_argument("--gemm", choices=["uniep", "torch"], default=None, help="kept as given")
+    tune_p.add_argument(
+        "--expert-precision",
+        dest="expert_precision",
+        choices=["auto", "bf16", "fp8"],
+        default=None,
+        help="the tuning key experts, the expert GEMMs' precision (auto: fp8 under --dispatch "
+        "fp8, else bf16); kept as given",
+    )
     tune_p.add_argument(
         "--weights",
         choices=["plain", "bf16_packed"],

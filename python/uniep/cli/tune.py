@@ -52,6 +52,40 @@ def _tune_rank(rank: int, world: int, cfg: dict[str, Any]) -> Any:
     )
 
 
+def check_numerics(args: argparse.Namespace, device: str) -> None:
+    """The numerics options' agreement with each other, the shape and the device, checked
+    before any rank starts, naming the options (the ops' own errors name tuning keys)."""
+    fp8_dispatch = args.dispatch == "fp8"
+    experts = args.expert_precision or "auto"
+    if experts == "fp8" and not fp8_dispatch:
+        raise SystemExit(
+            "uniep tune: --expert-precision fp8 needs --dispatch fp8 (the fp8 GEMMs read the "
+            "rows in the fp8 dispatch's format)"
+        )
+    fp8_experts = experts == "fp8" or (experts == "auto" and fp8_dispatch)
+    default = "" if args.expert_precision else " (the default)"
+    if fp8_experts and (args.hidden % 128 or args.ffn % 128):
+        raise SystemExit(
+            f"uniep tune: --dispatch fp8 with --expert-precision {experts}{default} runs the "
+            "experts in fp8 with one weight scale per 128 x 128 block: --hidden and --ffn must be "
+            f"multiples of 128, got {args.hidden} and {args.ffn}; add --expert-precision bf16 for "
+            "bf16 expert GEMMs on the fp8 rows"
+        )
+    if device != "cuda":
+        return
+    if fp8_experts and args.gemm == "torch":
+        raise SystemExit(
+            "uniep tune: --gemm torch has no fp8 expert GEMM, and --dispatch fp8 runs the experts "
+            "in fp8: add --expert-precision bf16 or drop --gemm torch"
+        )
+    if args.combine == "node_partials":
+        raise SystemExit(
+            "uniep tune: --combine node_partials is the combine of a group that spans nodes "
+            "(docs/multinode.md); on CUDA the tuner's ranks are one node, whose runtime combines "
+            "with per_k or rank_partials (node_partials runs on --device cpu)"
+        )
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..tuning import tuner
 
@@ -65,12 +99,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     check_layer("tune", args.world_size, args.experts, args.top_k)
+    check_numerics(args, device)
     numerics = ",".join(
         f"{key}={value}"
         for key, value in (
             ("dispatch", args.dispatch),
             ("combine", args.combine),
             ("gemm", args.gemm),
+            ("experts", args.expert_precision),
         )
         if value is not None
     )
