@@ -91,3 +91,39 @@ def test_a_configuration_that_differs_fails_every_rank_naming_it(
             assert re.search(want, got), (rank, name, got)
             assert r[f"{name}_s"] < 10, f"rank {rank} took {r[name + '_s']:.1f} s in {name}"
             assert r[f"{name}_after"] == (TOKENS, 16), (rank, name)
+
+
+def _bad_input_worker(rank: int, world: int) -> dict[str, Any]:
+    from uniep.parm import ParmMoELayer, new_groups
+
+    mp, ep = new_groups(1)
+    layer = ParmMoELayer(mp, ep, 8, 8, 4, 2, capacity_factor=0.0)
+    good = torch.randn(6, 8)
+    out: dict[str, Any] = {}
+    # On rank 1 only: a 0-d x (x.shape[-1] raised IndexError before the ranks agreed), an x
+    # without tokens (the plan's ValueError, which did not join the agreement either).
+    for name, bad in (("0-d", torch.tensor(1.0)), ("no-tokens", torch.randn(0, 8))):
+        start = time.monotonic()
+        try:
+            layer(bad if rank == 1 else good)
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name}_s"] = time.monotonic() - start
+    out["after"] = tuple(layer(good).shape)
+    return out
+
+
+def test_a_bad_x_on_one_rank_fails_every_rank_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNIEP_TIMEOUT_S", "20")
+    reports = run_ranks(2, _bad_input_worker, timeout=60)
+    why = {"0-d": r"x: last dimension must be hidden=8, got \(\)", "no-tokens": "x: expected at "}
+    for rank, r in enumerate(reports):
+        for name, want in why.items():
+            got = r[name]
+            assert got.startswith("ValueError: "), (rank, name, got)
+            assert re.search(want, got), (rank, name, got)
+            if rank == 0:
+                assert "rank 1 failed its checks" in got, got
+            assert r[f"{name}_s"] < 10, f"rank {rank} took {r[name + '_s']:.1f} s in {name}"
+        assert r["after"] == (6, 8)

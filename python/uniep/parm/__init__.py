@@ -377,14 +377,17 @@ class ParmMoELayer(nn.Module):
         return self._plans[tokens]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        error = self._check_input(x)
-        if error:
+        try:
+            error = self._check_input(x)
+            if error:
+                raise ValueError(error)
+            flat = x.reshape(-1, self.hidden).contiguous()
+            name, chunks = self._plan(flat.shape[0])
+        except ValueError as e:
             # The other ranks wait in the forward's routing agreement: they raise with this
             # reason at once (uniep.parm.agreement), instead of at the timeout.
-            join_as_failed(f"ParmMoELayer.forward: {error}")
-            raise ValueError(error)
-        flat = x.reshape(-1, self.hidden).contiguous()
-        name, chunks = self._plan(flat.shape[0])
+            join_as_failed(f"ParmMoELayer.forward: {e}")
+            raise
         gr = self.groups
         y, self.l_aux, _, _, stats = torch.ops.uniep.parm_moe_forward(
             flat,
@@ -407,8 +410,12 @@ class ParmMoELayer(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> str:
         """Why ``x`` cannot enter this layer, or "" if it can."""
-        if x.shape[-1] != self.hidden:
+        if not isinstance(x, torch.Tensor):
+            return f"x: expected a tensor [..., hidden={self.hidden}], got {type(x).__name__}"
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
             return f"x: last dimension must be hidden={self.hidden}, got {tuple(x.shape)}"
+        if x.numel() == 0:
+            return f"x: expected at least one token, got shape {tuple(x.shape)}"
         if x.device.type not in ("cpu", "cuda"):
             return f"x: expected a CPU or CUDA tensor, got device {x.device}"
         if x.device != self.w1.device:
