@@ -193,6 +193,56 @@ def test_expert_shards_under_data_parallel() -> None:
         assert rep["marked equal"] == "ok"
 
 
+class WrappedExperts(RawExperts):
+    """The same module over ``uniep.moe_forward``, the Python call torch.compile traces."""
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        import uniep
+
+        return uniep.moe_forward(self.proj(x), idx, w, self.gate_up, self.down)
+
+
+def _ddp_compiled_and_grad_mode_worker(rank: int, world: int) -> dict[str, str]:
+    x, idx, w = _tokens(rank, world, 6)
+    out: dict[str, str] = {}
+    # A plain DDP under torch.compile: the op's autograd compares no checksums while traced,
+    # and uniep.moe_forward still names the trap (its check raised while tracing, the call runs
+    # again eagerly and raises).
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(WrappedExperts(rank, world))
+    try:
+        torch.compile(ddp, backend="eager")(x, idx, w)
+        out["compiled"] = "no error"
+    except RuntimeError as e:
+        out["compiled"] = str(e)
+    del ddp
+    gc.collect()
+    dist.barrier()
+    # A layer's first call with grad on one rank and off on the other: the shards' check of the
+    # first meets the next call of the second, each naming the other's call (a plain exchange
+    # there aborted the process on a size mismatch).
+    model = RawExperts(rank, world)
+    try:
+        for _ in range(2):
+            if rank == 0:
+                with torch.no_grad():
+                    model(x, idx, w)
+            else:
+                model(x, idx, w)
+        out["grad mode"] = "no error"
+    except ValueError as e:
+        out["grad mode"] = str(e)
+    return out
+
+
+def test_the_ddp_trap_under_compile_and_a_grad_mode_that_differs_raise_on_every_rank() -> None:
+    reports = run_ranks(2, _ddp_compiled_and_grad_mode_worker)
+    for rank, rep in enumerate(reports):
+        assert "running DistributedDataParallel treats as replicas" in rep["compiled"], rank
+        other = "moe_forward at the same time" if rank == 1 else "check of the expert shards"
+        assert other in rep["grad mode"], (rank, rep["grad mode"])
+
+
 def test_mark_expert_shards_names_bad_arguments() -> None:
     import uniep
 

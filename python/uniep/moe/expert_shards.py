@@ -32,6 +32,7 @@ __all__ = [
     "is_expert_shard",
     "mark_expert_shards",
     "marked_shards",
+    "refuse_ddp_replicas",
 ]
 
 # The attribute a marked parameter carries: the ranks of the group its experts are split over.
@@ -144,6 +145,19 @@ def _checksum(w: torch.Tensor) -> list[float]:
     return [float(sample.sum()), float((sample * sample).sum())]
 
 
+def refuse_ddp_replicas(group_name: str, world: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """Raise if a running DistributedDataParallel reduces the unmarked trainable shards ``w1`` /
+    ``w2`` as replicas. Exact, and no collective: every rank runs the same DDP and raises here
+    alike, so it also serves while torch.compile traces ``moe_forward``, where the checksums'
+    exchange of :func:`check_distinct_shards` is skipped."""
+    if world == 1 or not (w1.requires_grad and w2.requires_grad):
+        return
+    if is_expert_shard(w1) or is_expert_shard(w2):
+        return
+    if ddp_reduces(w1, w2):
+        raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
+
+
 def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -> None:
     """Raise on every rank if the trainable shards ``w1`` / ``w2`` are bit-for-bit the same on
     all ranks of the group named ``group_name`` (rank 0's, copied by a plain DDP wrapper).
@@ -163,9 +177,7 @@ def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -
     world = dist.get_world_size(group)
     if world == 1:
         return
-    if ddp_reduces(w1, w2):
-        # Exact, and no collective: every rank runs the same DDP and raises here alike.
-        raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
+    refuse_ddp_replicas(group_name, world, w1, w2)
     key = (id(w1), id(w2))
     seen = _CHECKED.get(key)
     if seen is not None and seen[0]() is w1 and seen[1]() is w2:
@@ -175,14 +187,16 @@ def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -
         _CHECKED.pop(k, None)
 
     _CHECKED[key] = (weakref.ref(w1, forget), weakref.ref(w2, forget))
-    from ..distributed import bounded_wait, staging_device
+    from .. import _C
+    from ..distributed import staging_device
 
-    mine = torch.tensor(_checksum(w1) + _checksum(w2), dtype=torch.float64)
-    mine = mine.to(staging_device(group))
-    table = torch.empty(world * 4, dtype=torch.float64, device=mine.device)
-    what = "moe_forward's check of the expert shards (uniep.moe.expert_shards)"
-    bounded_wait(dist.all_gather_into_tensor(table, mine, group=group, async_op=True), group, what)
-    rows = table.view(world, 4).cpu()
+    # Through the calls' agreement message (bounded, of one size for every call): a rank that
+    # is in another call (its forward under no_grad, say, so it never came here) is named, where
+    # a plain all-gather paired with that call's exchange and aborted the process.
+    mine = torch.tensor(_checksum(w1) + _checksum(w2), dtype=torch.float64).view(torch.int64)
+    device = staging_device(group)
+    shared = _C.share_call(group_name, "expert_shard_check", mine.tolist(), device)
+    rows = torch.tensor(shared, dtype=torch.int64).view(torch.float64).view(world, 4)
     if bool((rows == rows[0]).all()) and float(rows[0, 1]) > 0.0:
         raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=False))
 

@@ -15,6 +15,7 @@ from ..tuning.params import as_string as tuning_string
 # Imported for what they register: moe_forward's autograd formula, the CUDA moe_backward.
 from . import autograd as _moe_autograd  # noqa: F401
 from . import backward_cuda as _moe_backward_cuda  # noqa: F401
+from . import expert_shards
 from .megakernel import forward as megakernel_forward
 from .megakernel.launch import megakernel_overlap
 
@@ -313,6 +314,10 @@ def moe_forward(
     elif not isinstance(tuning, str):
         error = f"tuning must be a str or TuningParams, got {type(tuning).__name__}"
         distributed.raise_on_all_ranks(name, "moe_forward", error, x.device.type)
+    if torch.is_grad_enabled() and isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor):
+        # Also where torch.compile traces this call, which the op's autograd cannot check then
+        # (no collective: raised while tracing, the call is run again eagerly and raises).
+        expert_shards.refuse_ddp_replicas(name, distributed.world_size(group), w1, w2)
     if (
         isinstance(x, torch.Tensor)
         and x.is_cuda
