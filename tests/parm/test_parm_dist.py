@@ -134,12 +134,16 @@ def _layer_defaults_worker(rank: int, world: int) -> dict[str, Any]:
             errors.append(str(e))
     layer = ParmMoELayer(mp, ep, 16, 32, 4, 2)
     tokens = 64
+    # plan() with the layer's arguments and no dtype: a layout where bf16 and float32 differ.
+    wide = ParmMoELayer(mp, ep, 64, 256, 8, 2, gpus_per_node=2)
     return {
         "errors": errors,
         "gpus_per_node": layer.gpus_per_node,
         "cluster_gpus": cluster_spec("h100-ib").gpus_per_node,
         "layer_pick": layer._plan(tokens)[0],
         "plan_pick": plan(world, 2, tokens, 16, 32, 4, 2, dtype=torch.float32).schedule,
+        "wide_layer_pick": wide._plan(1024)[0],
+        "wide_plan_pick": plan(world, 2, 1024, 64, 256, 8, 2, gpus_per_node=2).schedule,
     }
 
 
@@ -152,6 +156,7 @@ def test_layer_defaults_are_plans_and_errors_name_the_failing_size() -> None:
         # schedule="auto" prices the layout plan() prices: the cluster's GPUs per node.
         assert r["gpus_per_node"] == r["cluster_gpus"]
         assert r["layer_pick"] == r["plan_pick"]
+        assert r["wide_layer_pick"] == r["wide_plan_pick"] == "s2"
 
 
 def _bad_rank_worker(rank: int, world: int) -> dict[str, Any]:

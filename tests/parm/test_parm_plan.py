@@ -3,6 +3,7 @@ and the cost model. No processes: pure functions."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -189,9 +190,24 @@ def test_pricing_and_choice() -> None:
     pricing = P.price(P.build_steps(s, "s2", "forward"), model)
     assert pricing.seconds == pytest.approx(sum(pricing.step_seconds))
     assert pricing.seconds == pytest.approx(costs["s2"][0])
-    plan = parm.plan(32, 8, 4096, 1024, 4096, 8, 2, capacity_factor=1.2, cluster="h100-ib")
+    plan = parm.plan(
+        32, 8, 4096, 1024, 4096, 8, 2, capacity_factor=1.2, dtype=2, cluster="h100-ib"
+    )  # shape()'s 2-byte rows
     assert plan.schedule == chosen and plan.speedup > 1
     assert plan.predicted["s1"]["total"] == pytest.approx(totals["s1"])
+
+
+def test_plan_defaults_to_the_layer_dtype() -> None:
+    """plan() with ParmMoELayer's arguments prices what the layer runs: one default dtype (plan's
+    was bf16, the layer's float32, and these layouts' choices differ between the two)."""
+    layer_dtype = inspect.signature(parm.ParmMoELayer).parameters["dtype"].default
+    assert inspect.signature(parm.plan).parameters["dtype"].default is layer_dtype
+    for tokens, gpus_per_node in ((16384, None), (1024, 2)):
+        args = (4, 2, tokens, 64, 256, 8, 2, 1.0)
+        got = parm.plan(*args, gpus_per_node=gpus_per_node)
+        want = parm.plan(*args, gpus_per_node=gpus_per_node, dtype=layer_dtype)
+        assert (got.schedule, got.predicted) == (want.schedule, want.predicted)
+        assert got.shape.dtype_bytes == 4
 
 
 def test_at_mp_one_the_schedules_coincide() -> None:

@@ -33,6 +33,7 @@ from .cpu import CapacityError, Groups
 __all__ = [
     "CLUSTERS",
     "CapacityError",
+    "DEFAULT_DTYPE",
     "ParmMoELayer",
     "ParmPlan",
     "SCHEDULES",
@@ -154,6 +155,12 @@ def saa_chunk_plan(
     return out
 
 
+# The experts' dtype of ParmMoELayer and of plan() alike, so that plan() with the layer's
+# arguments names the schedule the layer's "auto" runs. float32: what the CPU executor and the
+# tests run; bf16 training (the CUDA executor's dtype) passes torch.bfloat16 to both.
+DEFAULT_DTYPE = torch.float32
+
+
 def _dtype_bytes(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
 
@@ -167,7 +174,7 @@ def plan(
     num_experts: int,
     top_k: int,
     capacity_factor: float = 1.0,
-    dtype: torch.dtype | int = torch.bfloat16,
+    dtype: torch.dtype | int = DEFAULT_DTYPE,
     gpus_per_node: int | None = None,
     cluster: Any = "h100-ib",
     model: Any = None,
@@ -176,7 +183,10 @@ def plan(
 
     ``tokens`` is S, the tokens entering the layer per MP group; ``model`` (a ``CostModel``, e.g.
     from a profile) overrides the one derived from ``cluster``. ``gpus_per_node`` defaults to the
-    cluster's; it decides which groups cross nodes."""
+    cluster's; it decides which groups cross nodes. ``dtype`` (or its size in bytes) is the
+    experts' and the moved rows' dtype; its default is ``ParmMoELayer``'s (``DEFAULT_DTYPE``,
+    float32), so the layer's ``schedule="auto"`` runs what ``plan`` names for the same
+    arguments. Pass ``torch.bfloat16`` to price bf16 training."""
     spec = cluster_spec(cluster)
     gpn = gpus_per_node or spec.gpus_per_node
     shape = _C.parm.ParmShape(
@@ -228,7 +238,9 @@ class ParmMoELayer(nn.Module):
         schedule: "auto" (cost model), "baseline", "s1" or "s2". All give the same result.
         overflow: "error" (default: every rank raises CapacityError) or "drop" (pairs beyond
             capacity contribute nothing; counted in ``last_stats['dropped']``).
-        cluster / gpus_per_node / model: what "auto" prices (see ``plan``).
+        dtype: the experts' dtype (``w1``, ``w2``, and ``x``); float32 by default, as ``plan``'s.
+        cluster / gpus_per_node / model: what "auto" prices (see ``plan``: with the same
+            arguments and dtype it names the schedule the layer runs).
         chunks: how many chunks each SAA pair is pipelined in: "auto" (default) the count the
             cost model priced the pair at (``uniep._C.parm.price(steps, model).chunks``, from
             ``model`` or ``cluster``, whether the schedule is "auto" or named), so the layer
@@ -256,7 +268,7 @@ class ParmMoELayer(nn.Module):
         capacity_factor: float = 1.0,
         schedule: str = "auto",
         overflow: str = "error",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = DEFAULT_DTYPE,
         cluster: Any = "h100-ib",
         gpus_per_node: int | None = None,
         model: Any = None,
