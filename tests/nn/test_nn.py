@@ -168,3 +168,42 @@ def test_two_ranks_match_reference(config: int) -> None:
             assert (r["router_grad"] == 0).all(), "a rank without tokens has no router gradient"
         else:
             assert r["router_grad"].abs().sum() > 0, f"rank {rank}: no gradient reached router"
+
+
+def test_routing_stays_fp32_under_autocast() -> None:
+    """The router's logits (hence the experts each token picks) are fp32 inside torch.autocast
+    too, as outside it; autocast would otherwise run their matmul in bf16."""
+    torch.manual_seed(1)
+    layer = MoELayer(hidden=32, ffn_hidden=16, num_experts=8, top_k=2)
+    x = torch.randn(64, 32)
+    _, plain = layer(x, return_router_logits=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, cast = layer(x, return_router_logits=True)
+    assert cast.dtype == torch.float32
+    assert torch.equal(cast, plain)
+
+
+def test_reset_parameters_after_meta_zeroes_the_score_bias() -> None:
+    layer = MoELayer(
+        hidden=16, ffn_hidden=8, num_experts=4, top_k=2, score_bias=True, device="meta"
+    )
+    layer = layer.to_empty(device="cpu")
+    layer.score_bias.fill_(1e3)  # what uninitialised memory may hold
+    with torch.no_grad():
+        layer.reset_parameters()
+    assert torch.equal(layer.score_bias, torch.zeros(4))
+
+
+def test_experts_refuse_routing_of_other_leading_dims() -> None:
+    """Routing [3, 2, K] for x [2, 3, H] has as many entries but pairs tokens with other tokens'
+    experts: refused; the flattened [T, K] form is taken."""
+    from uniep.nn import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(hidden=8, ffn_hidden=8, num_experts=4)
+    x = torch.randn(2, 3, 8)
+    weights, idx = torch.randn(2, 3, 4).softmax(-1).topk(2, dim=-1)
+    y = experts(x, idx, weights)
+    assert torch.equal(experts(x, idx.reshape(6, 2), weights.reshape(6, 2)), y)
+    with pytest.raises(ValueError, match="topk_idx must be"):
+        experts(x, idx.reshape(3, 2, 2), weights.reshape(3, 2, 2))

@@ -40,10 +40,12 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """``x [T, H] @ router_weight [E, H]^T`` in float32 (float64 for float64 ``x``): ``[T, E]``.
 
     Routing decisions are made in fp32 whatever the activation dtype: bf16 logits tie often
-    enough to change which experts a token picks.
+    enough to change which experts a token picks. Hence also with autocast off here (under
+    ``torch.autocast`` the matmul would run in its lower precision).
     """
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return F.linear(x.to(dtype), router_weight.to(dtype))
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dtype), router_weight.to(dtype))
 
 
 def _scores(logits: torch.Tensor, score: str) -> torch.Tensor:
@@ -258,7 +260,10 @@ def _run_experts(
         error = f"x must have the experts' dtype {w1.dtype}, got {x.dtype}"
     elif x.device != w1.device:
         error = f"x must be on the experts' device {w1.device}, got {x.device}"
-    elif topk_idx.dim() < 1 or topk_idx.numel() != x.numel() // hidden * topk_idx.shape[-1]:
+    elif topk_idx.dim() < 1 or (
+        tuple(topk_idx.shape[:-1]) != tuple(x.shape[:-1])
+        and (topk_idx.dim() != 2 or topk_idx.shape[0] != x.numel() // hidden)
+    ):
         error = (
             f"topk_idx must be [..., K] with the tokens of x {tuple(x.shape[:-1])}, "
             f"got shape {tuple(topk_idx.shape)}"
@@ -638,6 +643,8 @@ class MoELayer(nn.Module):
     def reset_parameters(self) -> None:
         """Re-draw the router, the experts, then the shared expert (see the class docstring)."""
         self.router.reset_parameters()
+        if self.score_bias is not None:
+            self.score_bias.zero_()  # as built: a meta-device layer's buffer holds no values
         _draw_experts(self)
         if self.shared_w1 is not None and self.shared_w1.device.type != "meta":
             for w in (self.shared_w1, self.shared_w2):
