@@ -506,8 +506,9 @@ def test_empty_tuning_uses_the_cached_point(
     assert torch.equal(y, real(x, idx, w, w1, w2, "", ""))  # same bits, by design
     uniep.moe_forward(x, idx, w, w1, w2, tuning="tile_m=64")
     assert calls[-1] == "tile_m=64"  # an explicit point is never replaced
+    # An object asks what its string form asks: no key given is "", the cached point.
     uniep.moe_forward(x, idx, w, w1, w2, tuning=uniep.TuningParams())
-    assert calls[-1] == _full("")
+    assert calls[-1] == _full(POINT)
     uniep.moe_forward(x[:4], idx[:4], w[:4], w1, w2)
     assert calls[-1] == ""  # another token count is another key
     tune.store("tile_m=16", **SHAPE)  # a rewritten file is read again
