@@ -110,14 +110,29 @@ def _bad_input_worker(rank: int, world: int) -> dict[str, Any]:
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
         out[f"{name}_s"] = time.monotonic() - start
+    # A schedule assigned after a forward reaches the cached token count's plan: a bad one on
+    # rank 1 only fails every rank.
+    layer.schedule = "s3" if rank == 1 else "s1"
+    start = time.monotonic()
+    try:
+        layer(good)
+        out["schedule"] = "no error"
+    except Exception as e:
+        out["schedule"] = f"{type(e).__name__}: {e}"
+    out["schedule_s"] = time.monotonic() - start
+    layer.schedule = "auto"
     out["after"] = tuple(layer(good).shape)
     return out
 
 
-def test_a_bad_x_on_one_rank_fails_every_rank_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_x_or_schedule_on_one_rank_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNIEP_TIMEOUT_S", "20")
     reports = run_ranks(2, _bad_input_worker, timeout=60)
-    why = {"0-d": r"x: last dimension must be hidden=8, got \(\)", "no-tokens": "x: expected at "}
+    why = {
+        "0-d": r"x: last dimension must be hidden=8, got \(\)",
+        "no-tokens": "x: expected at ",
+        "schedule": "schedule must be 'auto', 'baseline', 's1' or 's2', got 's3'",
+    }
     for rank, r in enumerate(reports):
         for name, want in why.items():
             got = r[name]

@@ -60,6 +60,29 @@ def test_argument_errors() -> None:
         ParmMoELayer(None, None, 8, 8, 4, 5)
 
 
+def test_assigned_plan_arguments_take_effect() -> None:
+    """The plan is cached per token count; an assignment after a forward reaches the next
+    forward at the same token count (it was ignored there), and a bad value raises."""
+    from uniep import _C
+
+    torch.manual_seed(4)
+    layer = ParmMoELayer(None, None, 8, 8, 4, 2, capacity_factor=0.0, schedule="baseline")
+    x = torch.randn(6, 8)
+    want = layer(x)
+    assert layer.last_schedule == "baseline"
+    steps = _C.parm.build_steps(layer._shape(6), "s2", "forward").steps
+    pairs = [i for i, step in enumerate(steps) if step.overlap_with >= 0]
+    assert pairs
+    for chunks in (3, 2):
+        layer.schedule, layer.chunks = "s2", chunks
+        torch.testing.assert_close(layer(x), want)
+        assert layer.last_schedule == "s2"
+        assert {layer.last_chunks[i] for i in pairs} == {chunks}
+    layer.schedule = "s3"
+    with pytest.raises(ValueError, match="schedule must be 'auto', 'baseline', 's1' or 's2'"):
+        layer(x)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_ops_pass_opcheck(schedule: str) -> None:
     torch.manual_seed(2)

@@ -227,6 +227,22 @@ def new_groups(mp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mine["mp"], mine["ep"]
 
 
+def _check_plan_args(schedule: Any, chunks: Any) -> None:
+    count = isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1
+    if chunks != "auto" and not count:
+        raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
+    if schedule not in ("auto", *SCHEDULES):
+        raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")
+
+
+def _same(a: tuple, b: tuple | None) -> bool:
+    """Element by element: the same object, or equal values of one type (a dict's copy)."""
+    return b is not None and all(
+        x is y or (type(x) is type(y) and isinstance(x, (str, int, float, dict)) and x == y)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
 class ParmMoELayer(nn.Module):
     """An MoE block whose dense neighbours are tensor-parallel over ``mp_group`` (its input is
     replicated there) and whose experts are spread over ``ep_group`` and sharded over the MP group.
@@ -275,11 +291,7 @@ class ParmMoELayer(nn.Module):
         chunks: int | str = "auto",
     ) -> None:
         super().__init__()
-        count = isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1
-        if chunks != "auto" and not count:
-            raise ValueError(f"chunks must be 'auto' or an int >= 1, got {chunks!r}")
-        if schedule not in ("auto", *SCHEDULES):
-            raise ValueError(f"schedule must be 'auto', 'baseline', 's1' or 's2', got {schedule!r}")
+        _check_plan_args(schedule, chunks)
         if overflow not in ("error", "drop"):
             raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
         N = dist.get_world_size(mp_group) if mp_group is not None else 1
@@ -334,7 +346,9 @@ class ParmMoELayer(nn.Module):
         self.last_chunks: list[int] = []
         self._stats: torch.Tensor | None = None
         self._last_stats: dict[str, int] | None = None
+        # Per token count; emptied when an input of the plan changes (_plan_inputs).
         self._plans: dict[int, tuple[str, list[int]]] = {}
+        self._plan_key: tuple | None = None
         self._shape(1)  # ValueError now, naming the argument, rather than at the first forward
 
     def reset_parameters(self) -> None:
@@ -378,8 +392,31 @@ class ParmMoELayer(nn.Module):
             gr.mp_size * gr.ep_size, gr.mp_size, self.cluster, self.gpus_per_node
         )
 
+    def _plan_inputs(self) -> tuple:
+        """What the plan depends on besides the token count: the attributes a caller may assign
+        after a forward (``layer.schedule = "s1"``) and the parameters' dtype (``.to()``)."""
+        cluster = dict(self.cluster) if isinstance(self.cluster, dict) else self.cluster
+        return (
+            self.schedule,
+            self.chunks,
+            self.model,
+            cluster,
+            self.gpus_per_node,
+            self.hidden,
+            self.ffn_hidden,
+            self.num_experts,
+            self.top_k,
+            self.capacity_factor,
+            self.w1.dtype,
+        )
+
     def _plan(self, tokens: int) -> tuple[str, list[int]]:
         """(schedule, SAA chunk counts of its forward then backward list) for ``tokens``."""
+        key = self._plan_inputs()
+        if not _same(key, self._plan_key):
+            _check_plan_args(self.schedule, self.chunks)
+            self._plans.clear()
+            self._plan_key = key
         if tokens not in self._plans:
             shape, name = self._shape(tokens), self.schedule
             model = self._cost_model() if "auto" in (name, self.chunks) else None
