@@ -562,6 +562,12 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
         out["error"] = ""
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
+    # Different arguments: rank 0, whose own match its own, names the rank that differs.
+    try:
+        tune.tune(**SHAPE, device="cpu", **{**QUICK, "iters": 2 + rank})
+        out["arguments"] = ""
+    except ValueError as e:
+        out["arguments"] = str(e)
     return out
 
 
@@ -579,6 +585,8 @@ def test_two_ranks_tune_collectively_and_a_cache_mismatch_fails_loudly(tmp_path:
         assert re.search(r"tuning \w+ differs", r["error"]), r["error"]
         assert "tune cache" in r["error"], r["error"]
     assert "rank0.json" in r0["error"] and "rank1.json" in r1["error"]
+    assert "rank 1's differ from rank 0's" in r0["arguments"], r0["arguments"]
+    assert "rank 0: " in r1["arguments"] and "rank 1: " in r1["arguments"], r1["arguments"]
 
 
 # ---- uniep tune ----

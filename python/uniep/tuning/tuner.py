@@ -938,11 +938,17 @@ def tune(
          settle_s]
     )  # fmt: skip
     theirs = grp.rank0_text(mine, "arguments")
-    if grp.max([float(theirs != mine)], "arguments")[0]:
+    # The last rank whose arguments are not rank 0's, so that every rank can name one.
+    differing = int(grp.max([float(grp.rank if theirs != mine else -1)], "arguments")[0])
+    if differing >= 0:
+        detail = (
+            f"rank 0: {theirs}, rank {grp.rank}: {mine}"
+            if theirs != mine
+            else f"rank {differing}'s differ from rank 0's: {theirs}"
+        )
         raise ValueError(
             "uniep.tune: the ranks were given different arguments (shape, dtype, numerics, "
-            "candidates, warmup, iters, budget_s, device, weights or settle_s); "
-            f"rank 0: {theirs}, rank {grp.rank}: {mine}"
+            f"candidates, warmup, iters, budget_s, device, weights or settle_s); {detail}"
         )
 
     from ..moe import ops
