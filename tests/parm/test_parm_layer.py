@@ -48,6 +48,19 @@ def test_capacity_overflow_raises_unless_dropping() -> None:
     assert y.shape == (32, 8) and layer.last_stats["dropped"] > 0
 
 
+def test_a_second_derivative_is_refused_not_left_out() -> None:
+    """A gradient penalty through the layer raises: its backward op has no derivative, and
+    autograd would otherwise leave the second-order terms out with a warning."""
+    torch.manual_seed(2)
+    layer = ParmMoELayer(None, None, 16, 8, 4, 2, capacity_factor=4.0)
+    x = torch.randn(8, 16, requires_grad=True)
+    y = layer(x)
+    with pytest.raises(ValueError, match="ParmMoELayer has no second derivative"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(layer(x).sum(), x)  # the first derivative alone is fine
+    assert gx.shape == x.shape
+
+
 def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="schedule"):
         ParmMoELayer(None, None, 8, 8, 4, 2, schedule="s3")

@@ -319,6 +319,16 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_y: torch.Tensor, grad_l_aux: torch.Tensor, *_: Any) -> tuple:
     x, gate, w1, w2, exp_in, comb, stats = ctx.saved_tensors
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_y, x, gate, w1, w2)):
+        # A backward with create_graph=True (a gradient penalty, say) through the layer: its
+        # backward op has no derivative, and autograd would leave the second-order terms out.
+        # Every rank makes the same request, so each raises here before any collective.
+        raise ValueError(
+            "ParmMoELayer has no second derivative: its backward (torch.ops.uniep."
+            "parm_moe_backward) is not differentiable, but autograd is building the backward's "
+            "graph (create_graph=True) through it; take the higher-order term over the parts of "
+            "the model without it"
+        )
     # Every rank must run the backward: its collectives pair with the peers'.
     gx, gg, g1, g2 = torch.ops.uniep.parm_moe_backward(
         grad_y.contiguous(), grad_l_aux, x, gate, w1, w2, exp_in, comb, stats, *ctx.args
