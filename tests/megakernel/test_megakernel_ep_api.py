@@ -4,7 +4,9 @@ missing; and on CPU tensors ``moe_forward_ep`` and ``moe_backward_ep`` run the s
 CPU executor (counts all-gathered, sender rows, rows to their experts' ranks, outputs or
 gradients back to their slots) over gloo ranks, within bf16 rounding of a float64 reference, with
 a rank of no tokens and unused entries; the backward's gradients across ranks equal its world-1
-run on every rank's tokens together bit for bit (an expert's rows come in the same order)."""
+run on every rank's tokens together bit for bit (an expert's rows come in the same order); one
+rank's bad argument, or a size that differs across ranks, raises on every rank, and the executor's
+collectives are bounded by UNIEP_TIMEOUT_S."""
 
 from __future__ import annotations
 
@@ -181,3 +183,110 @@ def test_cpu_backward_names_bad_operands() -> None:
         moe_backward_ep(x[:2], x, idx, w, w1, w2)
     with pytest.raises(ValueError, match="w2 must be \\[E / W = 2"):
         moe_backward_ep(x, x, idx, w, w1, w2[:, :16])
+
+
+def _bad_call_case(rank: int, case: str) -> str:
+    """One call of the CPU executor with rank 1's arguments spoiled as ``case`` says: what it
+    raised on this rank (``ValueError: ...``), or ``ok``."""
+    el, k, t = 2, 2, 4
+    hidden = 32 if case.endswith("hidden") and rank == 1 else HIDDEN
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(t, hidden, generator=gen).bfloat16()
+    idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]])
+    w = torch.rand(t, k, generator=gen)
+    w1 = torch.randn(el, hidden, 2 * FFN, generator=gen).bfloat16() / 8
+    w2 = torch.randn(el, FFN, hidden, generator=gen).bfloat16() / 8
+    go = torch.randn(t, hidden, generator=gen).bfloat16()
+    if rank == 1:
+        if case == "experts":
+            w1, w2 = w1[:1].contiguous(), w2[:1].contiguous()
+        elif case == "x dtype":
+            x = x.float()
+        elif case in ("expert id", "backward expert id"):
+            idx[2, 1] = 9  # of 4 experts
+        elif case == "grad_out dtype":
+            go = go.float()
+    try:
+        if case.startswith("backward") or case == "grad_out dtype":
+            moe_backward_ep(go, x, idx, w, w1, w2)
+        else:
+            megakernel.moe_forward_ep(x, idx, w, w1, w2, w1_as_stored=True)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "ok"
+
+
+_BAD_CALL_CASES = ["hidden", "experts", "x dtype", "expert id", "grad_out dtype",
+                   "backward expert id", "backward hidden", "none"]  # fmt: skip
+
+
+def _bad_calls(rank: int, world: int) -> list[str]:
+    import os
+
+    os.environ["UNIEP_TIMEOUT_S"] = "20"
+    # In sequence on one group: each failed call leaves the ranks in step for the next.
+    return [_bad_call_case(rank, case) for case in _BAD_CALL_CASES]
+
+
+def test_cpu_executor_raises_one_ranks_bad_call_on_every_rank() -> None:
+    """A size that differs across ranks or one rank's bad argument raises ValueError on every
+    rank at once, naming it (the call agreement, then the count exchange for expert ids), where
+    the ranks aborted in gloo (sizes) or the others waited in a plain collective."""
+    from _dist import run_ranks
+
+    got = run_ranks(2, _bad_calls, timeout=90)
+    results = {case: (got[0][i], got[1][i]) for i, case in enumerate(_BAD_CALL_CASES)}
+    for case in ("hidden", "backward hidden"):
+        for message in results[case]:
+            assert "hidden (x.size(1)) differs across ranks: rank 0 has 64, rank 1 has 32" in (
+                message
+            ), (case, message)
+    for message in results["experts"]:
+        assert "experts per rank (w2.size(0)) differs across ranks" in message, message
+    theirs, mine = results["x dtype"]
+    assert "rank 1 failed its argument checks" in theirs and "x must be bfloat16" in theirs
+    assert mine.startswith("ValueError: moe_forward_ep: x must be bfloat16"), mine
+    for case, what in (("expert id", "moe_forward_ep"), ("backward expert id", "moe_backward_ep")):
+        theirs, mine = results[case]
+        entry = f"{what} (plan): entry (token 2, k 1) holds an expert id outside [-1, num_experts)"
+        assert f"rank 1 failed its checks: {entry}" in theirs, theirs
+        assert mine.startswith(f"ValueError: {entry}"), mine
+    theirs, mine = results["grad_out dtype"]
+    assert "rank 1 failed its argument checks" in theirs and "grad_out must be" in theirs
+    assert "moe_backward_ep: grad_out must be torch.bfloat16" in mine, mine
+    assert results["none"] == ("ok", "ok"), results["none"]
+
+
+def _plan_without_peer(rank: int, world: int) -> str:
+    import os
+    import time
+
+    os.environ["UNIEP_TIMEOUT_S"] = "2"
+    x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, -1]])
+    w1 = torch.zeros(1, HIDDEN, 2 * FFN, dtype=torch.bfloat16)
+    w2 = torch.zeros(1, FFN, HIDDEN, dtype=torch.bfloat16)
+    if rank == 1:
+        # Agrees on the call, then never joins the count exchange (a rank that failed between
+        # the two): its peer must not wait for gloo's own timeout.
+        megakernel.agree_cpu_call(
+            "moe_forward", "moe_forward_ep", None, x, idx, w1, w2, lambda: None
+        )
+        time.sleep(4)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        megakernel.moe_forward_ep(x, idx, torch.ones(2, 2), w1, w2, w1_as_stored=True)
+    except RuntimeError as e:
+        return f"{time.monotonic() - start:.1f} s: {e}"
+    return "no error"
+
+
+def test_cpu_executor_bounds_its_collectives() -> None:
+    """The CPU executor's collectives after the agreement wait at most ``UNIEP_TIMEOUT_S``, then
+    raise naming the exchange."""
+    from _dist import run_ranks
+
+    got, _ = run_ranks(2, _plan_without_peer, timeout=60)
+    assert "moe_forward_ep: the count exchange on rank 0" in got and "UNIEP_TIMEOUT_S" in got, got
+    assert float(got.split(" s:")[0]) < 5, got

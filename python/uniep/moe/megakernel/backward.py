@@ -40,7 +40,15 @@ from ... import _C, distributed
 from ...gemm import grouped_mm_dgrad, grouped_mm_wgrad
 from .. import tile_gates
 from ..kept_weights import transposed_w2
-from .launch import CpuPlan, begin_call, check_call, check_operands, finish_call, sends_beside_gemms
+from .launch import (
+    CpuPlan,
+    agree_cpu_call,
+    begin_call,
+    check_call,
+    check_operands,
+    finish_call,
+    sends_beside_gemms,
+)
 
 __all__ = ["ensure_backward_runtime", "moe_backward_ep", "moe_backward_local"]
 
@@ -209,7 +217,9 @@ def moe_backward_ep(
     joined, rows or gradients that never came raise here. At one rank it is
     :func:`moe_backward_local` (``overlap="fused"``).
 
-    On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
+    On CPU tensors (a gloo group) the CPU executor runs the same plan, once every rank's
+    arguments are checked and agreed as in ``moe_forward_ep``'s (a bad argument on one rank, or
+    a size that differs, raises ValueError on every rank): the counts all-gathered,
     :func:`uniep.moe.tile_gates.sender_rows`, each entry's x and grad_out rows and weight to its
     GEMM row on its expert's rank, the experts' backward with the kernels' roundings (h, grad_act,
     grad_h, the rows' gradients and the weights' gradients rounded to bf16), the rows' gradients
@@ -285,10 +295,15 @@ def _moe_backward_ep_cpu(
     w2: torch.Tensor,
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_backward_ep's CPU executor (its docstring): the plan of the GPU path, the rows over
-    the group's all_to_all, the kernels' arithmetic in float32 with their bf16 roundings."""
-    check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
-    _check_grad_out(grad_out, x)
+    """moe_backward_ep's CPU executor (its docstring): the arguments agreed across the ranks
+    (``launch.agree_cpu_call``), the plan of the GPU path, the rows over the group's all_to_all,
+    the kernels' arithmetic in float32 with their bf16 roundings."""
+
+    def checks() -> None:
+        check_operands(x, topk_idx, topk_weights, w1, w2, experts="E / W", w1_name="w1")
+        _check_grad_out(grad_out, x)
+
+    agree_cpu_call("moe_backward", "moe_backward_ep", group, x, topk_idx, w1, w2, checks)
     t, h = x.shape
     el, _, two_i = w1.shape
     i = two_i // 2

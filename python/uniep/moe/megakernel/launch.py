@@ -767,7 +767,10 @@ def moe_forward_ep(
     stored (gate columns, then up), read without a packed copy (the FFN size a multiple of 128).
     ``tile_n``: as in :func:`moe_forward_local`, 128 only on a runtime of 64-row tiles.
 
-    On CPU tensors (a gloo group) the CPU executor runs the same plan: the counts all-gathered,
+    On CPU tensors (a gloo group) the CPU executor runs the same plan, once every rank's
+    arguments are checked and agreed (:func:`agree_cpu_call`: a bad argument on one rank, or a
+    size that differs across ranks, raises ValueError on every rank naming it, and every wait
+    is bounded by ``UNIEP_TIMEOUT_S``): the counts all-gathered,
     :func:`uniep.moe.tile_gates.sender_rows`, each row sent to its GEMM row on its expert's rank,
     the experts with the kernel's numerics (fp32 products, h and the activation rounded to bf16),
     the outputs sent back to their (token, k) slots and summed in ascending k in fp32; within bf16
@@ -825,28 +828,97 @@ def _moe_fused_ep_fake(
     )
 
 
+# The error code of an expert id outside [-1, E) in a send error word (kSendBadExpert,
+# include/uniep/send_rows_error.hpp).
+_SEND_BAD_EXPERT = 1
+
+
+def agree_cpu_call(
+    kind: str,
+    what: str,
+    group: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    checks: Callable[[], None],
+    w1_name: str = "w1",
+) -> None:
+    """The CPU executor's argument checks, agreed with the group's other ranks before its first
+    collective (``_C.agree_call``; ``kind``: ``"moe_forward"`` or ``"moe_backward"``): this
+    rank's ``checks`` (raising ValueError) and an even ``2I``, and the sizes every rank must
+    share (hidden, ffn, experts per rank, top_k). A failed check on any rank, or a size that
+    differs, raises ValueError on every rank at once, naming the rank and the cause; the wait is
+    bounded by ``UNIEP_TIMEOUT_S``. The expert ids, whose range is known only once the experts
+    per rank are agreed, are checked in :class:`CpuPlan`'s count exchange."""
+    error = ""
+    try:
+        checks()
+        if w1.shape[2] % 2:
+            raise ValueError(
+                f"{w1_name}'s last dimension must be even (2I: gate then up columns), got "
+                f"{w1.shape[2]} in shape {tuple(w1.shape)}"
+            )
+    except ValueError as e:
+        error = f"{what}: {e}"
+
+    def size(t: torch.Tensor, dims: int, dim: int) -> int:
+        return int(t.shape[dim]) if t.dim() == dims else -1
+
+    fields = [
+        ("hidden (x.size(1))", size(x, 2, 1)),
+        ("ffn (w2.size(1))", size(w2, 3, 1)),
+        ("experts per rank (w2.size(0))", size(w2, 3, 0)),
+        ("top_k (topk_idx.size(1))", size(topk_idx, 2, 1)),
+    ]
+    _C.agree_call(distributed.group_name(group), kind, fields, error, "cpu")
+
+
+def _bad_expert_word(topk_idx: torch.Tensor, num_experts: int) -> int:
+    """The send error word of ``topk_idx``'s first entry outside ``[-1, num_experts)`` (the
+    plan's, :func:`uniep.moe.tile_gates.sender_rows`), 0 if none."""
+    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).reshape(-1).nonzero()
+    return int(_C.send_rows_error_word(_SEND_BAD_EXPERT, int(bad[0]))) if bad.numel() else 0
+
+
 class CpuPlan:
     """The CPU executor's plan of one call across ranks (:func:`moe_forward_ep` and
-    ``uniep.moe.megakernel.backward.moe_backward_ep`` on CPU tensors): the counts all-gathered,
+    ``uniep.moe.megakernel.backward.moe_backward_ep`` on CPU tensors, after
+    :func:`agree_cpu_call`): the counts all-gathered (an expert id outside ``[-1, E)`` on any
+    rank raises ValueError on every rank, naming the rank and its entry, before any row moves),
     :func:`uniep.moe.tile_gates.sender_rows`, and the used entries in the order they travel (by
-    destination rank, then entry), with what each rank sends and receives."""
+    destination rank, then entry), with what each rank sends and receives. Every collective's
+    wait is bounded by ``UNIEP_TIMEOUT_S`` (``uniep.distributed.bounded_wait``)."""
 
     def __init__(
         self, topk_idx: torch.Tensor, experts_per_rank: int, group: dist.ProcessGroup | None,
         what: str,
     ) -> None:  # fmt: skip
         self.pg = distributed.resolve_group(group)
+        self.what = what
         pg = self.pg
         self.world, self.rank = (
             (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
         )
         self.top_k = topk_idx.shape[1]
         el = experts_per_rank
-        counts = expert_counts(topk_idx, el * self.world)
+        num_experts = el * self.world
+        # Each rank's counts travel with its first bad expert id's error word (0: none), so that
+        # every rank raises its message, the same text, before any row moves.
+        bad = torch.tensor([_bad_expert_word(topk_idx, num_experts)])
+        counts = torch.cat([expert_counts(topk_idx, num_experts), bad])
         matrix = [counts] if pg is None else [torch.empty_like(counts) for _ in range(self.world)]
         if pg is not None:
-            dist.all_gather(matrix, counts, group=pg)
+            work = dist.all_gather(matrix, counts, group=pg, async_op=True)
+            distributed.bounded_wait(work, pg, f"{what}: the count exchange")
         matrix = torch.stack(matrix)
+        words, matrix = matrix[:, -1].tolist(), matrix[:, :-1].contiguous()
+        for r, word in enumerate(words):
+            if word:
+                message = _C.send_rows_error_message(word, self.top_k, f"{what} (plan)")
+                if r != self.rank:
+                    message = f"{what} on rank {self.rank}: rank {r} failed its checks: {message}"
+                raise ValueError(message)
         self.dest, self.row, _, error = tile_gates.sender_rows(
             topk_idx, matrix, self.rank, check=False
         )
@@ -860,7 +932,8 @@ class CpuPlan:
         self.recv = self.send
         if pg is not None:
             recv = torch.empty(self.world, dtype=torch.int64)
-            dist.all_to_all_single(recv, torch.tensor(self.send), group=pg)
+            work = dist.all_to_all_single(recv, torch.tensor(self.send), group=pg, async_op=True)
+            distributed.bounded_wait(work, pg, f"{what}: the row count exchange")
             self.recv = recv.tolist()
 
     def to_experts(self, out: torch.Tensor) -> torch.Tensor:
@@ -877,7 +950,8 @@ class CpuPlan:
         if self.pg is None:
             return out
         got = out.new_empty(sum(recv), *out.shape[1:])
-        dist.all_to_all_single(got, out, recv, send, group=self.pg)
+        work = dist.all_to_all_single(got, out, recv, send, group=self.pg, async_op=True)
+        distributed.bounded_wait(work, self.pg, f"{self.what}: the rows' exchange")
         return got
 
 
@@ -892,7 +966,11 @@ def _moe_forward_ep_cpu(
 ) -> torch.Tensor:
     from ...gemm import unpack_gate_up
 
-    check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W")
+    agree_cpu_call(
+        "moe_forward", "moe_forward_ep", group, x, topk_idx, w1_packed, w2,
+        lambda: check_operands(x, topk_idx, topk_weights, w1_packed, w2, experts="E / W"),
+        w1_name="w1_packed",
+    )  # fmt: skip
     t, h = x.shape
     el, _, two_i = w1_packed.shape
     k = topk_idx.shape[1]
