@@ -7,6 +7,21 @@
 
 namespace uniep::cpu {
 
+namespace {
+// The header's last word: 1 when the routing was valid, 0 when it was not, this when the rank's
+// other arguments had already failed (fail_plan_agreement).
+constexpr int64_t kArgumentsFailed = -1;
+}  // namespace
+
+void fail_plan_agreement(const Error& error, int64_t header_fields, Transport& transport) {
+  // The transport's size, not the shape's: the shape may be what failed.
+  const int64_t W = transport.world_size(), G = header_fields + 1;
+  std::vector<int64_t> mine(G, 0), all(W * G);
+  mine[header_fields] = kArgumentsFailed;
+  transport.all_gather(mine.data(), G, all.data());
+  throw error;
+}
+
 AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
                          const std::vector<HeaderField>& header, Transport& transport) {
   const int64_t W = shape.world_size, E = shape.num_experts, F = header.size();
@@ -33,6 +48,8 @@ AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
   transport.all_gather(mine.data(), G, all.data());
   UNIEP_CHECK(local_error.empty(), local_error);
   for (int64_t r = 0; r < W; ++r) {
+    UNIEP_CHECK(all[r * G + F] != kArgumentsFailed, "rank ", r,
+                " failed its argument checks; its error names the argument");
     UNIEP_CHECK(all[r * G + F] == 1, "rank ", r,
                 " passed an invalid topk_idx (an expert id outside [-1, ", E,
                 ")); its error names the entry");

@@ -36,6 +36,12 @@ struct HeaderField {
 AgreedPlan agree_on_plan(const int64_t* topk_idx, const MoeShape& shape,
                          const std::vector<HeaderField>& header, Transport& transport);
 
+// For a rank whose arguments failed their checks before agree_on_plan (`error`, a bad argument):
+// it joins the header's exchange (of `header_fields` fields, as its peers send) marked failed, so
+// they raise at once naming it instead of waiting for it, then rethrows `error`.
+[[noreturn]] void fail_plan_agreement(const Error& error, int64_t header_fields,
+                                      Transport& transport);
+
 // Records are multiples of 8 bytes, so transports may move them as int64 words.
 
 // One leg: this rank's records grouped by destination rank (send_counts[r] of them to rank r)

@@ -49,6 +49,8 @@ std::vector<cpu::HeaderField> header_of(const MoeForwardArgs& a, Pass pass) {
                                                                  a.tuning.dispatch),
           enum_field<CombineReduction, combine_reduction_name>("tuning combine reduction",
                                                                a.tuning.combine),
+          {"tuning experts (fp8 GEMMs)", a.tuning.fp8_experts() ? 1 : 0,
+           [](int64_t v) { return v != 0 ? "fp8" : "bf16"; }},
           enum_field<Pass, pass_name>("pass (forward/backward)", pass)};
 }
 
@@ -496,19 +498,51 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
   }
 }
 
+bool known_dtype(DType d) {
+  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat64;
+}
+
 void check_args(const MoeForwardArgs& a) {
   a.shape.validate();
   a.tuning.validate();
+  UNIEP_CHECK(known_dtype(a.dtype), "dtype must be float32, bfloat16 or float64, got value ",
+              static_cast<int64_t>(a.dtype));
+  UNIEP_CHECK(known_dtype(a.weight_dtype),
+              "weight_dtype must be float32, bfloat16 or float64, got value ",
+              static_cast<int64_t>(a.weight_dtype));
   UNIEP_CHECK(a.weight_dtype != DType::kFloat64 || a.dtype == DType::kFloat64,
               "topk_weights must be float32 or bfloat16 (float64 only with float64 x), got ",
               dtype_name(a.weight_dtype), " with x ", dtype_name(a.dtype));
+  // topk_idx is checked with the routing (compute_layout); the experts' pointers are read only
+  // where this rank holds experts, the tokens' only where it has tokens.
+  const bool tokens = a.shape.tokens > 0;
+  UNIEP_CHECK(!tokens || a.x != nullptr, "x must not be null with tokens = ", a.shape.tokens);
+  UNIEP_CHECK(!tokens || a.topk_weights != nullptr,
+              "topk_weights must not be null with tokens = ", a.shape.tokens);
+  UNIEP_CHECK(a.w1 != nullptr && a.w2 != nullptr, "w1 and w2 must not be null");
+}
+
+// The argument checks, shared with the peers when they fail (a bad argument on one rank must not
+// leave the others waiting in the plan's exchange).
+template <typename Checks>
+void checked(const MoeForwardArgs& a, Pass pass, Transport& transport, Checks checks) {
+  try {
+    checks();
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument || transport.world_size() == 1) throw;
+    cpu::fail_plan_agreement(e, static_cast<int64_t>(header_of(a, pass).size()), transport);
+  }
 }
 
 }  // namespace
 
 void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport) {
-  check_args(args);
-  check_expert_precision(args.tuning, args.shape.hidden, args.shape.ffn_hidden);
+  checked(args, Pass::kForward, transport, [&] {
+    check_args(args);
+    check_expert_precision(args.tuning, args.shape.hidden, args.shape.ffn_hidden);
+    UNIEP_CHECK(args.shape.tokens == 0 || args.out != nullptr,
+                "out must not be null with tokens = ", args.shape.tokens);
+  });
   switch (args.dtype) {
     case DType::kFloat32:
       return forward_impl<float>(args, transport);
@@ -520,7 +554,16 @@ void cpu_moe_forward(const MoeForwardArgs& args, Transport& transport) {
 }
 
 void cpu_moe_backward(const MoeBackwardArgs& args, Transport& transport) {
-  check_args(args.fwd);
+  checked(args.fwd, Pass::kBackward, transport, [&] {
+    check_args(args.fwd);
+    const bool tokens = args.fwd.shape.tokens > 0;
+    UNIEP_CHECK(!tokens || (args.grad_out != nullptr && args.grad_x != nullptr &&
+                            args.grad_topk_weights != nullptr),
+                "grad_out, grad_x and grad_topk_weights must not be null with tokens = ",
+                args.fwd.shape.tokens);
+    UNIEP_CHECK(args.grad_w1 != nullptr && args.grad_w2 != nullptr,
+                "grad_w1 and grad_w2 must not be null");
+  });
   switch (args.fwd.dtype) {
     case DType::kFloat32:
       return backward_impl<float>(args, transport);

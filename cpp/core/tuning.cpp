@@ -218,8 +218,9 @@ TuningParams TuningParams::parse(const std::string& text) {
         if (slash == std::string::npos) {
           p.comm_sms = parse_int(key, value);
         } else {
-          p.comm_sms = parse_int(key, value.substr(0, slash));
-          p.total_sms = parse_int(key, value.substr(slash + 1));
+          // Spaces around '/' as around '=' and ','.
+          p.comm_sms = parse_int(key, trim(value.substr(0, slash)));
+          p.total_sms = parse_int(key, trim(value.substr(slash + 1)));
         }
         break;
       }

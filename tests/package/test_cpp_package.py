@@ -71,6 +71,28 @@ def _build_example(prefix: Path, build: Path) -> str:
     return out
 
 
+def test_the_cuda_component_of_a_package_without_cuda_says_why(
+    cpp_build: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """find_package(uniep REQUIRED COMPONENTS cuda) on a package built without CUDA fails naming
+    the cause (CMake alone said only that uniep_FOUND was set to FALSE)."""
+    _, prefix = cpp_build
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(wants_cuda CXX)\n"
+        "find_package(uniep REQUIRED COMPONENTS cuda)\n"
+    )
+    proc = subprocess.run(
+        [CMAKE, "-S", str(src), "-B", str(tmp_path / "build"), f"-DCMAKE_PREFIX_PATH={prefix}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "built without CUDA" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_install_layout(cpp_build: tuple[Path, Path]) -> None:
     _, prefix = cpp_build
     headers = {p.name for p in (prefix / "include" / "uniep").iterdir()}

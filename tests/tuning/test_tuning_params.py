@@ -120,3 +120,7 @@ def test_an_object_reaches_the_ops_as_its_given_keys(monkeypatch: pytest.MonkeyP
     assert torch.equal(
         as_object, moe_forward_prepared(x, idx, weights, experts, tuning="dispatch=bf16")
     )
+
+
+def test_spaces_around_the_sms_slash_as_around_the_other_separators() -> None:
+    assert parse(" sms = 24 / 132 , tile_m = 64 ") == parse("sms=24/132,tile_m=64")
