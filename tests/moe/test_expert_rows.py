@@ -206,3 +206,35 @@ def test_cuda_names_bad_input_and_refuses_capture() -> None:
     with torch.cuda.stream(stream), pytest.raises(ERRORS, match="cannot be captured"):
         with torch.cuda.graph(graph, stream=stream):
             torch.ops.uniep.expert_rows(*recv, 0, 4, 10)
+
+
+# docs/api.md's conversion of ep_dispatch's local recv_topk_idx into expert_rows' global ids.
+API_MD_CONVERSION = "torch.where(local >= 0, local + rank * (num_experts // W), -1)"
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_ep_dispatch_local_ids_converted_as_api_md_says(rank: int) -> None:
+    """expert_rows takes global ids; ep_dispatch's recv_topk_idx holds local ones (-1 for the
+    other ranks' experts, cpp/cuda/dispatch/dispatch.cu). docs/api.md says so and gives the
+    conversion; converted, they give the rows of the full global top-k; unconverted they fail on
+    every rank but 0."""
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    entry = api[api.index("uniep::expert_rows(") :]
+    entry = entry[: entry.index("```")]
+    assert API_MD_CONVERSION in entry and "GLOBAL expert ids" in entry
+    tokens, top_k, experts, world = [10, 7, 9], 3, 12, 3
+    recv = received(tokens, top_k, experts, rank, "random", seed=40 + rank)
+    src, ids, from_rank = recv
+    first, per_rank = rank * (experts // world), experts // world
+    mine = (ids >= first) & (ids < first + per_rank)
+    local = torch.where(mine, ids - first, -1)  # what ep_dispatch returns
+    converted = torch.where(local >= 0, local + rank * (experts // world), -1)  # the docs'
+    want = expert_rows(recv, rank, experts, max(tokens))
+    got = expert_rows((src, converted, from_rank), rank, experts, max(tokens))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    if rank > 0:
+        with pytest.raises(ERRORS, match="names no expert of this rank"):
+            expert_rows((src, local, from_rank), rank, experts, max(tokens))

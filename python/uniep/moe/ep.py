@@ -210,7 +210,8 @@ class DispatchResult:
     """recv_x [N, H]: received rows in slot order (x's dtype, or float8_e4m3fn with
     ``dispatch=fp8``); recv_scales [N, H / 128] float32 block scales (fp8 only, else [0, 0]);
     recv_src [N] int64 source token; recv_topk_idx [N, K] int64 local expert ids (-1: expert on
-    another rank); recv_topk_weights [N, K] float32; tokens_per_expert [E_local] int64
+    another rank; ``torch.ops.uniep.expert_rows`` takes global ids: add ``rank x E_local`` where
+    >= 0, docs/api.md); recv_topk_weights [N, K] float32; tokens_per_expert [E_local] int64
     grouped-GEMM rows per local expert."""
 
     recv_x: torch.Tensor
