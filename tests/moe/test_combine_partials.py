@@ -139,3 +139,25 @@ def test_combine_mode_parses_and_prints() -> None:
     assert _C.TuningParams.parse("").combine == "per_k"
     with pytest.raises(ValueError, match="combine must be per_k, rank_partials or node_partials"):
         _C.TuningParams.parse("combine=tree")
+
+
+def test_docs_say_partials_are_stored_in_x_dtype() -> None:
+    """docs/determinism.md, docs/tuning.md and ``uniep.moe.ep.combine`` say what
+    test_rank_partials_sum_in_the_documented_order checks: each partial is stored in x's dtype
+    (one bf16 rounding for bf16 x, the CUDA executor's only dtype; none for float32 or float64 x),
+    not "rounded once to bf16" whatever the dtype."""
+    from pathlib import Path
+
+    from uniep.moe import ep
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    determinism = (docs / "determinism.md").read_text()
+    bullet = determinism[determinism.index("- `combine=rank_partials`") :]
+    bullet = bullet[: bullet.index("\n- ")]
+    tuning = (docs / "tuning.md").read_text().splitlines()
+    row = next(line for line in tuning if line.startswith("| `combine` |"))
+    for page, text in (("determinism.md", bullet), ("tuning.md", row)):
+        flat = " ".join(text.split())
+        assert "stored once in x's dtype" in flat, page
+        assert "rounded once to bf16" not in flat, page
+    assert "with float32 or float64 x, no extra rounding" in " ".join(ep.combine.__doc__.split())

@@ -297,10 +297,11 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
 
     With ``combine=rank_partials`` in the dispatch's tuning, each expert rank sums its own k's
-    of a token first (ascending, fp32, rounded once to bf16) and sends one row per (token,
-    rank) instead of one per (token, k); the token's rank adds those partials in ascending rank
-    order in fp32. Fewer bytes on the wire, one more bf16 rounding per partial; deterministic
-    and bit-identical to the CPU executor's ``combine=rank_partials``.
+    of a token first (ascending, fp32, rounded once to bf16, ``y``'s dtype) and sends one row
+    per (token, rank) instead of one per (token, k); the token's rank adds those partials in
+    ascending rank order in fp32. Fewer bytes on the wire, one more bf16 rounding per partial;
+    deterministic and bit-identical to the CPU executor's ``combine=rank_partials`` on bf16 x
+    (which stores each partial in x's dtype: with float32 or float64 x, no extra rounding).
 
     Each dispatch is combined once, before the next dispatch on the group (its buffers are
     reused then); anything else raises ValueError.
