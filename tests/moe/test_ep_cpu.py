@@ -21,6 +21,17 @@ def test_init_runtime_says_what_is_missing() -> None:
         uniep.moe.ep.init_runtime(max_tokens=16, hidden=128, top_k=2, num_experts=4)
 
 
+@pytest.mark.skipif(
+    bool(getattr(_C, "has_ep_runtime", False)), reason="this build has the GPU runtime"
+)
+def test_check_and_ensure_runtime_name_the_missing_runtime() -> None:
+    # A CPU-only build has no _C.ep_* functions: an AttributeError on them named none of this.
+    with pytest.raises(NotImplementedError, match="uniep.moe.ep.check needs the UniEP GPU runtime"):
+        uniep.moe.ep.check()
+    with pytest.raises(NotImplementedError, match="ensure_runtime needs the UniEP GPU runtime"):
+        uniep.moe.ep.ensure_runtime("", 4, 128, 2, 4)
+
+
 @no_gpu_runtime
 def test_dispatch_of_cpu_tensors_is_not_implemented() -> None:
     x = torch.randn(4, 128, dtype=torch.bfloat16)

@@ -49,6 +49,18 @@ def available() -> bool:
     return bool(getattr(_C, "has_ep_runtime", False)) and torch.cuda.is_available()
 
 
+def _require_built(what: str) -> None:
+    """NotImplementedError naming ``what`` on a build without the GPU runtime (a CPU-only build
+    has no ``_C.ep_*`` functions at all), as docs/errors.md promises for requests the build
+    cannot serve."""
+    if not getattr(_C, "has_ep_runtime", False):
+        raise NotImplementedError(
+            f"uniep.moe.ep.{what} needs the UniEP GPU runtime, which this build lacks (it "
+            f"takes a CUDA build of torch and of uniep; build_info: {_C.build_info()}); the "
+            "CPU executor (uniep.moe_forward on CPU tensors) needs no runtime"
+        )
+
+
 def init_runtime(
     group: dist.ProcessGroup | None = None,
     *,
@@ -119,6 +131,7 @@ def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_ex
     value and both ranks. A runtime that exists is kept: ``moe_forward`` grows it when a call
     needs more (``_runtime_for_call``).
     """
+    _require_built("ensure_runtime")
     if _C.ep_exists(group_name):
         return
     _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
@@ -361,7 +374,9 @@ def ll_combine(
 
 
 def check(group: dist.ProcessGroup | None = None) -> None:
-    """Synchronize and raise any error a device-side wait or capacity check recorded."""
+    """Synchronize and raise any error a device-side wait or capacity check recorded
+    (NotImplementedError on a build without the GPU runtime)."""
+    _require_built("check")
     _C.ep_check(_group_name(group))
 
 
