@@ -4,14 +4,26 @@
 namespace uniep {
 
 std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const MoeShape& shape) {
+  shape.validate();
+  UNIEP_CHECK(expert_counts != nullptr, "expert_counts must not be null");
   const int64_t W = shape.world_size, El = shape.experts_per_rank(), E = shape.num_experts;
-  const int64_t first = shape.first_local_expert();
+  const int64_t first = shape.first_local_expert(), K = shape.top_k;
+  // The counts are what the peers announced: a corrupt one must not size or index anything. A
+  // rank holds at most kMaxTokens tokens of K entries, so no count exceeds kMaxTokens * K (2**52
+  // at the bounds); the rows of one rank stay below 2**62, so the sum cannot wrap either.
+  constexpr int64_t kMaxRows = int64_t{1} << 62;
   std::vector<int64_t> offsets(El * (W + 1), 0);
   int64_t row = 0;
   for (int64_t e = 0; e < El; ++e) {
     for (int64_t s = 0; s < W; ++s) {
       offsets[e * (W + 1) + s] = row;
-      row += expert_counts[s * E + first + e];
+      const int64_t g = first + e, count = expert_counts[s * E + g];
+      UNIEP_CHECK(count >= 0 && count <= kMaxTokens * K, "expert_counts[", s, "][", g,
+                  "] (rows rank ", s, " announced for expert ", g,
+                  ") must be in [0, 2**32 * top_k = ", kMaxTokens * K, "], got ", count);
+      row += count;
+      UNIEP_CHECK(row < kMaxRows, "expert_counts: the experts of rank ", shape.rank,
+                  " would hold more than 2**62 rows");
     }
     offsets[e * (W + 1) + W] = row;
   }
@@ -20,9 +32,12 @@ std::vector<int64_t> expert_source_offsets(const int64_t* expert_counts, const M
 
 SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_counts,
                             const MoeShape& shape, int64_t tile_m) {
+  shape.validate();
   const int64_t T = shape.tokens, K = shape.top_k, E = shape.num_experts, W = shape.world_size;
   const int64_t El = shape.experts_per_rank(), me = shape.rank;
   UNIEP_CHECK(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
+  UNIEP_CHECK(T == 0 || topk_idx != nullptr, "topk_idx must not be null");
+  UNIEP_CHECK(expert_counts != nullptr, "expert_counts must not be null");
   SenderRows out;
   out.dest_rank.assign(T * K, -1);
   out.gemm_row.assign(T * K, -1);
@@ -79,8 +94,21 @@ SenderRows plan_sender_rows(const int64_t* topk_idx, const int64_t* expert_count
 ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
                         const int64_t* recv_topk_idx, const int64_t* expert_counts,
                         const MoeShape& shape) {
+  shape.validate();
   const int64_t W = shape.world_size, K = shape.top_k, El = shape.experts_per_rank();
+  UNIEP_CHECK(static_cast<int64_t>(slots.recv_offsets.size()) == W + 1,
+              "slots.recv_offsets must have world_size + 1 (", W + 1, ") entries, got ",
+              slots.recv_offsets.size());
+  UNIEP_CHECK(slots.recv_offsets[0] == 0, "slots.recv_offsets[0] must be 0, got ",
+              slots.recv_offsets[0]);
+  for (int64_t s = 0; s < W; ++s) {
+    const int64_t from_s = slots.recv_offsets[s + 1] - slots.recv_offsets[s];
+    UNIEP_CHECK(from_s >= 0 && from_s <= kMaxTokens, "slots.recv_offsets: source rank ", s,
+                " must send [0, 2**32] tokens, got ", from_s);
+  }
   const int64_t first = shape.first_local_expert(), N = slots.num_recv();
+  UNIEP_CHECK(N == 0 || (recv_src_token != nullptr && recv_topk_idx != nullptr),
+              "recv_src_token and recv_topk_idx must not be null with ", N, " receive slots");
   ExpertPlan plan;
   plan.num_local_experts = El;
   plan.return_counts.assign(W, 0);
@@ -91,6 +119,11 @@ ExpertPlan plan_experts(const SlotPlan& slots, const int64_t* recv_src_token,
   plan.row_offsets.assign(El + 1, 0);
   for (int64_t e = 0; e < El; ++e) plan.row_offsets[e + 1] = src_offsets[e * (W + 1) + W];
   const int64_t R = plan.row_offsets[El];
+  // Each row is one (slot, k) entry, so more announced rows than N * K entries cannot be met;
+  // said before sizing anything by R.
+  UNIEP_CHECK_CODE(R == 0 || (R - 1) / K < N, StatusCode::kInternal, "expert_counts announce ", R,
+                   " rows for the experts of rank ", shape.rank, ", more than its ", N,
+                   " receive slots x top_k ", K, " can hold");
   plan.row_slot.assign(R, -1);
   plan.row_src_rank.assign(R, -1);
   plan.row_combine_slot.assign(R, -1);

@@ -8,7 +8,9 @@ namespace uniep {
 std::vector<WorkTile> schedule_expert_tiles(const ExpertPlan& plan,
                                             const std::vector<int64_t>& source_offsets,
                                             const TuningParams& tuning, const MoeShape& shape) {
+  shape.validate();
   const int64_t W = shape.world_size, El = plan.num_local_experts, tm = tuning.tile_m_or_default();
+  UNIEP_CHECK(tm >= 1, "tuning.tile_m must be >= 1 (0: auto), got ", tm);
   UNIEP_CHECK(static_cast<int64_t>(source_offsets.size()) == El * (W + 1),
               "source_offsets must be [E_local, W + 1]");
   std::vector<WorkTile> tiles;
@@ -39,7 +41,9 @@ std::vector<int32_t> gate_tile_base(const int32_t* offs, int64_t num_experts, in
     base[e] = static_cast<int32_t>(tiles);
     const int64_t begin = end;
     end = std::max(end, std::min<int64_t>(std::max<int64_t>(offs[e], 0), rows));
-    tiles += (end - begin + tile_m - 1) / tile_m;
+    // ceil((end - begin) / tile_m) without forming end - begin + tile_m - 1, which wraps for a
+    // tile_m near INT64_MAX.
+    if (end > begin) tiles += (end - begin - 1) / tile_m + 1;
   }
   base[num_experts] = static_cast<int32_t>(tiles);
   return base;

@@ -6,6 +6,8 @@ namespace uniep {
 
 void MoeShape::validate() const {
   UNIEP_CHECK(tokens >= 0, "tokens must be >= 0, got ", tokens);
+  UNIEP_CHECK(tokens <= kMaxTokens, "tokens must be <= ", kMaxTokens,
+              " (2**32, uniep::kMaxTokens), got ", tokens);
   UNIEP_CHECK(hidden > 0, "hidden must be > 0, got ", hidden);
   UNIEP_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);
   UNIEP_CHECK(world_size > 0, "world_size must be > 0, got ", world_size);
@@ -18,6 +20,8 @@ void MoeShape::validate() const {
   UNIEP_CHECK(num_experts % world_size == 0, "num_experts (", num_experts,
               ") must be divisible by the world size (", world_size, ")");
   UNIEP_CHECK(top_k > 0, "top_k must be > 0, got ", top_k);
+  UNIEP_CHECK(top_k <= kMaxTopK, "top_k must be <= ", kMaxTopK, " (2**20, uniep::kMaxTopK), got ",
+              top_k);
   UNIEP_CHECK(ranks_per_node >= 0 && ranks_per_node <= world_size,
               "ranks_per_node must be in [1, world size ", world_size, "] (0: one node), got ",
               ranks_per_node);

@@ -212,8 +212,11 @@ struct Pricing {
   std::vector<double> step_seconds;  // an SAA pair's time is on its first step, 0 on its second
   std::vector<int64_t> chunks;       // SAA pipeline degree chosen per pair (1 elsewhere)
 };
+// Throws kInvalidArgument for a step whose overlap_with is neither -1 nor the index of a step
+// whose overlap_with names it back.
 Pricing price(const StepList& steps, const CostModel& model);
-// t = t_a(n_a/r) + (r-1) * max(t_a(n_a/r), t_g(n_g/r)) + t_g(n_g/r), minimised over r.
+// t = t_a(n_a/r) + (r-1) * max(t_a(n_a/r), t_g(n_g/r)) + t_g(n_g/r), minimised over the powers
+// of two r <= max(1, max_chunks) (any int64 max_chunks, INT64_MAX included).
 double saa_seconds(const AlphaBeta& a2a, double a2a_bytes, const AlphaBeta& ag, double ag_bytes,
                    int64_t max_chunks, int64_t* best_chunks = nullptr);
 

@@ -4,6 +4,10 @@
 // Receive slots are ordered by (source rank, source token index), computed from exclusive prefix
 // sums of counts that all ranks agree on, so the layout of every buffer is a function of the
 // routing alone: never of arrival order, SM count or tile sizes.
+//
+// Every function here that takes a MoeShape validates it (MoeShape::validate), and the counts it
+// indexes by (those the peers announced included): it throws uniep::Error naming the argument
+// rather than read out of bounds.
 #pragma once
 
 #include <cstdint>

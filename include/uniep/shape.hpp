@@ -18,12 +18,20 @@ inline std::string bad_expert_id_message(int64_t id, int64_t token, int64_t k,
 }
 
 // Bounds MoeShape::validate enforces, so that a nonsense count is a named ValueError rather than a
-// failed allocation: the planner sizes arrays by them ([E] and [W] counts, [T, W] flags, a
-// [W, W + E] count exchange). 2**20 experts is the largest MoE published (PEER's 1024 x 1024);
-// an expert-parallel group of 2**16 ranks is far beyond any machine. Within the bounds, memory is
-// the caller's to provide.
+// failed allocation or a size that wraps: the planner sizes arrays by them ([E] and [W] counts,
+// [T, W] flags, [T * K] entries, a [W, W + E] count exchange). 2**20 experts is the largest MoE
+// published (PEER's 1024 x 1024); an expert-parallel group of 2**16 ranks is far beyond any
+// machine; 2**32 tokens on one rank is far beyond any batch (its hidden states alone would be
+// 2**32 x H elements). top_k takes the experts' bound rather than num_experts itself: a token's
+// entries may repeat an expert or be -1. Within the bounds, memory is the caller's to provide.
 inline constexpr int64_t kMaxExperts = int64_t{1} << 20;
 inline constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
+inline constexpr int64_t kMaxTokens = int64_t{1} << 32;
+inline constexpr int64_t kMaxTopK = kMaxExperts;
+// The products the planner sizes by stay far inside int64 at the bounds.
+static_assert(kMaxTokens * kMaxWorldSize <= (int64_t{1} << 48) &&
+                  kMaxTokens * kMaxTopK <= (int64_t{1} << 52),
+              "[T, W] flags and [T, K] entries must not overflow int64 at the bounds");
 
 struct MoeShape {
   int64_t tokens = 0;       // T: tokens on this rank (may be 0)

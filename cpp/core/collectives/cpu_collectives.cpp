@@ -112,16 +112,21 @@ void agree(const CallHeader& h, const std::string& local_error, PeerTransport& t
   // Every rank sees the same ndims, so either all of them take the second exchange or none does.
   int64_t max_ndim = 0;
   for (int64_t r = 0; r < W; ++r) max_ndim = std::max(max_ndim, word(r, kNdim));
-  std::vector<int64_t> shapes(W * max_ndim);  // [W][max_ndim]
+  // [W][max_ndim], indexed through data(): with no shapes (max_ndim 0, the matmul kinds) it is
+  // empty, and &shapes[i] would index an empty vector.
+  std::vector<int64_t> shapes(W * max_ndim);
   if (max_ndim > kInlineDims) {
     std::vector<int64_t> padded(h.shape);
     padded.resize(max_ndim, 0);
     tr.all_gather(padded.data(), max_ndim, shapes.data());
-  } else {
+  } else if (max_ndim > 0) {
     for (int64_t r = 0; r < W; ++r)
-      std::copy_n(&all[r * kHeaderWords + kFixedWords], max_ndim, &shapes[r * max_ndim]);
+      std::copy_n(all.data() + r * kHeaderWords + kFixedWords, max_ndim,
+                  shapes.data() + r * max_ndim);
   }
-  auto shape_of = [&](int64_t r) { return shape_str(&shapes[r * max_ndim], word(r, kNdim)); };
+  auto shape_of = [&](int64_t r) {
+    return max_ndim > 0 ? shape_str(shapes.data() + r * max_ndim, word(r, kNdim)) : "[]";
+  };
 
   UNIEP_CHECK(local_error.empty(), local_error);
   const char* op = collective_kind_name(h.kind);

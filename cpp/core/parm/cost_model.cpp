@@ -86,7 +86,8 @@ double saa_seconds(const AlphaBeta& a2a, double a2a_bytes, const AlphaBeta& ag, 
                    int64_t max_chunks, int64_t* best_chunks) {
   double best = std::numeric_limits<double>::infinity();
   int64_t best_r = 1;
-  for (int64_t r = 1; r <= std::max<int64_t>(1, max_chunks); r *= 2) {
+  const int64_t most = std::max<int64_t>(1, max_chunks);
+  for (int64_t r = 1;; r *= 2) {
     const double ta = a2a.at(a2a_bytes / r), tg = ag.at(ag_bytes / r);
     // The first chunk's all-to-all and the last chunk's all-gather have no partner.
     const double t = ta + (r - 1) * std::max(ta, tg) + tg;
@@ -94,6 +95,9 @@ double saa_seconds(const AlphaBeta& a2a, double a2a_bytes, const AlphaBeta& ag, 
       best = t;
       best_r = r;
     }
+    // Stop before r * 2 passes max_chunks, or INT64_MAX (where r *= 2 would wrap to a negative r
+    // that is always <= max_chunks, and the loop would never end).
+    if (r > most / 2) break;
   }
   if (best_chunks != nullptr) *best_chunks = best_r;
   return best;
@@ -103,6 +107,18 @@ Pricing price(const StepList& list, const CostModel& model) {
   Pricing p;
   p.step_seconds.assign(list.steps.size(), 0.0);
   p.chunks.assign(list.steps.size(), 1);
+  const int64_t n = static_cast<int64_t>(list.steps.size());
+  // A pair links both ways; a dangling or one-sided link would index past the list or price a
+  // step twice.
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = list.steps[i].overlap_with;
+    if (j == -1) continue;
+    UNIEP_CHECK(j >= 0 && j < n && j != i, "steps[", i,
+                "].overlap_with must be -1 or the index of another step in [0, ", n, "), got ", j);
+    UNIEP_CHECK(list.steps[j].overlap_with == i, "steps[", i, "].overlap_with is ", j,
+                " but steps[", j, "].overlap_with is ", list.steps[j].overlap_with,
+                ": a pipelined pair must name each other");
+  }
   for (size_t i = 0; i < list.steps.size(); ++i) {
     const Step& s = list.steps[i];
     if (s.overlap_with >= 0 && s.overlap_with < static_cast<int64_t>(i)) continue;  // priced
