@@ -64,7 +64,12 @@ def moe_reference(
     ffn = w2_full.shape[1]
     _check(hidden == x.shape[1], f"w1_full must be [E, H={x.shape[1]}, 2I], got H={hidden}")
     _check(
-        tuple(w2_full.shape) == (num_experts, two_i // 2, hidden) and two_i == 2 * ffn,
+        two_i % 2 == 0,
+        f"w1_full's last dimension must be 2I (gate then up columns), an even number; got "
+        f"{two_i} in shape {tuple(w1_full.shape)}",
+    )
+    _check(
+        tuple(w2_full.shape) == (num_experts, two_i // 2, hidden),
         f"w2_full must be [E={num_experts}, I={two_i // 2}, H={hidden}] to match w1_full, "
         f"got {tuple(w2_full.shape)}",
     )

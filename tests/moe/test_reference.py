@@ -122,3 +122,13 @@ def test_computes_in_float64_by_default() -> None:
     got = moe_reference(**a32)
     assert got.dtype == torch.float32
     assert torch.equal(got, moe_reference(**a64).float())
+
+
+def test_names_an_odd_w1_width_and_a_w2_that_does_not_match() -> None:
+    a = _inputs()
+    # 2I = 5: the message named w2_full's expected shape, which was the shape it got.
+    odd = {**a, "w1_full": a["w1_full"][:, :, :5], "w2_full": a["w2_full"][:, :2]}
+    with pytest.raises(ValueError, match=r"w1_full's last dimension must be 2I .* got 5 in shape"):
+        moe_reference(**odd)
+    with pytest.raises(ValueError, match=r"w2_full must be \[E=4, I=3, H=5\] .* got \(4, 2, 5\)"):
+        moe_reference(**{**a, "w2_full": a["w2_full"][:, :2]})
