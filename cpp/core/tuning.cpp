@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <limits>
 
+#include "uniep/shape.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep {
@@ -321,10 +322,13 @@ bool TuningParams::operator==(const TuningParams& o) const {
 
 int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64_t k, bool swiglu,
                              int64_t pingpong_rows) {
-  UNIEP_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+  // The bounds keep the products below (rows per expert times experts) within int64.
+  UNIEP_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ",
+              kMaxExperts, "], got ", num_experts);
   UNIEP_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
   UNIEP_CHECK(n >= 0 && k >= 0, "n and k must be >= 0, got n=", n, ", k=", k);
-  UNIEP_CHECK(pingpong_rows >= 1, "pingpong_rows must be >= 1, got ", pingpong_rows);
+  UNIEP_CHECK(pingpong_rows >= 1 && pingpong_rows <= (int64_t{1} << 32),
+              "pingpong_rows must be in [1, 2**32], got ", pingpong_rows);
   // Experts of about 128 rows or fewer leave a 128-row tile's second warpgroup half idle and give
   // the mainloop little to hide the epilogue under: the 64-row ping-pong tiles serve them better
   // (64 x 256 where N allows: 19% faster than 64 x 128 on 256 experts of ~128 rows; one H100,
@@ -353,7 +357,8 @@ int grouped_gemm_auto_cluster(int64_t rows, int64_t num_experts) {
 }
 
 int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts) {
-  UNIEP_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+  UNIEP_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ",
+              kMaxExperts, "], got ", num_experts);
   UNIEP_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
   // Experts of a few rows each (decode) are a stream of weight tiles: the ping-pong 64-row tiles,
   // one warpgroup's scale promotion and epilogue under the other's mainloop, keep more of them in

@@ -1,5 +1,6 @@
 // Edge cases of the uniep::core C++ API that once crashed, hung or answered wrong: each must now
-// answer right or throw uniep::Error(kInvalidArgument) whose message names the argument.
+// answer right or throw uniep::Error(kInvalidArgument) whose message names the argument (on
+// every rank, for the executor's cases of two ranks as threads).
 // tests/package/test_cpp_core_checks.py builds this against the installed CMake package and
 // runs every case in its own process (a crash or a hang fails that case alone). Built from the
 // sources under the sanitizers (from the repository root), it also catches what only ASan/UBSan
@@ -12,14 +13,18 @@
 // Usage: core_checks [--list | CASE...]; with no argument every case runs. Prints "OK" last.
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "uniep/collectives.hpp"
+#include "uniep/cpu_executor.hpp"
 #include "uniep/parm.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
@@ -302,6 +307,154 @@ void collectives_without_shape() {
   require(gathered == a && out == a, "all_gather_matmul on one rank: out = a @ I");
 }
 
+// Ranks as threads of one process: every collective waits until all have posted, or for 5 s.
+class ThreadRanks {
+ public:
+  using Chunks = std::vector<std::vector<uint8_t>>;  // one byte range per destination rank
+  explicit ThreadRanks(int64_t world) : world_(world), posted_(world) {}
+  class Rank final : public uniep::Transport {
+   public:
+    Rank(ThreadRanks& all, int64_t rank) : all_(all), rank_(rank) {}
+    int64_t rank() const override { return rank_; }
+    int64_t world_size() const override { return all_.world_; }
+    void all_gather(const int64_t* in, int64_t n, int64_t* out) override {
+      const auto* bytes = reinterpret_cast<const uint8_t*>(in);
+      const std::vector<Chunks> all =
+          all_.exchange(rank_, Chunks(all_.world_, std::vector<uint8_t>(bytes, bytes + n * 8)));
+      for (int64_t r = 0; r < all_.world_; ++r) {
+        require(static_cast<int64_t>(all[r][rank_].size()) == n * 8,
+                "all_gather: rank " + std::to_string(r) + " sent another size");
+        std::memcpy(out + r * n, all[r][rank_].data(), n * 8);
+      }
+    }
+    void all_to_all(const uint8_t* send, const std::vector<int64_t>& send_bytes, uint8_t* recv,
+                    const std::vector<int64_t>& recv_bytes) override {
+      Chunks mine;
+      for (int64_t r = 0, at = 0; r < all_.world_; at += send_bytes[r++])
+        mine.emplace_back(send + at, send + at + send_bytes[r]);
+      const std::vector<Chunks> all = all_.exchange(rank_, std::move(mine));
+      for (int64_t r = 0, at = 0; r < all_.world_; at += recv_bytes[r++]) {
+        require(static_cast<int64_t>(all[r][rank_].size()) == recv_bytes[r],
+                "all_to_all: rank " + std::to_string(r) + " sent another size");
+        std::memcpy(recv + at, all[r][rank_].data(), recv_bytes[r]);
+      }
+    }
+
+   private:
+    ThreadRanks& all_;
+    int64_t rank_;
+  };
+
+ private:
+  // Round by round: each rank posts its chunks, and every rank reads all of them.
+  std::vector<Chunks> exchange(int64_t rank, Chunks mine) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t round = round_;
+    posted_[rank] = std::move(mine);
+    if (++arrived_ == world_) {
+      result_ = posted_;
+      arrived_ = 0;
+      ++round_;
+      cv_.notify_all();
+    } else if (!cv_.wait_for(lock, std::chrono::seconds(5), [&] { return round_ != round; })) {
+      throw Failure{"rank " + std::to_string(rank) + " waited 5 s for its peers"};
+    }
+    return result_;
+  }
+  int64_t world_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t arrived_ = 0, round_ = 0;
+  std::vector<Chunks> posted_, result_;
+};
+
+// Two ranks call cpu_moe_forward (or its backward); `spoil(args, rank)` changes their arguments.
+// Returns each rank's error message ("" where it returned).
+using Spoil = std::function<void(uniep::MoeForwardArgs&, int64_t)>;
+std::vector<std::string> two_ranks(const Spoil& spoil, bool backward = false) {
+  constexpr int64_t T = 2, H = 128, I = 128, E = 4, K = 2, W = 2;
+  ThreadRanks ranks(W);
+  auto run = [&](int64_t r) -> std::string {
+    std::vector<float> x(T * H, 0.5f), tw(T * K, 0.5f), out(T * H);
+    std::vector<float> w1(E / W * H * 2 * I, 0.01f), w2(E / W * I * H, 0.01f);
+    std::vector<float> gx(T * H), gtw(T * K), gw1(w1.size()), gw2(w2.size());
+    const std::vector<int64_t> idx = {0, 2, 1, 3};
+    ThreadRanks::Rank tr(ranks, r);
+    uniep::MoeForwardArgs a;
+    a.x = x.data();
+    a.topk_idx = idx.data();
+    a.topk_weights = tw.data();
+    a.w1 = w1.data();
+    a.w2 = w2.data();
+    a.out = out.data();
+    a.shape.tokens = T;
+    a.shape.hidden = H;
+    a.shape.ffn_hidden = I;
+    a.shape.num_experts = E;
+    a.shape.top_k = K;
+    a.shape.world_size = W;
+    a.shape.rank = r;
+    spoil(a, r);
+    try {
+      if (backward) {
+        uniep::MoeBackwardArgs b;
+        b.fwd = a;
+        b.grad_out = x.data();
+        b.grad_x = gx.data();
+        b.grad_topk_weights = gtw.data();
+        b.grad_w1 = gw1.data();
+        b.grad_w2 = gw2.data();
+        uniep::cpu_moe_backward(b, tr);
+      } else {
+        uniep::cpu_moe_forward(a, tr);
+      }
+      return "";
+    } catch (const Error& e) {
+      return e.what();
+    }
+  };
+  std::future<std::string> other = std::async(std::launch::async, run, 1);
+  std::vector<std::string> got = {run(0)};
+  got.push_back(other.get());
+  return got;
+}
+
+void expect_both(const std::vector<std::string>& got, const std::string& rank0,
+                 const std::string& rank1) {
+  for (int64_t r = 0; r < 2; ++r) {
+    const std::string& want = r == 0 ? rank0 : rank1;
+    require(got[r].find(want) != std::string::npos,
+            "rank " + std::to_string(r) + ": \"" + got[r] + "\" lacks \"" + want + "\"");
+  }
+}
+
+// One rank's bad argument failed there alone and left its peer waiting in the plan's exchange.
+void executor_shares_a_failed_check() {
+  using Args = uniep::MoeForwardArgs;
+  const std::string peer = "rank 1 failed its argument checks";
+  expect_both(two_ranks([](Args& a, int64_t r) { a.tuning.token_tile = r == 1 ? 0 : 64; }), peer,
+              "token_tile must be in [1, 4096], got 0");
+  expect_both(two_ranks([](Args& a, int64_t r) { a.shape.tokens = r == 1 ? -1 : 2; }), peer,
+              "tokens must be >= 0, got -1");
+  expect_both(two_ranks([](Args& a, int64_t r) { a.x = r == 1 ? nullptr : a.x; }), peer,
+              "x must not be null");
+  expect_both(
+      two_ranks([](Args& a, int64_t r) { a.dtype = r == 1 ? uniep::DType(3) : a.dtype; }, true),
+      peer, "dtype must be float32, bfloat16 or float64, got value 3");
+  const std::vector<std::string> fine = two_ranks([](Args&, int64_t) {});
+  require(fine[0].empty() && fine[1].empty(), "good arguments raised: " + fine[0] + fine[1]);
+}
+
+// Ranks whose experts ran in other precisions computed on, each with its own bits.
+void executor_agrees_on_the_experts_precision() {
+  const std::string want = "tuning experts (fp8 GEMMs) differs across ranks";
+  expect_both(two_ranks([](uniep::MoeForwardArgs& a, int64_t r) {
+                a.tuning = uniep::TuningParams::parse(r == 0 ? "dispatch=fp8"
+                                                             : "dispatch=fp8,experts=bf16");
+              }),
+              want, want);
+}
+
 struct Case {
   const char* name;
   void (*fn)();
@@ -316,6 +469,8 @@ const Case kCases[] = {
     {"layout_tokens_bound", layout_tokens_bound},
     {"price_checks_overlap_with", price_checks_overlap_with},
     {"collectives_without_shape", collectives_without_shape},
+    {"executor_shares_a_failed_check", executor_shares_a_failed_check},
+    {"executor_agrees_on_the_experts_precision", executor_agrees_on_the_experts_precision},
 };
 
 }  // namespace

@@ -33,6 +33,8 @@ CASES = [
     "layout_tokens_bound",
     "price_checks_overlap_with",
     "collectives_without_shape",
+    "executor_shares_a_failed_check",
+    "executor_agrees_on_the_experts_precision",
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -57,8 +59,9 @@ def core_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "cmake_minimum_required(VERSION 3.25)\n"
         "project(uniep_core_checks LANGUAGES CXX)\n"
         "find_package(uniep REQUIRED CONFIG)\n"
+        "find_package(Threads REQUIRED)\n"
         f'add_executable(core_checks "{SOURCE.as_posix()}")\n'
-        "target_link_libraries(core_checks PRIVATE uniep::core)\n"
+        "target_link_libraries(core_checks PRIVATE uniep::core Threads::Threads)\n"
     )
     build = work / "build"
     for cmd in (

@@ -305,8 +305,10 @@ def test_auto_tiles_follow_the_devices_pingpong_rows() -> None:
     # Experts of at most 128 rows and outputs of at most 128 columns take the 64-row tiles.
     assert tune._cuda_auto_tiles(32 * 128, 32, 4096, 7168, 256) == tune.CUDA_TILES[4]
     assert tune._cuda_auto_tiles(32 * 4096, 32, 128, 7168, 256) == tune.CUDA_TILES[1]
-    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_experts must be in \[1, 1048576\], got 0"):
         tune._cuda_auto_tiles(64, 0, 128, 128)
+    with pytest.raises(ValueError, match="num_experts must be in .* got 9223372036854775807"):
+        tune._cuda_auto_tiles(2**62, 2**63 - 1, 128, 128)  # overflowed 128 x num_experts
     shape = tune.MoeShape(4096, 7168, 2048, 32, 8, 1, "bfloat16")
     fused = "overlap=fused,sms=132,tile_m=auto"
     h200, h100 = (
@@ -339,7 +341,7 @@ def test_fp8_auto_tiles_take_64_rows_for_decode() -> None:
         128,
         128,
     )
-    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_experts must be in \[1, 1048576\], got 0"):
         _C.grouped_gemm_fp8_auto_config(64, 0)
     with pytest.raises(ValueError, match="rows must be >= 0, got -1"):
         _C.grouped_gemm_fp8_auto_config(-1, 8)
