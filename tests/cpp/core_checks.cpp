@@ -130,6 +130,20 @@ void plan_experts_checks_counts() {
   }
 }
 
+// 8 ranks (2 nodes of 4 GPUs) in MP groups of 2: a layer every schedule can run.
+uniep::parm::ParmShape small_parm_shape() {
+  uniep::parm::ParmShape shape;
+  shape.world_size = 8;
+  shape.mp_size = 2;
+  shape.gpus_per_node = 4;
+  shape.tokens = 1024;
+  shape.hidden = 256;
+  shape.ffn_hidden = 512;
+  shape.num_experts = 8;
+  shape.top_k = 2;
+  return shape;
+}
+
 // saa_seconds looped forever for max_chunks > 2**62: r *= 2 wrapped to a negative r.
 void saa_huge_max_chunks() {
   using namespace uniep::parm;
@@ -141,15 +155,7 @@ void saa_huge_max_chunks() {
   require(t_max == t_big && r_max == r_big, "max_chunks INT64_MAX and 2**62 try the same degrees");
   require(t_16 >= t_max && r_16 >= 1 && r_16 <= 16, "max_chunks 16 tries at most 16 chunks");
   // price() and choose() take the same loop.
-  ParmShape shape;
-  shape.world_size = 8;
-  shape.mp_size = 2;
-  shape.gpus_per_node = 4;
-  shape.tokens = 1024;
-  shape.hidden = 256;
-  shape.ffn_hidden = 512;
-  shape.num_experts = 8;
-  shape.top_k = 2;
+  const ParmShape shape = small_parm_shape();
   CostModel model = cost_model_from_cluster(ClusterSpec{}, rank_layout(8, 2, 4));
   model.max_chunks = int64_t{1} << 62;
   const Choice want = choose(shape, model);
@@ -263,15 +269,7 @@ void layout_tokens_bound() {
 // price() indexed steps[overlap_with] unchecked.
 void price_checks_overlap_with() {
   using namespace uniep::parm;
-  ParmShape shape;
-  shape.world_size = 8;
-  shape.mp_size = 2;
-  shape.gpus_per_node = 4;
-  shape.tokens = 1024;
-  shape.hidden = 256;
-  shape.ffn_hidden = 512;
-  shape.num_experts = 8;
-  shape.top_k = 2;
+  const ParmShape shape = small_parm_shape();
   const StepList good = build_steps(shape, Schedule::kS2, Pass::kForward);
   const CostModel model = cost_model_from_cluster(ClusterSpec{}, good.layout);
   require(price(good, model).seconds > 0, "price of a valid step list");
