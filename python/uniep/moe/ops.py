@@ -336,38 +336,37 @@ def moe_forward(
         and w1.dim() == 3
         and w2.dim() == 3
     )
-    if cached:
-        from ..tuning import cache as tune_cache
-
-        world = distributed.world_size(group)
-        tuning = tune_cache.tuning_for_call(x, topk_idx, w2.shape[1], w1.shape[0] * world, world)
     if x.is_cuda and topk_weights.dtype == torch.bfloat16:
         # The CUDA dispatch sends fp32 weights: the one small [T, K] cast, here.
         topk_weights = topk_weights.float()
-    if (
-        x.is_cuda
-        and not torch.compiler.is_compiling()
-        and x.dim() == 2
-        and w2.dim() == 3
-        and megakernel_overlap(tuning, distributed.world_size(group), x.shape[1], w2.shape[1])
-    ):
-        # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed copy
-        # of w1 kept while w1 is unchanged (uniep.moe.megakernel.forward).
-        return megakernel_forward.moe_forward_fused(
-            x, topk_idx, topk_weights, w1, w2, group, name, tuning
-        )
-    if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
-        # CUDA tensors run on the group's GPU runtime: created here on first use (collective).
-        from . import ep
 
-        experts = w1.shape[0] * distributed.world_size(group)
-        ep.ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts)
+    def run(tuning: str) -> torch.Tensor:
+        if (
+            x.is_cuda
+            and not torch.compiler.is_compiling()
+            and x.dim() == 2
+            and w2.dim() == 3
+            and megakernel_overlap(tuning, distributed.world_size(group), x.shape[1], w2.shape[1])
+        ):
+            # The MegaKernel (overlap=chunked at one rank: its pieces on streams), on a packed
+            # copy of w1 kept while w1 is unchanged (uniep.moe.megakernel.forward).
+            return megakernel_forward.moe_forward_fused(
+                x, topk_idx, topk_weights, w1, w2, group, name, tuning
+            )
+        if x.is_cuda and x.dim() == 2 and topk_idx.dim() == 2 and w1.dim() == 3:
+            # CUDA tensors run on the group's GPU runtime: created here on first use
+            # (collective).
+            from . import ep
+
+            experts = w1.shape[0] * distributed.world_size(group)
+            ep.ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts)
+        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
+
     if not cached:
-        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
-    try:
-        return torch.ops.uniep.moe_forward(x, topk_idx, topk_weights, w1, w2, name, tuning)
-    except ValueError as e:
-        hinted = tune_cache.cache_mismatch_error(e, tuning)
-        if hinted is None:
-            raise
-        raise hinted from e
+        return run(tuning)
+    from ..tuning import cache as tune_cache
+
+    world = distributed.world_size(group)
+    return tune_cache.call_with_cached_point(
+        run, x, topk_idx, w2.shape[1], w1.shape[0] * world, world, name
+    )

@@ -310,18 +310,15 @@ def _run_experts(
         return y.reshape(x.shape)
     from ..tuning import cache as tune_cache
 
-    tuning = tune_cache.tuning_for_call(
-        tokens, idx, module.ffn_hidden, module.num_experts, module.world_size
-    )
-    try:
-        y = torch.ops.uniep.moe_forward(
-            tokens, idx, weights, module.w1, module.w2, module.group_name, tuning
+    def run(point: str) -> torch.Tensor:
+        return torch.ops.uniep.moe_forward(
+            tokens, idx, weights, module.w1, module.w2, module.group_name, point
         )
-    except ValueError as e:
-        hinted = tune_cache.cache_mismatch_error(e, tuning)
-        if hinted is None:
-            raise
-        raise hinted from e
+
+    y = tune_cache.call_with_cached_point(
+        run, tokens, idx, module.ffn_hidden, module.num_experts, module.world_size,
+        module.group_name,
+    )  # fmt: skip
     return y.reshape(x.shape)
 
 
