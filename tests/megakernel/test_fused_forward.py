@@ -37,6 +37,33 @@ def test_the_copy_goes_with_its_tensor() -> None:
     assert not kept_weights._PACKED
 
 
+def test_a_swapped_storage_is_packed_again_and_an_inference_tensor_is_kept() -> None:
+    """``w.data = other`` leaves the version counter as it was; the new storage is seen even
+    where it lies at the old one's address (the caching allocator hands a freed block back; here
+    two tensors over one numpy buffer), which the data pointer alone missed. An inference tensor
+    has no version counter: it is kept (its in-place writes, like ``.data`` writes, need
+    clear_packed), not refused."""
+    import numpy as np
+
+    fused_forward.clear_packed()
+    memory = np.random.default_rng(0).standard_normal((1, 8, 16)).astype(np.float32)
+    w1 = torch.nn.Parameter(torch.empty(1, 8, 16))
+    w1.data = torch.from_numpy(memory)
+    first = fused_forward.packed_gate_up(w1)
+    version, address = w1._version, w1.data_ptr()
+    memory *= 2  # the next step's weights, written where the old ones were
+    w1.data = torch.from_numpy(memory)  # a new storage at the same address
+    assert w1._version == version and w1.data_ptr() == address
+    second = fused_forward.packed_gate_up(w1)
+    assert second is not first and torch.equal(second, pack_gate_up(w1.detach()))
+    assert fused_forward.packed_gate_up(w1) is second
+    with torch.inference_mode():
+        served = torch.randn(1, 8, 16).bfloat16()
+    kept = fused_forward.packed_gate_up(served)
+    assert fused_forward.packed_gate_up(served) is kept
+    assert torch.equal(kept, pack_gate_up(served))
+
+
 def test_a_parameter_is_packed_detached() -> None:
     w1 = torch.nn.Parameter(torch.randn(1, 8, 16).bfloat16())
     packed = fused_forward.packed_gate_up(w1)

@@ -22,20 +22,24 @@ constexpr int64_t kBlock = 128;
 constexpr double kE4m3Max = 448.0;
 
 // What a kept copy was made from: a tensor that may die (the weak reference then expires) or
-// change in place (its version moves), or whose storage may be swapped (its data pointer moves).
-// Inference tensors have no version counter: an in-place update of one is not seen, and
-// clear_fp8_experts drops the copies.
+// change in place (its version moves), or whose storage may be swapped (`w.data = other`: the
+// storage, held weakly so that a new one never takes its identity, even at the same address; or
+// the data pointer). Inference tensors have no version counter: an in-place update of one is not
+// seen, and clear_fp8_experts drops the copies.
 struct Source {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t version = -1;
   const void* data = nullptr;
 
   static Source of(const at::Tensor& w) {
     return {c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
+            w.storage().getWeakStorageImpl(),
             w.is_inference() ? -1 : static_cast<int64_t>(w._version()), w.data_ptr()};
   }
   bool same(const Source& o) const {
     return !impl.expired() && impl._unsafe_get_target() == o.impl._unsafe_get_target() &&
+           !storage.expired() && storage._unsafe_get_target() == o.storage._unsafe_get_target() &&
            version == o.version && data == o.data;
   }
 };

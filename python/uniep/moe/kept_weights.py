@@ -3,9 +3,12 @@
 The MegaKernel's first GEMM applies SwiGLU in its epilogue and reads w1 with gate and up
 interleaved (``uniep.gemm.pack_gate_up``); the fused backward's first GEMMs read w2 transposed.
 One copy is kept per tensor and made again only when the tensor changed: its version counter
-(every in-place write through autograd's view of it, an optimizer step included) or its storage
-moved. Writes that bypass the version counter (``w.data.copy_(...)``, or through another
-process) are not seen: call :func:`clear_packed` after them. A copy costs one more weight of GPU
+(every in-place write through autograd's view of it, an optimizer step included), its storage
+(``w.data = other``, even where the new storage has the old address) or its data pointer.
+Writes that bypass the version counter (``w.data.copy_(...)``, a buffer ``w.data`` aliases
+written through another tensor, writes from another process, and any in-place write to an
+inference tensor, which has no version counter) are not seen: call :func:`clear_packed` after
+them. A copy costs one more weight of GPU
 memory; an inference server with fixed weights prepares them once instead (``uniep.moe.prepared``).
 """
 
@@ -15,15 +18,36 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _C
 
 __all__ = ["clear_packed", "packed_gate_up", "transposed_w2"]
 
-# (id(w), what) -> (a weak reference to w, its version, its data pointer, the kept copy). The
-# weak reference's callback drops the entry when w dies, so a later tensor with the same id never
-# meets a stale copy.
-_PACKED: dict[tuple[int, str], tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# (id(w), what) -> (a weak reference to w, its state, the kept copy). The weak reference's
+# callback drops the entry when w dies, so a later tensor with the same id never meets a stale
+# copy.
+_PACKED: dict[tuple[int, str], tuple[weakref.ref, tuple, torch.Tensor]] = {}
+
+
+def _state(w: torch.Tensor) -> tuple:
+    """What changes when ``w``'s values may have: its version (-1 for an inference tensor, which
+    has none), its data pointer and its storage. The storage is held by a weak reference, which
+    keeps the storage's record (not its memory) alive, so a new storage never takes the old one's
+    identity even where it takes its address."""
+    version = -1 if w.is_inference() else w._version
+    return version, w.data_ptr(), StorageWeakRef(w.untyped_storage())
+
+
+def _same_state(kept: tuple, w: torch.Tensor) -> bool:
+    version, ptr, storage = kept
+    now = -1 if w.is_inference() else w._version
+    return (
+        version == now
+        and ptr == w.data_ptr()
+        and not storage.expired()
+        and storage.cdata == w.untyped_storage()._cdata
+    )
 
 
 def _kept_copy(
@@ -36,11 +60,11 @@ def _kept_copy(
         return make(w.detach())
     key = (id(w), what)
     hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
-        return hit[3]
+    if hit is not None and hit[0]() is w and _same_state(hit[1], w):
+        return hit[2]
     kept = make(w.detach())
     ref = weakref.ref(w, lambda _ref, k=key: _PACKED.pop(k, None))
-    _PACKED[key] = (ref, w._version, w.data_ptr(), kept)
+    _PACKED[key] = (ref, _state(w), kept)
     return kept
 
 
