@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -124,8 +125,10 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
     return resolved.group_name
 
 
-# Groups whose launcher topology has been looked at (WORLD under torchrun, once a process).
-_topology_seen: set[str] = set()
+# Group name -> the group whose topology was recorded under it (WORLD's launcher topology, or
+# init's ranks_per_node). torch names groups "0", "1", ... again after destroy_process_group: a
+# new group under a recorded name drops the old group's topology.
+_topology_of: dict[str, weakref.ref] = {}
 
 
 def _launcher_ranks_per_node(world: int) -> int | None:
@@ -144,10 +147,13 @@ def _record_launcher_topology(group: dist.ProcessGroup) -> None:
     # WORLD under a multi-node launch is split into nodes unless init() said otherwise; a
     # sub-group's nodes are the caller's to declare (init(group, ranks_per_node=...)).
     name = group.group_name
-    if name in _topology_seen:
+    seen = _topology_of.get(name)
+    if seen is not None and seen() is group:
         return
-    _topology_seen.add(name)
-    if group is not dist.group.WORLD or _C.ranks_per_node(name) != 0:
+    if seen is not None:
+        _C.set_ranks_per_node(name, 0)  # a destroyed group's, under a name torch gave again
+    _topology_of[name] = weakref.ref(group)
+    if group is not dist.group.WORLD:
         return
     local = _launcher_ranks_per_node(dist.get_world_size(group))
     if local is not None:
@@ -340,8 +346,10 @@ def init(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = No
                 f"ranks_per_node must divide the group's {world} ranks into equal nodes "
                 f"(a divisor of {world}), got {ranks_per_node}"
             )
-        _topology_seen.add(resolved.group_name)
+        _topology_of[resolved.group_name] = weakref.ref(resolved)
         _C.set_ranks_per_node(resolved.group_name, 0 if ranks_per_node == world else ranks_per_node)
+    else:
+        _record_launcher_topology(resolved)
     backend = str(dist.get_backend(resolved))
     return Runtime(
         group_name=resolved.group_name,

@@ -270,6 +270,40 @@ def test_a_launcher_node_size_that_does_not_divide_the_world_raises_on_every_ran
         assert "LOCAL_WORLD_SIZE" in errors["forward"], errors
 
 
+def reinit_worker(rank: int, world: int) -> dict[str, int]:
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    # The next group's port, from rank 0, over this group.
+    port = [0]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = [s.getsockname()[1]]
+    dist.broadcast_object_list(port, src=0)
+    uniep.init(ranks_per_node=1)  # nodes of one rank
+    before = uniep.distributed.ranks_per_node()
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    # torch names the new WORLD "0" again: the old group's nodes must not come with the name.
+    runtime = uniep.init()
+    return {
+        "before": before,
+        "after": uniep.distributed.ranks_per_node(),
+        "rt": runtime.ranks_per_node,
+    }
+
+
+def test_a_new_group_under_a_reused_name_starts_as_one_node() -> None:
+    for rep in run_ranks(2, reinit_worker):
+        assert rep == {"before": 1, "after": 2, "rt": 2}, rep
+
+
 def test_init_checks_ranks_per_node_alone() -> None:
     with pytest.raises(ValueError, match="ranks_per_node must be an int"):
         uniep.init(ranks_per_node=2.0)  # type: ignore[arg-type]

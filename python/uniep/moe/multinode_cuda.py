@@ -26,6 +26,7 @@ name. Every wait on the rail is bounded (``UNIEP_TIMEOUT_S``) and names the grou
 from __future__ import annotations
 
 import socket
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,17 +54,21 @@ class NodeGroups:
     shared_host: bool = False
 
 
-_GROUPS: dict[str, NodeGroups] = {}
+# Group name -> (the group, its ranks per node, its node groups): made again for another group
+# under the name (torch names groups "0", "1", ... again after destroy_process_group) or another
+# topology (init(group, ranks_per_node=...) again).
+_GROUPS: dict[str, tuple[weakref.ref, int, NodeGroups]] = {}
 
 
 def node_groups(group: dist.ProcessGroup) -> NodeGroups:
     """This rank's node and rail groups of ``group`` (created on first use; only the members of
     each sub-group take part, so a sub-group of WORLD works)."""
     name = group.group_name
-    if name in _GROUPS:
-        return _GROUPS[name]
-    world, me = dist.get_world_size(group), dist.get_rank(group)
     size = distributed.ranks_per_node(group)
+    known = _GROUPS.get(name)
+    if known is not None and known[0]() is group and known[1] == size:
+        return known[2]
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     if size >= world:
         raise ValueError(f"group '{name}' is one node of {world} ranks: no rail to build")
     ranks = dist.get_process_group_ranks(group)
@@ -81,7 +86,7 @@ def node_groups(group: dist.ProcessGroup) -> NodeGroups:
         local_index=local,
         shared_host=len(set(hosts)) < world // size,
     )
-    _GROUPS[name] = made
+    _GROUPS[name] = (weakref.ref(group), size, made)
     return made
 
 
