@@ -163,3 +163,37 @@ def test_the_cuda_kernel_keeps_what_the_cpu_keeps() -> None:
         assert torch.equal(c, g.cpu()), f"pair {i}"
     with pytest.raises(ValueError, match=r"sticky\[1\] and words\[1\] must be on"):
         torch.ops.uniep.keep_first_errors([gpu[0], gpu[1]], [words[0].cuda(), words[1]])
+
+
+def test_threads_checking_at_once_take_each_call_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads of a server in check_errors together: every pending call's words are read by
+    exactly one (the list was popped unlocked: a call could be dropped unread, or the pop fail)."""
+    import threading
+    import time
+
+    class Passed:  # a recorded event whose work is done; its host wait takes a moment
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            time.sleep(0.001)
+
+    read: list[str] = []
+    monkeypatch.setattr(launch, "_raise_from", lambda entries: read.extend(entries))
+    for _ in range(50):
+        read.clear()
+        monkeypatch.setattr(launch, "_PENDING", [(Passed(), [f"call{i}"]) for i in range(4)])
+        failures: list[BaseException] = []
+
+        def check(failures: list[BaseException] = failures) -> None:
+            try:
+                launch.check_errors(wait=False)
+            except BaseException as e:  # noqa: BLE001
+                failures.append(e)
+
+        threads = [threading.Thread(target=check) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures and sorted(read) == [f"call{i}" for i in range(4)], (read, failures)

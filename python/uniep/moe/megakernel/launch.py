@@ -33,6 +33,7 @@ same bits: a gate changes when a tile starts, never what it computes.
 from __future__ import annotations
 
 import atexit
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -78,6 +79,8 @@ EP_COMM_SMS = 32
 # Error words of calls made with check="deferred", oldest first: each call's event and its
 # (kind, pinned host copy, what, top_k) entries, read once the event has passed.
 _PENDING: list[tuple[torch.cuda.Event, list[tuple[str, torch.Tensor, str, int]]]] = []
+# Threads of one process (a server's) share the list: each call is taken off it once, by one.
+_PENDING_LOCK = threading.Lock()
 _AT_EXIT: list[bool] = []
 # The deferred calls' errors inside CUDA graphs: per (kind, what, top_k, device), a device word
 # that keeps the first error any replay recorded (a graph cannot copy to the host for each
@@ -105,12 +108,15 @@ def check_errors(wait: bool = True) -> None:
     Deferred calls captured in a CUDA graph keep their first error on the device, across
     replays: only ``check_errors()`` with ``wait`` reads them (after synchronizing the device),
     raises the first, and clears them."""
-    while _PENDING:
-        event, entries = _PENDING[0]
-        if not wait and not event.query():
-            return
+    while True:
+        with _PENDING_LOCK:
+            if not _PENDING:
+                break
+            event, entries = _PENDING[0]
+            if not wait and not event.query():
+                return
+            _PENDING.pop(0)
         event.synchronize()
-        _PENDING.pop(0)
         _raise_from(entries)
     if wait and _STICKY:
         _check_sticky()
@@ -182,7 +188,8 @@ def finish_call(check: bool | str, entries: list[tuple[str, torch.Tensor, str, i
             host.append((kind, copy, what, top_k))
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(entries[0][1].device))  # the call's stream
-        _PENDING.append((event, host))
+        with _PENDING_LOCK:
+            _PENDING.append((event, host))
         if not _AT_EXIT:
             _AT_EXIT.append(True)
             atexit.register(_check_at_exit)
