@@ -132,3 +132,15 @@ def test_layer_compiles_through_the_fake_kernels() -> None:
     got.sum().backward()
     torch.testing.assert_close(got, want)
     assert x.grad is not None and layer.w1.grad is not None
+
+
+def test_plans_of_ragged_batches_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uniep.parm as parm
+
+    monkeypatch.setattr(parm, "_PLANS_KEPT", 3)
+    layer = ParmMoELayer(None, None, 8, 8, 4, 2, capacity_factor=4.0)
+    for t in (3, 4, 5, 6, 7):
+        layer(torch.randn(t, 8))
+    assert list(layer._plans) == [5, 6, 7]
+    layer(torch.randn(3, 8))  # planned again
+    assert list(layer._plans) == [6, 7, 3]

@@ -243,6 +243,11 @@ def _same(a: tuple, b: tuple | None) -> bool:
     )
 
 
+# Token counts whose plans a layer keeps: a job with ragged batches meets many, each a few hundred
+# bytes; past this the oldest is dropped (and planned again if it comes back).
+_PLANS_KEPT = 1024
+
+
 class ParmMoELayer(nn.Module):
     """An MoE block whose dense neighbours are tensor-parallel over ``mp_group`` (its input is
     replicated there) and whose experts are spread over ``ep_group`` and sharded over the MP group.
@@ -422,6 +427,8 @@ class ParmMoELayer(nn.Module):
             model = self._cost_model() if "auto" in (name, self.chunks) else None
             if name == "auto":
                 name = _C.parm.choose(shape, model)[0]
+            if len(self._plans) >= _PLANS_KEPT:  # ragged batches: the oldest token count goes
+                del self._plans[next(iter(self._plans))]
             self._plans[tokens] = (name, saa_chunk_plan(shape, name, model, self.chunks))
         return self._plans[tokens]
 
