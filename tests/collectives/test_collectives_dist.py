@@ -947,3 +947,14 @@ def test_subgroup_members_are_the_ranks_in_the_parent() -> None:
         [[2, 3], [1, 3]],
     ]
     assert reports[1]["parent"] == reports[3]["parent"] == [0, 1]
+
+
+@pytest.mark.skipif(
+    bool(getattr(collectives._C, "has_ep_runtime", False)), reason="this build has the GPU runtime"
+)
+def test_check_names_the_missing_runtime() -> None:
+    # A CPU-only build has no _C.coll_* functions: an AttributeError on them named none of this.
+    with pytest.raises(
+        NotImplementedError, match="uniep.collectives.check needs the UniEP GPU runtime"
+    ):
+        collectives.check()

@@ -451,7 +451,15 @@ def shutdown_cuda(group: dist.ProcessGroup | None = None) -> None:
 
 
 def check(group: dist.ProcessGroup | None = None) -> None:
-    """Synchronise the device and raise a timeout a CUDA collective of ``group`` recorded."""
+    """Synchronise the device and raise a timeout a CUDA collective of ``group`` recorded
+    (NotImplementedError on a build without the GPU runtime, which has no ``_C.coll_*``
+    functions at all: docs/errors.md's error for a request the build cannot serve)."""
+    if not getattr(_C, "has_ep_runtime", False):
+        raise NotImplementedError(
+            "uniep.collectives.check needs the UniEP GPU runtime, which this build lacks (it "
+            f"takes a CUDA build of torch and of uniep; build_info: {_C.build_info()}); the "
+            "collectives on CPU tensors run on the CPU executor over gloo, which needs no runtime"
+        )
     _C.coll_check(distributed.group_name(group), True)
 
 
