@@ -264,3 +264,42 @@ def test_prepared_experts_say_at_the_forward_that_they_have_no_backward() -> Non
     with torch.no_grad():
         _refuse_autograd(x, w)
     _refuse_autograd(x.detach(), w)
+
+
+def _expert_data_parallel_worker(rank: int, world: int) -> dict[str, str]:
+    import warnings
+
+    import uniep
+
+    # Experts split over {0, 1} and {2, 3}; their replicas, one an expert group, over {0, 2} and
+    # {1, 3} (expert data parallelism).
+    ep = [dist.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
+    dp = [dist.new_group(r) for r in ([0, 2], [1, 3])][rank % 2]
+    x = _tokens(rank, world, 6)[0]
+    out: dict[str, str] = {}
+    for name, group in (("replicas", dp), ("world", None)):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(
+            uniep.nn.MoELayer(H, FFN, 4, K, group=ep), process_group=group
+        )
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                ddp(x).sum().backward()
+            out[name] = "ok: " + " | ".join(str(w.message) for w in seen)
+        except ValueError as e:
+            out[name] = f"ValueError: {e}"
+        del ddp
+        gc.collect()
+        dist.barrier()
+    return out
+
+
+def test_ddp_over_expert_replicas_is_not_the_trap() -> None:
+    """A DDP whose peers hold the same experts (its group meets the expert group at this rank
+    alone) reduces true replicas: the forward runs and warns about the experts' gradient scale,
+    where it raised the trap's false claim; a DDP over every rank still raises."""
+    for rank, rep in enumerate(run_ranks(4, _expert_data_parallel_worker)):
+        assert rep["replicas"].startswith("ok: "), (rank, rep["replicas"])
+        assert "scale them by 1/2" in rep["replicas"], (rank, rep["replicas"])
+        assert "treats them as replicated" in rep["world"], (rank, rep["world"])

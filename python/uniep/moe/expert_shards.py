@@ -20,7 +20,7 @@ same values on purpose).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from torch import nn
 
 __all__ = [
     "check_distinct_shards",
+    "ddp_holds_other_shards",
     "ddp_reduces",
     "is_expert_shard",
     "mark_expert_shards",
@@ -123,6 +124,20 @@ def ddp_reduces(*tensors: torch.Tensor) -> bool:
     return any(id(t) in ids for t in tensors)
 
 
+def ddp_holds_other_shards(expert_ranks: Sequence[int]) -> bool:
+    """Whether the running DistributedDataParallel's group holds two ranks of ``expert_ranks``
+    (the group the experts are split over): only then does it take one rank's shard for
+    another's. A DDP group that meets the experts' group at this rank alone (expert data
+    parallelism: the DDP peers hold the same experts, one per expert group) reduces true
+    replicas."""
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return False
+    group = getattr(ddp, "process_group", None)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return len(set(ranks) & set(expert_ranks)) > 1
+
+
 def is_expert_shard(p: torch.Tensor) -> bool:
     """Whether ``p`` was marked by :func:`mark_expert_shards`."""
     return hasattr(p, _MARK)
@@ -155,7 +170,9 @@ def refuse_ddp_replicas(group_name: str, world: int, w1: torch.Tensor, w2: torch
     if is_expert_shard(w1) or is_expert_shard(w2):
         return
     if ddp_reduces(w1, w2):
-        raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        if ddp_holds_other_shards(dist.get_process_group_ranks(group)):
+            raise RuntimeError(_trap_message(group_name, world, w1, w2, in_ddp=True))
 
 
 def check_distinct_shards(group_name: str, w1: torch.Tensor, w2: torch.Tensor) -> None:

@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _C, distributed
-from ..moe.expert_shards import ddp_reduces, mark_expert_shards, marked_shards
+from ..moe.expert_shards import (
+    ddp_holds_other_shards,
+    ddp_reduces,
+    mark_expert_shards,
+    marked_shards,
+)
 from ..tuning.params import as_string as tuning_string
 from ..tuning.params import parse as parse_tuning
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -222,7 +227,8 @@ def _check_ddp(module: nn.Module) -> str | None:
         return None  # one shard per rank is a replica: DDP's broadcast and average are right
     if torch.nn.parallel.DistributedDataParallel._active_ddp_module is None:
         return None
-    if ddp_reduces(module.w1, module.w2):
+    reduced = ddp_reduces(module.w1, module.w2)
+    if reduced and ddp_holds_other_shards(module.group_ranks):
         return (
             f"{type(module).__name__} holds experts [{module.expert_offset}, "
             f"{module.expert_offset + module.num_local_experts}) of {module.num_experts}, "
@@ -234,12 +240,23 @@ def _check_ddp(module: nn.Module) -> str | None:
             "gradients"
         )
     if module._ddp_grad_scale is None:
-        warnings.warn(
-            f"{type(module).__name__}: DistributedDataParallel averages the replicated "
-            "gradients but this module's expert gradients are sums over the ranks' losses; "
-            "use uniep.nn.prepare_data_parallel(model) to scale them",
-            stacklevel=3,
-        )
+        if reduced:
+            # Expert data parallelism: the DDP peers hold the same experts (one per expert
+            # group), so its broadcast and average are right for them.
+            advice = (
+                "averages these experts over their replicas (the DDP group meets the expert "
+                f"group at this rank alone), but their gradients are sums over the expert "
+                f"group's {module.world_size} ranks' tokens: scale them by "
+                f"1/{module.world_size}, and reduce the replicated parameters (the router) over "
+                "the expert group as well; uniep.nn.data_parallel serves expert parallelism "
+                "over the whole data-parallel group only"
+            )
+        else:
+            advice = (
+                "averages the replicated gradients but this module's expert gradients are sums "
+                "over the ranks' losses; use uniep.nn.prepare_data_parallel(model) to scale them"
+            )
+        warnings.warn(f"{type(module).__name__}: DistributedDataParallel {advice}", stacklevel=3)
         module._ddp_grad_scale = 1.0
     return None
 
