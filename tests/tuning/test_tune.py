@@ -576,7 +576,9 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-def test_two_ranks_tune_collectively_and_ranks_that_find_other_points_run_the_defaults(tmp_path: Path) -> None:
+def test_two_ranks_tune_collectively_and_ranks_that_find_other_points_run_the_defaults(
+    tmp_path: Path,
+) -> None:
     r0, r1 = run_ranks(2, _two_ranks, str(tmp_path), timeout=90.0)
     assert r0["world"] == r1["world"] == 2
     assert r0["tuning"] == r1["tuning"] and r0["order"] == r1["order"]
