@@ -63,7 +63,7 @@ void expect_invalid(const std::function<void()>& fn, const std::vector<std::stri
   throw Failure{"returned; want uniep::Error naming \"" + parts.front() + "\""};
 }
 
-// Two ranks, two experts each, two tokens of top 2 on this rank.
+// Two ranks, two experts each, one token of top 2 on this rank.
 MoeShape small_shape() {
   MoeShape s;
   s.tokens = 1;
