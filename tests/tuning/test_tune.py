@@ -551,22 +551,21 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     x, idx, w, w1, w2 = _inputs(rank, world)
     y = uniep.moe_forward(x, idx, w, w1, w2)
     out["same_bits"] = torch.equal(y, uniep.moe_forward(x, idx, w, w1, w2, tuning=_full("")))
-    # Ragged batches: a point cached for rank 0's token count and none for rank 1's. The call's
-    # agreement fails on both, and both run it again with the defaults (the same bits), warn
-    # once, and keep to the defaults for this shape.
+    # Ragged batches: a point cached for rank 0's token count and none for rank 1's. The call
+    # agreement fails on both, each naming where its point came from and the ragged cause.
     other = _full(POINT) if result.tuning != _full(POINT) else _full("tile_m=16")
     if rank == 0:
         tune.store(other, **SHAPE, world_size=world)
     t = SHAPE["tokens"] if rank == 0 else SHAPE["tokens"] - 2
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        y = uniep.moe_forward(x[:t], idx[:t], w[:t], w1, w2)
-        again = uniep.moe_forward(x[:t], idx[:t], w[:t], w1, w2)
-    out["warnings"] = [str(m.message) for m in seen]
-    out["fell_back"] = torch.equal(
-        y, uniep.moe_forward(x[:t], idx[:t], w[:t], w1, w2, tuning="dispatch=bf16")
-    )
-    out["stays"] = torch.equal(again, y)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            uniep.moe_forward(x[:t], idx[:t], w[:t], w1, w2)
+        out["error"] = ""
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    # An explicit string chooses one point for every rank.
+    out["explicit"] = uniep.moe_forward(x[:t], idx[:t], w[:t], w1, w2, tuning=_full("")).shape[0]
     # Different arguments: rank 0, whose own match its own, names the rank that differs.
     try:
         tune.tune(**SHAPE, device="cpu", **{**QUICK, "iters": 2 + rank})
@@ -576,7 +575,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-def test_two_ranks_tune_collectively_and_ranks_that_find_other_points_run_the_defaults(
+def test_two_ranks_tune_collectively_and_a_cache_mismatch_fails_loudly(
     tmp_path: Path,
 ) -> None:
     r0, r1 = run_ranks(2, _two_ranks, str(tmp_path), timeout=90.0)
@@ -587,11 +586,12 @@ def test_two_ranks_tune_collectively_and_ranks_that_find_other_points_run_the_de
     assert all(len(times) == 2 for times in r0["rounds"])
     for r in (r0, r1):
         assert r["looked_up"] == r0["tuning"] and r["world1"] is None and r["same_bits"]
-        # Not a hang, not an error: one warning naming the key, then the defaults' bits.
-        assert len(r["warnings"]) == 1, r["warnings"]
-        assert re.search(r"tuning \w+ differs", r["warnings"][0]), r["warnings"]
-        assert "ragged" in r["warnings"][0] and "built-in defaults" in r["warnings"][0]
-        assert r["fell_back"] and r["stays"]
+        # Not a hang, not silent divergence: every rank raises, naming a tuning key and the hint.
+        assert r["error"].startswith("ValueError"), r["error"]
+        assert re.search(r"tuning \w+ differs", r["error"]), r["error"]
+        assert "ragged batches" in r["error"] and "tune cache" in r["error"], r["error"]
+    assert "rank0.json" in r0["error"] and "rank1.json" in r1["error"]
+    assert r0["explicit"] == SHAPE["tokens"] and r1["explicit"] == SHAPE["tokens"] - 2
     assert "rank 1's differ from rank 0's" in r0["arguments"], r0["arguments"]
     assert "rank 0: " in r1["arguments"] and "rank 1: " in r1["arguments"], r1["arguments"]
 

@@ -368,5 +368,5 @@ def moe_forward(
 
     world = distributed.world_size(group)
     return tune_cache.call_with_cached_point(
-        run, x, topk_idx, w2.shape[1], w1.shape[0] * world, world, name
+        run, x, topk_idx, w2.shape[1], w1.shape[0] * world, world
     )

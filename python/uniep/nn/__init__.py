@@ -333,9 +333,8 @@ def _run_experts(
         )
 
     y = tune_cache.call_with_cached_point(
-        run, tokens, idx, module.ffn_hidden, module.num_experts, module.world_size,
-        module.group_name,
-    )  # fmt: skip
+        run, tokens, idx, module.ffn_hidden, module.num_experts, module.world_size
+    )
     return y.reshape(x.shape)
 
 

@@ -429,10 +429,6 @@ def tuning_for_call(
 
 _T = TypeVar("_T")
 
-# (group, hidden, ffn, experts, top_k, dtype, device type, weights) of calls whose ranks found
-# different points: they run the built-in defaults from then on, without a lookup.
-_DIVERGED: set[tuple] = set()
-
 
 def call_with_cached_point(
     run: Callable[[str], _T],
@@ -441,29 +437,16 @@ def call_with_cached_point(
     ffn: int,
     experts: int,
     world_size: int,
-    group_name: str,
 ) -> _T:
     """``run(tuning)`` with the point :func:`tuning_for_call` finds for this call (``""``: none).
 
     Each rank looks up its own token count, so ranks with ragged batches (a point cached for one
     rank's tokens and not for another's), or ranks that read different cache files, find
-    different points, and the call's agreement raises on every rank naming a tuning key. Every
-    rank then runs the call again with the built-in defaults (the agreement comes before any
-    data moves, and schedule keys never change the bits: the output is the same), warns once,
-    and runs this group and shape with the defaults from then on. At one rank a mismatch cannot
-    arise; any other error is raised as it is.
+    different points; the call's agreement then raises on every rank naming a tuning key, and
+    here the error says where this rank's point came from (:func:`cache_mismatch_error`). A
+    retry with the defaults is not safe to make alone: a peer that passed its own tuning string
+    raised and left. Any other error is raised as it is.
     """
-    key = (
-        group_name,
-        x.shape[-1],
-        ffn,
-        experts,
-        topk_idx.shape[-1],
-        x.dtype,
-        x.device.type,
-    )
-    if key in _DIVERGED:
-        return run("")
     tuning = tuning_for_call(x, topk_idx, ffn, experts, world_size)
     try:
         return run(tuning)
@@ -471,18 +454,7 @@ def call_with_cached_point(
         hinted = cache_mismatch_error(e, tuning)
         if hinted is None:
             raise
-        if world_size == 1:
-            raise hinted from e
-        _DIVERGED.add(key)
-        warnings.warn(
-            f"uniep: the ranks of group '{group_name}' found different tuned points for this "
-            f"call ({e}); it runs the built-in defaults on every rank from now on (the same "
-            "output: only the speed differs). Ranks with different token counts (ragged "
-            "batches) look up different cache entries, and every rank must see the same tune "
-            "cache file; pass an explicit tuning string to choose the point",
-            stacklevel=3,
-        )
-        return run("")
+        raise hinted from e
 
 
 def cache_mismatch_error(error: ValueError, used: str) -> ValueError | None:
@@ -498,6 +470,8 @@ def cache_mismatch_error(error: ValueError, used: str) -> ValueError | None:
         else f"the defaults (the uniep tune cache {path} has no entry for this shape)"
     )
     return ValueError(
-        f'{error}\n(this rank was called with tuning "" and so ran {source}; every rank must '
-        "see the same tune cache file: copy it, set UNIEP_TUNE_CACHE, or pass a tuning string)"
+        f'{error}\n(this rank was called with tuning "" and so ran {source}; each rank looks up '
+        "its own token count, so ranks with ragged batches can find different points, and every "
+        "rank must see the same tune cache file: copy it, set UNIEP_TUNE_CACHE, or pass a "
+        "tuning string, which chooses one point for every rank)"
     )
