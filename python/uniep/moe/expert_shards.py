@@ -9,7 +9,9 @@ calls ``torch.ops.uniep.moe_forward`` on its shards marks them with :func:`mark_
 and ``prepare_data_parallel`` / ``data_parallel`` then treat them alike.
 
 The op side (:func:`check_distinct_shards`), for trainable shards at more than one rank: a call
-made inside a running DDP that reduces them as replicas raises at once; and the first time a
+made inside a running DDP that reduces them as replicas of other ranks' shards (its group holds
+two ranks of the experts' group; a DDP over the experts' replicas, one an expert group, is
+expert data parallelism and is left alone) raises at once; and the first time a
 pair of ``(w1, w2)`` parameters goes through ``moe_forward``, the ranks compare a checksum of
 them, since shards of different experts that are bit-identical on every rank are what DDP's
 broadcast leaves behind (a model wrapped in DDP but called through ``ddp.module``, say). Either
