@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 # Importing _C registers the torch.ops.uniep schemas and kernels that the code below extends.
 from .. import _C, distributed
+from .._util.runtime import require_gpu_runtime
 from ..moe import ep as _ep
 
 __all__ = [
@@ -454,12 +455,10 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     """Synchronise the device and raise a timeout a CUDA collective of ``group`` recorded
     (NotImplementedError on a build without the GPU runtime, which has no ``_C.coll_*``
     functions at all: docs/errors.md's error for a request the build cannot serve)."""
-    if not getattr(_C, "has_ep_runtime", False):
-        raise NotImplementedError(
-            "uniep.collectives.check needs the UniEP GPU runtime, which this build lacks (it "
-            f"takes a CUDA build of torch and of uniep; build_info: {_C.build_info()}); the "
-            "collectives on CPU tensors run on the CPU executor over gloo, which needs no runtime"
-        )
+    require_gpu_runtime(
+        "uniep.collectives.check",
+        "the collectives on CPU tensors run on the CPU executor over gloo, which needs no runtime",
+    )
     _C.coll_check(distributed.group_name(group), True)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .._util.runtime import require_gpu_runtime
 from ..distributed import bounded_wait, nvshmem_bootstrap, staging_device, wait_limit_s
 from ..distributed import group_name as _group_name
 from ..tuning.params import parse as parse_tuning
@@ -50,15 +51,10 @@ def available() -> bool:
 
 
 def _require_built(what: str) -> None:
-    """NotImplementedError naming ``what`` on a build without the GPU runtime (a CPU-only build
-    has no ``_C.ep_*`` functions at all), as docs/errors.md promises for requests the build
-    cannot serve."""
-    if not getattr(_C, "has_ep_runtime", False):
-        raise NotImplementedError(
-            f"uniep.moe.ep.{what} needs the UniEP GPU runtime, which this build lacks (it "
-            f"takes a CUDA build of torch and of uniep; build_info: {_C.build_info()}); the "
-            "CPU executor (uniep.moe_forward on CPU tensors) needs no runtime"
-        )
+    require_gpu_runtime(
+        f"uniep.moe.ep.{what}",
+        "the CPU executor (uniep.moe_forward on CPU tensors) needs no runtime",
+    )
 
 
 def init_runtime(
