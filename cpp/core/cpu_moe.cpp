@@ -498,16 +498,13 @@ void backward_impl(const MoeBackwardArgs& b, Transport& tr) {
   }
 }
 
-bool known_dtype(DType d) {
-  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat64;
-}
-
 void check_args(const MoeForwardArgs& a) {
   a.shape.validate();
   a.tuning.validate();
-  UNIEP_CHECK(known_dtype(a.dtype), "dtype must be float32, bfloat16 or float64, got value ",
+  // dtype_size is 0 for a value outside the enum.
+  UNIEP_CHECK(dtype_size(a.dtype) > 0, "dtype must be float32, bfloat16 or float64, got value ",
               static_cast<int64_t>(a.dtype));
-  UNIEP_CHECK(known_dtype(a.weight_dtype),
+  UNIEP_CHECK(dtype_size(a.weight_dtype) > 0,
               "weight_dtype must be float32, bfloat16 or float64, got value ",
               static_cast<int64_t>(a.weight_dtype));
   UNIEP_CHECK(a.weight_dtype != DType::kFloat64 || a.dtype == DType::kFloat64,
