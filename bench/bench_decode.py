@@ -14,7 +14,11 @@ experts' bytes) and, per load and token count, the layer's paths against it:
                           (the MegaKernel on decode batches at world 1: ``fused_by_default``)
     local fused           ``moe_forward_local(overlap="fused")``: the MegaKernel without a host
                           sync (the low-latency path), errors checked after the timing; its tile
-                          left to the choice
+                          left to the choice; on these batches the routing is planned in the
+                          MegaKernel's first launch (``moe_fused_local_planned``)
+    local fused, plan apart  the same with the plan as its own launch ahead (``local_plan``, then
+                          ``moe_fused_local``); ``graph_ratio[...]`` times the two graphs in
+                          interleaved rounds
     local 64x256          the same with 64 x 256 tiles in clusters of two
     local 64x128          the same with the decode shape, 64 x 128 tiles in clusters of one
     prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8`` (at world
@@ -75,8 +79,8 @@ PLAIN = {
 }
 
 
-def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> float | str:
-    """The replay time of ``fn`` captured in a CUDA graph, or why capture failed."""
+def capture(fn: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph | str:
+    """``fn`` captured in a CUDA graph, or why capture failed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -90,7 +94,40 @@ def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> fl
     except Exception as e:  # noqa: BLE001 - the reason is the result
         torch.cuda.synchronize()
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return graph
+
+
+def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> float | str:
+    """The replay time of ``fn`` captured in a CUDA graph, or why capture failed."""
+    graph = capture(fn)
+    if isinstance(graph, str):
+        return graph
     return median_time_ms(graph.replay, warmup, iters, cuda=True)
+
+
+def interleaved_graph_ratio(
+    a: Callable[[], torch.Tensor],
+    b: Callable[[], torch.Tensor],
+    warmup: int,
+    iters: int,
+    rounds: int = 10,
+) -> float | str:
+    """The median over ``rounds`` interleaved rounds of a's replay time over b's (each round
+    times both graphs, a first in even rounds and b first in odd ones), or why capture failed:
+    a ratio of two paths free of the drift between separate timings."""
+    graphs = [capture(a), capture(b)]
+    for g in graphs:
+        if isinstance(g, str):
+            return g
+    per = max(iters // rounds, 5)
+    ratios = []
+    for r in range(rounds):
+        order = (0, 1) if r % 2 == 0 else (1, 0)
+        ms = [0.0, 0.0]
+        for i in order:
+            ms[i] = median_time_ms(graphs[i].replay, warmup if r == 0 else 2, per, cuda=True)
+        ratios.append(ms[0] / ms[1])
+    return sorted(ratios)[len(ratios) // 2]
 
 
 def _paths(
@@ -122,6 +159,24 @@ def _paths(
         )
 
     fns["local fused"] = local()
+
+    def plan_apart() -> torch.Tensor:
+        # The plan as its own launch ahead of the MegaKernel's two (moe_forward_local's path past
+        # the planned launch's bounds), on the tile moe_forward_local picks.
+        from uniep.moe import tile_gates
+        from uniep.moe.megakernel.launch import fused_tile_m, fused_tile_shape
+
+        tile_m = fused_tile_m(idx.numel(), packed.w1.shape[0], x.device)
+        _, tile_n = fused_tile_shape(tile_m, None, "fused")
+        _, offs, base, _, row, counter, _ = tile_gates.local_plan(idx, packed.w1.shape[0], tile_m)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        out, _, _ = torch.ops.uniep.moe_fused_local(
+            x, weights, row, counter, packed.w1, packed.w2, offs, base, sms, -1, 10.0, None,
+            tile_m, False, tile_n,
+        )  # fmt: skip
+        return out
+
+    fns["local fused, plan apart"] = plan_apart
     fns["local 64x256"] = local(tile_m=64, tile_n=256)
     fns["local 64x128"] = local(tile_m=64, tile_n=128)
     fns["prepared fp8"] = lambda: moe_forward_prepared(x, idx, weights, fp8, group, "dispatch=fp8")
@@ -205,6 +260,10 @@ def _load_rows(
             for label in ("local fused", "local 64x256", "prepared", "prepared fp8"):
                 if f"ms[{label}]" in row:
                     row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
+            if "ms[local fused, plan apart]" in row:
+                row["graph_ratio[local fused / plan apart]"] = interleaved_graph_ratio(
+                    fns["local fused"], fns["local fused, plan apart"], args.warmup, args.iters
+                )
             if args.profile:
                 picks = {k: fns[k] for k in ("local 64x256", "local 64x128") if f"ms[{k}]" in row}
                 row["kernels_us"] = profile_kernels(picks, args.profile)
@@ -216,7 +275,8 @@ def _load_rows(
                 if k.startswith("ms[")
             )
             + "  graph: "
-            + ", ".join(f"{k[6:-1]}={row[k]}" for k in row if k.startswith("graph[")),
+            + ", ".join(f"{k[6:-1]}={row[k]}" for k in row if k.startswith("graph["))
+            + "".join(f"  {k}={row[k]}" for k in row if k.startswith("graph_ratio[")),
             flush=True,
         )
         rows.append(row)

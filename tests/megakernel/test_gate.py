@@ -98,6 +98,26 @@ def test_fake_kernels_give_the_shapes() -> None:
         )
         assert out.shape == (300, 64) and out.dtype == torch.bfloat16
         assert error.shape == (1,) and timeout.shape == (5,)
+        out, error, timeout = torch.ops.uniep.moe_fused_local_planned(
+            x, idx, torch.empty(300, 4), w, w2, 1.0, 64
+        )
+        assert out.shape == (300, 64) and out.dtype == torch.bfloat16
+        assert error.shape == (1,) and error.dtype == torch.int64
+        assert timeout.shape == (5,) and timeout.dtype == torch.int32
+        with pytest.raises(ValueError, match="topk_idx must be"):
+            torch.ops.uniep.moe_fused_local_planned(x, idx[:5], torch.empty(300, 4), w, w2, 1.0)
+
+
+def test_the_fused_launch_plans_decode_batches_itself() -> None:
+    from uniep.moe.megakernel.launch import planned_in_launch
+
+    # A decode batch with every CTA sending and no trace: the planned launch.
+    assert planned_in_launch(2048, 1024, 132, 132, None)
+    # Past one block's entries or experts, fewer senders, or a trace: the plan apart.
+    assert not planned_in_launch(2049, 128, 132, 132, None)
+    assert not planned_in_launch(8, 1025, 132, 132, None)
+    assert not planned_in_launch(8, 128, 16, 132, None)
+    assert not planned_in_launch(8, 128, 132, 132, torch.zeros(4 * 132, dtype=torch.int64))
 
 
 def test_fused_backward_fake_kernel_gives_the_shapes() -> None:

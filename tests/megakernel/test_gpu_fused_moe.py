@@ -5,7 +5,8 @@ the send into GEMM rows, both expert GEMMs and the reduce over k.
 Checked: the fused output equals the sequential composition bit for bit at every tuning point
 (how many CTAs send, how many rounds the others take first, every CTA sending; cooperative
 128 x 256 tiles, ping-pong 64 x 256 ones and the decode shape's 64 x 128 in clusters of one) and
-run to run, on decode batches of one and a few tokens,
+run to run, on decode batches of one and a few tokens (planned in the launch itself, as
+``moe_fused_local_planned``, and apart),
 top-k 1 to 9, hundreds of experts, skewed routings, empty experts, -1 entries, hidden and FFN
 sizes that are multiples of 64 but not of 128; it is within bf16 rounding of float64; zero tokens
 and all-unused routings give empty and zero outputs; a bad expert id is named; rows that never
@@ -211,6 +212,73 @@ def test_bad_arguments_are_named() -> None:
     x2, _, _, w1b, w2b = _layer(8, 96, 128, 4, 2, seed=6)
     with pytest.raises(ValueError, match="multiple of 64"):
         op(x2, w, row, counter, pack_gate_up(w1b), w2b, offs, base, 16, -1, 1.0)
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,ffn,experts,top_k,skew",
+    [
+        (1, 256, 192, 64, 8, False),  # one token: eight experts of one row
+        (256, 128, 128, 1024, 8, False),  # 2,048 entries over 1,024 experts: the bounds
+        (255, 128, 64, 16, 8, True),  # skewed, with empty experts and -1 entries
+    ],
+)
+def test_the_planned_launch_has_the_plan_apart_bits(tokens, hidden, ffn, experts, top_k, skew):
+    """moe_fused_local_planned (the plan made by the MegaKernel's first launch) against
+    local_plan followed by moe_fused_local, at every tile shape; past its bounds
+    moe_forward_local plans apart, and the op itself refuses naming them."""
+    from uniep.moe.megakernel.launch import moe_forward_local
+
+    x, idx, w, w1, w2 = _layer(tokens, hidden, ffn, experts, top_k, tokens + experts, skew)
+    w1p = pack_gate_up(w1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tile_m, tile_n in TILES:
+        _, offs, base, _, row, counter, plan_error = gate.local_plan(idx, experts, tile_m)
+        apart, error, timeout = torch.ops.uniep.moe_fused_local(
+            x, w, row, counter, w1p, w2, offs, base, sms, -1, 5.0, None, tile_m, False, tile_n
+        )
+        gate.check_send_error(plan_error, top_k, "plan")
+        gate.check_send_error(error, top_k, "fused")
+        gate.check_gate_timeout(timeout, "fused")
+        got, error, timeout = torch.ops.uniep.moe_fused_local_planned(
+            x, idx, w, w1p, w2, 5.0, tile_m, False, tile_n
+        )
+        gate.check_send_error(error, top_k, "planned")
+        gate.check_gate_timeout(timeout, "planned")
+        assert torch.equal(got, apart), f"tile {tile_m} x {tile_n}"
+    seq = moe_forward_local(x, idx, w, w1p, w2)
+    assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), seq)
+    ref = _reference(x, idx, w, w1, w2)
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < 2e-2, f"relative error {err:.3g} against float64"
+
+
+def test_the_planned_launch_bounds_and_errors() -> None:
+    from uniep.moe.megakernel.launch import moe_forward_local
+
+    # One entry past the bound: moe_forward_local plans apart, with the same bits.
+    x, idx, w, w1, w2 = _layer(683, 128, 128, 16, 3, seed=21)  # 2,049 entries
+    w1p = pack_gate_up(w1)
+    seq = moe_forward_local(x, idx, w, w1p, w2)
+    assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), seq)
+    with pytest.raises(ValueError, match=r"plans at most 2048 entries .* got 2049 and 16"):
+        torch.ops.uniep.moe_fused_local_planned(x, idx, w, w1p, w2, 1.0)
+    # A bad id is named, and the next call (same buffers' sizes) starts with clean words.
+    x, idx, w, w1, w2 = _layer(4, 128, 128, 4, 2, seed=22)
+    w1p = pack_gate_up(w1)
+    good = moe_forward_local(x, idx, w, w1p, w2)
+    bad = idx.clone()
+    bad[2, 1] = 9
+    _, error, _ = torch.ops.uniep.moe_fused_local_planned(x, bad, w, w1p, w2, 1.0, 64, False, 128)
+    with pytest.raises(ValueError, match=r"entry \(token 2, k 1\) holds an expert id"):
+        gate.check_send_error(error, 2, "planned")
+    got, error, timeout = torch.ops.uniep.moe_fused_local_planned(
+        x, idx, w, w1p, w2, 1.0, 64, False, 128
+    )
+    gate.check_send_error(error, 2, "planned")
+    gate.check_gate_timeout(timeout, "planned")
+    assert torch.equal(got, good)
+    with pytest.raises(ValueError, match="topk_idx must be"):
+        torch.ops.uniep.moe_fused_local_planned(x, idx.int(), w, w1p, w2, 1.0)
 
 
 @pytest.mark.parametrize(("comm_sms", "tile_m"), [(None, None), (16, 128), (10_000, 64)])

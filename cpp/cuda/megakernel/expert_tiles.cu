@@ -7,6 +7,7 @@
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
+#include "cuda/megakernel/local_plan.cuh"
 #include "uniep/cuda/send_rows.hpp"
 #include "uniep/cuda/tile_gate.hpp"
 #include "uniep/send_rows_error.hpp"
@@ -14,10 +15,14 @@
 namespace uniep::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kPerThread = 8;                         // ids a thread loads, all in flight
-constexpr int kBlockEntries = kThreads * kPerThread;  // ids a block counts
-constexpr int kSharedExperts = 8192;                  // counted in shared memory up to here
+using local_plan::kBlockEntries;
+using local_plan::kLocalExperts;
+using local_plan::kPerThread;
+using local_plan::kThreads;
+using local_plan::kWarpEntries;
+using local_plan::kWarps;
+using local_plan::WarpEntries;
+constexpr int kSharedExperts = 8192;  // counted in shared memory up to here
 
 // Each block counts its 2,048 ids in shared memory and adds its nonzero counts to `sums`; the
 // last block to finish (a ticket after a fence) turns the sums into counts, row ends and tile
@@ -103,93 +108,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The local plan's counting sort: each warp walks a segment of consecutive entries in (token, k)
-// order (256 in the multi-block plan, the batch split evenly over the warps in the one-block
-// one), ranking equal ids by __match_any_sync, after a first walk that counts them per warp; so
-// the i-th entry routed to e gets e's i-th row, as plan_sender_rows (cpp/core/experts.cpp) gives
-// it. The expert bound keeps the per-warp table in shared memory (8 x 1024 ints).
-constexpr int kLocalExperts = 1024;
-constexpr int kWarps = kThreads / 32;
-constexpr int kWarpEntries = kBlockEntries / kWarps;
-constexpr int kWarpSteps = kWarpEntries / 32;
-
-// One warp's segment [seg, seg + 32 x steps) of the entries, read once, every lane's loads in
-// flight together, and kept in registers for both passes. Why not read in each step: the steps
-// are a dependent chain (each ranks against the table the step before updated), so with the
-// read inside it a 512-entry batch, whose two warps took 8 steps each, paid 16 global-memory
-// latencies, and the plan took 8 us against 2.6 us for one token (one H200, 2026-12-03,
-// ef256e9).
-struct WarpEntries {
-  int64_t seg = 0;
-  int steps = 0;                // the same in every lane
-  int64_t id[kWarpSteps] = {};  // this lane's entry of each step, or -1 past n
-  int key[kWarpSteps] = {};     // its expert, or -1 for no entry, a negative id or one past E
-};
-
-// Entries [seg, seg + seg_len) (seg_len a multiple of 32, at most kWarpEntries), none past n.
-__device__ __forceinline__ WarpEntries load_warp_entries(const int64_t* __restrict__ ids, int64_t n,
-                                                         int num_experts, int64_t seg, int seg_len,
-                                                         int lane) {
-  WarpEntries w;
-  w.seg = seg;
-  const int64_t left = (n - seg + 31) / 32;
-  w.steps = seg >= n ? 0 : left < seg_len / 32 ? static_cast<int>(left) : seg_len / 32;
-#pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
-    const int64_t i = seg + s * 32 + lane;
-    w.id[s] = s < w.steps && i < n ? ids[i] : -1;
-    w.key[s] = w.id[s] >= 0 && w.id[s] < num_experts ? static_cast<int>(w.id[s]) : -1;
-  }
-  return w;
-}
-
-// The counting sort's first pass over one warp's entries: `table[e]` (the warp's own, zeroed)
-// gains the entries routed to e, one leader per id and step (no atomics).
-__device__ __forceinline__ void count_warp_entries(const WarpEntries& w, int lane, int* table) {
-#pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
-    if (s >= w.steps) break;
-    const int key = w.key[s];
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    if (key >= 0 && lane == __ffs(peers) - 1) table[key] += __popc(peers);
-  }
-}
-
-// The second pass: with `table[e]` the warp's first row of e, each entry gets its row in entry
-// order (equal ids ranked by __match_any_sync), and `counter_of(e, row)` its tile counter; an
-// unused entry gets -1 everywhere, and an id past the experts is reported in `error`.
-template <class CounterOf>
-__device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t n, int num_experts,
-                                                   int lane, int* table, CounterOf counter_of,
-                                                   int64_t* __restrict__ dest_rank,
-                                                   int64_t* __restrict__ gemm_row,
-                                                   int64_t* __restrict__ counter,
-                                                   unsigned long long* __restrict__ error) {
-  const uint32_t below = (1u << lane) - 1u;
-#pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
-    if (s >= w.steps) break;
-    const int64_t i = w.seg + s * 32 + lane;
-    const int key = w.key[s];
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    const int first = key >= 0 ? table[key] : 0;
-    __syncwarp();
-    if (key >= 0 && lane == __ffs(peers) - 1) table[key] = first + __popc(peers);
-    __syncwarp();
-    if (i >= n) continue;
-    if (key < 0) {
-      dest_rank[i] = gemm_row[i] = counter[i] = -1;
-      if (w.id[s] >= num_experts || w.id[s] < -1)
-        atomicCAS(error, 0ull, static_cast<unsigned long long>(send_error_word(kSendBadExpert, i)));
-      continue;
-    }
-    const int row = first + __popc(peers & below);
-    dest_rank[i] = 0;
-    gemm_row[i] = row;
-    counter[i] = counter_of(key, row);
-  }
-}
-
 // Block b's entries of the local plan, after expert_tiles_kernel gave each block its first row
 // per expert.
 __global__ void __launch_bounds__(kThreads)
@@ -201,12 +119,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int table[kWarps][kLocalExperts];
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
-  const WarpEntries mine = load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
+  const WarpEntries mine =
+      local_plan::load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
   __syncthreads();
-  count_warp_entries(mine, lane, table[warp]);
+  local_plan::count_warp_entries(mine, lane, table[warp]);
   __syncthreads();
   // Each warp's first row per expert: the block's base, then the warps before it.
   const int* base = block_rows + int64_t{blockIdx.x} * num_experts;
@@ -220,7 +139,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  place_warp_entries(
+  local_plan::place_warp_entries(
       mine, n, num_experts, lane, table[warp],
       [&](int e, int row) {
         return tile_base[e] + (row - (offs[e] - static_cast<int>(counts[e]))) / tile_m;
@@ -228,76 +147,20 @@ __global__ void __launch_bounds__(kThreads)
       dest_rank, gemm_row, counter, error);
 }
 
-// The whole local plan of up to one block's entries (kBlockEntries: decode batches) in one
-// launch and no memset: the per-warp counts of local_rows_kernel's first pass, summed per expert
-// in shared memory, give the counts, row ends and tile bases, then the second pass the rows. The
-// same values as the two kernels above. Replayed alone in a CUDA graph on one H200 (2026-12-02)
-// the memset and two launches took 17 us of a 65 us 1-token step, this launch 10.5 us.
+// The whole local plan of up to one block's entries in one launch and no memset
+// (local_plan::plan_one_block). Replayed alone in a CUDA graph on one H200 (2026-12-02) the
+// memset and two launches above took 17 us of a 65 us 1-token step, this launch 10.5 us.
 __global__ void __launch_bounds__(kThreads)
     local_plan_small_kernel(const int64_t* __restrict__ ids, int64_t n, int num_experts, int tile_m,
                             int64_t* __restrict__ counts, int32_t* __restrict__ offs,
                             int32_t* __restrict__ tile_base, int64_t* __restrict__ dest_rank,
                             int64_t* __restrict__ gemm_row, int64_t* __restrict__ counter,
                             unsigned long long* __restrict__ error) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ int table[kWarps][kLocalExperts];
-  __shared__ int start[kLocalExperts];  // the first row of each expert
-  __shared__ int base[kLocalExperts];   // its first tile counter
-  __shared__ typename Scan::TempStorage scan;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  // The batch split evenly over the warps, in whole steps of 32: the steps of one warp are a
-  // chain, those of different warps run side by side.
-  const int per_warp = static_cast<int>((n + kWarps - 1) / kWarps);
-  const int seg_len = per_warp <= 32 ? 32 : (per_warp + 31) / 32 * 32;
-  const WarpEntries mine =
-      load_warp_entries(ids, n, num_experts, int64_t{warp} * seg_len, seg_len, lane);
-  // The MegaKernel's problem kernel, launched behind this one as a programmatic dependent
-  // launch (sm90_forward.cu), may start now; it waits for this kernel's end before reading.
-  allow_next_grid();
-  if (tid == 0) *error = 0;
-  for (int e = tid; e < num_experts; e += kThreads)
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) table[w][e] = 0;
-  __syncthreads();
-  count_warp_entries(mine, lane, table[warp]);
-  __syncthreads();
-  int rows_before = 0, tiles_before = 0;  // the same in every thread
-  for (int g = 0; g < num_experts; g += kThreads) {
-    const int e = g + tid;
-    int c = 0;
-    if (e < num_experts)
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) c += table[w][e];
-    const int tiles = c / tile_m + (c % tile_m != 0);
-    int c_incl = 0, c_total = 0, t_excl = 0, t_total = 0;
-    Scan(scan).InclusiveSum(c, c_incl, c_total);
-    __syncthreads();
-    Scan(scan).ExclusiveSum(tiles, t_excl, t_total);
-    __syncthreads();
-    if (e < num_experts) {
-      counts[e] = c;
-      offs[e] = rows_before + c_incl;
-      tile_base[e] = tiles_before + t_excl;
-      start[e] = rows_before + c_incl - c;
-      base[e] = tiles_before + t_excl;
-      // Each warp's first row of e: e's start, then the warps before it.
-      int row = start[e];
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const int cw = table[w][e];
-        table[w][e] = row;
-        row += cw;
-      }
-    }
-    rows_before += c_total;
-    tiles_before += t_total;
-  }
-  if (tid == 0) tile_base[num_experts] = tiles_before;
-  __syncthreads();
-  place_warp_entries(
-      mine, n, num_experts, lane, table[warp],
-      [&](int e, int row) { return base[e] + (row - start[e]) / tile_m; }, dest_rank, gemm_row,
-      counter, error);
+  local_plan::plan_one_block(
+      ids, n, num_experts, tile_m, counts, offs, tile_base, dest_rank, gemm_row, counter, error,
+      // A kernel launched behind this one as a programmatic dependent launch may start now; it
+      // waits for this kernel's end before reading.
+      [] { allow_next_grid(); }, [](int, int, int) {});
 }
 
 // The argument checks expert_tiles and plan_local_rows_async share; `what` names the call.

@@ -408,11 +408,15 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
   plan.gemm_row = s.at<int64_t>(s.layout.gemm_row);
   plan.counter = s.at<int64_t>(s.layout.counter);
   plan.error = errors;
+  // A decode batch in bf16 is planned by the MegaKernel's own first launch (two launches a
+  // step, not three); the rest by the plan's kernels first.
+  const bool planned_in_launch = !c.fp8_experts && fused_plan_fits(entries, E);
   // Sized at creation for max_tokens: enough for any call.
-  if (Status st =
-          plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws), s.layout.plan_ws_bytes, stream);
-      !st.ok())
-    return st;
+  if (!planned_in_launch)
+    if (Status st = plan_local_rows_async(plan, s.at<void>(s.layout.plan_ws),
+                                          s.layout.plan_ws_bytes, stream);
+        !st.ok())
+      return st;
 
   if (c.fp8_experts) return forward_fp8(s, in, plan, stream);
 
@@ -425,15 +429,11 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
   a.hidden = c.hidden;
   a.top_k = c.top_k;
   a.topk_weights = in.topk_weights;
-  a.gemm_row = plan.gemm_row;
-  a.counter = plan.counter;
   a.w1_packed = in.w1;
   a.w1_as_stored = c.w1_as_stored;
   a.w2 = in.w2;
   a.num_experts = E;
   a.ffn = c.ffn;
-  a.offs = plan.offs;
-  a.tile_base = plan.tile_base;
   a.capacity = entries;
   a.rows = s.at<void>(s.layout.rows);
   a.act = s.at<void>(s.layout.act);
@@ -451,6 +451,22 @@ Status MoeLayer::forward(const MoeLayerInputs& in, cudaStream_t stream) {
   launch.comm_ctas = s.sms;  // every CTA sends first, token by token (no row inverse needed)
   launch.tile_m = s.tile_m;
   launch.tile_n = c.tile_n;
+  if (planned_in_launch) {
+    FusedLocalPlan p;
+    p.topk_idx = plan.topk_idx;
+    p.gemm_row = plan.gemm_row;
+    p.counter = plan.counter;
+    p.offs = plan.offs;
+    p.tile_base = plan.tile_base;
+    p.counts = plan.counts;
+    p.error = plan.error;
+    return moe_fused_forward_planned_bf16(a, p, launch, c.device, s.at<void>(s.layout.fused_ws),
+                                          s.layout.fused_ws_bytes, stream);
+  }
+  a.gemm_row = plan.gemm_row;
+  a.counter = plan.counter;
+  a.offs = plan.offs;
+  a.tile_base = plan.tile_base;
   return moe_fused_forward_bf16(a, launch, c.device, s.at<void>(s.layout.fused_ws),
                                 s.layout.fused_ws_bytes, stream);
 }

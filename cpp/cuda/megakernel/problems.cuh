@@ -23,6 +23,18 @@ struct FusedGemmOperands {
   int k = 0, n = 0, out_n = 0;
 };
 
+// Expert e's two groups: e of `first`, E + e of `second`, over its rows r.
+__device__ __forceinline__ void set_fused_expert_problems(int e, int num_experts,
+                                                          grouped::ExpertRows r,
+                                                          const grouped::Workspace& ws,
+                                                          const FusedGemmOperands& first,
+                                                          const FusedGemmOperands& second) {
+  grouped::set_expert_problem<grouped::GroupedKind::kForward>(
+      ws, e, e, r, first.k, first.n, first.out_n, first.x, first.w, first.out);
+  grouped::set_expert_problem<grouped::GroupedKind::kForward>(
+      ws, e + num_experts, e, r, second.k, second.n, second.out_n, second.x, second.w, second.out);
+}
+
 // Groups [0, E) `first`, groups [E, 2E) `second`, over the experts' rows in offs (clamped to
 // [0, rows]). One warp; every lane calls it.
 __device__ __forceinline__ void set_fused_problems(const int32_t* __restrict__ offs,
@@ -31,11 +43,7 @@ __device__ __forceinline__ void set_fused_problems(const int32_t* __restrict__ o
                                                    const FusedGemmOperands& first,
                                                    const FusedGemmOperands& second) {
   grouped::for_each_expert_rows(offs, num_experts, rows, lane, [&](int e, grouped::ExpertRows r) {
-    grouped::set_expert_problem<grouped::GroupedKind::kForward>(
-        ws, e, e, r, first.k, first.n, first.out_n, first.x, first.w, first.out);
-    grouped::set_expert_problem<grouped::GroupedKind::kForward>(ws, e + num_experts, e, r, second.k,
-                                                                second.n, second.out_n, second.x,
-                                                                second.w, second.out);
+    set_fused_expert_problems(e, num_experts, r, ws, first, second);
   });
 }
 

@@ -14,6 +14,7 @@
 #include "cuda/gemm/grouped/launch_status.hpp"
 #include "cuda/megakernel/checks.hpp"
 #include "cuda/megakernel/launch.hpp"
+#include "cuda/megakernel/local_plan.cuh"
 #include "cuda/megakernel/problems.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
@@ -64,6 +65,41 @@ __global__ void __launch_bounds__(kProblemThreads)
   for (int64_t i = lane; i < scratch.num_held; i += 32) scratch.held[i] = nullptr;
   set_fused_problems(offs, num_experts, rows, lane, ws, {x_rows, w1, act, hidden, 2 * ffn, ffn},
                      {act, w2, y, ffn, hidden, hidden});
+}
+
+// fused_problems' work and the routing's plan in one block (moe_fused_forward_planned_bf16):
+// the plan's rows and tile counters (local_plan::plan_one_block), each expert's two groups
+// written as its row range is known, and the launch's state zeroed. One launch boundary fewer
+// ahead of the MegaKernel than the plan and fused_problems apart.
+__global__ void __launch_bounds__(local_plan::kThreads)
+    fused_plan_problems(FusedLocalPlan plan, int64_t entries, int num_experts, int tile_m,
+                        int hidden, int ffn, const grouped::Bf16* x_rows, const grouped::Bf16* w1,
+                        const grouped::Bf16* w2, grouped::Bf16* act, grouped::Bf16* y,
+                        grouped::Workspace ws, FusedScratch scratch, FusedZeroState zero) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int64_t i = tid; i < zero.num_counters; i += local_plan::kThreads) {
+#pragma unroll
+    for (uint32_t* c : zero.counters) c[i] = 0;
+  }
+  for (int64_t i = tid; i < scratch.num_held; i += local_plan::kThreads) scratch.held[i] = nullptr;
+  unsigned long long* plan_error = plan.error != nullptr ? plan.error : zero.error;
+  if (tid == 0) {
+    *scratch.reduce_ticket = 0;
+    *zero.timeout = GateTimeout{0u, 0, 0, 0u, 0u};  // as a memset
+    if (plan_error != zero.error) *zero.error = 0;
+  }
+  const FusedGemmOperands first{x_rows, w1, act, hidden, 2 * ffn, ffn};
+  const FusedGemmOperands second{act, w2, y, ffn, hidden, hidden};
+  // The plan zeroes its error word before it reports a bad id there.
+  local_plan::plan_one_block(
+      plan.topk_idx, entries, num_experts, tile_m, plan.counts, plan.offs, plan.tile_base, nullptr,
+      plan.gemm_row, plan.counter, plan_error,
+      // The MegaKernel behind this kernel may start its CTAs now; it waits for this one's end.
+      [] { allow_next_grid(); },
+      [&](int e, int start, int count) {
+        set_fused_expert_problems(e, num_experts, grouped::ExpertRows{start, start + count}, ws,
+                                  first, second);
+      });
 }
 
 __global__ void fused_row_entries_kernel(const int64_t* __restrict__ gemm_row, int64_t entries,
@@ -215,8 +251,14 @@ size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count) {
          megakernel::fused_held_bytes(sm_count) + grouped::kWorkspaceAlign;
 }
 
-Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
-                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+namespace megakernel {
+namespace {
+
+// Both entries below: with `plan` the routing is planned in the launch that readies the
+// problem arrays (fused_plan_problems), else by the caller before (fused_problems).
+Status fused_forward(const FusedMoeArgs& a, const FusedLocalPlan* plan,
+                     const FusedMoeLaunch& launch, int device, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) {
   if (launch.tile_m != 128 && launch.tile_m != 64)
     return {StatusCode::kInvalidArgument,
             detail::str_cat("tile_m must be 128 (cooperative 128 x 256 tiles) or 64 (ping-pong "
@@ -297,13 +339,30 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
   // With peers GEMM 2's rows go to the combine slots; its output pointers are not written.
   auto* y_rows = static_cast<grouped::Bf16*>(a.y != nullptr ? a.y : a.act);
   // A failed launch leaves its error for the launch_status below.
-  (void)launch_after_prior(
-      megakernel::fused_problems, dim3(static_cast<unsigned>(problem_blocks)),
-      dim3(megakernel::kProblemThreads), 0, stream, a.offs, static_cast<int>(a.num_experts),
-      static_cast<int>(a.capacity), static_cast<int>(a.hidden), static_cast<int>(a.ffn),
-      static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
-      static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act), y_rows, ws,
-      scratch, zero);
+  if (plan != nullptr) {
+    if (launch.comm_ctas < sm_count)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("moe_fused_forward_planned_bf16: comm_ctas must be >= the grid (",
+                              sm_count,
+                              "): every CTA sends, token by token (the row-order send of fewer "
+                              "CTAs needs the plan's row inverse first); got ",
+                              launch.comm_ctas)};
+    // A plain launch: it reads the routing, which the kernel ahead may write, at once.
+    megakernel::fused_plan_problems<<<1, local_plan::kThreads, 0, stream>>>(
+        *plan, a.tokens * a.top_k, static_cast<int>(a.num_experts), launch.tile_m,
+        static_cast<int>(a.hidden), static_cast<int>(a.ffn),
+        static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
+        static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act), y_rows, ws,
+        scratch, zero);
+  } else {
+    (void)launch_after_prior(
+        megakernel::fused_problems, dim3(static_cast<unsigned>(problem_blocks)),
+        dim3(megakernel::kProblemThreads), 0, stream, a.offs, static_cast<int>(a.num_experts),
+        static_cast<int>(a.capacity), static_cast<int>(a.hidden), static_cast<int>(a.ffn),
+        static_cast<const grouped::Bf16*>(a.rows), static_cast<const grouped::Bf16*>(a.w1_packed),
+        static_cast<const grouped::Bf16*>(a.w2), static_cast<grouped::Bf16*>(a.act), y_rows, ws,
+        scratch, zero);
+  }
   if (Status s = launch_status("the fused MoE kernel's problem kernel"); !s.ok()) return s;
 
   // Units of the cluster's CTAs.
@@ -316,6 +375,50 @@ Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launc
                        : fused_default_skip_rounds(sent, a.hidden, comm_units * entry->cluster_m,
                                                    a.peers.world_size, launch.tile_m, tile_n);
   return entry->launch(ws, a, comm_units, skip, scratch, device, sm_count, stream);
+}
+
+}  // namespace
+}  // namespace megakernel
+
+Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
+                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return megakernel::fused_forward(a, nullptr, launch, device, workspace, workspace_bytes, stream);
+}
+
+Status moe_fused_forward_planned_bf16(FusedMoeArgs a, const FusedLocalPlan& plan,
+                                      const FusedMoeLaunch& launch, int device, void* workspace,
+                                      size_t workspace_bytes, cudaStream_t stream) {
+  constexpr const char* kWhat = "moe_fused_forward_planned_bf16";
+  if (a.gemm_row != nullptr || a.counter != nullptr || a.offs != nullptr ||
+      a.tile_base != nullptr || a.row_entry != nullptr || a.send_order != nullptr)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(kWhat,
+                            ": gemm_row, counter, offs, tile_base, row_entry and send_order of "
+                            "FusedMoeArgs must be null (the launch plans the rows into plan's)")};
+  if (a.peers.world_size != 1)
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(kWhat, ": the planned launch is for world 1 (peers.world_size 1), got ",
+                            a.peers.world_size)};
+  const int64_t entries = a.tokens * a.top_k;
+  if (a.tokens > 0 && !fused_plan_fits(entries, a.num_experts))
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat(kWhat, ": at most ", kFusedPlanMaxEntries, " entries (tokens x top_k) and ",
+                        kFusedPlanMaxExperts, " experts (one block plans them), got ", entries,
+                        " and ", a.num_experts, ": plan with plan_local_rows_async instead")};
+  if (a.tokens > 0 &&
+      (plan.topk_idx == nullptr || plan.gemm_row == nullptr || plan.counter == nullptr ||
+       plan.offs == nullptr || plan.tile_base == nullptr))
+    return {StatusCode::kInvalidArgument,
+            detail::str_cat(kWhat,
+                            ": plan.topk_idx, gemm_row, counter, offs and tile_base must be "
+                            "device pointers")};
+  a.gemm_row = plan.gemm_row;
+  a.counter = plan.counter;
+  a.offs = plan.offs;
+  a.tile_base = plan.tile_base;
+  a.zero_state = true;
+  return megakernel::fused_forward(a, &plan, launch, device, workspace, workspace_bytes, stream);
 }
 
 }  // namespace uniep::cuda

@@ -130,6 +130,13 @@ TORCH_LIBRARY(uniep, m) {
       "int skip_rounds, float timeout_s, Tensor(a!)? trace=None, int tile_m=128, "
       "bool w1_as_stored=False, int tile_n=0) -> "
       "(Tensor out, Tensor error, Tensor timeout)");
+  // The same with the routing's plan made in the launch (include/uniep/cuda/fused_moe.hpp,
+  // moe_fused_forward_planned_bf16): topk_idx [T, K] int64 instead of local_plan's outputs, at
+  // most 2,048 entries (T x K) and 1,024 experts; every CTA sends. The same bits and returns.
+  m.def(
+      "moe_fused_local_planned(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
+      "Tensor w2, float timeout_s, int tile_m=128, bool w1_as_stored=False, int tile_n=0) -> "
+      "(Tensor out, Tensor error, Tensor timeout)");
   // The MegaKernel backward's first launch at world 1 (CUDA only;
   // include/uniep/cuda/fused_moe_backward.hpp): the send of x's and grad_out's rows into GEMM rows
   // (the forward's plan at 128-row tiles) and h = rows_x w1, grad_act = rows_go w2t as one gated

@@ -143,6 +143,42 @@ size_t fused_moe_workspace_bytes(int64_t num_experts, int sm_count);
 Status moe_fused_forward_bf16(const FusedMoeArgs& a, const FusedMoeLaunch& launch, int device,
                               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// The routing's plan made by the launch itself (moe_fused_forward_planned_bf16): the values of
+// plan_local_rows_async (uniep/cuda/send_rows.hpp) at the launch's tile_m, written by the
+// kernel that readies the MegaKernel's problem arrays, so that a decode step is two launches,
+// not three. All device pointers; nothing is written for zero tokens.
+struct FusedLocalPlan {
+  const int64_t* topk_idx = nullptr;  // [tokens][top_k] expert ids, -1 for no expert
+  int64_t* gemm_row = nullptr;        // [tokens * top_k] written: each entry's GEMM row, or -1
+  int64_t* counter = nullptr;         // [tokens * top_k] written: its tile counter, or -1
+  int32_t* offs = nullptr;            // [E] written: the experts' cumulative row ends
+  int32_t* tile_base = nullptr;       // [E + 1] written: each expert's first tile counter
+  int64_t* counts = nullptr;          // [E] written: rows per expert (optional: null)
+  // Where a bad expert id is reported (send_rows' error word, zeroed by the launch); null:
+  // FusedMoeArgs::error, the kernel's own word.
+  unsigned long long* error = nullptr;
+};
+
+// The planned launch's bounds: one block plans the entries (decode batches).
+constexpr int64_t kFusedPlanMaxEntries = 2048;
+constexpr int64_t kFusedPlanMaxExperts = 1024;
+
+// Whether moe_fused_forward_planned_bf16 takes a call of `entries` = tokens x top_k entries over
+// `num_experts` experts.
+inline bool fused_plan_fits(int64_t entries, int64_t num_experts) {
+  return entries >= 0 && entries <= kFusedPlanMaxEntries && num_experts >= 1 &&
+         num_experts <= kFusedPlanMaxExperts;
+}
+
+// moe_fused_forward_bf16 at world 1 with the plan made in the launch: a's gemm_row, counter,
+// offs and tile_base must be null (plan's are used), and so must row_entry and send_order; the
+// call zeroes the counters, error and timeout itself (zero_state); every CTA sends
+// (launch.comm_ctas >= the grid), token by token. A bad expert id is reported in a.error. The
+// same bits as plan_local_rows_async followed by moe_fused_forward_bf16.
+Status moe_fused_forward_planned_bf16(FusedMoeArgs a, const FusedLocalPlan& plan,
+                                      const FusedMoeLaunch& launch, int device, void* workspace,
+                                      size_t workspace_bytes, cudaStream_t stream);
+
 // The skip_rounds that skip_rounds = -1 picks for a send of `rows` rows by comm_ctas CTAs
 // (exposed so tools can print it); with peers part of the rows cross NVLink.
 int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1,

@@ -301,6 +301,35 @@ def _grouped_mm_gated_fake(
     return x.new_empty((5,), dtype=torch.int32)
 
 
+@torch.library.register_fake("uniep::moe_fused_local_planned")
+def _moe_fused_local_planned_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w2: torch.Tensor,
+    timeout_s: float,
+    tile_m: int = 128,
+    w1_as_stored: bool = False,
+    tile_n: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
+    )
+    torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")
+    torch._check_value(
+        w2.dim() == 3 and w2.shape[2] == x.shape[1],
+        lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",
+    )
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((1,), dtype=torch.int64),
+        x.new_empty((5,), dtype=torch.int32),
+    )
+
+
 @torch.library.register_fake("uniep::moe_fused_local")
 def _moe_fused_local_fake(
     x: torch.Tensor,

@@ -248,6 +248,26 @@ def fused_by_default(rows: int, num_experts: int, world: int) -> bool:
     return world == 1 and num_experts > 0 and 0 < rows <= 64 * num_experts
 
 
+# The most entries (tokens x top_k) and experts whose plan the MegaKernel's first launch makes
+# itself (kFusedPlanMaxEntries and kFusedPlanMaxExperts, include/uniep/cuda/fused_moe.hpp).
+FUSED_PLAN_MAX_ENTRIES = 2048
+FUSED_PLAN_MAX_EXPERTS = 1024
+
+
+def planned_in_launch(
+    entries: int, num_experts: int, comm_sms: int, sms: int, trace: torch.Tensor | None
+) -> bool:
+    """Whether ``moe_forward_local(overlap="fused")`` plans the routing in the MegaKernel's first
+    launch (``torch.ops.uniep.moe_fused_local_planned``: a decode step in two launches, not
+    three, with the same bits): a decode batch, every CTA sending, no trace."""
+    return (
+        entries <= FUSED_PLAN_MAX_ENTRIES
+        and num_experts <= FUSED_PLAN_MAX_EXPERTS
+        and comm_sms >= sms
+        and trace is None
+    )
+
+
 def fused_tile_shape(
     tile_m: int | None, tile_n: int | None, overlap: str = "fused"
 ) -> tuple[int | None, int]:
@@ -455,6 +475,18 @@ def moe_forward_local(
     tm = tile_gates.TILE_M
     if overlap == "fused":
         tm = tile_m if tile_m is not None else fused_tile_m(capacity, e, x.device)
+    if overlap == "fused" and planned_in_launch(capacity, e, comm_sms, sms, trace):
+        out, error, t1 = torch.ops.uniep.moe_fused_local_planned(
+            x, topk_idx, topk_weights, w1_packed, w2, timeout_s, tm, w1_as_stored, tn
+        )
+        finish_call(
+            check,
+            [
+                ("send", error, "moe_forward_local (fused)", k),
+                ("gate", t1, "moe_forward_local (fused)", k),
+            ],
+        )
+        return out
     _, offs, base, dest, row, counter, plan_error = tile_gates.local_plan(topk_idx, e, tm)
     if overlap == "fused":
         out, send_error, t1 = torch.ops.uniep.moe_fused_local(
