@@ -142,3 +142,47 @@ def test_a_bad_x_or_schedule_on_one_rank_fails_every_rank(monkeypatch: pytest.Mo
                 assert "rank 1 failed its checks" in got, got
             assert r[f"{name}_s"] < 10, f"rank {rank} took {r[name + '_s']:.1f} s in {name}"
         assert r["after"] == (6, 8)
+
+
+def _default_chunks_worker(rank: int, world: int) -> dict[str, Any]:
+    """The CUDA executor's plumbing on CPU tensors (as tests/parm/test_parm_backends.py runs it)
+    with no chunk plan: the SAA pairs run in the backend's default count, set_saa_chunks's."""
+    from uniep import _C
+    from uniep.parm import new_groups
+    from uniep.parm.cuda import CudaExecutor
+    from uniep.parm.executor import Groups
+    from uniep.parm.ops import _shape
+
+    N, G, E, H, k = 2, 2, 4, 16, 2
+    mp, ep = new_groups(N)
+    groups = Groups(mp=mp, ep=ep, mp_size=N, ep_size=G, mp_index=rank % N, ep_index=rank // N)
+    torch.manual_seed(0)
+    x, gate = torch.randn(TOKENS, H), torch.randn(H, E)
+    w1, w2 = torch.randn(E // G, H, H // N), torch.randn(E // G, H // N, H)
+    shape = _shape(x, gate, w1, N, G, k, 0.0)
+    steps = _C.parm.build_steps(shape, "s2", "forward")
+    out: dict[str, Any] = {}
+    for name, chunks in (("same", 2), ("differs", 3 if rank == world - 1 else 2)):
+        try:
+            CudaExecutor(shape, groups, "error", chunks=chunks).forward(x, gate, w1, w2, steps)
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_default_chunk_count_that_differs_fails_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, the agreement carried only a plan's counts, so ranks with different
+    # set_saa_chunks counts went on with differently cut pairs.
+    monkeypatch.setenv("UNIEP_TIMEOUT_S", "20")
+    reports = run_ranks(4, _default_chunks_worker, timeout=90)
+    for rank, r in enumerate(reports):
+        assert r["same"] == "no error", (rank, r["same"])
+        assert r["differs"] == reports[0]["differs"], rank
+        assert re.search(
+            r"chunks differs .* rank 0 has SAA chunk counts \[2, 2\] \(forward\), \[\] "
+            r"\(backward\), rank 3 has SAA chunk counts \[3, 3\] .*set_saa_chunks",
+            r["differs"],
+        ), (rank, r["differs"])

@@ -79,8 +79,8 @@ def _name(code: int, table: tuple) -> str:
 class CallConfig:
     """What every rank of one Parm forward must share: its collectives' sequence and sizes, and
     the values an MP group's replicated output depends on. ``chunks`` holds the SAA pairs'
-    chunk counts of the forward list, then of the backward list (``()`` without a plan: the
-    executor's default)."""
+    chunk counts of the forward list (without a plan, the backend's default count for each), then
+    of the backward list (``()`` without a backward plan: the forward's default again)."""
 
     schedule: str
     mp_size: int
@@ -133,7 +133,7 @@ class CallConfig:
         out["chunks"] = (
             f"SAA chunk counts {fwd} (forward), {bwd} (backward)"
             if fwd or bwd
-            else "no chunk plan (the executor's default)"
+            else "no SAA pairs"
         )
         return out
 
@@ -209,7 +209,8 @@ def raise_if_configs_differ(rows: torch.Tensor) -> None:
             if name in ("schedule", "chunks"):
                 hint = (
                     " (ParmMoELayer resolves schedule='auto' and chunks='auto' from its model, "
-                    "cluster and gpus_per_node, which must agree too)"
+                    "cluster and gpus_per_node, which must agree too; without a chunk plan "
+                    "the pairs run in uniep.parm.cuda.set_saa_chunks's count)"
                 )
             raise ValueError(
                 f"Parm forward: {name} differs across ranks: rank 0 has {first}, rank {r} has "

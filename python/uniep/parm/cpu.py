@@ -40,6 +40,8 @@ def _wait(work: Any, group: dist.ProcessGroup | None, what: str) -> None:
 class GlooBackend:
     """The ``ParmBackend`` of CPU tensors: torch.distributed collectives over the groups."""
 
+    default_chunks = 1  # every pair unpipelined (``pipelined``)
+
     def __init__(self, groups: Groups) -> None:
         self.g = groups
 

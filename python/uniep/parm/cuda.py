@@ -217,6 +217,10 @@ class CudaBackend:
         self._used: list[str] = []
         self.block_bytes = layer_block_bytes(shape) if block_bytes is None else block_bytes
 
+    @property
+    def default_chunks(self) -> int:
+        return self.chunks
+
     def _ranks(self, group: dist.ProcessGroup | None, name: str) -> list[int]:
         if group is None:
             return [self.rank]

@@ -88,6 +88,10 @@ class ParmBackend(Protocol):
     group or its EP group, in group-rank order; every rank of the world calls the same
     primitives in the same order with the same shapes."""
 
+    # The chunks an SAA pair runs in where the plan gives none (1: unpipelined); the routing
+    # agreement compares it, since ranks that chunk a pair differently exchange other sizes.
+    default_chunks: int
+
     def mp_all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every MP rank's ``t`` (same shape everywhere), in MP order."""
         ...
@@ -427,11 +431,13 @@ class ParmExecutor:
         """This call's configuration, as the routing agreement compares it across ranks."""
 
         def pairs(lst: Any, counts: Sequence[int] | None) -> tuple[int, ...]:
-            if not counts:
-                return ()
-            return tuple(int(counts[i]) for i, s in enumerate(lst.steps) if s.overlap_with > i)
+            at = [i for i, s in enumerate(lst.steps) if s.overlap_with > i]
+            return tuple(int(counts[i]) for i in at)
 
         sh = self.shape
+        # Without a plan every pair runs in the backend's default count (set_saa_chunks on
+        # CUDA), the backward's too: the forward's pairs carry it.
+        default = [self.be.default_chunks] * len(steps.steps)
         bwd = _C.parm.build_steps(sh, steps.schedule, "backward") if backward_chunks else None
         return CallConfig(
             schedule=steps.schedule,
@@ -444,7 +450,10 @@ class ParmExecutor:
             capacity_factor=sh.capacity_factor,
             overflow=self.overflow,
             dtype=dtype,
-            chunks=(pairs(steps, plan), pairs(bwd, backward_chunks)),
+            chunks=(
+                pairs(steps, plan or default),
+                pairs(bwd, backward_chunks) if backward_chunks else (),
+            ),
         )
 
     def _agree(self, st: ForwardState, S: int, config: CallConfig, counts_drops: bool) -> None:
