@@ -200,6 +200,9 @@ TuningParams TuningParams::parse(const std::string& text) {
   TuningParams p;
   size_t pos = 0;
   const std::string body = trim(text);
+  // The loop below stops after the last comma, so a trailing one would pass unseen; a leading or
+  // doubled one is an empty entry inside it.
+  UNIEP_CHECK(body.empty() || body.back() != ',', "tuning: empty entry at the end of '", text, "'");
   while (pos < body.size()) {
     size_t comma = body.find(',', pos);
     if (comma == std::string::npos) comma = body.size();

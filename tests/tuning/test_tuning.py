@@ -189,6 +189,21 @@ def test_enum_key_errors_list_the_spellings(text: str, message: str) -> None:
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (",overlap=fused", "tuning: empty entry in ',overlap=fused'"),
+        ("overlap=fused,,tile_m=64", "tuning: empty entry in 'overlap=fused,,tile_m=64'"),
+        ("overlap=fused,", "tuning: empty entry at the end of 'overlap=fused,'"),
+        ("overlap=fused , ", "tuning: empty entry at the end of 'overlap=fused , '"),
+    ],
+)
+def test_empty_entries_are_refused_wherever_they_are(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        _C.TuningParams.parse(text)
+    assert str(err.value) == message
+
+
 def test_fp8_e4m3_is_an_alias_of_fp8() -> None:
     assert _C.TuningParams.parse("dispatch=fp8_e4m3") == _C.TuningParams.parse("dispatch=fp8")
     assert _C.TuningParams.parse("dispatch=fp8_e4m3").dispatch == "fp8"
