@@ -104,7 +104,8 @@ class CallConfig:
             self.ffn_hidden,
             self.num_experts,
             self.top_k,
-            struct.unpack("<q", struct.pack("<d", float(self.capacity_factor)))[0],
+            # Every factor <= 0 means no drops: one word for all of them.
+            struct.unpack("<q", struct.pack("<d", max(float(self.capacity_factor), 0.0)))[0],
             _code(self.overflow, _OVERFLOWS),
             _code(self.dtype, _DTYPES),
         ]
@@ -131,9 +132,7 @@ class CallConfig:
             for i in range(2)
         )
         out["chunks"] = (
-            f"SAA chunk counts {fwd} (forward), {bwd} (backward)"
-            if fwd or bwd
-            else "no SAA pairs"
+            f"SAA chunk counts {fwd} (forward), {bwd} (backward)" if fwd or bwd else "no SAA pairs"
         )
         return out
 
