@@ -262,6 +262,8 @@ moe_fused_backward_local_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     a.w2t = w2t.data_ptr();
     a.num_experts = E;
     a.ffn = I;
+    a.offs = offs.data_ptr<int32_t>();
+    a.tile_base = tile_base.data_ptr<int32_t>();
     a.capacity = capacity;
     a.rows_x = rows_x.data_ptr();
     a.rows_go = rows_go.data_ptr();

@@ -482,7 +482,8 @@ def moe_forward_local(
         finish_call(
             check,
             [
-                ("send", error, "moe_forward_local (fused)", k),
+                # A bad expert id is what its plan finds.
+                ("send", error, "moe_forward_local (plan, in the fused launch)", k),
                 ("gate", t1, "moe_forward_local (fused)", k),
             ],
         )
