@@ -301,6 +301,29 @@ def _grouped_mm_gated_fake(
     return x.new_empty((5,), dtype=torch.int32)
 
 
+def fused_outputs_meta(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MegaKernel forward ops' fake outputs: out shaped as x, the error word and the timeout
+    record."""
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((1,), dtype=torch.int64),
+        x.new_empty((5,), dtype=torch.int32),
+    )
+
+
+def fused_local_meta(
+    x: torch.Tensor, w2: torch.Tensor, tile_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The world-1 MegaKernel ops' fake checks and outputs."""
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")
+    torch._check_value(
+        w2.dim() == 3 and w2.shape[2] == x.shape[1],
+        lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",
+    )
+    return fused_outputs_meta(x)
+
+
 @torch.library.register_fake("uniep::moe_fused_local_planned")
 def _moe_fused_local_planned_fake(
     x: torch.Tensor,
@@ -318,16 +341,7 @@ def _moe_fused_local_planned_fake(
         topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
         lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
     )
-    torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")
-    torch._check_value(
-        w2.dim() == 3 and w2.shape[2] == x.shape[1],
-        lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",
-    )
-    return (
-        x.new_empty(x.shape),
-        x.new_empty((1,), dtype=torch.int64),
-        x.new_empty((5,), dtype=torch.int32),
-    )
+    return fused_local_meta(x, w2, tile_m)
 
 
 @torch.library.register_fake("uniep::moe_fused_local")
@@ -348,14 +362,4 @@ def _moe_fused_local_fake(
     w1_as_stored: bool = False,
     tile_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    torch._check_value(tile_m in (128, 64), lambda: f"tile_m must be 128 or 64, got {tile_m}")
-    torch._check_value(
-        w2.dim() == 3 and w2.shape[2] == x.shape[1],
-        lambda: f"w2 must be [E, I, H = {x.shape[1]}], got shape {tuple(w2.shape)}",
-    )
-    return (
-        x.new_empty(x.shape),
-        x.new_empty((1,), dtype=torch.int64),
-        x.new_empty((5,), dtype=torch.int32),
-    )
+    return fused_local_meta(x, w2, tile_m)

@@ -861,11 +861,7 @@ def _moe_fused_ep_fake(
         topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
         lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
     )
-    return (
-        x.new_empty(x.shape),
-        x.new_empty((1,), dtype=torch.int64),
-        x.new_empty((5,), dtype=torch.int32),
-    )
+    return tile_gates.fused_outputs_meta(x)
 
 
 # The error code of an expert id outside [-1, E) in a send error word (kSendBadExpert,
