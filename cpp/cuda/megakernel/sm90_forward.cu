@@ -406,9 +406,8 @@ Status moe_fused_forward_planned_bf16(FusedMoeArgs a, const FusedLocalPlan& plan
         detail::str_cat(kWhat, ": at most ", kFusedPlanMaxEntries, " entries (tokens x top_k) and ",
                         kFusedPlanMaxExperts, " experts (one block plans them), got ", entries,
                         " and ", a.num_experts, ": plan with plan_local_rows_async instead")};
-  if (a.tokens > 0 &&
-      (plan.topk_idx == nullptr || plan.gemm_row == nullptr || plan.counter == nullptr ||
-       plan.offs == nullptr || plan.tile_base == nullptr))
+  if (plan.topk_idx == nullptr || plan.gemm_row == nullptr || plan.counter == nullptr ||
+      plan.offs == nullptr || plan.tile_base == nullptr)
     return {StatusCode::kInvalidArgument,
             detail::str_cat(kWhat,
                             ": plan.topk_idx, gemm_row, counter, offs and tile_base must be "
