@@ -67,6 +67,10 @@ __global__ void __launch_bounds__(kProblemThreads)
                      {act, w2, y, ffn, hidden, hidden});
 }
 
+static_assert(kFusedPlanMaxEntries == local_plan::kBlockEntries &&
+                  kFusedPlanMaxExperts == local_plan::kLocalExperts,
+              "the planned launch's public bounds are what one block of the plan takes");
+
 // fused_problems' work and the routing's plan in one block (moe_fused_forward_planned_bf16):
 // the plan's rows and tile counters (local_plan::plan_one_block), each expert's two groups
 // written as its row range is known, and the launch's state zeroed. One launch boundary fewer
