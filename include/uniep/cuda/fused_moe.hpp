@@ -173,8 +173,9 @@ inline bool fused_plan_fits(int64_t entries, int64_t num_experts) {
 // moe_fused_forward_bf16 at world 1 with the plan made in the launch: a's gemm_row, counter,
 // offs and tile_base must be null (plan's are used), and so must row_entry and send_order; the
 // call zeroes the counters, error and timeout itself (zero_state); every CTA sends
-// (launch.comm_ctas >= the grid), token by token. A bad expert id is reported in a.error. The
-// same bits as plan_local_rows_async followed by moe_fused_forward_bf16.
+// (launch.comm_ctas >= the grid), token by token. A bad expert id is reported in plan.error
+// (a.error where that is null). The same bits as plan_local_rows_async followed by
+// moe_fused_forward_bf16.
 Status moe_fused_forward_planned_bf16(FusedMoeArgs a, const FusedLocalPlan& plan,
                                       const FusedMoeLaunch& launch, int device, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream);
