@@ -311,6 +311,15 @@ def fused_outputs_meta(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     )
 
 
+def check_routing_meta(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    """The fake kernels' check of ``x`` [T, H] and its routing ``topk_idx`` [T, K]."""
+    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    torch._check_value(
+        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
+    )
+
+
 def fused_local_meta(
     x: torch.Tensor, w2: torch.Tensor, tile_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,11 +345,7 @@ def _moe_fused_local_planned_fake(
     w1_as_stored: bool = False,
     tile_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    torch._check_value(
-        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
-        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
-    )
+    check_routing_meta(x, topk_idx)
     return fused_local_meta(x, w2, tile_m)
 
 

@@ -856,11 +856,7 @@ def _moe_fused_ep_fake(
     w1_as_stored: bool = False,
     tile_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    torch._check_value(
-        topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
-        lambda: f"topk_idx must be [T = {x.shape[0]}, K], got shape {tuple(topk_idx.shape)}",
-    )
+    tile_gates.check_routing_meta(x, topk_idx)
     return tile_gates.fused_outputs_meta(x)
 
 
