@@ -431,8 +431,7 @@ class ParmExecutor:
         """This call's configuration, as the routing agreement compares it across ranks."""
 
         def pairs(lst: Any, counts: Sequence[int] | None) -> tuple[int, ...]:
-            at = [i for i, s in enumerate(lst.steps) if s.overlap_with > i]
-            return tuple(int(counts[i]) for i in at)
+            return tuple(int(counts[i]) for i, s in enumerate(lst.steps) if s.overlap_with > i)
 
         sh = self.shape
         # Without a plan every pair runs in the backend's default count (set_saa_chunks on
