@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cub/block/block_scan.cuh>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/gemm/grouped/launch_status.hpp"
@@ -35,9 +34,8 @@ __global__ void __launch_bounds__(kThreads)
                         int64_t* __restrict__ counts, int32_t* __restrict__ offs,
                         int32_t* __restrict__ tile_base, int* __restrict__ block_rows,
                         unsigned long long* __restrict__ zero_error) {
-  using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int hist[kSharedExperts];
-  __shared__ typename Scan::TempStorage scan;
+  __shared__ local_plan::ScanStorage scan;
   __shared__ bool last;
   const int tid = static_cast<int>(threadIdx.x);
   // The local plan's error word, which only the launch after this one writes: zeroed here
@@ -73,25 +71,14 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  int rows_before = 0, tiles_before = 0;  // the same in every thread
-  for (int g = 0; g < num_experts; g += kThreads) {
-    const int e = g + tid;
-    const int c = e < num_experts ? __ldcg(&sums[e]) : 0;
-    const int tiles = c / tile_m + (c % tile_m != 0);
-    int c_incl = 0, c_total = 0, t_excl = 0, t_total = 0;
-    Scan(scan).InclusiveSum(c, c_incl, c_total);
-    __syncthreads();
-    Scan(scan).ExclusiveSum(tiles, t_excl, t_total);
-    __syncthreads();
-    if (e < num_experts) {
-      counts[e] = c;
-      offs[e] = rows_before + c_incl;
-      tile_base[e] = tiles_before + t_excl;
-    }
-    rows_before += c_total;
-    tiles_before += t_total;
-  }
-  if (tid == 0) tile_base[num_experts] = tiles_before;
+  const int tiles = local_plan::scan_experts(
+      num_experts, tile_m, scan, [&](int e) { return __ldcg(&sums[e]); },
+      [&](int e, int c, int rows_end, int first_tile) {
+        counts[e] = c;
+        offs[e] = rows_end;
+        tile_base[e] = first_tile;
+      });
+  if (tid == 0) tile_base[num_experts] = tiles;
   if (block_rows == nullptr) return;
   // The local plan's block bases: block_rows[b][e] becomes the GEMM row of the first of block
   // b's entries routed to e (the rows of e's entries in the blocks before it, after e's start).

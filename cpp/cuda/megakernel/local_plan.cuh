@@ -24,6 +24,7 @@ constexpr int kLocalExperts = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpEntries = kBlockEntries / kWarps;
 constexpr int kWarpSteps = kWarpEntries / 32;
+using ScanStorage = cub::BlockScan<int, kThreads>::TempStorage;
 
 // One warp's segment [seg, seg + 32 x steps) of the entries, read once, every lane's loads in
 // flight together, and kept in registers for both passes. Why not read in each step: the steps
@@ -104,6 +105,32 @@ __device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t
   }
 }
 
+// The experts' row and tile prefix sums, kThreads experts a round: `count_of(e)` gives e's
+// rows (called for e < num_experts only), and `on_expert(e, c, rows_end, first_tile)` runs once
+// per expert in the thread of e, with e's rows, its row end (offs) and its first tile counter.
+// Every thread of the block calls it; it returns the tiles of all experts (the same in every
+// thread).
+template <class CountOf, class OnExpert>
+__device__ __forceinline__ int scan_experts(int num_experts, int tile_m, ScanStorage& scan,
+                                            CountOf count_of, OnExpert on_expert) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  int rows_before = 0, tiles_before = 0;  // the same in every thread
+  for (int g = 0; g < num_experts; g += kThreads) {
+    const int e = g + static_cast<int>(threadIdx.x);
+    const int c = e < num_experts ? count_of(e) : 0;
+    const int tiles = c / tile_m + (c % tile_m != 0);
+    int c_incl = 0, c_total = 0, t_excl = 0, t_total = 0;
+    Scan(scan).InclusiveSum(c, c_incl, c_total);
+    __syncthreads();
+    Scan(scan).ExclusiveSum(tiles, t_excl, t_total);
+    __syncthreads();
+    if (e < num_experts) on_expert(e, c, rows_before + c_incl, tiles_before + t_excl);
+    rows_before += c_total;
+    tiles_before += t_total;
+  }
+  return tiles_before;
+}
+
 // The whole local plan of up to one block's entries (kBlockEntries: decode batches), by one
 // block of kThreads threads: the per-warp counts of the first pass, summed per expert in shared
 // memory, give the counts, row ends and tile bases, then the second pass the rows (the values of
@@ -117,11 +144,10 @@ __device__ __forceinline__ void plan_one_block(
     int32_t* __restrict__ offs, int32_t* __restrict__ tile_base, int64_t* dest_rank,
     int64_t* __restrict__ gemm_row, int64_t* __restrict__ counter,
     unsigned long long* __restrict__ error, Ready ready, OnExpert on_expert) {
-  using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int table[kWarps][kLocalExperts];
   __shared__ int start[kLocalExperts];  // the first row of each expert
   __shared__ int base[kLocalExperts];   // its first tile counter
-  __shared__ typename Scan::TempStorage scan;
+  __shared__ ScanStorage scan;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   // The batch split evenly over the warps, in whole steps of 32: the steps of one warp are a
   // chain, those of different warps run side by side.
@@ -137,39 +163,31 @@ __device__ __forceinline__ void plan_one_block(
   __syncthreads();
   count_warp_entries(mine, lane, table[warp]);
   __syncthreads();
-  int rows_before = 0, tiles_before = 0;  // the same in every thread
-  for (int g = 0; g < num_experts; g += kThreads) {
-    const int e = g + tid;
-    int c = 0;
-    if (e < num_experts)
+  const int tiles = scan_experts(
+      num_experts, tile_m, scan,
+      [&](int e) {
+        int c = 0;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) c += table[w][e];
-    const int tiles = c / tile_m + (c % tile_m != 0);
-    int c_incl = 0, c_total = 0, t_excl = 0, t_total = 0;
-    Scan(scan).InclusiveSum(c, c_incl, c_total);
-    __syncthreads();
-    Scan(scan).ExclusiveSum(tiles, t_excl, t_total);
-    __syncthreads();
-    if (e < num_experts) {
-      if (counts != nullptr) counts[e] = c;
-      offs[e] = rows_before + c_incl;
-      tile_base[e] = tiles_before + t_excl;
-      start[e] = rows_before + c_incl - c;
-      base[e] = tiles_before + t_excl;
-      on_expert(e, start[e], c);
-      // Each warp's first row of e: e's start, then the warps before it.
-      int row = start[e];
+        for (int w = 0; w < kWarps; ++w) c += table[w][e];
+        return c;
+      },
+      [&](int e, int c, int rows_end, int first_tile) {
+        if (counts != nullptr) counts[e] = c;
+        offs[e] = rows_end;
+        tile_base[e] = first_tile;
+        start[e] = rows_end - c;
+        base[e] = first_tile;
+        on_expert(e, start[e], c);
+        // Each warp's first row of e: e's start, then the warps before it.
+        int row = start[e];
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const int cw = table[w][e];
-        table[w][e] = row;
-        row += cw;
-      }
-    }
-    rows_before += c_total;
-    tiles_before += t_total;
-  }
-  if (tid == 0) tile_base[num_experts] = tiles_before;
+        for (int w = 0; w < kWarps; ++w) {
+          const int cw = table[w][e];
+          table[w][e] = row;
+          row += cw;
+        }
+      });
+  if (tid == 0) tile_base[num_experts] = tiles;
   __syncthreads();
   place_warp_entries(
       mine, n, num_experts, lane, table[warp],
