@@ -429,8 +429,15 @@ def test_fp8_grouped_gemm(name: str) -> None:
     rel = float((out.double() - ref).norm() / ref.norm())
     assert rel <= 5e-2, rel
     assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs), out)
-    # Every compiled tile walks k in the same 128-deep blocks: the same bits.
-    for tuning in ("tile_m=128", "tile_m=64", "tile_m=64,tile_n=128,tile_k=128"):
+    # Every compiled tile walks k in the same 128-deep blocks: the same bits, the swapped tiles
+    # (tile_m=16 and 32: the weights' columns on the MMA's M side) included.
+    for tuning in (
+        "tile_m=128",
+        "tile_m=64",
+        "tile_m=64,tile_n=128,tile_k=128",
+        "tile_m=16",
+        "tile_m=32",
+    ):
         assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs, tuning), out), tuning
 
 

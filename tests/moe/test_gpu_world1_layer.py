@@ -131,6 +131,31 @@ def test_local_fp8_path_has_the_runtime_paths_bits(case: int) -> None:
         uniep.moe.ep.shutdown(None)
 
 
+def test_swapped_fp8_tiles_keep_the_layers_bits() -> None:
+    # The fp8 tiles with the operands' roles swapped (tile_m=16 / 32) in the prepared layer's two
+    # plain GEMMs, eager and in the graph path's launches; moe_forward's first fp8 GEMM has SwiGLU
+    # in its epilogue, which they lack: a request of one there names the tiles it has.
+    from uniep.moe import fp8_local
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+
+    x, idx, w, w1, w2 = _case(37, 256, 256, 16, 4, "random", seed=321)
+    fp8 = prepare_experts(w1, w2, "fp8")
+    try:
+        with torch.no_grad():
+            want = moe_forward_prepared(x, idx, w, fp8, tuning="dispatch=fp8")
+            for tiles in ("tile_m=16", "tile_m=32"):
+                tuning = f"dispatch=fp8,{tiles}"
+                assert torch.equal(moe_forward_prepared(x, idx, w, fp8, tuning=tuning), want)
+                local = fp8_local.moe_forward_fp8_local(x, idx, w, fp8, tuning, check=True)
+                assert torch.equal(local, want), tiles
+        with pytest.raises(
+            ValueError, match=r"(?s)no fp8 grouped GEMM configuration has tile_m=16"
+        ):
+            uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8,tile_m=16")
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_local_backward_has_the_runtime_paths_bits(case: int) -> None:
     tokens, hidden, ffn, experts, top_k, routing = CASES[case]

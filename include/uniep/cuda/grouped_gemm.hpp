@@ -90,12 +90,15 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p);
 // One compiled configuration of the kernel: its output tile (tile_m x tile_n), k-step, mainloop
 // pipeline depth, thread-block cluster (cluster_m x cluster_n CTAs) and schedule ("cooperative":
 // two warpgroups share one tile; "pingpong": each has its own, one's epilogue overlapping the
-// other's mainloop). The bits of the result are the same for every configuration.
+// other's mainloop). swapped: the kernel computes out^T = w^T x^T (the weights' columns as the
+// MMA's M side, tile_m rows as its N side: no padding of an expert's few rows to 64; fp8 plain
+// products only). The bits of the result are the same for every configuration.
 struct GroupedGemmConfig {
   const char* name = "";
   int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
   int cluster_m = 1, cluster_n = 1;
   bool pingpong = false;
+  bool swapped = false;
 };
 
 // The configurations compiled in, in the order grouped_gemm_select prefers them when several
@@ -178,16 +181,18 @@ Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p);
 size_t grouped_gemm_fp8_workspace_bytes(int64_t num_experts, int64_t rows, int64_t k, int sm_count);
 
 // The fp8 configurations compiled in (a 128 x 128 tile, 128 deep, cooperative; 64 x 128,
-// ping-pong), in the order grouped_gemm_fp8_select prefers them; `count` receives their number.
-// The bits of the result are the same for every configuration.
+// ping-pong; 16 x 128 and 32 x 128 with the operands swapped, plain products only), in the order
+// grouped_gemm_fp8_select prefers them; `count` receives their number. The bits of the result
+// are the same for every configuration.
 const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count);
 
 // The index (into grouped_gemm_fp8_configs) of the configuration that runs `p` for the request
 // `want`: with every field 0, the rule of p.rows over p.num_experts that
 // grouped_gemm_fp8_auto_config (uniep/tuning.hpp) gives (the 64-row ping-pong tiles for experts
-// averaging at most 64 rows, as in decode; else the cooperative 128 x 128 tiles); otherwise the
-// first configuration matching every non-zero field, none matching being kInvalidArgument
-// listing the valid combinations.
+// averaging at most 32 rows, as in decode; else the cooperative 128 x 128 tiles); otherwise the
+// first configuration matching every non-zero field (for p.swiglu, of those with the SwiGLU
+// epilogue: not the swapped ones), none matching being kInvalidArgument listing the valid
+// combinations.
 Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& want,
                                int* index);
 

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <cutlass/cutlass.h>
 #include <cutlass/float8.h>
@@ -51,6 +52,20 @@ using ScaleConfig64 = cutlass::detail::Sm90BlockwiseScaleConfig<1, kHalfBlock, k
 using LayoutSFB64 = decltype(ScaleConfig64::deduce_layoutSFB());
 static_assert(sizeof(LayoutSFB64) == sizeof(LayoutSFB),
               "one array of per-group B-scale layouts serves both kinds");
+// The product with the operands' roles swapped (SwapGemm): the weights' 128 x 128 blocks are
+// the A scales, the rows' 1 x 128 blocks the B scales. Both are MN-major, so they read the same
+// memory as the unswapped layouts: w_scales [E, k / 128, n / 128] and the rows' reordered
+// [k / 128][rows of e]; only the layouts' static block sizes differ.
+using SwapScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kBlock, 1, kBlock>;
+using SwapLayoutSFA = decltype(SwapScaleConfig::deduce_layoutSFA());
+using SwapLayoutSFB = decltype(SwapScaleConfig::deduce_layoutSFB());
+static_assert(sizeof(SwapLayoutSFA) == sizeof(LayoutSFA) &&
+                  sizeof(SwapLayoutSFB) == sizeof(LayoutSFB),
+              "the per-group scale layouts' arrays serve both roles");
+// The swapped product's out: out^T (M the output columns, N the rows) over out's row-major
+// memory, one dynamic stride as grouped::StrideD.
+using SwapStrideD = cute::Stride<cute::_1, int64_t, cute::_0>;
+static_assert(sizeof(SwapStrideD) == sizeof(grouped::StrideD));
 
 // The fp8 call's own arrays, after the bf16 kinds' (grouped_workspace.hpp): per group the scale
 // pointers and layouts, then the rows' scales reordered M-major per expert.
@@ -59,11 +74,18 @@ struct Arrays {
   const float** ptr_sfb = nullptr;
   LayoutSFA* layout_sfa = nullptr;
   LayoutSFB* layout_sfb = nullptr;  // read as LayoutSFB64 by the SwiGLU kernel (layout_sfb64)
+                                    // and both as Swap* by the swapped kernel
   float* sfa = nullptr;             // [rows * k / 128]
   void* gemm = nullptr;
 
   CUTLASS_HOST_DEVICE LayoutSFB64* layout_sfb64() const {
     return reinterpret_cast<LayoutSFB64*>(layout_sfb);
+  }
+  CUTLASS_HOST_DEVICE SwapLayoutSFA* swap_layout_sfa() const {
+    return reinterpret_cast<SwapLayoutSFA*>(layout_sfa);
+  }
+  CUTLASS_HOST_DEVICE SwapLayoutSFB* swap_layout_sfb() const {
+    return reinterpret_cast<SwapLayoutSFB*>(layout_sfb);
   }
 };
 
@@ -111,6 +133,76 @@ struct Gemm {
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
 };
 
+// The product with the operands' roles swapped, out^T = w[e] x^T: the weights' output columns
+// are the tile's M (128 of them), the rows its N (TileRows). Why: in decode an expert holds a
+// few rows, and the unswapped tile pads them to WGMMA's 64-row M, 4-64 times the tensor-core
+// work and the promotion's per-element work of the rows present, where N comes in steps of 8.
+// Both operands stay K-major (as fp8 WGMMA needs): w[e] [n, k] is A row-major, the rows [m, k]
+// are B column-major, and out^T is stored column-major into out's rows. Each output element is
+// the same 128-deep WGMMA partial sums from zero, promoted k-block by k-block as
+// accum += partial * (its row's scale * its weight block's scale), the scales' product being
+// the same number in either order: the unswapped tiles' bits (test_gpu_grouped_gemm.py compares
+// them). Cooperative, clusters of one: nothing to multicast at one tile of rows per expert. No
+// SwiGLU epilogue (its gate and up pairs lie along N): the plain product only.
+template <int TileRows>
+struct SwapGemm {
+  static constexpr bool kSwiGlu = false;
+  using TileShape = cute::Shape<cute::_128, cute::Int<TileRows>, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::ColumnMajor*, grouped::kAlign, Bf16, cutlass::layout::ColumnMajor*,
+      grouped::kAlign, EpilogueSchedule>::CollectiveOp;
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
+      cute::tuple<cutlass::layout::RowMajor*, SwapLayoutSFA*>, kFp8Align, Fp8,
+      cute::tuple<cutlass::layout::ColumnMajor*, SwapLayoutSFB*>, kFp8Align, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Mainloop = PipelinedScaleMainloop<BuiltMainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = std::remove_pointer_t<decltype(typename Device::Arguments{}.epilogue.dD)>;
+  static_assert(cute::is_same_v<StrideA, grouped::KMajorA>);
+  static_assert(cute::is_same_v<StrideB, grouped::KMajorB>);
+  static_assert(cute::is_same_v<StrideD, SwapStrideD>);
+  static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+};
+
+// The swapped product's arguments over the arrays build_fp8_problems wrote for it (the weights
+// as A, the rows as B, out^T's strides in the D slots).
+template <class G>
+typename G::Device::Arguments swap_arguments(const grouped::Workspace& ws, const Arrays& fa,
+                                             int64_t num_experts, int device, int sm_count) {
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
+  args.mainloop.ptr_A = reinterpret_cast<const Fp8**>(ws.ptr_a);
+  args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
+  args.mainloop.ptr_B = reinterpret_cast<const Fp8**>(ws.ptr_b);
+  args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
+  args.mainloop.ptr_SFA = fa.ptr_sfa;
+  args.mainloop.layout_SFA = fa.swap_layout_sfa();
+  args.mainloop.ptr_SFB = fa.ptr_sfb;
+  args.mainloop.layout_SFB = fa.swap_layout_sfb();
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ws.ptr_d;
+  args.epilogue.dD = reinterpret_cast<typename G::StrideD*>(ws.stride_d);
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
 // ld_out: the SwiGLU kernel's elements between rows of out (I); unused by the store.
 template <class G>
 typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arrays& fa,
@@ -140,7 +232,8 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
 }
 
 // One compiled configuration: its description and two entry points, as grouped_configs.hpp's
-// GroupedEntry for the bf16 kernels.
+// GroupedEntry for the bf16 kernels. A swapped configuration (config.swapped, SwapGemm) has no
+// run_swiglu, and its problems are written with the operands' roles swapped.
 struct Entry {
   GroupedGemmConfig config;
   // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.
@@ -219,7 +312,35 @@ Entry make_entry(const char* name) {
   return e;
 }
 
+template <class G>
+size_t swap_workspace_bytes(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
+                            int sm_count) {
+  return G::Device::get_workspace_size(swap_arguments<G>(ws, fa, num_experts, 0, sm_count));
+}
+
+template <class G>
+Status run_swapped(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
+                   int sm_count, cudaStream_t stream) {
+  return launch_after<G>(swap_arguments<G>(ws, fa, num_experts, device, sm_count), fa.gemm, stream,
+                         "the fp8 grouped GEMM (operands swapped)");
+}
+
+// The swapped configuration of TileRows rows a tile, described in the product's own terms: a
+// tile of TileRows rows by 128 output columns.
+template <int TileRows>
+Entry make_swap_entry(const char* name) {
+  using G = SwapGemm<TileRows>;
+  Entry e;
+  e.config = GroupedGemmConfig{name, TileRows, kBlock, kBlock, G::kStages, 1, 1, false, true};
+  e.gemm_workspace_bytes = &swap_workspace_bytes<G>;
+  e.run = &run_swapped<G>;
+  e.run_swiglu = nullptr;
+  return e;
+}
+
 const Entry& entry_coop_128x128x128();
 const Entry& entry_pingpong_64x128x128();
+const Entry& entry_swap_16x128x128();
+const Entry& entry_swap_32x128x128();
 
 }  // namespace uniep::cuda::grouped_fp8

@@ -22,7 +22,9 @@
 //
 // Costs one more accumulator of registers: 64 x 128 per warpgroup is 64 floats a thread, so 192
 // with the two temporaries, inside the cooperative consumers' 232. Only the layouts this engine
-// uses: per-row A scales, and one B scale per tile along N or one per 64 columns.
+// uses: per-row A scales with one B scale per tile along N or one per 64 columns, and, with the
+// operands' roles swapped (SwapGemm, fp8_kernel.cuh), one A scale per tile along M with per-row
+// (per-column of the tile) B scales.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -32,8 +34,8 @@ namespace uniep::cuda::grouped_fp8 {
 
 template <class Base>
 struct PipelinedScaleMainloop : Base {
-  static_assert(Base::ScaleMsPerTile > 1,
-                "written for per-row A scales (one B scale per tile along N, or several)");
+  static_assert(Base::ScaleMsPerTile > 1 || Base::ScaleNsPerTile > 1,
+                "written for per-row A scales or per-column B scales");
   static_assert(Base::ScalePromotionInterval == 4,
                 "written for one promotion per k-block (the scale block is the k-tile)");
 
@@ -117,8 +119,9 @@ struct PipelinedScaleMainloop : Base {
     };
     // accum += part * (row scale * B scale): the scales' product first, then one fused
     // multiply-add, the base's order of operations. With several B scales along N (w1 packed for
-    // the SwiGLU epilogue, a scale per 64 columns) the product is formed per element; it is the
-    // same product, so the bits are those of one scale per tile.
+    // the SwiGLU epilogue, a scale per 64 columns; the swapped product's per-row scales) the
+    // product is formed per element; it is the same product (a float product does not depend
+    // on its operands' order), so the bits are those of one scale per tile.
     auto promote = [&](auto& part, auto& sfa, auto& sfb) {
       warpgroup_fence_operand(part);
       warpgroup_fence_operand(accum);

@@ -31,10 +31,13 @@ using grouped_fp8::LayoutSFA;
 using grouped_fp8::LayoutSFB;
 using grouped_fp8::ScaleConfig;
 
-// In preference order: grouped_gemm_fp8_select takes the first match of a partial request.
-const std::array<const grouped_fp8::Entry*, 2>& fp8_entries() {
-  static const std::array<const grouped_fp8::Entry*, 2> all = {
-      &grouped_fp8::entry_coop_128x128x128(), &grouped_fp8::entry_pingpong_64x128x128()};
+// In preference order: grouped_gemm_fp8_select takes the first match of a partial request (the
+// swapped tiles last, so a request that named the others' fields picks what it picked before).
+constexpr size_t kFp8Entries = 4;
+const std::array<const grouped_fp8::Entry*, kFp8Entries>& fp8_entries() {
+  static const std::array<const grouped_fp8::Entry*, kFp8Entries> all = {
+      &grouped_fp8::entry_coop_128x128x128(), &grouped_fp8::entry_pingpong_64x128x128(),
+      &grouped_fp8::entry_swap_16x128x128(), &grouped_fp8::entry_swap_32x128x128()};
   return all;
 }
 
@@ -79,11 +82,15 @@ constexpr int kProblemThreads = 256;
 // block at begin_e * kb holds [kb][rows_e]. The slices let a layer of few large experts still
 // fill the GPU (one block per expert took 1.5 ms on two Mixtral experts' 16384 x 112 scales,
 // longer than the GEMM's own share); one launch where a problem kernel and a reorder kernel took
-// two, each a few microseconds of a decode step.
+// two, each a few microseconds of a decode step. swapped: the problems of out^T = w[e] x^T
+// (grouped_fp8::SwapGemm): shape (n, m, k), the weights as A and the rows as B, the same
+// strides (every operand K-major, out's rows n apart), and the scales in the swapped roles over
+// the same memory.
 __global__ void __launch_bounds__(kProblemThreads)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
                        const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
-                       const float* __restrict__ x_scales, grouped::Workspace ws, Arrays fa) {
+                       bool swapped, const float* __restrict__ x_scales, grouped::Workspace ws,
+                       Arrays fa) {
   // Launched while the kernel ahead (the plan, the quantize) may still run: offs and x_scales are
   // read after this. The GEMM behind waits for this kernel's end.
   wait_for_prior_grid();
@@ -107,14 +114,27 @@ __global__ void __launch_bounds__(kProblemThreads)
     grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, swiglu ? n / 2 : n,
                                                               x, w, out);
     const int64_t b = r.begin, ee = e;
-    fa.ptr_sfa[e] = fa.sfa + b * kb;
-    fa.ptr_sfb[e] = w_scales + ee * kb * nb;
-    fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-    if (swiglu)
-      fa.layout_sfb64()[e] =
-          grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
-    else
-      fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    if (swapped) {
+      ws.shapes[e] = grouped::Shape{n, m, k};
+      const Bf16* rows_of_e = ws.ptr_a[e];
+      ws.ptr_a[e] = ws.ptr_b[e];
+      ws.ptr_b[e] = rows_of_e;
+      fa.ptr_sfa[e] = w_scales + ee * kb * nb;
+      fa.ptr_sfb[e] = fa.sfa + b * kb;
+      fa.swap_layout_sfa()[e] =
+          grouped_fp8::SwapScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(n, m, k, 1));
+      fa.swap_layout_sfb()[e] =
+          grouped_fp8::SwapScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(n, m, k, 1));
+    } else {
+      fa.ptr_sfa[e] = fa.sfa + b * kb;
+      fa.ptr_sfb[e] = w_scales + ee * kb * nb;
+      fa.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+      if (swiglu)
+        fa.layout_sfb64()[e] =
+            grouped_fp8::ScaleConfig64::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+      else
+        fa.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    }
   }
   const int64_t b = r.begin, stride = static_cast<int64_t>(gridDim.y) * kProblemThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kProblemThreads + threadIdx.x;
@@ -159,8 +179,8 @@ Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p) {
 }
 
 const GroupedGemmConfig* grouped_gemm_fp8_configs(int* count) {
-  static const std::array<GroupedGemmConfig, 2> configs = [] {
-    std::array<GroupedGemmConfig, 2> c;
+  static const std::array<GroupedGemmConfig, kFp8Entries> configs = [] {
+    std::array<GroupedGemmConfig, kFp8Entries> c;
     for (size_t i = 0; i < c.size(); ++i) c[i] = fp8_entries()[i]->config;
     return c;
   }();
@@ -182,8 +202,9 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
     }
     return Status::Ok();
   }
-  auto matches = [&want](const GroupedGemmConfig& c) {
-    return (want.tile_m == 0 || want.tile_m == c.tile_m) &&
+  // The swapped tiles have no SwiGLU epilogue.
+  auto matches = [&want, &p](const GroupedGemmConfig& c) {
+    return !(p.swiglu && c.swapped) && (want.tile_m == 0 || want.tile_m == c.tile_m) &&
            (want.tile_n == 0 || want.tile_n == c.tile_n) &&
            (want.tile_k == 0 || want.tile_k == c.tile_k) &&
            (want.stages == 0 || want.stages == c.stages) &&
@@ -197,10 +218,14 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
   }
   std::string valid;
   for (const auto* e : all)
-    valid += detail::str_cat("\n  tile_m=", e->config.tile_m, ",tile_n=", e->config.tile_n,
-                             ",tile_k=", e->config.tile_k, ",stages=", e->config.stages,
-                             ",cluster=", e->config.cluster_m, " (",
-                             e->config.pingpong ? "ping-pong" : "cooperative", ")");
+    if (!(p.swiglu && e->config.swapped))
+      valid += detail::str_cat("\n  tile_m=", e->config.tile_m, ",tile_n=", e->config.tile_n,
+                               ",tile_k=", e->config.tile_k, ",stages=", e->config.stages,
+                               ",cluster=", e->config.cluster_m, " (",
+                               e->config.swapped    ? "cooperative, operands swapped"
+                               : e->config.pingpong ? "ping-pong"
+                                                    : "cooperative",
+                               ")");
   return {StatusCode::kInvalidArgument,
           detail::str_cat("no fp8 grouped GEMM configuration has tile_m=", want.tile_m,
                           ",tile_n=", want.tile_n, ",tile_k=", want.tile_k, ",stages=", want.stages,
@@ -244,18 +269,18 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
   void* after = static_cast<char*>(workspace) + grouped::group_arrays_bytes(p.num_experts);
   Arrays fa = carve_fp8(after, p.num_experts, p.rows, p.k);
+  const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
   const int experts = static_cast<int>(p.num_experts);
   const dim3 grid(experts, std::max(1, std::min(1024, 8 * sm_count / experts)));
   if (cudaError_t e = launch_after_prior(
           build_fp8_problems, grid, dim3(kProblemThreads), 0, stream, p.offs, experts,
           static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
           static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
-          static_cast<Bf16*>(p.out), p.swiglu, p.x_scales, ws, fa);
+          static_cast<Bf16*>(p.out), p.swiglu, entry.config.swapped, p.x_scales, ws, fa);
       e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
-  const grouped_fp8::Entry& entry = *fp8_entries()[static_cast<size_t>(index)];
   if (p.swiglu) return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
   return entry.run(ws, fa, p.num_experts, device, sm_count, stream);
 }
