@@ -63,7 +63,7 @@ static_assert(sizeof(SwapLayoutSFA) == sizeof(LayoutSFA) &&
                   sizeof(SwapLayoutSFB) == sizeof(LayoutSFB),
               "the per-group scale layouts' arrays serve both roles");
 // The swapped product's out: out^T (M the output columns, N the rows) over out's row-major
-// memory, one dynamic stride as grouped::StrideD.
+// memory, one dynamic stride in grouped::StrideD's slot (set_store_epilogue).
 using SwapStrideD = cute::Stride<cute::_1, int64_t, cute::_0>;
 static_assert(sizeof(SwapStrideD) == sizeof(grouped::StrideD));
 
@@ -89,40 +89,20 @@ struct Arrays {
   }
 };
 
-// SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
-// 64 columns; otherwise D = the product, stored through TMA.
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
-struct Gemm {
-  static constexpr bool kSwiGlu = SwiGlu;
-  using LayoutB = cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>;
-  using TileShape = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using EpilogueSchedule =
-      cute::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using KernelSchedule =
-      cute::conditional_t<PingPong,
-                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
-  using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      cutlass::layout::RowMajor*, grouped::kAlign, Bf16, cutlass::layout::RowMajor*,
-      grouped::kAlign, EpilogueSchedule>::CollectiveOp;
-  using Epilogue =
-      cute::conditional_t<SwiGlu,
-                          cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                              grouped::SwiGluEpilogue<64>>,
-                          StoreEpilogue>;
+// The CUTLASS kernel of one fp8 configuration around its epilogue: the blockwise-scaled ptr-array
+// collective with A row-major and B column-major (both K-major, as fp8 WGMMA reads them), its
+// stages sized around the epilogue's shared memory, and our mainloop (CUTLASS's with the
+// promotion taken off the WGMMAs' path).
+template <class TileShape, class ClusterShape, class KernelSchedule, class Epilogue, class SFA,
+          class SFB>
+struct Fp8Kernel {
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
-      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Align, Fp8,
-      cute::tuple<cutlass::layout::ColumnMajor*, LayoutB*>, kFp8Align, float, TileShape,
-      ClusterShape,
+      cute::tuple<cutlass::layout::RowMajor*, SFA*>, kFp8Align, Fp8,
+      cute::tuple<cutlass::layout::ColumnMajor*, SFB*>, kFp8Align, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  // CUTLASS's collective with the promotion taken off the WGMMAs' path.
   using Mainloop = PipelinedScaleMainloop<BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -131,6 +111,46 @@ struct Gemm {
   static_assert(cute::is_same_v<StrideA, grouped::KMajorA>);
   static_assert(cute::is_same_v<StrideB, grouped::KMajorB>);
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+};
+
+// CUTLASS's TMA store epilogue of bf16 D (no C) in layout LayoutD.
+template <class TileShape, class ClusterShape, class EpilogueSchedule, class LayoutD>
+using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, grouped::kAlign,
+    Bf16, LayoutD, grouped::kAlign, EpilogueSchedule>::CollectiveOp;
+
+template <bool PingPong>
+using EpilogueScheduleOf =
+    cute::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+template <bool PingPong>
+using KernelScheduleOf =
+    cute::conditional_t<PingPong,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+
+template <int TileM>
+using GemmTile = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
+template <int ClusterM, int ClusterN>
+using GemmCluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu>
+using GemmEpilogue =
+    cute::conditional_t<SwiGlu,
+                        cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+                            grouped::SwiGluEpilogue<64>>,
+                        StoreEpilogue<GemmTile<TileM>, GemmCluster<ClusterM, ClusterN>,
+                                      EpilogueScheduleOf<PingPong>, cutlass::layout::RowMajor*>>;
+
+// SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
+// 64 columns; otherwise D = the product, stored through TMA.
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
+struct Gemm
+    : Fp8Kernel<GemmTile<TileM>, GemmCluster<ClusterM, ClusterN>, KernelScheduleOf<PingPong>,
+                GemmEpilogue<TileM, ClusterM, ClusterN, PingPong, SwiGlu>, LayoutSFA,
+                cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>> {
+  static constexpr bool kSwiGlu = SwiGlu;
+  static constexpr bool kSwapped = false;
 };
 
 // The product with the operands' roles swapped, out^T = w[e] x^T: the weights' output columns
@@ -145,63 +165,22 @@ struct Gemm {
 // them). Cooperative, clusters of one: nothing to multicast at one tile of rows per expert. No
 // SwiGLU epilogue (its gate and up pairs lie along N): the plain product only.
 template <int TileRows>
-struct SwapGemm {
+using SwapTile = cute::Shape<cute::_128, cute::Int<TileRows>, cute::_128>;
+template <int TileRows>
+using SwapKernel =
+    Fp8Kernel<SwapTile<TileRows>, GemmCluster<1, 1>, KernelScheduleOf<false>,
+              StoreEpilogue<SwapTile<TileRows>, GemmCluster<1, 1>, EpilogueScheduleOf<false>,
+                            cutlass::layout::ColumnMajor*>,
+              SwapLayoutSFA, SwapLayoutSFB>;
+template <int TileRows>
+struct SwapGemm : SwapKernel<TileRows> {
   static constexpr bool kSwiGlu = false;
-  using TileShape = cute::Shape<cute::_128, cute::Int<TileRows>, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      cutlass::layout::ColumnMajor*, grouped::kAlign, Bf16, cutlass::layout::ColumnMajor*,
-      grouped::kAlign, EpilogueSchedule>::CollectiveOp;
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
-      cute::tuple<cutlass::layout::RowMajor*, SwapLayoutSFA*>, kFp8Align, Fp8,
-      cute::tuple<cutlass::layout::ColumnMajor*, SwapLayoutSFB*>, kFp8Align, float, TileShape,
-      ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-  using Mainloop = PipelinedScaleMainloop<BuiltMainloop>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<grouped::ProblemShape, Mainloop, Epilogue>;
-  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = std::remove_pointer_t<decltype(typename Device::Arguments{}.epilogue.dD)>;
-  static_assert(cute::is_same_v<StrideA, grouped::KMajorA>);
-  static_assert(cute::is_same_v<StrideB, grouped::KMajorB>);
-  static_assert(cute::is_same_v<StrideD, SwapStrideD>);
-  static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+  static constexpr bool kSwapped = true;
+  static_assert(
+      cute::is_same_v<std::remove_pointer_t<
+                          decltype(typename SwapKernel<TileRows>::Device::Arguments{}.epilogue.dD)>,
+                      SwapStrideD>);
 };
-
-// The swapped product's arguments over the arrays build_fp8_problems wrote for it (the weights
-// as A, the rows as B, out^T's strides in the D slots).
-template <class G>
-typename G::Device::Arguments swap_arguments(const grouped::Workspace& ws, const Arrays& fa,
-                                             int64_t num_experts, int device, int sm_count) {
-  typename G::Device::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_experts), ws.shapes, nullptr};
-  args.mainloop.ptr_A = reinterpret_cast<const Fp8**>(ws.ptr_a);
-  args.mainloop.dA = reinterpret_cast<typename G::StrideA*>(ws.stride_a);
-  args.mainloop.ptr_B = reinterpret_cast<const Fp8**>(ws.ptr_b);
-  args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
-  args.mainloop.ptr_SFA = fa.ptr_sfa;
-  args.mainloop.layout_SFA = fa.swap_layout_sfa();
-  args.mainloop.ptr_SFB = fa.ptr_sfb;
-  args.mainloop.layout_SFB = fa.swap_layout_sfb();
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ws.ptr_d;
-  args.epilogue.dD = reinterpret_cast<typename G::StrideD*>(ws.stride_d);
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  return args;
-}
 
 // ld_out: the SwiGLU kernel's elements between rows of out (I); unused by the store.
 template <class G>
@@ -216,15 +195,21 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
   args.mainloop.ptr_B = reinterpret_cast<const Fp8**>(ws.ptr_b);
   args.mainloop.dB = reinterpret_cast<typename G::StrideB*>(ws.stride_b);
   args.mainloop.ptr_SFA = fa.ptr_sfa;
-  args.mainloop.layout_SFA = fa.layout_sfa;
   args.mainloop.ptr_SFB = fa.ptr_sfb;
-  if constexpr (G::kSwiGlu) {
+  if constexpr (G::kSwapped) {
+    // The weights as A, the rows as B, out^T's strides in the D slots (build_fp8_problems).
+    args.mainloop.layout_SFA = fa.swap_layout_sfa();
+    args.mainloop.layout_SFB = fa.swap_layout_sfb();
+    grouped::set_store_epilogue(args, ws, device, sm_count);
+  } else if constexpr (G::kSwiGlu) {
+    args.mainloop.layout_SFA = fa.layout_sfa;
     args.mainloop.layout_SFB = fa.layout_sfb64();
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
   } else {
+    args.mainloop.layout_SFA = fa.layout_sfa;
     args.mainloop.layout_SFB = fa.layout_sfb;
     grouped::set_store_epilogue(args, ws, device, sm_count);
   }
@@ -312,19 +297,6 @@ Entry make_entry(const char* name) {
   return e;
 }
 
-template <class G>
-size_t swap_workspace_bytes(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
-                            int sm_count) {
-  return G::Device::get_workspace_size(swap_arguments<G>(ws, fa, num_experts, 0, sm_count));
-}
-
-template <class G>
-Status run_swapped(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
-                   int sm_count, cudaStream_t stream) {
-  return launch_after<G>(swap_arguments<G>(ws, fa, num_experts, device, sm_count), fa.gemm, stream,
-                         "the fp8 grouped GEMM (operands swapped)");
-}
-
 // The swapped configuration of TileRows rows a tile, described in the product's own terms: a
 // tile of TileRows rows by 128 output columns.
 template <int TileRows>
@@ -332,8 +304,8 @@ Entry make_swap_entry(const char* name) {
   using G = SwapGemm<TileRows>;
   Entry e;
   e.config = GroupedGemmConfig{name, TileRows, kBlock, kBlock, G::kStages, 1, 1, false, true};
-  e.gemm_workspace_bytes = &swap_workspace_bytes<G>;
-  e.run = &run_swapped<G>;
+  e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
+  e.run = &run<G>;
   e.run_swiglu = nullptr;
   return e;
 }

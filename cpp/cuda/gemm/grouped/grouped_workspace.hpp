@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/gemm/grouped/grouped_types.hpp"
 #include "uniep/status.hpp"
@@ -98,7 +99,11 @@ void set_store_epilogue(Arguments& args, const Workspace& ws, int device, int sm
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = ws.ptr_d;
-  args.epilogue.dD = ws.stride_d;
+  // The slot holds one 8-byte stride whichever its layout (out^T's, column-major, for the fp8
+  // tiles with the operands swapped).
+  using Slot = std::remove_pointer_t<decltype(args.epilogue.dD)>;
+  static_assert(sizeof(Slot) == sizeof(StrideD));
+  args.epilogue.dD = reinterpret_cast<Slot*>(ws.stride_d);
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
 }
