@@ -161,9 +161,10 @@ struct Gemm
 // are B column-major, and out^T is stored column-major into out's rows. Each output element is
 // the same 128-deep WGMMA partial sums from zero, promoted k-block by k-block as
 // accum += partial * (its row's scale * its weight block's scale), the scales' product being
-// the same number in either order: the unswapped tiles' bits (test_gpu_grouped_gemm.py compares
-// them). Cooperative, clusters of one: nothing to multicast at one tile of rows per expert. No
-// SwiGLU epilogue (its gate and up pairs lie along N): the plain product only.
+// the same number in either order, so the bits should be the unswapped tiles'
+// (test_gpu_grouped_gemm.py compares them). Cooperative, clusters of one: nothing to multicast at
+// one tile of rows per expert. No SwiGLU epilogue (its gate and up pairs lie along N): the plain
+// product only.
 template <int TileRows>
 using SwapTile = cute::Shape<cute::_128, cute::Int<TileRows>, cute::_128>;
 template <int TileRows>
