@@ -27,7 +27,7 @@ experts' bytes) and, per load and token count, the layer's paths against it:
     prepared fp8 swap16   the same with ``tile_m=16``: the fp8 GEMMs' tiles with the operands'
     prepared fp8 swap32   roles swapped (16 or 32 rows by 128 weight columns); the same bits as
                           ``prepared fp8`` (``same_bits[...]``), and ``graph_ratio[...]`` times
-                          each graph against its graph in interleaved rounds
+                          each one's graph against ``prepared fp8``'s in interleaved rounds
     moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (at world 1 the device's plan,
                           each token quantized at its rows, the fp8 GEMMs on its e4m3 copy of
                           the weights, the combine), against the same read

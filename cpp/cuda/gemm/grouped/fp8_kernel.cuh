@@ -198,20 +198,22 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
   args.mainloop.ptr_SFA = fa.ptr_sfa;
   args.mainloop.ptr_SFB = fa.ptr_sfb;
   if constexpr (G::kSwapped) {
-    // The weights as A, the rows as B, out^T's strides in the D slots (build_fp8_problems).
+    // The weights as A, the rows as B (build_fp8_problems); out^T's strides in the D slots.
     args.mainloop.layout_SFA = fa.swap_layout_sfa();
     args.mainloop.layout_SFB = fa.swap_layout_sfb();
-    grouped::set_store_epilogue(args, ws, device, sm_count);
-  } else if constexpr (G::kSwiGlu) {
+  } else {
     args.mainloop.layout_SFA = fa.layout_sfa;
-    args.mainloop.layout_SFB = fa.layout_sfb64();
+    if constexpr (G::kSwiGlu)
+      args.mainloop.layout_SFB = fa.layout_sfb64();
+    else
+      args.mainloop.layout_SFB = fa.layout_sfb;
+  }
+  if constexpr (G::kSwiGlu) {
     args.epilogue.ptr_out = ws.ptr_d;
     args.epilogue.ld_out = ld_out;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
   } else {
-    args.mainloop.layout_SFA = fa.layout_sfa;
-    args.mainloop.layout_SFB = fa.layout_sfb;
     grouped::set_store_epilogue(args, ws, device, sm_count);
   }
   return args;
