@@ -68,6 +68,15 @@ def make_routing(case: MoeCase, gen: torch.Generator) -> torch.Tensor:
         assert k <= per, "one_rank routing needs top_k <= experts per rank"
         local = torch.rand(t, per, generator=gen).argsort(dim=1)[:, :k]
         return local + (e - per)
+    if case.routing == "rank_per_k":
+        # Choice k of token t on rank (t + k) % W, a random expert there: no rank holds two of a
+        # token's choices (a rank's partial is one weighted row). A quarter of the choices unused.
+        per, w = case.experts_per_rank, case.world_size
+        assert k <= w, "rank_per_k routing needs top_k <= world size"
+        ranks = (torch.arange(t).unsqueeze(1) + torch.arange(k)) % w
+        idx = ranks * per + torch.randint(per, (t, k), generator=gen)
+        idx[torch.rand(t, k, generator=gen) < 0.25] = -1
+        return idx
     raise ValueError(f"unknown routing kind {case.routing!r}")
 
 

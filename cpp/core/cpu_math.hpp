@@ -109,7 +109,8 @@ struct ExpertWeights {
 };
 
 // The forward of one row, rounding where a GPU grouped GEMM writes its output in storage type:
-// h = x W1 (rounded), act = silu(gate) * up (rounded), y = act W2 (rounded). With fp8 experts
+// h = x W1 (rounded), act = silu(gate) * up (rounded), y = act W2 (rounded, unless round_y is
+// false: combine=rank_partials sums the second product's fp32 outputs). With fp8 experts
 // (the weights already rounded: ExpertWeights::round_to_fp8_blocks) act is also rounded to e4m3
 // in 1 x 128 blocks before the second product, as the fp8 path's SwiGLU pass quantizes it.
 template <typename S>
@@ -119,8 +120,10 @@ struct RowForward {
   std::vector<Acc> x, h, act, y;
 
   bool fp8_act = false;
+  bool round_y = true;
 
-  RowForward(int64_t H, int64_t I, bool fp8 = false) : x(H), h(2 * I), act(I), y(H), fp8_act(fp8) {}
+  RowForward(int64_t H, int64_t I, bool fp8 = false, bool round_y = true)
+      : x(H), h(2 * I), act(I), y(H), fp8_act(fp8), round_y(round_y) {}
 
   void run(const S* xrow, const ExpertWeights<S>& w, int64_t e, int64_t tile_n, int64_t tile_k) {
     for (int64_t i = 0; i < w.H; ++i) x[i] = St::load(xrow[i]);
@@ -143,7 +146,8 @@ struct RowForward {
                              [&](int64_t i) -> Acc& { return act[c0 + i]; });
     }
     vec_mat(act.data(), I, w.down(e), H, tile_n, tile_k, y.data());
-    for (auto& v : y) v = St::load(St::store(v));
+    if (round_y)
+      for (auto& v : y) v = St::load(St::store(v));
   }
 };
 

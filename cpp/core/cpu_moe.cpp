@@ -162,10 +162,14 @@ void combine(const MoeForwardArgs& a, const Received<S>& r, int64_t payload_byte
 
 // combine=rank_partials: each receive slot's local rows summed here (k ascending, fp32, weights
 // applied, one rounding to S), one partial per (token, rank) sent home, summed there in ascending
-// rank order. The same order as the CUDA executor's, so the two give the same bits.
+// rank order. The rows are the second product's outputs as accumulated (`y` in Acc, never rounded
+// to S): the partial's one rounding takes the place of the rows' own, so one row per (token,
+// rank) costs no accuracy against per_k's one row per (token, k). The same order as the CUDA
+// executor's, so the two give the same bits.
 template <typename S>
-void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const std::vector<S>& y,
-                           int64_t weights_offset, Transport& tr) {
+void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r,
+                           const std::vector<typename Storage<S>::Acc>& y, int64_t weights_offset,
+                           Transport& tr) {
   using St = Storage<S>;
   using Acc = typename St::Acc;
   const MoeShape& sh = a.shape;
@@ -185,7 +189,7 @@ void combine_rank_partials(const MoeForwardArgs& a, const Received<S>& r, const 
           if (row < 0) continue;
           Acc wk;
           std::memcpy(&wk, weights + k * sizeof(Acc), sizeof(Acc));
-          for (int64_t c = 0; c < H; ++c) acc[c] += wk * St::load(y[row * H + c]);
+          for (int64_t c = 0; c < H; ++c) acc[c] += wk * y[row * H + c];
         }
         S* part = reinterpret_cast<S*>(p);
         for (int64_t c = 0; c < H; ++c) part[c] = St::store(acc[c]);
@@ -339,8 +343,11 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
   ExpertWeights<S> w(static_cast<const S*>(a.w1), static_cast<const S*>(a.w2),
                      sh.experts_per_rank(), H, I, a.w1_strides, a.w2_strides);
   if (fp8) w.round_to_fp8_blocks();
-  std::vector<S> y(r.experts.num_rows() * H);
-  cpu::RowForward<S> f(H, I, fp8);
+  const bool rank_partials = a.tuning.combine == CombineReduction::kRankPartials;
+  const int64_t rows = r.experts.num_rows();
+  std::vector<S> y(rank_partials ? 0 : rows * H);
+  std::vector<Acc> y_acc(rank_partials ? rows * H : 0);  // unrounded, for rank partials
+  cpu::RowForward<S> f(H, I, fp8, /*round_y=*/!rank_partials);
   for (const WorkTile& tile : r.tiles) {
     for (int64_t row = tile.row_begin; row < tile.row_end; ++row) {
       const int64_t slot = r.experts.row_slot[row];
@@ -351,11 +358,13 @@ void forward_impl(const MoeForwardArgs& a, Transport& tr) {
       } else {
         f.run(&r.x[slot * H], w, tile.expert, tn, tk);
       }
-      for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
+      if (rank_partials)
+        std::copy(f.y.begin(), f.y.end(), y_acc.begin() + row * H);
+      else
+        for (int64_t n = 0; n < H; ++n) y[row * H + n] = St::store(f.y[n]);
     }
   }
-  if (a.tuning.combine == CombineReduction::kRankPartials)
-    return combine_rank_partials<S>(a, r, y, r.extra_offset, tr);
+  if (rank_partials) return combine_rank_partials<S>(a, r, y_acc, r.extra_offset, tr);
   if (a.tuning.combine == CombineReduction::kNodePartials)
     return combine_node_partials<S>(a, r, y, tr);
 
