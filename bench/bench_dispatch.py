@@ -5,10 +5,11 @@ distinct random experts; both implementations then move the same rows:
 
 - uniep: ``uniep.moe.ep.dispatch`` (a token goes once to every rank hosting one of its experts; the
   op synchronises the host to learn the receive count, which is part of its time) and
-  ``uniep.moe.ep.combine`` of one random bf16 row per grouped-GEMM row, for several SM budgets,
-  with the default combine (one row per (token, k) on the wire) and ``combine=rank_partials``
-  (the expert rank first sums its rows of each token, weights applied, and sends one bf16 row
-  per (token, rank): the baseline's bytes, with that local sum inside our time). Every one of
+  ``uniep.moe.ep.combine`` of one random row per grouped-GEMM row, for several SM budgets,
+  with the default combine (bf16 rows, one row per (token, k) on the wire) and
+  ``combine=rank_partials`` (fp32 rows, as ``moe_forward`` passes the second GEMM's sums: the
+  expert rank first sums its rows of each token, weights applied, and sends one bf16 row per
+  (token, rank): the baseline's bytes, with that local sum inside our time). Every one of
   them runs on the row's SM budget (tuning ``sms=S/S``); before 2026-11-26 the combines ran on
   the whole GPU whatever the row said. Both combines are also timed once on the whole GPU
   (``combine_whole_gpu_*``, ``rank_partials_combine_whole_gpu_*``): what the budget costs them.
@@ -174,6 +175,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
             f"{partials_err:.3e} >= {CHECK_TOLERANCE:.0e} on some rank"
         )
     y = torch.randn(n_rows, hidden, generator=gen, device=dev).to(bf16)
+    y32 = y.float()  # rank_partials' rows, fp32 as moe_forward's second GEMM stores them
     del back, expected
 
     # ---- NCCL baseline on the same routing: one row per (token, destination rank) ----
@@ -235,10 +237,10 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, An
         return ep.dispatch_cached(x, latest["handle"], tuning=tuning)
 
     def run_combine(handle: ep.Handle) -> torch.Tensor:
-        return ep.combine(y, handle)
+        return ep.combine(y32 if "combine=rank_partials" in handle.tuning else y, handle)
 
     def run_both(tuning: str) -> torch.Tensor:
-        return ep.combine(y, run_dispatch(tuning).handle)
+        return run_combine(run_dispatch(tuning).handle)
 
     for sms in SM_BUDGETS:
         # sms=S/S: the dispatch's S communication SMs, and S in all for the combine (which

@@ -157,7 +157,7 @@ void launch_copy_out(const SymmetricView& sym, const EpDims& d, const DispatchAr
                      const DispatchOutputs& out, int blocks, cudaStream_t stream);
 
 struct CombineArgs {
-  const uint8_t* y;  // [rows][H] bf16
+  const uint8_t* y;  // [rows][H] bf16, or fp32 where y_f32 (combine=rank_partials only)
   const int64_t* row_target;
   int64_t rows;
   const int64_t* topk_idx;
@@ -167,6 +167,7 @@ struct CombineArgs {
   uint8_t* out;         // [tokens][H] bf16
   uint64_t timeout_ns;  // each wait gives up this long after the kernel starts
   DeviceError* err;
+  bool y_f32 = false;
 };
 // combine=per_k's rows that stay on this rank: instead of a copy into our own slot, the slot's
 // entry names the row of y (epoch << 32 | row; an entry of another round reads as "copied").

@@ -439,7 +439,7 @@ class RuntimeImpl final : public Runtime {
 
   Status combine(const void* y, const int64_t* row_target, int64_t rows, const int64_t* topk_idx,
                  const float* topk_weights, int64_t tokens, int num_sms, CombineReduction reduction,
-                 void* out, uint64_t epoch, cudaStream_t stream) override {
+                 void* out, uint64_t epoch, cudaStream_t stream, bool y_fp32) override {
     if (epoch != epoch_ || !dispatched_)
       return {StatusCode::kInvalidArgument,
               detail::str_cat("combine answers the dispatch of epoch ", epoch,
@@ -473,7 +473,13 @@ class RuntimeImpl final : public Runtime {
                         plan_,
                         static_cast<uint8_t*>(out),
                         timeout_ns(),
-                        err_dev_};
+                        err_dev_,
+                        y_fp32};
+    if (y_fp32 && reduction != CombineReduction::kRankPartials)
+      return {StatusCode::kInvalidArgument,
+              detail::str_cat("fp32 expert rows (y) are summed by combine=rank_partials only; "
+                              "combine=",
+                              combine_reduction_name(reduction), " sends bf16 rows")};
     if (reduction == CombineReduction::kRankPartials) {
       if (!all_peers_mapped_)
         return {StatusCode::kUnsupported,

@@ -11,11 +11,12 @@ enum class DispatchPrecision { kBf16, kFp8E4M3 };
 // How the combine sums a token's expert outputs.
 //   kPerChoice   every (token, k) row goes back to the token's rank, which sums over k in
 //                ascending order in fp32: the bits of the design's reference order.
-//   kRankPartials the expert rank sums its own k's (ascending, fp32, weights applied) and sends
-//                one bf16 partial per (token, rank); the token's rank sums the partials in
-//                ascending rank order in fp32. One row per (token, rank) crosses the wire
-//                instead of one per (token, k) (4x fewer bytes at top-8 over 2 ranks), at the
-//                price of one extra bf16 rounding per partial.
+//   kRankPartials the expert rank sums its own k's (ascending, fp32, weights applied) of the
+//                second GEMM's fp32 outputs, not rounded, and sends one bf16 partial per (token,
+//                rank); the token's rank sums the partials in ascending rank order in fp32. One
+//                row per (token, rank) crosses the wire instead of one per (token, k) (4x fewer
+//                bytes at top-8 over 2 ranks), and the partial's one rounding replaces the rows'
+//                own: per_k's accuracy against float64, in an order of its own.
 //   kNodePartials the relay that brought the token into a node sums that node's k's (ascending,
 //                fp32, weights applied) and sends one bf16 partial per (token, node) on the rail;
 //                the token's rank sums them in ascending node order in fp32 (docs/multinode.md).

@@ -208,6 +208,30 @@ def test_bits_identical_across_configurations(counts: list[int], k: int, n: int)
         assert torch.equal(got, auto), tuning
 
 
+def test_fp32_output_is_the_bf16_output_unrounded() -> None:
+    """out_dtype=float32 stores the accumulator as is: the bf16 output is it rounded once (round
+    to nearest even, as torch's cast), on every configuration; rows past offs stay unwritten and
+    the others hold no NaN. moe_forward's second GEMM under combine=rank_partials."""
+    counts = _random_counts(24, 150, 21, empty_every=5)
+    x, w, offs = _operands(counts, 256, 384, seed=21)
+    auto = _op(x, w, offs)
+    poison = torch.full((x.shape[0], 384), float("nan"), device="cuda")
+    del poison
+    out32 = torch.ops.uniep.grouped_mm(x, w, offs, "", torch.float32)
+    assert out32.dtype == torch.float32 and not out32.isnan().any()
+    assert torch.equal(out32.bfloat16(), auto)
+    torch.testing.assert_close(out32.double(), _reference(x, w, offs), rtol=1e-4, atol=1e-4)
+    for tuning in CONFIGS:
+        got = torch.ops.uniep.grouped_mm(x, w, offs, tuning, torch.float32)
+        assert torch.equal(got, out32), tuning
+    # A K-major w (the transpose of a contiguous [E, N, K]) is copied for the fp32 store.
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(torch.ops.uniep.grouped_mm(x, wt, offs, "", torch.float32), out32)
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
+        torch.ops.uniep.grouped_mm(x, w, offs, "", torch.float16)
+    torch.library.opcheck(torch.ops.uniep.grouped_mm, (x, w, offs, "", torch.float32))
+
+
 def test_partial_requests_and_unknown_combinations() -> None:
     x, w, offs = _operands([50, 70], 128, 128, seed=14)
     auto = _op(x, w, offs)
@@ -439,6 +463,14 @@ def test_fp8_grouped_gemm(name: str) -> None:
         "tile_m=32",
     ):
         assert torch.equal(grouped_mm_fp8(xq, xs, wq, ws, offs, tuning), out), tuning
+    # out_dtype=float32: the same sums before their rounding, on the tiles that are not swapped.
+    out32 = grouped_mm_fp8(xq, xs, wq, ws, offs, "", torch.float32)
+    assert out32.dtype == torch.float32 and torch.equal(out32.bfloat16(), out)
+    for tuning in ("tile_m=128", "tile_m=64"):
+        got = grouped_mm_fp8(xq, xs, wq, ws, offs, tuning, torch.float32)
+        assert torch.equal(got, out32), tuning
+    with pytest.raises(ValueError, match="no fp8 grouped GEMM configuration has tile_m=16"):
+        grouped_mm_fp8(xq, xs, wq, ws, offs, "tile_m=16", torch.float32)
 
 
 def test_fp8_named_errors() -> None:

@@ -172,6 +172,30 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
             ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank], el, world
         )
         assert torch.equal(parts[0], want_parts), kind
+        # ... and on fp32 rows (moe_forward's: the second GEMM's sums, not rounded), the same
+        # order over the fp32 values: one rounding, in the partial.
+        y32 = torch.randn(rows, HIDDEN, generator=gen) * 3
+        parts32 = []
+        for sms in (24, 8):
+            res = uniep.moe.ep.dispatch(x, idx, w, tuning=f"sms={sms},combine=rank_partials")
+            parts32.append(uniep.moe.ep.combine(y32.to(dev), res.handle).cpu())
+        uniep.moe.ep.check()
+        assert parts32[0].dtype == torch.bfloat16 and torch.equal(parts32[0], parts32[1]), kind
+        gathered32: list[object] = [None] * world
+        dist.all_gather_object(gathered32, (y32, res.handle.row_target.cpu()), group=cpu_group)
+        ybuf32 = torch.zeros(idx.shape[0] * TOP_K, HIDDEN)
+        for ys, targets in gathered32:  # type: ignore[misc]
+            mine = targets // per_rank_slots == rank
+            ybuf32[targets[mine] % per_rank_slots] = ys[mine]
+        want32 = _expected_rank_partials(
+            ybuf32.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank], el, world
+        )
+        assert torch.equal(parts32[0], want32), kind
+        # per_k sends rows as they are: fp32 rows are refused, naming the mode.
+        res = uniep.moe.ep.dispatch(x, idx, w, tuning="sms=24")
+        with pytest.raises(ValueError, match="float32 with combine=rank_partials"):
+            uniep.moe.ep.combine(y32.to(dev), res.handle)
+        uniep.moe.ep.combine(y.to(dev), res.handle)  # the round still needs its combine
 
         # moe_forward on GPU: within bf16 tolerance of the CPU executor, bits stable.
         gen = torch.Generator().manual_seed(2000 + seed)

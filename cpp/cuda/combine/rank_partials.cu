@@ -1,8 +1,10 @@
 // combine=rank_partials: one bf16 row per (token, expert rank) crosses the wire instead of one
 // per (token, k). The expert rank sums each receive slot's rows (its own k's of the token,
 // ascending, fp32, routing weights applied, one rounding to bf16); the token's rank sums the
-// partials in ascending rank order in fp32. Slot-indexed at both ends, so the bits never depend
-// on which block carried a row or when it arrived; the CPU executor sums in the same order.
+// partials in ascending rank order in fp32. The rows are fp32 (moe_forward's second product as
+// accumulated: the partial's rounding then replaces the rows' own, and the layer keeps per_k's
+// accuracy) or bf16 (a caller's). Slot-indexed at both ends, so the bits never depend on which
+// block carried a row or when it arrived; the CPU executor sums in the same order.
 #include <cuda_bf16.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -51,10 +53,12 @@ __global__ void index_rows_kernel(EpDims d, CombineArgs a, RankPartialsArgs p) {
 // peer's over NVLink). Reading the expert rows (one per (token, k), about K / W times the bytes
 // sent) is the bulk of the work, too much for a few SMs; the stores ride along, as the
 // MegaKernel's GEMM epilogue will store its outputs. Then one signal per peer (signal_wait.cuh).
+// YF32: y's rows are fp32 (two 16-byte loads per 8 columns) instead of bf16 (one).
+template <bool YF32>
 __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
     partials_kernel(SymmetricView sym, EpDims d, CombineArgs a, RankPartialsArgs p) {
   const int64_t W = d.world_size, K = d.top_k, me = d.rank, meta_len = 1 + K;
-  const int64_t row_bytes = d.hidden * 2;
+  const int64_t row_bytes = d.hidden * 2;  // a partial's; y's rows are twice that with YF32
   const int64_t first = me * d.experts_per_rank, last = first + d.experts_per_rank;
   const uint64_t deadline = global_timer_ns() + a.timeout_ns;
   const int lane = threadIdx.x % 32;
@@ -115,13 +119,27 @@ __global__ void __launch_bounds__(kThreads, kPartialBlocksPerSm)
         const int k = __ffs(static_cast<int>(left)) - 1;  // ascending k
         const int64_t r = __shfl_sync(0xffffffffu, row, k);
         const float w = __shfl_sync(0xffffffffu, weight, k);
-        const int4* y = reinterpret_cast<const int4*>(a.y + r * row_bytes) + col;
-        int4 raw[kUnroll];
+        if constexpr (YF32) {
+          // Vector v of the partial (8 columns) is vectors 2v and 2v + 1 of the fp32 row.
+          const int4* y = reinterpret_cast<const int4*>(a.y + r * 2 * row_bytes) + 2 * col;
+          int4 raw[kUnroll][2];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          raw[u] = v0 + 32 * u < vecs ? load_streaming(y + v0 + 32 * u) : int4{0, 0, 0, 0};
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + 32 * u;
+            raw[u][0] = v < vecs ? load_streaming(y + 2 * v) : int4{0, 0, 0, 0};
+            raw[u][1] = v < vecs ? load_streaming(y + 2 * v + 1) : int4{0, 0, 0, 0};
+          }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) accumulate_bf16x8(acc[u], raw[u], w);
+          for (int u = 0; u < kUnroll; ++u) accumulate_f32x8(acc[u], raw[u][0], raw[u][1], w);
+        } else {
+          const int4* y = reinterpret_cast<const int4*>(a.y + r * row_bytes) + col;
+          int4 raw[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            raw[u] = v0 + 32 * u < vecs ? load_streaming(y + v0 + 32 * u) : int4{0, 0, 0, 0};
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) accumulate_bf16x8(acc[u], raw[u], w);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -196,7 +214,10 @@ void launch_combine_rank_partials(const SymmetricView& sym, const EpDims& d, con
                                   const RankPartialsArgs& p, int num_sms, cudaStream_t stream) {
   const int blocks = 4 * num_sms;
   if (a.rows > 0) index_rows_kernel<<<blocks, kThreads, 0, stream>>>(d, a, p);
-  partials_kernel<<<kPartialBlocksPerSm * num_sms, kThreads, 0, stream>>>(sym, d, a, p);
+  if (a.y_f32)
+    partials_kernel<true><<<kPartialBlocksPerSm * num_sms, kThreads, 0, stream>>>(sym, d, a, p);
+  else
+    partials_kernel<false><<<kPartialBlocksPerSm * num_sms, kThreads, 0, stream>>>(sym, d, a, p);
   if (a.tokens == 0) return;
   if (d.world_size <= 2)
     launch_partials_reduce<2>(sym, d, a, p, blocks, stream);

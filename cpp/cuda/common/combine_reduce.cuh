@@ -23,6 +23,18 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& r
   for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
 }
 
+// The same over 8 fp32 values in two 16-byte vectors (combine=rank_partials' rows as the second
+// product accumulated them).
+__device__ __forceinline__ void accumulate_f32x8(float (&acc)[8], const int4& lo, const int4& hi,
+                                                 float w) {
+  const float* a = reinterpret_cast<const float*>(&lo);
+  const float* b = reinterpret_cast<const float*>(&hi);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, a[j]));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[4 + j] = __fadd_rn(acc[4 + j], __fmul_rn(w, b[j]));
+}
+
 // acc rounded once to bf16, as one 16-byte vector.
 __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
   int4 packed;

@@ -20,12 +20,15 @@ size_t grouped_gemm_gated_workspace_bytes(int64_t num_experts, int sm_count) {
 }
 
 Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate,
-                               const GatedSignal& signal, int device, int sm_count,
-                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                               const GatedSignal& signal, int device, int sm_count, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
   if (Status s = grouped_gemm_supports(p); !s.ok()) return s;
   if (p.kind != GroupedGemmKind::kForward)
     return {StatusCode::kInvalidArgument,
             "the gated grouped GEMM runs the forward (kForward) only"};
+  if (p.epilogue == GroupedGemmEpilogue::kStoreF32)
+    return {StatusCode::kUnsupported,
+            "the gated grouped GEMM stores bf16 (epilogue kStore, kSwiGlu or kSwiGluPlain)"};
   const bool swiglu = p.epilogue != GroupedGemmEpilogue::kStore;
   const bool plain = p.epilogue == GroupedGemmEpilogue::kSwiGluPlain;
   if (plain && (p.n / 2) % (kGatedTileN / 2) != 0)
@@ -41,9 +44,9 @@ Status grouped_gemm_gated_bf16(const GroupedGemmProblem& p, const TileGate& gate
     return {StatusCode::kInvalidArgument,
             "gate: with ready words, timeout must be a device pointer"};
   if (gate.counters != nullptr && gate.num_counters < 1)
-    return {StatusCode::kInvalidArgument,
-            detail::str_cat("gate: num_counters must be >= 1 with counters, got ",
-                            gate.num_counters)};
+    return {
+        StatusCode::kInvalidArgument,
+        detail::str_cat("gate: num_counters must be >= 1 with counters, got ", gate.num_counters)};
   if (signal.done != nullptr && !swiglu)
     return {StatusCode::kInvalidArgument,
             "signal: the done signal belongs to the SwiGLU epilogue (epilogue kSwiGlu or "

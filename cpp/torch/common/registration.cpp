@@ -25,8 +25,11 @@ TORCH_LIBRARY(uniep, m) {
   // w [E, K, N], offs [E] int32 cumulative row ends -> [R, N]; expert e multiplies rows
   // [offs[e-1], offs[e]) of x by w[e]. offs stays on the device (no host sync). tuning's
   // tile_m, tile_n, tile_k and stages pick the configuration (all auto: by shape). w may be the
-  // transpose of a contiguous [E, N, K] (read K-major, no copy).
-  m.def("grouped_mm(Tensor x, Tensor w, Tensor offs, str tuning=\"\") -> Tensor");
+  // transpose of a contiguous [E, N, K] (read K-major, no copy). out_dtype float32: the
+  // accumulator as is instead of rounded to bf16 (w is then read as [E, K, N], copied if need be).
+  m.def(
+      "grouped_mm(Tensor x, Tensor w, Tensor offs, str tuning=\"\", ScalarType? out_dtype=None) "
+      "-> Tensor");
   // The same with SwiGLU applied in the GEMM's epilogue (CUDA only): w_packed [E, K, 2I] holds
   // gate and up interleaved in blocks of 8 columns (uniep.gemm.pack_gate_up) -> act [R, I].
   m.def("grouped_mm_swiglu(Tensor x, Tensor w_packed, Tensor offs, str tuning=\"\") -> Tensor");
@@ -40,10 +43,11 @@ TORCH_LIBRARY(uniep, m) {
   m.def("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str tuning=\"\") -> Tensor");
   // The forward in fp8 (CUDA only): x [R, K] e4m3 with x_scales [R, K / 128], w [E, N, K] e4m3
   // (K-major) with w_scales [E, K / 128, N / 128] -> bf16 [R, N] (uniep.gemm.quantize_rows,
-  // quantize_expert_weights); the tuning string's tile keys pick among the fp8 configurations.
+  // quantize_expert_weights), or float32 with out_dtype float32 (the accumulator as is); the
+  // tuning string's tile keys pick among the fp8 configurations.
   m.def(
       "grouped_mm_fp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor offs, "
-      "str tuning=\"\") -> Tensor");
+      "str tuning=\"\", ScalarType? out_dtype=None) -> Tensor");
   // The activation between the fp8 GEMMs: h [R, 2I] bf16 -> SwiGLU rounded to bf16, quantized
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.

@@ -267,7 +267,12 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
   const ep::Config& cfg = rt.config();
   UNIEP_CHECK(y.dim() == 2 && y.size(1) == cfg.hidden, "y must be [R, H = ", cfg.hidden, "], got ",
               y.sizes());
-  UNIEP_CHECK(y.scalar_type() == at::kBFloat16, "y must be bfloat16, got ", y.scalar_type());
+  const bool y_fp32 = y.scalar_type() == at::kFloat;
+  UNIEP_CHECK(y.scalar_type() == at::kBFloat16 ||
+                  (y_fp32 && params.combine == CombineReduction::kRankPartials),
+              "y must be bfloat16 (or float32 with combine=rank_partials, which sums the rows "
+              "unrounded), got ",
+              y.scalar_type(), " with combine=", combine_reduction_name(params.combine));
   UNIEP_CHECK(y.is_cuda() && y.is_contiguous(), "y must be a contiguous CUDA tensor");
   UNIEP_CHECK(row_target.dim() == 1 && row_target.size(0) == y.size(0) &&
                   row_target.scalar_type() == at::kLong,
@@ -277,11 +282,11 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
                   topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
                   topk_weights.device() == y.device(),
               "topk_weights must be contiguous float32 shaped like topk_idx on y's device");
-  at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options());
+  at::Tensor out = at::empty({topk_idx.size(0), cfg.hidden}, y.options().dtype(at::kBFloat16));
   ok_or_throw(rt.combine(y.data_ptr(), row_target.data_ptr<int64_t>(), y.size(0),
                          topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
                          topk_idx.size(0), combine_sms(params, y), params.combine, out.data_ptr(),
-                         static_cast<uint64_t>(epoch), stream));
+                         static_cast<uint64_t>(epoch), stream, y_fp32));
   return out;
 }
 
@@ -521,13 +526,16 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
     Dispatched d = run_dispatch(x, topk_idx, topk_weights, rt, params, false, stream);
     const int64_t H = cfg.hidden, I = in.shape.ffn_hidden;
     const int64_t R = d.row_slot.size(0);
+    // combine=rank_partials sums the second GEMM's outputs as accumulated (fp32): the partial's
+    // one rounding replaces the rows' own, as in the CPU executor.
+    const bool y_f32 = params.combine == CombineReduction::kRankPartials;
     at::Tensor y;
     if (R == 0) {
-      y = at::empty({0, H}, x.options());
+      y = at::empty({0, H}, x.options().dtype(y_f32 ? at::kFloat : at::kBFloat16));
     } else if (params.fp8_experts()) {
       // The rows stay in the dispatch's e4m3 for the first fp8 GEMM (torch/gemm/fp8_experts.hpp).
       const auto [rows, row_scales] = gathered_fp8_rows(x, d, rt, stream);
-      y = fp8_experts_forward(rows, row_scales, expert_offs(d, x, stream), w1, w2, params);
+      y = fp8_experts_forward(rows, row_scales, expert_offs(d, x, stream), w1, w2, params, y_f32);
     } else {
       const at::Tensor xs = gathered_rows(x, d, rt, params, stream);
       const at::Tensor offs = expert_offs(d, x, stream);
@@ -549,7 +557,12 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
         const at::Tensor h = grouped(xs, w1);
         act = at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I);
       }
-      y = grouped(act, w2).contiguous();
+      if (!y_f32)
+        y = grouped(act, w2).contiguous();
+      else if (params.gemm == GemmEngine::kUniep)
+        y = engine_grouped_mm_f32(act, w2, offs, params);
+      else  // torch._grouped_mm stores its inputs' dtype: the product of fp32 copies
+        y = at::_grouped_mm(act.to(at::kFloat), w2.to(at::kFloat), offs);
     }
     return run_combine(y, d.row_target, topk_idx, topk_weights, rt, d.epoch, params, stream);
   });

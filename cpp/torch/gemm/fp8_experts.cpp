@@ -116,14 +116,14 @@ std::pair<at::Tensor, at::Tensor> quantize_expert_weights(const at::Tensor& w) {
 
 at::Tensor fp8_experts_forward(const at::Tensor& rows, const at::Tensor& row_scales,
                                const at::Tensor& offs, const at::Tensor& w1, const at::Tensor& w2,
-                               const TuningParams& tuning) {
+                               const TuningParams& tuning, bool y_f32) {
   const Kept k = kept_for(w1, w2);
   // SwiGLU in the first GEMM's epilogue, then one pass quantizing [R, I] instead of SwiGLU and
   // quantization over [R, 2I]: the same bits as that chain, which uniep.moe.prepared's fp8 experts
   // run.
   const at::Tensor act = engine_grouped_mm_fp8(rows, row_scales, k.q1, k.s1, offs, tuning, true);
   const auto [act_q, act_scales] = engine_quantize_fp8(act);
-  return engine_grouped_mm_fp8(act_q, act_scales, k.q2, k.s2, offs, tuning);
+  return engine_grouped_mm_fp8(act_q, act_scales, k.q2, k.s2, offs, tuning, false, y_f32);
 }
 
 void clear_fp8_experts() {

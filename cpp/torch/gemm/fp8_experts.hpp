@@ -17,13 +17,14 @@ std::pair<at::Tensor, at::Tensor> quantize_expert_weights(const at::Tensor& w);
 
 // The layer's experts on fp8 rows: rows [R, H] e4m3 with row_scales [R, H / 128] in expert
 // order (offs [E] int32, the cumulative row ends), w1 [E, H, 2I] and w2 [E, I, H] bf16 ->
-// y [R, H] bf16 = fp8 GEMM(fp8 SwiGLU(fp8 GEMM(rows, w1)), w2). The quantized w1 and w2 are
+// y [R, H] bf16 = fp8 GEMM(fp8 SwiGLU(fp8 GEMM(rows, w1)), w2) (y_f32: fp32, the second GEMM's
+// accumulator as is, for combine=rank_partials). The quantized w1 and w2 are
 // kept between calls (one e4m3 copy of each: half their bf16 size) while the tensors live and
 // their version counters and data pointers stay the same; inside a CUDA graph's capture they
 // are quantized in the call.
 at::Tensor fp8_experts_forward(const at::Tensor& rows, const at::Tensor& row_scales,
                                const at::Tensor& offs, const at::Tensor& w1, const at::Tensor& w2,
-                               const TuningParams& tuning);
+                               const TuningParams& tuning, bool y_f32 = false);
 
 // Drops every kept quantized copy (after writes the version counter does not see).
 void clear_fp8_experts();

@@ -37,6 +37,11 @@ cuda::GroupedGemmProblem forward_problem(const at::Tensor& x, const at::Tensor& 
 at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                              const TuningParams& tuning);
 
+// engine_grouped_mm's product stored in fp32, the accumulator as is (moe_forward's second GEMM
+// under combine=rank_partials). A w that is not contiguous is copied first.
+at::Tensor engine_grouped_mm_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                                 const TuningParams& tuning);
+
 // The first expert GEMM with SwiGLU in its epilogue: w_packed [E, K, 2I] holds gate and up
 // interleaved in blocks of 8 columns (include/uniep/cuda/grouped_gemm.hpp, kSwiGlu); returns
 // act [R, I] = silu(gate) * up.
@@ -62,11 +67,12 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
 // with w_scales [E, K / 128, N / 128] -> [R, N] bf16; tuning's tile keys pick the configuration.
 // swiglu: the first expert GEMM with SwiGLU in its epilogue on w1 packed by pack_gate_up_fp8,
 // w_scales [E, K / 128, N / 64] -> the activation [R, N / 2] bf16
-// (cuda::GroupedGemmFp8Problem::swiglu).
+// (cuda::GroupedGemmFp8Problem::swiglu). out_f32: the plain product [R, N] in fp32, the
+// accumulator as is (not with swiglu).
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
                                  const at::Tensor& offs, const TuningParams& tuning,
-                                 bool swiglu = false);
+                                 bool swiglu = false, bool out_f32 = false);
 
 // The quantized w1 [E, 2I, K] e4m3 and its scales [E, K / 128, 2I / 128] (quantize_expert_weights)
 // packed for the SwiGLU epilogue: rows in blocks of 64 (gate, up) and a scale per 64 rows, as

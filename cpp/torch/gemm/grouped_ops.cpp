@@ -167,13 +167,15 @@ void launch(cuda::GroupedGemmProblem& p, const at::Tensor& like, const TuningPar
 at::Tensor run_engine(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                       const TuningParams& tuning, cuda::GroupedGemmEpilogue epilogue) {
   check_grouped_mm_args(x, w, offs);
-  const bool swiglu = epilogue != cuda::GroupedGemmEpilogue::kStore;
+  const bool f32 = epilogue == cuda::GroupedGemmEpilogue::kStoreF32;
+  const bool swiglu = epilogue != cuda::GroupedGemmEpilogue::kStore && !f32;
   if (epilogue == cuda::GroupedGemmEpilogue::kSwiGlu) check_swiglu_width(w);
   if (epilogue == cuda::GroupedGemmEpilogue::kSwiGluPlain) check_plain_gate_up(w);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(2);
   // Rows past offs[E - 1] are not written, as with torch._grouped_mm.
-  at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options());
+  at::Tensor out =
+      at::empty({rows, swiglu ? n / 2 : n}, x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return out;
   if (k == 0) return out.zero_();  // (with SwiGLU too: silu(0) * 0 = 0)
   cuda::GroupedGemmProblem p = forward_problem(x, w, offs, out, epilogue);
@@ -192,6 +194,14 @@ at::Tensor engine_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at:
     return engine_grouped_mm_dgrad(x, w.transpose(1, 2), offs, tuning);
   }
   return run_engine(x, w, offs, tuning, cuda::GroupedGemmEpilogue::kStore);
+}
+
+at::Tensor engine_grouped_mm_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                                 const TuningParams& tuning) {
+  // A transposed view runs engine_grouped_mm's data-gradient kind, which stores bf16 only: the
+  // fp32 store reads w [E, K, N] contiguous.
+  return run_engine(x, w.dim() == 3 ? w.contiguous() : w, offs, tuning,
+                    cuda::GroupedGemmEpilogue::kStoreF32);
 }
 
 at::Tensor engine_grouped_mm_swiglu(const at::Tensor& x, const at::Tensor& w_packed,
@@ -251,7 +261,8 @@ at::Tensor engine_grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy,
 
 at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales,
                                  const at::Tensor& w, const at::Tensor& w_scales,
-                                 const at::Tensor& offs, const TuningParams& params, bool swiglu) {
+                                 const at::Tensor& offs, const TuningParams& params, bool swiglu,
+                                 bool out_f32) {
   UNIEP_CHECK(x.dim() == 2, "x must be 2-D [R, K], got shape ", x.sizes());
   UNIEP_CHECK(w.dim() == 3, "w must be 3-D [E, N, K] (K-major), got shape ", w.sizes());
   UNIEP_CHECK(offs.dim() == 1, "offs must be 1-D [E], got shape ", offs.sizes());
@@ -293,11 +304,14 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
   tiles.stages = params.stages;
   tiles.cluster_m = params.cluster;
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({rows, swiglu ? n / 2 : n}, x.options().dtype(at::kBFloat16));
+  UNIEP_CHECK(!(swiglu && out_f32), "the SwiGLU epilogue stores bf16, not fp32");
+  at::Tensor out = at::empty({rows, swiglu ? n / 2 : n},
+                             x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   cuda::GroupedGemmFp8Problem p;
   p.num_experts = e;
   p.rows = rows;
   p.swiglu = swiglu;
+  p.out_f32 = out_f32;
   int index = 0;  // a tile request no configuration has is an error, rows or none
   ok_or_throw(cuda::grouped_gemm_fp8_select(p, tiles, &index));
   if (rows == 0) return out;
@@ -389,10 +403,21 @@ std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a) {
 
 namespace {
 
+// out_dtype: bf16 (the default) or float32 (the accumulator as is).
+bool f32_out(std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType t = out_dtype.value_or(at::kBFloat16);
+  UNIEP_CHECK(t == at::kBFloat16 || t == at::kFloat, "out_dtype must be bfloat16 or float32, got ",
+              t);
+  return t == at::kFloat;
+}
+
 at::Tensor grouped_mm_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           c10::string_view tuning) {
-  return translate_errors(
-      [&] { return engine_grouped_mm(x, w, offs, TuningParams::parse(std::string(tuning))); });
+                           c10::string_view tuning, std::optional<at::ScalarType> out_dtype) {
+  return translate_errors([&] {
+    const TuningParams params = TuningParams::parse(std::string(tuning));
+    return f32_out(out_dtype) ? engine_grouped_mm_f32(x, w, offs, params)
+                              : engine_grouped_mm(x, w, offs, params);
+  });
 }
 
 at::Tensor grouped_mm_swiglu_cuda(const at::Tensor& x, const at::Tensor& w_packed,
@@ -411,10 +436,11 @@ at::Tensor grouped_mm_swiglu_plain_cuda(const at::Tensor& x, const at::Tensor& w
 
 at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
                                const at::Tensor& w_scales, const at::Tensor& offs,
-                               c10::string_view tuning) {
+                               c10::string_view tuning, std::optional<at::ScalarType> out_dtype) {
   return translate_errors([&] {
     return engine_grouped_mm_fp8(x, x_scales, w, w_scales, offs,
-                                 TuningParams::parse(std::string(tuning)));
+                                 TuningParams::parse(std::string(tuning)), false,
+                                 f32_out(out_dtype));
   });
 }
 

@@ -158,14 +158,16 @@ class Runtime {
   // out[t] = the sum of the token's partials in ascending rank order (fp32). Needs every peer
   // mapped over NVLink and a dispatch made for it (DispatchInput::combine); a row_target that
   // misses or repeats a row, or topk_weights other than the dispatch's, is reported by
-  // check_device_errors / the next dispatch.
+  // check_device_errors / the next dispatch. y_fp32 (kRankPartials only): y is [R, H] fp32, the
+  // expert outputs as accumulated, so each partial is rounded to bf16 once and the layer keeps
+  // kPerChoice's accuracy (bf16 rows rounded and then summed into a rounded partial lose some).
   // topk_idx / topk_weights are this rank's, as given to the matching dispatch. Each dispatch is
   // combined at most once, after its end_dispatch and before the next dispatch: `epoch` must be
   // that dispatch's.
   virtual Status combine(const void* y, const int64_t* row_target, int64_t rows,
                          const int64_t* topk_idx, const float* topk_weights, int64_t tokens,
                          int num_sms, CombineReduction reduction, void* out, uint64_t epoch,
-                         cudaStream_t stream) = 0;
+                         cudaStream_t stream, bool y_fp32 = false) = 0;
 
   // Low-latency mode (decode batches; Config::ll_max_tokens > 0). No count exchange and no host
   // sync, so both calls can be captured in a CUDA graph. Region (local expert e, source rank s)

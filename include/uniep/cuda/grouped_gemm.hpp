@@ -38,7 +38,9 @@ namespace uniep::cuda {
 //            in blocks of 64). I = n / 2 must be a multiple of 64, and of tile_n / 2 for the
 //            configuration that runs (the automatic choice takes a 128-wide tile where I is not a
 //            multiple of 128).
-enum class GroupedGemmEpilogue { kStore, kSwiGlu, kSwiGluPlain };
+//   kStoreF32  out [R, n] fp32 = x w, the accumulator as is (kForward only): moe_forward's second
+//            product under combine=rank_partials, whose partial is then the one rounding.
+enum class GroupedGemmEpilogue { kStore, kSwiGlu, kSwiGluPlain, kStoreF32 };
 
 // Which product, over each expert's rows [offs[e-1], offs[e]):
 //   kForward  out[rows] = x[rows] w[e]:      x [R, k], w [E, k, n], out [R, n]
@@ -159,7 +161,7 @@ struct GroupedGemmFp8Problem {
   const void* w = nullptr;            // [num_experts, n, k] e4m3
   const float* w_scales = nullptr;    // [num_experts, k / 128, n / 128] (swiglu: n / 64)
   const int32_t* offs = nullptr;      // [num_experts] int32, cumulative row ends (device memory)
-  void* out = nullptr;                // [rows, n] bf16 (swiglu: [rows, n / 2])
+  void* out = nullptr;                // [rows, n] bf16 (swiglu: [rows, n / 2]; out_f32: fp32)
   int64_t num_experts = 0, rows = 0;  // as GroupedGemmProblem
   int64_t k = 0, n = 0;               // multiples of 128
   // The first expert GEMM with SwiGLU in its epilogue (GroupedGemmEpilogue::kSwiGlu's numerics):
@@ -170,6 +172,9 @@ struct GroupedGemmFp8Problem {
   // unpacked w1 those rows came from. The products, and so the bits, are those of the unpacked
   // w1 with its [E, k / 128, n / 128] scales. Every fp8 configuration has this kernel too.
   bool swiglu = false;
+  // The plain product stored in fp32, the accumulator as is: out [rows, n] fp32 (moe_forward's
+  // second GEMM under combine=rank_partials). Not with swiglu; not on the swapped tiles.
+  bool out_f32 = false;
 };
 
 // OK when the fp8 kernel takes the problem: k and n positive multiples of 128, 16-byte aligned

@@ -57,17 +57,32 @@ def check_grouped_mm_meta(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) 
     )
 
 
+def check_out_dtype(out_dtype: torch.dtype | None) -> torch.dtype:
+    """The grouped GEMMs' output dtype: bf16 (None), or float32 (the accumulator as is)."""
+    dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    torch._check_value(
+        dtype in (torch.bfloat16, torch.float32),
+        lambda: f"out_dtype must be bfloat16 or float32, got {out_dtype}",
+    )
+    return dtype
+
+
 @torch.library.register_fake("uniep::grouped_mm")
 def _grouped_mm_fake(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tuning: str = ""
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    tuning: str = "",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16.
+    """x [R, K] bf16, w [E, K, N] bf16, offs [E] int32 (cumulative row ends) -> [R, N] bf16
+    (float32 with out_dtype float32: the accumulator, not rounded).
 
     Expert e multiplies rows [offs[e-1], offs[e]) of x by w[e], as ``torch._grouped_mm``; rows
     past offs[E-1] are not written.
     """
     check_grouped_mm_meta(x, w, offs)
-    return x.new_empty((x.shape[0], w.shape[2]))
+    return x.new_empty((x.shape[0], w.shape[2]), dtype=check_out_dtype(out_dtype))
 
 
 def pingpong_rows(device: torch.device | int | None = None) -> int:
@@ -303,15 +318,17 @@ def grouped_mm_fp8(
     w_scales: torch.Tensor,
     offs: torch.Tensor,
     tuning: str = "",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x[rows of e] @ w[e]`` in fp8 -> bf16 [R, N] (CUDA, Hopper): x and x_scales from
+    """``x[rows of e] @ w[e]`` in fp8 -> bf16 [R, N] (CUDA, Hopper; ``out_dtype=torch.float32``:
+    the fp32 sums, not rounded, on the tiles that are not swapped): x and x_scales from
     :func:`quantize_rows` (or the fp8 dispatch), w and w_scales from
     :func:`quantize_expert_weights`; each 128-deep k-block's product scaled and summed in fp32.
     ``tuning``'s tile keys pick the configuration (``tile_m=128``: cooperative 128 x 128 x 128,
     ``tile_m=64``: ping-pong 64 x 128 x 128; the bits are the same), else the automatic one
     (the 64-row tiles where the experts average at most 32 rows:
     ``uniep._C.grouped_gemm_fp8_auto_config``)."""
-    return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs, tuning)
+    return torch.ops.uniep.grouped_mm_fp8(x, x_scales, w, w_scales, offs, tuning, out_dtype)
 
 
 @torch.library.register_fake("uniep::grouped_mm_fp8")
@@ -322,6 +339,7 @@ def _grouped_mm_fp8_fake(
     w_scales: torch.Tensor,
     offs: torch.Tensor,
     tuning: str = "",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     torch._check_value(x.dim() == 2, lambda: f"x must be 2-D [R, K], got {tuple(x.shape)}")
     torch._check_value(w.dim() == 3, lambda: f"w must be 3-D [E, N, K], got {tuple(w.shape)}")
@@ -335,7 +353,7 @@ def _grouped_mm_fp8_fake(
         w.shape[2] == x.shape[1],
         lambda: f"w must be [E, N, K] with K = x.size(1) = {x.shape[1]}, got {tuple(w.shape)}",
     )
-    return x.new_empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16)
+    return x.new_empty((x.shape[0], w.shape[1]), dtype=check_out_dtype(out_dtype))
 
 
 def swiglu_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

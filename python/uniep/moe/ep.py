@@ -302,15 +302,18 @@ def dispatch_cached(
 
 
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
-    """``y`` [R, H] bf16 expert outputs, row r for ``handle.row_slot[r]``; returns [T, H] with
-    out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
+    """``y`` [R, H] bf16 expert outputs, row r for ``handle.row_slot[r]``; returns [T, H] bf16
+    with out[t] = sum_k topk_weights[t, k] * y_(t, k), k ascending, accumulated in fp32.
 
     With ``combine=rank_partials`` in the dispatch's tuning, each expert rank sums its own k's
-    of a token first (ascending, fp32, rounded once to bf16, ``y``'s dtype) and sends one row
-    per (token, rank) instead of one per (token, k); the token's rank adds those partials in
-    ascending rank order in fp32. Fewer bytes on the wire, one more bf16 rounding per partial;
-    deterministic and bit-identical to the CPU executor's ``combine=rank_partials`` on bf16 x
-    (which stores each partial in x's dtype: with float32 or float64 x, no extra rounding).
+    of a token first (ascending, fp32, stored once as a bf16 partial) and sends one row per
+    (token, rank) instead of one per (token, k); the token's rank adds those partials in
+    ascending rank order in fp32. There ``y`` may be float32: the expert outputs as the GEMM
+    accumulated them, as ``moe_forward`` passes them, so that the partial's one rounding replaces
+    the rows' own and the result keeps per_k's accuracy (bf16 rows are rounded twice: once as
+    rows, once in the partial). Fewer bytes on the wire; deterministic and bit-identical to the
+    CPU executor's ``combine=rank_partials`` on bf16 x, which sums the unrounded rows (and
+    stores each partial in x's dtype: with float32 or float64 x, no extra rounding).
 
     Each dispatch is combined once, before the next dispatch on the group (its buffers are
     reused then); anything else raises ValueError.
@@ -488,7 +491,7 @@ def _ll_combine_fake(y, topk_idx, topk_weights, group_name, buffer=0):  # noqa: 
 
 @torch.library.register_fake("uniep::ep_combine")
 def _combine_fake(y, row_target, topk_idx, topk_weights, group_name, epoch, tuning=""):  # noqa: ANN001, ANN202
-    return y.new_empty((topk_idx.shape[0], y.shape[1]))
+    return y.new_empty((topk_idx.shape[0], y.shape[1]), dtype=torch.bfloat16)
 
 
 @torch.library.register_fake("uniep::moe_backward_engine")
@@ -622,9 +625,10 @@ def _combine_setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> Non
 def _combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
     y, row_target, topk_idx, topk_weights = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    # grad_out[t] goes to every row of (t, k), where the rows came from: a dispatch.
+    # grad_out[t] goes to every row of (t, k), where the rows came from: a dispatch (of bf16
+    # rows, the output's dtype, also where y is rank_partials' fp32).
     back = torch.ops.uniep.ep_dispatch(
-        grad_out.to(y.dtype).contiguous(),
+        grad_out.to(torch.bfloat16).contiguous(),
         topk_idx,
         topk_weights,
         ctx.group_name,

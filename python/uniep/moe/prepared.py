@@ -360,14 +360,16 @@ def _forward_cuda(
     )
     offs = per_expert.cumsum(0).to(torch.int32)
     rows = recv_x.index_select(0, row_slot)
+    # combine=rank_partials sums the second GEMM's fp32 outputs, as moe_forward does.
+    y_dtype = torch.float32 if parse_tuning(tuning).combine == "rank_partials" else None
     if experts.format == "bf16_packed":
         if rows.dtype == torch.float8_e4m3fn:  # dispatch=fp8,experts=bf16
             rows = dequantize_rows(rows, scales.index_select(0, row_slot)).to(torch.bfloat16)
         act = ops.grouped_mm_swiglu(rows, experts.w1, offs, tuning)
-        y = ops.grouped_mm(act, experts.w2, offs, tuning)
+        y = ops.grouped_mm(act, experts.w2, offs, tuning, y_dtype)
     else:
         row_scales = scales.index_select(0, row_slot)
         h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
         act_q, act_s = ops.swiglu_fp8(h)
-        y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs, tuning)
+        y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs, tuning, y_dtype)
     return ops.ep_combine(y.contiguous(), row_target, topk_idx, topk_weights, name, epoch, tuning)

@@ -113,12 +113,14 @@ struct Fp8Kernel {
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
 };
 
-// CUTLASS's TMA store epilogue of bf16 D (no C) in layout LayoutD.
-template <class TileShape, class ClusterShape, class EpilogueSchedule, class LayoutD>
+// CUTLASS's TMA store epilogue of D (no C) in layout LayoutD: bf16, or fp32 (the accumulator as
+// is, for combine=rank_partials).
+template <class TileShape, class ClusterShape, class EpilogueSchedule, class LayoutD,
+          class Out = Bf16>
 using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, grouped::kAlign,
-    Bf16, LayoutD, grouped::kAlign, EpilogueSchedule>::CollectiveOp;
+    Out, LayoutD, static_cast<int>(16 / sizeof(Out)), EpilogueSchedule>::CollectiveOp;
 
 template <bool PingPong>
 using EpilogueScheduleOf =
@@ -134,20 +136,21 @@ template <int TileM>
 using GemmTile = cute::Shape<cute::Int<TileM>, cute::_128, cute::_128>;
 template <int ClusterM, int ClusterN>
 using GemmCluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu>
-using GemmEpilogue =
-    cute::conditional_t<SwiGlu,
-                        cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                            grouped::SwiGluEpilogue<64>>,
-                        StoreEpilogue<GemmTile<TileM>, GemmCluster<ClusterM, ClusterN>,
-                                      EpilogueScheduleOf<PingPong>, cutlass::layout::RowMajor*>>;
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu, class Out>
+using GemmEpilogue = cute::conditional_t<
+    SwiGlu,
+    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+        grouped::SwiGluEpilogue<64>>,
+    StoreEpilogue<GemmTile<TileM>, GemmCluster<ClusterM, ClusterN>, EpilogueScheduleOf<PingPong>,
+                  cutlass::layout::RowMajor*, Out>>;
 
 // SwiGlu: the SwiGLU epilogue on w1 packed in blocks of 64 (SwiGluEpilogue<64>), its scales per
-// 64 columns; otherwise D = the product, stored through TMA.
-template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false>
+// 64 columns; otherwise D = the product, stored through TMA in Out (bf16 or fp32).
+template <int TileM, int ClusterM, int ClusterN, bool PingPong, bool SwiGlu = false,
+          class Out = Bf16>
 struct Gemm
     : Fp8Kernel<GemmTile<TileM>, GemmCluster<ClusterM, ClusterN>, KernelScheduleOf<PingPong>,
-                GemmEpilogue<TileM, ClusterM, ClusterN, PingPong, SwiGlu>, LayoutSFA,
+                GemmEpilogue<TileM, ClusterM, ClusterN, PingPong, SwiGlu, Out>, LayoutSFA,
                 cute::conditional_t<SwiGlu, LayoutSFB64, LayoutSFB>> {
   static constexpr bool kSwiGlu = SwiGlu;
   static constexpr bool kSwapped = false;
@@ -219,9 +222,9 @@ typename G::Device::Arguments arguments(const grouped::Workspace& ws, const Arra
   return args;
 }
 
-// One compiled configuration: its description and two entry points, as grouped_configs.hpp's
+// One compiled configuration: its description and its entry points, as grouped_configs.hpp's
 // GroupedEntry for the bf16 kernels. A swapped configuration (config.swapped, SwapGemm) has no
-// run_swiglu, and its problems are written with the operands' roles swapped.
+// run_swiglu and no run_f32, and its problems are written with the operands' roles swapped.
 struct Entry {
   GroupedGemmConfig config;
   // CUTLASS's own workspace (per-SM TMA descriptors) for E groups on sm_count SMs.
@@ -233,6 +236,9 @@ struct Entry {
   // The same with the SwiGLU epilogue (w1 packed, out [R, n / 2] with ld_out = n / 2).
   Status (*run_swiglu)(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
                        int64_t ld_out, int device, int sm_count, cudaStream_t stream);
+  // run's product stored in fp32 (GroupedGemmFp8Problem::out_f32).
+  Status (*run_f32)(const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts, int device,
+                    int sm_count, cudaStream_t stream);
 };
 
 template <class G>
@@ -281,22 +287,25 @@ Status run_swiglu(const grouped::Workspace& ws, const Arrays& fa, int64_t num_ex
   return launch_after<G>(args, fa.gemm, stream, "the fp8 grouped GEMM with SwiGLU");
 }
 
-// Every configuration is compiled both ways: the plain product (run) and with the SwiGLU
-// epilogue (run_swiglu).
+// Every configuration is compiled three ways: the plain product (run), with the SwiGLU epilogue
+// (run_swiglu) and the plain product in fp32 (run_f32).
 template <int TileM, int ClusterM, int ClusterN, bool PingPong>
 Entry make_entry(const char* name) {
   using G = Gemm<TileM, ClusterM, ClusterN, PingPong>;
   using GS = Gemm<TileM, ClusterM, ClusterN, PingPong, true>;
+  using GF = Gemm<TileM, ClusterM, ClusterN, PingPong, false, float>;
   Entry e;
   e.config =
       GroupedGemmConfig{name, TileM, kBlock, kBlock, G::kStages, ClusterM, ClusterN, PingPong};
   e.gemm_workspace_bytes = [](const grouped::Workspace& ws, const Arrays& fa, int64_t num_experts,
                               int sm_count) {
-    return std::max(gemm_workspace_bytes<G>(ws, fa, num_experts, sm_count),
-                    gemm_workspace_bytes<GS>(ws, fa, num_experts, sm_count));
+    return std::max({gemm_workspace_bytes<G>(ws, fa, num_experts, sm_count),
+                     gemm_workspace_bytes<GS>(ws, fa, num_experts, sm_count),
+                     gemm_workspace_bytes<GF>(ws, fa, num_experts, sm_count)});
   };
   e.run = &run<G>;
   e.run_swiglu = &run_swiglu<GS>;
+  e.run_f32 = &run<GF>;
   return e;
 }
 
@@ -310,6 +319,7 @@ Entry make_swap_entry(const char* name) {
   e.gemm_workspace_bytes = &gemm_workspace_bytes<G>;
   e.run = &run<G>;
   e.run_swiglu = nullptr;
+  e.run_f32 = nullptr;
   return e;
 }
 

@@ -28,6 +28,10 @@ struct GroupedEntry {
   // tile_n / 2. Null but for the forward kind.
   Status (*run_swiglu_plain)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
                              int sm_count, cudaStream_t stream, const PlainW1& plain);
+  // run's product stored in fp32, the accumulator as is (the problem kernel wrote fp32 row
+  // pointers). Null but for the forward kind.
+  Status (*run_f32)(const Workspace& ws, int64_t num_experts, int64_t ld_out, int device,
+                    int sm_count, cudaStream_t stream);
 };
 
 const GroupedEntry& entry_coop_128x256x64();

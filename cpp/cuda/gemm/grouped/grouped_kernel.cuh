@@ -33,18 +33,23 @@
 namespace uniep::cuda::grouped {
 
 // What the epilogue does with the fp32 accumulators: store them (rounded to bf16) through TMA,
-// or apply SwiGLU to (gate, up) column pairs and store the activation (swiglu_epilogue.cuh), with
-// w1 packed by pack_gate_up (kSwiGlu) or as stored, gate columns then up (kSwiGluPlain: B read
-// through PlainGateUpMainloop, gate_up_mainloop.cuh), or store them directly and signal each
-// finished row block (kStoreSignal: signal_store_epilogue.cuh; the gated GEMM only).
-enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluPlain, kStoreSignal };
+// store them as they are (kStoreF32: fp32 D, through TMA too), or apply SwiGLU to (gate, up) column
+// pairs and store the activation (swiglu_epilogue.cuh), with w1 packed by pack_gate_up (kSwiGlu) or
+// as stored, gate columns then up (kSwiGluPlain: B read through PlainGateUpMainloop,
+// gate_up_mainloop.cuh), or store them directly and signal each finished row block (kStoreSignal:
+// signal_store_epilogue.cuh; the gated GEMM only).
+enum class GroupedEpilogue { kStore, kSwiGlu, kSwiGluPlain, kStoreSignal, kStoreF32 };
 
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool PingPong,
           GroupedEpilogue Epi, GroupedKind Kind = GroupedKind::kForward>
 struct Sm90GroupedGemm {
   static_assert(Epi == GroupedEpilogue::kStore || Kind == GroupedKind::kForward,
-                "the SwiGLU epilogue belongs to the forward's first GEMM");
+                "the SwiGLU and fp32 epilogues belong to the forward's GEMMs");
   static constexpr bool kPlain = Epi == GroupedEpilogue::kSwiGluPlain;
+  // Stored through TMA (kStore in bf16, kStoreF32 in fp32) rather than by a direct epilogue.
+  static constexpr bool kTmaStore =
+      Epi == GroupedEpilogue::kStore || Epi == GroupedEpilogue::kStoreF32;
+  using ElementD = cute::conditional_t<Epi == GroupedEpilogue::kStoreF32, float, Bf16>;
   using LayoutA = typename KindLayouts<Kind>::LayoutA;
   using LayoutB = typename KindLayouts<Kind>::LayoutB;
   using StrideA = typename KindLayouts<Kind>::StrideA;
@@ -61,11 +66,12 @@ struct Sm90GroupedGemm {
   using StoreEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajorArray, kAlign,
-      Bf16, RowMajorArray, kAlign, EpilogueSchedule>::CollectiveOp;
+      ElementD, RowMajorArray, static_cast<int>(16 / sizeof(ElementD)),
+      EpilogueSchedule>::CollectiveOp;
   using DirectEpilogue = cute::conditional_t<Epi == GroupedEpilogue::kStoreSignal,
                                              SignalStoreEpilogue, SwiGluEpilogue<kPlain ? 64 : 8>>;
   using Epilogue = cute::conditional_t<
-      Epi == GroupedEpilogue::kStore, StoreEpilogue,
+      kTmaStore, StoreEpilogue,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<DirectEpilogue>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -74,8 +80,7 @@ struct Sm90GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Mainloop =
-      cute::conditional_t<kPlain, PlainGateUpMainloop<BuiltMainloop>, BuiltMainloop>;
+  using Mainloop = cute::conditional_t<kPlain, PlainGateUpMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

@@ -21,11 +21,11 @@ namespace uniep::cuda::grouped {
 // Group e is expert e's product of kind Kind (set_expert_problem says what each kind reads and
 // writes; k and n are the GEMM's K and N for kForward and kDgrad, the output's rows and columns
 // for kWgrad; out_n the columns of out). One warp walks the experts (for_each_expert_rows).
-template <GroupedKind Kind>
+// Out: bf16, or fp32 for the fp32 store epilogue (kForward).
+template <GroupedKind Kind, class Out>
 __global__ void __launch_bounds__(32)
     build_grouped_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k,
-                           int n, int out_n, const Bf16* x, const Bf16* w, Bf16* out,
-                           Workspace ws) {
+                           int n, int out_n, const Bf16* x, const Bf16* w, Out* out, Workspace ws) {
   for_each_expert_rows(
       offs, num_experts, rows, static_cast<int>(threadIdx.x),
       [&](int e, ExpertRows r) { set_expert_problem<Kind>(ws, e, e, r, k, n, out_n, x, w, out); });

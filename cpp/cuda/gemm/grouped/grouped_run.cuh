@@ -22,7 +22,7 @@ typename G::Gemm::Arguments grouped_arguments(const Workspace& ws, int64_t num_e
                                               const PlainW1& plain = {}) {
   typename G::Gemm::Arguments args{};
   set_problem_arrays<typename G::StrideA, typename G::StrideB>(args, ws, num_experts);
-  if constexpr (G::kEpilogue == GroupedEpilogue::kStore) {
+  if constexpr (G::kTmaStore) {
     set_store_epilogue(args, ws, device, sm_count);
   } else {
     args.epilogue.ptr_out = ws.ptr_d;
@@ -69,17 +69,22 @@ GroupedEntry make_entry(const char* name) {
                                     GroupedEpilogue::kSwiGlu, Kind>;
     using GPlain = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
                                    GroupedEpilogue::kSwiGluPlain, Kind>;
+    using GF32 = Sm90GroupedGemm<TileM, TileN, TileK, ClusterM, ClusterN, PingPong,
+                                 GroupedEpilogue::kStoreF32, Kind>;
     e.gemm_workspace_bytes = [](int64_t num_experts, int sm_count) {
       return std::max({grouped_gemm_workspace<G>(num_experts, sm_count),
                        grouped_gemm_workspace<GSwiGlu>(num_experts, sm_count),
-                       grouped_gemm_workspace<GPlain>(num_experts, sm_count)});
+                       grouped_gemm_workspace<GPlain>(num_experts, sm_count),
+                       grouped_gemm_workspace<GF32>(num_experts, sm_count)});
     };
     e.run_swiglu = &grouped_gemm_run<GSwiGlu>;
     e.run_swiglu_plain = &grouped_gemm_run_plain<GPlain>;
+    e.run_f32 = &grouped_gemm_run<GF32>;
   } else {
     e.gemm_workspace_bytes = &grouped_gemm_workspace<G>;
     e.run_swiglu = nullptr;
     e.run_swiglu_plain = nullptr;
+    e.run_f32 = nullptr;
   }
   return e;
 }

@@ -98,7 +98,9 @@ void set_store_epilogue(Arguments& args, const Workspace& ws, int device, int sm
   args.epilogue.thread.beta = 0.0f;
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ws.ptr_d;
+  // The slots hold bf16 pointers; the fp32 store epilogue's point at fp32 rows.
+  args.epilogue.ptr_D =
+      reinterpret_cast<std::remove_reference_t<decltype(args.epilogue.ptr_D)>>(ws.ptr_d);
   // The slot holds one 8-byte stride whichever its layout (out^T's, column-major, for the fp8
   // tiles with the operands swapped).
   using Slot = std::remove_pointer_t<decltype(args.epilogue.dD)>;

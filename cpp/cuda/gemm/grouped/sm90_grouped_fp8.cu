@@ -88,9 +88,9 @@ constexpr int kProblemThreads = 256;
 // the same memory.
 __global__ void __launch_bounds__(kProblemThreads)
     build_fp8_problems(const int32_t* __restrict__ offs, int num_experts, int rows, int k, int n,
-                       const Fp8* x, const Fp8* w, const float* w_scales, Bf16* out, bool swiglu,
-                       bool swapped, const float* __restrict__ x_scales, grouped::Workspace ws,
-                       Arrays fa) {
+                       const Fp8* x, const Fp8* w, const float* w_scales, void* out, bool swiglu,
+                       bool out_f32, bool swapped, const float* __restrict__ x_scales,
+                       grouped::Workspace ws, Arrays fa) {
   // Launched while the kernel ahead (the plan, the quantize) may still run: offs and x_scales are
   // read after this. The GEMM behind waits for this kernel's end.
   wait_for_prior_grid();
@@ -111,8 +111,12 @@ __global__ void __launch_bounds__(kProblemThreads)
   const int kb = k / kBlock, m = r.end - r.begin;
   if (blockIdx.y == 0 && threadIdx.x == 0) {
     const int nb = swiglu ? n / grouped_fp8::kHalfBlock : n / kBlock;
-    grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, swiglu ? n / 2 : n,
-                                                              x, w, out);
+    if (out_f32)
+      grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(ws, e, e, r, k, n, n, x, w,
+                                                                static_cast<float*>(out));
+    else
+      grouped::set_expert_problem<grouped::GroupedKind::kDgrad>(
+          ws, e, e, r, k, n, swiglu ? n / 2 : n, x, w, static_cast<Bf16*>(out));
     const int64_t b = r.begin, ee = e;
     if (swapped) {
       ws.shapes[e] = grouped::Shape{n, m, k};
@@ -175,6 +179,8 @@ Status grouped_gemm_fp8_supports(const GroupedGemmFp8Problem& p) {
   if (p.rows > 0 && p.x_scales == nullptr) return bad("x_scales must not be null");
   if (p.rows > 0 && (p.out == nullptr || !aligned16(p.out)))
     return unsupported("out must be 16-byte aligned (non-null)");
+  if (p.out_f32 && p.swiglu)
+    return bad("out_f32 stores the plain product; the SwiGLU epilogue stores bf16");
   return Status::Ok();
 }
 
@@ -202,9 +208,10 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
     }
     return Status::Ok();
   }
-  // The swapped tiles have no SwiGLU epilogue.
-  auto matches = [&want, &p](const GroupedGemmConfig& c) {
-    return !(p.swiglu && c.swapped) && (want.tile_m == 0 || want.tile_m == c.tile_m) &&
+  // The swapped tiles have no SwiGLU epilogue and no fp32 store.
+  const bool plain_bf16 = !p.swiglu && !p.out_f32;
+  auto matches = [&want, plain_bf16](const GroupedGemmConfig& c) {
+    return (plain_bf16 || !c.swapped) && (want.tile_m == 0 || want.tile_m == c.tile_m) &&
            (want.tile_n == 0 || want.tile_n == c.tile_n) &&
            (want.tile_k == 0 || want.tile_k == c.tile_k) &&
            (want.stages == 0 || want.stages == c.stages) &&
@@ -218,7 +225,7 @@ Status grouped_gemm_fp8_select(const GroupedGemmFp8Problem& p, const GroupedGemm
   }
   std::string valid;
   for (const auto* e : all)
-    if (!(p.swiglu && e->config.swapped))
+    if (plain_bf16 || !e->config.swapped)
       valid += detail::str_cat("\n  tile_m=", e->config.tile_m, ",tile_n=", e->config.tile_n,
                                ",tile_k=", e->config.tile_k, ",stages=", e->config.stages,
                                ",cluster=", e->config.cluster_m, " (",
@@ -275,13 +282,14 @@ Status grouped_gemm_fp8(const GroupedGemmFp8Problem& p, const GroupedGemmTiles& 
   if (cudaError_t e = launch_after_prior(
           build_fp8_problems, grid, dim3(kProblemThreads), 0, stream, p.offs, experts,
           static_cast<int>(p.rows), static_cast<int>(p.k), static_cast<int>(p.n),
-          static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales,
-          static_cast<Bf16*>(p.out), p.swiglu, entry.config.swapped, p.x_scales, ws, fa);
+          static_cast<const Fp8*>(p.x), static_cast<const Fp8*>(p.w), p.w_scales, p.out, p.swiglu,
+          p.out_f32, entry.config.swapped, p.x_scales, ws, fa);
       e != cudaSuccess)
     return {StatusCode::kInternal,
             detail::str_cat("the fp8 grouped GEMM's problem kernel failed to launch: ",
                             cudaGetErrorString(e))};
   if (p.swiglu) return entry.run_swiglu(ws, fa, p.num_experts, p.n / 2, device, sm_count, stream);
+  if (p.out_f32) return entry.run_f32(ws, fa, p.num_experts, device, sm_count, stream);
   return entry.run(ws, fa, p.num_experts, device, sm_count, stream);
 }
 

@@ -55,6 +55,11 @@ const std::array<const grouped::GroupedEntry*, 3>& wgrad_entries() {
   return all;
 }
 
+bool swiglu_epilogue(const GroupedGemmProblem& p) {
+  return p.epilogue == GroupedGemmEpilogue::kSwiGlu ||
+         p.epilogue == GroupedGemmEpilogue::kSwiGluPlain;
+}
+
 // The rows the shape rules price: the expected count where the caller gave one.
 int64_t rule_rows(const GroupedGemmProblem& p) {
   return p.shape_rows > 0 ? std::min(p.shape_rows, p.rows) : p.rows;
@@ -171,13 +176,16 @@ Status grouped_gemm_supports(const GroupedGemmProblem& p) {
         "(its loads read gate and up in blocks of 64 columns), got ",
         p.n);
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.epilogue != GroupedGemmEpilogue::kSwiGlu &&
-      p.epilogue != GroupedGemmEpilogue::kSwiGluPlain)
-    return bad("epilogue must be kStore, kSwiGlu or kSwiGluPlain");
+      p.epilogue != GroupedGemmEpilogue::kSwiGluPlain &&
+      p.epilogue != GroupedGemmEpilogue::kStoreF32)
+    return bad("epilogue must be kStore, kSwiGlu, kSwiGluPlain or kStoreF32");
   if (p.kind != GroupedGemmKind::kForward && p.kind != GroupedGemmKind::kDgrad &&
       p.kind != GroupedGemmKind::kWgrad)
     return bad("kind must be kForward, kDgrad or kWgrad");
   if (p.epilogue != GroupedGemmEpilogue::kStore && p.kind != GroupedGemmKind::kForward)
-    return bad("the SwiGLU epilogue applies to the forward (kind kForward) only");
+    return bad(p.epilogue == GroupedGemmEpilogue::kStoreF32 ? "the fp32 store epilogue"
+                                                            : "the SwiGLU epilogue",
+               " applies to the forward (kind kForward) only");
   if (p.offs == nullptr) return bad("offs must not be null");
   const bool wgrad = p.kind == GroupedGemmKind::kWgrad;
   if ((!wgrad || p.rows > 0) && (p.w == nullptr || !aligned(p.w)))
@@ -228,8 +236,7 @@ Status grouped_gemm_select(const GroupedGemmProblem& p, const GroupedGemmTiles& 
     // The shape's rule lives with the tuning space (uniep/tuning.hpp), where the tuner's cost
     // model reads it too.
     try {
-      *index = grouped_gemm_auto_config(rule_rows(p), p.num_experts, p.n, p.k,
-                                        p.epilogue != GroupedGemmEpilogue::kStore,
+      *index = grouped_gemm_auto_config(rule_rows(p), p.num_experts, p.n, p.k, swiglu_epilogue(p),
                                         grouped_gemm_pingpong_rows(device));
     } catch (const Error& e) {
       return {e.code(), e.what()};
@@ -327,7 +334,8 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
     return s;
 
   const grouped::Workspace ws = grouped::carve(workspace, p.num_experts);
-  const bool swiglu = p.epilogue != GroupedGemmEpilogue::kStore;
+  const bool swiglu = swiglu_epilogue(p);
+  const bool f32 = p.epilogue == GroupedGemmEpilogue::kStoreF32;
   const int64_t out_n = swiglu ? p.n / 2 : p.n;
   const int rows = static_cast<int>(p.rows), k = static_cast<int>(p.k), n = static_cast<int>(p.n);
   const auto* x = static_cast<const grouped::Bf16*>(p.x);
@@ -336,8 +344,12 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   const int experts = static_cast<int>(p.num_experts);
   switch (p.kind) {
     case GroupedGemmKind::kForward:
-      grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
-          p.offs, experts, rows, k, n, static_cast<int>(out_n), x, w, out, ws);
+      if (f32)
+        grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
+            p.offs, experts, rows, k, n, n, x, w, static_cast<float*>(p.out), ws);
+      else
+        grouped::build_grouped_problems<grouped::GroupedKind::kForward><<<1, 32, 0, stream>>>(
+            p.offs, experts, rows, k, n, static_cast<int>(out_n), x, w, out, ws);
       break;
     case GroupedGemmKind::kDgrad:
       grouped::build_grouped_problems<grouped::GroupedKind::kDgrad>
@@ -359,6 +371,7 @@ Status grouped_gemm_bf16(const GroupedGemmProblem& p, const GroupedGemmTiles& ti
   if (p.epilogue == GroupedGemmEpilogue::kSwiGluPlain)
     return entry->run_swiglu_plain(ws, p.num_experts, out_n, device, sm_count, stream,
                                    grouped::PlainW1{w, p.k, p.n});
+  if (f32) return entry->run_f32(ws, p.num_experts, out_n, device, sm_count, stream);
   return (swiglu ? entry->run_swiglu : entry->run)(ws, p.num_experts, out_n, device, sm_count,
                                                    stream);
 }
