@@ -461,6 +461,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ranks_per_node"), py::arg("rank"),
         "One rank's two-level plan (uniep/node_plan.hpp) with the count exchange and the rail "
         "leg simulated in-process from every rank's routing.");
+  m.def("set_group_ranks", &uniep::torch_glue::set_group_ranks, py::arg("group_name"),
+        py::arg("global_ranks"),
+        "Record a sub-group's global ranks (group rank order; [] forgets them): errors that name "
+        "the group's ranks then say which global ranks they are. uniep.distributed records them "
+        "at a group's first use.");
   m.def("set_ranks_per_node", &uniep::torch_glue::set_ranks_per_node, py::arg("group_name"),
         py::arg("ranks_per_node"),
         "Record a group's ranks per node (0: one node) for the ops on it (uniep.init).");

@@ -151,9 +151,16 @@ def _record_launcher_topology(group: dist.ProcessGroup) -> None:
     if seen is not None and seen() is group:
         return
     if seen is not None:
-        _C.set_ranks_per_node(name, 0)  # a destroyed group's, under a name torch gave again
+        # A destroyed group's, under a name torch gave again.
+        _C.set_ranks_per_node(name, 0)
+        _C.set_group_ranks(name, [])
     _topology_of[name] = weakref.ref(group)
     if group is not dist.group.WORLD:
+        # Errors name the group's own ranks: recorded, they also say which global ranks those
+        # are (none needed where the two numberings agree).
+        ranks = dist.get_process_group_ranks(group)
+        if ranks != list(range(len(ranks))):
+            _C.set_group_ranks(name, ranks)
         return
     local = _launcher_ranks_per_node(dist.get_world_size(group))
     if local is not None:

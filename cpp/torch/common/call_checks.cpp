@@ -35,7 +35,17 @@ CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device dev
     local_error = e;
   }
   ProcessGroupTransport transport(group.pg, call_kind_name(kind), device);
-  agree_on_call(signature, local_error ? &*local_error : nullptr, transport);
+  try {
+    agree_on_call(signature, local_error ? &*local_error : nullptr, transport);
+  } catch (const Error& e) {
+    // The agreement names ranks of the group; on a sub-group, say which global ranks they are
+    // (where the message names one: this rank's own error names none).
+    const std::string what = e.what(), note = group_ranks_note(group.pg->getGroupName());
+    if (note.empty() || what.find("rank ") == std::string::npos ||
+        what.find(note) != std::string::npos)
+      throw;
+    throw Error(e.code(), what + note);
+  }
   return signature;
 }
 

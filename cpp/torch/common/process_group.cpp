@@ -19,7 +19,30 @@ std::map<std::string, int64_t>& topologies() {
   static std::map<std::string, int64_t> by_group;
   return by_group;
 }
+std::map<std::string, std::vector<int64_t>>& global_ranks() {
+  static std::map<std::string, std::vector<int64_t>> by_group;
+  return by_group;
+}
 }  // namespace
+
+void set_group_ranks(const std::string& group_name, const std::vector<int64_t>& ranks) {
+  std::lock_guard<std::mutex> lock(topology_mutex);
+  if (ranks.empty())
+    global_ranks().erase(group_name);
+  else
+    global_ranks()[group_name] = ranks;
+}
+
+std::string group_ranks_note(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(topology_mutex);
+  const auto it = global_ranks().find(group_name);
+  if (it == global_ranks().end()) return "";
+  std::string list;
+  for (size_t i = 0; i < it->second.size(); ++i)
+    list += detail::str_cat(i ? ", " : "", it->second[i]);
+  return detail::str_cat(" [ranks are numbered within group '", group_name,
+                         "', whose ranks 0, 1, ... are global ranks ", list, "]");
+}
 
 void set_ranks_per_node(const std::string& group_name, int64_t ranks_per_node) {
   UNIEP_CHECK(ranks_per_node >= 0, "ranks_per_node must be >= 1 (0: one node), got ",
@@ -80,7 +103,8 @@ void wait_bounded(const c10::intrusive_ptr<c10d::Work>& work, const std::string&
                      " ranks) timed out after ", limit,
                      " s waiting for its peers (did every rank of the group call it? a rank "
                      "that raised before joining, or a backward run on some ranks only, leaves "
-                     "the others here); UNIEP_TIMEOUT_S sets the limit");
+                     "the others here); UNIEP_TIMEOUT_S sets the limit",
+                     group_ranks_note(pg.getGroupName()));
     UNIEP_CHECK_CODE(false, StatusCode::kInternal, op, " on rank ", pg.getRank(),
                      ": the exchange over group '", pg.getGroupName(), "' failed: ", e.what());
   }

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <string>
+#include <vector>
 
 #include "uniep/cpu_executor.hpp"
 
@@ -27,6 +28,12 @@ Group resolve_group(const std::string& group_name);
 // group's size when a call resolves the group (MoeShape::validate).
 void set_ranks_per_node(const std::string& group_name, int64_t ranks_per_node);
 int64_t ranks_per_node(const std::string& group_name);
+
+// The global ranks of a sub-group's ranks, in group rank order (uniep.distributed records them
+// at a group's first use; empty forgets them). The ranks an error names are the group's own:
+// group_ranks_note says which global ranks those are, "" for a group with none recorded.
+void set_group_ranks(const std::string& group_name, const std::vector<int64_t>& global_ranks);
+std::string group_ranks_note(const std::string& group_name);
 
 // Seconds a host wait on a group may take before it raises: UNIEP_TIMEOUT_S (the limit of the
 // device-side waits too), default 100.
