@@ -65,7 +65,9 @@
 #
 # Options:
 #   --parts LIST    parts to run, e.g. 1,3 (default 1,2,3,4; 5, across nodes with logical
-#                   nodes and NCCL on sockets, only when named: bench_multinode.py)
+#                   nodes and NCCL on sockets, only when named: bench_multinode.py; 6, the peer:
+#                   DeepEP's own tests at the EP size, from a carried source tree, only when
+#                   named: bench/peers/deepep.sh, its wheel copied to $OUT for the next call)
 #   --budget S      seconds from the start to the end of the summary (default 580)
 #   --iters N       timed iterations of every benchmark   --warmup N   warm-up calls of every one
 #   --skip-build    use the installed uniep                --skip-tests  no pytest step
@@ -200,6 +202,7 @@ want 1 && plan 40
 want 2 && plan 100
 want 3 && plan $((25 * ${#tps[@]} + 15 * ${#tps[@]}))
 want 4 && plan $((35 * ${#parm_worlds[@]}))
+want 6 && plan 60
 
 # A dry run's clock is the typical seconds alone, so its plan does not depend on how fast this
 # machine runs the planning itself.
@@ -409,6 +412,22 @@ if want 5; then
     run_step part5-multinode "$T" 60 "$WORK/part5" python3 bench/bench_multinode.py \
       --layouts "$layouts" --rail-sockets --iters "$MN_ITERS" --warmup "$MN_WARMUP" \
       --out-dir "$WORK/part5"
+  fi
+fi
+
+# ---- part 6 (when named): the peer, DeepEP's own tests at EP $ep, built from carried source ----
+if want 6; then
+  deepep_src=${UNIEP_DEEPEP_SRC:-.peers/DeepEP}
+  deepep_wheels=${MGPU_DEEPEP_WHEELS:-.peers/wheel}
+  if ((gpus < 2)); then skip_step part6-deepep "$too_few" 60
+  elif [[ ! -f "$deepep_src/setup.py" ]]; then
+    skip_step part6-deepep "no DeepEP source tree at $deepep_src (carry one there, or set UNIEP_DEEPEP_SRC)" 60
+  else
+    budget_for 420 60
+    run_step part6-deepep "$T" 300 "$WORK/part6" bash bench/peers/deepep.sh --src "$deepep_src" \
+      --ep "$ep" --out-dir "$WORK/part6" --wheel-dir "$deepep_wheels" --timeout $(((T - 20) / 3))
+    # The wheel back to the caller, to carry to the next call instead of building again.
+    ((dry)) || cp "$deepep_wheels"/deep_ep-*.whl "$OUT/" 2>/dev/null || true
   fi
 fi
 

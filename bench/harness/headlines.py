@@ -116,11 +116,11 @@ SPECS: dict[str, Spec] = {
                                where={"shape": "dsv3"}),)),
             Figure("bf16 dispatch, cached plan", "cached_dispatch_us_max", "us",
                    "nccl_dispatch_us_max", "NCCL"),
-            # 290 GB/s: the fp8 goal (bench/harness/multigpu_summary.py DISPATCH_FP8_GBPS);
-            # bench_dispatch records no fp8 goal.
+            # 300 GB/s: the fp8 goal (bench/harness/multigpu_summary.py DISPATCH_FP8_GBPS;
+            # results of bench_dispatch from before it recorded goal_fp8_dispatch_GBps lack it).
             Figure("fp8 dispatch", "fp8_dispatch_us_max", "us", "nccl_dispatch_us_max", "NCCL",
                    optional=True,
-                   goals=(Goal(">=", 290.0, "fp8_dispatch_GBps", unit="GB/s",
+                   goals=(Goal(">=", 300.0, "fp8_dispatch_GBps", unit="GB/s",
                                where={"shape": "dsv3"}),)),
             Figure("combine, a row per (token, k)", "combine_us_max", "us", "nccl_combine_us_max",
                    "NCCL",

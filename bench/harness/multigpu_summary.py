@@ -22,7 +22,7 @@ from typing import Any
 
 MET, MISSED, NOT_RUN = "met", "missed", "not-run"
 # The issue's goals.
-DISPATCH_BF16_GBPS, DISPATCH_FP8_GBPS, COMBINE_GBPS, LL_TOTAL_US = 300.0, 290.0, 390.0, 75.0
+DISPATCH_BF16_GBPS, DISPATCH_FP8_GBPS, COMBINE_GBPS, LL_TOTAL_US = 370.0, 300.0, 410.0, 75.0
 MAX_SMS = 24
 EP_GOAL_WORLD = 4
 FWD_OVER_EXPERTS, TUNE_WITHIN = 1.10, 1.03
@@ -40,6 +40,7 @@ STEP_FILES = {
     "part3-ulysses-dp-ag": "bench_ulysses_ag",
 }
 PARM_STEP = "part4-parm-w"  # + world size
+PEER_STEP, PEER_FILE = "part6-deepep", "deepep.json"  # bench/peers/deepep.sh's
 
 
 # ---- records ----
@@ -132,7 +133,35 @@ def _world_note(world: Any, wanted: int, what: str) -> str:
     return ""
 
 
-def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> list[dict]:
+def load_peer(step: dict[str, Any] | None) -> dict[str, Any] | None:
+    """DeepEP's figures from this run (bench/peers/deepep.sh's JSON in the step's out_dir)."""
+    if not step or not step.get("out_dir"):
+        return None
+    try:
+        return json.loads((Path(step["out_dir"]) / PEER_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _vs_peer(
+    peer: dict[str, Any] | None, key: str, ours: float | None, higher_better: bool
+) -> dict[str, Any]:
+    """DeepEP's figure ``key`` from the same run and how far ahead ours is (> 1: ahead)."""
+    theirs = (peer or {}).get(key)
+    if not isinstance(theirs, int | float) or theirs <= 0:
+        return {}
+    out: dict[str, Any] = {"deepep_same_run": theirs}
+    if isinstance(ours, int | float) and ours > 0:
+        out["vs_deepep_same_run"] = round(ours / theirs if higher_better else theirs / ours, 3)
+    return out
+
+
+def part1_goals(
+    step: dict[str, Any] | None,
+    payload: dict[str, Any] | None,
+    peer: dict[str, Any] | None = None,
+) -> list[dict]:
+    """``peer``: DeepEP's figures from the same run (load_peer), set beside ours where given."""
     rows = (payload or {}).get("rows", [])
     dsv3 = [r for r in rows if r.get("shape") == "dsv3" and r.get("num_sms", 99) <= MAX_SMS]
     ll = [r for r in rows if r.get("shape") == "ll" and "ll_total_us_max" in r]
@@ -163,6 +192,8 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
 
     def combine_goal(name: str, prefix: str, **extra: Any) -> dict:
         measured = _best(budget, f"{prefix}_GBps")
+        if prefix == "rank_partials_combine":  # DeepEP's combine moves the same rows
+            extra.update(_vs_peer(peer, "combine_GBps", measured, True))
         return goal(
             part,
             f"{name}, DeepSeek-V3 shape",
@@ -189,6 +220,7 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             cached_GBps=_best(dsv3, "cached_dispatch_GBps"),
             nccl_GBps=_best(dsv3, "nccl_dispatch_GBps"),
             world_size=dsv3[0]["world_size"] if dsv3 else None,
+            **_vs_peer(peer, "dispatch_bf16_GBps", bf16, True),
         ),
         goal(
             part,
@@ -199,6 +231,7 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             fp8 is not None and fp8 >= DISPATCH_FP8_GBPS,
             d_why,
             cached_GBps=_best(dsv3, "fp8_cached_dispatch_GBps"),
+            **_vs_peer(peer, "dispatch_fp8_GBps", fp8, True),
         ),
         combine_goal(
             "combine (per_k)",
@@ -219,6 +252,7 @@ def part1_goals(step: dict[str, Any] | None, payload: dict[str, Any] | None) -> 
             ll_us is not None and ll_us <= LL_TOTAL_US,
             l_why,
             graph_us=min((r["ll_total_graph_us_max"] for r in ll), default=None),
+            **_vs_peer(peer, "ll_total_us", ll_us, False),
         ),
     ]
 
@@ -520,7 +554,11 @@ def build(work: Path) -> dict[str, Any]:
         return load_payload(steps.get(name), STEP_FILES[name])
 
     goals = (
-        part1_goals(steps.get("part1-dispatch"), payload("part1-dispatch"))
+        part1_goals(
+            steps.get("part1-dispatch"),
+            payload("part1-dispatch"),
+            load_peer(steps.get(PEER_STEP)),
+        )
         + part2_goals(steps.get("part2-moe"), payload("part2-moe"))
         + part3_goals(
             steps.get("part3-overlap"),
@@ -575,9 +613,16 @@ def markdown(summary: dict[str, Any]) -> list[str]:
     for g in summary["goals"]:
         m = g["measured"]
         shown = "-" if m is None else (f"{m:.3f}" if isinstance(m, float) else str(m))
+        why = g.get("why", "")
+        if "vs_deepep_same_run" in g:  # the peer timed in this run
+            peer = (
+                f"DeepEP in this run: {g['deepep_same_run']} {g['unit']}; our speed over its: "
+                f"{g['vs_deepep_same_run']}x"
+            )
+            why = f"{why}; {peer}" if why else peer
         lines.append(
             f"| {g['part']} | {g['name']} | {g['goal']} | {shown} {g['unit']} | {g['status']} | "
-            f"{g.get('why', '')} |"
+            f"{why} |"
         )
     c = summary["counts"]
     lines.append(f"\nmet {c[MET]}, missed {c[MISSED]}, not run {c[NOT_RUN]}")

@@ -315,3 +315,107 @@ def test_part_five_runs_only_when_named(tmp_path: Path) -> None:
     out, summary = _dry_run(tmp_path / "c", "--gpus", "2", "--parts", "5", "--skip-build")
     (step,) = [s for s in summary["steps"] if s["step"] == "part5-multinode"]
     assert step["status"] == "skipped" and "4 GPUs" in step["why"]
+
+
+def test_part_six_runs_deepep_only_when_named_and_carried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _ = _dry_run(tmp_path / "a", "--gpus", "4")
+    assert "part6-deepep" not in out
+    monkeypatch.setenv("UNIEP_DEEPEP_SRC", str(tmp_path / "nowhere"))
+    out, summary = _dry_run(tmp_path / "b", "--gpus", "4", "--parts", "1,6", "--skip-build")
+    (step,) = [s for s in summary["steps"] if s["step"] == "part6-deepep"]
+    assert step["status"] == "skipped" and "no DeepEP source tree" in step["why"]
+    src = tmp_path / "DeepEP"
+    src.mkdir()
+    (src / "setup.py").write_text("")
+    monkeypatch.setenv("UNIEP_DEEPEP_SRC", str(src))
+    out, summary = _dry_run(tmp_path / "c", "--gpus", "4", "--parts", "1,6", "--skip-build")
+    assert "== [part6-deepep]" in out and "bench/peers/deepep.sh" in out and "--ep 4" in out
+
+
+def test_deepep_script_refuses_bad_arguments(tmp_path: Path) -> None:
+    script = ROOT / "bench" / "peers" / "deepep.sh"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
+
+    assert run().returncode == 2  # no --out-dir
+    assert run("--out-dir", str(tmp_path), "--ep", "0").returncode == 2
+    bad = run("--src", str(tmp_path / "none"), "--out-dir", str(tmp_path / "o"))
+    assert bad.returncode == 1 and "no DeepEP source" in bad.stderr
+    (tmp_path / "half").mkdir()
+    bad = run("--src", str(tmp_path / "half"), "--out-dir", str(tmp_path / "o"))
+    assert bad.returncode == 1 and "not a DeepEP source tree" in bad.stderr
+
+
+# The lines DeepEP v1.2.1's tests print (their format; the figures are ANCHORS.md's EP4 run).
+DEEPEP_INTRANODE = """\
+[config] num_tokens=4096, hidden=7168, num_topk=8
+[tuning] SMs 24, NVL chunk 4: 240.10 GB/s (NVL), avg_t: 450.00 us
+[tuning] Best dispatch (FP8): SMs 24, NVL chunk 8, 255.00 GB/s (NVL), t: 429.00 us
+
+[tuning] Best dispatch (BF16): SMs 24, NVL chunk 6, 261.00 GB/s (NVL), t: 811.00 us
+
+[tuning] SMs 24, NVL chunk 1: 200.00 GB/s (NVL), avg_t: 1060.00 us
+[tuning] Best combine: SMs 24, NVL chunk 4: 357.00 GB/s (NVL), t: 594.00 us
+"""
+DEEPEP_LOW_LATENCY = "".join(
+    f"[rank {r}] Dispatch + combine bandwidth: 120.00 GB/s, avg_t={t:.2f} us, min_t=90.00 us, "
+    f"max_t=99.00 us\n[rank {r}] Dispatch bandwidth: 150.00 GB/s, avg_t={d:.2f} us | "
+    f"Combine bandwidth: 160.00 GB/s, avg_t={c:.2f} us\n"
+    for r, t, d, c in ((0, 94.0, 36.0, 55.0), (1, 95.0, 36.7, 55.4), (2, 93.5, 35.0, 54.0))
+)
+
+
+def test_deepep_log_reads_deepep_test_output() -> None:
+    import deepep_log
+
+    got = deepep_log.summarize(DEEPEP_INTRANODE, DEEPEP_LOW_LATENCY, ep=4)
+    assert got["dispatch_bf16_GBps"] == 261.0 and got["dispatch_bf16_us"] == 811.0
+    assert got["dispatch_fp8_GBps"] == 255.0 and got["dispatch_fp8_nvl_chunk"] == 8
+    assert got["combine_GBps"] == 357.0 and got["combine_us"] == 594.0
+    # The slowest of the ranks.
+    assert (got["ll_dispatch_us"], got["ll_combine_us"], got["ll_total_us"]) == (36.7, 55.4, 95.0)
+    assert got["ll_total_us_ranks"] == 3 and got["missing"] == [] and got["ep"] == 4
+    partial = deepep_log.summarize("", "Traceback: NVSHMEM failed to initialise")
+    assert partial["missing"] == list(deepep_log.FIGURES)
+
+
+def test_summary_sets_deepep_of_the_same_run_beside_ours(tmp_path: Path) -> None:
+    import deepep_log
+
+    work = tmp_path / "work"
+    (work / "part1-dispatch").mkdir(parents=True)
+    for f in RECORDED_PART1.glob("bench_dispatch-*.json"):
+        shutil.copy(f, work / "part1-dispatch")
+    _record(work, "part1-dispatch", "ok", work / "part1-dispatch", rc=0)
+    out = work / "part6"
+    assert (
+        deepep_log.main(
+            ["--out", str(out / "deepep.json"), "ep=2"]
+            + ["--intranode", str(_write(tmp_path / "i.log", DEEPEP_INTRANODE))]
+            + ["--low-latency", str(_write(tmp_path / "l.log", DEEPEP_LOW_LATENCY))]
+        )
+        == 0
+    )
+    _record(work, "part6-deepep", "ok", out, rc=0)
+    ms.main(["meta", "--work", str(work), "gpu_count=2", "kind=nvidia-h200-x2"])
+    summary = ms.build(work)
+    goals = _by_name(summary)
+    bf16 = goals["bf16 dispatch, DeepSeek-V3 shape"]
+    assert bf16["deepep_same_run"] == 261.0
+    assert bf16["vs_deepep_same_run"] == pytest.approx(bf16["measured"] / 261.0, abs=1e-3)
+    partials = next(g for n, g in goals.items() if n.startswith("combine (rank_partials"))
+    assert partials["deepep_same_run"] == 357.0
+    per_k = goals["combine (per_k), DeepSeek-V3 shape"]
+    assert "deepep_same_run" not in per_k  # DeepEP's combine moves rank_partials' rows
+    ll = goals["low-latency dispatch + combine, 128 tokens, 288 experts (eager)"]
+    if ll["measured"] is not None:
+        assert ll["vs_deepep_same_run"] == pytest.approx(95.0 / ll["measured"], abs=1e-3)
+    assert any("DeepEP in this run: 261.0 GB/s" in line for line in ms.markdown(summary))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
