@@ -116,7 +116,7 @@ SPECS: dict[str, Spec] = {
                                where={"shape": "dsv3"}),)),
             Figure("bf16 dispatch, cached plan", "cached_dispatch_us_max", "us",
                    "nccl_dispatch_us_max", "NCCL"),
-            # 300 GB/s: the fp8 goal (bench/harness/multigpu_summary.py DISPATCH_FP8_GBPS;
+            # 300 GB/s: the fp8 dispatch goal (bench/harness/multigpu_summary.py DISPATCH_FP8_GBPS;
             # results of bench_dispatch from before it recorded goal_fp8_dispatch_GBps lack it).
             Figure("fp8 dispatch", "fp8_dispatch_us_max", "us", "nccl_dispatch_us_max", "NCCL",
                    optional=True,
