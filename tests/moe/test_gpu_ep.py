@@ -104,6 +104,21 @@ def _expected_rank_partials(
     return out.to(torch.bfloat16)
 
 
+def _rows_of_my_slots(
+    y: torch.Tensor, row_target: torch.Tensor, rank: int, world: int, tokens: int, group: object
+) -> torch.Tensor:
+    """Every rank's expert rows (y, CPU) placed at the (token, k) slot of this rank they answer:
+    [tokens * TOP_K, HIDDEN] in y's dtype."""
+    per_rank_slots = MAX_TOKENS * TOP_K
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, (y, row_target.cpu()), group=group)
+    ybuf = torch.zeros(tokens * TOP_K, HIDDEN, dtype=y.dtype)
+    for ys, targets in gathered:  # type: ignore[misc]
+        mine = targets // per_rank_slots == rank
+        ybuf[targets[mine] % per_rank_slots] = ys[mine]
+    return ybuf
+
+
 def _ep_worker(rank: int, world: int) -> dict[str, object]:
     import uniep
     from uniep import _C
@@ -149,12 +164,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
             res = uniep.moe.ep.dispatch(x, idx, w, tuning=f"sms={sms}")
             outs.append(uniep.moe.ep.combine(y.to(dev), res.handle).cpu())
         assert all(torch.equal(outs[0], o) for o in outs[1:]), kind
-        gathered: list[object] = [None] * world
-        dist.all_gather_object(gathered, (y, res.handle.row_target.cpu()), group=cpu_group)
-        ybuf = torch.zeros(idx.shape[0] * TOP_K, HIDDEN, dtype=torch.bfloat16)
-        for ys, targets in gathered:  # type: ignore[misc]
-            mine = targets // per_rank_slots == rank
-            ybuf[targets[mine] % per_rank_slots] = ys[mine]
+        ybuf = _rows_of_my_slots(y, res.handle.row_target, rank, world, idx.shape[0], cpu_group)
         want = _expected_combine(ybuf.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank])
         assert torch.equal(outs[0], want), kind
 
@@ -181,12 +191,7 @@ def _ep_worker(rank: int, world: int) -> dict[str, object]:
             parts32.append(uniep.moe.ep.combine(y32.to(dev), res.handle).cpu())
         uniep.moe.ep.check()
         assert parts32[0].dtype == torch.bfloat16 and torch.equal(parts32[0], parts32[1]), kind
-        gathered32: list[object] = [None] * world
-        dist.all_gather_object(gathered32, (y32, res.handle.row_target.cpu()), group=cpu_group)
-        ybuf32 = torch.zeros(idx.shape[0] * TOP_K, HIDDEN)
-        for ys, targets in gathered32:  # type: ignore[misc]
-            mine = targets // per_rank_slots == rank
-            ybuf32[targets[mine] % per_rank_slots] = ys[mine]
+        ybuf32 = _rows_of_my_slots(y32, res.handle.row_target, rank, world, idx.shape[0], cpu_group)
         want32 = _expected_rank_partials(
             ybuf32.view(-1, TOP_K, HIDDEN), idxs[rank], ws[rank], el, world
         )
