@@ -1,10 +1,10 @@
-"""The GPU runtimes on one GPU (marker `gpu`): a group of one rank, and groups of two and four
-ranks that share the GPU.
+"""The GPU runtimes on one GPU (marker `gpu`): a group of one rank, and groups of two, four and
+eight ranks that share the GPU.
 
 The workers of test_gpu_ep.py, test_gpu_collectives.py and test_gpu_fused_ep.py (the MegaKernel
 across ranks) run unchanged. At world size 1 every
 expert-parallel round runs the whole path (layout, count exchange with itself, own rows,
-copy-out, row lists, combine) against the CPU planner. At world sizes 2 and 4 the processes
+copy-out, row lists, combine) against the CPU planner. At world sizes 2, 4 and 8 the processes
 open the same GPU (NVSHMEM's multiple processes per GPU) and join over gloo: then the peer paths
 run too (the count exchange with other ranks, the transfer's rows and signals through the peers'
 symmetric heaps, the cross-rank combine, the collectives' pushes and signals, a peer that never
@@ -60,6 +60,9 @@ EP_WORKERS: list[tuple[str, Callable[[int, int], object]]] = [
     ("low_latency", _ll_worker),
     ("gradients", _grad_worker),
 ]
+# What eight ranks sharing the GPU run too: the workers that check bits (rows, combines, outputs and
+# gradients against the CPU executor or the world-1 kernels) at the EP8 layout's world size.
+EIGHT_RANK_WORKERS = [(n, w) for n, w in EP_WORKERS if n != "mixed_rounds"]
 SHARED_WORKERS = EP_WORKERS + [
     ("collectives", _collectives_worker),
     ("collectives_gemm_backends", _gemm_backends_worker),
@@ -101,6 +104,15 @@ def test_ranks_sharing_the_gpu(
 
 
 @pytest.mark.parametrize(
+    "worker", [w for _, w in EIGHT_RANK_WORKERS], ids=[n for n, _ in EIGHT_RANK_WORKERS]
+)
+def test_eight_ranks_sharing_the_gpu(
+    worker: Callable[[int, int], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(worker, 8, monkeypatch)
+
+
+@pytest.mark.parametrize(
     ("worker", "what"), [(_timeout_worker, "dispatch"), (_coll_timeout_worker, "reduce_scatter")]
 )
 def test_two_ranks_sharing_the_gpu_time_out_naming_the_peer(
@@ -136,7 +148,7 @@ def test_gated_all_gather_matmul_times_out_naming_the_peer_on_a_shared_gpu(
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_megakernel_ranks_sharing_the_gpu(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each rank's persistent launch waits on rows and outputs the other ranks' launches store:
     # with the GPU time-sliced between the processes, every wait still ends.
@@ -158,7 +170,7 @@ def test_megakernel_rank_that_skips_a_call_is_named_on_a_shared_gpu(
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_megakernel_backward_ranks_sharing_the_gpu(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

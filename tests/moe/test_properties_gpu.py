@@ -1,7 +1,7 @@
 """Randomized properties of the GPU expert-parallel runtime (marker `gpu`): the seeded
-cases of _routing_gen on one GPU at world 1, and with 2 and 4 ranks sharing it.
+cases of _routing_gen on one GPU at world 1, and with 2, 4 and 8 ranks sharing it.
 
-The ranks join as in test_gpu_on_one_gpu.py (NCCL at world 1; gloo at 2 and 4, with every rank
+The ranks join as in test_gpu_on_one_gpu.py (NCCL at world 1; gloo from 2, with every rank
 on the first visible GPU, NVSHMEM's multiple processes per GPU). A runtime is sized for one
 (hidden, top_k, experts) and re-creating NVSHMEM is slow, so each world size creates one runtime
 per shape of SHAPES up front, each on its own group, and runs all the cases drawn for it in one
@@ -48,7 +48,7 @@ class Shape:
     hidden: int
     ffn: int
     top_k: int
-    experts: int  # global: a multiple of 4, so that it splits over every world size
+    experts: int  # global: a multiple of 4 (shapes_of rounds it up to 8 ranks' multiple)
     max_tokens: int
     ll_max_tokens: int
 
@@ -62,8 +62,8 @@ SHAPES = [
     Shape("h1152-k2-e4", 1152, 128, 2, 4, 1024, 256),  # not a power of two; one expert per rank
     Shape("h128-k1-e12", 128, 32, 1, 12, 4096, 128),  # top-1, the longest token runs
 ]
-WORLDS = [1, 2, 4]
-# Cases per (world, shape): 3 x 5 x 20 = 300 in all. UNIEP_PROPERTY_CASES overrides it.
+WORLDS = [1, 2, 4, 8]
+# Cases per (world, shape): 4 x 5 x 20 = 400 in all. UNIEP_PROPERTY_CASES overrides it.
 CASES_PER_SHAPE = int(os.environ.get("UNIEP_PROPERTY_CASES", "20"))
 # The CPU executor runs every case three times on the ranks' cores: keep its work bounded.
 GPU_WORK_CAP = 1 << 25
@@ -80,6 +80,19 @@ SCHEDULES = [
     "sms=16,overlap=fused,token_tile=4096,tile_m=128,tile_n=128",
     "sms=12,token_tile=7,tile_m=64,tile_n=256",
 ]
+
+
+def shapes_of(world: int) -> list[Shape]:
+    """SHAPES as a world size runs them: where the experts do not split over the ranks, as many
+    more as the next multiple of the world size (the same hidden, ffn and top-k)."""
+    out = []
+    for shape in SHAPES:
+        if shape.experts % world:
+            experts = -(-shape.experts // world) * world
+            name = shape.name.rsplit("-e", 1)[0] + f"-e{experts}"
+            shape = dataclasses.replace(shape, name=name, experts=experts)
+        out.append(shape)
+    return out
 
 
 def cases_of(world: int) -> list[tuple[Shape, RoutingCase]]:
@@ -99,7 +112,7 @@ def cases_of(world: int) -> list[tuple[Shape, RoutingCase]]:
                 max_tokens=shape.max_tokens,
             ),
         )
-        for s, shape in enumerate(SHAPES)
+        for s, shape in enumerate(shapes_of(world))
         for i in range(CASES_PER_SHAPE)
     ]
 
@@ -280,11 +293,11 @@ def _properties_worker(rank: int, world: int) -> dict[str, Any]:
         _C.ep_symmetric_heap_bytes(
             s.max_tokens, s.hidden, s.top_k, s.experts, world, 0, s.ll_max_tokens
         )
-        for s in SHAPES
+        for s in shapes_of(world)
     )
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap + (len(SHAPES) + 1) * (64 << 20)))
     groups = {}
-    for shape in SHAPES:
+    for shape in shapes_of(world):
         groups[shape.name] = dist.new_group(list(range(world)), backend="gloo")
         uniep.moe.ep.init_runtime(
             groups[shape.name],
