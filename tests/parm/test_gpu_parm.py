@@ -1,6 +1,6 @@
 """The Parm CUDA executor against the CPU executor on one GPU (marker `gpu`).
 
-The CUDA executor's acceptance: ranks that share one GPU (2 and 4 processes, as in
+The CUDA executor's acceptance: ranks that share one GPU (2, 4 and 8 processes, as in
 test_gpu_on_one_gpu.py: NVSHMEM's multiple processes per GPU, host agreement over gloo) run
 ParmMoELayer under baseline, S1 and S2, forward and backward, once on CUDA tensors (the CUDA
 executor: UniEP's collectives on the MP and EP sub-groups' own runtimes, the chunk-pipelined SAA
@@ -45,6 +45,13 @@ CASES: dict[int, list[dict[str, Any]]] = {
             BASE, name="n2-empty-expert-drop", N=2, S=16, f=1.0, one_expert=True, seed=15, chunks=3
         ),
         dict(BASE, name="n1-g4-k2", N=1, S=12, E=8, seed=16),
+    ],
+    8: [
+        dict(BASE, name="n2-g4-k2", N=2, S=16, E=8, seed=21),
+        dict(BASE, name="n4-g2-odd-k4", N=4, S=11, M=9, H=12, E=8, k=4, f=0.0, seed=22, chunks=3),
+        dict(BASE, name="n8-k2", N=8, S=9, E=8, f=0.0, seed=23, chunks=2),
+        dict(BASE, name="n1-g8-k3", N=1, S=10, E=16, k=3, seed=24),
+        dict(BASE, name="n2-g4-drop", N=2, S=12, E=8, f=1.0, one_expert=True, seed=25, chunks=3),
     ],
 }
 
@@ -136,7 +143,7 @@ def _check(reports: list[list]) -> None:
             assert drop_gpu == drop_cpu, (name, dtype, schedule, drop_gpu, drop_cpu)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_cuda_executor_equals_cpu_executor_on_ranks_sharing_the_gpu(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
