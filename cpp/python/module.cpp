@@ -466,6 +466,9 @@ PYBIND11_MODULE(_C, m) {
         "Record a sub-group's global ranks (group rank order; [] forgets them): errors that name "
         "the group's ranks then say which global ranks they are. uniep.distributed records them "
         "at a group's first use.");
+  m.def("group_ranks_note", &uniep::torch_glue::group_ranks_note, py::arg("group_name"),
+        "What an error naming the group's ranks appends: which global ranks they are (\"\" for "
+        "a group whose numbering is the global one, or one not recorded).");
   m.def("set_ranks_per_node", &uniep::torch_glue::set_ranks_per_node, py::arg("group_name"),
         py::arg("ranks_per_node"),
         "Record a group's ranks per node (0: one node) for the ops on it (uniep.init).");

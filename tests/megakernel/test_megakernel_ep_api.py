@@ -257,6 +257,44 @@ def test_cpu_executor_raises_one_ranks_bad_call_on_every_rank() -> None:
     assert results["none"] == ("ok", "ok"), results["none"]
 
 
+def _subgroup_bad_expert(rank: int, world: int) -> str:
+    """4 ranks; on the sub-group {1, 3}, global rank 3 (the group's rank 1) routes to an expert
+    that does not exist; {0, 2} runs the same call with good routing."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["UNIEP_TIMEOUT_S"] = "20"
+    odd, even = dist.new_group([1, 3]), dist.new_group([0, 2])
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, HIDDEN, generator=gen).bfloat16()
+    idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1]])
+    if rank == 3:
+        idx[2, 1] = 9  # of 4 experts
+    w1 = torch.randn(2, HIDDEN, 2 * FFN, generator=gen).bfloat16() / 8
+    w2 = torch.randn(2, FFN, HIDDEN, generator=gen).bfloat16() / 8
+    try:
+        megakernel.moe_forward_ep(
+            x, idx, torch.rand(4, 2, generator=gen), w1, w2, odd if rank % 2 else even,
+            w1_as_stored=True,
+        )  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "ok"
+
+
+def test_cpu_executor_names_a_subgroups_ranks_globally_too() -> None:
+    """The count exchange's message names the failing rank by its number in the call's group;
+    on a sub-group it says which global ranks those numbers are."""
+    from _dist import run_ranks
+
+    got = run_ranks(4, _subgroup_bad_expert, timeout=90)
+    assert got[0] == got[2] == "ok", got
+    assert "rank 1 failed its checks" in got[1], got[1]
+    assert "whose ranks 0, 1, ... are global ranks 1, 3" in got[1], got[1]
+    assert "global ranks" not in got[3] and "expert id outside" in got[3], got[3]
+
+
 def _plan_without_peer(rank: int, world: int) -> str:
     import os
     import time

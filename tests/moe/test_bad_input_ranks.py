@@ -220,28 +220,34 @@ def test_one_rank_bad_argument_fails_every_rank_at_once() -> None:
                 assert f"rank {BAD}" in message, (case_id, rank, message)
 
 
-def _subgroup_worker(rank: int, world: int) -> tuple[str, str]:
+def _subgroup_worker(rank: int, world: int) -> list[tuple[str, str]]:
     """4 ranks, sub-groups {1, 3} and {0, 2}: global rank 3 (rank 1 of {1, 3}) passes a wrong
-    hidden size; {0, 2} runs fine."""
+    hidden size, then an expert id out of range (which the call agreement does not see: the
+    executor's routing exchange finds it); {0, 2} runs fine both times."""
     import uniep
 
     os.environ["UNIEP_TIMEOUT_S"] = "20"
     odd, even = dist.new_group([1, 3]), dist.new_group([0, 2])
-    a = _inputs(rank)
-    if rank == 3:
-        a["x"] = torch.randn(T, H + 8)
-    try:
-        uniep.moe_forward(
-            a["x"],
-            a["topk_idx"],
-            a["topk_weights"],
-            a["w1"],
-            a["w2"],
-            group=odd if rank % 2 else even,
-        )
-        return "", "no error"
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
+    out = []
+    for bad in ("hidden", "expert id"):
+        a = _inputs(rank)
+        if rank == 3 and bad == "hidden":
+            a["x"] = torch.randn(T, H + 8)
+        elif rank == 3:
+            a["topk_idx"][0, 0] = E + 5
+        try:
+            uniep.moe_forward(
+                a["x"],
+                a["topk_idx"],
+                a["topk_weights"],
+                a["w1"],
+                a["w2"],
+                group=odd if rank % 2 else even,
+            )
+            out.append(("", "no error"))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    return out
 
 
 def test_subgroup_errors_say_which_global_ranks_they_name() -> None:
@@ -249,14 +255,22 @@ def test_subgroup_errors_say_which_global_ranks_they_name() -> None:
     ranks those are, on every rank of the group."""
     reports = run_ranks(4, _subgroup_worker, timeout=120)
     for rank in (0, 2):
-        assert reports[rank] == ("", "no error"), (rank, reports[rank])
-    kind, message = reports[1]
+        assert reports[rank] == [("", "no error")] * 2, (rank, reports[rank])
+    note = "whose ranks 0, 1, ... are global ranks 1, 3"
+    kind, message = reports[1][0]
     assert kind == "ValueError", message
     # Its peer by its group rank, 1, and which global rank that is.
     assert "rank 1 failed its argument checks" in message, message
-    assert "whose ranks 0, 1, ... are global ranks 1, 3" in message, message
-    kind, message = reports[3]  # its own error, which names no rank
+    assert note in message, message
+    kind, message = reports[3][0]  # its own error, which names no rank
     assert kind == "ValueError" and "w1 must be" in message, message
+    assert "global ranks" not in message, message
+    # The executor's own exchange names the peer too.
+    kind, message = reports[1][1]
+    assert kind == "ValueError" and "rank 1 passed an invalid topk_idx" in message, message
+    assert note in message, message
+    kind, message = reports[3][1]
+    assert kind == "ValueError" and f"expert id {E + 5}" in message, message
     assert "global ranks" not in message, message
 
 

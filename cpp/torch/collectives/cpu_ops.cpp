@@ -83,7 +83,7 @@ auto checked(CollectiveKind kind, Call& call, Checks checks) -> decltype(checks(
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cpu(const at::Tensor& a, const at::Tensor& b,
                                                          c10::string_view group_name,
                                                          int64_t chunks, c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CollectiveKind kind = CollectiveKind::kAllGatherMatmul;
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;
@@ -115,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cpu(const at::Tensor& a, co
 at::Tensor matmul_reduce_scatter_cpu(const at::Tensor& a, const at::Tensor& b,
                                      c10::string_view group_name, int64_t chunks,
                                      c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CollectiveKind kind = CollectiveKind::kMatmulReduceScatter;
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;
@@ -145,7 +145,7 @@ at::Tensor matmul_reduce_scatter_cpu(const at::Tensor& a, const at::Tensor& b,
 
 at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                           c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CollectiveKind kind = CollectiveKind::kAllGather;
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;
@@ -172,7 +172,7 @@ at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group_name, int6
 
 at::Tensor reduce_scatter_cpu(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                               c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CollectiveKind kind = CollectiveKind::kReduceScatter;
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;
@@ -200,7 +200,7 @@ at::Tensor reduce_scatter_cpu(const at::Tensor& x, c10::string_view group_name, 
 
 at::Tensor all_to_all_ulysses_cpu(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                                   c10::string_view group_name) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CollectiveKind kind = CollectiveKind::kAllToAllUlysses;
     Call call = open_call(group_name);
     const int64_t W = call.group.world_size;

@@ -19,6 +19,7 @@
 #include "cuda/gemm/gemm.hpp"
 #include "torch/collectives/gemm.hpp"
 #include "torch/collectives/registry.hpp"
+#include "torch/common/process_group.hpp"
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
 #include "uniep/cuda/collectives.hpp"
@@ -318,7 +319,7 @@ Status run_parts(void* ctx, const cuda::GemmPart* parts, int64_t count, int64_t 
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                                                           c10::string_view group_name,
                                                           int64_t chunks, c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     check_matmul_operands(a, b, "[M/W, K]", "[K, N]", Executor::kCuda);
     check_direct(order);
     const OpScope scope(a, group_name);
@@ -347,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul_cuda(const at::Tensor& a, c
 at::Tensor matmul_reduce_scatter_cuda(const at::Tensor& a, const at::Tensor& b,
                                       c10::string_view group_name, int64_t chunks,
                                       c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     check_matmul_operands(a, b, "[M, K_local]", "[K_local, N]", Executor::kCuda);
     check_direct(order);
     const OpScope scope(a, group_name);
@@ -493,7 +494,7 @@ at::Tensor part_gemm_cuda(const at::Tensor& a, const at::Tensor& b, int64_t part
 
 at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                            c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     check_rows_input(x, Executor::kCuda);
     check_direct(order);
     const OpScope scope(x, group_name);
@@ -512,7 +513,7 @@ at::Tensor all_gather_cuda(const at::Tensor& x, c10::string_view group_name, int
 
 at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name, int64_t chunks,
                                c10::string_view order) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     check_rows_input(x, Executor::kCuda);
     check_direct(order);
     const OpScope scope(x, group_name);
@@ -534,7 +535,7 @@ at::Tensor reduce_scatter_cuda(const at::Tensor& x, c10::string_view group_name,
 
 at::Tensor all_to_all_ulysses_cuda(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                                    c10::string_view group_name) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     check_ulysses_input(x, Executor::kCuda);
     const OpScope scope(x, group_name);
     const int64_t W = scope.rt.config().group_size();

@@ -40,11 +40,7 @@ CallSignature check_and_agree(const Group& group, CallKind kind, c10::Device dev
   } catch (const Error& e) {
     // The agreement names ranks of the group; on a sub-group, say which global ranks they are
     // (where the message names one: this rank's own error names none).
-    const std::string what = e.what(), note = group_ranks_note(group.pg->getGroupName());
-    if (note.empty() || what.find("rank ") == std::string::npos ||
-        what.find(note) != std::string::npos)
-      throw;
-    throw Error(e.code(), what + note);
+    throw with_group_ranks(e, group.pg->getGroupName());
   }
   return signature;
 }

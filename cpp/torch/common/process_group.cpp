@@ -44,6 +44,14 @@ std::string group_ranks_note(const std::string& group_name) {
                          "', whose ranks 0, 1, ... are global ranks ", list, "]");
 }
 
+Error with_group_ranks(const Error& e, const std::string& group_name) {
+  const std::string what = e.what(), note = group_ranks_note(group_name);
+  if (note.empty() || what.find("rank ") == std::string::npos ||
+      what.find(note) != std::string::npos)
+    return e;
+  return Error(e.code(), what + note);
+}
+
 void set_ranks_per_node(const std::string& group_name, int64_t ranks_per_node) {
   UNIEP_CHECK(ranks_per_node >= 0, "ranks_per_node must be >= 1 (0: one node), got ",
               ranks_per_node);

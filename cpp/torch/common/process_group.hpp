@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "torch/common/validate.hpp"
 #include "uniep/cpu_executor.hpp"
 
 namespace uniep::torch_glue {
@@ -34,6 +35,21 @@ int64_t ranks_per_node(const std::string& group_name);
 // group_ranks_note says which global ranks those are, "" for a group with none recorded.
 void set_group_ranks(const std::string& group_name, const std::vector<int64_t>& global_ranks);
 std::string group_ranks_note(const std::string& group_name);
+// `e` with group_ranks_note appended where its message names a rank ("rank N") and lacks the
+// note; `e` itself otherwise (a group with none recorded, or a message naming no rank).
+Error with_group_ranks(const Error& e, const std::string& group_name);
+
+// translate_errors for an op on the group `group_name`: the errors that name ranks (the group's
+// own numbers) also say which global ranks those are (with_group_ranks). Not only the call
+// agreement's: the executors' exchanges and the runtimes' waits name ranks too.
+template <typename Fn>
+auto translate_errors_on(c10::string_view group_name, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    rethrow_as_torch_error(with_group_ranks(e, std::string(group_name)));
+  }
+}
 
 // Seconds a host wait on a group may take before it raises: UNIEP_TIMEOUT_S (the limit of the
 // device-side waits too), default 100.

@@ -59,7 +59,7 @@ at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weights, const at::Tensor& w1,
                            const at::Tensor& w2, c10::string_view group_name,
                            c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const Group group = resolve_group(std::string(group_name));
     MoeForwardArgs args;
     check_and_agree(group, CallKind::kMoeForward, x.device(), [&] {
@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
     const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
     c10::string_view group_name, c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const Group group = resolve_group(std::string(group_name));
     MoeBackwardArgs args;
     // Autograd may hand over a non-contiguous or expanded gradient; the executor needs rows.

@@ -201,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
            at::Tensor, int64_t>
 ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                  c10::string_view group_name, c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
@@ -223,7 +223,7 @@ ep_dispatch_cuda(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tens
 std::tuple<at::Tensor, at::Tensor, int64_t> ep_dispatch_cached_cuda(
     const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
     c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
@@ -293,7 +293,7 @@ at::Tensor run_combine(const at::Tensor& y, const at::Tensor& row_target,
 at::Tensor ep_combine_cuda(const at::Tensor& y, const at::Tensor& row_target,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                            c10::string_view group_name, int64_t epoch, c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const TuningParams params = TuningParams::parse(std::string(tuning));
     const c10::cuda::CUDAGuard guard(y.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
@@ -414,7 +414,7 @@ void moe_backward_checks_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                               const at::Tensor& w1, const at::Tensor& w2,
                               c10::string_view group_name, c10::string_view tuning) {
-  translate_errors([&] {
+  translate_errors_on(group_name, [&] {
     check_moe_call(CallKind::kMoeBackward, &grad_out, x, topk_idx, topk_weights, w1, w2, group_name,
                    tuning);
   });
@@ -510,7 +510,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weights, const at::Tensor& w1,
                             const at::Tensor& w2, c10::string_view group_name,
                             c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CheckedMoeCall c = check_moe_call(CallKind::kMoeForward, nullptr, x, topk_idx,
                                             topk_weights, w1, w2, group_name, tuning);
     const TuningParams& params = c.params;
@@ -581,7 +581,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backw
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& topk_idx,
     const at::Tensor& topk_weights, const at::Tensor& w1, const at::Tensor& w2,
     c10::string_view group_name, c10::string_view tuning) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const CheckedMoeCall c = check_moe_call(CallKind::kMoeBackward, &grad_out, x, topk_idx,
                                             topk_weights, w1, w2, group_name, tuning);
     const TuningParams& params = c.params;
@@ -661,7 +661,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ll_dispatch_cuda(const at::Tensor
                                                                 const at::Tensor& topk_idx,
                                                                 c10::string_view group_name,
                                                                 int64_t buffer) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const c10::cuda::CUDAGuard guard(x.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const ep::Config& cfg = rt.config();
@@ -692,7 +692,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ll_dispatch_cuda(const at::Tensor
 at::Tensor ll_combine_cuda(const at::Tensor& y, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weights, c10::string_view group_name,
                            int64_t buffer) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const c10::cuda::CUDAGuard guard(y.device());
     ep::Runtime& rt = ep_runtime(std::string(group_name));
     const ep::Config& cfg = rt.config();

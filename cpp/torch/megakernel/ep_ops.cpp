@@ -12,6 +12,7 @@
 #include <string>
 #include <tuple>
 
+#include "torch/common/process_group.hpp"
 #include "torch/common/runtime_registry.hpp"
 #include "torch/common/validate.hpp"
 #include "torch/gemm/grouped.hpp"
@@ -72,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_fused_ep_cuda(
     const at::Tensor& w1_packed, const at::Tensor& w2, c10::string_view group_name,
     int64_t comm_ctas, int64_t skip_rounds, const std::optional<at::Tensor>& trace,
     bool w1_as_stored, int64_t tile_n) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
     fused::Runtime& rt = *call.rt;
     const fused::Config& c = rt.config();
@@ -128,7 +129,7 @@ moe_fused_ep_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                            const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                            const at::Tensor& w1, const at::Tensor& w2t, c10::string_view group_name,
                            const std::optional<at::Tensor>& trace) {
-  return translate_errors([&] {
+  return translate_errors_on(group_name, [&] {
     const FusedCall call = check_fused_call(x, topk_idx, topk_weights, group_name, trace);
     fused::Runtime& rt = *call.rt;
     const fused::Config& c = rt.config();

@@ -949,7 +949,10 @@ class CpuPlan:
             if word:
                 message = _C.send_rows_error_message(word, self.top_k, f"{what} (plan)")
                 if r != self.rank:
-                    message = f"{what} on rank {self.rank}: rank {r} failed its checks: {message}"
+                    note = "" if pg is None else _C.group_ranks_note(pg.group_name)
+                    message = (
+                        f"{what} on rank {self.rank}: rank {r} failed its checks: {message}{note}"
+                    )
                 raise ValueError(message)
         self.dest, self.row, _, error = tile_gates.sender_rows(
             topk_idx, matrix, self.rank, check=False
