@@ -20,6 +20,11 @@ KINDS = ("random", "one_expert", "empty_rank", "top1")
 TOLERANCE = 2e-2  # relative norm; bf16 rows, products and sums rounded on the way
 
 
+def ragged_tokens(max_tokens: int, rank: int) -> int:
+    """Rank ``rank``'s token count: 37 fewer a rank, wrapping past max_tokens (eight ranks)."""
+    return max_tokens - (37 * rank) % max_tokens
+
+
 def routing(kind: str, tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
     if kind in ("random", "empty_rank"):
         # Several of a token's experts share a rank: its slot there is the gradient of one row.
@@ -75,7 +80,7 @@ def run_cases(
         c = torch.rand(experts, generator=gen) + 0.5
         inputs = []
         for r in range(world):
-            tokens = 0 if (kind == "empty_rank" and r == 1) else max_tokens - 37 * r
+            tokens = 0 if (kind == "empty_rank" and r == 1) else ragged_tokens(max_tokens, r)
             idx = routing(kind, tokens, experts, top_k, gen)
             x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
             w = torch.rand(tokens, top_k, generator=gen)
@@ -117,7 +122,7 @@ def run_cases(
     gen = torch.Generator().manual_seed(900)
     inputs = []
     for r in range(world):
-        tokens = max_tokens - 37 * r
+        tokens = ragged_tokens(max_tokens, r)
         idx = routing("random", tokens, experts, top_k, gen)
         inputs.append((idx, torch.rand(tokens, top_k, generator=gen)))
         inputs[-1] += (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16),)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _ep_grad_case import ragged_tokens
 
 pytestmark = pytest.mark.multigpu
 
@@ -54,7 +55,7 @@ def _case(kind: str, world: int, seed: int) -> tuple[list[torch.Tensor], ...]:
     gen = torch.Generator().manual_seed(seed)
     xs, idxs, ws = [], [], []
     for r in range(world):
-        tokens = 0 if (kind == "empty_rank" and r == 1) else MAX_TOKENS - 37 * r
+        tokens = 0 if (kind == "empty_rank" and r == 1) else ragged_tokens(MAX_TOKENS, r)
         idx = _routing("random" if kind == "empty_rank" else kind, tokens, gen)
         xs.append(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16))
         idxs.append(idx)
