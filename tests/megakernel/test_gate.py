@@ -112,9 +112,9 @@ def test_the_fused_launch_plans_decode_batches_itself() -> None:
     from uniep.moe.megakernel.launch import planned_in_launch
 
     # A decode batch with every CTA sending and no trace: the planned launch.
-    assert planned_in_launch(2048, 1024, 132, 132, None)
+    assert planned_in_launch(4096, 1024, 132, 132, None)
     # Past one block's entries or experts, fewer senders, or a trace: the plan apart.
-    assert not planned_in_launch(2049, 128, 132, 132, None)
+    assert not planned_in_launch(4097, 128, 132, 132, None)
     assert not planned_in_launch(8, 1025, 132, 132, None)
     assert not planned_in_launch(8, 128, 16, 132, None)
     assert not planned_in_launch(8, 128, 132, 132, torch.zeros(4 * 132, dtype=torch.int64))

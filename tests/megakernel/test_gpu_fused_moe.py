@@ -218,7 +218,8 @@ def test_bad_arguments_are_named() -> None:
     "tokens,hidden,ffn,experts,top_k,skew",
     [
         (1, 256, 192, 64, 8, False),  # one token: eight experts of one row
-        (256, 128, 128, 1024, 8, False),  # 2,048 entries over 1,024 experts: the bounds
+        (256, 128, 128, 1024, 8, False),  # 2,048 entries over 1,024 experts
+        (512, 128, 128, 1024, 8, False),  # 4,096 entries over 1,024 experts: the bounds
         (255, 128, 64, 16, 8, True),  # skewed, with empty experts and -1 entries
     ],
 )
@@ -256,11 +257,11 @@ def test_the_planned_launch_bounds_and_errors() -> None:
     from uniep.moe.megakernel.launch import moe_forward_local
 
     # One entry past the bound: moe_forward_local plans apart, with the same bits.
-    x, idx, w, w1, w2 = _layer(683, 128, 128, 16, 3, seed=21)  # 2,049 entries
+    x, idx, w, w1, w2 = _layer(1366, 128, 128, 16, 3, seed=21)  # 4,098 entries
     w1p = pack_gate_up(w1)
     seq = moe_forward_local(x, idx, w, w1p, w2)
     assert torch.equal(moe_forward_local(x, idx, w, w1p, w2, overlap="fused"), seq)
-    with pytest.raises(ValueError, match=r"plans at most 2048 entries .* got 2049 and 16"):
+    with pytest.raises(ValueError, match=r"plans at most 4096 entries .* got 4098 and 16"):
         torch.ops.uniep.moe_fused_local_planned(x, idx, w, w1p, w2, 1.0)
     # A bad id is named, and the next call (same buffers' sizes) starts with clean words.
     x, idx, w, w1, w2 = _layer(4, 128, 128, 4, 2, seed=22)

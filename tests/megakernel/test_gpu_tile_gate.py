@@ -78,13 +78,15 @@ def test_device_expert_tiles_equal_the_cpu_plan(
     _assert_cuda_equals_cpu(gate.expert_tiles, idx, experts)
 
 
-# The counting sort (up to 1,024 experts): one and many blocks of 2,048 entries, a partial last
-# warp, the skewed routing; 2,000 experts take the counts and the cross-rank plan kernel. In one
-# block the batch is split evenly over the 8 warps in steps of 32: 512 entries (64 a warp), 700
-# (96 a warp, the last warp's segment partial, skewed), 2,048 (the whole block, 256 a warp).
+# The counting sort (up to 1,024 experts): the one-block plan up to 4,096 entries, many blocks of
+# 2,048 entries past it, a partial last warp, the skewed routing; 2,000 experts take the counts
+# and the cross-rank plan kernel. In one block the batch is split evenly over the 8 warps in
+# steps of 32: 512 entries (64 a warp), 700 (96 a warp, the last warp's segment partial,
+# skewed), 2,048 (256 a warp), 3,500 (448 a warp, skewed) and 4,096 (the whole block, 512 a warp).
 @pytest.mark.parametrize(
     "tokens,top_k,experts,skew", [(0, 4, 16, False), (5, 3, 7, False), (64, 8, 128, False),
                                   (100, 7, 128, True), (256, 8, 64, False), (700, 9, 256, False),
+                                  (500, 7, 128, True), (512, 8, 1024, False),
                                   (10001, 7, 1024, False), (8750, 8, 128, True),
                                   (3000, 8, 2000, False)],
 )  # fmt: skip

@@ -16,6 +16,7 @@ namespace {
 
 using local_plan::kBlockEntries;
 using local_plan::kLocalExperts;
+using local_plan::kOneBlockEntries;
 using local_plan::kPerThread;
 using local_plan::kThreads;
 using local_plan::kWarpEntries;
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int table[kWarps][kLocalExperts];
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
-  const WarpEntries mine =
+  const WarpEntries<> mine =
       local_plan::load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
@@ -258,7 +259,7 @@ Status plan_local_rows_async(const LocalPlanArgs& a, void* workspace, size_t wor
                                      a.tile_base, workspace, "plan_local_rows_async");
       !st.ok())
     return st;
-  if (entries <= kBlockEntries) {
+  if (entries <= kOneBlockEntries) {
     local_plan_small_kernel<<<1, kThreads, 0, stream>>>(
         a.topk_idx, entries, static_cast<int>(E), a.tile_m, a.counts, a.offs, a.tile_base,
         a.dest_rank, a.gemm_row, a.counter, a.error);

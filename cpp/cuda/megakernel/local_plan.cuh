@@ -13,7 +13,11 @@ namespace uniep::cuda::local_plan {
 
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8;                         // ids a thread loads, all in flight
-constexpr int kBlockEntries = kThreads * kPerThread;  // ids a block counts
+constexpr int kBlockEntries = kThreads * kPerThread;  // ids a block of the multi-block plan counts
+// Ids the one-block plan (plan_one_block) takes: a decode batch of up to 512 tokens of top-8 in
+// one launch, where the multi-block plan's memset and two launches took 20-26 us of such a step
+// (one H100, 2026-12-05). Its warps walk twice as many steps as a block of the multi-block plan.
+constexpr int kOneBlockEntries = 2 * kBlockEntries;
 
 // The local plan's counting sort: each warp walks a segment of consecutive entries in (token, k)
 // order (256 in the multi-block plan, the batch split evenly over the warps in the one-block
@@ -24,6 +28,7 @@ constexpr int kLocalExperts = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpEntries = kBlockEntries / kWarps;
 constexpr int kWarpSteps = kWarpEntries / 32;
+constexpr int kOneBlockWarpSteps = kOneBlockEntries / kWarps / 32;
 using ScanStorage = cub::BlockScan<int, kThreads>::TempStorage;
 
 // One warp's segment [seg, seg + 32 x steps) of the entries, read once, every lane's loads in
@@ -32,23 +37,27 @@ using ScanStorage = cub::BlockScan<int, kThreads>::TempStorage;
 // read inside it a 512-entry batch, whose two warps took 8 steps each, paid 16 global-memory
 // latencies, and the plan took 8 us against 2.6 us for one token (one H200, 2026-12-03,
 // ef256e9).
+template <int Steps = kWarpSteps>
 struct WarpEntries {
+  static constexpr int kSteps = Steps;
   int64_t seg = 0;
-  int steps = 0;                // the same in every lane
-  int64_t id[kWarpSteps] = {};  // this lane's entry of each step, or -1 past n
-  int key[kWarpSteps] = {};     // its expert, or -1 for no entry, a negative id or one past E
+  int steps = 0;           // the same in every lane
+  int64_t id[Steps] = {};  // this lane's entry of each step, or -1 past n
+  int key[Steps] = {};     // its expert, or -1 for no entry, a negative id or one past E
 };
 
-// Entries [seg, seg + seg_len) (seg_len a multiple of 32, at most kWarpEntries), none past n.
-__device__ __forceinline__ WarpEntries load_warp_entries(const int64_t* __restrict__ ids, int64_t n,
-                                                         int num_experts, int64_t seg, int seg_len,
-                                                         int lane) {
-  WarpEntries w;
+// Entries [seg, seg + seg_len) (seg_len a multiple of 32, at most 32 x Steps), none past n.
+template <int Steps = kWarpSteps>
+__device__ __forceinline__ WarpEntries<Steps> load_warp_entries(const int64_t* __restrict__ ids,
+                                                                int64_t n, int num_experts,
+                                                                int64_t seg, int seg_len,
+                                                                int lane) {
+  WarpEntries<Steps> w;
   w.seg = seg;
   const int64_t left = (n - seg + 31) / 32;
   w.steps = seg >= n ? 0 : left < seg_len / 32 ? static_cast<int>(left) : seg_len / 32;
 #pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
+  for (int s = 0; s < Steps; ++s) {
     const int64_t i = seg + s * 32 + lane;
     w.id[s] = s < w.steps && i < n ? ids[i] : -1;
     w.key[s] = w.id[s] >= 0 && w.id[s] < num_experts ? static_cast<int>(w.id[s]) : -1;
@@ -58,9 +67,10 @@ __device__ __forceinline__ WarpEntries load_warp_entries(const int64_t* __restri
 
 // The counting sort's first pass over one warp's entries: `table[e]` (the warp's own, zeroed)
 // gains the entries routed to e, one leader per id and step (no atomics).
-__device__ __forceinline__ void count_warp_entries(const WarpEntries& w, int lane, int* table) {
+template <class Entries>
+__device__ __forceinline__ void count_warp_entries(const Entries& w, int lane, int* table) {
 #pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
+  for (int s = 0; s < Entries::kSteps; ++s) {
     if (s >= w.steps) break;
     const int key = w.key[s];
     const unsigned peers = __match_any_sync(0xffffffffu, key);
@@ -72,8 +82,8 @@ __device__ __forceinline__ void count_warp_entries(const WarpEntries& w, int lan
 // order (equal ids ranked by __match_any_sync), and `counter_of(e, row)` its tile counter; an
 // unused entry gets -1 everywhere, and an id past the experts is reported in `error`. dest_rank
 // may be null (the MegaKernel at world 1 does not read it).
-template <class CounterOf>
-__device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t n, int num_experts,
+template <class Entries, class CounterOf>
+__device__ __forceinline__ void place_warp_entries(const Entries& w, int64_t n, int num_experts,
                                                    int lane, int* table, CounterOf counter_of,
                                                    int64_t* __restrict__ dest_rank,
                                                    int64_t* __restrict__ gemm_row,
@@ -81,7 +91,7 @@ __device__ __forceinline__ void place_warp_entries(const WarpEntries& w, int64_t
                                                    unsigned long long* __restrict__ error) {
   const uint32_t below = (1u << lane) - 1u;
 #pragma unroll
-  for (int s = 0; s < kWarpSteps; ++s) {
+  for (int s = 0; s < Entries::kSteps; ++s) {
     if (s >= w.steps) break;
     const int64_t i = w.seg + s * 32 + lane;
     const int key = w.key[s];
@@ -131,7 +141,7 @@ __device__ __forceinline__ int scan_experts(int num_experts, int tile_m, ScanSto
   return tiles_before;
 }
 
-// The whole local plan of up to one block's entries (kBlockEntries: decode batches), by one
+// The whole local plan of up to kOneBlockEntries entries (decode batches), by one
 // block of kThreads threads: the per-warp counts of the first pass, summed per expert in shared
 // memory, give the counts, row ends and tile bases, then the second pass the rows (the values of
 // expert_tiles.cu's two-kernel plan). counts and dest_rank may be null. `on_expert(e, start, c)`
@@ -153,8 +163,8 @@ __device__ __forceinline__ void plan_one_block(
   // chain, those of different warps run side by side.
   const int per_warp = static_cast<int>((n + kWarps - 1) / kWarps);
   const int seg_len = per_warp <= 32 ? 32 : (per_warp + 31) / 32 * 32;
-  const WarpEntries mine =
-      load_warp_entries(ids, n, num_experts, int64_t{warp} * seg_len, seg_len, lane);
+  const WarpEntries<kOneBlockWarpSteps> mine = load_warp_entries<kOneBlockWarpSteps>(
+      ids, n, num_experts, int64_t{warp} * seg_len, seg_len, lane);
   ready();
   if (tid == 0) *error = 0;
   for (int e = tid; e < num_experts; e += kThreads)

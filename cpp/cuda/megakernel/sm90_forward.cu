@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kProblemThreads)
                      {act, w2, y, ffn, hidden, hidden});
 }
 
-static_assert(kFusedPlanMaxEntries == local_plan::kBlockEntries &&
+static_assert(kFusedPlanMaxEntries == local_plan::kOneBlockEntries &&
                   kFusedPlanMaxExperts == local_plan::kLocalExperts,
               "the planned launch's public bounds are what one block of the plan takes");
 

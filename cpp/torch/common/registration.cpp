@@ -136,7 +136,7 @@ TORCH_LIBRARY(uniep, m) {
       "(Tensor out, Tensor error, Tensor timeout)");
   // The same with the routing's plan made in the launch (include/uniep/cuda/fused_moe.hpp,
   // moe_fused_forward_planned_bf16): topk_idx [T, K] int64 instead of local_plan's outputs, at
-  // most 2,048 entries (T x K) and 1,024 experts; every CTA sends. The same bits and returns.
+  // most 4,096 entries (T x K) and 1,024 experts; every CTA sends. The same bits and returns.
   m.def(
       "moe_fused_local_planned(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1_packed, "
       "Tensor w2, float timeout_s, int tile_m=128, bool w1_as_stored=False, int tile_n=0) -> "

@@ -160,7 +160,7 @@ struct FusedLocalPlan {
 };
 
 // The planned launch's bounds: one block plans the entries (decode batches).
-constexpr int64_t kFusedPlanMaxEntries = 2048;
+constexpr int64_t kFusedPlanMaxEntries = 4096;
 constexpr int64_t kFusedPlanMaxExperts = 1024;
 
 // Whether moe_fused_forward_planned_bf16 takes a call of `entries` = tokens x top_k entries over

@@ -9,7 +9,7 @@ buffer from the rows that arrived, a host read of a device count that no graph c
 goes, the buffer holds ``T x K`` rows whatever the routing (those past the last expert's end are
 neither computed nor read), and:
 
-1. ``local_plan``: counts, the GEMM's row ends and each entry's row (one launch up to 2,048
+1. ``local_plan``: counts, the GEMM's row ends and each entry's row (one launch up to 4,096
    entries);
 2. ``quantize_fp8_rows``: each token in the fp8 dispatch's own encoding (1 x 128 scales),
    quantized once and stored at each of its entries' rows, in one launch;

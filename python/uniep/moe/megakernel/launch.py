@@ -250,7 +250,7 @@ def fused_by_default(rows: int, num_experts: int, world: int) -> bool:
 
 # The most entries (tokens x top_k) and experts whose plan the MegaKernel's first launch makes
 # itself (kFusedPlanMaxEntries and kFusedPlanMaxExperts, include/uniep/cuda/fused_moe.hpp).
-FUSED_PLAN_MAX_ENTRIES = 2048
+FUSED_PLAN_MAX_ENTRIES = 4096
 FUSED_PLAN_MAX_EXPERTS = 1024
 
 
