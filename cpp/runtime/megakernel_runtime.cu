@@ -414,9 +414,10 @@ class RuntimeImpl final : public Runtime {
 
 }  // namespace
 
+// A token's top-k may name one expert more than once (each (t, k) is a GEMM row of its own), so
+// a rank may receive all top_k rows of every token, however few experts it holds.
 int64_t Config::row_capacity() const {
-  const int64_t El = world_size > 0 ? num_experts / world_size : 0;
-  return world_size * max_tokens * std::min(top_k, El);
+  return world_size * max_tokens * top_k;
 }
 
 Status Config::validate() const {
@@ -443,8 +444,8 @@ Status Config::validate() const {
     return bad(
         detail::str_cat("tile_m must be 128 or 64 (the fused kernel's tile rows), got ", tile_m));
   if (row_capacity() > (int64_t{1} << 31) - 1)
-    return bad(detail::str_cat("world_size x max_tokens x min(top_k, experts per rank) = ",
-                               row_capacity(), " GEMM rows exceed 2^31 - 1: lower max_tokens"));
+    return bad(detail::str_cat("world_size x max_tokens x top_k = ", row_capacity(),
+                               " GEMM rows exceed 2^31 - 1: lower max_tokens"));
   return Status::Ok();
 }
 

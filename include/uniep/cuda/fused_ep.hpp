@@ -38,10 +38,11 @@
 // epoch, before each source reduces its tokens (docs/megakernel.md, "The fused backward").
 //
 // Symmetric memory: capacity x (hidden bf16 + 8 bytes) of GEMM rows and their sources, capacity
-// = world x max_tokens x min(top_k, experts per rank), the most rows any rank can receive (so
-// no row is ever dropped), max_tokens x top_k x hidden bf16 of combine slots, and the counters;
-// with Config::backward also capacity x (hidden bf16 + 4 bytes) for grad_out's rows and the rows'
-// weights, and 8 bytes per slot for the dots and flags.
+// = world x max_tokens x top_k, the most rows any rank can receive (a token's top-k may name one
+// expert more than once, each (t, k) a row of its own; so no row is ever dropped), max_tokens x
+// top_k x hidden bf16 of combine slots, and the counters; with Config::backward also capacity x
+// (hidden bf16 + 4 bytes) for grad_out's rows and the rows' weights, and 8 bytes per slot for
+// the dots and flags.
 // Every device wait is bounded by timeout_s; a timeout is recorded (GateTimeout: flag 4 the count
 // exchange, naming the rank that did not arrive; 1 and 3 the GEMM's rows and the reduce's
 // outputs) and returned, never a hang; once one wait has given up, the others of the launch do.
@@ -77,7 +78,7 @@ struct Config {
   // flags per slot; about one more row buffer of symmetric heap.
   bool backward = false;
 
-  // Rows of each rank's GEMM buffers: world x max_tokens x min(top_k, experts per rank).
+  // Rows of each rank's GEMM buffers: world x max_tokens x top_k.
   int64_t row_capacity() const;
   Status validate() const;
 };

@@ -593,9 +593,10 @@ def fused_ep_heap_bytes(
     backward: bool = False,
 ) -> int:
     """Bytes of NVSHMEM symmetric heap :func:`init_fused_ep` allocates per rank with these
-    sizes (its GEMM rows hold ``world_size x max_tokens x min(top_k, experts per rank)`` rows,
-    the most any rank can receive; its combine slots ``max_tokens x top_k``; ``backward``: as
-    many rows again for grad_out's, a weight per row and a dot and a flag per slot). NVSHMEM's
+    sizes (its GEMM rows hold ``world_size x max_tokens x top_k`` rows, the most any rank can
+    receive, a token's top-k naming one expert more than once included; its combine slots
+    ``max_tokens x top_k``; ``backward``: as many rows again for grad_out's, a weight per row
+    and a dot and a flag per slot). NVSHMEM's
     heap is sized when the first UniEP runtime starts it: set ``NVSHMEM_SYMMETRIC_SIZE`` to the
     sum of the runtimes' bytes before that (``uniep.moe.ep`` and ``uniep.collectives`` have theirs),
     or create this runtime first when it is the process's only one."""
