@@ -43,7 +43,9 @@ UniEP's engine should; ``gemm=torch``, another GEMM, need not; the fp8 paths giv
 against the bf16 output's norm instead, and whether ``prepared fp8`` has ``moe_forward fp8``'s
 bits) and whether the path can be captured in a CUDA graph
 (``graph[...]``: the replay time, or the error capture gave). ``--profile N`` adds the per-kernel
-GPU time of the two local tiles at each token count.
+GPU time of the two local tiles at each token count, and ``timeline_us[...]``: the fused layer's
+and the fp8 step's graphs over N replays, each kernel as (label, end, after): when it ends after
+the step's start and after the kernels ahead of it (``harness/common.kernel_timeline``).
 
     python bench/bench_decode.py          # on a Hopper GPU; skipped (exit 0) elsewhere
     python bench/bench_decode.py --plot RESULT.json   # the SVG of a result, again
@@ -63,6 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 from common import (  # noqa: E402
     add_out_dir_argument,
+    graph_timeline,
     median_time_ms,
     profile_kernels,
     sm90_kernel_missing,
@@ -287,6 +290,11 @@ def _load_rows(
             if args.profile:
                 picks = {k: fns[k] for k in ("local 64x256", "local 64x128") if f"ms[{k}]" in row}
                 row["kernels_us"] = profile_kernels(picks, args.profile)
+                # Where a step's time goes: each kernel of the graph by when it ends.
+                for label in ("local fused", "prepared fp8"):
+                    graph = capture(fns[label]) if f"ms[{label}]" in row else None
+                    if graph is not None and not isinstance(graph, str):
+                        row[f"timeline_us[{label}]"] = graph_timeline(graph, args.profile)
         print(
             f"{name} T={tokens:4d} touched={touched:3d} floor={floor_ms * 1e3:7.1f} us  "
             + "  ".join(

@@ -318,6 +318,67 @@ def profile_kernels(
     return result
 
 
+def kernel_timeline(
+    events: list[tuple[str, float, float]], calls: int
+) -> list[tuple[str, float, float]]:
+    """One call's kernels by when each ends: ``events`` are ``(name, start_us, end_us)`` of
+    ``calls`` identical calls in time order (a CUDA graph replayed, each replay launching the
+    same kernels); returns per kernel of a call ``(label, end_us, after_us)``: the median over
+    the calls of its end after the call's first start, and of how long after the latest end
+    ahead of it it ends.
+
+    Why ends: under programmatic dependent launches a kernel starts while the one ahead runs and
+    waits for it inside, so its own duration counts the wait; the time a kernel adds to a chain
+    is how much later than the kernels ahead of it it finishes.
+    """
+    if calls < 1 or not events or len(events) % calls:
+        raise ValueError(
+            f"kernel_timeline: {len(events)} events do not split into {calls} equal calls"
+        )
+    n = len(events) // calls
+    per_call = [sorted(events[c * n : (c + 1) * n], key=lambda e: e[1]) for c in range(calls)]
+    names = [e[0] for e in per_call[0]]
+    if any([e[0] for e in call] != names for call in per_call):
+        raise ValueError("kernel_timeline: the calls did not launch the same kernels")
+
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    out = []
+    for i, name in enumerate(names):
+        ends, afters = [], []
+        for call in per_call:
+            begin = call[0][1]
+            ahead = max((e[2] for e in call[:i]), default=begin)
+            ends.append(call[i][2] - begin)
+            afters.append(call[i][2] - ahead)
+        out.append((kernel_label(name), round(median(ends), 2), round(median(afters), 2)))
+    return out
+
+
+def graph_timeline(graph: Any, calls: int) -> list[tuple[str, float, float]]:
+    """:func:`kernel_timeline` of ``calls`` replays of a captured CUDA graph (CUDA profiler)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_timeline records CUDA kernels and needs a GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = [
+        (e.name, float(e.time_range.start), float(e.time_range.end))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return kernel_timeline(sorted(events, key=lambda e: e[1]), calls)
+
+
 def sm90_gemm_bench_args(
     description: str,
     argv: list[str] | None,

@@ -63,6 +63,27 @@ def test_kernel_labels_keep_kernels_of_one_file_apart() -> None:
     assert common.kernel_label("x" * 300) == "x" * 120
 
 
+def test_kernel_timeline_times_each_kernel_by_its_end() -> None:
+    """Two calls of a plan, a GEMM launched early (a programmatic launch: it starts while the
+    plan runs and waits inside) and a combine: each kernel's end after the call's start, and
+    after the latest end ahead of it; medians over the calls."""
+    call = [("plan", 0.0, 3.0), ("gemm", 1.0, 20.0), ("combine", 18.0, 24.0)]
+    later = [(n, s + 100.0, e + 102.0) for n, s, e in call]  # every end 2 us later
+    got = common.kernel_timeline(call + later, 2)
+    assert got == [("plan", 4.0, 4.0), ("gemm", 21.0, 17.0), ("combine", 25.0, 4.0)]
+    with pytest.raises(ValueError, match="do not split into 2 equal calls"):
+        common.kernel_timeline(call + later[:2], 2)
+    with pytest.raises(ValueError, match="did not launch the same kernels"):
+        common.kernel_timeline(call + [("other", s, e) for _, s, e in later], 2)
+
+
+def test_graph_timeline_without_a_gpu_names_the_reason() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        common.graph_timeline(None, 3)
+
+
 def test_trace_paths_name_only_the_traced_variants() -> None:
     cfg = {"trace": ["ours_c1"], "trace_dir": "out"}
     path = common.trace_paths(cfg, "trace-tp2-ag_mm-8x8_n8", 1)
