@@ -341,11 +341,6 @@ def kernel_timeline(
     if any([e[0] for e in call] != names for call in per_call):
         raise ValueError("kernel_timeline: the calls did not launch the same kernels")
 
-    def median(values: list[float]) -> float:
-        values = sorted(values)
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
     out = []
     for i, name in enumerate(names):
         ends, afters = [], []
@@ -354,7 +349,13 @@ def kernel_timeline(
             ahead = max((e[2] for e in call[:i]), default=begin)
             ends.append(call[i][2] - begin)
             afters.append(call[i][2] - ahead)
-        out.append((kernel_label(name), round(median(ends), 2), round(median(afters), 2)))
+        out.append(
+            (
+                kernel_label(name),
+                round(statistics.median(ends), 2),
+                round(statistics.median(afters), 2),
+            )
+        )
     return out
 
 
