@@ -3,7 +3,8 @@
 // tokens, each run eagerly and as a CUDA graph replayed on new tokens and routing in the same
 // buffers, every output checked against the CPU executor (uniep::cpu_moe_forward) on the same
 // bf16 operands; then the same loop on the experts quantized to fp8 (MoeLayerConfig::fp8_experts),
-// checked against the CPU executor's fp8 numerics.
+// checked against the CPU executor's fp8 numerics, with w1 as quantized and packed for the first
+// GEMM's SwiGLU epilogue (MoeLayerConfig::fp8_w1_packed), whose outputs must be the same bits.
 //
 // Without a CUDA device the CPU half runs alone: the same steps through the CPU executor, checked
 // against a float64 loop (and its fp8 numerics against its bf16 ones). Prints OK and exits 0, or
@@ -56,14 +57,17 @@ void expect(bool ok, const std::string& what) {
 
 // The decode loop on one layer: every step eager and as a graph replayed on the same and on new
 // tokens, each output against the CPU executor run with `tuning` (the layer's numerics).
-void run_layer(const uniep::cuda::MoeLayerConfig& config, const decode::StepBuffers& buf,
-               const void* w1, const void* w2, const float* w1_scales, const float* w2_scales,
-               const std::vector<uint16_t>& host_w1, const std::vector<uint16_t>& host_w2,
-               const char* tuning, const char* label, cudaStream_t stream) {
+// Returns each step's eager output.
+std::vector<std::vector<uint16_t>> run_layer(
+    const uniep::cuda::MoeLayerConfig& config, const decode::StepBuffers& buf, const void* w1,
+    const void* w2, const float* w1_scales, const float* w2_scales,
+    const std::vector<uint16_t>& host_w1, const std::vector<uint16_t>& host_w2, const char* tuning,
+    const char* label, cudaStream_t stream) {
   std::unique_ptr<uniep::cuda::MoeLayer> layer;
   check(uniep::cuda::MoeLayer::create(config, &layer), "MoeLayer::create");
   std::printf("MoeLayer (%s): %zu bytes of device memory for up to %lld tokens\n", label,
               layer->device_bytes(), static_cast<long long>(kMaxTokens));
+  std::vector<std::vector<uint16_t>> outputs;
   for (int64_t tokens : kSteps) {
     const uniep::cuda::MoeLayerInputs in = buf.inputs(tokens, w1, w2, w1_scales, w2_scales);
     const size_t n = tokens * kHidden;
@@ -75,6 +79,7 @@ void run_layer(const uniep::cuda::MoeLayerConfig& config, const decode::StepBuff
     check(layer->forward(in, stream), "MoeLayer::forward");
     check(layer->check(stream), "MoeLayer::check (eager)");
     const std::vector<uint16_t> eager = download(buf.out, n, stream);
+    outputs.push_back(eager);
     const double err_a = relative_error(eager, widen(cpu_forward(a, host_w1, host_w2, tuning)));
 
     // The same call captured once, replayed on the same tokens (the same bits) and on new ones.
@@ -111,6 +116,7 @@ void run_layer(const uniep::cuda::MoeLayerConfig& config, const decode::StepBuff
     expect(!missing.ok() && missing.message.find("w1_scales") != std::string::npos,
            "fp8 experts without their scales were not refused by name");
   }
+  return outputs;
 }
 
 }  // namespace
@@ -133,6 +139,11 @@ int main() {
     s = uniep::cuda::MoeLayer::create(stored, &layer);
     expect(!s.ok() && s.message.find("w1_as_stored") != std::string::npos,
            "fp8 experts with w1_as_stored were not refused by name: " + s.message);
+    uniep::cuda::MoeLayerConfig packed_bf16 = decode::layer_config();
+    packed_bf16.fp8_w1_packed = true;
+    s = uniep::cuda::MoeLayer::create(packed_bf16, &layer);
+    expect(!s.ok() && s.message.find("fp8_w1_packed") != std::string::npos,
+           "fp8_w1_packed without fp8_experts was not refused by name: " + s.message);
   }
 
   int devices = 0;
@@ -181,13 +192,29 @@ int main() {
   uint8_t* d_q2 = device_copy(q2, q2.size());
   float* d_s1 = device_copy(s1, s1.size());
   float* d_s2 = device_copy(s2, s2.size());
-  run_layer(decode::layer_config(/*fp8=*/true), buf, d_q1, d_q2, d_s1, d_s2, w1, w2, kFp8, "fp8",
-            stream);
+  const std::vector<std::vector<uint16_t>> plain8 = run_layer(
+      decode::layer_config(/*fp8=*/true), buf, d_q1, d_q2, d_s1, d_s2, w1, w2, kFp8, "fp8", stream);
+
+  // w1 packed for the SwiGLU epilogue: the same bits at every step.
+  std::vector<uint8_t> p1;
+  std::vector<float> ps1;
+  decode::pack_gate_up_fp8(q1, s1, kExperts, kHidden, kFfn, &p1, &ps1);
+  uint8_t* d_p1 = device_copy(p1, p1.size());
+  float* d_ps1 = device_copy(ps1, ps1.size());
+  uniep::cuda::MoeLayerConfig packed = decode::layer_config(/*fp8=*/true);
+  packed.fp8_w1_packed = true;
+  const std::vector<std::vector<uint16_t>> packed8 =
+      run_layer(packed, buf, d_p1, d_q2, d_ps1, d_s2, w1, w2, kFp8, "fp8, w1 packed", stream);
+  for (size_t i = 0; i < plain8.size(); ++i)
+    expect(packed8[i] == plain8[i],
+           "fp8 with w1 packed differs from fp8 at " + std::to_string(kSteps[i]) + " tokens");
 
   buf.free();
   for (void* p : {static_cast<void*>(d_w1), static_cast<void*>(d_w2), static_cast<void*>(d_q1),
                   static_cast<void*>(d_q2), static_cast<void*>(d_s1), static_cast<void*>(d_s2)})
     cudaFree(p);
+  cudaFree(d_p1);
+  cudaFree(d_ps1);
   cudaStreamDestroy(stream);
   if (failures != 0) {
     std::printf("FAILED (%d mismatches)\n", failures);

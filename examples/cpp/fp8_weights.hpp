@@ -54,4 +54,26 @@ inline void quantize_fp8(const std::vector<uint16_t>& w, int64_t experts, int64_
       }
 }
 
+// q1 [E][2 ffn][K] and s1 [E][K / 128][2 ffn / 128] (quantize_fp8 of w1) packed for the first
+// GEMM's SwiGLU epilogue (MoeLayerConfig::fp8_w1_packed): packed row c + 64 g + 128 j is row
+// g ffn + 64 j + c, and each 64-row group keeps its 128 x 128 block's scale.
+inline void pack_gate_up_fp8(const std::vector<uint8_t>& q1, const std::vector<float>& s1,
+                             int64_t experts, int64_t K, int64_t ffn, std::vector<uint8_t>* q,
+                             std::vector<float>* s) {
+  constexpr int64_t B = 128, H = 64;
+  q->assign(q1.size(), 0);
+  s->assign(experts * (K / B) * (2 * ffn / H), 0.0f);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t j = 0; j < ffn / H; ++j)
+      for (int64_t g = 0; g < 2; ++g) {
+        const int64_t from = g * ffn + H * j, to = 2 * H * j + H * g;
+        for (int64_t c = 0; c < H; ++c)
+          for (int64_t k = 0; k < K; ++k)
+            (*q)[(e * 2 * ffn + to + c) * K + k] = q1[(e * 2 * ffn + from + c) * K + k];
+        for (int64_t kb = 0; kb < K / B; ++kb)
+          (*s)[(e * (K / B) + kb) * (2 * ffn / H) + 2 * j + g] =
+              s1[(e * (K / B) + kb) * (2 * ffn / B) + from / B];
+      }
+}
+
 }  // namespace decode

@@ -189,6 +189,59 @@ def test_quantize_expert_weights_is_k_major_with_block_scales() -> None:
         quantize_expert_weights(torch.zeros(1, 128, 100))
 
 
+def test_pack_gate_up_fp8_puts_gate_and_up_rows_64_apart_with_their_block_scales() -> None:
+    from uniep.gemm import pack_gate_up_fp8, quantize_expert_weights, unpack_gate_up_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    e, k, ffn = 2, 256, 384  # I = 384: a 128-row scale block spans the gate/up halves' 64s
+    w1 = torch.randn(e, k, 2 * ffn, generator=gen)
+    w1[:, :, ffn + 128 : ffn + 256] *= 50.0  # the up's second block: a scale of its own
+    q1, s1 = quantize_expert_weights(w1.bfloat16())
+    q, s = pack_gate_up_fp8(q1, s1)
+    assert q.shape == q1.shape and q.dtype == torch.float8_e4m3fn and q.is_contiguous()
+    assert s.shape == (e, k // 128, 2 * ffn // 64)
+    qb, q1b = q.view(torch.uint8), q1.view(torch.uint8)
+    for j in range(ffn // 64):
+        for g in range(2):  # packed row c + 64 g + 128 j is row g I + 64 j + c
+            src = g * ffn + 64 * j
+            assert torch.equal(
+                qb[:, 128 * j + 64 * g : 128 * j + 64 * g + 64], q1b[:, src : src + 64]
+            )
+            assert torch.equal(s[:, :, 2 * j + g], s1[:, :, src // 128])
+    back_q, back_s = unpack_gate_up_fp8(q, s)
+    assert torch.equal(back_q.view(torch.uint8), q1b) and torch.equal(back_s, s1)
+    with pytest.raises(ValueError, match=r"must be \[E, K / 128, 2I / 128\]"):
+        pack_gate_up_fp8(q1, s)
+    with pytest.raises(ValueError, match=r"must be \[E, K / 128, 2I / 64\]"):
+        unpack_gate_up_fp8(q, s1)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        pack_gate_up_fp8(q1[:, :192], s1[:, :, :1])
+
+
+def test_grouped_mm_fp8_swiglu_fake_gives_the_activation_shape() -> None:
+    from uniep.gemm import grouped_mm_fp8_swiglu
+
+    meta = {"device": "meta"}
+    x = torch.empty(10, 256, dtype=torch.float8_e4m3fn, **meta)
+    w = torch.empty(4, 768, 256, dtype=torch.float8_e4m3fn, **meta)
+    act = grouped_mm_fp8_swiglu(
+        x,
+        torch.empty(10, 2, **meta),
+        w,
+        torch.empty(4, 2, 12, **meta),
+        torch.empty(4, dtype=torch.int32, **meta),
+    )
+    assert act.shape == (10, 384) and act.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"K = x.size\(1\) = 256"):
+        grouped_mm_fp8_swiglu(
+            x,
+            torch.empty(10, 2, **meta),
+            torch.empty(4, 768, 128, dtype=torch.float8_e4m3fn, **meta),
+            torch.empty(4, 1, 12, **meta),
+            torch.empty(4, dtype=torch.int32, **meta),
+        )
+
+
 def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
     ffn = h.shape[1] // 2
     g, u = h[:, :ffn].double(), h[:, ffn:].double()

@@ -473,6 +473,40 @@ def test_fp8_grouped_gemm(name: str) -> None:
         grouped_mm_fp8(xq, xs, wq, ws, offs, "tile_m=16", torch.float32)
 
 
+@pytest.mark.parametrize("name", ["empty-and-one-row", "odd-rows", "many-experts"])
+def test_fp8_swiglu_epilogue_on_packed_w1_gives_the_chain_s_bits(name: str) -> None:
+    # SwiGLU in the first fp8 GEMM's epilogue on w1 packed by pack_gate_up_fp8, then the
+    # activation's quantization, against the plain GEMM and swiglu_fp8: the same bytes on every
+    # compiled tile that has the epilogue (uniep.moe.prepared's fp8 experts take the former).
+    from uniep.gemm import (
+        grouped_mm_fp8,
+        grouped_mm_fp8_swiglu,
+        pack_gate_up_fp8,
+        quantize_expert_weights,
+        quantize_rows,
+        swiglu_fp8,
+    )
+
+    counts, k, n = FP8_CASES[name]
+    n = 2 * max(n, 256)  # 2I with I a multiple of 128: the activation's 1 x 128 scales
+    x, w, offs = _operands(counts, k, n, seed=41 + len(counts))
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_expert_weights(w)
+    routed = int(offs[-1])
+    act_q, act_s = swiglu_fp8(grouped_mm_fp8(xq, xs, wq, ws, offs)[:routed].contiguous())
+    pq, ps = pack_gate_up_fp8(wq, ws)
+    for tuning in ("", "tile_m=128", "tile_m=64"):
+        act = grouped_mm_fp8_swiglu(xq, xs, pq, ps, offs, tuning)
+        assert act.shape == (x.shape[0], n // 2) and act.dtype == torch.bfloat16
+        got_q, got_s = torch.ops.uniep.quantize_fp8(act[:routed].contiguous())
+        assert torch.equal(got_q.view(torch.uint8), act_q.view(torch.uint8)), tuning
+        assert torch.equal(got_s, act_s), tuning
+    with pytest.raises(ValueError, match=r"w_scales must be \[E, K / 128, N / 64\]"):
+        grouped_mm_fp8_swiglu(xq, xs, pq, ws, offs)
+    with pytest.raises(ValueError, match="no fp8 grouped GEMM configuration has tile_m=16"):
+        grouped_mm_fp8_swiglu(xq, xs, pq, ps, offs, "tile_m=16")
+
+
 def test_fp8_named_errors() -> None:
     from uniep.gemm import quantize_expert_weights, quantize_rows
 

@@ -37,11 +37,16 @@ def test_fp8_is_moe_forward_on_the_dequantized_weights() -> None:
     x, idx, weights, w1, w2 = _layer(2)
     experts = prepare_experts(w1, w2, "fp8")
     assert experts.w1.dtype == torch.float8_e4m3fn and experts.w1.shape == (E, 2 * FFN, H)
+    # w1's rows packed for the SwiGLU epilogue: a scale per 64 rows.
     assert experts.w2.shape == (E, H, FFN) and experts.w1_scales.shape == (
         E,
         H // 128,
-        2 * FFN // 128,
+        2 * FFN // 64,
     )
+    q1, s1 = uniep.gemm.quantize_expert_weights(w1)
+    packed = uniep.gemm.pack_gate_up_fp8(q1, s1)
+    assert torch.equal(experts.w1.view(torch.uint8), packed[0].view(torch.uint8))
+    assert torch.equal(experts.w1_scales, packed[1])
     assert (experts.hidden, experts.ffn) == (H, FFN)
     got = moe_forward_prepared(x, idx, weights, experts, tuning="dispatch=fp8")
     d1, d2 = experts.plain(torch.float32)

@@ -61,7 +61,7 @@ Layout layout_for(const MoeLayerConfig& c, int tile_m, int sms) {
   if (fp8) {
     l.rows_scales = take(static_cast<size_t>(cap * (c.hidden / 128)) * sizeof(float));
     l.act_scales = take(static_cast<size_t>(cap * (c.ffn / 128)) * sizeof(float));
-    l.h = take(static_cast<size_t>(cap * 2 * c.ffn) * 2);
+    l.h = take(static_cast<size_t>(cap * (c.fp8_w1_packed ? 1 : 2) * c.ffn) * 2);
   }
   l.counters = take(static_cast<size_t>(3 * l.num_counters) * sizeof(uint32_t));
   l.counts = take(static_cast<size_t>(E) * sizeof(int64_t));
@@ -118,6 +118,9 @@ Status check_config(const MoeLayerConfig& c) {
                         ", got ", c.ffn, "; pass w1 in pack_gate_up's layout instead")};
   if (!(c.timeout_s >= 0 && c.timeout_s <= 3600))
     return bad("timeout_s must be in [0, 3600]", c.timeout_s);
+  if (c.fp8_w1_packed && !c.fp8_experts)
+    return {StatusCode::kInvalidArgument,
+            "fp8_w1_packed describes fp8 experts' w1: set it only with fp8_experts"};
   if (c.fp8_experts) {
     if (c.world_size != 1)
       return {StatusCode::kUnsupported,
@@ -294,7 +297,8 @@ Status MoeLayer::create(const MoeLayerConfig& config, const std::vector<uint8_t>
 namespace {
 
 // fp8 experts at world 1 after the plan (uniep.moe.fp8_local's launches): each token quantized
-// once into its GEMM rows, GEMM 1, the SwiGLU quantized for GEMM 2, GEMM 2, the combine. The
+// once into its GEMM rows, GEMM 1, the SwiGLU quantized for GEMM 2 (with fp8_w1_packed the
+// SwiGLU in GEMM 1's epilogue and only the quantization after it), GEMM 2, the combine. The
 // plan's error word covers every step (their rows are the plan's), so none fills a word of its
 // own. The GEMMs run over all T x K rows; the rows past the last expert's end are neither
 // computed nor read.
@@ -320,13 +324,17 @@ Status forward_fp8(const State& s, const MoeLayerInputs& in, const LocalPlanArgs
   g1.rows = rows;
   g1.k = c.hidden;
   g1.n = 2 * c.ffn;
+  g1.swiglu = c.fp8_w1_packed;  // out: the activation [rows, ffn]
   if (Status st = grouped_gemm_fp8(g1, c.device, s.sms, s.template at<void>(s.layout.gemm1_ws),
                                    s.layout.gemm1_ws_bytes, stream);
       !st.ok())
     return st;
   void* act = s.template at<void>(s.layout.act);
   auto* act_scales = s.template at<float>(s.layout.act_scales);
-  if (Status st = swiglu_fp8(g1.out, rows, c.ffn, act, act_scales, stream); !st.ok()) return st;
+  if (Status st = c.fp8_w1_packed ? quantize_fp8(g1.out, rows, c.ffn, act, act_scales, stream)
+                                  : swiglu_fp8(g1.out, rows, c.ffn, act, act_scales, stream);
+      !st.ok())
+    return st;
   GroupedGemmFp8Problem g2 = g1;
   g2.x = act;
   g2.x_scales = act_scales;

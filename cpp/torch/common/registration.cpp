@@ -52,6 +52,12 @@ TORCH_LIBRARY(uniep, m) {
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.
   m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
+  // The first fp8 expert GEMM with SwiGLU in its epilogue (CUDA only): w_packed [E, 2I, K] and
+  // w_scales [E, K / 128, 2I / 64] from uniep.gemm.pack_gate_up_fp8 -> the activation [R, I]
+  // bf16, the bits of grouped_mm_fp8 on the unpacked weights followed by SwiGLU rounded to bf16.
+  m.def(
+      "grouped_mm_fp8_swiglu(Tensor x, Tensor x_scales, Tensor w_packed, Tensor w_scales, "
+      "Tensor offs, str tuning=\"\") -> Tensor");
   // Rows in the fp8 dispatch's format: x [R, K] bf16 -> (e4m3 [R, K], fp32 scales [R, K / 128]),
   // the bytes of the dispatch's and the activation's encoding (CUDA in one pass; the CPU kernel,
   // in uniep/gemm, the same divisions in torch).

@@ -444,6 +444,15 @@ at::Tensor grouped_mm_fp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, 
   });
 }
 
+at::Tensor grouped_mm_fp8_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scales,
+                                      const at::Tensor& w_packed, const at::Tensor& w_scales,
+                                      const at::Tensor& offs, c10::string_view tuning) {
+  return translate_errors([&] {
+    return engine_grouped_mm_fp8(x, x_scales, w_packed, w_scales, offs,
+                                 TuningParams::parse(std::string(tuning)), true, false);
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> swiglu_fp8_cuda(const at::Tensor& h) {
   return translate_errors([&] { return engine_swiglu_fp8(h); });
 }
@@ -540,6 +549,7 @@ TORCH_LIBRARY_IMPL(uniep, CUDA, m) {
   m.impl("grouped_mm_swiglu_plain", &uniep::torch_glue::grouped_mm_swiglu_plain_cuda);
   m.impl("grouped_mm_dgrad", &uniep::torch_glue::grouped_mm_dgrad_cuda);
   m.impl("grouped_mm_fp8", &uniep::torch_glue::grouped_mm_fp8_cuda);
+  m.impl("grouped_mm_fp8_swiglu", &uniep::torch_glue::grouped_mm_fp8_swiglu_cuda);
   m.impl("swiglu_fp8", &uniep::torch_glue::swiglu_fp8_cuda);
   m.impl("quantize_fp8", &uniep::torch_glue::quantize_fp8_cuda);
   m.impl("quantize_fp8_rows", &uniep::torch_glue::quantize_fp8_rows_cuda);

@@ -9,7 +9,8 @@
 // (plan_local_rows_async, uniep/cuda/send_rows.hpp) and the MegaKernel (moe_fused_forward_bf16,
 // uniep/cuda/fused_moe.hpp): three launches and a memset. With fp8 experts (fp8_experts, world
 // 1): the plan, each token quantized once into its GEMM rows (quantize_fp8_rows), the two fp8
-// grouped GEMMs around swiglu_fp8 (uniep/cuda/grouped_gemm.hpp) and the combine of the rows
+// grouped GEMMs around swiglu_fp8, or with fp8_w1_packed the first with SwiGLU in its epilogue
+// and quantize_fp8 after it (uniep/cuda/grouped_gemm.hpp), and the combine of the rows
 // (combine_rows_bf16): the launches of uniep.moe.fp8_local, so the bits of
 // moe_forward_prepared on fp8 experts with dispatch=fp8 at world 1. Across ranks (world_size > 1,
 // rank r holding experts [r E / W, (r + 1) E / W)): the fused runtime of uniep/cuda/fused_ep.hpp,
@@ -62,12 +63,20 @@ struct MoeLayerConfig {
   // the gate columns, then the up columns, as stored), with one fp32 scale per 128 x 128 block,
   // MoeLayerInputs::w1_scales [E][hidden / 128][2 ffn / 128] and w2_scales
   // [E][ffn / 128][hidden / 128] (w[e][k, n] ~ q[e][n, k] x scales[e][k / 128][n / 128]): the
-  // format of uniep.gemm.quantize_expert_weights (uniep.moe.prepared's "fp8" experts; a
-  // checkpoint's own fp8 blocks may need their scales transposed). The tokens are quantized in
+  // format of uniep.gemm.quantize_expert_weights (uniep.moe.prepared's "fp8" experts with w1
+  // packed: fp8_w1_packed; a checkpoint's own fp8 blocks may need their scales transposed).
+  // The tokens are quantized in
   // 1 x 128 blocks and the activation the same way before the second GEMM. tile_m, tile_n and
   // w1_as_stored are the MegaKernel's and stay unset: the fp8 GEMMs pick their tile by the rows
   // per expert (grouped_gemm_fp8_select).
   bool fp8_experts = false;
+  // fp8_experts with w1's rows and w1_scales packed for the first GEMM's SwiGLU epilogue
+  // (uniep.gemm.pack_gate_up_fp8, uniep.moe.prepared's "fp8" experts): packed row
+  // c + 64 g + 128 j is the row g ffn + 64 j + c above (c < 64, g 0 gate / 1 up, j < ffn / 64),
+  // w1_scales [E][hidden / 128][2 ffn / 64] holding each 64-row group's 128 x 128 block scale.
+  // The same bits; the [rows, 2 ffn] product never reaches memory, one pass over [rows, ffn]
+  // quantizes the activation.
+  bool fp8_w1_packed = false;
   int device = -1;         // -1: the current device at creation
   double timeout_s = 100;  // bound of every wait inside a forward; 0: none (tests only)
 };

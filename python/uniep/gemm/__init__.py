@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from .fp8_gate_up import grouped_mm_fp8_swiglu, pack_gate_up_fp8, unpack_gate_up_fp8
 
 __all__ = [
     "pingpong_rows",
@@ -22,14 +23,17 @@ __all__ = [
     "dequantize_rows",
     "grouped_mm_dgrad",
     "grouped_mm_fp8",
+    "grouped_mm_fp8_swiglu",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_plain",
     "grouped_mm_wgrad",
     "pack_gate_up",
+    "pack_gate_up_fp8",
     "quantize_expert_weights",
     "quantize_rows",
     "swiglu_fp8",
     "unpack_gate_up",
+    "unpack_gate_up_fp8",
 ]
 
 _BLOCK = 8

@@ -13,7 +13,9 @@ neither computed nor read), and:
    entries);
 2. ``quantize_fp8_rows``: each token in the fp8 dispatch's own encoding (1 x 128 scales),
    quantized once and stored at each of its entries' rows, in one launch;
-3. the two fp8 grouped GEMMs around ``swiglu_fp8``, on the device's row ends;
+3. the two fp8 grouped GEMMs on the device's row ends, the first with SwiGLU in its epilogue
+   (``grouped_mm_fp8_swiglu`` on w1 packed by ``pack_gate_up_fp8``), the activation quantized
+   for the second by ``quantize_fp8``;
 4. ``combine_rows``: the per-k combine's arithmetic (ascending k, fp32, one rounding).
 
 The plan's error word covers every step after it: steps 2 and 4 take the plan's rows and fill
@@ -93,8 +95,9 @@ def moe_forward_fp8_local(
     # error word (report=False, no fill to launch): the rows are the plan's own, which the plan's
     # error word covers.
     rows, row_scales, _ = ops.quantize_fp8_rows(x.contiguous(), gemm_row, report=False)
-    h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
-    act, act_scales = ops.swiglu_fp8(h)
+    # SwiGLU in GEMM 1's epilogue: the [R, 2I] product is neither stored nor read back.
+    h = ops.grouped_mm_fp8_swiglu(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
+    act, act_scales = ops.quantize_fp8(h)
     y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)
     # No error word either (report=False): its rows are the plan's, as the quantize's are.
     out, _ = ops.combine_rows(y, gemm_row, topk_weights, report=False)

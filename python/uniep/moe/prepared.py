@@ -10,9 +10,11 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   (``uniep.gemm.pack_gate_up``), so the first GEMM applies SwiGLU in its epilogue and the
   [R, 2I] product never reaches memory.
 - ``"fp8"``: both weights in e4m3 with one scale per 128 x 128 block, stored K-major
-  (``uniep.gemm.quantize_expert_weights``); the tokens travel in the fp8 dispatch's format (1 x 128
-  scales) and feed the fp8 grouped GEMM as they arrive; the activation is quantized the same way
-  for the second GEMM, in the SwiGLU's own pass (``uniep.gemm.swiglu_fp8``). Needs
+  (``uniep.gemm.quantize_expert_weights``), w1's rows packed for the first GEMM's SwiGLU
+  epilogue (``uniep.gemm.pack_gate_up_fp8``: blocks of 64 gate and 64 up rows, a scale per 64
+  rows), so the [R, 2I] product never reaches memory; the tokens travel in the fp8 dispatch's
+  format (1 x 128 scales) and feed the fp8 grouped GEMM as they arrive; the activation is
+  quantized the same way for the second GEMM (``uniep.gemm.quantize_rows``' encoding). Needs
   ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128. The tuning's
   tile keys pick both fp8 GEMMs' tile (``uniep.gemm.grouped_mm_fp8``).
 
@@ -67,8 +69,10 @@ from ..gemm import (
     dequantize_expert_weights,
     dequantize_rows,
     pack_gate_up,
+    pack_gate_up_fp8,
     quantize_expert_weights,
     unpack_gate_up,
+    unpack_gate_up_fp8,
 )
 from ..tuning.params import as_string as tuning_string
 from ..tuning.params import parse as parse_tuning
@@ -91,9 +95,10 @@ class PreparedExperts:
     """One rank's experts in an engine format (see the module docstring)."""
 
     format: str
-    w1: torch.Tensor  # bf16_packed: [E, H, 2I] bf16 interleaved; fp8: [E, 2I, H] e4m3
+    # bf16_packed: [E, H, 2I] bf16 interleaved; fp8: [E, 2I, H] e4m3, pack_gate_up_fp8's rows
+    w1: torch.Tensor
     w2: torch.Tensor  # bf16_packed: [E, I, H] bf16; fp8: [E, H, I] e4m3
-    w1_scales: torch.Tensor | None = None  # fp8: [E, H / 128, 2I / 128]
+    w1_scales: torch.Tensor | None = None  # fp8: [E, H / 128, 2I / 64] (a scale per 64 rows)
     w2_scales: torch.Tensor | None = None  # fp8: [E, I / 128, H / 128]
 
     @property
@@ -114,7 +119,7 @@ class PreparedExperts:
         if self.format == "bf16_packed":
             return unpack_gate_up(self.w1).to(dtype), self.w2.to(dtype).contiguous()
         assert self.w1_scales is not None and self.w2_scales is not None
-        w1 = dequantize_expert_weights(self.w1, self.w1_scales)
+        w1 = dequantize_expert_weights(*unpack_gate_up_fp8(self.w1, self.w1_scales))
         w2 = dequantize_expert_weights(self.w2, self.w2_scales)
         return w1.to(dtype).contiguous(), w2.to(dtype).contiguous()
 
@@ -144,7 +149,7 @@ def prepare_experts(w1: torch.Tensor, w2: torch.Tensor, format: str) -> Prepared
             f"fp8 experts need hidden and the expert FFN size to be multiples of 128 (one scale "
             f"per 128 x 128 block), got hidden {h}, FFN {two_i // 2}"
         )
-    w1q, w1s = quantize_expert_weights(w1.detach())
+    w1q, w1s = pack_gate_up_fp8(*quantize_expert_weights(w1.detach()))
     w2q, w2s = quantize_expert_weights(w2.detach())
     return PreparedExperts(format, w1q, w2q, w1s, w2s)
 
@@ -369,7 +374,9 @@ def _forward_cuda(
         y = ops.grouped_mm(act, experts.w2, offs, tuning, y_dtype)
     else:
         row_scales = scales.index_select(0, row_slot)
-        h = ops.grouped_mm_fp8(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
-        act_q, act_s = ops.swiglu_fp8(h)
+        act = ops.grouped_mm_fp8_swiglu(
+            rows, row_scales, experts.w1, experts.w1_scales, offs, tuning
+        )
+        act_q, act_s = ops.quantize_fp8(act)
         y = ops.grouped_mm_fp8(act_q, act_s, experts.w2, experts.w2_scales, offs, tuning, y_dtype)
     return ops.ep_combine(y.contiguous(), row_target, topk_idx, topk_weights, name, epoch, tuning)
