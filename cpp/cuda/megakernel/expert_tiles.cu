@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int table[kWarps][kLocalExperts];
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t seg = int64_t{blockIdx.x} * kBlockEntries + int64_t{warp} * kWarpEntries;
-  const WarpEntries<> mine =
-      local_plan::load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
+  WarpEntries<> mine = local_plan::load_warp_entries(ids, n, num_experts, seg, kWarpEntries, lane);
   for (int e = tid; e < num_experts; e += kThreads)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) table[w][e] = 0;

@@ -41,9 +41,10 @@ template <int Steps = kWarpSteps>
 struct WarpEntries {
   static constexpr int kSteps = Steps;
   int64_t seg = 0;
-  int steps = 0;           // the same in every lane
-  int64_t id[Steps] = {};  // this lane's entry of each step, or -1 past n
-  int key[Steps] = {};     // its expert, or -1 for no entry, a negative id or one past E
+  int steps = 0;               // the same in every lane
+  int64_t id[Steps] = {};      // this lane's entry of each step, or -1 past n
+  int key[Steps] = {};         // its expert, or -1 for no entry, a negative id or one past E
+  unsigned peers[Steps] = {};  // the lanes of the step with the same key (count_warp_entries)
 };
 
 // Entries [seg, seg + seg_len) (seg_len a multiple of 32, at most 32 x Steps), none past n.
@@ -66,20 +67,24 @@ __device__ __forceinline__ WarpEntries<Steps> load_warp_entries(const int64_t* _
 }
 
 // The counting sort's first pass over one warp's entries: `table[e]` (the warp's own, zeroed)
-// gains the entries routed to e, one leader per id and step (no atomics).
+// gains the entries routed to e, one leader per id and step (no atomics). Keeps each step's
+// peers for the second pass: __match_any_sync is the slowest instruction of a step, and the
+// 4,096-entry plan's warps walk 16 steps in each pass.
 template <class Entries>
-__device__ __forceinline__ void count_warp_entries(const Entries& w, int lane, int* table) {
+__device__ __forceinline__ void count_warp_entries(Entries& w, int lane, int* table) {
 #pragma unroll
   for (int s = 0; s < Entries::kSteps; ++s) {
     if (s >= w.steps) break;
     const int key = w.key[s];
     const unsigned peers = __match_any_sync(0xffffffffu, key);
+    w.peers[s] = peers;
     if (key >= 0 && lane == __ffs(peers) - 1) table[key] += __popc(peers);
   }
 }
 
-// The second pass: with `table[e]` the warp's first row of e, each entry gets its row in entry
-// order (equal ids ranked by __match_any_sync), and `counter_of(e, row)` its tile counter; an
+// The second pass, after count_warp_entries on the same entries: with `table[e]` the warp's
+// first row of e, each entry gets its row in entry order (equal ids ranked by the first pass's
+// peers), and `counter_of(e, row)` its tile counter; an
 // unused entry gets -1 everywhere, and an id past the experts is reported in `error`. dest_rank
 // may be null (the MegaKernel at world 1 does not read it).
 template <class Entries, class CounterOf>
@@ -95,7 +100,7 @@ __device__ __forceinline__ void place_warp_entries(const Entries& w, int64_t n, 
     if (s >= w.steps) break;
     const int64_t i = w.seg + s * 32 + lane;
     const int key = w.key[s];
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    const unsigned peers = w.peers[s];
     const int first = key >= 0 ? table[key] : 0;
     __syncwarp();
     if (key >= 0 && lane == __ffs(peers) - 1) table[key] = first + __popc(peers);
@@ -163,7 +168,7 @@ __device__ __forceinline__ void plan_one_block(
   // chain, those of different warps run side by side.
   const int per_warp = static_cast<int>((n + kWarps - 1) / kWarps);
   const int seg_len = per_warp <= 32 ? 32 : (per_warp + 31) / 32 * 32;
-  const WarpEntries<kOneBlockWarpSteps> mine = load_warp_entries<kOneBlockWarpSteps>(
+  WarpEntries<kOneBlockWarpSteps> mine = load_warp_entries<kOneBlockWarpSteps>(
       ids, n, num_experts, int64_t{warp} * seg_len, seg_len, lane);
   ready();
   if (tid == 0) *error = 0;
