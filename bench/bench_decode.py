@@ -24,10 +24,6 @@ experts' bytes) and, per load and token count, the layer's paths against it:
     prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8`` (at world
                           1 the launches with no host sync: ``uniep.moe.fp8_local``), against
                           the read of the touched experts' fp8 bytes
-    prepared fp8 swap16   the same with ``tile_m=16``: the fp8 GEMMs' tiles with the operands'
-    prepared fp8 swap32   roles swapped (16 or 32 rows by 128 weight columns); the same bits as
-                          ``prepared fp8`` (``same_bits[...]``), and ``graph_ratio[...]`` times
-                          each one's graph against ``prepared fp8``'s in interleaved rounds
     moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (at world 1 the device's plan,
                           each token quantized at its rows, the fp8 GEMMs on its e4m3 copy of
                           the weights, the combine), against the same read
@@ -102,10 +98,6 @@ def capture(fn: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph | str:
         torch.cuda.synchronize()
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return graph
-
-
-# The fp8 tiles with the operands' roles swapped, by their rows a tile (tuning tile_m).
-SWAPPED_FP8_ROWS = (16, 32)
 
 
 def graph_time_ms(fn: Callable[[], torch.Tensor], warmup: int, iters: int) -> float | str:
@@ -191,11 +183,6 @@ def _paths(
     fns["local 64x256"] = local(tile_m=64, tile_n=256)
     fns["local 64x128"] = local(tile_m=64, tile_n=128)
     fns["prepared fp8"] = lambda: moe_forward_prepared(x, idx, weights, fp8, group, "dispatch=fp8")
-    for rows in SWAPPED_FP8_ROWS:
-        tuning = f"dispatch=fp8,tile_m={rows}"
-        fns[f"prepared fp8 swap{rows}"] = lambda t=tuning: moe_forward_prepared(
-            x, idx, weights, fp8, group, t
-        )
     return fns
 
 
@@ -269,11 +256,10 @@ def _load_rows(
                 row[f"ms[{label}]"] = ms
                 floor = row["floor_fp8_ms"] if "fp8" in label else floor_ms
                 row[f"over_floor[{label}]"] = ms / floor
-            for other in ("moe_forward fp8", *(f"prepared fp8 swap{r}" for r in SWAPPED_FP8_ROWS)):
-                if "prepared fp8" in fp8_outs and other in fp8_outs:
-                    row[f"same_bits[prepared fp8, {other}]"] = bool(
-                        torch.equal(fp8_outs["prepared fp8"], fp8_outs[other])
-                    )
+            if "prepared fp8" in fp8_outs and "moe_forward fp8" in fp8_outs:
+                row["same_bits[prepared fp8, moe_forward fp8]"] = bool(
+                    torch.equal(fp8_outs["prepared fp8"], fp8_outs["moe_forward fp8"])
+                )
             for label in ("local fused", "local 64x256", "prepared", "prepared fp8"):
                 if f"ms[{label}]" in row:
                     row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
@@ -281,12 +267,6 @@ def _load_rows(
                 row["graph_ratio[local fused / plan apart]"] = interleaved_graph_ratio(
                     fns["local fused"], fns["local fused, plan apart"], args.warmup, args.iters
                 )
-            for r in SWAPPED_FP8_ROWS:
-                label = f"prepared fp8 swap{r}"
-                if f"ms[{label}]" in row and "ms[prepared fp8]" in row:
-                    row[f"graph_ratio[{label} / prepared fp8]"] = interleaved_graph_ratio(
-                        fns[label], fns["prepared fp8"], args.warmup, args.iters
-                    )
             if args.profile:
                 picks = {k: fns[k] for k in ("local 64x256", "local 64x128") if f"ms[{k}]" in row}
                 row["kernels_us"] = profile_kernels(picks, args.profile)

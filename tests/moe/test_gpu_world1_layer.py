@@ -131,27 +131,46 @@ def test_local_fp8_path_has_the_runtime_paths_bits(case: int) -> None:
         uniep.moe.ep.shutdown(None)
 
 
-def test_swapped_fp8_tiles_keep_the_layers_bits() -> None:
-    # The fp8 tiles with the operands' roles swapped (tile_m=16 / 32) in the prepared layer's two
-    # plain GEMMs, eager and in the graph path's launches; moe_forward's first fp8 GEMM has SwiGLU
-    # in its epilogue, which they lack: a request of one there names the tiles it has.
+def test_swapped_fp8_tiles_are_named_where_the_first_gemm_has_the_swiglu_epilogue() -> None:
+    # The fp8 tiles with the operands' roles swapped (tile_m=16 / 32) lack the SwiGLU epilogue of
+    # the first fp8 GEMM (w1 packed, in the prepared experts as in moe_forward's kept copy): a
+    # request of one names the tiles there are, eager, on the graph path's launches and in
+    # moe_forward, before anything runs.
     from uniep.moe import fp8_local
     from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
     x, idx, w, w1, w2 = _case(37, 256, 256, 16, 4, "random", seed=321)
     fp8 = prepare_experts(w1, w2, "fp8")
+    named = r"(?s)no fp8 grouped GEMM configuration has tile_m=(16|32).*tile_m=64"
     try:
         with torch.no_grad():
-            want = moe_forward_prepared(x, idx, w, fp8, tuning="dispatch=fp8")
             for tiles in ("tile_m=16", "tile_m=32"):
                 tuning = f"dispatch=fp8,{tiles}"
-                assert torch.equal(moe_forward_prepared(x, idx, w, fp8, tuning=tuning), want)
-                local = fp8_local.moe_forward_fp8_local(x, idx, w, fp8, tuning, check=True)
-                assert torch.equal(local, want), tiles
-        with pytest.raises(
-            ValueError, match=r"(?s)no fp8 grouped GEMM configuration has tile_m=16"
-        ):
-            uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8,tile_m=16")
+                with pytest.raises(ValueError, match=named):
+                    moe_forward_prepared(x, idx, w, fp8, tuning=tuning)
+                with pytest.raises(ValueError, match=named):
+                    fp8_local.moe_forward_fp8_local(x, idx, w, fp8, tuning, check=True)
+                with pytest.raises(ValueError, match=named):
+                    uniep.moe_forward(x, idx, w, w1, w2, tuning=tuning)
+    finally:
+        uniep.moe.ep.shutdown(None)
+
+
+def test_prepared_experts_grow_the_dispatch_runtime_at_world_1() -> None:
+    # An eager batch larger than the dispatch's runtime holds (made by a smaller one) grows it,
+    # as moe_forward's does, and keeps moe_forward's bits.
+    from uniep.moe.prepared import moe_forward_prepared, prepare_experts
+
+    x, idx, w, w1, w2 = _case(8, 256, 256, 16, 4, "random", seed=322)
+    fp8 = prepare_experts(w1, w2, "fp8")
+    try:
+        with torch.no_grad():
+            moe_forward_prepared(x, idx, w, fp8, tuning="dispatch=fp8")
+            held = int(uniep._C.ep_config("")["max_tokens"])
+            x, idx, w, _, _ = _case(held + 1, 256, 256, 16, 4, "random", seed=323)
+            got = moe_forward_prepared(x, idx, w, fp8, tuning="dispatch=fp8")
+            assert int(uniep._C.ep_config("")["max_tokens"]) > held
+            assert torch.equal(got, uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8"))
     finally:
         uniep.moe.ep.shutdown(None)
 

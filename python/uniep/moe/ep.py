@@ -118,17 +118,24 @@ def grown_capacity(current: int | None, needed: int) -> int:
     return want if current is None else max(want, int(current))
 
 
-def ensure_runtime(group_name: str, tokens: int, hidden: int, top_k: int, num_experts: int) -> None:
+def ensure_runtime(
+    group_name: str, tokens: int, hidden: int, top_k: int, num_experts: int, grow: bool = False
+) -> None:
     """Create the GPU runtime of the group named ``group_name`` on first use (collective).
 
     ``max_tokens`` becomes ``grown_capacity`` of the largest ``tokens`` over the ranks.
     ``hidden``, ``top_k`` and ``num_experts`` must be the same on every rank (the symmetric
     buffers are sized from them): a difference raises ValueError on every rank, naming the
     value and both ranks. A runtime that exists is kept: ``moe_forward`` grows it when a call
-    needs more (``_runtime_for_call``).
+    needs more (``_runtime_for_call``), after agreeing on the sizes. ``grow``: this rank
+    re-creates it larger when its ``tokens`` exceed the runtime's ``max_tokens``, which is
+    collective, so a caller passes it only where a batch that outgrows the runtime comes on
+    every rank in the same call (``moe_forward_prepared``'s contract); at world 1 always.
     """
     _require_built("ensure_runtime")
     if _C.ep_exists(group_name):
+        if grow and tokens > int(_C.ep_config(group_name)["max_tokens"]):
+            _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
         return
     _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
 

@@ -14,7 +14,9 @@ formats, and :func:`moe_forward_prepared` runs the layer on them.
   epilogue (``uniep.gemm.pack_gate_up_fp8``: blocks of 64 gate and 64 up rows, a scale per 64
   rows), so the [R, 2I] product never reaches memory; the tokens travel in the fp8 dispatch's
   format (1 x 128 scales) and feed the fp8 grouped GEMM as they arrive; the activation is
-  quantized the same way for the second GEMM (``uniep.gemm.quantize_rows``' encoding). Needs
+  quantized the same way for the second GEMM (``uniep.gemm.quantize_rows``' encoding). The
+  fp8 GEMMs' tiles with the operands' roles swapped (``tile_m=16`` / ``32``) have no SwiGLU
+  epilogue: a tuning naming one raises, naming the tiles there are, as ``moe_forward``'s. Needs
   ``dispatch=fp8`` in the tuning, hidden and the expert FFN size multiples of 128. The tuning's
   tile keys pick both fp8 GEMMs' tile (``uniep.gemm.grouped_mm_fp8``).
 
@@ -169,10 +171,11 @@ def moe_forward_prepared(
     plan, the fp8 GEMMs and the combine with no host sync (``uniep.moe.fp8_local``); otherwise
     the dispatch, the engine's GEMMs in the prepared format and the combine, as separate
     launches. All give ``moe_forward``'s bits.
-    Across ranks the MegaKernel's runtime is sized on first use for the largest batch over the
-    ranks and checked on each rank alone after that (no host round trip per call): a larger
-    batch must then come on every rank in the same call, or a server calls
-    ``uniep.moe.megakernel.launch.ensure_fused_ep`` once with its largest batch first. A rank
+    Across ranks the runtime (the MegaKernel's, or the dispatch's) is sized on first use for the
+    largest batch over the ranks and checked on each rank alone after that (no host round trip
+    per call): a larger batch must then come on every rank in the same call, or a server calls
+    ``uniep.moe.megakernel.launch.ensure_fused_ep`` (``uniep.moe.ep.ensure_runtime`` for the
+    dispatch's) once with its largest batch first. At world 1 it grows as needed. A rank
     whose batch outgrows the runtime alone leaves the others waiting until the timeout, which
     names it. (``uniep.moe_forward`` agrees on the sizes at every call instead.)
     CPU: the CPU executor's ``moe_forward`` on the plain form of the weights (``plain``).
@@ -358,7 +361,9 @@ def _forward_cuda(
 ) -> torch.Tensor:
     from .ep import ensure_runtime
 
-    ensure_runtime(name, x.shape[0], x.shape[1], topk_idx.shape[1], experts.num_experts * world)
+    # Grown when the batch outgrows it (the docstring's contract makes that every rank's call).
+    sizes = (x.shape[0], x.shape[1], topk_idx.shape[1], experts.num_experts * world)
+    ensure_runtime(name, *sizes, grow=True)
     ops = torch.ops.uniep
     recv_x, scales, _, _, _, per_expert, row_slot, row_target, epoch = ops.ep_dispatch(
         x, topk_idx, topk_weights, name, tuning
