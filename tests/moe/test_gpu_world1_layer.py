@@ -158,7 +158,8 @@ def test_swapped_fp8_tiles_are_named_where_the_first_gemm_has_the_swiglu_epilogu
 
 def test_prepared_experts_grow_the_dispatch_runtime_at_world_1() -> None:
     # An eager batch larger than the dispatch's runtime holds (made by a smaller one) grows it,
-    # as moe_forward's does, and keeps moe_forward's bits.
+    # and a layer of another hidden size re-creates it, as moe_forward's calls do; both keep
+    # moe_forward's bits.
     from uniep.moe.prepared import moe_forward_prepared, prepare_experts
 
     x, idx, w, w1, w2 = _case(8, 256, 256, 16, 4, "random", seed=322)
@@ -170,6 +171,12 @@ def test_prepared_experts_grow_the_dispatch_runtime_at_world_1() -> None:
             x, idx, w, _, _ = _case(held + 1, 256, 256, 16, 4, "random", seed=323)
             got = moe_forward_prepared(x, idx, w, fp8, tuning="dispatch=fp8")
             assert int(uniep._C.ep_config("")["max_tokens"]) > held
+            assert torch.equal(got, uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8"))
+            x, idx, w, w1, w2 = _case(8, 512, 256, 16, 4, "random", seed=324)
+            got = moe_forward_prepared(
+                x, idx, w, prepare_experts(w1, w2, "fp8"), tuning="dispatch=fp8"
+            )
+            assert int(uniep._C.ep_config("")["hidden"]) == 512
             assert torch.equal(got, uniep.moe_forward(x, idx, w, w1, w2, tuning="dispatch=fp8"))
     finally:
         uniep.moe.ep.shutdown(None)

@@ -352,8 +352,11 @@ CheckedMoeCall check_moe_call_once(CallKind kind, const Group& group, const at::
                                         c.params.stages, c.params.cluster};
       int index = 0;
       if (kind == CallKind::kMoeForward && c.params.fp8_experts()) {
+        // The first fp8 GEMM has the SwiGLU epilogue (fp8_experts_forward), which the swapped
+        // tiles lack: refused here, before any transfer, rather than by that GEMM mid-call.
         cuda::GroupedGemmFp8Problem probe;
         probe.num_experts = 1;
+        probe.swiglu = true;
         ok_or_throw(cuda::grouped_gemm_fp8_select(probe, want, &index));
       } else {
         cuda::GroupedGemmProblem probe;

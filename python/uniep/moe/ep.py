@@ -128,13 +128,16 @@ def ensure_runtime(
     buffers are sized from them): a difference raises ValueError on every rank, naming the
     value and both ranks. A runtime that exists is kept: ``moe_forward`` grows it when a call
     needs more (``_runtime_for_call``), after agreeing on the sizes. ``grow``: this rank
-    re-creates it larger when its ``tokens`` exceed the runtime's ``max_tokens``, which is
-    collective, so a caller passes it only where a batch that outgrows the runtime comes on
-    every rank in the same call (``moe_forward_prepared``'s contract); at world 1 always.
+    re-creates it when its ``tokens`` exceed the runtime's ``max_tokens`` or the sizes differ
+    from the runtime's (another layer's), as ``moe_forward`` does; that is collective, so a
+    caller passes it only where such a call comes on every rank together
+    (``moe_forward_prepared``'s contract); at world 1 always.
     """
     _require_built("ensure_runtime")
     if _C.ep_exists(group_name):
-        if grow and tokens > int(_C.ep_config(group_name)["max_tokens"]):
+        cfg = _C.ep_config(group_name)
+        held = (int(cfg["hidden"]), int(cfg["top_k"]), int(cfg["num_experts"]))
+        if grow and (tokens > int(cfg["max_tokens"]) or held != (hidden, top_k, num_experts)):
             _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
         return
     _runtime_for_call(group_name, tokens, hidden, top_k, num_experts)
