@@ -96,8 +96,8 @@ def moe_forward_fp8_local(
     # error word covers.
     rows, row_scales, _ = ops.quantize_fp8_rows(x.contiguous(), gemm_row, report=False)
     # SwiGLU in GEMM 1's epilogue: the [R, 2I] product is neither stored nor read back.
-    h = ops.grouped_mm_fp8_swiglu(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
-    act, act_scales = ops.quantize_fp8(h)
+    act16 = ops.grouped_mm_fp8_swiglu(rows, row_scales, experts.w1, experts.w1_scales, offs, tuning)
+    act, act_scales = ops.quantize_fp8(act16)
     y = ops.grouped_mm_fp8(act, act_scales, experts.w2, experts.w2_scales, offs, tuning)
     # No error word either (report=False): its rows are the plan's, as the quantize's are.
     out, _ = ops.combine_rows(y, gemm_row, topk_weights, report=False)
