@@ -22,11 +22,11 @@
 
 #include <uniep/cpu_executor.hpp>
 #include <uniep/cuda/moe_layer.hpp>
+#include <uniep/fp8_weights.hpp>
 #include <uniep/status.hpp>
 
 #include "decode_steps.hpp"
 #include "example_support.hpp"
-#include "fp8_weights.hpp"
 
 namespace {
 
@@ -183,11 +183,15 @@ int main() {
   uint16_t* d_w2 = device_copy(w2, w2.size());
   run_layer(decode::layer_config(), buf, d_w1, d_w2, nullptr, nullptr, w1, w2, "", "bf16", stream);
 
-  // The same experts in fp8: w1 [E, H, 2I] -> [E, 2I, H], w2 [E, I, H] -> [E, H, I].
-  std::vector<uint8_t> q1, q2;
-  std::vector<float> s1, s2;
-  decode::quantize_fp8(w1, kExperts, kHidden, 2 * kFfn, &q1, &s1);
-  decode::quantize_fp8(w2, kExperts, kFfn, kHidden, &q2, &s2);
+  // The same experts in fp8, quantized on the host (uniep/fp8_weights.hpp: the CPU executor's
+  // rounding, 128 x 128 blocks): w1 [E, H, 2I] -> [E, 2I, H], w2 [E, I, H] -> [E, H, I]. A
+  // server would do this once at load, or load weights made by uniep.gemm.
+  constexpr int64_t B = uniep::kFp8WeightBlock;
+  std::vector<uint8_t> q1(w1.size()), q2(w2.size());
+  std::vector<float> s1(kExperts * (kHidden / B) * (2 * kFfn / B));
+  std::vector<float> s2(kExperts * (kFfn / B) * (kHidden / B));
+  uniep::quantize_expert_weights_fp8(w1.data(), kExperts, kHidden, 2 * kFfn, q1.data(), s1.data());
+  uniep::quantize_expert_weights_fp8(w2.data(), kExperts, kFfn, kHidden, q2.data(), s2.data());
   uint8_t* d_q1 = device_copy(q1, q1.size());
   uint8_t* d_q2 = device_copy(q2, q2.size());
   float* d_s1 = device_copy(s1, s1.size());
@@ -196,9 +200,9 @@ int main() {
       decode::layer_config(/*fp8=*/true), buf, d_q1, d_q2, d_s1, d_s2, w1, w2, kFp8, "fp8", stream);
 
   // w1 packed for the SwiGLU epilogue: the same bits at every step.
-  std::vector<uint8_t> p1;
-  std::vector<float> ps1;
-  decode::pack_gate_up_fp8(q1, s1, kExperts, kHidden, kFfn, &p1, &ps1);
+  std::vector<uint8_t> p1(q1.size());
+  std::vector<float> ps1(kExperts * (kHidden / B) * (2 * kFfn / uniep::kGateUpPackRows));
+  uniep::pack_gate_up_fp8(q1.data(), s1.data(), kExperts, kFfn, kHidden, p1.data(), ps1.data());
   uint8_t* d_p1 = device_copy(p1, p1.size());
   float* d_ps1 = device_copy(ps1, ps1.size());
   uniep::cuda::MoeLayerConfig packed = decode::layer_config(/*fp8=*/true);

@@ -25,6 +25,7 @@
 
 #include "uniep/collectives.hpp"
 #include "uniep/cpu_executor.hpp"
+#include "uniep/fp8_weights.hpp"
 #include "uniep/parm.hpp"
 #include "uniep/plan.hpp"
 #include "uniep/status.hpp"
@@ -453,6 +454,63 @@ void executor_agrees_on_the_experts_precision() {
               want, want);
 }
 
+// The host fp8 weights a C++ server makes: values, layout, and a named error for each bad size.
+void fp8_weights_layout_and_errors() {
+  // One expert, K 128 x N 256: block 0 holds 2.0, -1.0 and zeros (amax 2), block 1 only zeros.
+  constexpr int64_t K = 128, N = 256;
+  std::vector<uint16_t> w(K * N, 0);
+  w[0 * N + 0] = 0x4000;  // 2.0 at [k 0, n 0]
+  w[5 * N + 7] = 0xbf80;  // -1.0 at [k 5, n 7]
+  std::vector<uint8_t> q(N * K, 0xff);
+  std::vector<float> scales(2, -1.0f);
+  uniep::quantize_expert_weights_fp8(w.data(), 1, K, N, q.data(), scales.data());
+  require(scales[0] == 2.0f / 448.0f && scales[1] == 1.0f,
+          "scales " + std::to_string(scales[0]) + ", " + std::to_string(scales[1]));
+  // K-major: q[n][k]. 2.0 -> 448 (0x7e); -1.0 -> -224 = -1.75 x 2^7 (0xf6); zeros stay 0.
+  require(q[0 * K + 0] == 0x7e && q[7 * K + 5] == 0xf6 && q[7 * K + 4] == 0 && q[200 * K + 3] == 0,
+          "e4m3 codes " + std::to_string(q[0]) + ", " + std::to_string(q[7 * K + 5]));
+
+  // Packing: ffn 128 (two 64-row gate blocks, then two up blocks), K 128, two experts.
+  constexpr int64_t F = 128, E = 2, R = 2 * F;
+  const int64_t want_rows[] = {0, 63, 128, 191, 64, 127, 192, 255};
+  const int64_t packed_rows[] = {0, 63, 64, 127, 128, 191, 192, 255};
+  for (int i = 0; i < 8; ++i)
+    require(uniep::gate_up_source_row(packed_rows[i], F) == want_rows[i],
+            "packed row " + std::to_string(packed_rows[i]));
+  std::vector<uint8_t> q1(E * R * K), qp(E * R * K);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t k = 0; k < K; ++k) q1[(e * R + r) * K + k] = static_cast<uint8_t>(r + e + k);
+  std::vector<float> s1 = {1, 2, 3, 4}, sp(E * R / 64, 0.0f);  // [E][1][2]: the 128-row blocks
+  uniep::pack_gate_up_fp8(q1.data(), s1.data(), E, F, K, qp.data(), sp.data());
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t p = 0; p < R; ++p) {
+      const int64_t src = uniep::gate_up_source_row(p, F);
+      require(std::memcmp(&qp[(e * R + p) * K], &q1[(e * R + src) * K], K) == 0,
+              "expert " + std::to_string(e) + " packed row " + std::to_string(p));
+    }
+  // Groups (gate 0, up 0, gate 1, up 1) of blocks (0, 1, 0, 1) for each expert.
+  const std::vector<float> want_s = {1, 2, 1, 2, 3, 4, 3, 4};
+  require(sp == want_s, "packed scales");
+
+  expect_invalid(
+      [&] { uniep::quantize_expert_weights_fp8(w.data(), 1, 100, N, q.data(), scales.data()); },
+      {"k must be a positive multiple of 128", "got 100"});
+  expect_invalid(
+      [&] { uniep::quantize_expert_weights_fp8(nullptr, 1, K, N, q.data(), scales.data()); },
+      {"w, q and scales must not be null", "w null"});
+  expect_invalid([&] { uniep::gate_up_source_row(0, 96); },
+                 {"ffn must be a positive multiple of 64", "96"});
+  expect_invalid([&] { uniep::gate_up_source_row(2 * F, F); },
+                 {"packed_row must be in [0, 2 ffn = 256)"});
+  expect_invalid(
+      [&] { uniep::pack_gate_up_fp8(q1.data(), s1.data(), E, F, 64, qp.data(), sp.data()); },
+      {"k must be a positive multiple of 128", "got 64"});
+  expect_invalid(
+      [&] { uniep::pack_gate_up_fp8(q1.data(), s1.data(), -1, F, K, qp.data(), sp.data()); },
+      {"experts must be in [0, "});
+}
+
 struct Case {
   const char* name;
   void (*fn)();
@@ -469,6 +527,7 @@ const Case kCases[] = {
     {"collectives_without_shape", collectives_without_shape},
     {"executor_shares_a_failed_check", executor_shares_a_failed_check},
     {"executor_agrees_on_the_experts_precision", executor_agrees_on_the_experts_precision},
+    {"fp8_weights_layout_and_errors", fp8_weights_layout_and_errors},
 };
 
 }  // namespace

@@ -35,6 +35,7 @@ CASES = [
     "collectives_without_shape",
     "executor_shares_a_failed_check",
     "executor_agrees_on_the_experts_precision",
+    "fp8_weights_layout_and_errors",
 ]
 
 pytestmark = pytest.mark.skipif(

@@ -52,6 +52,12 @@ TORCH_LIBRARY(uniep, m) {
   // as the fp8 dispatch quantizes a row: (e4m3 [R, I], fp32 scales [R, I / 128]). CUDA in one
   // pass; the CPU kernel (uniep/gemm.py) is the same arithmetic in torch.
   m.def("swiglu_fp8(Tensor h) -> (Tensor act, Tensor scales)");
+  // Expert weights in the fp8 experts' format, on any device (uniep.gemm's functions of the same
+  // names; include/uniep/fp8_weights.hpp has the host versions): w [E, K, N] -> (e4m3 [E, N, K],
+  // fp32 scales [E, K / 128, N / 128]); w1's q1 [E, 2I, K] and s1 [E, K / 128, 2I / 128] -> the
+  // rows in blocks of 64 (gate, up) and a scale per 64 rows, as grouped_mm_fp8_swiglu reads them.
+  m.def("quantize_expert_weights(Tensor w) -> (Tensor q, Tensor scales)");
+  m.def("pack_gate_up_fp8(Tensor q1, Tensor s1) -> (Tensor q, Tensor scales)");
   // The first fp8 expert GEMM with SwiGLU in its epilogue (CUDA only): w_packed [E, 2I, K] and
   // w_scales [E, K / 128, 2I / 64] from uniep.gemm.pack_gate_up_fp8 -> the activation [R, I]
   // bf16, the bits of grouped_mm_fp8 on the unpacked weights followed by SwiGLU rounded to bf16.

@@ -12,14 +12,12 @@
 #include <tuple>
 #include <utility>
 
+#include "torch/gemm/fp8_weights.hpp"
 #include "torch/gemm/grouped.hpp"
 #include "uniep/status.hpp"
 
 namespace uniep::torch_glue {
 namespace {
-
-constexpr int64_t kBlock = 128;
-constexpr double kE4m3Max = 448.0;
 
 // What a kept copy was made from: a tensor that may die (the weak reference then expires) or
 // change in place (its version moves), or whose storage may be swapped (`w.data = other`: the
@@ -89,30 +87,6 @@ Kept kept_for(const at::Tensor& w1, const at::Tensor& w2) {
 }
 
 }  // namespace
-
-std::pair<at::Tensor, at::Tensor> quantize_expert_weights(const at::Tensor& w) {
-  UNIEP_CHECK(w.dim() == 3 && w.size(1) % kBlock == 0 && w.size(2) % kBlock == 0,
-              "w must be [E, K, N] with K and N multiples of 128, got shape ", w.sizes());
-  const int64_t e = w.size(0), k = w.size(1), n = w.size(2), kb = k / kBlock, nb = n / kBlock;
-  const c10::cuda::OptionalCUDAGuard guard(w.device());
-  at::Tensor q = at::empty({e, n, k}, w.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scales = at::empty({e, kb, nb}, w.options().dtype(at::kFloat));
-  // One expert at a time, as the Python helper: fp32 temporaries of all of w would take several
-  // times its memory. Same operations in the same order, so the same bits: torch's `448 / amax`
-  // is amax.reciprocal() * 448.
-  for (int64_t i = 0; i < e; ++i) {
-    const at::Tensor blocks = w[i].to(at::kFloat).reshape({kb, kBlock, nb, kBlock});
-    const at::Tensor amax = blocks.abs().amax({1, 3});
-    const at::Tensor some = amax > 0;
-    const at::Tensor ones = at::ones_like(amax);
-    const at::Tensor scale = at::where(some, amax / kE4m3Max, ones);
-    const at::Tensor inv = at::where(some, amax.reciprocal() * kE4m3Max, ones);
-    const at::Tensor qi = (blocks * inv.view({kb, 1, nb, 1})).clamp(-kE4m3Max, kE4m3Max);
-    q[i].copy_(qi.to(at::kFloat8_e4m3fn).reshape({k, n}).t());
-    scales[i].copy_(scale);
-  }
-  return {q, scales};
-}
 
 at::Tensor fp8_experts_forward(const at::Tensor& rows, const at::Tensor& row_scales,
                                const at::Tensor& offs, const at::Tensor& w1, const at::Tensor& w2,

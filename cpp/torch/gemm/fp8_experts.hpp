@@ -11,10 +11,6 @@
 
 namespace uniep::torch_glue {
 
-// w [E, K, N] bf16 (K and N multiples of 128) -> (e4m3 [E, N, K] K-major, fp32 scales
-// [E, K / 128, N / 128]), the same bits as uniep.gemm.quantize_expert_weights.
-std::pair<at::Tensor, at::Tensor> quantize_expert_weights(const at::Tensor& w);
-
 // The layer's experts on fp8 rows: rows [R, H] e4m3 with row_scales [R, H / 128] in expert
 // order (offs [E] int32, the cumulative row ends), w1 [E, H, 2I] and w2 [E, I, H] bf16 ->
 // y [R, H] bf16 = fp8 GEMM(fp8 SwiGLU(fp8 GEMM(rows, w1)), w2) (y_f32: fp32, the second GEMM's

@@ -74,11 +74,6 @@ at::Tensor engine_grouped_mm_fp8(const at::Tensor& x, const at::Tensor& x_scales
                                  const at::Tensor& offs, const TuningParams& tuning,
                                  bool swiglu = false, bool out_f32 = false);
 
-// The quantized w1 [E, 2I, K] e4m3 and its scales [E, K / 128, 2I / 128] (quantize_expert_weights)
-// packed for the SwiGLU epilogue: rows in blocks of 64 (gate, up) and a scale per 64 rows, as
-// cuda::GroupedGemmFp8Problem::swiglu reads them. I must be a multiple of 64.
-std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1);
-
 // a [R, C] bf16 -> (e4m3 [R, C], fp32 scales [R, C / 128]): swiglu_fp8's encoding of an
 // activation already computed, and the quantize_fp8 op's of rows (its errors name the op's x).
 std::tuple<at::Tensor, at::Tensor> engine_quantize_fp8(const at::Tensor& a);

@@ -355,27 +355,6 @@ std::tuple<at::Tensor, at::Tensor> engine_swiglu_fp8(const at::Tensor& h) {
   return std::make_tuple(act, scales);
 }
 
-std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1) {
-  UNIEP_CHECK(q1.dim() == 3 && s1.dim() == 3,
-              "q1 must be [E, 2I, K] and s1 [E, K / 128, 2I / 128], "
-              "got shapes ",
-              q1.sizes(), " and ", s1.sizes());
-  const int64_t e = q1.size(0), n = q1.size(1), k = q1.size(2), ffn = n / 2;
-  UNIEP_CHECK(n % 128 == 0 && k % 128 == 0 && s1.size(0) == e && s1.size(1) == k / 128 &&
-                  s1.size(2) == n / 128,
-              "q1 [E, 2I, K] needs I a multiple of 64 and K of 128, with s1 [E, K / 128, 2I / "
-              "128], got shapes ",
-              q1.sizes(), " and ", s1.sizes());
-  // Packed row c + 64 g + 128 j is row g I + 64 j + c: (E, g, j, c, K) -> (E, j, g, c, K).
-  at::Tensor q = q1.view({e, 2, ffn / 64, 64, k}).permute({0, 2, 1, 3, 4}).reshape({e, n, k});
-  // Packed 64-row group 2 j + g came from the 128-row block (g I + 64 j) / 128.
-  std::vector<int64_t> from(static_cast<size_t>(n / 64));
-  for (int64_t j = 0; j < ffn / 64; ++j)
-    for (int64_t g = 0; g < 2; ++g) from[static_cast<size_t>(2 * j + g)] = (g * ffn + 64 * j) / 128;
-  const at::Tensor index = at::tensor(from, at::TensorOptions().dtype(at::kLong)).to(s1.device());
-  return {q.contiguous(), s1.index_select(2, index).contiguous()};
-}
-
 namespace {
 
 // The rows the fp8 encodings take (quantize_fp8, quantize_fp8_rows); the messages name them x.

@@ -289,21 +289,10 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] (the bf16 expert weight moe_forward takes; K and N multiples of 128) ->
     (e4m3 [E, N, K], fp32 scales [E, K / 128, N / 128]): one scale per 128 x 128 block, the
-    weight stored K-major as Hopper's fp8 tensor cores read it."""
-    if w.dim() != 3 or w.shape[1] % _FP8_BLOCK != 0 or w.shape[2] % _FP8_BLOCK != 0:
-        raise ValueError(f"w must be [E, K, N] with K and N multiples of 128, got {tuple(w.shape)}")
-    e, k, n = w.shape
-    kb, nb = k // _FP8_BLOCK, n // _FP8_BLOCK
-    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty(e, kb, nb, dtype=torch.float32, device=w.device)
-    # One expert at a time: the fp32 temporaries of a whole [E, K, N] (a DeepSeek-V3 rank's w1 is
-    # 1.9 GB in bf16) would take several times the weights' memory.
-    for i in range(e):
-        blocks = w[i].float().reshape(kb, _FP8_BLOCK, nb, _FP8_BLOCK)
-        scale, inv = _block_scales(blocks.abs().amax(dim=(1, 3)))  # [kb, nb]
-        qi = (blocks * inv[:, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX)
-        q[i] = qi.to(torch.float8_e4m3fn).reshape(k, n).t()
-        scales[i] = scale
+    weight stored K-major as Hopper's fp8 tensor cores read it (``torch.ops.uniep.
+    quantize_expert_weights``, on w's device one expert at a time; moe_forward's kept copy of
+    bf16 weights is made by the same code)."""
+    q, scales = torch.ops.uniep.quantize_expert_weights(w)
     return q, scales
 
 

@@ -10,7 +10,8 @@ its rows came from: ``[E, K / 128, 2I / 64]``. The values are not touched, so
 :func:`grouped_mm_fp8_swiglu` on the packed weights gives the bits of ``grouped_mm_fp8`` on the
 unpacked ones followed by ``silu(gate) * up`` rounded to bf16, without the ``[R, 2I]`` product
 reaching memory. ``uniep.moe.prepared``'s ``"fp8"`` experts hold w1 this way, as ``moe_forward``'s
-kept e4m3 copy does (the C++ ``pack_gate_up_fp8`` of the torch glue makes the same layout).
+kept e4m3 copy does; ``include/uniep/fp8_weights.hpp`` defines the layout, with host functions
+for C++ servers.
 """
 
 from __future__ import annotations
@@ -46,13 +47,10 @@ def _check(q: torch.Tensor, s: torch.Tensor, s_block: int, name: str) -> tuple[i
 def pack_gate_up_fp8(q1: torch.Tensor, s1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w1 as :func:`uniep.gemm.quantize_expert_weights` stores it (``q1 [E, 2I, K]`` e4m3,
     ``s1 [E, K / 128, 2I / 128]``) -> the layout :func:`grouped_mm_fp8_swiglu` reads (module
-    docstring): ``([E, 2I, K], [E, K / 128, 2I / 64])``, contiguous copies."""
-    e, i, k = _check(q1, s1, _BLOCK, "q1")
-    q = q1.reshape(e, 2, i // _HALF, _HALF, k).permute(0, 2, 1, 3, 4).reshape(e, 2 * i, k)
-    # Packed group 2 j + g holds rows g I + 64 j onward, of the 128-row block (g I + 64 j) / 128.
-    blocks = [(g * i + _HALF * j) // _BLOCK for j in range(i // _HALF) for g in range(2)]
-    index = torch.tensor(blocks, dtype=torch.long, device=s1.device)
-    return q.contiguous(), s1.index_select(2, index).contiguous()
+    docstring): ``([E, 2I, K], [E, K / 128, 2I / 64])``, contiguous copies on q1's device
+    (``torch.ops.uniep.pack_gate_up_fp8``, the layout of the C++ ``uniep::pack_gate_up_fp8``)."""
+    q, s = torch.ops.uniep.pack_gate_up_fp8(q1, s1)
+    return q, s
 
 
 def unpack_gate_up_fp8(
