@@ -336,6 +336,7 @@ Status forward_fp8(const State& s, const MoeLayerInputs& in, const LocalPlanArgs
       !st.ok())
     return st;
   GroupedGemmFp8Problem g2 = g1;
+  g2.swiglu = false;  // a plain product: [rows, hidden]
   g2.x = act;
   g2.x_scales = act_scales;
   g2.w = in.w2;
