@@ -42,6 +42,9 @@ bits) and whether the path can be captured in a CUDA graph
 GPU time of the two local tiles at each token count, and ``timeline_us[...]``: the fused layer's
 and the fp8 step's graphs over N replays, each kernel as (label, end, after): when it ends after
 the step's start and after the kernels ahead of it (``harness/common.kernel_timeline``).
+``--tokens`` times other batch sizes (a scratch ``--out-dir``: the committed file holds the
+decode table's 1-512), e.g. the few-token steps where GEMM 1's tiles fill one round of the SMs
+or two, which ``local 64x128`` and ``local 64x256`` beside the launch's choice show.
 
     python bench/bench_decode.py          # on a Hopper GPU; skipped (exit 0) elsewhere
     python bench/bench_decode.py --plot RESULT.json   # the SVG of a result, again
@@ -194,7 +197,7 @@ def _load_rows(
     from uniep.moe.prepared import prepare_experts
 
     name, hidden, ffn, experts, top_k = load
-    tokens_list = [t for t in TOKENS if t <= args.max_tokens]
+    tokens_list = [t for t in args.tokens if t <= args.max_tokens]
     uniep.moe.ep.init_runtime(
         group, max_tokens=max(tokens_list), hidden=hidden, top_k=top_k, num_experts=experts
     )
@@ -260,7 +263,8 @@ def _load_rows(
                 row["same_bits[prepared fp8, moe_forward fp8]"] = bool(
                     torch.equal(fp8_outs["prepared fp8"], fp8_outs["moe_forward fp8"])
                 )
-            for label in ("local fused", "local 64x256", "prepared", "prepared fp8"):
+            graphed = ("local fused", "local 64x256", "local 64x128", "prepared", "prepared fp8")
+            for label in graphed:
                 if f"ms[{label}]" in row:
                     row[f"graph[{label}]"] = graph_time_ms(fns[label], args.warmup, args.iters)
             if "ms[local fused, plan apart]" in row:
@@ -358,12 +362,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=max(TOKENS))
+    parser.add_argument(
+        "--tokens",
+        default=",".join(map(str, TOKENS)),
+        help="comma-separated token counts (default: the decode table's); a run of others "
+        "belongs in a scratch --out-dir",
+    )
     parser.add_argument("--loads", default="", help="comma-separated loads (default: all)")
     parser.add_argument("--profile", type=int, default=0, help="profile N calls per path")
     parser.add_argument("--quick", action="store_true", help="(CPU runs: nothing to measure)")
     add_out_dir_argument(parser)
     args = parser.parse_args(argv)
     args.loads = [name for name in args.loads.split(",") if name]
+    try:
+        args.tokens = sorted({int(t) for t in args.tokens.split(",") if t})
+    except ValueError:
+        parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error(f"--tokens needs at least one count, each >= 1; got {args.tokens}")
     unknown = sorted(set(args.loads) - {load[0] for load in LOADS})
     if unknown:
         parser.error(f"unknown --loads {unknown}; known: {[load[0] for load in LOADS]}")

@@ -1,5 +1,6 @@
 #include "uniep/tuning.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -357,6 +358,28 @@ int grouped_gemm_auto_cluster(int64_t rows, int64_t num_experts) {
   // the time on experts of 128 and 256 rows (Qwen3-like and DeepSeek-V3's 256 experts), but
   // 1.03-1.08x on DeepSeek-V3's EP8 rank (1024 rows) and 1.11-1.15x on Mixtral's EP4 rank (8192).
   return rows <= 256 * num_experts ? 1 : 2;
+}
+
+int fused_auto_tile_n(int tile_m, int64_t capacity, int64_t num_experts, int64_t ffn,
+                      int sm_count) {
+  UNIEP_CHECK(tile_m >= 0 && capacity >= 0 && num_experts >= 0 && ffn >= 0 && sm_count >= 0,
+              "fused_auto_tile_n: tile_m, capacity, num_experts, ffn and sm_count must be >= 0, "
+              "got ",
+              tile_m, ", ", capacity, ", ", num_experts, ", ", ffn, ", ", sm_count);
+  if (tile_m != 64 || num_experts == 0 || capacity > 64 * num_experts) return 256;
+  // One token of top-8 (8 experts touched): on 256 experts of FFN 2048, GEMM 1's 256 tiles of
+  // 64 x 128 took two rounds of 132 SMs where 128 tiles of 64 x 256 took one, and the step took
+  // 1.07x (H200, b03d94d) and 1.17x (H100, 4967396) the 64 x 256 tiles' time (CUDA graphs,
+  // bench_decode); on 128 experts of FFN 768 (96 tiles of 64 x 128: one round) the 128-wide
+  // tiles were 0.97x and 1.00x, and from 16 tokens up, where both widths take many rounds,
+  // 0.90-0.96x on the H200.
+  if (ffn > 0 && sm_count > 0) {
+    const int64_t touched = std::min(capacity, num_experts);
+    const int64_t narrow = touched * ((2 * ffn + 127) / 128);
+    const int64_t wide = touched * ((2 * ffn + 255) / 256);
+    if (narrow > sm_count && wide <= sm_count) return 256;
+  }
+  return 128;
 }
 
 int grouped_gemm_fp8_auto_config(int64_t rows, int64_t num_experts) {

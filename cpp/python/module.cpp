@@ -448,6 +448,11 @@ PYBIND11_MODULE(_C, m) {
         "The thread-block cluster (CTAs along M) the expert GEMM engine gives R rows over E "
         "experts with the cluster left to it, for a tile compiled in more than one: 1 where the "
         "experts average at most 256 rows, else 2.");
+  m.def("fused_auto_tile_n", &uniep::fused_auto_tile_n, py::arg("tile_m"), py::arg("capacity"),
+        py::arg("num_experts"), py::arg("ffn") = 0, py::arg("sm_count") = 0,
+        "The MegaKernel's tile width with tile_n left to the launch (uniep/tuning.hpp "
+        "fused_auto_tile_n): 128 for 64-row tiles on decode batches, unless GEMM 1's tiles then "
+        "take two rounds of the SMs where 256 takes one; else 256.");
   m.def("grouped_gemm_fp8_auto_config", &uniep::grouped_gemm_fp8_auto_config, py::arg("rows"),
         py::arg("num_experts"),
         "The fp8 grouped GEMM's automatic configuration for R rows over E experts: the index "

@@ -152,6 +152,17 @@ int grouped_gemm_auto_config(int64_t rows, int64_t num_experts, int64_t n, int64
 // kInvalidArgument on num_experts below 1 or a negative rows.
 int grouped_gemm_auto_cluster(int64_t rows, int64_t num_experts);
 
+// The MegaKernel's tile width with it left to the launch (FusedMoeLaunch::tile_n 0) for
+// `capacity` GEMM rows over num_experts experts of FFN size ffn, tiles of tile_m rows, on
+// sm_count SMs: 256 unless the tiles are 64 rows and the rows average at most one tile an expert
+// (decode), where 128 (twice the tiles reading weights at once). Then 256 after all where GEMM 1's
+// tiles over the most experts a step can touch (min(capacity, num_experts), one row tile each)
+// fill more than one round of the SMs at 128 columns and at most one at 256: a second round
+// restarts every CTA's weight stream. ffn or sm_count 0: unknown, no such check. Throws
+// kInvalidArgument on a negative argument.
+int fused_auto_tile_n(int tile_m, int64_t capacity, int64_t num_experts, int64_t ffn = 0,
+                      int sm_count = 0);
+
 // The fp8 grouped GEMM's automatic configuration (grouped_gemm_fp8_select with every tile field
 // 0) from the problem's shape: the index into grouped_gemm_fp8_configs, 0 (cooperative
 // 128 x 128 x 128) or 1 (ping-pong 64 x 128 x 128, where the experts average at most 32 rows).

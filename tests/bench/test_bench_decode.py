@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench" / d) for d in ("", "harness")]
 import bench_decode as bd  # noqa: E402
@@ -38,3 +40,11 @@ def test_the_committed_result_fits_its_headline() -> None:
     payload = json.loads(RESULT.read_text())
     lines = headlines.headline(payload)
     assert any("CUDA graph of the fused layer" in line for line in lines)
+
+
+def test_bad_token_counts_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0", "1,x", ","):
+        with pytest.raises(SystemExit) as exc:
+            bd.main(["--tokens", bad])
+        assert exc.value.code == 2
+    assert "--tokens" in capsys.readouterr().err

@@ -80,6 +80,18 @@ def test_the_tile_width_follows_the_rows() -> None:
     assert launch.fused_tile_n(64, 64 * 32, 32) == 128
     assert launch.fused_tile_n(64, 64 * 32 + 1, 32) == 256
     assert launch.fused_tile_n(128, 8, 32) == 256  # 128-row tiles are 256 wide
+    # One token of top-8 on 132 SMs: 8 experts of FFN 2048 have 256 GEMM-1 tiles 128 wide (two
+    # rounds) but 128 at 256 wide (one); of FFN 768, 96 tiles 128 wide (one round already).
+    assert launch.fused_tile_n(64, 8, 256, ffn=2048, sms=132) == 256
+    assert launch.fused_tile_n(64, 8, 128, ffn=768, sms=132) == 128
+    # Two tokens (16 experts): FFN 768 then needs two rounds at 128 columns and one at 256;
+    # FFN 2048 two or more at either width, so the decode tile stays.
+    assert launch.fused_tile_n(64, 16, 128, ffn=768, sms=132) == 256
+    assert launch.fused_tile_n(64, 16, 256, ffn=2048, sms=132) == 128
+    assert launch.fused_tile_n(64, 128, 256, ffn=2048, sms=132) == 128
+    assert launch.fused_tile_n(64, 8, 256, ffn=2048) == 128  # SMs unknown: no round check
+    with pytest.raises(ValueError, match="must be >= 0"):
+        launch.fused_tile_n(64, -1, 256)
     assert launch.fused_tile_shape(None, 128) == (64, 128)
     assert launch.fused_tile_shape(64, None) == (64, 0)
     with pytest.raises(ValueError, match="tile_n=128 runs 64-row tiles"):

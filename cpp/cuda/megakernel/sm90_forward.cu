@@ -18,6 +18,7 @@
 #include "cuda/megakernel/problems.cuh"
 #include "uniep/cuda/fused_moe.hpp"
 #include "uniep/cuda/grouped_gemm.hpp"
+#include "uniep/tuning.hpp"
 
 namespace uniep::cuda {
 namespace megakernel {
@@ -226,8 +227,10 @@ int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int w
   return static_cast<int>(std::ceil(send_s / tile_s));
 }
 
-int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts) {
-  return tile_m == 64 && num_experts > 0 && capacity <= 64 * num_experts ? 128 : 256;
+int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts, int64_t ffn,
+                         int sm_count) {
+  if (tile_m < 0 || capacity < 0 || num_experts < 0 || ffn < 0 || sm_count < 0) return 256;
+  return fused_auto_tile_n(tile_m, capacity, num_experts, ffn, sm_count);
 }
 
 Status fused_row_entries(const int64_t* gemm_row, int64_t entries, int64_t capacity,
@@ -268,9 +271,14 @@ Status fused_forward(const FusedMoeArgs& a, const FusedLocalPlan* plan,
             detail::str_cat("tile_m must be 128 (cooperative 128 x 256 tiles) or 64 (ping-pong "
                             "64 x 256 or 64 x 128 tiles), got ",
                             launch.tile_m)};
-  const int tile_n = launch.tile_n != 0
-                         ? launch.tile_n
-                         : fused_default_tile_n(launch.tile_m, a.capacity, a.num_experts);
+  int sm_count = 0;
+  if (Status s = megakernel::launch_sm_count(device, launch.sm_count, "the fused MoE kernel",
+                                             "moe_fused_forward_bf16", sm_count);
+      !s.ok())
+    return s;
+  const int tile_n = launch.tile_n != 0 ? launch.tile_n
+                                        : fused_default_tile_n(launch.tile_m, a.capacity,
+                                                               a.num_experts, a.ffn, sm_count);
   const megakernel::FusedEntry* entry =
       megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored);
   if (entry == nullptr)
@@ -278,11 +286,6 @@ Status fused_forward(const FusedMoeArgs& a, const FusedLocalPlan* plan,
             detail::str_cat("tile_n must be 0 (auto), 256, or with tile_m 64 also 128; got tile_n ",
                             launch.tile_n, " with tile_m ", launch.tile_m)};
   if (Status s = megakernel::check_args(a, launch.tile_m, tile_n); !s.ok()) return s;
-  int sm_count = 0;
-  if (Status s = megakernel::launch_sm_count(device, launch.sm_count, "the fused MoE kernel",
-                                             "moe_fused_forward_bf16", sm_count);
-      !s.ok())
-    return s;
   if (launch.comm_ctas < 1)
     return {
         StatusCode::kInvalidArgument,

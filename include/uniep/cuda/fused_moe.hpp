@@ -126,8 +126,8 @@ struct FusedMoeLaunch {
   // with tile_m 64 also 128 in clusters of one: the decode shape, for experts of a few rows,
   // where the weight read is the whole cost and twice the tiles read at once (with
   // w1_as_stored, ffn must then be a multiple of 64 instead of 128). 0: 128 where tile_m is 64
-  // and the capacity is at most 64 rows an expert (fused_default_tile_n), else 256. It never
-  // changes the bits.
+  // and the capacity is at most 64 rows an expert, unless that puts GEMM 1's tiles in two rounds
+  // of the SMs where 256 keeps one (fused_default_tile_n), else 256. It never changes the bits.
   int tile_n = 0;
 };
 
@@ -185,8 +185,12 @@ Status moe_fused_forward_planned_bf16(FusedMoeArgs a, const FusedLocalPlan& plan
 int fused_default_skip_rounds(int64_t rows, int64_t hidden, int comm_ctas, int world_size = 1,
                               int tile_m = 128, int tile_n = 256);
 
-// The tile_n that tile_n = 0 picks for `capacity` rows over `num_experts` experts with tiles of
-// tile_m rows: 128 where tile_m is 64 and the rows average at most one tile an expert, else 256.
-int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts);
+// The tile_n that tile_n = 0 picks for `capacity` rows over `num_experts` experts of FFN size
+// ffn with tiles of tile_m rows on sm_count SMs (uniep::fused_auto_tile_n, uniep/tuning.hpp):
+// 128 where tile_m is 64 and the rows average at most one tile an expert, unless GEMM 1's tiles
+// over the most experts a step can touch take two rounds of the SMs at 128 columns and one at
+// 256; else 256. ffn or sm_count 0: without that check.
+int fused_default_tile_n(int tile_m, int64_t capacity, int64_t num_experts, int64_t ffn = 0,
+                         int sm_count = 0);
 
 }  // namespace uniep::cuda

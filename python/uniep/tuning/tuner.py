@@ -386,7 +386,9 @@ class CostModel:
                 shape.tokens * shape.top_k, el, pingpong_rows=self.pingpong_rows
             )
         if fused.tile_n == 0:
-            fused.tile_n = fused_tile_n(fused.tile_m, shape.tokens * shape.top_k, el)
+            fused.tile_n = fused_tile_n(
+                fused.tile_m, shape.tokens * shape.top_k, el, shape.ffn, self.sm_count
+            )
         fused.tile_k = 64
         fused.overlap = "sequential"  # every SM runs tiles once its share of the send is done
         # The whole send, at the rate of its senders: at world 1 on an H100 fewer senders were

@@ -227,13 +227,17 @@ def fused_tile_m(
     return 64 if rows <= pingpong_rows * num_experts else 128
 
 
-def fused_tile_n(tile_m: int, rows: int, num_experts: int) -> int:
-    """The fused kernel's tile width when it is left to the launch (``tile_n`` auto; C++
-    ``fused_default_tile_n``): 128, the decode shape in clusters of one CTA, where the tiles are
-    64 rows and ``rows`` GEMM rows average at most one tile over ``num_experts`` experts; else
-    256. At world 1 on one H200 the 128-wide tiles were 5-16% faster than 64 x 256 ones from 1
-    to 512 tokens on 128 and 256 experts (2026-12-02, commit feae907)."""
-    return 128 if tile_m == 64 and num_experts > 0 and rows <= 64 * num_experts else 256
+def fused_tile_n(tile_m: int, rows: int, num_experts: int, ffn: int = 0, sms: int = 0) -> int:
+    """The fused kernel's tile width when it is left to the launch (``tile_n`` auto;
+    ``_C.fused_auto_tile_n``, the C++ ``uniep::fused_auto_tile_n`` the launch runs): 128, the
+    decode shape in clusters of one CTA, where the tiles are 64 rows and ``rows`` GEMM rows
+    average at most one tile over ``num_experts`` experts, unless GEMM 1's tiles over the most
+    experts the rows can touch take two rounds of ``sms`` SMs at 128 columns and one at 256
+    (experts of FFN ``ffn``; 0: not checked); else 256. At world 1 on one H200 the 128-wide
+    tiles were 5-16% faster than 64 x 256 ones from 1 to 512 tokens on 128 experts (2026-12-02,
+    commit feae907), but 7% slower at one token on 256 experts of FFN 2048, whose 8 experts'
+    GEMM-1 tiles took two rounds of the SMs at 128 columns (b03d94d)."""
+    return int(_C.fused_auto_tile_n(tile_m, rows, num_experts, ffn, sms))
 
 
 def fused_by_default(rows: int, num_experts: int, world: int) -> bool:
