@@ -276,9 +276,12 @@ Status fused_forward(const FusedMoeArgs& a, const FusedLocalPlan* plan,
                                              "moe_fused_forward_bf16", sm_count);
       !s.ok())
     return s;
+  // w1 as stored with an FFN of an odd number of 64s fits the 128-wide tiles only (a 256-wide
+  // one reads 128 gate and 128 up columns): the width rule then leaves out its round check.
+  const int64_t rule_ffn = a.w1_as_stored && a.ffn % 128 != 0 ? 0 : a.ffn;
   const int tile_n = launch.tile_n != 0 ? launch.tile_n
                                         : fused_default_tile_n(launch.tile_m, a.capacity,
-                                                               a.num_experts, a.ffn, sm_count);
+                                                               a.num_experts, rule_ffn, sm_count);
   const megakernel::FusedEntry* entry =
       megakernel::find_entry(launch.tile_m, tile_n, a.w1_as_stored);
   if (entry == nullptr)
