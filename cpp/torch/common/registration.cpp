@@ -55,9 +55,11 @@ TORCH_LIBRARY(uniep, m) {
   // Expert weights in the fp8 experts' format, on any device (uniep.gemm's functions of the same
   // names; include/uniep/fp8_weights.hpp has the host versions): w [E, K, N] -> (e4m3 [E, N, K],
   // fp32 scales [E, K / 128, N / 128]); w1's q1 [E, 2I, K] and s1 [E, K / 128, 2I / 128] -> the
-  // rows in blocks of 64 (gate, up) and a scale per 64 rows, as grouped_mm_fp8_swiglu reads them.
+  // rows in blocks of 64 (gate, up) and a scale per 64 rows, as grouped_mm_fp8_swiglu reads them,
+  // and back.
   m.def("quantize_expert_weights(Tensor w) -> (Tensor q, Tensor scales)");
   m.def("pack_gate_up_fp8(Tensor q1, Tensor s1) -> (Tensor q, Tensor scales)");
+  m.def("unpack_gate_up_fp8(Tensor q_packed, Tensor s_packed) -> (Tensor q1, Tensor scales)");
   // The first fp8 expert GEMM with SwiGLU in its epilogue (CUDA only): w_packed [E, 2I, K] and
   // w_scales [E, K / 128, 2I / 64] from uniep.gemm.pack_gate_up_fp8 -> the activation [R, I]
   // bf16, the bits of grouped_mm_fp8 on the unpacked weights followed by SwiGLU rounded to bf16.

@@ -73,7 +73,39 @@ std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const a
           s1.index_select(2, long_index(blocks, s1)).contiguous()};
 }
 
+std::pair<at::Tensor, at::Tensor> unpack_gate_up_fp8(const at::Tensor& q, const at::Tensor& s) {
+  UNIEP_CHECK(q.dim() == 3 && s.dim() == 3,
+              "q_packed must be [E, 2I, K] with scales [E, K / 128, 2I / 64], got shapes ",
+              q.sizes(), " and ", s.sizes());
+  const int64_t e = q.size(0), n = q.size(1), k = q.size(2), ffn = n / 2;
+  UNIEP_CHECK(n % kBlock == 0 && k % kBlock == 0,
+              "q_packed [E, 2I, K] needs 2I and K multiples of 128 (one scale per 128 x 128 "
+              "block), got shape ",
+              q.sizes());
+  UNIEP_CHECK(s.size(0) == e && s.size(1) == k / kBlock && s.size(2) == n / kGateUpPackRows,
+              "the scales of q_packed ", q.sizes(), " must be [E, K / 128, 2I / 64] = [", e, ", ",
+              k / kBlock, ", ", n / kGateUpPackRows, "], got ", s.sizes());
+  UNIEP_CHECK(s.device() == q.device(), "the scales must be on q_packed's device ", q.device(),
+              ", got ", s.device());
+  const c10::OptionalDeviceGuard guard(q.device());
+  // Row r of w1 is packed row p where gate_up_source_row(p) = r; block b's scale is that of
+  // any packed group it went to (both of its 64-row halves carry it): the first.
+  std::vector<int64_t> rows(static_cast<size_t>(n)), groups(static_cast<size_t>(n / kBlock), -1);
+  for (int64_t p = 0; p < n; ++p) rows[static_cast<size_t>(gate_up_source_row(p, ffn))] = p;
+  for (int64_t g = n / kGateUpPackRows - 1; g >= 0; --g)
+    groups[static_cast<size_t>(gate_up_source_block(g, ffn))] = g;
+  return {q.index_select(1, long_index(rows, q)).contiguous(),
+          s.index_select(2, long_index(groups, s)).contiguous()};
+}
+
 namespace {
+
+std::tuple<at::Tensor, at::Tensor> unpack_gate_up_fp8_op(const at::Tensor& q, const at::Tensor& s) {
+  return translate_errors([&] {
+    auto [w, ws] = unpack_gate_up_fp8(q, s);
+    return std::make_tuple(w, ws);
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor> quantize_expert_weights_op(const at::Tensor& w) {
   return translate_errors([&] {
@@ -96,4 +128,5 @@ std::tuple<at::Tensor, at::Tensor> pack_gate_up_fp8_op(const at::Tensor& q1, con
 TORCH_LIBRARY_IMPL(uniep, CompositeExplicitAutograd, m) {
   m.impl("quantize_expert_weights", &uniep::torch_glue::quantize_expert_weights_op);
   m.impl("pack_gate_up_fp8", &uniep::torch_glue::pack_gate_up_fp8_op);
+  m.impl("unpack_gate_up_fp8", &uniep::torch_glue::unpack_gate_up_fp8_op);
 }

@@ -20,29 +20,6 @@ import torch
 
 __all__ = ["grouped_mm_fp8_swiglu", "pack_gate_up_fp8", "unpack_gate_up_fp8"]
 
-_BLOCK = 128  # one weight scale per 128 x 128 block
-_HALF = 64  # the packed blocks of rows
-
-
-def _check(q: torch.Tensor, s: torch.Tensor, s_block: int, name: str) -> tuple[int, int, int]:
-    if q.dim() != 3 or s.dim() != 3:
-        raise ValueError(
-            f"{name} must be [E, 2I, K] with scales [E, K / 128, 2I / {s_block}], got shapes "
-            f"{tuple(q.shape)} and {tuple(s.shape)}"
-        )
-    e, n, k = q.shape
-    if n % _BLOCK or k % _BLOCK:
-        raise ValueError(
-            f"{name} [E, 2I, K] needs 2I and K multiples of 128 (one scale per 128 x 128 block), "
-            f"got shape {tuple(q.shape)}"
-        )
-    if tuple(s.shape) != (e, k // _BLOCK, n // s_block):
-        raise ValueError(
-            f"the scales of {name} {tuple(q.shape)} must be [E, K / 128, 2I / {s_block}] = "
-            f"[{e}, {k // _BLOCK}, {n // s_block}], got {tuple(s.shape)}"
-        )
-    return e, n // 2, k
-
 
 def pack_gate_up_fp8(q1: torch.Tensor, s1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w1 as :func:`uniep.gemm.quantize_expert_weights` stores it (``q1 [E, 2I, K]`` e4m3,
@@ -57,16 +34,10 @@ def unpack_gate_up_fp8(
     q_packed: torch.Tensor, s_packed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_gate_up_fp8`: the gate rows, then the up rows, with one scale
-    per 128 x 128 block (both 64-row halves of a block carry its scale)."""
-    e, i, k = _check(q_packed, s_packed, _HALF, "q_packed")
-    q = q_packed.reshape(e, i // _HALF, 2, _HALF, k).permute(0, 2, 1, 3, 4).reshape(e, 2 * i, k)
-    # Block b starts at row 128 b = g I + 64 j: packed group 2 j + g.
-    groups = []
-    for b in range(2 * i // _BLOCK):
-        g, j = divmod(b * _BLOCK, i)
-        groups.append(2 * (j // _HALF) + g)
-    index = torch.tensor(groups, dtype=torch.long, device=s_packed.device)
-    return q.contiguous(), s_packed.index_select(2, index).contiguous()
+    per 128 x 128 block (both 64-row halves of a block carry its scale);
+    ``torch.ops.uniep.unpack_gate_up_fp8``."""
+    q, s = torch.ops.uniep.unpack_gate_up_fp8(q_packed, s_packed)
+    return q, s
 
 
 def grouped_mm_fp8_swiglu(
