@@ -24,6 +24,9 @@ experts' bytes) and, per load and token count, the layer's paths against it:
     prepared fp8          ``moe_forward_prepared`` on fp8 experts with ``dispatch=fp8`` (at world
                           1 the launches with no host sync: ``uniep.moe.fp8_local``), against
                           the read of the touched experts' fp8 bytes
+    local fp8             the same launches with no host sync called eagerly
+                          (``fp8_local.moe_forward_fp8_local``), which an eager ``prepared fp8``
+                          call takes from ``EAGER_MIN_ROWS`` rows (below, the dispatch's path)
     moe_forward fp8       ``moe_forward`` with ``dispatch=fp8`` (at world 1 the device's plan,
                           each token quantized at its rows, the fp8 GEMMs on its e4m3 copy of
                           the weights, the combine), against the same read
@@ -148,6 +151,7 @@ def _paths(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The layer's paths on one batch, by label (module docstring)."""
     import uniep
+    from uniep.moe import fp8_local
     from uniep.moe.megakernel.launch import moe_forward_local
     from uniep.moe.prepared import moe_forward_prepared
 
@@ -186,6 +190,11 @@ def _paths(
     fns["local 64x256"] = local(tile_m=64, tile_n=256)
     fns["local 64x128"] = local(tile_m=64, tile_n=128)
     fns["prepared fp8"] = lambda: moe_forward_prepared(x, idx, weights, fp8, group, "dispatch=fp8")
+    # Its no-sync launches called eagerly, where an eager call below EAGER_MIN_ROWS takes the
+    # dispatch: what that threshold weighs.
+    fns["local fp8"] = lambda: fp8_local.moe_forward_fp8_local(
+        x, idx, weights, fp8, "dispatch=fp8", check=False
+    )
     return fns
 
 
@@ -259,10 +268,11 @@ def _load_rows(
                 row[f"ms[{label}]"] = ms
                 floor = row["floor_fp8_ms"] if "fp8" in label else floor_ms
                 row[f"over_floor[{label}]"] = ms / floor
-            if "prepared fp8" in fp8_outs and "moe_forward fp8" in fp8_outs:
-                row["same_bits[prepared fp8, moe_forward fp8]"] = bool(
-                    torch.equal(fp8_outs["prepared fp8"], fp8_outs["moe_forward fp8"])
-                )
+            for other in ("moe_forward fp8", "local fp8"):
+                if "prepared fp8" in fp8_outs and other in fp8_outs:
+                    row[f"same_bits[prepared fp8, {other}]"] = bool(
+                        torch.equal(fp8_outs["prepared fp8"], fp8_outs[other])
+                    )
             graphed = ("local fused", "local 64x256", "local 64x128", "prepared", "prepared fp8")
             for label in graphed:
                 if f"ms[{label}]" in row:
