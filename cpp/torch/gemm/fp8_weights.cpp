@@ -46,23 +46,36 @@ std::pair<at::Tensor, at::Tensor> quantize_expert_weights(const at::Tensor& w) {
   return {q, scales};
 }
 
-std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1) {
-  UNIEP_CHECK(q1.dim() == 3 && s1.dim() == 3,
-              "q1 must be [E, 2I, K] with scales [E, K / 128, 2I / 128], got shapes ", q1.sizes(),
-              " and ", s1.sizes());
-  const int64_t e = q1.size(0), n = q1.size(1), k = q1.size(2), ffn = n / 2;
-  UNIEP_CHECK(n % kBlock == 0 && k % kBlock == 0,
-              "q1 [E, 2I, K] needs 2I and K multiples of 128 (one scale per 128 x 128 block), got "
+namespace {
+
+// w1's rows q [E, 2I, K] e4m3 and their scales [E, K / 128, 2I / scale_rows] (128: as quantized,
+// 64: packed) on one device; the messages name q `name`. Returns 2I.
+int64_t check_gate_up(const at::Tensor& q, const at::Tensor& s, int64_t scale_rows,
+                      const char* name) {
+  UNIEP_CHECK(q.dim() == 3 && s.dim() == 3, name,
+              " must be [E, 2I, K] with scales [E, K / 128, 2I / ", scale_rows, "], got shapes ",
+              q.sizes(), " and ", s.sizes());
+  const int64_t e = q.size(0), n = q.size(1), k = q.size(2);
+  UNIEP_CHECK(n % kBlock == 0 && k % kBlock == 0, name,
+              " [E, 2I, K] needs 2I and K multiples of 128 (one scale per 128 x 128 block), got "
               "shape ",
-              q1.sizes());
-  UNIEP_CHECK(s1.size(0) == e && s1.size(1) == k / kBlock && s1.size(2) == n / kBlock,
-              "the scales of q1 ", q1.sizes(), " must be [E, K / 128, 2I / 128] = [", e, ", ",
-              k / kBlock, ", ", n / kBlock, "], got ", s1.sizes());
-  UNIEP_CHECK(q1.scalar_type() == at::kFloat8_e4m3fn, "q1 must be float8_e4m3fn, got ",
-              q1.scalar_type());
-  UNIEP_CHECK(s1.scalar_type() == at::kFloat, "s1 must be float32, got ", s1.scalar_type());
-  UNIEP_CHECK(s1.device() == q1.device(), "s1 must be on q1's device ", q1.device(), ", got ",
-              s1.device());
+              q.sizes());
+  UNIEP_CHECK(s.size(0) == e && s.size(1) == k / kBlock && s.size(2) == n / scale_rows,
+              "the scales of ", name, " ", q.sizes(), " must be [E, K / 128, 2I / ", scale_rows,
+              "] = [", e, ", ", k / kBlock, ", ", n / scale_rows, "], got ", s.sizes());
+  UNIEP_CHECK(q.scalar_type() == at::kFloat8_e4m3fn, name, " must be float8_e4m3fn, got ",
+              q.scalar_type());
+  UNIEP_CHECK(s.scalar_type() == at::kFloat, "the scales of ", name, " must be float32, got ",
+              s.scalar_type());
+  UNIEP_CHECK(s.device() == q.device(), "the scales of ", name, " must be on its device ",
+              q.device(), ", got ", s.device());
+  return n;
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const at::Tensor& s1) {
+  const int64_t n = check_gate_up(q1, s1, kBlock, "q1"), ffn = n / 2;
   const c10::OptionalDeviceGuard guard(q1.device());
   std::vector<int64_t> rows(static_cast<size_t>(n)),
       blocks(static_cast<size_t>(n / kGateUpPackRows));
@@ -74,19 +87,7 @@ std::pair<at::Tensor, at::Tensor> pack_gate_up_fp8(const at::Tensor& q1, const a
 }
 
 std::pair<at::Tensor, at::Tensor> unpack_gate_up_fp8(const at::Tensor& q, const at::Tensor& s) {
-  UNIEP_CHECK(q.dim() == 3 && s.dim() == 3,
-              "q_packed must be [E, 2I, K] with scales [E, K / 128, 2I / 64], got shapes ",
-              q.sizes(), " and ", s.sizes());
-  const int64_t e = q.size(0), n = q.size(1), k = q.size(2), ffn = n / 2;
-  UNIEP_CHECK(n % kBlock == 0 && k % kBlock == 0,
-              "q_packed [E, 2I, K] needs 2I and K multiples of 128 (one scale per 128 x 128 "
-              "block), got shape ",
-              q.sizes());
-  UNIEP_CHECK(s.size(0) == e && s.size(1) == k / kBlock && s.size(2) == n / kGateUpPackRows,
-              "the scales of q_packed ", q.sizes(), " must be [E, K / 128, 2I / 64] = [", e, ", ",
-              k / kBlock, ", ", n / kGateUpPackRows, "], got ", s.sizes());
-  UNIEP_CHECK(s.device() == q.device(), "the scales must be on q_packed's device ", q.device(),
-              ", got ", s.device());
+  const int64_t n = check_gate_up(q, s, kGateUpPackRows, "q_packed"), ffn = n / 2;
   const c10::OptionalDeviceGuard guard(q.device());
   // Row r of w1 is packed row p where gate_up_source_row(p) = r; block b's scale is that of
   // any packed group it went to (both of its 64-row halves carry it): the first.
