@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/numeric.hpp"
 #include "uniep/status.hpp"
@@ -85,15 +86,20 @@ void pack_gate_up_fp8(const uint8_t* q1, const float* s1, int64_t experts, int64
   if (experts == 0) return;
   UNIEP_CHECK(q1 != nullptr && s1 != nullptr && q != nullptr && s != nullptr,
               "q1, s1, q and s must not be null");
-  const int64_t n = 2 * ffn, kb = k / kBlock;
+  const int64_t n = 2 * ffn, kb = k / kBlock, groups = n / kHalf;
+  // The row map once for every expert (each lookup checks its arguments).
+  std::vector<int64_t> rows(static_cast<size_t>(n)), blocks(static_cast<size_t>(groups));
+  for (int64_t p = 0; p < n; ++p) rows[static_cast<size_t>(p)] = gate_up_source_row(p, ffn);
+  for (int64_t g = 0; g < groups; ++g)
+    blocks[static_cast<size_t>(g)] = gate_up_source_block(g, ffn);
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t p = 0; p < n; ++p)
-      std::memcpy(q + (e * n + p) * k, q1 + (e * n + gate_up_source_row(p, ffn)) * k,
+      std::memcpy(q + (e * n + p) * k, q1 + (e * n + rows[static_cast<size_t>(p)]) * k,
                   static_cast<size_t>(k));
     for (int64_t bk = 0; bk < kb; ++bk)
-      for (int64_t grp = 0; grp < n / kHalf; ++grp)
-        s[(e * kb + bk) * (n / kHalf) + grp] =
-            s1[(e * kb + bk) * (n / kBlock) + gate_up_source_block(grp, ffn)];
+      for (int64_t g = 0; g < groups; ++g)
+        s[(e * kb + bk) * groups + g] =
+            s1[(e * kb + bk) * (n / kBlock) + blocks[static_cast<size_t>(g)]];
   }
 }
 
